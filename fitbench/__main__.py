@@ -1,0 +1,3 @@
+from fitbench.cli import main
+
+raise SystemExit(main())

@@ -1,0 +1,229 @@
+"""What to run: ``SweepConfig`` (validated user input) and ``RunSpec`` (one configuration).
+
+Configs validate; they never act: no device access, no environment changes. Values the hardware
+decides (the device, the default models, precisions and shapes) arrive as arguments to ``expand``.
+Precedence is CLI > YAML file > defaults; the merge happens in ``merge_sources``.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+from pathlib import Path
+from typing import Any, Literal
+
+import yaml
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
+
+from fitbench.errors import UserError
+from fitbench.models.backends import backend_error, default_backend
+from fitbench.models.registry import resolve
+from fitbench.run.precision import PRECISIONS
+
+Mode = Literal["train", "forward", "forward-backward", "infer"]
+Precision = Literal["fp32", "tf32", "bf16", "fp16", "bf16-pure"]
+BackendChoice = Literal["auto", "native", "hf"]
+
+# The seeds' CS336 script says --pass-type forward|backward; backward there means forward + backward.
+PASS_TYPES = {"forward": "forward", "backward": "forward-backward"}
+
+
+class RunSpec(BaseModel):
+    """One configuration, run in one fresh process."""
+
+    model_config = ConfigDict(frozen=True, extra="forbid")
+
+    model: str
+    backend: Literal["native", "hf"]
+    mode: Mode
+    precision: Precision
+    batch_size: int = Field(gt=0)
+    seq_len: int = Field(gt=0)
+    new_tokens: int = Field(gt=0)
+    compile: bool = False
+    device: str
+    warmup_steps: int = Field(ge=0)
+    measure_steps: int = Field(gt=0)
+    seed: int = 0
+
+    @property
+    def key(self) -> str:
+        """Identity of the configuration: the same key means the same measurement."""
+        fields = self.model_dump()
+        if self.mode != "infer":
+            fields.pop("new_tokens")
+        digest = hashlib.sha1(json.dumps(fields, sort_keys=True).encode()).hexdigest()
+        return digest[:12]
+
+    @property
+    def label(self) -> str:
+        shape = f"{self.batch_size}x{self.seq_len}" + (f"+{self.new_tokens}" if self.mode == "infer" else "")
+        return f"{self.model} {self.mode} {self.precision} {shape} [{self.backend}]"
+
+
+def _as_list(value: Any) -> Any:
+    return value if value is None or isinstance(value, list) else [value]
+
+
+class SweepConfig(BaseModel):
+    """A sweep: the cartesian product of models x mode x precision x batch_size x seq_len.
+
+    A field left as None takes a default that depends on the device (see ``expand``).
+    """
+
+    model_config = ConfigDict(extra="forbid", populate_by_name=True)
+
+    models: list[str] | None = Field(None, min_length=1, description="preset names, local directories or hub ids")
+    mode: list[Mode] | None = Field(None, min_length=1, description="train, forward, forward-backward, infer")
+    precision: list[Precision] | None = Field(None, min_length=1, description=", ".join(PRECISIONS))
+    batch_size: list[int] | None = Field(None, min_length=1, description="positive integers")
+    seq_len: list[int] | None = Field(None, min_length=1, description="positive integers (the prompt length in infer)",
+                                      validation_alias="context_length")
+    new_tokens: int | None = Field(None, gt=1, description="tokens generated per sequence in infer (at least 2)")
+    backend: BackendChoice = "auto"
+    compile: bool = False
+    warmup_steps: int = Field(5, ge=0)
+    measure_steps: int = Field(10, gt=0, validation_alias="samples")
+    device: str = "auto"
+    timeout: float = Field(3600.0, gt=0, description="seconds per configuration")
+    out: str | None = None
+    seed: int = 0
+
+    @field_validator("models", "mode", "precision", "batch_size", "seq_len", mode="before")
+    @classmethod
+    def _scalar_to_list(cls, value: Any) -> Any:
+        return _as_list(value)
+
+    @field_validator("batch_size", "seq_len")
+    @classmethod
+    def _positive(cls, values: list[int] | None) -> list[int] | None:
+        for value in values or []:
+            if value <= 0:
+                raise ValueError(f"must be positive, got {value}")
+        return values
+
+    @field_validator("device")
+    @classmethod
+    def _device_name(cls, value: str) -> str:
+        if value in ("auto", "cpu", "cuda") or (value.startswith("cuda:") and value[5:].isdigit()):
+            return value
+        raise ValueError(f"must be auto, cpu, cuda or cuda:N, got {value!r}")
+
+    @model_validator(mode="before")
+    @classmethod
+    def _aliases(cls, data: Any) -> Any:
+        if not isinstance(data, dict):
+            return data
+        data = dict(data)
+        if "pass_type" in data:
+            pass_type = data.pop("pass_type")
+            if pass_type not in PASS_TYPES:
+                raise ValueError(f"pass_type must be forward or backward, got {pass_type!r}")
+            data.setdefault("mode", PASS_TYPES[pass_type])
+        for alias, name in (("context_length", "seq_len"), ("samples", "measure_steps")):
+            if alias in data and name in data:
+                data.pop(alias)
+        return data
+
+
+def _default_shapes(mode: str, device_type: str) -> tuple[int, int]:
+    """(batch, seq_len) when the user gave none: CS336's 4 x 512 for training-style modes on a GPU,
+    batch 1 with a 128-token prompt for inference, and 1 x 128 for everything on a CPU."""
+    if mode == "infer" or device_type == "cpu":
+        return 1, 128
+    return 4, 512
+
+
+def default_precision(mode: str, device_type: str) -> str:
+    """fp32 on a CPU; on a GPU bf16 autocast for training-style modes and bf16 weights for inference."""
+    if device_type == "cpu":
+        return "fp32"
+    return "bf16-pure" if mode == "infer" else "bf16"
+
+
+def expand(config: SweepConfig, *, device: str, default_models: list[str]) -> list[RunSpec]:
+    """Every RunSpec of the sweep, in order: model, mode, precision, batch, seq_len. Raises UserError."""
+    device_type = device.split(":")[0]
+    modes = config.mode or ["train", "infer"]
+    new_tokens = config.new_tokens or (32 if device_type == "cpu" else 128)
+    specs = []
+    for model in config.models or default_models:
+        arch = resolve(model)
+        backend = default_backend(arch) if config.backend == "auto" else config.backend
+        problem = backend_error(arch, backend)
+        if problem:
+            raise UserError(f"backend: {problem}.")
+        for mode in modes:
+            default_batch, default_seq = _default_shapes(mode, device_type)
+            for precision in config.precision or [default_precision(mode, device_type)]:
+                for batch in config.batch_size or [default_batch]:
+                    for seq_len in config.seq_len or [default_seq]:
+                        needed = seq_len + (new_tokens if mode == "infer" else 0)
+                        if needed > arch.max_seq_len:
+                            what = f"seq_len {seq_len} + new_tokens {new_tokens}" if mode == "infer" else f"seq_len {seq_len}"
+                            raise UserError(
+                                f"seq_len: {what} exceeds the {arch.max_seq_len}-token context of {model}. "
+                                f"Use --seq-len (alias --context-length) of at most "
+                                f"{arch.max_seq_len - (new_tokens if mode == 'infer' else 0)}."
+                            )
+                        specs.append(RunSpec(
+                            model=model, backend=backend, mode=mode, precision=precision, batch_size=batch,
+                            seq_len=seq_len, new_tokens=new_tokens, compile=config.compile, device=device,
+                            warmup_steps=config.warmup_steps, measure_steps=config.measure_steps, seed=config.seed,
+                        ))
+    return specs
+
+
+# ---- loading and merging ------------------------------------------------------------------
+
+
+def load_yaml(path: str | Path) -> dict[str, Any]:
+    """A YAML file with the sweep's fields; the seeds' layout ``models: {sizes: [...]}`` is accepted."""
+    try:
+        text = Path(path).read_text()
+    except OSError as error:
+        raise UserError(f"config: cannot read {path}: {error.strerror}. Pass an existing YAML file to --config.") from None
+    try:
+        data = yaml.safe_load(text) or {}
+    except yaml.YAMLError as error:
+        mark = getattr(error, "problem_mark", None)
+        where = f" at line {mark.line + 1}, column {mark.column + 1}" if mark else ""
+        raise UserError(f"config: {path} is not valid YAML{where} ({getattr(error, 'problem', error)}). "
+                        f"Fix the file; every field of `fitbench run --help` can be a key.") from None
+    if not isinstance(data, dict):
+        raise UserError(f"config: {path} must hold a mapping of fields (models: [...], mode: ...), "
+                        f"not a {type(data).__name__}.")
+    data = {key.replace("-", "_"): value for key, value in data.items()}
+    models = data.get("models")
+    if isinstance(models, dict):
+        if "sizes" not in models:
+            raise UserError(f"config: in {path}, `models` is a mapping without `sizes`; write models: [7B, 13B] "
+                            f"or models: {{sizes: [7B, 13B]}}.")
+        data["models"] = models["sizes"]
+    return data
+
+
+def merge_sources(defaults: dict[str, Any], file: dict[str, Any], cli: dict[str, Any]) -> SweepConfig:
+    """CLI > file > defaults, then validation with one clear paragraph per problem."""
+    merged = {**defaults, **file, **cli}
+    try:
+        return SweepConfig.model_validate(merged)
+    except ValidationError as error:
+        raise UserError(describe_validation_error(error)) from None
+
+
+def describe_validation_error(error: ValidationError) -> str:
+    problems = []
+    for item in error.errors():
+        field = ".".join(str(part) for part in item["loc"] if not isinstance(part, int)) or "config"
+        flag = "--" + field.replace("_", "-")
+        description = SweepConfig.model_fields.get(field)
+        expected = f" Expected: {description.description}." if description and description.description else ""
+        if item["type"] == "extra_forbidden":
+            problems.append(f"{field}: unknown field. `fitbench run --help` lists the fields.")
+            continue
+        message = item["msg"].removeprefix("Value error, ")
+        problems.append(f"{field}: {message} (got {item.get('input')!r}).{expected} Fix {flag} or the "
+                        f"`{field}` key of the config file.")
+    return " ".join(problems)
+

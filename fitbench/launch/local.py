@@ -1,0 +1,139 @@
+"""A fresh process per configuration, with a timeout, and every outcome recorded as a row.
+
+The parent blocks on the child's progress pipe and then on ``wait`` (it never spins), kills the
+child's whole process group when the timeout fires, and turns any ending into a result row:
+
+- ``ok``: the worker measured and wrote its result;
+- ``oom`` / ``error``: the worker caught an out-of-memory or another exception and said so;
+- ``crashed``: the worker died without a result (a signal, an abort, a non-zero exit);
+- ``timeout``: the run outlived ``--timeout`` and was killed.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+from collections import deque
+from dataclasses import dataclass, field
+from datetime import datetime, timezone
+from pathlib import Path
+from typing import Any, Callable
+
+from fitbench.config import RunSpec
+from fitbench.models.registry import resolve
+from fitbench.results.store import ResultStore
+
+ERROR_TAIL_LINES = 15
+
+
+def _now() -> str:
+    return datetime.now(timezone.utc).isoformat(timespec="seconds")
+
+
+def _tail(path: Path, lines: int) -> str:
+    if not path.exists():
+        return ""
+    with path.open(encoding="utf-8", errors="replace") as handle:
+        return "".join(deque(handle, maxlen=lines)).strip()
+
+
+@dataclass
+class SweepCallbacks:
+    on_start: Callable[[RunSpec, int, int], None] = lambda spec, index, total: None
+    on_event: Callable[[dict[str, Any]], None] = lambda event: None
+    on_finish: Callable[[dict[str, Any]], None] = lambda row: None
+    on_skip: Callable[[RunSpec], None] = lambda spec: None
+
+
+@dataclass
+class _Child:
+    process: subprocess.Popen
+    timed_out: threading.Event = field(default_factory=threading.Event)
+
+    def kill(self) -> None:
+        try:
+            os.killpg(self.process.pid, signal.SIGKILL)
+        except ProcessLookupError:
+            pass
+
+    def expire(self) -> None:
+        self.timed_out.set()
+        self.kill()
+
+
+def run_one(spec: RunSpec, log_path: Path, timeout: float,
+            on_event: Callable[[dict[str, Any]], None]) -> dict[str, Any]:
+    """Run ``spec`` in a child process; return the row that describes what happened."""
+    log_path.parent.mkdir(parents=True, exist_ok=True)
+    started, started_at = time.monotonic(), _now()
+    with tempfile.TemporaryDirectory(prefix="fitbench-") as scratch:
+        spec_path, result_path = Path(scratch) / "spec.json", Path(scratch) / "result.json"
+        spec_path.write_text(spec.model_dump_json())
+        with log_path.open("w") as log:
+            process = subprocess.Popen(
+                [sys.executable, "-m", "fitbench.run.worker", str(spec_path), str(result_path)],
+                stdout=subprocess.PIPE, stderr=log, stdin=subprocess.DEVNULL, text=True,
+                start_new_session=True, env={**os.environ, "PYTHONUNBUFFERED": "1"},
+            )
+            child = _Child(process)
+            timer = threading.Timer(timeout, child.expire)
+            timer.start()
+            try:
+                for line in process.stdout:
+                    try:
+                        on_event(json.loads(line))
+                    except json.JSONDecodeError:
+                        log.write(line)
+                process.wait()
+            except BaseException:
+                child.kill()
+                process.wait()
+                raise
+            finally:
+                timer.cancel()
+        payload = json.loads(result_path.read_text()) if result_path.exists() else None
+
+    row: dict[str, Any] = {"key": spec.key, "label": spec.label, "spec": spec.model_dump()}
+    if child.timed_out.is_set():
+        row.update(status="timeout", error=f"killed after the {timeout:g} s timeout (--timeout)\n"
+                                            + _tail(log_path, ERROR_TAIL_LINES))
+    elif payload is not None:
+        row.update(payload)
+        if payload["status"] != "ok":
+            row["error"] = payload.get("error") or _tail(log_path, ERROR_TAIL_LINES)
+    else:
+        code = process.returncode
+        cause = f"signal {signal.Signals(-code).name}" if code < 0 else f"exit code {code}"
+        row.update(status="crashed", error=f"worker died ({cause}) without a result\n" + _tail(log_path, ERROR_TAIL_LINES))
+    arch = resolve(spec.model)
+    row.update(
+        params=arch.total_params, non_embedding_params=arch.non_embedding_params,
+        exit_code=process.returncode, started_at=started_at, finished_at=_now(),
+        wall_s=time.monotonic() - started, log=str(log_path),
+    )
+    return row
+
+
+def run_sweep(specs: list[RunSpec], store: ResultStore, *, timeout: float, command: str,
+              callbacks: SweepCallbacks = SweepCallbacks()) -> list[dict[str, Any]]:
+    """Run every spec without a row in ``store``; append each row the moment it exists."""
+    finished = store.finished_keys()
+    rows = []
+    for index, spec in enumerate(specs):
+        if spec.key in finished:
+            callbacks.on_skip(spec)
+            continue
+        callbacks.on_start(spec, index, len(specs))
+        row = run_one(spec, store.directory / "logs" / f"{spec.key}.log", timeout, callbacks.on_event)
+        row["command"] = command
+        store.append(row)
+        finished.add(spec.key)
+        rows.append(row)
+        callbacks.on_finish(row)
+    return rows

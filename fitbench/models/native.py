@@ -1,0 +1,246 @@
+"""fitbench's own Llama-style decoder, readable top to bottom.
+
+RMSNorm, rotary positions (Llama 3.1 frequency scaling included), SwiGLU MLP, grouped-query
+attention through ``F.scaled_dot_product_attention``, tied or untied embeddings, optional q/k/v
+biases (Qwen2), and a preallocated KV cache for decoding.
+
+Modules carry the same names as transformers' ``LlamaForCausalLM`` (``model.layers.0.self_attn.q_proj``
+...), and rotary embeddings use the same half-split convention, so a checkpoint of either loads into
+the other unchanged.
+
+The model is built on the meta device and materialized where it will run (``materialize``), so
+no full copy of the weights ever sits in host memory on the way to a GPU.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from fitbench.models.architecture import Architecture
+
+
+@dataclass(frozen=True)
+class DecoderConfig:
+    vocab_size: int
+    dim: int
+    n_layers: int
+    n_heads: int
+    n_kv_heads: int
+    ffn_dim: int
+    max_seq_len: int
+    tie_embeddings: bool
+    qkv_bias: bool
+    rope_theta: float
+    rope_scaling: dict[str, Any] | None
+    norm_eps: float
+
+    @property
+    def head_dim(self) -> int:
+        return self.dim // self.n_heads
+
+    @classmethod
+    def from_architecture(cls, arch: Architecture) -> DecoderConfig:
+        if arch.family != "llama":
+            raise ValueError(f"the native decoder covers Llama-style models; {arch.name} is {arch.family}")
+        return cls(
+            vocab_size=arch.vocab_size, dim=arch.hidden_size, n_layers=arch.num_layers, n_heads=arch.num_heads,
+            n_kv_heads=arch.num_kv_heads, ffn_dim=arch.ffn_size, max_seq_len=arch.max_seq_len,
+            tie_embeddings=arch.tie_embeddings, qkv_bias=arch.qkv_bias, rope_theta=arch.rope_theta,
+            rope_scaling=arch.rope_scaling, norm_eps=arch.norm_eps,
+        )
+
+
+def rope_inverse_frequencies(config: DecoderConfig, device: torch.device | str) -> torch.Tensor:
+    """theta^(-2i/d) for i < d/2 (Su et al. 2021), with Llama 3.1's scaling when the config asks for it:
+    wavelengths above ``original_max / low_freq_factor`` are divided by ``factor``, those below
+    ``original_max / high_freq_factor`` kept, and the band between interpolated smoothly (Meta's
+    Llama 3.1 reference code, ``apply_scaling``)."""
+    d = config.head_dim
+    inv_freq = 1.0 / (config.rope_theta ** (torch.arange(0, d, 2, device=device, dtype=torch.float32) / d))
+    scaling = config.rope_scaling
+    if not scaling or scaling.get("rope_type", scaling.get("type")) != "llama3":
+        return inv_freq
+    factor, low, high = scaling["factor"], scaling["low_freq_factor"], scaling["high_freq_factor"]
+    original = scaling["original_max_position_embeddings"]
+    wavelength = 2 * math.pi / inv_freq
+    smooth = (original / wavelength - low) / (high - low)
+    interpolated = (1 - smooth) * inv_freq / factor + smooth * inv_freq
+    scaled = torch.where(wavelength > original / low, inv_freq / factor, inv_freq)
+    in_band = (wavelength <= original / low) & (wavelength >= original / high)
+    return torch.where(in_band, interpolated, scaled)
+
+
+def rotate_half(x: torch.Tensor) -> torch.Tensor:
+    first, second = x.chunk(2, dim=-1)
+    return torch.cat((-second, first), dim=-1)
+
+
+def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """x: (B, heads, T, head_dim); cos, sin: (T, head_dim), tables kept in fp32 and applied in x's dtype
+    as transformers does, so no fp32 copy of q and k is saved for the backward pass."""
+    cos, sin = cos.to(x.dtype), sin.to(x.dtype)
+    return x * cos + rotate_half(x) * sin
+
+
+class KVCache(nn.Module):
+    """Keys and values of every layer, preallocated for (batch, max_len): one write per step, no growth."""
+
+    def __init__(self, config: DecoderConfig, batch: int, max_len: int, dtype: torch.dtype, device: torch.device):
+        super().__init__()
+        shape = (config.n_layers, batch, config.n_kv_heads, max_len, config.head_dim)
+        self.register_buffer("keys", torch.zeros(shape, dtype=dtype, device=device), persistent=False)
+        self.register_buffer("values", torch.zeros(shape, dtype=dtype, device=device), persistent=False)
+
+    def update(self, layer: int, start: int, k: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """Write k, v (B, kv_heads, T, head_dim) at positions start..start+T; return all positions so far."""
+        end = start + k.shape[2]
+        self.keys[layer, :, :, start:end] = k
+        self.values[layer, :, :, start:end] = v
+        return self.keys[layer, :, :, :end], self.values[layer, :, :, :end]
+
+
+class RMSNorm(nn.Module):
+    """x / sqrt(mean(x^2) + eps) * weight (Zhang and Sennrich 2019), computed in fp32."""
+
+    def __init__(self, dim: int, eps: float):
+        super().__init__()
+        self.eps = eps
+        self.weight = nn.Parameter(torch.ones(dim))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        normed = x.float() * torch.rsqrt(x.float().pow(2).mean(-1, keepdim=True) + self.eps)
+        return self.weight * normed.type_as(x)
+
+
+class Attention(nn.Module):
+    def __init__(self, config: DecoderConfig, layer: int):
+        super().__init__()
+        self.layer = layer
+        self.n_heads, self.n_kv_heads, self.head_dim = config.n_heads, config.n_kv_heads, config.head_dim
+        self.q_proj = nn.Linear(config.dim, config.n_heads * config.head_dim, bias=config.qkv_bias)
+        self.k_proj = nn.Linear(config.dim, config.n_kv_heads * config.head_dim, bias=config.qkv_bias)
+        self.v_proj = nn.Linear(config.dim, config.n_kv_heads * config.head_dim, bias=config.qkv_bias)
+        self.o_proj = nn.Linear(config.n_heads * config.head_dim, config.dim, bias=False)
+
+    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
+                cache: KVCache | None, start: int) -> torch.Tensor:
+        B, T, _ = x.shape
+        q = self.q_proj(x).view(B, T, self.n_heads, self.head_dim).transpose(1, 2)  # (B, H, T, D)
+        k = self.k_proj(x).view(B, T, self.n_kv_heads, self.head_dim).transpose(1, 2)  # (B, KV, T, D)
+        v = self.v_proj(x).view(B, T, self.n_kv_heads, self.head_dim).transpose(1, 2)  # (B, KV, T, D)
+        q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
+        if cache is not None:
+            k, v = cache.update(self.layer, start, k, v)  # (B, KV, start+T, D)
+        if T > 1 and start > 0:
+            raise NotImplementedError("prefill continuing an existing cache needs a block mask")
+        y = F.scaled_dot_product_attention(
+            q, k, v, is_causal=T > 1, enable_gqa=self.n_kv_heads != self.n_heads
+        )  # (B, H, T, D)
+        return self.o_proj(y.transpose(1, 2).reshape(B, T, self.n_heads * self.head_dim))
+
+
+class SwiGLU(nn.Module):
+    """down(silu(gate(x)) * up(x)) (Shazeer 2020)."""
+
+    def __init__(self, config: DecoderConfig):
+        super().__init__()
+        self.gate_proj = nn.Linear(config.dim, config.ffn_dim, bias=False)
+        self.up_proj = nn.Linear(config.dim, config.ffn_dim, bias=False)
+        self.down_proj = nn.Linear(config.ffn_dim, config.dim, bias=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
+
+
+class DecoderLayer(nn.Module):
+    def __init__(self, config: DecoderConfig, layer: int):
+        super().__init__()
+        self.input_layernorm = RMSNorm(config.dim, config.norm_eps)
+        self.self_attn = Attention(config, layer)
+        self.post_attention_layernorm = RMSNorm(config.dim, config.norm_eps)
+        self.mlp = SwiGLU(config)
+
+    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
+                cache: KVCache | None, start: int) -> torch.Tensor:
+        x = x + self.self_attn(self.input_layernorm(x), cos, sin, cache, start)
+        return x + self.mlp(self.post_attention_layernorm(x))
+
+
+class DecoderStack(nn.Module):
+    def __init__(self, config: DecoderConfig):
+        super().__init__()
+        self.embed_tokens = nn.Embedding(config.vocab_size, config.dim)
+        self.layers = nn.ModuleList(DecoderLayer(config, i) for i in range(config.n_layers))
+        self.norm = RMSNorm(config.dim, config.norm_eps)
+
+
+class NativeCausalLM(nn.Module):
+    def __init__(self, config: DecoderConfig):
+        super().__init__()
+        self.config = config
+        self.model = DecoderStack(config)
+        self.lm_head = nn.Linear(config.dim, config.vocab_size, bias=False)
+        if config.tie_embeddings:
+            self.lm_head.weight = self.model.embed_tokens.weight
+        self.register_buffer("rope_cos", torch.empty(config.max_seq_len, config.head_dim), persistent=False)
+        self.register_buffer("rope_sin", torch.empty(config.max_seq_len, config.head_dim), persistent=False)
+
+    def forward(self, tokens: torch.Tensor, cache: KVCache | None = None, start: int = 0,
+                last_only: bool = False) -> torch.Tensor:
+        """tokens (B, T) -> logits (B, T, V), or (B, 1, V) for the last position when ``last_only``."""
+        T = tokens.shape[1]
+        cos, sin = self.rope_cos[start:start + T], self.rope_sin[start:start + T]
+        x = self.model.embed_tokens(tokens)  # (B, T, C)
+        for layer in self.model.layers:
+            x = layer(x, cos, sin, cache, start)
+        x = self.model.norm(x)
+        if last_only:
+            x = x[:, -1:, :]
+        return self.lm_head(x)  # (B, T, V)
+
+    @torch.no_grad()
+    def init_weights(self, std: float = 0.02) -> None:
+        """Random weights N(0, std) for matrices and embeddings, ones for norms, zeros for biases, and the
+        rotary tables: everything a freshly materialized (uninitialized) model needs."""
+        for module in self.modules():
+            if isinstance(module, (nn.Linear, nn.Embedding)):
+                nn.init.normal_(module.weight, mean=0.0, std=std)
+                if getattr(module, "bias", None) is not None:
+                    nn.init.zeros_(module.bias)
+            elif isinstance(module, RMSNorm):
+                nn.init.ones_(module.weight)
+        self.reset_rope()
+
+    @torch.no_grad()
+    def reset_rope(self) -> None:
+        inv_freq = rope_inverse_frequencies(self.config, self.rope_cos.device)
+        positions = torch.arange(self.config.max_seq_len, device=inv_freq.device, dtype=torch.float32)
+        angles = torch.outer(positions, inv_freq)
+        angles = torch.cat((angles, angles), dim=-1)  # (max_seq_len, head_dim), half-split layout
+        self.rope_cos.copy_(angles.cos())
+        self.rope_sin.copy_(angles.sin())
+
+    def new_cache(self, batch: int, max_len: int, dtype: torch.dtype) -> KVCache:
+        return KVCache(self.config, batch, max_len, dtype, self.rope_cos.device)
+
+
+def build_native(arch: Architecture, device: torch.device | str, dtype: torch.dtype) -> NativeCausalLM:
+    """Build on the meta device, allocate storage directly on ``device`` in ``dtype``, then initialize.
+
+    The rotary tables stay fp32 whatever the weight dtype: positions up to 128k need the precision.
+    """
+    with torch.device("meta"):
+        model = NativeCausalLM(DecoderConfig.from_architecture(arch))
+        model.to(dtype=dtype)
+        model.rope_cos, model.rope_sin = model.rope_cos.float(), model.rope_sin.float()
+    model.to_empty(device=device)
+    if arch.tie_embeddings:
+        model.lm_head.weight = model.model.embed_tokens.weight
+    model.init_weights()
+    return model

@@ -1,0 +1,85 @@
+"""Result rows as a terminal table and as CSV.
+
+Rows keep raw samples; this module only chooses what to show. Per metric:
+training-style modes show the median step time and tokens/s of the step; ``infer`` shows the
+median per-token decode latency and decode tokens/s, with the prefill MFU. Memory is the peak per
+GPU that the allocator reserved (what the process held), or the host's peak RSS on a CPU.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any, Iterable
+
+import pandas as pd
+from rich.table import Table
+
+from fitbench.units import format_bytes, format_count, format_seconds
+
+CSV_FILE = "results.csv"
+
+
+def headline(row: dict[str, Any]) -> dict[str, Any]:
+    """The few numbers a person compares first, whatever the mode."""
+    spec, timing, throughput = row["spec"], row.get("timing") or {}, row.get("throughput") or {}
+    infer = spec["mode"] == "infer"
+    time_stats = (timing.get("token_latency") if infer else timing.get("step")) or {}
+    gpus = (row.get("memory") or {}).get("gpus") or []
+    if gpus:
+        memory = ", ".join(format_bytes(g["peak_reserved"]) for g in gpus)
+    elif row.get("memory"):
+        memory = format_bytes(row["memory"]["host_peak_rss"]) + " host"
+    else:
+        memory = ""
+    mfu = throughput.get("prefill_mfu" if infer else "mfu")
+    if mfu is None:
+        mfu = throughput.get("prefill_mfu_measured_peak" if infer else "mfu_measured_peak")
+    return {
+        "time": time_stats.get("median"),
+        "cv": time_stats.get("cv_percent"),
+        "tokens_per_s": throughput.get("decode_tokens_per_s" if infer else "tokens_per_s"),
+        "mfu": mfu,
+        "roofline": throughput.get("decode_roofline_percent"),
+        "memory": memory,
+    }
+
+
+def results_table(rows: Iterable[dict[str, Any]], title: str = "fitbench results") -> Table:
+    table = Table(title=title, title_justify="left")
+    for column, justify in (("model", "left"), ("params", "right"), ("mode", "left"), ("precision", "left"),
+                            ("batch×seq", "right"), ("median ± CV", "right"), ("tokens/s", "right"),
+                            ("MFU", "right"), ("peak memory", "right"), ("status", "left")):
+        table.add_column(column, justify=justify)
+    for row in rows:
+        spec, head = row["spec"], headline(row)
+        shape = f"{spec['batch_size']}×{spec['seq_len']}" + (f"+{spec['new_tokens']}" if spec["mode"] == "infer" else "")
+        timing = f"{format_seconds(head['time'])} ± {head['cv']:.1f}%" if head["time"] is not None else "-"
+        if spec["mode"] == "infer" and head["time"] is not None:
+            timing += "/tok"
+        mfu = f"{100 * head['mfu']:.1f}%" if head["mfu"] is not None else "-"
+        if head["roofline"] is not None:
+            mfu += f" ({head['roofline']:.0f}% BW)"
+        status = row["status"] if row["status"] == "ok" else f"[red]{row['status']}[/red]"
+        table.add_row(
+            spec["model"], format_count(row.get("params")), spec["mode"], spec["precision"], shape, timing,
+            f"{head['tokens_per_s']:,.0f}" if head["tokens_per_s"] else "-", mfu, head["memory"], status,
+        )
+    return table
+
+
+def flat_frame(rows: Iterable[dict[str, Any]]) -> pd.DataFrame:
+    """One column per scalar field (``spec.model``, ``throughput.mfu``, ``memory.gpus``...);
+    raw samples stay in the JSONL only."""
+    trimmed = []
+    for row in rows:
+        row = dict(row)
+        if isinstance(row.get("timing"), dict):
+            row["timing"] = {k: v for k, v in row["timing"].items() if k != "samples"}
+        trimmed.append(row)
+    return pd.json_normalize(trimmed, sep=".")
+
+
+def write_csv(rows: Iterable[dict[str, Any]], directory: str | Path) -> Path:
+    path = Path(directory) / CSV_FILE
+    flat_frame(rows).to_csv(path, index=False)
+    return path

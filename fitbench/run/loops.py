@@ -1,0 +1,103 @@
+"""The four workloads: what one timed step does in each mode.
+
+- ``train``: zero gradients, forward, cross-entropy loss on fp32 logits, backward, AdamW step.
+- ``forward-backward``: the same without the optimizer step (CS336's "backward" pass type).
+- ``forward``: logits only, under ``inference_mode``.
+- ``infer``: a generation: prefill of the prompt (which yields the first token), then
+  ``new_tokens - 1`` decode steps through the KV cache, greedy.
+
+Inputs are random token ids of shape (batch, seq_len); targets are the inputs shifted by one.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Callable
+
+import torch
+import torch.nn.functional as F
+
+from fitbench.models.backends import CausalLM
+from fitbench.run.precision import PrecisionPolicy
+from fitbench.run.timing import DeviceClock
+
+MODES: tuple[str, ...] = ("train", "forward", "forward-backward", "infer")
+LEARNING_RATE = 1e-5
+
+
+def random_tokens(vocab: int, batch: int, length: int, device: torch.device, seed: int) -> torch.Tensor:
+    generator = torch.Generator(device="cpu").manual_seed(seed)
+    return torch.randint(0, vocab, (batch, length), generator=generator).to(device)
+
+
+def make_step(mode: str, lm: CausalLM, policy: PrecisionPolicy, tokens: torch.Tensor,
+              device: torch.device) -> Callable[[], None]:
+    """The step function of a training-style mode over ``tokens`` of shape (B, T + 1)."""
+    inputs, targets = tokens[:, :-1], tokens[:, 1:]
+    if mode == "forward":
+        def forward() -> None:
+            with torch.inference_mode(), policy.autocast(device.type):
+                lm.logits(inputs)
+        return forward
+
+    parameters = [p for p in lm.module.parameters() if p.requires_grad]
+    optimizer = (torch.optim.AdamW(parameters, lr=LEARNING_RATE, fused=device.type == "cuda")
+                 if mode == "train" else None)
+    scaler = torch.amp.GradScaler(device.type) if policy.scale_loss else None
+
+    def loss_backward() -> None:
+        with policy.autocast(device.type):
+            logits = lm.logits(inputs)  # (B, T, V)
+            loss = F.cross_entropy(logits.flatten(0, 1).float(), targets.flatten())
+        (scaler.scale(loss) if scaler else loss).backward()
+
+    def forward_backward() -> None:
+        lm.module.zero_grad(set_to_none=True)
+        loss_backward()
+
+    def train() -> None:
+        optimizer.zero_grad(set_to_none=True)
+        loss_backward()
+        if scaler:
+            scaler.step(optimizer)
+            scaler.update()
+        else:
+            optimizer.step()
+
+    return train if mode == "train" else forward_backward
+
+
+@dataclass(frozen=True)
+class Generation:
+    """Device seconds of one generation."""
+
+    time_to_first_token: float  # prefill of the prompt, through the first token
+    token_latencies: list[float]  # each decode step after the first token
+    end_to_end: float
+
+
+def generate(lm: CausalLM, prompt: torch.Tensor, new_tokens: int, policy: PrecisionPolicy,
+             clock: DeviceClock, device: torch.device) -> Callable[[], list]:
+    """A function that runs one greedy generation and returns its marks, to be read after a synchronize."""
+    max_len = prompt.shape[1] + new_tokens
+
+    def run() -> list:
+        with torch.inference_mode(), policy.autocast(device.type):
+            marks = [clock.mark()]
+            token = lm.prefill(prompt, max_len).argmax(dim=-1, keepdim=True)  # (B, 1)
+            marks.append(clock.mark())
+            for _ in range(new_tokens - 1):
+                token = lm.decode(token).argmax(dim=-1, keepdim=True)
+                marks.append(clock.mark())
+        return marks
+
+    return run
+
+
+def read_generation(marks: list, clock: DeviceClock) -> Generation:
+    steps = [clock.seconds(a, b) for a, b in zip(marks[1:], marks[2:])]
+    return Generation(
+        time_to_first_token=clock.seconds(marks[0], marks[1]),
+        token_latencies=steps,
+        end_to_end=clock.seconds(marks[0], marks[-1]),
+    )

@@ -1,0 +1,62 @@
+"""Numeric precision of a run: the dtype weights live in, autocast, TF32, loss scaling.
+
+- ``fp32``: fp32 weights and math, TF32 tensor cores off.
+- ``tf32``: fp32 weights, matmuls on TF32 tensor cores (a GPU setting; the CPU ignores it).
+- ``bf16`` / ``fp16``: mixed precision: fp32 weights, gradients and optimizer state; matmuls under
+  autocast in 16 bits. fp16 training scales the loss (``torch.amp.GradScaler``).
+- ``bf16-pure``: weights, gradients and AdamW state all bf16; no autocast.
+
+Quantized weights (int8, 4-bit, fp8) plug in here as further policies whose ``quantize`` step
+rewrites the built model.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from dataclasses import dataclass
+from typing import Iterator
+
+import torch
+
+PRECISIONS: tuple[str, ...] = ("fp32", "tf32", "bf16", "fp16", "bf16-pure")
+
+
+@dataclass(frozen=True)
+class PrecisionPolicy:
+    name: str
+    weight_dtype: torch.dtype
+    autocast_dtype: torch.dtype | None
+    allow_tf32: bool
+    scale_loss: bool
+    peak_kind: str  # which column of the peak FLOP/s table MFU divides by
+
+    @property
+    def compute_dtype(self) -> torch.dtype:
+        """The dtype activations (and the KV cache) have."""
+        return self.autocast_dtype or self.weight_dtype
+
+    @contextlib.contextmanager
+    def autocast(self, device_type: str) -> Iterator[None]:
+        if self.autocast_dtype is None:
+            yield
+            return
+        with torch.autocast(device_type=device_type, dtype=self.autocast_dtype):
+            yield
+
+    def apply_backend_flags(self) -> None:
+        """Process-wide matmul precision. Each run is its own process, so this never leaks."""
+        torch.backends.cuda.matmul.allow_tf32 = self.allow_tf32
+        torch.backends.cudnn.allow_tf32 = self.allow_tf32
+
+
+_POLICIES = {
+    "fp32": PrecisionPolicy("fp32", torch.float32, None, False, False, "fp32"),
+    "tf32": PrecisionPolicy("tf32", torch.float32, None, True, False, "tf32"),
+    "bf16": PrecisionPolicy("bf16", torch.float32, torch.bfloat16, False, False, "bf16"),
+    "fp16": PrecisionPolicy("fp16", torch.float32, torch.float16, False, True, "fp16"),
+    "bf16-pure": PrecisionPolicy("bf16-pure", torch.bfloat16, None, False, False, "bf16"),
+}
+
+
+def policy(name: str) -> PrecisionPolicy:
+    return _POLICIES[name]
