@@ -16,6 +16,7 @@ from pathlib import Path
 from typing import Any, Callable
 
 from rich.console import Console
+from rich.markup import escape
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, SpinnerColumn, TextColumn, TimeElapsedColumn
 from rich.table import Table
 
@@ -122,11 +123,11 @@ def _describe_row(row: dict[str, Any]) -> str:
 
     if row["status"] != "ok":
         first_line = (row.get("error") or "").strip().splitlines()[:1]
-        return f"[red]{row['status']}[/red] {row['label']}: {first_line[0] if first_line else ''}"
+        return f"[red]{row['status']}[/red] {escape(row['label'])}: {escape(first_line[0]) if first_line else ''}"
     head = headline(row)
     per = "/token" if row["spec"]["mode"] == "infer" else "/step"
     warn = f" [yellow]({'; '.join(row['warnings'])})[/yellow]" if row.get("warnings") else ""
-    return (f"[green]ok[/green] {row['label']}: {format_seconds(head['time'])}{per} ± {head['cv']:.1f}%, "
+    return (f"[green]ok[/green] {escape(row['label'])}: {format_seconds(head['time'])}{per} ± {head['cv']:.1f}%, "
             f"{head['tokens_per_s']:,.0f} tokens/s{warn}")
 
 
@@ -153,7 +154,7 @@ def run(args: argparse.Namespace, cli_options: dict[str, Any]) -> int:
     out = args.resume or config.out or str(Path("fitbench-results") / datetime.now(timezone.utc).strftime("%Y%m%d-%H%M%S"))
     config = config.model_copy(update={"out": out})
     store = ResultStore(out)
-    command = shlex.join(["fitbench", *sys.argv[1:]])
+    command = shlex.join(["fitbench", *args.argv])
     store.save_sweep({"config": config.model_dump(), "device": device, "command": command,
                       "fitbench_version": __version__})
 
@@ -168,7 +169,7 @@ def run(args: argparse.Namespace, cli_options: dict[str, Any]) -> int:
         run_task = progress.add_task("", total=None)
 
         def on_start(spec, index, total):
-            progress.update(run_task, description=f"{spec.label}: starting", completed=0, total=None)
+            progress.update(run_task, description=f"{escape(spec.label)}: starting", completed=0, total=None)
 
         def on_event(event):
             label = progress.tasks[run_task].description.split(":")[0]
@@ -277,18 +278,46 @@ def env(args: argparse.Namespace, cli_options: dict[str, Any]) -> int:
     return 0
 
 
+# ---- report ---------------------------------------------------------------------------------
+
+
+def report(args: argparse.Namespace, cli_options: dict[str, Any]) -> int:
+    """Show the results of a finished (or interrupted) sweep again, as a table or as Markdown."""
+    from fitbench.results.report import markdown_report, results_table
+    from fitbench.results.store import ResultStore
+
+    store = ResultStore(args.directory)
+    if not store.path.exists():
+        raise UserError(f"report: {args.directory} has no {store.path.name}. Pass the --out directory of a "
+                        f"`fitbench run`.")
+    rows = list(store.rows())
+    if args.markdown:
+        print(markdown_report(rows), end="")
+    else:
+        console.print(results_table(rows, title=f"fitbench results: {args.directory}"))
+    return 0
+
+
 # ---- entry point ----------------------------------------------------------------------------
 
 Command = Callable[[argparse.Namespace, dict[str, Any]], int]
 COMMANDS: dict[str, tuple[Command, str]] = {
     "run": (run, "benchmark models: train, forward, forward-backward, infer"),
     "models": (models, "list the presets with exact parameter counts"),
+    "report": (report, "show a results directory again, as a table or Markdown"),
     "env": (env, "versions, GPUs, peak FLOP/s; --measure stores this machine's ceilings"),
 }
 
 
+class _Parser(argparse.ArgumentParser):
+    """Bad flags end like any other bad input: one paragraph on stderr, exit code 2."""
+
+    def error(self, message: str):
+        self.exit(UserError.exit_code, f"{self.prog}: {message}. `{self.prog} --help` lists the options.\n")
+
+
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(
+    parser = _Parser(
         prog="fitbench", description="Which models fit on these GPUs, how to run them, and how fast they go.",
     )
     parser.add_argument("--version", action="version", version=f"fitbench {__version__}")
@@ -303,6 +332,9 @@ def build_parser() -> argparse.ArgumentParser:
         elif name == "models":
             sub.add_argument("--json", action="store_true", help="machine-readable output")
             sub.add_argument("--sources", action="store_true", help="print where each preset's numbers come from")
+        elif name == "report":
+            sub.add_argument("directory", metavar="DIR", help="the --out directory of a fitbench run")
+            sub.add_argument("--markdown", action="store_true", help="print a Markdown table with provenance")
         elif name == "env":
             sub.add_argument("--json", action="store_true", help="machine-readable output")
             sub.add_argument("--measure", action="store_true",
@@ -313,11 +345,14 @@ def build_parser() -> argparse.ArgumentParser:
 
 def main(argv: list[str] | None = None) -> int:
     parser = build_parser()
+    argv = sys.argv[1:] if argv is None else list(argv)
     args = parser.parse_args(argv)
     if args.command is None:
-        args = parser.parse_args(["run", *(argv or [])])
+        args = parser.parse_args(["run", *argv])
+    args.argv = argv
     options = {key: value for key, value in vars(args).items()
-               if key not in ("command", "function", "resume", "config", "json", "sources", "measure")}
+               if key not in ("command", "function", "resume", "config", "json", "sources", "measure", "argv",
+                               "directory", "markdown")}
     if args.command == "env":
         options = {}
     try:

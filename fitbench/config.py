@@ -117,7 +117,7 @@ class SweepConfig(BaseModel):
         data = dict(data)
         if "pass_type" in data:
             pass_type = data.pop("pass_type")
-            if pass_type not in PASS_TYPES:
+            if not isinstance(pass_type, str) or pass_type not in PASS_TYPES:
                 raise ValueError(f"pass_type must be forward or backward, got {pass_type!r}")
             data.setdefault("mode", PASS_TYPES[pass_type])
         for alias, name in (("context_length", "seq_len"), ("samples", "measure_steps")):
@@ -203,9 +203,21 @@ def load_yaml(path: str | Path) -> dict[str, Any]:
     return data
 
 
+def _field_names(source: dict[str, Any]) -> dict[str, Any]:
+    """One source with its aliases under the fields' own names, so that a later source's alias
+    (``--pass-type``) overrides an earlier source's field (``mode:`` in the file), and the reverse."""
+    source = dict(source)
+    if isinstance(source.get("pass_type"), str) and source["pass_type"] in PASS_TYPES:
+        source.setdefault("mode", PASS_TYPES[source.pop("pass_type")])
+    for alias, name in (("context_length", "seq_len"), ("samples", "measure_steps")):
+        if alias in source:
+            source.setdefault(name, source.pop(alias))
+    return source
+
+
 def merge_sources(defaults: dict[str, Any], file: dict[str, Any], cli: dict[str, Any]) -> SweepConfig:
     """CLI > file > defaults, then validation with one clear paragraph per problem."""
-    merged = {**defaults, **file, **cli}
+    merged = {**_field_names(defaults), **_field_names(file), **_field_names(cli)}
     try:
         return SweepConfig.model_validate(merged)
     except ValidationError as error:

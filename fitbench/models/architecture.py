@@ -156,7 +156,8 @@ class Architecture:
                 "max_position_embeddings": self.max_seq_len,
                 "rms_norm_eps": self.norm_eps,
                 "rope_theta": self.rope_theta,
-                "rope_scaling": self.rope_scaling,
+                # a copy: transformers writes into the dict it is given, and presets share theirs
+                "rope_scaling": dict(self.rope_scaling) if self.rope_scaling else None,
             }
             if self.hf_model_type == "llama":
                 config["attention_bias"] = self.qkv_bias

@@ -3,6 +3,9 @@
 ``native`` is fitbench's own decoder (Llama-style models); ``hf`` is transformers'
 ``AutoModelForCausalLM`` (every family). Both keep a preallocated KV cache during generation
 (the native ``KVCache``, transformers' ``StaticCache``), so the two measure the same algorithm.
+The exception is transformers under autocast: its rotary step returns keys in fp32 during the
+prefill and in the autocast dtype afterwards, which a preallocated cache of one dtype cannot
+hold, so there it keeps the ``DynamicCache`` that ``generate`` uses by default.
 """
 
 from __future__ import annotations
@@ -71,16 +74,18 @@ class NativeLM(CausalLM):
 
 
 class HuggingFaceLM(CausalLM):
-    def __init__(self, module: nn.Module):
+    def __init__(self, module: nn.Module, static_cache: bool):
         self.module = module
+        self.static_cache = static_cache
         self.cache = None
         self.position = 0
 
     def prefill(self, tokens: torch.Tensor, max_len: int) -> torch.Tensor:
-        from transformers import StaticCache
+        from transformers import DynamicCache, StaticCache
 
         self.cache = None
-        self.cache = StaticCache(config=self.module.config, max_cache_len=max_len)
+        self.cache = (StaticCache(config=self.module.config, max_cache_len=max_len) if self.static_cache
+                      else DynamicCache(config=self.module.config))
         self.position = tokens.shape[1]
         out = self.module(tokens, past_key_values=self.cache, use_cache=True, logits_to_keep=1)
         return out.logits[:, -1]
@@ -93,15 +98,17 @@ class HuggingFaceLM(CausalLM):
 
 
 def load_model(arch: Architecture, backend: Backend, device: torch.device | str, dtype: torch.dtype,
-               model_path: str | None = None) -> CausalLM:
-    """Build ``arch`` with ``backend`` directly on ``device`` in ``dtype``: random weights, or the
-    checkpoint in ``model_path`` when that directory has one."""
+               model_path: str | None = None, compute_dtype: torch.dtype | None = None) -> CausalLM:
+    """Build ``arch`` with ``backend`` directly on ``device`` with weights in ``dtype``: random, or the
+    checkpoint in ``model_path`` when that directory has one. ``compute_dtype`` is the activations'
+    dtype when autocast makes it differ from the weights'; the KV cache holds it."""
+    compute_dtype = compute_dtype or dtype
     if backend == "native":
         module = build_native(arch, device, dtype)
         if model_path is not None and has_weights(model_path):
             load_checkpoint(module, Path(model_path), device)
-        return NativeLM(module, cache_dtype=dtype)
-    return HuggingFaceLM(build_hf(arch, device, dtype, weights_dir=model_path))
+        return NativeLM(module, cache_dtype=compute_dtype)
+    return HuggingFaceLM(build_hf(arch, device, dtype, weights_dir=model_path), static_cache=compute_dtype == dtype)
 
 
 def load_checkpoint(module: nn.Module, directory: Path, device: torch.device | str) -> None:

@@ -43,5 +43,6 @@ def build_hf(arch: Architecture, device: torch.device | str, dtype: torch.dtype,
     with torch.device("meta"):
         model = AutoModelForCausalLM.from_config(hf_config(arch), dtype=dtype)
     model.to_empty(device=device)
+    model.tie_weights()  # to_empty gives every parameter its own storage, untying the output projection
     model.initialize_weights()
     return model

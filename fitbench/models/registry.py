@@ -73,7 +73,7 @@ def architecture_from_hf_config(config: dict[str, Any], *, name: str, source: st
             max_seq_len=config.get("max_position_embeddings", 2048), tie_embeddings=tied, source=source,
             qkv_bias=bool(config.get("attention_bias", model_type == "qwen2")),
             rope_theta=float(_rope_value(config, "rope_theta", 10000.0)),
-            rope_scaling=config.get("rope_scaling"), norm_eps=float(config.get("rms_norm_eps", 1e-6)),
+            rope_scaling=_rope_scaling(config), norm_eps=float(config.get("rms_norm_eps", 1e-6)),
         )
     if model_type == "falcon" and config.get("new_decoder_architecture"):
         hidden = config["hidden_size"]
@@ -96,6 +96,17 @@ def architecture_from_hf_config(config: dict[str, Any], *, name: str, source: st
         f"models: {name!r} has model_type {model_type!r}; fitbench supports llama, mistral, qwen2, "
         f"falcon (new decoder architecture) and gpt2 configs."
     )
+
+
+def _rope_scaling(config: dict[str, Any]) -> dict[str, Any] | None:
+    """The rope scaling of a config: ``rope_scaling`` in older configs; in transformers 5, the
+    ``rope_parameters`` whose ``rope_type`` is not ``default``."""
+    if config.get("rope_scaling"):
+        return config["rope_scaling"]
+    parameters = config.get("rope_parameters") or {}
+    if parameters.get("rope_type", parameters.get("type", "default")) == "default":
+        return None
+    return {key: value for key, value in parameters.items() if key != "rope_theta"}
 
 
 def _rope_value(config: dict[str, Any], key: str, default: float) -> float:

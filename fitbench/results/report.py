@@ -83,3 +83,46 @@ def write_csv(rows: Iterable[dict[str, Any]], directory: str | Path) -> Path:
     path = Path(directory) / CSV_FILE
     flat_frame(rows).to_csv(path, index=False)
     return path
+
+
+def _percent(value: float | None, scale: float = 100.0) -> str:
+    return f"{scale * value:.1f}%" if value is not None else "-"
+
+
+def markdown_report(rows: list[dict[str, Any]]) -> str:
+    """A Markdown table of the rows, with the command and environment they came from."""
+    if not rows:
+        return "(no results)\n"
+    lines = []
+    env = next((row["environment"] for row in rows if row.get("environment")), {})
+    commands = sorted({row.get("command", "") for row in rows})
+    lines.append(f"Command: `{'`, `'.join(commands)}`  ")
+    if env:
+        gpus = ", ".join(g["name"] for g in env.get("gpus", [])) or env.get("cpu_model", "cpu")
+        lines.append(f"Device: {gpus}; torch {env.get('torch')} (CUDA {env.get('torch_cuda')}), transformers "
+                     f"{env.get('transformers')}, driver {env.get('driver')}; fitbench {env.get('fitbench_version')} "
+                     f"({env.get('git_commit') or 'no commit'}); {env.get('time_utc')}")
+    lines.append("")
+    lines.append("| model | params | mode | precision | batch×seq | median ± CV | tokens/s | MFU (datasheet) "
+                 "| MFU (measured peak) | decode % of BW roofline | peak reserved | NVML peak | status |")
+    lines.append("|" + "---|" * 13)
+    for row in rows:
+        spec, head, throughput = row["spec"], headline(row), row.get("throughput") or {}
+        infer = spec["mode"] == "infer"
+        shape = f"{spec['batch_size']}×{spec['seq_len']}" + (f"+{spec['new_tokens']}" if infer else "")
+        timing = (f"{format_seconds(head['time'])}{'/token' if infer else ''} ± {head['cv']:.1f}%"
+                  if head["time"] is not None else "-")
+        gpus = (row.get("memory") or {}).get("gpus") or []
+        nvml = ", ".join(format_bytes(g.get("nvml_peak_used")) for g in gpus) or "-"
+        measured = throughput.get("prefill_mfu_measured_peak" if infer else "mfu_measured_peak")
+        mfu = throughput.get("prefill_mfu" if infer else "mfu")
+        roofline = throughput.get("decode_roofline_percent")
+        lines.append(
+            f"| {spec['model']} | {format_count(row.get('params'))} | {spec['mode']} | {spec['precision']} | {shape} "
+            f"| {timing} | {head['tokens_per_s']:,.0f} | {_percent(mfu)}{' (prefill)' if infer and mfu else ''} "
+            f"| {_percent(measured)} | {_percent(roofline, 1.0)} | {head['memory'] or '-'} | {nvml} | {row['status']} |"
+            if head["tokens_per_s"] else
+            f"| {spec['model']} | {format_count(row.get('params'))} | {spec['mode']} | {spec['precision']} | {shape} "
+            f"| - | - | - | - | - | {head['memory'] or '-'} | {nvml} | {row['status']} |"
+        )
+    return "\n".join(lines) + "\n"

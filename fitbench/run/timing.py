@@ -8,12 +8,15 @@ no synchronization between steps. On the CPU, operators run synchronously and a 
 
 from __future__ import annotations
 
+import contextlib
+import gc
 import time
-from typing import Callable, Union
+from typing import Callable, Iterator, TypeVar, Union
 
 import torch
 
 Mark = Union[float, torch.cuda.Event]
+T = TypeVar("T")
 
 
 class DeviceClock:
@@ -39,18 +42,49 @@ class DeviceClock:
         return end - start
 
 
-def time_steps(step: Callable[[], object], clock: DeviceClock, *, warmup: int, repeats: int,
-               on_step: Callable[[str, int, int], None] = lambda phase, i, n: None) -> list[float]:
-    """Run ``warmup`` untimed steps, then ``repeats`` timed ones; return each timed step's seconds."""
+@contextlib.contextmanager
+def collector_paused() -> Iterator[None]:
+    """No garbage-collection pauses inside the measured stage (as ``timeit`` does); collect before it."""
+    gc.collect()
+    gc.disable()
+    try:
+        yield
+    finally:
+        gc.enable()
+
+
+def run_stages(call: Callable[[], T], clock: DeviceClock, *, warmup: int, repeats: int,
+               on_step: Callable[[str, int, int], None] = lambda phase, i, n: None) -> list[T]:
+    """``warmup`` untimed calls, then ``repeats`` measured ones with the collector paused; returns what
+    each measured call returned (its marks), readable once this function has synchronized."""
     for i in range(warmup):
-        step()
+        call()
         on_step("warmup", i + 1, warmup)
     clock.synchronize()
-    marks = []
-    for i in range(repeats):
+    results = []
+    with collector_paused():
+        for i in range(repeats):
+            results.append(call())
+            on_step("measure", i + 1, repeats)
+        clock.synchronize()
+    return results
+
+
+def time_steps(step: Callable[[], object], clock: DeviceClock, *, warmup: int, repeats: int,
+               on_step: Callable[[str, int, int], None] = lambda phase, i, n: None) -> list[float]:
+    """Seconds of each of ``repeats`` timed steps after ``warmup`` untimed ones."""
+    def timed() -> tuple[Mark, Mark]:
         start = clock.mark()
         step()
-        marks.append((start, clock.mark()))
-        on_step("measure", i + 1, repeats)
-    clock.synchronize()
+        return start, clock.mark()
+
+    marks = run_stages(timed, clock, warmup=warmup, repeats=repeats, on_step=on_step)
     return [clock.seconds(start, end) for start, end in marks]
+
+
+def first_call_seconds(call: Callable[[], object], clock: DeviceClock) -> float:
+    """Wall time of one call through to the device finishing it: compilation plus one step."""
+    started = time.perf_counter()
+    call()
+    clock.synchronize()
+    return time.perf_counter() - started

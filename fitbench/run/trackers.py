@@ -2,7 +2,7 @@
 
 - **torch allocator**, per GPU: peak allocated (live tensors) and peak reserved (what the
   caching allocator took from the driver), since the worker started.
-- **NVML**, per GPU: the largest memory the driver reported in use, sampled every 20 ms by a
+- **NVML**, per GPU: the largest memory the driver reported in use, sampled every 50 ms by a
   background thread. It counts what the allocator cannot see: the CUDA context, cuBLAS and
   NCCL workspaces. The process's own entry is used where NVML lists it; where a container hides
   the process id, the device's used memory minus what was in use when the worker started.
@@ -20,7 +20,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-SAMPLE_INTERVAL_S = 0.02
+SAMPLE_INTERVAL_S = 0.05
 
 
 def host_peak_rss_bytes() -> int:

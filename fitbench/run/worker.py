@@ -16,6 +16,7 @@ import os
 import sys
 import time
 import traceback
+from dataclasses import dataclass
 from pathlib import Path
 
 import torch
@@ -27,7 +28,7 @@ from fitbench.models.registry import is_local_model, resolve
 from fitbench.run.loops import generate, make_step, random_tokens, read_generation
 from fitbench.run.metrics import inference_metrics, step_metrics
 from fitbench.run.precision import policy as precision_policy
-from fitbench.run.timing import DeviceClock, time_steps
+from fitbench.run.timing import DeviceClock, first_call_seconds, run_stages, time_steps
 from fitbench.run.trackers import NvmlSampler, memory_report
 from fitbench.stats import SampleStats
 
@@ -48,106 +49,106 @@ def unique_parameter_bytes(module: torch.nn.Module) -> int:
     return sum(p.numel() * p.element_size() for p in module.parameters())
 
 
-def measure(spec: RunSpec) -> dict:
-    device = torch.device(spec.device)
-    if device.type == "cuda":
-        torch.cuda.set_device(device)
+def measure(spec: RunSpec, device: torch.device) -> dict:
+    """Build, warm up and measure ``spec``; every field of the result row but the memory."""
     arch = resolve(spec.model)
     policy = precision_policy(spec.precision)
     policy.apply_backend_flags()
     torch.manual_seed(spec.seed)
-    sampler = NvmlSampler([torch.cuda.current_device()]) if device.type == "cuda" else None
     clock = DeviceClock(device)
-    warnings: list[str] = []
 
     emit(phase="build")
     started = time.perf_counter()
     lm = load_model(arch, spec.backend, device, policy.weight_dtype,
-                    model_path=spec.model if is_local_model(spec.model) else None)
+                    model_path=spec.model if is_local_model(spec.model) else None,
+                    compute_dtype=policy.compute_dtype)
     clock.synchronize()
     build_s = time.perf_counter() - started
     if injected("crash", spec.model):
         print(f"FITBENCH_INJECT: aborting the worker of {spec.model}", file=sys.stderr, flush=True)
         os.abort()
-
-    compile_s = None
     if spec.compile:
         lm.module.compile()
-
-    def progress(phase: str, i: int, n: int) -> None:
-        emit(phase=phase, step=i, of=n)
 
     device_name = torch.cuda.get_device_name(device) if device.type == "cuda" else hardware.cpu_device_name()
     peak = hardware.peak_flops(device_name, policy.peak_kind) if device.type == "cuda" else None
     ceilings = hardware.load_ceilings(device_name)
     measured_peak = ceilings.matmul_flops.get(policy.peak_kind) if ceilings else None
-    result: dict = {"device_name": device_name, "build_s": build_s, "warnings": warnings,
-                    "peak_flops": peak, "measured_peak_flops": measured_peak,
-                    "peak_source": "datasheet (dense)" if peak else None}
+    peaks = Peaks(flops=peak, measured_flops=measured_peak,
+                  bandwidth=hardware.peak_bandwidth(device_name) if device.type == "cuda" else None)
 
-    if spec.mode == "infer":
-        prompt = random_tokens(arch.vocab_size, spec.batch_size, spec.seq_len, device, spec.seed)
-        run = generate(lm, prompt, spec.new_tokens, policy, clock, device)
-        if spec.compile:
-            emit(phase="compile")
-            started = time.perf_counter()
-            run()
-            clock.synchronize()
-            compile_s = time.perf_counter() - started
-        for i in range(spec.warmup_steps):
-            run()
-            progress("warmup", i + 1, spec.warmup_steps)
-        clock.synchronize()
-        all_marks = []
-        for i in range(spec.measure_steps):
-            all_marks.append(run())
-            progress("measure", i + 1, spec.measure_steps)
-        clock.synchronize()
-        generations = [read_generation(marks, clock) for marks in all_marks]
-        ttft = SampleStats.of(g.time_to_first_token for g in generations)
-        latencies = [t for g in generations for t in g.token_latencies]
-        token_latency = SampleStats.of(latencies) if latencies else None
-        e2e = SampleStats.of(g.end_to_end for g in generations)
-        result["timing"] = {
-            "time_to_first_token": ttft.as_dict(),
-            "token_latency": token_latency.as_dict() if token_latency else None,
-            "end_to_end": e2e.as_dict(),
-            "samples": {
-                "time_to_first_token": [g.time_to_first_token for g in generations],
-                "end_to_end": [g.end_to_end for g in generations],
-                "token_latency": latencies,
-            },
-        }
-        kv_element_bytes = torch.finfo(policy.compute_dtype).bits / 8
-        result["throughput"] = inference_metrics(
-            arch, spec.batch_size, spec.seq_len, spec.new_tokens, unique_parameter_bytes(lm.module),
-            kv_element_bytes, ttft, token_latency, peak, measured_peak,
-            hardware.peak_bandwidth(device_name) if device.type == "cuda" else None,
-        )
-        noisy = [name for name, s in (("token latency", token_latency), ("end-to-end", e2e)) if s and s.noisy]
-    else:
-        tokens = random_tokens(arch.vocab_size, spec.batch_size, spec.seq_len + 1, device, spec.seed)
-        step = make_step(spec.mode, lm, policy, tokens, device)
-        if spec.compile:
-            emit(phase="compile")
-            started = time.perf_counter()
-            step()
-            clock.synchronize()
-            compile_s = time.perf_counter() - started
-        samples = time_steps(step, clock, warmup=spec.warmup_steps, repeats=spec.measure_steps, on_step=progress)
-        step_stats = SampleStats.of(samples)
-        result["timing"] = {"step": step_stats.as_dict(), "samples": {"step": samples}}
-        result["throughput"] = step_metrics(arch, spec.mode, spec.batch_size, spec.seq_len, step_stats,
-                                            peak, measured_peak)
-        noisy = ["step time"] if step_stats.noisy else []
-    for name in noisy:
-        warnings.append(f"{name} varies: CV above 5%; more --warmup-steps or --measure-steps may steady it")
+    measure_mode = _measure_generation if spec.mode == "infer" else _measure_steps
+    timing, throughput, noisy, compile_s = measure_mode(spec, arch, lm, policy, clock, device, peaks)
+
+    warnings = [f"{name} varies: CV above 5%; more --warmup-steps or --measure-steps may steady it"
+                for name in noisy]
     if peak is None and device.type == "cuda":
-        warnings.append(f"no datasheet peak for {device_name!r}: MFU left empty (fitbench env --measure gives a measured one)")
-    result["compile_s"] = compile_s
-    result["memory"] = memory_report(device, sampler)
-    result["environment"] = hardware.environment()
-    return result
+        warnings.append(f"no datasheet peak for {device_name!r}: MFU left empty (fitbench env --measure "
+                        f"gives a measured one)")
+    return {
+        "device_name": device_name, "build_s": build_s, "compile_s": compile_s, "warnings": warnings,
+        "peak_flops": peak, "measured_peak_flops": measured_peak,
+        "peak_source": "datasheet (dense)" if peak else None,
+        "timing": timing, "throughput": throughput, "environment": hardware.environment(),
+    }
+
+
+@dataclass(frozen=True)
+class Peaks:
+    flops: float | None
+    measured_flops: float | None
+    bandwidth: float | None
+
+
+def _progress(phase: str, i: int, n: int) -> None:
+    emit(phase=phase, step=i, of=n)
+
+
+def _measure_steps(spec, arch, lm, policy, clock, device, peaks: Peaks):
+    tokens = random_tokens(arch.vocab_size, spec.batch_size, spec.seq_len + 1, device, spec.seed)
+    step = make_step(spec.mode, lm, policy, tokens, device)
+    compile_s = None
+    if spec.compile:
+        emit(phase="compile")
+        compile_s = first_call_seconds(step, clock)
+    samples = time_steps(step, clock, warmup=spec.warmup_steps, repeats=spec.measure_steps, on_step=_progress)
+    stats = SampleStats.of(samples)
+    timing = {"step": stats.as_dict(), "samples": {"step": samples}}
+    throughput = step_metrics(arch, spec.mode, spec.batch_size, spec.seq_len, stats, peaks.flops,
+                              peaks.measured_flops)
+    return timing, throughput, ["step time"] if stats.noisy else [], compile_s
+
+
+def _measure_generation(spec, arch, lm, policy, clock, device, peaks: Peaks):
+    prompt = random_tokens(arch.vocab_size, spec.batch_size, spec.seq_len, device, spec.seed)
+    run = generate(lm, prompt, spec.new_tokens, policy, clock, device)
+    compile_s = None
+    if spec.compile:
+        emit(phase="compile")
+        compile_s = first_call_seconds(run, clock)
+    all_marks = run_stages(run, clock, warmup=spec.warmup_steps, repeats=spec.measure_steps, on_step=_progress)
+    generations = [read_generation(marks, clock) for marks in all_marks]
+    ttft = SampleStats.of(g.time_to_first_token for g in generations)
+    latencies = [t for g in generations for t in g.token_latencies]
+    token_latency = SampleStats.of(latencies)
+    e2e = SampleStats.of(g.end_to_end for g in generations)
+    timing = {
+        "time_to_first_token": ttft.as_dict(),
+        "token_latency": token_latency.as_dict(),
+        "end_to_end": e2e.as_dict(),
+        "samples": {
+            "time_to_first_token": [g.time_to_first_token for g in generations],
+            "end_to_end": [g.end_to_end for g in generations],
+            "token_latency": latencies,
+        },
+    }
+    kv_element_bytes = torch.finfo(policy.compute_dtype).bits / 8
+    throughput = inference_metrics(
+        arch, spec.batch_size, spec.seq_len, spec.new_tokens, unique_parameter_bytes(lm.module), kv_element_bytes,
+        ttft, token_latency, peaks.flops, peaks.measured_flops, peaks.bandwidth,
+    )
+    noisy = [name for name, stats in (("token latency", token_latency), ("end-to-end", e2e)) if stats.noisy]
+    return timing, throughput, noisy, compile_s
 
 
 def classify(error: BaseException) -> str:
@@ -158,17 +159,29 @@ def classify(error: BaseException) -> str:
     return "error"
 
 
+def describe(error: BaseException) -> str:
+    """The exception's own message, then where it was raised."""
+    frames = traceback.extract_tb(error.__traceback__)
+    where = f"\n  at {frames[-1].filename}:{frames[-1].lineno} in {frames[-1].name}" if frames else ""
+    return ("".join(traceback.format_exception_only(error)).strip() + where)[-2000:]
+
+
 def main(argv: list[str]) -> int:
     spec_path, result_path = Path(argv[0]), Path(argv[1])
     spec = RunSpec.model_validate_json(spec_path.read_text())
+    device = torch.device(spec.device)
+    if device.type == "cuda":
+        torch.cuda.set_device(device)
+    sampler = NvmlSampler([torch.cuda.current_device()]) if device.type == "cuda" else None
     try:
-        payload = {"status": "ok", **measure(spec)}
+        payload = {"status": "ok", **measure(spec, device)}
         code = EXIT_OK
     except Exception as error:  # every failure becomes a result row; the sweep goes on
         traceback.print_exc()
-        lines = traceback.format_exception(error)
-        payload = {"status": classify(error), "error": "".join(lines[-3:]).strip()[-2000:]}
+        payload = {"status": classify(error), "error": describe(error)}
         code = EXIT_FAILED
+    # Also after a failure: the peak an out-of-memory reached is what the planner needs to know.
+    payload["memory"] = memory_report(device, sampler)
     tmp = result_path.with_suffix(".tmp")
     tmp.write_text(json.dumps(payload))
     os.replace(tmp, result_path)

@@ -1,0 +1,442 @@
+"""The ``fitbench`` command end to end: real worker processes, real files."""
+
+import json
+import os
+import shlex
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pandas as pd
+import psutil
+import pytest
+import torch
+from transformers import LlamaConfig
+
+from fitbench.cli import main
+from fitbench.config import RunSpec, SweepConfig, expand, load_yaml, merge_sources
+from fitbench.errors import UserError
+from fitbench.models.presets import PRESETS
+from fitbench.models.registry import resolve
+from fitbench.results.store import ResultStore
+
+SMALL_SHAPES = ["--batch-size", "1", "--seq-len", "16", "--new-tokens", "4", "--warmup-steps", "1",
+                "--measure-steps", "2"]
+ROW_FIELDS = {"key", "label", "spec", "status", "timing", "throughput", "memory", "environment", "command", "params",
+              "non_embedding_params", "started_at", "finished_at", "exit_code"}
+
+
+@pytest.fixture(autouse=True)
+def in_tmp(tmp_path, monkeypatch):
+    """Each test runs in its own directory: nothing lands in the checkout, not even a core file."""
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.delenv("FITBENCH_INJECT", raising=False)
+
+
+def cli(argv: list[str], capsys) -> tuple[int, str, str]:
+    """``fitbench ARGV`` in this process (its workers are child processes); exit code, stdout, stderr."""
+    try:
+        code = main(argv)
+    except SystemExit as exit_:
+        code = exit_.code
+    captured = capsys.readouterr()
+    return code, captured.out, captured.err
+
+
+def fitbench(*args: str, cwd: Path, env: dict | None = None, timeout: float = 300) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "-m", "fitbench", *args], capture_output=True, text=True, cwd=cwd,
+                          env={**os.environ, **(env or {})}, timeout=timeout)
+
+
+def rows_of(out: Path) -> list[dict]:
+    return list(ResultStore(out).rows())
+
+
+def write_local_model(directory: Path) -> Path:
+    LlamaConfig(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
+                num_key_value_heads=4, vocab_size=256, max_position_embeddings=128).save_pretrained(directory)
+    return directory
+
+
+# ---- full runs ----------------------------------------------------------------------------------
+
+
+def test_run_writes_jsonl_csv_and_table(tmp_path):
+    out = tmp_path / "out"
+    args = ["run", "--models", "tiny", "--mode", "train", "infer", *SMALL_SHAPES, "--out", str(out)]
+    done = fitbench(*args, cwd=tmp_path)
+    assert done.returncode == 0, done.stderr
+    assert "Traceback" not in done.stderr
+
+    rows = rows_of(out)
+    assert [row["spec"]["mode"] for row in rows] == ["train", "infer"]
+    tiny = resolve("tiny")
+    for row in rows:
+        assert ROW_FIELDS <= set(row), ROW_FIELDS - set(row)
+        assert row["status"] == "ok", row.get("error")
+        assert row["key"] == RunSpec(**row["spec"]).key
+        assert row["spec"]["model"] == "tiny" and row["spec"]["device"] == "cpu"
+        assert row["spec"]["batch_size"] == 1 and row["spec"]["seq_len"] == 16
+        assert row["spec"]["warmup_steps"] == 1 and row["spec"]["measure_steps"] == 2
+        assert row["spec"]["backend"] == "native" and row["spec"]["precision"] == "fp32"
+        assert row["params"] == tiny.total_params
+        assert row["non_embedding_params"] == tiny.non_embedding_params
+        assert row["environment"]["torch"] == torch.__version__
+        assert row["command"] == shlex.join(["fitbench", *args])
+        assert row["memory"]["host_peak_rss"] > 0
+        assert row["exit_code"] == 0
+        assert Path(row["log"]).is_file()
+    train, infer = rows
+    assert train["timing"]["step"]["count"] == 2
+    assert train["throughput"]["tokens_per_s"] == pytest.approx(16 / train["timing"]["step"]["median"])
+    assert infer["spec"]["new_tokens"] == 4
+    assert infer["timing"]["token_latency"]["count"] == 2 * 3
+    assert infer["throughput"]["decode_tokens_per_s"] == pytest.approx(1 / infer["timing"]["token_latency"]["median"])
+    assert len({row["key"] for row in rows}) == 2
+
+    table = pd.read_csv(out / "results.csv")
+    assert len(table) == 2
+    assert list(table["key"]) == [row["key"] for row in rows]
+    assert list(table["status"]) == ["ok", "ok"]
+    assert list(table["spec.model"]) == ["tiny", "tiny"]
+    assert list(table["spec.mode"]) == ["train", "infer"]
+    assert "timing.step.median" in table.columns
+    assert not any(column.startswith("timing.samples") for column in table.columns)
+
+    sweep = json.loads((out / "sweep.json").read_text())
+    assert sweep["config"]["models"] == ["tiny"] and sweep["device"] == "cpu"
+
+    assert "tiny" in done.stdout
+    assert "fitbench results" in done.stdout
+    # labels carry the backend in brackets; they must reach the terminal as written
+    assert "tiny train fp32 1x16 [native]" in done.stdout
+    assert "tiny infer fp32 1x16+4 [native]" in done.stdout
+
+
+def test_seed_spelling_of_the_options(tmp_path, capsys):
+    out = tmp_path / "out"
+    argv = ["run", "--models", "tiny", "--samples", "2", "--context-length", "16", "--pass-type", "backward",
+            "--batch-size", "1", "--warmup-steps", "1", "--out", str(out)]
+    code, stdout, stderr = cli(argv, capsys)
+    assert code == 0, stderr
+    (row,) = rows_of(out)
+    assert row["status"] == "ok", row.get("error")
+    assert row["spec"]["mode"] == "forward-backward"
+    assert row["spec"]["seq_len"] == 16
+    assert row["spec"]["measure_steps"] == 2
+    assert row["timing"]["step"]["count"] == 2
+    assert row["throughput"]["tokens_per_step"] == 16
+    assert row["command"] == shlex.join(["fitbench", *argv])
+
+
+def test_yaml_config_with_the_seeds_layout_and_cli_override(tmp_path, capsys):
+    config = tmp_path / "config.yaml"
+    config.write_text(
+        "models:\n"
+        "  sizes: [tiny]\n"
+        "mode: forward\n"
+        "batch_size: 2\n"
+        "context_length: 16\n"
+        "warmup-steps: 1\n"
+        "samples: 2\n"
+        "precision: fp32\n"
+    )
+    out = tmp_path / "out"
+    code, stdout, stderr = cli(["run", "--config", str(config), "--batch-size", "1", "--out", str(out)], capsys)
+    assert code == 0, stderr
+    (row,) = rows_of(out)
+    assert row["status"] == "ok", row.get("error")
+    assert row["spec"]["model"] == "tiny"
+    assert row["spec"]["mode"] == "forward"
+    assert row["spec"]["batch_size"] == 1  # the command line wins over the file
+    assert row["spec"]["seq_len"] == 16 and row["spec"]["warmup_steps"] == 1
+    assert row["timing"]["step"]["count"] == 2
+    assert row["throughput"]["flops_per_token"] == resolve("tiny").forward_flops_per_token(16)
+
+
+def test_precedence_of_cli_file_and_defaults(tmp_path):
+    config = tmp_path / "config.yaml"
+    config.write_text("models: {sizes: [tiny]}\nmode: forward\nbatch_size: 2\ncontext_length: 64\nsamples: 3\n")
+    file = load_yaml(config)
+    assert file["models"] == ["tiny"]
+
+    merged = merge_sources({"warmup_steps": 7, "batch_size": [5]}, file, {"batch_size": [1]})
+    assert merged.batch_size == [1] and merged.warmup_steps == 7
+    assert merged.seq_len == [64] and merged.measure_steps == 3 and merged.mode == ["forward"]
+
+    # an alias on the command line overrides the field in the file, and the reverse
+    merged = merge_sources({}, file, {"pass_type": "backward", "seq_len": [16], "measure_steps": 2})
+    assert merged.mode == ["forward-backward"]
+    assert merged.seq_len == [16] and merged.measure_steps == 2
+    merged = merge_sources({"seq_len": [128], "measure_steps": 10}, file, {})
+    assert merged.seq_len == [64] and merged.measure_steps == 3
+
+    specs = expand(merge_sources({}, file, {}), device="cpu", default_models=["small"])
+    assert [(s.model, s.mode, s.batch_size, s.seq_len) for s in specs] == [("tiny", "forward", 2, 64)]
+
+
+def test_default_sweep_on_a_cpu():
+    specs = expand(SweepConfig(), device="cpu", default_models=["tiny", "small"])
+    assert [(s.model, s.mode) for s in specs] == [("tiny", "train"), ("tiny", "infer"),
+                                                 ("small", "train"), ("small", "infer")]
+    assert all(s.precision == "fp32" and s.batch_size == 1 and s.seq_len == 128 for s in specs)
+    assert all(s.new_tokens == 32 for s in specs)
+    # the key ignores new_tokens outside infer, and tells every other field apart
+    train, infer = specs[0], specs[1]
+    assert train.key == train.model_copy(update={"new_tokens": 99}).key
+    assert infer.key != infer.model_copy(update={"new_tokens": 99}).key
+    assert len({s.key for s in specs}) == len(specs)
+
+
+def test_injected_crash_is_recorded_and_the_sweep_goes_on(tmp_path, capsys, monkeypatch):
+    other = str(write_local_model(tmp_path / "other"))
+    out = tmp_path / "out"
+    monkeypatch.setenv("FITBENCH_INJECT", "crash:tiny")
+    code, stdout, stderr = cli(["run", "--models", "tiny", other, "--mode", "forward", "infer", *SMALL_SHAPES,
+                                "--out", str(out)], capsys)
+    assert code == 0, stderr
+    rows = rows_of(out)
+    assert [(row["spec"]["model"], row["spec"]["mode"]) for row in rows] == [
+        ("tiny", "forward"), ("tiny", "infer"), (other, "forward"), (other, "infer")]
+    for row in rows[:2]:
+        assert row["status"] == "crashed"
+        assert "SIGABRT" in row["error"]
+        assert "FITBENCH_INJECT" in row["error"]  # the tail of the worker's log comes along
+        assert row["exit_code"] == -signal.SIGABRT
+        assert "timing" not in row
+    for row in rows[2:]:
+        assert row["status"] == "ok", row.get("error")
+        assert row["params"] == resolve(other).total_params
+    assert "crashed" in stdout
+    assert "2 of 4 configuration(s) did not finish" in stdout
+    table = pd.read_csv(out / "results.csv")
+    assert list(table["status"]) == ["crashed", "crashed", "ok", "ok"]
+
+
+def test_timeout_kills_the_worker(tmp_path, capsys):
+    out = tmp_path / "out"
+    started = time.monotonic()
+    code, stdout, stderr = cli(["run", "--models", "tiny", "--mode", "forward", *SMALL_SHAPES, "--timeout", "0.3",
+                                "--out", str(out)], capsys)
+    assert code == 0, stderr
+    (row,) = rows_of(out)
+    assert row["status"] == "timeout"
+    assert "timeout" in row["error"]
+    assert row["exit_code"] == -signal.SIGKILL
+    assert time.monotonic() - started < 60
+
+
+# ---- resume -------------------------------------------------------------------------------------
+
+
+def test_resume_after_the_sweep_is_killed(tmp_path, capsys):
+    out = tmp_path / "out"
+    args = ["run", "--models", "tiny", "--mode", "train", "forward", "forward-backward", "infer", *SMALL_SHAPES,
+            "--out", str(out)]
+    parent = subprocess.Popen([sys.executable, "-m", "fitbench", *args], cwd=tmp_path,
+                              stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
+                              env={**os.environ, "TMPDIR": str(tmp_path)})
+    workers: set[psutil.Process] = set()
+    try:
+        deadline = time.monotonic() + 240
+        while not rows_of(out):
+            assert parent.poll() is None, "the sweep ended before it could be interrupted"
+            assert time.monotonic() < deadline, "no row within the deadline"
+            try:
+                workers.update(psutil.Process(parent.pid).children(recursive=True))
+            except psutil.NoSuchProcess:
+                pass
+            time.sleep(0.05)
+        try:
+            workers.update(psutil.Process(parent.pid).children(recursive=True))
+        except psutil.NoSuchProcess:
+            pass
+    finally:
+        parent.send_signal(signal.SIGKILL)
+        parent.wait()
+        # a worker runs in its own session and outlives its parent; let it end, then make sure
+        _, alive = psutil.wait_procs(list(workers), timeout=60)
+        for process in alive:
+            process.kill()
+    before = rows_of(out)
+    assert 1 <= len(before) < 4
+    assert all(row["status"] == "ok" for row in before)
+
+    # a kill in the middle of a write leaves a partial last line
+    with (out / "results.jsonl").open("a") as handle:
+        handle.write('{"key": "cut-short", "status": "ok", "spec": {"mod')
+
+    code, stdout, stderr = cli(["run", "--resume", str(out)], capsys)
+    assert code == 0, stderr
+    assert f"{len(before)} already finished" in stdout
+
+    after = rows_of(out)
+    assert len(after) == 4
+    keys = [row["key"] for row in after]
+    assert len(set(keys)) == 4
+    assert sorted(row["spec"]["mode"] for row in after) == sorted(["train", "forward", "forward-backward", "infer"])
+    assert all(row["status"] == "ok" for row in after), [row.get("error") for row in after]
+    for old in before:
+        (new,) = [row for row in after if row["key"] == old["key"]]
+        assert new["started_at"] == old["started_at"]
+        assert new["timing"] == old["timing"]
+    # the saved settings applied: the same shapes as the first run
+    assert all(row["spec"]["seq_len"] == 16 and row["spec"]["measure_steps"] == 2 for row in after)
+    assert len(pd.read_csv(out / "results.csv")) == 4
+
+    # resuming a finished sweep runs nothing
+    code, stdout, _ = cli(["run", "--resume", str(out)], capsys)
+    assert code == 0
+    assert "4 already finished" in stdout
+    assert len(rows_of(out)) == 4
+
+
+def test_result_store_skips_a_truncated_last_line(tmp_path):
+    store = ResultStore(tmp_path / "store")
+    assert list(store.rows()) == [] and store.finished_keys() == set()
+    store.append({"key": "a", "value": 1})
+    with store.path.open("a") as handle:
+        handle.write('{"key": "b", "val')
+    assert [row["key"] for row in store.rows()] == ["a"]
+    store.append({"key": "c", "value": [1, 2]})
+    assert [row["key"] for row in store.rows()] == ["a", "c"]
+    assert store.finished_keys() == {"a", "c"}
+    lines = store.path.read_text().splitlines()
+    assert len(lines) == 3 and json.loads(lines[2]) == {"key": "c", "value": [1, 2]}
+    assert store.load_sweep() is None
+    store.save_sweep({"config": {"models": ["tiny"]}})
+    assert store.load_sweep() == {"config": {"models": ["tiny"]}}
+
+
+# ---- bad input ------------------------------------------------------------------------------------
+
+
+def check_user_error(code: int, stderr: str, *fields: str) -> None:
+    assert code == 2
+    assert "Traceback" not in stderr
+    message = stderr.strip()
+    assert message and len(message.splitlines()) == 1, message
+    for field in fields:
+        assert field in message, (field, message)
+
+
+@pytest.mark.parametrize("argv, fields", [
+    (["--models", "llama2-7b"], ["models", "llama2-7b", "llama-2-7b"]),
+    (["--models", "tiny", "--batch-size", "0"], ["batch_size", "--batch-size"]),
+    (["--models", "tiny", "--batch-size", "-4"], ["batch_size"]),
+    (["--models", "tiny", "--seq-len", "5000"], ["seq_len", "5000", "1024"]),
+    (["--models", "tiny", "--mode", "infer", "--seq-len", "1020", "--new-tokens", "8"], ["seq_len", "new_tokens"]),
+    (["--models", "tiny", "--precision", "bf17"], ["--precision", "bf17"]),
+    (["--models", "tiny", "--mode", "fly"], ["--mode", "fly"]),
+    (["--models", "tiny", "--batch-size", "two"], ["--batch-size", "two"]),
+    (["--models", "tiny", "--measure-steps", "0"], ["measure_steps"]),
+    (["--models", "tiny", "--new-tokens", "1"], ["new_tokens"]),
+    (["--models", "tiny", "--device", "tpu"], ["device", "tpu"]),
+    (["--models", "gpt2", "--backend", "native"], ["backend", "gpt2"]),
+])
+def test_bad_options(argv, fields, tmp_path, capsys):
+    code, stdout, stderr = cli(["run", *argv, "--out", str(tmp_path / "out")], capsys)
+    check_user_error(code, stderr, *fields)
+    assert not (tmp_path / "out" / "results.jsonl").exists()
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="asks for a GPU that this machine lacks")
+def test_cuda_on_a_machine_without_a_gpu(tmp_path, capsys):
+    code, _, stderr = cli(["run", "--models", "tiny", "--device", "cuda", "--out", str(tmp_path / "out")], capsys)
+    check_user_error(code, stderr, "device", "cuda", "--device cpu")
+
+
+@pytest.mark.parametrize("text, fields", [
+    ("models: [tiny\nmode: forward\n", ["config", "not valid YAML", "line"]),
+    ("models: [tiny]\nbatchsize: 2\n", ["batchsize", "unknown field"]),
+    ("models: {names: [tiny]}\n", ["config", "sizes"]),
+    ("- tiny\n- small\n", ["config", "mapping"]),
+    ("models: [tiny]\nprecision: bf17\n", ["precision", "bf17"]),
+    ("models: [tiny]\npass_type: [backward]\n", ["pass_type"]),
+])
+def test_bad_config_files(text, fields, tmp_path, capsys):
+    config = tmp_path / "config.yaml"
+    config.write_text(text)
+    code, _, stderr = cli(["run", "--config", str(config), "--out", str(tmp_path / "out")], capsys)
+    check_user_error(code, stderr, *fields)
+
+
+def test_missing_config_file(tmp_path, capsys):
+    code, _, stderr = cli(["run", "--config", str(tmp_path / "nowhere.yaml")], capsys)
+    check_user_error(code, stderr, "config", "nowhere.yaml")
+
+
+def test_resume_of_a_directory_without_a_sweep(tmp_path, capsys):
+    (tmp_path / "empty").mkdir()
+    code, _, stderr = cli(["run", "--resume", str(tmp_path / "empty")], capsys)
+    check_user_error(code, stderr, "resume", "sweep.json")
+
+
+def test_bad_input_in_a_real_process(tmp_path):
+    done = fitbench("run", "--models", "llama2-7b", cwd=tmp_path)
+    check_user_error(done.returncode, done.stderr, "llama-2-7b")
+    assert done.stdout == ""
+    done = fitbench("run", "--precision", "bf17", cwd=tmp_path)
+    check_user_error(done.returncode, done.stderr, "--precision")
+    assert not (tmp_path / "fitbench-results").exists()
+
+
+def test_user_errors_are_raised_not_printed():
+    with pytest.raises(UserError) as error:
+        expand(SweepConfig(models=["tiny"], seq_len=[2048]), device="cpu", default_models=[])
+    assert str(error.value).startswith("seq_len:")
+
+
+# ---- the other commands ---------------------------------------------------------------------------
+
+
+def test_models_lists_every_preset(capsys):
+    code, stdout, _ = cli(["models"], capsys)
+    assert code == 0
+    for arch in PRESETS:
+        assert f" {arch.name} " in stdout, arch.name
+        assert f"{arch.total_params:,}" in stdout
+
+    code, stdout, _ = cli(["models", "--json"], capsys)
+    assert code == 0
+    listed = json.loads(stdout)
+    assert [entry["name"] for entry in listed] == [arch.name for arch in PRESETS]
+    for entry in listed:
+        arch = resolve(entry["name"])
+        assert entry["total_params"] == arch.total_params
+        assert entry["non_embedding_params"] == arch.non_embedding_params
+        assert (entry["layers"], entry["hidden"], entry["vocab"]) == (arch.num_layers, arch.hidden_size,
+                                                                      arch.vocab_size)
+        assert entry["source"]
+
+    code, stdout, _ = cli(["models", "--sources"], capsys)
+    assert code == 0
+    assert "meta-llama/Llama-2-7b-hf config.json" in stdout
+
+
+def test_env_json(capsys):
+    code, stdout, _ = cli(["env", "--json"], capsys)
+    assert code == 0
+    info = json.loads(stdout)
+    assert info["torch"] == torch.__version__
+    assert info["cpu_count"] == os.cpu_count()
+    assert isinstance(info["gpus"], list)
+    assert len(info["gpus"]) == (torch.cuda.device_count() if torch.cuda.is_available() else 0)
+
+
+def test_help(tmp_path, capsys):
+    done = fitbench("--help", cwd=tmp_path)
+    assert done.returncode == 0, done.stderr
+    for command in ("run", "models", "env"):
+        assert command in done.stdout
+
+    code, stdout, stderr = cli(["run", "--help"], capsys)
+    assert code == 0
+    for option in ("--models", "--mode", "--pass-type", "--precision", "--batch-size", "--context-length",
+                   "--samples", "--resume", "--config", "examples:"):
+        assert option in stdout, option
+
+    code, stdout, _ = cli(["--version"], capsys)
+    assert code == 0 and "fitbench" in stdout

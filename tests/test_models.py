@@ -1,0 +1,309 @@
+import json
+import math
+
+import pytest
+import torch
+
+from fitbench.config import RunSpec
+from fitbench.models.architecture import Architecture
+from fitbench.models.backends import HuggingFaceLM, NativeLM, load_model
+from fitbench.models.hf import build_hf, hf_config
+from fitbench.models.native import DecoderConfig, build_native, rope_inverse_frequencies
+from fitbench.models.registry import resolve
+from fitbench.run.loops import make_step, random_tokens
+from fitbench.run.precision import policy
+from fitbench.run import worker
+
+MODES = ("train", "forward", "forward-backward", "infer")
+BATCH, SEQ, NEW = 2, 16, 4
+
+
+def spec(**fields) -> RunSpec:
+    values = dict(model="tiny", backend="native", mode="train", precision="fp32", batch_size=BATCH, seq_len=SEQ,
+                  new_tokens=NEW, device="cpu", warmup_steps=1, measure_steps=2)
+    return RunSpec(**{**values, **fields})
+
+
+def positive_finite(value) -> bool:
+    return isinstance(value, (int, float)) and math.isfinite(value) and value > 0
+
+
+def check_stats(stats: dict, count: int) -> None:
+    assert stats["count"] == count
+    for key in ("mean", "median", "min", "max", "p95", "q1", "q3"):
+        assert positive_finite(stats[key]), key
+    assert stats["min"] <= stats["median"] <= stats["max"]
+
+
+# ---- the worker's measurement, in this process ------------------------------------------------
+
+
+def measure(run: RunSpec, tmp_path) -> dict:
+    """The worker's whole job (``python -m fitbench.run.worker SPEC RESULT``), run in this process."""
+    spec_path, result_path = tmp_path / "spec.json", tmp_path / "result.json"
+    spec_path.write_text(run.model_dump_json())
+    code = worker.main([str(spec_path), str(result_path)])
+    result = json.loads(result_path.read_text())
+    assert result["status"] == "ok", result.get("error")
+    assert code == worker.EXIT_OK
+    return result
+
+
+
+@pytest.mark.parametrize("backend", ["native", "hf"])
+@pytest.mark.parametrize("mode", MODES)
+def test_every_mode_measures_on_tiny(mode, backend, tmp_path):
+    result = measure(spec(mode=mode, backend=backend), tmp_path)
+    arch = resolve("tiny")
+    timing, throughput = result["timing"], result["throughput"]
+    if mode == "infer":
+        check_stats(timing["time_to_first_token"], 2)
+        check_stats(timing["token_latency"], 2 * (NEW - 1))
+        check_stats(timing["end_to_end"], 2)
+        samples = timing["samples"]
+        assert len(samples["token_latency"]) == 2 * (NEW - 1)
+        # a generation lasts at least its prefill plus its decode steps
+        for e2e, ttft in zip(samples["end_to_end"], samples["time_to_first_token"]):
+            assert e2e >= ttft
+        latency = timing["token_latency"]["median"]
+        assert throughput["decode_tokens_per_s"] == pytest.approx(BATCH / latency)
+        assert throughput["prefill_tokens_per_s"] == pytest.approx(BATCH * SEQ / timing["time_to_first_token"]["median"])
+        # one copy of every weight in fp32, the tied output projection included once
+        assert throughput["weight_bytes"] == 4 * arch.total_params
+    else:
+        check_stats(timing["step"], 2)
+        assert len(timing["samples"]["step"]) == 2
+        median = timing["step"]["median"]
+        assert throughput["tokens_per_step"] == BATCH * SEQ
+        assert throughput["tokens_per_s"] == pytest.approx(BATCH * SEQ / median)
+        per_token = arch.forward_flops_per_token(SEQ) * (1 if mode == "forward" else 3)
+        assert throughput["flops_per_token"] == per_token
+        assert throughput["achieved_tflops"] == pytest.approx(BATCH * SEQ / median * per_token / 1e12)
+        assert throughput["mfu"] is None  # no datasheet peak for a CPU
+    assert result["memory"]["host_peak_rss"] > 0
+    assert result["memory"]["gpus"] == []
+    assert result["environment"]["torch"] == torch.__version__
+    assert result["device_name"].startswith("cpu")
+
+
+@pytest.mark.parametrize("backend", ["native", "hf"])
+@pytest.mark.parametrize("precision", ["bf16", "bf16-pure"])
+def test_generation_in_16_bits(precision, backend, tmp_path):
+    """Autocast keeps fp32 weights but 16-bit activations: the KV cache must take both."""
+    result = measure(spec(mode="infer", precision=precision, backend=backend), tmp_path)
+    check_stats(result["timing"]["token_latency"], 2 * (NEW - 1))
+
+
+@pytest.mark.parametrize("precision", ["bf16", "bf16-pure"])
+def test_native_bf16_train_step(precision, tmp_path):
+    result = measure(spec(precision=precision), tmp_path)
+    check_stats(result["timing"]["step"], 2)
+    assert result["throughput"]["tokens_per_s"] == pytest.approx(BATCH * SEQ / result["timing"]["step"]["median"])
+
+
+def test_train_updates_weights_and_forward_backward_does_not():
+    arch = resolve("tiny")
+    device = torch.device("cpu")
+    tokens = random_tokens(arch.vocab_size, 2, 9, device, seed=3)
+    assert torch.equal(tokens, random_tokens(arch.vocab_size, 2, 9, device, seed=3))
+    assert tokens.min() >= 0 and tokens.max() < arch.vocab_size
+
+    for precision, dtype in (("fp32", torch.float32), ("bf16-pure", torch.bfloat16), ("bf16", torch.float32)):
+        lm = load_model(arch, "native", device, policy(precision).weight_dtype)
+        weight = lm.module.model.layers[0].mlp.up_proj.weight
+        assert weight.dtype == dtype
+        before = weight.detach().clone()
+        make_step("forward-backward", lm, policy(precision), tokens, device)()
+        assert torch.equal(weight, before)
+        assert weight.grad is not None and weight.grad.dtype == dtype and weight.grad.abs().sum() > 0
+        make_step("train", lm, policy(precision), tokens, device)()
+        assert not torch.equal(weight, before)
+        assert torch.isfinite(weight).all()
+
+    lm = load_model(arch, "native", device, torch.float32)
+    make_step("forward", lm, policy("fp32"), tokens, device)()
+    assert all(p.grad is None for p in lm.module.parameters())
+
+
+@pytest.mark.parametrize("backend", ["native", "hf"])
+def test_tied_models_share_one_output_matrix(backend):
+    arch = resolve("tiny")
+    module = load_model(arch, backend, "cpu", torch.float32).module
+    assert module.lm_head.weight is module.model.embed_tokens.weight
+    assert sum(p.numel() for p in module.parameters()) == arch.total_params
+
+
+def test_random_weights_are_initialized():
+    arch = resolve("tiny")
+    for backend in ("native", "hf"):
+        module = load_model(arch, backend, "cpu", torch.float32).module
+        embedding = module.model.embed_tokens.weight
+        assert torch.isfinite(embedding).all()
+        assert embedding.std().item() == pytest.approx(0.02, rel=0.1)
+        assert torch.equal(module.model.norm.weight, torch.ones(arch.hidden_size))
+
+
+# ---- numerical agreement of the two backends ----------------------------------------------------
+
+
+def small_arch(model_type: str = "llama", *, qkv_bias: bool = False, tied: bool = False,
+               rope_scaling: dict | None = None, max_seq_len: int = 64) -> Architecture:
+    return Architecture(
+        name=f"small-{model_type}", family="llama", hf_model_type=model_type, vocab_size=128, hidden_size=64,
+        num_layers=4, num_heads=4, num_kv_heads=2, ffn_size=160, max_seq_len=max_seq_len, tie_embeddings=tied,
+        source="test", qkv_bias=qkv_bias, rope_scaling=rope_scaling, norm_eps=1e-5,
+    )
+
+
+# original context 64, head dim 16, theta 1e4: three of the eight frequencies are scaled, one interpolated
+SHORT_LLAMA3 = {"rope_type": "llama3", "factor": 4.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
+                "original_max_position_embeddings": 64}
+
+VARIANTS = {
+    "llama-gqa": small_arch(),
+    "qwen2-bias": small_arch("qwen2", qkv_bias=True),
+    "llama-tied": small_arch(tied=True),
+    "llama3-rope": small_arch(rope_scaling=SHORT_LLAMA3, max_seq_len=256),
+}
+
+
+@torch.no_grad()
+def randomize(module: torch.nn.Module, seed: int) -> None:
+    """Weights large enough that attention is far from uniform, norms and biases away from 1 and 0."""
+    generator = torch.Generator().manual_seed(seed)
+    for name, parameter in module.named_parameters():
+        noise = torch.randn(parameter.shape, generator=generator)
+        if name.endswith("norm.weight") or "layernorm" in name:
+            parameter.copy_(1 + 0.2 * noise)
+        elif name.endswith("bias"):
+            parameter.copy_(0.2 * noise)
+        else:
+            parameter.copy_(0.08 * noise)
+
+
+def paired_models(arch: Architecture, seed: int = 0):
+    hf = build_hf(arch, "cpu", torch.float32).eval()
+    randomize(hf, seed)
+    native = build_native(arch, "cpu", torch.float32).eval()
+    result = native.load_state_dict(hf.state_dict(), strict=False)
+    assert result.missing_keys == []
+    assert result.unexpected_keys == []
+    for name, tensor in native.state_dict().items():
+        assert torch.equal(tensor, hf.state_dict()[name]), name
+    return native, hf
+
+
+@pytest.mark.parametrize("variant", VARIANTS)
+def test_native_and_hf_logits_agree(variant):
+    arch = VARIANTS[variant]
+    native, hf = paired_models(arch)
+    assert type(hf).__name__.lower().startswith(arch.hf_model_type)
+    if arch.qkv_bias:
+        assert native.model.layers[0].self_attn.q_proj.bias.abs().sum() > 0
+    tokens = torch.randint(0, arch.vocab_size, (2, 48), generator=torch.Generator().manual_seed(1))
+    with torch.no_grad():
+        ours = native(tokens)
+        theirs = hf(tokens).logits
+    assert ours.shape == theirs.shape == (2, 48, arch.vocab_size)
+    assert theirs.std() > 0.1  # the comparison is between non-trivial logits
+    torch.testing.assert_close(ours, theirs, atol=1e-4, rtol=1e-4)
+
+
+def test_rope_scaling_variant_differs_from_plain_rope():
+    scaled = rope_inverse_frequencies(DecoderConfig.from_architecture(VARIANTS["llama3-rope"]), "cpu")
+    plain = rope_inverse_frequencies(DecoderConfig.from_architecture(VARIANTS["llama-gqa"]), "cpu")
+    assert not torch.allclose(scaled, plain)
+    # wavelengths 2 pi 1e4^(i/8): below 64 / 4 kept, above 64 divided by the factor, between interpolated
+    wavelengths = 2 * math.pi / plain
+    kept, divided = wavelengths < 16, wavelengths > 64
+    assert kept.sum() == 1 and divided.sum() == 5
+    torch.testing.assert_close(scaled[kept], plain[kept])
+    torch.testing.assert_close(scaled[divided], plain[divided] / 4.0)
+    between = ~kept & ~divided
+    assert ((scaled[between] < plain[between]) & (scaled[between] > plain[between] / 4.0)).all()
+
+
+@pytest.mark.parametrize("variant", ["llama-gqa", "qwen2-bias", "llama3-rope"])
+def test_incremental_decoding_matches_the_full_forward(variant):
+    arch = VARIANTS[variant]
+    native, hf = paired_models(arch, seed=5)
+    tokens = torch.randint(0, arch.vocab_size, (2, 13), generator=torch.Generator().manual_seed(2))
+    prompt_len, steps = 10, 3
+    for lm in (NativeLM(native, torch.float32), HuggingFaceLM(hf, static_cache=True)):
+        with torch.inference_mode():
+            full = lm.logits(tokens)  # (B, T, V)
+            first = lm.prefill(tokens[:, :prompt_len], max_len=prompt_len + steps + 2)
+            torch.testing.assert_close(first, full[:, prompt_len - 1], atol=1e-4, rtol=1e-4)
+            for step in range(steps):
+                position = prompt_len + step
+                logits = lm.decode(tokens[:, position:position + 1])
+                assert logits.shape == (2, arch.vocab_size)
+                torch.testing.assert_close(logits, full[:, position], atol=1e-4, rtol=1e-4)
+            # a second generation starts from a fresh cache
+            again = lm.prefill(tokens[:, :4], max_len=8)
+            torch.testing.assert_close(again, full[:, 3], atol=1e-4, rtol=1e-4)
+
+
+def test_llama31_rope_frequencies_match_transformers():
+    from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
+
+    arch = resolve("llama-3.1-8b")
+    ours = rope_inverse_frequencies(DecoderConfig.from_architecture(arch), "cpu")
+    theirs, attention_scaling = ROPE_INIT_FUNCTIONS["llama3"](hf_config(arch), "cpu")
+    assert attention_scaling == 1.0
+    assert ours.shape == theirs.shape == (arch.head_dim // 2,)
+    torch.testing.assert_close(ours, theirs.float(), atol=0, rtol=1e-6)
+    # and it is really scaled: the longest wavelengths are 8x the unscaled ones
+    plain = 1.0 / (arch.rope_theta ** (torch.arange(0, arch.head_dim, 2, dtype=torch.float32) / arch.head_dim))
+    torch.testing.assert_close(ours[-1], plain[-1] / 8.0)
+    torch.testing.assert_close(ours[0], plain[0])
+
+
+def test_native_rotary_tables_match_the_hf_model():
+    arch = VARIANTS["llama3-rope"]
+    native, hf = paired_models(arch)
+    torch.testing.assert_close(rope_inverse_frequencies(native.config, "cpu"), hf.model.rotary_emb.inv_freq.float())
+    positions = torch.arange(arch.max_seq_len, dtype=torch.float32)
+    angles = torch.outer(positions, hf.model.rotary_emb.inv_freq.float())
+    torch.testing.assert_close(native.rope_cos, torch.cat((angles, angles), -1).cos())
+    torch.testing.assert_close(native.rope_sin, torch.cat((angles, angles), -1).sin())
+
+
+# ---- checkpoints ----------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("source", ["tiny", "llama3-rope"])
+def test_native_loads_a_transformers_checkpoint(tmp_path, source):
+    arch = resolve("tiny") if source == "tiny" else VARIANTS[source]
+    hf = build_hf(arch, "cpu", torch.float32).eval()
+    randomize(hf, seed=11)
+    hf.save_pretrained(tmp_path)
+    assert list(tmp_path.glob("*.safetensors"))
+
+    local = resolve(str(tmp_path))
+    assert local.total_params == arch.total_params
+    assert local.rope_scaling == arch.rope_scaling
+    tokens = torch.randint(0, arch.vocab_size, (2, 40), generator=torch.Generator().manual_seed(4))
+    with torch.no_grad():
+        expected = hf(tokens).logits
+    native = load_model(local, "native", "cpu", torch.float32, model_path=str(tmp_path))
+    assert isinstance(native, NativeLM)
+    with torch.no_grad():
+        torch.testing.assert_close(native.logits(tokens), expected, atol=1e-4, rtol=1e-4)
+    reloaded = load_model(local, "hf", "cpu", torch.float32, model_path=str(tmp_path))
+    with torch.no_grad():
+        torch.testing.assert_close(reloaded.logits(tokens), expected, atol=1e-4, rtol=1e-4)
+
+
+def test_checkpoint_missing_tensors_is_an_error(tmp_path):
+    from safetensors.torch import save_file
+
+    from fitbench.models.backends import load_checkpoint
+
+    arch = small_arch()
+    hf = build_hf(arch, "cpu", torch.float32)
+    state = {k: v.contiguous() for k, v in hf.state_dict().items() if "layers.3." not in k}
+    save_file(state, str(tmp_path / "model.safetensors"))
+    native = build_native(arch, "cpu", torch.float32)
+    with pytest.raises(ValueError, match="lacks"):
+        load_checkpoint(native, tmp_path, "cpu")
