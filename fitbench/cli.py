@@ -66,6 +66,8 @@ def _add_run_options(parser: argparse.ArgumentParser) -> None:
     add("--backend", choices=("auto", "native", "hf"), default=S,
         help="native: fitbench's decoder (Llama-style models); hf: transformers (every family). Default auto")
     add("--compile", action="store_true", default=S, help="torch.compile the model; compile time is reported apart")
+    add("--activation-checkpointing", dest="activation_checkpointing", action="store_true", default=S,
+        help="recompute each layer's activations in the backward pass (train, forward-backward)")
     add("--warmup-steps", dest="warmup_steps", type=int, default=S, metavar="N", help="untimed steps first (default 5)")
     add("--measure-steps", "--samples", dest="measure_steps", type=int, default=S, metavar="N",
         help="timed steps (generations in infer), default 10")

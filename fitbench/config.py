@@ -41,6 +41,7 @@ class RunSpec(BaseModel):
     seq_len: int = Field(gt=0)
     new_tokens: int = Field(gt=0)
     compile: bool = False
+    activation_checkpointing: bool = False
     device: str
     warmup_steps: int = Field(ge=0)
     measure_steps: int = Field(gt=0)
@@ -58,7 +59,8 @@ class RunSpec(BaseModel):
     @property
     def label(self) -> str:
         shape = f"{self.batch_size}x{self.seq_len}" + (f"+{self.new_tokens}" if self.mode == "infer" else "")
-        return f"{self.model} {self.mode} {self.precision} {shape} [{self.backend}]"
+        recompute = " recompute" if self.activation_checkpointing else ""
+        return f"{self.model} {self.mode} {self.precision} {shape}{recompute} [{self.backend}]"
 
 
 def _as_list(value: Any) -> Any:
@@ -82,6 +84,7 @@ class SweepConfig(BaseModel):
     new_tokens: int | None = Field(None, gt=1, description="tokens generated per sequence in infer (at least 2)")
     backend: BackendChoice = "auto"
     compile: bool = False
+    activation_checkpointing: bool = False
     warmup_steps: int = Field(5, ge=0)
     measure_steps: int = Field(10, gt=0, validation_alias="samples")
     device: str = "auto"
@@ -168,7 +171,9 @@ def expand(config: SweepConfig, *, device: str, default_models: list[str]) -> li
                             )
                         specs.append(RunSpec(
                             model=model, backend=backend, mode=mode, precision=precision, batch_size=batch,
-                            seq_len=seq_len, new_tokens=new_tokens, compile=config.compile, device=device,
+                            seq_len=seq_len, new_tokens=new_tokens, compile=config.compile,
+                            activation_checkpointing=config.activation_checkpointing and mode != "infer"
+                            and mode != "forward", device=device,
                             warmup_steps=config.warmup_steps, measure_steps=config.measure_steps, seed=config.seed,
                         ))
     return specs

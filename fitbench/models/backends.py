@@ -53,6 +53,10 @@ class CausalLM:
         """One step: tokens (B, 1) at the next position -> logits (B, V)."""
         raise NotImplementedError
 
+    def enable_activation_checkpointing(self) -> None:
+        """Recompute each layer's activations in the backward pass instead of keeping them."""
+        raise NotImplementedError
+
 
 class NativeLM(CausalLM):
     def __init__(self, module: NativeCausalLM, cache_dtype: torch.dtype):
@@ -71,6 +75,9 @@ class NativeLM(CausalLM):
         logits = self.module(tokens, cache=self.cache, start=self.position)[:, -1]
         self.position += 1
         return logits
+
+    def enable_activation_checkpointing(self) -> None:
+        self.module.activation_checkpointing = True
 
 
 class HuggingFaceLM(CausalLM):
@@ -95,6 +102,9 @@ class HuggingFaceLM(CausalLM):
         out = self.module(tokens, past_key_values=self.cache, use_cache=True, cache_position=position)
         self.position += 1
         return out.logits[:, -1]
+
+    def enable_activation_checkpointing(self) -> None:
+        self.module.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
 
 
 def load_model(arch: Architecture, backend: Backend, device: torch.device | str, dtype: torch.dtype,

@@ -21,6 +21,7 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 from torch import nn
+from torch.utils.checkpoint import checkpoint
 
 from fitbench.models.architecture import Architecture
 
@@ -188,6 +189,9 @@ class NativeCausalLM(nn.Module):
         self.lm_head = nn.Linear(config.dim, config.vocab_size, bias=False)
         if config.tie_embeddings:
             self.lm_head.weight = self.model.embed_tokens.weight
+        # Full activation checkpointing: each layer keeps only its input and recomputes the rest
+        # during the backward pass (Chen et al. 2016).
+        self.activation_checkpointing = False
         self.register_buffer("rope_cos", torch.empty(config.max_seq_len, config.head_dim), persistent=False)
         self.register_buffer("rope_sin", torch.empty(config.max_seq_len, config.head_dim), persistent=False)
 
@@ -197,8 +201,12 @@ class NativeCausalLM(nn.Module):
         T = tokens.shape[1]
         cos, sin = self.rope_cos[start:start + T], self.rope_sin[start:start + T]
         x = self.model.embed_tokens(tokens)  # (B, T, C)
+        recompute = self.activation_checkpointing and torch.is_grad_enabled()
         for layer in self.model.layers:
-            x = layer(x, cos, sin, cache, start)
+            if recompute:
+                x = checkpoint(layer, x, cos, sin, cache, start, use_reentrant=False)
+            else:
+                x = layer(x, cos, sin, cache, start)
         x = self.model.norm(x)
         if last_only:
             x = x[:, -1:, :]

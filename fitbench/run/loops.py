@@ -41,8 +41,9 @@ def make_step(mode: str, lm: CausalLM, policy: PrecisionPolicy, tokens: torch.Te
         return forward
 
     parameters = [p for p in lm.module.parameters() if p.requires_grad]
-    optimizer = (torch.optim.AdamW(parameters, lr=LEARNING_RATE, fused=device.type == "cuda")
-                 if mode == "train" else None)
+    # Fused AdamW (CUDA and CPU) updates in place with no full-size temporaries, so the step's
+    # memory is weights + gradients + the two moments and nothing more.
+    optimizer = torch.optim.AdamW(parameters, lr=LEARNING_RATE, fused=True) if mode == "train" else None
     scaler = torch.amp.GradScaler(device.type) if policy.scale_loss else None
 
     def loss_backward() -> None:

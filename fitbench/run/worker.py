@@ -67,6 +67,8 @@ def measure(spec: RunSpec, device: torch.device) -> dict:
     if injected("crash", spec.model):
         print(f"FITBENCH_INJECT: aborting the worker of {spec.model}", file=sys.stderr, flush=True)
         os.abort()
+    if spec.activation_checkpointing:
+        lm.enable_activation_checkpointing()
     if spec.compile:
         lm.module.compile()
 

@@ -1,0 +1,108 @@
+"""The exact estimator: run one configuration's real loop on fake tensors and record the peak.
+
+Under ``FakeTensorMode`` every tensor has a shape, dtype and device but no storage, so a 70B
+training step "runs" on a laptop without memory. ``LiveStorage``, a dispatch mode, sees every
+storage an operator creates (parameters, gradients, optimizer state, activations, temporaries)
+and a finalizer sees it freed, so it knows the live bytes after every operator and their peak.
+torch keeps one Python object per storage for the storage's whole life, which is what makes the
+finalizer fire exactly when the memory would be returned. The loop is fitbench's own (``fitbench.run.loops``), so what is traced is what
+the worker runs. Training traces two steps: the first creates AdamW's state, the second is the
+steady state.
+
+It measures live tensor bytes, as ``torch.cuda.max_memory_allocated`` does; the CUDA context and
+the allocator's slack are outside it. On a machine without a GPU the trace runs on fake CPU
+tensors, whose kernels (the CPU flash attention) save what the CUDA ones save.
+"""
+
+from __future__ import annotations
+
+import weakref
+from dataclasses import dataclass
+
+import torch
+from torch.utils._python_dispatch import TorchDispatchMode
+from torch.utils._pytree import tree_flatten
+from torch.utils.weak import WeakIdKeyDictionary
+
+from fitbench.models.architecture import Architecture
+from fitbench.models.backends import NativeLM
+from fitbench.models.native import DecoderConfig, NativeCausalLM
+from fitbench.run.loops import generate, make_step
+from fitbench.run.precision import policy as precision_policy
+from fitbench.run.timing import DeviceClock
+
+TRAINING_STEPS = 2
+DECODE_STEPS = 2
+
+
+class LiveStorage(TorchDispatchMode):
+    """Live and peak bytes of every storage created while active, plus those ``adopt`` is given."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.live = 0
+        self.peak = 0
+        self._seen: WeakIdKeyDictionary = WeakIdKeyDictionary()
+
+    def adopt(self, tensor: torch.Tensor) -> None:
+        storage = tensor.untyped_storage()
+        if storage in self._seen:
+            return
+        size = storage.nbytes()
+        self._seen[storage] = size
+        self.live += size
+        self.peak = max(self.peak, self.live)
+        weakref.finalize(storage, self._free, size)
+
+    def _free(self, size: int) -> None:
+        self.live -= size
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        out = func(*args, **(kwargs or {}))
+        for value in tree_flatten(out)[0]:
+            if isinstance(value, torch.Tensor):
+                self.adopt(value)
+        return out
+
+
+@dataclass(frozen=True)
+class TracedPeak:
+    peak_bytes: int
+    device: str
+
+
+def trace_peak(arch: Architecture, mode: str, precision: str, batch: int, seq_len: int, *,
+               new_tokens: int = DECODE_STEPS + 1, activation_checkpointing: bool = False,
+               device: str | None = None) -> TracedPeak:
+    """Peak live bytes of ``mode`` for the native model, traced with fake tensors."""
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    if arch.family != "llama":
+        raise ValueError(f"the trace follows the native decoder; {arch.name} is {arch.family}")
+    device = device or ("cuda" if torch.cuda.is_available() else "cpu")
+    target = torch.device(device)
+    policy = precision_policy(precision)
+    with torch.device("meta"):
+        module = NativeCausalLM(DecoderConfig.from_architecture(arch))
+        module.to(dtype=policy.weight_dtype)
+        module.rope_cos, module.rope_sin = module.rope_cos.float(), module.rope_sin.float()
+    module.activation_checkpointing = activation_checkpointing
+
+    with FakeTensorMode(allow_non_fake_inputs=True):
+        module.to_empty(device=target)
+        if arch.tie_embeddings:
+            module.lm_head.weight = module.model.embed_tokens.weight
+        lm = NativeLM(module, cache_dtype=policy.compute_dtype)
+        tracker = LiveStorage()
+        for tensor in [*module.parameters(), *module.buffers()]:
+            tracker.adopt(tensor)
+        with tracker:
+            if mode == "infer":
+                prompt = torch.zeros((batch, seq_len), dtype=torch.long, device=target)
+                generate(lm, prompt, min(new_tokens, DECODE_STEPS + 1), policy, DeviceClock(target), target)()
+            else:
+                tokens = torch.zeros((batch, seq_len + 1), dtype=torch.long, device=target)
+                step = make_step(mode, lm, policy, tokens, target)
+                for _ in range(TRAINING_STEPS if mode == "train" else 1):
+                    step()
+    return TracedPeak(peak_bytes=tracker.peak, device=str(target))
