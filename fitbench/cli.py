@@ -80,6 +80,29 @@ def _add_run_options(parser: argparse.ArgumentParser) -> None:
     add("--config", metavar="FILE", default=None, help="YAML file with any of these options as keys")
 
 
+def _add_plan_options(parser: argparse.ArgumentParser) -> None:
+    from fitbench.plan.memory import QUANTIZED
+
+    add = parser.add_argument
+    add("--models", nargs="+", required=True, metavar="MODEL", help="presets, local directories or hub ids")
+    add("--mode", "--modes", dest="mode", nargs="+", choices=MODES, default=["train"], help="default: train")
+    add("--precision", nargs="+", choices=[*PRECISIONS, *QUANTIZED], default=None,
+        help="the precision ladder, in order of preference (default per mode: train bf16 bf16-pure; "
+             "infer and forward bf16-pure int8 nf4)")
+    add("--batch-size", dest="batch_size", nargs="+", default=["1"], metavar="N",
+        help="batch sizes, or auto for the largest predicted to fit (default 1)")
+    add("--seq-len", "--context-length", dest="seq_len", default=512, metavar="T", help="default 512")
+    add("--new-tokens", dest="new_tokens", default=128, metavar="N", help="generated tokens in infer (default 128)")
+    add("--strategy", nargs="+", choices=("single", "ddp", "fsdp", "tp", "pipeline"), default=None,
+        help="limit the layouts considered (default: all that apply to the mode)")
+    add("--gpus", type=int, default=None, help="how many GPUs to plan for (default: those detected)")
+    add("--gpu-memory", dest="gpu_memory", default=None, metavar="SIZE", help="memory per GPU, e.g. 80GB or 79.2GiB")
+    add("--gpu", default=None, metavar="NAME", help="a named GPU, e.g. H100-80GB, A100-40GB, L40S (sets memory and speed)")
+    add("--trace", action="store_true", help="also trace the chosen plan on fake tensors (exact tensor peak)")
+    add("--requirements", action="store_true", help="table of the fewest GPUs each model x precision needs")
+    add("--json", action="store_true", help="machine-readable output, sizes in bytes")
+
+
 # ---- run ------------------------------------------------------------------------------------
 
 
@@ -119,6 +142,35 @@ def default_models(device: str) -> list[str]:
     return fitting[:3] or ["tiny"]
 
 
+def plan_specs(specs: list, config, device: str) -> tuple[list, dict[str, dict]]:
+    """On a GPU, plan every Llama-family configuration before it runs: the planner picks the precision
+    and activation checkpointing the user left open, and predicts the per-GPU peak stored with the
+    result. Returns the specs to run and the predictions by spec key."""
+    if device == "cpu":
+        return specs, {}
+    import torch
+
+    from fitbench.models.registry import resolve
+    from fitbench.plan.calibration import load_calibration
+    from fitbench.plan.planner import GpuTarget, predict_spec
+
+    properties = torch.cuda.get_device_properties(torch.device(device))
+    target = GpuTarget(properties.name, 1, float(properties.total_memory), described=False)
+    calibration = load_calibration(properties.name)
+    planned, predictions = [], {}
+    for spec in specs:
+        arch = resolve(spec.model)
+        if arch.family != "llama":
+            planned.append(spec)
+            continue
+        spec, prediction = predict_spec(arch, spec, target, calibration, choose_precision=config.precision is None,
+                                        choose_recompute=config.activation_checkpointing is None,
+                                        runnable=PRECISIONS)
+        planned.append(spec)
+        predictions[spec.key] = prediction
+    return planned, predictions
+
+
 def _describe_row(row: dict[str, Any]) -> str:
     from fitbench.results.report import headline
     from fitbench.units import format_seconds
@@ -152,6 +204,7 @@ def run(args: argparse.Namespace, cli_options: dict[str, Any]) -> int:
     config = merge_sources(saved, file_options, cli_options)
     device = resolve_device(config.device)
     specs = expand(config, device=device, default_models=default_models(device))
+    specs, predictions = plan_specs(specs, config, device)
 
     out = args.resume or config.out or str(Path("fitbench-results") / datetime.now(timezone.utc).strftime("%Y%m%d-%H%M%S"))
     config = config.model_copy(update={"out": out})
@@ -189,7 +242,8 @@ def run(args: argparse.Namespace, cli_options: dict[str, Any]) -> int:
 
         callbacks = SweepCallbacks(on_start=on_start, on_event=on_event, on_finish=on_finish,
                                    on_skip=lambda spec: progress.advance(sweep_task))
-        run_sweep(specs, store, timeout=config.timeout, command=command, callbacks=callbacks)
+        run_sweep(specs, store, timeout=config.timeout, command=command, callbacks=callbacks,
+                  predictions=predictions)
 
     keys = {spec.key for spec in specs}
     rows = [row for row in store.rows() if row.get("key") in keys]
@@ -200,6 +254,194 @@ def run(args: argparse.Namespace, cli_options: dict[str, Any]) -> int:
     if failed:
         console.print(f"{failed} of {len(rows)} configuration(s) did not finish; their rows say why "
                       f"(status, error) and the logs are in {out}/logs/.")
+    return 0
+
+
+# ---- plan -----------------------------------------------------------------------------------
+
+PLAN_EXAMPLES = """\
+examples:
+  fitbench plan --models llama-2-70b --mode infer --gpus 4 --gpu-memory 80GB
+  fitbench plan --models 7B 13B --mode train --gpu H100-80GB --batch-size auto
+  fitbench plan --models small --mode train --batch-size 4 --seq-len 512 --gpu H100-80GB --trace
+  fitbench plan --models 7B 13B 70B --gpu-memory 80GB --requirements
+Without --gpus/--gpu-memory/--gpu the GPUs of this machine are used.
+"""
+
+
+def gpu_target(args: argparse.Namespace):
+    """The GPUs to plan for: described on the command line, else detected."""
+    from fitbench import hardware
+    from fitbench.plan.planner import GPU_ALIASES, GpuTarget
+    from fitbench.units import parse_bytes
+
+    name = None
+    if args.gpu:
+        name = GPU_ALIASES.get(args.gpu.upper(), args.gpu)
+        if hardware.gpu_spec(name) is None:
+            raise UserError(f"gpu: {args.gpu!r} is not a known GPU. Known: {', '.join(GPU_ALIASES)} (or an exact "
+                            f"device name such as 'NVIDIA H100 80GB HBM3'); or describe it with --gpu-memory.")
+    memory = None
+    if args.gpu_memory:
+        try:
+            memory = parse_bytes(args.gpu_memory)
+        except ValueError:
+            raise UserError(f"gpu-memory: {args.gpu_memory!r} is not a size; write it like 80GB or 79.2GiB.") from None
+    detected = hardware.detect_gpus()
+    if name is None and memory is None and args.gpus is None:
+        if not detected:
+            raise UserError("gpus: no GPU is visible here; describe the hardware to plan for, e.g. "
+                            "--gpus 4 --gpu-memory 80GB, or --gpu H100-80GB.")
+        return GpuTarget(detected[0].name, len(detected), float(detected[0].total_memory), described=False)
+    if memory is None:
+        if name is None:
+            raise UserError("gpu-memory: with --gpus, say how much memory each GPU has (--gpu-memory 80GB) "
+                            "or which GPU it is (--gpu H100-80GB).")
+        memory = hardware.gpu_spec(name).memory_gb * 1e9
+    count = args.gpus or 1
+    if count <= 0:
+        raise UserError(f"gpus: must be a positive number of GPUs, got {count}.")
+    return GpuTarget(name, count, memory, described=True)
+
+
+def _plan_text(result, trace) -> None:
+    from fitbench.units import format_bytes
+
+    target = result.target
+    where = f"{target.count} x {format_bytes(target.memory)}" + (f" {target.name}" if target.name else "")
+    console.print(f"[bold]{escape(result.model)}[/bold] {result.mode} on {where}"
+                  f" ({'described' if target.described else 'detected'}); overheads: {result.calibration}")
+    chosen = result.chosen
+    if chosen is None:
+        console.print("[red]nothing fits[/red]: every candidate was rejected.")
+    else:
+        speed = chosen.speed
+        console.print(f"chosen: [green]{escape(chosen.candidate.label)}[/green]: {format_bytes(chosen.predicted_peak)}"
+                      f" per GPU, roofline {speed.tokens_per_s:,.0f} tokens/s ({speed.bound}-bound, "
+                      f"{speed.seconds * 1e3:.1f} ms per {'decode step' if result.mode == 'infer' else 'step'})")
+        table = Table(title_justify="left", title=f"per-GPU memory, peak at the {chosen.memory.peak_moment}")
+        for column in ("term", "bytes", "at peak", "formula / source"):
+            table.add_column(column, justify="right" if column == "bytes" else "left")
+        for term in chosen.memory.terms:
+            table.add_row(term.name, format_bytes(term.bytes), "yes" if chosen.memory.at_peak(term) else "",
+                          escape(term.formula))
+        for term in chosen.overheads:
+            table.add_row(term.name, format_bytes(term.bytes), "yes", escape(term.formula))
+        table.add_row("[bold]predicted peak[/bold]", f"[bold]{format_bytes(chosen.predicted_peak)}[/bold]", "", "")
+        console.print(table)
+        if trace is not None:
+            gap = 100 * (chosen.memory.peak_bytes - trace.peak_bytes) / trace.peak_bytes
+            console.print(f"traced peak (fake tensors on {trace.device}): {format_bytes(trace.peak_bytes)} of tensors; "
+                          f"analytic {format_bytes(chosen.memory.peak_bytes)} ({gap:+.1f}%)")
+    for other in result.feasible[1:4]:
+        console.print(f"  also fits: {escape(other.candidate.label)}: {format_bytes(other.predicted_peak)}, "
+                      f"{other.speed.tokens_per_s:,.0f} tokens/s")
+    shown = result.rejected[:8]
+    for rejected in shown:
+        console.print(f"  rejected: {escape(rejected.reason)}")
+    if len(result.rejected) > len(shown):
+        console.print(f"  ... {len(result.rejected) - len(shown)} more rejected (--json lists all)")
+    for note in result.notes:
+        console.print(f"  note: {note}")
+    console.print()
+
+
+def plan(args: argparse.Namespace, cli_options: dict[str, Any]) -> int:
+    """Predict per-GPU memory term by term and choose how to run each model; no GPU needed."""
+    from fitbench.models.registry import resolve
+    from fitbench.plan.calibration import load_calibration
+    from fitbench.plan.planner import minimum_gpus, plan as make_plan
+
+    target = gpu_target(args)
+    calibration = load_calibration(target.name)
+    batch = None if args.batch_size == ["auto"] else [_positive_int(v, "batch-size") for v in args.batch_size]
+    seq_len = _positive_int(args.seq_len, "seq-len")
+    new_tokens = _positive_int(args.new_tokens, "new-tokens")
+    if args.requirements:
+        return _requirements(args, target, calibration, seq_len, new_tokens, batch, minimum_gpus)
+    results, outputs = [], []
+    for name in args.models:
+        arch = resolve(name)
+        for mode in args.mode:
+            result = make_plan(arch, mode, target, seq_len=seq_len, new_tokens=new_tokens, batch_sizes=batch,
+                               precisions=args.precision, strategies=args.strategy, calibration=calibration)
+            trace = None
+            if args.trace and result.chosen and result.chosen.candidate.gpus == 1 and arch.family == "llama":
+                from fitbench.plan.trace import trace_peak
+
+                chosen = result.chosen.candidate
+                trace = trace_peak(arch, mode, chosen.precision, chosen.batch_size, seq_len, new_tokens=new_tokens,
+                                   activation_checkpointing=chosen.activation_checkpointing)
+            results.append((result, trace))
+            outputs.append({**result.as_dict(), "trace": trace.__dict__ if trace else None})
+    if args.json:
+        print(json.dumps(outputs if len(outputs) > 1 else outputs[0], indent=2, default=str))
+    else:
+        for result, trace in results:
+            _plan_text(result, trace)
+    return 0
+
+
+def _positive_int(value: Any, field: str) -> int:
+    try:
+        number = int(value)
+    except (TypeError, ValueError):
+        raise UserError(f"{field}: expected a positive integer{' or auto' if field == 'batch-size' else ''}, "
+                        f"got {value!r}.") from None
+    if number <= 0:
+        raise UserError(f"{field}: must be positive, got {number}.")
+    return number
+
+
+def _requirements(args, target, calibration, seq_len, new_tokens, batch, minimum_gpus) -> int:
+    from fitbench.models.registry import resolve
+    from fitbench.plan.planner import DEFAULT_LADDER
+    from fitbench.units import format_bytes
+
+    rows = []
+    for name in args.models:
+        arch = resolve(name)
+        for mode in args.mode:
+            for precision in args.precision or DEFAULT_LADDER[mode]:
+                need = minimum_gpus(arch, mode, precision, target.memory, seq_len=seq_len, new_tokens=new_tokens,
+                                    batch_size=(batch or [1])[0], calibration=calibration)
+                rows.append({"model": name, "mode": mode, "precision": precision,
+                             "min_gpus": need[0] if need else None, "how": need[1] if need else "more than 64"})
+    if args.json:
+        print(json.dumps(rows, indent=2))
+        return 0
+    table = Table(title=f"GPUs of {format_bytes(target.memory)} needed (batch {(batch or [1])[0]}, seq {seq_len})",
+                  title_justify="left")
+    for column in ("model", "mode", "precision", "min GPUs", "how"):
+        table.add_column(column)
+    for row in rows:
+        table.add_row(row["model"], row["mode"], row["precision"], str(row["min_gpus"] or "-"), escape(row["how"]))
+    console.print(table)
+    return 0
+
+
+# ---- calibrate ------------------------------------------------------------------------------
+
+
+def calibrate(args: argparse.Namespace, cli_options: dict[str, Any]) -> int:
+    """Measure this GPU's CUDA context and cuBLAS workspace and store them for the planner."""
+    from fitbench.plan.calibration import measure_calibration, save_calibration
+
+    device = resolve_device(args.device)
+    if device == "cpu":
+        raise UserError("device: calibration measures GPU overheads; run it where a GPU is visible.")
+    import torch
+
+    import tempfile
+
+    console.print(f"calibrating {device}: tiny training and generating in fresh processes ...")
+    with tempfile.TemporaryDirectory(prefix="fitbench-calibrate-") as scratch:
+        calibration = measure_calibration(device, Path(scratch))
+    path = save_calibration(torch.cuda.get_device_name(torch.device(device)), calibration)
+    console.print(f"CUDA context {calibration.cuda_context_training / 1e6:.0f} MB training, "
+                  f"{calibration.cuda_context_inference / 1e6:.0f} MB inference; workspaces "
+                  f"{calibration.workspace_training / 1e6:.0f} MB training, {calibration.workspace_inference / 1e6:.0f} MB "
+                  f"inference; stored in {path}")
     return 0
 
 
@@ -306,6 +548,8 @@ Command = Callable[[argparse.Namespace, dict[str, Any]], int]
 COMMANDS: dict[str, tuple[Command, str]] = {
     "run": (run, "benchmark models: train, forward, forward-backward, infer"),
     "models": (models, "list the presets with exact parameter counts"),
+    "plan": (plan, "predict per-GPU memory and choose precision, sharding and batch (no GPU needed)"),
+    "calibrate": (calibrate, "measure this GPU's constant overheads for the planner"),
     "report": (report, "show a results directory again, as a table or Markdown"),
     "env": (env, "versions, GPUs, peak FLOP/s; --measure stores this machine's ceilings"),
 }
@@ -326,7 +570,7 @@ def build_parser() -> argparse.ArgumentParser:
     commands = parser.add_subparsers(dest="command", metavar="COMMAND")
     for name, (function, summary) in COMMANDS.items():
         sub = commands.add_parser(name, help=summary, description=function.__doc__,
-                                  epilog=RUN_EXAMPLES if name == "run" else None,
+                                  epilog={"run": RUN_EXAMPLES, "plan": PLAN_EXAMPLES}.get(name),
                                   formatter_class=argparse.RawDescriptionHelpFormatter)
         sub.set_defaults(function=function)
         if name == "run":
@@ -334,6 +578,10 @@ def build_parser() -> argparse.ArgumentParser:
         elif name == "models":
             sub.add_argument("--json", action="store_true", help="machine-readable output")
             sub.add_argument("--sources", action="store_true", help="print where each preset's numbers come from")
+        elif name == "plan":
+            _add_plan_options(sub)
+        elif name == "calibrate":
+            sub.add_argument("--device", default="auto", help="GPU to measure (default: the first)")
         elif name == "report":
             sub.add_argument("directory", metavar="DIR", help="the --out directory of a fitbench run")
             sub.add_argument("--markdown", action="store_true", help="print a Markdown table with provenance")
@@ -355,7 +603,7 @@ def main(argv: list[str] | None = None) -> int:
     options = {key: value for key, value in vars(args).items()
                if key not in ("command", "function", "resume", "config", "json", "sources", "measure", "argv",
                                "directory", "markdown")}
-    if args.command == "env":
+    if args.command != "run":
         options = {}
     try:
         return args.function(args, options)

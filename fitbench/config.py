@@ -84,7 +84,7 @@ class SweepConfig(BaseModel):
     new_tokens: int | None = Field(None, gt=1, description="tokens generated per sequence in infer (at least 2)")
     backend: BackendChoice = "auto"
     compile: bool = False
-    activation_checkpointing: bool = False
+    activation_checkpointing: bool | None = Field(None, description="None: the planner decides (on a GPU)")
     warmup_steps: int = Field(5, ge=0)
     measure_steps: int = Field(10, gt=0, validation_alias="samples")
     device: str = "auto"
@@ -172,8 +172,8 @@ def expand(config: SweepConfig, *, device: str, default_models: list[str]) -> li
                         specs.append(RunSpec(
                             model=model, backend=backend, mode=mode, precision=precision, batch_size=batch,
                             seq_len=seq_len, new_tokens=new_tokens, compile=config.compile,
-                            activation_checkpointing=config.activation_checkpointing and mode != "infer"
-                            and mode != "forward", device=device,
+                            activation_checkpointing=bool(config.activation_checkpointing)
+                            and mode in ("train", "forward-backward"), device=device,
                             warmup_steps=config.warmup_steps, measure_steps=config.measure_steps, seed=config.seed,
                         ))
     return specs

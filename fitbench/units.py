@@ -33,3 +33,13 @@ def format_count(value: float | None) -> str:
             return f"{value / scale:.2f}{suffix}" if scale >= 1e9 else f"{value / scale:.1f}{suffix}"
     return str(int(value))
 
+
+
+def parse_bytes(text: str) -> float:
+    """'80GB' -> 80e9, '80GiB' -> 80 x 2^30, '512MB' -> 512e6; a bare number is bytes."""
+    units = {"TIB": 1024**4, "GIB": 1024**3, "MIB": 1024**2, "TB": 1e12, "GB": 1e9, "MB": 1e6, "B": 1}
+    cleaned = text.strip().upper().replace(" ", "")
+    for suffix, scale in units.items():
+        if cleaned.endswith(suffix):
+            return float(cleaned[: -len(suffix)]) * scale
+    return float(cleaned)

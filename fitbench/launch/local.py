@@ -67,6 +67,16 @@ class _Child:
         self.kill()
 
 
+def worker_environment() -> dict[str, str]:
+    """The parent's environment, unbuffered, with the CUDA allocator's expandable segments unless the
+    user configured the allocator: segments grow in 2 MiB pages instead of caching whole blocks, so
+    reserved memory tracks the allocated peak (the planner's page-rounding term) instead of
+    fragmenting (measured: 42.6 GB reserved for 32.0 GB allocated without it on 2.7B)."""
+    environment = {**os.environ, "PYTHONUNBUFFERED": "1"}
+    environment.setdefault("PYTORCH_CUDA_ALLOC_CONF", "expandable_segments:True")
+    return environment
+
+
 def run_one(spec: RunSpec, log_path: Path, timeout: float,
             on_event: Callable[[dict[str, Any]], None]) -> dict[str, Any]:
     """Run ``spec`` in a child process; return the row that describes what happened."""
@@ -79,7 +89,7 @@ def run_one(spec: RunSpec, log_path: Path, timeout: float,
             process = subprocess.Popen(
                 [sys.executable, "-m", "fitbench.run.worker", str(spec_path), str(result_path)],
                 stdout=subprocess.PIPE, stderr=log, stdin=subprocess.DEVNULL, text=True,
-                start_new_session=True, env={**os.environ, "PYTHONUNBUFFERED": "1"},
+                start_new_session=True, env=worker_environment(),
             )
             child = _Child(process)
             timer = threading.Timer(timeout, child.expire)
@@ -121,8 +131,10 @@ def run_one(spec: RunSpec, log_path: Path, timeout: float,
 
 
 def run_sweep(specs: list[RunSpec], store: ResultStore, *, timeout: float, command: str,
-              callbacks: SweepCallbacks = SweepCallbacks()) -> list[dict[str, Any]]:
-    """Run every spec without a row in ``store``; append each row the moment it exists."""
+              callbacks: SweepCallbacks = SweepCallbacks(),
+              predictions: dict[str, dict[str, Any]] | None = None) -> list[dict[str, Any]]:
+    """Run every spec without a row in ``store``; append each row the moment it exists, with the
+    planner's prediction for it (``predictions`` by spec key) beside what was measured."""
     finished = store.finished_keys()
     rows = []
     for index, spec in enumerate(specs):
@@ -132,6 +144,7 @@ def run_sweep(specs: list[RunSpec], store: ResultStore, *, timeout: float, comma
         callbacks.on_start(spec, index, len(specs))
         row = run_one(spec, store.directory / "logs" / f"{spec.key}.log", timeout, callbacks.on_event)
         row["command"] = command
+        row["prediction"] = (predictions or {}).get(spec.key)
         store.append(row)
         finished.add(spec.key)
         rows.append(row)

@@ -140,9 +140,14 @@ class Attention(nn.Module):
             k, v = cache.update(self.layer, start, k, v)  # (B, KV, start+T, D)
         if T > 1 and start > 0:
             raise NotImplementedError("prefill continuing an existing cache needs a block mask")
-        y = F.scaled_dot_product_attention(
-            q, k, v, is_causal=T > 1, enable_gqa=self.n_kv_heads != self.n_heads
-        )  # (B, H, T, D)
+        grouped = self.n_kv_heads != self.n_heads
+        if grouped and q.dtype == torch.float32:
+            # Flash attention takes grouped heads but not fp32; the fp32 (memory-efficient) kernel takes
+            # fp32 but not grouped heads, and the math fallback would keep T x T probabilities per head.
+            k = k.repeat_interleave(self.n_heads // self.n_kv_heads, dim=1)  # (B, H, S, D)
+            v = v.repeat_interleave(self.n_heads // self.n_kv_heads, dim=1)
+            grouped = False
+        y = F.scaled_dot_product_attention(q, k, v, is_causal=T > 1, enable_gqa=grouped)  # (B, H, T, D)
         return self.o_proj(y.transpose(1, 2).reshape(B, T, self.n_heads * self.head_dim))
 
 

@@ -31,15 +31,41 @@ from dataclasses import dataclass, field
 
 from fitbench.models.architecture import Architecture
 
-BYTES = {"fp32": 4, "bf16": 2, "fp16": 2}
+@dataclass(frozen=True)
+class QuantizedFormat:
+    """Storage of one quantized weight matrix: ``bits`` per element, plus one scale of
+    ``scale_bytes`` per group: a row (``group = 0``), or a block of ``group`` elements."""
+
+    bits: int
+    scale_bytes: int
+    group: int
+    source: str
+
+    def matrix_bytes(self, rows: int, columns: int) -> float:
+        scales = rows if self.group == 0 else rows * columns / self.group
+        return rows * columns * self.bits / 8 + scales * self.scale_bytes
+
+
+# Layer matmul weights are quantized; embeddings, the output projection and norms stay bf16.
+QUANTIZED: dict[str, QuantizedFormat] = {
+    "int8": QuantizedFormat(8, 4, 0, "bitsandbytes LLM.int8: int8 weights, one fp32 absmax per output row"),
+    "nf4": QuantizedFormat(4, 4, 64, "bitsandbytes 4-bit: one fp32 absmax per block of 64"),
+    "fp4": QuantizedFormat(4, 4, 64, "bitsandbytes 4-bit: one fp32 absmax per block of 64"),
+    "int8-dynamic": QuantizedFormat(8, 2, 0, "torchao int8 weights, one bf16 scale per output row"),
+    "int4": QuantizedFormat(4, 4, 128, "torchao int4 tinygemm: bf16 scale and zero point per group of 128"),
+    "fp8": QuantizedFormat(8, 4, 0, "torchao float8 row-wise: one fp32 scale per output row"),
+    "fp8-block": QuantizedFormat(8, 4, 128 * 128, "float8 with one fp32 scale per 128 x 128 block"),
+}
 
 
 @dataclass(frozen=True)
 class Term:
+    """One kind of memory, and the moments of the step at which it is alive (None: all of them)."""
+
     name: str
     bytes: float
     formula: str
-    at_peak: bool = True  # whether it is part of the peak moment
+    moments: frozenset[str] | None = None
 
 
 @dataclass(frozen=True)
@@ -54,6 +80,8 @@ class Widths:
 
     @classmethod
     def of(cls, precision: str) -> Widths:
+        if precision in QUANTIZED:
+            return cls(2, 2, 2, False)  # weights outside the layers' matmuls stay bf16
         if precision in ("fp32", "tf32"):
             return cls(4, 4, 4, False)
         if precision in ("bf16", "fp16"):
@@ -86,21 +114,32 @@ class Parallelism:
 
 @dataclass(frozen=True)
 class MemoryEstimate:
+    """Terms, and the moment at which the most of them coexist: the peak."""
+
     terms: tuple[Term, ...]
-    peak_moment: str
-    notes: tuple[str, ...] = field(default_factory=tuple)
+    moments: tuple[str, ...]
+
+    def total_at(self, moment: str) -> float:
+        return sum(t.bytes for t in self.terms if t.moments is None or moment in t.moments)
+
+    @property
+    def peak_moment(self) -> str:
+        return max(self.moments, key=self.total_at)
 
     @property
     def peak_bytes(self) -> float:
-        return sum(term.bytes for term in self.terms if term.at_peak)
+        return self.total_at(self.peak_moment)
+
+    def at_peak(self, term: Term) -> bool:
+        return term.moments is None or self.peak_moment in term.moments
 
     def as_dict(self) -> dict:
         return {
             "peak_bytes": self.peak_bytes,
             "peak_moment": self.peak_moment,
-            "terms": [{"name": t.name, "bytes": t.bytes, "formula": t.formula, "at_peak": t.at_peak}
+            "moments": {moment: self.total_at(moment) for moment in self.moments},
+            "terms": [{"name": t.name, "bytes": t.bytes, "formula": t.formula, "at_peak": self.at_peak(t)}
                       for t in self.terms],
-            "notes": list(self.notes),
         }
 
 
@@ -111,6 +150,16 @@ def layer_matmul_params(arch: Architecture) -> int:
     """The weight matrices of one layer (q, k, v, o and the MLP), without norms and biases."""
     h, k, q = arch.hidden_size, arch.num_kv_heads * arch.head_dim, arch.num_heads * arch.head_dim
     return 2 * h * q + 2 * h * k + 3 * h * arch.ffn_size
+
+
+def layer_matrices(arch: Architecture) -> list[tuple[int, int]]:
+    """(rows, columns) = (out, in) of one layer's weight matrices: q, k, v, o, gate, up, down."""
+    h, k, q, f = arch.hidden_size, arch.num_kv_heads * arch.head_dim, arch.num_heads * arch.head_dim, arch.ffn_size
+    return [(q, h), (k, h), (k, h), (h, q), (f, h), (f, h), (h, f)]
+
+
+def quantized_layer_bytes(arch: Architecture, fmt: QuantizedFormat) -> float:
+    return sum(fmt.matrix_bytes(rows, columns) for rows, columns in layer_matrices(arch))
 
 
 def saved_per_layer(arch: Architecture, tokens: int, widths: Widths, tp: int = 1) -> float:
@@ -124,7 +173,9 @@ def saved_per_layer(arch: Architecture, tokens: int, widths: Widths, tp: int = 1
     - q, k, v projections: their input, cast to 16 bits once per projection under autocast (3 c n h),
       otherwise the norm's output, shared by the three (c n h);
     - rotary q and k (c n h + c n k) and v (c n k), saved by attention, with its output (c n h),
-      which the output projection saves as its input, and the log-sum-exp (4 n H);
+      which the output projection saves as its input, and the log-sum-exp (4 n H); in fp32 with
+      grouped heads k and v are expanded to all heads first (c n h each), since no fused fp32
+      kernel takes grouped heads;
     - post-attention RMSNorm: as the first, on the new residual (r n h);
     - gate and up projections: their inputs (2 c n h under autocast, one shared c n h otherwise);
     - SwiGLU: gate and up outputs, silu(gate) and the product the down projection saves (4 c n f).
@@ -134,7 +185,8 @@ def saved_per_layer(arch: Architecture, tokens: int, widths: Widths, tp: int = 1
     c, r = widths.compute, widths.residual
     norm = (r * n * h + 4 * n * h + 4 * n) if r == 4 else (8 * n * h + c * n * h + 4 * n)
     attention_inputs = 3 * c * n * h if widths.autocast else c * n * h
-    attention = (c * n * h + 2 * c * n * k + c * n * h) / tp + 4 * n * heads / tp
+    kv_saved = 2 * c * n * (h if c == 4 and k != h else k)
+    attention = (c * n * h + kv_saved + c * n * h) / tp + 4 * n * heads / tp
     mlp_inputs = 2 * c * n * h if widths.autocast else c * n * h
     mlp = 4 * c * n * f / tp
     return 2 * norm + attention_inputs + attention + mlp_inputs + mlp
@@ -143,15 +195,6 @@ def saved_per_layer(arch: Architecture, tokens: int, widths: Widths, tp: int = 1
 def recompute_per_layer(arch: Architecture, tokens: int, widths: Widths) -> float:
     """With full activation checkpointing a layer keeps only its input (r n h)."""
     return widths.residual * tokens * arch.hidden_size
-
-
-def loss_chain_bytes(arch: Architecture, tokens: int, widths: Widths) -> float:
-    """Logits and loss at the start of the backward pass: the compute-dtype logits the loop holds
-    (c n V, shared when c is fp32), the fp32 log-softmax output (4 n V), and the gradient flowing
-    into and out of it (8 n V). Large vocabularies make this the largest single term."""
-    n, V, c = tokens, arch.vocab_size, widths.compute
-    held_logits = c * n * V
-    return held_logits + 4 * n * V + 8 * n * V
 
 
 def final_saved_bytes(arch: Architecture, tokens: int, widths: Widths) -> float:
@@ -170,10 +213,11 @@ def kv_cache_bytes(arch: Architecture, batch: int, length: int, widths: Widths, 
 
 def prefill_transient_bytes(arch: Architecture, tokens: int, widths: Widths, tp: int = 1) -> float:
     """The most one layer holds at once without autograd: inside the MLP, silu(gate), up and their
-    product (3 c n f; gate itself is freed once silu has read it), with the residual stream and its
-    updated copy (2 r n h) and the normalized input (c n h)."""
+    product (3 c n f; gate itself is freed once silu has read it), beside three residual-sized
+    tensors (3 r n h): the layer's input, which the caller still holds, the residual after attention
+    and its normalized copy; and the token ids (8 n)."""
     n, h, f, c, r = tokens, arch.hidden_size, arch.ffn_size, widths.compute, widths.residual
-    return 2 * r * n * h + 3 * c * n * f / tp + c * n * h
+    return 3 * r * n * h + 3 * c * n * f / tp + 8 * n
 
 
 # ---- the estimate -----------------------------------------------------------------------------
@@ -191,13 +235,26 @@ def estimate_memory(arch: Architecture, mode: str, precision: str, batch: int, s
     layer_params = arch.params_per_layer * layers
     edge_params = P - arch.params_per_layer * arch.num_layers  # embeddings, output projection, final norm
     local_params = (layer_params / tp + edge_params / (stages if stages > 1 else 1)) if tp > 1 or stages > 1 else P
+    if precision in QUANTIZED:
+        quantized = quantized_layer_bytes(arch, QUANTIZED[precision]) * layers / tp
+        plain = widths.weights * (local_params - layer_matmul_params(arch) * layers / tp)
+        weights = quantized + plain
+        terms = [Term("weights", weights, f"{QUANTIZED[precision].source}: {quantized:,.0f} B in the layers' "
+                                          f"matrices, {plain:,.0f} B in bf16 elsewhere"), rotary_term(arch)]
+        return _inference(arch, mode, widths, batch, seq_len, new_tokens, terms, tp)
     weights = widths.weights * local_params / shards
     terms = [Term("weights", weights, f"{widths.weights:g} B x {local_params:,.0f} parameters"
-                  + (f" / {shards} FSDP shards" if shards > 1 else ""))]
+                  + (f" / {shards} FSDP shards" if shards > 1 else "")), rotary_term(arch)]
     if mode in ("train", "forward-backward"):
         return _training(arch, mode, widths, batch, seq_len, activation_checkpointing, terms, weights,
                          local_params / shards, layers, tp)
     return _inference(arch, mode, widths, batch, seq_len, new_tokens, terms, tp)
+
+
+def rotary_term(arch: Architecture) -> Term:
+    """The native decoder's cos and sin tables, fp32, for every position of the context."""
+    size = 2 * arch.max_seq_len * arch.head_dim * 4
+    return Term("rotary tables", size, f"2 x {arch.max_seq_len} positions x {arch.head_dim} x 4 B")
 
 
 def autocast_copies(arch: Architecture, widths: Widths, saved_layers: float, tp: int) -> tuple[float, str]:
@@ -215,74 +272,94 @@ def autocast_copies(arch: Architecture, widths: Widths, saved_layers: float, tp:
     return widths.compute * params, f"{widths.compute} B x {params:,.0f} matmul parameters saved by autograd"
 
 
+START, RECOMPUTE, FIRST, END = ("start of the backward pass", "recompute of the last layer",
+                                "backward of the first layer", "end of the backward pass")
+
+
 def _training(arch, mode, widths, batch, seq_len, recompute, terms, weights, local_params, layers, tp):
-    n = batch * seq_len
-    gradients = widths.weights * local_params
-    optimizer = 2 * widths.weights * local_params if mode == "train" else 0.0
+    n, V, h = batch * seq_len, arch.vocab_size, arch.hidden_size
+    c, r, w = widths.compute, widths.residual, widths.weights
+    sharded = local_params < arch.total_params and tp == 1 and layers == arch.num_layers
+    moments = (START, RECOMPUTE, FIRST, END) if recompute else (START, FIRST, END)
+    def at(*names: str) -> frozenset[str]:
+        return frozenset(names)
+
+    one_layer = saved_per_layer(arch, n, widths, tp)
+    one_layer_casts = c * layer_matmul_params(arch) / tp if widths.autocast and not sharded else 0.0
+    # An untied input embedding gets its gradient from the very last backward operator, after the
+    # first layer's activations are gone; a tied one is counted with the tied gradients.
+    embedding_grad = 0.0 if arch.tie_embeddings or sharded else V * h
     if recompute:
-        per_layer = recompute_per_layer(arch, n, widths)
-        one_layer = saved_per_layer(arch, n, widths, tp)
-        activations = per_layer * layers + one_layer
-        formula = f"{layers:g} layers x {per_layer:,.0f} B (inputs) + one layer recomputed ({one_layer:,.0f} B)"
+        inputs = recompute_per_layer(arch, n, widths)
+        activations = Term("activations", inputs * layers, f"{layers:g} layers x {inputs:,.0f} B: each layer's "
+                           f"input, kept for recomputation", at(START, RECOMPUTE))
     else:
-        per_layer = saved_per_layer(arch, n, widths, tp)
-        activations = per_layer * layers
-        formula = f"{layers:g} layers x {per_layer:,.0f} B saved per layer"
-    casts, casts_formula = autocast_copies(arch, widths, 1 if recompute else layers, tp)
-    final = final_saved_bytes(arch, n, widths)
-    loss = loss_chain_bytes(arch, n, widths)
-    tied = 2 * widths.weights * arch.vocab_size * arch.hidden_size if arch.tie_embeddings else 0.0
-    first_layer = saved_per_layer(arch, n, widths, tp)
-    first_layer_casts = autocast_copies(arch, widths, 1, tp)[0] - widths.compute * arch.vocab_size * arch.hidden_size \
-        if widths.autocast else 0.0
-    moments = {
-        "start of the backward pass": weights + optimizer + activations + casts + final + loss,
-        "backward of the first layer": weights + gradients + optimizer + first_layer + first_layer_casts,
-        "end of the backward pass": weights + gradients + optimizer + tied,
-    }
-    moment = max(moments, key=moments.get)
-    at_start, at_first, at_end = (moment == name for name in moments)
-    terms = [*terms,
-             Term("gradients", gradients, f"{widths.weights:g} B x {local_params:,.0f} parameters",
-                  at_peak=not at_start),
-             Term("optimizer state", optimizer, "AdamW first and second moments, 2 x weight bytes")]
-    if casts:
-        terms.append(Term("autocast weight copies", casts, casts_formula, at_peak=at_start))
-    terms += [
-        Term("activations", activations, formula, at_peak=at_start),
-        Term("final norm and output input", final, "saved by the final RMSNorm and the output projection",
-             at_peak=at_start),
-        Term("logits and loss", loss, f"{widths.compute} n V + 12 n V, n = {n:,}, V = {arch.vocab_size:,}",
-             at_peak=at_start),
-        Term("first layer in backward", first_layer + first_layer_casts,
-             "one layer's saved activations (and weight copies) while the last gradients form", at_peak=at_first),
+        activations = Term("activations", one_layer * layers, f"{layers:g} layers x {one_layer:,.0f} B saved "
+                           f"per layer", at(START))
+    terms = [
+        *terms,
+        Term("optimizer state", 2 * w * local_params if mode == "train" else 0.0,
+             "AdamW first and second moments, 2 x weight bytes"),
+        Term("gradients", w * (local_params - embedding_grad), f"{w:g} B x {local_params:,.0f} parameters"
+             + (", less the input embedding's" if embedding_grad else ""), at(FIRST, END)),
+        activations,
     ]
-    if tied:
-        terms.append(Term("tied embedding gradients", tied, "the input embedding's gradient and its sum with "
-                          "the output projection's, 2 x V h x weight bytes", at_peak=at_end))
-    return MemoryEstimate(tuple(terms), moment)
+    if widths.autocast and not sharded:
+        casts, formula = autocast_copies(arch, widths, 0 if recompute else layers, tp)
+        if recompute:
+            casts, formula = c * V * h, f"{c} B x V h: the output projection's copy, saved by autograd"
+        terms.append(Term("autocast weight copies", casts, formula, at(START)))
+    terms += [
+        Term("final norm and output input", final_saved_bytes(arch, n, widths),
+             "saved by the final RMSNorm and the output projection", at(START)),
+        Term("loss chain", 12 * n * V, f"fp32 log-softmax output and the gradients into and out of it, "
+             f"12 n V, n = {n:,}, V = {V:,}", at(START)),
+        Term("logits held by the loop", c * n * V, f"{c} B x n V: the step's logits, alive until it ends"),
+    ]
+    if recompute:
+        terms.append(Term("recomputed last layer", one_layer + one_layer_casts + w * V * h + r * n * h,
+                          "one layer's activations (and weight copies) recomputed, with the output projection's "
+                          "gradient and the gradient flowing into the layer", at(RECOMPUTE)))
+    terms.append(Term("first layer in backward", one_layer + one_layer_casts,
+                      "one layer's saved activations (and weight copies) while the last gradients form", at(FIRST)))
+    if sharded:
+        # FSDP gathers each layer's weights in the compute dtype for its forward and again for its
+        # backward and frees them after; with one layer prefetched, two layers' weights and one
+        # layer's unsharded gradients are in flight. No autocast copies: FSDP's mixed precision
+        # gathers 16-bit weights directly.
+        terms.append(Term("unsharded FSDP units", 3 * c * arch.params_per_layer, "two layers' gathered weights "
+                          "and one layer's gradients, 3 x c x parameters per layer", at(START, RECOMPUTE, FIRST)))
+    if embedding_grad:
+        terms.append(Term("input embedding gradient", w * embedding_grad, "w x V h, formed by the last backward "
+                          "operator", at(END)))
+    if arch.tie_embeddings:
+        terms.append(Term("tied embedding gradients", 2 * w * V * h, "the input embedding's gradient and its sum "
+                          "with the output projection's, 2 x V h x weight bytes", at(END)))
+    return MemoryEstimate(tuple(terms), moments)
+
+
+MLP, OUTPUT = "prefill MLP", "output projection"
 
 
 def _inference(arch, mode, widths, batch, seq_len, new_tokens, terms, tp):
-    n = batch * seq_len
-    casts, casts_formula = autocast_copies(arch, widths, 0, tp)
-    if casts:
-        terms.append(Term("autocast weight copy", casts, casts_formula))
+    """Without autograd, a layer's temporaries die with it. Two moments can peak: the widest MLP,
+    where silu(gate), up and their product (3 c n f) live beside the residual and its normalized
+    copy (2 r n h); and the output projection, with the final normalized input (r n h), its 16-bit
+    cast under autocast, the projection's own cast weight (V h c) and the logits."""
+    n, V, h = batch * seq_len, arch.vocab_size, arch.hidden_size
+    c, r = widths.compute, widths.residual
+    rows = batch if mode == "infer" else n  # infer computes logits for the last position only
     if mode == "infer":
-        cache = kv_cache_bytes(arch, batch, seq_len + new_tokens, widths, tp)
-        transient = prefill_transient_bytes(arch, n, widths, tp)
-        logits = 4 * batch * arch.vocab_size
-        terms += [
-            Term("KV cache", cache, f"2 x {arch.num_layers} layers x {arch.num_kv_heads * arch.head_dim} x "
-                                    f"{widths.compute} B x {batch} x {seq_len + new_tokens} tokens"),
-            Term("prefill temporaries", transient, "residual stream and one MLP's intermediates"),
-            Term("last-position logits", logits, "4 B x B x V"),
-        ]
-        return MemoryEstimate(tuple(terms), "prefill of the prompt, KV cache allocated")
-    logits = widths.compute * n * arch.vocab_size
-    final = final_saved_bytes(arch, n, widths)
-    terms += [
-        Term("logits", logits, f"{widths.compute} B x n V, n = {n:,}"),
-        Term("final norm temporaries", final, "the last residual, its norm and cast"),
-    ]
-    return MemoryEstimate(tuple(terms), "output projection")
+        terms.append(Term("KV cache", kv_cache_bytes(arch, batch, seq_len + new_tokens, widths, tp),
+                          f"2 x {arch.num_layers} layers x {arch.num_kv_heads * arch.head_dim} x {c} B x {batch} x "
+                          f"{seq_len + new_tokens} tokens"))
+    terms.append(Term("MLP temporaries", prefill_transient_bytes(arch, n, widths, tp),
+                      "3 c n f + 3 r n h + 8 n: one MLP's intermediates beside the residual stream",
+                      frozenset({MLP})))
+    head = r * n * h + (c * n * h if widths.autocast else 0) + c * rows * V
+    formula = f"final normalized input, its cast, and {c} B x {rows:,} x V logits"
+    if widths.autocast:
+        head += c * V * h
+        formula += ", and the output projection's 16-bit copy"
+    terms.append(Term("output projection", head, formula, frozenset({OUTPUT})))
+    return MemoryEstimate(tuple(terms), (MLP, OUTPUT))

@@ -3,7 +3,8 @@
 Rows keep raw samples; this module only chooses what to show. Per metric:
 training-style modes show the median step time and tokens/s of the step; ``infer`` shows the
 median per-token decode latency and decode tokens/s, with the prefill MFU. Memory is the peak per
-GPU that the allocator reserved (what the process held), or the host's peak RSS on a CPU.
+GPU that the process held (NVML: allocator reserved plus CUDA context), or the host's peak RSS on a
+CPU, beside the planner's prediction and its error.
 """
 
 from __future__ import annotations
@@ -26,11 +27,14 @@ def headline(row: dict[str, Any]) -> dict[str, Any]:
     time_stats = (timing.get("token_latency") if infer else timing.get("step")) or {}
     gpus = (row.get("memory") or {}).get("gpus") or []
     if gpus:
-        memory = ", ".join(format_bytes(g["peak_reserved"]) for g in gpus)
+        memory = ", ".join(format_bytes(g.get("nvml_peak_used") or g["peak_reserved"]) for g in gpus)
     elif row.get("memory"):
         memory = format_bytes(row["memory"]["host_peak_rss"]) + " host"
     else:
         memory = ""
+    measured_peak = measured_gpu_peak(row)
+    predicted = (row.get("prediction") or {}).get("predicted_peak_bytes")
+    error = 100 * (predicted - measured_peak) / measured_peak if predicted and measured_peak else None
     mfu = throughput.get("prefill_mfu" if infer else "mfu")
     if mfu is None:
         mfu = throughput.get("prefill_mfu_measured_peak" if infer else "mfu_measured_peak")
@@ -41,14 +45,30 @@ def headline(row: dict[str, Any]) -> dict[str, Any]:
         "mfu": mfu,
         "roofline": throughput.get("decode_roofline_percent"),
         "memory": memory,
+        "measured_peak": measured_peak,
+        "predicted_peak": predicted,
+        "prediction_error": error,
     }
+
+
+def measured_gpu_peak(row: dict[str, Any]) -> float | None:
+    """What the GPU gave the process at its peak: NVML's per-process figure (allocator reserved plus
+    CUDA context), or, without NVML, the reserved peak plus the context the prediction assumed."""
+    gpus = (row.get("memory") or {}).get("gpus") or []
+    if not gpus:
+        return None
+    if gpus[0].get("nvml_peak_used"):
+        return float(gpus[0]["nvml_peak_used"])
+    context = next((t["bytes"] for t in (row.get("prediction") or {}).get("terms", []) if t["name"] == "CUDA context"), 0)
+    return float(gpus[0]["peak_reserved"]) + context
 
 
 def results_table(rows: Iterable[dict[str, Any]], title: str = "fitbench results") -> Table:
     table = Table(title=title, title_justify="left")
     for column, justify in (("model", "left"), ("params", "right"), ("mode", "left"), ("precision", "left"),
                             ("batch×seq", "right"), ("median ± CV", "right"), ("tokens/s", "right"),
-                            ("MFU", "right"), ("peak memory", "right"), ("status", "left")):
+                            ("MFU", "right"), ("peak memory", "right"), ("predicted (error)", "right"),
+                            ("status", "left")):
         table.add_column(column, justify=justify)
     for row in rows:
         spec, head = row["spec"], headline(row)
@@ -62,9 +82,17 @@ def results_table(rows: Iterable[dict[str, Any]], title: str = "fitbench results
         status = row["status"] if row["status"] == "ok" else f"[red]{row['status']}[/red]"
         table.add_row(
             spec["model"], format_count(row.get("params")), spec["mode"], spec["precision"], shape, timing,
-            f"{head['tokens_per_s']:,.0f}" if head["tokens_per_s"] else "-", mfu, head["memory"], status,
+            f"{head['tokens_per_s']:,.0f}" if head["tokens_per_s"] else "-", mfu, head["memory"],
+            _prediction(head), status,
         )
     return table
+
+
+def _prediction(head: dict[str, Any]) -> str:
+    if head["predicted_peak"] is None:
+        return "-"
+    error = f" ({head['prediction_error']:+.1f}%)" if head["prediction_error"] is not None else ""
+    return format_bytes(head["predicted_peak"]) + error
 
 
 def flat_frame(rows: Iterable[dict[str, Any]]) -> pd.DataFrame:
@@ -103,26 +131,29 @@ def markdown_report(rows: list[dict[str, Any]]) -> str:
                      f"{env.get('transformers')}, driver {env.get('driver')}; fitbench {env.get('fitbench_version')} "
                      f"({env.get('git_commit') or 'no commit'}); {env.get('time_utc')}")
     lines.append("")
-    lines.append("| model | params | mode | precision | batch×seq | median ± CV | tokens/s | MFU (datasheet) "
-                 "| MFU (measured peak) | decode % of BW roofline | peak reserved | NVML peak | status |")
-    lines.append("|" + "---|" * 13)
+    columns = ("model", "params", "mode", "precision", "batch×seq", "median ± CV", "tokens/s", "MFU (datasheet)",
+               "MFU (measured peak)", "decode % of BW roofline", "measured peak (NVML)", "predicted peak",
+               "error", "status")
+    lines.append("| " + " | ".join(columns) + " |")
+    lines.append("|" + "---|" * len(columns))
     for row in rows:
         spec, head, throughput = row["spec"], headline(row), row.get("throughput") or {}
         infer = spec["mode"] == "infer"
         shape = f"{spec['batch_size']}×{spec['seq_len']}" + (f"+{spec['new_tokens']}" if infer else "")
+        if spec.get("activation_checkpointing"):
+            shape += " recompute"
         timing = (f"{format_seconds(head['time'])}{'/token' if infer else ''} ± {head['cv']:.1f}%"
                   if head["time"] is not None else "-")
-        gpus = (row.get("memory") or {}).get("gpus") or []
-        nvml = ", ".join(format_bytes(g.get("nvml_peak_used")) for g in gpus) or "-"
-        measured = throughput.get("prefill_mfu_measured_peak" if infer else "mfu_measured_peak")
         mfu = throughput.get("prefill_mfu" if infer else "mfu")
-        roofline = throughput.get("decode_roofline_percent")
-        lines.append(
-            f"| {spec['model']} | {format_count(row.get('params'))} | {spec['mode']} | {spec['precision']} | {shape} "
-            f"| {timing} | {head['tokens_per_s']:,.0f} | {_percent(mfu)}{' (prefill)' if infer and mfu else ''} "
-            f"| {_percent(measured)} | {_percent(roofline, 1.0)} | {head['memory'] or '-'} | {nvml} | {row['status']} |"
-            if head["tokens_per_s"] else
-            f"| {spec['model']} | {format_count(row.get('params'))} | {spec['mode']} | {spec['precision']} | {shape} "
-            f"| - | - | - | - | - | {head['memory'] or '-'} | {nvml} | {row['status']} |"
+        cells = (
+            spec["model"], format_count(row.get("params")), spec["mode"], spec["precision"], shape, timing,
+            f"{head['tokens_per_s']:,.0f}" if head["tokens_per_s"] else "-",
+            _percent(mfu) + (" (prefill)" if infer and mfu else ""),
+            _percent(throughput.get("prefill_mfu_measured_peak" if infer else "mfu_measured_peak")),
+            _percent(throughput.get("decode_roofline_percent"), 1.0),
+            format_bytes(head["measured_peak"]), format_bytes(head["predicted_peak"]),
+            f"{head['prediction_error']:+.1f}%" if head["prediction_error"] is not None else "-",
+            row["status"],
         )
+        lines.append("| " + " | ".join(cells) + " |")
     return "\n".join(lines) + "\n"

@@ -1,0 +1,302 @@
+"""Enumerate ways to run a model on some GPUs, keep those predicted to fit, rank, and explain.
+
+A candidate is a precision, a strategy over a GPU count, activation checkpointing on or off and a
+batch size. Its predicted per-GPU peak is the memory model's tensor terms plus the calibrated
+overheads (CUDA context, cuBLAS workspace, allocator page rounding, NCCL buffers). It fits when
+that peak is at most the GPU's memory.
+
+The precision ladder is an order of preference (quality first): the chosen plan uses the first
+rung that has a fitting candidate, and among that rung's candidates the highest predicted
+throughput (fewer GPUs on a tie). Every rejected candidate keeps its reason.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field, replace
+
+from fitbench import hardware
+from fitbench.models.architecture import Architecture
+from fitbench.plan.calibration import DEFAULT, Calibration
+from fitbench.plan.memory import MemoryEstimate, Parallelism, Term, Widths, estimate_memory, saved_per_layer
+from fitbench.plan.speed import StepTime, estimate_step_time
+
+# Names people type for --gpu, to the exact device names of the peak table.
+GPU_ALIASES = {
+    "H100-80GB": "NVIDIA H100 80GB HBM3", "H100": "NVIDIA H100 80GB HBM3", "H100-SXM": "NVIDIA H100 80GB HBM3",
+    "H100-PCIE": "NVIDIA H100 PCIe", "H100-NVL": "NVIDIA H100 NVL", "H200": "NVIDIA H200",
+    "H200-NVL": "NVIDIA H200 NVL", "A100-80GB": "NVIDIA A100-SXM4-80GB", "A100-40GB": "NVIDIA A100-SXM4-40GB",
+    "A100-80GB-PCIE": "NVIDIA A100 80GB PCIe", "A100-40GB-PCIE": "NVIDIA A100-PCIE-40GB", "L40S": "NVIDIA L40S",
+    "L4": "NVIDIA L4", "RTX4090": "NVIDIA GeForce RTX 4090", "RTX3090": "NVIDIA GeForce RTX 3090",
+}
+DEFAULT_SPEED_GPU = "NVIDIA H100 80GB HBM3"
+
+TRAINING_MODES = ("train", "forward-backward")
+DEFAULT_LADDER = {
+    "train": ["bf16", "bf16-pure"],
+    "forward-backward": ["bf16", "bf16-pure"],
+    "forward": ["bf16-pure", "int8", "nf4"],
+    "infer": ["bf16-pure", "int8", "nf4"],
+}
+MAX_AUTO_BATCH = 1 << 16
+
+
+@dataclass(frozen=True)
+class GpuTarget:
+    """The GPUs a plan is for: detected, or described by the user."""
+
+    name: str | None  # exact device name, if known
+    count: int
+    memory: float  # bytes per GPU
+    described: bool
+
+    @property
+    def speed_name(self) -> str:
+        """Whose datasheet figures the speed model uses."""
+        return self.name if self.name and hardware.gpu_spec(self.name) else DEFAULT_SPEED_GPU
+
+
+@dataclass(frozen=True)
+class Candidate:
+    precision: str
+    strategy: str
+    gpus: int
+    activation_checkpointing: bool
+    batch_size: int
+
+    @property
+    def parallelism(self) -> Parallelism:
+        return Parallelism(self.strategy, self.gpus)
+
+    @property
+    def label(self) -> str:
+        layout = "1 GPU" if self.gpus == 1 else f"{self.strategy} x {self.gpus}"
+        recompute = ", recompute" if self.activation_checkpointing else ""
+        return f"{self.precision}, {layout}{recompute}, batch {self.batch_size}"
+
+
+@dataclass(frozen=True)
+class Assessment:
+    candidate: Candidate
+    memory: MemoryEstimate | None
+    overheads: tuple[Term, ...]
+    predicted_peak: float  # bytes per GPU, tensors and overheads
+    fits: bool
+    reason: str | None
+    speed: StepTime | None
+
+    def as_dict(self) -> dict:
+        return {
+            "candidate": self.candidate.__dict__,
+            "label": self.candidate.label,
+            "predicted_peak_bytes": self.predicted_peak,
+            "fits": self.fits,
+            "reason": self.reason,
+            "memory": self.memory.as_dict() if self.memory else None,
+            "overheads": [{"name": t.name, "bytes": t.bytes, "formula": t.formula} for t in self.overheads],
+            "speed": self.speed.as_dict() if self.speed else None,
+        }
+
+
+@dataclass(frozen=True)
+class Plan:
+    model: str
+    mode: str
+    target: GpuTarget
+    chosen: Assessment | None
+    feasible: tuple[Assessment, ...]
+    rejected: tuple[Assessment, ...]
+    calibration: str
+    notes: tuple[str, ...] = field(default_factory=tuple)
+
+    def as_dict(self) -> dict:
+        return {
+            "model": self.model,
+            "mode": self.mode,
+            "hardware": self.target.__dict__,
+            "calibration": self.calibration,
+            "chosen": self.chosen.as_dict() if self.chosen else None,
+            "feasible": [a.as_dict() for a in self.feasible],
+            "rejected": [a.as_dict() for a in self.rejected],
+            "notes": list(self.notes),
+        }
+
+
+LATE_BACKWARD = ("recompute of the last layer", "backward of the first layer", "end of the backward pass")
+
+
+def overhead_terms(arch: Architecture, mode: str, candidate: Candidate, memory: MemoryEstimate, seq_len: int,
+                   calibration: Calibration) -> tuple[Term, ...]:
+    """What the GPU gives the process beyond the step's tensors (``fitbench.plan.calibration``)."""
+    backward = mode in TRAINING_MODES
+    terms = [
+        Term("CUDA context", calibration.context(backward), calibration.source),
+        Term("workspaces", calibration.workspace(backward), "cuBLAS workspaces, allocated peak minus tensors"),
+    ]
+    if memory.peak_moment in LATE_BACKWARD:
+        layer = saved_per_layer(arch, candidate.batch_size * seq_len, Widths.of(candidate.precision),
+                                candidate.parallelism.tensor)
+        terms.append(Term("allocator fragmentation", layer, "one layer's saved activations: gradients allocated "
+                          "among freed activations late in the backward pass"))
+    else:
+        terms.append(Term("allocator page rounding", Calibration.page_rounding(memory.peak_bytes),
+                          "expandable segments: the peak rounded up to 2 MiB"))
+    if candidate.gpus > 1:
+        terms.append(Term("NCCL buffers", calibration.nccl_per_communicator, "one communicator"))
+    return tuple(terms)
+
+
+def assess(arch: Architecture, mode: str, candidate: Candidate, target: GpuTarget, *, seq_len: int,
+           new_tokens: int, calibration: Calibration = DEFAULT) -> Assessment:
+    problem = _layout_problem(arch, candidate, target)
+    if problem:
+        return Assessment(candidate, None, (), 0.0, False, problem, None)
+    memory = estimate_memory(arch, mode, candidate.precision, candidate.batch_size, seq_len, new_tokens=new_tokens,
+                             activation_checkpointing=candidate.activation_checkpointing,
+                             parallelism=candidate.parallelism)
+    overheads = overhead_terms(arch, mode, candidate, memory, seq_len, calibration)
+    peak = memory.peak_bytes + sum(t.bytes for t in overheads)
+    fits = peak <= target.memory
+    reason = None if fits else (f"{candidate.label} needs {peak / 1e9:.1f} GB per GPU; "
+                                f"{target.memory / 1e9:.1f} GB available")
+    speed = estimate_step_time(arch, mode, candidate.precision, candidate.batch_size, seq_len, new_tokens=new_tokens,
+                               parallelism=candidate.parallelism, gpu_name=target.speed_name,
+                               activation_checkpointing=candidate.activation_checkpointing)
+    return Assessment(candidate, memory, overheads, peak, fits, reason, speed)
+
+
+def _layout_problem(arch: Architecture, candidate: Candidate, target: GpuTarget) -> str | None:
+    if candidate.gpus > target.count:
+        return f"{candidate.label} needs {candidate.gpus} GPUs; {target.count} available"
+    if candidate.strategy == "tp" and (arch.num_heads % candidate.gpus or arch.num_kv_heads % candidate.gpus):
+        return (f"{candidate.label}: tensor parallel {candidate.gpus} does not divide {arch.num_heads} heads / "
+                f"{arch.num_kv_heads} kv heads")
+    if candidate.strategy == "pipeline" and arch.num_layers % candidate.gpus:
+        return f"{candidate.label}: {arch.num_layers} layers do not split into {candidate.gpus} equal stages"
+    return None
+
+
+def gpu_counts(available: int) -> list[int]:
+    """1, 2, 4, 8 ... up to the GPUs available, and that count itself."""
+    counts, g = [], 1
+    while g <= available:
+        counts.append(g)
+        g *= 2
+    if available not in counts:
+        counts.append(available)
+    return counts
+
+
+def strategies_for(mode: str, gpus: int) -> list[str]:
+    if gpus == 1:
+        return ["single"]
+    if mode in TRAINING_MODES:
+        return ["ddp", "fsdp", "tp", "pipeline"]
+    return ["tp", "pipeline"]
+
+
+def largest_fitting_batch(arch, mode, candidate: Candidate, target, *, seq_len, new_tokens, calibration) -> int:
+    """The largest batch predicted to fit (bisection on the monotone memory model); 0 if none."""
+    def fits(batch: int) -> bool:
+        return assess(arch, mode, replace(candidate, batch_size=batch), target, seq_len=seq_len,
+                      new_tokens=new_tokens, calibration=calibration).fits
+
+    if not fits(1):
+        return 0
+    low, high = 1, 2
+    while high <= MAX_AUTO_BATCH and fits(high):
+        low, high = high, high * 2
+    high = min(high, MAX_AUTO_BATCH + 1)
+    while high - low > 1:
+        middle = (low + high) // 2
+        low, high = (middle, high) if fits(middle) else (low, middle)
+    return low
+
+
+def plan(arch: Architecture, mode: str, target: GpuTarget, *, seq_len: int, new_tokens: int,
+         batch_sizes: list[int] | None, precisions: list[str] | None = None,
+         strategies: list[str] | None = None, checkpointing: list[bool] | None = None,
+         calibration: Calibration = DEFAULT) -> Plan:
+    """``batch_sizes`` None means auto: each layout gets the largest batch predicted to fit."""
+    ladder = precisions or DEFAULT_LADDER[mode]
+    recompute_options = checkpointing if checkpointing is not None else (
+        [False, True] if mode in TRAINING_MODES else [False])
+    assessments: list[Assessment] = []
+    for precision in ladder:
+        for gpus in gpu_counts(target.count):
+            for strategy in strategies_for(mode, gpus):
+                if strategies and strategy not in strategies and not (gpus == 1 and "single" in strategies):
+                    continue
+                for recompute in recompute_options:
+                    base = Candidate(precision, strategy, gpus, recompute, 1)
+                    if batch_sizes is None:
+                        batch = largest_fitting_batch(arch, mode, base, target, seq_len=seq_len,
+                                                      new_tokens=new_tokens, calibration=calibration)
+                        sizes = [batch or 1]
+                    else:
+                        sizes = batch_sizes
+                    for batch in sizes:
+                        assessments.append(assess(arch, mode, replace(base, batch_size=batch), target,
+                                                  seq_len=seq_len, new_tokens=new_tokens, calibration=calibration))
+    feasible = [a for a in assessments if a.fits]
+    rejected = [a for a in assessments if not a.fits]
+    chosen = None
+    for precision in ladder:
+        rung = [a for a in feasible if a.candidate.precision == precision]
+        if rung:
+            chosen = max(rung, key=lambda a: (a.speed.tokens_per_s, -a.candidate.gpus))
+            break
+    ranked = sorted(feasible, key=lambda a: (ladder.index(a.candidate.precision), -a.speed.tokens_per_s))
+    notes = []
+    if target.speed_name != target.name:
+        notes.append(f"speed estimates use {target.speed_name} figures; name the GPU with --gpu for others")
+    return Plan(arch.name, mode, target, chosen, tuple(ranked), tuple(rejected), calibration.source, tuple(notes))
+
+
+def minimum_gpus(arch: Architecture, mode: str, precision: str, gpu_memory: float, *, seq_len: int,
+                 new_tokens: int, batch_size: int = 1, max_gpus: int = 64,
+                 calibration: Calibration = DEFAULT) -> tuple[int, str] | None:
+    """The fewest GPUs of ``gpu_memory`` bytes that run this at ``batch_size``, and how; None if
+    more than ``max_gpus`` would be needed."""
+    target = GpuTarget(None, max_gpus, gpu_memory, described=True)
+    for gpus in gpu_counts(max_gpus):
+        for strategy in strategies_for(mode, gpus):
+            if strategy == "ddp":
+                continue
+            for recompute in ([False, True] if mode in TRAINING_MODES else [False]):
+                candidate = Candidate(precision, strategy, gpus, recompute, batch_size)
+                if assess(arch, mode, candidate, target, seq_len=seq_len, new_tokens=new_tokens,
+                          calibration=calibration).fits:
+                    return gpus, candidate.label
+    return None
+
+
+def predict_spec(arch: Architecture, spec, target: GpuTarget, calibration: Calibration, *,
+                 choose_precision: bool, choose_recompute: bool, runnable: tuple[str, ...]):
+    """Plan one ``fitbench run`` configuration on one GPU: choose the precision and activation
+    checkpointing the user left open (first rung of the ladder that fits, fastest within it),
+    and predict its peak. Returns the spec to run and the prediction stored with its result."""
+    ladder = [p for p in DEFAULT_LADDER[spec.mode] if p in runnable] if choose_precision else [spec.precision]
+    recompute = [False, True] if choose_recompute and spec.mode in TRAINING_MODES else [spec.activation_checkpointing]
+    options = [assess(arch, spec.mode, Candidate(precision, "single", 1, ac, spec.batch_size), target,
+                      seq_len=spec.seq_len, new_tokens=spec.new_tokens, calibration=calibration)
+               for precision in ladder for ac in recompute]
+    fitting = [a for a in options if a.fits]
+    chosen = fitting[0] if fitting else options[0]
+    candidate = chosen.candidate
+    planned = spec.model_copy(update={"precision": candidate.precision,
+                                      "activation_checkpointing": candidate.activation_checkpointing})
+    return planned, {
+        "predicted_peak_bytes": chosen.predicted_peak,
+        "tensor_peak_bytes": chosen.memory.peak_bytes,
+        "peak_moment": chosen.memory.peak_moment,
+        "fits": chosen.fits,
+        "gpu_memory_bytes": target.memory,
+        "chosen_by_planner": [name for name, chose in (
+            ("precision", choose_precision),
+            ("activation_checkpointing", choose_recompute and spec.mode in TRAINING_MODES)) if chose],
+        "rejected": [a.reason for a in options if not a.fits],
+        "terms": [{"name": t.name, "bytes": t.bytes, "at_peak": chosen.memory.at_peak(t)} for t in chosen.memory.terms]
+                 + [{"name": t.name, "bytes": t.bytes, "at_peak": True} for t in chosen.overheads],
+        "step_time_estimate_s": chosen.speed.seconds if chosen.speed else None,
+        "calibration": calibration.source,
+    }

@@ -1,0 +1,118 @@
+"""Roofline step time, to rank candidate plans and to show next to the measured time.
+
+Each step is bounded below by its arithmetic and its memory traffic on one GPU, plus the
+communication that cannot overlap, over the GPU-to-GPU link (Williams et al. 2009 for the
+roofline; the collective volumes are the ring algorithms' ``2 (g - 1) / g`` for all-reduce and
+``(g - 1) / g`` for all-gather and reduce-scatter):
+
+    t = max(FLOPs per GPU / peak FLOP/s, bytes per GPU / bandwidth) + communication / link bandwidth
+
+- training step: ``6 N + 12 L H Q T`` FLOPs per token (PaLM), ``8 N + 16 L H Q T`` with activation
+  checkpointing, which runs the forward pass twice; memory traffic of reading the weights
+  three times (forward, two backward matmuls) and the optimizer's read-modify-write of weights,
+  gradients and both moments;
+- prefill: ``2 N + 4 L H Q T`` FLOPs per token; decode: one read of the weights and the KV cache per
+  step for the whole batch, so batch 1 decoding sits on the bandwidth roof;
+- data parallel: gradients all-reduced (DDP) or weights all-gathered twice and gradients
+  reduce-scattered (FSDP); tensor parallel: two all-reduces of the activations per layer in the
+  forward pass and two in the backward; pipeline: one micro-batch per step crosses the stages one
+  after another, ``(M + S - 1) / M`` stage-times for M micro-batches and S stages.
+
+It is an optimistic bound, never a forecast of the achieved time: fitbench prints it beside the
+measured time so its error is visible.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from fitbench import hardware
+from fitbench.models.architecture import Architecture
+from fitbench.plan.memory import QUANTIZED, Parallelism, Widths, quantized_layer_bytes, layer_matmul_params
+
+# GPU-to-GPU bandwidth per direction, bytes/s. NVLink 4 (H100/H200 SXM): 900 GB/s both directions
+# (NVIDIA H100 datasheet); NVLink 3 (A100 SXM): 600 GB/s; PCIe Gen5 x16: 64 GB/s, Gen4: 32 GB/s.
+LINK_BANDWIDTH = {
+    "NVIDIA H100 80GB HBM3": 450e9,
+    "NVIDIA H200": 450e9,
+    "NVIDIA A100-SXM4-80GB": 300e9,
+    "NVIDIA A100-SXM4-40GB": 300e9,
+    "NVIDIA H100 NVL": 300e9,
+    "NVIDIA H200 NVL": 450e9,
+}
+PCIE_BANDWIDTH = 32e9
+
+PRECISION_KIND = {"fp32": "fp32", "tf32": "tf32", "bf16": "bf16", "fp16": "fp16", "bf16-pure": "bf16",
+                  "int8": "bf16", "nf4": "bf16", "fp4": "bf16", "int8-dynamic": "int8", "int4": "bf16",
+                  "fp8": "fp8", "fp8-block": "fp8"}
+
+
+@dataclass(frozen=True)
+class StepTime:
+    seconds: float
+    compute_s: float
+    memory_s: float
+    communication_s: float
+    bound: str  # "compute", "memory" or "communication"
+    tokens_per_s: float  # all GPUs together; for infer, decode tokens/s
+
+    def as_dict(self) -> dict:
+        return dict(self.__dict__)
+
+
+def _weight_bytes(arch: Architecture, precision: str) -> float:
+    if precision in QUANTIZED:
+        layers = quantized_layer_bytes(arch, QUANTIZED[precision]) * arch.num_layers
+        return layers + 2 * (arch.total_params - layer_matmul_params(arch) * arch.num_layers)
+    return Widths.of(precision).weights * arch.total_params
+
+
+def estimate_step_time(arch: Architecture, mode: str, precision: str, batch: int, seq_len: int, *,
+                       new_tokens: int, parallelism: Parallelism, gpu_name: str,
+                       activation_checkpointing: bool = False) -> StepTime:
+    peak = hardware.peak_flops(gpu_name, PRECISION_KIND[precision]) or hardware.peak_flops(gpu_name, "bf16")
+    bandwidth = hardware.peak_bandwidth(gpu_name)
+    if not peak or not bandwidth:
+        raise ValueError(f"no datasheet figures for {gpu_name!r}")
+    link = LINK_BANDWIDTH.get(gpu_name, PCIE_BANDWIDTH)
+    g, tp, stages = parallelism.gpus, parallelism.tensor, parallelism.stages
+    data_parallel = g if parallelism.strategy in ("ddp", "fsdp") else 1
+    widths = Widths.of(precision)
+    weight_bytes = _weight_bytes(arch, precision)
+    n = batch * seq_len  # tokens per data-parallel rank
+
+    if mode == "infer":
+        cache = arch.kv_cache_bytes_per_token(widths.compute) * batch * (seq_len + new_tokens / 2)
+        step_bytes = (weight_bytes + cache) / (tp * stages)
+        memory_s = step_bytes * stages / bandwidth  # stages decode one after another
+        compute_s = 2 * batch * arch.matmul_params / (peak * tp)
+        per_layer = 2 * (tp - 1) / tp * batch * arch.hidden_size * widths.compute
+        communication_s = 2 * arch.num_layers * per_layer / link if tp > 1 else 0.0
+        seconds = max(compute_s, memory_s) + communication_s
+        tokens_per_s = batch / seconds
+    else:
+        # Recomputing activations repeats the forward pass: 4 forward-passes' worth instead of 3.
+        passes = 1 if mode == "forward" else (4 if activation_checkpointing else 3)
+        per_token = arch.forward_flops_per_token(seq_len) * passes
+        compute_s = n * per_token / (peak * tp * stages)
+        reads = 1 if mode == "forward" else 3
+        optimizer_bytes = 4 * widths.weights * arch.total_params if mode == "train" else 0
+        memory_s = (reads * weight_bytes + optimizer_bytes) / (bandwidth * tp * stages
+                                                               * (g if parallelism.strategy == "fsdp" else 1))
+        communication_s = 0.0
+        if parallelism.strategy == "ddp" and mode != "forward":
+            communication_s = 2 * (g - 1) / g * widths.weights * arch.total_params / link
+        elif parallelism.strategy == "fsdp":
+            gathers = 1 if mode == "forward" else 2
+            communication_s = (gathers + (0 if mode == "forward" else 1)) * (g - 1) / g * weight_bytes / link
+        elif tp > 1:
+            directions = 1 if mode == "forward" else 2
+            per_layer = 2 * 2 * (tp - 1) / tp * n * arch.hidden_size * widths.compute
+            communication_s = directions * arch.num_layers * per_layer / link
+        # One micro-batch per step: it crosses the stages one after another, (M + S - 1) / M = S slots.
+        microbatches = 1
+        seconds = max(compute_s, memory_s) * (microbatches + stages - 1) / microbatches + communication_s
+        tokens_per_s = n * data_parallel / seconds
+    bound = max((("compute", compute_s), ("memory", memory_s), ("communication", communication_s)),
+                key=lambda item: item[1])[0]
+    return StepTime(seconds, compute_s, memory_s, communication_s, bound, tokens_per_s)
