@@ -343,8 +343,8 @@ MLP, OUTPUT = "prefill MLP", "output projection"
 
 def _inference(arch, mode, widths, batch, seq_len, new_tokens, terms, tp):
     """Without autograd, a layer's temporaries die with it. Two moments can peak: the widest MLP,
-    where silu(gate), up and their product (3 c n f) live beside the residual and its normalized
-    copy (2 r n h); and the output projection, with the final normalized input (r n h), its 16-bit
+    where silu(gate), up and their product (3 c n f) live beside the layer's input, the residual
+    after attention and its normalized copy (3 r n h) and the token ids (8 n); and the output projection, with the final normalized input (r n h), its 16-bit
     cast under autocast, the projection's own cast weight (V h c) and the logits."""
     n, V, h = batch * seq_len, arch.vocab_size, arch.hidden_size
     c, r = widths.compute, widths.residual

@@ -1,0 +1,539 @@
+"""The analytic memory model (``fitbench.plan.memory``) against hand arithmetic and against the
+fake-tensor trace of the real loops (``fitbench.plan.trace``)."""
+
+import dataclasses
+import functools
+import json
+
+import pytest
+import torch
+
+from fitbench.models.native import DecoderConfig, NativeCausalLM
+from fitbench.models.registry import resolve
+from fitbench.plan.memory import (
+    END, FIRST, MLP, OUTPUT, RECOMPUTE, START, MemoryEstimate, Parallelism, Term, estimate_memory,
+)
+from fitbench.plan.trace import trace_peak
+
+# The analytic peak must land within 3% of the traced one. The model claims to follow the loops
+# tensor by tensor, so what it leaves out (token ids, scalars, small temporaries) is far below this;
+# a larger miss means a tensor is missing from, or wrongly placed in, a peak moment.
+TRACE_TOLERANCE = 0.03
+
+# The trace runs at most this many generated tokens (prefill + two decode steps); the estimate is
+# given the same number so that both size the KV cache alike.
+NEW_TOKENS = 3
+
+# ---- a small architecture, every count worked out by hand ----------------------------------------
+
+H, L, HEADS, KV_HEADS, F, V, MAX_SEQ = 64, 2, 4, 2, 128, 100, 256
+D = H // HEADS  # head dim: 16
+K = KV_HEADS * D  # key/value width: 32 (grouped-query attention: 2 query heads per kv head)
+
+ARCH = dataclasses.replace(
+    resolve("tiny"), name="hand", hidden_size=H, num_layers=L, num_heads=HEADS, num_kv_heads=KV_HEADS,
+    ffn_size=F, vocab_size=V, tie_embeddings=False, max_seq_len=MAX_SEQ,
+)
+
+# Per layer: q (H x H), k and v (H x K each), o (H x H), gate/up/down (H x F each), two norms (H each).
+LAYER_MATMUL = H * H + 2 * H * K + H * H + 3 * H * F  # 36,864
+LAYER_PARAMS = LAYER_MATMUL + 2 * H  # 36,992
+PARAMS = V * H + L * LAYER_PARAMS + H + V * H  # embedding, layers, final norm, untied output: 86,848
+EDGE_PARAMS = PARAMS - L * LAYER_PARAMS  # embedding, final norm, output projection: 12,864
+
+# cos and sin, fp32, one row of head-dim per position of the context
+ROTARY = 2 * MAX_SEQ * D * 4  # 32,768
+
+# bytes per weight (w), activation (c) and residual-stream element (r); whether autocast is on
+WIDTHS = {
+    "fp32": dict(w=4, c=4, r=4, autocast=False),
+    "bf16": dict(w=4, c=2, r=4, autocast=True),
+    "bf16-pure": dict(w=2, c=2, r=2, autocast=False),
+}
+PRECISIONS = tuple(WIDTHS)
+
+
+def terms_of(estimate: MemoryEstimate) -> dict[str, float]:
+    return {term.name: term.bytes for term in estimate.terms}
+
+
+def moments_of(estimate: MemoryEstimate) -> dict[str, float]:
+    return {moment: estimate.total_at(moment) for moment in estimate.moments}
+
+
+def hand_norm(n: int, precision: str) -> int:
+    """What one RMSNorm saves for n tokens."""
+    if precision in ("fp32", "bf16"):
+        # fp32 input (x.float() is x itself, kept by x^2), fp32 normalized output (kept by the
+        # weight's product), 1/rms
+        return 4 * n * H + 4 * n * H + 4 * n
+    if precision == "bf16-pure":
+        # two fp32 upcasts of the bf16 input (one kept by x^2, one by the product with 1/rms),
+        # the normalized output cast back to bf16 (kept by the weight's product), 1/rms
+        return 4 * n * H + 4 * n * H + 2 * n * H + 4 * n
+    raise ValueError(precision)
+
+
+def hand_saved_per_layer(n: int, precision: str, tp: int = 1) -> float:
+    """One layer's saved activations for n tokens; tensor parallelism splits attention and the MLP."""
+    if precision == "fp32":
+        qkv_inputs = 4 * n * H  # the norm's output, shared by q, k and v
+        # rotary q; k and v repeated to all 4 heads for the fp32 kernel; attention output; lse
+        attention = 4 * n * H + 4 * n * H + 4 * n * H + 4 * n * H + 4 * n * HEADS
+        mlp_inputs = 4 * n * H  # shared by gate and up
+        swiglu = 4 * 4 * n * F  # gate, up, silu(gate), product
+    elif precision == "bf16":
+        qkv_inputs = 3 * 2 * n * H  # one 16-bit cast per projection
+        attention = 2 * n * H + 2 * n * K + 2 * n * K + 2 * n * H + 4 * n * HEADS  # grouped k, v stay K wide
+        mlp_inputs = 2 * 2 * n * H  # one cast for gate, one for up
+        swiglu = 4 * 2 * n * F
+    elif precision == "bf16-pure":
+        qkv_inputs = 2 * n * H  # the norm's bf16 output, shared
+        attention = 2 * n * H + 2 * n * K + 2 * n * K + 2 * n * H + 4 * n * HEADS
+        mlp_inputs = 2 * n * H
+        swiglu = 4 * 2 * n * F
+    else:
+        raise ValueError(precision)
+    return 2 * hand_norm(n, precision) + qkv_inputs + attention / tp + mlp_inputs + swiglu / tp
+
+
+def hand_final(n: int, precision: str) -> int:
+    """The final RMSNorm's saved tensors and the output projection's input (c n h)."""
+    return hand_norm(n, precision) + WIDTHS[precision]["c"] * n * H
+
+
+def hand_training_moments(mode: str, precision: str, batch: int, seq_len: int,
+                          checkpointing: bool = False) -> dict[str, int]:
+    """The candidate peaks of a training step for ARCH on one GPU."""
+    wd = WIDTHS[precision]
+    w, c, r, autocast = wd["w"], wd["c"], wd["r"], wd["autocast"]
+    n = batch * seq_len
+    optimizer = 2 * w * PARAMS if mode == "train" else 0
+    logits = c * n * V  # the loop holds the step's logits until the step ends
+    always = w * PARAMS + ROTARY + optimizer + logits
+    # every parameter's gradient but the untied input embedding's, which the very last backward
+    # operator forms, after the first layer's activations are freed
+    gradients = w * (PARAMS - V * H)
+    embedding_gradient = w * V * H
+    one_layer = hand_saved_per_layer(n, precision)
+    layer_casts = c * LAYER_MATMUL if autocast else 0
+    loss = 4 * n * V + 4 * n * V + 4 * n * V  # fp32 log-softmax output, gradient into it, gradient out of it
+    moments = {}
+    if checkpointing:
+        inputs = L * r * n * H  # every layer's input
+        head_cast = c * V * H if autocast else 0  # the output projection's copy, saved by autograd
+        moments[START] = always + inputs + head_cast + hand_final(n, precision) + loss
+        # the last layer recomputed, beside the output projection's gradient and the gradient into the layer
+        moments[RECOMPUTE] = always + inputs + one_layer + layer_casts + w * V * H + r * n * H
+    else:
+        casts = c * (L * LAYER_MATMUL + V * H) if autocast else 0
+        moments[START] = always + L * one_layer + casts + hand_final(n, precision) + loss
+    moments[FIRST] = always + gradients + one_layer + layer_casts
+    moments[END] = always + gradients + embedding_gradient  # untied: no embedding-gradient sum
+    return moments
+
+
+def hand_inference_moments(mode: str, precision: str, batch: int, seq_len: int, new_tokens: int) -> dict[str, int]:
+    wd = WIDTHS[precision]
+    w, c, r, autocast = wd["w"], wd["c"], wd["r"], wd["autocast"]
+    n = batch * seq_len
+    cache = 2 * L * K * c * batch * (seq_len + new_tokens) if mode == "infer" else 0
+    always = w * PARAMS + ROTARY + cache
+    rows = batch if mode == "infer" else n  # generation projects the last position only
+    output = r * n * H + c * rows * V + ((c * n * H + c * V * H) if autocast else 0)
+    # inside the MLP: silu(gate), up and their product, beside the layer's input (still held by the
+    # caller), the residual after attention and its normalized copy, and the int64 token ids
+    mlp = 3 * r * n * H + 3 * c * n * F + 8 * n
+    return {MLP: always + mlp, OUTPUT: always + output}
+
+
+def assert_moments(estimate: MemoryEstimate, expected: dict[str, float]) -> None:
+    assert estimate.moments == tuple(expected)
+    assert moments_of(estimate) == pytest.approx(expected, rel=1e-12)
+    assert estimate.peak_bytes == pytest.approx(max(expected.values()), rel=1e-12)
+    assert estimate.peak_moment == max(expected, key=expected.get)
+
+
+def test_hand_parameter_count_matches_the_built_model():
+    with torch.device("meta"):
+        module = NativeCausalLM(DecoderConfig.from_architecture(ARCH))
+    assert PARAMS == 86_848
+    assert sum(p.numel() for p in module.parameters()) == PARAMS
+    assert ARCH.total_params == PARAMS
+    assert ARCH.params_per_layer == LAYER_PARAMS
+
+
+def test_rotary_tables_match_the_built_buffers():
+    with torch.device("meta"):
+        module = NativeCausalLM(DecoderConfig.from_architecture(ARCH))
+    buffers = sum(b.numel() * 4 for b in (module.rope_cos, module.rope_sin))  # kept fp32
+    assert buffers == ROTARY == 32_768
+
+
+# ---- term by term --------------------------------------------------------------------------------
+
+@pytest.mark.parametrize("mode", ["train", "forward-backward", "forward", "infer"])
+@pytest.mark.parametrize("precision, per_weight", [("fp32", 4), ("bf16", 4), ("bf16-pure", 2)])
+def test_weights_are_bytes_per_weight_times_parameters(mode, precision, per_weight):
+    estimate = estimate_memory(ARCH, mode, precision, 2, 16, new_tokens=NEW_TOKENS)
+    assert terms_of(estimate)["weights"] == per_weight * 86_848
+
+
+@pytest.mark.parametrize("mode", ["train", "forward-backward", "forward", "infer"])
+@pytest.mark.parametrize("precision", PRECISIONS)
+def test_rotary_tables_are_always_alive(mode, precision):
+    estimate = estimate_memory(ARCH, mode, precision, 2, 16, new_tokens=NEW_TOKENS)
+    [rotary] = [t for t in estimate.terms if t.name == "rotary tables"]
+    assert rotary.bytes == ROTARY
+    assert rotary.moments is None and estimate.at_peak(rotary)
+
+
+@pytest.mark.parametrize("precision, per_layer", [
+    # int8: 36,864 one-byte elements + one fp32 scale per output row (512 rows)
+    ("int8", 36_864 + 4 * 512),
+    # nf4: half a byte per element + one fp32 scale per block of 64
+    ("nf4", 36_864 // 2 + 4 * 36_864 // 64),
+    # torchao int4: half a byte per element + 4 B per group of 128
+    ("int4", 36_864 // 2 + 4 * 36_864 // 128),
+])
+def test_quantized_weights(precision, per_layer):
+    estimate = estimate_memory(ARCH, "infer", precision, 2, 16, new_tokens=NEW_TOKENS)
+    # the layers' matrices quantized; norms, embedding and output projection in bf16
+    plain = 2 * (PARAMS - L * LAYER_MATMUL)
+    assert terms_of(estimate)["weights"] == L * per_layer + plain
+
+
+@pytest.mark.parametrize("precision, grad_bytes, adam_bytes", [("fp32", 4, 8), ("bf16", 4, 8), ("bf16-pure", 2, 4)])
+def test_training_gradients_and_optimizer_state(precision, grad_bytes, adam_bytes):
+    train = estimate_memory(ARCH, "train", precision, 2, 16)
+    # the untied input embedding's gradient (V x H) is its own term; the rest are "gradients"
+    assert terms_of(train)["gradients"] == grad_bytes * (PARAMS - V * H)
+    assert terms_of(train)["input embedding gradient"] == grad_bytes * V * H
+    assert terms_of(train)["optimizer state"] == adam_bytes * PARAMS
+    # gradients are set to None at the step's start; AdamW's moments live through it; the input
+    # embedding's gradient comes from the last backward operator, so it exists only at the end
+    by_name = {t.name: t for t in train.terms}
+    assert by_name["gradients"].moments == frozenset({FIRST, END})
+    assert by_name["input embedding gradient"].moments == frozenset({END})
+    assert by_name["optimizer state"].moments is None
+
+    backward = terms_of(estimate_memory(ARCH, "forward-backward", precision, 2, 16))
+    assert backward["gradients"] == grad_bytes * (PARAMS - V * H)
+    assert backward["input embedding gradient"] == grad_bytes * V * H
+    assert backward.get("optimizer state", 0) == 0
+
+
+@pytest.mark.parametrize("mode", ["forward", "infer"])
+@pytest.mark.parametrize("precision", PRECISIONS)
+def test_inference_modes_hold_no_gradients_or_optimizer_state(mode, precision):
+    names = set(terms_of(estimate_memory(ARCH, mode, precision, 2, 16, new_tokens=NEW_TOKENS)))
+    assert not names & {"gradients", "optimizer state", "activations", "loss chain", "autocast weight copies"}
+    assert ("KV cache" in names) == (mode == "infer")
+
+
+@pytest.mark.parametrize("precision, cache_bytes", [("fp32", 4), ("bf16", 2), ("bf16-pure", 2)])
+@pytest.mark.parametrize("batch, seq_len, new_tokens", [(1, 16, 1), (3, 40, 9), (8, 128, 64)])
+def test_kv_cache(precision, cache_bytes, batch, seq_len, new_tokens):
+    estimate = estimate_memory(ARCH, "infer", precision, batch, seq_len, new_tokens=new_tokens)
+    expected = 2 * L * KV_HEADS * D * cache_bytes * batch * (seq_len + new_tokens)
+    assert terms_of(estimate)["KV cache"] == expected
+
+
+@pytest.mark.parametrize("precision", PRECISIONS)
+@pytest.mark.parametrize("batch, seq_len", [(1, 1), (2, 16), (4, 100)])
+def test_saved_activations_per_layer(precision, batch, seq_len):
+    """Without checkpointing the activations term is L layers of the docstring's per-layer list,
+    and the first layer's share is what is left of it in the backward pass of the first layer."""
+    n = batch * seq_len
+    estimate = estimate_memory(ARCH, "train", precision, batch, seq_len)
+    terms = terms_of(estimate)
+    assert terms["activations"] == L * hand_saved_per_layer(n, precision)
+    layer_casts = 2 * LAYER_MATMUL if precision == "bf16" else 0
+    assert terms["first layer in backward"] == hand_saved_per_layer(n, precision) + layer_casts
+
+
+def test_saved_activations_per_layer_worked_example():
+    # n = 10. fp32 (k and v repeated to all heads): 40 n h + 4 n H + 8 n + 16 n f;
+    # bf16: 30 n h + 4 n k + 4 n H + 8 n + 8 n f; bf16-pure: 28 n h + 4 n k + 4 n H + 8 n + 8 n f
+    assert hand_saved_per_layer(10, "fp32") == 25_600 + 160 + 80 + 20_480
+    assert hand_saved_per_layer(10, "bf16") == 19_200 + 1_280 + 160 + 80 + 10_240
+    assert hand_saved_per_layer(10, "bf16-pure") == 17_920 + 1_280 + 160 + 80 + 10_240
+
+
+def test_fp32_repeats_keys_and_values_only_for_grouped_heads():
+    """Without grouping (kv heads = heads) there is nothing to repeat: k and v are h wide either way."""
+    n = 2 * 16
+    ungrouped = dataclasses.replace(ARCH, num_kv_heads=HEADS)
+    grouped = terms_of(estimate_memory(ARCH, "train", "fp32", 2, 16))["activations"]
+    plain = terms_of(estimate_memory(ungrouped, "train", "fp32", 2, 16))["activations"]
+    assert grouped == plain == L * hand_saved_per_layer(n, "fp32")
+    # in 16 bits the grouped k and v stay K wide: 2 x 2 B x n x (H - K) less per layer
+    grouped16 = terms_of(estimate_memory(ARCH, "train", "bf16", 2, 16))["activations"]
+    plain16 = terms_of(estimate_memory(ungrouped, "train", "bf16", 2, 16))["activations"]
+    assert plain16 - grouped16 == L * 2 * 2 * n * (H - K)
+
+
+@pytest.mark.parametrize("precision", PRECISIONS)
+def test_training_step_terms(precision):
+    wd = WIDTHS[precision]
+    c = wd["c"]
+    n = 3 * 20
+    terms = terms_of(estimate_memory(ARCH, "train", precision, 3, 20))
+    assert terms["loss chain"] == 12 * n * V
+    assert terms["logits held by the loop"] == c * n * V
+    assert terms["final norm and output input"] == hand_final(n, precision)
+    if wd["autocast"]:
+        assert terms["autocast weight copies"] == c * (L * LAYER_MATMUL + V * H)
+    else:
+        assert "autocast weight copies" not in terms
+    assert "tied embedding gradients" not in terms
+
+
+def test_tied_embeddings_add_the_gradient_sum_at_the_end():
+    tied = dataclasses.replace(ARCH, tie_embeddings=True)
+    tied_params = PARAMS - V * H
+    for precision in PRECISIONS:
+        w = WIDTHS[precision]["w"]
+        estimate = estimate_memory(tied, "forward-backward", precision, 1, 1)
+        [term] = [t for t in estimate.terms if t.name == "tied embedding gradients"]
+        assert term.bytes == 2 * w * V * H and term.moments == frozenset({END})
+        assert terms_of(estimate)["weights"] == w * tied_params
+        assert estimate.total_at(END) == w * tied_params + ROTARY + WIDTHS[precision]["c"] * V \
+            + w * tied_params + 2 * w * V * H
+
+
+@pytest.mark.parametrize("precision", PRECISIONS)
+def test_checkpointed_activations_keep_layer_inputs(precision):
+    n = 4 * 32
+    wd = WIDTHS[precision]
+    w, c, r = wd["w"], wd["c"], wd["r"]
+    estimate = estimate_memory(ARCH, "train", precision, 4, 32, activation_checkpointing=True)
+    terms = terms_of(estimate)
+    assert terms["activations"] == L * r * n * H
+    layer_casts = c * LAYER_MATMUL if wd["autocast"] else 0
+    assert terms["recomputed last layer"] == hand_saved_per_layer(n, precision) + layer_casts + w * V * H + r * n * H
+    if wd["autocast"]:
+        assert terms["autocast weight copies"] == c * V * H  # only the output projection's
+    by_name = {t.name: t for t in estimate.terms}
+    assert by_name["activations"].moments == frozenset({START, RECOMPUTE})
+    assert by_name["recomputed last layer"].moments == frozenset({RECOMPUTE})
+
+
+# ---- moments and the peak ------------------------------------------------------------------------
+
+@pytest.mark.parametrize("mode", ["train", "forward-backward"])
+@pytest.mark.parametrize("precision", PRECISIONS)
+@pytest.mark.parametrize("checkpointing", [False, True])
+@pytest.mark.parametrize("batch, seq_len", [(1, 1), (2, 16), (8, 64), (256, 256)])
+def test_training_moments_by_hand(mode, precision, checkpointing, batch, seq_len):
+    expected = hand_training_moments(mode, precision, batch, seq_len, checkpointing)
+    estimate = estimate_memory(ARCH, mode, precision, batch, seq_len, activation_checkpointing=checkpointing)
+    assert_moments(estimate, expected)
+    assert estimate.peak_bytes == pytest.approx(sum(t.bytes for t in estimate.terms if estimate.at_peak(t)),
+                                                rel=1e-12)
+
+
+@pytest.mark.parametrize("mode", ["forward", "infer"])
+@pytest.mark.parametrize("precision", PRECISIONS)
+@pytest.mark.parametrize("batch, seq_len", [(1, 1), (2, 16), (8, 128)])
+def test_inference_moments_by_hand(mode, precision, batch, seq_len):
+    expected = hand_inference_moments(mode, precision, batch, seq_len, NEW_TOKENS)
+    estimate = estimate_memory(ARCH, mode, precision, batch, seq_len, new_tokens=NEW_TOKENS)
+    assert_moments(estimate, expected)
+
+
+@pytest.mark.parametrize("mode", ["train", "forward-backward"])
+@pytest.mark.parametrize("precision", PRECISIONS)
+def test_peak_moment_moves_with_the_batch(mode, precision):
+    tiny = estimate_memory(ARCH, mode, precision, 1, 1)
+    huge = estimate_memory(ARCH, mode, precision, 512, 256)
+    assert tiny.peak_moment in (FIRST, END)
+    assert huge.peak_moment == START
+    # at one token the step is the model's state: weights, gradients (and AdamW state), the rotary
+    # tables, within a layer's worth
+    w = WIDTHS[precision]["w"]
+    state = (2 if mode == "forward-backward" else 4) * w * PARAMS + ROTARY
+    assert state <= tiny.peak_bytes < state + 4 * LAYER_PARAMS * w
+    moments = hand_training_moments(mode, precision, 512, 256)
+    assert huge.peak_bytes == moments[START] > max(moments[FIRST], moments[END])
+
+
+@pytest.mark.parametrize("precision", PRECISIONS)
+def test_checkpointed_peak_moment_moves_with_the_vocabulary(precision):
+    """With checkpointing the start of the backward pass holds 12 n V of loss chain against one
+    recomputed layer: the small vocabulary peaks in the recompute, a large one at the start."""
+    small_vocab = estimate_memory(ARCH, "train", precision, 8, 64, activation_checkpointing=True)
+    large_vocab = estimate_memory(dataclasses.replace(ARCH, vocab_size=4096), "train", precision, 8, 64,
+                                  activation_checkpointing=True)
+    assert small_vocab.peak_moment == RECOMPUTE
+    assert large_vocab.peak_moment == START
+
+
+@pytest.mark.parametrize("precision", PRECISIONS)
+def test_inference_peak_moment_moves_with_the_prompt(precision):
+    """A single token peaks at the output projection (the largest matrix, logits); a long prompt
+    peaks inside the MLP."""
+    tiny = resolve("tiny")
+    assert estimate_memory(tiny, "infer", precision, 1, 1, new_tokens=NEW_TOKENS).peak_moment == OUTPUT
+    assert estimate_memory(tiny, "infer", precision, 4, 256, new_tokens=NEW_TOKENS).peak_moment == MLP
+
+
+def test_estimate_picks_the_largest_moment():
+    terms = (Term("always", 10.0, "x"), Term("a", 5.0, "x", frozenset({"a"})),
+             Term("b", 7.0, "x", frozenset({"b"})), Term("ab", 1.0, "x", frozenset({"a", "b"})))
+    estimate = MemoryEstimate(terms, ("a", "b"))
+    assert (estimate.total_at("a"), estimate.total_at("b")) == (16.0, 18.0)
+    assert estimate.peak_moment == "b" and estimate.peak_bytes == 18.0
+    assert [estimate.at_peak(t) for t in terms] == [True, False, True, True]
+
+
+# ---- parallelism ---------------------------------------------------------------------------------
+
+@pytest.mark.parametrize("precision", PRECISIONS)
+def test_fsdp_shards_weights_gradients_and_optimizer_state(precision):
+    single = terms_of(estimate_memory(ARCH, "train", precision, 2, 32))
+    sharded = terms_of(estimate_memory(ARCH, "train", precision, 2, 32, parallelism=Parallelism("fsdp", 4)))
+    w, c = WIDTHS[precision]["w"], WIDTHS[precision]["c"]
+    for name, per_param in (("weights", w), ("optimizer state", 2 * w)):
+        assert sharded[name] == single[name] / 4 == per_param * PARAMS / 4, name
+    # on one GPU the input embedding's gradient is a term of its own; FSDP shards every gradient,
+    # that one included, into the one gradients term
+    whole_gradients = single["gradients"] + single["input embedding gradient"]
+    assert single["gradients"] == w * (PARAMS - V * H)
+    assert sharded["gradients"] == whole_gradients / 4 == w * PARAMS / 4
+    assert "input embedding gradient" not in sharded
+    assert sharded["activations"] == single["activations"]
+    # two gathered layers and one layer's unsharded gradients in flight; FSDP gathers 16-bit
+    # weights itself, so there are no autocast copies
+    assert sharded["unsharded FSDP units"] == 3 * c * LAYER_PARAMS
+    assert "autocast weight copies" not in sharded
+    assert "unsharded FSDP units" not in single
+
+
+@pytest.mark.parametrize("precision", PRECISIONS)
+def test_tensor_parallelism_halves_the_kv_cache(precision):
+    single = terms_of(estimate_memory(ARCH, "infer", precision, 4, 64, new_tokens=16))
+    split = terms_of(estimate_memory(ARCH, "infer", precision, 4, 64, new_tokens=16,
+                                     parallelism=Parallelism("tp", 2)))
+    c, r = WIDTHS[precision]["c"], WIDTHS[precision]["r"]
+    n = 4 * 64
+    assert split["KV cache"] == single["KV cache"] / 2 == 2 * L * K * c * 4 * (64 + 16) / 2
+    # the MLP's intermediates split; the three residual-sized tensors and the token ids do not
+    assert split["MLP temporaries"] == 3 * r * n * H + 3 * c * n * F / 2 + 8 * n
+
+
+@pytest.mark.parametrize("precision", PRECISIONS)
+def test_tensor_parallelism_splits_layers_but_not_the_edges(precision):
+    w = WIDTHS[precision]["w"]
+    split = terms_of(estimate_memory(ARCH, "train", precision, 4, 64, parallelism=Parallelism("tp", 2)))
+    local = L * LAYER_PARAMS / 2 + EDGE_PARAMS
+    assert split["weights"] == w * local
+    # the input embedding is not split, and its gradient is still a term of its own
+    assert split["gradients"] == w * (local - V * H)
+    assert split["input embedding gradient"] == w * V * H
+    assert split["optimizer state"] == 2 * w * local
+    assert split["activations"] == L * hand_saved_per_layer(4 * 64, precision, tp=2)
+
+
+@pytest.mark.parametrize("precision", PRECISIONS)
+def test_pipeline_halves_the_activations(precision):
+    assert L % 2 == 0
+    single = terms_of(estimate_memory(ARCH, "train", precision, 4, 64))
+    staged = terms_of(estimate_memory(ARCH, "train", precision, 4, 64, parallelism=Parallelism("pipeline", 2)))
+    assert staged["activations"] == single["activations"] / 2 == (L // 2) * hand_saved_per_layer(4 * 64, precision)
+    assert staged["weights"] == WIDTHS[precision]["w"] * (L // 2 * LAYER_PARAMS + EDGE_PARAMS / 2)
+
+
+def test_parallelism_degrees():
+    assert (Parallelism().tensor, Parallelism().stages, Parallelism().shards) == (1, 1, 1)
+    assert (Parallelism("fsdp", 4).tensor, Parallelism("fsdp", 4).stages, Parallelism("fsdp", 4).shards) == (1, 1, 4)
+    assert (Parallelism("tp", 2).tensor, Parallelism("tp", 2).shards) == (2, 1)
+    assert (Parallelism("pipeline", 2).stages, Parallelism("pipeline", 2).shards) == (2, 1)
+    assert Parallelism("ddp", 8).shards == 1
+
+
+# ---- serialisation -------------------------------------------------------------------------------
+
+@pytest.mark.parametrize("mode", ["train", "forward-backward", "forward", "infer"])
+@pytest.mark.parametrize("precision", PRECISIONS)
+@pytest.mark.parametrize("checkpointing", [False, True])
+@pytest.mark.parametrize("parallelism", [Parallelism(), Parallelism("fsdp", 2)], ids=["single", "fsdp"])
+def test_as_dict_is_json_and_sums_to_the_peak(mode, precision, checkpointing, parallelism):
+    estimate = estimate_memory(resolve("tiny"), mode, precision, 2, 64, new_tokens=NEW_TOKENS,
+                               activation_checkpointing=checkpointing, parallelism=parallelism)
+    data = json.loads(json.dumps(estimate.as_dict()))
+    assert set(data) >= {"peak_bytes", "peak_moment", "moments", "terms"}
+    assert data["peak_moment"] == estimate.peak_moment
+    assert list(data["moments"]) == list(estimate.moments)
+    assert [t["name"] for t in data["terms"]] == [t.name for t in estimate.terms]
+    assert all(isinstance(t["formula"], str) and t["formula"] for t in data["terms"])
+    assert all(t["bytes"] >= 0 for t in data["terms"])
+    # the peak is the largest moment, and the terms alive at it sum to it
+    assert data["peak_bytes"] == max(data["moments"].values()) == data["moments"][data["peak_moment"]]
+    for moment, total in data["moments"].items():
+        alive = sum(t.bytes for t in estimate.terms if t.moments is None or moment in t.moments)
+        assert total == pytest.approx(alive, rel=1e-12), moment
+    assert [t["at_peak"] for t in data["terms"]] == [
+        t.moments is None or data["peak_moment"] in t.moments for t in estimate.terms]
+    at_peak = sum(t["bytes"] for t in data["terms"] if t["at_peak"])
+    assert at_peak == pytest.approx(data["peak_bytes"], rel=1e-12)
+    assert data["peak_bytes"] > 0
+
+
+# ---- against the trace ---------------------------------------------------------------------------
+
+@functools.lru_cache(maxsize=None)
+def traced(model: str, mode: str, precision: str, batch: int, seq_len: int, checkpointing: bool) -> int:
+    return trace_peak(resolve(model), mode, precision, batch, seq_len, new_tokens=NEW_TOKENS,
+                      activation_checkpointing=checkpointing).peak_bytes
+
+
+SHAPES = {"tiny": [(1, 64), (4, 256)], "small": [(2, 128), (4, 512)]}
+
+
+def trace_cases():
+    for model, shapes in SHAPES.items():
+        for mode in ("train", "forward-backward", "forward", "infer"):
+            for precision in PRECISIONS:
+                for checkpointing in ((False, True) if mode in ("train", "forward-backward") else (False,)):
+                    for batch, seq_len in shapes:
+                        case_id = f"{model}-{mode}-{precision}-{'ckpt' if checkpointing else 'full'}-{batch}x{seq_len}"
+                        yield pytest.param(model, mode, precision, batch, seq_len, checkpointing, id=case_id)
+
+
+@pytest.mark.parametrize("model, mode, precision, batch, seq_len, checkpointing", list(trace_cases()))
+def test_analytic_peak_matches_the_trace(model, mode, precision, batch, seq_len, checkpointing):
+    actual = traced(model, mode, precision, batch, seq_len, checkpointing)
+    estimate = estimate_memory(resolve(model), mode, precision, batch, seq_len, new_tokens=NEW_TOKENS,
+                               activation_checkpointing=checkpointing)
+    error = (estimate.peak_bytes - actual) / actual
+    moments = ", ".join(f"{m!r} {total:,.0f}" for m, total in moments_of(estimate).items())
+    assert abs(error) <= TRACE_TOLERANCE, (
+        f"analytic {estimate.peak_bytes:,.0f} B vs traced {actual:,} B ({error:+.2%}), "
+        f"moment {estimate.peak_moment!r}; moments: {moments}")
+
+
+def test_trace_is_deterministic():
+    arch = resolve("tiny")
+    first = trace_peak(arch, "train", "bf16", 2, 64).peak_bytes
+    second = trace_peak(arch, "train", "bf16", 2, 64).peak_bytes
+    assert first == second > 0
+
+
+@pytest.mark.parametrize("precision", PRECISIONS)
+def test_trace_grows_with_the_batch(precision):
+    arch = resolve("tiny")
+    for batch in (1, 2, 4):
+        smaller = traced("tiny", "train", precision, batch, 128, False)
+        larger = traced("tiny", "train", precision, 2 * batch, 128, False)
+        assert larger > smaller, batch
+    # the weights alone are a floor
+    assert traced("tiny", "train", precision, 1, 128, False) > WIDTHS[precision]["w"] * arch.total_params
+
+
+def test_trace_checkpointing_lowers_the_peak():
+    full = traced("small", "train", "bf16", 4, 512, False)
+    checkpointed = traced("small", "train", "bf16", 4, 512, True)
+    assert checkpointed < full
+    # the saved activations of 12 layers are hundreds of MB at 2,048 tokens; checkpointing frees most
+    assert full - checkpointed > 500e6
