@@ -57,7 +57,9 @@ def _add_run_options(parser: argparse.ArgumentParser) -> None:
     add("--pass-type", dest="pass_type", choices=("forward", "backward"), default=S,
         help="CS336 spelling: forward = --mode forward, backward = --mode forward-backward")
     add("--precision", nargs="+", choices=PRECISIONS, default=S,
-        help="fp32, tf32, bf16/fp16 (autocast over fp32 weights), bf16-pure (bf16 weights and optimizer)")
+        help="fp32, tf32, bf16/fp16 (autocast over fp32 weights), bf16-pure (bf16 weights and optimizer); "
+             "quantized weights for infer and forward: int8, nf4, fp4 (bitsandbytes), int8-dynamic, int4, fp8, "
+             "fp8-block (torchao)")
     add("--batch-size", dest="batch_size", nargs="+", type=int, default=S, metavar="N", help="sequences per step")
     add("--seq-len", "--context-length", dest="seq_len", nargs="+", type=int, default=S, metavar="T",
         help="tokens per sequence; the prompt length in infer")
@@ -81,12 +83,10 @@ def _add_run_options(parser: argparse.ArgumentParser) -> None:
 
 
 def _add_plan_options(parser: argparse.ArgumentParser) -> None:
-    from fitbench.plan.memory import QUANTIZED
-
     add = parser.add_argument
     add("--models", nargs="+", required=True, metavar="MODEL", help="presets, local directories or hub ids")
     add("--mode", "--modes", dest="mode", nargs="+", choices=MODES, default=["train"], help="default: train")
-    add("--precision", nargs="+", choices=[*PRECISIONS, *QUANTIZED], default=None,
+    add("--precision", nargs="+", choices=PRECISIONS, default=None,
         help="the precision ladder, in order of preference (default per mode: train bf16 bf16-pure; "
              "infer and forward bf16-pure int8 nf4)")
     add("--batch-size", dest="batch_size", nargs="+", default=["1"], metavar="N",
@@ -142,6 +142,23 @@ def default_models(device: str) -> list[str]:
     return fitting[:3] or ["tiny"]
 
 
+def hardware_refusals(specs: list, device: str) -> dict[str, str]:
+    """Configurations this device cannot run (fp8 below compute capability 8.9, int4 without a GPU),
+    by spec key, with the reason; they are recorded, not launched."""
+    import torch
+
+    from fitbench.run.quantize import hardware_problem
+
+    target = torch.device(device)
+    capability = torch.cuda.get_device_capability(target) if target.type == "cuda" else None
+    refusals = {}
+    for spec in specs:
+        problem = hardware_problem(spec.precision, target, capability)
+        if problem:
+            refusals[spec.key] = f"refused before launch: {problem}"
+    return refusals
+
+
 def plan_specs(specs: list, config, device: str) -> tuple[list, dict[str, dict]]:
     """On a GPU, plan every Llama-family configuration before it runs: the planner picks the precision
     and activation checkpointing the user left open, and predicts the per-GPU peak stored with the
@@ -180,9 +197,12 @@ def _describe_row(row: dict[str, Any]) -> str:
         return f"[red]{row['status']}[/red] {escape(row['label'])}: {escape(first_line[0]) if first_line else ''}"
     head = headline(row)
     per = "/token" if row["spec"]["mode"] == "infer" else "/step"
-    warn = f" [yellow]({'; '.join(row['warnings'])})[/yellow]" if row.get("warnings") else ""
+    warn = f" [yellow]({escape('; '.join(row['warnings']))})[/yellow]" if row.get("warnings") else ""
+    quality = row.get("quality")
+    cost = (f", logits {100 * quality['logits_relative_error']:.1f}% off bf16, weights "
+            f"{100 * row['weights']['relative_to_bf16']:.0f}% of bf16") if quality else ""
     return (f"[green]ok[/green] {escape(row['label'])}: {format_seconds(head['time'])}{per} ± {head['cv']:.1f}%, "
-            f"{head['tokens_per_s']:,.0f} tokens/s{warn}")
+            f"{head['tokens_per_s']:,.0f} tokens/s{cost}{warn}")
 
 
 def run(args: argparse.Namespace, cli_options: dict[str, Any]) -> int:
@@ -205,6 +225,7 @@ def run(args: argparse.Namespace, cli_options: dict[str, Any]) -> int:
     device = resolve_device(config.device)
     specs = expand(config, device=device, default_models=default_models(device))
     specs, predictions = plan_specs(specs, config, device)
+    refusals = hardware_refusals(specs, device)
 
     out = args.resume or config.out or str(Path("fitbench-results") / datetime.now(timezone.utc).strftime("%Y%m%d-%H%M%S"))
     config = config.model_copy(update={"out": out})
@@ -243,7 +264,7 @@ def run(args: argparse.Namespace, cli_options: dict[str, Any]) -> int:
         callbacks = SweepCallbacks(on_start=on_start, on_event=on_event, on_finish=on_finish,
                                    on_skip=lambda spec: progress.advance(sweep_task))
         run_sweep(specs, store, timeout=config.timeout, command=command, callbacks=callbacks,
-                  predictions=predictions)
+                  predictions=predictions, refusals=refusals)
 
     keys = {spec.key for spec in specs}
     rows = [row for row in store.rows() if row.get("key") in keys]
@@ -298,7 +319,7 @@ def gpu_target(args: argparse.Namespace):
             raise UserError("gpu-memory: with --gpus, say how much memory each GPU has (--gpu-memory 80GB) "
                             "or which GPU it is (--gpu H100-80GB).")
         memory = hardware.gpu_spec(name).memory_gb * 1e9
-    count = args.gpus or 1
+    count = 1 if args.gpus is None else args.gpus
     if count <= 0:
         raise UserError(f"gpus: must be a positive number of GPUs, got {count}.")
     return GpuTarget(name, count, memory, described=True)
@@ -319,11 +340,12 @@ def _plan_text(result, trace) -> None:
         console.print(f"chosen: [green]{escape(chosen.candidate.label)}[/green]: {format_bytes(chosen.predicted_peak)}"
                       f" per GPU, roofline {speed.tokens_per_s:,.0f} tokens/s ({speed.bound}-bound, "
                       f"{speed.seconds * 1e3:.1f} ms per {'decode step' if result.mode == 'infer' else 'step'})")
-        table = Table(title_justify="left", title=f"per-GPU memory, peak at the {chosen.memory.peak_moment}")
+        table = Table(title_justify="left", title=f"per-GPU memory, peak at the {chosen.peak_moment}")
         for column in ("term", "bytes", "at peak", "formula / source"):
             table.add_column(column, justify="right" if column == "bytes" else "left")
         for term in chosen.memory.terms:
-            table.add_row(term.name, format_bytes(term.bytes), "yes" if chosen.memory.at_peak(term) else "",
+            alive = term.moments is None or chosen.peak_moment in term.moments
+            table.add_row(term.name, format_bytes(term.bytes), "yes" if alive else "",
                           escape(term.formula))
         for term in chosen.overheads:
             table.add_row(term.name, format_bytes(term.bytes), "yes", escape(term.formula))

@@ -18,10 +18,11 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_valida
 from fitbench.errors import UserError
 from fitbench.models.backends import backend_error, default_backend
 from fitbench.models.registry import resolve
-from fitbench.run.precision import PRECISIONS
+from fitbench.run.precision import PRECISIONS, QUANTIZED_PRECISIONS
 
 Mode = Literal["train", "forward", "forward-backward", "infer"]
-Precision = Literal["fp32", "tf32", "bf16", "fp16", "bf16-pure"]
+Precision = Literal["fp32", "tf32", "bf16", "fp16", "bf16-pure",
+                    "int8", "nf4", "fp4", "int8-dynamic", "int4", "fp8", "fp8-block"]
 BackendChoice = Literal["auto", "native", "hf"]
 
 # The seeds' CS336 script says --pass-type forward|backward; backward there means forward + backward.
@@ -159,6 +160,12 @@ def expand(config: SweepConfig, *, device: str, default_models: list[str]) -> li
         for mode in modes:
             default_batch, default_seq = _default_shapes(mode, device_type)
             for precision in config.precision or [default_precision(mode, device_type)]:
+                if precision in QUANTIZED_PRECISIONS and mode in ("train", "forward-backward"):
+                    raise UserError(
+                        f"precision: {precision} weights are frozen; training them needs adapters, which "
+                        f"fitbench does not train yet. Use --mode infer or forward with {precision}, or a "
+                        f"floating-point precision (bf16, bf16-pure) to train."
+                    )
                 for batch in config.batch_size or [default_batch]:
                     for seq_len in config.seq_len or [default_seq]:
                         needed = seq_len + (new_tokens if mode == "infer" else 0)

@@ -132,9 +132,11 @@ def run_one(spec: RunSpec, log_path: Path, timeout: float,
 
 def run_sweep(specs: list[RunSpec], store: ResultStore, *, timeout: float, command: str,
               callbacks: SweepCallbacks = SweepCallbacks(),
-              predictions: dict[str, dict[str, Any]] | None = None) -> list[dict[str, Any]]:
+              predictions: dict[str, dict[str, Any]] | None = None,
+              refusals: dict[str, str] | None = None) -> list[dict[str, Any]]:
     """Run every spec without a row in ``store``; append each row the moment it exists, with the
-    planner's prediction for it (``predictions`` by spec key) beside what was measured."""
+    planner's prediction for it (``predictions`` by spec key) beside what was measured. A spec in
+    ``refusals`` is not launched: its row says why this hardware cannot run it."""
     finished = store.finished_keys()
     rows = []
     for index, spec in enumerate(specs):
@@ -142,7 +144,12 @@ def run_sweep(specs: list[RunSpec], store: ResultStore, *, timeout: float, comma
             callbacks.on_skip(spec)
             continue
         callbacks.on_start(spec, index, len(specs))
-        row = run_one(spec, store.directory / "logs" / f"{spec.key}.log", timeout, callbacks.on_event)
+        if spec.key in (refusals or {}):
+            row = {"key": spec.key, "label": spec.label, "spec": spec.model_dump(), "status": "refused",
+                   "error": refusals[spec.key], "params": resolve(spec.model).total_params,
+                   "started_at": _now(), "finished_at": _now()}
+        else:
+            row = run_one(spec, store.directory / "logs" / f"{spec.key}.log", timeout, callbacks.on_event)
         row["command"] = command
         row["prediction"] = (predictions or {}).get(spec.key)
         store.append(row)

@@ -219,15 +219,8 @@ class NativeCausalLM(nn.Module):
 
     @torch.no_grad()
     def init_weights(self, std: float = 0.02) -> None:
-        """Random weights N(0, std) for matrices and embeddings, ones for norms, zeros for biases, and the
-        rotary tables: everything a freshly materialized (uninitialized) model needs."""
-        for module in self.modules():
-            if isinstance(module, (nn.Linear, nn.Embedding)):
-                nn.init.normal_(module.weight, mean=0.0, std=std)
-                if getattr(module, "bias", None) is not None:
-                    nn.init.zeros_(module.bias)
-            elif isinstance(module, RMSNorm):
-                nn.init.ones_(module.weight)
+        """Random weights and the rotary tables: everything a freshly materialized model needs."""
+        init_random_weights(self, std)
         self.reset_rope()
 
     @torch.no_grad()
@@ -243,15 +236,33 @@ class NativeCausalLM(nn.Module):
         return KVCache(self.config, batch, max_len, dtype, self.rope_cos.device)
 
 
+@torch.no_grad()
+def init_random_weights(module: nn.Module, std: float = 0.02) -> None:
+    """N(0, std) for matrices and embeddings, ones for norms, zeros for biases, in any part of a model."""
+    for part in module.modules():
+        if isinstance(part, (nn.Linear, nn.Embedding)):
+            nn.init.normal_(part.weight, mean=0.0, std=std)
+            if getattr(part, "bias", None) is not None:
+                nn.init.zeros_(part.bias)
+        elif isinstance(part, RMSNorm):
+            nn.init.ones_(part.weight)
+
+
+def meta_model(arch: Architecture, dtype: torch.dtype) -> NativeCausalLM:
+    """The model on the meta device with weights in ``dtype`` and fp32 rotary tables: shapes, no storage."""
+    with torch.device("meta"):
+        model = NativeCausalLM(DecoderConfig.from_architecture(arch))
+        model.to(dtype=dtype)
+        model.rope_cos, model.rope_sin = model.rope_cos.float(), model.rope_sin.float()
+    return model
+
+
 def build_native(arch: Architecture, device: torch.device | str, dtype: torch.dtype) -> NativeCausalLM:
     """Build on the meta device, allocate storage directly on ``device`` in ``dtype``, then initialize.
 
     The rotary tables stay fp32 whatever the weight dtype: positions up to 128k need the precision.
     """
-    with torch.device("meta"):
-        model = NativeCausalLM(DecoderConfig.from_architecture(arch))
-        model.to(dtype=dtype)
-        model.rope_cos, model.rope_sin = model.rope_cos.float(), model.rope_sin.float()
+    model = meta_model(arch, dtype)
     model.to_empty(device=device)
     if arch.tie_embeddings:
         model.lm_head.weight = model.model.embed_tokens.weight

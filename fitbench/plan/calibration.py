@@ -99,6 +99,8 @@ def save_calibration(gpu_name: str, calibration: Calibration) -> Path:
         stored = json.loads(path.read_text())
     except (OSError, ValueError):
         stored = {}
+    if not isinstance(stored, dict):
+        stored = {}
     stored[_key(gpu_name, torch.__version__)] = asdict(calibration)
     tmp = path.with_suffix(".tmp")
     tmp.write_text(json.dumps(stored, indent=2))

@@ -37,7 +37,7 @@ class QuantizedFormat:
     ``scale_bytes`` per group: a row (``group = 0``), or a block of ``group`` elements."""
 
     bits: int
-    scale_bytes: int
+    scale_bytes: float
     group: int
     source: str
 
@@ -49,9 +49,14 @@ class QuantizedFormat:
 # Layer matmul weights are quantized; embeddings, the output projection and norms stay bf16.
 QUANTIZED: dict[str, QuantizedFormat] = {
     "int8": QuantizedFormat(8, 4, 0, "bitsandbytes LLM.int8: int8 weights, one fp32 absmax per output row"),
-    "nf4": QuantizedFormat(4, 4, 64, "bitsandbytes 4-bit: one fp32 absmax per block of 64"),
-    "fp4": QuantizedFormat(4, 4, 64, "bitsandbytes 4-bit: one fp32 absmax per block of 64"),
-    "int8-dynamic": QuantizedFormat(8, 2, 0, "torchao int8 weights, one bf16 scale per output row"),
+    # Double quantization (bitsandbytes' default): each block's absmax in 8 bits, plus one fp32
+    # scale per 256 blocks.
+    "nf4": QuantizedFormat(4, 1 + 4 / 256, 64, "bitsandbytes 4-bit: an 8-bit absmax per block of 64, "
+                                               "double-quantized"),
+    "fp4": QuantizedFormat(4, 1 + 4 / 256, 64, "bitsandbytes 4-bit: an 8-bit absmax per block of 64, "
+                                               "double-quantized"),
+    "int8-dynamic": QuantizedFormat(8, 5, 0, "torchao int8 weights, an fp32 scale and an int8 zero point per "
+                                             "output row"),
     "int4": QuantizedFormat(4, 4, 128, "torchao int4 tinygemm: bf16 scale and zero point per group of 128"),
     "fp8": QuantizedFormat(8, 4, 0, "torchao float8 row-wise: one fp32 scale per output row"),
     "fp8-block": QuantizedFormat(8, 4, 128 * 128, "float8 with one fp32 scale per 128 x 128 block"),
@@ -235,20 +240,23 @@ def estimate_memory(arch: Architecture, mode: str, precision: str, batch: int, s
     layer_params = arch.params_per_layer * layers
     edge_params = P - arch.params_per_layer * arch.num_layers  # embeddings, output projection, final norm
     local_params = (layer_params / tp + edge_params / (stages if stages > 1 else 1)) if tp > 1 or stages > 1 else P
+    if precision in QUANTIZED and mode in ("train", "forward-backward"):
+        raise ValueError(f"{precision} weights are frozen: training them needs adapters, which fitbench does not "
+                         f"model or train")
     if precision in QUANTIZED:
         quantized = quantized_layer_bytes(arch, QUANTIZED[precision]) * layers / tp
         plain = widths.weights * (local_params - layer_matmul_params(arch) * layers / tp)
         weights = quantized + plain
         terms = [Term("weights", weights, f"{QUANTIZED[precision].source}: {quantized:,.0f} B in the layers' "
                                           f"matrices, {plain:,.0f} B in bf16 elsewhere"), rotary_term(arch)]
-        return _inference(arch, mode, widths, batch, seq_len, new_tokens, terms, tp)
+        return _inference(arch, mode, widths, batch, seq_len, new_tokens, terms, tp, stages)
     weights = widths.weights * local_params / shards
     terms = [Term("weights", weights, f"{widths.weights:g} B x {local_params:,.0f} parameters"
                   + (f" / {shards} FSDP shards" if shards > 1 else "")), rotary_term(arch)]
     if mode in ("train", "forward-backward"):
         return _training(arch, mode, widths, batch, seq_len, activation_checkpointing, terms, weights,
                          local_params / shards, layers, tp)
-    return _inference(arch, mode, widths, batch, seq_len, new_tokens, terms, tp)
+    return _inference(arch, mode, widths, batch, seq_len, new_tokens, terms, tp, stages)
 
 
 def rotary_term(arch: Architecture) -> Term:
@@ -341,7 +349,7 @@ def _training(arch, mode, widths, batch, seq_len, recompute, terms, weights, loc
 MLP, OUTPUT = "prefill MLP", "output projection"
 
 
-def _inference(arch, mode, widths, batch, seq_len, new_tokens, terms, tp):
+def _inference(arch, mode, widths, batch, seq_len, new_tokens, terms, tp, stages=1):
     """Without autograd, a layer's temporaries die with it. Two moments can peak: the widest MLP,
     where silu(gate), up and their product (3 c n f) live beside the layer's input, the residual
     after attention and its normalized copy (3 r n h) and the token ids (8 n); and the output projection, with the final normalized input (r n h), its 16-bit
@@ -350,9 +358,10 @@ def _inference(arch, mode, widths, batch, seq_len, new_tokens, terms, tp):
     c, r = widths.compute, widths.residual
     rows = batch if mode == "infer" else n  # infer computes logits for the last position only
     if mode == "infer":
-        terms.append(Term("KV cache", kv_cache_bytes(arch, batch, seq_len + new_tokens, widths, tp),
-                          f"2 x {arch.num_layers} layers x {arch.num_kv_heads * arch.head_dim} x {c} B x {batch} x "
-                          f"{seq_len + new_tokens} tokens"))
+        # Each pipeline stage caches its own layers; tensor parallelism splits the kv heads.
+        terms.append(Term("KV cache", kv_cache_bytes(arch, batch, seq_len + new_tokens, widths, tp) / stages,
+                          f"2 x {arch.num_layers / stages:g} layers x {arch.num_kv_heads * arch.head_dim / tp:g} x "
+                          f"{c} B x {batch} x {seq_len + new_tokens} tokens"))
     terms.append(Term("MLP temporaries", prefill_transient_bytes(arch, n, widths, tp),
                       "3 c n f + 3 r n h + 8 n: one MLP's intermediates beside the residual stream",
                       frozenset({MLP})))

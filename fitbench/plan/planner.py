@@ -17,7 +17,8 @@ from dataclasses import dataclass, field, replace
 from fitbench import hardware
 from fitbench.models.architecture import Architecture
 from fitbench.plan.calibration import DEFAULT, Calibration
-from fitbench.plan.memory import MemoryEstimate, Parallelism, Term, Widths, estimate_memory, saved_per_layer
+from fitbench.plan.memory import (QUANTIZED, MemoryEstimate, Parallelism, Term, Widths, estimate_memory,
+                                  saved_per_layer)
 from fitbench.plan.speed import StepTime, estimate_step_time
 
 # Names people type for --gpu, to the exact device names of the peak table.
@@ -83,10 +84,12 @@ class Assessment:
     fits: bool
     reason: str | None
     speed: StepTime | None
+    peak_moment: str | None = None  # with the overheads, which can move it
 
     def as_dict(self) -> dict:
         return {
             "candidate": self.candidate.__dict__,
+            "peak_moment": self.peak_moment,
             "label": self.candidate.label,
             "predicted_peak_bytes": self.predicted_peak,
             "fits": self.fits,
@@ -124,21 +127,21 @@ class Plan:
 LATE_BACKWARD = ("recompute of the last layer", "backward of the first layer", "end of the backward pass")
 
 
-def overhead_terms(arch: Architecture, mode: str, candidate: Candidate, memory: MemoryEstimate, seq_len: int,
-                   calibration: Calibration) -> tuple[Term, ...]:
-    """What the GPU gives the process beyond the step's tensors (``fitbench.plan.calibration``)."""
+def overhead_terms(arch: Architecture, mode: str, candidate: Candidate, memory: MemoryEstimate, moment: str,
+                   seq_len: int, calibration: Calibration) -> tuple[Term, ...]:
+    """What the GPU gives the process beyond the step's tensors at ``moment`` (``fitbench.plan.calibration``)."""
     backward = mode in TRAINING_MODES
     terms = [
         Term("CUDA context", calibration.context(backward), calibration.source),
         Term("workspaces", calibration.workspace(backward), "cuBLAS workspaces, allocated peak minus tensors"),
     ]
-    if memory.peak_moment in LATE_BACKWARD:
+    if moment in LATE_BACKWARD:
         layer = saved_per_layer(arch, candidate.batch_size * seq_len, Widths.of(candidate.precision),
                                 candidate.parallelism.tensor)
         terms.append(Term("allocator fragmentation", layer, "one layer's saved activations: gradients allocated "
                           "among freed activations late in the backward pass"))
     else:
-        terms.append(Term("allocator page rounding", Calibration.page_rounding(memory.peak_bytes),
+        terms.append(Term("allocator page rounding", Calibration.page_rounding(memory.total_at(moment)),
                           "expandable segments: the peak rounded up to 2 MiB"))
     if candidate.gpus > 1:
         terms.append(Term("NCCL buffers", calibration.nccl_per_communicator, "one communicator"))
@@ -150,18 +153,30 @@ def assess(arch: Architecture, mode: str, candidate: Candidate, target: GpuTarge
     problem = _layout_problem(arch, candidate, target)
     if problem:
         return Assessment(candidate, None, (), 0.0, False, problem, None)
+
+    if candidate.precision in QUANTIZED and mode in TRAINING_MODES:
+        return Assessment(candidate, None, (), 0.0, False, f"{candidate.label}: quantized weights are frozen; "
+                          f"training them needs adapters, which fitbench does not train", None)
     memory = estimate_memory(arch, mode, candidate.precision, candidate.batch_size, seq_len, new_tokens=new_tokens,
                              activation_checkpointing=candidate.activation_checkpointing,
                              parallelism=candidate.parallelism)
-    overheads = overhead_terms(arch, mode, candidate, memory, seq_len, calibration)
-    peak = memory.peak_bytes + sum(t.bytes for t in overheads)
+
+    def total(moment: str) -> float:
+        extra = overhead_terms(arch, mode, candidate, memory, moment, seq_len, calibration)
+        return memory.total_at(moment) + sum(t.bytes for t in extra)
+
+    # The overheads depend on the moment (fragmentation comes late in the backward pass), so the
+    # peak is taken over tensors and overheads together.
+    moment = max(memory.moments, key=total)
+    overheads = overhead_terms(arch, mode, candidate, memory, moment, seq_len, calibration)
+    peak = total(moment)
     fits = peak <= target.memory
     reason = None if fits else (f"{candidate.label} needs {peak / 1e9:.1f} GB per GPU; "
                                 f"{target.memory / 1e9:.1f} GB available")
     speed = estimate_step_time(arch, mode, candidate.precision, candidate.batch_size, seq_len, new_tokens=new_tokens,
                                parallelism=candidate.parallelism, gpu_name=target.speed_name,
                                activation_checkpointing=candidate.activation_checkpointing)
-    return Assessment(candidate, memory, overheads, peak, fits, reason, speed)
+    return Assessment(candidate, memory, overheads, peak, fits, reason, speed, moment)
 
 
 def _layout_problem(arch: Architecture, candidate: Candidate, target: GpuTarget) -> str | None:
@@ -288,14 +303,15 @@ def predict_spec(arch: Architecture, spec, target: GpuTarget, calibration: Calib
     return planned, {
         "predicted_peak_bytes": chosen.predicted_peak,
         "tensor_peak_bytes": chosen.memory.peak_bytes,
-        "peak_moment": chosen.memory.peak_moment,
+        "peak_moment": chosen.peak_moment,
         "fits": chosen.fits,
         "gpu_memory_bytes": target.memory,
         "chosen_by_planner": [name for name, chose in (
             ("precision", choose_precision),
             ("activation_checkpointing", choose_recompute and spec.mode in TRAINING_MODES)) if chose],
         "rejected": [a.reason for a in options if not a.fits],
-        "terms": [{"name": t.name, "bytes": t.bytes, "at_peak": chosen.memory.at_peak(t)} for t in chosen.memory.terms]
+        "terms": [{"name": t.name, "bytes": t.bytes, "at_peak": t.moments is None or chosen.peak_moment in t.moments}
+                  for t in chosen.memory.terms]
                  + [{"name": t.name, "bytes": t.bytes, "at_peak": True} for t in chosen.overheads],
         "step_time_estimate_s": chosen.speed.seconds if chosen.speed else None,
         "calibration": calibration.source,

@@ -97,8 +97,9 @@ def estimate_step_time(arch: Architecture, mode: str, precision: str, batch: int
         compute_s = n * per_token / (peak * tp * stages)
         reads = 1 if mode == "forward" else 3
         optimizer_bytes = 4 * widths.weights * arch.total_params if mode == "train" else 0
-        memory_s = (reads * weight_bytes + optimizer_bytes) / (bandwidth * tp * stages
-                                                               * (g if parallelism.strategy == "fsdp" else 1))
+        # Every FSDP rank reads the whole gathered model; its optimizer touches only its shard.
+        shards = g if parallelism.strategy == "fsdp" else 1
+        memory_s = (reads * weight_bytes + optimizer_bytes / shards) / (bandwidth * tp * stages)
         communication_s = 0.0
         if parallelism.strategy == "ddp" and mode != "forward":
             communication_s = 2 * (g - 1) / g * widths.weights * arch.total_params / link

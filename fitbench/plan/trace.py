@@ -26,7 +26,7 @@ from torch.utils.weak import WeakIdKeyDictionary
 
 from fitbench.models.architecture import Architecture
 from fitbench.models.backends import NativeLM
-from fitbench.models.native import DecoderConfig, NativeCausalLM
+from fitbench.models.native import meta_model
 from fitbench.run.loops import generate, make_step
 from fitbench.run.precision import policy as precision_policy
 from fitbench.run.timing import DeviceClock
@@ -82,10 +82,7 @@ def trace_peak(arch: Architecture, mode: str, precision: str, batch: int, seq_le
     device = device or ("cuda" if torch.cuda.is_available() else "cpu")
     target = torch.device(device)
     policy = precision_policy(precision)
-    with torch.device("meta"):
-        module = NativeCausalLM(DecoderConfig.from_architecture(arch))
-        module.to(dtype=policy.weight_dtype)
-        module.rope_cos, module.rope_sin = module.rope_cos.float(), module.rope_sin.float()
+    module = meta_model(arch, policy.weight_dtype)
     module.activation_checkpointing = activation_checkpointing
 
     with FakeTensorMode(allow_non_fake_inputs=True):

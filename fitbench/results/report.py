@@ -2,7 +2,8 @@
 
 Rows keep raw samples; this module only chooses what to show. Per metric:
 training-style modes show the median step time and tokens/s of the step; ``infer`` shows the
-median per-token decode latency and decode tokens/s, with the prefill MFU. Memory is the peak per
+median per-token decode latency and decode tokens/s, with the prefill MFU. Beside the measured
+time is the planner's roofline time (``fitbench.plan.speed``), a lower bound whose gap shows. Memory is the peak per
 GPU that the process held (NVML: allocator reserved plus CUDA context), or the host's peak RSS on a
 CPU, beside the planner's prediction and its error.
 """
@@ -45,6 +46,7 @@ def headline(row: dict[str, Any]) -> dict[str, Any]:
         "mfu": mfu,
         "roofline": throughput.get("decode_roofline_percent"),
         "memory": memory,
+        "roofline_time": (row.get("prediction") or {}).get("step_time_estimate_s"),
         "measured_peak": measured_peak,
         "predicted_peak": predicted,
         "prediction_error": error,
@@ -66,13 +68,16 @@ def measured_gpu_peak(row: dict[str, Any]) -> float | None:
 def results_table(rows: Iterable[dict[str, Any]], title: str = "fitbench results") -> Table:
     table = Table(title=title, title_justify="left")
     for column, justify in (("model", "left"), ("params", "right"), ("mode", "left"), ("precision", "left"),
-                            ("batch×seq", "right"), ("median ± CV", "right"), ("tokens/s", "right"),
+                            ("batch×seq", "right"), ("median ± CV", "right"), ("roofline", "right"),
+                            ("tokens/s", "right"),
                             ("MFU", "right"), ("peak memory", "right"), ("predicted (error)", "right"),
                             ("status", "left")):
         table.add_column(column, justify=justify)
     for row in rows:
         spec, head = row["spec"], headline(row)
         shape = f"{spec['batch_size']}×{spec['seq_len']}" + (f"+{spec['new_tokens']}" if spec["mode"] == "infer" else "")
+        if spec.get("activation_checkpointing"):
+            shape += " rc"
         timing = f"{format_seconds(head['time'])} ± {head['cv']:.1f}%" if head["time"] is not None else "-"
         if spec["mode"] == "infer" and head["time"] is not None:
             timing += "/tok"
@@ -82,6 +87,7 @@ def results_table(rows: Iterable[dict[str, Any]], title: str = "fitbench results
         status = row["status"] if row["status"] == "ok" else f"[red]{row['status']}[/red]"
         table.add_row(
             spec["model"], format_count(row.get("params")), spec["mode"], spec["precision"], shape, timing,
+            format_seconds(head["roofline_time"]),
             f"{head['tokens_per_s']:,.0f}" if head["tokens_per_s"] else "-", mfu, head["memory"],
             _prediction(head), status,
         )
@@ -131,9 +137,10 @@ def markdown_report(rows: list[dict[str, Any]]) -> str:
                      f"{env.get('transformers')}, driver {env.get('driver')}; fitbench {env.get('fitbench_version')} "
                      f"({env.get('git_commit') or 'no commit'}); {env.get('time_utc')}")
     lines.append("")
-    columns = ("model", "params", "mode", "precision", "batch×seq", "median ± CV", "tokens/s", "MFU (datasheet)",
-               "MFU (measured peak)", "decode % of BW roofline", "measured peak (NVML)", "predicted peak",
-               "error", "status")
+    columns = ("model", "params", "mode", "precision", "batch×seq", "median ± CV", "roofline", "tokens/s",
+               "MFU (datasheet)",
+               "MFU (measured peak)", "decode % of BW roofline", "weights vs bf16", "logits error vs bf16",
+               "measured peak (NVML)", "predicted peak", "error", "status")
     lines.append("| " + " | ".join(columns) + " |")
     lines.append("|" + "---|" * len(columns))
     for row in rows:
@@ -147,10 +154,13 @@ def markdown_report(rows: list[dict[str, Any]]) -> str:
         mfu = throughput.get("prefill_mfu" if infer else "mfu")
         cells = (
             spec["model"], format_count(row.get("params")), spec["mode"], spec["precision"], shape, timing,
+            format_seconds(head["roofline_time"]),
             f"{head['tokens_per_s']:,.0f}" if head["tokens_per_s"] else "-",
             _percent(mfu) + (" (prefill)" if infer and mfu else ""),
             _percent(throughput.get("prefill_mfu_measured_peak" if infer else "mfu_measured_peak")),
             _percent(throughput.get("decode_roofline_percent"), 1.0),
+            _percent((row.get("weights") or {}).get("relative_to_bf16")),
+            _percent((row.get("quality") or {}).get("logits_relative_error")),
             format_bytes(head["measured_peak"]), format_bytes(head["predicted_peak"]),
             f"{head['prediction_error']:+.1f}%" if head["prediction_error"] is not None else "-",
             row["status"],

@@ -6,8 +6,8 @@
   autocast in 16 bits. fp16 training scales the loss (``torch.amp.GradScaler``).
 - ``bf16-pure``: weights, gradients and AdamW state all bf16; no autocast.
 
-Quantized weights (int8, 4-bit, fp8) plug in here as further policies whose ``quantize`` step
-rewrites the built model.
+- quantized (``fitbench.run.quantize``): bf16 weights and activations, whose decoder-layer matmuls
+  are then quantized; MFU divides by the peak of the tensor cores the matmuls run on.
 """
 
 from __future__ import annotations
@@ -18,7 +18,9 @@ from typing import Iterator
 
 import torch
 
-PRECISIONS: tuple[str, ...] = ("fp32", "tf32", "bf16", "fp16", "bf16-pure")
+FLOAT_PRECISIONS: tuple[str, ...] = ("fp32", "tf32", "bf16", "fp16", "bf16-pure")
+QUANTIZED_PRECISIONS: tuple[str, ...] = ("int8", "nf4", "fp4", "int8-dynamic", "int4", "fp8", "fp8-block")
+PRECISIONS: tuple[str, ...] = FLOAT_PRECISIONS + QUANTIZED_PRECISIONS
 
 
 @dataclass(frozen=True)
@@ -29,6 +31,7 @@ class PrecisionPolicy:
     allow_tf32: bool
     scale_loss: bool
     peak_kind: str  # which column of the peak FLOP/s table MFU divides by
+    quantized: bool = False
 
     @property
     def compute_dtype(self) -> torch.dtype:
@@ -55,6 +58,9 @@ _POLICIES = {
     "bf16": PrecisionPolicy("bf16", torch.float32, torch.bfloat16, False, False, "bf16"),
     "fp16": PrecisionPolicy("fp16", torch.float32, torch.float16, False, True, "fp16"),
     "bf16-pure": PrecisionPolicy("bf16-pure", torch.bfloat16, None, False, False, "bf16"),
+    **{name: PrecisionPolicy(name, torch.bfloat16, None, False, False, kind, quantized=True)
+       for name, kind in (("int8", "bf16"), ("nf4", "bf16"), ("fp4", "bf16"), ("int8-dynamic", "int8"),
+                          ("int4", "bf16"), ("fp8", "fp8"), ("fp8-block", "fp8"))},
 }
 
 

@@ -23,16 +23,18 @@ import torch
 
 from fitbench import hardware
 from fitbench.config import RunSpec
-from fitbench.models.backends import load_model
+from fitbench.models.backends import NativeLM, load_model
 from fitbench.models.registry import is_local_model, resolve
 from fitbench.run.loops import generate, make_step, random_tokens, read_generation
 from fitbench.run.metrics import inference_metrics, step_metrics
 from fitbench.run.precision import policy as precision_policy
+from fitbench.run.quantize import build_quantized_native, hardware_problem, quantize_built
 from fitbench.run.timing import DeviceClock, first_call_seconds, run_stages, time_steps
 from fitbench.run.trackers import NvmlSampler, memory_report
 from fitbench.stats import SampleStats
 
 EXIT_OK, EXIT_FAILED = 0, 3
+PROBE_TOKENS = 64  # the sequence whose logits compare quantized weights with bf16
 
 
 def emit(**event) -> None:
@@ -45,8 +47,35 @@ def injected(kind: str, model: str) -> bool:
     return f"{kind}:{model}" in (entry.strip() for entry in entries)
 
 
-def unique_parameter_bytes(module: torch.nn.Module) -> int:
-    return sum(p.numel() * p.element_size() for p in module.parameters())
+def weight_storage_bytes(module: torch.nn.Module) -> int:
+    """Bytes of every parameter's storage, counting what quantized weights keep beside their data:
+    the inner tensors of torchao's tensor subclasses, bitsandbytes' row scales and 4-bit block states."""
+    seen: set[int] = set()
+
+    def storage(tensor) -> int:
+        if tensor is None:
+            return 0
+        if hasattr(tensor, "__tensor_flatten__") and type(tensor) not in (torch.Tensor, torch.nn.Parameter):
+            names, _ = tensor.__tensor_flatten__()
+            inner = sum(storage(getattr(tensor, name)) for name in names)
+            if inner:
+                return inner
+        key = tensor.untyped_storage().data_ptr()
+        if key in seen:
+            return 0
+        seen.add(key)
+        return tensor.untyped_storage().nbytes()
+
+    total = 0
+    for parameter in module.parameters():
+        total += storage(parameter) + storage(getattr(parameter, "SCB", None))
+        state = getattr(parameter, "quant_state", None)
+        if state is not None:
+            total += storage(state.absmax) + storage(getattr(state, "code", None))
+            nested = getattr(state, "state2", None)
+            if nested is not None:
+                total += storage(nested.absmax) + storage(nested.code)
+    return total
 
 
 def measure(spec: RunSpec, device: torch.device) -> dict:
@@ -59,11 +88,12 @@ def measure(spec: RunSpec, device: torch.device) -> dict:
 
     emit(phase="build")
     started = time.perf_counter()
-    lm = load_model(arch, spec.backend, device, policy.weight_dtype,
-                    model_path=spec.model if is_local_model(spec.model) else None,
-                    compute_dtype=policy.compute_dtype)
+    allocated_before = torch.cuda.memory_allocated(device) if device.type == "cuda" else 0
+    lm, quality = build(spec, arch, policy, device)
     clock.synchronize()
     build_s = time.perf_counter() - started
+    weight_bytes = (torch.cuda.memory_allocated(device) - allocated_before if device.type == "cuda"
+                    else weight_storage_bytes(lm.module))
     if injected("crash", spec.model):
         print(f"FITBENCH_INJECT: aborting the worker of {spec.model}", file=sys.stderr, flush=True)
         os.abort()
@@ -80,7 +110,7 @@ def measure(spec: RunSpec, device: torch.device) -> dict:
                   bandwidth=hardware.peak_bandwidth(device_name) if device.type == "cuda" else None)
 
     measure_mode = _measure_generation if spec.mode == "infer" else _measure_steps
-    timing, throughput, noisy, compile_s = measure_mode(spec, arch, lm, policy, clock, device, peaks)
+    timing, throughput, noisy, compile_s = measure_mode(spec, arch, lm, policy, clock, device, peaks, weight_bytes)
 
     warnings = [f"{name} varies: CV above 5%; more --warmup-steps or --measure-steps may steady it"
                 for name in noisy]
@@ -92,7 +122,33 @@ def measure(spec: RunSpec, device: torch.device) -> dict:
         "peak_flops": peak, "measured_peak_flops": measured_peak,
         "peak_source": "datasheet (dense)" if peak else None,
         "timing": timing, "throughput": throughput, "environment": hardware.environment(),
+        "quality": quality.__dict__ if quality else None,
+        "weights": {"bytes": weight_bytes, "bf16_bytes": 2 * arch.total_params,
+                    "relative_to_bf16": weight_bytes / (2 * arch.total_params),
+                    "method": "allocated by the build" if device.type == "cuda" else "parameter storage"},
     }
+
+
+def build(spec: RunSpec, arch, policy, device: torch.device):
+    """The model, and for quantized weights the quality of their logits against bf16."""
+    model_path = spec.model if is_local_model(spec.model) else None
+    if not policy.quantized:
+        return load_model(arch, spec.backend, device, policy.weight_dtype, model_path=model_path,
+                          compute_dtype=policy.compute_dtype), None
+    problem = hardware_problem(spec.precision, device,
+                               torch.cuda.get_device_capability(device) if device.type == "cuda" else None)
+    if problem:
+        raise RefusedError(problem)
+    probe = random_tokens(arch.vocab_size, 1, min(spec.seq_len, PROBE_TOKENS), device, spec.seed + 1)
+    if spec.backend == "native" and model_path is None:
+        module, quality = build_quantized_native(arch, device, spec.precision, probe)
+        return NativeLM(module, cache_dtype=torch.bfloat16), quality
+    lm = load_model(arch, spec.backend, device, torch.bfloat16, model_path=model_path)
+    return lm, quantize_built(lm.module, spec.precision, device, probe)
+
+
+class RefusedError(Exception):
+    """This hardware cannot run the configuration; nothing was attempted."""
 
 
 @dataclass(frozen=True)
@@ -106,7 +162,7 @@ def _progress(phase: str, i: int, n: int) -> None:
     emit(phase=phase, step=i, of=n)
 
 
-def _measure_steps(spec, arch, lm, policy, clock, device, peaks: Peaks):
+def _measure_steps(spec, arch, lm, policy, clock, device, peaks: Peaks, weight_bytes: int):
     tokens = random_tokens(arch.vocab_size, spec.batch_size, spec.seq_len + 1, device, spec.seed)
     step = make_step(spec.mode, lm, policy, tokens, device)
     compile_s = None
@@ -121,7 +177,7 @@ def _measure_steps(spec, arch, lm, policy, clock, device, peaks: Peaks):
     return timing, throughput, ["step time"] if stats.noisy else [], compile_s
 
 
-def _measure_generation(spec, arch, lm, policy, clock, device, peaks: Peaks):
+def _measure_generation(spec, arch, lm, policy, clock, device, peaks: Peaks, weight_bytes: int):
     prompt = random_tokens(arch.vocab_size, spec.batch_size, spec.seq_len, device, spec.seed)
     run = generate(lm, prompt, spec.new_tokens, policy, clock, device)
     compile_s = None
@@ -146,7 +202,7 @@ def _measure_generation(spec, arch, lm, policy, clock, device, peaks: Peaks):
     }
     kv_element_bytes = torch.finfo(policy.compute_dtype).bits / 8
     throughput = inference_metrics(
-        arch, spec.batch_size, spec.seq_len, spec.new_tokens, unique_parameter_bytes(lm.module), kv_element_bytes,
+        arch, spec.batch_size, spec.seq_len, spec.new_tokens, weight_bytes, kv_element_bytes,
         ttft, token_latency, peaks.flops, peaks.measured_flops, peaks.bandwidth,
     )
     noisy = [name for name, stats in (("token latency", token_latency), ("end-to-end", e2e)) if stats.noisy]
@@ -154,6 +210,8 @@ def _measure_generation(spec, arch, lm, policy, clock, device, peaks: Peaks):
 
 
 def classify(error: BaseException) -> str:
+    if isinstance(error, RefusedError):
+        return "refused"
     if isinstance(error, torch.cuda.OutOfMemoryError):
         return "oom"
     if isinstance(error, RuntimeError) and "out of memory" in str(error).lower():

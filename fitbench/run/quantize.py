@@ -1,0 +1,144 @@
+"""Quantized weights for the decoder layers' matmuls, through bitsandbytes and torchao.
+
+| precision      | library      | weights                                    | compute |
+|----------------|--------------|--------------------------------------------|---------|
+| ``int8``       | bitsandbytes | LLM.int8 (Dettmers et al. 2022), row absmax | bf16 + int8 matmul, outliers in 16 bits |
+| ``nf4``/``fp4``| bitsandbytes | 4-bit, absmax per block of 64               | bf16 |
+| ``int8-dynamic``| torchao     | int8 per row, activations int8 per token   | int8 |
+| ``int4``       | torchao      | int4 weight-only, groups of 128, tinygemm  | bf16 (GPU only) |
+| ``fp8``        | torchao      | float8 e4m3, per-row scales, dynamic activations | fp8 (compute capability >= 8.9) |
+| ``fp8-block``  | torchao      | float8 e4m3, 128 x 128 weight blocks, 1 x 128 activation blocks | fp8 (>= 8.9) |
+
+Embeddings, norms and the output projection stay bf16, as transformers' integrations keep them.
+
+A large model is quantized as it is built, one layer at a time (``build_quantized_native``), so the
+full bf16 model never exists: the peak is the quantized layers so far plus one layer in bf16. The
+same pass measures quality: a probe sequence runs through each layer before and after it is
+quantized, and the relative error of the final logits against the bf16 model (same random weights,
+same input) is reported beside the speed.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+from torch import nn
+
+from fitbench.models.architecture import Architecture
+from fitbench.models.native import NativeCausalLM, init_random_weights, meta_model
+
+BITSANDBYTES = ("int8", "nf4", "fp4")
+TORCHAO = ("int8-dynamic", "int4", "fp8", "fp8-block")
+FP8_CAPABILITY = (8, 9)
+
+
+def hardware_problem(precision: str, device: torch.device, capability: tuple[int, int] | None) -> str | None:
+    """Why this device cannot run ``precision``, or None."""
+    if precision in ("fp8", "fp8-block"):
+        if device.type != "cuda":
+            return f"{precision} needs a GPU with float8 tensor cores (compute capability 8.9 or newer); this run is on a CPU"
+        if capability is not None and capability < FP8_CAPABILITY:
+            return (f"{precision} needs compute capability 8.9 or newer (Ada, Hopper); this GPU has "
+                    f"{capability[0]}.{capability[1]}")
+    if precision == "int4" and device.type != "cuda":
+        return "int4 uses torchao's tinygemm kernel, which runs on CUDA GPUs only"
+    return None
+
+
+def _quantizable(module: nn.Module, name: str) -> bool:
+    return isinstance(module, nn.Linear) and not name.endswith("lm_head")
+
+
+def _bitsandbytes_linear(linear: nn.Linear, precision: str, device: torch.device) -> nn.Module:
+    import bitsandbytes as bnb
+
+    bias = linear.bias is not None
+    if precision == "int8":
+        layer = bnb.nn.Linear8bitLt(linear.in_features, linear.out_features, bias=bias, has_fp16_weights=False,
+                                    threshold=6.0, device="meta")
+        weight = bnb.nn.Int8Params(linear.weight.data, requires_grad=False, has_fp16_weights=False)
+        layer.weight = weight._quantize(device)
+    else:
+        layer = bnb.nn.Linear4bit(linear.in_features, linear.out_features, bias=bias, compute_dtype=torch.bfloat16,
+                                  quant_type=precision, device="meta")
+        layer.weight = bnb.nn.Params4bit(linear.weight.data, requires_grad=False, quant_type=precision).to(device)
+    if bias:
+        layer.bias = nn.Parameter(linear.bias.data, requires_grad=False)
+    return layer
+
+
+def _torchao_config(precision: str):
+    from torchao.quantization import (Float8DynamicActivationFloat8WeightConfig, Int4WeightOnlyConfig,
+                                      Int8DynamicActivationInt8WeightConfig)
+    from torchao.quantization.granularity import PerBlock, PerRow
+
+    if precision == "int8-dynamic":
+        return Int8DynamicActivationInt8WeightConfig()
+    if precision == "int4":
+        return Int4WeightOnlyConfig(group_size=128, int4_packing_format="tile_packed_to_4d")
+    if precision == "fp8":
+        return Float8DynamicActivationFloat8WeightConfig(granularity=PerRow())
+    return Float8DynamicActivationFloat8WeightConfig(granularity=[PerBlock([1, 128]), PerBlock([128, 128])])
+
+
+@torch.no_grad()
+def quantize_linears(module: nn.Module, precision: str, device: torch.device) -> None:
+    """Replace (bitsandbytes) or convert (torchao) every matmul of ``module`` but the output projection."""
+    if precision in BITSANDBYTES:
+        for name, child in list(module.named_modules()):
+            for child_name, linear in list(child.named_children()):
+                if _quantizable(linear, f"{name}.{child_name}"):
+                    setattr(child, child_name, _bitsandbytes_linear(linear, precision, device))
+        return
+    from torchao.quantization import quantize_
+
+    quantize_(module, _torchao_config(precision), filter_fn=lambda m, fqn: _quantizable(m, fqn or ""))
+
+
+@dataclass(frozen=True)
+class Quality:
+    logits_relative_error: float  # ||q - ref|| / ||ref|| over the probe's logits
+    probe_tokens: int
+    reference: str = "bf16, same random weights, same input"
+
+
+def relative_error(quantized: torch.Tensor, reference: torch.Tensor) -> float:
+    return ((quantized.float() - reference.float()).norm() / reference.float().norm()).item()
+
+
+@torch.no_grad()
+def build_quantized_native(arch: Architecture, device: torch.device, precision: str,
+                           probe: torch.Tensor) -> tuple[NativeCausalLM, Quality]:
+    """Materialize and quantize one layer at a time, carrying a bf16 and a quantized copy of the probe's
+    hidden states through the layers; return the model and the relative error of its logits."""
+    model = meta_model(arch, torch.bfloat16)
+    for part in (model.model.embed_tokens, model.model.norm, model.lm_head):
+        part.to_empty(device=device)
+        init_random_weights(part)
+    if arch.tie_embeddings:
+        model.lm_head.weight = model.model.embed_tokens.weight
+    model.rope_cos = torch.empty_like(model.rope_cos, device=device)
+    model.rope_sin = torch.empty_like(model.rope_sin, device=device)
+    model.reset_rope()
+
+    T = probe.shape[1]
+    cos, sin = model.rope_cos[:T], model.rope_sin[:T]
+    reference = quantized = model.model.embed_tokens(probe)
+    for layer in model.model.layers:
+        layer.to_empty(device=device)
+        init_random_weights(layer)
+        reference = layer(reference, cos, sin, None, 0)
+        quantize_linears(layer, precision, device)
+        quantized = layer(quantized, cos, sin, None, 0)
+    error = relative_error(model.lm_head(model.model.norm(quantized)), model.lm_head(model.model.norm(reference)))
+    return model, Quality(error, probe.numel())
+
+
+@torch.no_grad()
+def quantize_built(module: nn.Module, precision: str, device: torch.device, probe: torch.Tensor) -> Quality:
+    """Quantize an already built bf16 model in place (the transformers backend), measuring the logits'
+    relative error on the probe before and after."""
+    reference = module(probe).logits
+    quantize_linears(module, precision, device)
+    return Quality(relative_error(module(probe).logits, reference), probe.numel())

@@ -1,0 +1,800 @@
+"""The planner (``fitbench.plan.planner``), its roofline (``fitbench.plan.speed``), its overheads
+(``fitbench.plan.calibration``) and the ``fitbench plan`` / ``fitbench calibrate`` commands.
+
+Expected values are worked out here from the models' published shapes and the GPUs' datasheet
+figures, with the formulas the modules document, never read back from the code under test.
+"""
+
+import argparse
+import json
+import math
+import os
+import re
+import subprocess
+import sys
+import time
+from dataclasses import replace
+
+import pytest
+import torch
+
+from fitbench import hardware
+from fitbench.cli import gpu_target, main
+from fitbench.config import RunSpec
+from fitbench.errors import UserError
+from fitbench.models.registry import resolve
+from fitbench.plan.calibration import DEFAULT, Calibration, calibration_path, load_calibration, save_calibration
+from fitbench.plan.memory import Parallelism, estimate_memory
+from fitbench.plan.planner import (
+    MAX_AUTO_BATCH,
+    Candidate,
+    GpuTarget,
+    assess,
+    minimum_gpus,
+    overhead_terms,
+    plan,
+    predict_spec,
+    strategies_for,
+)
+from fitbench.plan.speed import estimate_step_time
+from fitbench.run.precision import PRECISIONS
+
+# ---- datasheet figures and published shapes ---------------------------------------------------
+
+H100 = "NVIDIA H100 80GB HBM3"
+H100_BF16_FLOPS = 989.4e12  # dense bf16 (the datasheet's 1,979 TFLOP/s is with 2:4 sparsity)
+H100_BANDWIDTH = 3.35e12  # HBM3, 3.35 TB/s
+H200_BANDWIDTH = 4.8e12  # HBM3e, 4.8 TB/s
+NVLINK4_PER_DIRECTION = 900e9 / 2  # NVLink 4: 900 GB/s total, both directions together
+GB = 1e9
+MIB = 1024**2
+
+# Llama-2 config.json: hidden, layers, heads, kv heads, MLP width, vocabulary (untied embeddings).
+LLAMA2_7B = dict(h=4096, L=32, H=32, kv=32, f=11008, V=32000)
+LLAMA2_70B = dict(h=8192, L=80, H=64, kv=8, f=28672, V=32000)
+
+
+def layer_params(s: dict) -> int:
+    """q and o (h x h), k and v (h x kv*d), gate/up/down (h x f), two RMSNorm weights."""
+    d = s["h"] // s["H"]
+    return 2 * s["h"] * s["h"] + 2 * s["h"] * s["kv"] * d + 3 * s["h"] * s["f"] + 2 * s["h"]
+
+
+def edge_params(s: dict) -> int:
+    """Input embedding, untied output projection, final norm."""
+    return 2 * s["V"] * s["h"] + s["h"]
+
+
+def total_params(s: dict) -> int:
+    return s["L"] * layer_params(s) + edge_params(s)
+
+
+def matmul_params(s: dict) -> int:
+    """Every parameter but the input embedding's lookup table (the output projection is a matmul)."""
+    return total_params(s) - s["V"] * s["h"]
+
+
+def kv_bytes_per_token(s: dict, width: int = 2) -> int:
+    return 2 * s["L"] * s["kv"] * (s["h"] // s["H"]) * width
+
+
+P7 = total_params(LLAMA2_7B)
+P70 = total_params(LLAMA2_70B)
+
+
+def needed_gb(reason: str) -> float:
+    match = re.search(r"needs ([\d.]+) GB per GPU; ([\d.]+) GB available", reason)
+    assert match, reason
+    return float(match.group(1))
+
+
+@pytest.fixture(autouse=True)
+def isolated(tmp_path, monkeypatch):
+    """No stored calibration of this machine leaks in, and nothing is written outside tmp_path."""
+    monkeypatch.setenv("FITBENCH_CACHE_DIR", str(tmp_path / "cache"))
+    monkeypatch.chdir(tmp_path)
+
+
+def test_published_parameter_counts():
+    # The hand counts used below are the published ones, and the presets have the same shapes.
+    assert P7 == 6_738_415_616
+    assert P70 == 68_976_648_192
+    assert resolve("7B").total_params == P7
+    assert resolve("llama-2-70b").total_params == P70
+
+
+# ---- 1. described hardware: llama-2-70b inference on 80 GB GPUs --------------------------------
+
+def infer_70b(gpus: int, **kwargs):
+    return plan(resolve("llama-2-70b"), "infer", GpuTarget(H100, gpus, 80e9, described=True), seq_len=128,
+                new_tokens=128, batch_sizes=[1], **kwargs)
+
+
+def hand_decode_seconds(weight_bytes: float, s: dict, batch: int, seq_len: int, new_tokens: int, *,
+                        tp: int = 1) -> float:
+    """One decode step: a read of the weights and the KV cache (its mean length over the generation,
+    prompt + half the new tokens) at HBM bandwidth, tensor-parallel ranks reading their share at once,
+    pipeline stages one after another (so, as slow as one GPU); plus two ring all-reduces of the hidden
+    state per layer over NVLink."""
+    cache = kv_bytes_per_token(s) * batch * (seq_len + new_tokens / 2)
+    memory = (weight_bytes + cache) / tp / H100_BANDWIDTH
+    compute = 2 * batch * matmul_params(s) / (H100_BF16_FLOPS * tp)
+    communication = 2 * s["L"] * 2 * (tp - 1) / tp * batch * s["h"] * 2 / NVLINK4_PER_DIRECTION if tp > 1 else 0.0
+    return max(memory, compute) + communication
+
+
+def test_70b_bf16_rejected_on_one_80gb_gpu_and_a_quantized_plan_chosen():
+    result = infer_70b(1)
+    bf16 = [a for a in result.rejected if a.candidate.precision == "bf16-pure"]
+    assert len(bf16) == 1 and bf16[0].candidate.gpus == 1
+    reason = bf16[0].reason
+    # bf16 weights alone are 2 bytes x 68.98e9 parameters = 137.95 GB.
+    assert needed_gb(reason) >= 2 * P70 / GB - 0.05
+    assert needed_gb(reason) > 80
+    assert "80.0 GB available" in reason
+    chosen = result.chosen
+    assert chosen is not None
+    assert chosen.candidate.precision in ("int8", "nf4") and chosen.candidate.gpus == 1
+    assert chosen.fits and chosen.predicted_peak <= 80e9
+    # int8 keeps ~1 byte per layer-matmul parameter: at least 68.4 GB.
+    if chosen.candidate.precision == "int8":
+        assert chosen.predicted_peak > LLAMA2_70B["L"] * (layer_params(LLAMA2_70B) - 2 * LLAMA2_70B["h"])
+
+
+def test_70b_on_four_80gb_gpus_chooses_bf16_tensor_parallel_4():
+    result = infer_70b(4)
+    chosen = result.chosen.candidate
+    assert (chosen.precision, chosen.strategy, chosen.gpus) == ("bf16-pure", "tp", 4)
+    # By hand, tp x 4 is the fastest bf16 layout: a quarter of the weights per rank.
+    weights = 2 * P70
+    hand = {("tp", 2): hand_decode_seconds(weights, LLAMA2_70B, 1, 128, 128, tp=2),
+            ("tp", 4): hand_decode_seconds(weights, LLAMA2_70B, 1, 128, 128, tp=4),
+            ("pipeline", 2): hand_decode_seconds(weights, LLAMA2_70B, 1, 128, 128),
+            ("pipeline", 4): hand_decode_seconds(weights, LLAMA2_70B, 1, 128, 128)}
+    assert min(hand, key=hand.get) == ("tp", 4)
+    assert chosen.label == "bf16-pure, tp x 4, batch 1"
+    # Per rank: a quarter of the layers' weights plus the unsharded embeddings, in bf16.
+    per_gpu = 2 * (LLAMA2_70B["L"] * layer_params(LLAMA2_70B) / 4 + edge_params(LLAMA2_70B))
+    assert per_gpu < result.chosen.predicted_peak < per_gpu + 2e9
+
+
+def test_70b_on_two_80gb_gpus_tp2_fits_and_beats_pipeline2():
+    result = infer_70b(2)
+    by_layout = {(a.candidate.precision, a.candidate.strategy, a.candidate.gpus): a for a in result.feasible}
+    tp2 = by_layout[("bf16-pure", "tp", 2)]
+    pipeline2 = by_layout[("bf16-pure", "pipeline", 2)]
+    per_gpu = 2 * (LLAMA2_70B["L"] * layer_params(LLAMA2_70B) / 2 + edge_params(LLAMA2_70B))  # 69.50 GB
+    assert per_gpu < tp2.predicted_peak < 80e9
+    assert tp2.predicted_peak - per_gpu < 2e9
+    # The roofline by hand: tp 2 reads half the weights per step, the pipeline all of them.
+    tp2_seconds = hand_decode_seconds(2 * P70, LLAMA2_70B, 1, 128, 128, tp=2)
+    pipeline2_seconds = hand_decode_seconds(2 * P70, LLAMA2_70B, 1, 128, 128)
+    assert tp2.speed.seconds == pytest.approx(tp2_seconds, rel=1e-9)
+    assert pipeline2.speed.seconds == pytest.approx(pipeline2_seconds, rel=1e-9)
+    assert tp2_seconds < pipeline2_seconds
+    assert result.chosen.candidate == tp2.candidate
+
+
+# ---- 2. the precision ladder ---------------------------------------------------------------------
+
+def test_first_fitting_rung_wins_over_a_faster_later_rung():
+    result = infer_70b(1)  # default ladder bf16-pure, int8, nf4; bf16-pure does not fit
+    int8 = [a for a in result.feasible if a.candidate.precision == "int8"]
+    nf4 = [a for a in result.feasible if a.candidate.precision == "nf4"]
+    assert int8 and nf4
+    # nf4 reads about half the bytes per decode step, so it is faster, yet int8 comes first.
+    assert max(a.speed.tokens_per_s for a in nf4) > max(a.speed.tokens_per_s for a in int8)
+    assert result.chosen.candidate.precision == "int8"
+
+
+@pytest.mark.parametrize("ladder", [["bf16-pure", "nf4"], ["nf4", "bf16-pure"], ["int8", "bf16-pure", "nf4"]])
+def test_ladder_that_starts_with_a_fitting_precision_chooses_it(ladder):
+    result = infer_70b(4, precisions=ladder)
+    assert result.chosen.candidate.precision == ladder[0]
+    first = [a for a in result.feasible if a.candidate.precision == ladder[0]]
+    later = [a for a in result.feasible if a.candidate.precision != ladder[0]]
+    # Within the rung, the fastest; ranked list starts with the chosen one.
+    assert result.chosen.speed.tokens_per_s == max(a.speed.tokens_per_s for a in first)
+    assert result.feasible[0] is result.chosen
+    assert [a.candidate.precision for a in result.feasible] == sorted(
+        (a.candidate.precision for a in result.feasible), key=ladder.index)
+    if ladder[0] == "bf16-pure":
+        # 4-bit weights read a quarter of the bytes: a later rung would be faster.
+        assert max(a.speed.tokens_per_s for a in later) > result.chosen.speed.tokens_per_s
+
+
+def test_equal_roofline_prefers_fewer_gpus():
+    # One micro-batch through S stages takes S x (1/S) of the time: no faster than one GPU.
+    result = plan(resolve("7B"), "train", GpuTarget(H100, 4, 80e9, described=True), seq_len=512, new_tokens=1,
+                  batch_sizes=[1], precisions=["bf16-pure"], strategies=["single", "pipeline"], checkpointing=[False])
+    speeds = {a.candidate.gpus: a.speed.tokens_per_s for a in result.feasible}
+    assert set(speeds) == {1, 2, 4}
+    assert speeds[1] == pytest.approx(speeds[2], rel=1e-12) == pytest.approx(speeds[4], rel=1e-12)
+    assert result.chosen.candidate.gpus == 1
+
+
+# ---- 3. rejected candidates and layouts ----------------------------------------------------------
+
+def test_every_rejection_has_a_reason_and_tp3_is_rejected_for_64_heads():
+    result = infer_70b(3)
+    assert result.rejected
+    for rejected in result.rejected:
+        assert not rejected.fits and rejected.reason and rejected.reason.strip()
+    tp3 = [a for a in result.rejected if a.candidate.strategy == "tp" and a.candidate.gpus == 3]
+    assert {a.candidate.precision for a in tp3} == {"bf16-pure", "int8", "nf4"}
+    for rejected in tp3:
+        assert "tensor parallel 3 does not divide 64 heads" in rejected.reason
+    pipeline3 = [a for a in result.rejected if a.candidate.strategy == "pipeline" and a.candidate.gpus == 3]
+    assert pipeline3
+    for rejected in pipeline3:
+        assert "80 layers do not split into 3" in rejected.reason  # 80 % 3 == 2
+    for feasible in result.feasible:
+        assert feasible.fits and feasible.reason is None and feasible.predicted_peak <= 80e9
+    # Nothing asks for more GPUs than the three there are.
+    assert {a.candidate.gpus for a in (*result.feasible, *result.rejected)} == {1, 2, 3}
+
+
+def test_tp_must_divide_the_kv_heads_too():
+    # 64 heads split 16 ways, but 8 kv heads do not.
+    result = plan(resolve("llama-2-70b"), "infer", GpuTarget(H100, 16, 80e9, described=True), seq_len=128,
+                  new_tokens=128, batch_sizes=[1], precisions=["bf16-pure"], strategies=["tp"])
+    tp16 = [a for a in result.rejected if a.candidate.gpus == 16]
+    assert tp16 and all("8 kv heads" in a.reason for a in tp16)
+    assert all(a.candidate.gpus <= 8 for a in result.feasible)
+
+
+@pytest.mark.parametrize("count", [1, 2, 3, 5, 6])
+def test_candidates_never_need_more_gpus_than_exist(count):
+    result = plan(resolve("7B"), "train", GpuTarget(H100, count, 80e9, described=True), seq_len=256, new_tokens=1,
+                  batch_sizes=[1, 2])
+    proposed = {a.candidate.gpus for a in (*result.feasible, *result.rejected)}
+    assert max(proposed) == count
+    assert all("GPUs;" not in (a.reason or "") for a in result.rejected)
+    # assess itself refuses a layout wider than the target.
+    wide = assess(resolve("7B"), "train", Candidate("bf16", "fsdp", count + 1, False, 1),
+                  GpuTarget(H100, count, 80e9, described=True), seq_len=256, new_tokens=1)
+    assert not wide.fits and f"needs {count + 1} GPUs; {count} available" in wide.reason
+
+
+# ---- 4. automatic batch size ---------------------------------------------------------------------
+
+@pytest.mark.parametrize("model, mode, memory, seq_len", [
+    ("7B", "train", 80e9, 512), ("1B", "train", 40e9, 2048), ("7B", "infer", 24e9, 512), ("small", "train", 24e9, 512),
+])
+def test_auto_batch_is_the_largest_that_fits(model, mode, memory, seq_len):
+    arch, target = resolve(model), GpuTarget(H100, 1, memory, described=True)
+    result = plan(arch, mode, target, seq_len=seq_len, new_tokens=128, batch_sizes=None)
+    assert result.chosen is not None
+    for chosen in result.feasible:
+        b = chosen.candidate.batch_size
+        assert 1 <= b < MAX_AUTO_BATCH
+        here = assess(arch, mode, chosen.candidate, target, seq_len=seq_len, new_tokens=128)
+        above = assess(arch, mode, replace(chosen.candidate, batch_size=b + 1), target, seq_len=seq_len,
+                       new_tokens=128)
+        assert here.fits and here.predicted_peak <= memory
+        assert not above.fits and above.predicted_peak > memory
+
+
+@pytest.mark.parametrize("model, mode, precision, seq_len", [
+    ("1B", "train", "bf16", 2048), ("7B", "train", "bf16-pure", 512), ("7B", "infer", "bf16-pure", 512),
+    ("7B", "infer", "nf4", 2048),
+])
+def test_auto_batch_grows_with_gpu_memory(model, mode, precision, seq_len):
+    batches = []
+    for memory in (24e9, 40e9, 48e9, 80e9, 94e9, 141e9, 192e9):
+        result = plan(resolve(model), mode, GpuTarget(None, 1, memory, described=True), seq_len=seq_len,
+                      new_tokens=128, batch_sizes=None, precisions=[precision])
+        batches.append(result.chosen.candidate.batch_size if result.chosen else 0)
+    assert batches == sorted(batches), batches
+    assert batches[-1] > batches[0]
+
+
+# ---- 5. minimum GPU counts -----------------------------------------------------------------------
+
+def layouts(mode: str, gpus: int, precision: str, batch: int):
+    for strategy in strategies_for(mode, gpus):
+        for recompute in ([False, True] if mode == "train" else [False]):
+            yield Candidate(precision, strategy, gpus, recompute, batch)
+
+
+@pytest.mark.parametrize("model, mode, precision, seq_len, expected", [
+    ("7B", "train", "bf16", 512, None),  # 16 B/parameter = 107.8 GB > 80 GB: more than one
+    ("7B", "infer", "bf16-pure", 512, 1),  # 2 B/parameter = 13.5 GB
+    ("llama-2-70b", "infer", "bf16-pure", 128, 2),  # 137.95 GB of weights: two halves of 69.5 GB
+])
+def test_minimum_gpus(model, mode, precision, seq_len, expected):
+    arch = resolve(model)
+    need = minimum_gpus(arch, mode, precision, 80e9, seq_len=seq_len, new_tokens=128)
+    assert need is not None
+    count, how = need
+    if expected is None:
+        assert 16 * P7 > 80e9 and count > 1
+    else:
+        assert count == expected
+    target = GpuTarget(None, 64, 80e9, described=True)
+    fitting = [c.label for c in layouts(mode, count, precision, 1)
+               if assess(arch, mode, c, target, seq_len=seq_len, new_tokens=128).fits]
+    assert how in fitting
+    if count > 1:
+        for candidate in layouts(mode, count // 2, precision, 1):
+            assert not assess(arch, mode, candidate, target, seq_len=seq_len, new_tokens=128).fits, candidate.label
+
+
+def test_minimum_gpus_agrees_with_the_planner():
+    arch = resolve("llama-2-70b")
+    count, _ = minimum_gpus(arch, "infer", "bf16-pure", 80e9, seq_len=128, new_tokens=128)
+    fewer = infer_70b(count - 1, precisions=["bf16-pure"])
+    enough = infer_70b(count, precisions=["bf16-pure"])
+    assert fewer.chosen is None
+    assert enough.chosen is not None and enough.chosen.candidate.gpus == count
+
+
+# ---- 6. the roofline -----------------------------------------------------------------------------
+
+def test_decode_at_batch_1_is_memory_bound_at_hbm_bandwidth():
+    arch = resolve("7B")
+    speed = estimate_step_time(arch, "infer", "bf16-pure", 1, 128, new_tokens=128, parallelism=Parallelism(),
+                               gpu_name=H100)
+    weight_bytes = 2 * P7
+    kv_bytes = kv_bytes_per_token(LLAMA2_7B) * (128 + 128 / 2)  # 524,288 B per token
+    assert speed.bound == "memory"
+    assert speed.seconds == pytest.approx((weight_bytes + kv_bytes) / H100_BANDWIDTH, rel=1e-9)
+    assert speed.tokens_per_s == pytest.approx(1 / speed.seconds, rel=1e-12)
+    assert speed.compute_s == pytest.approx(2 * matmul_params(LLAMA2_7B) / H100_BF16_FLOPS, rel=1e-9)
+    # Same step on an H200: only the bandwidth changes.
+    h200 = estimate_step_time(arch, "infer", "bf16-pure", 1, 128, new_tokens=128, parallelism=Parallelism(),
+                              gpu_name="NVIDIA H200")
+    assert h200.seconds == pytest.approx((weight_bytes + kv_bytes) / H200_BANDWIDTH, rel=1e-9)
+    # The planner reports the same figure for the one-GPU candidate.
+    chosen = assess(arch, "infer", Candidate("bf16-pure", "single", 1, False, 1), GpuTarget(H100, 1, 80e9, True),
+                    seq_len=128, new_tokens=128)
+    assert chosen.speed.seconds == pytest.approx((weight_bytes + kv_bytes) / H100_BANDWIDTH, rel=1e-9)
+
+
+def hand_train_flops_per_token(s: dict, seq_len: int, recompute: bool = False) -> float:
+    """6 N + 12 L h T (PaLM), or 8 N + 16 L h T when the forward pass runs twice."""
+    forward = 2 * matmul_params(s) + 4 * s["L"] * s["h"] * seq_len
+    return (4 if recompute else 3) * forward
+
+
+def test_training_roofline_ddp_by_hand():
+    batch, seq_len, g = 4, 2048, 4
+    speed = estimate_step_time(resolve("7B"), "train", "bf16", batch, seq_len, new_tokens=1,
+                               parallelism=Parallelism("ddp", g), gpu_name=H100)
+    n = batch * seq_len
+    compute = n * hand_train_flops_per_token(LLAMA2_7B, seq_len) / H100_BF16_FLOPS
+    # fp32 master weights read 3 times, AdamW touching weights, gradients and both moments.
+    memory = (3 * 4 * P7 + 4 * 4 * P7) / H100_BANDWIDTH
+    allreduce = 2 * (g - 1) / g * 4 * P7 / NVLINK4_PER_DIRECTION  # fp32 gradients, ring all-reduce
+    seconds = max(compute, memory) + allreduce
+    assert speed.seconds == pytest.approx(seconds, rel=1e-9)
+    assert speed.tokens_per_s == pytest.approx(n * g / seconds, rel=1e-9)
+    assert speed.bound == "compute"
+
+
+def test_training_roofline_tp_by_hand():
+    batch, seq_len, tp = 4, 2048, 4
+    speed = estimate_step_time(resolve("7B"), "train", "bf16", batch, seq_len, new_tokens=1,
+                               parallelism=Parallelism("tp", tp), gpu_name=H100)
+    n = batch * seq_len
+    compute = n * hand_train_flops_per_token(LLAMA2_7B, seq_len) / (H100_BF16_FLOPS * tp)
+    memory = (3 * 4 * P7 + 4 * 4 * P7) / (H100_BANDWIDTH * tp)
+    # Two all-reduces of the bf16 activations per layer forward, two backward.
+    per_layer = 2 * 2 * (tp - 1) / tp * n * LLAMA2_7B["h"] * 2
+    communication = 2 * LLAMA2_7B["L"] * per_layer / NVLINK4_PER_DIRECTION
+    seconds = max(compute, memory) + communication
+    assert speed.communication_s == pytest.approx(communication, rel=1e-9)
+    assert speed.seconds == pytest.approx(seconds, rel=1e-9)
+    assert speed.tokens_per_s == pytest.approx(n / seconds, rel=1e-9)  # one data-parallel rank
+
+
+def test_activation_checkpointing_costs_a_third_more_compute():
+    arch, batch, seq_len = resolve("7B"), 4, 2048
+    plain, recompute = (estimate_step_time(arch, "train", "bf16", batch, seq_len, new_tokens=1,
+                                           parallelism=Parallelism(), gpu_name=H100, activation_checkpointing=ac)
+                        for ac in (False, True))
+    n = batch * seq_len
+    assert recompute.compute_s == pytest.approx(n * hand_train_flops_per_token(LLAMA2_7B, seq_len, True)
+                                                / H100_BF16_FLOPS, rel=1e-9)
+    assert recompute.compute_s / plain.compute_s == pytest.approx(4 / 3, rel=1e-12)
+    assert plain.bound == recompute.bound == "compute"
+    assert recompute.seconds == pytest.approx(4 / 3 * plain.seconds, rel=1e-9)
+    assert recompute.tokens_per_s < plain.tokens_per_s
+
+
+def test_unknown_gpu_names_use_h100_figures_and_say_so():
+    target = GpuTarget(None, 1, 80e9, described=True)
+    assert target.speed_name == H100
+    assert GpuTarget("Some Future GPU", 1, 80e9, described=True).speed_name == H100
+    assert GpuTarget("NVIDIA H200", 1, 141e9, described=True).speed_name == "NVIDIA H200"
+    result = plan(resolve("tiny"), "infer", target, seq_len=64, new_tokens=8, batch_sizes=[1])
+    assert any(H100 in note for note in result.notes)
+    with pytest.raises(ValueError):
+        estimate_step_time(resolve("tiny"), "infer", "bf16-pure", 1, 64, new_tokens=8, parallelism=Parallelism(),
+                           gpu_name="Some Future GPU")
+
+
+# ---- 7. calibration and overheads ----------------------------------------------------------------
+
+def test_default_calibration_constants():
+    assert DEFAULT.workspace_training == 2 * 32 * MIB  # two cuBLAS handles of 32 MiB
+    assert DEFAULT.workspace_inference == 32 * MIB
+    assert DEFAULT.nccl_per_communicator == 32 * 2 * 4 * MIB  # 32 channels x 2 peers x 4 MiB
+    assert (DEFAULT.context(True), DEFAULT.context(False)) == (795e6, 721e6)
+    assert Calibration.page_rounding(3 * MIB) == MIB
+    assert Calibration.page_rounding(4 * MIB) == 0
+
+
+def test_calibration_round_trip(tmp_path, monkeypatch):
+    monkeypatch.setenv("FITBENCH_CACHE_DIR", str(tmp_path / "store"))
+    measured = Calibration(1.1e9, 0.9e9, 70e6, 35e6, 300e6, "measured on NVIDIA H100 80GB HBM3 for a test")
+    other = Calibration(2e9, 1e9, 1e6, 2e6, 3e6, "measured on NVIDIA H200 for a test")
+    path = save_calibration(H100, measured)
+    save_calibration("NVIDIA H200", other)
+    assert path == tmp_path / "store" / "calibration.json" == calibration_path()
+    assert load_calibration(H100) == measured
+    assert load_calibration("NVIDIA H200") == other
+    stored = json.loads(path.read_text())
+    assert set(stored) == {f"{H100}|torch {torch.__version__}", f"NVIDIA H200|torch {torch.__version__}"}
+    assert load_calibration("NVIDIA A100-SXM4-80GB") == DEFAULT
+    assert load_calibration(None) == DEFAULT
+    # Another torch version's measurement is not used.
+    path.write_text(json.dumps({f"{H100}|torch 0.0.1": stored[f"{H100}|torch {torch.__version__}"]}))
+    assert load_calibration(H100) == DEFAULT
+
+
+UNREADABLE = ["{not json", "", "[1, 2]", "null", json.dumps({f"{H100}|torch {torch.__version__}": {"x": 1}})]
+
+
+def write_calibration_file(content: str) -> None:
+    path = calibration_path()
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(content)
+
+
+@pytest.mark.parametrize("content", UNREADABLE)
+def test_unreadable_calibration_falls_back_to_default(content):
+    write_calibration_file(content)
+    assert load_calibration(H100) == DEFAULT
+
+
+@pytest.mark.parametrize("content", UNREADABLE)
+def test_saving_over_an_unreadable_calibration_file(content):
+    write_calibration_file(content)
+    measured = replace(DEFAULT, source="measured again")
+    save_calibration(H100, measured)
+    assert load_calibration(H100) == measured
+
+
+def names(terms) -> list[str]:
+    return [t.name for t in terms]
+
+
+def test_fragmentation_overhead_late_in_the_backward_pass():
+    arch = resolve("small")  # CS336 small: h 768, f 3072, 12 heads, vocab 10000
+    candidate = Candidate("bf16", "single", 1, False, 2)
+    memory = estimate_memory(arch, "train", "bf16", 2, 128)
+    assert memory.peak_moment == "backward of the first layer"
+    terms = overhead_terms(arch, "train", candidate, memory, memory.peak_moment, 128, DEFAULT)
+    assert names(terms) == ["CUDA context", "workspaces", "allocator fragmentation"]
+    # One layer's saved activations under autocast (fp32 residual, bf16 compute), multi-head
+    # attention, tensor by tensor from the memory model's docstring:
+    # 2 norms x (4nh + 4nh + 4n) + 3 x 2nh (q/k/v casts) + (2nh + 2 x 2nh + 2nh + 4nH) (attention)
+    # + 2 x 2nh (gate/up casts) + 4 x 2nf (SwiGLU) = 34 nh + 8 nf + 8 n + 4 nH
+    n, h, f, H = 2 * 128, 768, 3072, 12
+    assert terms[2].bytes == 34 * n * h + 8 * n * f + 8 * n + 4 * n * H == 12_990_464
+    assert terms[0].bytes == 795e6 and terms[1].bytes == 2 * 32 * MIB
+
+
+def test_page_rounding_overhead_when_the_peak_is_early_or_in_inference():
+    arch = resolve("small")
+    for mode, precision, batch, seq_len in (("train", "bf16", 32, 512), ("infer", "bf16-pure", 1, 128)):
+        candidate = Candidate(precision, "single", 1, False, batch)
+        memory = estimate_memory(arch, mode, precision, batch, seq_len, new_tokens=16)
+        assert memory.peak_moment in ("start of the backward pass", "prefill MLP", "output projection")
+        terms = overhead_terms(arch, mode, candidate, memory, memory.peak_moment, seq_len, DEFAULT)
+        assert names(terms) == ["CUDA context", "workspaces", "allocator page rounding"]
+        page = 2 * MIB
+        assert terms[2].bytes == math.ceil(memory.peak_bytes / page) * page - memory.peak_bytes
+        assert 0 <= terms[2].bytes < page
+        assessed = assess(arch, mode, candidate, GpuTarget(H100, 1, 80e9, True), seq_len=seq_len, new_tokens=16)
+        context = 795e6 if mode == "train" else 721e6
+        workspace = 2 * 32 * MIB if mode == "train" else 32 * MIB
+        # The predicted peak is the tensors rounded up to a whole page, plus context and workspaces.
+        assert assessed.predicted_peak == pytest.approx(math.ceil(memory.peak_bytes / page) * page + context
+                                                        + workspace, rel=1e-12)
+
+
+def test_nccl_buffers_only_with_several_gpus():
+    arch = resolve("small")
+    for strategy, gpus in (("single", 1), ("tp", 2), ("ddp", 2), ("fsdp", 4), ("pipeline", 2)):
+        candidate = Candidate("bf16", strategy, gpus, False, 2)
+        memory = estimate_memory(arch, "train", "bf16", 2, 128, parallelism=candidate.parallelism)
+        terms = overhead_terms(arch, "train", candidate, memory, memory.peak_moment, 128, DEFAULT)
+        nccl = [t.bytes for t in terms if t.name == "NCCL buffers"]
+        assert nccl == ([] if gpus == 1 else [256 * MIB])
+
+
+# ---- 8. predict_spec, as `fitbench run` uses it on a GPU ----------------------------------------
+
+def spec_7b(precision="bf16", batch=1, seq_len=512, mode="train"):
+    return RunSpec(model="7B", backend="native", mode=mode, precision=precision, batch_size=batch, seq_len=seq_len,
+                   new_tokens=8, device="cuda:0", warmup_steps=1, measure_steps=1)
+
+
+TARGET_80 = GpuTarget(H100, 1, 80e9, described=False)
+PREDICTION_KEYS = {"predicted_peak_bytes", "tensor_peak_bytes", "peak_moment", "terms", "fits", "chosen_by_planner",
+                   "rejected", "gpu_memory_bytes", "step_time_estimate_s", "calibration"}
+
+
+def test_predict_spec_chooses_bf16_pure_for_7b_training_on_80gb():
+    planned, prediction = predict_spec(resolve("7B"), spec_7b(), TARGET_80, DEFAULT, choose_precision=True,
+                                       choose_recompute=False, runnable=PRECISIONS)
+    assert planned.precision == "bf16-pure" and not planned.activation_checkpointing
+    assert prediction["chosen_by_planner"] == ["precision"]
+    assert PREDICTION_KEYS <= set(prediction)
+    assert prediction["fits"] is True
+    # bf16-pure: 2 (weights) + 2 (gradients) + 4 (AdamW) bytes per parameter = 53.9 GB.
+    assert 8 * P7 < prediction["predicted_peak_bytes"] <= 80e9
+    assert prediction["tensor_peak_bytes"] < prediction["predicted_peak_bytes"]
+    assert prediction["peak_moment"] in ("start of the backward pass", "backward of the first layer",
+                                         "end of the backward pass")
+    at_peak = sum(t["bytes"] for t in prediction["terms"] if t["at_peak"])
+    assert at_peak == pytest.approx(prediction["predicted_peak_bytes"], rel=1e-12)
+    assert {"weights", "gradients", "optimizer state", "CUDA context"} <= {t["name"] for t in prediction["terms"]}
+    # bf16 autocast was tried first and needs 16 bytes per parameter, 107.8 GB.
+    assert len(prediction["rejected"]) == 1 and prediction["rejected"][0].startswith("bf16, 1 GPU")
+    assert needed_gb(prediction["rejected"][0]) > 16 * P7 / GB
+    assert prediction["gpu_memory_bytes"] == 80e9
+    assert prediction["step_time_estimate_s"] > 0
+
+
+def test_predict_spec_keeps_the_users_precision():
+    planned, prediction = predict_spec(resolve("7B"), spec_7b(), TARGET_80, DEFAULT, choose_precision=False,
+                                       choose_recompute=False, runnable=PRECISIONS)
+    assert planned.precision == "bf16"
+    assert prediction["fits"] is False
+    assert prediction["predicted_peak_bytes"] > 16 * P7 > 80e9
+    assert prediction["chosen_by_planner"] == []
+    assert PREDICTION_KEYS <= set(prediction)
+
+
+def test_predict_spec_turns_on_recompute_when_only_that_fits():
+    # bf16-pure, 4 x 2048 tokens: at the start of the backward pass, weights and AdamW state (6 B x P)
+    # beside 32 layers of saved activations, 32 nh + 8 nf + 8 n + 4 nH bytes each (16-bit residuals).
+    n, h, f, H = 4 * 2048, 4096, 11008, 32
+    assert 6 * P7 + 32 * (32 * n * h + 8 * n * f + 8 * n + 4 * n * H) > 80e9
+    planned, prediction = predict_spec(resolve("7B"), spec_7b("bf16-pure", 4, 2048), TARGET_80, DEFAULT,
+                                       choose_precision=False, choose_recompute=True, runnable=PRECISIONS)
+    assert planned.precision == "bf16-pure" and planned.activation_checkpointing
+    assert prediction["fits"] and prediction["chosen_by_planner"] == ["activation_checkpointing"]
+    # Only precisions that can run are considered.
+    planned, prediction = predict_spec(resolve("7B"), spec_7b(), TARGET_80, DEFAULT, choose_precision=True,
+                                       choose_recompute=False, runnable=("bf16",))
+    assert planned.precision == "bf16" and not prediction["fits"]
+
+
+def test_predict_spec_prefers_the_first_rung_without_recompute_when_all_fit():
+    # small trains in a few GB: every option fits; bf16 is the first rung, and recomputing costs a
+    # third more arithmetic for the same memory traffic, so it is never the faster option.
+    spec = RunSpec(model="small", backend="native", mode="train", precision="fp32", batch_size=2, seq_len=128,
+                   new_tokens=8, device="cuda:0", warmup_steps=1, measure_steps=1)
+    planned, prediction = predict_spec(resolve("small"), spec, TARGET_80, DEFAULT, choose_precision=True,
+                                       choose_recompute=True, runnable=PRECISIONS)
+    assert (planned.precision, planned.activation_checkpointing) == ("bf16", False)
+    assert prediction["fits"] and prediction["rejected"] == []
+    assert prediction["chosen_by_planner"] == ["precision", "activation_checkpointing"]
+
+
+# ---- 9. the commands -----------------------------------------------------------------------------
+
+def cli(argv, capsys):
+    try:
+        code = main(argv)
+    except SystemExit as exit_:
+        code = exit_.code
+    captured = capsys.readouterr()
+    return code, captured.out, captured.err
+
+
+PLAN_70B = ["plan", "--models", "llama-2-70b", "--mode", "infer", "--gpus", "4", "--gpu-memory", "80GB"]
+
+
+def test_plan_command_prints_the_breakdown_and_the_rejections(capsys):
+    code, out, err = cli(PLAN_70B, capsys)
+    assert code == 0, err
+    assert "llama-2-70b infer on 4 x 80.0 GB" in out
+    chosen = [line for line in out.splitlines() if line.startswith("chosen:")]
+    assert len(chosen) == 1 and "bf16-pure, tp x 4, batch 1" in chosen[0]
+    for term in ("weights", "KV cache", "CUDA context", "workspaces", "NCCL buffers", "predicted peak"):
+        assert term in out
+    rejected = [line.strip() for line in out.splitlines() if line.strip().startswith("rejected:")]
+    assert rejected
+    for line in rejected:
+        assert re.search(r"needs [\d.]+ GB per GPU; 80\.0 GB available", line), line
+
+
+def test_plan_command_json_has_sizes_in_bytes(capsys):
+    code, out, err = cli([*PLAN_70B, "--json"], capsys)
+    assert code == 0, err
+    result = json.loads(out)
+    assert {"chosen", "rejected", "feasible", "hardware", "calibration"} <= set(result)
+    assert result["hardware"] == {"name": None, "count": 4, "memory": 80e9, "described": True}
+    chosen = result["chosen"]
+    assert chosen["candidate"] == {"precision": "bf16-pure", "strategy": "tp", "gpus": 4,
+                                   "activation_checkpointing": False, "batch_size": 1}
+    per_gpu = 2 * (LLAMA2_70B["L"] * layer_params(LLAMA2_70B) / 4 + edge_params(LLAMA2_70B))
+    assert per_gpu < chosen["predicted_peak_bytes"] < per_gpu + 2e9
+    terms = {t["name"]: t["bytes"] for t in chosen["memory"]["terms"]}
+    assert terms["weights"] == per_gpu
+    # Default prompt 512 + 128 new tokens, the cache split over 4 ranks.
+    assert terms["KV cache"] == kv_bytes_per_token(LLAMA2_70B) * (512 + 128) / 4 == 52_428_800
+    overheads = {t["name"]: t["bytes"] for t in chosen["overheads"]}
+    assert overheads["CUDA context"] == 721e6 and overheads["NCCL buffers"] == 256 * MIB
+    assert result["feasible"][0]["label"] == chosen["label"]
+    assert all(f["fits"] and f["predicted_peak_bytes"] <= 80e9 for f in result["feasible"])
+    assert result["rejected"]
+    for rejected in result["rejected"]:
+        assert not rejected["fits"] and rejected["reason"]
+        assert rejected["predicted_peak_bytes"] > 80e9
+
+
+def test_plan_uses_a_stored_calibration(capsys):
+    save_calibration(H100, Calibration(2.5e9, 1.5e9, 100e6, 50e6, 300e6, "measured on a test bench"))
+    code, out, err = cli(["plan", "--models", "7B", "--mode", "infer", "--gpu", "H100-80GB", "--json"], capsys)
+    assert code == 0, err
+    result = json.loads(out)
+    assert result["calibration"] == "measured on a test bench"
+    assert result["hardware"] == {"name": H100, "count": 1, "memory": 80e9, "described": True}
+    overheads = {t["name"]: t["bytes"] for t in result["chosen"]["overheads"]}
+    assert overheads["CUDA context"] == 1.5e9 and overheads["workspaces"] == 50e6
+
+
+def test_requirements_table_and_json(capsys):
+    argv = ["plan", "--requirements", "--gpu-memory", "80GB", "--models", "7B", "--mode", "train", "infer"]
+    code, out, err = cli(argv, capsys)
+    assert code == 0, err
+    assert "GPUs of 80.0 GB needed" in out and "min GPUs" in out
+    code, out, err = cli([*argv, "--json"], capsys)
+    assert code == 0, err
+    rows = {(r["mode"], r["precision"]): r for r in json.loads(out)}
+    assert set(rows) == {("train", "bf16"), ("train", "bf16-pure"), ("infer", "bf16-pure"), ("infer", "int8"),
+                         ("infer", "nf4")}
+    # Training: 16 B/param (107.8 GB) needs a second GPU, FSDP halves it to 8 B/param (53.9 GB);
+    # bf16-pure is 8 B/param on one GPU; inference weights are at most 13.5 GB.
+    assert rows[("train", "bf16")]["min_gpus"] == 2 and "fsdp x 2" in rows[("train", "bf16")]["how"]
+    assert rows[("train", "bf16-pure")]["min_gpus"] == 1
+    assert all(rows[("infer", p)]["min_gpus"] == 1 for p in ("bf16-pure", "int8", "nf4"))
+    for row in rows.values():
+        assert row["model"] == "7B"
+    # The batch counts: 64 x (4096 + 128) tokens of KV cache at 524,288 B each is 141.7 GB.
+    assert kv_bytes_per_token(LLAMA2_7B) * 64 * (4096 + 128) > 80e9
+    code, out, err = cli(["plan", "--requirements", "--gpu-memory", "80GB", "--models", "7B", "--mode", "infer",
+                          "--precision", "bf16-pure", "--batch-size", "64", "--seq-len", "4096", "--json"], capsys)
+    assert code == 0, err
+    assert json.loads(out)[0]["min_gpus"] > 1
+
+
+def test_trace_prints_the_traced_peak(capsys):
+    code, out, err = cli(["plan", "--models", "small", "--mode", "train", "--batch-size", "2", "--seq-len", "128",
+                          "--gpu", "H100-80GB", "--trace"], capsys)
+    assert code == 0, err
+    match = re.search(r"traced peak \(fake tensors on \w+\): ([\d.]+) (GB|MB) of tensors; analytic ([\d.]+) (GB|MB) "
+                      r"\(([+-][\d.]+)%\)", out)
+    assert match, out
+    # The trace and the analytic model are independent estimates of the same tensors.
+    assert abs(float(match.group(5))) < 10
+    # small bf16 training holds fp32 weights, gradients and AdamW state: at least 16 B x 128.6M = 2.06 GB.
+    assert match.group(2) == "GB" and float(match.group(1)) >= 2.0
+
+
+def test_plan_on_detected_gpus(capsys, monkeypatch):
+    detected = [hardware.GpuInfo(i, H100, 85_520_809_984, (9, 0)) for i in range(2)]
+    monkeypatch.setattr(hardware, "detect_gpus", lambda: detected)
+    code, out, err = cli(["plan", "--models", "7B", "--mode", "infer", "--json"], capsys)
+    assert code == 0, err
+    assert json.loads(out)["hardware"] == {"name": H100, "count": 2, "memory": 85_520_809_984.0, "described": False}
+
+
+@pytest.mark.parametrize("gpu, gpu_memory, gpus, expected", [
+    ("H100-80GB", None, None, GpuTarget(H100, 1, 80e9, True)),
+    ("a100-40gb", None, 8, GpuTarget("NVIDIA A100-SXM4-40GB", 8, 40e9, True)),
+    ("NVIDIA H200", None, 2, GpuTarget("NVIDIA H200", 2, 141e9, True)),
+    (None, "79.2GiB", 4, GpuTarget(None, 4, 79.2 * 2**30, True)),
+    ("L40S", "40GB", None, GpuTarget("NVIDIA L40S", 1, 40e9, True)),
+])
+def test_gpu_target_from_the_command_line(gpu, gpu_memory, gpus, expected):
+    target = gpu_target(argparse.Namespace(gpu=gpu, gpu_memory=gpu_memory, gpus=gpus))
+    assert target.name == expected.name and target.count == expected.count and target.described
+    assert target.memory == pytest.approx(expected.memory, rel=1e-12)
+
+
+@pytest.mark.parametrize("argv, field", [
+    (["plan", "--models", "7B"], "gpus: no GPU is visible"),
+    (["plan", "--models", "7B", "--gpu", "NOPE"], "gpu: 'NOPE' is not a known GPU"),
+    (["plan", "--models", "7B", "--gpu-memory", "lots"], "gpu-memory: 'lots' is not a size"),
+    (["plan", "--models", "7B", "--gpu-memory", "80GB", "--batch-size", "0"], "batch-size: must be positive"),
+    (["plan", "--models", "7B", "--gpu-memory", "80GB", "--batch-size", "many"], "batch-size: expected a positive"),
+    (["plan", "--models", "7B", "--gpu-memory", "80GB", "--seq-len", "x"], "seq-len: expected a positive"),
+    (["plan", "--models", "no-such-model", "--gpu-memory", "80GB"], "models: unknown model 'no-such-model'"),
+    (["plan", "--models", "7B", "--gpus", "2"], "gpu-memory: with --gpus"),
+    (["plan", "--models", "7B", "--gpus", "-1", "--gpu-memory", "80GB"], "gpus: must be a positive"),
+    (["plan", "--models", "7B", "--gpu-memory", "80GB", "--mode", "bogus"], "invalid choice: 'bogus'"),
+    (["plan", "--gpu-memory", "80GB"], "--models"),
+])
+def test_bad_plan_input_is_one_paragraph_and_exit_2(argv, field, capsys, monkeypatch):
+    monkeypatch.setattr(hardware, "detect_gpus", lambda: [])
+    code, out, err = cli(argv, capsys)
+    assert code == UserError.exit_code == 2
+    assert out == ""
+    assert field in err
+    assert "Traceback" not in err
+    assert len(err.strip().splitlines()) == 1, err
+
+
+@pytest.mark.parametrize("argv, message", [
+    (["calibrate"], "calibration measures GPU overheads"),
+    (["calibrate", "--device", "cuda"], "sees no CUDA GPU"),
+])
+def test_calibrate_without_a_gpu_exits_2(argv, message, capsys, monkeypatch):
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    code, out, err = cli(argv, capsys)
+    assert code == 2 and message in err and "Traceback" not in err
+    assert not calibration_path().exists()
+
+
+def test_calibrate_command_on_a_cpu_only_machine(tmp_path):
+    env = {**os.environ, "CUDA_VISIBLE_DEVICES": "", "FITBENCH_CACHE_DIR": str(tmp_path / "cache")}
+    done = subprocess.run([sys.executable, "-m", "fitbench", "calibrate"], capture_output=True, text=True, env=env,
+                          cwd=tmp_path, timeout=120)
+    assert done.returncode == 2
+    assert "calibration measures GPU overheads" in done.stderr and "Traceback" not in done.stderr
+    assert done.stdout == ""
+
+
+# ---- 10. responsiveness --------------------------------------------------------------------------
+
+def test_plan_for_a_70b_model_answers_in_seconds(capsys):
+    started = time.perf_counter()
+    code, out, _ = cli([*PLAN_70B, "--batch-size", "auto"], capsys)
+    elapsed = time.perf_counter() - started
+    assert code == 0 and "chosen:" in out
+    assert elapsed < 10, f"fitbench plan took {elapsed:.1f} s"
+
+
+# ---- defects found and fixed, kept as regressions ------------------------------------
+
+def test_zero_gpus_is_rejected(capsys):
+    code, out, err = cli(["plan", "--models", "7B", "--gpus", "0", "--gpu-memory", "80GB"], capsys)
+    assert code == 2 and "gpus:" in err
+
+
+def test_predicted_peak_grows_with_the_batch():
+    arch, target = resolve("small"), GpuTarget(None, 1, 1e12, described=True)
+    peaks = [assess(arch, "train", Candidate("bf16", "single", 1, True, b), target, seq_len=128,
+                    new_tokens=1).predicted_peak for b in range(28, 40)]
+    assert peaks == sorted(peaks)
+
+
+def test_quantized_training_counts_saved_activations():
+    # nf4 weights are at least half a byte per parameter; without recompute each of the 32 layers
+    # keeps its SwiGLU tensors for the backward pass, 4 x 2 B x n x f.
+    n, f = 4 * 512, 11008
+    result = plan(resolve("7B"), "train", GpuTarget(H100, 1, 24e9, described=True), seq_len=512, new_tokens=1,
+                  batch_sizes=[4], precisions=["nf4"], checkpointing=[False])
+    for assessed in result.feasible:
+        assert assessed.predicted_peak >= 0.5 * P7 + 32 * 4 * 2 * n * f
+
+
+def test_pipeline_stage_holds_only_its_layers_kv_cache():
+    memory = estimate_memory(resolve("llama-2-70b"), "infer", "bf16-pure", 32, 2048, new_tokens=128,
+                             parallelism=Parallelism("pipeline", 4))
+    cache = {t.name: t.bytes for t in memory.terms}["KV cache"]
+    assert cache == pytest.approx(kv_bytes_per_token(LLAMA2_70B) * 32 * (2048 + 128) / 4, rel=1e-12)
+
+
+def test_fsdp_ranks_read_all_gathered_weights():
+    # Each rank reads the whole model's (gathered, 16-bit) weights in the forward and the two backward matmuls.
+    speed = estimate_step_time(resolve("7B"), "train", "bf16-pure", 1, 512, new_tokens=1,
+                               parallelism=Parallelism("fsdp", 4), gpu_name=H100)
+    assert speed.memory_s >= 3 * 2 * P7 / H100_BANDWIDTH
