@@ -263,6 +263,11 @@ def build_native(arch: Architecture, device: torch.device | str, dtype: torch.dt
     The rotary tables stay fp32 whatever the weight dtype: positions up to 128k need the precision.
     """
     model = meta_model(arch, dtype)
+    if arch.tie_embeddings:
+        # to_empty visits a shared parameter once per module that holds it, allocating it twice;
+        # the second allocation would exist beside the first at the end of the build, when every
+        # other weight is already there. Untie for the allocation, tie again after.
+        model.lm_head.weight = nn.Parameter(torch.empty(0, device="meta", dtype=dtype))
     model.to_empty(device=device)
     if arch.tie_embeddings:
         model.lm_head.weight = model.model.embed_tokens.weight

@@ -46,6 +46,13 @@ class QuantizedFormat:
         return rows * columns * self.bits / 8 + scales * self.scale_bytes
 
 
+# While a model is quantized layer by layer, the layer being quantized exists in bf16 beside the
+# quantizer's own temporaries (an fp16 copy for LLM.int8, packing buffers, float8 scales). Measured
+# on Llama-2-7B on one H100 (benchmarks/results/2026-11-22-h100-quantized-decode) as the peak
+# beyond the quantized model, in units of one layer's bf16 weights.
+BUILD_TEMPORARIES_LAYERS = {"int8": 2.0, "nf4": 1.0, "fp4": 1.0, "int8-dynamic": 2.0, "int4": 2.0,
+                            "fp8": 3.2, "fp8-block": 3.2}
+
 # Layer matmul weights are quantized; embeddings, the output projection and norms stay bf16.
 QUANTIZED: dict[str, QuantizedFormat] = {
     "int8": QuantizedFormat(8, 4, 0, "bitsandbytes LLM.int8: int8 weights, one fp32 absmax per output row"),
@@ -249,7 +256,11 @@ def estimate_memory(arch: Architecture, mode: str, precision: str, batch: int, s
         weights = quantized + plain
         terms = [Term("weights", weights, f"{QUANTIZED[precision].source}: {quantized:,.0f} B in the layers' "
                                           f"matrices, {plain:,.0f} B in bf16 elsewhere"), rotary_term(arch)]
-        return _inference(arch, mode, widths, batch, seq_len, new_tokens, terms, tp, stages)
+        layers_in_bf16 = BUILD_TEMPORARIES_LAYERS[precision]
+        terms.append(Term("quantizer temporaries", layers_in_bf16 * 2 * arch.params_per_layer / tp,
+                          f"{layers_in_bf16:g} x one layer in bf16 while it is quantized (measured)",
+                          frozenset({BUILD})))
+        return _inference(arch, mode, widths, batch, seq_len, new_tokens, terms, tp, stages, quantized=True)
     weights = widths.weights * local_params / shards
     terms = [Term("weights", weights, f"{widths.weights:g} B x {local_params:,.0f} parameters"
                   + (f" / {shards} FSDP shards" if shards > 1 else "")), rotary_term(arch)]
@@ -346,10 +357,10 @@ def _training(arch, mode, widths, batch, seq_len, recompute, terms, weights, loc
     return MemoryEstimate(tuple(terms), moments)
 
 
-MLP, OUTPUT = "prefill MLP", "output projection"
+MLP, OUTPUT, BUILD = "prefill MLP", "output projection", "quantizing a layer"
 
 
-def _inference(arch, mode, widths, batch, seq_len, new_tokens, terms, tp, stages=1):
+def _inference(arch, mode, widths, batch, seq_len, new_tokens, terms, tp, stages=1, quantized=False):
     """Without autograd, a layer's temporaries die with it. Two moments can peak: the widest MLP,
     where silu(gate), up and their product (3 c n f) live beside the layer's input, the residual
     after attention and its normalized copy (3 r n h) and the token ids (8 n); and the output projection, with the final normalized input (r n h), its 16-bit
@@ -371,4 +382,4 @@ def _inference(arch, mode, widths, batch, seq_len, new_tokens, terms, tp, stages
         head += c * V * h
         formula += ", and the output projection's 16-bit copy"
     terms.append(Term("output projection", head, formula, frozenset({OUTPUT})))
-    return MemoryEstimate(tuple(terms), (MLP, OUTPUT))
+    return MemoryEstimate(tuple(terms), (MLP, OUTPUT, BUILD) if quantized else (MLP, OUTPUT))
