@@ -60,7 +60,15 @@ def _add_run_options(parser: argparse.ArgumentParser) -> None:
         help="fp32, tf32, bf16/fp16 (autocast over fp32 weights), bf16-pure (bf16 weights and optimizer); "
              "quantized weights for infer and forward: int8, nf4, fp4 (bitsandbytes), int8-dynamic, int4, fp8, "
              "fp8-block (torchao)")
-    add("--batch-size", dest="batch_size", nargs="+", type=int, default=S, metavar="N", help="sequences per step")
+    add("--batch-size", dest="batch_size", nargs="+", type=_batch_size, default=S, metavar="N",
+        help="sequences per step, or auto: the largest that runs, from the planner's prediction verified by "
+             "probe runs (reported as max_batch)")
+    add("--fallback", nargs="+", choices=PRECISIONS, default=S, metavar="PRECISION",
+        help="on out-of-memory, retry with the next of these precisions, then activation checkpointing, then half "
+             "the batch (default per mode: train bf16 bf16-pure; infer and forward bf16-pure int8 nf4); "
+             "also the ladder the planner picks the first fitting precision from")
+    add("--no-fallback", dest="no_fallback", action="store_true", default=S,
+        help="record an out-of-memory as it is, without retrying")
     add("--seq-len", "--context-length", dest="seq_len", nargs="+", type=int, default=S, metavar="T",
         help="tokens per sequence; the prompt length in infer")
     add("--new-tokens", dest="new_tokens", type=int, default=S, metavar="N",
@@ -103,6 +111,15 @@ def _add_plan_options(parser: argparse.ArgumentParser) -> None:
     add("--json", action="store_true", help="machine-readable output, sizes in bytes")
 
 
+def _batch_size(text: str) -> int | str:
+    if text == "auto":
+        return text
+    try:
+        return int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a positive integer or auto, got {text!r}") from None
+
+
 # ---- run ------------------------------------------------------------------------------------
 
 
@@ -140,6 +157,43 @@ def default_models(device: str) -> list[str]:
     memory = torch.cuda.get_device_properties(torch.device(device)).total_memory
     fitting = [name for name in SIZE_LADDER if 16 * resolve(name).total_params <= 0.7 * memory]
     return fitting[:3] or ["tiny"]
+
+
+def predicted_max_batch(spec, device: str) -> int:
+    """The planner's largest batch for ``spec`` on its device: the GPU's memory with the calibrated
+    overheads, or on a CPU the budget of FITBENCH_INJECT's mem-limit (else the available RAM)."""
+    import psutil
+    import torch
+
+    from fitbench.models.registry import resolve
+    from fitbench.plan.memory import estimate_memory
+    from fitbench.run.worker import injected_memory_limit
+
+    arch = resolve(spec.model)
+    if arch.family != "llama":
+        return 1
+    if device == "cpu":
+        budget = injected_memory_limit() or psutil.virtual_memory().available
+
+        def peak(batch: int) -> float:
+            return estimate_memory(arch, spec.mode, spec.precision, batch, spec.seq_len, new_tokens=spec.new_tokens,
+                                   activation_checkpointing=spec.activation_checkpointing).peak_bytes
+    else:
+        from fitbench.plan.calibration import load_calibration
+        from fitbench.plan.planner import Candidate, GpuTarget, assess
+
+        properties = torch.cuda.get_device_properties(torch.device(device))
+        budget = injected_memory_limit() or float(properties.total_memory)
+        target = GpuTarget(properties.name, 1, budget, described=False)
+        calibration = load_calibration(properties.name)
+
+        def peak(batch: int) -> float:
+            candidate = Candidate(spec.precision, "single", 1, spec.activation_checkpointing, batch)
+            return assess(arch, spec.mode, candidate, target, seq_len=spec.seq_len, new_tokens=spec.new_tokens,
+                          calibration=calibration).predicted_peak
+    from fitbench.launch.fallback import largest_batch
+
+    return largest_batch(peak, budget)
 
 
 def hardware_refusals(specs: list, device: str) -> dict[str, str]:
@@ -207,7 +261,8 @@ def _describe_row(row: dict[str, Any]) -> str:
 
 def run(args: argparse.Namespace, cli_options: dict[str, Any]) -> int:
     """Benchmark every configuration of the sweep, each in a fresh process."""
-    from fitbench.config import expand, load_yaml, merge_sources
+    from fitbench.config import expand, fallback_ladder, load_yaml, merge_sources
+    from fitbench.launch.fallback import FallbackPolicy
     from fitbench.launch.local import SweepCallbacks, run_sweep
     from fitbench.results.report import results_table, write_csv
     from fitbench.results.store import ResultStore
@@ -264,7 +319,10 @@ def run(args: argparse.Namespace, cli_options: dict[str, Any]) -> int:
         callbacks = SweepCallbacks(on_start=on_start, on_event=on_event, on_finish=on_finish,
                                    on_skip=lambda spec: progress.advance(sweep_task))
         run_sweep(specs, store, timeout=config.timeout, command=command, callbacks=callbacks,
-                  predictions=predictions, refusals=refusals)
+                  predictions=predictions, refusals=refusals,
+                  fallback=lambda spec: FallbackPolicy(tuple(fallback_ladder(config, spec.mode)),
+                                                       enabled=not config.no_fallback),
+                  predicted_batch=lambda spec: predicted_max_batch(spec, device))
 
     keys = {spec.key for spec in specs}
     rows = [row for row in store.rows() if row.get("key") in keys]

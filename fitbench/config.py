@@ -47,6 +47,7 @@ class RunSpec(BaseModel):
     warmup_steps: int = Field(ge=0)
     measure_steps: int = Field(gt=0)
     seed: int = 0
+    auto_batch: bool = False  # batch_size is found by probing, starting from the planner's prediction
 
     @property
     def key(self) -> str:
@@ -59,7 +60,8 @@ class RunSpec(BaseModel):
 
     @property
     def label(self) -> str:
-        shape = f"{self.batch_size}x{self.seq_len}" + (f"+{self.new_tokens}" if self.mode == "infer" else "")
+        batch = "auto" if self.auto_batch else self.batch_size
+        shape = f"{batch}x{self.seq_len}" + (f"+{self.new_tokens}" if self.mode == "infer" else "")
         recompute = " recompute" if self.activation_checkpointing else ""
         return f"{self.model} {self.mode} {self.precision} {shape}{recompute} [{self.backend}]"
 
@@ -79,10 +81,14 @@ class SweepConfig(BaseModel):
     models: list[str] | None = Field(None, min_length=1, description="preset names, local directories or hub ids")
     mode: list[Mode] | None = Field(None, min_length=1, description="train, forward, forward-backward, infer")
     precision: list[Precision] | None = Field(None, min_length=1, description=", ".join(PRECISIONS))
-    batch_size: list[int] | None = Field(None, min_length=1, description="positive integers")
+    batch_size: list[int | Literal["auto"]] | None = Field(
+        None, min_length=1, description="positive integers, or auto for the largest that runs")
     seq_len: list[int] | None = Field(None, min_length=1, description="positive integers (the prompt length in infer)",
                                       validation_alias="context_length")
     new_tokens: int | None = Field(None, gt=1, description="tokens generated per sequence in infer (at least 2)")
+    fallback: list[Precision] | None = Field(
+        None, min_length=1, description="precisions to fall back through on out-of-memory, in order")
+    no_fallback: bool = False
     backend: BackendChoice = "auto"
     compile: bool = False
     activation_checkpointing: bool | None = Field(None, description="None: the planner decides (on a GPU)")
@@ -93,18 +99,19 @@ class SweepConfig(BaseModel):
     out: str | None = None
     seed: int = 0
 
-    @field_validator("models", "mode", "precision", "batch_size", "seq_len", mode="before")
+    @field_validator("models", "mode", "precision", "batch_size", "seq_len", "fallback", mode="before")
     @classmethod
     def _scalar_to_list(cls, value: Any) -> Any:
         return _as_list(value)
 
     @field_validator("batch_size", "seq_len")
     @classmethod
-    def _positive(cls, values: list[int] | None) -> list[int] | None:
+    def _positive(cls, values: list | None) -> list | None:
         for value in values or []:
-            if value <= 0:
+            if value != "auto" and value <= 0:
                 raise ValueError(f"must be positive, got {value}")
         return values
+
 
     @field_validator("device")
     @classmethod
@@ -128,6 +135,25 @@ class SweepConfig(BaseModel):
             if alias in data and name in data:
                 data.pop(alias)
         return data
+
+
+# The seeds' config.yaml says priority_order: ["none", "fp16", "8bit", "4bit"].
+SEED_PRECISIONS = {"none": "fp32", "fp16": "bf16-pure", "8bit": "int8", "4bit": "nf4"}
+DEFAULT_FALLBACK = {
+    "train": ["bf16", "bf16-pure"],
+    "forward-backward": ["bf16", "bf16-pure"],
+    "forward": ["bf16-pure", "int8", "nf4"],
+    "infer": ["bf16-pure", "int8", "nf4"],
+}
+
+
+def fallback_ladder(config: SweepConfig, mode: str) -> list[str]:
+    """The precisions a configuration of ``mode`` may fall back through: the user's ladder (quantized
+    rungs dropped for training, whose weights must be trainable), else the default for the mode."""
+    ladder = config.fallback or DEFAULT_FALLBACK[mode]
+    if mode in ("train", "forward-backward"):
+        ladder = [p for p in ladder if p not in QUANTIZED_PRECISIONS]
+    return ladder or DEFAULT_FALLBACK[mode]
 
 
 def _default_shapes(mode: str, device_type: str) -> tuple[int, int]:
@@ -159,7 +185,8 @@ def expand(config: SweepConfig, *, device: str, default_models: list[str]) -> li
             raise UserError(f"backend: {problem}.")
         for mode in modes:
             default_batch, default_seq = _default_shapes(mode, device_type)
-            for precision in config.precision or [default_precision(mode, device_type)]:
+            first_rung = fallback_ladder(config, mode)[0] if config.fallback else default_precision(mode, device_type)
+            for precision in config.precision or [first_rung]:
                 if precision in QUANTIZED_PRECISIONS and mode in ("train", "forward-backward"):
                     raise UserError(
                         f"precision: {precision} weights are frozen; training them needs adapters, which "
@@ -177,7 +204,8 @@ def expand(config: SweepConfig, *, device: str, default_models: list[str]) -> li
                                 f"{arch.max_seq_len - (new_tokens if mode == 'infer' else 0)}."
                             )
                         specs.append(RunSpec(
-                            model=model, backend=backend, mode=mode, precision=precision, batch_size=batch,
+                            model=model, backend=backend, mode=mode, precision=precision,
+                            batch_size=1 if batch == "auto" else batch, auto_batch=batch == "auto",
                             seq_len=seq_len, new_tokens=new_tokens, compile=config.compile,
                             activation_checkpointing=bool(config.activation_checkpointing)
                             and mode in ("train", "forward-backward"), device=device,
@@ -211,7 +239,15 @@ def load_yaml(path: str | Path) -> dict[str, Any]:
         if "sizes" not in models:
             raise UserError(f"config: in {path}, `models` is a mapping without `sizes`; write models: [7B, 13B] "
                             f"or models: {{sizes: [7B, 13B]}}.")
+        quantization = models.get("quantization") or {}
         data["models"] = models["sizes"]
+        if isinstance(quantization, dict) and "priority_order" in quantization:
+            data.setdefault("priority_order", quantization["priority_order"])
+            if quantization.get("enabled") is False or quantization.get("fallback_strategy") is False:
+                data.setdefault("no_fallback", True)
+    if "priority_order" in data:
+        order = data.pop("priority_order")
+        data.setdefault("fallback", [SEED_PRECISIONS.get(str(p).lower(), p) for p in _as_list(order)])
     return data
 
 

@@ -9,6 +9,8 @@ from pathlib import Path
 
 import pytest
 import torch
+
+from fitbench.models.backends import HuggingFaceLM
 from torch import nn
 
 from fitbench.cli import hardware_refusals, main
@@ -98,7 +100,7 @@ def test_worker_reports_quality_and_weight_storage(precision, mode, tmp_path):
     assert weights["bf16_bytes"] == bf16_bytes
     assert weights["bytes"] < bf16_bytes
     assert weights["relative_to_bf16"] == pytest.approx(weights["bytes"] / bf16_bytes)
-    # the quantized matrices are over three quarters of tiny's parameters: 8 bits must save a third
+    # the quantized matrices are three quarters of tiny's parameters: 8 bits save over 30%, 4 bits over half
     assert weights["bytes"] < (0.7 if precision != "nf4" else 0.5) * bf16_bytes
     terms = {term.name: term.bytes for term in estimate_memory(arch, "infer", precision, BATCH, SEQ,
                                                                new_tokens=NEW).terms}
@@ -158,8 +160,6 @@ def test_int8_storage_counts_row_scales():
     assert worker.weight_storage_bytes(model) == expected
 
 
-@pytest.mark.xfail(strict=True, reason="bitsandbytes moves the row scales from weight.SCB to the layer's state on "
-                                       "the first forward, where weight_storage_bytes does not look")
 def test_int8_storage_counts_row_scales_after_a_forward():
     arch = resolve("tiny")
     model = build_native(arch, CPU, torch.bfloat16)
@@ -270,7 +270,7 @@ def test_quantize_built_reports_the_error_against_the_model_before(precision):
     probe = random_tokens(arch.vocab_size, 1, SEQ, CPU, seed=2)
     with torch.no_grad():
         reference = model(probe).logits.clone()
-    quality = quantize_built(model, precision, CPU, probe)
+    quality = quantize_built(HuggingFaceLM(model, static_cache=True), precision, CPU, probe)
     with torch.no_grad():
         quantized = model(probe).logits
     assert quality.probe_tokens == SEQ
@@ -326,14 +326,14 @@ def test_cli_records_refusals_without_launching(tmp_path, capsys, monkeypatch):
         assert row["status"] == "refused"
         assert row["error"].startswith("refused before launch")
         assert "log" not in row
-        assert not (out / "logs" / f"{row['key']}.log").exists()
+        assert not list((out / "logs").glob(f"{row['key']}*.log"))
     assert "8.9" in rows["fp8"]["error"] and "CUDA" in rows["int4"]["error"]
     ok = rows["int8"]
     assert ok["status"] == "ok", ok.get("error")
     assert Path(ok["log"]).is_file()
     assert 0 < ok["quality"]["logits_relative_error"] < MAX_LOGITS_ERROR["int8"]
     assert ok["weights"]["bytes"] < 2 * resolve("tiny").total_params
-    assert sorted(path.name for path in (out / "logs").iterdir()) == [f"{ok['key']}.log"]
+    assert sorted(path.name for path in (out / "logs").iterdir()) == [f"{ok['key']}-1.log"]
 
 
 @pytest.mark.parametrize("mode", ["train", "forward-backward"])

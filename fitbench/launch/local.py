@@ -26,6 +26,7 @@ from pathlib import Path
 from typing import Any, Callable
 
 from fitbench.config import RunSpec
+from fitbench.launch.fallback import FallbackPolicy, run_with_fallback, search_max_batch
 from fitbench.models.registry import resolve
 from fitbench.results.store import ResultStore
 
@@ -130,13 +131,38 @@ def run_one(spec: RunSpec, log_path: Path, timeout: float,
     return row
 
 
+def _run_planned(spec: RunSpec, logs: Path, timeout: float, on_event, policy: FallbackPolicy,
+                 predicted_batch: Callable[[RunSpec], int]) -> dict[str, Any]:
+    """One configuration of the sweep: the batch search if asked for, then the run with its fallbacks;
+    the row keeps the configuration's own key, whatever finally ran."""
+    attempt = iter(range(1, 1000))
+
+    def run(candidate: RunSpec) -> dict[str, Any]:
+        return run_one(candidate, logs / f"{spec.key}-{next(attempt)}.log", timeout, on_event)
+
+    search: dict[str, Any] = {}
+    to_run = spec
+    if spec.auto_batch:
+        predicted = predicted_batch(spec)
+        found, probes = search_max_batch(spec, predicted, lambda probe: run(probe)["status"] == "ok")
+        search = {"predicted_batch": predicted, "max_batch": found, "batch_probes": probes}
+        to_run = spec.model_copy(update={"batch_size": max(found, 1), "auto_batch": False})
+    row = run_with_fallback(to_run, policy, run)
+    row.update(search, key=spec.key)
+    return row
+
+
 def run_sweep(specs: list[RunSpec], store: ResultStore, *, timeout: float, command: str,
               callbacks: SweepCallbacks = SweepCallbacks(),
               predictions: dict[str, dict[str, Any]] | None = None,
-              refusals: dict[str, str] | None = None) -> list[dict[str, Any]]:
+              refusals: dict[str, str] | None = None,
+              fallback: Callable[[RunSpec], FallbackPolicy] = lambda spec: FallbackPolicy((), enabled=False),
+              predicted_batch: Callable[[RunSpec], int] = lambda spec: 1) -> list[dict[str, Any]]:
     """Run every spec without a row in ``store``; append each row the moment it exists, with the
     planner's prediction for it (``predictions`` by spec key) beside what was measured. A spec in
-    ``refusals`` is not launched: its row says why this hardware cannot run it."""
+    ``refusals`` is not launched: its row says why this hardware cannot run it. An out-of-memory
+    walks the ``fallback`` ladder; an ``auto_batch`` spec first finds its batch by probing from
+    ``predicted_batch`` (``fitbench.launch.fallback``)."""
     finished = store.finished_keys()
     rows = []
     for index, spec in enumerate(specs):
@@ -149,7 +175,8 @@ def run_sweep(specs: list[RunSpec], store: ResultStore, *, timeout: float, comma
                    "error": refusals[spec.key], "params": resolve(spec.model).total_params,
                    "started_at": _now(), "finished_at": _now()}
         else:
-            row = run_one(spec, store.directory / "logs" / f"{spec.key}.log", timeout, callbacks.on_event)
+            row = _run_planned(spec, store.directory / "logs", timeout, callbacks.on_event, fallback(spec),
+                               predicted_batch)
         row["command"] = command
         row["prediction"] = (predictions or {}).get(spec.key)
         store.append(row)

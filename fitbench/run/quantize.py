@@ -136,9 +136,9 @@ def build_quantized_native(arch: Architecture, device: torch.device, precision: 
 
 
 @torch.no_grad()
-def quantize_built(module: nn.Module, precision: str, device: torch.device, probe: torch.Tensor) -> Quality:
-    """Quantize an already built bf16 model in place (the transformers backend), measuring the logits'
-    relative error on the probe before and after."""
-    reference = module(probe).logits
-    quantize_linears(module, precision, device)
-    return Quality(relative_error(module(probe).logits, reference), probe.numel())
+def quantize_built(lm, precision: str, device: torch.device, probe: torch.Tensor) -> Quality:
+    """Quantize an already built bf16 model in place (transformers, or a checkpoint), measuring the
+    logits' relative error on the probe before and after; ``lm`` is a ``fitbench.models.backends.CausalLM``."""
+    reference = lm.logits(probe)
+    quantize_linears(lm.module, precision, device)
+    return Quality(relative_error(lm.logits(probe), reference), probe.numel(), reference="bf16, same weights, same input")

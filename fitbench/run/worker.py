@@ -5,8 +5,14 @@ JSON object per line (the parent shows it as a live line); diagnostics go to std
 keeps them in the run's log). The result file is written only at the end; a worker that dies
 leaves none, and the parent records the death.
 
-Fault injection for tests: ``FITBENCH_INJECT=crash:<model>`` makes the worker of that model
-abort (SIGABRT) once its model is built, as a segfaulting kernel or a killed process would.
+Fault injection for tests (comma-separated in ``FITBENCH_INJECT``):
+
+- ``crash:<model>``: the worker of that model aborts (SIGABRT) once its model is built, as a
+  segfaulting kernel or a killed process would;
+- ``oom:<precision>``: a worker running that precision raises the real
+  ``torch.cuda.OutOfMemoryError`` once its model is built;
+- ``mem-limit:<bytes>``: a worker raises it when the planner's predicted tensor peak for its
+  configuration exceeds that budget, which makes a CPU behave like a GPU of that size.
 """
 
 from __future__ import annotations
@@ -41,10 +47,33 @@ def emit(**event) -> None:
     print(json.dumps(event), flush=True)
 
 
-def injected(kind: str, model: str) -> bool:
-    """True when FITBENCH_INJECT lists ``kind:model`` (comma-separated entries)."""
+def injected(kind: str, value: str) -> bool:
+    """True when FITBENCH_INJECT lists ``kind:value`` (comma-separated entries)."""
     entries = os.environ.get("FITBENCH_INJECT", "").split(",")
-    return f"{kind}:{model}" in (entry.strip() for entry in entries)
+    return f"{kind}:{value}" in (entry.strip() for entry in entries)
+
+
+def injected_memory_limit() -> float | None:
+    for entry in os.environ.get("FITBENCH_INJECT", "").split(","):
+        kind, _, value = entry.strip().partition(":")
+        if kind == "mem-limit":
+            return float(value)
+    return None
+
+
+def raise_injected_out_of_memory(spec: RunSpec, arch) -> None:
+    if injected("oom", spec.precision):
+        raise torch.cuda.OutOfMemoryError(f"CUDA out of memory (injected by FITBENCH_INJECT for {spec.precision})")
+    limit = injected_memory_limit()
+    if limit is not None and arch.family == "llama":
+        from fitbench.plan.memory import estimate_memory
+
+        peak = estimate_memory(arch, spec.mode, spec.precision, spec.batch_size, spec.seq_len,
+                               new_tokens=spec.new_tokens,
+                               activation_checkpointing=spec.activation_checkpointing).peak_bytes
+        if peak > limit:
+            raise torch.cuda.OutOfMemoryError(f"CUDA out of memory (injected: predicted {peak:,.0f} B exceeds the "
+                                              f"FITBENCH_INJECT limit of {limit:,.0f} B)")
 
 
 def weight_storage_bytes(module: torch.nn.Module) -> int:
@@ -67,6 +96,10 @@ def weight_storage_bytes(module: torch.nn.Module) -> int:
         return tensor.untyped_storage().nbytes()
 
     total = 0
+    for part in module.modules():
+        # bitsandbytes' int8 layers move their row scales from the weight to the layer's state on
+        # the first forward.
+        total += storage(getattr(getattr(part, "state", None), "SCB", None))
     for parameter in module.parameters():
         total += storage(parameter) + storage(getattr(parameter, "SCB", None))
         state = getattr(parameter, "quant_state", None)
@@ -97,6 +130,7 @@ def measure(spec: RunSpec, device: torch.device) -> dict:
     if injected("crash", spec.model):
         print(f"FITBENCH_INJECT: aborting the worker of {spec.model}", file=sys.stderr, flush=True)
         os.abort()
+    raise_injected_out_of_memory(spec, arch)
     if spec.activation_checkpointing:
         lm.enable_activation_checkpointing()
     if spec.compile:
@@ -144,7 +178,7 @@ def build(spec: RunSpec, arch, policy, device: torch.device):
         module, quality = build_quantized_native(arch, device, spec.precision, probe)
         return NativeLM(module, cache_dtype=torch.bfloat16), quality
     lm = load_model(arch, spec.backend, device, torch.bfloat16, model_path=model_path)
-    return lm, quantize_built(lm.module, spec.precision, device, probe)
+    return lm, quantize_built(lm, spec.precision, device, probe)
 
 
 class RefusedError(Exception):

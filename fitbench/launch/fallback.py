@@ -1,0 +1,103 @@
+"""When reality disagrees with the plan: the fallback ladder, and the search for the largest batch.
+
+**Fallback.** A configuration that runs out of memory is retried in a fresh process with, in this
+order: the next precision of the ladder (``--fallback``, e.g. bf16-pure, int8, nf4), then, for
+training, activation checkpointing, then half the batch. Each attempt is recorded in the row's
+``attempts`` (what was tried and why it failed); the row's ``spec`` is the one that finally ran.
+
+**Adaptive batch.** ``--batch-size auto`` starts from the planner's largest batch predicted to
+fit and verifies it with short probe runs in fresh processes: a bisection between a batch known to
+fit and one known not to, so at most about ``log2`` of the predicted batch probes, reported as
+``max_batch`` with every probe.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any, Callable
+
+from fitbench.config import RunSpec
+from fitbench.run.precision import QUANTIZED_PRECISIONS
+
+TRAINING_MODES = ("train", "forward-backward")
+PROBE_STEPS = {"warmup_steps": 0, "measure_steps": 1}
+
+
+@dataclass(frozen=True)
+class FallbackPolicy:
+    ladder: tuple[str, ...]  # precisions in order of preference
+    enabled: bool = True
+
+
+def next_attempt(spec: RunSpec, policy: FallbackPolicy) -> tuple[RunSpec, str] | None:
+    """The configuration to try after ``spec`` ran out of memory, and what changed; None when the
+    ladder, checkpointing and the batch are exhausted."""
+    if not policy.enabled:
+        return None
+    ladder = [p for p in policy.ladder if not (p in QUANTIZED_PRECISIONS and spec.mode in TRAINING_MODES)]
+    if spec.precision in ladder and ladder.index(spec.precision) + 1 < len(ladder):
+        precision = ladder[ladder.index(spec.precision) + 1]
+        return spec.model_copy(update={"precision": precision}), f"precision {spec.precision} -> {precision}"
+    if spec.mode in TRAINING_MODES and not spec.activation_checkpointing:
+        return spec.model_copy(update={"activation_checkpointing": True}), "activation checkpointing on"
+    if spec.batch_size > 1:
+        half = spec.batch_size // 2
+        return spec.model_copy(update={"batch_size": half}), f"batch {spec.batch_size} -> {half}"
+    return None
+
+
+def run_with_fallback(spec: RunSpec, policy: FallbackPolicy,
+                      run: Callable[[RunSpec], dict[str, Any]]) -> dict[str, Any]:
+    """Run ``spec``, walking the fallback ladder on out-of-memory; the last attempt's row, with all
+    attempts listed."""
+    attempts = []
+    current, change = spec, "as planned"
+    while True:
+        row = run(current)
+        attempts.append({"spec": current.model_dump(), "change": change, "status": row["status"],
+                         "error": row.get("error")})
+        following = next_attempt(current, policy) if row["status"] == "oom" else None
+        if following is None:
+            break
+        current, change = following
+    row["attempts"] = attempts
+    return row
+
+
+def largest_batch(peak: Callable[[int], float], budget: float, limit: int = 1 << 16) -> int:
+    """The largest batch whose predicted ``peak`` is within ``budget`` (bisection; peaks grow with
+    the batch); 0 when even batch 1 does not fit."""
+    if peak(1) > budget:
+        return 0
+    low, high = 1, 2
+    while high <= limit and peak(high) <= budget:
+        low, high = high, 2 * high
+    while high - low > 1:
+        middle = (low + high) // 2
+        low, high = (middle, high) if peak(middle) <= budget else (low, middle)
+    return low
+
+
+def search_max_batch(spec: RunSpec, predicted: int, fits: Callable[[RunSpec], bool]) -> tuple[int, list[dict]]:
+    """The largest batch that runs, by bisection from the planner's ``predicted`` batch; returns it
+    (0 if even batch 1 fails) and the probes made."""
+    probes: list[dict] = []
+
+    def probe(batch: int) -> bool:
+        ok = fits(spec.model_copy(update={"batch_size": batch, **PROBE_STEPS}))
+        probes.append({"batch_size": batch, "fits": ok})
+        return ok
+
+    start = max(1, predicted)
+    if probe(start):
+        low, high = start, None
+        if probe(start + 1):  # the prediction was conservative: look above it, doubling
+            low, high = start + 1, 2 * (start + 1)
+            while probe(high):
+                low, high = high, 2 * high
+    else:
+        low, high = 0, start
+    while high is not None and high - low > 1:
+        middle = (low + high) // 2
+        low, high = (middle, high) if probe(middle) else (low, middle)
+    return low, probes
