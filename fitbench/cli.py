@@ -51,12 +51,12 @@ def _add_run_options(parser: argparse.ArgumentParser) -> None:
     add = parser.add_argument
     add("--models", nargs="+", default=S, metavar="MODEL",
         help="presets (see `fitbench models`), local directories with a config.json, or hub ids")
-    add("--mode", "--modes", dest="mode", nargs="+", choices=MODES, default=S,
+    add("--mode", "--modes", dest="mode", nargs="+", choices=MODES, default=S, metavar="MODE",
         help="what a step does: train (forward, backward, AdamW), forward, forward-backward, infer "
              "(prefill + decode with a KV cache). Default: train infer")
     add("--pass-type", dest="pass_type", choices=("forward", "backward"), default=S,
         help="CS336 spelling: forward = --mode forward, backward = --mode forward-backward")
-    add("--precision", nargs="+", choices=PRECISIONS, default=S,
+    add("--precision", nargs="+", choices=PRECISIONS, default=S, metavar="PRECISION",
         help="fp32, tf32, bf16/fp16 (autocast over fp32 weights), bf16-pure (bf16 weights and optimizer); "
              "quantized weights for infer and forward: int8, nf4, fp4 (bitsandbytes), int8-dynamic, int4, fp8, "
              "fp8-block (torchao)")
@@ -94,7 +94,7 @@ def _add_plan_options(parser: argparse.ArgumentParser) -> None:
     add = parser.add_argument
     add("--models", nargs="+", required=True, metavar="MODEL", help="presets, local directories or hub ids")
     add("--mode", "--modes", dest="mode", nargs="+", choices=MODES, default=["train"], help="default: train")
-    add("--precision", nargs="+", choices=PRECISIONS, default=None,
+    add("--precision", nargs="+", choices=PRECISIONS, default=None, metavar="PRECISION",
         help="the precision ladder, in order of preference (default per mode: train bf16 bf16-pure; "
              "infer and forward bf16-pure int8 nf4)")
     add("--batch-size", dest="batch_size", nargs="+", default=["1"], metavar="N",
