@@ -242,20 +242,28 @@ def plan_specs(specs: list, config, device: str) -> tuple[list, dict[str, dict]]
     return planned, predictions
 
 
+def _label(row: dict[str, Any]) -> str:
+    """The configuration as asked for, and what finally ran when a fallback or the batch search changed it."""
+    from fitbench.config import RunSpec
+
+    ran = RunSpec.model_validate(row["spec"]).label if "spec" in row else row["label"]
+    return row["label"] if ran == row["label"] else f"{row['label']} (ran as {ran})"
+
+
 def _describe_row(row: dict[str, Any]) -> str:
     from fitbench.results.report import headline
     from fitbench.units import format_seconds
 
     if row["status"] != "ok":
         first_line = (row.get("error") or "").strip().splitlines()[:1]
-        return f"[red]{row['status']}[/red] {escape(row['label'])}: {escape(first_line[0]) if first_line else ''}"
+        return f"[red]{row['status']}[/red] {escape(_label(row))}: {escape(first_line[0]) if first_line else ''}"
     head = headline(row)
     per = "/token" if row["spec"]["mode"] == "infer" else "/step"
     warn = f" [yellow]({escape('; '.join(row['warnings']))})[/yellow]" if row.get("warnings") else ""
     quality = row.get("quality")
     cost = (f", logits {100 * quality['logits_relative_error']:.1f}% off bf16, weights "
             f"{100 * row['weights']['relative_to_bf16']:.0f}% of bf16") if quality else ""
-    return (f"[green]ok[/green] {escape(row['label'])}: {format_seconds(head['time'])}{per} ± {head['cv']:.1f}%, "
+    return (f"[green]ok[/green] {escape(_label(row))}: {format_seconds(head['time'])}{per} ± {head['cv']:.1f}%, "
             f"{head['tokens_per_s']:,.0f} tokens/s{cost}{warn}")
 
 

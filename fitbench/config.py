@@ -150,7 +150,7 @@ DEFAULT_FALLBACK = {
 def fallback_ladder(config: SweepConfig, mode: str) -> list[str]:
     """The precisions a configuration of ``mode`` may fall back through: the user's ladder (quantized
     rungs dropped for training, whose weights must be trainable), else the default for the mode."""
-    ladder = config.fallback or DEFAULT_FALLBACK[mode]
+    ladder = list(dict.fromkeys(config.fallback or DEFAULT_FALLBACK[mode]))  # a repeated rung counts once
     if mode in ("train", "forward-backward"):
         ladder = [p for p in ladder if p not in QUANTIZED_PRECISIONS]
     return ladder or DEFAULT_FALLBACK[mode]

@@ -25,8 +25,11 @@ PROBE_STEPS = {"warmup_steps": 0, "measure_steps": 1}
 
 @dataclass(frozen=True)
 class FallbackPolicy:
-    ladder: tuple[str, ...]  # precisions in order of preference
+    ladder: tuple[str, ...]  # precisions in order of preference; a repeated one counts once, where it first stands
     enabled: bool = True
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "ladder", tuple(dict.fromkeys(self.ladder)))
 
 
 def next_attempt(spec: RunSpec, policy: FallbackPolicy) -> tuple[RunSpec, str] | None:

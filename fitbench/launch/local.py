@@ -134,7 +134,7 @@ def run_one(spec: RunSpec, log_path: Path, timeout: float,
 def _run_planned(spec: RunSpec, logs: Path, timeout: float, on_event, policy: FallbackPolicy,
                  predicted_batch: Callable[[RunSpec], int]) -> dict[str, Any]:
     """One configuration of the sweep: the batch search if asked for, then the run with its fallbacks;
-    the row keeps the configuration's own key, whatever finally ran."""
+    the row keeps the configuration's own key and label, whatever finally ran (``spec`` says that)."""
     attempt = iter(range(1, 1000))
 
     def run(candidate: RunSpec) -> dict[str, Any]:
@@ -148,7 +148,7 @@ def _run_planned(spec: RunSpec, logs: Path, timeout: float, on_event, policy: Fa
         search = {"predicted_batch": predicted, "max_batch": found, "batch_probes": probes}
         to_run = spec.model_copy(update={"batch_size": max(found, 1), "auto_batch": False})
     row = run_with_fallback(to_run, policy, run)
-    row.update(search, key=spec.key)
+    row.update(search, key=spec.key, label=spec.label)
     return row
 
 

@@ -1,0 +1,541 @@
+"""Out-of-memory fallback and ``--batch-size auto``: the ladder's rules, the batch searches, the YAML
+spelling, and whole sweeps whose workers run out of memory through ``FITBENCH_INJECT``.
+
+The end-to-end sweeps are real ``python -m fitbench run`` processes with real worker processes; they
+start together (``sweeps``) so that they share the cores, and each test reads its own results.
+"""
+
+import json
+import math
+import os
+import shutil
+import subprocess
+import sys
+from dataclasses import dataclass
+from pathlib import Path
+
+import pytest
+import yaml
+
+from fitbench.cli import predicted_max_batch
+from fitbench.config import RunSpec, SweepConfig, fallback_ladder, load_yaml, merge_sources
+from fitbench.launch.fallback import FallbackPolicy, largest_batch, next_attempt, search_max_batch
+from fitbench.models.registry import resolve
+from fitbench.plan.memory import estimate_memory
+from fitbench.results.store import ResultStore
+
+TINY = ["--models", "tiny", "--device", "cpu", "--seq-len", "16", "--new-tokens", "4", "--warmup-steps", "1",
+        "--measure-steps", "1"]
+# The seeds' config layout, read as fp32, bf16-pure, int8, nf4.
+SEEDS_YAML = {"models": {"sizes": ["tiny"], "quantization": {"enabled": True, "fallback_strategy": True,
+                                                             "priority_order": ["none", "fp16", "8bit", "4bit"]}},
+              "mode": "infer"}
+AUTO_BATCH = 3  # the batch the injected memory limit leaves room for in the --batch-size auto sweep
+
+
+@pytest.fixture(autouse=True)
+def in_tmp(tmp_path, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.delenv("FITBENCH_INJECT", raising=False)
+
+
+def spec(**fields) -> RunSpec:
+    """A tiny CPU configuration as the command line above expands it, with ``fields`` changed."""
+    base = dict(model="tiny", backend="native", mode="infer", precision="bf16-pure", batch_size=1, seq_len=16,
+                new_tokens=4, device="cpu", warmup_steps=1, measure_steps=1)
+    return RunSpec(**{**base, **fields})
+
+
+def environment(inject: str | None) -> dict[str, str]:
+    env = {key: value for key, value in os.environ.items() if key != "FITBENCH_INJECT"}
+    if inject is not None:
+        env["FITBENCH_INJECT"] = inject
+    return env
+
+
+def peak(mode: str, precision: str, batch: int, *, new_tokens: int = 4, recompute: bool = False) -> float:
+    return estimate_memory(resolve("tiny"), mode, precision, batch, 16, new_tokens=new_tokens,
+                           activation_checkpointing=recompute).peak_bytes
+
+
+def auto_budget() -> int:
+    """A memory budget that holds tiny train fp32 16 tokens at batch AUTO_BATCH and not one more."""
+    budget = int(peak("train", "fp32", AUTO_BATCH)) + 1
+    assert peak("train", "fp32", AUTO_BATCH) <= budget < peak("train", "fp32", AUTO_BATCH + 1)
+    return budget
+
+
+# ---- next_attempt ---------------------------------------------------------------------------------
+
+INFER_LADDER = FallbackPolicy(("bf16-pure", "int8", "nf4"))
+TRAIN_LADDER = FallbackPolicy(("bf16", "bf16-pure", "int8", "nf4"))
+
+
+def walk(start: RunSpec, policy: FallbackPolicy, limit: int = 30) -> list[tuple[RunSpec, str]]:
+    """Every attempt after ``start`` until next_attempt gives up (bounded, so a cycle fails the test)."""
+    steps, current = [], start
+    for _ in range(limit):
+        following = next_attempt(current, policy)
+        if following is None:
+            return steps
+        steps.append(following)
+        current = following[0]
+    raise AssertionError(f"next_attempt still going after {limit} attempts: {[c for _, c in steps[-4:]]}")
+
+
+def test_inference_steps_down_the_precision_ladder_then_halves_the_batch():
+    steps = walk(spec(precision="bf16-pure", batch_size=4), INFER_LADDER)
+    assert [change for _, change in steps] == [
+        "precision bf16-pure -> int8", "precision int8 -> nf4", "batch 4 -> 2", "batch 2 -> 1"]
+    assert [(s.precision, s.batch_size) for s, _ in steps] == [("int8", 4), ("nf4", 4), ("nf4", 2), ("nf4", 1)]
+    # Inference never turns on activation checkpointing, and nothing else of the spec changes.
+    assert not any(s.activation_checkpointing for s, _ in steps)
+    for s, _ in steps:
+        assert s.model_dump(exclude={"precision", "batch_size"}) == spec().model_dump(exclude={"precision", "batch_size"})
+
+
+def test_the_middle_of_the_ladder_goes_on_from_there():
+    following, change = next_attempt(spec(precision="int8", batch_size=1), INFER_LADDER)
+    assert (following.precision, change) == ("nf4", "precision int8 -> nf4")
+
+
+def test_training_skips_quantized_rungs_then_checkpoints_then_halves_the_batch():
+    steps = walk(spec(mode="train", precision="bf16", batch_size=5), TRAIN_LADDER)
+    assert [change for _, change in steps] == [
+        "precision bf16 -> bf16-pure", "activation checkpointing on", "batch 5 -> 2", "batch 2 -> 1"]
+    assert [(s.precision, s.activation_checkpointing, s.batch_size) for s, _ in steps] == [
+        ("bf16-pure", False, 5), ("bf16-pure", True, 5), ("bf16-pure", True, 2), ("bf16-pure", True, 1)]
+    assert not any(s.precision in ("int8", "nf4") for s, _ in steps)
+
+
+def test_forward_backward_is_a_training_mode():
+    steps = walk(spec(mode="forward-backward", precision="bf16-pure", batch_size=2), TRAIN_LADDER)
+    assert [change for _, change in steps] == ["activation checkpointing on", "batch 2 -> 1"]
+
+
+def test_forward_uses_quantized_rungs():
+    steps = walk(spec(mode="forward", precision="bf16-pure"), INFER_LADDER)
+    assert [change for _, change in steps] == ["precision bf16-pure -> int8", "precision int8 -> nf4"]
+
+
+def test_training_with_checkpointing_already_on_goes_to_the_batch():
+    steps = walk(spec(mode="train", precision="bf16-pure", batch_size=3, activation_checkpointing=True), TRAIN_LADDER)
+    assert [change for _, change in steps] == ["batch 3 -> 1"]
+
+
+def test_last_rung_at_batch_one_is_the_end():
+    assert next_attempt(spec(precision="nf4", batch_size=1), INFER_LADDER) is None
+    assert next_attempt(spec(mode="train", precision="bf16-pure", activation_checkpointing=True), TRAIN_LADDER) is None
+
+
+def test_disabled_policy_never_retries():
+    disabled = FallbackPolicy(("bf16-pure", "int8", "nf4"), enabled=False)
+    assert next_attempt(spec(precision="bf16-pure", batch_size=8), disabled) is None
+    assert next_attempt(spec(mode="train", precision="bf16", batch_size=8), disabled) is None
+
+
+def test_precision_outside_the_ladder_goes_straight_to_checkpointing_and_batch():
+    assert [c for _, c in walk(spec(precision="fp32", batch_size=2), INFER_LADDER)] == ["batch 2 -> 1"]
+    steps = walk(spec(mode="train", precision="fp32", batch_size=2), TRAIN_LADDER)
+    assert [c for _, c in steps] == ["activation checkpointing on", "batch 2 -> 1"]
+    assert all(s.precision == "fp32" for s, _ in steps)
+    # An empty ladder behaves the same.
+    assert [c for _, c in walk(spec(precision="bf16-pure", batch_size=2), FallbackPolicy(()))] == ["batch 2 -> 1"]
+
+
+def test_ladder_with_a_repeated_precision_ends():
+    # Reachable from the command line (--fallback bf16-pure int8 bf16-pure) and from the seeds' YAML
+    # (priority_order: [fp16, bf16-pure] maps to bf16-pure twice): a repeated rung counts once.
+    assert fallback_ladder(SweepConfig(fallback=["bf16-pure", "int8", "bf16-pure"]), "infer") == ["bf16-pure", "int8"]
+    steps = walk(spec(precision="bf16-pure"), FallbackPolicy(("bf16-pure", "int8", "bf16-pure")))
+    assert [change for _, change in steps] == ["precision bf16-pure -> int8"]
+
+
+# ---- largest_batch and search_max_batch -----------------------------------------------------------
+
+
+def largest_by_scan(peak_of, budget: float) -> int:
+    batch = 0
+    while peak_of(batch + 1) <= budget:
+        batch += 1
+    return batch
+
+
+@pytest.mark.parametrize("peak_of", [
+    lambda b: 1000 + 37 * b,
+    lambda b: 500 + 3 * b * b,
+    lambda b: 100 * ((b + 4) // 5),  # flat steps: several batches share a peak
+], ids=["linear", "quadratic", "steps"])
+def test_largest_batch_matches_a_scan(peak_of):
+    budgets = {peak_of(1) - 1, peak_of(1), peak_of(1) + 1, peak_of(2), peak_of(7) - 1, peak_of(7), peak_of(64),
+               peak_of(65) - 1, peak_of(300) + 5, peak_of(1000)}
+    for budget in sorted(budgets):
+        assert largest_batch(peak_of, budget) == largest_by_scan(peak_of, budget), budget
+
+
+def test_largest_batch_hand_computed():
+    # 1000 + 37 b <= 2000  <=>  b <= 27.03
+    assert largest_batch(lambda b: 1000 + 37 * b, 2000) == 27
+    assert largest_batch(lambda b: 1000 + 37 * b, 1000 + 37 * 27) == 27  # the budget itself still fits
+    assert largest_batch(lambda b: 1000 + 37 * b, 1000 + 37 * 27 - 1) == 26
+
+
+def test_largest_batch_is_zero_when_batch_one_does_not_fit():
+    assert largest_batch(lambda b: 1000 + 37 * b, 1036) == 0
+    assert largest_batch(lambda b: 1000 + 37 * b, 1037) == 1
+
+
+def threshold_fits(threshold: int, calls: list[RunSpec]):
+    """A fake worker: batches up to ``threshold`` run, larger ones run out of memory."""
+    def fits(probe: RunSpec) -> bool:
+        calls.append(probe)
+        return probe.batch_size <= threshold
+    return fits
+
+
+def probe_bound(predicted: int, threshold: int) -> int:
+    """The most probes search_max_batch may make.
+
+    Prediction at or above the threshold: one probe at the prediction, one just above it when it fits
+    (that is where the search stops), otherwise a bisection of (0, predicted), which halves an interval
+    of ``predicted`` batches: at most ceil(log2(predicted)) probes. So ceil(log2(predicted)) + 2.
+
+    Prediction below the threshold: the two probes above, then doubling until a batch fails (at most
+    ceil(log2(threshold)) probes, each at least twice the last, starting from 2(predicted + 1) >= 4),
+    then a bisection of the last doubled interval, no longer than the threshold: at most
+    ceil(log2(threshold)) probes. So 2 ceil(log2(threshold)) + 2.
+    """
+    start = max(1, predicted)
+    if threshold <= start:
+        return math.ceil(math.log2(start)) + 2
+    return 2 * math.ceil(math.log2(threshold)) + 2
+
+
+@pytest.mark.parametrize("predicted", [0, 1, 2, 5, 8, 37, 64])
+def test_search_max_batch_finds_the_threshold(predicted):
+    start = spec(mode="train", precision="fp32", batch_size=1, warmup_steps=5, measure_steps=10, auto_batch=True)
+    for threshold in sorted({0, 1, 2, 3, max(predicted - 1, 0), predicted, predicted + 1, predicted + 2,
+                             2 * predicted + 3, 5 * predicted + 11, 100}):
+        calls: list[RunSpec] = []
+        found, probes = search_max_batch(start, predicted, threshold_fits(threshold, calls))
+        assert found == threshold, (predicted, threshold, probes)
+        # Every probe is recorded, in order, with its outcome; the first is at the prediction.
+        assert probes == [{"batch_size": c.batch_size, "fits": c.batch_size <= threshold} for c in calls]
+        assert probes[0]["batch_size"] == max(1, predicted)
+        assert len(probes) <= probe_bound(predicted, threshold), (predicted, threshold, probes)
+        # The answer is pinned by the probes themselves: it ran, and the next batch up did not.
+        outcomes = {p["batch_size"]: p["fits"] for p in probes}
+        assert outcomes.get(threshold + 1) is False
+        assert threshold == 0 or outcomes.get(threshold) is True
+        # Probes are short runs of the same configuration.
+        for call in calls:
+            assert (call.warmup_steps, call.measure_steps) == (0, 1)
+            assert call.model_dump(exclude={"batch_size", "warmup_steps", "measure_steps"}) == \
+                start.model_dump(exclude={"batch_size", "warmup_steps", "measure_steps"})
+
+
+def test_search_max_batch_exact_prediction_takes_two_probes():
+    calls: list[RunSpec] = []
+    found, probes = search_max_batch(spec(), 6, threshold_fits(6, calls))
+    assert (found, probes) == (6, [{"batch_size": 6, "fits": True}, {"batch_size": 7, "fits": False}])
+
+
+def test_search_max_batch_when_batch_one_fails():
+    calls: list[RunSpec] = []
+    found, probes = search_max_batch(spec(), 1, threshold_fits(0, calls))
+    assert (found, probes) == (0, [{"batch_size": 1, "fits": False}])
+
+
+# ---- the YAML spelling ----------------------------------------------------------------------------
+
+
+def write_yaml(path: Path, data: dict) -> Path:
+    path.write_text(yaml.safe_dump(data))
+    return path
+
+
+def test_seeds_priority_order_under_quantization(tmp_path):
+    data = load_yaml(write_yaml(tmp_path / "c.yaml", SEEDS_YAML))
+    assert data["models"] == ["tiny"]
+    assert data["fallback"] == ["fp32", "bf16-pure", "int8", "nf4"]
+    assert "priority_order" not in data and not data.get("no_fallback", False)
+    config = merge_sources({}, data, {})
+    assert config.fallback == ["fp32", "bf16-pure", "int8", "nf4"] and config.no_fallback is False
+    assert fallback_ladder(config, "infer") == ["fp32", "bf16-pure", "int8", "nf4"]
+    assert fallback_ladder(config, "train") == ["fp32", "bf16-pure"]
+
+
+def test_priority_order_at_top_level_and_in_any_case(tmp_path):
+    data = load_yaml(write_yaml(tmp_path / "c.yaml", {"models": ["tiny"], "priority_order": ["FP16", "4bit"]}))
+    assert data["fallback"] == ["bf16-pure", "nf4"]
+    # A precision fitbench knows passes through as it is.
+    data = load_yaml(write_yaml(tmp_path / "d.yaml", {"priority_order": ["bf16", "8bit"]}))
+    assert data["fallback"] == ["bf16", "int8"]
+
+
+def test_explicit_fallback_wins_over_priority_order(tmp_path):
+    data = load_yaml(write_yaml(tmp_path / "c.yaml", {"fallback": ["nf4"], "priority_order": ["none"]}))
+    assert data["fallback"] == ["nf4"]
+
+
+@pytest.mark.parametrize("switch", ["enabled", "fallback_strategy"])
+def test_quantization_switched_off_means_no_fallback(tmp_path, switch):
+    seeds = json.loads(json.dumps(SEEDS_YAML))
+    seeds["models"]["quantization"][switch] = False
+    config = merge_sources({}, load_yaml(write_yaml(tmp_path / "c.yaml", seeds)), {})
+    assert config.no_fallback is True
+
+
+def test_unknown_priority_is_a_user_error(tmp_path):
+    from fitbench.errors import UserError
+
+    data = load_yaml(write_yaml(tmp_path / "c.yaml", {"priority_order": ["16bit"]}))
+    with pytest.raises(UserError, match="fallback"):
+        merge_sources({}, data, {})
+
+
+def test_fallback_ladder_defaults_and_training_filter():
+    assert fallback_ladder(SweepConfig(), "infer") == ["bf16-pure", "int8", "nf4"]
+    assert fallback_ladder(SweepConfig(), "forward") == ["bf16-pure", "int8", "nf4"]
+    assert fallback_ladder(SweepConfig(), "train") == ["bf16", "bf16-pure"]
+    assert fallback_ladder(SweepConfig(fallback=["bf16-pure", "int8", "nf4"]), "train") == ["bf16-pure"]
+    # Nothing trainable left: the mode's default.
+    assert fallback_ladder(SweepConfig(fallback=["int8", "nf4"]), "forward-backward") == ["bf16", "bf16-pure"]
+
+
+# ---- predicted_max_batch ----------------------------------------------------------------------------
+
+
+def test_predicted_max_batch_on_cpu_reads_the_injected_limit(monkeypatch):
+    monkeypatch.setenv("FITBENCH_INJECT", f"oom:int4, mem-limit:{auto_budget()}")
+    auto = spec(mode="train", precision="fp32", batch_size=1, auto_batch=True)
+    assert predicted_max_batch(auto, "cpu") == AUTO_BATCH
+    # Checkpointing shrinks the activations, so at least as many sequences fit.
+    assert predicted_max_batch(auto.model_copy(update={"activation_checkpointing": True}), "cpu") >= AUTO_BATCH
+    monkeypatch.setenv("FITBENCH_INJECT", f"mem-limit:{int(peak('train', 'fp32', 1)) - 1}")
+    assert predicted_max_batch(auto, "cpu") == 0
+
+
+def test_predicted_max_batch_is_one_outside_the_llama_family(monkeypatch):
+    monkeypatch.setenv("FITBENCH_INJECT", "mem-limit:1e15")
+    assert predicted_max_batch(spec(model="gpt2", backend="hf", mode="infer"), "cpu") == 1
+
+
+# ---- the worker's mem-limit injection alone -------------------------------------------------------
+
+
+def test_worker_mem_limit_injection(tmp_path):
+    limit = int(peak("train", "fp32", 2))  # batch 2 exactly at the limit still fits
+    assert peak("train", "fp32", 3) > limit
+    specs = {"over": spec(mode="train", precision="fp32", batch_size=3),
+             "under": spec(mode="train", precision="fp32", batch_size=2)}
+    workers = {}
+    for name, s in specs.items():
+        (tmp_path / f"{name}.json").write_text(s.model_dump_json())
+        workers[name] = subprocess.Popen(
+            [sys.executable, "-m", "fitbench.run.worker", str(tmp_path / f"{name}.json"), str(tmp_path / f"{name}.out")],
+            stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True, cwd=tmp_path,
+            env=environment(f"mem-limit:{limit}"))
+    results = {}
+    for name, worker in workers.items():
+        _, stderr = worker.communicate(timeout=120)
+        results[name] = (worker.returncode, json.loads((tmp_path / f"{name}.out").read_text()), stderr)
+
+    code, over, stderr = results["over"]
+    assert over["status"] == "oom" and code == 3, stderr
+    assert f"{limit:,}" in over["error"] and "FITBENCH_INJECT" in over["error"]
+    assert f"{peak('train', 'fp32', 3):,.0f}" in over["error"]  # the predicted peak it compared
+    assert "OutOfMemoryError" in over["error"] and "OutOfMemoryError" in stderr
+    assert "timing" not in over
+
+    code, under, stderr = results["under"]
+    assert under["status"] == "ok" and code == 0, under.get("error") or stderr
+    assert len(under["timing"]["samples"]["step"]) == 1  # it measured its one step
+
+
+# ---- end to end -----------------------------------------------------------------------------------
+
+
+@dataclass
+class Sweep:
+    out: Path
+    returncode: int
+    stdout: str
+    stderr: str
+
+    @property
+    def rows(self) -> list[dict]:
+        return list(ResultStore(self.out).rows())
+
+    @property
+    def row(self) -> dict:
+        rows = self.rows
+        assert len(rows) == 1, rows
+        return rows[0]
+
+    @property
+    def logs(self) -> list[str]:
+        return sorted(path.name for path in (self.out / "logs").glob("*.log"))
+
+
+def start_sweep(directory: Path, args: list[str], inject: str | None) -> tuple[subprocess.Popen, Path]:
+    directory.mkdir(parents=True)
+    out = directory / "out"
+    process = subprocess.Popen(
+        [sys.executable, "-m", "fitbench", "run", *args, "--out", str(out)], cwd=directory, env=environment(inject),
+        stdout=(directory / "stdout").open("w"), stderr=(directory / "stderr").open("w"), stdin=subprocess.DEVNULL)
+    return process, out
+
+
+def finish_sweep(process: subprocess.Popen, out: Path, timeout: float = 240) -> Sweep:
+    try:
+        process.wait(timeout=timeout)
+    except subprocess.TimeoutExpired:
+        process.kill()
+        process.wait()
+    directory = out.parent
+    return Sweep(out, process.returncode, (directory / "stdout").read_text(), (directory / "stderr").read_text())
+
+
+@pytest.fixture(scope="module")
+def sweeps(tmp_path_factory) -> dict[str, Sweep]:
+    """Every end-to-end sweep below, started at once."""
+    root = tmp_path_factory.mktemp("sweeps")
+    seeds = write_yaml(root / "seeds.yaml", SEEDS_YAML)
+    planned = {
+        "infer": (["--mode", "infer", "--precision", "bf16-pure", "--batch-size", "1"], "oom:bf16-pure"),
+        "no_fallback": (["--mode", "infer", "--precision", "bf16-pure", "--batch-size", "1", "--no-fallback"],
+                        "oom:bf16-pure"),
+        "skip_int8": (["--mode", "infer", "--precision", "bf16-pure", "--batch-size", "1",
+                       "--fallback", "bf16-pure", "nf4"], "oom:bf16-pure"),
+        "train": (["--mode", "train", "--precision", "bf16-pure", "--batch-size", "2"], "oom:bf16-pure"),
+        "seeds": (["--config", str(seeds), "--batch-size", "1"], "oom:fp32"),
+        "auto": (["--mode", "train", "--precision", "fp32", "--batch-size", "auto"], f"mem-limit:{auto_budget()}"),
+    }
+    started = {name: start_sweep(root / name, [*TINY, *args], inject) for name, (args, inject) in planned.items()}
+    return {name: finish_sweep(*pair) for name, pair in started.items()}
+
+
+def ran(sweep: Sweep) -> dict:
+    assert sweep.returncode == 0, sweep.stderr
+    assert "Traceback" not in sweep.stderr, sweep.stderr
+    return sweep.row
+
+
+def check_attempt(attempt: dict, expected_spec: RunSpec, change: str, status: str) -> None:
+    assert set(attempt) == {"spec", "change", "status", "error"}
+    assert attempt["spec"] == expected_spec.model_dump()
+    assert (attempt["change"], attempt["status"]) == (change, status)
+    if status == "oom":
+        assert "out of memory" in attempt["error"].lower() and "OutOfMemoryError" in attempt["error"]
+    else:
+        assert attempt["error"] is None
+
+
+def test_infer_out_of_memory_falls_back_to_int8(sweeps):
+    row = ran(sweeps["infer"])
+    planned = spec(precision="bf16-pure")
+    assert row["status"] == "ok", row.get("error")
+    assert row["spec"] == spec(precision="int8").model_dump()
+    assert row["key"] == planned.key != spec(precision="int8").key
+    assert len(row["attempts"]) == 2
+    check_attempt(row["attempts"][0], planned, "as planned", "oom")
+    check_attempt(row["attempts"][1], spec(precision="int8"), "precision bf16-pure -> int8", "ok")
+    assert "FITBENCH_INJECT" in row["attempts"][0]["error"] and "bf16-pure" in row["attempts"][0]["error"]
+    assert row["quality"] is not None  # int8 really ran: its logits were compared with bf16
+    assert sweeps["infer"].logs == [f"{planned.key}-1.log", f"{planned.key}-2.log"]
+    assert f"ok {planned.label} (ran as {spec(precision='int8').label})" in sweeps["infer"].stdout
+
+
+def test_resume_skips_the_fallen_back_configuration(sweeps, tmp_path):
+    out = tmp_path / "resumed"
+    shutil.copytree(sweeps["infer"].out, out)
+    before = {path.name: path.stat().st_mtime_ns for path in (out / "logs").glob("*.log")}
+    rows_before = (out / "results.jsonl").read_text()
+    done = subprocess.run([sys.executable, "-m", "fitbench", "run", "--resume", str(out)], cwd=tmp_path,
+                          env=environment("oom:bf16-pure"), capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0, done.stderr
+    assert "1 already finished" in done.stdout
+    assert (out / "results.jsonl").read_text() == rows_before
+    assert {path.name: path.stat().st_mtime_ns for path in (out / "logs").glob("*.log")} == before
+
+
+def test_no_fallback_records_the_out_of_memory(sweeps):
+    row = ran(sweeps["no_fallback"])
+    planned = spec(precision="bf16-pure")
+    assert row["status"] == "oom" and "out of memory" in row["error"].lower()
+    assert row["spec"] == planned.model_dump() and row["key"] == planned.key
+    assert len(row["attempts"]) == 1
+    check_attempt(row["attempts"][0], planned, "as planned", "oom")
+    assert sweeps["no_fallback"].logs == [f"{planned.key}-1.log"]
+
+
+def test_fallback_ladder_from_the_command_line_skips_int8(sweeps):
+    row = ran(sweeps["skip_int8"])
+    planned = spec(precision="bf16-pure")
+    assert row["status"] == "ok", row.get("error")
+    assert row["spec"] == spec(precision="nf4").model_dump() and row["key"] == planned.key
+    assert len(row["attempts"]) == 2
+    check_attempt(row["attempts"][0], planned, "as planned", "oom")
+    check_attempt(row["attempts"][1], spec(precision="nf4"), "precision bf16-pure -> nf4", "ok")
+    assert len(sweeps["skip_int8"].logs) == 2
+
+
+def test_training_out_of_memory_walks_checkpointing_then_the_batch(sweeps):
+    row = ran(sweeps["train"])
+    planned = spec(mode="train", precision="bf16-pure", batch_size=2)
+    recompute = planned.model_copy(update={"activation_checkpointing": True})
+    halved = recompute.model_copy(update={"batch_size": 1})
+    assert row["status"] == "oom" and "out of memory" in row["error"].lower()
+    assert row["key"] == planned.key
+    assert row["spec"] == halved.model_dump()
+    assert len(row["attempts"]) == 3
+    check_attempt(row["attempts"][0], planned, "as planned", "oom")
+    check_attempt(row["attempts"][1], recompute, "activation checkpointing on", "oom")
+    check_attempt(row["attempts"][2], halved, "batch 2 -> 1", "oom")
+    assert len(sweeps["train"].logs) == 3
+
+
+def test_seeds_yaml_priority_order_drives_the_fallback(sweeps):
+    sweep = sweeps["seeds"]
+    row = ran(sweep)
+    planned = spec(precision="fp32")  # "none": the first rung is where the sweep starts
+    assert row["status"] == "ok", row.get("error")
+    assert row["key"] == planned.key
+    assert row["spec"] == spec(precision="bf16-pure").model_dump()
+    assert len(row["attempts"]) == 2
+    check_attempt(row["attempts"][0], planned, "as planned", "oom")
+    check_attempt(row["attempts"][1], spec(precision="bf16-pure"), "precision fp32 -> bf16-pure", "ok")
+    saved = json.loads((sweep.out / "sweep.json").read_text())["config"]
+    assert saved["fallback"] == ["fp32", "bf16-pure", "int8", "nf4"] and saved["no_fallback"] is False
+
+
+def auto_row(sweeps) -> dict:
+    return ran(sweeps["auto"])
+
+
+def test_auto_batch_finds_the_largest_batch_under_the_limit(sweeps):
+    row = auto_row(sweeps)
+    budget = auto_budget()
+    original = spec(mode="train", precision="fp32", batch_size=1, auto_batch=True)
+    final = spec(mode="train", precision="fp32", batch_size=AUTO_BATCH)
+    assert row["status"] == "ok", row.get("error")
+    assert row["key"] == original.key
+    assert "autox16" in original.label  # what the sweep calls this configuration before it runs
+    assert row["max_batch"] == AUTO_BATCH and row["predicted_batch"] == AUTO_BATCH
+    assert row["spec"] == final.model_dump()
+    probes = row["batch_probes"]
+    assert probes, row
+    for probe in probes:
+        assert set(probe) == {"batch_size", "fits"}
+        assert probe["fits"] == (peak("train", "fp32", probe["batch_size"]) <= budget), probe
+    # The prediction is exact here, so the search confirms it and rules out one more.
+    assert probes == [{"batch_size": AUTO_BATCH, "fits": True}, {"batch_size": AUTO_BATCH + 1, "fits": False}]
+    assert len(row["attempts"]) == 1
+    check_attempt(row["attempts"][0], final, "as planned", "ok")
+    assert len(sweeps["auto"].logs) == len(probes) + 1  # every probe was a worker of its own
+
+
+def test_auto_batch_row_label_shows_auto(sweeps):
+    # The row is the configuration the user asked for; its spec says what finally ran.
+    assert auto_row(sweeps)["label"] == spec(mode="train", precision="fp32", batch_size=1, auto_batch=True).label
