@@ -18,7 +18,7 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_valida
 from fitbench.errors import UserError
 from fitbench.models.backends import backend_error, default_backend
 from fitbench.models.registry import resolve
-from fitbench.run.precision import PRECISIONS, QUANTIZED_PRECISIONS
+from fitbench.run.precision import PRECISIONS, TRAINING_MODES, training_problem, trains_every_weight
 
 Mode = Literal["train", "forward", "forward-backward", "infer"]
 Precision = Literal["fp32", "tf32", "bf16", "fp16", "bf16-pure",
@@ -148,11 +148,11 @@ DEFAULT_FALLBACK = {
 
 
 def fallback_ladder(config: SweepConfig, mode: str) -> list[str]:
-    """The precisions a configuration of ``mode`` may fall back through: the user's ladder (quantized
-    rungs dropped for training, whose weights must be trainable), else the default for the mode."""
+    """The precisions a configuration of ``mode`` may fall back through: the user's ladder (for training,
+    only rungs that train every weight: ``trains_every_weight``), else the default for the mode."""
     ladder = list(dict.fromkeys(config.fallback or DEFAULT_FALLBACK[mode]))  # a repeated rung counts once
-    if mode in ("train", "forward-backward"):
-        ladder = [p for p in ladder if p not in QUANTIZED_PRECISIONS]
+    if mode in TRAINING_MODES:
+        ladder = [p for p in ladder if trains_every_weight(p)]
     return ladder or DEFAULT_FALLBACK[mode]
 
 
@@ -187,12 +187,9 @@ def expand(config: SweepConfig, *, device: str, default_models: list[str]) -> li
             default_batch, default_seq = _default_shapes(mode, device_type)
             first_rung = fallback_ladder(config, mode)[0] if config.fallback else default_precision(mode, device_type)
             for precision in config.precision or [first_rung]:
-                if precision in QUANTIZED_PRECISIONS and mode in ("train", "forward-backward"):
-                    raise UserError(
-                        f"precision: {precision} weights are frozen; training them needs adapters, which "
-                        f"fitbench does not train yet. Use --mode infer or forward with {precision}, or a "
-                        f"floating-point precision (bf16, bf16-pure) to train."
-                    )
+                if mode in TRAINING_MODES and training_problem(precision):
+                    raise UserError(f"precision: {training_problem(precision)}; or use --mode infer or forward "
+                                    f"with {precision}.")
                 for batch in config.batch_size or [default_batch]:
                     for seq_len in config.seq_len or [default_seq]:
                         needed = seq_len + (new_tokens if mode == "infer" else 0)

@@ -337,25 +337,26 @@ def test_cli_records_refusals_without_launching(tmp_path, capsys, monkeypatch):
 
 
 @pytest.mark.parametrize("mode", ["train", "forward-backward"])
-def test_quantized_training_is_refused_by_the_config(mode):
+def test_training_torchao_inference_weights_is_refused_by_the_config(mode):
     with pytest.raises(UserError, match="precision") as error:
-        expand(SweepConfig(models=["tiny"], mode=[mode], precision=["nf4"]), device="cpu", default_models=["tiny"])
-    assert "infer" in str(error.value) and "bf16" in str(error.value)
+        expand(SweepConfig(models=["tiny"], mode=[mode], precision=["int8-dynamic"]), device="cpu",
+               default_models=["tiny"])
+    assert "infer" in str(error.value) and "bf16" in str(error.value) and "nf4" in str(error.value)
     for allowed in ("infer", "forward"):
-        (only,) = expand(SweepConfig(models=["tiny"], mode=[allowed], precision=["nf4"]), device="cpu",
+        (only,) = expand(SweepConfig(models=["tiny"], mode=[allowed], precision=["int8-dynamic"]), device="cpu",
                          default_models=["tiny"])
-        assert only.precision == "nf4"
+        assert only.precision == "int8-dynamic"
 
 
-def test_cli_refuses_training_nf4(tmp_path, capsys, monkeypatch):
+def test_cli_refuses_training_int4(tmp_path, capsys, monkeypatch):
     monkeypatch.chdir(tmp_path)
     out = tmp_path / "out"
-    code = main(["run", "--models", "tiny", "--mode", "train", "--precision", "nf4", "--out", str(out)])
+    code = main(["run", "--models", "tiny", "--mode", "train", "--precision", "int4", "--out", str(out)])
     captured = capsys.readouterr()
     assert code == UserError.exit_code == 2
     message = captured.err.strip()
     assert message.startswith("fitbench: precision:")
     assert "\n" not in message  # one paragraph
-    assert "nf4" in message and "infer" in message and "forward" in message and "bf16" in message
+    assert "int4" in message and "infer" in message and "forward" in message and "bf16" in message
     assert "Traceback" not in captured.err + captured.out
     assert not out.exists()

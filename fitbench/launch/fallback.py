@@ -17,9 +17,8 @@ from dataclasses import dataclass
 from typing import Any, Callable
 
 from fitbench.config import RunSpec
-from fitbench.run.precision import QUANTIZED_PRECISIONS
+from fitbench.run.precision import TRAINING_MODES, trains_every_weight
 
-TRAINING_MODES = ("train", "forward-backward")
 PROBE_STEPS = {"warmup_steps": 0, "measure_steps": 1}
 
 
@@ -37,7 +36,7 @@ def next_attempt(spec: RunSpec, policy: FallbackPolicy) -> tuple[RunSpec, str] |
     ladder, checkpointing and the batch are exhausted."""
     if not policy.enabled:
         return None
-    ladder = [p for p in policy.ladder if not (p in QUANTIZED_PRECISIONS and spec.mode in TRAINING_MODES)]
+    ladder = [p for p in policy.ladder if spec.mode not in TRAINING_MODES or trains_every_weight(p)]
     if spec.precision in ladder and ladder.index(spec.precision) + 1 < len(ladder):
         precision = ladder[ladder.index(spec.precision) + 1]
         return spec.model_copy(update={"precision": precision}), f"precision {spec.precision} -> {precision}"

@@ -134,6 +134,12 @@ class Architecture:
         """6 N + 12 L H Q T (PaLM appendix B): backward costs twice the forward."""
         return 3 * self.forward_flops_per_token(context)
 
+    def adapter_train_flops_per_token(self, context: int, adapter_params: int) -> float:
+        """4 N + 12 L H Q T + 6 A with a frozen base and A adapter parameters: the backward pass forms
+        the activations' gradients (2 N) but no weight gradient (the other 2 N of 6 N); attention,
+        which has no weights, costs as in full training, and the adapters train fully."""
+        return self.train_flops_per_token(context) - 2 * self.matmul_params + 6 * adapter_params
+
     # ---- sizes -----------------------------------------------------------------------
 
     def kv_cache_bytes_per_token(self, bytes_per_element: float) -> float:

@@ -70,6 +70,13 @@ QUANTIZED: dict[str, QuantizedFormat] = {
 }
 
 
+# Low-rank adapters (``fitbench.run.adapters``): how int8 and 4-bit bases train. Rank 16 on all
+# seven matmuls of every layer, alpha 32: between PEFT's default rank 8 and QLoRA's 64 (Dettmers
+# et al. 2023, every linear layer adapted).
+ADAPTER_BASES = ("int8", "nf4", "fp4")
+ADAPTER_RANK, ADAPTER_ALPHA = 16, 32
+
+
 @dataclass(frozen=True)
 class Term:
     """One kind of memory, and the moments of the step at which it is alive (None: all of them)."""
@@ -174,6 +181,11 @@ def quantized_layer_bytes(arch: Architecture, fmt: QuantizedFormat) -> float:
     return sum(fmt.matrix_bytes(rows, columns) for rows, columns in layer_matrices(arch))
 
 
+def adapter_params(arch: Architecture, rank: int = ADAPTER_RANK) -> int:
+    """Trainable parameters of the adapters: r x (in + out) for each matmul of each layer."""
+    return rank * sum(rows + columns for rows, columns in layer_matrices(arch)) * arch.num_layers
+
+
 def saved_per_layer(arch: Architecture, tokens: int, widths: Widths, tp: int = 1) -> float:
     """Bytes one native layer saves for its backward pass (flash attention, no recompute).
 
@@ -247,9 +259,11 @@ def estimate_memory(arch: Architecture, mode: str, precision: str, batch: int, s
     layer_params = arch.params_per_layer * layers
     edge_params = P - arch.params_per_layer * arch.num_layers  # embeddings, output projection, final norm
     local_params = (layer_params / tp + edge_params / (stages if stages > 1 else 1)) if tp > 1 or stages > 1 else P
-    if precision in QUANTIZED and mode in ("train", "forward-backward"):
-        raise ValueError(f"{precision} weights are frozen: training them needs adapters, which fitbench does not "
-                         f"model or train")
+    training = mode in ("train", "forward-backward")
+    if training and precision == "fp8":
+        return _float8_training(arch, mode, batch, seq_len, activation_checkpointing, parallelism)
+    if training and precision in QUANTIZED and precision not in ADAPTER_BASES:
+        raise ValueError(f"{precision} weights have no backward pass: no training memory model")
     if precision in QUANTIZED:
         quantized = quantized_layer_bytes(arch, QUANTIZED[precision]) * layers / tp
         plain = widths.weights * (local_params - layer_matmul_params(arch) * layers / tp)
@@ -260,6 +274,8 @@ def estimate_memory(arch: Architecture, mode: str, precision: str, batch: int, s
         terms.append(Term("quantizer temporaries", layers_in_bf16 * 2 * arch.params_per_layer / tp,
                           f"{layers_in_bf16:g} x one layer in bf16 while it is quantized (measured)",
                           frozenset({BUILD})))
+        if training:
+            return _adapter_training(arch, mode, widths, batch, seq_len, activation_checkpointing, terms, layers, tp)
         return _inference(arch, mode, widths, batch, seq_len, new_tokens, terms, tp, stages, quantized=True)
     weights = widths.weights * local_params / shards
     terms = [Term("weights", weights, f"{widths.weights:g} B x {local_params:,.0f} parameters"
@@ -295,10 +311,48 @@ START, RECOMPUTE, FIRST, END = ("start of the backward pass", "recompute of the 
                                 "backward of the first layer", "end of the backward pass")
 
 
-def _training(arch, mode, widths, batch, seq_len, recompute, terms, weights, local_params, layers, tp):
+def _float8_training(arch, mode, batch, seq_len, recompute, parallelism):
+    """fp8 training (torchao float8, row-wise): bf16 weights, gradients and AdamW state as in
+    bf16-pure, and each converted matmul saves its bf16 input and weight, as a bf16 matmul does;
+    the float8 copies live only inside a matmul. The largest bound them: the MLP matrix's weight
+    cast twice (along rows for the forward, along columns for the backward) and the n x f
+    operands of the down projection's backward (its input and incoming gradient) in float8."""
+    estimate = estimate_memory(arch, mode, "bf16-pure", batch, seq_len, activation_checkpointing=recompute,
+                               parallelism=parallelism)
+    n, h, f, tp = batch * seq_len, arch.hidden_size, arch.ffn_size, parallelism.tensor
+    casts = (2 * h * f + 2 * n * f) / tp
+    moments = frozenset(m for m in estimate.moments if m != START)
+    terms = estimate.terms + (Term("float8 casts", casts, "2 h f + 2 n f: one MLP matrix cast twice and the "
+                                   "down projection's backward operands, 1 B each", moments),)
+    return MemoryEstimate(terms, estimate.moments)
+
+
+def _adapter_training(arch, mode, widths, batch, seq_len, recompute, terms, layers, tp):
+    """Adapters on a frozen quantized base (``fitbench.run.adapters``): the base weights are in
+    ``terms``; the adapters' fp32 weights, gradients and AdamW state are 16 B per adapter parameter.
+    Gradients flow through every frozen matmul, so activations are saved as in bf16-pure training,
+    plus each adapter's r-wide intermediate (c n r per matmul); the frozen matmul's backward
+    dequantizes its weight to bf16 for the gradient of its input (2 x the largest matrix)."""
+    n, f, h = batch * seq_len, arch.ffn_size, arch.hidden_size
+    A = adapter_params(arch) * layers / arch.num_layers / tp
+    terms = [*terms, Term("adapters", 4 * A, f"4 B x {A:,.0f} fp32 adapter parameters (rank {ADAPTER_RANK})")]
+    estimate = _training(arch, mode, widths, batch, seq_len, recompute, terms, 0.0, 0.0, layers, tp,
+                         trainable=A)
+    extra_saved = widths.compute * n * ADAPTER_RANK * len(layer_matrices(arch)) * (0 if recompute else layers)
+    added = [Term("adapter activations", extra_saved, f"{widths.compute} B x n x r per matmul, 7 per layer",
+                  frozenset({START})),
+             Term("dequantized weight in backward", 2 * h * f / tp, "2 B x h f: the frozen matmul's weight in bf16 "
+                  "for its input's gradient", frozenset({FIRST, RECOMPUTE} if recompute else {FIRST}))]
+    return MemoryEstimate(estimate.terms + tuple(added), estimate.moments + (BUILD,))
+
+
+def _training(arch, mode, widths, batch, seq_len, recompute, terms, weights, local_params, layers, tp,
+              trainable: float | None = None):
+    """A training step's terms. ``trainable``: adapter parameters (fp32) when the weights are a frozen
+    base; then gradients and optimizer state are the adapters', and no weight gradient forms."""
     n, V, h = batch * seq_len, arch.vocab_size, arch.hidden_size
     c, r, w = widths.compute, widths.residual, widths.weights
-    sharded = local_params < arch.total_params and tp == 1 and layers == arch.num_layers
+    sharded = local_params < arch.total_params and tp == 1 and layers == arch.num_layers and trainable is None
     moments = (START, RECOMPUTE, FIRST, END) if recompute else (START, FIRST, END)
     def at(*names: str) -> frozenset[str]:
         return frozenset(names)
@@ -307,7 +361,7 @@ def _training(arch, mode, widths, batch, seq_len, recompute, terms, weights, loc
     one_layer_casts = c * layer_matmul_params(arch) / tp if widths.autocast and not sharded else 0.0
     # An untied input embedding gets its gradient from the very last backward operator, after the
     # first layer's activations are gone; a tied one is counted with the tied gradients.
-    embedding_grad = 0.0 if arch.tie_embeddings or sharded else V * h
+    embedding_grad = 0.0 if arch.tie_embeddings or sharded or trainable is not None else V * h
     if recompute:
         inputs = recompute_per_layer(arch, n, widths)
         activations = Term("activations", inputs * layers, f"{layers:g} layers x {inputs:,.0f} B: each layer's "
@@ -315,14 +369,16 @@ def _training(arch, mode, widths, batch, seq_len, recompute, terms, weights, loc
     else:
         activations = Term("activations", one_layer * layers, f"{layers:g} layers x {one_layer:,.0f} B saved "
                            f"per layer", at(START))
-    terms = [
-        *terms,
-        Term("optimizer state", 2 * w * local_params if mode == "train" else 0.0,
-             "AdamW first and second moments, 2 x weight bytes"),
-        Term("gradients", w * (local_params - embedding_grad), f"{w:g} B x {local_params:,.0f} parameters"
-             + (", less the input embedding's" if embedding_grad else ""), at(FIRST, END)),
-        activations,
-    ]
+    if trainable is None:
+        state = Term("optimizer state", 2 * w * local_params if mode == "train" else 0.0,
+                     "AdamW first and second moments, 2 x weight bytes")
+        gradients = Term("gradients", w * (local_params - embedding_grad), f"{w:g} B x {local_params:,.0f} parameters"
+                         + (", less the input embedding's" if embedding_grad else ""), at(FIRST, END))
+    else:
+        state = Term("optimizer state", 8 * trainable if mode == "train" else 0.0,
+                     "AdamW first and second moments of the adapters, 2 x 4 B")
+        gradients = Term("gradients", 4 * trainable, f"4 B x {trainable:,.0f} adapter parameters", at(FIRST, END))
+    terms = [*terms, state, gradients, activations]
     if widths.autocast and not sharded:
         casts, formula = autocast_copies(arch, widths, 0 if recompute else layers, tp)
         if recompute:
@@ -336,7 +392,8 @@ def _training(arch, mode, widths, batch, seq_len, recompute, terms, weights, loc
         Term("logits held by the loop", c * n * V, f"{c} B x n V: the step's logits, alive until it ends"),
     ]
     if recompute:
-        terms.append(Term("recomputed last layer", one_layer + one_layer_casts + w * V * h + r * n * h,
+        output_grad = w * V * h if trainable is None else 0.0
+        terms.append(Term("recomputed last layer", one_layer + one_layer_casts + output_grad + r * n * h,
                           "one layer's activations (and weight copies) recomputed, with the output projection's "
                           "gradient and the gradient flowing into the layer", at(RECOMPUTE)))
     terms.append(Term("first layer in backward", one_layer + one_layer_casts,
@@ -351,7 +408,7 @@ def _training(arch, mode, widths, batch, seq_len, recompute, terms, weights, loc
     if embedding_grad:
         terms.append(Term("input embedding gradient", w * embedding_grad, "w x V h, formed by the last backward "
                           "operator", at(END)))
-    if arch.tie_embeddings:
+    if arch.tie_embeddings and trainable is None:
         terms.append(Term("tied embedding gradients", 2 * w * V * h, "the input embedding's gradient and its sum "
                           "with the output projection's, 2 x V h x weight bytes", at(END)))
     return MemoryEstimate(tuple(terms), moments)

@@ -20,6 +20,7 @@ from fitbench.plan.calibration import DEFAULT, Calibration
 from fitbench.plan.memory import (QUANTIZED, MemoryEstimate, Parallelism, Term, Widths, estimate_memory,
                                   saved_per_layer)
 from fitbench.plan.speed import StepTime, estimate_step_time
+from fitbench.run.precision import training_problem
 
 # Names people type for --gpu, to the exact device names of the peak table.
 GPU_ALIASES = {
@@ -154,9 +155,10 @@ def assess(arch: Architecture, mode: str, candidate: Candidate, target: GpuTarge
     if problem:
         return Assessment(candidate, None, (), 0.0, False, problem, None)
 
-    if candidate.precision in QUANTIZED and mode in TRAINING_MODES:
-        return Assessment(candidate, None, (), 0.0, False, f"{candidate.label}: quantized weights are frozen; "
-                          f"training them needs adapters, which fitbench does not train", None)
+    if mode in TRAINING_MODES:
+        problem = training_problem(candidate.precision)
+        if problem:
+            return Assessment(candidate, None, (), 0.0, False, f"{candidate.label}: {problem}", None)
     memory = estimate_memory(arch, mode, candidate.precision, candidate.batch_size, seq_len, new_tokens=new_tokens,
                              activation_checkpointing=candidate.activation_checkpointing,
                              parallelism=candidate.parallelism)

@@ -23,9 +23,16 @@ def utilization(achieved_flops: float, peak: float | None) -> float | None:
 
 
 def step_metrics(arch: Architecture, mode: str, batch: int, seq_len: int, step: SampleStats,
-                 peak_flops: float | None, measured_flops: float | None) -> dict:
+                 peak_flops: float | None, measured_flops: float | None, adapter_params: int | None = None) -> dict:
+    """Throughput and MFU of a training-style step; ``adapter_params`` when only adapters on a frozen
+    base train (``Architecture.adapter_train_flops_per_token``)."""
     tokens = batch * seq_len
-    per_token = arch.forward_flops_per_token(seq_len) if mode == "forward" else arch.train_flops_per_token(seq_len)
+    if mode == "forward":
+        per_token = arch.forward_flops_per_token(seq_len)
+    elif adapter_params is not None:
+        per_token = arch.adapter_train_flops_per_token(seq_len, adapter_params)
+    else:
+        per_token = arch.train_flops_per_token(seq_len)
     tokens_per_s = tokens / step.median
     achieved = tokens_per_s * per_token
     return {

@@ -8,6 +8,15 @@
 
 - quantized (``fitbench.run.quantize``): bf16 weights and activations, whose decoder-layer matmuls
   are then quantized; MFU divides by the peak of the tensor cores the matmuls run on.
+
+Training with quantized weights (``training_problem`` says which can):
+
+- ``int8``, ``nf4``, ``fp4``: the quantized base is frozen and only low-rank adapters train
+  (QLoRA, ``fitbench.run.adapters``): a different workload from full training, and rows say so;
+- ``fp8``: full training, bf16 weights and AdamW state, the decoder layers' matmuls in float8
+  (torchao's float8 training, row-wise scales, fresh casts of weights and activations every step);
+- ``int8-dynamic``, ``int4``, ``fp8-block``: torchao's inference tensors have no backward pass, so
+  these are refused for training.
 """
 
 from __future__ import annotations
@@ -18,9 +27,26 @@ from typing import Iterator
 
 import torch
 
+from fitbench.plan.memory import ADAPTER_BASES
+
 FLOAT_PRECISIONS: tuple[str, ...] = ("fp32", "tf32", "bf16", "fp16", "bf16-pure")
 QUANTIZED_PRECISIONS: tuple[str, ...] = ("int8", "nf4", "fp4", "int8-dynamic", "int4", "fp8", "fp8-block")
 PRECISIONS: tuple[str, ...] = FLOAT_PRECISIONS + QUANTIZED_PRECISIONS
+TRAINING_MODES: tuple[str, ...] = ("train", "forward-backward")
+
+
+def training_problem(precision: str) -> str | None:
+    """Why a training-style mode cannot run ``precision``, or None."""
+    if precision in QUANTIZED_PRECISIONS and precision not in ADAPTER_BASES + ("fp8",):
+        return (f"{precision} weights are torchao inference tensors with no backward pass; train with fp8 (float8 "
+                f"training), with adapters on an int8, nf4 or fp4 base, or in bf16 / bf16-pure")
+    return None
+
+
+def trains_every_weight(precision: str) -> bool:
+    """Whether training in ``precision`` updates the whole model; adapters on a frozen base do not, so a
+    fallback from full training never lands there (it would measure another workload)."""
+    return training_problem(precision) is None and precision not in ADAPTER_BASES
 
 
 @dataclass(frozen=True)

@@ -96,6 +96,27 @@ def quantize_linears(module: nn.Module, precision: str, device: torch.device) ->
     quantize_(module, _torchao_config(precision), filter_fn=lambda m, fqn: _quantizable(m, fqn or ""))
 
 
+def float8_training(module: nn.Module) -> int:
+    """Convert the decoder layers' matmuls to torchao's float8 training linears (row-wise scales: each
+    step casts weights, activations and gradients to float8 e4m3 with one scale per row, and the
+    backward pass casts again along the other axis); returns how many were converted. The output
+    projection stays bf16, and a matmul whose sides are not multiples of 16 (the float8 kernel's
+    tile) too."""
+    from torchao.float8 import Float8LinearConfig, convert_to_float8_training
+
+    converted = []
+
+    def convertible(linear: nn.Module, fqn: str) -> bool:
+        ok = (_quantizable(linear, fqn) and linear.in_features % 16 == 0 and linear.out_features % 16 == 0)
+        if ok:
+            converted.append(fqn)
+        return ok
+
+    convert_to_float8_training(module, config=Float8LinearConfig.from_recipe_name("rowwise"),
+                               module_filter_fn=convertible)
+    return len(converted)
+
+
 @dataclass(frozen=True)
 class Quality:
     logits_relative_error: float  # ||q - ref|| / ||ref|| over the probe's logits

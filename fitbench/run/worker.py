@@ -29,12 +29,15 @@ import torch
 
 from fitbench import hardware
 from fitbench.config import RunSpec
-from fitbench.models.backends import NativeLM, load_model
+from fitbench.models.backends import CausalLM, NativeLM, load_model
 from fitbench.models.registry import is_local_model, resolve
 from fitbench.run.loops import generate, make_step, random_tokens, read_generation
 from fitbench.run.metrics import inference_metrics, step_metrics
 from fitbench.run.precision import policy as precision_policy
-from fitbench.run.quantize import build_quantized_native, hardware_problem, quantize_built
+from fitbench.plan.memory import ADAPTER_ALPHA, ADAPTER_RANK
+from fitbench.run.adapters import add_adapters
+from fitbench.run.precision import TRAINING_MODES, training_problem
+from fitbench.run.quantize import Quality, build_quantized_native, float8_training, hardware_problem, quantize_built
 from fitbench.run.timing import DeviceClock, first_call_seconds, run_stages, time_steps
 from fitbench.run.trackers import NvmlSampler, memory_report
 from fitbench.stats import SampleStats
@@ -122,7 +125,8 @@ def measure(spec: RunSpec, device: torch.device) -> dict:
     emit(phase="build")
     started = time.perf_counter()
     allocated_before = torch.cuda.memory_allocated(device) if device.type == "cuda" else 0
-    lm, quality = build(spec, arch, policy, device)
+    built = build(spec, arch, policy, device)
+    lm = built.lm
     clock.synchronize()
     build_s = time.perf_counter() - started
     weight_bytes = (torch.cuda.memory_allocated(device) - allocated_before if device.type == "cuda"
@@ -144,7 +148,7 @@ def measure(spec: RunSpec, device: torch.device) -> dict:
                   bandwidth=hardware.peak_bandwidth(device_name) if device.type == "cuda" else None)
 
     measure_mode = _measure_generation if spec.mode == "infer" else _measure_steps
-    timing, throughput, noisy, compile_s = measure_mode(spec, arch, lm, policy, clock, device, peaks, weight_bytes)
+    timing, throughput, noisy, compile_s = measure_mode(spec, arch, built, policy, clock, device, peaks, weight_bytes)
 
     warnings = [f"{name} varies: CV above 5%; more --warmup-steps or --measure-steps may steady it"
                 for name in noisy]
@@ -156,29 +160,57 @@ def measure(spec: RunSpec, device: torch.device) -> dict:
         "peak_flops": peak, "measured_peak_flops": measured_peak,
         "peak_source": "datasheet (dense)" if peak else None,
         "timing": timing, "throughput": throughput, "environment": hardware.environment(),
-        "quality": quality.__dict__ if quality else None,
+        "quality": built.quality.__dict__ if built.quality else None,
+        "training": built.training,
         "weights": {"bytes": weight_bytes, "bf16_bytes": 2 * arch.total_params,
                     "relative_to_bf16": weight_bytes / (2 * arch.total_params),
                     "method": "allocated by the build" if device.type == "cuda" else "parameter storage"},
     }
 
 
-def build(spec: RunSpec, arch, policy, device: torch.device):
-    """The model, and for quantized weights the quality of their logits against bf16."""
+@dataclass(frozen=True)
+class Built:
+    """A model ready to run, the quality of quantized weights against bf16, and what a training step
+    updates when it is not every weight."""
+
+    lm: CausalLM
+    quality: Quality | None = None
+    training: dict | None = None
+    adapter_params: int | None = None
+
+
+def build(spec: RunSpec, arch, policy, device: torch.device) -> Built:
     model_path = spec.model if is_local_model(spec.model) else None
     if not policy.quantized:
-        return load_model(arch, spec.backend, device, policy.weight_dtype, model_path=model_path,
-                          compute_dtype=policy.compute_dtype), None
+        return Built(load_model(arch, spec.backend, device, policy.weight_dtype, model_path=model_path,
+                                compute_dtype=policy.compute_dtype))
     problem = hardware_problem(spec.precision, device,
                                torch.cuda.get_device_capability(device) if device.type == "cuda" else None)
+    training = spec.mode in TRAINING_MODES
+    problem = problem or (training_problem(spec.precision) if training else None)
     if problem:
         raise RefusedError(problem)
+    if training and spec.precision == "fp8":
+        lm = load_model(arch, spec.backend, device, torch.bfloat16, model_path=model_path)
+        converted = float8_training(lm.module)
+        return Built(lm, training={"method": f"every weight, bf16 with AdamW in bf16; {converted} matmuls in float8 "
+                                             f"(torchao float8 training, row-wise scales)",
+                                   "trainable_params": sum(p.numel() for p in lm.module.parameters())})
     probe = random_tokens(arch.vocab_size, 1, min(spec.seq_len, PROBE_TOKENS), device, spec.seed + 1)
     if spec.backend == "native" and model_path is None:
         module, quality = build_quantized_native(arch, device, spec.precision, probe)
-        return NativeLM(module, cache_dtype=torch.bfloat16), quality
-    lm = load_model(arch, spec.backend, device, torch.bfloat16, model_path=model_path)
-    return lm, quantize_built(lm, spec.precision, device, probe)
+        lm = NativeLM(module, cache_dtype=torch.bfloat16)
+    else:
+        lm = load_model(arch, spec.backend, device, torch.bfloat16, model_path=model_path)
+        quality = quantize_built(lm, spec.precision, device, probe)
+    if not training:
+        return Built(lm, quality)
+    adapters = add_adapters(lm.module, device)
+    return Built(lm, quality, adapter_params=adapters,
+                 training={"method": f"low-rank adapters only (rank {ADAPTER_RANK}, alpha {ADAPTER_ALPHA}, fp32, on "
+                                     f"every matmul of every layer); the {spec.precision} base, embeddings and "
+                                     f"output projection are frozen",
+                           "trainable_params": adapters})
 
 
 class RefusedError(Exception):
@@ -196,9 +228,9 @@ def _progress(phase: str, i: int, n: int) -> None:
     emit(phase=phase, step=i, of=n)
 
 
-def _measure_steps(spec, arch, lm, policy, clock, device, peaks: Peaks, weight_bytes: int):
+def _measure_steps(spec, arch, built: Built, policy, clock, device, peaks: Peaks, weight_bytes: int):
     tokens = random_tokens(arch.vocab_size, spec.batch_size, spec.seq_len + 1, device, spec.seed)
-    step = make_step(spec.mode, lm, policy, tokens, device)
+    step = make_step(spec.mode, built.lm, policy, tokens, device)
     compile_s = None
     if spec.compile:
         emit(phase="compile")
@@ -207,11 +239,12 @@ def _measure_steps(spec, arch, lm, policy, clock, device, peaks: Peaks, weight_b
     stats = SampleStats.of(samples)
     timing = {"step": stats.as_dict(), "samples": {"step": samples}}
     throughput = step_metrics(arch, spec.mode, spec.batch_size, spec.seq_len, stats, peaks.flops,
-                              peaks.measured_flops)
+                              peaks.measured_flops, adapter_params=built.adapter_params)
     return timing, throughput, ["step time"] if stats.noisy else [], compile_s
 
 
-def _measure_generation(spec, arch, lm, policy, clock, device, peaks: Peaks, weight_bytes: int):
+def _measure_generation(spec, arch, built: Built, policy, clock, device, peaks: Peaks, weight_bytes: int):
+    lm = built.lm
     prompt = random_tokens(arch.vocab_size, spec.batch_size, spec.seq_len, device, spec.seed)
     run = generate(lm, prompt, spec.new_tokens, policy, clock, device)
     compile_s = None
