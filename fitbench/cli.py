@@ -214,12 +214,14 @@ def hardware_refusals(specs: list, device: str) -> dict[str, str]:
     return refusals
 
 
-def plan_specs(specs: list, config, device: str) -> tuple[list, dict[str, dict]]:
+def plan_specs(specs: list, config, device: str) -> tuple[list, Callable[[Any], dict | None]]:
     """On a GPU, plan every Llama-family configuration before it runs: the planner picks the precision
     and activation checkpointing the user left open, and predicts the per-GPU peak stored with the
-    result. Returns the specs to run and the predictions by spec key."""
+    result. Returns the specs to run and a function giving the prediction for the configuration that
+    finally ran: the planned one, or, after a fallback or a batch search changed it, a new prediction
+    for what ran (the choices the planner made stay listed)."""
     if device == "cpu":
-        return specs, {}
+        return specs, lambda spec: None
     import torch
 
     from fitbench.models.registry import resolve
@@ -229,7 +231,7 @@ def plan_specs(specs: list, config, device: str) -> tuple[list, dict[str, dict]]
     properties = torch.cuda.get_device_properties(torch.device(device))
     target = GpuTarget(properties.name, 1, float(properties.total_memory), described=False)
     calibration = load_calibration(properties.name)
-    planned, predictions = [], {}
+    planned, predictions, chosen = [], {}, {}
     for spec in specs:
         arch = resolve(spec.model)
         if arch.family != "llama":
@@ -240,7 +242,21 @@ def plan_specs(specs: list, config, device: str) -> tuple[list, dict[str, dict]]
                                         runnable=PRECISIONS)
         planned.append(spec)
         predictions[spec.key] = prediction
-    return planned, predictions
+        chosen[_identity(spec)] = prediction["chosen_by_planner"]
+
+    def prediction_for(ran) -> dict | None:
+        if ran.key in predictions or resolve(ran.model).family != "llama":
+            return predictions.get(ran.key)
+        _, prediction = predict_spec(resolve(ran.model), ran, target, calibration, choose_precision=False,
+                                     choose_recompute=False, runnable=PRECISIONS)
+        return {**prediction, "chosen_by_planner": chosen.get(_identity(ran), [])}
+
+    return planned, prediction_for
+
+
+def _identity(spec) -> tuple:
+    """What a fallback or a batch search leaves unchanged in a configuration."""
+    return spec.model, spec.mode, spec.seq_len, spec.new_tokens, spec.backend
 
 
 def _label(row: dict[str, Any]) -> str:
@@ -288,7 +304,7 @@ def run(args: argparse.Namespace, cli_options: dict[str, Any]) -> int:
     config = merge_sources(saved, file_options, cli_options)
     device = resolve_device(config.device)
     specs = expand(config, device=device, default_models=default_models(device))
-    specs, predictions = plan_specs(specs, config, device)
+    specs, predict = plan_specs(specs, config, device)
     refusals = hardware_refusals(specs, device)
 
     out = args.resume or config.out or str(Path("fitbench-results") / datetime.now(timezone.utc).strftime("%Y%m%d-%H%M%S"))
@@ -328,7 +344,7 @@ def run(args: argparse.Namespace, cli_options: dict[str, Any]) -> int:
         callbacks = SweepCallbacks(on_start=on_start, on_event=on_event, on_finish=on_finish,
                                    on_skip=lambda spec: progress.advance(sweep_task))
         run_sweep(specs, store, timeout=config.timeout, command=command, callbacks=callbacks,
-                  predictions=predictions, refusals=refusals,
+                  predict=predict, refusals=refusals,
                   fallback=lambda spec: FallbackPolicy(tuple(fallback_ladder(config, spec.mode)),
                                                        enabled=not config.no_fallback),
                   predicted_batch=lambda spec: predicted_max_batch(spec, device))

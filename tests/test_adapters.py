@@ -14,7 +14,7 @@ from fitbench.config import RunSpec, SweepConfig, expand, fallback_ladder
 from fitbench.errors import UserError
 from fitbench.launch.fallback import FallbackPolicy, next_attempt
 from fitbench.models.registry import resolve
-from fitbench.plan.memory import ADAPTER_RANK, adapter_params, estimate_memory
+from fitbench.plan.memory import ADAPTER_RANK, INT8_OUTLIER_COLUMNS, adapter_params, estimate_memory
 from fitbench.plan.planner import Candidate, GpuTarget, assess
 from fitbench.run import worker
 from fitbench.run.adapters import LowRankAdapted, add_adapters
@@ -113,14 +113,29 @@ def test_adapter_training_memory_terms_by_hand():
     assert terms["optimizer state"] == 8 * A
     # Frozen embeddings: no embedding gradient at the end of the backward pass; no autocast copies.
     assert "input embedding gradient" not in terms and "autocast weight copies" not in terms
-    # Activations are saved as in bf16-pure training, with the adapters' r-wide intermediates beside them.
+    # Activations are saved as in bf16-pure training, less the two norms' normalized outputs (2 B x n h
+    # each), which only their weights' gradients need, and with the adapters' r-wide intermediates.
+    n, h, L = 4 * 512, arch.hidden_size, arch.num_layers
     bf16 = {t.name: t.bytes for t in estimate_memory(arch, "train", "bf16-pure", 4, 512).terms}
-    assert terms["activations"] == bf16["activations"]
-    assert terms["adapter activations"] == 2 * 4 * 512 * ADAPTER_RANK * 7 * arch.num_layers
+    assert terms["activations"] == bf16["activations"] - L * 2 * (2 * n * h)
+    assert terms["final norm and output input"] == bf16["final norm and output input"] - 2 * n * h
+    assert terms["adapter activations"] == 2 * n * ADAPTER_RANK * 7 * L
+    assert "LLM.int8 outlier columns" not in terms
     assert terms["dequantized weight in backward"] == 2 * arch.hidden_size * arch.ffn_size
     # Far below full training: the 7B base in 4 bits instead of 16 B per parameter.
     assert memory.peak_bytes < 0.4 * estimate_memory(arch, "train", "bf16", 4, 512).peak_bytes
     assert estimate_memory(arch, "forward-backward", "nf4", 4, 512).peak_bytes < memory.peak_bytes
+
+
+def test_int8_adapters_keep_outlier_columns():
+    arch = resolve("7B")
+    n, h, f, L = 4 * 512, arch.hidden_size, arch.ffn_size, arch.num_layers
+    int8 = {t.name: t.bytes for t in estimate_memory(arch, "train", "int8", 4, 512).terms}
+    # fp16 outlier columns of each matmul's input: six read h columns, the down projection f.
+    assert int8["LLM.int8 outlier columns"] == pytest.approx(2 * n * INT8_OUTLIER_COLUMNS * (6 * h + f) * L)
+    recompute = {t.name: t.bytes for t in estimate_memory(arch, "train", "int8", 4, 512,
+                                                          activation_checkpointing=True).terms}
+    assert recompute["LLM.int8 outlier columns"] == 0 == recompute["adapter activations"]
 
 
 def test_float8_training_memory_is_bf16_pure_with_its_casts():

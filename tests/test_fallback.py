@@ -227,11 +227,18 @@ def test_search_max_batch_finds_the_threshold(predicted):
         outcomes = {p["batch_size"]: p["fits"] for p in probes}
         assert outcomes.get(threshold + 1) is False
         assert threshold == 0 or outcomes.get(threshold) is True
-        # Probes are short runs of the same configuration.
+        # Probes are short runs of the same configuration: two training steps, the second with the
+        # optimizer's state beside the activations.
         for call in calls:
-            assert (call.warmup_steps, call.measure_steps) == (0, 1)
+            assert (call.warmup_steps, call.measure_steps) == (1, 1)
             assert call.model_dump(exclude={"batch_size", "warmup_steps", "measure_steps"}) == \
                 start.model_dump(exclude={"batch_size", "warmup_steps", "measure_steps"})
+
+
+def test_generation_probes_are_one_generation():
+    calls: list[RunSpec] = []
+    search_max_batch(spec(mode="infer", warmup_steps=5, measure_steps=10), 3, threshold_fits(3, calls))
+    assert {(c.warmup_steps, c.measure_steps) for c in calls} == {(0, 1)}
 
 
 def test_search_max_batch_exact_prediction_takes_two_probes():
@@ -539,3 +546,21 @@ def test_auto_batch_finds_the_largest_batch_under_the_limit(sweeps):
 def test_auto_batch_row_label_shows_auto(sweeps):
     # The row is the configuration the user asked for; its spec says what finally ran.
     assert auto_row(sweeps)["label"] == spec(mode="train", precision="fp32", batch_size=1, auto_batch=True).label
+
+
+def test_the_prediction_is_for_the_configuration_that_ran(tmp_path, monkeypatch):
+    # After a fallback the row's prediction must describe what ran, not what was planned: a prediction
+    # for bf16-pure beside int8's measured peak would report the planner's error wrongly.
+    from fitbench.launch.local import run_sweep
+
+    monkeypatch.setenv("FITBENCH_INJECT", "oom:bf16-pure")
+    asked: list[RunSpec] = []
+
+    def predict(ran: RunSpec) -> dict:
+        asked.append(ran)
+        return {"for": ran.precision}
+
+    (row,) = run_sweep([spec(precision="bf16-pure")], ResultStore(tmp_path / "out"), timeout=120, command="test",
+                       predict=predict, fallback=lambda s: INFER_LADDER)
+    assert row["status"] == "ok", row.get("error")
+    assert asked == [spec(precision="int8")] and row["prediction"] == {"for": "int8"}

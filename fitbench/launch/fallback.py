@@ -19,7 +19,14 @@ from typing import Any, Callable
 from fitbench.config import RunSpec
 from fitbench.run.precision import TRAINING_MODES, trains_every_weight
 
-PROBE_STEPS = {"warmup_steps": 0, "measure_steps": 1}
+
+
+def probe_steps(mode: str) -> dict[str, int]:
+    """The fewest steps whose peak is the run's: a generation peaks in its first, a training step in its
+    second, the first with AdamW's state (created lazily by the first optimizer step) beside the
+    activations (a one-step probe of 7B bf16-pure training passed at batch 18 where the run then ran
+    out of memory)."""
+    return {"warmup_steps": 1 if mode in TRAINING_MODES else 0, "measure_steps": 1}
 
 
 @dataclass(frozen=True)
@@ -86,7 +93,7 @@ def search_max_batch(spec: RunSpec, predicted: int, fits: Callable[[RunSpec], bo
     probes: list[dict] = []
 
     def probe(batch: int) -> bool:
-        ok = fits(spec.model_copy(update={"batch_size": batch, **PROBE_STEPS}))
+        ok = fits(spec.model_copy(update={"batch_size": batch, **probe_steps(spec.mode)}))
         probes.append({"batch_size": batch, "fits": ok})
         return ok
 

@@ -75,6 +75,12 @@ QUANTIZED: dict[str, QuantizedFormat] = {
 # et al. 2023, every linear layer adapted).
 ADAPTER_BASES = ("int8", "nf4", "fp4")
 ADAPTER_RANK, ADAPTER_ALPHA = 16, 32
+# LLM.int8 keeps, for the backward pass, each matmul's input columns holding an outlier (|x| > 6)
+# in fp16 (bitsandbytes' MatMul8bitLt, ``subA``): a data-dependent amount. With fitbench's random
+# weights the residual stream grows layer after layer and about a third of the columns qualify
+# (fraction measured on the 7B preset training adapters at 4 x 512 on one H100,
+# benchmarks/results/2026-11-22-h100-quantized-training); trained weights have far fewer.
+INT8_OUTLIER_COLUMNS = 0.32
 
 
 @dataclass(frozen=True)
@@ -186,14 +192,22 @@ def adapter_params(arch: Architecture, rank: int = ADAPTER_RANK) -> int:
     return rank * sum(rows + columns for rows, columns in layer_matrices(arch)) * arch.num_layers
 
 
-def saved_per_layer(arch: Architecture, tokens: int, widths: Widths, tp: int = 1) -> float:
+def norm_saved_bytes(tokens: int, hidden: int, widths: Widths, frozen: bool = False) -> float:
+    """One RMSNorm's saved tensors: its input (r n h), kept by x^2, or with 16-bit residuals its two
+    fp32 upcasts (8 n h) instead; 1/rms (4 n); and its normalized output (4 n h in fp32, c n h once
+    cast back in 16 bits), which the product with the weight keeps for the weight's gradient, so
+    not when the weight is ``frozen``."""
+    n, h, c, r = tokens, hidden, widths.compute, widths.residual
+    normalized = 0 if frozen else (4 * n * h if r == 4 else c * n * h)
+    return (r * n * h if r == 4 else 8 * n * h) + normalized + 4 * n
+
+
+def saved_per_layer(arch: Architecture, tokens: int, widths: Widths, tp: int = 1, frozen_norms: bool = False) -> float:
     """Bytes one native layer saves for its backward pass (flash attention, no recompute).
 
     Tensor by tensor, in forward order (n tokens, widths r, c as in the module docstring):
 
-    - input RMSNorm: the layer input (r n h), kept by x^2; with 16-bit residuals its two fp32
-      upcasts (8 n h) instead; its normalized output (4 n h, fp32; c n h once cast back in bf16-pure)
-      and 1/rms (4 n);
+    - input RMSNorm: ``norm_saved_bytes`` (less its normalized output when ``frozen_norms``);
     - q, k, v projections: their input, cast to 16 bits once per projection under autocast (3 c n h),
       otherwise the norm's output, shared by the three (c n h);
     - rotary q and k (c n h + c n k) and v (c n k), saved by attention, with its output (c n h),
@@ -206,8 +220,8 @@ def saved_per_layer(arch: Architecture, tokens: int, widths: Widths, tp: int = 1
     """
     n, h, f = tokens, arch.hidden_size, arch.ffn_size
     k, heads = arch.num_kv_heads * arch.head_dim, arch.num_heads
-    c, r = widths.compute, widths.residual
-    norm = (r * n * h + 4 * n * h + 4 * n) if r == 4 else (8 * n * h + c * n * h + 4 * n)
+    c = widths.compute
+    norm = norm_saved_bytes(n, h, widths, frozen_norms)
     attention_inputs = 3 * c * n * h if widths.autocast else c * n * h
     kv_saved = 2 * c * n * (h if c == 4 and k != h else k)
     attention = (c * n * h + kv_saved + c * n * h) / tp + 4 * n * heads / tp
@@ -221,12 +235,10 @@ def recompute_per_layer(arch: Architecture, tokens: int, widths: Widths) -> floa
     return widths.residual * tokens * arch.hidden_size
 
 
-def final_saved_bytes(arch: Architecture, tokens: int, widths: Widths) -> float:
+def final_saved_bytes(arch: Architecture, tokens: int, widths: Widths, frozen_norm: bool = False) -> float:
     """The final RMSNorm's saved tensors and the output projection's input (its cast, or the norm's
     own output)."""
-    n, h, c, r = tokens, arch.hidden_size, widths.compute, widths.residual
-    norm = (r * n * h + 4 * n * h + 4 * n) if r == 4 else (8 * n * h + c * n * h + 4 * n)
-    return norm + c * n * h
+    return norm_saved_bytes(tokens, arch.hidden_size, widths, frozen_norm) + widths.compute * tokens * arch.hidden_size
 
 
 def kv_cache_bytes(arch: Architecture, batch: int, length: int, widths: Widths, tp: int = 1) -> float:
@@ -275,7 +287,8 @@ def estimate_memory(arch: Architecture, mode: str, precision: str, batch: int, s
                           f"{layers_in_bf16:g} x one layer in bf16 while it is quantized (measured)",
                           frozenset({BUILD})))
         if training:
-            return _adapter_training(arch, mode, widths, batch, seq_len, activation_checkpointing, terms, layers, tp)
+            return _adapter_training(arch, mode, precision, widths, batch, seq_len, activation_checkpointing, terms,
+                                     layers, tp)
         return _inference(arch, mode, widths, batch, seq_len, new_tokens, terms, tp, stages, quantized=True)
     weights = widths.weights * local_params / shards
     terms = [Term("weights", weights, f"{widths.weights:g} B x {local_params:,.0f} parameters"
@@ -327,22 +340,30 @@ def _float8_training(arch, mode, batch, seq_len, recompute, parallelism):
     return MemoryEstimate(terms, estimate.moments)
 
 
-def _adapter_training(arch, mode, widths, batch, seq_len, recompute, terms, layers, tp):
+def _adapter_training(arch, mode, precision, widths, batch, seq_len, recompute, terms, layers, tp):
     """Adapters on a frozen quantized base (``fitbench.run.adapters``): the base weights are in
     ``terms``; the adapters' fp32 weights, gradients and AdamW state are 16 B per adapter parameter.
-    Gradients flow through every frozen matmul, so activations are saved as in bf16-pure training,
-    plus each adapter's r-wide intermediate (c n r per matmul); the frozen matmul's backward
-    dequantizes its weight to bf16 for the gradient of its input (2 x the largest matrix)."""
+    Gradients flow through every frozen matmul, so activations are saved as in bf16-pure training
+    (less the norms' normalized outputs, kept only for their frozen weights' gradients), plus each
+    adapter's r-wide intermediate (c n r per matmul) and, for LLM.int8, its outlier columns; the
+    frozen matmul's backward dequantizes its weight to bf16 for the gradient of its input (2 x the
+    largest matrix)."""
     n, f, h = batch * seq_len, arch.ffn_size, arch.hidden_size
     A = adapter_params(arch) * layers / arch.num_layers / tp
     terms = [*terms, Term("adapters", 4 * A, f"4 B x {A:,.0f} fp32 adapter parameters (rank {ADAPTER_RANK})")]
     estimate = _training(arch, mode, widths, batch, seq_len, recompute, terms, 0.0, 0.0, layers, tp,
                          trainable=A)
-    extra_saved = widths.compute * n * ADAPTER_RANK * len(layer_matrices(arch)) * (0 if recompute else layers)
+    saving_layers = 0 if recompute else layers
+    extra_saved = widths.compute * n * ADAPTER_RANK * len(layer_matrices(arch)) * saving_layers
     added = [Term("adapter activations", extra_saved, f"{widths.compute} B x n x r per matmul, 7 per layer",
-                  frozenset({START})),
-             Term("dequantized weight in backward", 2 * h * f / tp, "2 B x h f: the frozen matmul's weight in bf16 "
-                  "for its input's gradient", frozenset({FIRST, RECOMPUTE} if recompute else {FIRST}))]
+                  frozenset({START}))]
+    if precision == "int8":
+        inputs = sum(columns for _, columns in layer_matrices(arch)) * INT8_OUTLIER_COLUMNS
+        added.append(Term("LLM.int8 outlier columns", 2 * n * inputs * saving_layers / tp,
+                          f"2 B x n x {INT8_OUTLIER_COLUMNS:g} of each matmul's input columns, 7 per layer "
+                          f"(measured fraction)", frozenset({START})))
+    added.append(Term("dequantized weight in backward", 2 * h * f / tp, "2 B x h f: the frozen matmul's weight in "
+                      "bf16 for its input's gradient", frozenset({FIRST, RECOMPUTE} if recompute else {FIRST})))
     return MemoryEstimate(estimate.terms + tuple(added), estimate.moments + (BUILD,))
 
 
@@ -357,7 +378,8 @@ def _training(arch, mode, widths, batch, seq_len, recompute, terms, weights, loc
     def at(*names: str) -> frozenset[str]:
         return frozenset(names)
 
-    one_layer = saved_per_layer(arch, n, widths, tp)
+    frozen = trainable is not None  # adapters on a frozen base: the norms' weights are frozen too
+    one_layer = saved_per_layer(arch, n, widths, tp, frozen_norms=frozen)
     one_layer_casts = c * layer_matmul_params(arch) / tp if widths.autocast and not sharded else 0.0
     # An untied input embedding gets its gradient from the very last backward operator, after the
     # first layer's activations are gone; a tied one is counted with the tied gradients.
@@ -385,7 +407,7 @@ def _training(arch, mode, widths, batch, seq_len, recompute, terms, weights, loc
             casts, formula = c * V * h, f"{c} B x V h: the output projection's copy, saved by autograd"
         terms.append(Term("autocast weight copies", casts, formula, at(START)))
     terms += [
-        Term("final norm and output input", final_saved_bytes(arch, n, widths),
+        Term("final norm and output input", final_saved_bytes(arch, n, widths, frozen_norm=frozen),
              "saved by the final RMSNorm and the output projection", at(START)),
         Term("loss chain", 12 * n * V, f"fp32 log-softmax output and the gradients into and out of it, "
              f"12 n V, n = {n:,}, V = {V:,}", at(START)),
