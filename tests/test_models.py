@@ -147,10 +147,10 @@ def test_random_weights_are_initialized():
 
 
 def small_arch(model_type: str = "llama", *, qkv_bias: bool = False, tied: bool = False,
-               rope_scaling: dict | None = None, max_seq_len: int = 64) -> Architecture:
+               rope_scaling: dict | None = None, max_seq_len: int = 64, kv_heads: int = 2) -> Architecture:
     return Architecture(
         name=f"small-{model_type}", family="llama", hf_model_type=model_type, vocab_size=128, hidden_size=64,
-        num_layers=4, num_heads=4, num_kv_heads=2, ffn_size=160, max_seq_len=max_seq_len, tie_embeddings=tied,
+        num_layers=4, num_heads=4, num_kv_heads=kv_heads, ffn_size=160, max_seq_len=max_seq_len, tie_embeddings=tied,
         source="test", qkv_bias=qkv_bias, rope_scaling=rope_scaling, norm_eps=1e-5,
     )
 
@@ -161,6 +161,7 @@ SHORT_LLAMA3 = {"rope_type": "llama3", "factor": 4.0, "low_freq_factor": 1.0, "h
 
 VARIANTS = {
     "llama-gqa": small_arch(),
+    "llama-mha": small_arch(kv_heads=4),
     "qwen2-bias": small_arch("qwen2", qkv_bias=True),
     "llama-tied": small_arch(tied=True),
     "llama3-rope": small_arch(rope_scaling=SHORT_LLAMA3, max_seq_len=256),
@@ -242,6 +243,43 @@ def test_incremental_decoding_matches_the_full_forward(variant):
             # a second generation starts from a fresh cache
             again = lm.prefill(tokens[:, :4], max_len=8)
             torch.testing.assert_close(again, full[:, 3], atol=1e-4, rtol=1e-4)
+
+
+# ---- static-shape decoding --------------------------------------------------------------------
+
+
+def random_native(arch: Architecture, device="cpu", dtype=torch.float32, seed: int = 7):
+    module = build_native(arch, device, dtype).eval()
+    randomize(module, seed)
+    return module
+
+
+@pytest.mark.parametrize("variant", ["llama-gqa", "llama-mha", "qwen2-bias", "llama-tied", "llama3-rope"])
+def test_static_decode_step_matches_eager_decoding(variant):
+    arch = VARIANTS[variant]
+    native = random_native(arch)
+    tokens = torch.randint(0, arch.vocab_size, (2, 14), generator=torch.Generator().manual_seed(3))
+    prompt_len, max_len, end = 9, 16, tokens.shape[1]
+    generator = torch.Generator().manual_seed(4)
+    with torch.inference_mode():
+        eager, static = native.new_cache(2, max_len, torch.float32), native.new_cache(2, max_len, torch.float32)
+        native(tokens[:, :prompt_len], cache=eager)
+        native(tokens[:, :prompt_len], cache=static)
+        # What an earlier generation left after the prompt, large enough to show if the mask let it through.
+        for buffer in (static.keys, static.values):
+            buffer[:, :, :, prompt_len:] = 100 * torch.randn(buffer[:, :, :, prompt_len:].shape, generator=generator)
+        stale = static.keys[:, :, :, end:].clone(), static.values[:, :, :, end:].clone()
+        position = torch.tensor([prompt_len])
+        for step in range(prompt_len, end):
+            expected = native(tokens[:, step:step + 1], cache=eager, start=step)[:, -1]
+            logits = native.decode_step(tokens[:, step:step + 1], static, position)
+            assert logits.shape == (2, arch.vocab_size)
+            torch.testing.assert_close(logits, expected, atol=1e-5, rtol=1e-5)
+            position += 1
+    torch.testing.assert_close(static.keys[:, :, :, :end], eager.keys[:, :, :, :end], atol=1e-6, rtol=1e-6)
+    torch.testing.assert_close(static.values[:, :, :, :end], eager.values[:, :, :, :end], atol=1e-6, rtol=1e-6)
+    # one slot written per step, nothing after it
+    assert torch.equal(static.keys[:, :, :, end:], stale[0]) and torch.equal(static.values[:, :, :, end:], stale[1])
 
 
 def test_llama31_rope_frequencies_match_transformers():
