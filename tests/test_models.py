@@ -71,7 +71,11 @@ def test_every_mode_measures_on_tiny(mode, backend, tmp_path):
         assert throughput["prefill_tokens_per_s"] == pytest.approx(BATCH * SEQ / timing["time_to_first_token"]["median"])
         # one copy of every weight in fp32, the tied output projection included once
         assert throughput["weight_bytes"] == 4 * arch.total_params
+        reason = ("CUDA graphs need a GPU; this run is on cpu" if backend == "native"
+                  else "the hf backend decodes eagerly, one transformers forward per token")
+        assert result["decode"] == {"cuda_graphs": False, "reason": reason}
     else:
+        assert result["decode"] is None
         check_stats(timing["step"], 2)
         assert len(timing["samples"]["step"]) == 2
         median = timing["step"]["median"]
@@ -420,6 +424,20 @@ def test_cuda_graph_decoding_in_every_inference_precision(precision):
         assert [capture["generation"] for capture in decoding["captures"]] == [1]
     else:
         assert decoding["reason"].startswith("capture failed"), decoding
+    torch.cuda.empty_cache()  # fails an assertion if the allocator still believes a capture is underway
+
+
+@cuda_only
+@pytest.mark.parametrize("precision, warmup", [("bf16-pure", 0), ("bf16-pure", 1), ("int8", 1)])
+def test_the_worker_captures_in_an_untimed_generation(precision, warmup, tmp_path):
+    result = measure(spec(mode="infer", precision=precision, device="cuda", warmup_steps=warmup), tmp_path)
+    decoding = result["decode"]
+    if decoding["cuda_graphs"]:
+        assert [capture["generation"] for capture in decoding["captures"]] == [1]
+    else:  # LLM.int8's search for outlier columns synchronizes
+        assert precision != "bf16-pure" and decoding["reason"].startswith("capture failed"), decoding
+        assert any("without CUDA graphs" in warning for warning in result["warnings"])
+    assert result["timing"]["token_latency"]["count"] == 2 * (NEW - 1)
     torch.cuda.empty_cache()  # fails an assertion if the allocator still believes a capture is underway
 
 
