@@ -77,6 +77,10 @@ def _add_run_options(parser: argparse.ArgumentParser) -> None:
     add("--backend", choices=("auto", "native", "hf"), default=S,
         help="native: fitbench's decoder (Llama-style models); hf: transformers (every family). Default auto")
     add("--compile", action="store_true", default=S, help="torch.compile the model; compile time is reported apart")
+    add("--cuda-graphs", dest="cuda_graphs", action=argparse.BooleanOptionalAction, default=S,
+        help="infer with the native backend on a GPU: replay each decode step from a CUDA graph captured in the "
+             "first warm-up generation (default), or with --no-cuda-graphs launch its kernels one by one. The hf "
+             "backend always decodes eagerly")
     add("--activation-checkpointing", dest="activation_checkpointing", action="store_true", default=S,
         help="recompute each layer's activations in the backward pass (train, forward-backward)")
     add("--warmup-steps", dest="warmup_steps", type=int, default=S, metavar="N", help="untimed steps first (default 5)")

@@ -48,6 +48,7 @@ class RunSpec(BaseModel):
     measure_steps: int = Field(gt=0)
     seed: int = 0
     auto_batch: bool = False  # batch_size is found by probing, starting from the planner's prediction
+    cuda_graphs: bool = True  # native infer on a GPU decodes through a CUDA graph
 
     @property
     def key(self) -> str:
@@ -55,15 +56,24 @@ class RunSpec(BaseModel):
         fields = self.model_dump()
         if self.mode != "infer":
             fields.pop("new_tokens")
+        # Counted only when it changes what runs, so configurations from before the field keep their keys.
+        if not self.graphs_off:
+            fields.pop("cuda_graphs")
         digest = hashlib.sha1(json.dumps(fields, sort_keys=True).encode()).hexdigest()
         return digest[:12]
+
+    @property
+    def graphs_off(self) -> bool:
+        """CUDA graphs turned off where they apply: generation with the native backend."""
+        return not self.cuda_graphs and self.mode == "infer" and self.backend == "native"
 
     @property
     def label(self) -> str:
         batch = "auto" if self.auto_batch else self.batch_size
         shape = f"{batch}x{self.seq_len}" + (f"+{self.new_tokens}" if self.mode == "infer" else "")
         recompute = " recompute" if self.activation_checkpointing else ""
-        return f"{self.model} {self.mode} {self.precision} {shape}{recompute} [{self.backend}]"
+        eager = " no-cuda-graphs" if self.graphs_off else ""
+        return f"{self.model} {self.mode} {self.precision} {shape}{recompute}{eager} [{self.backend}]"
 
 
 def _as_list(value: Any) -> Any:
@@ -91,6 +101,7 @@ class SweepConfig(BaseModel):
     no_fallback: bool = False
     backend: BackendChoice = "auto"
     compile: bool = False
+    cuda_graphs: bool = Field(True, description="true or false: native infer on a GPU decodes through a CUDA graph")
     activation_checkpointing: bool | None = Field(None, description="None: the planner decides (on a GPU)")
     warmup_steps: int = Field(5, ge=0)
     measure_steps: int = Field(10, gt=0, validation_alias="samples")
@@ -204,6 +215,7 @@ def expand(config: SweepConfig, *, device: str, default_models: list[str]) -> li
                             model=model, backend=backend, mode=mode, precision=precision,
                             batch_size=1 if batch == "auto" else batch, auto_batch=batch == "auto",
                             seq_len=seq_len, new_tokens=new_tokens, compile=config.compile,
+                            cuda_graphs=config.cuda_graphs,
                             activation_checkpointing=bool(config.activation_checkpointing)
                             and mode in ("train", "forward-backward"), device=device,
                             warmup_steps=config.warmup_steps, measure_steps=config.measure_steps, seed=config.seed,

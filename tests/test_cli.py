@@ -92,6 +92,7 @@ def test_run_writes_jsonl_csv_and_table(tmp_path):
     assert train["timing"]["step"]["count"] == 2
     assert train["throughput"]["tokens_per_s"] == pytest.approx(16 / train["timing"]["step"]["median"])
     assert infer["spec"]["new_tokens"] == 4
+    assert infer["decode"] == {"cuda_graphs": False, "reason": "CUDA graphs need a GPU; this run is on cpu"}
     assert infer["timing"]["token_latency"]["count"] == 2 * 3
     assert infer["throughput"]["decode_tokens_per_s"] == pytest.approx(1 / infer["timing"]["token_latency"]["median"])
     assert len({row["key"] for row in rows}) == 2
@@ -188,6 +189,34 @@ def test_default_sweep_on_a_cpu():
     assert train.key == train.model_copy(update={"new_tokens": 99}).key
     assert infer.key != infer.model_copy(update={"new_tokens": 99}).key
     assert len({s.key for s in specs}) == len(specs)
+
+
+def test_cuda_graphs_option_file_key_and_label(tmp_path):
+    from fitbench.cli import build_parser
+
+    assert build_parser().parse_args(["run", "--no-cuda-graphs"]).cuda_graphs is False
+    assert build_parser().parse_args(["run", "--cuda-graphs"]).cuda_graphs is True
+    assert "cuda_graphs" not in vars(build_parser().parse_args(["run"]))  # the file or the default decides
+    config = tmp_path / "config.yaml"
+    config.write_text("models: [tiny]\nmode: infer\ncuda-graphs: false\n")
+    assert merge_sources({}, load_yaml(config), {}).cuda_graphs is False
+    assert merge_sources({}, load_yaml(config), {"cuda_graphs": True}).cuda_graphs is True
+    assert SweepConfig().cuda_graphs is True
+
+    fields = dict(model="7B", backend="native", precision="bf16-pure", batch_size=1, seq_len=128, new_tokens=128,
+                  device="cuda:0", warmup_steps=5, measure_steps=10)
+    infer, train = RunSpec(mode="infer", **fields), RunSpec(mode="train", **fields)
+    # keys computed before the field existed: results of earlier sweeps keep matching their configurations
+    assert (infer.key, train.key) == ("157593d2627d", "8c26ffea4e50")
+    eager = infer.model_copy(update={"cuda_graphs": False})
+    assert eager.key != infer.key
+    assert eager.label == "7B infer bf16-pure 1x128+128 no-cuda-graphs [native]"
+    # where graphs never run, turning them off changes nothing
+    for same in (train, infer.model_copy(update={"backend": "hf"})):
+        off = same.model_copy(update={"cuda_graphs": False})
+        assert off.key == same.key and off.label == same.label
+    specs = expand(merge_sources({}, load_yaml(config), {}), device="cpu", default_models=["tiny"])
+    assert [s.cuda_graphs for s in specs] == [False]
 
 
 def test_injected_crash_is_recorded_and_the_sweep_goes_on(tmp_path, capsys, monkeypatch):

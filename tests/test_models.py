@@ -7,6 +7,7 @@ import torch
 from fitbench.config import RunSpec
 from fitbench.models.architecture import Architecture
 from fitbench.models.backends import HuggingFaceLM, NativeLM, load_model
+from fitbench.models.graphs import Replay
 from fitbench.models.hf import build_hf, hf_config
 from fitbench.models.native import DecoderConfig, build_native, rope_inverse_frequencies
 from fitbench.models.registry import resolve
@@ -70,7 +71,11 @@ def test_every_mode_measures_on_tiny(mode, backend, tmp_path):
         assert throughput["prefill_tokens_per_s"] == pytest.approx(BATCH * SEQ / timing["time_to_first_token"]["median"])
         # one copy of every weight in fp32, the tied output projection included once
         assert throughput["weight_bytes"] == 4 * arch.total_params
+        reason = ("CUDA graphs need a GPU; this run is on cpu" if backend == "native"
+                  else "the hf backend decodes eagerly, one transformers forward per token")
+        assert result["decode"] == {"cuda_graphs": False, "reason": reason}
     else:
+        assert result["decode"] is None
         check_stats(timing["step"], 2)
         assert len(timing["samples"]["step"]) == 2
         median = timing["step"]["median"]
@@ -147,10 +152,10 @@ def test_random_weights_are_initialized():
 
 
 def small_arch(model_type: str = "llama", *, qkv_bias: bool = False, tied: bool = False,
-               rope_scaling: dict | None = None, max_seq_len: int = 64) -> Architecture:
+               rope_scaling: dict | None = None, max_seq_len: int = 64, kv_heads: int = 2) -> Architecture:
     return Architecture(
         name=f"small-{model_type}", family="llama", hf_model_type=model_type, vocab_size=128, hidden_size=64,
-        num_layers=4, num_heads=4, num_kv_heads=2, ffn_size=160, max_seq_len=max_seq_len, tie_embeddings=tied,
+        num_layers=4, num_heads=4, num_kv_heads=kv_heads, ffn_size=160, max_seq_len=max_seq_len, tie_embeddings=tied,
         source="test", qkv_bias=qkv_bias, rope_scaling=rope_scaling, norm_eps=1e-5,
     )
 
@@ -161,6 +166,7 @@ SHORT_LLAMA3 = {"rope_type": "llama3", "factor": 4.0, "low_freq_factor": 1.0, "h
 
 VARIANTS = {
     "llama-gqa": small_arch(),
+    "llama-mha": small_arch(kv_heads=4),
     "qwen2-bias": small_arch("qwen2", qkv_bias=True),
     "llama-tied": small_arch(tied=True),
     "llama3-rope": small_arch(rope_scaling=SHORT_LLAMA3, max_seq_len=256),
@@ -242,6 +248,197 @@ def test_incremental_decoding_matches_the_full_forward(variant):
             # a second generation starts from a fresh cache
             again = lm.prefill(tokens[:, :4], max_len=8)
             torch.testing.assert_close(again, full[:, 3], atol=1e-4, rtol=1e-4)
+
+
+# ---- static-shape decoding and CUDA graphs -------------------------------------------------------
+
+
+def random_native(arch: Architecture, device="cpu", dtype=torch.float32, seed: int = 7):
+    module = build_native(arch, device, dtype).eval()
+    randomize(module, seed)
+    return module
+
+
+@pytest.mark.parametrize("variant", ["llama-gqa", "llama-mha", "qwen2-bias", "llama-tied", "llama3-rope"])
+def test_static_decode_step_matches_eager_decoding(variant):
+    arch = VARIANTS[variant]
+    native = random_native(arch)
+    tokens = torch.randint(0, arch.vocab_size, (2, 14), generator=torch.Generator().manual_seed(3))
+    prompt_len, max_len, end = 9, 16, tokens.shape[1]
+    generator = torch.Generator().manual_seed(4)
+    with torch.inference_mode():
+        eager, static = native.new_cache(2, max_len, torch.float32), native.new_cache(2, max_len, torch.float32)
+        native(tokens[:, :prompt_len], cache=eager)
+        native(tokens[:, :prompt_len], cache=static)
+        # What an earlier generation left after the prompt, large enough to show if the mask let it through.
+        for buffer in (static.keys, static.values):
+            buffer[:, :, :, prompt_len:] = 100 * torch.randn(buffer[:, :, :, prompt_len:].shape, generator=generator)
+        stale = static.keys[:, :, :, end:].clone(), static.values[:, :, :, end:].clone()
+        position = torch.tensor([prompt_len])
+        for step in range(prompt_len, end):
+            expected = native(tokens[:, step:step + 1], cache=eager, start=step)[:, -1]
+            logits = native.decode_step(tokens[:, step:step + 1], static, position)
+            assert logits.shape == (2, arch.vocab_size)
+            torch.testing.assert_close(logits, expected, atol=1e-5, rtol=1e-5)
+            position += 1
+    torch.testing.assert_close(static.keys[:, :, :, :end], eager.keys[:, :, :, :end], atol=1e-6, rtol=1e-6)
+    torch.testing.assert_close(static.values[:, :, :, :end], eager.values[:, :, :, :end], atol=1e-6, rtol=1e-6)
+    # one slot written per step, nothing after it
+    assert torch.equal(static.keys[:, :, :, end:], stale[0]) and torch.equal(static.values[:, :, :, end:], stale[1])
+
+
+def eager_capture(calls: list):
+    """A capture that "replays" by running the step again: NativeLM's graph path, on any device."""
+    def capture(step):
+        calls.append(step)
+        return Replay(step)
+    return capture
+
+
+def generation_logits(lm, tokens: torch.Tensor, prompt_len: int, max_len: int) -> list[torch.Tensor]:
+    """Prefill ``prompt_len`` tokens, then decode the given ones up to the last slot of the cache."""
+    with torch.inference_mode():
+        logits = [lm.prefill(tokens[:, :prompt_len], max_len).clone()]
+        for position in range(prompt_len, max_len):
+            logits.append(lm.decode(tokens[:, position:position + 1]).clone())
+    return logits
+
+
+def assert_same_generations(ours: list, theirs: list, **tolerance) -> None:
+    assert len(ours) == len(theirs)
+    for a, b in zip(ours, theirs):
+        torch.testing.assert_close(a, b, **(tolerance or {"atol": 1e-5, "rtol": 1e-5}))
+
+
+def test_graphed_decoding_captures_once_per_cache_and_matches_eager():
+    arch = VARIANTS["llama-gqa"]
+    native = random_native(arch)
+    tokens = torch.randint(0, arch.vocab_size, (2, 12), generator=torch.Generator().manual_seed(5))
+    calls = []
+    graphed = NativeLM(native, torch.float32, cuda_graphs=True, capture=eager_capture(calls))
+    eager = NativeLM(native, torch.float32)
+    assert graphed.capture_pending and not eager.capture_pending
+    assert eager.decoding == {"cuda_graphs": False, "reason": "turned off (--no-cuda-graphs)"}
+    # the second generation reuses the first's cache, stale keys included; the third needs a smaller one
+    for prompt_len, max_len in ((8, 12), (5, 12), (6, 10)):
+        assert_same_generations(generation_logits(graphed, tokens, prompt_len, max_len),
+                                generation_logits(eager, tokens, prompt_len, max_len))
+    assert len(calls) == 2
+    decoding = graphed.decoding
+    assert decoding["cuda_graphs"] is True
+    assert [capture["generation"] for capture in decoding["captures"]] == [1, 3]
+    assert not graphed.capture_pending
+    with torch.inference_mode(), pytest.raises(IndexError, match="holds 10 positions"):
+        graphed.decode(tokens[:, :1])
+
+
+def test_a_failed_capture_falls_back_to_eager_decoding_and_says_why():
+    arch = VARIANTS["llama-tied"]
+    native = random_native(arch)
+    tokens = torch.randint(0, arch.vocab_size, (1, 10), generator=torch.Generator().manual_seed(6))
+    attempts = []
+
+    def refuse(step):
+        # as torch.cuda.graph fails: the step's own error, then ending the invalidated capture
+        attempts.append(step)
+        try:
+            raise RuntimeError("CUDA error: operation not permitted when stream is capturing\nCUDA kernel errors ...")
+        finally:
+            raise RuntimeError("CUDA error: operation failed due to a previous error during capture")
+
+    lm = NativeLM(native, torch.float32, cuda_graphs=True, capture=refuse)
+    eager = NativeLM(native, torch.float32)
+    for prompt_len in (6, 4):
+        assert_same_generations(generation_logits(lm, tokens, prompt_len, 10),
+                                generation_logits(eager, tokens, prompt_len, 10), atol=0, rtol=0)
+    assert len(attempts) == 1  # not retried for later generations
+    assert lm.decoding == {"cuda_graphs": False, "reason": (
+        "capture failed, decoding eagerly: RuntimeError: CUDA error: operation not permitted when stream is "
+        "capturing; then RuntimeError: CUDA error: operation failed due to a previous error during capture")}
+
+
+def test_autocast_and_compile_decode_eagerly():
+    arch = VARIANTS["llama-gqa"]
+    native = random_native(arch)
+    tokens = torch.randint(0, arch.vocab_size, (1, 8), generator=torch.Generator().manual_seed(7))
+    calls = []
+    lm = NativeLM(native, torch.bfloat16, cuda_graphs=True, capture=eager_capture(calls))
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        generation_logits(lm, tokens, 5, 8)
+    assert calls == []
+    assert lm.decoding["cuda_graphs"] is False and lm.decoding["reason"].startswith("autocast")
+
+    compiled = NativeLM(random_native(arch), torch.float32, cuda_graphs=True, capture=eager_capture(calls))
+    compiled.compile()  # compiles lazily, at the first call, which never comes here
+    assert not compiled.capture_pending
+    assert compiled.decoding == {"cuda_graphs": False,
+                                 "reason": "--compile: decoding runs through the compiled module, eagerly"}
+    on_cpu = NativeLM(native, torch.float32, cuda_graphs=True)
+    assert on_cpu.decoding == {"cuda_graphs": False, "reason": "CUDA graphs need a GPU; this run is on cpu"}
+
+
+cuda_only = pytest.mark.skipif(not torch.cuda.is_available(), reason="CUDA graphs need a GPU")
+
+
+@cuda_only
+def test_cuda_graph_replays_match_eager_decoding():
+    arch = VARIANTS["llama-gqa"]
+    native = random_native(arch, "cuda")
+    tokens = torch.randint(0, arch.vocab_size, (2, 16), generator=torch.Generator().manual_seed(8)).cuda()
+    graphed = NativeLM(native, torch.float32, cuda_graphs=True)
+    eager = NativeLM(native, torch.float32)
+    for prompt_len, max_len in ((8, 16), (5, 16), (6, 12)):
+        assert_same_generations(generation_logits(graphed, tokens, prompt_len, max_len),
+                                generation_logits(eager, tokens, prompt_len, max_len), atol=1e-4, rtol=1e-4)
+    decoding = graphed.decoding
+    assert decoding["cuda_graphs"] is True, decoding
+    assert [capture["generation"] for capture in decoding["captures"]] == [1, 3]
+    assert all(capture["pool_bytes"] > 0 for capture in decoding["captures"])
+
+
+@cuda_only
+@pytest.mark.parametrize("precision", ["bf16-pure", "int8", "nf4", "int4", "fp8", "fp8-block"])
+def test_cuda_graph_decoding_in_every_inference_precision(precision):
+    """Replays give what the same static step gives launched eagerly; a precision whose kernels cannot
+    be captured decodes eagerly and says why."""
+    from fitbench.run.quantize import build_quantized_native, hardware_problem
+
+    device = torch.device("cuda")
+    problem = hardware_problem(precision, device, torch.cuda.get_device_capability(device))
+    if problem:
+        pytest.skip(problem)
+    arch = resolve("tiny")
+    tokens = random_tokens(arch.vocab_size, 2, 24, device, seed=9)
+    if policy(precision).quantized:
+        module, _ = build_quantized_native(arch, device, precision, tokens[:1, :16])
+    else:
+        module = build_native(arch, device, torch.bfloat16)
+    graphed = NativeLM(module, torch.bfloat16, cuda_graphs=True)
+    reference = NativeLM(module, torch.bfloat16, cuda_graphs=True, capture=eager_capture([]))
+    for prompt_len in (16, 12):
+        assert_same_generations(generation_logits(graphed, tokens, prompt_len, 24),
+                                generation_logits(reference, tokens, prompt_len, 24), atol=2e-2, rtol=2e-2)
+    decoding = graphed.decoding
+    print(precision, decoding)
+    if decoding["cuda_graphs"]:
+        assert [capture["generation"] for capture in decoding["captures"]] == [1]
+    else:
+        assert decoding["reason"].startswith("capture failed"), decoding
+    torch.cuda.empty_cache()  # fails an assertion if the allocator still believes a capture is underway
+
+
+@cuda_only
+@pytest.mark.parametrize("precision, warmup", [("bf16-pure", 0), ("bf16-pure", 1), ("int8", 1)])
+def test_the_worker_captures_in_an_untimed_generation(precision, warmup, tmp_path):
+    result = measure(spec(mode="infer", precision=precision, device="cuda", warmup_steps=warmup), tmp_path)
+    decoding = result["decode"]
+    if decoding["cuda_graphs"]:
+        assert [capture["generation"] for capture in decoding["captures"]] == [1]
+    else:  # LLM.int8's search for outlier columns synchronizes
+        assert precision != "bf16-pure" and decoding["reason"].startswith("capture failed"), decoding
+        assert any("without CUDA graphs" in warning for warning in result["warnings"])
+    assert result["timing"]["token_latency"]["count"] == 2 * (NEW - 1)
+    torch.cuda.empty_cache()  # fails an assertion if the allocator still believes a capture is underway
 
 
 def test_llama31_rope_frequencies_match_transformers():

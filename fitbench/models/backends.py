@@ -6,17 +6,22 @@
 The exception is transformers under autocast: its rotary step returns keys in fp32 during the
 prefill and in the autocast dtype afterwards, which a preallocated cache of one dtype cannot
 hold, so there it keeps the ``DynamicCache`` that ``generate`` uses by default.
+
+On a GPU the native backend decodes through a CUDA graph of one decode step
+(``fitbench.models.graphs``); transformers decodes eagerly, one forward call per token.
 """
 
 from __future__ import annotations
 
+import time
 from pathlib import Path
-from typing import Literal
+from typing import Any, Literal
 
 import torch
 from torch import nn
 
 from fitbench.models.architecture import Architecture
+from fitbench.models.graphs import Capture, GraphedDecode, capture_cuda_graph
 from fitbench.models.hf import build_hf, has_weights, hf_config
 from fitbench.models.native import KVCache, NativeCausalLM, build_native
 
@@ -45,39 +50,129 @@ class CausalLM:
         return self.module(tokens) if isinstance(self.module, NativeCausalLM) else self.module(tokens).logits
 
     def prefill(self, tokens: torch.Tensor, max_len: int) -> torch.Tensor:
-        """Start a generation: fill a fresh cache of ``max_len`` positions with the prompt (B, T);
-        return the last position's logits (B, V)."""
+        """Start a generation: fill a cache of ``max_len`` positions with the prompt (B, T), from
+        position 0; return the last position's logits (B, V)."""
         raise NotImplementedError
 
     def decode(self, tokens: torch.Tensor) -> torch.Tensor:
-        """One step: tokens (B, 1) at the next position -> logits (B, V)."""
+        """One step: tokens (B, 1) at the next position -> logits (B, V), which the next ``decode``
+        may overwrite (a CUDA graph's output buffer): read them before calling it again."""
         raise NotImplementedError
+
+    @property
+    def decoding(self) -> dict[str, Any]:
+        """How ``decode`` runs, for the result row: ``{"cuda_graphs": false, "reason": ...}``, or
+        through CUDA graphs with the generation (counted from 1) in which each was captured."""
+        raise NotImplementedError
+
+    @property
+    def capture_pending(self) -> bool:
+        """Whether the next decode will capture a CUDA graph, a cost no measured generation may carry."""
+        return False
 
     def enable_activation_checkpointing(self) -> None:
         """Recompute each layer's activations in the backward pass instead of keeping them."""
         raise NotImplementedError
 
+    def compile(self) -> None:
+        """``torch.compile`` the module."""
+        self.module.compile()
+
 
 class NativeLM(CausalLM):
-    def __init__(self, module: NativeCausalLM, cache_dtype: torch.dtype):
+    """The native decoder. With ``cuda_graphs`` on a GPU, the first decode of a cache captures
+    ``decode_step`` in a CUDA graph and every later token replays it. A cache, and its graph, serve
+    every generation of the same (batch, max_len), so only the first generation captures: in the
+    worker a warm-up, never a measured one. Where a graph cannot be had (a CPU, autocast, a kernel
+    that cannot be captured) decoding is eager and ``decoding`` says why.
+
+    ``capture`` turns the step into a replayable one; the default, CUDA graphs, needs a GPU, and
+    any other is taken to work where the model is.
+    """
+
+    def __init__(self, module: NativeCausalLM, cache_dtype: torch.dtype, cuda_graphs: bool = False,
+                 capture: Capture | None = None):
         self.module = module
         self.cache_dtype = cache_dtype
         self.cache: KVCache | None = None
         self.position = 0
+        self.generations = 0
+        self.graph: GraphedDecode | None = None
+        self.capture = capture or capture_cuda_graph
+        self.captures: list[dict[str, Any]] = []
+        device = module.rope_cos.device
+        self.eager_reason: str | None = None
+        if not cuda_graphs:
+            self.eager_reason = "turned off (--no-cuda-graphs)"
+        elif capture is None and device.type != "cuda":
+            self.eager_reason = f"CUDA graphs need a GPU; this run is on {device.type}"
 
     def prefill(self, tokens: torch.Tensor, max_len: int) -> torch.Tensor:
-        self.cache = None  # free the previous generation's cache before allocating the next
-        self.cache = self.module.new_cache(tokens.shape[0], max_len, self.cache_dtype)
-        self.position = tokens.shape[1]
+        B, T = tokens.shape
+        if self.cache is None or (self.cache.batch, self.cache.max_len) != (B, max_len):
+            self.graph = None  # it writes into the old cache
+            self.cache = None  # free the previous generation's cache before allocating the next
+            self.cache = self.module.new_cache(B, max_len, self.cache_dtype)
+        # A reused cache still holds the last generation's keys after position T: eager decoding
+        # reads only positions up to the current one, and the graph's step masks the rest.
+        self.generations += 1
+        self.position = T
+        if self.graph is not None:
+            self.graph.start(T)
         return self.module(tokens, cache=self.cache, start=0, last_only=True)[:, -1]
 
     def decode(self, tokens: torch.Tensor) -> torch.Tensor:
-        logits = self.module(tokens, cache=self.cache, start=self.position)[:, -1]
+        if self.position >= self.cache.max_len:
+            # checked here: a graph would write out of bounds, which ends the process on a GPU
+            raise IndexError(f"the KV cache holds {self.cache.max_len} positions; decoding position {self.position}")
+        if self.capture_pending:
+            self._capture()
+        if self.graph is not None:
+            logits = self.graph(tokens)
+        else:
+            logits = self.module(tokens, cache=self.cache, start=self.position)[:, -1]
         self.position += 1
         return logits
 
+    @property
+    def capture_pending(self) -> bool:
+        return self.eager_reason is None and self.graph is None
+
+    def _capture(self) -> None:
+        if torch.is_autocast_enabled(self.cache.keys.device.type):
+            self.eager_reason = ("autocast: a captured step would read the 16-bit weight copies that autocast "
+                                 "keeps for one generation and frees at its end")
+            return
+        started = time.perf_counter()
+        try:
+            self.graph = GraphedDecode(self.module, self.cache, self.position, self.capture)
+        except Exception as error:  # some quantized kernels synchronize or have data-dependent shapes
+            self.eager_reason = f"capture failed, decoding eagerly: {_summary(error)}"
+            return
+        self.captures.append({"generation": self.generations, "seconds": time.perf_counter() - started,
+                              "pool_bytes": self.graph.replay.pool_bytes})
+
+    @property
+    def decoding(self) -> dict[str, Any]:
+        if self.eager_reason is not None:
+            return {"cuda_graphs": False, "reason": self.eager_reason}
+        return {"cuda_graphs": True, "captures": list(self.captures)}
+
+    def compile(self) -> None:
+        super().compile()
+        if self.eager_reason is None:
+            self.eager_reason = "--compile: decoding runs through the compiled module, eagerly"
+
     def enable_activation_checkpointing(self) -> None:
         self.module.activation_checkpointing = True
+
+
+def _summary(error: BaseException) -> str:
+    """The exception's type and first line, after the one it interrupted if any: a failed capture
+    raises again when torch ends it, and the first error is the cause."""
+    chain = [error] if error.__context__ is None else [error.__context__, error]
+    lines = [f"{type(e).__name__}: {(str(e).strip().splitlines() or [''])[0]}" for e in chain]
+    return "; then ".join(lines)[:500]
 
 
 class HuggingFaceLM(CausalLM):
@@ -103,21 +198,27 @@ class HuggingFaceLM(CausalLM):
         self.position += 1
         return out.logits[:, -1]
 
+    @property
+    def decoding(self) -> dict[str, Any]:
+        return {"cuda_graphs": False, "reason": "the hf backend decodes eagerly, one transformers forward per token"}
+
     def enable_activation_checkpointing(self) -> None:
         self.module.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
 
 
 def load_model(arch: Architecture, backend: Backend, device: torch.device | str, dtype: torch.dtype,
-               model_path: str | None = None, compute_dtype: torch.dtype | None = None) -> CausalLM:
+               model_path: str | None = None, compute_dtype: torch.dtype | None = None,
+               cuda_graphs: bool = False) -> CausalLM:
     """Build ``arch`` with ``backend`` directly on ``device`` with weights in ``dtype``: random, or the
     checkpoint in ``model_path`` when that directory has one. ``compute_dtype`` is the activations'
-    dtype when autocast makes it differ from the weights'; the KV cache holds it."""
+    dtype when autocast makes it differ from the weights'; the KV cache holds it. ``cuda_graphs``:
+    the native backend decodes through CUDA graphs on a GPU."""
     compute_dtype = compute_dtype or dtype
     if backend == "native":
         module = build_native(arch, device, dtype)
         if model_path is not None and has_weights(model_path):
             load_checkpoint(module, Path(model_path), device)
-        return NativeLM(module, cache_dtype=compute_dtype)
+        return NativeLM(module, cache_dtype=compute_dtype, cuda_graphs=cuda_graphs)
     return HuggingFaceLM(build_hf(arch, device, dtype, weights_dir=model_path), static_cache=compute_dtype == dtype)
 
 

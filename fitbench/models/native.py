@@ -4,6 +4,11 @@ RMSNorm, rotary positions (Llama 3.1 frequency scaling included), SwiGLU MLP, gr
 attention through ``F.scaled_dot_product_attention``, tied or untied embeddings, optional q/k/v
 biases (Qwen2), and a preallocated KV cache for decoding.
 
+Two ways to decode one token: ``forward`` with ``start``, a Python int, attends over the cache's
+first ``start + 1`` positions; ``decode_step`` takes the position as a device tensor and attends
+over the whole cache under a mask, so every shape is fixed and nothing depends on host values
+that change per token: the step a CUDA graph can capture once and replay (``fitbench.models.graphs``).
+
 Modules carry the same names as transformers' ``LlamaForCausalLM`` (``model.layers.0.self_attn.q_proj``
 ...), and rotary embeddings use the same half-split convention, so a checkpoint of either loads into
 the other unchanged.
@@ -98,12 +103,30 @@ class KVCache(nn.Module):
         self.register_buffer("keys", torch.zeros(shape, dtype=dtype, device=device), persistent=False)
         self.register_buffer("values", torch.zeros(shape, dtype=dtype, device=device), persistent=False)
 
+    @property
+    def batch(self) -> int:
+        return self.keys.shape[1]
+
+    @property
+    def max_len(self) -> int:
+        return self.keys.shape[3]
+
     def update(self, layer: int, start: int, k: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """Write k, v (B, kv_heads, T, head_dim) at positions start..start+T; return all positions so far."""
         end = start + k.shape[2]
         self.keys[layer, :, :, start:end] = k
         self.values[layer, :, :, start:end] = v
         return self.keys[layer, :, :, :end], self.values[layer, :, :, :end]
+
+    def write(self, layer: int, position: torch.Tensor, k: torch.Tensor,
+              v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """Write k, v (B, kv_heads, 1, head_dim) at ``position``, a (1,) index tensor on the cache's
+        device; return every slot of the layer (B, kv_heads, max_len, head_dim), those after the
+        position included: the caller masks them."""
+        keys, values = self.keys[layer], self.values[layer]
+        keys.index_copy_(2, position, k)
+        values.index_copy_(2, position, v)
+        return keys, values
 
 
 class RMSNorm(nn.Module):
@@ -129,13 +152,19 @@ class Attention(nn.Module):
         self.v_proj = nn.Linear(config.dim, config.n_kv_heads * config.head_dim, bias=config.qkv_bias)
         self.o_proj = nn.Linear(config.n_heads * config.head_dim, config.dim, bias=False)
 
-    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
-                cache: KVCache | None, start: int) -> torch.Tensor:
+    def project(self, x: torch.Tensor, cos: torch.Tensor,
+                sin: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """x (B, T, C) -> q (B, H, T, D) and k (B, KV, T, D) with rotary positions, and v (B, KV, T, D)."""
         B, T, _ = x.shape
         q = self.q_proj(x).view(B, T, self.n_heads, self.head_dim).transpose(1, 2)  # (B, H, T, D)
         k = self.k_proj(x).view(B, T, self.n_kv_heads, self.head_dim).transpose(1, 2)  # (B, KV, T, D)
         v = self.v_proj(x).view(B, T, self.n_kv_heads, self.head_dim).transpose(1, 2)  # (B, KV, T, D)
-        q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
+        return apply_rope(q, cos, sin), apply_rope(k, cos, sin), v
+
+    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
+                cache: KVCache | None, start: int) -> torch.Tensor:
+        B, T, _ = x.shape
+        q, k, v = self.project(x, cos, sin)
         if cache is not None:
             k, v = cache.update(self.layer, start, k, v)  # (B, KV, start+T, D)
         if T > 1 and start > 0:
@@ -149,6 +178,23 @@ class Attention(nn.Module):
             grouped = False
         y = F.scaled_dot_product_attention(q, k, v, is_causal=T > 1, enable_gqa=grouped)  # (B, H, T, D)
         return self.o_proj(y.transpose(1, 2).reshape(B, T, self.n_heads * self.head_dim))
+
+    def decode(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, cache: KVCache,
+               position: torch.Tensor, visible: torch.Tensor) -> torch.Tensor:
+        """One token per sequence, x (B, 1, C), at ``position``; attention over every cache slot, with
+        ``visible`` (1, 1, 1, S) hiding those after the position.
+
+        With one query per sequence, the G = H / KV query heads that share a key/value head become
+        the G rows of one query block against that head's keys: grouped heads need no kernel support
+        and no expanded copy of the cache, in every dtype.
+        """
+        B = x.shape[0]
+        q, k, v = self.project(x, cos, sin)  # (B, H, 1, D), (B, KV, 1, D), (B, KV, 1, D)
+        keys, values = cache.write(self.layer, position, k, v)  # (B, KV, S, D)
+        # query head h uses key/value head h // G, as with enable_gqa or repeat_interleave
+        q = q.reshape(B, self.n_kv_heads, self.n_heads // self.n_kv_heads, self.head_dim)  # (B, KV, G, D)
+        y = F.scaled_dot_product_attention(q, keys, values, attn_mask=visible)  # (B, KV, G, D)
+        return self.o_proj(y.reshape(B, 1, self.n_heads * self.head_dim))
 
 
 class SwiGLU(nn.Module):
@@ -175,6 +221,11 @@ class DecoderLayer(nn.Module):
     def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
                 cache: KVCache | None, start: int) -> torch.Tensor:
         x = x + self.self_attn(self.input_layernorm(x), cos, sin, cache, start)
+        return x + self.mlp(self.post_attention_layernorm(x))
+
+    def decode(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, cache: KVCache,
+               position: torch.Tensor, visible: torch.Tensor) -> torch.Tensor:
+        x = x + self.self_attn.decode(self.input_layernorm(x), cos, sin, cache, position, visible)
         return x + self.mlp(self.post_attention_layernorm(x))
 
 
@@ -216,6 +267,23 @@ class NativeCausalLM(nn.Module):
         if last_only:
             x = x[:, -1:, :]
         return self.lm_head(x)  # (B, T, V)
+
+    def decode_step(self, tokens: torch.Tensor, cache: KVCache, position: torch.Tensor) -> torch.Tensor:
+        """tokens (B, 1) at ``position``, a (1,) long tensor on the model's device -> logits (B, V).
+
+        ``forward(tokens, cache, start=position)`` with static shapes: the rotary rows are gathered
+        and the cache written at the position on the device, and attention covers all ``max_len``
+        slots with those after the position masked, so no shape or host value changes from token to
+        token and nothing synchronizes. Its temporaries are one layer's at a time plus the logits,
+        as in ``forward``; the mask and the slot indices add about ten bytes per cache slot.
+        """
+        slots = torch.arange(cache.max_len, device=position.device)
+        visible = (slots <= position).view(1, 1, 1, -1)  # (1, 1, 1, S)
+        cos, sin = self.rope_cos.index_select(0, position), self.rope_sin.index_select(0, position)  # (1, D)
+        x = self.model.embed_tokens(tokens)  # (B, 1, C)
+        for layer in self.model.layers:
+            x = layer.decode(x, cos, sin, cache, position, visible)
+        return self.lm_head(self.model.norm(x))[:, -1]  # (B, V)
 
     @torch.no_grad()
     def init_weights(self, std: float = 0.02) -> None:

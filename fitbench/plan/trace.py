@@ -89,6 +89,8 @@ def trace_peak(arch: Architecture, mode: str, precision: str, batch: int, seq_le
         module.to_empty(device=target)
         if arch.tie_embeddings:
             module.lm_head.weight = module.model.embed_tokens.weight
+        # Eager decoding: a CUDA graph of the decode step holds the same tensors, one layer's at a time,
+        # and cannot be captured from fake ones.
         lm = NativeLM(module, cache_dtype=policy.compute_dtype)
         tracker = LiveStorage()
         for tensor in [*module.parameters(), *module.buffers()]:

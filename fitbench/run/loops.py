@@ -88,6 +88,7 @@ def generate(lm: CausalLM, prompt: torch.Tensor, new_tokens: int, policy: Precis
             token = lm.prefill(prompt, max_len).argmax(dim=-1, keepdim=True)  # (B, 1)
             marks.append(clock.mark())
             for _ in range(new_tokens - 1):
+                # the argmax is queued before the next decode, which may overwrite the logits (a graph's output)
                 token = lm.decode(token).argmax(dim=-1, keepdim=True)
                 marks.append(clock.mark())
         return marks

@@ -138,7 +138,7 @@ def measure(spec: RunSpec, device: torch.device) -> dict:
     if spec.activation_checkpointing:
         lm.enable_activation_checkpointing()
     if spec.compile:
-        lm.module.compile()
+        lm.compile()
 
     device_name = torch.cuda.get_device_name(device) if device.type == "cuda" else hardware.cpu_device_name()
     peak = hardware.peak_flops(device_name, policy.peak_kind) if device.type == "cuda" else None
@@ -149,9 +149,14 @@ def measure(spec: RunSpec, device: torch.device) -> dict:
 
     measure_mode = _measure_generation if spec.mode == "infer" else _measure_steps
     timing, throughput, noisy, compile_s = measure_mode(spec, arch, built, policy, clock, device, peaks, weight_bytes)
+    decoding = lm.decoding if spec.mode == "infer" else None
 
     warnings = [f"{name} varies: CV above 5%; more --warmup-steps or --measure-steps may steady it"
                 for name in noisy]
+    if decoding and not decoding["cuda_graphs"] and device.type == "cuda" and spec.backend == "native" \
+            and spec.cuda_graphs:
+        warnings.append(f"decoded without CUDA graphs, so kernel launches are in the decode time: "
+                        f"{decoding['reason']}")
     if peak is None and device.type == "cuda":
         warnings.append(f"no datasheet peak for {device_name!r}: MFU left empty (fitbench env --measure "
                         f"gives a measured one)")
@@ -159,7 +164,7 @@ def measure(spec: RunSpec, device: torch.device) -> dict:
         "device_name": device_name, "build_s": build_s, "compile_s": compile_s, "warnings": warnings,
         "peak_flops": peak, "measured_peak_flops": measured_peak,
         "peak_source": "datasheet (dense)" if peak else None,
-        "timing": timing, "throughput": throughput, "environment": hardware.environment(),
+        "timing": timing, "throughput": throughput, "decode": decoding, "environment": hardware.environment(),
         "quality": built.quality.__dict__ if built.quality else None,
         "training": built.training,
         "weights": {"bytes": weight_bytes, "bf16_bytes": 2 * arch.total_params,
@@ -183,7 +188,7 @@ def build(spec: RunSpec, arch, policy, device: torch.device) -> Built:
     model_path = spec.model if is_local_model(spec.model) else None
     if not policy.quantized:
         return Built(load_model(arch, spec.backend, device, policy.weight_dtype, model_path=model_path,
-                                compute_dtype=policy.compute_dtype))
+                                compute_dtype=policy.compute_dtype, cuda_graphs=spec.cuda_graphs))
     problem = hardware_problem(spec.precision, device,
                                torch.cuda.get_device_capability(device) if device.type == "cuda" else None)
     training = spec.mode in TRAINING_MODES
@@ -199,9 +204,10 @@ def build(spec: RunSpec, arch, policy, device: torch.device) -> Built:
     probe = random_tokens(arch.vocab_size, 1, min(spec.seq_len, PROBE_TOKENS), device, spec.seed + 1)
     if spec.backend == "native" and model_path is None:
         module, quality = build_quantized_native(arch, device, spec.precision, probe)
-        lm = NativeLM(module, cache_dtype=torch.bfloat16)
+        lm = NativeLM(module, cache_dtype=torch.bfloat16, cuda_graphs=spec.cuda_graphs)
     else:
-        lm = load_model(arch, spec.backend, device, torch.bfloat16, model_path=model_path)
+        lm = load_model(arch, spec.backend, device, torch.bfloat16, model_path=model_path,
+                        cuda_graphs=spec.cuda_graphs)
         quality = quantize_built(lm, spec.precision, device, probe)
     if not training:
         return Built(lm, quality)
@@ -251,6 +257,12 @@ def _measure_generation(spec, arch, built: Built, policy, clock, device, peaks: 
     if spec.compile:
         emit(phase="compile")
         compile_s = first_call_seconds(run, clock)
+    if lm.capture_pending and spec.warmup_steps == 0:
+        # The first generation's first decode captures the CUDA graph; that must be a warm-up, so
+        # without warm-up steps one untimed generation runs first.
+        emit(phase="capture")
+        run()
+        clock.synchronize()
     all_marks = run_stages(run, clock, warmup=spec.warmup_steps, repeats=spec.measure_steps, on_step=_progress)
     generations = [read_generation(marks, clock) for marks in all_marks]
     ttft = SampleStats.of(g.time_to_first_token for g in generations)
