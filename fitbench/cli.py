@@ -37,6 +37,7 @@ examples:
   fitbench run --models small medium large xl 2.7B --mode forward-backward \\
                --precision bf16 --batch-size 4 --context-length 512
   fitbench run --models 7B --mode infer --batch-size 1 --precision bf16-pure --new-tokens 256
+  fitbench run --models 65B --mode infer --offload   layers the GPU has no room for stream from host memory
   fitbench run --config config.yaml --out runs/today
   fitbench run --resume runs/today               finish a sweep that was interrupted
 
@@ -66,10 +67,14 @@ def _add_run_options(parser: argparse.ArgumentParser) -> None:
              "probe runs (reported as max_batch)")
     add("--fallback", nargs="+", choices=PRECISIONS, default=S, metavar="PRECISION",
         help="on out-of-memory, retry with the next of these precisions, then activation checkpointing, then half "
-             "the batch (default per mode: train bf16 bf16-pure; infer and forward bf16-pure int8 nf4); "
-             "also the ladder the planner picks the first fitting precision from")
+             "the batch, and last, for infer and forward, with offload in the first floating-point one (default "
+             "per mode: train bf16 bf16-pure; infer and forward bf16-pure int8 nf4); also the ladder the planner "
+             "picks the first fitting precision from")
     add("--no-fallback", dest="no_fallback", action="store_true", default=S,
         help="record an out-of-memory as it is, without retrying")
+    add("--offload", action="store_true", default=S,
+        help="infer and forward with the decoder layers that do not fit on the GPU kept in host memory and "
+             "streamed in for their forward (accelerate); on a CPU, the layers that do not fit in RAM go to disk")
     add("--seq-len", "--context-length", dest="seq_len", nargs="+", type=int, default=S, metavar="T",
         help="tokens per sequence; the prompt length in infer")
     add("--new-tokens", dest="new_tokens", type=int, default=S, metavar="N",
@@ -166,7 +171,8 @@ def default_models(device: str) -> list[str]:
 
 def predicted_max_batch(spec, device: str) -> int:
     """The planner's largest batch for ``spec`` on its device: the GPU's memory with the calibrated
-    overheads, or on a CPU the budget of FITBENCH_INJECT's mem-limit (else the available RAM)."""
+    overheads, or on a CPU the budget of FITBENCH_INJECT's mem-limit (else the available RAM); with
+    offload, beside no resident decoder layer."""
     import psutil
     import torch
 
@@ -177,12 +183,14 @@ def predicted_max_batch(spec, device: str) -> int:
     arch = resolve(spec.model)
     if arch.family != "llama":
         return 1
+    resident = 0 if spec.offload else None
     if device == "cpu":
         budget = injected_memory_limit() or psutil.virtual_memory().available
 
         def peak(batch: int) -> float:
             return estimate_memory(arch, spec.mode, spec.precision, batch, spec.seq_len, new_tokens=spec.new_tokens,
-                                   activation_checkpointing=spec.activation_checkpointing).peak_bytes
+                                   activation_checkpointing=spec.activation_checkpointing,
+                                   resident_layers=resident).peak_bytes
     else:
         from fitbench.plan.calibration import load_calibration
         from fitbench.plan.planner import Candidate, GpuTarget, assess
@@ -193,7 +201,7 @@ def predicted_max_batch(spec, device: str) -> int:
         calibration = load_calibration(properties.name)
 
         def peak(batch: int) -> float:
-            candidate = Candidate(spec.precision, "single", 1, spec.activation_checkpointing, batch)
+            candidate = Candidate(spec.precision, "single", 1, spec.activation_checkpointing, batch, resident)
             return assess(arch, spec.mode, candidate, target, seq_len=spec.seq_len, new_tokens=spec.new_tokens,
                           calibration=calibration).predicted_peak
     from fitbench.launch.fallback import largest_batch
@@ -273,7 +281,7 @@ def _label(row: dict[str, Any]) -> str:
 
 def _describe_row(row: dict[str, Any]) -> str:
     from fitbench.results.report import headline
-    from fitbench.units import format_seconds
+    from fitbench.units import format_bytes, format_seconds
 
     if row["status"] != "ok":
         first_line = (row.get("error") or "").strip().splitlines()[:1]
@@ -284,6 +292,12 @@ def _describe_row(row: dict[str, Any]) -> str:
     quality = row.get("quality")
     cost = (f", logits {100 * quality['logits_relative_error']:.1f}% off bf16, weights "
             f"{100 * row['weights']['relative_to_bf16']:.0f}% of bf16") if quality else ""
+    offload = row.get("offload")
+    if offload:
+        layers = offload["resident_layers"] + offload["offloaded_layers"]
+        where = "host memory" if offload["tier"] == "cpu" else "disk"
+        cost += (f", {offload['offloaded_layers']} of {layers} layers ({format_bytes(offload['offloaded_bytes'])}) "
+                 f"offloaded to {where}")
     return (f"[green]ok[/green] {escape(_label(row))}: {format_seconds(head['time'])}{per} ± {head['cv']:.1f}%, "
             f"{head['tokens_per_s']:,.0f} tokens/s{cost}{warn}")
 

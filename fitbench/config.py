@@ -18,7 +18,8 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_valida
 from fitbench.errors import UserError
 from fitbench.models.backends import backend_error, default_backend
 from fitbench.models.registry import resolve
-from fitbench.run.precision import PRECISIONS, TRAINING_MODES, training_problem, trains_every_weight
+from fitbench.run.precision import (PRECISIONS, QUANTIZED_PRECISIONS, TRAINING_MODES, training_problem,
+                                    trains_every_weight)
 
 Mode = Literal["train", "forward", "forward-backward", "infer"]
 Precision = Literal["fp32", "tf32", "bf16", "fp16", "bf16-pure",
@@ -49,16 +50,29 @@ class RunSpec(BaseModel):
     seed: int = 0
     auto_batch: bool = False  # batch_size is found by probing, starting from the planner's prediction
     cuda_graphs: bool = True  # native infer on a GPU decodes through a CUDA graph
+    # Decoder layers that do not fit on the device stay in a slower tier (host memory beside a GPU,
+    # disk beside the CPU) and stream in for their forward (fitbench.models.offload).
+    offload: bool = False
+
+    @model_validator(mode="after")
+    def _offload_applies(self) -> RunSpec:
+        problem = offload_problem(self.mode, self.precision, self.backend, self.compile) if self.offload else None
+        if problem:
+            raise ValueError(problem)
+        return self
 
     @property
     def key(self) -> str:
-        """Identity of the configuration: the same key means the same measurement."""
+        """Identity of the configuration: the same key means the same measurement. ``offload``, added
+        later, is left out while it is off, so earlier results keep their keys."""
         fields = self.model_dump()
         if self.mode != "infer":
             fields.pop("new_tokens")
         # Counted only when it changes what runs, so configurations from before the field keep their keys.
         if not self.graphs_off:
             fields.pop("cuda_graphs")
+        if not self.offload:
+            fields.pop("offload")
         digest = hashlib.sha1(json.dumps(fields, sort_keys=True).encode()).hexdigest()
         return digest[:12]
 
@@ -73,7 +87,24 @@ class RunSpec(BaseModel):
         shape = f"{batch}x{self.seq_len}" + (f"+{self.new_tokens}" if self.mode == "infer" else "")
         recompute = " recompute" if self.activation_checkpointing else ""
         eager = " no-cuda-graphs" if self.graphs_off else ""
-        return f"{self.model} {self.mode} {self.precision} {shape}{recompute}{eager} [{self.backend}]"
+        offload = " offload" if self.offload else ""
+        return f"{self.model} {self.mode} {self.precision} {shape}{recompute}{eager}{offload} [{self.backend}]"
+
+
+def offload_problem(mode: str, precision: str, backend: str, compile: bool) -> str | None:
+    """Why a configuration cannot offload its decoder layers, or None when it can."""
+    if mode not in ("infer", "forward"):
+        return (f"layers stream in for inference only (--mode infer or forward); {mode} needs every weight "
+                f"with its gradient and optimizer state at each step")
+    if precision in QUANTIZED_PRECISIONS:
+        return (f"layers stream in as floating-point weights; {precision} layers keep quantization state that "
+                f"accelerate's hooks do not move: use bf16-pure")
+    if backend != "native":
+        return "fitbench builds its own decoder layer by layer to offload it: use --backend native (Llama-style models)"
+    if compile:
+        return ("torch.compile stops at accelerate's hooks around every offloaded layer, breaking the graph at "
+                "each: drop --compile")
+    return None
 
 
 def _as_list(value: Any) -> Any:
@@ -99,6 +130,7 @@ class SweepConfig(BaseModel):
     fallback: list[Precision] | None = Field(
         None, min_length=1, description="precisions to fall back through on out-of-memory, in order")
     no_fallback: bool = False
+    offload: bool = Field(False, description="keep the decoder layers that do not fit in host memory (infer, forward)")
     backend: BackendChoice = "auto"
     compile: bool = False
     cuda_graphs: bool = Field(True, description="true or false: native infer on a GPU decodes through a CUDA graph")
@@ -201,6 +233,9 @@ def expand(config: SweepConfig, *, device: str, default_models: list[str]) -> li
                 if mode in TRAINING_MODES and training_problem(precision):
                     raise UserError(f"precision: {training_problem(precision)}; or use --mode infer or forward "
                                     f"with {precision}.")
+                problem = offload_problem(mode, precision, backend, config.compile) if config.offload else None
+                if problem:
+                    raise UserError(f"offload: {problem}.")
                 for batch in config.batch_size or [default_batch]:
                     for seq_len in config.seq_len or [default_seq]:
                         needed = seq_len + (new_tokens if mode == "infer" else 0)
@@ -217,7 +252,7 @@ def expand(config: SweepConfig, *, device: str, default_models: list[str]) -> li
                             seq_len=seq_len, new_tokens=new_tokens, compile=config.compile,
                             cuda_graphs=config.cuda_graphs,
                             activation_checkpointing=bool(config.activation_checkpointing)
-                            and mode in ("train", "forward-backward"), device=device,
+                            and mode in ("train", "forward-backward"), offload=config.offload, device=device,
                             warmup_steps=config.warmup_steps, measure_steps=config.measure_steps, seed=config.seed,
                         ))
     return specs

@@ -364,6 +364,12 @@ def check_user_error(code: int, stderr: str, *fields: str) -> None:
     (["--models", "tiny", "--new-tokens", "1"], ["new_tokens"]),
     (["--models", "tiny", "--device", "tpu"], ["device", "tpu"]),
     (["--models", "gpt2", "--backend", "native"], ["backend", "gpt2"]),
+    # offload: inference only (the default modes include train), floating-point weights, native, no compile
+    (["--models", "tiny", "--offload"], ["offload:", "--mode infer or forward", "train"]),
+    (["--models", "tiny", "--mode", "infer", "--precision", "int8", "--offload"], ["offload:", "int8", "bf16-pure"]),
+    (["--models", "tiny", "--mode", "infer", "--backend", "hf", "--offload"], ["offload:", "--backend native"]),
+    (["--models", "gpt2", "--mode", "infer", "--offload"], ["offload:", "--backend native"]),
+    (["--models", "tiny", "--mode", "forward", "--compile", "--offload"], ["offload:", "--compile"]),
 ])
 def test_bad_options(argv, fields, tmp_path, capsys):
     code, stdout, stderr = cli(["run", *argv, "--out", str(tmp_path / "out")], capsys)
@@ -464,7 +470,7 @@ def test_help(tmp_path, capsys):
     code, stdout, stderr = cli(["run", "--help"], capsys)
     assert code == 0
     for option in ("--models", "--mode", "--pass-type", "--precision", "--batch-size", "--context-length",
-                   "--samples", "--resume", "--config", "examples:"):
+                   "--samples", "--resume", "--config", "--fallback", "--no-fallback", "--offload", "examples:"):
         assert option in stdout, option
 
     code, stdout, _ = cli(["--version"], capsys)

@@ -31,6 +31,7 @@ SEEDS_YAML = {"models": {"sizes": ["tiny"], "quantization": {"enabled": True, "f
                                                              "priority_order": ["none", "fp16", "8bit", "4bit"]}},
               "mode": "infer"}
 AUTO_BATCH = 3  # the batch the injected memory limit leaves room for in the --batch-size auto sweep
+RESIDENT = 2  # the decoder layers (of tiny's 4) the injected memory limit leaves room for in the --offload sweep
 
 
 @pytest.fixture(autouse=True)
@@ -53,15 +54,24 @@ def environment(inject: str | None) -> dict[str, str]:
     return env
 
 
-def peak(mode: str, precision: str, batch: int, *, new_tokens: int = 4, recompute: bool = False) -> float:
+def peak(mode: str, precision: str, batch: int, *, new_tokens: int = 4, recompute: bool = False,
+         resident: int | None = None) -> float:
     return estimate_memory(resolve("tiny"), mode, precision, batch, 16, new_tokens=new_tokens,
-                           activation_checkpointing=recompute).peak_bytes
+                           activation_checkpointing=recompute, resident_layers=resident).peak_bytes
 
 
 def auto_budget() -> int:
     """A memory budget that holds tiny train fp32 16 tokens at batch AUTO_BATCH and not one more."""
     budget = int(peak("train", "fp32", AUTO_BATCH)) + 1
     assert peak("train", "fp32", AUTO_BATCH) <= budget < peak("train", "fp32", AUTO_BATCH + 1)
+    return budget
+
+
+def offload_budget(mode: str, resident: int) -> int:
+    """A memory budget that holds tiny bf16-pure at batch 1 with ``resident`` decoder layers on the
+    device and the rest offloaded, and not one layer more."""
+    budget = int(peak(mode, "bf16-pure", 1, resident=resident)) + 1
+    assert peak(mode, "bf16-pure", 1, resident=resident) <= budget < peak(mode, "bf16-pure", 1, resident=resident + 1)
     return budget
 
 
@@ -83,15 +93,18 @@ def walk(start: RunSpec, policy: FallbackPolicy, limit: int = 30) -> list[tuple[
     raise AssertionError(f"next_attempt still going after {limit} attempts: {[c for _, c in steps[-4:]]}")
 
 
-def test_inference_steps_down_the_precision_ladder_then_halves_the_batch():
+def test_inference_steps_down_the_precision_ladder_halves_the_batch_then_offloads():
     steps = walk(spec(precision="bf16-pure", batch_size=4), INFER_LADDER)
     assert [change for _, change in steps] == [
-        "precision bf16-pure -> int8", "precision int8 -> nf4", "batch 4 -> 2", "batch 2 -> 1"]
-    assert [(s.precision, s.batch_size) for s, _ in steps] == [("int8", 4), ("nf4", 4), ("nf4", 2), ("nf4", 1)]
+        "precision bf16-pure -> int8", "precision int8 -> nf4", "batch 4 -> 2", "batch 2 -> 1",
+        "offload on, precision nf4 -> bf16-pure"]
+    assert [(s.precision, s.batch_size, s.offload) for s, _ in steps] == [
+        ("int8", 4, False), ("nf4", 4, False), ("nf4", 2, False), ("nf4", 1, False), ("bf16-pure", 1, True)]
     # Inference never turns on activation checkpointing, and nothing else of the spec changes.
     assert not any(s.activation_checkpointing for s, _ in steps)
     for s, _ in steps:
-        assert s.model_dump(exclude={"precision", "batch_size"}) == spec().model_dump(exclude={"precision", "batch_size"})
+        assert s.model_dump(exclude={"precision", "batch_size", "offload"}) == \
+            spec().model_dump(exclude={"precision", "batch_size", "offload"})
 
 
 def test_the_middle_of_the_ladder_goes_on_from_there():
@@ -113,9 +126,11 @@ def test_forward_backward_is_a_training_mode():
     assert [change for _, change in steps] == ["activation checkpointing on", "batch 2 -> 1"]
 
 
-def test_forward_uses_quantized_rungs():
+def test_forward_uses_quantized_rungs_then_offloads():
     steps = walk(spec(mode="forward", precision="bf16-pure"), INFER_LADDER)
-    assert [change for _, change in steps] == ["precision bf16-pure -> int8", "precision int8 -> nf4"]
+    assert [change for _, change in steps] == ["precision bf16-pure -> int8", "precision int8 -> nf4",
+                                               "offload on, precision nf4 -> bf16-pure"]
+    assert steps[-1][0] == spec(mode="forward", precision="bf16-pure", offload=True)
 
 
 def test_training_with_checkpointing_already_on_goes_to_the_batch():
@@ -123,9 +138,42 @@ def test_training_with_checkpointing_already_on_goes_to_the_batch():
     assert [change for _, change in steps] == ["batch 3 -> 1"]
 
 
-def test_last_rung_at_batch_one_is_the_end():
-    assert next_attempt(spec(precision="nf4", batch_size=1), INFER_LADDER) is None
+def test_offload_at_batch_one_is_the_end():
+    assert next_attempt(spec(precision="bf16-pure", batch_size=1, offload=True), INFER_LADDER) is None
+    assert next_attempt(spec(mode="forward", precision="bf16-pure", offload=True), INFER_LADDER) is None
     assert next_attempt(spec(mode="train", precision="bf16-pure", activation_checkpointing=True), TRAIN_LADDER) is None
+
+
+@pytest.mark.parametrize("mode", ["train", "forward-backward"])
+@pytest.mark.parametrize("ladder", [TRAIN_LADDER, INFER_LADDER, FallbackPolicy(())])
+def test_training_never_offloads(mode, ladder):
+    for start in (spec(mode=mode, precision="bf16", batch_size=4), spec(mode=mode, precision="fp32", batch_size=1)):
+        steps = walk(start, ladder)
+        assert not any(s.offload for s, _ in steps)
+        assert not any("offload" in change for _, change in steps)
+
+
+def test_offload_goes_back_to_the_first_floating_point_rung():
+    seeds = FallbackPolicy(("fp32", "bf16-pure", "int8", "nf4"))
+    following, change = next_attempt(spec(precision="nf4"), seeds)
+    assert (following.precision, following.offload, change) == ("fp32", True, "offload on, precision nf4 -> fp32")
+    # A ladder of quantized rungs only: bf16 weights.
+    following, change = next_attempt(spec(precision="nf4"), FallbackPolicy(("int8", "nf4")))
+    assert (following.precision, following.offload, change) == ("bf16-pure", True, "offload on, precision nf4 -> bf16-pure")
+
+
+def test_an_offloaded_run_steps_through_floating_point_rungs_and_the_batch_only():
+    start = spec(precision="fp32", batch_size=2, offload=True)
+    steps = walk(start, FallbackPolicy(("fp32", "int8", "bf16-pure", "nf4")))
+    assert [change for _, change in steps] == ["precision fp32 -> bf16-pure", "batch 2 -> 1"]
+    assert all(s.offload for s, _ in steps)
+
+
+@pytest.mark.parametrize("fields", [{"backend": "hf"}, {"compile": True}])
+def test_no_offload_where_it_cannot_run(fields):
+    steps = walk(spec(precision="bf16-pure", batch_size=2, **fields), INFER_LADDER)
+    assert [change for _, change in steps] == [
+        "precision bf16-pure -> int8", "precision int8 -> nf4", "batch 2 -> 1"]
 
 
 def test_disabled_policy_never_retries():
@@ -135,12 +183,14 @@ def test_disabled_policy_never_retries():
 
 
 def test_precision_outside_the_ladder_goes_straight_to_checkpointing_and_batch():
-    assert [c for _, c in walk(spec(precision="fp32", batch_size=2), INFER_LADDER)] == ["batch 2 -> 1"]
+    assert [c for _, c in walk(spec(precision="fp32", batch_size=2), INFER_LADDER)] == [
+        "batch 2 -> 1", "offload on, precision fp32 -> bf16-pure"]
     steps = walk(spec(mode="train", precision="fp32", batch_size=2), TRAIN_LADDER)
     assert [c for _, c in steps] == ["activation checkpointing on", "batch 2 -> 1"]
     assert all(s.precision == "fp32" for s, _ in steps)
-    # An empty ladder behaves the same.
-    assert [c for _, c in walk(spec(precision="bf16-pure", batch_size=2), FallbackPolicy(()))] == ["batch 2 -> 1"]
+    # An empty ladder behaves the same, and offloads in bf16.
+    assert [c for _, c in walk(spec(precision="bf16-pure", batch_size=2), FallbackPolicy(()))] == [
+        "batch 2 -> 1", "offload on"]
 
 
 def test_ladder_with_a_repeated_precision_ends():
@@ -148,7 +198,7 @@ def test_ladder_with_a_repeated_precision_ends():
     # (priority_order: [fp16, bf16-pure] maps to bf16-pure twice): a repeated rung counts once.
     assert fallback_ladder(SweepConfig(fallback=["bf16-pure", "int8", "bf16-pure"]), "infer") == ["bf16-pure", "int8"]
     steps = walk(spec(precision="bf16-pure"), FallbackPolicy(("bf16-pure", "int8", "bf16-pure")))
-    assert [change for _, change in steps] == ["precision bf16-pure -> int8"]
+    assert [change for _, change in steps] == ["precision bf16-pure -> int8", "offload on, precision int8 -> bf16-pure"]
 
 
 # ---- largest_batch and search_max_batch -----------------------------------------------------------
@@ -418,6 +468,10 @@ def sweeps(tmp_path_factory) -> dict[str, Sweep]:
         "train": (["--mode", "train", "--precision", "bf16-pure", "--batch-size", "2"], "oom:bf16-pure"),
         "seeds": (["--config", str(seeds), "--batch-size", "1"], "oom:fp32"),
         "auto": (["--mode", "train", "--precision", "fp32", "--batch-size", "auto"], f"mem-limit:{auto_budget()}"),
+        "offload": (["--mode", "infer", "--precision", "bf16-pure", "--batch-size", "1"],
+                    f"mem-limit:{offload_budget('infer', 0)}"),
+        "offload_option": (["--mode", "forward", "--precision", "bf16-pure", "--batch-size", "1", "--offload"],
+                           f"mem-limit:{offload_budget('forward', RESIDENT)}"),
     }
     started = {name: start_sweep(root / name, [*TINY, *args], inject) for name, (args, inject) in planned.items()}
     return {name: finish_sweep(*pair) for name, pair in started.items()}
@@ -564,3 +618,54 @@ def test_the_prediction_is_for_the_configuration_that_ran(tmp_path, monkeypatch)
                        predict=predict, fallback=lambda s: INFER_LADDER)
     assert row["status"] == "ok", row.get("error")
     assert asked == [spec(precision="int8")] and row["prediction"] == {"for": "int8"}
+
+
+def test_out_of_memory_on_every_rung_ends_in_offload(sweeps):
+    sweep = sweeps["offload"]
+    row = ran(sweep)
+    budget = offload_budget("infer", 0)
+    planned = spec(precision="bf16-pure")
+    final = spec(precision="bf16-pure", offload=True)
+    assert row["status"] == "ok", row.get("error")
+    assert row["key"] == planned.key and row["label"] == planned.label
+    assert row["spec"] == final.model_dump()
+    expected = [(planned, "as planned", "oom"),
+                (spec(precision="int8"), "precision bf16-pure -> int8", "oom"),
+                (spec(precision="nf4"), "precision int8 -> nf4", "oom"),
+                (final, "offload on, precision nf4 -> bf16-pure", "ok")]
+    assert len(row["attempts"]) == len(expected)
+    for attempt, (tried, change, status) in zip(row["attempts"], expected):
+        check_attempt(attempt, tried, change, status)
+        if status == "oom":  # each ran out because its predicted peak exceeds the budget
+            assert peak("infer", tried.precision, tried.batch_size) > budget
+            assert f"{peak('infer', tried.precision, tried.batch_size):,.0f}" in attempt["error"]
+    # The budget leaves room for the edges and one layer in flight: every layer went to disk.
+    arch = resolve("tiny")
+    layer = 2 * arch.params_per_layer
+    assert row["offload"] == {
+        "tier": "disk", "resident_layers": 0, "offloaded_layers": 4, "resident_bytes": 2 * arch.total_params - 4 * layer,
+        "offloaded_bytes": 4 * layer, "max_memory": {"cpu": budget - peak("infer", "bf16-pure", 1, resident=0) + layer},
+        "stream_gbs": row["offload"]["stream_gbs"]}
+    assert row["offload"]["stream_gbs"] > 0
+    assert row["weights"]["bytes"] == 2 * arch.total_params  # every weight, wherever it lives
+    assert len(row["timing"]["samples"]["end_to_end"]) == 1  # it measured its one generation
+    assert len(sweep.logs) == len(expected)
+    printed = " ".join(sweep.stdout.split())  # as one line, however the console wrapped it
+    assert f"ok {planned.label} (ran as {final.label})" in printed
+    assert "4 of 4 layers (6 MB) offloaded to disk" in printed
+
+
+def test_offload_option_keeps_on_the_device_the_layers_the_budget_holds(sweeps):
+    sweep = sweeps["offload_option"]
+    row = ran(sweep)
+    planned = spec(mode="forward", precision="bf16-pure", offload=True)
+    assert row["status"] == "ok", row.get("error")
+    assert row["key"] == planned.key and row["spec"] == planned.model_dump()
+    assert " offload " in row["label"]
+    assert len(row["attempts"]) == 1
+    check_attempt(row["attempts"][0], planned, "as planned", "ok")
+    offload = row["offload"]
+    assert (offload["tier"], offload["resident_layers"], offload["offloaded_layers"]) == ("disk", RESIDENT, 4 - RESIDENT)
+    assert offload["offloaded_bytes"] == (4 - RESIDENT) * 2 * resolve("tiny").params_per_layer
+    assert len(row["timing"]["samples"]["step"]) == 1
+    assert f"{4 - RESIDENT} of 4 layers (3 MB) offloaded to disk" in " ".join(sweep.stdout.split())

@@ -387,6 +387,61 @@ def test_estimate_picks_the_largest_moment():
     assert [estimate.at_peak(t) for t in terms] == [True, False, True, True]
 
 
+# ---- offload -------------------------------------------------------------------------------------
+
+@pytest.mark.parametrize("mode", ["forward", "infer"])
+@pytest.mark.parametrize("precision", PRECISIONS)
+@pytest.mark.parametrize("batch, seq_len", [(1, 1), (2, 16), (8, 128)])
+def test_offload_keeps_the_edges_and_the_resident_layers_with_one_layer_in_flight(mode, precision, batch, seq_len):
+    w = WIDTHS[precision]["w"]
+    plain = hand_inference_moments(mode, precision, batch, seq_len, NEW_TOKENS)
+    for resident in range(L + 1):
+        estimate = estimate_memory(ARCH, mode, precision, batch, seq_len, new_tokens=NEW_TOKENS,
+                                   resident_layers=resident)
+        terms = terms_of(estimate)
+        assert terms["weights"] == w * (EDGE_PARAMS + resident * LAYER_PARAMS)
+        # one offloaded layer copied in for its forward while any layer is offloaded, at every moment
+        in_flight = w * LAYER_PARAMS if resident < L else 0
+        assert terms.get("offloaded layer in flight", 0) == in_flight
+        # the KV cache of every layer stays on the GPU, as do the temporaries
+        if mode == "infer":
+            assert terms["KV cache"] == 2 * L * K * WIDTHS[precision]["c"] * batch * (seq_len + NEW_TOKENS)
+        offloaded = w * (L - resident) * LAYER_PARAMS
+        assert_moments(estimate, {moment: total - offloaded + in_flight for moment, total in plain.items()})
+
+
+def test_offload_worked_example():
+    # bf16-pure, infer, batch 2 x 16 + 3 new tokens, one of the two layers on the GPU.
+    estimate = estimate_memory(ARCH, "infer", "bf16-pure", 2, 16, new_tokens=NEW_TOKENS, resident_layers=1)
+    weights = 2 * (12_864 + 36_992)  # edges and one layer: 99,712
+    in_flight = 2 * 36_992  # 73,984
+    cache = 2 * 2 * 32 * 2 * 2 * 19  # k and v, 2 layers, width 32, 2 B, batch 2, 19 positions: 9,728
+    mlp = 3 * 2 * 32 * 64 + 3 * 2 * 32 * 128 + 8 * 32  # 12,288 + 24,576 + 256 = 37,120
+    assert estimate.peak_moment == MLP
+    assert estimate.peak_bytes == weights + ROTARY + in_flight + cache + mlp == 253_312
+
+
+def test_offload_with_every_layer_resident_is_the_plain_model():
+    for mode in ("forward", "infer"):
+        plain = estimate_memory(ARCH, mode, "bf16-pure", 2, 16, new_tokens=NEW_TOKENS)
+        resident = estimate_memory(ARCH, mode, "bf16-pure", 2, 16, new_tokens=NEW_TOKENS, resident_layers=L)
+        assert moments_of(resident) == moments_of(plain)
+
+
+@pytest.mark.parametrize("mode, precision, parallelism, resident", [
+    ("train", "bf16-pure", Parallelism(), 1),
+    ("forward-backward", "bf16", Parallelism(), 1),
+    ("infer", "int8", Parallelism(), 1),
+    ("infer", "bf16-pure", Parallelism("tp", 2), 1),
+    ("infer", "bf16-pure", Parallelism(), -1),
+    ("infer", "bf16-pure", Parallelism(), L + 1),
+])
+def test_offload_outside_its_scope_is_an_error(mode, precision, parallelism, resident):
+    with pytest.raises(ValueError):
+        estimate_memory(ARCH, mode, precision, 1, 16, new_tokens=NEW_TOKENS, parallelism=parallelism,
+                        resident_layers=resident)
+
+
 # ---- parallelism ---------------------------------------------------------------------------------
 
 @pytest.mark.parametrize("precision", PRECISIONS)

@@ -31,6 +31,7 @@ from fitbench.plan.planner import (
     GpuTarget,
     assess,
     minimum_gpus,
+    offload_split,
     overhead_terms,
     plan,
     predict_spec,
@@ -45,6 +46,8 @@ H100 = "NVIDIA H100 80GB HBM3"
 H100_BF16_FLOPS = 989.4e12  # dense bf16 (the datasheet's 1,979 TFLOP/s is with 2:4 sparsity)
 H100_BANDWIDTH = 3.35e12  # HBM3, 3.35 TB/s
 H200_BANDWIDTH = 4.8e12  # HBM3e, 4.8 TB/s
+PCIE5_PER_DIRECTION = 128e9 / 2  # H100 and H200 datasheets: PCIe Gen5, 128 GB/s both directions together
+PCIE4_PER_DIRECTION = 64e9 / 2  # A100 datasheet: PCIe Gen4, 64 GB/s
 NVLINK4_PER_DIRECTION = 900e9 / 2  # NVLink 4: 900 GB/s total, both directions together
 GB = 1e9
 MIB = 1024**2
@@ -586,6 +589,104 @@ def test_predict_spec_prefers_the_first_rung_without_recompute_when_all_fit():
     assert prediction["chosen_by_planner"] == ["precision", "activation_checkpointing"]
 
 
+# ---- 8b. offload: layers beyond the GPU in host memory ------------------------------------------
+
+OFFLOAD_SHAPE = dict(seq_len=512, new_tokens=128)
+
+
+def offload_fits(arch, resident: int, memory: float) -> bool:
+    candidate = Candidate("bf16-pure", "single", 1, False, 1, resident)
+    return assess(arch, "infer", candidate, GpuTarget(H100, 1, memory, True), **OFFLOAD_SHAPE).fits
+
+
+def test_offload_split_of_llama_2_70b_on_80gb_by_hand():
+    arch = resolve("llama-2-70b")
+    S = 2 * layer_params(LLAMA2_70B)  # bf16 weights of one layer: 1.71 GB
+    # Every layer offloaded: the edges, one layer in flight, the KV cache of 512 + 128 positions, the
+    # rotary tables (fp32 cos and sin for 4096 positions x 128), and the prefill's MLP temporaries
+    # (3 c n f + 3 r n h + 8 n, n = 512).
+    P0 = estimate_memory(arch, "infer", "bf16-pure", 1, 512, new_tokens=128, resident_layers=0).peak_bytes
+    n, h, f = 512, LLAMA2_70B["h"], LLAMA2_70B["f"]
+    assert P0 == (2 * edge_params(LLAMA2_70B) + S + kv_bytes_per_token(LLAMA2_70B) * 640 + 2 * 4096 * 128 * 4
+                  + 3 * 2 * n * f + 3 * 2 * n * h + 8 * n) == 3_087_060_992
+    # CUDA context, one cuBLAS workspace, one page of rounding, and 1% of the GPU kept free
+    overheads = 721e6 + 32 * MIB + 2 * MIB + 0.8e9
+    split = offload_split(arch, "infer", "bf16-pure", 1, budget=80e9, calibration=DEFAULT, **OFFLOAD_SHAPE)
+    X = 80e9 - overheads - P0 + S
+    assert split.layer_bytes == S and split.layer_memory == pytest.approx(X, rel=1e-12)
+    assert split.resident_layers == math.floor(X / S) - 1 == 44
+    # The split is the most layers that fit in 99% of the GPU with one in flight.
+    assert offload_fits(arch, 44, 0.99 * 80e9) and not offload_fits(arch, 45, 0.99 * 80e9)
+    # Without a calibration, the tensors alone.
+    tensors = offload_split(arch, "infer", "bf16-pure", 1, budget=80e9, **OFFLOAD_SHAPE)
+    assert tensors.layer_memory == pytest.approx(80e9 - P0 + S, rel=1e-12)
+
+
+def test_offload_split_at_its_edges():
+    arch = resolve("llama-2-70b")
+    S = 2 * layer_params(LLAMA2_70B)
+    P0 = estimate_memory(arch, "infer", "bf16-pure", 1, 512, new_tokens=128, resident_layers=0).peak_bytes
+
+    def split(budget: float):
+        return offload_split(arch, "infer", "bf16-pure", 1, budget=budget, **OFFLOAD_SHAPE)
+
+    # Room for the rest and one layer in flight, none to keep: every layer offloaded.
+    assert split(P0).resident_layers == 0 and split(P0).layer_memory == S
+    assert split(P0 - 1).resident_layers == 0 and split(P0 - 1).layer_memory < S  # not even that fits
+    assert split(P0 + S).resident_layers == 1
+    # The last layer needs no room in flight: all 80 stay once they fit on their own.
+    assert split(P0 - S + 80 * S).resident_layers == 80
+    assert split(P0 - S + 80 * S - 1).resident_layers == 78
+    assert split(1e15).resident_layers == 80
+
+
+def test_offload_adds_the_host_link_to_the_roofline():
+    arch = resolve("llama-2-70b")
+    offloaded = 36 * 2 * layer_params(LLAMA2_70B)  # 44 of 80 layers resident
+    plain = estimate_step_time(arch, "infer", "bf16-pure", 1, 512, new_tokens=128, parallelism=Parallelism(),
+                               gpu_name=H100)
+    for gpu, link in ((H100, PCIE5_PER_DIRECTION), ("NVIDIA H200", PCIE5_PER_DIRECTION),
+                      ("NVIDIA A100-SXM4-80GB", PCIE4_PER_DIRECTION)):
+        speed = estimate_step_time(arch, "infer", "bf16-pure", 1, 512, new_tokens=128, parallelism=Parallelism(),
+                                   gpu_name=gpu, offloaded_bytes=offloaded)
+        assert speed.communication_s == pytest.approx(offloaded / link, rel=1e-12)
+        assert speed.bound == "communication"
+    assert speed.memory_s > plain.memory_s  # the A100's HBM is slower too
+    h100 = assess(arch, "infer", Candidate("bf16-pure", "single", 1, False, 1, 44), GpuTarget(H100, 1, 80e9, True),
+                  **OFFLOAD_SHAPE).speed
+    assert h100.seconds == pytest.approx(plain.seconds + offloaded / PCIE5_PER_DIRECTION, rel=1e-9)
+    assert h100.tokens_per_s == pytest.approx(1 / h100.seconds, rel=1e-12)  # about 1 token/s
+
+
+def test_offloaded_candidates_are_one_gpu_inference():
+    arch = resolve("llama-2-70b")
+    candidate = Candidate("bf16-pure", "tp", 2, False, 1, 40)
+    rejected = assess(arch, "infer", candidate, GpuTarget(H100, 2, 80e9, True), **OFFLOAD_SHAPE)
+    assert not rejected.fits and "one GPU" in rejected.reason
+    assert "offload (40 layers on the GPU)" in candidate.label
+
+
+def test_predict_spec_keeps_on_the_gpu_the_layers_that_fit():
+    # 65B in bf16 is 131 GB: it does not fit on one 80 GB GPU, offloaded it does.
+    spec = RunSpec(model="65B", backend="native", mode="infer", precision="bf16-pure", batch_size=1, seq_len=128,
+                   new_tokens=128, device="cuda:0", warmup_steps=1, measure_steps=1)
+    arch = resolve("65B")
+    _, plain = predict_spec(arch, spec, TARGET_80, DEFAULT, choose_precision=False, choose_recompute=False,
+                            runnable=PRECISIONS)
+    assert not plain["fits"] and plain["resident_layers"] is None
+    offloaded = spec.model_copy(update={"offload": True})
+    planned, prediction = predict_spec(arch, offloaded, TARGET_80, DEFAULT, choose_precision=True,
+                                       choose_recompute=False, runnable=PRECISIONS)
+    assert planned == offloaded  # quantized rungs are not for offload; bf16-pure stays
+    split = offload_split(arch, "infer", "bf16-pure", 1, seq_len=128, new_tokens=128, budget=80e9, calibration=DEFAULT)
+    assert prediction["fits"] and prediction["resident_layers"] == split.resident_layers == 46
+    assert prediction["predicted_peak_bytes"] <= 80e9
+    terms = {t["name"]: t["bytes"] for t in prediction["terms"]}
+    assert terms["offloaded layer in flight"] == split.layer_bytes
+    # 34 layers, 55 GB, cross PCIe Gen5 for every token.
+    assert prediction["step_time_estimate_s"] > 34 * split.layer_bytes / PCIE5_PER_DIRECTION
+
+
 # ---- 9. the commands -----------------------------------------------------------------------------
 
 def cli(argv, capsys):
@@ -622,7 +723,7 @@ def test_plan_command_json_has_sizes_in_bytes(capsys):
     assert result["hardware"] == {"name": None, "count": 4, "memory": 80e9, "described": True}
     chosen = result["chosen"]
     assert chosen["candidate"] == {"precision": "bf16-pure", "strategy": "tp", "gpus": 4,
-                                   "activation_checkpointing": False, "batch_size": 1}
+                                   "activation_checkpointing": False, "batch_size": 1, "resident_layers": None}
     per_gpu = 2 * (LLAMA2_70B["L"] * layer_params(LLAMA2_70B) / 4 + edge_params(LLAMA2_70B))
     assert per_gpu < chosen["predicted_peak_bytes"] < per_gpu + 2e9
     terms = {t["name"]: t["bytes"] for t in chosen["memory"]["terms"]}

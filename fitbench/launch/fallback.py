@@ -2,8 +2,10 @@
 
 **Fallback.** A configuration that runs out of memory is retried in a fresh process with, in this
 order: the next precision of the ladder (``--fallback``, e.g. bf16-pure, int8, nf4), then, for
-training, activation checkpointing, then half the batch. Each attempt is recorded in the row's
-``attempts`` (what was tried and why it failed); the row's ``spec`` is the one that finally ran.
+training, activation checkpointing, then half the batch, and last, for inference, offload: the
+decoder layers that do not fit stay in host memory and stream in for their forward
+(``fitbench.models.offload``). Each attempt is recorded in the row's ``attempts`` (what was tried
+and why it failed); the row's ``spec`` is the one that finally ran.
 
 **Adaptive batch.** ``--batch-size auto`` starts from the planner's largest batch predicted to
 fit and verifies it with short probe runs in fresh processes: a bisection between a batch known to
@@ -16,9 +18,10 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any, Callable
 
-from fitbench.config import RunSpec
-from fitbench.run.precision import TRAINING_MODES, trains_every_weight
+from fitbench.config import RunSpec, offload_problem
+from fitbench.run.precision import QUANTIZED_PRECISIONS, TRAINING_MODES, trains_every_weight
 
+OFFLOAD_PRECISION = "bf16-pure"  # when the ladder has no floating-point rung
 
 
 def probe_steps(mode: str) -> dict[str, int]:
@@ -40,10 +43,22 @@ class FallbackPolicy:
 
 def next_attempt(spec: RunSpec, policy: FallbackPolicy) -> tuple[RunSpec, str] | None:
     """The configuration to try after ``spec`` ran out of memory, and what changed; None when the
-    ladder, checkpointing and the batch are exhausted."""
+    ladder, checkpointing, the batch and offload are exhausted.
+
+    Rungs are skipped where they would change the workload or cannot run: in training, those that do
+    not train every weight (``trains_every_weight``); in an offloaded run, quantized ones. Offload comes last, at batch 1 of the last rung,
+    for infer and forward, and uses the ladder's first floating-point rung (``bf16-pure`` when it has
+    none). Offload lifts the GPU-memory limit on the weights, the one reason the ladder was walked
+    down, so the attempt goes back to the most preferred precision that can stream; quantized rungs
+    cannot: bitsandbytes and torchao weights carry quantization state (row scales, 4-bit block
+    states, tensor subclasses) that accelerate's hooks do not move with the weight.
+    """
     if not policy.enabled:
         return None
-    ladder = [p for p in policy.ladder if spec.mode not in TRAINING_MODES or trains_every_weight(p)]
+    if spec.mode in TRAINING_MODES:
+        ladder = [p for p in policy.ladder if trains_every_weight(p)]
+    else:
+        ladder = [p for p in policy.ladder if not (spec.offload and p in QUANTIZED_PRECISIONS)]
     if spec.precision in ladder and ladder.index(spec.precision) + 1 < len(ladder):
         precision = ladder[ladder.index(spec.precision) + 1]
         return spec.model_copy(update={"precision": precision}), f"precision {spec.precision} -> {precision}"
@@ -52,7 +67,11 @@ def next_attempt(spec: RunSpec, policy: FallbackPolicy) -> tuple[RunSpec, str] |
     if spec.batch_size > 1:
         half = spec.batch_size // 2
         return spec.model_copy(update={"batch_size": half}), f"batch {spec.batch_size} -> {half}"
-    return None
+    precision = next((p for p in policy.ladder if p not in QUANTIZED_PRECISIONS), OFFLOAD_PRECISION)
+    if spec.offload or offload_problem(spec.mode, precision, spec.backend, spec.compile):
+        return None
+    change = "offload on" + (f", precision {spec.precision} -> {precision}" if precision != spec.precision else "")
+    return spec.model_copy(update={"offload": True, "precision": precision}), change
 
 
 def run_with_fallback(spec: RunSpec, policy: FallbackPolicy,

@@ -158,6 +158,10 @@ class NativeLM(CausalLM):
             return {"cuda_graphs": False, "reason": self.eager_reason}
         return {"cuda_graphs": True, "captures": list(self.captures)}
 
+    def decode_eagerly(self, reason: str) -> None:
+        """Never capture: something about this model keeps its step out of a graph."""
+        self.eager_reason = self.eager_reason or reason
+
     def compile(self) -> None:
         super().compile()
         if self.eager_reason is None:

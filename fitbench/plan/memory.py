@@ -18,6 +18,11 @@ Inference and forward passes keep nothing for a backward pass: their peak is the
 under autocast, their 16-bit copies, which autocast caches for the whole forward), the KV cache,
 and the largest set of temporaries one layer holds at once.
 
+Offload (inference on one GPU, ``fitbench.models.offload``) keeps only ``k`` of the ``L`` decoder
+layers on the GPU: the weights term counts the edges (embeddings, final norm, output projection)
+and those ``k`` layers, and while any layer is offloaded, one layer's weights are in flight, copied
+in for its forward. The KV cache of every layer stays on the GPU.
+
 Sharding divides terms per GPU (``Parallelism``): tensor parallelism divides every layer's
 weights, the attention and MLP activations and the KV cache by its degree; FSDP divides weights,
 gradients and optimizer state by the data-parallel degree and adds the unsharded units in flight;
@@ -261,9 +266,12 @@ def prefill_transient_bytes(arch: Architecture, tokens: int, widths: Widths, tp:
 
 def estimate_memory(arch: Architecture, mode: str, precision: str, batch: int, seq_len: int, *,
                     new_tokens: int = 0, activation_checkpointing: bool = False,
-                    parallelism: Parallelism = Parallelism()) -> MemoryEstimate:
+                    parallelism: Parallelism = Parallelism(), resident_layers: int | None = None) -> MemoryEstimate:
     """Peak bytes on one GPU for this configuration, as terms (``at_peak`` marks those that
-    coexist at the peak moment)."""
+    coexist at the peak moment). ``resident_layers`` (infer and forward, floating-point weights,
+    one GPU) keeps that many decoder layers on the GPU and offloads the rest (``offloaded_weights``)."""
+    if resident_layers is not None:
+        return _offloaded(arch, mode, precision, batch, seq_len, new_tokens, resident_layers, parallelism)
     widths = Widths.of(precision)
     tp, stages, shards = parallelism.tensor, parallelism.stages, parallelism.shards
     P = arch.total_params
@@ -297,6 +305,39 @@ def estimate_memory(arch: Architecture, mode: str, precision: str, batch: int, s
         return _training(arch, mode, widths, batch, seq_len, activation_checkpointing, terms, weights,
                          local_params / shards, layers, tp)
     return _inference(arch, mode, widths, batch, seq_len, new_tokens, terms, tp, stages)
+
+
+def _offloaded(arch, mode, precision, batch, seq_len, new_tokens, resident, parallelism) -> MemoryEstimate:
+    """Inference with ``k = resident`` of the L decoder layers on the GPU:
+
+    - weights: w x (P - (L - k) x parameters per layer): the edges and k layers;
+    - the offloaded layer in flight, w x parameters per layer, while L - k > 0: accelerate's hook
+      copies a whole offloaded layer onto the GPU before its forward and drops it after,
+      synchronously and without prefetch, so one layer is in flight at a time. It is counted at
+      every moment because accelerate's device map keeps that room free for the whole run, which
+      makes the split predicted here the one it makes; at the output projection the room is in fact
+      empty, so there the prediction is one layer high;
+    - the KV cache of all L layers and the temporaries, as without offload.
+    """
+    if mode in ("train", "forward-backward") or precision in QUANTIZED or parallelism.gpus > 1:
+        raise ValueError(f"offload models inference with floating-point weights on one GPU, not {mode} "
+                         f"{precision} over {parallelism.gpus} GPU(s)")
+    if not 0 <= resident <= arch.num_layers:
+        raise ValueError(f"resident_layers must be 0 to {arch.num_layers}, got {resident}")
+    widths = Widths.of(precision)
+    w, L, per_layer = widths.weights, arch.num_layers, arch.params_per_layer
+    on_gpu = arch.total_params - (L - resident) * per_layer
+    terms = [Term("weights", w * on_gpu, f"{w:g} B x {on_gpu:,} parameters: the embeddings, final norm, output "
+                  f"projection and {resident} of {L} layers"), rotary_term(arch)]
+    if resident < L:
+        terms.append(Term("offloaded layer in flight", w * per_layer, f"{w:g} B x {per_layer:,} parameters: one "
+                          f"offloaded layer, copied in for its forward"))
+    return _inference(arch, mode, widths, batch, seq_len, new_tokens, terms, 1)
+
+
+def offloaded_weights(arch: Architecture, precision: str, resident_layers: int) -> float:
+    """Bytes kept off the GPU: w x (L - k) x parameters per layer."""
+    return Widths.of(precision).weights * (arch.num_layers - resident_layers) * arch.params_per_layer
 
 
 def rotary_term(arch: Architecture) -> Term:

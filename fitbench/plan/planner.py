@@ -3,7 +3,8 @@
 A candidate is a precision, a strategy over a GPU count, activation checkpointing on or off and a
 batch size. Its predicted per-GPU peak is the memory model's tensor terms plus the calibrated
 overheads (CUDA context, cuBLAS workspace, allocator page rounding, NCCL buffers). It fits when
-that peak is at most the GPU's memory.
+that peak is at most the GPU's memory. An offloaded candidate (inference on one GPU) keeps only
+some decoder layers on the GPU; ``offload_split`` says how many fit.
 
 The precision ladder is an order of preference (quality first): the chosen plan uses the first
 rung that has a fitting candidate, and among that rung's candidates the highest predicted
@@ -16,9 +17,9 @@ from dataclasses import dataclass, field, replace
 
 from fitbench import hardware
 from fitbench.models.architecture import Architecture
-from fitbench.plan.calibration import DEFAULT, Calibration
+from fitbench.plan.calibration import DEFAULT, PAGE, Calibration
 from fitbench.plan.memory import (QUANTIZED, MemoryEstimate, Parallelism, Term, Widths, estimate_memory,
-                                  saved_per_layer)
+                                  offloaded_weights, saved_per_layer)
 from fitbench.plan.speed import StepTime, estimate_step_time
 from fitbench.run.precision import training_problem
 
@@ -40,6 +41,11 @@ DEFAULT_LADDER = {
     "infer": ["bf16-pure", "int8", "nf4"],
 }
 MAX_AUTO_BATCH = 1 << 16
+# Offload is the last rung of the fallback ladder: an out-of-memory there ends the configuration,
+# while one layer fewer on the GPU costs about 1/L of the speed. So on a GPU the split keeps 1% of
+# the memory free beyond the predicted peak, three times the largest under-prediction measured for
+# inference (-0.3%, benchmarks/results/2026-11-22-h100-memory/errors.md).
+OFFLOAD_HEADROOM = 0.01
 
 
 @dataclass(frozen=True)
@@ -64,6 +70,7 @@ class Candidate:
     gpus: int
     activation_checkpointing: bool
     batch_size: int
+    resident_layers: int | None = None  # offload: decoder layers kept on the GPU, the rest in host memory
 
     @property
     def parallelism(self) -> Parallelism:
@@ -73,7 +80,8 @@ class Candidate:
     def label(self) -> str:
         layout = "1 GPU" if self.gpus == 1 else f"{self.strategy} x {self.gpus}"
         recompute = ", recompute" if self.activation_checkpointing else ""
-        return f"{self.precision}, {layout}{recompute}, batch {self.batch_size}"
+        offload = f", offload ({self.resident_layers} layers on the GPU)" if self.resident_layers is not None else ""
+        return f"{self.precision}, {layout}{recompute}{offload}, batch {self.batch_size}"
 
 
 @dataclass(frozen=True)
@@ -161,7 +169,7 @@ def assess(arch: Architecture, mode: str, candidate: Candidate, target: GpuTarge
             return Assessment(candidate, None, (), 0.0, False, f"{candidate.label}: {problem}", None)
     memory = estimate_memory(arch, mode, candidate.precision, candidate.batch_size, seq_len, new_tokens=new_tokens,
                              activation_checkpointing=candidate.activation_checkpointing,
-                             parallelism=candidate.parallelism)
+                             parallelism=candidate.parallelism, resident_layers=candidate.resident_layers)
 
     def total(moment: str) -> float:
         extra = overhead_terms(arch, mode, candidate, memory, moment, seq_len, calibration)
@@ -177,13 +185,17 @@ def assess(arch: Architecture, mode: str, candidate: Candidate, target: GpuTarge
                                 f"{target.memory / 1e9:.1f} GB available")
     speed = estimate_step_time(arch, mode, candidate.precision, candidate.batch_size, seq_len, new_tokens=new_tokens,
                                parallelism=candidate.parallelism, gpu_name=target.speed_name,
-                               activation_checkpointing=candidate.activation_checkpointing)
+                               activation_checkpointing=candidate.activation_checkpointing,
+                               offloaded_bytes=offloaded_weights(arch, candidate.precision, candidate.resident_layers)
+                               if candidate.resident_layers is not None else 0.0)
     return Assessment(candidate, memory, overheads, peak, fits, reason, speed, moment)
 
 
 def _layout_problem(arch: Architecture, candidate: Candidate, target: GpuTarget) -> str | None:
     if candidate.gpus > target.count:
         return f"{candidate.label} needs {candidate.gpus} GPUs; {target.count} available"
+    if candidate.resident_layers is not None and candidate.gpus > 1:
+        return f"{candidate.label}: offload keeps the layers that do not fit on one GPU in host memory"
     if candidate.strategy == "tp" and (arch.num_heads % candidate.gpus or arch.num_kv_heads % candidate.gpus):
         return (f"{candidate.label}: tensor parallel {candidate.gpus} does not divide {arch.num_heads} heads / "
                 f"{arch.num_kv_heads} kv heads")
@@ -227,6 +239,47 @@ def largest_fitting_batch(arch, mode, candidate: Candidate, target, *, seq_len, 
         middle = (low + high) // 2
         low, high = (middle, high) if fits(middle) else (low, middle)
     return low
+
+
+@dataclass(frozen=True)
+class OffloadSplit:
+    """How an offloaded run spreads its decoder layers: ``layer_memory`` bytes of the GPU for them
+    (accelerate's ``max_memory``), ``layer_bytes`` each, ``resident_layers`` of them on the GPU."""
+
+    layer_memory: float
+    layer_bytes: float
+    resident_layers: int
+
+
+def offload_split(arch: Architecture, mode: str, precision: str, batch: int, seq_len: int, *, new_tokens: int,
+                  budget: float, calibration: Calibration | None = None) -> OffloadSplit:
+    """The decoder layers an offloaded run keeps on a GPU of ``budget`` bytes.
+
+    With S = w x parameters per layer and P0 what the run needs with every layer offloaded (its
+    predicted peak: the edges, one layer in flight, the KV cache, temporaries; with ``calibration``,
+    that is on a GPU, also the CUDA context, workspaces, one 2 MiB page of allocator rounding and
+    ``OFFLOAD_HEADROOM`` of the budget kept free), k resident layers need P0 + k S while any layer
+    is offloaded, and all L need P0 - S + L S (nothing in flight). The layers may therefore take
+
+        X = budget - P0 + S
+
+    bytes: the ``max_memory`` that accelerate's ``infer_auto_device_map`` gets. It keeps S of it free
+    for the layer in flight while layers remain to place, so it puts all L layers on the GPU when
+    L S <= X, and otherwise the largest k with (k + 1) S <= X: the largest k whose need is within the
+    budget, so the split accelerate makes is the one predicted here. With X < S not even the layer
+    in flight fits: every layer is offloaded, and the run is predicted not to fit.
+    """
+    width = Widths.of(precision).weights
+    layer_bytes = width * arch.params_per_layer
+    everything_offloaded = estimate_memory(arch, mode, precision, batch, seq_len, new_tokens=new_tokens,
+                                           resident_layers=0).peak_bytes
+    if calibration is not None:
+        everything_offloaded += (calibration.context(False) + calibration.workspace(False) + PAGE
+                                 + OFFLOAD_HEADROOM * budget)
+    layer_memory = budget - everything_offloaded + layer_bytes
+    L = arch.num_layers
+    resident = L if L * layer_bytes <= layer_memory else max(0, int(layer_memory // layer_bytes) - 1)
+    return OffloadSplit(layer_memory, layer_bytes, resident)
 
 
 def plan(arch: Architecture, mode: str, target: GpuTarget, *, seq_len: int, new_tokens: int,
@@ -291,11 +344,21 @@ def predict_spec(arch: Architecture, spec, target: GpuTarget, calibration: Calib
                  choose_precision: bool, choose_recompute: bool, runnable: tuple[str, ...]):
     """Plan one ``fitbench run`` configuration on one GPU: choose the precision and activation
     checkpointing the user left open (first rung of the ladder that fits, fastest within it),
-    and predict its peak. Returns the spec to run and the prediction stored with its result."""
+    and predict its peak; an offloaded one keeps the layers ``offload_split`` finds room for.
+    Returns the spec to run and the prediction stored with its result."""
     ladder = [p for p in DEFAULT_LADDER[spec.mode] if p in runnable] if choose_precision else [spec.precision]
+    if spec.offload:
+        ladder = [p for p in ladder if p not in QUANTIZED]
     recompute = [False, True] if choose_recompute and spec.mode in TRAINING_MODES else [spec.activation_checkpointing]
-    options = [assess(arch, spec.mode, Candidate(precision, "single", 1, ac, spec.batch_size), target,
-                      seq_len=spec.seq_len, new_tokens=spec.new_tokens, calibration=calibration)
+
+    def resident(precision: str) -> int | None:
+        if not spec.offload:
+            return None
+        return offload_split(arch, spec.mode, precision, spec.batch_size, spec.seq_len, new_tokens=spec.new_tokens,
+                             budget=target.memory, calibration=calibration).resident_layers
+
+    options = [assess(arch, spec.mode, Candidate(precision, "single", 1, ac, spec.batch_size, resident(precision)),
+                      target, seq_len=spec.seq_len, new_tokens=spec.new_tokens, calibration=calibration)
                for precision in ladder for ac in recompute]
     fitting = [a for a in options if a.fits]
     chosen = fitting[0] if fitting else options[0]
@@ -308,6 +371,7 @@ def predict_spec(arch: Architecture, spec, target: GpuTarget, calibration: Calib
         "peak_moment": chosen.peak_moment,
         "fits": chosen.fits,
         "gpu_memory_bytes": target.memory,
+        "resident_layers": candidate.resident_layers,
         "chosen_by_planner": [name for name, chose in (
             ("precision", choose_precision),
             ("activation_checkpointing", choose_recompute and spec.mode in TRAINING_MODES)) if chose],

@@ -16,7 +16,10 @@ roofline; the collective volumes are the ring algorithms' ``2 (g - 1) / g`` for 
 - data parallel: gradients all-reduced (DDP) or weights all-gathered twice and gradients
   reduce-scattered (FSDP); tensor parallel: two all-reduces of the activations per layer in the
   forward pass and two in the backward; pipeline: one micro-batch per step crosses the stages one
-  after another, ``(M + S - 1) / M`` stage-times for M micro-batches and S stages.
+  after another, ``(M + S - 1) / M`` stage-times for M micro-batches and S stages;
+- offload: the offloaded layers' weights cross the host link (PCIe) once per forward pass (each
+  decode step, the prefill, a forward step), copied synchronously before each layer runs, so the
+  time ``offloaded bytes / host-link bandwidth`` adds to the step like communication.
 
 It is an optimistic bound, never a forecast of the achieved time: fitbench prints it beside the
 measured time so its error is visible.
@@ -41,6 +44,16 @@ LINK_BANDWIDTH = {
     "NVIDIA H200 NVL": 450e9,
 }
 PCIE_BANDWIDTH = 32e9
+
+# Host-to-GPU bandwidth per direction, bytes/s: PCIe Gen5 x16 on Hopper ("PCIe Gen5: 128 GB/s", both
+# directions, NVIDIA H100 and H200 datasheets); other GPUs PCIe Gen4 x16 (A100 datasheet: 64 GB/s).
+HOST_LINK_BANDWIDTH = {
+    "NVIDIA H100 80GB HBM3": 64e9,
+    "NVIDIA H100 PCIe": 64e9,
+    "NVIDIA H100 NVL": 64e9,
+    "NVIDIA H200": 64e9,
+    "NVIDIA H200 NVL": 64e9,
+}
 
 PRECISION_KIND = {"fp32": "fp32", "tf32": "tf32", "bf16": "bf16", "fp16": "fp16", "bf16-pure": "bf16",
                   "int8": "bf16", "nf4": "bf16", "fp4": "bf16", "int8-dynamic": "int8", "int4": "bf16",
@@ -69,7 +82,9 @@ def _weight_bytes(arch: Architecture, precision: str) -> float:
 
 def estimate_step_time(arch: Architecture, mode: str, precision: str, batch: int, seq_len: int, *,
                        new_tokens: int, parallelism: Parallelism, gpu_name: str,
-                       activation_checkpointing: bool = False) -> StepTime:
+                       activation_checkpointing: bool = False, offloaded_bytes: float = 0.0) -> StepTime:
+    """The roofline time of one step (one decode step in infer); ``offloaded_bytes`` of weights
+    cross the host link each forward pass."""
     peak = hardware.peak_flops(gpu_name, PRECISION_KIND[precision]) or hardware.peak_flops(gpu_name, "bf16")
     bandwidth = hardware.peak_bandwidth(gpu_name)
     if not peak or not bandwidth:
@@ -88,6 +103,7 @@ def estimate_step_time(arch: Architecture, mode: str, precision: str, batch: int
         compute_s = 2 * batch * arch.matmul_params / (peak * tp)
         per_layer = 2 * (tp - 1) / tp * batch * arch.hidden_size * widths.compute
         communication_s = 2 * arch.num_layers * per_layer / link if tp > 1 else 0.0
+        communication_s += offloaded_bytes / HOST_LINK_BANDWIDTH.get(gpu_name, PCIE_BANDWIDTH)
         seconds = max(compute_s, memory_s) + communication_s
         tokens_per_s = batch / seconds
     else:
@@ -110,6 +126,7 @@ def estimate_step_time(arch: Architecture, mode: str, precision: str, batch: int
             directions = 1 if mode == "forward" else 2
             per_layer = 2 * 2 * (tp - 1) / tp * n * arch.hidden_size * widths.compute
             communication_s = directions * arch.num_layers * per_layer / link
+        communication_s += offloaded_bytes / HOST_LINK_BANDWIDTH.get(gpu_name, PCIE_BANDWIDTH)
         # One micro-batch per step: it crosses the stages one after another, (M + S - 1) / M = S slots.
         microbatches = 1
         seconds = max(compute_s, memory_s) * (microbatches + stages - 1) / microbatches + communication_s

@@ -78,6 +78,8 @@ def results_table(rows: Iterable[dict[str, Any]], title: str = "fitbench results
         shape = f"{spec['batch_size']}×{spec['seq_len']}" + (f"+{spec['new_tokens']}" if spec["mode"] == "infer" else "")
         if spec.get("activation_checkpointing"):
             shape += " rc"
+        if spec.get("offload"):
+            shape += " off"
         timing = f"{format_seconds(head['time'])} ± {head['cv']:.1f}%" if head["time"] is not None else "-"
         if spec["mode"] == "infer" and head["time"] is not None:
             timing += "/tok"

@@ -3,7 +3,8 @@
 Run as ``python -m fitbench.run.worker SPEC.json RESULT.json``. Progress goes to stdout as one
 JSON object per line (the parent shows it as a live line); diagnostics go to stderr (the parent
 keeps them in the run's log). The result file is written only at the end; a worker that dies
-leaves none, and the parent records the death.
+leaves none, and the parent records the death. Disk offload writes its layers into RESULT.json's
+directory, which the parent makes for the run and removes after it, however the run ends.
 
 Fault injection for tests (comma-separated in ``FITBENCH_INJECT``):
 
@@ -12,7 +13,8 @@ Fault injection for tests (comma-separated in ``FITBENCH_INJECT``):
 - ``oom:<precision>``: a worker running that precision raises the real
   ``torch.cuda.OutOfMemoryError`` once its model is built;
 - ``mem-limit:<bytes>``: a worker raises it when the planner's predicted tensor peak for its
-  configuration exceeds that budget, which makes a CPU behave like a GPU of that size.
+  configuration exceeds that budget, which makes a CPU behave like a GPU of that size; an
+  offloaded configuration also keeps on the device only the layers that budget has room for.
 """
 
 from __future__ import annotations
@@ -30,6 +32,8 @@ import torch
 from fitbench import hardware
 from fitbench.config import RunSpec
 from fitbench.models.backends import CausalLM, NativeLM, load_model
+from fitbench.models.hf import has_weights
+from fitbench.models.offload import Offload, OffloadCapacityError, build_offloaded
 from fitbench.models.registry import is_local_model, resolve
 from fitbench.run.loops import generate, make_step, random_tokens, read_generation
 from fitbench.run.metrics import inference_metrics, step_metrics
@@ -64,7 +68,7 @@ def injected_memory_limit() -> float | None:
     return None
 
 
-def raise_injected_out_of_memory(spec: RunSpec, arch) -> None:
+def raise_injected_out_of_memory(spec: RunSpec, arch, resident_layers: int | None) -> None:
     if injected("oom", spec.precision):
         raise torch.cuda.OutOfMemoryError(f"CUDA out of memory (injected by FITBENCH_INJECT for {spec.precision})")
     limit = injected_memory_limit()
@@ -72,8 +76,8 @@ def raise_injected_out_of_memory(spec: RunSpec, arch) -> None:
         from fitbench.plan.memory import estimate_memory
 
         peak = estimate_memory(arch, spec.mode, spec.precision, spec.batch_size, spec.seq_len,
-                               new_tokens=spec.new_tokens,
-                               activation_checkpointing=spec.activation_checkpointing).peak_bytes
+                               new_tokens=spec.new_tokens, activation_checkpointing=spec.activation_checkpointing,
+                               resident_layers=resident_layers).peak_bytes
         if peak > limit:
             raise torch.cuda.OutOfMemoryError(f"CUDA out of memory (injected: predicted {peak:,.0f} B exceeds the "
                                               f"FITBENCH_INJECT limit of {limit:,.0f} B)")
@@ -114,7 +118,7 @@ def weight_storage_bytes(module: torch.nn.Module) -> int:
     return total
 
 
-def measure(spec: RunSpec, device: torch.device) -> dict:
+def measure(spec: RunSpec, device: torch.device, scratch: Path) -> dict:
     """Build, warm up and measure ``spec``; every field of the result row but the memory."""
     arch = resolve(spec.model)
     policy = precision_policy(spec.precision)
@@ -125,16 +129,21 @@ def measure(spec: RunSpec, device: torch.device) -> dict:
     emit(phase="build")
     started = time.perf_counter()
     allocated_before = torch.cuda.memory_allocated(device) if device.type == "cuda" else 0
-    built = build(spec, arch, policy, device)
-    lm = built.lm
+    built = build(spec, arch, policy, device, scratch)
+    lm, offload = built.lm, built.offload
     clock.synchronize()
     build_s = time.perf_counter() - started
-    weight_bytes = (torch.cuda.memory_allocated(device) - allocated_before if device.type == "cuda"
-                    else weight_storage_bytes(lm.module))
+    if offload:
+        weight_bytes = offload.resident_bytes + offload.offloaded_bytes
+        weight_method = "parameters, on the device and offloaded"
+    elif device.type == "cuda":
+        weight_bytes, weight_method = torch.cuda.memory_allocated(device) - allocated_before, "allocated by the build"
+    else:
+        weight_bytes, weight_method = weight_storage_bytes(lm.module), "parameter storage"
     if injected("crash", spec.model):
         print(f"FITBENCH_INJECT: aborting the worker of {spec.model}", file=sys.stderr, flush=True)
         os.abort()
-    raise_injected_out_of_memory(spec, arch)
+    raise_injected_out_of_memory(spec, arch, offload.resident_layers if offload else None)
     if spec.activation_checkpointing:
         lm.enable_activation_checkpointing()
     if spec.compile:
@@ -160,6 +169,7 @@ def measure(spec: RunSpec, device: torch.device) -> dict:
     if peak is None and device.type == "cuda":
         warnings.append(f"no datasheet peak for {device_name!r}: MFU left empty (fitbench env --measure "
                         f"gives a measured one)")
+    offloaded = {"offload": offload_row(offload, timing, spec.mode)} if offload else {}
     return {
         "device_name": device_name, "build_s": build_s, "compile_s": compile_s, "warnings": warnings,
         "peak_flops": peak, "measured_peak_flops": measured_peak,
@@ -168,24 +178,38 @@ def measure(spec: RunSpec, device: torch.device) -> dict:
         "quality": built.quality.__dict__ if built.quality else None,
         "training": built.training,
         "weights": {"bytes": weight_bytes, "bf16_bytes": 2 * arch.total_params,
-                    "relative_to_bf16": weight_bytes / (2 * arch.total_params),
-                    "method": "allocated by the build" if device.type == "cuda" else "parameter storage"},
+                    "relative_to_bf16": weight_bytes / (2 * arch.total_params), "method": weight_method},
+        **offloaded,
     }
 
 
 @dataclass(frozen=True)
 class Built:
-    """A model ready to run, the quality of quantized weights against bf16, and what a training step
-    updates when it is not every weight."""
+    """A model ready to run; the quality of quantized weights against bf16; what a training step
+    updates when it is not every weight; for offload, where the layers went."""
 
     lm: CausalLM
     quality: Quality | None = None
     training: dict | None = None
     adapter_params: int | None = None
+    offload: Offload | None = None
 
 
-def build(spec: RunSpec, arch, policy, device: torch.device) -> Built:
+def offload_row(offload: Offload, timing: dict, mode: str) -> dict:
+    """Where the layers went, and ``stream_gbs``: the offloaded bytes, which every forward pass
+    streams in once, over the median decode step (infer) or step (forward), the rate at which they
+    arrived if the step did nothing else."""
+    step = timing["token_latency" if mode == "infer" else "step"]["median"]
+    return {**offload.as_dict(), "stream_gbs": offload.offloaded_bytes / step / 1e9 if offload.offloaded_layers else None}
+
+
+def build(spec: RunSpec, arch, policy, device: torch.device, scratch: Path) -> Built:
     model_path = spec.model if is_local_model(spec.model) else None
+    if spec.offload:
+        return build_offload(spec, arch, policy, device, scratch, model_path)
+    model_path = spec.model if is_local_model(spec.model) else None
+    if spec.offload:
+        return build_offload(spec, arch, policy, device, scratch, model_path)
     if not policy.quantized:
         return Built(load_model(arch, spec.backend, device, policy.weight_dtype, model_path=model_path,
                                 compute_dtype=policy.compute_dtype, cuda_graphs=spec.cuda_graphs))
@@ -217,6 +241,36 @@ def build(spec: RunSpec, arch, policy, device: torch.device) -> Built:
                                      f"every matmul of every layer); the {spec.precision} base, embeddings and "
                                      f"output projection are frozen",
                            "trainable_params": adapters})
+
+
+def build_offload(spec: RunSpec, arch, policy, device: torch.device, scratch: Path, model_path: str | None) -> Built:
+    """The native model with the decoder layers the device has no room for offloaded
+    (``fitbench.models.offload``). The room is the planner's ``offload_split`` of the device's
+    memory: a GPU's total memory less its calibrated overheads, or on the CPU the available RAM;
+    FITBENCH_INJECT's mem-limit replaces either. Decoding stays eager: the offloaded layers stream
+    in through accelerate's hooks, host-to-device copies a CUDA graph cannot replay."""
+    import psutil
+
+    from fitbench.plan.calibration import load_calibration
+    from fitbench.plan.planner import offload_split
+
+    if model_path is not None and has_weights(model_path):
+        raise RefusedError(f"offload builds random weights layer by layer; {model_path} holds a checkpoint, "
+                           f"which it does not stream: run it without --offload")
+    limit = injected_memory_limit()
+    host = float(psutil.virtual_memory().available)
+    if device.type == "cuda":
+        budget = limit or float(torch.cuda.get_device_properties(device).total_memory)
+        calibration = load_calibration(torch.cuda.get_device_name(device))
+    else:
+        budget, calibration = limit or host, None
+    split = offload_split(arch, spec.mode, spec.precision, spec.batch_size, spec.seq_len, new_tokens=spec.new_tokens,
+                          budget=budget, calibration=calibration)
+    module, offload = build_offloaded(arch, device, policy.weight_dtype, split.layer_memory, host, scratch / "offload")
+    lm = NativeLM(module, cache_dtype=policy.compute_dtype)
+    lm.decode_eagerly("offloaded layers stream in through accelerate's hooks: host-to-device copies a CUDA graph "
+                      "cannot replay")
+    return Built(lm, offload=offload)
 
 
 class RefusedError(Exception):
@@ -289,7 +343,7 @@ def _measure_generation(spec, arch, built: Built, policy, clock, device, peaks: 
 
 
 def classify(error: BaseException) -> str:
-    if isinstance(error, RefusedError):
+    if isinstance(error, (RefusedError, OffloadCapacityError)):
         return "refused"
     if isinstance(error, torch.cuda.OutOfMemoryError):
         return "oom"
@@ -313,7 +367,7 @@ def main(argv: list[str]) -> int:
         torch.cuda.set_device(device)
     sampler = NvmlSampler([torch.cuda.current_device()]) if device.type == "cuda" else None
     try:
-        payload = {"status": "ok", **measure(spec, device)}
+        payload = {"status": "ok", **measure(spec, device, result_path.parent)}
         code = EXIT_OK
     except Exception as error:  # every failure becomes a result row; the sweep goes on
         traceback.print_exc()
