@@ -58,6 +58,11 @@ def capture_cuda_graph(step: Step) -> Replay:
     allocates outside torch (a data-dependent shape, ``.item()``) cannot be captured.
     """
     current = torch.cuda.current_stream()
+    # A capture puts the device's random generator in capture mode and only a clean end takes it out;
+    # after a failed one, random numbers (a later model's initialization) would fail, so the
+    # generator gets back a copy of its state from before.
+    generator = torch.cuda.default_generators[torch.cuda.current_device()]
+    random_state = generator.clone_state()
     side = torch.cuda.Stream()
     side.wait_stream(current)  # the warm-up reads the cache the prefill wrote
     try:
@@ -73,6 +78,7 @@ def capture_cuda_graph(step: Step) -> Replay:
                 output = step()
         except BaseException:
             _end_failed_capture(pool)
+            generator.graphsafe_set_state(random_state)
             raise
     finally:
         # torch.cuda.graph restores the previous stream only when the capture ends cleanly; the
