@@ -5,15 +5,17 @@ generating, and stores what it finds under the user's cache directory (``calibra
 beside the matmul ceilings), keyed by GPU name and torch version; the planner uses a stored
 calibration automatically and names it in every plan. Without one, the defaults below apply,
 measured the same way on one H100 80GB HBM3 with torch 2.11.0+cu130
-(``benchmarks/results/2026-11-22-h100-memory``):
+(``benchmarks/results/2026-11-22-h100-memory``; inference again once decoding ran through CUDA
+graphs, ``benchmarks/results/2026-11-22-h100-ladder-infer``):
 
 - **CUDA context**: memory the driver gives the process beyond what the caching allocator
   reserved (NVML's per-process figure minus ``max_memory_reserved``). It holds the CUDA runtime
   and the code of every kernel loaded, so a training step, which loads backward and optimizer
-  kernels, has a larger one: 795 MB training, 721 MB inference there.
+  kernels, has a larger one: 795 MB training; 797 MB inference with the decode graph (721 MB eager).
 - **workspaces**: what the allocator holds beyond the step's tensors: cuBLAS's workspace of
   32 MiB per handle and stream on Hopper, one for the forward stream and one for the autograd
-  engine's: 67 MB training, 34 MB inference (measured allocated peak minus traced tensors).
+  engine's in training, or for the stream the decode graph is captured on in inference: 64 MiB
+  either way (measured allocated peak minus traced tensors; 32 MiB when decoding eagerly).
 - **allocator slack**: fitbench's workers run with ``expandable_segments:True``, which maps
   memory in 2 MiB pages as needed instead of caching whole blocks, so when the peak comes with
   the forward pass's tensors the slack is the page rounding. When it comes late in the backward
@@ -59,9 +61,9 @@ class Calibration:
 
 DEFAULT = Calibration(
     cuda_context_training=795e6,
-    cuda_context_inference=721e6,
+    cuda_context_inference=797e6,
     workspace_training=2 * 32 * MIB,
-    workspace_inference=32 * MIB,
+    workspace_inference=2 * 32 * MIB,
     nccl_per_communicator=256 * MIB,
     source="default (measured on NVIDIA H100 80GB HBM3, torch 2.11.0+cu130)",
 )
