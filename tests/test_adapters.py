@@ -4,7 +4,6 @@ refusal of torchao inference tensors in training."""
 
 import json
 import re
-from pathlib import Path
 
 import pytest
 import torch
@@ -20,6 +19,7 @@ from fitbench.run import worker
 from fitbench.run.adapters import LowRankAdapted, add_adapters
 from fitbench.run.loops import random_tokens
 from fitbench.run.quantize import build_quantized_native
+from test_quantize import run_worker
 
 CPU = torch.device("cpu")
 ADAPTER_BASES = ("int8", "nf4", "fp4")
@@ -30,13 +30,6 @@ def spec(**fields) -> RunSpec:
     values = dict(model="tiny", backend="native", mode="train", precision="nf4", batch_size=2, seq_len=16,
                   new_tokens=4, device="cpu", warmup_steps=1, measure_steps=2)
     return RunSpec(**{**values, **fields})
-
-
-def run_worker(run: RunSpec, tmp_path: Path) -> tuple[int, dict]:
-    spec_path, result_path = tmp_path / "spec.json", tmp_path / "result.json"
-    spec_path.write_text(run.model_dump_json())
-    code = worker.main([str(spec_path), str(result_path)])
-    return code, json.loads(result_path.read_text())
 
 
 def hand_adapter_params(arch) -> int:
