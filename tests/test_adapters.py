@@ -179,3 +179,18 @@ def test_float8_training_is_refused_on_a_cpu(tmp_path):
     code, row = run_worker(spec(precision="fp8"), tmp_path)
     assert (code, row["status"]) == (worker.EXIT_FAILED, "refused")
     assert "8.9" in row["error"] and "CPU" in row["error"]
+
+
+def test_adapter_training_roofline_counts_no_weight_gradients():
+    from fitbench.plan.memory import Parallelism
+    from fitbench.plan.speed import estimate_step_time
+
+    arch = resolve("7B")
+
+    def compute_s(precision: str) -> float:
+        return estimate_step_time(arch, "train", precision, 4, 512, new_tokens=1, parallelism=Parallelism(),
+                                  gpu_name=H100).compute_s
+
+    # Same peak (bf16 tensor cores): the ratio is the FLOPs per token, 4N + 12LHQT + 6A over 6N + 12LHQT.
+    assert compute_s("nf4") / compute_s("bf16-pure") == pytest.approx(
+        arch.adapter_train_flops_per_token(512, adapter_params(arch)) / arch.train_flops_per_token(512), rel=1e-12)

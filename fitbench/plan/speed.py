@@ -31,7 +31,8 @@ from dataclasses import dataclass
 
 from fitbench import hardware
 from fitbench.models.architecture import Architecture
-from fitbench.plan.memory import QUANTIZED, Parallelism, Widths, quantized_layer_bytes, layer_matmul_params
+from fitbench.plan.memory import (ADAPTER_BASES, QUANTIZED, Parallelism, Widths, adapter_params, layer_matmul_params,
+                                  quantized_layer_bytes)
 
 # GPU-to-GPU bandwidth per direction, bytes/s. NVLink 4 (H100/H200 SXM): 900 GB/s both directions
 # (NVIDIA H100 datasheet); NVLink 3 (A100 SXM): 600 GB/s; PCIe Gen5 x16: 64 GB/s, Gen4: 32 GB/s.
@@ -110,9 +111,13 @@ def estimate_step_time(arch: Architecture, mode: str, precision: str, batch: int
         # Recomputing activations repeats the forward pass: 4 forward-passes' worth instead of 3.
         passes = 1 if mode == "forward" else (4 if activation_checkpointing else 3)
         per_token = arch.forward_flops_per_token(seq_len) * passes
+        adapters = mode != "forward" and precision in ADAPTER_BASES
+        if adapters:  # no weight gradients for the frozen base: 2 N fewer per token
+            per_token += arch.adapter_train_flops_per_token(seq_len, adapter_params(arch)) - \
+                arch.train_flops_per_token(seq_len)
         compute_s = n * per_token / (peak * tp * stages)
         reads = 1 if mode == "forward" else 3
-        optimizer_bytes = 4 * widths.weights * arch.total_params if mode == "train" else 0
+        optimizer_bytes = 4 * widths.weights * arch.total_params if mode == "train" and not adapters else 0
         # Every FSDP rank reads the whole gathered model; its optimizer touches only its shard.
         shards = g if parallelism.strategy == "fsdp" else 1
         memory_s = (reads * weight_bytes + optimizer_bytes / shards) / (bandwidth * tp * stages)
