@@ -557,14 +557,15 @@ def calibrate(args: argparse.Namespace, cli_options: dict[str, Any]) -> int:
 
     import tempfile
 
-    console.print(f"calibrating {device}: tiny training and generating in fresh processes ...")
+    console.print(f"calibrating {device}: tiny training, generating and in a forward pass, in fresh processes ...")
     with tempfile.TemporaryDirectory(prefix="fitbench-calibrate-") as scratch:
         calibration = measure_calibration(device, Path(scratch))
     path = save_calibration(torch.cuda.get_device_name(torch.device(device)), calibration)
-    console.print(f"CUDA context {calibration.cuda_context_training / 1e6:.0f} MB training, "
-                  f"{calibration.cuda_context_inference / 1e6:.0f} MB inference; workspaces "
-                  f"{calibration.workspace_training / 1e6:.0f} MB training, {calibration.workspace_inference / 1e6:.0f} MB "
-                  f"inference; stored in {path}")
+    c = calibration
+    console.print(f"CUDA context {c.cuda_context_training / 1e6:.0f} MB training, {c.cuda_context_inference / 1e6:.0f} MB "
+                  f"generating, {c.cuda_context_eager / 1e6:.0f} MB forward; workspaces {c.workspace_training / 1e6:.0f} "
+                  f"MB training, {c.workspace_inference / 1e6:.0f} MB generating, {c.workspace_eager / 1e6:.0f} MB "
+                  f"forward; stored in {path}")
     return 0
 
 

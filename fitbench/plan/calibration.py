@@ -1,7 +1,7 @@
 """Constant overheads outside the tensor formulas, measured once per GPU and software stack.
 
-``fitbench calibrate`` runs ``tiny`` through the real worker on the GPU, once training and once
-generating, and stores what it finds under the user's cache directory (``calibration.json``
+``fitbench calibrate`` runs ``tiny`` through the real worker on the GPU, training, generating and
+in a forward pass, and stores what it finds under the user's cache directory (``calibration.json``
 beside the matmul ceilings), keyed by GPU name and torch version; the planner uses a stored
 calibration automatically and names it in every plan. Without one, the defaults below apply,
 measured the same way on one H100 80GB HBM3 with torch 2.11.0+cu130
@@ -11,11 +11,13 @@ graphs, ``benchmarks/results/2026-11-22-h100-ladder-infer``):
 - **CUDA context**: memory the driver gives the process beyond what the caching allocator
   reserved (NVML's per-process figure minus ``max_memory_reserved``). It holds the CUDA runtime
   and the code of every kernel loaded, so a training step, which loads backward and optimizer
-  kernels, has a larger one: 795 MB training; 797 MB inference with the decode graph (721 MB eager).
+  kernels, has a larger one: 795 MB training; 797 MB generating through the decode graph, whose
+  capture loads more kernels; 721 MB for a forward pass or eager decoding.
 - **workspaces**: what the allocator holds beyond the step's tensors: cuBLAS's workspace of
   32 MiB per handle and stream on Hopper, one for the forward stream and one for the autograd
   engine's in training, or for the stream the decode graph is captured on in inference: 64 MiB
-  either way (measured allocated peak minus traced tensors; 32 MiB when decoding eagerly).
+  either way (measured allocated peak minus traced tensors); 32 MiB for a forward pass or eager
+  decoding, which use one stream.
 - **allocator slack**: fitbench's workers run with ``expandable_segments:True``, which maps
   memory in 2 MiB pages as needed instead of caching whole blocks, so when the peak comes with
   the forward pass's tensors the slack is the page rounding. When it comes late in the backward
@@ -38,20 +40,35 @@ MIB = 1024**2
 PAGE = 2 * MIB
 
 
+TRAINING_MODES = ("train", "forward-backward")
+
+
 @dataclass(frozen=True)
 class Calibration:
     cuda_context_training: float
-    cuda_context_inference: float
+    cuda_context_inference: float  # generating, decode steps replayed from a CUDA graph
     workspace_training: float
     workspace_inference: float
     nccl_per_communicator: float
     source: str  # "default (...)" or "measured on <gpu> ..."
+    # A forward pass, or generating with eager decoding; calibrations stored before these existed
+    # have none, and the inference figures (an upper bound) apply.
+    cuda_context_eager: float | None = None
+    workspace_eager: float | None = None
 
-    def context(self, backward: bool) -> float:
-        return self.cuda_context_training if backward else self.cuda_context_inference
+    def context(self, mode: str, decode_graph: bool = True) -> float:
+        if mode in TRAINING_MODES:
+            return self.cuda_context_training
+        if (mode == "infer" and decode_graph) or self.cuda_context_eager is None:
+            return self.cuda_context_inference
+        return self.cuda_context_eager
 
-    def workspace(self, backward: bool) -> float:
-        return self.workspace_training if backward else self.workspace_inference
+    def workspace(self, mode: str, decode_graph: bool = True) -> float:
+        if mode in TRAINING_MODES:
+            return self.workspace_training
+        if (mode == "infer" and decode_graph) or self.workspace_eager is None:
+            return self.workspace_inference
+        return self.workspace_eager
 
     @staticmethod
     def page_rounding(peak_allocated: float) -> float:
@@ -66,6 +83,8 @@ DEFAULT = Calibration(
     workspace_inference=2 * 32 * MIB,
     nccl_per_communicator=256 * MIB,
     source="default (measured on NVIDIA H100 80GB HBM3, torch 2.11.0+cu130)",
+    cuda_context_eager=721e6,
+    workspace_eager=32 * MIB,
 )
 
 
@@ -111,7 +130,7 @@ def save_calibration(gpu_name: str, calibration: Calibration) -> Path:
 
 
 def measure_calibration(device: str, scratch: Path) -> Calibration:
-    """Run ``tiny`` training and generating on ``device`` through the real worker and read off the
+    """Run ``tiny`` training, generating and a forward pass on ``device`` through the real worker and read off the
     context (NVML minus reserved) and the workspaces (allocated peak minus the traced tensor peak)."""
     import time
 
@@ -123,7 +142,8 @@ def measure_calibration(device: str, scratch: Path) -> Calibration:
     from fitbench.plan.trace import trace_peak
 
     found = {}
-    for mode, precision, batch, seq_len in (("train", "bf16", 4, 256), ("infer", "bf16-pure", 4, 256)):
+    for mode, precision, batch, seq_len in (("train", "bf16", 4, 256), ("infer", "bf16-pure", 4, 256),
+                                            ("forward", "bf16-pure", 4, 256)):
         spec = RunSpec(model="tiny", backend="native", mode=mode, precision=precision, batch_size=batch,
                        seq_len=seq_len, new_tokens=8, device=device, warmup_steps=2, measure_steps=3)
         row = run_one(spec, scratch / f"{mode}.log", timeout=600, on_event=lambda event: None)
@@ -137,6 +157,7 @@ def measure_calibration(device: str, scratch: Path) -> Calibration:
     return Calibration(
         cuda_context_training=float(found["train"][0]), cuda_context_inference=float(found["infer"][0]),
         workspace_training=float(found["train"][1]), workspace_inference=float(found["infer"][1]),
+        cuda_context_eager=float(found["forward"][0]), workspace_eager=float(found["forward"][1]),
         nccl_per_communicator=DEFAULT.nccl_per_communicator,
         source=f"measured on {torch.cuda.get_device_name(torch.device(device))} with torch {torch.__version__} "
                f"at {time.strftime('%Y-%m-%dT%H:%M:%SZ', time.gmtime())}",

@@ -136,13 +136,24 @@ class Plan:
 LATE_BACKWARD = ("recompute of the last layer", "backward of the first layer", "end of the backward pass")
 
 
+# Decoding stays eager under autocast (its 16-bit weight copies live one generation) and with
+# LLM.int8, whose outlier search synchronizes (``fitbench.models.backends``).
+EAGER_DECODE_PRECISIONS = ("bf16", "fp16", "int8")
+
+
+def decodes_through_graph(candidate: Candidate) -> bool:
+    """Whether a generation of ``candidate`` replays its decode steps from a CUDA graph; offloaded
+    layers stream in through hooks a graph cannot hold."""
+    return candidate.precision not in EAGER_DECODE_PRECISIONS and candidate.resident_layers is None
+
+
 def overhead_terms(arch: Architecture, mode: str, candidate: Candidate, memory: MemoryEstimate, moment: str,
                    seq_len: int, calibration: Calibration) -> tuple[Term, ...]:
     """What the GPU gives the process beyond the step's tensors at ``moment`` (``fitbench.plan.calibration``)."""
-    backward = mode in TRAINING_MODES
+    graph = decodes_through_graph(candidate)
     terms = [
-        Term("CUDA context", calibration.context(backward), calibration.source),
-        Term("workspaces", calibration.workspace(backward), "cuBLAS workspaces, allocated peak minus tensors"),
+        Term("CUDA context", calibration.context(mode, graph), calibration.source),
+        Term("workspaces", calibration.workspace(mode, graph), "cuBLAS workspaces, allocated peak minus tensors"),
     ]
     if moment in LATE_BACKWARD:
         layer = saved_per_layer(arch, candidate.batch_size * seq_len, Widths.of(candidate.precision),
@@ -274,7 +285,8 @@ def offload_split(arch: Architecture, mode: str, precision: str, batch: int, seq
     everything_offloaded = estimate_memory(arch, mode, precision, batch, seq_len, new_tokens=new_tokens,
                                            resident_layers=0).peak_bytes
     if calibration is not None:
-        everything_offloaded += (calibration.context(False) + calibration.workspace(False) + PAGE
+        everything_offloaded += (calibration.context(mode, decode_graph=False)
+                                 + calibration.workspace(mode, decode_graph=False) + PAGE
                                  + OFFLOAD_HEADROOM * budget)
     layer_memory = budget - everything_offloaded + layer_bytes
     L = arch.num_layers
