@@ -37,7 +37,8 @@ examples:
   fitbench run --models small medium large xl 2.7B --mode forward-backward \\
                --precision bf16 --batch-size 4 --context-length 512
   fitbench run --models 7B --mode infer --batch-size 1 --precision bf16-pure --new-tokens 256
-  fitbench run --models 65B --mode infer --offload   layers the GPU has no room for stream from host memory
+  fitbench run --models 65B --mode infer --offload --new-tokens 16 --warmup-steps 1 --measure-steps 2
+                                                 layers the GPU has no room for stream from host memory
   fitbench run --config config.yaml --out runs/today
   fitbench run --resume runs/today               finish a sweep that was interrupted
 
@@ -238,12 +239,12 @@ def plan_specs(specs: list, config, device: str) -> tuple[list, Callable[[Any], 
 
     from fitbench.models.registry import resolve
     from fitbench.plan.calibration import load_calibration
-    from fitbench.plan.planner import GpuTarget, predict_spec
+    from fitbench.plan.planner import GpuTarget, planner_choices, predict_spec
 
     properties = torch.cuda.get_device_properties(torch.device(device))
     target = GpuTarget(properties.name, 1, float(properties.total_memory), described=False)
     calibration = load_calibration(properties.name)
-    planned, predictions, chosen = [], {}, {}
+    planned, predictions = [], {}
     for spec in specs:
         arch = resolve(spec.model)
         if arch.family != "llama":
@@ -254,21 +255,16 @@ def plan_specs(specs: list, config, device: str) -> tuple[list, Callable[[Any], 
                                         runnable=PRECISIONS)
         planned.append(spec)
         predictions[spec.key] = prediction
-        chosen[_identity(spec)] = prediction["chosen_by_planner"]
 
     def prediction_for(ran) -> dict | None:
         if ran.key in predictions or resolve(ran.model).family != "llama":
             return predictions.get(ran.key)
         _, prediction = predict_spec(resolve(ran.model), ran, target, calibration, choose_precision=False,
                                      choose_recompute=False, runnable=PRECISIONS)
-        return {**prediction, "chosen_by_planner": chosen.get(_identity(ran), [])}
+        return {**prediction, "chosen_by_planner": planner_choices(ran.mode, config.precision is None,
+                                                                   config.activation_checkpointing is None)}
 
     return planned, prediction_for
-
-
-def _identity(spec) -> tuple:
-    """What a fallback or a batch search leaves unchanged in a configuration."""
-    return spec.model, spec.mode, spec.seq_len, spec.new_tokens, spec.backend
 
 
 def _label(row: dict[str, Any]) -> str:

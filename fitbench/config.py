@@ -63,12 +63,12 @@ class RunSpec(BaseModel):
 
     @property
     def key(self) -> str:
-        """Identity of the configuration: the same key means the same measurement. ``offload``, added
-        later, is left out while it is off, so earlier results keep their keys."""
+        """Identity of the configuration: the same key means the same measurement. ``cuda_graphs`` and
+        ``offload``, added later, count only when they change what runs, so earlier results keep their
+        keys."""
         fields = self.model_dump()
         if self.mode != "infer":
             fields.pop("new_tokens")
-        # Counted only when it changes what runs, so configurations from before the field keep their keys.
         if not self.graphs_off:
             fields.pop("cuda_graphs")
         if not self.offload:
@@ -252,7 +252,7 @@ def expand(config: SweepConfig, *, device: str, default_models: list[str]) -> li
                             seq_len=seq_len, new_tokens=new_tokens, compile=config.compile,
                             cuda_graphs=config.cuda_graphs,
                             activation_checkpointing=bool(config.activation_checkpointing)
-                            and mode in ("train", "forward-backward"), offload=config.offload, device=device,
+                            and mode in TRAINING_MODES, offload=config.offload, device=device,
                             warmup_steps=config.warmup_steps, measure_steps=config.measure_steps, seed=config.seed,
                         ))
     return specs

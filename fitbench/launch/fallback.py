@@ -46,9 +46,9 @@ def next_attempt(spec: RunSpec, policy: FallbackPolicy) -> tuple[RunSpec, str] |
     ladder, checkpointing, the batch and offload are exhausted.
 
     Rungs are skipped where they would change the workload or cannot run: in training, those that do
-    not train every weight (``trains_every_weight``); in an offloaded run, quantized ones. Offload comes last, at batch 1 of the last rung,
-    for infer and forward, and uses the ladder's first floating-point rung (``bf16-pure`` when it has
-    none). Offload lifts the GPU-memory limit on the weights, the one reason the ladder was walked
+    not train every weight (``trains_every_weight``); in an offloaded run, quantized ones. Offload
+    comes last, at batch 1 of the last rung, for infer and forward, and uses the ladder's first
+    floating-point rung (``bf16-pure`` when it has none). Offload lifts the GPU-memory limit on the weights, the one reason the ladder was walked
     down, so the attempt goes back to the most preferred precision that can stream; quantized rungs
     cannot: bitsandbytes and torchao weights carry quantization state (row scales, 4-bit block
     states, tensor subclasses) that accelerate's hooks do not move with the weight.

@@ -161,9 +161,8 @@ def run_sweep(specs: list[RunSpec], store: ResultStore, *, timeout: float, comma
     """Run every spec without a row in ``store``; append each row the moment it exists, with the
     planner's prediction (``predict``) for the configuration that finally ran beside what was
     measured. A spec in ``refusals`` is not launched: its row says why this hardware cannot run it.
-    An out-of-memory
-    walks the ``fallback`` ladder; an ``auto_batch`` spec first finds its batch by probing from
-    ``predicted_batch`` (``fitbench.launch.fallback``)."""
+    An out-of-memory walks the ``fallback`` ladder; an ``auto_batch`` spec first finds its batch by
+    probing from ``predicted_batch`` (``fitbench.launch.fallback``)."""
     finished = store.finished_keys()
     rows = []
     for index, spec in enumerate(specs):

@@ -36,11 +36,10 @@ import os
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
+from fitbench.plan.memory import TRAINING_MODES
+
 MIB = 1024**2
 PAGE = 2 * MIB
-
-
-TRAINING_MODES = ("train", "forward-backward")
 
 
 @dataclass(frozen=True)
@@ -57,23 +56,24 @@ class Calibration:
     workspace_eager: float | None = None
 
     def context(self, mode: str, decode_graph: bool = True) -> float:
-        if mode in TRAINING_MODES:
-            return self.cuda_context_training
-        if (mode == "infer" and decode_graph) or self.cuda_context_eager is None:
-            return self.cuda_context_inference
-        return self.cuda_context_eager
+        return _by_step(mode, decode_graph, self.cuda_context_training, self.cuda_context_inference,
+                        self.cuda_context_eager)
 
     def workspace(self, mode: str, decode_graph: bool = True) -> float:
-        if mode in TRAINING_MODES:
-            return self.workspace_training
-        if (mode == "infer" and decode_graph) or self.workspace_eager is None:
-            return self.workspace_inference
-        return self.workspace_eager
+        return _by_step(mode, decode_graph, self.workspace_training, self.workspace_inference, self.workspace_eager)
 
     @staticmethod
     def page_rounding(peak_allocated: float) -> float:
         """Expandable segments: the peak rounded up to the next 2 MiB."""
         return -peak_allocated % PAGE
+
+
+def _by_step(mode: str, decode_graph: bool, training: float, graph: float, eager: float | None) -> float:
+    """The figure of the kind of step ``mode`` runs: training, generating through the decode graph, or
+    a forward pass / eager decoding (the graph's figure where none was stored)."""
+    if mode in TRAINING_MODES:
+        return training
+    return graph if (mode == "infer" and decode_graph) or eager is None else eager
 
 
 DEFAULT = Calibration(

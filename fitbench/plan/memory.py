@@ -75,6 +75,8 @@ QUANTIZED: dict[str, QuantizedFormat] = {
 }
 
 
+TRAINING_MODES = ("train", "forward-backward")
+
 # Low-rank adapters (``fitbench.run.adapters``): how int8 and 4-bit bases train. Rank 16 on all
 # seven matmuls of every layer, alpha 32: between PEFT's default rank 8 and QLoRA's 64 (Dettmers
 # et al. 2023, every linear layer adapted).
@@ -279,7 +281,7 @@ def estimate_memory(arch: Architecture, mode: str, precision: str, batch: int, s
     layer_params = arch.params_per_layer * layers
     edge_params = P - arch.params_per_layer * arch.num_layers  # embeddings, output projection, final norm
     local_params = (layer_params / tp + edge_params / (stages if stages > 1 else 1)) if tp > 1 or stages > 1 else P
-    training = mode in ("train", "forward-backward")
+    training = mode in TRAINING_MODES
     if training and precision == "fp8":
         return _float8_training(arch, mode, batch, seq_len, activation_checkpointing, parallelism)
     if training and precision in QUANTIZED and precision not in ADAPTER_BASES:
@@ -301,9 +303,9 @@ def estimate_memory(arch: Architecture, mode: str, precision: str, batch: int, s
     weights = widths.weights * local_params / shards
     terms = [Term("weights", weights, f"{widths.weights:g} B x {local_params:,.0f} parameters"
                   + (f" / {shards} FSDP shards" if shards > 1 else "")), rotary_term(arch)]
-    if mode in ("train", "forward-backward"):
-        return _training(arch, mode, widths, batch, seq_len, activation_checkpointing, terms, weights,
-                         local_params / shards, layers, tp)
+    if training:
+        return _training(arch, mode, widths, batch, seq_len, activation_checkpointing, terms, local_params / shards,
+                         layers, tp)
     return _inference(arch, mode, widths, batch, seq_len, new_tokens, terms, tp, stages)
 
 
@@ -319,7 +321,7 @@ def _offloaded(arch, mode, precision, batch, seq_len, new_tokens, resident, para
       empty, so there the prediction is one layer high;
     - the KV cache of all L layers and the temporaries, as without offload.
     """
-    if mode in ("train", "forward-backward") or precision in QUANTIZED or parallelism.gpus > 1:
+    if mode in TRAINING_MODES or precision in QUANTIZED or parallelism.gpus > 1:
         raise ValueError(f"offload models inference with floating-point weights on one GPU, not {mode} "
                          f"{precision} over {parallelism.gpus} GPU(s)")
     if not 0 <= resident <= arch.num_layers:
@@ -392,8 +394,7 @@ def _adapter_training(arch, mode, precision, widths, batch, seq_len, recompute, 
     n, f, h = batch * seq_len, arch.ffn_size, arch.hidden_size
     A = adapter_params(arch) * layers / arch.num_layers / tp
     terms = [*terms, Term("adapters", 4 * A, f"4 B x {A:,.0f} fp32 adapter parameters (rank {ADAPTER_RANK})")]
-    estimate = _training(arch, mode, widths, batch, seq_len, recompute, terms, 0.0, 0.0, layers, tp,
-                         trainable=A)
+    estimate = _training(arch, mode, widths, batch, seq_len, recompute, terms, 0.0, layers, tp, trainable=A)
     saving_layers = 0 if recompute else layers
     extra_saved = widths.compute * n * ADAPTER_RANK * len(layer_matrices(arch)) * saving_layers
     added = [Term("adapter activations", extra_saved, f"{widths.compute} B x n x r per matmul, 7 per layer",
@@ -408,23 +409,23 @@ def _adapter_training(arch, mode, precision, widths, batch, seq_len, recompute, 
     return MemoryEstimate(estimate.terms + tuple(added), estimate.moments + (BUILD,))
 
 
-def _training(arch, mode, widths, batch, seq_len, recompute, terms, weights, local_params, layers, tp,
+def _training(arch, mode, widths, batch, seq_len, recompute, terms, local_params, layers, tp,
               trainable: float | None = None):
     """A training step's terms. ``trainable``: adapter parameters (fp32) when the weights are a frozen
     base; then gradients and optimizer state are the adapters', and no weight gradient forms."""
     n, V, h = batch * seq_len, arch.vocab_size, arch.hidden_size
     c, r, w = widths.compute, widths.residual, widths.weights
-    sharded = local_params < arch.total_params and tp == 1 and layers == arch.num_layers and trainable is None
+    frozen = trainable is not None  # adapters on a frozen base: embeddings and norms are frozen too
+    sharded = local_params < arch.total_params and tp == 1 and layers == arch.num_layers and not frozen
     moments = (START, RECOMPUTE, FIRST, END) if recompute else (START, FIRST, END)
     def at(*names: str) -> frozenset[str]:
         return frozenset(names)
 
-    frozen = trainable is not None  # adapters on a frozen base: the norms' weights are frozen too
     one_layer = saved_per_layer(arch, n, widths, tp, frozen_norms=frozen)
     one_layer_casts = c * layer_matmul_params(arch) / tp if widths.autocast and not sharded else 0.0
     # An untied input embedding gets its gradient from the very last backward operator, after the
     # first layer's activations are gone; a tied one is counted with the tied gradients.
-    embedding_grad = 0.0 if arch.tie_embeddings or sharded or trainable is not None else V * h
+    embedding_grad = 0.0 if arch.tie_embeddings or sharded or frozen else V * h
     if recompute:
         inputs = recompute_per_layer(arch, n, widths)
         activations = Term("activations", inputs * layers, f"{layers:g} layers x {inputs:,.0f} B: each layer's "
@@ -432,7 +433,7 @@ def _training(arch, mode, widths, batch, seq_len, recompute, terms, weights, loc
     else:
         activations = Term("activations", one_layer * layers, f"{layers:g} layers x {one_layer:,.0f} B saved "
                            f"per layer", at(START))
-    if trainable is None:
+    if not frozen:
         state = Term("optimizer state", 2 * w * local_params if mode == "train" else 0.0,
                      "AdamW first and second moments, 2 x weight bytes")
         gradients = Term("gradients", w * (local_params - embedding_grad), f"{w:g} B x {local_params:,.0f} parameters"
@@ -455,7 +456,7 @@ def _training(arch, mode, widths, batch, seq_len, recompute, terms, weights, loc
         Term("logits held by the loop", c * n * V, f"{c} B x n V: the step's logits, alive until it ends"),
     ]
     if recompute:
-        output_grad = w * V * h if trainable is None else 0.0
+        output_grad = 0.0 if frozen else w * V * h
         terms.append(Term("recomputed last layer", one_layer + one_layer_casts + output_grad + r * n * h,
                           "one layer's activations (and weight copies) recomputed, with the output projection's "
                           "gradient and the gradient flowing into the layer", at(RECOMPUTE)))
@@ -471,7 +472,7 @@ def _training(arch, mode, widths, batch, seq_len, recompute, terms, weights, loc
     if embedding_grad:
         terms.append(Term("input embedding gradient", w * embedding_grad, "w x V h, formed by the last backward "
                           "operator", at(END)))
-    if arch.tie_embeddings and trainable is None:
+    if arch.tie_embeddings and not frozen:
         terms.append(Term("tied embedding gradients", 2 * w * V * h, "the input embedding's gradient and its sum "
                           "with the output projection's, 2 x V h x weight bytes", at(END)))
     return MemoryEstimate(tuple(terms), moments)

@@ -18,7 +18,7 @@ from dataclasses import dataclass, field, replace
 from fitbench import hardware
 from fitbench.models.architecture import Architecture
 from fitbench.plan.calibration import DEFAULT, PAGE, Calibration
-from fitbench.plan.memory import (QUANTIZED, MemoryEstimate, Parallelism, Term, Widths, estimate_memory,
+from fitbench.plan.memory import (QUANTIZED, TRAINING_MODES, MemoryEstimate, Parallelism, Term, Widths, estimate_memory,
                                   offloaded_weights, saved_per_layer)
 from fitbench.plan.speed import StepTime, estimate_step_time
 from fitbench.run.precision import training_problem
@@ -33,7 +33,6 @@ GPU_ALIASES = {
 }
 DEFAULT_SPEED_GPU = "NVIDIA H100 80GB HBM3"
 
-TRAINING_MODES = ("train", "forward-backward")
 DEFAULT_LADDER = {
     "train": ["bf16", "bf16-pure"],
     "forward-backward": ["bf16", "bf16-pure"],
@@ -352,6 +351,12 @@ def minimum_gpus(arch: Architecture, mode: str, precision: str, gpu_memory: floa
     return None
 
 
+def planner_choices(mode: str, choose_precision: bool, choose_recompute: bool) -> list[str]:
+    """What the planner decides for a ``fitbench run`` configuration of ``mode``."""
+    return [name for name, chose in (("precision", choose_precision),
+                                     ("activation_checkpointing", choose_recompute and mode in TRAINING_MODES)) if chose]
+
+
 def predict_spec(arch: Architecture, spec, target: GpuTarget, calibration: Calibration, *,
                  choose_precision: bool, choose_recompute: bool, runnable: tuple[str, ...]):
     """Plan one ``fitbench run`` configuration on one GPU: choose the precision and activation
@@ -384,9 +389,7 @@ def predict_spec(arch: Architecture, spec, target: GpuTarget, calibration: Calib
         "fits": chosen.fits,
         "gpu_memory_bytes": target.memory,
         "resident_layers": candidate.resident_layers,
-        "chosen_by_planner": [name for name, chose in (
-            ("precision", choose_precision),
-            ("activation_checkpointing", choose_recompute and spec.mode in TRAINING_MODES)) if chose],
+        "chosen_by_planner": planner_choices(spec.mode, choose_precision, choose_recompute),
         "rejected": [a.reason for a in options if not a.fits],
         "terms": [{"name": t.name, "bytes": t.bytes, "at_peak": t.moments is None or chosen.peak_moment in t.moments}
                   for t in chosen.memory.terms]

@@ -27,12 +27,11 @@ from typing import Iterator
 
 import torch
 
-from fitbench.plan.memory import ADAPTER_BASES
+from fitbench.plan.memory import ADAPTER_BASES, TRAINING_MODES
 
 FLOAT_PRECISIONS: tuple[str, ...] = ("fp32", "tf32", "bf16", "fp16", "bf16-pure")
 QUANTIZED_PRECISIONS: tuple[str, ...] = ("int8", "nf4", "fp4", "int8-dynamic", "int4", "fp8", "fp8-block")
 PRECISIONS: tuple[str, ...] = FLOAT_PRECISIONS + QUANTIZED_PRECISIONS
-TRAINING_MODES: tuple[str, ...] = ("train", "forward-backward")
 
 
 def training_problem(precision: str) -> str | None:

@@ -207,9 +207,6 @@ def build(spec: RunSpec, arch, policy, device: torch.device, scratch: Path) -> B
     model_path = spec.model if is_local_model(spec.model) else None
     if spec.offload:
         return build_offload(spec, arch, policy, device, scratch, model_path)
-    model_path = spec.model if is_local_model(spec.model) else None
-    if spec.offload:
-        return build_offload(spec, arch, policy, device, scratch, model_path)
     if not policy.quantized:
         return Built(load_model(arch, spec.backend, device, policy.weight_dtype, model_path=model_path,
                                 compute_dtype=policy.compute_dtype, cuda_graphs=spec.cuda_graphs))
