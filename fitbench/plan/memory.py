@@ -28,6 +28,9 @@ weights, the attention and MLP activations and the KV cache by its degree; FSDP 
 gradients and optimizer state by the data-parallel degree and adds the unsharded units in flight;
 pipeline parallelism divides the layers by its stages. Constants outside the formulas (CUDA
 context, allocator slack, communication buffers) come from ``fitbench.plan.calibration``.
+
+``compiled``: the native model under ``torch.compile`` saves and holds less; its per-layer terms come
+from ``fitbench.plan.compiled``.
 """
 
 from __future__ import annotations
@@ -35,6 +38,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from fitbench.models.architecture import Architecture
+from fitbench.plan import compiled as inductor
 
 @dataclass(frozen=True)
 class QuantizedFormat:
@@ -268,10 +272,13 @@ def prefill_transient_bytes(arch: Architecture, tokens: int, widths: Widths, tp:
 
 def estimate_memory(arch: Architecture, mode: str, precision: str, batch: int, seq_len: int, *,
                     new_tokens: int = 0, activation_checkpointing: bool = False,
-                    parallelism: Parallelism = Parallelism(), resident_layers: int | None = None) -> MemoryEstimate:
+                    parallelism: Parallelism = Parallelism(), resident_layers: int | None = None,
+                    compiled: bool = False) -> MemoryEstimate:
     """Peak bytes on one GPU for this configuration, as terms (``at_peak`` marks those that
     coexist at the peak moment). ``resident_layers`` (infer and forward, floating-point weights,
-    one GPU) keeps that many decoder layers on the GPU and offloads the rest (``offloaded_weights``)."""
+    one GPU) keeps that many decoder layers on the GPU and offloads the rest (``offloaded_weights``).
+    ``compiled``: the native model under ``torch.compile`` (``fitbench.plan.compiled``); quantized weights
+    (adapters, inference) keep the eager model's terms, an upper bound: their kernels break the graph."""
     if resident_layers is not None:
         return _offloaded(arch, mode, precision, batch, seq_len, new_tokens, resident_layers, parallelism)
     widths = Widths.of(precision)
@@ -283,7 +290,7 @@ def estimate_memory(arch: Architecture, mode: str, precision: str, batch: int, s
     local_params = (layer_params / tp + edge_params / (stages if stages > 1 else 1)) if tp > 1 or stages > 1 else P
     training = mode in TRAINING_MODES
     if training and precision == "fp8":
-        return _float8_training(arch, mode, batch, seq_len, activation_checkpointing, parallelism)
+        return _float8_training(arch, mode, batch, seq_len, activation_checkpointing, parallelism, compiled)
     if training and precision in QUANTIZED and precision not in ADAPTER_BASES:
         raise ValueError(f"{precision} weights have no backward pass: no training memory model")
     if precision in QUANTIZED:
@@ -305,8 +312,8 @@ def estimate_memory(arch: Architecture, mode: str, precision: str, batch: int, s
                   + (f" / {shards} FSDP shards" if shards > 1 else "")), rotary_term(arch)]
     if training:
         return _training(arch, mode, widths, batch, seq_len, activation_checkpointing, terms, local_params / shards,
-                         layers, tp)
-    return _inference(arch, mode, widths, batch, seq_len, new_tokens, terms, tp, stages)
+                         layers, tp, compiled=compiled)
+    return _inference(arch, mode, widths, batch, seq_len, new_tokens, terms, tp, stages, compiled=compiled)
 
 
 def _offloaded(arch, mode, precision, batch, seq_len, new_tokens, resident, parallelism) -> MemoryEstimate:
@@ -367,14 +374,14 @@ START, RECOMPUTE, FIRST, END = ("start of the backward pass", "recompute of the 
                                 "backward of the first layer", "end of the backward pass")
 
 
-def _float8_training(arch, mode, batch, seq_len, recompute, parallelism):
+def _float8_training(arch, mode, batch, seq_len, recompute, parallelism, compiled=False):
     """fp8 training (torchao float8, row-wise): bf16 weights, gradients and AdamW state as in
     bf16-pure, and each converted matmul saves its bf16 input and weight, as a bf16 matmul does;
     the float8 copies live only inside a matmul. The largest bound them: the MLP matrix's weight
     cast twice (along rows for the forward, along columns for the backward) and the n x f
     operands of the down projection's backward (its input and incoming gradient) in float8."""
     estimate = estimate_memory(arch, mode, "bf16-pure", batch, seq_len, activation_checkpointing=recompute,
-                               parallelism=parallelism)
+                               parallelism=parallelism, compiled=compiled)
     n, h, f, tp = batch * seq_len, arch.hidden_size, arch.ffn_size, parallelism.tensor
     casts = (2 * h * f + 2 * n * f) / tp
     moments = frozenset(m for m in estimate.moments if m != START)
@@ -410,9 +417,10 @@ def _adapter_training(arch, mode, precision, widths, batch, seq_len, recompute, 
 
 
 def _training(arch, mode, widths, batch, seq_len, recompute, terms, local_params, layers, tp,
-              trainable: float | None = None):
+              trainable: float | None = None, compiled: bool = False):
     """A training step's terms. ``trainable``: adapter parameters (fp32) when the weights are a frozen
-    base; then gradients and optimizer state are the adapters', and no weight gradient forms."""
+    base; then gradients and optimizer state are the adapters', and no weight gradient forms.
+    ``compiled``: layers, the final norm and the embedding's gradient as ``fitbench.plan.compiled`` has them."""
     n, V, h = batch * seq_len, arch.vocab_size, arch.hidden_size
     c, r, w = widths.compute, widths.residual, widths.weights
     frozen = trainable is not None  # adapters on a frozen base: embeddings and norms are frozen too
@@ -421,7 +429,8 @@ def _training(arch, mode, widths, batch, seq_len, recompute, terms, local_params
     def at(*names: str) -> frozenset[str]:
         return frozenset(names)
 
-    one_layer = saved_per_layer(arch, n, widths, tp, frozen_norms=frozen)
+    one_layer = (inductor.saved_per_layer(arch, n, c, r, tp) if compiled
+                 else saved_per_layer(arch, n, widths, tp, frozen_norms=frozen))
     one_layer_casts = c * layer_matmul_params(arch) / tp if widths.autocast and not sharded else 0.0
     # An untied input embedding gets its gradient from the very last backward operator, after the
     # first layer's activations are gone; a tied one is counted with the tied gradients.
@@ -431,8 +440,10 @@ def _training(arch, mode, widths, batch, seq_len, recompute, terms, local_params
         activations = Term("activations", inputs * layers, f"{layers:g} layers x {inputs:,.0f} B: each layer's "
                            f"input, kept for recomputation", at(START, RECOMPUTE))
     else:
-        activations = Term("activations", one_layer * layers, f"{layers:g} layers x {one_layer:,.0f} B saved "
-                           f"per layer", at(START))
+        # compiled, the first layer saves a 16-bit tensor in place of an fp32 one (on the first stage)
+        first = inductor.first_layer_saving(arch, n, c, r) if compiled and layers == arch.num_layers else 0.0
+        activations = Term("activations", one_layer * layers - first, f"{layers:g} layers x {one_layer:,.0f} B saved "
+                           f"per layer" + (f", less {first:,.0f} B in the first" if first else ""), at(START))
     if not frozen:
         state = Term("optimizer state", 2 * w * local_params if mode == "train" else 0.0,
                      "AdamW first and second moments, 2 x weight bytes")
@@ -449,7 +460,8 @@ def _training(arch, mode, widths, batch, seq_len, recompute, terms, local_params
             casts, formula = c * V * h, f"{c} B x V h: the output projection's copy, saved by autograd"
         terms.append(Term("autocast weight copies", casts, formula, at(START)))
     terms += [
-        Term("final norm and output input", final_saved_bytes(arch, n, widths, frozen_norm=frozen),
+        Term("final norm and output input", inductor.final_saved_bytes(arch, n, c, r, recompute) if compiled
+             else final_saved_bytes(arch, n, widths, frozen_norm=frozen),
              "saved by the final RMSNorm and the output projection", at(START)),
         Term("loss chain", 12 * n * V, f"fp32 log-softmax output and the gradients into and out of it, "
              f"12 n V, n = {n:,}, V = {V:,}", at(START)),
@@ -472,6 +484,10 @@ def _training(arch, mode, widths, batch, seq_len, recompute, terms, local_params
     if embedding_grad:
         terms.append(Term("input embedding gradient", w * embedding_grad, "w x V h, formed by the last backward "
                           "operator", at(END)))
+    accumulator = inductor.embedding_gradient_accumulator(arch, w) if compiled and not frozen else 0.0
+    if accumulator:
+        terms.append(Term("embedding gradient accumulator", accumulator, "4 B x V h: the compiled embedding "
+                          "backward's fp32 sum, cast to the weights' dtype", at(END)))
     if arch.tie_embeddings and not frozen:
         terms.append(Term("tied embedding gradients", 2 * w * V * h, "the input embedding's gradient and its sum "
                           "with the output projection's, 2 x V h x weight bytes", at(END)))
@@ -481,11 +497,13 @@ def _training(arch, mode, widths, batch, seq_len, recompute, terms, local_params
 MLP, OUTPUT, BUILD = "prefill MLP", "output projection", "quantizing a layer"
 
 
-def _inference(arch, mode, widths, batch, seq_len, new_tokens, terms, tp, stages=1, quantized=False):
+def _inference(arch, mode, widths, batch, seq_len, new_tokens, terms, tp, stages=1, quantized=False,
+               compiled=False):
     """Without autograd, a layer's temporaries die with it. Two moments can peak: the widest MLP,
     where silu(gate), up and their product (3 c n f) live beside the layer's input, the residual
     after attention and its normalized copy (3 r n h) and the token ids (8 n); and the output projection, with the final normalized input (r n h), its 16-bit
-    cast under autocast, the projection's own cast weight (V h c) and the logits."""
+    cast under autocast, the projection's own cast weight (V h c) and the logits. ``compiled``: inductor's
+    fused MLP and final norm (``fitbench.plan.compiled``)."""
     n, V, h = batch * seq_len, arch.vocab_size, arch.hidden_size
     c, r = widths.compute, widths.residual
     rows = batch if mode == "infer" else n  # infer computes logits for the last position only
@@ -494,11 +512,18 @@ def _inference(arch, mode, widths, batch, seq_len, new_tokens, terms, tp, stages
         terms.append(Term("KV cache", kv_cache_bytes(arch, batch, seq_len + new_tokens, widths, tp) / stages,
                           f"2 x {arch.num_layers / stages:g} layers x {arch.num_kv_heads * arch.head_dim / tp:g} x "
                           f"{c} B x {batch} x {seq_len + new_tokens} tokens"))
-    terms.append(Term("MLP temporaries", prefill_transient_bytes(arch, n, widths, tp),
-                      "3 c n f + 3 r n h + 8 n: one MLP's intermediates beside the residual stream",
-                      frozenset({MLP})))
-    head = r * n * h + (c * n * h if widths.autocast else 0) + c * rows * V
-    formula = f"final normalized input, its cast, and {c} B x {rows:,} x V logits"
+    if compiled:
+        terms.append(Term("MLP temporaries", inductor.prefill_transient_bytes(arch, n, c, r, widths.autocast, tp),
+                          "r n h + c n h + 2 c n f (+ c h f under autocast) + 8 n: one fused MLP's "
+                          "intermediates beside the residual stream", frozenset({MLP})))
+        head = inductor.output_input_bytes(arch, n, c) + c * rows * V
+        formula = f"final normalized input, cast in the norm's kernel, and {c} B x {rows:,} x V logits"
+    else:
+        terms.append(Term("MLP temporaries", prefill_transient_bytes(arch, n, widths, tp),
+                          "3 c n f + 3 r n h + 8 n: one MLP's intermediates beside the residual stream",
+                          frozenset({MLP})))
+        head = r * n * h + (c * n * h if widths.autocast else 0) + c * rows * V
+        formula = f"final normalized input, its cast, and {c} B x {rows:,} x V logits"
     if widths.autocast:
         head += c * V * h
         formula += ", and the output projection's 16-bit copy"

@@ -1,0 +1,205 @@
+"""The compiled memory model (``fitbench.plan.compiled``) against AOTAutograd's real partition of the
+native model, and by hand.
+
+The partition is the one inductor makes: ``torch.compile`` with a backend built on AOTAutograd,
+inductor's own partition function (its joint-graph passes, then the min-cut partitioner) and its
+decomposition table, on the CPU; instead of generating kernels, the backend reads the forward
+graph's outputs: the logits, then every tensor saved for the backward pass.
+"""
+
+import dataclasses
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from fitbench.models.native import build_native
+from fitbench.models.registry import resolve
+from fitbench.plan import compiled
+from fitbench.plan.memory import END, MLP, OUTPUT, START, estimate_memory
+from fitbench.plan.planner import Candidate, GpuTarget, predict_spec
+from fitbench.run.precision import PRECISIONS as RUNNABLE
+from fitbench.run.precision import policy
+
+# Three layers: the first (which saves a 16-bit tensor in place of an fp32 one), one in the middle
+# and the last. Widths all differ, and none equals the batch or the token count, so a saved tensor's
+# leading dimension says whether it is an activation (B or n) or a weight.
+H, L, HEADS, KV_HEADS, F_, V = 64, 3, 4, 2, 176, 100
+D, K = H // HEADS, KV_HEADS * H // HEADS
+ARCH = dataclasses.replace(resolve("tiny"), name="compiled-test", hidden_size=H, num_layers=L, num_heads=HEADS,
+                           num_kv_heads=KV_HEADS, ffn_size=F_, vocab_size=V, tie_embeddings=False, max_seq_len=64)
+B, T = 3, 40
+N = B * T
+LAYER_MATMUL = 2 * H * H + 2 * H * K + 3 * H * F_
+
+# bytes of an activation (c), of the residual stream (r), of a weight (w); autocast on or off
+WIDTHS = {"fp32": (4, 4, 4, False), "bf16": (2, 4, 4, True), "bf16-pure": (2, 2, 2, False)}
+
+
+@dataclasses.dataclass(frozen=True)
+class Saved:
+    activations: int  # tensors with a token dimension
+    weight_copies: int  # the 16-bit weights autocast casts, saved for the backward's input gradients
+
+
+def partition(precision: str, checkpointing: bool) -> Saved:
+    """Compile the native model as ``--compile`` does, run one training step on the CPU, and sum the
+    bytes of what the forward graph saves. Parameters and buffers saved are already alive and cost
+    nothing; random-number-generator states (kept for checkpointed regions, 16 bytes on a GPU) and
+    the rotary tables' rows cast for the prompt (T x head dim) do not grow with the tokens."""
+    from torch._dynamo.backends.common import aot_autograd
+    from torch._functorch.aot_autograd import make_boxed_func
+    from torch._inductor.compile_fx import partition_fn
+    from torch._inductor.decomposition import select_decomp_table
+
+    graphs = []
+
+    def forward_compiler(graph, inputs):
+        graphs.append(graph)
+        return make_boxed_func(graph)
+
+    def backward_compiler(graph, inputs):
+        return make_boxed_func(graph)
+
+    backend = aot_autograd(fw_compiler=forward_compiler, bw_compiler=backward_compiler, partition_fn=partition_fn,
+                           decompositions=select_decomp_table())
+    run = policy(precision)
+    torch._dynamo.reset()
+    torch.manual_seed(0)
+    model = build_native(ARCH, "cpu", run.weight_dtype)
+    model.activation_checkpointing = checkpointing
+    model.compile(backend=backend)
+    tokens = torch.randint(0, V, (B, T + 1))
+    with run.autocast("cpu"):
+        logits = model(tokens[:, :-1])
+        loss = F.cross_entropy(logits.flatten(0, 1).float(), tokens[:, 1:].flatten())
+    loss.backward()
+    [graph] = graphs
+    inputs = {node for node in graph.graph.nodes if node.op == "placeholder"}
+    [output] = [node for node in graph.graph.nodes if node.op == "output"]
+    activations = weight_copies = 0
+    for node in output.args[0][1:]:  # the logits first, then what the backward needs
+        value = node.meta["val"]
+        if node in inputs or value.dtype == torch.uint8 or tuple(value.shape) == (T, D):
+            continue
+        size = value.numel() * value.element_size()
+        if value.shape[0] in (B, N):
+            activations += size
+        else:
+            assert value.dim() == 2 and run.autocast_dtype is not None, (node, tuple(value.shape))
+            weight_copies += size
+    return Saved(activations, weight_copies)
+
+
+CASES = [pytest.param(precision, checkpointing, id=f"{precision}-{'ckpt' if checkpointing else 'full'}")
+         for precision in WIDTHS for checkpointing in (False, True)]
+
+
+@pytest.mark.parametrize("precision, checkpointing", CASES)
+def test_compiled_saved_bytes_match_the_partition(precision, checkpointing):
+    c, r, _, autocast = WIDTHS[precision]
+    saved = partition(precision, checkpointing)
+    if checkpointing:
+        layers = L * r * N * H  # each layer's input
+    else:
+        layers = L * compiled.saved_per_layer(ARCH, N, c, r) - compiled.first_layer_saving(ARCH, N, c, r)
+    assert saved.activations == layers + compiled.final_saved_bytes(ARCH, N, c, r, checkpointing)
+    # autocast's copies, as eager saves them: every layer's and the output projection's, or with
+    # checkpointing only the output projection's (the layers' are cast again in the recompute)
+    copies = c * ((0 if checkpointing else L * LAYER_MATMUL) + V * H) if autocast else 0
+    assert saved.weight_copies == copies
+    # and the memory model's terms say the same
+    terms = {t.name: t.bytes for t in estimate_memory(ARCH, "train", precision, B, T,
+                                                      activation_checkpointing=checkpointing, compiled=True).terms}
+    assert terms["activations"] + terms["final norm and output input"] == saved.activations
+    assert terms.get("autocast weight copies", 0) == saved.weight_copies
+
+
+def test_compiled_saved_per_layer_by_hand():
+    # n = 10 tokens under bf16 autocast (c = 2, r = 4): the layer's input and the residual after
+    # attention in fp32 (2 x 4 x 10 x 64), the two normalized matmul inputs (2 x 2 x 10 x 64), rotary
+    # q and the attention output (2 x 2 x 10 x 64), k and v (2 x 2 x 10 x 32), the log-sum-exp
+    # (4 x 10 x 4 heads), gate, up and their product (3 x 2 x 10 x 176) and two 1/rms (2 x 4 x 10)
+    assert compiled.saved_per_layer(ARCH, 10, 2, 4) == 5_120 + 2_560 + 2_560 + 1_280 + 160 + 10_560 + 80 == 22_320
+    # fp32 expands the grouped k and v to all heads (2 x 4 x 10 x 64), and r = c leaves the first layer as the rest
+    assert compiled.saved_per_layer(ARCH, 10, 4, 4) == 5_120 + 5_120 + 5_120 + 5_120 + 160 + 21_120 + 80
+    assert compiled.first_layer_saving(ARCH, 10, 2, 4) == 2 * 10 * 64
+    assert compiled.first_layer_saving(ARCH, 10, 4, 4) == compiled.first_layer_saving(ARCH, 10, 2, 2) == 0
+    # after the last layer: its output (4 x 10 x 64), 1/rms (4 x 10), the projection's input (2 x 10 x 64)
+    assert compiled.final_saved_bytes(ARCH, 10, 2, 4, recompute=False) == 2_560 + 40 + 1_280
+    assert compiled.final_saved_bytes(ARCH, 10, 2, 4, recompute=True) == 40 + 1_280
+
+
+@pytest.mark.parametrize("precision", list(WIDTHS))
+@pytest.mark.parametrize("checkpointing", [False, True])
+def test_compiled_training_saves_less_than_eager(precision, checkpointing):
+    eager = estimate_memory(resolve("1B"), "train", precision, 4, 2048, activation_checkpointing=checkpointing)
+    fused = estimate_memory(resolve("1B"), "train", precision, 4, 2048, activation_checkpointing=checkpointing,
+                            compiled=True)
+    assert fused.total_at(START) < eager.total_at(START)
+    eager_terms, fused_terms = ({t.name: t.bytes for t in e.terms} for e in (eager, fused))
+    # what autograd keeps outside the compiled module, and the model's state, do not change
+    for name in ("weights", "optimizer state", "gradients", "loss chain", "logits held by the loop"):
+        assert fused_terms[name] == eager_terms[name], name
+    assert all(t.bytes >= 0 for t in fused.terms)
+
+
+def test_compiled_embedding_gradient_accumulates_in_fp32_with_16_bit_weights():
+    for precision, accumulator in (("bf16-pure", 4 * V * H), ("bf16", 0), ("fp32", 0)):
+        estimate = estimate_memory(ARCH, "train", precision, B, T, compiled=True)
+        terms = {t.name: t for t in estimate.terms}
+        if accumulator:
+            assert terms["embedding gradient accumulator"].bytes == accumulator
+            assert terms["embedding gradient accumulator"].moments == frozenset({END})
+        else:
+            assert "embedding gradient accumulator" not in terms
+        assert "embedding gradient accumulator" not in {t.name for t in estimate_memory(ARCH, "train", precision, B, T)
+                                                        .terms}
+
+
+@pytest.mark.parametrize("precision", list(WIDTHS))
+def test_compiled_inference_temporaries_by_hand(precision):
+    c, r, _, autocast = WIDTHS[precision]
+    for mode, rows in (("forward", N), ("infer", B)):
+        estimate = estimate_memory(ARCH, mode, precision, B, T, new_tokens=3, compiled=True)
+        terms = {t.name: t.bytes for t in estimate.terms}
+        # the residual after attention, the up projection's input, gate and up (the product over the
+        # gate's), the up projection's 16-bit weight under autocast, the token ids
+        assert terms["MLP temporaries"] == r * N * H + c * N * H + 2 * c * N * F_ + (c * H * F_ if autocast else 0) \
+            + 8 * N
+        assert terms["output projection"] == c * N * H + c * rows * V + (c * V * H if autocast else 0)
+        eager = {t.name: t.bytes for t in estimate_memory(ARCH, mode, precision, B, T, new_tokens=3).terms}
+        assert terms["MLP temporaries"] < eager["MLP temporaries"]
+        assert estimate.moments == (MLP, OUTPUT)
+
+
+def test_compiled_worked_example_1b():
+    """1B, bf16 autocast, 4 x 2048 tokens: 16 layers of 16 n h + 4 n k + 4 n H + 6 n f + 8 n bytes,
+    less 2 n h in the first, instead of eager's 30 n h + 4 n k + 4 n H + 8 n f + 8 n."""
+    n, h, k, f, heads, layers = 4 * 2048, 2048, 512, 8192, 32, 16
+    fused = layers * (16 * n * h + 4 * n * k + 4 * n * heads + 6 * n * f + 8 * n) - 2 * n * h
+    eager = layers * (30 * n * h + 4 * n * k + 4 * n * heads + 8 * n * f + 8 * n)
+    arch = resolve("1B")
+    terms = {t.name: t.bytes for t in estimate_memory(arch, "train", "bf16", 4, 2048, compiled=True).terms}
+    assert terms["activations"] == fused == 10_990_125_056
+    assert {t.name: t.bytes for t in estimate_memory(arch, "train", "bf16", 4, 2048).terms}["activations"] == eager
+    assert eager - fused == 5_939_134_464  # 35% of the eager peak's activations
+
+
+def test_predict_spec_predicts_the_compiled_model():
+    from fitbench.config import RunSpec
+
+    target = GpuTarget("NVIDIA H200", 1, 150e9, described=False)
+    from fitbench.plan.calibration import DEFAULT
+
+    def prediction(compile_: bool) -> dict:
+        spec = RunSpec(model="1B", backend="native", mode="train", precision="bf16", batch_size=4, seq_len=2048,
+                       new_tokens=8, device="cuda:0", warmup_steps=1, measure_steps=1, compile=compile_)
+        return predict_spec(resolve("1B"), spec, target, DEFAULT, choose_precision=False, choose_recompute=False,
+                            runnable=RUNNABLE)[1]
+
+    eager, fused = prediction(False), prediction(True)
+    assert fused["tensor_peak_bytes"] == estimate_memory(resolve("1B"), "train", "bf16", 4, 2048,
+                                                         compiled=True).peak_bytes
+    assert eager["predicted_peak_bytes"] - fused["predicted_peak_bytes"] > 5.9e9
+    assert Candidate("bf16", "single", 1, False, 4, compiled=True).label == "bf16, 1 GPU, compiled, batch 4"
