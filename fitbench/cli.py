@@ -191,7 +191,7 @@ def predicted_max_batch(spec, device: str) -> int:
         def peak(batch: int) -> float:
             return estimate_memory(arch, spec.mode, spec.precision, batch, spec.seq_len, new_tokens=spec.new_tokens,
                                    activation_checkpointing=spec.activation_checkpointing,
-                                   resident_layers=resident).peak_bytes
+                                   resident_layers=resident, compiled=spec.compile).peak_bytes
     else:
         from fitbench.plan.calibration import load_calibration
         from fitbench.plan.planner import Candidate, GpuTarget, assess
@@ -202,7 +202,8 @@ def predicted_max_batch(spec, device: str) -> int:
         calibration = load_calibration(properties.name)
 
         def peak(batch: int) -> float:
-            candidate = Candidate(spec.precision, "single", 1, spec.activation_checkpointing, batch, resident)
+            candidate = Candidate(spec.precision, "single", 1, spec.activation_checkpointing, batch, resident,
+                                  compiled=spec.compile)
             return assess(arch, spec.mode, candidate, target, seq_len=spec.seq_len, new_tokens=spec.new_tokens,
                           calibration=calibration).predicted_peak
     from fitbench.launch.fallback import largest_batch

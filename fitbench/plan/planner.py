@@ -17,6 +17,7 @@ from dataclasses import dataclass, field, replace
 
 from fitbench import hardware
 from fitbench.models.architecture import Architecture
+from fitbench.plan import compiled as inductor
 from fitbench.plan.calibration import DEFAULT, PAGE, Calibration
 from fitbench.plan.memory import (QUANTIZED, TRAINING_MODES, MemoryEstimate, Parallelism, Term, Widths, estimate_memory,
                                   offloaded_weights, saved_per_layer)
@@ -70,6 +71,7 @@ class Candidate:
     activation_checkpointing: bool
     batch_size: int
     resident_layers: int | None = None  # offload: decoder layers kept on the GPU, the rest in host memory
+    compiled: bool = False  # torch.compile (``fitbench.plan.compiled``)
 
     @property
     def parallelism(self) -> Parallelism:
@@ -80,7 +82,8 @@ class Candidate:
         layout = "1 GPU" if self.gpus == 1 else f"{self.strategy} x {self.gpus}"
         recompute = ", recompute" if self.activation_checkpointing else ""
         offload = f", offload ({self.resident_layers} layers on the GPU)" if self.resident_layers is not None else ""
-        return f"{self.precision}, {layout}{recompute}{offload}, batch {self.batch_size}"
+        compiled = ", compiled" if self.compiled else ""
+        return f"{self.precision}, {layout}{recompute}{offload}{compiled}, batch {self.batch_size}"
 
 
 @dataclass(frozen=True)
@@ -155,8 +158,9 @@ def overhead_terms(arch: Architecture, mode: str, candidate: Candidate, memory: 
         Term("workspaces", calibration.workspace(mode, graph), "cuBLAS workspaces, allocated peak minus tensors"),
     ]
     if moment in LATE_BACKWARD:
-        layer = saved_per_layer(arch, candidate.batch_size * seq_len, Widths.of(candidate.precision),
-                                candidate.parallelism.tensor)
+        tokens, widths, tp = candidate.batch_size * seq_len, Widths.of(candidate.precision), candidate.parallelism.tensor
+        layer = (inductor.saved_per_layer(arch, tokens, widths.compute, widths.residual, tp) if candidate.compiled
+                 else saved_per_layer(arch, tokens, widths, tp))
         terms.append(Term("allocator fragmentation", layer, "one layer's saved activations: gradients allocated "
                           "among freed activations late in the backward pass"))
     else:
@@ -179,7 +183,8 @@ def assess(arch: Architecture, mode: str, candidate: Candidate, target: GpuTarge
             return Assessment(candidate, None, (), 0.0, False, f"{candidate.label}: {problem}", None)
     memory = estimate_memory(arch, mode, candidate.precision, candidate.batch_size, seq_len, new_tokens=new_tokens,
                              activation_checkpointing=candidate.activation_checkpointing,
-                             parallelism=candidate.parallelism, resident_layers=candidate.resident_layers)
+                             parallelism=candidate.parallelism, resident_layers=candidate.resident_layers,
+                             compiled=candidate.compiled)
 
     def total(moment: str) -> float:
         extra = overhead_terms(arch, mode, candidate, memory, moment, seq_len, calibration)
@@ -361,7 +366,8 @@ def predict_spec(arch: Architecture, spec, target: GpuTarget, calibration: Calib
                  choose_precision: bool, choose_recompute: bool, runnable: tuple[str, ...]):
     """Plan one ``fitbench run`` configuration on one GPU: choose the precision and activation
     checkpointing the user left open (first rung of the ladder that fits, fastest within it),
-    and predict its peak; an offloaded one keeps the layers ``offload_split`` finds room for.
+    and predict its peak (compiled when ``spec.compile``); an offloaded one keeps the layers
+    ``offload_split`` finds room for.
     Returns the spec to run and the prediction stored with its result."""
     ladder = [p for p in DEFAULT_LADDER[spec.mode] if p in runnable] if choose_precision else [spec.precision]
     if spec.offload:
@@ -374,7 +380,8 @@ def predict_spec(arch: Architecture, spec, target: GpuTarget, calibration: Calib
         return offload_split(arch, spec.mode, precision, spec.batch_size, spec.seq_len, new_tokens=spec.new_tokens,
                              budget=target.memory, calibration=calibration).resident_layers
 
-    options = [assess(arch, spec.mode, Candidate(precision, "single", 1, ac, spec.batch_size, resident(precision)),
+    options = [assess(arch, spec.mode, Candidate(precision, "single", 1, ac, spec.batch_size, resident(precision),
+                                                 compiled=spec.compile),
                       target, seq_len=spec.seq_len, new_tokens=spec.new_tokens, calibration=calibration)
                for precision in ladder for ac in recompute]
     fitting = [a for a in options if a.fits]

@@ -77,7 +77,7 @@ def raise_injected_out_of_memory(spec: RunSpec, arch, resident_layers: int | Non
 
         peak = estimate_memory(arch, spec.mode, spec.precision, spec.batch_size, spec.seq_len,
                                new_tokens=spec.new_tokens, activation_checkpointing=spec.activation_checkpointing,
-                               resident_layers=resident_layers).peak_bytes
+                               resident_layers=resident_layers, compiled=spec.compile).peak_bytes
         if peak > limit:
             raise torch.cuda.OutOfMemoryError(f"CUDA out of memory (injected: predicted {peak:,.0f} B exceeds the "
                                               f"FITBENCH_INJECT limit of {limit:,.0f} B)")
