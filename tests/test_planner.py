@@ -730,7 +730,8 @@ def test_plan_command_json_has_sizes_in_bytes(capsys):
     assert result["hardware"] == {"name": None, "count": 4, "memory": 80e9, "described": True}
     chosen = result["chosen"]
     assert chosen["candidate"] == {"precision": "bf16-pure", "strategy": "tp", "gpus": 4,
-                                   "activation_checkpointing": False, "batch_size": 1, "resident_layers": None}
+                                   "activation_checkpointing": False, "batch_size": 1, "resident_layers": None,
+                                   "compiled": False}
     per_gpu = 2 * (LLAMA2_70B["L"] * layer_params(LLAMA2_70B) / 4 + edge_params(LLAMA2_70B))
     assert per_gpu < chosen["predicted_peak_bytes"] < per_gpu + 2e9
     terms = {t["name"]: t["bytes"] for t in chosen["memory"]["terms"]}

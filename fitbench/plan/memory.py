@@ -281,6 +281,8 @@ def estimate_memory(arch: Architecture, mode: str, precision: str, batch: int, s
     (adapters, inference) keep the eager model's terms, an upper bound: their kernels break the graph."""
     if resident_layers is not None:
         return _offloaded(arch, mode, precision, batch, seq_len, new_tokens, resident_layers, parallelism)
+    # Only the native decoder's compiled graph has been read; other families keep the eager terms.
+    compiled = compiled and arch.family == "llama"
     widths = Widths.of(precision)
     tp, stages, shards = parallelism.tensor, parallelism.stages, parallelism.shards
     P = arch.total_params
