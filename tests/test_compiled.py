@@ -12,9 +12,11 @@ import dataclasses
 import pytest
 import torch
 
+from fitbench.config import RunSpec
 from fitbench.models.native import build_native
 from fitbench.models.registry import resolve
 from fitbench.plan import compiled
+from fitbench.plan.calibration import DEFAULT
 from fitbench.plan.memory import END, MLP, OUTPUT, START, estimate_memory
 from fitbench.plan.planner import Candidate, GpuTarget, predict_spec
 from fitbench.run.precision import PRECISIONS as RUNNABLE
@@ -184,10 +186,7 @@ def test_compiled_worked_example_1b():
 
 
 def test_predict_spec_predicts_the_compiled_model():
-    from fitbench.config import RunSpec
-
     target = GpuTarget("NVIDIA H200", 1, 150e9, described=False)
-    from fitbench.plan.calibration import DEFAULT
 
     def prediction(compile_: bool) -> dict:
         spec = RunSpec(model="1B", backend="native", mode="train", precision="bf16", batch_size=4, seq_len=2048,
@@ -200,3 +199,15 @@ def test_predict_spec_predicts_the_compiled_model():
                                                          compiled=True).peak_bytes
     assert eager["predicted_peak_bytes"] - fused["predicted_peak_bytes"] > 5.9e9
     assert Candidate("bf16", "single", 1, False, 4, compiled=True).label == "bf16, 1 GPU, compiled, batch 4"
+
+
+@pytest.mark.parametrize("mode", ["train", "forward"])
+def test_other_families_keep_the_eager_model_when_compiled(mode):
+    """Only the native (Llama-family) decoder's compiled graph has been read; GPT-2 runs on the hf
+    backend, whose compiled graph differs, and gets the eager terms."""
+    gpt2 = resolve("gpt2")
+    eager = estimate_memory(gpt2, mode, "bf16", 2, 256)
+    assert estimate_memory(gpt2, mode, "bf16", 2, 256, compiled=True).as_dict() == eager.as_dict()
+    llama = resolve("tiny")
+    assert estimate_memory(llama, mode, "bf16", 2, 256, compiled=True).peak_bytes \
+        < estimate_memory(llama, mode, "bf16", 2, 256).peak_bytes

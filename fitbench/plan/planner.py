@@ -158,7 +158,8 @@ def overhead_terms(arch: Architecture, mode: str, candidate: Candidate, memory: 
         Term("workspaces", calibration.workspace(mode, graph), "cuBLAS workspaces, allocated peak minus tensors"),
     ]
     if moment in LATE_BACKWARD:
-        tokens, widths, tp = candidate.batch_size * seq_len, Widths.of(candidate.precision), candidate.parallelism.tensor
+        tokens, tp = candidate.batch_size * seq_len, candidate.parallelism.tensor
+        widths = Widths.of(candidate.precision)
         layer = (inductor.saved_per_layer(arch, tokens, widths.compute, widths.residual, tp) if candidate.compiled
                  else saved_per_layer(arch, tokens, widths, tp))
         terms.append(Term("allocator fragmentation", layer, "one layer's saved activations: gradients allocated "
