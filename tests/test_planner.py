@@ -911,7 +911,7 @@ def test_fsdp_ranks_read_all_gathered_weights():
 @pytest.mark.parametrize("mode, precision, expected", [
     ("infer", "bf16-pure", (797e6, 2 * 32 * MIB)),  # decode steps replayed from a graph
     ("infer", "nf4", (797e6, 2 * 32 * MIB)),
-    ("infer", "bf16", (721e6, 32 * MIB)),  # autocast decodes eagerly
+    ("infer", "bf16", (797e6, 2 * 32 * MIB)),  # autocast decodes through a graph too
     ("infer", "int8", (721e6, 32 * MIB)),  # LLM.int8's outlier search cannot be captured
     ("forward", "bf16-pure", (721e6, 32 * MIB)),
     ("train", "bf16", (795e6, 2 * 32 * MIB)),
@@ -922,3 +922,17 @@ def test_overheads_follow_how_the_step_runs(mode, precision, expected):
     memory = estimate_memory(arch, mode, precision, 1, 128, new_tokens=16)
     terms = overhead_terms(arch, mode, candidate, memory, memory.peak_moment, 128, DEFAULT)
     assert (terms[0].bytes, terms[1].bytes) == expected
+
+
+@pytest.mark.parametrize("precision, batch", [("bf16", 1), ("fp16", 8)])
+def test_a_decode_graph_captured_under_autocast_keeps_its_casts_pool(precision, batch):
+    # small: V 10000, h 768, f 3072; the output projection (V h) is the largest matrix cast to 16 bits.
+    arch = resolve("small")
+    candidate = Candidate(precision, "single", 1, False, batch)
+    memory = estimate_memory(arch, "infer", precision, batch, 128, new_tokens=16)
+    terms = {t.name: t.bytes for t in overhead_terms(arch, "infer", candidate, memory, memory.peak_moment, 128,
+                                                      DEFAULT)}
+    assert terms["decode graph pool"] == 2 * (10000 * 768 + batch * 10000)
+    pure = overhead_terms(arch, "infer", Candidate("bf16-pure", "single", 1, False, batch), memory,
+                          memory.peak_moment, 128, DEFAULT)
+    assert "decode graph pool" not in {t.name for t in pure}

@@ -135,9 +135,8 @@ class Plan:
 LATE_BACKWARD = ("recompute of the last layer", "backward of the first layer", "end of the backward pass")
 
 
-# Decoding stays eager under autocast (its 16-bit weight copies live one generation) and with
-# LLM.int8, whose outlier search synchronizes (``fitbench.models.backends``).
-EAGER_DECODE_PRECISIONS = ("bf16", "fp16", "int8")
+# Decoding stays eager with LLM.int8, whose outlier search synchronizes (``fitbench.models.backends``).
+EAGER_DECODE_PRECISIONS = ("int8",)
 
 
 def decodes_through_graph(candidate: Candidate) -> bool:
@@ -164,7 +163,24 @@ def overhead_terms(arch: Architecture, mode: str, candidate: Candidate, memory: 
                           "expandable segments: the peak rounded up to 2 MiB"))
     if candidate.gpus > 1:
         terms.append(Term("NCCL buffers", calibration.nccl_per_communicator, "one communicator"))
+    widths = Widths.of(candidate.precision)
+    if mode == "infer" and graph and widths.autocast:
+        terms.append(autocast_graph_pool(arch, candidate.batch_size, widths))
     return tuple(terms)
+
+
+def autocast_graph_pool(arch: Architecture, batch: int, widths: Widths) -> Term:
+    """The private memory pool of a decode step captured under autocast. Inside ``inference_mode``
+    autocast caches no weight cast, so the captured step casts every fp32 matrix to 16 bits as it
+    reaches it; the pool keeps room for the most the step holds at once, at the output projection:
+    its 16-bit copy and the logits, c (V h + B V) (the largest MLP matrix instead, c h f, where that
+    is larger). The pool stays reserved from the capture, in the first warm-up generation, to the
+    end, so every measured prefill has it beside its own peak."""
+    c, h, V = widths.compute, arch.hidden_size, arch.vocab_size
+    largest = max(V * h, h * arch.ffn_size)
+    return Term("decode graph pool", c * (largest + batch * V),
+                f"{c} B x ({largest:,} + {batch} x {V:,}): the largest matrix cast to 16 bits beside the logits, "
+                f"kept by the graph captured under autocast")
 
 
 def assess(arch: Architecture, mode: str, candidate: Candidate, target: GpuTarget, *, seq_len: int,
