@@ -68,13 +68,22 @@ class _Child:
         self.kill()
 
 
+# torch reads the allocator's settings from either variable (PYTORCH_ALLOC_CONF is the newer name).
+ALLOCATOR_VARIABLES = ("PYTORCH_ALLOC_CONF", "PYTORCH_CUDA_ALLOC_CONF")
+
+
 def worker_environment() -> dict[str, str]:
     """The parent's environment, unbuffered, with the CUDA allocator's expandable segments unless the
-    user configured the allocator: segments grow in 2 MiB pages instead of caching whole blocks, so
-    reserved memory tracks the allocated peak (the planner's page-rounding term) instead of
-    fragmenting (measured: 42.6 GB reserved for 32.0 GB allocated without it on 2.7B)."""
+    user configured the allocator (a non-empty setting in either variable): segments grow in 2 MiB
+    pages instead of caching whole blocks, so reserved memory tracks the allocated peak (the
+    planner's page-rounding term) instead of fragmenting (measured: 42.6 GB reserved for 32.0 GB
+    allocated without it on 2.7B). An empty variable counts as unset. Each row records the settings
+    its worker ran with (``fitbench.run.trackers``)."""
     environment = {**os.environ, "PYTHONUNBUFFERED": "1"}
-    environment.setdefault("PYTORCH_CUDA_ALLOC_CONF", "expandable_segments:True")
+    if not any(environment.get(name, "").strip() for name in ALLOCATOR_VARIABLES):
+        for name in ALLOCATOR_VARIABLES:
+            environment.pop(name, None)
+        environment["PYTORCH_CUDA_ALLOC_CONF"] = "expandable_segments:True"
     return environment
 
 

@@ -372,6 +372,11 @@ def main(argv: list[str]) -> int:
         code = EXIT_FAILED
     # Also after a failure: the peak an out-of-memory reached is what the planner needs to know.
     payload["memory"] = memory_report(device, sampler)
+    for gpu in payload["memory"]["gpus"]:
+        if "expandable_segments:true" not in gpu["allocator"]["settings"].lower():
+            payload.setdefault("warnings", []).append(
+                f"the CUDA allocator ran without expandable segments ({gpu['allocator']['settings'] or 'defaults'}), "
+                f"which the planner assumes: reserved memory may exceed the prediction")
     tmp = result_path.with_suffix(".tmp")
     tmp.write_text(json.dumps(payload))
     os.replace(tmp, result_path)
