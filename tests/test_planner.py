@@ -1128,7 +1128,8 @@ def test_the_first_run_on_a_gpu_measures_and_stores_a_calibration():
     store_raw({f"{H100}|torch 2.9.0": asdict(calibration("old torch", "2026-11-01T00:00:00Z"))})
     found, stored_in = ensure_calibration(H100, measure)
     assert (found, stored_in, len(calls)) == (measured, calibration_path(), 1)
-    assert set(json.loads(calibration_path().read_text())) == {f"{H100}|torch 2.9.0", f"{H100}|torch {torch.__version__}"}
+    stored = set(json.loads(calibration_path().read_text()))
+    assert stored == {f"{H100}|torch 2.9.0", f"{H100}|torch {torch.__version__}"}
     # The next run finds it and measures nothing.
     found, stored_in = ensure_calibration(H100, measure)
     assert (found, stored_in, len(calls)) == (measured, None, 1)

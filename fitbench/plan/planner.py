@@ -3,8 +3,9 @@
 A candidate is a precision, a strategy over a GPU count, activation checkpointing on or off and a
 batch size. Its predicted per-GPU peak is the memory model's tensor terms plus the calibrated
 overheads (CUDA context, cuBLAS workspace, allocator page rounding, NCCL buffers; none on a CPU,
-where the calibration is None). It fits when that peak is at most the GPU's memory. An offloaded candidate (inference on one GPU) keeps only
-some decoder layers on the GPU; ``offload_split`` says how many fit.
+where the calibration is None). It fits when that peak is at most the GPU's memory. An offloaded
+candidate (inference on one GPU) keeps only some decoder layers on the GPU; ``offload_split`` says
+how many fit.
 
 The precision ladder is an order of preference (quality first): the chosen plan uses the first
 rung that has a fitting candidate, and among that rung's candidates the highest predicted
