@@ -245,7 +245,7 @@ def run_target(device: str, measure: Callable[[], Any] | None = None):
 
     import torch
 
-    from fitbench.plan.calibration import ensure_calibration, measure_calibration
+    from fitbench.plan.calibration import ensure_calibration, load_calibration, measure_calibration
 
     properties = torch.cuda.get_device_properties(torch.device(device))
 
@@ -253,7 +253,11 @@ def run_target(device: str, measure: Callable[[], Any] | None = None):
         with tempfile.TemporaryDirectory(prefix="fitbench-calibrate-") as scratch:
             return measure_calibration(device, Path(scratch))
 
-    calibration, stored_in = ensure_calibration(properties.name, measure or measure_here)
+    try:
+        calibration, stored_in = ensure_calibration(properties.name, measure or measure_here)
+    except RuntimeError as error:  # a calibration run that failed, or no NVML: plan as before
+        calibration, stored_in = load_calibration(properties.name), None
+        console.print(f"calibrating {properties.name} failed ({error}); planning with {calibration.source}")
     if stored_in is not None:
         console.print(f"first run on {properties.name} with torch {torch.__version__}, calibrated: "
                       f"{_calibration_figures(calibration)}; stored in {stored_in}")
