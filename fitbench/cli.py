@@ -257,7 +257,8 @@ def run_target(device: str, measure: Callable[[], Any] | None = None):
         calibration, stored_in = ensure_calibration(properties.name, measure or measure_here)
     except RuntimeError as error:  # a calibration run that failed, or no NVML: plan as before
         calibration, stored_in = load_calibration(properties.name), None
-        console.print(f"calibrating {properties.name} failed ({error}); planning with {calibration.source}")
+        console.print(f"calibrating {properties.name} failed ({escape(str(error))}); planning with "
+                      f"{calibration.source}")
     if stored_in is not None:
         console.print(f"first run on {properties.name} with torch {torch.__version__}, calibrated: "
                       f"{_calibration_figures(calibration)}; stored in {stored_in}")
