@@ -410,8 +410,8 @@ def predict_spec(arch: Architecture, spec, target: GpuTarget, calibration: Calib
     }
 
 
-STRATEGY_NAMES = {"ddp": "DDP", "fsdp": "FSDP", "tp": "tensor parallel", "pipeline": "pipeline stages"}
-ADAPTER_BASE = "nf4"  # QLoRA's base (Dettmers et al. 2023): the smallest that trains adapters
+STRATEGY_NAMES = {"fsdp": "FSDP", "tp": "tensor parallel", "pipeline": "pipeline stages"}
+ADAPTER_BASE = "nf4"  # QLoRA's base (Dettmers et al. 2023)
 
 
 @dataclass(frozen=True)
@@ -458,9 +458,9 @@ def alternatives(arch: Architecture, spec, target: GpuTarget, calibration: Calib
         else [spec.activation_checkpointing]
     one = replace(target, count=1)
 
-    def first_fitting(candidates, gpu_target=one) -> Assessment | None:
+    def first_fitting(candidates) -> Assessment | None:
         for candidate in candidates:
-            assessed = assess(arch, mode, candidate, gpu_target, seq_len=seq_len, new_tokens=new_tokens,
+            assessed = assess(arch, mode, candidate, one, seq_len=seq_len, new_tokens=new_tokens,
                               calibration=calibration)
             if assessed.fits:
                 return assessed
