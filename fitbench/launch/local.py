@@ -164,12 +164,13 @@ def _run_planned(spec: RunSpec, logs: Path, timeout: float, on_event, policy: Fa
 def run_sweep(specs: list[RunSpec], store: ResultStore, *, timeout: float, command: str,
               callbacks: SweepCallbacks = SweepCallbacks(),
               predict: Callable[[RunSpec], dict[str, Any] | None] = lambda spec: None,
-              refusals: dict[str, str] | None = None,
+              refusals: dict[str, str] | None = None, calibration: str | None = None,
               fallback: Callable[[RunSpec], FallbackPolicy] = lambda spec: FallbackPolicy((), enabled=False),
               predicted_batch: Callable[[RunSpec], int] = lambda spec: 1) -> list[dict[str, Any]]:
     """Run every spec without a row in ``store``; append each row the moment it exists, with the
     planner's prediction (``predict``) for the configuration that finally ran beside what was
-    measured. A spec in ``refusals`` is not launched: its row says why this hardware cannot run it.
+    measured, and the ``calibration`` (its source) the predictions used. A spec in ``refusals`` is
+    not launched: its row says why this hardware cannot run it or the planner predicts it won't fit.
     An out-of-memory walks the ``fallback`` ladder; an ``auto_batch`` spec first finds its batch by
     probing from ``predicted_batch`` (``fitbench.launch.fallback``)."""
     finished = store.finished_keys()
@@ -187,6 +188,7 @@ def run_sweep(specs: list[RunSpec], store: ResultStore, *, timeout: float, comma
             row = _run_planned(spec, store.directory / "logs", timeout, callbacks.on_event, fallback(spec),
                                predicted_batch)
         row["command"] = command
+        row["calibration"] = calibration
         row["prediction"] = predict(RunSpec.model_validate(row["spec"]))
         store.append(row)
         finished.add(spec.key)

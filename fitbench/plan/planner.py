@@ -2,13 +2,17 @@
 
 A candidate is a precision, a strategy over a GPU count, activation checkpointing on or off and a
 batch size. Its predicted per-GPU peak is the memory model's tensor terms plus the calibrated
-overheads (CUDA context, cuBLAS workspace, allocator page rounding, NCCL buffers). It fits when
-that peak is at most the GPU's memory. An offloaded candidate (inference on one GPU) keeps only
-some decoder layers on the GPU; ``offload_split`` says how many fit.
+overheads (CUDA context, cuBLAS workspace, allocator page rounding, NCCL buffers; none on a CPU,
+where the calibration is None). It fits when that peak is at most the GPU's memory. An offloaded
+candidate (inference on one GPU) keeps only some decoder layers on the GPU; ``offload_split`` says
+how many fit.
 
 The precision ladder is an order of preference (quality first): the chosen plan uses the first
 rung that has a fitting candidate, and among that rung's candidates the highest predicted
 throughput (fewer GPUs on a tie). Every rejected candidate keeps its reason.
+
+A ``fitbench run`` configuration that no choice left open makes fit is refused before launch
+(``refusal``): its reason names the predicted need and the ``alternatives`` predicted to fit.
 """
 
 from __future__ import annotations
@@ -17,11 +21,12 @@ from dataclasses import dataclass, field, replace
 
 from fitbench import hardware
 from fitbench.models.architecture import Architecture
-from fitbench.plan.calibration import DEFAULT, PAGE, Calibration
+from fitbench.plan.calibration import DEFAULT, PAGE, TENSORS_ONLY, Calibration
 from fitbench.plan.memory import (QUANTIZED, TRAINING_MODES, MemoryEstimate, Parallelism, Term, Widths, estimate_memory,
                                   offloaded_weights, saved_per_layer)
 from fitbench.plan.speed import StepTime, estimate_step_time
-from fitbench.run.precision import training_problem
+from fitbench.run.precision import training_problem, trains_every_weight
+from fitbench.units import format_bytes
 
 # Names people type for --gpu, to the exact device names of the peak table.
 GPU_ALIASES = {
@@ -55,6 +60,7 @@ class GpuTarget:
     count: int
     memory: float  # bytes per GPU
     described: bool
+    memory_source: str | None = None  # where ``memory`` comes from
 
     @property
     def speed_name(self) -> str:
@@ -146,8 +152,11 @@ def decodes_through_graph(candidate: Candidate) -> bool:
 
 
 def overhead_terms(arch: Architecture, mode: str, candidate: Candidate, memory: MemoryEstimate, moment: str,
-                   seq_len: int, calibration: Calibration) -> tuple[Term, ...]:
-    """What the GPU gives the process beyond the step's tensors at ``moment`` (``fitbench.plan.calibration``)."""
+                   seq_len: int, calibration: Calibration | None) -> tuple[Term, ...]:
+    """What the GPU gives the process beyond the step's tensors at ``moment`` (``fitbench.plan.calibration``);
+    nothing on a CPU (``calibration`` None)."""
+    if calibration is None:
+        return ()
     graph = decodes_through_graph(candidate)
     terms = [
         Term("CUDA context", calibration.context(mode, graph), calibration.source),
@@ -184,7 +193,7 @@ def autocast_graph_pool(arch: Architecture, batch: int, widths: Widths) -> Term:
 
 
 def assess(arch: Architecture, mode: str, candidate: Candidate, target: GpuTarget, *, seq_len: int,
-           new_tokens: int, calibration: Calibration = DEFAULT) -> Assessment:
+           new_tokens: int, calibration: Calibration | None = DEFAULT) -> Assessment:
     problem = _layout_problem(arch, candidate, target)
     if problem:
         return Assessment(candidate, None, (), 0.0, False, problem, None)
@@ -373,12 +382,14 @@ def planner_choices(mode: str, choose_precision: bool, choose_recompute: bool) -
                                      ("activation_checkpointing", choose_recompute and mode in TRAINING_MODES)) if chose]
 
 
-def predict_spec(arch: Architecture, spec, target: GpuTarget, calibration: Calibration, *,
+def predict_spec(arch: Architecture, spec, target: GpuTarget, calibration: Calibration | None, *,
                  choose_precision: bool, choose_recompute: bool, runnable: tuple[str, ...]):
     """Plan one ``fitbench run`` configuration on one GPU: choose the precision and activation
     checkpointing the user left open (first rung of the ladder that fits, fastest within it),
     and predict its peak; an offloaded one keeps the layers ``offload_split`` finds room for.
-    Returns the spec to run and the prediction stored with its result."""
+    When nothing fits, the option that comes closest (the smallest peak) stands for the
+    configuration: what its refusal names. Returns the spec to run and the prediction stored with
+    its result. ``calibration`` None: a CPU, tensors only."""
     ladder = [p for p in DEFAULT_LADDER[spec.mode] if p in runnable] if choose_precision else [spec.precision]
     if spec.offload:
         ladder = [p for p in ladder if p not in QUANTIZED]
@@ -394,7 +405,7 @@ def predict_spec(arch: Architecture, spec, target: GpuTarget, calibration: Calib
                       target, seq_len=spec.seq_len, new_tokens=spec.new_tokens, calibration=calibration)
                for precision in ladder for ac in recompute]
     fitting = [a for a in options if a.fits]
-    chosen = fitting[0] if fitting else options[0]
+    chosen = fitting[0] if fitting else min(options, key=lambda a: a.predicted_peak)
     candidate = chosen.candidate
     planned = spec.model_copy(update={"precision": candidate.precision,
                                       "activation_checkpointing": candidate.activation_checkpointing})
@@ -411,5 +422,132 @@ def predict_spec(arch: Architecture, spec, target: GpuTarget, calibration: Calib
                   for t in chosen.memory.terms]
                  + [{"name": t.name, "bytes": t.bytes, "at_peak": True} for t in chosen.overheads],
         "step_time_estimate_s": chosen.speed.seconds if chosen.speed else None,
-        "calibration": calibration.source,
+        "calibration": calibration.source if calibration else TENSORS_ONLY,
     }
+
+
+STRATEGY_NAMES = {"fsdp": "FSDP", "tp": "tensor parallel", "pipeline": "pipeline stages"}
+ADAPTER_BASE = "nf4"  # QLoRA's base (Dettmers et al. 2023)
+
+
+@dataclass(frozen=True)
+class Alternative:
+    """A change that makes a configuration predicted not to fit fit: ``change`` in words, and the
+    assessment of the changed configuration (its per-GPU peak)."""
+
+    change: str
+    assessment: Assessment
+
+    @property
+    def summary(self) -> str:
+        gpus = self.assessment.candidate.gpus
+        each = " each" if gpus > 1 else ""
+        return f"{self.change} at {format_bytes(self.assessment.predicted_peak)}{each}"
+
+    def as_dict(self) -> dict:
+        return {"change": self.change, "candidate": self.assessment.candidate.__dict__,
+                "predicted_peak_bytes": self.assessment.predicted_peak, "label": self.assessment.candidate.label}
+
+
+def alternatives(arch: Architecture, spec, target: GpuTarget, calibration: Calibration | None, *,
+                 max_gpus: int = 64) -> list[Alternative]:
+    """What would make ``spec`` (one ``fitbench run`` configuration, predicted not to fit on one GPU of
+    ``target``) fit, each change alone, where it applies, in this order:
+
+    - activation checkpointing, in training that has it off;
+    - another precision of the mode's ladder (``DEFAULT_LADDER``; in training, those that train every
+      weight), with checkpointing where only that fits;
+    - the largest smaller batch that fits (not for ``--batch-size auto``, which tried batch 1);
+    - training: low-rank adapters on an nf4 base (QLoRA) on this GPU;
+    - inference: ``--offload`` with the layers ``offload_split`` finds room for, in a floating-point
+      precision (the spec's, else bf16-pure);
+    - the fewest GPUs of this kind (2, 4, 8 ... up to ``max_gpus``) on which a layout that divides the
+      memory (FSDP, tensor parallel, pipeline stages; not DDP, which replicates it) fits, the fastest
+      by the roofline among those.
+
+    Each keeps everything else of the spec. Returns only the changes predicted to fit."""
+    from fitbench.config import offload_problem
+
+    mode, batch, seq_len, new_tokens = spec.mode, spec.batch_size, spec.seq_len, spec.new_tokens
+    training = mode in TRAINING_MODES
+    recompute = [spec.activation_checkpointing, True] if training and not spec.activation_checkpointing \
+        else [spec.activation_checkpointing]
+    one = replace(target, count=1)
+
+    def first_fitting(candidates) -> Assessment | None:
+        for candidate in candidates:
+            assessed = assess(arch, mode, candidate, one, seq_len=seq_len, new_tokens=new_tokens,
+                              calibration=calibration)
+            if assessed.fits:
+                return assessed
+        return None
+
+    def single(precision: str, ac: bool, batch_size: int = batch) -> Candidate:
+        return Candidate(precision, "single", 1, ac, batch_size)
+
+    def with_recompute(candidate: Candidate) -> str:
+        return " with activation checkpointing" if candidate.activation_checkpointing and \
+            not spec.activation_checkpointing else ""
+
+    found: list[Alternative] = []
+    if training and not spec.activation_checkpointing:
+        fits = first_fitting([single(spec.precision, True)])
+        if fits:
+            found.append(Alternative("with activation checkpointing", fits))
+    for precision in DEFAULT_LADDER[mode]:
+        if precision == spec.precision or (training and not trains_every_weight(precision)):
+            continue
+        fits = first_fitting([single(precision, ac) for ac in recompute])
+        if fits:
+            found.append(Alternative(f"in {precision}{with_recompute(fits.candidate)}", fits))
+    if batch > 1 and not spec.auto_batch:
+        for ac in recompute:
+            smaller = largest_fitting_batch(arch, mode, single(spec.precision, ac, 1), one, seq_len=seq_len,
+                                            new_tokens=new_tokens, calibration=calibration)
+            if 0 < smaller < batch:
+                fits = first_fitting([single(spec.precision, ac, smaller)])
+                found.append(Alternative(f"at batch {smaller}{with_recompute(fits.candidate)}", fits))
+                break
+    if training and spec.precision not in QUANTIZED:
+        fits = first_fitting([single(ADAPTER_BASE, ac) for ac in recompute])
+        if fits:
+            found.append(Alternative(f"as {ADAPTER_BASE} adapters (QLoRA) on this GPU{with_recompute(fits.candidate)}",
+                                     fits))
+    precision = spec.precision if spec.precision not in QUANTIZED else "bf16-pure"
+    if not spec.offload and offload_problem(mode, precision, spec.backend, spec.compile) is None:
+        split = offload_split(arch, mode, precision, batch, seq_len, new_tokens=new_tokens, budget=target.memory,
+                              calibration=calibration)
+        fits = first_fitting([Candidate(precision, "single", 1, False, batch, split.resident_layers)])
+        if fits:
+            found.append(Alternative(f"with --offload in {precision} ({split.resident_layers} of {arch.num_layers} "
+                                     f"layers on the GPU)", fits))
+    many = replace(target, count=max_gpus)
+    for gpus in gpu_counts(max_gpus)[1:]:
+        layouts = [Candidate(spec.precision, strategy, gpus, ac, batch)
+                   for strategy in strategies_for(mode, gpus) if strategy != "ddp" for ac in recompute]
+        fitting = [a for a in (assess(arch, mode, c, many, seq_len=seq_len, new_tokens=new_tokens,
+                                      calibration=calibration) for c in layouts) if a.fits]
+        if fitting:
+            best = max(fitting, key=lambda a: a.speed.tokens_per_s)
+            found.append(Alternative(f"on {gpus} GPUs with {STRATEGY_NAMES[best.candidate.strategy]}"
+                                     f"{with_recompute(best.candidate)}", best))
+            break
+    return found
+
+
+def refusal(arch: Architecture, spec, prediction: dict, target: GpuTarget,
+            found: list[Alternative]) -> str:
+    """One paragraph: why ``spec`` is not launched (the need ``predict_spec`` predicted for it against
+    the GPU's memory) and the ``found`` alternatives that would fit, e.g. "30B train in bf16-pure
+    with activation checkpointing needs 261.3 GB on one GPU of 150.1 GB; it fits on 2 GPUs with FSDP
+    at 131.0 GB each, or as nf4 adapters (QLoRA) on this GPU at 41.0 GB"."""
+    recompute = " with activation checkpointing" if spec.activation_checkpointing else ""
+    offload = " with --offload" if spec.offload else ""
+    what = f"{spec.model} {spec.mode} in {spec.precision}{recompute}{offload} at batch {spec.batch_size}"
+    need = (f"refused before launch: {what} x {spec.seq_len} tokens is predicted to need "
+            f"{format_bytes(prediction['predicted_peak_bytes'])} on one GPU of {format_bytes(target.memory)}")
+    if not found:
+        return f"{need}, and no change of precision, checkpointing, batch or GPU count makes it fit."
+    options = [alternative.summary for alternative in found]
+    listed = options[0] if len(options) == 1 else ", ".join(options[:-1]) + ", or " + options[-1]
+    return f"{need}; it fits {listed}."

@@ -10,11 +10,14 @@ Fault injection for tests (comma-separated in ``FITBENCH_INJECT``):
 
 - ``crash:<model>``: the worker of that model aborts (SIGABRT) once its model is built, as a
   segfaulting kernel or a killed process would;
-- ``oom:<precision>``: a worker running that precision raises the real
-  ``torch.cuda.OutOfMemoryError`` once its model is built;
+- ``oom:<precision>``: a worker running that precision with every layer on the device raises the
+  real ``torch.cuda.OutOfMemoryError`` once its model is built (an offloaded run is what gets
+  around it), as a run predicted to fit that then runs out would;
 - ``mem-limit:<bytes>``: a worker raises it when the planner's predicted tensor peak for its
   configuration exceeds that budget, which makes a CPU behave like a GPU of that size; an
   offloaded configuration also keeps on the device only the layers that budget has room for.
+  ``fitbench run`` plans against the same budget on a CPU, so what is predicted not to fit there
+  is refused before launch, as on a GPU.
 """
 
 from __future__ import annotations
@@ -69,7 +72,7 @@ def injected_memory_limit() -> float | None:
 
 
 def raise_injected_out_of_memory(spec: RunSpec, arch, resident_layers: int | None) -> None:
-    if injected("oom", spec.precision):
+    if injected("oom", spec.precision) and not spec.offload:
         raise torch.cuda.OutOfMemoryError(f"CUDA out of memory (injected by FITBENCH_INJECT for {spec.precision})")
     limit = injected_memory_limit()
     if limit is not None and arch.family == "llama":
