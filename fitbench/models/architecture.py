@@ -277,6 +277,10 @@ class Architecture:
                 "n_head": self.num_heads,
                 "n_positions": self.max_seq_len,
                 "layer_norm_epsilon": self.norm_eps,
+                # No dropout, as in the other families (Llama's and Falcon's configs have none):
+                # fitbench measures the architecture's compute and memory, and GPT-2's 0.1 would add
+                # a mask per dropout and move attention off the fused kernels that take no dropout.
+                "resid_pdrop": 0.0, "embd_pdrop": 0.0, "attn_pdrop": 0.0,
             }
         return {**config, **self.extra_hf_config}
 

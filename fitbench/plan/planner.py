@@ -17,6 +17,7 @@ from dataclasses import dataclass, field, replace
 
 from fitbench import hardware
 from fitbench.models.architecture import Architecture
+from fitbench.models.backends import default_backend
 from fitbench.plan.calibration import DEFAULT, PAGE, Calibration
 from fitbench.plan.memory import (QUANTIZED, TRAINING_MODES, MemoryEstimate, Parallelism, Term, Widths, estimate_memory,
                                   offloaded_weights, saved_per_layer)
@@ -147,7 +148,7 @@ def decodes_through_graph(candidate: Candidate) -> bool:
 
 
 def overhead_terms(arch: Architecture, mode: str, candidate: Candidate, memory: MemoryEstimate, moment: str,
-                   seq_len: int, calibration: Calibration) -> tuple[Term, ...]:
+                   seq_len: int, calibration: Calibration, backend: str | None = None) -> tuple[Term, ...]:
     """What the GPU gives the process beyond the step's tensors at ``moment`` (``fitbench.plan.calibration``)."""
     graph = decodes_through_graph(candidate)
     terms = [
@@ -156,7 +157,8 @@ def overhead_terms(arch: Architecture, mode: str, candidate: Candidate, memory: 
     ]
     if moment in LATE_BACKWARD:
         layer = saved_per_layer(arch, candidate.batch_size * seq_len, Widths.of(candidate.precision),
-                                candidate.parallelism.tensor)
+                                candidate.parallelism.tensor, backend=backend or default_backend(arch),
+                                context=seq_len)
         terms.append(Term("allocator fragmentation", layer, "one layer's saved activations: gradients allocated "
                           "among freed activations late in the backward pass"))
     else:
@@ -168,7 +170,9 @@ def overhead_terms(arch: Architecture, mode: str, candidate: Candidate, memory: 
 
 
 def assess(arch: Architecture, mode: str, candidate: Candidate, target: GpuTarget, *, seq_len: int,
-           new_tokens: int, calibration: Calibration = DEFAULT) -> Assessment:
+           new_tokens: int, calibration: Calibration = DEFAULT, backend: str | None = None) -> Assessment:
+    """Predict ``candidate``'s peak and speed; ``backend`` (native or hf, by default the family's)
+    is the model the run builds."""
     problem = _layout_problem(arch, candidate, target)
     if problem:
         return Assessment(candidate, None, (), 0.0, False, problem, None)
@@ -179,16 +183,17 @@ def assess(arch: Architecture, mode: str, candidate: Candidate, target: GpuTarge
             return Assessment(candidate, None, (), 0.0, False, f"{candidate.label}: {problem}", None)
     memory = estimate_memory(arch, mode, candidate.precision, candidate.batch_size, seq_len, new_tokens=new_tokens,
                              activation_checkpointing=candidate.activation_checkpointing,
-                             parallelism=candidate.parallelism, resident_layers=candidate.resident_layers)
+                             parallelism=candidate.parallelism, resident_layers=candidate.resident_layers,
+                             backend=backend)
 
     def total(moment: str) -> float:
-        extra = overhead_terms(arch, mode, candidate, memory, moment, seq_len, calibration)
+        extra = overhead_terms(arch, mode, candidate, memory, moment, seq_len, calibration, backend)
         return memory.total_at(moment) + sum(t.bytes for t in extra)
 
     # The overheads depend on the moment (fragmentation comes late in the backward pass), so the
     # peak is taken over tensors and overheads together.
     moment = max(memory.moments, key=total)
-    overheads = overhead_terms(arch, mode, candidate, memory, moment, seq_len, calibration)
+    overheads = overhead_terms(arch, mode, candidate, memory, moment, seq_len, calibration, backend)
     peak = total(moment)
     fits = peak <= target.memory
     reason = None if fits else (f"{candidate.label} needs {peak / 1e9:.1f} GB per GPU; "
@@ -233,11 +238,12 @@ def strategies_for(mode: str, gpus: int) -> list[str]:
     return ["tp", "pipeline"]
 
 
-def largest_fitting_batch(arch, mode, candidate: Candidate, target, *, seq_len, new_tokens, calibration) -> int:
+def largest_fitting_batch(arch, mode, candidate: Candidate, target, *, seq_len, new_tokens, calibration,
+                          backend: str | None = None) -> int:
     """The largest batch predicted to fit (bisection on the monotone memory model); 0 if none."""
     def fits(batch: int) -> bool:
         return assess(arch, mode, replace(candidate, batch_size=batch), target, seq_len=seq_len,
-                      new_tokens=new_tokens, calibration=calibration).fits
+                      new_tokens=new_tokens, calibration=calibration, backend=backend).fits
 
     if not fits(1):
         return 0
@@ -262,7 +268,7 @@ class OffloadSplit:
 
 
 def offload_split(arch: Architecture, mode: str, precision: str, batch: int, seq_len: int, *, new_tokens: int,
-                  budget: float, calibration: Calibration | None = None) -> OffloadSplit:
+                  budget: float, calibration: Calibration | None = None, backend: str | None = None) -> OffloadSplit:
     """The decoder layers an offloaded run keeps on a GPU of ``budget`` bytes.
 
     With S = w x parameters per layer and P0 what the run needs with every layer offloaded (its
@@ -282,7 +288,7 @@ def offload_split(arch: Architecture, mode: str, precision: str, batch: int, seq
     width = Widths.of(precision).weights
     layer_bytes = width * arch.params_per_layer
     everything_offloaded = estimate_memory(arch, mode, precision, batch, seq_len, new_tokens=new_tokens,
-                                           resident_layers=0).peak_bytes
+                                           resident_layers=0, backend=backend).peak_bytes
     if calibration is not None:
         everything_offloaded += (calibration.context(mode, decode_graph=False)
                                  + calibration.workspace(mode, decode_graph=False) + PAGE
@@ -296,8 +302,9 @@ def offload_split(arch: Architecture, mode: str, precision: str, batch: int, seq
 def plan(arch: Architecture, mode: str, target: GpuTarget, *, seq_len: int, new_tokens: int,
          batch_sizes: list[int] | None, precisions: list[str] | None = None,
          strategies: list[str] | None = None, checkpointing: list[bool] | None = None,
-         calibration: Calibration = DEFAULT) -> Plan:
-    """``batch_sizes`` None means auto: each layout gets the largest batch predicted to fit."""
+         calibration: Calibration = DEFAULT, backend: str | None = None) -> Plan:
+    """``batch_sizes`` None means auto: each layout gets the largest batch predicted to fit; ``backend``
+    as in ``assess``."""
     ladder = precisions or DEFAULT_LADDER[mode]
     recompute_options = checkpointing if checkpointing is not None else (
         [False, True] if mode in TRAINING_MODES else [False])
@@ -311,13 +318,15 @@ def plan(arch: Architecture, mode: str, target: GpuTarget, *, seq_len: int, new_
                     base = Candidate(precision, strategy, gpus, recompute, 1)
                     if batch_sizes is None:
                         batch = largest_fitting_batch(arch, mode, base, target, seq_len=seq_len,
-                                                      new_tokens=new_tokens, calibration=calibration)
+                                                      new_tokens=new_tokens, calibration=calibration,
+                                                      backend=backend)
                         sizes = [batch or 1]
                     else:
                         sizes = batch_sizes
                     for batch in sizes:
                         assessments.append(assess(arch, mode, replace(base, batch_size=batch), target,
-                                                  seq_len=seq_len, new_tokens=new_tokens, calibration=calibration))
+                                                  seq_len=seq_len, new_tokens=new_tokens, calibration=calibration,
+                                                  backend=backend))
     feasible = [a for a in assessments if a.fits]
     rejected = [a for a in assessments if not a.fits]
     chosen = None
@@ -335,7 +344,7 @@ def plan(arch: Architecture, mode: str, target: GpuTarget, *, seq_len: int, new_
 
 def minimum_gpus(arch: Architecture, mode: str, precision: str, gpu_memory: float, *, seq_len: int,
                  new_tokens: int, batch_size: int = 1, max_gpus: int = 64,
-                 calibration: Calibration = DEFAULT) -> tuple[int, str] | None:
+                 calibration: Calibration = DEFAULT, backend: str | None = None) -> tuple[int, str] | None:
     """The fewest GPUs of ``gpu_memory`` bytes that run this at ``batch_size``, and how; None if
     more than ``max_gpus`` would be needed."""
     target = GpuTarget(None, max_gpus, gpu_memory, described=True)
@@ -346,7 +355,7 @@ def minimum_gpus(arch: Architecture, mode: str, precision: str, gpu_memory: floa
             for recompute in ([False, True] if mode in TRAINING_MODES else [False]):
                 candidate = Candidate(precision, strategy, gpus, recompute, batch_size)
                 if assess(arch, mode, candidate, target, seq_len=seq_len, new_tokens=new_tokens,
-                          calibration=calibration).fits:
+                          calibration=calibration, backend=backend).fits:
                     return gpus, candidate.label
     return None
 
@@ -372,10 +381,11 @@ def predict_spec(arch: Architecture, spec, target: GpuTarget, calibration: Calib
         if not spec.offload:
             return None
         return offload_split(arch, spec.mode, precision, spec.batch_size, spec.seq_len, new_tokens=spec.new_tokens,
-                             budget=target.memory, calibration=calibration).resident_layers
+                             budget=target.memory, calibration=calibration, backend=spec.backend).resident_layers
 
     options = [assess(arch, spec.mode, Candidate(precision, "single", 1, ac, spec.batch_size, resident(precision)),
-                      target, seq_len=spec.seq_len, new_tokens=spec.new_tokens, calibration=calibration)
+                      target, seq_len=spec.seq_len, new_tokens=spec.new_tokens, calibration=calibration,
+                      backend=spec.backend)
                for precision in ladder for ac in recompute]
     fitting = [a for a in options if a.fits]
     chosen = fitting[0] if fitting else options[0]

@@ -50,6 +50,25 @@ def _quantizable(module: nn.Module, name: str) -> bool:
     return isinstance(module, nn.Linear) and not name.endswith("lm_head")
 
 
+def _linear_from_conv1d(conv: nn.Module) -> nn.Linear:
+    """transformers' ``Conv1D`` (GPT-2) computes x W + b with W stored (in, out): the same map as an
+    nn.Linear holding W^T, which is what the quantizers convert."""
+    columns, rows = conv.weight.shape
+    linear = nn.Linear(columns, rows, bias=conv.bias is not None, device="meta")
+    linear.weight = nn.Parameter(conv.weight.data.t().contiguous(), requires_grad=conv.weight.requires_grad)
+    if conv.bias is not None:
+        linear.bias = conv.bias
+    return linear
+
+
+def _conv1d_to_linear(module: nn.Module) -> None:
+    """Replace every ``Conv1D`` of ``module`` by its nn.Linear, so that GPT-2's matmuls are quantized too."""
+    for parent in list(module.modules()):
+        for name, child in list(parent.named_children()):
+            if type(child).__name__ == "Conv1D" and hasattr(child, "nf"):
+                setattr(parent, name, _linear_from_conv1d(child))
+
+
 def _bitsandbytes_linear(linear: nn.Linear, precision: str, device: torch.device) -> nn.Module:
     import bitsandbytes as bnb
 
@@ -85,6 +104,7 @@ def _torchao_config(precision: str):
 @torch.no_grad()
 def quantize_linears(module: nn.Module, precision: str, device: torch.device) -> None:
     """Replace (bitsandbytes) or convert (torchao) every matmul of ``module`` but the output projection."""
+    _conv1d_to_linear(module)
     if precision in BITSANDBYTES:
         for name, child in list(module.named_modules()):
             for child_name, linear in list(child.named_children()):
