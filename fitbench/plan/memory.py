@@ -5,11 +5,12 @@ The terms follow fitbench's own loops and the model the run builds tensor by ten
 transformers' model of the family); ``fitbench.plan.trace`` runs those loops on fake tensors and is
 the reference the tests hold this model to. Weights, biases, norms and position tables come from
 the family's own description (``Architecture.layer_matrices``, ``layer_norms``,
-``position_embeddings``), so every term is a sum of non-negative sizes. Notation: ``n = B x T`` tokens, ``h`` hidden size, ``f``
-MLP width, ``k`` the key/value width (kv heads x head dim), ``H`` heads, ``V`` vocabulary,
-``L`` layers, ``P`` parameters. Byte widths: ``w`` weights, ``c`` compute (activations), ``r``
-the residual stream (fp32 under autocast: the embedding is not autocast and the fp32 stream
-absorbs each 16-bit branch it is added to).
+``position_embeddings``), so every term is a sum of non-negative sizes.
+
+Notation: ``n = B x T`` tokens, ``h`` hidden size, ``f`` MLP width, ``k`` the key/value width
+(kv heads x head dim), ``H`` heads, ``V`` vocabulary, ``L`` layers, ``P`` parameters. Byte widths:
+``w`` weights, ``c`` compute (activations), ``r`` the residual stream (fp32 under autocast: the
+embedding is not autocast and the fp32 stream absorbs each 16-bit branch it is added to).
 
 Peak, not sum. A training step (gradients set to None at its start, fused AdamW) peaks at one of:
 
@@ -84,8 +85,8 @@ QUANTIZED: dict[str, QuantizedFormat] = {
 TRAINING_MODES = ("train", "forward-backward")
 
 # Low-rank adapters (``fitbench.run.adapters``): how int8 and 4-bit bases train. Rank 16 on every
-# matmul of every layer (seven in Llama, four in Falcon and GPT-2), alpha 32: between PEFT's default rank 8 and QLoRA's 64 (Dettmers
-# et al. 2023, every linear layer adapted).
+# matmul of every layer (seven in Llama, four in Falcon and GPT-2), alpha 32: between PEFT's
+# default rank 8 and QLoRA's 64 (Dettmers et al. 2023, every linear layer adapted).
 ADAPTER_BASES = ("int8", "nf4", "fp4")
 ADAPTER_RANK, ADAPTER_ALPHA = 16, 32
 # LLM.int8 keeps, for the backward pass, each matmul's input columns holding an outlier (|x| > 6)
@@ -470,7 +471,7 @@ def _adapter_training(arch, mode, precision, widths, batch, seq_len, recompute, 
     adapter's r-wide intermediate (c n r per matmul) and, for LLM.int8, its outlier columns; the
     frozen matmul's backward dequantizes its weight to bf16 for the gradient of its input (2 x the
     largest matrix)."""
-    n, f, h = batch * seq_len, arch.ffn_size, arch.hidden_size
+    n = batch * seq_len
     A = adapter_params(arch) * layers / arch.num_layers / tp
     terms = [*terms, Term("adapters", 4 * A, f"4 B x {A:,.0f} fp32 adapter parameters (rank {ADAPTER_RANK})")]
     estimate = _training(arch, mode, widths, batch, seq_len, recompute, terms, 0.0, layers, tp, trainable=A,
@@ -487,7 +488,8 @@ def _adapter_training(arch, mode, precision, widths, batch, seq_len, recompute, 
                           f"(measured fraction)", frozenset({START})))
     largest = largest_layer_matrix(arch)
     added.append(Term("dequantized weight in backward", 2 * largest / tp, "2 B x the largest matrix: the frozen "
-                      "matmul's weight in bf16 for its input's gradient", frozenset({FIRST, RECOMPUTE} if recompute else {FIRST})))
+                      "matmul's weight in bf16 for its input's gradient",
+                      frozenset({FIRST, RECOMPUTE} if recompute else {FIRST})))
     return MemoryEstimate(estimate.terms + tuple(added), estimate.moments + (BUILD,))
 
 

@@ -5,10 +5,11 @@ training step "runs" on a laptop without memory. ``LiveStorage``, a dispatch mod
 storage an operator creates (parameters, gradients, optimizer state, activations, temporaries)
 and a finalizer sees it freed, so it knows the live bytes after every operator and their peak.
 torch keeps one Python object per storage for the storage's whole life, which is what makes the
-finalizer fire exactly when the memory would be returned. The loop is fitbench's own (``fitbench.run.loops``), so what is traced is what
-the worker runs, with the backend it runs: the native decoder, or transformers' model of the family
-(``fitbench.models.backends.HuggingFaceLM``), built on the meta device and given fake storage. Training traces two steps: the first creates AdamW's state, the second is the
-steady state.
+finalizer fire exactly when the memory would be returned. The loop is fitbench's own
+(``fitbench.run.loops``), so what is traced is what the worker runs, with the model of its backend:
+the native decoder, or transformers' model of the family (``fitbench.models.backends.HuggingFaceLM``),
+built on the meta device and given fake storage. Training traces two steps: the first creates
+AdamW's state, the second is the steady state.
 
 It measures live tensor bytes, as ``torch.cuda.max_memory_allocated`` does; the CUDA context and
 the allocator's slack are outside it. On a machine without a GPU the trace runs on fake CPU
@@ -87,8 +88,9 @@ def trace_peak(arch: Architecture, mode: str, precision: str, batch: int, seq_le
     target = torch.device(device)
     policy = precision_policy(precision)
 
+    module = _meta_module(arch, backend, policy.weight_dtype)
     with FakeTensorMode(allow_non_fake_inputs=True):
-        lm = _fake_model(arch, backend, policy, target, activation_checkpointing)
+        lm = _fake_model(arch, module, backend, policy, target, activation_checkpointing)
         tracker = LiveStorage()
         for tensor in [*lm.module.parameters(), *lm.module.buffers()]:
             tracker.adopt(tensor)
@@ -104,12 +106,21 @@ def trace_peak(arch: Architecture, mode: str, precision: str, batch: int, seq_le
     return TracedPeak(peak_bytes=tracker.peak, device=str(target))
 
 
-def _fake_model(arch: Architecture, backend: str, policy, target: torch.device,
-                activation_checkpointing: bool) -> CausalLM:
-    """The model as ``fitbench.models.backends.load_model`` builds it, on fake storage (called
-    inside ``FakeTensorMode``)."""
+def _meta_module(arch: Architecture, backend: str, dtype: torch.dtype) -> nn.Module:
+    """The model ``backend`` builds, on the meta device (built outside ``FakeTensorMode``)."""
     if backend == "native":
-        module = meta_model(arch, policy.weight_dtype)
+        return meta_model(arch, dtype)
+    from transformers import AutoModelForCausalLM
+
+    with torch.device("meta"):
+        return AutoModelForCausalLM.from_config(hf_config(arch), dtype=dtype)
+
+
+def _fake_model(arch: Architecture, module: nn.Module, backend: str, policy, target: torch.device,
+                activation_checkpointing: bool) -> CausalLM:
+    """The meta ``module`` given fake storage, wrapped as ``fitbench.models.backends.load_model``
+    wraps it (called inside ``FakeTensorMode``)."""
+    if backend == "native":
         module.to_empty(device=target)
         if arch.tie_embeddings:
             module.lm_head.weight = module.model.embed_tokens.weight
@@ -117,10 +128,6 @@ def _fake_model(arch: Architecture, backend: str, policy, target: torch.device,
         # and cannot be captured from fake ones.
         lm: CausalLM = NativeLM(module, cache_dtype=policy.compute_dtype)
     else:
-        from transformers import AutoModelForCausalLM
-
-        with torch.device("meta"):
-            module = AutoModelForCausalLM.from_config(hf_config(arch), dtype=policy.weight_dtype)
         # transformers' modules hold weak references to their parameters, which ``to_empty`` cannot
         # swap: give each parameter and buffer fake storage in place.
         for part in module.modules():
