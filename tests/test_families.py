@@ -116,10 +116,11 @@ def tiny_family(family: str):
                                max_seq_len=128)
 
 
-@pytest.mark.parametrize("precision", ["int8", "nf4", "fp4"])
+@pytest.mark.parametrize("precision", ["int8", "nf4", "fp4", "int8-dynamic"])
 @pytest.mark.parametrize("family", ["llama", "falcon", "gpt2"])
-def test_bitsandbytes_storage_rules_hold_on_a_real_model(family, precision):
-    """A tiny model of each family, quantized by bitsandbytes on the CPU: its storage is what the
+def test_storage_rules_hold_on_a_real_model(family, precision):
+    """A tiny model of each family, quantized on the CPU (bitsandbytes, and torchao's int8, the
+    one of its formats with CPU kernels), which also runs a forward pass: its storage is what the
     rules above say, and what the planner predicts, less the 4-bit code books (1,088 B per matrix,
     a large share of a tiny model's bytes and none of a real one's)."""
     arch = tiny_family(family)
@@ -134,6 +135,19 @@ def test_bitsandbytes_storage_rules_hold_on_a_real_model(family, precision):
     predicted = {t.name: t.bytes for t in estimate_memory(arch, "infer", precision, 1, 4).terms}["weights"]
     code_books = 4 * (16 + 256) * len(shapes) if precision in ("nf4", "fp4") else 0
     assert predicted + code_books == pytest.approx(actual, rel=1e-3)
+
+
+@pytest.mark.parametrize("family", ["llama", "falcon", "gpt2"])
+def test_adapters_go_on_every_layer_matrix(family):
+    from fitbench.plan.memory import ADAPTER_RANK, adapter_params
+    from fitbench.run.adapters import add_adapters
+
+    arch = tiny_family(family)
+    model = build_hf(arch, CPU, torch.bfloat16)
+    quantize_linears(model, "nf4", CPU)
+    trainable = add_adapters(model, CPU)
+    assert trainable == adapter_params(arch) == ADAPTER_RANK * arch.num_layers * sum(
+        m.rows + m.columns for m in arch.layer_matrices)
 
 
 def planner_cases():
