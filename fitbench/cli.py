@@ -182,8 +182,6 @@ def predicted_max_batch(spec, device: str) -> int:
     from fitbench.run.worker import injected_memory_limit
 
     arch = resolve(spec.model)
-    if arch.family != "llama":
-        return 1
     resident = 0 if spec.offload else None
     if device == "cpu":
         budget = injected_memory_limit() or psutil.virtual_memory().available
@@ -191,7 +189,7 @@ def predicted_max_batch(spec, device: str) -> int:
         def peak(batch: int) -> float:
             return estimate_memory(arch, spec.mode, spec.precision, batch, spec.seq_len, new_tokens=spec.new_tokens,
                                    activation_checkpointing=spec.activation_checkpointing,
-                                   resident_layers=resident).peak_bytes
+                                   resident_layers=resident, backend=spec.backend).peak_bytes
     else:
         from fitbench.plan.calibration import load_calibration
         from fitbench.plan.planner import Candidate, GpuTarget, assess
@@ -204,7 +202,7 @@ def predicted_max_batch(spec, device: str) -> int:
         def peak(batch: int) -> float:
             candidate = Candidate(spec.precision, "single", 1, spec.activation_checkpointing, batch, resident)
             return assess(arch, spec.mode, candidate, target, seq_len=spec.seq_len, new_tokens=spec.new_tokens,
-                          calibration=calibration).predicted_peak
+                          calibration=calibration, backend=spec.backend).predicted_peak
     from fitbench.launch.fallback import largest_batch
 
     return largest_batch(peak, budget)
@@ -268,7 +266,7 @@ def run_target(device: str, measure: Callable[[], Any] | None = None):
 
 
 def plan_specs(specs: list, config, target, calibration) -> tuple[list, Callable[[Any], dict | None], dict[str, str]]:
-    """Plan every Llama-family configuration before it runs, on the GPU of ``target`` (``run_target``;
+    """Plan every configuration before it runs, with the model of its backend, on the GPU of ``target`` (``run_target``;
     None: nothing is planned): the planner picks the precision and activation checkpointing the user
     left open, and predicts the per-GPU peak stored with the result. A configuration that no choice
     left open makes fit is refused: it is not launched, and its reason names the predicted need and the
@@ -285,9 +283,6 @@ def plan_specs(specs: list, config, target, calibration) -> tuple[list, Callable
     planned, predictions, refusals = [], {}, {}
     for spec in specs:
         arch = resolve(spec.model)
-        if arch.family != "llama":
-            planned.append(spec)
-            continue
         spec, prediction = predict_spec(arch, spec, target, calibration, choose_precision=config.precision is None,
                                         choose_recompute=config.activation_checkpointing is None,
                                         runnable=PRECISIONS)
@@ -299,8 +294,8 @@ def plan_specs(specs: list, config, target, calibration) -> tuple[list, Callable
             refusals[spec.key] = refusal(arch, spec, prediction, target, found)
 
     def prediction_for(ran) -> dict | None:
-        if ran.key in predictions or resolve(ran.model).family != "llama":
-            return predictions.get(ran.key)
+        if ran.key in predictions:
+            return predictions[ran.key]
         _, prediction = predict_spec(resolve(ran.model), ran, target, calibration, choose_precision=False,
                                      choose_recompute=False, runnable=PRECISIONS)
         return {**prediction, "chosen_by_planner": planner_choices(ran.mode, config.precision is None,
@@ -533,12 +528,14 @@ def plan(args: argparse.Namespace, cli_options: dict[str, Any]) -> int:
             result = make_plan(arch, mode, target, seq_len=seq_len, new_tokens=new_tokens, batch_sizes=batch,
                                precisions=args.precision, strategies=args.strategy, calibration=calibration)
             trace = None
-            if args.trace and result.chosen and result.chosen.candidate.gpus == 1 and arch.family == "llama":
+            if args.trace and result.chosen and result.chosen.candidate.gpus == 1:
+                from fitbench.models.backends import default_backend
                 from fitbench.plan.trace import trace_peak
 
                 chosen = result.chosen.candidate
                 trace = trace_peak(arch, mode, chosen.precision, chosen.batch_size, seq_len, new_tokens=new_tokens,
-                                   activation_checkpointing=chosen.activation_checkpointing)
+                                   activation_checkpointing=chosen.activation_checkpointing,
+                                   backend=default_backend(arch))
             results.append((result, trace))
             outputs.append({**result.as_dict(), "trace": trace.__dict__ if trace else None})
     if args.json:

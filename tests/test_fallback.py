@@ -379,11 +379,6 @@ def test_predicted_max_batch_on_cpu_reads_the_injected_limit(monkeypatch):
     assert predicted_max_batch(auto, "cpu") == 0
 
 
-def test_predicted_max_batch_is_one_outside_the_llama_family(monkeypatch):
-    monkeypatch.setenv("FITBENCH_INJECT", "mem-limit:1e15")
-    assert predicted_max_batch(spec(model="gpt2", backend="hf", mode="infer"), "cpu") == 1
-
-
 # ---- the worker's mem-limit injection alone -------------------------------------------------------
 
 

@@ -21,6 +21,7 @@ from dataclasses import dataclass, field, replace
 
 from fitbench import hardware
 from fitbench.models.architecture import Architecture
+from fitbench.models.backends import default_backend
 from fitbench.plan.calibration import DEFAULT, PAGE, TENSORS_ONLY, Calibration
 from fitbench.plan.memory import (QUANTIZED, TRAINING_MODES, MemoryEstimate, Parallelism, Term, Widths, estimate_memory,
                                   offloaded_weights, saved_per_layer)
@@ -152,19 +153,20 @@ def decodes_through_graph(candidate: Candidate) -> bool:
 
 
 def overhead_terms(arch: Architecture, mode: str, candidate: Candidate, memory: MemoryEstimate, moment: str,
-                   seq_len: int, calibration: Calibration | None) -> tuple[Term, ...]:
+                   seq_len: int, calibration: Calibration | None, backend: str | None = None) -> tuple[Term, ...]:
     """What the GPU gives the process beyond the step's tensors at ``moment`` (``fitbench.plan.calibration``);
-    nothing on a CPU (``calibration`` None)."""
+    nothing on a CPU (``calibration`` None). The transformers backend decodes eagerly."""
     if calibration is None:
         return ()
-    graph = decodes_through_graph(candidate)
+    graph = decodes_through_graph(candidate) and (backend or default_backend(arch)) == "native"
     terms = [
         Term("CUDA context", calibration.context(mode, graph), calibration.source),
         Term("workspaces", calibration.workspace(mode, graph), "cuBLAS workspaces, allocated peak minus tensors"),
     ]
     if moment in LATE_BACKWARD:
         layer = saved_per_layer(arch, candidate.batch_size * seq_len, Widths.of(candidate.precision),
-                                candidate.parallelism.tensor)
+                                candidate.parallelism.tensor, backend=backend or default_backend(arch),
+                                context=seq_len)
         terms.append(Term("allocator fragmentation", layer, "one layer's saved activations: gradients allocated "
                           "among freed activations late in the backward pass"))
     else:
@@ -193,7 +195,9 @@ def autocast_graph_pool(arch: Architecture, batch: int, widths: Widths) -> Term:
 
 
 def assess(arch: Architecture, mode: str, candidate: Candidate, target: GpuTarget, *, seq_len: int,
-           new_tokens: int, calibration: Calibration | None = DEFAULT) -> Assessment:
+           new_tokens: int, calibration: Calibration | None = DEFAULT, backend: str | None = None) -> Assessment:
+    """Predict ``candidate``'s peak and speed; ``backend`` (native or hf, by default the family's)
+    is the model the run builds."""
     problem = _layout_problem(arch, candidate, target)
     if problem:
         return Assessment(candidate, None, (), 0.0, False, problem, None)
@@ -204,16 +208,17 @@ def assess(arch: Architecture, mode: str, candidate: Candidate, target: GpuTarge
             return Assessment(candidate, None, (), 0.0, False, f"{candidate.label}: {problem}", None)
     memory = estimate_memory(arch, mode, candidate.precision, candidate.batch_size, seq_len, new_tokens=new_tokens,
                              activation_checkpointing=candidate.activation_checkpointing,
-                             parallelism=candidate.parallelism, resident_layers=candidate.resident_layers)
+                             parallelism=candidate.parallelism, resident_layers=candidate.resident_layers,
+                             backend=backend)
 
     def total(moment: str) -> float:
-        extra = overhead_terms(arch, mode, candidate, memory, moment, seq_len, calibration)
+        extra = overhead_terms(arch, mode, candidate, memory, moment, seq_len, calibration, backend)
         return memory.total_at(moment) + sum(t.bytes for t in extra)
 
     # The overheads depend on the moment (fragmentation comes late in the backward pass), so the
     # peak is taken over tensors and overheads together.
     moment = max(memory.moments, key=total)
-    overheads = overhead_terms(arch, mode, candidate, memory, moment, seq_len, calibration)
+    overheads = overhead_terms(arch, mode, candidate, memory, moment, seq_len, calibration, backend)
     peak = total(moment)
     fits = peak <= target.memory
     reason = None if fits else (f"{candidate.label} needs {peak / 1e9:.1f} GB per GPU; "
@@ -258,11 +263,12 @@ def strategies_for(mode: str, gpus: int) -> list[str]:
     return ["tp", "pipeline"]
 
 
-def largest_fitting_batch(arch, mode, candidate: Candidate, target, *, seq_len, new_tokens, calibration) -> int:
+def largest_fitting_batch(arch, mode, candidate: Candidate, target, *, seq_len, new_tokens, calibration,
+                          backend: str | None = None) -> int:
     """The largest batch predicted to fit (bisection on the monotone memory model); 0 if none."""
     def fits(batch: int) -> bool:
         return assess(arch, mode, replace(candidate, batch_size=batch), target, seq_len=seq_len,
-                      new_tokens=new_tokens, calibration=calibration).fits
+                      new_tokens=new_tokens, calibration=calibration, backend=backend).fits
 
     if not fits(1):
         return 0
@@ -287,7 +293,7 @@ class OffloadSplit:
 
 
 def offload_split(arch: Architecture, mode: str, precision: str, batch: int, seq_len: int, *, new_tokens: int,
-                  budget: float, calibration: Calibration | None = None) -> OffloadSplit:
+                  budget: float, calibration: Calibration | None = None, backend: str | None = None) -> OffloadSplit:
     """The decoder layers an offloaded run keeps on a GPU of ``budget`` bytes.
 
     With S = w x parameters per layer and P0 what the run needs with every layer offloaded (its
@@ -307,7 +313,7 @@ def offload_split(arch: Architecture, mode: str, precision: str, batch: int, seq
     width = Widths.of(precision).weights
     layer_bytes = width * arch.params_per_layer
     everything_offloaded = estimate_memory(arch, mode, precision, batch, seq_len, new_tokens=new_tokens,
-                                           resident_layers=0).peak_bytes
+                                           resident_layers=0, backend=backend).peak_bytes
     if calibration is not None:
         everything_offloaded += (calibration.context(mode, decode_graph=False)
                                  + calibration.workspace(mode, decode_graph=False) + PAGE
@@ -321,8 +327,9 @@ def offload_split(arch: Architecture, mode: str, precision: str, batch: int, seq
 def plan(arch: Architecture, mode: str, target: GpuTarget, *, seq_len: int, new_tokens: int,
          batch_sizes: list[int] | None, precisions: list[str] | None = None,
          strategies: list[str] | None = None, checkpointing: list[bool] | None = None,
-         calibration: Calibration = DEFAULT) -> Plan:
-    """``batch_sizes`` None means auto: each layout gets the largest batch predicted to fit."""
+         calibration: Calibration = DEFAULT, backend: str | None = None) -> Plan:
+    """``batch_sizes`` None means auto: each layout gets the largest batch predicted to fit; ``backend``
+    as in ``assess``."""
     ladder = precisions or DEFAULT_LADDER[mode]
     recompute_options = checkpointing if checkpointing is not None else (
         [False, True] if mode in TRAINING_MODES else [False])
@@ -336,13 +343,15 @@ def plan(arch: Architecture, mode: str, target: GpuTarget, *, seq_len: int, new_
                     base = Candidate(precision, strategy, gpus, recompute, 1)
                     if batch_sizes is None:
                         batch = largest_fitting_batch(arch, mode, base, target, seq_len=seq_len,
-                                                      new_tokens=new_tokens, calibration=calibration)
+                                                      new_tokens=new_tokens, calibration=calibration,
+                                                      backend=backend)
                         sizes = [batch or 1]
                     else:
                         sizes = batch_sizes
                     for batch in sizes:
                         assessments.append(assess(arch, mode, replace(base, batch_size=batch), target,
-                                                  seq_len=seq_len, new_tokens=new_tokens, calibration=calibration))
+                                                  seq_len=seq_len, new_tokens=new_tokens, calibration=calibration,
+                                                  backend=backend))
     feasible = [a for a in assessments if a.fits]
     rejected = [a for a in assessments if not a.fits]
     chosen = None
@@ -360,7 +369,7 @@ def plan(arch: Architecture, mode: str, target: GpuTarget, *, seq_len: int, new_
 
 def minimum_gpus(arch: Architecture, mode: str, precision: str, gpu_memory: float, *, seq_len: int,
                  new_tokens: int, batch_size: int = 1, max_gpus: int = 64,
-                 calibration: Calibration = DEFAULT) -> tuple[int, str] | None:
+                 calibration: Calibration = DEFAULT, backend: str | None = None) -> tuple[int, str] | None:
     """The fewest GPUs of ``gpu_memory`` bytes that run this at ``batch_size``, and how; None if
     more than ``max_gpus`` would be needed."""
     target = GpuTarget(None, max_gpus, gpu_memory, described=True)
@@ -371,7 +380,7 @@ def minimum_gpus(arch: Architecture, mode: str, precision: str, gpu_memory: floa
             for recompute in ([False, True] if mode in TRAINING_MODES else [False]):
                 candidate = Candidate(precision, strategy, gpus, recompute, batch_size)
                 if assess(arch, mode, candidate, target, seq_len=seq_len, new_tokens=new_tokens,
-                          calibration=calibration).fits:
+                          calibration=calibration, backend=backend).fits:
                     return gpus, candidate.label
     return None
 
@@ -399,10 +408,11 @@ def predict_spec(arch: Architecture, spec, target: GpuTarget, calibration: Calib
         if not spec.offload:
             return None
         return offload_split(arch, spec.mode, precision, spec.batch_size, spec.seq_len, new_tokens=spec.new_tokens,
-                             budget=target.memory, calibration=calibration).resident_layers
+                             budget=target.memory, calibration=calibration, backend=spec.backend).resident_layers
 
     options = [assess(arch, spec.mode, Candidate(precision, "single", 1, ac, spec.batch_size, resident(precision)),
-                      target, seq_len=spec.seq_len, new_tokens=spec.new_tokens, calibration=calibration)
+                      target, seq_len=spec.seq_len, new_tokens=spec.new_tokens, calibration=calibration,
+                      backend=spec.backend)
                for precision in ladder for ac in recompute]
     fitting = [a for a in options if a.fits]
     chosen = fitting[0] if fitting else min(options, key=lambda a: a.predicted_peak)
@@ -477,7 +487,7 @@ def alternatives(arch: Architecture, spec, target: GpuTarget, calibration: Calib
     def first_fitting(candidates) -> Assessment | None:
         for candidate in candidates:
             assessed = assess(arch, mode, candidate, one, seq_len=seq_len, new_tokens=new_tokens,
-                              calibration=calibration)
+                              calibration=calibration, backend=spec.backend)
             if assessed.fits:
                 return assessed
         return None
@@ -503,7 +513,7 @@ def alternatives(arch: Architecture, spec, target: GpuTarget, calibration: Calib
     if batch > 1 and not spec.auto_batch:
         for ac in recompute:
             smaller = largest_fitting_batch(arch, mode, single(spec.precision, ac, 1), one, seq_len=seq_len,
-                                            new_tokens=new_tokens, calibration=calibration)
+                                            new_tokens=new_tokens, calibration=calibration, backend=spec.backend)
             if 0 < smaller < batch:
                 fits = first_fitting([single(spec.precision, ac, smaller)])
                 found.append(Alternative(f"at batch {smaller}{with_recompute(fits.candidate)}", fits))
@@ -516,7 +526,7 @@ def alternatives(arch: Architecture, spec, target: GpuTarget, calibration: Calib
     precision = spec.precision if spec.precision not in QUANTIZED else "bf16-pure"
     if not spec.offload and offload_problem(mode, precision, spec.backend, spec.compile) is None:
         split = offload_split(arch, mode, precision, batch, seq_len, new_tokens=new_tokens, budget=target.memory,
-                              calibration=calibration)
+                              calibration=calibration, backend=spec.backend)
         fits = first_fitting([Candidate(precision, "single", 1, False, batch, split.resident_layers)])
         if fits:
             found.append(Alternative(f"with --offload in {precision} ({split.resident_layers} of {arch.num_layers} "
@@ -526,7 +536,7 @@ def alternatives(arch: Architecture, spec, target: GpuTarget, calibration: Calib
         layouts = [Candidate(spec.precision, strategy, gpus, ac, batch)
                    for strategy in strategies_for(mode, gpus) if strategy != "ddp" for ac in recompute]
         fitting = [a for a in (assess(arch, mode, c, many, seq_len=seq_len, new_tokens=new_tokens,
-                                      calibration=calibration) for c in layouts) if a.fits]
+                                      calibration=calibration, backend=spec.backend) for c in layouts) if a.fits]
         if fitting:
             best = max(fitting, key=lambda a: a.speed.tokens_per_s)
             found.append(Alternative(f"on {gpus} GPUs with {STRATEGY_NAMES[best.candidate.strategy]}"

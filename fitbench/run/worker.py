@@ -75,12 +75,12 @@ def raise_injected_out_of_memory(spec: RunSpec, arch, resident_layers: int | Non
     if injected("oom", spec.precision) and not spec.offload:
         raise torch.cuda.OutOfMemoryError(f"CUDA out of memory (injected by FITBENCH_INJECT for {spec.precision})")
     limit = injected_memory_limit()
-    if limit is not None and arch.family == "llama":
+    if limit is not None:
         from fitbench.plan.memory import estimate_memory
 
         peak = estimate_memory(arch, spec.mode, spec.precision, spec.batch_size, spec.seq_len,
                                new_tokens=spec.new_tokens, activation_checkpointing=spec.activation_checkpointing,
-                               resident_layers=resident_layers).peak_bytes
+                               resident_layers=resident_layers, backend=spec.backend).peak_bytes
         if peak > limit:
             raise torch.cuda.OutOfMemoryError(f"CUDA out of memory (injected: predicted {peak:,.0f} B exceeds the "
                                               f"FITBENCH_INJECT limit of {limit:,.0f} B)")
