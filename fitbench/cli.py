@@ -182,8 +182,6 @@ def predicted_max_batch(spec, device: str) -> int:
     from fitbench.run.worker import injected_memory_limit
 
     arch = resolve(spec.model)
-    if arch.family != "llama":
-        return 1
     resident = 0 if spec.offload else None
     if device == "cpu":
         budget = injected_memory_limit() or psutil.virtual_memory().available
@@ -191,7 +189,8 @@ def predicted_max_batch(spec, device: str) -> int:
         def peak(batch: int) -> float:
             return estimate_memory(arch, spec.mode, spec.precision, batch, spec.seq_len, new_tokens=spec.new_tokens,
                                    activation_checkpointing=spec.activation_checkpointing,
-                                   resident_layers=resident, compiled=spec.compile).peak_bytes
+                                   resident_layers=resident, backend=spec.backend,
+                                   compiled=spec.compile).peak_bytes
     else:
         from fitbench.plan.calibration import load_calibration
         from fitbench.plan.planner import Candidate, GpuTarget, assess
@@ -205,7 +204,7 @@ def predicted_max_batch(spec, device: str) -> int:
             candidate = Candidate(spec.precision, "single", 1, spec.activation_checkpointing, batch, resident,
                                   compiled=spec.compile)
             return assess(arch, spec.mode, candidate, target, seq_len=spec.seq_len, new_tokens=spec.new_tokens,
-                          calibration=calibration).predicted_peak
+                          calibration=calibration, backend=spec.backend).predicted_peak
     from fitbench.launch.fallback import largest_batch
 
     return largest_batch(peak, budget)
@@ -228,44 +227,83 @@ def hardware_refusals(specs: list, device: str) -> dict[str, str]:
     return refusals
 
 
-def plan_specs(specs: list, config, device: str) -> tuple[list, Callable[[Any], dict | None]]:
-    """On a GPU, plan every Llama-family configuration before it runs: the planner picks the precision
-    and activation checkpointing the user left open, and predicts the per-GPU peak stored with the
-    result. Returns the specs to run and a function giving the prediction for the configuration that
-    finally ran: the planned one, or, after a fallback or a batch search changed it, a new prediction
-    for what ran (the choices the planner made stay listed)."""
+def run_target(device: str, measure: Callable[[], Any] | None = None):
+    """What ``fitbench run`` plans against: (GpuTarget, calibration). On a GPU, its name and memory
+    (FITBENCH_INJECT's mem-limit replaces the memory) with the calibration stored for it and this
+    torch version, measured now and stored when there is none (``measure``, default
+    ``measure_calibration`` on the GPU: seconds, one line printed). On a CPU, a target only under a
+    mem-limit, which makes the CPU a GPU of that size, tensors only (calibration None); else
+    (None, None): nothing is planned."""
+    from fitbench.plan.planner import GpuTarget
+    from fitbench.run.worker import injected_memory_limit
+
+    limit = injected_memory_limit()
     if device == "cpu":
-        return specs, lambda spec: None
+        source = "FITBENCH_INJECT mem-limit"
+        return (GpuTarget(None, 1, limit, described=False, memory_source=source) if limit else None), None
+    import tempfile
+
     import torch
 
-    from fitbench.models.registry import resolve
-    from fitbench.plan.calibration import load_calibration
-    from fitbench.plan.planner import GpuTarget, planner_choices, predict_spec
+    from fitbench.plan.calibration import ensure_calibration, load_calibration, measure_calibration
 
     properties = torch.cuda.get_device_properties(torch.device(device))
-    target = GpuTarget(properties.name, 1, float(properties.total_memory), described=False)
-    calibration = load_calibration(properties.name)
-    planned, predictions = [], {}
+
+    def measure_here():
+        with tempfile.TemporaryDirectory(prefix="fitbench-calibrate-") as scratch:
+            return measure_calibration(device, Path(scratch))
+
+    try:
+        calibration, stored_in = ensure_calibration(properties.name, measure or measure_here)
+    except RuntimeError as error:  # a calibration run that failed, or no NVML: plan as before
+        calibration, stored_in = load_calibration(properties.name), None
+        console.print(f"calibrating {properties.name} failed ({escape(str(error))}); planning with "
+                      f"{calibration.source}")
+    if stored_in is not None:
+        console.print(f"first run on {properties.name} with torch {torch.__version__}, calibrated: "
+                      f"{_calibration_figures(calibration)}; stored in {stored_in}")
+    memory, source = ((limit, "FITBENCH_INJECT mem-limit") if limit else
+                      (float(properties.total_memory), "torch.cuda.get_device_properties().total_memory"))
+    return GpuTarget(properties.name, 1, memory, described=False, memory_source=source), calibration
+
+
+def plan_specs(specs: list, config, target, calibration) -> tuple[list, Callable[[Any], dict | None], dict[str, str]]:
+    """Plan every configuration before it runs, with the model of its backend, on the GPU of ``target`` (``run_target``;
+    None: nothing is planned): the planner picks the precision and activation checkpointing the user
+    left open, and predicts the per-GPU peak stored with the result. A configuration that no choice
+    left open makes fit is refused: it is not launched, and its reason names the predicted need and the
+    alternatives predicted to fit (``fitbench.plan.planner.alternatives``, also in the prediction).
+    Returns the specs to run, a function giving the prediction for the configuration that finally
+    ran (the planned one, or, after a fallback or a batch search changed it, a new prediction for
+    what ran; the choices the planner made stay listed), and the refusals by spec key."""
+    if target is None:
+        return specs, lambda spec: None, {}
+
+    from fitbench.models.registry import resolve
+    from fitbench.plan.planner import alternatives, planner_choices, predict_spec, refusal
+
+    planned, predictions, refusals = [], {}, {}
     for spec in specs:
         arch = resolve(spec.model)
-        if arch.family != "llama":
-            planned.append(spec)
-            continue
         spec, prediction = predict_spec(arch, spec, target, calibration, choose_precision=config.precision is None,
                                         choose_recompute=config.activation_checkpointing is None,
                                         runnable=PRECISIONS)
         planned.append(spec)
         predictions[spec.key] = prediction
+        if not prediction["fits"]:
+            found = alternatives(arch, spec, target, calibration)
+            prediction["alternatives"] = [alternative.as_dict() for alternative in found]
+            refusals[spec.key] = refusal(arch, spec, prediction, target, found)
 
     def prediction_for(ran) -> dict | None:
-        if ran.key in predictions or resolve(ran.model).family != "llama":
-            return predictions.get(ran.key)
+        if ran.key in predictions:
+            return predictions[ran.key]
         _, prediction = predict_spec(resolve(ran.model), ran, target, calibration, choose_precision=False,
                                      choose_recompute=False, runnable=PRECISIONS)
         return {**prediction, "chosen_by_planner": planner_choices(ran.mode, config.precision is None,
                                                                    config.activation_checkpointing is None)}
 
-    return planned, prediction_for
+    return planned, prediction_for, refusals
 
 
 def _label(row: dict[str, Any]) -> str:
@@ -304,6 +342,7 @@ def run(args: argparse.Namespace, cli_options: dict[str, Any]) -> int:
     from fitbench.config import expand, fallback_ladder, load_yaml, merge_sources
     from fitbench.launch.fallback import FallbackPolicy
     from fitbench.launch.local import SweepCallbacks, run_sweep
+    from fitbench.plan.calibration import TENSORS_ONLY
     from fitbench.results.report import results_table, write_csv
     from fitbench.results.store import ResultStore
 
@@ -319,8 +358,9 @@ def run(args: argparse.Namespace, cli_options: dict[str, Any]) -> int:
     config = merge_sources(saved, file_options, cli_options)
     device = resolve_device(config.device)
     specs = expand(config, device=device, default_models=default_models(device))
-    specs, predict = plan_specs(specs, config, device)
-    refusals = hardware_refusals(specs, device)
+    target, calibration = run_target(device)
+    specs, predict, refusals = plan_specs(specs, config, target, calibration)
+    refusals.update(hardware_refusals(specs, device))
 
     out = args.resume or config.out or str(Path("fitbench-results") / datetime.now(timezone.utc).strftime("%Y%m%d-%H%M%S"))
     config = config.model_copy(update={"out": out})
@@ -359,7 +399,7 @@ def run(args: argparse.Namespace, cli_options: dict[str, Any]) -> int:
         callbacks = SweepCallbacks(on_start=on_start, on_event=on_event, on_finish=on_finish,
                                    on_skip=lambda spec: progress.advance(sweep_task))
         run_sweep(specs, store, timeout=config.timeout, command=command, callbacks=callbacks,
-                  predict=predict, refusals=refusals,
+                  predict=predict, refusals=refusals, calibration=calibration.source if calibration else TENSORS_ONLY,
                   fallback=lambda spec: FallbackPolicy(tuple(fallback_ladder(config, spec.mode)),
                                                        enabled=not config.no_fallback),
                   predicted_batch=lambda spec: predicted_max_batch(spec, device))
@@ -400,10 +440,10 @@ def gpu_target(args: argparse.Namespace):
         if hardware.gpu_spec(name) is None:
             raise UserError(f"gpu: {args.gpu!r} is not a known GPU. Known: {', '.join(GPU_ALIASES)} (or an exact "
                             f"device name such as 'NVIDIA H100 80GB HBM3'); or describe it with --gpu-memory.")
-    memory = None
+    memory, source = None, None
     if args.gpu_memory:
         try:
-            memory = parse_bytes(args.gpu_memory)
+            memory, source = parse_bytes(args.gpu_memory), "--gpu-memory"
         except ValueError:
             raise UserError(f"gpu-memory: {args.gpu_memory!r} is not a size; write it like 80GB or 79.2GiB.") from None
     detected = hardware.detect_gpus()
@@ -411,16 +451,18 @@ def gpu_target(args: argparse.Namespace):
         if not detected:
             raise UserError("gpus: no GPU is visible here; describe the hardware to plan for, e.g. "
                             "--gpus 4 --gpu-memory 80GB, or --gpu H100-80GB.")
-        return GpuTarget(detected[0].name, len(detected), float(detected[0].total_memory), described=False)
+        return GpuTarget(detected[0].name, len(detected), float(detected[0].total_memory), described=False,
+                         memory_source="torch.cuda.get_device_properties().total_memory")
     if memory is None:
         if name is None:
             raise UserError("gpu-memory: with --gpus, say how much memory each GPU has (--gpu-memory 80GB) "
                             "or which GPU it is (--gpu H100-80GB).")
-        memory = hardware.gpu_spec(name).memory_gb * 1e9
+        spec = hardware.gpu_spec(name)
+        memory, source = spec.total_memory, spec.total_memory_source
     count = 1 if args.gpus is None else args.gpus
     if count <= 0:
         raise UserError(f"gpus: must be a positive number of GPUs, got {count}.")
-    return GpuTarget(name, count, memory, described=True)
+    return GpuTarget(name, count, memory, described=True, memory_source=source)
 
 
 def _plan_text(result, trace) -> None:
@@ -429,7 +471,9 @@ def _plan_text(result, trace) -> None:
     target = result.target
     where = f"{target.count} x {format_bytes(target.memory)}" + (f" {target.name}" if target.name else "")
     console.print(f"[bold]{escape(result.model)}[/bold] {result.mode} on {where}"
-                  f" ({'described' if target.described else 'detected'}); overheads: {result.calibration}")
+                  f" ({'described' if target.described else 'detected'}); overheads: {escape(result.calibration)}")
+    if target.memory_source:
+        console.print(f"memory per GPU: {escape(target.memory_source)}")
     chosen = result.chosen
     if chosen is None:
         console.print("[red]nothing fits[/red]: every candidate was rejected.")
@@ -486,12 +530,14 @@ def plan(args: argparse.Namespace, cli_options: dict[str, Any]) -> int:
             result = make_plan(arch, mode, target, seq_len=seq_len, new_tokens=new_tokens, batch_sizes=batch,
                                precisions=args.precision, strategies=args.strategy, calibration=calibration)
             trace = None
-            if args.trace and result.chosen and result.chosen.candidate.gpus == 1 and arch.family == "llama":
+            if args.trace and result.chosen and result.chosen.candidate.gpus == 1:
+                from fitbench.models.backends import default_backend
                 from fitbench.plan.trace import trace_peak
 
                 chosen = result.chosen.candidate
                 trace = trace_peak(arch, mode, chosen.precision, chosen.batch_size, seq_len, new_tokens=new_tokens,
-                                   activation_checkpointing=chosen.activation_checkpointing)
+                                   activation_checkpointing=chosen.activation_checkpointing,
+                                   backend=default_backend(arch))
             results.append((result, trace))
             outputs.append({**result.as_dict(), "trace": trace.__dict__ if trace else None})
     if args.json:
@@ -558,12 +604,14 @@ def calibrate(args: argparse.Namespace, cli_options: dict[str, Any]) -> int:
     with tempfile.TemporaryDirectory(prefix="fitbench-calibrate-") as scratch:
         calibration = measure_calibration(device, Path(scratch))
     path = save_calibration(torch.cuda.get_device_name(torch.device(device)), calibration)
-    c = calibration
-    console.print(f"CUDA context {c.cuda_context_training / 1e6:.0f} MB training, {c.cuda_context_inference / 1e6:.0f} MB "
-                  f"generating, {c.cuda_context_eager / 1e6:.0f} MB forward; workspaces {c.workspace_training / 1e6:.0f} "
-                  f"MB training, {c.workspace_inference / 1e6:.0f} MB generating, {c.workspace_eager / 1e6:.0f} MB "
-                  f"forward; stored in {path}")
+    console.print(f"{_calibration_figures(calibration)}; stored in {path}")
     return 0
+
+
+def _calibration_figures(c) -> str:
+    return (f"CUDA context {c.cuda_context_training / 1e6:.0f} MB training, {c.cuda_context_inference / 1e6:.0f} MB "
+            f"generating, {c.cuda_context_eager / 1e6:.0f} MB forward; workspaces {c.workspace_training / 1e6:.0f} "
+            f"MB training, {c.workspace_inference / 1e6:.0f} MB generating, {c.workspace_eager / 1e6:.0f} MB forward")
 
 
 # ---- models ---------------------------------------------------------------------------------

@@ -10,7 +10,12 @@ Three kinds of facts live here:
   by the exact string ``torch.cuda.get_device_name()`` returns, never by prefix
   or substring, so ``"NVIDIA H200"`` cannot match a table entry such as
   ``"NVIDIA H20"`` (a much slower part). An unknown name gives ``None`` rather
-  than a guess. Model FLOP utilisation, computed elsewhere, is
+  than a guess. Beside the datasheet's round memory, ``total_memory`` is what
+  the device gives a process (``torch.cuda.get_device_properties().total_memory``,
+  CUDA's ``totalGlobalMem``): the driver keeps some back, an amount that varies a
+  little with the driver (A100-SXM4-80GB: 84,987,740,160 B under a CUDA 12.2
+  driver, 85,100,068,864 B under 12.5), so each figure names where it was read.
+  Model FLOP utilisation, computed elsewhere, is
 
       MFU = achieved FLOP/s / peak_flops(name, kind)
 
@@ -62,6 +67,8 @@ class GpuSpec:
     bandwidth_gbs: float
     memory_gb: float
     source: str
+    total_memory: float  # bytes a process gets, as torch reports them (module docstring)
+    total_memory_source: str
 
 
 _H100_DATASHEET = (
@@ -93,6 +100,11 @@ _SPECS = (
         bandwidth_gbs=3350.0,
         memory_gb=80.0,
         source=_H100_DATASHEET + " (H100 SXM)",
+        total_memory=85017493504,
+        total_memory_source=(
+            "torch.cuda.get_device_properties(0).total_memory, torch 2.11.0+cu130, driver 580.159.04 "
+            "(benchmarks/results/2026-11-22-h100-memory/results.jsonl, environment.gpus[].total_memory)"
+        ),
     ),
     GpuSpec(
         name="NVIDIA H100 PCIe",
@@ -102,6 +114,8 @@ _SPECS = (
         bandwidth_gbs=2000.0,
         memory_gb=80.0,
         source=_H100_DATASHEET + " (H100 PCIe)",
+        total_memory=80.0 * _GIGA,
+        total_memory_source="the datasheet's 80 GB: no published total_memory or nvidia-smi figure found",
     ),
     GpuSpec(
         name="NVIDIA H100 NVL",
@@ -109,6 +123,8 @@ _SPECS = (
         bandwidth_gbs=3900.0,
         memory_gb=94.0,
         source=_H100_DATASHEET + " (H100 NVL)",
+        total_memory=94.0 * _GIGA,
+        total_memory_source="the datasheet's 94 GB: no published total_memory or nvidia-smi figure found",
     ),
     GpuSpec(
         name="NVIDIA H200",
@@ -116,6 +132,11 @@ _SPECS = (
         bandwidth_gbs=4800.0,
         memory_gb=141.0,
         source=_H200_DATASHEET + " (H200 SXM)",
+        total_memory=150109880320,
+        total_memory_source=(
+            "torch.cuda.get_device_properties(0).total_memory on an H200 SXM, torch 2.11.0+cu130, driver "
+            "580.159.04, 2026-11-23 (143,155.9 MiB; nvidia-smi says 143,771 MiB)"
+        ),
     ),
     GpuSpec(
         name="NVIDIA H200 NVL",
@@ -123,6 +144,8 @@ _SPECS = (
         bandwidth_gbs=4800.0,
         memory_gb=141.0,
         source=_H200_DATASHEET + " (H200 NVL)",
+        total_memory=141.0 * _GIGA,
+        total_memory_source="the datasheet's 141 GB: no published total_memory or nvidia-smi figure found",
     ),
     GpuSpec(
         name="NVIDIA A100-SXM4-80GB",
@@ -130,6 +153,11 @@ _SPECS = (
         bandwidth_gbs=2039.0,
         memory_gb=80.0,
         source=_A100_DATASHEET + " (A100 80GB SXM)",
+        total_memory=84987740160,
+        total_memory_source=(
+            "CUDA deviceQuery's Total amount of global memory (totalGlobalMem), CUDA 12.2 driver, "
+            "github.com/maximilianmbeck/vlstm_cuda README.md"
+        ),
     ),
     GpuSpec(
         name="NVIDIA A100-SXM4-40GB",
@@ -137,6 +165,11 @@ _SPECS = (
         bandwidth_gbs=1555.0,
         memory_gb=40.0,
         source=_A100_DATASHEET + " (A100 40GB SXM)",
+        total_memory=42298834944,
+        total_memory_source=(
+            "CUDA deviceQuery's Total amount of global memory (totalGlobalMem), CUDA 12.2 driver, "
+            "github.com/bottlerocket-os/bottlerocket/pull/3873"
+        ),
     ),
     GpuSpec(
         name="NVIDIA A100 80GB PCIe",
@@ -144,6 +177,11 @@ _SPECS = (
         bandwidth_gbs=1935.0,
         memory_gb=80.0,
         source=_A100_DATASHEET + " (A100 80GB PCIe)",
+        total_memory=81049 * _MIB,
+        total_memory_source=(
+            "mixbench's Total global mem: 81049 MB (totalGlobalMem in MiB), CUDA 12.3 driver, "
+            "github.com/ekondis/mixbench/issues/47"
+        ),
     ),
     GpuSpec(
         name="NVIDIA A100-PCIE-40GB",
@@ -151,6 +189,8 @@ _SPECS = (
         bandwidth_gbs=1555.0,
         memory_gb=40.0,
         source=_A100_DATASHEET + " (A100 40GB PCIe)",
+        total_memory=40.0 * _GIGA,
+        total_memory_source="the datasheet's 40 GB: no published total_memory or nvidia-smi figure found",
     ),
     GpuSpec(
         name="NVIDIA L40S",
@@ -160,6 +200,12 @@ _SPECS = (
         bandwidth_gbs=864.0,
         memory_gb=48.0,
         source="NVIDIA L40S GPU datasheet, https://www.nvidia.com/en-us/data-center/l40s/",
+        total_memory=46068 * _MIB,
+        total_memory_source=(
+            "nvidia-smi memory.total 46068 MiB (github.com/modal-labs/modal-client/pull/2797, "
+            "github.com/akash-network/provider-configs/pull/99); no published torch figure found, and nvidia-"
+            "smi's total is above what a process gets (H100: 81,559 against 81,079 MiB)"
+        ),
     ),
     GpuSpec(
         name="NVIDIA L4",
@@ -169,6 +215,12 @@ _SPECS = (
         bandwidth_gbs=300.0,
         memory_gb=24.0,
         source="NVIDIA L4 Tensor Core GPU datasheet, https://www.nvidia.com/en-us/data-center/l4/",
+        total_memory=23034 * _MIB,
+        total_memory_source=(
+            "nvidia-smi memory.total 23034 MiB (github.com/modal-labs/modal-client/pull/2797); no published "
+            "torch figure found, and nvidia-smi's total is above what a process gets (H100: 81,559 against "
+            "81,079 MiB)"
+        ),
     ),
     # GeForce cards: NVIDIA halves tensor throughput with FP32 accumulation on
     # consumer parts, and training/inference kernels accumulate in FP32, so the
@@ -184,6 +236,8 @@ _SPECS = (
             "NVIDIA Ada Lovelace GPU architecture whitepaper (RTX 4090, FP32 accumulate), "
             "https://images.nvidia.com/aem-dam/Solutions/geforce/ada/nvidia-ada-gpu-architecture.pdf"
         ),
+        total_memory=24.0 * _GIGA,
+        total_memory_source="the datasheet's 24 GB: no published total_memory or nvidia-smi figure found",
     ),
     GpuSpec(
         name="NVIDIA GeForce RTX 3090",
@@ -194,6 +248,8 @@ _SPECS = (
             "NVIDIA Ampere GA102 GPU architecture whitepaper (RTX 3090, FP32 accumulate), "
             "https://www.nvidia.com/content/PDF/nvidia-ampere-ga-102-gpu-architecture-whitepaper-v2.pdf"
         ),
+        total_memory=24.0 * _GIGA,
+        total_memory_source="the datasheet's 24 GB: no published total_memory or nvidia-smi figure found",
     ),
 )
 

@@ -20,12 +20,13 @@ from fitbench.config import RunSpec, SweepConfig, expand, load_yaml, merge_sourc
 from fitbench.errors import UserError
 from fitbench.models.presets import PRESETS
 from fitbench.models.registry import resolve
+from fitbench.plan.calibration import TENSORS_ONLY
 from fitbench.results.store import ResultStore
 
 SMALL_SHAPES = ["--batch-size", "1", "--seq-len", "16", "--new-tokens", "4", "--warmup-steps", "1",
                 "--measure-steps", "2"]
 ROW_FIELDS = {"key", "label", "spec", "status", "timing", "throughput", "memory", "environment", "command", "params",
-              "non_embedding_params", "started_at", "finished_at", "exit_code"}
+              "non_embedding_params", "started_at", "finished_at", "exit_code", "calibration"}
 
 
 @pytest.fixture(autouse=True)
@@ -85,6 +86,7 @@ def test_run_writes_jsonl_csv_and_table(tmp_path):
         assert row["non_embedding_params"] == tiny.non_embedding_params
         assert row["environment"]["torch"] == torch.__version__
         assert row["command"] == shlex.join(["fitbench", *args])
+        assert row["calibration"] == TENSORS_ONLY and row["prediction"] is None  # no budget on a CPU: no plan
         assert row["memory"]["host_peak_rss"] > 0
         assert row["exit_code"] == 0
         assert Path(row["log"]).is_file()
@@ -242,6 +244,51 @@ def test_injected_crash_is_recorded_and_the_sweep_goes_on(tmp_path, capsys, monk
     assert "2 of 4 configuration(s) did not finish" in stdout
     table = pd.read_csv(out / "results.csv")
     assert list(table["status"]) == ["crashed", "crashed", "ok", "ok"]
+
+
+def test_what_is_predicted_not_to_fit_is_refused_before_launch(tmp_path, capsys, monkeypatch):
+    # The injected memory limit makes this CPU a device of that size, for the planner and the worker
+    # alike: tiny infer bf16-pure fits at batch 1, to the byte, and not at batch 2.
+    from fitbench.plan.memory import estimate_memory
+
+    def peak(precision: str, batch: int, resident: int | None = None) -> float:
+        return estimate_memory(resolve("tiny"), "infer", precision, batch, 16, new_tokens=4,
+                               resident_layers=resident).peak_bytes
+
+    budget = int(peak("bf16-pure", 1)) + 1
+    assert peak("bf16-pure", 2) > budget
+    monkeypatch.setenv("FITBENCH_INJECT", f"mem-limit:{budget}")
+    out = tmp_path / "out"
+    code, stdout, stderr = cli(["run", "--models", "tiny", "--mode", "infer", "--precision", "bf16-pure",
+                                "--batch-size", "2", "1", "--seq-len", "16", "--new-tokens", "4", "--warmup-steps",
+                                "1", "--measure-steps", "1", "--out", str(out)], capsys)
+    assert code == 0, stderr
+    refused, fitting = rows_of(out)
+    assert refused["spec"]["batch_size"] == 2 and fitting["spec"]["batch_size"] == 1
+    assert refused["status"] == "refused" and "timing" not in refused
+    assert list((out / "logs").glob(f"{refused['key']}*")) == []  # no worker started for it
+    prediction = refused["prediction"]
+    assert not prediction["fits"] and prediction["predicted_peak_bytes"] == peak("bf16-pure", 2)
+    need = f"{peak('bf16-pure', 2) / 1e6:.0f} MB"
+    assert refused["error"].startswith(f"refused before launch: tiny infer in bf16-pure at batch 2 x 16 tokens is "
+                                       f"predicted to need {need} on one GPU of {budget / 1e6:.0f} MB; it fits ")
+    # Every alternative is predicted to fit within the budget, and the reason names each.
+    alternatives = {a["change"]: a for a in prediction["alternatives"]}
+    assert alternatives["at batch 1"]["predicted_peak_bytes"] == peak("bf16-pure", 1) <= budget
+    for change, alternative in alternatives.items():
+        assert alternative["predicted_peak_bytes"] <= budget, change
+        assert change in refused["error"]
+    (offload,) = [a for name, a in alternatives.items() if name.startswith("with --offload")]
+    resident = offload["candidate"]["resident_layers"]
+    assert peak("bf16-pure", 2, resident) <= budget < peak("bf16-pure", 2, resident + 1)
+    # The fitting one ran as planned, its prediction beside what was measured.
+    assert fitting["status"] == "ok", fitting.get("error")
+    assert fitting["prediction"]["fits"] and fitting["prediction"]["predicted_peak_bytes"] == peak("bf16-pure", 1)
+    # Every row says which calibration its prediction used: on a CPU, none.
+    assert refused["calibration"] == fitting["calibration"] == prediction["calibration"] == TENSORS_ONLY
+    printed = " ".join(stdout.split())
+    assert f"refused {refused['label']}: refused before launch" in printed
+    assert "1 of 2 configuration(s) did not finish" in printed
 
 
 def test_timeout_kills_the_worker(tmp_path, capsys):

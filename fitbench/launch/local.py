@@ -68,13 +68,22 @@ class _Child:
         self.kill()
 
 
+# torch reads the allocator's settings from either variable (PYTORCH_ALLOC_CONF is the newer name).
+ALLOCATOR_VARIABLES = ("PYTORCH_ALLOC_CONF", "PYTORCH_CUDA_ALLOC_CONF")
+
+
 def worker_environment() -> dict[str, str]:
     """The parent's environment, unbuffered, with the CUDA allocator's expandable segments unless the
-    user configured the allocator: segments grow in 2 MiB pages instead of caching whole blocks, so
-    reserved memory tracks the allocated peak (the planner's page-rounding term) instead of
-    fragmenting (measured: 42.6 GB reserved for 32.0 GB allocated without it on 2.7B)."""
+    user configured the allocator (a non-empty setting in either variable): segments grow in 2 MiB
+    pages instead of caching whole blocks, so reserved memory tracks the allocated peak (the
+    planner's page-rounding term) instead of fragmenting (measured: 42.6 GB reserved for 32.0 GB
+    allocated without it on 2.7B). An empty variable counts as unset. Each row records the settings
+    its worker ran with (``fitbench.run.trackers``)."""
     environment = {**os.environ, "PYTHONUNBUFFERED": "1"}
-    environment.setdefault("PYTORCH_CUDA_ALLOC_CONF", "expandable_segments:True")
+    if not any(environment.get(name, "").strip() for name in ALLOCATOR_VARIABLES):
+        for name in ALLOCATOR_VARIABLES:
+            environment.pop(name, None)
+        environment["PYTORCH_CUDA_ALLOC_CONF"] = "expandable_segments:True"
     return environment
 
 
@@ -155,12 +164,13 @@ def _run_planned(spec: RunSpec, logs: Path, timeout: float, on_event, policy: Fa
 def run_sweep(specs: list[RunSpec], store: ResultStore, *, timeout: float, command: str,
               callbacks: SweepCallbacks = SweepCallbacks(),
               predict: Callable[[RunSpec], dict[str, Any] | None] = lambda spec: None,
-              refusals: dict[str, str] | None = None,
+              refusals: dict[str, str] | None = None, calibration: str | None = None,
               fallback: Callable[[RunSpec], FallbackPolicy] = lambda spec: FallbackPolicy((), enabled=False),
               predicted_batch: Callable[[RunSpec], int] = lambda spec: 1) -> list[dict[str, Any]]:
     """Run every spec without a row in ``store``; append each row the moment it exists, with the
     planner's prediction (``predict``) for the configuration that finally ran beside what was
-    measured. A spec in ``refusals`` is not launched: its row says why this hardware cannot run it.
+    measured, and the ``calibration`` (its source) the predictions used. A spec in ``refusals`` is
+    not launched: its row says why this hardware cannot run it or the planner predicts it won't fit.
     An out-of-memory walks the ``fallback`` ladder; an ``auto_batch`` spec first finds its batch by
     probing from ``predicted_batch`` (``fitbench.launch.fallback``)."""
     finished = store.finished_keys()
@@ -178,6 +188,7 @@ def run_sweep(specs: list[RunSpec], store: ResultStore, *, timeout: float, comma
             row = _run_planned(spec, store.directory / "logs", timeout, callbacks.on_event, fallback(spec),
                                predicted_batch)
         row["command"] = command
+        row["calibration"] = calibration
         row["prediction"] = predict(RunSpec.model_validate(row["spec"]))
         store.append(row)
         finished.add(spec.key)

@@ -10,8 +10,11 @@ Three families cover every registered model:
 - ``gpt2``: learned positions, LayerNorm, fused q/k/v with biases, GELU MLP of 4x width,
   tied embeddings.
 
-Counts are computed from the shapes alone; the tests check each one against the
-instantiated model (on the meta device for the big ones).
+Each family says what one layer holds (``layer_matrices``, ``layer_norms``) and how positions
+enter (``position_embeddings``); every count, and fitbench's memory and speed models, derive from
+that description. Counts are computed from the shapes alone; the tests check each matrix, norm and
+count against the instantiated model (on the meta device for the big ones): the native decoder for
+``llama``, transformers' ``FalconForCausalLM`` and ``GPT2LMHeadModel`` for the others.
 """
 
 from __future__ import annotations
@@ -20,6 +23,39 @@ from dataclasses import dataclass, field
 from typing import Any, Literal
 
 Family = Literal["llama", "falcon", "gpt2"]
+
+
+@dataclass(frozen=True)
+class Matrix:
+    """One weight matrix of a layer: the module at ``name`` (its path inside a layer) computes
+    ``x W^T (+ b)`` with W of ``rows`` (out features) x ``columns`` (in features), and a bias of
+    ``rows`` when ``bias``. GPT-2's ``Conv1D`` stores W transposed; the shape here is the same map."""
+
+    name: str
+    rows: int
+    columns: int
+    bias: bool = False
+
+    @property
+    def weights(self) -> int:
+        return self.rows * self.columns
+
+    @property
+    def params(self) -> int:
+        return self.weights + (self.rows if self.bias else 0)
+
+
+@dataclass(frozen=True)
+class Norm:
+    """One norm of ``size`` features: RMSNorm has a weight; LayerNorm (``bias``) a weight and a bias."""
+
+    name: str
+    size: int
+    bias: bool
+
+    @property
+    def params(self) -> int:
+        return self.size * (2 if self.bias else 1)
 
 
 @dataclass(frozen=True)
@@ -53,32 +89,77 @@ class Architecture:
     def head_dim(self) -> int:
         return self.hidden_size // self.num_heads
 
+    # ---- what one layer holds ----------------------------------------------------------
+
+    @property
+    def layer_matrices(self) -> tuple[Matrix, ...]:
+        """Each layer's weight matrices, named as the modules that hold them.
+
+        - llama (native decoder; transformers' Llama, Mistral, Qwen2 alike): q (H D x h), k and v
+          (KV D x h each, with biases for Qwen2), o (h x H D), SwiGLU gate and up (f x h) and down (h x f);
+        - falcon (``FalconDecoderLayer``, new decoder architecture, ``bias=False``): the fused
+          ``query_key_value`` ((H + 2 KV) D x h), ``dense`` (h x H D), ``dense_h_to_4h`` (f x h),
+          ``dense_4h_to_h`` (h x f);
+        - gpt2 (``GPT2Block``, ``Conv1D`` modules): the fused ``c_attn`` (3 h x h), ``c_proj`` (h x h),
+          ``c_fc`` (f x h), the MLP's ``c_proj`` (h x f), all with biases.
+        """
+        h, f = self.hidden_size, self.ffn_size
+        q, k = self.num_heads * self.head_dim, self.num_kv_heads * self.head_dim
+        if self.family == "llama":
+            return (Matrix("self_attn.q_proj", q, h, self.qkv_bias), Matrix("self_attn.k_proj", k, h, self.qkv_bias),
+                    Matrix("self_attn.v_proj", k, h, self.qkv_bias), Matrix("self_attn.o_proj", h, q),
+                    Matrix("mlp.gate_proj", f, h), Matrix("mlp.up_proj", f, h), Matrix("mlp.down_proj", h, f))
+        if self.family == "falcon":
+            return (Matrix("self_attention.query_key_value", q + 2 * k, h), Matrix("self_attention.dense", h, q),
+                    Matrix("mlp.dense_h_to_4h", f, h), Matrix("mlp.dense_4h_to_h", h, f))
+        return (Matrix("attn.c_attn", q + 2 * k, h, True), Matrix("attn.c_proj", h, q, True),
+                Matrix("mlp.c_fc", f, h, True), Matrix("mlp.c_proj", h, f, True))
+
+    @property
+    def layer_norms(self) -> tuple[Norm, ...]:
+        """Two norms per layer: RMSNorm (llama) before attention and before the MLP; Falcon's
+        LayerNorms ``ln_attn`` and ``ln_mlp``, both reading the layer's input (parallel attention and
+        MLP); GPT-2's LayerNorms ``ln_1`` and ``ln_2``."""
+        h = self.hidden_size
+        names = {"llama": ("input_layernorm", "post_attention_layernorm"), "falcon": ("ln_attn", "ln_mlp"),
+                 "gpt2": ("ln_1", "ln_2")}[self.family]
+        return tuple(Norm(name, h, self.layer_norm) for name in names)
+
+    @property
+    def layer_norm(self) -> bool:
+        """LayerNorm (weight and bias) rather than RMSNorm (weight only)."""
+        return self.family != "llama"
+
+    @property
+    def parallel_attention(self) -> bool:
+        """Attention and MLP read the same input and their outputs add to the residual together (Falcon)."""
+        return self.family == "falcon"
+
+    @property
+    def position_embeddings(self) -> Literal["rotary", "learned"]:
+        """Rotary (llama, falcon) or a learned table of ``max_seq_len`` x h added to the tokens' (gpt2)."""
+        return "learned" if self.family == "gpt2" else "rotary"
+
     # ---- parameter counts ------------------------------------------------------------
 
     @property
     def attention_params_per_layer(self) -> int:
-        """q and o are h x (heads * head_dim); k and v are h x (kv_heads * head_dim), plus biases."""
-        h, q_width, kv_width = self.hidden_size, self.num_heads * self.head_dim, self.num_kv_heads * self.head_dim
-        weights = h * q_width + 2 * h * kv_width + q_width * h
-        if self.family == "gpt2":
-            return weights + q_width + 2 * kv_width + h  # c_attn and c_proj biases
-        return weights + (q_width + 2 * kv_width if self.qkv_bias else 0)
+        """The attention matrices of ``layer_matrices`` with their biases."""
+        return sum(m.params for m in self.layer_matrices if not m.name.startswith("mlp."))
 
     @property
     def mlp_params_per_layer(self) -> int:
-        """SwiGLU has three h x ffn matrices (gate, up, down); GELU MLPs have two, GPT-2 with biases."""
-        h, f = self.hidden_size, self.ffn_size
-        if self.family == "llama":
-            return 3 * h * f
-        if self.family == "gpt2":
-            return 2 * h * f + f + h
-        return 2 * h * f
+        """The MLP matrices of ``layer_matrices`` with their biases."""
+        return sum(m.params for m in self.layer_matrices if m.name.startswith("mlp."))
+
+    @property
+    def layer_matmul_weights(self) -> int:
+        """The weights of one layer's matrices, without biases: what a matmul multiplies by."""
+        return sum(m.weights for m in self.layer_matrices)
 
     @property
     def norm_params_per_layer(self) -> int:
-        """RMSNorm has a weight of h; LayerNorm a weight and a bias. Two norms per layer in every family."""
-        per_norm = self.hidden_size if self.family == "llama" else 2 * self.hidden_size
-        return 2 * per_norm
+        return sum(norm.params for norm in self.layer_norms)
 
     @property
     def params_per_layer(self) -> int:
@@ -86,9 +167,13 @@ class Architecture:
 
     @property
     def embedding_params(self) -> int:
-        """Token embedding table, plus GPT-2's learned position table."""
-        positions = self.max_seq_len * self.hidden_size if self.family == "gpt2" else 0
-        return self.vocab_size * self.hidden_size + positions
+        """Token embedding table, plus the learned position table where there is one."""
+        return self.vocab_size * self.hidden_size + self.position_params
+
+    @property
+    def position_params(self) -> int:
+        """The learned position table (max_seq_len x h), zero with rotary positions."""
+        return self.max_seq_len * self.hidden_size if self.position_embeddings == "learned" else 0
 
     @property
     def output_params(self) -> int:
@@ -97,7 +182,7 @@ class Architecture:
 
     @property
     def final_norm_params(self) -> int:
-        return self.hidden_size if self.family == "llama" else 2 * self.hidden_size
+        return Norm("norm", self.hidden_size, self.layer_norm).params
 
     @property
     def total_params(self) -> int:
@@ -192,6 +277,10 @@ class Architecture:
                 "n_head": self.num_heads,
                 "n_positions": self.max_seq_len,
                 "layer_norm_epsilon": self.norm_eps,
+                # No dropout, as in the other families (Llama's and Falcon's configs have none):
+                # fitbench measures the architecture's compute and memory, and GPT-2's 0.1 would add
+                # a mask per dropout and move attention off the fused kernels that take no dropout.
+                "resid_pdrop": 0.0, "embd_pdrop": 0.0, "attn_pdrop": 0.0,
             }
         return {**config, **self.extra_hf_config}
 

@@ -83,8 +83,13 @@ class NativeLM(CausalLM):
     """The native decoder. With ``cuda_graphs`` on a GPU, the first decode of a cache captures
     ``decode_step`` in a CUDA graph and every later token replays it. A cache, and its graph, serve
     every generation of the same (batch, max_len), so only the first generation captures: in the
-    worker a warm-up, never a measured one. Where a graph cannot be had (a CPU, autocast, a kernel
-    that cannot be captured) decoding is eager and ``decoding`` says why.
+    worker a warm-up, never a measured one. Where a graph cannot be had (a CPU, a kernel that cannot
+    be captured) decoding is eager and ``decoding`` says why.
+
+    Under autocast (fp32 weights, 16-bit compute) the captured step holds the casts too: inside
+    ``inference_mode`` autocast caches no cast weight, so eager decoding casts every matrix again at
+    every token, and so does each replay. A step then moves about 8 bytes per matmul parameter (the
+    fp32 read, the 16-bit write and read), which the decode bandwidth figures count.
 
     ``capture`` turns the step into a replayable one; the default, CUDA graphs, needs a GPU, and
     any other is taken to work where the model is.
@@ -139,10 +144,6 @@ class NativeLM(CausalLM):
         return self.eager_reason is None and self.graph is None
 
     def _capture(self) -> None:
-        if torch.is_autocast_enabled(self.cache.keys.device.type):
-            self.eager_reason = ("autocast: a captured step would read the 16-bit weight copies that autocast "
-                                 "keeps for one generation and frees at its end")
-            return
         started = time.perf_counter()
         try:
             self.graph = GraphedDecode(self.module, self.cache, self.position, self.capture)

@@ -2,8 +2,11 @@
 
 ``fitbench calibrate`` runs ``tiny`` through the real worker on the GPU, training, generating and
 in a forward pass, and stores what it finds under the user's cache directory (``calibration.json``
-beside the matmul ceilings), keyed by GPU name and torch version; the planner uses a stored
-calibration automatically and names it in every plan. Without one, the defaults below apply,
+beside the matmul ceilings), keyed by GPU name and torch version; the first ``fitbench run`` on a
+GPU with none stored for the running torch measures one the same way (``ensure_calibration``).
+The planner uses a stored calibration automatically and names it in every plan and result row:
+the one of the running torch version, else the newest stored for that GPU name, which says so
+(a laptop planning for a described GPU rarely has the GPU's torch). Without one, the defaults below apply,
 measured the same way on one H100 80GB HBM3 with torch 2.11.0+cu130
 (``benchmarks/results/2026-11-22-h100-memory``; inference again once decoding ran through CUDA
 graphs, ``benchmarks/results/2026-11-22-h100-ladder-infer``):
@@ -33,8 +36,9 @@ from __future__ import annotations
 
 import json
 import os
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, replace
 from pathlib import Path
+from typing import Callable
 
 from fitbench.plan.memory import TRAINING_MODES
 
@@ -54,6 +58,7 @@ class Calibration:
     # have none, and the inference figures (an upper bound) apply.
     cuda_context_eager: float | None = None
     workspace_eager: float | None = None
+    measured_at: str | None = None  # UTC, ISO 8601; which stored calibration is the newest
 
     def context(self, mode: str, decode_graph: bool = True) -> float:
         return _by_step(mode, decode_graph, self.cuda_context_training, self.cuda_context_inference,
@@ -88,6 +93,11 @@ DEFAULT = Calibration(
 )
 
 
+# A CPU has no CUDA context, no cuBLAS workspaces and no caching allocator: a prediction there (a
+# budget set with FITBENCH_INJECT's mem-limit) is the tensors alone.
+TENSORS_ONLY = "none: on a CPU the prediction is the tensors alone (no CUDA context, workspaces or caching allocator)"
+
+
 def calibration_path() -> Path:
     from fitbench.hardware import ceilings_path
 
@@ -98,17 +108,55 @@ def _key(gpu_name: str, torch_version: str) -> str:
     return f"{gpu_name}|torch {torch_version}"
 
 
+def _stored(gpu_name: str) -> dict[str, Calibration]:
+    """Every readable calibration stored for ``gpu_name``, by torch version."""
+    try:
+        entries = json.loads(calibration_path().read_text())
+    except (OSError, ValueError):
+        return {}
+    if not isinstance(entries, dict):
+        return {}
+    found = {}
+    for key, fields in entries.items():
+        name, _, version = key.partition("|torch ")
+        if name != gpu_name:
+            continue
+        try:
+            found[version] = Calibration(**fields)
+        except TypeError:
+            continue  # written by another fitbench, or damaged: as if absent
+    return found
+
+
 def load_calibration(gpu_name: str | None) -> Calibration:
-    """The stored calibration of this GPU and torch version, else the default."""
+    """The calibration stored for this GPU and torch version; else the newest stored for this GPU
+    (by ``measured_at``; those stored before it existed count as oldest), its source saying which
+    torch it was measured with; else the default."""
     if gpu_name is None:
         return DEFAULT
     import torch
 
-    try:
-        stored = json.loads(calibration_path().read_text())[_key(gpu_name, torch.__version__)]
-        return Calibration(**stored)
-    except (OSError, ValueError, KeyError, TypeError):
+    stored = _stored(gpu_name)
+    if torch.__version__ in stored:
+        return stored[torch.__version__]
+    if not stored:
         return DEFAULT
+    version = max(stored, key=lambda v: stored[v].measured_at or "")
+    return replace(stored[version], source=f"{stored[version].source} (stored for torch {version}, the newest for "
+                                           f"{gpu_name}; none for torch {torch.__version__})")
+
+
+def ensure_calibration(gpu_name: str, measure: Callable[[], Calibration]) -> tuple[Calibration, Path | None]:
+    """The calibration of the GPU at hand: the one stored for it and the running torch version, else
+    a new one from ``measure`` (``measure_calibration`` on that GPU), stored. Returns it and where it
+    was stored, None when it was already there."""
+    import torch
+
+    stored = _stored(gpu_name).get(torch.__version__)
+    if stored is not None:
+        return stored, None
+    measured = measure()
+    return measured, save_calibration(gpu_name, measured)
 
 
 def save_calibration(gpu_name: str, calibration: Calibration) -> Path:
@@ -154,11 +202,13 @@ def measure_calibration(device: str, scratch: Path) -> Calibration:
             raise RuntimeError("NVML is unavailable, so the CUDA context cannot be measured")
         tensors = trace_peak(resolve("tiny"), mode, precision, batch, seq_len, new_tokens=8, device="cuda").peak_bytes
         found[mode] = (gpu["nvml_peak_used"] - gpu["peak_reserved"], gpu["peak_allocated"] - tensors)
+    measured_at = time.strftime('%Y-%m-%dT%H:%M:%SZ', time.gmtime())
     return Calibration(
         cuda_context_training=float(found["train"][0]), cuda_context_inference=float(found["infer"][0]),
         workspace_training=float(found["train"][1]), workspace_inference=float(found["infer"][1]),
         cuda_context_eager=float(found["forward"][0]), workspace_eager=float(found["forward"][1]),
         nccl_per_communicator=DEFAULT.nccl_per_communicator,
         source=f"measured on {torch.cuda.get_device_name(torch.device(device))} with torch {torch.__version__} "
-               f"at {time.strftime('%Y-%m-%dT%H:%M:%SZ', time.gmtime())}",
+               f"at {measured_at}",
+        measured_at=measured_at,
     )

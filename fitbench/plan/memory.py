@@ -1,12 +1,16 @@
 """Per-GPU peak memory of one configuration, term by term, before any GPU is touched.
 
-The terms follow fitbench's own loops and native decoder tensor by tensor (``fitbench.run.loops``,
-``fitbench.models.native``); ``fitbench.plan.trace`` runs those loops on fake tensors and is the
-reference the tests hold this model to. Notation: ``n = B x T`` tokens, ``h`` hidden size, ``f``
-MLP width, ``k`` the key/value width (kv heads x head dim), ``H`` heads, ``V`` vocabulary,
-``L`` layers, ``P`` parameters. Byte widths: ``w`` weights, ``c`` compute (activations), ``r``
-the residual stream (fp32 under autocast: the embedding is not autocast and the fp32 stream
-absorbs each 16-bit branch it is added to).
+The terms follow fitbench's own loops and the model the run builds tensor by tensor
+(``fitbench.run.loops``; the native decoder ``fitbench.models.native``, or on the ``hf`` backend
+transformers' model of the family); ``fitbench.plan.trace`` runs those loops on fake tensors and is
+the reference the tests hold this model to. Weights, biases, norms and position tables come from
+the family's own description (``Architecture.layer_matrices``, ``layer_norms``,
+``position_embeddings``), so every term is a sum of non-negative sizes.
+
+Notation: ``n = B x T`` tokens, ``h`` hidden size, ``f`` MLP width, ``k`` the key/value width
+(kv heads x head dim), ``H`` heads, ``V`` vocabulary, ``L`` layers, ``P`` parameters. Byte widths:
+``w`` weights, ``c`` compute (activations), ``r`` the residual stream (fp32 under autocast: the
+embedding is not autocast and the fp32 stream absorbs each 16-bit branch it is added to).
 
 Peak, not sum. A training step (gradients set to None at its start, fused AdamW) peaks at one of:
 
@@ -38,6 +42,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from fitbench.models.architecture import Architecture
+from fitbench.models.backends import default_backend
 from fitbench.plan import compiled as inductor
 
 @dataclass(frozen=True)
@@ -62,7 +67,9 @@ class QuantizedFormat:
 BUILD_TEMPORARIES_LAYERS = {"int8": 2.0, "nf4": 1.0, "fp4": 1.0, "int8-dynamic": 2.0, "int4": 2.0,
                             "fp8": 3.2, "fp8-block": 3.2}
 
-# Layer matmul weights are quantized; embeddings, the output projection and norms stay bf16.
+# Every matrix of ``Architecture.layer_matrices`` is quantized (``fitbench.run.quantize``: each
+# nn.Linear of the layers, GPT-2's Conv1D turned into one first); biases, embeddings, position
+# tables, the output projection and norms stay bf16.
 QUANTIZED: dict[str, QuantizedFormat] = {
     "int8": QuantizedFormat(8, 4, 0, "bitsandbytes LLM.int8: int8 weights, one fp32 absmax per output row"),
     # Double quantization (bitsandbytes' default): each block's absmax in 8 bits, plus one fp32
@@ -81,9 +88,9 @@ QUANTIZED: dict[str, QuantizedFormat] = {
 
 TRAINING_MODES = ("train", "forward-backward")
 
-# Low-rank adapters (``fitbench.run.adapters``): how int8 and 4-bit bases train. Rank 16 on all
-# seven matmuls of every layer, alpha 32: between PEFT's default rank 8 and QLoRA's 64 (Dettmers
-# et al. 2023, every linear layer adapted).
+# Low-rank adapters (``fitbench.run.adapters``): how int8 and 4-bit bases train. Rank 16 on every
+# matmul of every layer (seven in Llama, four in Falcon and GPT-2), alpha 32: between PEFT's
+# default rank 8 and QLoRA's 64 (Dettmers et al. 2023, every linear layer adapted).
 ADAPTER_BASES = ("int8", "nf4", "fp4")
 ADAPTER_RANK, ADAPTER_ALPHA = 16, 32
 # LLM.int8 keeps, for the backward pass, each matmul's input columns holding an outlier (|x| > 6)
@@ -183,19 +190,22 @@ class MemoryEstimate:
 
 
 def layer_matmul_params(arch: Architecture) -> int:
-    """The weight matrices of one layer (q, k, v, o and the MLP), without norms and biases."""
-    h, k, q = arch.hidden_size, arch.num_kv_heads * arch.head_dim, arch.num_heads * arch.head_dim
-    return 2 * h * q + 2 * h * k + 3 * h * arch.ffn_size
+    """The weights of one layer's matrices (``Architecture.layer_matrices``), without norms and biases."""
+    return arch.layer_matmul_weights
 
 
 def layer_matrices(arch: Architecture) -> list[tuple[int, int]]:
-    """(rows, columns) = (out, in) of one layer's weight matrices: q, k, v, o, gate, up, down."""
-    h, k, q, f = arch.hidden_size, arch.num_kv_heads * arch.head_dim, arch.num_heads * arch.head_dim, arch.ffn_size
-    return [(q, h), (k, h), (k, h), (h, q), (f, h), (f, h), (h, f)]
+    """(rows, columns) = (out, in) of one layer's weight matrices, from the family's description."""
+    return [(matrix.rows, matrix.columns) for matrix in arch.layer_matrices]
 
 
 def quantized_layer_bytes(arch: Architecture, fmt: QuantizedFormat) -> float:
     return sum(fmt.matrix_bytes(rows, columns) for rows, columns in layer_matrices(arch))
+
+
+def largest_layer_matrix(arch: Architecture) -> int:
+    """Elements of the largest matrix of a layer (an MLP matrix, h x f, in every family)."""
+    return max(matrix.weights for matrix in arch.layer_matrices)
 
 
 def adapter_params(arch: Architecture, rank: int = ADAPTER_RANK) -> int:
@@ -203,38 +213,75 @@ def adapter_params(arch: Architecture, rank: int = ADAPTER_RANK) -> int:
     return rank * sum(rows + columns for rows, columns in layer_matrices(arch)) * arch.num_layers
 
 
-def norm_saved_bytes(tokens: int, hidden: int, widths: Widths, frozen: bool = False) -> float:
-    """One RMSNorm's saved tensors: its input (r n h), kept by x^2, or with 16-bit residuals its two
-    fp32 upcasts (8 n h) instead; 1/rms (4 n); and its normalized output (4 n h in fp32, c n h once
-    cast back in 16 bits), which the product with the weight keeps for the weight's gradient, so
-    not when the weight is ``frozen``."""
+def norm_saved_bytes(tokens: int, hidden: int, widths: Widths, frozen: bool = False, backend: str = "native",
+                     layer_norm: bool = False) -> float:
+    """One norm's saved tensors, without the input when another consumer already keeps it.
+
+    - native RMSNorm: its input (r n h), kept by x^2, or with 16-bit residuals its two fp32
+      upcasts (8 n h) instead; 1/rms (4 n); and its normalized output (4 n h in fp32, c n h once
+      cast back in 16 bits), which the product with the weight keeps for the weight's gradient, so
+      not when the weight is ``frozen``;
+    - transformers' RMSNorm (``LlamaRMSNorm``) upcasts once: its input (r n h), or one fp32 copy
+      (4 n h) of a 16-bit one; 1/rms and the normalized output as above;
+    - LayerNorm (``layer_norm``; autocast runs it in fp32): its input (r n h) and its mean and
+      1/std (2 r n); its output is saved by the matmul that reads it, not by the norm.
+    """
     n, h, c, r = tokens, hidden, widths.compute, widths.residual
+    if layer_norm:
+        return r * n * h + 2 * r * n
     normalized = 0 if frozen else (4 * n * h if r == 4 else c * n * h)
-    return (r * n * h if r == 4 else 8 * n * h) + normalized + 4 * n
+    upcasts = 1 if backend == "hf" else 2
+    return (r * n * h if r == 4 else upcasts * 4 * n * h) + normalized + 4 * n
 
 
-def saved_per_layer(arch: Architecture, tokens: int, widths: Widths, tp: int = 1, frozen_norms: bool = False) -> float:
-    """Bytes one native layer saves for its backward pass (flash attention, no recompute).
+def saved_per_layer(arch: Architecture, tokens: int, widths: Widths, tp: int = 1, frozen_norms: bool = False,
+                    backend: str = "native", context: int = 0) -> float:
+    """Bytes one layer saves for its backward pass (fused attention, no recompute), for n tokens of
+    sequences of ``context`` tokens, on ``backend``.
 
-    Tensor by tensor, in forward order (n tokens, widths r, c as in the module docstring):
+    Llama family, tensor by tensor in forward order (n tokens, widths r, c as in the module docstring):
 
     - input RMSNorm: ``norm_saved_bytes`` (less its normalized output when ``frozen_norms``);
     - q, k, v projections: their input, cast to 16 bits once per projection under autocast (3 c n h),
       otherwise the norm's output, shared by the three (c n h);
     - rotary q and k (c n h + c n k) and v (c n k), saved by attention, with its output (c n h),
       which the output projection saves as its input, and the log-sum-exp (4 n H); in fp32 with
-      grouped heads k and v are expanded to all heads first (c n h each), since no fused fp32
-      kernel takes grouped heads;
+      grouped heads the native decoder expands k and v to all heads first (c n h each), since no
+      fused fp32 kernel takes grouped heads (transformers passes grouped heads to the kernel);
     - post-attention RMSNorm: as the first, on the new residual (r n h);
     - gate and up projections: their inputs (2 c n h under autocast, one shared c n h otherwise);
     - SwiGLU: gate and up outputs, silu(gate) and the product the down projection saves (4 c n f).
+
+    Falcon (``FalconDecoderLayer``, parallel attention and MLP, both LayerNorms reading the layer's
+    input): that input (r n h) and each norm's mean and 1/std (4 r n); six h-wide tensors (6 c n h):
+    the two norms' outputs (or their 16-bit casts) saved by ``query_key_value`` and
+    ``dense_h_to_4h``, the rotary queries, the keys and values broadcast to every head, and
+    attention's output; the log-sum-exp (4 n H); the GELU's input and output (2 c n f); and the
+    boolean causal mask, which the attention kernel saves converted to the compute dtype (c n T).
+
+    GPT-2 (``GPT2Block``): the layer's input and the residual after attention (2 r n h), each
+    LayerNorm's mean and 1/std (4 r n); eight h-wide tensors (8 c n h): ``c_attn``'s input, its
+    3 h-wide output whose q, k, v views attention saves, attention's output and its reshaped copy
+    that ``c_proj`` saves, ``c_fc``'s input and one more copy of a norm's output; the log-sum-exp
+    (4 n H); and the tanh GELU (``NewGELUActivation``, written out in tensor operations), which
+    saves x, tanh(.), 0.5 x and 1 + tanh(.), beside ``c_proj``'s input (5 c n f).
+
+    Every figure above is checked against the fake-tensor trace of the real modules
+    (``fitbench.plan.trace``).
     """
     n, h, f = tokens, arch.hidden_size, arch.ffn_size
     k, heads = arch.num_kv_heads * arch.head_dim, arch.num_heads
-    c = widths.compute
-    norm = norm_saved_bytes(n, h, widths, frozen_norms)
+    c, r = widths.compute, widths.residual
+    if arch.family == "falcon":
+        attention = (4 * c * n * h + 4 * n * heads + c * n * context) / tp
+        return r * n * h + 4 * r * n + 2 * c * n * h + attention + 2 * c * n * f / tp
+    if arch.family == "gpt2":
+        attention = (6 * c * n * h + 4 * n * heads) / tp
+        return 2 * r * n * h + 4 * r * n + 2 * c * n * h + attention + 5 * c * n * f / tp
+    norm = norm_saved_bytes(n, h, widths, frozen_norms, backend)
     attention_inputs = 3 * c * n * h if widths.autocast else c * n * h
-    kv_saved = 2 * c * n * (h if c == 4 and k != h else k)
+    expanded = backend == "native" and c == 4 and k != h
+    kv_saved = 2 * c * n * (h if expanded else k)
     attention = (c * n * h + kv_saved + c * n * h) / tp + 4 * n * heads / tp
     mlp_inputs = 2 * c * n * h if widths.autocast else c * n * h
     mlp = 4 * c * n * f / tp
@@ -246,10 +293,12 @@ def recompute_per_layer(arch: Architecture, tokens: int, widths: Widths) -> floa
     return widths.residual * tokens * arch.hidden_size
 
 
-def final_saved_bytes(arch: Architecture, tokens: int, widths: Widths, frozen_norm: bool = False) -> float:
-    """The final RMSNorm's saved tensors and the output projection's input (its cast, or the norm's
+def final_saved_bytes(arch: Architecture, tokens: int, widths: Widths, frozen_norm: bool = False,
+                      backend: str = "native") -> float:
+    """The final norm's saved tensors and the output projection's input (its cast, or the norm's
     own output)."""
-    return norm_saved_bytes(tokens, arch.hidden_size, widths, frozen_norm) + widths.compute * tokens * arch.hidden_size
+    return (norm_saved_bytes(tokens, arch.hidden_size, widths, frozen_norm, backend, arch.layer_norm)
+            + widths.compute * tokens * arch.hidden_size)
 
 
 def kv_cache_bytes(arch: Architecture, batch: int, length: int, widths: Widths, tp: int = 1) -> float:
@@ -258,13 +307,33 @@ def kv_cache_bytes(arch: Architecture, batch: int, length: int, widths: Widths, 
     return arch.kv_cache_bytes_per_token(widths.compute) * batch * length / tp
 
 
-def prefill_transient_bytes(arch: Architecture, tokens: int, widths: Widths, tp: int = 1) -> float:
-    """The most one layer holds at once without autograd: inside the MLP, silu(gate), up and their
-    product (3 c n f; gate itself is freed once silu has read it), beside three residual-sized
-    tensors (3 r n h): the layer's input, which the caller still holds, the residual after attention
-    and its normalized copy; and the token ids (8 n)."""
+# Tensors of width h alive at the MLP's widest point of a forward pass without autograd in
+# transformers' models, beside the MLP's own intermediates: (residual-width r, compute-width c)
+# counts, forward pass and generation's prefill, as the fake-tensor trace of ``LlamaDecoderLayer``,
+# ``FalconDecoderLayer`` and ``GPT2Block`` through fitbench's loops finds them (the layer's input and
+# residual, the norms' outputs, and in Falcon's parallel layer the attention output waiting to be
+# added). The prefill holds fewer: it computes logits for the last position only, and under
+# autocast its cache grows layer by layer.
+HF_WIDE_AT_MLP = {("llama", "forward"): (5, 0), ("llama", "infer"): (4, 0),
+                  ("falcon", "forward"): (8, 1), ("falcon", "infer"): (8, 0),
+                  ("gpt2", "forward"): (4, 5), ("gpt2", "infer"): (4, 1)}
+
+
+def prefill_transient_bytes(arch: Architecture, tokens: int, widths: Widths, tp: int = 1, backend: str = "native",
+                            context: int = 0, mode: str = "forward") -> float:
+    """The most one layer holds at once without autograd, and the token ids (8 n).
+
+    Inside the MLP: SwiGLU's silu(gate), up and their product (3 c n f; gate itself is freed once
+    silu has read it); Falcon's GELU input and output (2 c n f); GPT-2's tanh GELU, written out in
+    tensor operations, its input and three intermediates (4 c n f). Beside them, residual-sized
+    tensors: in the native decoder three (3 r n h: the layer's input, which the caller still holds,
+    the residual after attention and its normalized copy); in transformers' models ``HF_WIDE_AT_MLP``;
+    and Falcon's boolean causal mask (B T^2 = n T bytes)."""
     n, h, f, c, r = tokens, arch.hidden_size, arch.ffn_size, widths.compute, widths.residual
-    return 3 * r * n * h + 3 * c * n * f / tp + 8 * n
+    intermediates = {"llama": 3, "falcon": 2, "gpt2": 4}[arch.family] * c * n * f / tp
+    residuals, casts = (3, 0) if backend == "native" else HF_WIDE_AT_MLP[arch.family, mode]
+    mask = n * context if arch.family == "falcon" else 0
+    return (residuals * r + casts * c) * n * h + intermediates + mask + 8 * n
 
 
 # ---- the estimate -----------------------------------------------------------------------------
@@ -273,16 +342,19 @@ def prefill_transient_bytes(arch: Architecture, tokens: int, widths: Widths, tp:
 def estimate_memory(arch: Architecture, mode: str, precision: str, batch: int, seq_len: int, *,
                     new_tokens: int = 0, activation_checkpointing: bool = False,
                     parallelism: Parallelism = Parallelism(), resident_layers: int | None = None,
-                    compiled: bool = False) -> MemoryEstimate:
+                    backend: str | None = None, compiled: bool = False) -> MemoryEstimate:
     """Peak bytes on one GPU for this configuration, as terms (``at_peak`` marks those that
     coexist at the peak moment). ``resident_layers`` (infer and forward, floating-point weights,
     one GPU) keeps that many decoder layers on the GPU and offloads the rest (``offloaded_weights``).
-    ``compiled``: the native model under ``torch.compile`` (``fitbench.plan.compiled``); quantized weights
-    (adapters, inference) keep the eager model's terms, an upper bound: their kernels break the graph."""
+    ``backend`` (native or hf; by default the family's, ``fitbench.models.backends.default_backend``)
+    is the model the run builds. ``compiled``: the native model under ``torch.compile``
+    (``fitbench.plan.compiled``); quantized weights (adapters, inference) keep the eager model's terms,
+    an upper bound: their kernels break the graph."""
+    backend = backend or default_backend(arch)
     if resident_layers is not None:
-        return _offloaded(arch, mode, precision, batch, seq_len, new_tokens, resident_layers, parallelism)
-    # Only the native decoder's compiled graph has been read; other families keep the eager terms.
-    compiled = compiled and arch.family == "llama"
+        return _offloaded(arch, mode, precision, batch, seq_len, new_tokens, resident_layers, parallelism, backend)
+    # Only the native decoder's compiled graph has been read; the hf backend keeps the eager terms.
+    compiled = compiled and backend == "native"
     widths = Widths.of(precision)
     tp, stages, shards = parallelism.tensor, parallelism.stages, parallelism.shards
     P = arch.total_params
@@ -292,7 +364,7 @@ def estimate_memory(arch: Architecture, mode: str, precision: str, batch: int, s
     local_params = (layer_params / tp + edge_params / (stages if stages > 1 else 1)) if tp > 1 or stages > 1 else P
     training = mode in TRAINING_MODES
     if training and precision == "fp8":
-        return _float8_training(arch, mode, batch, seq_len, activation_checkpointing, parallelism, compiled)
+        return _float8_training(arch, mode, batch, seq_len, activation_checkpointing, parallelism, backend, compiled)
     if training and precision in QUANTIZED and precision not in ADAPTER_BASES:
         raise ValueError(f"{precision} weights have no backward pass: no training memory model")
     if precision in QUANTIZED:
@@ -300,25 +372,27 @@ def estimate_memory(arch: Architecture, mode: str, precision: str, batch: int, s
         plain = widths.weights * (local_params - layer_matmul_params(arch) * layers / tp)
         weights = quantized + plain
         terms = [Term("weights", weights, f"{QUANTIZED[precision].source}: {quantized:,.0f} B in the layers' "
-                                          f"matrices, {plain:,.0f} B in bf16 elsewhere"), rotary_term(arch)]
+                                          f"matrices, {plain:,.0f} B in bf16 elsewhere"), rotary_term(arch, backend)]
         layers_in_bf16 = BUILD_TEMPORARIES_LAYERS[precision]
         terms.append(Term("quantizer temporaries", layers_in_bf16 * 2 * arch.params_per_layer / tp,
                           f"{layers_in_bf16:g} x one layer in bf16 while it is quantized (measured)",
                           frozenset({BUILD})))
         if training:
             return _adapter_training(arch, mode, precision, widths, batch, seq_len, activation_checkpointing, terms,
-                                     layers, tp)
-        return _inference(arch, mode, widths, batch, seq_len, new_tokens, terms, tp, stages, quantized=True)
+                                     layers, tp, backend)
+        return _inference(arch, mode, widths, batch, seq_len, new_tokens, terms, tp, stages, quantized=True,
+                          backend=backend)
     weights = widths.weights * local_params / shards
     terms = [Term("weights", weights, f"{widths.weights:g} B x {local_params:,.0f} parameters"
-                  + (f" / {shards} FSDP shards" if shards > 1 else "")), rotary_term(arch)]
+                  + (f" / {shards} FSDP shards" if shards > 1 else "")), rotary_term(arch, backend)]
     if training:
         return _training(arch, mode, widths, batch, seq_len, activation_checkpointing, terms, local_params / shards,
-                         layers, tp, compiled=compiled)
-    return _inference(arch, mode, widths, batch, seq_len, new_tokens, terms, tp, stages, compiled=compiled)
+                         layers, tp, backend=backend, compiled=compiled)
+    return _inference(arch, mode, widths, batch, seq_len, new_tokens, terms, tp, stages, backend=backend,
+                      compiled=compiled)
 
 
-def _offloaded(arch, mode, precision, batch, seq_len, new_tokens, resident, parallelism) -> MemoryEstimate:
+def _offloaded(arch, mode, precision, batch, seq_len, new_tokens, resident, parallelism, backend) -> MemoryEstimate:
     """Inference with ``k = resident`` of the L decoder layers on the GPU:
 
     - weights: w x (P - (L - k) x parameters per layer): the edges and k layers;
@@ -339,11 +413,11 @@ def _offloaded(arch, mode, precision, batch, seq_len, new_tokens, resident, para
     w, L, per_layer = widths.weights, arch.num_layers, arch.params_per_layer
     on_gpu = arch.total_params - (L - resident) * per_layer
     terms = [Term("weights", w * on_gpu, f"{w:g} B x {on_gpu:,} parameters: the embeddings, final norm, output "
-                  f"projection and {resident} of {L} layers"), rotary_term(arch)]
+                  f"projection and {resident} of {L} layers"), rotary_term(arch, backend)]
     if resident < L:
         terms.append(Term("offloaded layer in flight", w * per_layer, f"{w:g} B x {per_layer:,} parameters: one "
                           f"offloaded layer, copied in for its forward"))
-    return _inference(arch, mode, widths, batch, seq_len, new_tokens, terms, 1)
+    return _inference(arch, mode, widths, batch, seq_len, new_tokens, terms, 1, backend=backend)
 
 
 def offloaded_weights(arch: Architecture, precision: str, resident_layers: int) -> float:
@@ -351,8 +425,14 @@ def offloaded_weights(arch: Architecture, precision: str, resident_layers: int) 
     return Widths.of(precision).weights * (arch.num_layers - resident_layers) * arch.params_per_layer
 
 
-def rotary_term(arch: Architecture) -> Term:
-    """The native decoder's cos and sin tables, fp32, for every position of the context."""
+def rotary_term(arch: Architecture, backend: str = "native") -> Term:
+    """The native decoder's cos and sin tables, fp32, for every position of the context. transformers
+    keeps only the inverse frequencies (D / 2 fp32) and computes cos and sin for each forward's own
+    positions; learned positions (GPT-2) are a weight, counted with the weights."""
+    if arch.position_embeddings != "rotary":
+        return Term("rotary tables", 0.0, "none: learned positions")
+    if backend == "hf":
+        return Term("rotary tables", 2 * arch.head_dim, f"{arch.head_dim // 2} inverse frequencies x 4 B")
     size = 2 * arch.max_seq_len * arch.head_dim * 4
     return Term("rotary tables", size, f"2 x {arch.max_seq_len} positions x {arch.head_dim} x 4 B")
 
@@ -366,7 +446,7 @@ def autocast_copies(arch: Architecture, widths: Widths, saved_layers: float, tp:
         return 0.0, ""
     output = arch.vocab_size * arch.hidden_size
     if saved_layers == 0:
-        largest = max(output, arch.hidden_size * arch.ffn_size / tp)
+        largest = max(output, largest_layer_matrix(arch) / tp)
         return widths.compute * largest, f"{widths.compute} B x {largest:,.0f}: the largest matrix, cast for its matmul"
     params = layer_matmul_params(arch) * saved_layers / tp + output
     return widths.compute * params, f"{widths.compute} B x {params:,.0f} matmul parameters saved by autograd"
@@ -376,14 +456,14 @@ START, RECOMPUTE, FIRST, END = ("start of the backward pass", "recompute of the 
                                 "backward of the first layer", "end of the backward pass")
 
 
-def _float8_training(arch, mode, batch, seq_len, recompute, parallelism, compiled=False):
+def _float8_training(arch, mode, batch, seq_len, recompute, parallelism, backend, compiled=False):
     """fp8 training (torchao float8, row-wise): bf16 weights, gradients and AdamW state as in
     bf16-pure, and each converted matmul saves its bf16 input and weight, as a bf16 matmul does;
     the float8 copies live only inside a matmul. The largest bound them: the MLP matrix's weight
     cast twice (along rows for the forward, along columns for the backward) and the n x f
     operands of the down projection's backward (its input and incoming gradient) in float8."""
     estimate = estimate_memory(arch, mode, "bf16-pure", batch, seq_len, activation_checkpointing=recompute,
-                               parallelism=parallelism, compiled=compiled)
+                               parallelism=parallelism, backend=backend, compiled=compiled)
     n, h, f, tp = batch * seq_len, arch.hidden_size, arch.ffn_size, parallelism.tensor
     casts = (2 * h * f + 2 * n * f) / tp
     moments = frozenset(m for m in estimate.moments if m != START)
@@ -392,7 +472,7 @@ def _float8_training(arch, mode, batch, seq_len, recompute, parallelism, compile
     return MemoryEstimate(terms, estimate.moments)
 
 
-def _adapter_training(arch, mode, precision, widths, batch, seq_len, recompute, terms, layers, tp):
+def _adapter_training(arch, mode, precision, widths, batch, seq_len, recompute, terms, layers, tp, backend):
     """Adapters on a frozen quantized base (``fitbench.run.adapters``): the base weights are in
     ``terms``; the adapters' fp32 weights, gradients and AdamW state are 16 B per adapter parameter.
     Gradients flow through every frozen matmul, so activations are saved as in bf16-pure training
@@ -400,26 +480,30 @@ def _adapter_training(arch, mode, precision, widths, batch, seq_len, recompute, 
     adapter's r-wide intermediate (c n r per matmul) and, for LLM.int8, its outlier columns; the
     frozen matmul's backward dequantizes its weight to bf16 for the gradient of its input (2 x the
     largest matrix)."""
-    n, f, h = batch * seq_len, arch.ffn_size, arch.hidden_size
+    n = batch * seq_len
     A = adapter_params(arch) * layers / arch.num_layers / tp
     terms = [*terms, Term("adapters", 4 * A, f"4 B x {A:,.0f} fp32 adapter parameters (rank {ADAPTER_RANK})")]
-    estimate = _training(arch, mode, widths, batch, seq_len, recompute, terms, 0.0, layers, tp, trainable=A)
+    estimate = _training(arch, mode, widths, batch, seq_len, recompute, terms, 0.0, layers, tp, trainable=A,
+                         backend=backend)
     saving_layers = 0 if recompute else layers
     extra_saved = widths.compute * n * ADAPTER_RANK * len(layer_matrices(arch)) * saving_layers
-    added = [Term("adapter activations", extra_saved, f"{widths.compute} B x n x r per matmul, 7 per layer",
+    matmuls = len(arch.layer_matrices)
+    added = [Term("adapter activations", extra_saved, f"{widths.compute} B x n x r per matmul, {matmuls} per layer",
                   frozenset({START}))]
     if precision == "int8":
         inputs = sum(columns for _, columns in layer_matrices(arch)) * INT8_OUTLIER_COLUMNS
         added.append(Term("LLM.int8 outlier columns", 2 * n * inputs * saving_layers / tp,
-                          f"2 B x n x {INT8_OUTLIER_COLUMNS:g} of each matmul's input columns, 7 per layer "
+                          f"2 B x n x {INT8_OUTLIER_COLUMNS:g} of each matmul's input columns, {matmuls} per layer "
                           f"(measured fraction)", frozenset({START})))
-    added.append(Term("dequantized weight in backward", 2 * h * f / tp, "2 B x h f: the frozen matmul's weight in "
-                      "bf16 for its input's gradient", frozenset({FIRST, RECOMPUTE} if recompute else {FIRST})))
+    largest = largest_layer_matrix(arch)
+    added.append(Term("dequantized weight in backward", 2 * largest / tp, "2 B x the largest matrix: the frozen "
+                      "matmul's weight in bf16 for its input's gradient",
+                      frozenset({FIRST, RECOMPUTE} if recompute else {FIRST})))
     return MemoryEstimate(estimate.terms + tuple(added), estimate.moments + (BUILD,))
 
 
 def _training(arch, mode, widths, batch, seq_len, recompute, terms, local_params, layers, tp,
-              trainable: float | None = None, compiled: bool = False):
+              trainable: float | None = None, backend: str = "native", compiled: bool = False):
     """A training step's terms. ``trainable``: adapter parameters (fp32) when the weights are a frozen
     base; then gradients and optimizer state are the adapters', and no weight gradient forms.
     ``compiled``: layers, the final norm and the embedding's gradient as ``fitbench.plan.compiled`` has them."""
@@ -432,7 +516,7 @@ def _training(arch, mode, widths, batch, seq_len, recompute, terms, local_params
         return frozenset(names)
 
     one_layer = (inductor.saved_per_layer(arch, n, c, r, tp) if compiled
-                 else saved_per_layer(arch, n, widths, tp, frozen_norms=frozen))
+                 else saved_per_layer(arch, n, widths, tp, frozen_norms=frozen, backend=backend, context=seq_len))
     one_layer_casts = c * layer_matmul_params(arch) / tp if widths.autocast and not sharded else 0.0
     # An untied input embedding gets its gradient from the very last backward operator, after the
     # first layer's activations are gone; a tied one is counted with the tied gradients.
@@ -463,8 +547,8 @@ def _training(arch, mode, widths, batch, seq_len, recompute, terms, local_params
         terms.append(Term("autocast weight copies", casts, formula, at(START)))
     terms += [
         Term("final norm and output input", inductor.final_saved_bytes(arch, n, c, r, recompute) if compiled
-             else final_saved_bytes(arch, n, widths, frozen_norm=frozen),
-             "saved by the final RMSNorm and the output projection", at(START)),
+             else final_saved_bytes(arch, n, widths, frozen_norm=frozen, backend=backend),
+             "saved by the final norm and the output projection", at(START)),
         Term("loss chain", 12 * n * V, f"fp32 log-softmax output and the gradients into and out of it, "
              f"12 n V, n = {n:,}, V = {V:,}", at(START)),
         Term("logits held by the loop", c * n * V, f"{c} B x n V: the step's logits, alive until it ends"),
@@ -500,7 +584,7 @@ MLP, OUTPUT, BUILD = "prefill MLP", "output projection", "quantizing a layer"
 
 
 def _inference(arch, mode, widths, batch, seq_len, new_tokens, terms, tp, stages=1, quantized=False,
-               compiled=False):
+               backend="native", compiled=False):
     """Without autograd, a layer's temporaries die with it. Two moments can peak: the widest MLP,
     where silu(gate), up and their product (3 c n f) live beside the layer's input, the residual
     after attention and its normalized copy (3 r n h) and the token ids (8 n); and the output projection, with the final normalized input (r n h), its 16-bit
@@ -521,8 +605,9 @@ def _inference(arch, mode, widths, batch, seq_len, new_tokens, terms, tp, stages
         head = inductor.output_input_bytes(arch, n, c) + c * rows * V
         formula = f"final normalized input, cast in the norm's kernel, and {c} B x {rows:,} x V logits"
     else:
-        terms.append(Term("MLP temporaries", prefill_transient_bytes(arch, n, widths, tp),
-                          "3 c n f + 3 r n h + 8 n: one MLP's intermediates beside the residual stream",
+        terms.append(Term("MLP temporaries", prefill_transient_bytes(arch, n, widths, tp, backend, seq_len,
+                                                                  "infer" if mode == "infer" else "forward"),
+                          "one MLP's intermediates beside the residual stream, and the token ids",
                           frozenset({MLP})))
         head = r * n * h + (c * n * h if widths.autocast else 0) + c * rows * V
         formula = f"final normalized input, its cast, and {c} B x {rows:,} x V logits"

@@ -2,13 +2,17 @@
 
 A candidate is a precision, a strategy over a GPU count, activation checkpointing on or off and a
 batch size. Its predicted per-GPU peak is the memory model's tensor terms plus the calibrated
-overheads (CUDA context, cuBLAS workspace, allocator page rounding, NCCL buffers). It fits when
-that peak is at most the GPU's memory. An offloaded candidate (inference on one GPU) keeps only
-some decoder layers on the GPU; ``offload_split`` says how many fit.
+overheads (CUDA context, cuBLAS workspace, allocator page rounding, NCCL buffers; none on a CPU,
+where the calibration is None). It fits when that peak is at most the GPU's memory. An offloaded
+candidate (inference on one GPU) keeps only some decoder layers on the GPU; ``offload_split`` says
+how many fit.
 
 The precision ladder is an order of preference (quality first): the chosen plan uses the first
 rung that has a fitting candidate, and among that rung's candidates the highest predicted
 throughput (fewer GPUs on a tie). Every rejected candidate keeps its reason.
+
+A ``fitbench run`` configuration that no choice left open makes fit is refused before launch
+(``refusal``): its reason names the predicted need and the ``alternatives`` predicted to fit.
 """
 
 from __future__ import annotations
@@ -17,12 +21,14 @@ from dataclasses import dataclass, field, replace
 
 from fitbench import hardware
 from fitbench.models.architecture import Architecture
+from fitbench.models.backends import default_backend
 from fitbench.plan import compiled as inductor
-from fitbench.plan.calibration import DEFAULT, PAGE, Calibration
+from fitbench.plan.calibration import DEFAULT, PAGE, TENSORS_ONLY, Calibration
 from fitbench.plan.memory import (QUANTIZED, TRAINING_MODES, MemoryEstimate, Parallelism, Term, Widths, estimate_memory,
                                   offloaded_weights, saved_per_layer)
 from fitbench.plan.speed import StepTime, estimate_step_time
-from fitbench.run.precision import training_problem
+from fitbench.run.precision import training_problem, trains_every_weight
+from fitbench.units import format_bytes
 
 # Names people type for --gpu, to the exact device names of the peak table.
 GPU_ALIASES = {
@@ -56,6 +62,7 @@ class GpuTarget:
     count: int
     memory: float  # bytes per GPU
     described: bool
+    memory_source: str | None = None  # where ``memory`` comes from
 
     @property
     def speed_name(self) -> str:
@@ -138,9 +145,8 @@ class Plan:
 LATE_BACKWARD = ("recompute of the last layer", "backward of the first layer", "end of the backward pass")
 
 
-# Decoding stays eager under autocast (its 16-bit weight copies live one generation) and with
-# LLM.int8, whose outlier search synchronizes (``fitbench.models.backends``).
-EAGER_DECODE_PRECISIONS = ("bf16", "fp16", "int8")
+# Decoding stays eager with LLM.int8, whose outlier search synchronizes (``fitbench.models.backends``).
+EAGER_DECODE_PRECISIONS = ("int8",)
 
 
 def decodes_through_graph(candidate: Candidate) -> bool:
@@ -150,18 +156,23 @@ def decodes_through_graph(candidate: Candidate) -> bool:
 
 
 def overhead_terms(arch: Architecture, mode: str, candidate: Candidate, memory: MemoryEstimate, moment: str,
-                   seq_len: int, calibration: Calibration) -> tuple[Term, ...]:
-    """What the GPU gives the process beyond the step's tensors at ``moment`` (``fitbench.plan.calibration``)."""
-    graph = decodes_through_graph(candidate)
+                   seq_len: int, calibration: Calibration | None, backend: str | None = None) -> tuple[Term, ...]:
+    """What the GPU gives the process beyond the step's tensors at ``moment`` (``fitbench.plan.calibration``);
+    nothing on a CPU (``calibration`` None). The transformers backend decodes eagerly."""
+    if calibration is None:
+        return ()
+    graph = decodes_through_graph(candidate) and (backend or default_backend(arch)) == "native"
     terms = [
         Term("CUDA context", calibration.context(mode, graph), calibration.source),
         Term("workspaces", calibration.workspace(mode, graph), "cuBLAS workspaces, allocated peak minus tensors"),
     ]
     if moment in LATE_BACKWARD:
+        backend = backend or default_backend(arch)
         tokens, tp = candidate.batch_size * seq_len, candidate.parallelism.tensor
         widths = Widths.of(candidate.precision)
-        layer = (inductor.saved_per_layer(arch, tokens, widths.compute, widths.residual, tp) if candidate.compiled
-                 else saved_per_layer(arch, tokens, widths, tp))
+        layer = (inductor.saved_per_layer(arch, tokens, widths.compute, widths.residual, tp)
+                 if candidate.compiled and backend == "native"
+                 else saved_per_layer(arch, tokens, widths, tp, backend=backend, context=seq_len))
         terms.append(Term("allocator fragmentation", layer, "one layer's saved activations: gradients allocated "
                           "among freed activations late in the backward pass"))
     else:
@@ -169,11 +180,30 @@ def overhead_terms(arch: Architecture, mode: str, candidate: Candidate, memory: 
                           "expandable segments: the peak rounded up to 2 MiB"))
     if candidate.gpus > 1:
         terms.append(Term("NCCL buffers", calibration.nccl_per_communicator, "one communicator"))
+    widths = Widths.of(candidate.precision)
+    if mode == "infer" and graph and widths.autocast:
+        terms.append(autocast_graph_pool(arch, candidate.batch_size, widths))
     return tuple(terms)
 
 
+def autocast_graph_pool(arch: Architecture, batch: int, widths: Widths) -> Term:
+    """The private memory pool of a decode step captured under autocast. Inside ``inference_mode``
+    autocast caches no weight cast, so the captured step casts every fp32 matrix to 16 bits as it
+    reaches it; the pool keeps room for the most the step holds at once, at the output projection:
+    its 16-bit copy and the logits, c (V h + B V) (the largest MLP matrix instead, c h f, where that
+    is larger). The pool stays reserved from the capture, in the first warm-up generation, to the
+    end, so every measured prefill has it beside its own peak."""
+    c, h, V = widths.compute, arch.hidden_size, arch.vocab_size
+    largest = max(V * h, h * arch.ffn_size)
+    return Term("decode graph pool", c * (largest + batch * V),
+                f"{c} B x ({largest:,} + {batch} x {V:,}): the largest matrix cast to 16 bits beside the logits, "
+                f"kept by the graph captured under autocast")
+
+
 def assess(arch: Architecture, mode: str, candidate: Candidate, target: GpuTarget, *, seq_len: int,
-           new_tokens: int, calibration: Calibration = DEFAULT) -> Assessment:
+           new_tokens: int, calibration: Calibration | None = DEFAULT, backend: str | None = None) -> Assessment:
+    """Predict ``candidate``'s peak and speed; ``backend`` (native or hf, by default the family's)
+    is the model the run builds."""
     problem = _layout_problem(arch, candidate, target)
     if problem:
         return Assessment(candidate, None, (), 0.0, False, problem, None)
@@ -185,16 +215,16 @@ def assess(arch: Architecture, mode: str, candidate: Candidate, target: GpuTarge
     memory = estimate_memory(arch, mode, candidate.precision, candidate.batch_size, seq_len, new_tokens=new_tokens,
                              activation_checkpointing=candidate.activation_checkpointing,
                              parallelism=candidate.parallelism, resident_layers=candidate.resident_layers,
-                             compiled=candidate.compiled)
+                             backend=backend, compiled=candidate.compiled)
 
     def total(moment: str) -> float:
-        extra = overhead_terms(arch, mode, candidate, memory, moment, seq_len, calibration)
+        extra = overhead_terms(arch, mode, candidate, memory, moment, seq_len, calibration, backend)
         return memory.total_at(moment) + sum(t.bytes for t in extra)
 
     # The overheads depend on the moment (fragmentation comes late in the backward pass), so the
     # peak is taken over tensors and overheads together.
     moment = max(memory.moments, key=total)
-    overheads = overhead_terms(arch, mode, candidate, memory, moment, seq_len, calibration)
+    overheads = overhead_terms(arch, mode, candidate, memory, moment, seq_len, calibration, backend)
     peak = total(moment)
     fits = peak <= target.memory
     reason = None if fits else (f"{candidate.label} needs {peak / 1e9:.1f} GB per GPU; "
@@ -239,11 +269,12 @@ def strategies_for(mode: str, gpus: int) -> list[str]:
     return ["tp", "pipeline"]
 
 
-def largest_fitting_batch(arch, mode, candidate: Candidate, target, *, seq_len, new_tokens, calibration) -> int:
+def largest_fitting_batch(arch, mode, candidate: Candidate, target, *, seq_len, new_tokens, calibration,
+                          backend: str | None = None) -> int:
     """The largest batch predicted to fit (bisection on the monotone memory model); 0 if none."""
     def fits(batch: int) -> bool:
         return assess(arch, mode, replace(candidate, batch_size=batch), target, seq_len=seq_len,
-                      new_tokens=new_tokens, calibration=calibration).fits
+                      new_tokens=new_tokens, calibration=calibration, backend=backend).fits
 
     if not fits(1):
         return 0
@@ -268,7 +299,7 @@ class OffloadSplit:
 
 
 def offload_split(arch: Architecture, mode: str, precision: str, batch: int, seq_len: int, *, new_tokens: int,
-                  budget: float, calibration: Calibration | None = None) -> OffloadSplit:
+                  budget: float, calibration: Calibration | None = None, backend: str | None = None) -> OffloadSplit:
     """The decoder layers an offloaded run keeps on a GPU of ``budget`` bytes.
 
     With S = w x parameters per layer and P0 what the run needs with every layer offloaded (its
@@ -288,7 +319,7 @@ def offload_split(arch: Architecture, mode: str, precision: str, batch: int, seq
     width = Widths.of(precision).weights
     layer_bytes = width * arch.params_per_layer
     everything_offloaded = estimate_memory(arch, mode, precision, batch, seq_len, new_tokens=new_tokens,
-                                           resident_layers=0).peak_bytes
+                                           resident_layers=0, backend=backend).peak_bytes
     if calibration is not None:
         everything_offloaded += (calibration.context(mode, decode_graph=False)
                                  + calibration.workspace(mode, decode_graph=False) + PAGE
@@ -302,8 +333,9 @@ def offload_split(arch: Architecture, mode: str, precision: str, batch: int, seq
 def plan(arch: Architecture, mode: str, target: GpuTarget, *, seq_len: int, new_tokens: int,
          batch_sizes: list[int] | None, precisions: list[str] | None = None,
          strategies: list[str] | None = None, checkpointing: list[bool] | None = None,
-         calibration: Calibration = DEFAULT) -> Plan:
-    """``batch_sizes`` None means auto: each layout gets the largest batch predicted to fit."""
+         calibration: Calibration = DEFAULT, backend: str | None = None) -> Plan:
+    """``batch_sizes`` None means auto: each layout gets the largest batch predicted to fit; ``backend``
+    as in ``assess``."""
     ladder = precisions or DEFAULT_LADDER[mode]
     recompute_options = checkpointing if checkpointing is not None else (
         [False, True] if mode in TRAINING_MODES else [False])
@@ -317,13 +349,15 @@ def plan(arch: Architecture, mode: str, target: GpuTarget, *, seq_len: int, new_
                     base = Candidate(precision, strategy, gpus, recompute, 1)
                     if batch_sizes is None:
                         batch = largest_fitting_batch(arch, mode, base, target, seq_len=seq_len,
-                                                      new_tokens=new_tokens, calibration=calibration)
+                                                      new_tokens=new_tokens, calibration=calibration,
+                                                      backend=backend)
                         sizes = [batch or 1]
                     else:
                         sizes = batch_sizes
                     for batch in sizes:
                         assessments.append(assess(arch, mode, replace(base, batch_size=batch), target,
-                                                  seq_len=seq_len, new_tokens=new_tokens, calibration=calibration))
+                                                  seq_len=seq_len, new_tokens=new_tokens, calibration=calibration,
+                                                  backend=backend))
     feasible = [a for a in assessments if a.fits]
     rejected = [a for a in assessments if not a.fits]
     chosen = None
@@ -341,7 +375,7 @@ def plan(arch: Architecture, mode: str, target: GpuTarget, *, seq_len: int, new_
 
 def minimum_gpus(arch: Architecture, mode: str, precision: str, gpu_memory: float, *, seq_len: int,
                  new_tokens: int, batch_size: int = 1, max_gpus: int = 64,
-                 calibration: Calibration = DEFAULT) -> tuple[int, str] | None:
+                 calibration: Calibration = DEFAULT, backend: str | None = None) -> tuple[int, str] | None:
     """The fewest GPUs of ``gpu_memory`` bytes that run this at ``batch_size``, and how; None if
     more than ``max_gpus`` would be needed."""
     target = GpuTarget(None, max_gpus, gpu_memory, described=True)
@@ -352,7 +386,7 @@ def minimum_gpus(arch: Architecture, mode: str, precision: str, gpu_memory: floa
             for recompute in ([False, True] if mode in TRAINING_MODES else [False]):
                 candidate = Candidate(precision, strategy, gpus, recompute, batch_size)
                 if assess(arch, mode, candidate, target, seq_len=seq_len, new_tokens=new_tokens,
-                          calibration=calibration).fits:
+                          calibration=calibration, backend=backend).fits:
                     return gpus, candidate.label
     return None
 
@@ -363,13 +397,14 @@ def planner_choices(mode: str, choose_precision: bool, choose_recompute: bool) -
                                      ("activation_checkpointing", choose_recompute and mode in TRAINING_MODES)) if chose]
 
 
-def predict_spec(arch: Architecture, spec, target: GpuTarget, calibration: Calibration, *,
+def predict_spec(arch: Architecture, spec, target: GpuTarget, calibration: Calibration | None, *,
                  choose_precision: bool, choose_recompute: bool, runnable: tuple[str, ...]):
     """Plan one ``fitbench run`` configuration on one GPU: choose the precision and activation
     checkpointing the user left open (first rung of the ladder that fits, fastest within it),
     and predict its peak (compiled when ``spec.compile``); an offloaded one keeps the layers
-    ``offload_split`` finds room for.
-    Returns the spec to run and the prediction stored with its result."""
+    ``offload_split`` finds room for. When nothing fits, the option that comes closest (the smallest
+    peak) stands for the configuration: what its refusal names. Returns the spec to run and the
+    prediction stored with its result. ``calibration`` None: a CPU, tensors only."""
     ladder = [p for p in DEFAULT_LADDER[spec.mode] if p in runnable] if choose_precision else [spec.precision]
     if spec.offload:
         ladder = [p for p in ladder if p not in QUANTIZED]
@@ -379,14 +414,15 @@ def predict_spec(arch: Architecture, spec, target: GpuTarget, calibration: Calib
         if not spec.offload:
             return None
         return offload_split(arch, spec.mode, precision, spec.batch_size, spec.seq_len, new_tokens=spec.new_tokens,
-                             budget=target.memory, calibration=calibration).resident_layers
+                             budget=target.memory, calibration=calibration, backend=spec.backend).resident_layers
 
     options = [assess(arch, spec.mode, Candidate(precision, "single", 1, ac, spec.batch_size, resident(precision),
                                                  compiled=spec.compile),
-                      target, seq_len=spec.seq_len, new_tokens=spec.new_tokens, calibration=calibration)
+                      target, seq_len=spec.seq_len, new_tokens=spec.new_tokens, calibration=calibration,
+                      backend=spec.backend)
                for precision in ladder for ac in recompute]
     fitting = [a for a in options if a.fits]
-    chosen = fitting[0] if fitting else options[0]
+    chosen = fitting[0] if fitting else min(options, key=lambda a: a.predicted_peak)
     candidate = chosen.candidate
     planned = spec.model_copy(update={"precision": candidate.precision,
                                       "activation_checkpointing": candidate.activation_checkpointing})
@@ -403,5 +439,132 @@ def predict_spec(arch: Architecture, spec, target: GpuTarget, calibration: Calib
                   for t in chosen.memory.terms]
                  + [{"name": t.name, "bytes": t.bytes, "at_peak": True} for t in chosen.overheads],
         "step_time_estimate_s": chosen.speed.seconds if chosen.speed else None,
-        "calibration": calibration.source,
+        "calibration": calibration.source if calibration else TENSORS_ONLY,
     }
+
+
+STRATEGY_NAMES = {"fsdp": "FSDP", "tp": "tensor parallel", "pipeline": "pipeline stages"}
+ADAPTER_BASE = "nf4"  # QLoRA's base (Dettmers et al. 2023)
+
+
+@dataclass(frozen=True)
+class Alternative:
+    """A change that makes a configuration predicted not to fit fit: ``change`` in words, and the
+    assessment of the changed configuration (its per-GPU peak)."""
+
+    change: str
+    assessment: Assessment
+
+    @property
+    def summary(self) -> str:
+        gpus = self.assessment.candidate.gpus
+        each = " each" if gpus > 1 else ""
+        return f"{self.change} at {format_bytes(self.assessment.predicted_peak)}{each}"
+
+    def as_dict(self) -> dict:
+        return {"change": self.change, "candidate": self.assessment.candidate.__dict__,
+                "predicted_peak_bytes": self.assessment.predicted_peak, "label": self.assessment.candidate.label}
+
+
+def alternatives(arch: Architecture, spec, target: GpuTarget, calibration: Calibration | None, *,
+                 max_gpus: int = 64) -> list[Alternative]:
+    """What would make ``spec`` (one ``fitbench run`` configuration, predicted not to fit on one GPU of
+    ``target``) fit, each change alone, where it applies, in this order:
+
+    - activation checkpointing, in training that has it off;
+    - another precision of the mode's ladder (``DEFAULT_LADDER``; in training, those that train every
+      weight), with checkpointing where only that fits;
+    - the largest smaller batch that fits (not for ``--batch-size auto``, which tried batch 1);
+    - training: low-rank adapters on an nf4 base (QLoRA) on this GPU;
+    - inference: ``--offload`` with the layers ``offload_split`` finds room for, in a floating-point
+      precision (the spec's, else bf16-pure);
+    - the fewest GPUs of this kind (2, 4, 8 ... up to ``max_gpus``) on which a layout that divides the
+      memory (FSDP, tensor parallel, pipeline stages; not DDP, which replicates it) fits, the fastest
+      by the roofline among those.
+
+    Each keeps everything else of the spec. Returns only the changes predicted to fit."""
+    from fitbench.config import offload_problem
+
+    mode, batch, seq_len, new_tokens = spec.mode, spec.batch_size, spec.seq_len, spec.new_tokens
+    training = mode in TRAINING_MODES
+    recompute = [spec.activation_checkpointing, True] if training and not spec.activation_checkpointing \
+        else [spec.activation_checkpointing]
+    one = replace(target, count=1)
+
+    def first_fitting(candidates) -> Assessment | None:
+        for candidate in candidates:
+            assessed = assess(arch, mode, candidate, one, seq_len=seq_len, new_tokens=new_tokens,
+                              calibration=calibration, backend=spec.backend)
+            if assessed.fits:
+                return assessed
+        return None
+
+    def single(precision: str, ac: bool, batch_size: int = batch) -> Candidate:
+        return Candidate(precision, "single", 1, ac, batch_size, compiled=spec.compile)
+
+    def with_recompute(candidate: Candidate) -> str:
+        return " with activation checkpointing" if candidate.activation_checkpointing and \
+            not spec.activation_checkpointing else ""
+
+    found: list[Alternative] = []
+    if training and not spec.activation_checkpointing:
+        fits = first_fitting([single(spec.precision, True)])
+        if fits:
+            found.append(Alternative("with activation checkpointing", fits))
+    for precision in DEFAULT_LADDER[mode]:
+        if precision == spec.precision or (training and not trains_every_weight(precision)):
+            continue
+        fits = first_fitting([single(precision, ac) for ac in recompute])
+        if fits:
+            found.append(Alternative(f"in {precision}{with_recompute(fits.candidate)}", fits))
+    if batch > 1 and not spec.auto_batch:
+        for ac in recompute:
+            smaller = largest_fitting_batch(arch, mode, single(spec.precision, ac, 1), one, seq_len=seq_len,
+                                            new_tokens=new_tokens, calibration=calibration, backend=spec.backend)
+            if 0 < smaller < batch:
+                fits = first_fitting([single(spec.precision, ac, smaller)])
+                found.append(Alternative(f"at batch {smaller}{with_recompute(fits.candidate)}", fits))
+                break
+    if training and spec.precision not in QUANTIZED:
+        fits = first_fitting([single(ADAPTER_BASE, ac) for ac in recompute])
+        if fits:
+            found.append(Alternative(f"as {ADAPTER_BASE} adapters (QLoRA) on this GPU{with_recompute(fits.candidate)}",
+                                     fits))
+    precision = spec.precision if spec.precision not in QUANTIZED else "bf16-pure"
+    if not spec.offload and offload_problem(mode, precision, spec.backend, spec.compile) is None:
+        split = offload_split(arch, mode, precision, batch, seq_len, new_tokens=new_tokens, budget=target.memory,
+                              calibration=calibration, backend=spec.backend)
+        fits = first_fitting([Candidate(precision, "single", 1, False, batch, split.resident_layers)])
+        if fits:
+            found.append(Alternative(f"with --offload in {precision} ({split.resident_layers} of {arch.num_layers} "
+                                     f"layers on the GPU)", fits))
+    many = replace(target, count=max_gpus)
+    for gpus in gpu_counts(max_gpus)[1:]:
+        layouts = [Candidate(spec.precision, strategy, gpus, ac, batch, compiled=spec.compile)
+                   for strategy in strategies_for(mode, gpus) if strategy != "ddp" for ac in recompute]
+        fitting = [a for a in (assess(arch, mode, c, many, seq_len=seq_len, new_tokens=new_tokens,
+                                      calibration=calibration, backend=spec.backend) for c in layouts) if a.fits]
+        if fitting:
+            best = max(fitting, key=lambda a: a.speed.tokens_per_s)
+            found.append(Alternative(f"on {gpus} GPUs with {STRATEGY_NAMES[best.candidate.strategy]}"
+                                     f"{with_recompute(best.candidate)}", best))
+            break
+    return found
+
+
+def refusal(arch: Architecture, spec, prediction: dict, target: GpuTarget,
+            found: list[Alternative]) -> str:
+    """One paragraph: why ``spec`` is not launched (the need ``predict_spec`` predicted for it against
+    the GPU's memory) and the ``found`` alternatives that would fit, e.g. "30B train in bf16-pure
+    with activation checkpointing needs 261.3 GB on one GPU of 150.1 GB; it fits on 2 GPUs with FSDP
+    at 131.0 GB each, or as nf4 adapters (QLoRA) on this GPU at 41.0 GB"."""
+    recompute = " with activation checkpointing" if spec.activation_checkpointing else ""
+    offload = " with --offload" if spec.offload else ""
+    what = f"{spec.model} {spec.mode} in {spec.precision}{recompute}{offload} at batch {spec.batch_size}"
+    need = (f"refused before launch: {what} x {spec.seq_len} tokens is predicted to need "
+            f"{format_bytes(prediction['predicted_peak_bytes'])} on one GPU of {format_bytes(target.memory)}")
+    if not found:
+        return f"{need}, and no change of precision, checkpointing, batch or GPU count makes it fit."
+    options = [alternative.summary for alternative in found]
+    listed = options[0] if len(options) == 1 else ", ".join(options[:-1]) + ", or " + options[-1]
+    return f"{need}; it fits {listed}."

@@ -5,9 +5,11 @@ training step "runs" on a laptop without memory. ``LiveStorage``, a dispatch mod
 storage an operator creates (parameters, gradients, optimizer state, activations, temporaries)
 and a finalizer sees it freed, so it knows the live bytes after every operator and their peak.
 torch keeps one Python object per storage for the storage's whole life, which is what makes the
-finalizer fire exactly when the memory would be returned. The loop is fitbench's own (``fitbench.run.loops``), so what is traced is what
-the worker runs. Training traces two steps: the first creates AdamW's state, the second is the
-steady state.
+finalizer fire exactly when the memory would be returned. The loop is fitbench's own
+(``fitbench.run.loops``), so what is traced is what the worker runs, with the model of its backend:
+the native decoder, or transformers' model of the family (``fitbench.models.backends.HuggingFaceLM``),
+built on the meta device and given fake storage. Training traces two steps: the first creates
+AdamW's state, the second is the steady state.
 
 It measures live tensor bytes, as ``torch.cuda.max_memory_allocated`` does; the CUDA context and
 the allocator's slack are outside it. On a machine without a GPU the trace runs on fake CPU
@@ -20,12 +22,14 @@ import weakref
 from dataclasses import dataclass
 
 import torch
+from torch import nn
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_flatten
 from torch.utils.weak import WeakIdKeyDictionary
 
 from fitbench.models.architecture import Architecture
-from fitbench.models.backends import NativeLM
+from fitbench.models.backends import CausalLM, HuggingFaceLM, NativeLM, backend_error
+from fitbench.models.hf import hf_config
 from fitbench.models.native import meta_model
 from fitbench.run.loops import generate, make_step
 from fitbench.run.precision import policy as precision_policy
@@ -73,27 +77,22 @@ class TracedPeak:
 
 def trace_peak(arch: Architecture, mode: str, precision: str, batch: int, seq_len: int, *,
                new_tokens: int = DECODE_STEPS + 1, activation_checkpointing: bool = False,
-               device: str | None = None) -> TracedPeak:
-    """Peak live bytes of ``mode`` for the native model, traced with fake tensors."""
+               device: str | None = None, backend: str = "native") -> TracedPeak:
+    """Peak live bytes of ``mode`` for ``arch`` on ``backend`` (native or hf), traced with fake tensors."""
     from torch._subclasses.fake_tensor import FakeTensorMode
 
-    if arch.family != "llama":
-        raise ValueError(f"the trace follows the native decoder; {arch.name} is {arch.family}")
+    problem = backend_error(arch, backend)
+    if problem:
+        raise ValueError(problem)
     device = device or ("cuda" if torch.cuda.is_available() else "cpu")
     target = torch.device(device)
     policy = precision_policy(precision)
-    module = meta_model(arch, policy.weight_dtype)
-    module.activation_checkpointing = activation_checkpointing
 
+    module = _meta_module(arch, backend, policy.weight_dtype)
     with FakeTensorMode(allow_non_fake_inputs=True):
-        module.to_empty(device=target)
-        if arch.tie_embeddings:
-            module.lm_head.weight = module.model.embed_tokens.weight
-        # Eager decoding: a CUDA graph of the decode step holds the same tensors, one layer's at a time,
-        # and cannot be captured from fake ones.
-        lm = NativeLM(module, cache_dtype=policy.compute_dtype)
+        lm = _fake_model(arch, module, backend, policy, target, activation_checkpointing)
         tracker = LiveStorage()
-        for tensor in [*module.parameters(), *module.buffers()]:
+        for tensor in [*lm.module.parameters(), *lm.module.buffers()]:
             tracker.adopt(tensor)
         with tracker:
             if mode == "infer":
@@ -105,3 +104,40 @@ def trace_peak(arch: Architecture, mode: str, precision: str, batch: int, seq_le
                 for _ in range(TRAINING_STEPS if mode == "train" else 1):
                     step()
     return TracedPeak(peak_bytes=tracker.peak, device=str(target))
+
+
+def _meta_module(arch: Architecture, backend: str, dtype: torch.dtype) -> nn.Module:
+    """The model ``backend`` builds, on the meta device (built outside ``FakeTensorMode``)."""
+    if backend == "native":
+        return meta_model(arch, dtype)
+    from transformers import AutoModelForCausalLM
+
+    with torch.device("meta"):
+        return AutoModelForCausalLM.from_config(hf_config(arch), dtype=dtype)
+
+
+def _fake_model(arch: Architecture, module: nn.Module, backend: str, policy, target: torch.device,
+                activation_checkpointing: bool) -> CausalLM:
+    """The meta ``module`` given fake storage, wrapped as ``fitbench.models.backends.load_model``
+    wraps it (called inside ``FakeTensorMode``)."""
+    if backend == "native":
+        module.to_empty(device=target)
+        if arch.tie_embeddings:
+            module.lm_head.weight = module.model.embed_tokens.weight
+        # Eager decoding: a CUDA graph of the decode step holds the same tensors, one layer's at a time,
+        # and cannot be captured from fake ones.
+        lm: CausalLM = NativeLM(module, cache_dtype=policy.compute_dtype)
+    else:
+        # transformers' modules hold weak references to their parameters, which ``to_empty`` cannot
+        # swap: give each parameter and buffer fake storage in place.
+        for part in module.modules():
+            for name, parameter in list(part.named_parameters(recurse=False)):
+                setattr(part, name, nn.Parameter(torch.empty_like(parameter, device=target),
+                                                 requires_grad=parameter.requires_grad))
+            for name, buffer in list(part.named_buffers(recurse=False)):
+                setattr(part, name, torch.empty_like(buffer, device=target))
+        module.tie_weights()
+        lm = HuggingFaceLM(module, static_cache=policy.compute_dtype == policy.weight_dtype)
+    if activation_checkpointing:
+        lm.enable_activation_checkpointing()
+    return lm

@@ -104,6 +104,20 @@ def torch_peaks(device_indices: list[int]) -> dict[int, dict[str, int]]:
     }
 
 
+def allocator_report(index: int) -> dict:
+    """How the caching allocator ran: its settings as torch parsed them (expandable segments or not),
+    the times it freed its cache and retried an allocation (``num_alloc_retries``: each one a
+    synchronizing ``cudaFree`` under pressure), and the peak of ``inactive_split_bytes``: memory the
+    allocator held in split blocks that no tensor used, the fragmentation between reserved and
+    allocated (``torch.cuda.memory_stats``)."""
+    stats = torch.cuda.memory_stats(index)
+    return {
+        "settings": torch._C._accelerator_getAllocatorSettings(),
+        "num_alloc_retries": stats.get("num_alloc_retries", 0),
+        "peak_inactive_split_bytes": stats.get("inactive_split_bytes.all.peak", 0),
+    }
+
+
 def memory_report(device: torch.device, sampler: NvmlSampler | None) -> dict:
     """Per-GPU peaks (allocator and NVML) and the host's peak RSS, in bytes."""
     gpus = []
@@ -111,7 +125,8 @@ def memory_report(device: torch.device, sampler: NvmlSampler | None) -> dict:
         indices = [device.index if device.index is not None else torch.cuda.current_device()]
         nvml = sampler.stop() if sampler else {}
         for index, peaks in torch_peaks(indices).items():
-            gpus.append({"index": index, **peaks, "nvml_peak_used": nvml.get(index)})
+            gpus.append({"index": index, **peaks, "nvml_peak_used": nvml.get(index),
+                         "allocator": allocator_report(index)})
     return {
         "gpus": gpus,
         "nvml_method": sampler.method if sampler else None,

@@ -10,11 +10,14 @@ Fault injection for tests (comma-separated in ``FITBENCH_INJECT``):
 
 - ``crash:<model>``: the worker of that model aborts (SIGABRT) once its model is built, as a
   segfaulting kernel or a killed process would;
-- ``oom:<precision>``: a worker running that precision raises the real
-  ``torch.cuda.OutOfMemoryError`` once its model is built;
+- ``oom:<precision>``: a worker running that precision with every layer on the device raises the
+  real ``torch.cuda.OutOfMemoryError`` once its model is built (an offloaded run is what gets
+  around it), as a run predicted to fit that then runs out would;
 - ``mem-limit:<bytes>``: a worker raises it when the planner's predicted tensor peak for its
   configuration exceeds that budget, which makes a CPU behave like a GPU of that size; an
   offloaded configuration also keeps on the device only the layers that budget has room for.
+  ``fitbench run`` plans against the same budget on a CPU, so what is predicted not to fit there
+  is refused before launch, as on a GPU.
 """
 
 from __future__ import annotations
@@ -69,15 +72,16 @@ def injected_memory_limit() -> float | None:
 
 
 def raise_injected_out_of_memory(spec: RunSpec, arch, resident_layers: int | None) -> None:
-    if injected("oom", spec.precision):
+    if injected("oom", spec.precision) and not spec.offload:
         raise torch.cuda.OutOfMemoryError(f"CUDA out of memory (injected by FITBENCH_INJECT for {spec.precision})")
     limit = injected_memory_limit()
-    if limit is not None and arch.family == "llama":
+    if limit is not None:
         from fitbench.plan.memory import estimate_memory
 
         peak = estimate_memory(arch, spec.mode, spec.precision, spec.batch_size, spec.seq_len,
                                new_tokens=spec.new_tokens, activation_checkpointing=spec.activation_checkpointing,
-                               resident_layers=resident_layers, compiled=spec.compile).peak_bytes
+                               resident_layers=resident_layers, backend=spec.backend,
+                               compiled=spec.compile).peak_bytes
         if peak > limit:
             raise torch.cuda.OutOfMemoryError(f"CUDA out of memory (injected: predicted {peak:,.0f} B exceeds the "
                                               f"FITBENCH_INJECT limit of {limit:,.0f} B)")
@@ -372,6 +376,11 @@ def main(argv: list[str]) -> int:
         code = EXIT_FAILED
     # Also after a failure: the peak an out-of-memory reached is what the planner needs to know.
     payload["memory"] = memory_report(device, sampler)
+    for gpu in payload["memory"]["gpus"]:
+        if "expandable_segments:true" not in gpu["allocator"]["settings"].lower():
+            payload.setdefault("warnings", []).append(
+                f"the CUDA allocator ran without expandable segments ({gpu['allocator']['settings'] or 'defaults'}), "
+                f"which the planner assumes: reserved memory may exceed the prediction")
     tmp = result_path.with_suffix(".tmp")
     tmp.write_text(json.dumps(payload))
     os.replace(tmp, result_path)
