@@ -33,6 +33,7 @@ from fitbench import hardware
 from fitbench.models.architecture import Architecture
 from fitbench.plan.memory import (ADAPTER_BASES, QUANTIZED, Parallelism, Widths, adapter_params, layer_matmul_params,
                                   quantized_layer_bytes)
+from fitbench.run.precision import peak_kind
 
 # GPU-to-GPU bandwidth per direction, bytes/s. NVLink 4 (H100/H200 SXM): 900 GB/s both directions
 # (NVIDIA H100 datasheet); NVLink 3 (A100 SXM): 600 GB/s; PCIe Gen5 x16: 64 GB/s, Gen4: 32 GB/s.
@@ -55,10 +56,6 @@ HOST_LINK_BANDWIDTH = {
     "NVIDIA H200": 64e9,
     "NVIDIA H200 NVL": 64e9,
 }
-
-PRECISION_KIND = {"fp32": "fp32", "tf32": "tf32", "bf16": "bf16", "fp16": "fp16", "bf16-pure": "bf16",
-                  "int8": "bf16", "nf4": "bf16", "fp4": "bf16", "int8-dynamic": "int8", "int4": "bf16",
-                  "fp8": "fp8", "fp8-block": "fp8"}
 
 
 @dataclass(frozen=True)
@@ -86,7 +83,7 @@ def estimate_step_time(arch: Architecture, mode: str, precision: str, batch: int
                        activation_checkpointing: bool = False, offloaded_bytes: float = 0.0) -> StepTime:
     """The roofline time of one step (one decode step in infer); ``offloaded_bytes`` of weights
     cross the host link each forward pass."""
-    peak = hardware.peak_flops(gpu_name, PRECISION_KIND[precision]) or hardware.peak_flops(gpu_name, "bf16")
+    peak = hardware.peak_flops(gpu_name, peak_kind(precision, mode)) or hardware.peak_flops(gpu_name, "bf16")
     bandwidth = hardware.peak_bandwidth(gpu_name)
     if not peak or not bandwidth:
         raise ValueError(f"no datasheet figures for {gpu_name!r}")

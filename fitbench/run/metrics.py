@@ -4,7 +4,8 @@
   ``MFU = tokens/s x FLOPs per token / peak FLOP/s`` with FLOPs per token ``6 N + 12 L H Q T`` for a
   training step (forward + backward) and ``2 N + 4 L H Q T`` for a forward pass, N the matmul
   parameters, L layers, H heads, Q head dim, T the context. No causal halving. The peak is the
-  datasheet's dense figure for the precision's tensor-core kind (``fitbench.hardware``), and, when
+  datasheet's dense figure for the tensor-core kind that does most of the FLOPs
+  (``fitbench.run.precision.peak_kind``, ``fitbench.hardware``), and, when
   ``fitbench env --measure`` has stored one for this device, also the measured matmul ceiling.
 - **Decode bandwidth**: a decode step reads every weight once and the KV cache of every sequence, so
   ``bytes per step = weight bytes + B x kv bytes per token x context``, averaged over the generation's

@@ -37,7 +37,7 @@ from fitbench.models.offload import Offload, OffloadCapacityError, build_offload
 from fitbench.models.registry import is_local_model, resolve
 from fitbench.run.loops import generate, make_step, random_tokens, read_generation
 from fitbench.run.metrics import inference_metrics, step_metrics
-from fitbench.run.precision import policy as precision_policy
+from fitbench.run.precision import peak_kind, policy as precision_policy
 from fitbench.plan.memory import ADAPTER_ALPHA, ADAPTER_RANK
 from fitbench.run.adapters import add_adapters
 from fitbench.run.precision import TRAINING_MODES, training_problem
@@ -150,9 +150,10 @@ def measure(spec: RunSpec, device: torch.device, scratch: Path) -> dict:
         lm.compile()
 
     device_name = torch.cuda.get_device_name(device) if device.type == "cuda" else hardware.cpu_device_name()
-    peak = hardware.peak_flops(device_name, policy.peak_kind) if device.type == "cuda" else None
+    kind = peak_kind(spec.precision, spec.mode)
+    peak = hardware.peak_flops(device_name, kind) if device.type == "cuda" else None
     ceilings = hardware.load_ceilings(device_name)
-    measured_peak = ceilings.matmul_flops.get(policy.peak_kind) if ceilings else None
+    measured_peak = ceilings.matmul_flops.get(kind) if ceilings else None
     peaks = Peaks(flops=peak, measured_flops=measured_peak,
                   bandwidth=hardware.peak_bandwidth(device_name) if device.type == "cuda" else None)
 
@@ -172,7 +173,7 @@ def measure(spec: RunSpec, device: torch.device, scratch: Path) -> dict:
     offloaded = {"offload": offload_row(offload, timing, spec.mode)} if offload else {}
     return {
         "device_name": device_name, "build_s": build_s, "compile_s": compile_s, "warnings": warnings,
-        "peak_flops": peak, "measured_peak_flops": measured_peak,
+        "peak_flops": peak, "measured_peak_flops": measured_peak, "peak_kind": kind,
         "peak_source": "datasheet (dense)" if peak else None,
         "timing": timing, "throughput": throughput, "decode": decoding, "environment": hardware.environment(),
         "quality": built.quality.__dict__ if built.quality else None,
