@@ -336,7 +336,8 @@ def _measure_generation(spec, arch, built: Built, policy, clock, device, peaks: 
         arch, spec.batch_size, spec.seq_len, spec.new_tokens, weight_bytes, kv_element_bytes,
         ttft, token_latency, peaks.flops, peaks.measured_flops, peaks.bandwidth,
     )
-    noisy = [name for name, stats in (("token latency", token_latency), ("end-to-end", e2e)) if stats.noisy]
+    noisy = [name for name, stats in (("time to first token", ttft), ("token latency", token_latency),
+                                      ("end-to-end", e2e)) if stats.noisy]
     return timing, throughput, noisy, compile_s
 
 
