@@ -338,8 +338,10 @@ def test_decode_at_batch_1_is_memory_bound_at_hbm_bandwidth():
     arch = resolve("7B")
     speed = estimate_step_time(arch, "infer", "bf16-pure", 1, 128, new_tokens=128, parallelism=Parallelism(),
                                gpu_name=H100)
-    weight_bytes = 2 * P7
-    kv_bytes = kv_bytes_per_token(LLAMA2_7B) * (128 + 128 / 2)  # 524,288 B per token
+    # every weight but the untied embedding table, of which one row (batch 1)
+    weight_bytes = 2 * (P7 - LLAMA2_7B["V"] * LLAMA2_7B["h"] + LLAMA2_7B["h"])
+    # the CUDA graph's step reads every slot of the cache: 128 prompt + 128 new positions
+    kv_bytes = kv_bytes_per_token(LLAMA2_7B) * (128 + 128)  # 524,288 B per token
     assert speed.bound == "memory"
     assert speed.seconds == pytest.approx((weight_bytes + kv_bytes) / H100_BANDWIDTH, rel=1e-9)
     assert speed.tokens_per_s == pytest.approx(1 / speed.seconds, rel=1e-12)
@@ -352,6 +354,43 @@ def test_decode_at_batch_1_is_memory_bound_at_hbm_bandwidth():
     chosen = assess(arch, "infer", Candidate("bf16-pure", "single", 1, False, 1), GpuTarget(H100, 1, 80e9, True),
                     seq_len=128, new_tokens=128)
     assert chosen.speed.seconds == pytest.approx((weight_bytes + kv_bytes) / H100_BANDWIDTH, rel=1e-9)
+
+
+def test_decode_step_bytes_by_hand_eager_autocast_and_tied():
+    s, batch, prompt, new = LLAMA2_7B, 4, 128, 64
+    arch = resolve("7B")
+    table, rows = s["V"] * s["h"], batch * s["h"]
+    norms = s["L"] * 2 * s["h"] + s["h"]
+    matrices = P7 - table - norms  # every matmul weight, the untied output projection included
+
+    def step(precision, **options):
+        return estimate_step_time(arch, "infer", precision, batch, prompt, new_tokens=new,
+                                  parallelism=Parallelism(), gpu_name=H100, **options)
+
+    # eager decoding reads positions 0..p at position p: on average prompt + new / 2
+    eager = step("bf16-pure", whole_cache=False)
+    kv_eager = batch * kv_bytes_per_token(s) * (prompt + new / 2)
+    assert eager.memory_s == pytest.approx((2 * (P7 - table + rows) + kv_eager) / H100_BANDWIDTH, rel=1e-12)
+    # autocast over fp32 weights: 4 B read, 2 B written and read again per matmul weight; norms 4 B;
+    # the table's rows in fp32; the KV cache in bf16
+    autocast = step("bf16", whole_cache=False)
+    weights = 8 * matrices + 4 * norms + 4 * rows
+    assert autocast.memory_s == pytest.approx((weights + kv_eager) / H100_BANDWIDTH, rel=1e-12)
+
+    # tied (1B, Llama-3.2-1B's shape): the output projection reads the whole table; nothing is subtracted
+    one = resolve("1B")
+    h, L, V, kv_heads, f = 2048, 16, 32000, 8, 8192
+    d = h // 32
+    params = L * (2 * h * h + 2 * h * kv_heads * d + 3 * h * f + 2 * h) + V * h + h
+    tied = estimate_step_time(one, "infer", "bf16-pure", batch, prompt, new_tokens=new, parallelism=Parallelism(),
+                              gpu_name=H100)
+    kv_whole = batch * 2 * L * kv_heads * d * 2 * (prompt + new)
+    assert tied.memory_s == pytest.approx((2 * params + kv_whole) / H100_BANDWIDTH, rel=1e-12)
+    tied_autocast = estimate_step_time(one, "infer", "bf16", batch, prompt, new_tokens=new, parallelism=Parallelism(),
+                                       gpu_name=H100)
+    tied_norms = L * 2 * h + h
+    assert tied_autocast.memory_s == pytest.approx((8 * (params - tied_norms) + 4 * tied_norms + kv_whole)
+                                                   / H100_BANDWIDTH, rel=1e-12)
 
 
 def hand_train_flops_per_token(s: dict, seq_len: int, recompute: bool = False) -> float:
