@@ -72,6 +72,18 @@ def test_every_mode_measures_on_tiny(mode, backend, tmp_path):
         assert throughput["prefill_tokens_per_s"] == pytest.approx(BATCH * SEQ / timing["time_to_first_token"]["median"])
         # one copy of every weight in fp32, the tied output projection included once
         assert throughput["weight_bytes"] == 4 * arch.total_params
+        # a step reads every weight (the tied table whole) and the rotary rows: the native model's cos
+        # and sin tables one fp32 row each, transformers' head_dim / 2 fp32 inverse frequencies
+        rotary = 2 * arch.head_dim * 4 if backend == "native" else arch.head_dim // 2 * 4
+        assert throughput["decode_weight_bytes_per_step"] == 4 * arch.total_params + rotary
+        # fp32 keys and values; eager native decoding reads positions 0..p (SEQ + NEW / 2 on average over
+        # the steps at SEQ .. SEQ + NEW - 2), transformers' StaticCache all SEQ + NEW slots
+        slots = SEQ + NEW / 2 if backend == "native" else SEQ + NEW
+        kv_bytes = BATCH * 2 * arch.num_layers * arch.num_kv_heads * arch.head_dim * 4 * slots
+        assert throughput["decode_kv_bytes_per_step"] == pytest.approx(kv_bytes, rel=1e-12)
+        assert throughput["decode_weights_bandwidth_gbs"] == pytest.approx(
+            throughput["decode_weight_bytes_per_step"] / latency / 1e9)
+        assert throughput["decode_roofline_percent"] is None  # no datasheet bandwidth for a CPU
         reason = ("CUDA graphs need a GPU; this run is on cpu" if backend == "native"
                   else "the hf backend decodes eagerly, one transformers forward per token")
         assert result["decode"] == {"cuda_graphs": False, "reason": reason}

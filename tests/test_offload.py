@@ -135,6 +135,12 @@ def test_offloaded_layers_stay_on_disk_and_stream_in_for_their_forward(tmp_path)
     # The KV cache is allocated where the rotary tables are: on the device, for every layer.
     cache = model.new_cache(1, 8, torch.float32)
     assert model.rope_cos.device == cache.keys.device == CPU and cache.keys.shape[0] == 4
+    # A decode step reads the offloaded layers' weights as it reads the resident ones'.
+    plain = build_native(TINY, CPU, torch.float32)
+    for autocast in (None, torch.bfloat16):
+        assert worker.decode_weight_bytes(model, offload.resident_bytes + offload.offloaded_bytes, 2, TINY.vocab_size,
+                                          autocast) == \
+            worker.decode_weight_bytes(plain, worker.weight_storage_bytes(plain), 2, TINY.vocab_size, autocast)
 
 
 def test_without_offloaded_layers_no_hooks_and_no_files(tmp_path):

@@ -126,13 +126,18 @@ def infer_70b(gpus: int, **kwargs):
                 new_tokens=128, batch_sizes=[1], **kwargs)
 
 
+def bf16_step_weights(s: dict, batch: int) -> float:
+    """What a decode step reads of untied bf16 weights: all but the input table, of which a row per sequence."""
+    return 2 * (total_params(s) - s["V"] * s["h"] + batch * s["h"])
+
+
 def hand_decode_seconds(weight_bytes: float, s: dict, batch: int, seq_len: int, new_tokens: int, *,
                         tp: int = 1) -> float:
-    """One decode step: a read of the weights and the KV cache (its mean length over the generation,
-    prompt + half the new tokens) at HBM bandwidth, tensor-parallel ranks reading their share at once,
-    pipeline stages one after another (so, as slow as one GPU); plus two ring all-reduces of the hidden
-    state per layer over NVLink."""
-    cache = kv_bytes_per_token(s) * batch * (seq_len + new_tokens / 2)
+    """One decode step: a read of ``weight_bytes`` and of the whole preallocated KV cache (prompt + new
+    tokens, as a CUDA graph's step reads it) at HBM bandwidth, tensor-parallel ranks reading their
+    share at once, pipeline stages one after another (so, as slow as one GPU); plus two ring
+    all-reduces of the hidden state per layer over NVLink."""
+    cache = kv_bytes_per_token(s) * batch * (seq_len + new_tokens)
     memory = (weight_bytes + cache) / tp / H100_BANDWIDTH
     compute = 2 * batch * matmul_params(s) / (H100_BF16_FLOPS * tp)
     communication = 2 * s["L"] * 2 * (tp - 1) / tp * batch * s["h"] * 2 / NVLINK4_PER_DIRECTION if tp > 1 else 0.0
@@ -162,7 +167,7 @@ def test_70b_on_four_80gb_gpus_chooses_bf16_tensor_parallel_4():
     chosen = result.chosen.candidate
     assert (chosen.precision, chosen.strategy, chosen.gpus) == ("bf16-pure", "tp", 4)
     # By hand, tp x 4 is the fastest bf16 layout: a quarter of the weights per rank.
-    weights = 2 * P70
+    weights = bf16_step_weights(LLAMA2_70B, 1)
     hand = {("tp", 2): hand_decode_seconds(weights, LLAMA2_70B, 1, 128, 128, tp=2),
             ("tp", 4): hand_decode_seconds(weights, LLAMA2_70B, 1, 128, 128, tp=4),
             ("pipeline", 2): hand_decode_seconds(weights, LLAMA2_70B, 1, 128, 128),
@@ -183,8 +188,8 @@ def test_70b_on_two_80gb_gpus_tp2_fits_and_beats_pipeline2():
     assert per_gpu < tp2.predicted_peak < 80e9
     assert tp2.predicted_peak - per_gpu < 2e9
     # The roofline by hand: tp 2 reads half the weights per step, the pipeline all of them.
-    tp2_seconds = hand_decode_seconds(2 * P70, LLAMA2_70B, 1, 128, 128, tp=2)
-    pipeline2_seconds = hand_decode_seconds(2 * P70, LLAMA2_70B, 1, 128, 128)
+    tp2_seconds = hand_decode_seconds(bf16_step_weights(LLAMA2_70B, 1), LLAMA2_70B, 1, 128, 128, tp=2)
+    pipeline2_seconds = hand_decode_seconds(bf16_step_weights(LLAMA2_70B, 1), LLAMA2_70B, 1, 128, 128)
     assert tp2.speed.seconds == pytest.approx(tp2_seconds, rel=1e-9)
     assert pipeline2.speed.seconds == pytest.approx(pipeline2_seconds, rel=1e-9)
     assert tp2_seconds < pipeline2_seconds
@@ -351,8 +356,10 @@ def test_decode_at_batch_1_is_memory_bound_at_hbm_bandwidth():
     arch = resolve("7B")
     speed = estimate_step_time(arch, "infer", "bf16-pure", 1, 128, new_tokens=128, parallelism=Parallelism(),
                                gpu_name=H100)
-    weight_bytes = 2 * P7
-    kv_bytes = kv_bytes_per_token(LLAMA2_7B) * (128 + 128 / 2)  # 524,288 B per token
+    # every weight but the untied embedding table, of which one row (batch 1)
+    weight_bytes = 2 * (P7 - LLAMA2_7B["V"] * LLAMA2_7B["h"] + LLAMA2_7B["h"])
+    # the CUDA graph's step reads every slot of the cache: 128 prompt + 128 new positions
+    kv_bytes = kv_bytes_per_token(LLAMA2_7B) * (128 + 128)  # 524,288 B per token
     assert speed.bound == "memory"
     assert speed.seconds == pytest.approx((weight_bytes + kv_bytes) / H100_BANDWIDTH, rel=1e-9)
     assert speed.tokens_per_s == pytest.approx(1 / speed.seconds, rel=1e-12)
@@ -365,6 +372,43 @@ def test_decode_at_batch_1_is_memory_bound_at_hbm_bandwidth():
     chosen = assess(arch, "infer", Candidate("bf16-pure", "single", 1, False, 1), GpuTarget(H100, 1, 80e9, True),
                     seq_len=128, new_tokens=128)
     assert chosen.speed.seconds == pytest.approx((weight_bytes + kv_bytes) / H100_BANDWIDTH, rel=1e-9)
+
+
+def test_decode_step_bytes_by_hand_eager_autocast_and_tied():
+    s, batch, prompt, new = LLAMA2_7B, 4, 128, 64
+    arch = resolve("7B")
+    table, rows = s["V"] * s["h"], batch * s["h"]
+    norms = s["L"] * 2 * s["h"] + s["h"]
+    matrices = P7 - table - norms  # every matmul weight, the untied output projection included
+
+    def step(precision, **options):
+        return estimate_step_time(arch, "infer", precision, batch, prompt, new_tokens=new,
+                                  parallelism=Parallelism(), gpu_name=H100, **options)
+
+    # eager decoding reads positions 0..p at position p: on average prompt + new / 2
+    eager = step("bf16-pure", whole_cache=False)
+    kv_eager = batch * kv_bytes_per_token(s) * (prompt + new / 2)
+    assert eager.memory_s == pytest.approx((2 * (P7 - table + rows) + kv_eager) / H100_BANDWIDTH, rel=1e-12)
+    # autocast over fp32 weights: 4 B read, 2 B written and read again per matmul weight; norms 4 B;
+    # the table's rows in fp32; the KV cache in bf16
+    autocast = step("bf16", whole_cache=False)
+    weights = 8 * matrices + 4 * norms + 4 * rows
+    assert autocast.memory_s == pytest.approx((weights + kv_eager) / H100_BANDWIDTH, rel=1e-12)
+
+    # tied (1B, Llama-3.2-1B's shape): the output projection reads the whole table; nothing is subtracted
+    one = resolve("1B")
+    h, L, V, kv_heads, f = 2048, 16, 32000, 8, 8192
+    d = h // 32
+    params = L * (2 * h * h + 2 * h * kv_heads * d + 3 * h * f + 2 * h) + V * h + h
+    tied = estimate_step_time(one, "infer", "bf16-pure", batch, prompt, new_tokens=new, parallelism=Parallelism(),
+                              gpu_name=H100)
+    kv_whole = batch * 2 * L * kv_heads * d * 2 * (prompt + new)
+    assert tied.memory_s == pytest.approx((2 * params + kv_whole) / H100_BANDWIDTH, rel=1e-12)
+    tied_autocast = estimate_step_time(one, "infer", "bf16", batch, prompt, new_tokens=new, parallelism=Parallelism(),
+                                       gpu_name=H100)
+    tied_norms = L * 2 * h + h
+    assert tied_autocast.memory_s == pytest.approx((8 * (params - tied_norms) + 4 * tied_norms + kv_whole)
+                                                   / H100_BANDWIDTH, rel=1e-12)
 
 
 def hand_train_flops_per_token(s: dict, seq_len: int, recompute: bool = False) -> float:
@@ -660,8 +704,9 @@ def test_offload_split_at_its_edges():
 def test_offload_adds_the_host_link_to_the_roofline():
     arch = resolve("llama-2-70b")
     offloaded = 36 * 2 * layer_params(LLAMA2_70B)  # 44 of 80 layers resident
+    # offloaded layers decode eagerly, reading the KV cache up to the position, not every slot
     plain = estimate_step_time(arch, "infer", "bf16-pure", 1, 512, new_tokens=128, parallelism=Parallelism(),
-                               gpu_name=H100)
+                               gpu_name=H100, whole_cache=False)
     for gpu, link in ((H100, PCIE5_PER_DIRECTION), ("NVIDIA H200", PCIE5_PER_DIRECTION),
                       ("NVIDIA A100-SXM4-80GB", PCIE4_PER_DIRECTION)):
         speed = estimate_step_time(arch, "infer", "bf16-pure", 1, 512, new_tokens=128, parallelism=Parallelism(),

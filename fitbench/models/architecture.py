@@ -215,6 +215,14 @@ class Architecture:
         does QK^T and AV over T positions (PaLM appendix B; no causal halving)."""
         return 2 * self.matmul_params + 4 * self.num_layers * self.num_heads * self.head_dim * context
 
+    def prefill_flops(self, prompt_len: int) -> float:
+        """One sequence's prefill of T = ``prompt_len`` tokens: T (2 (N - V h) + 4 L H Q T) + 2 V h.
+        A forward pass over the prompt (``forward_flops_per_token``, PaLM's convention) but for the
+        output projection (V h, in N tied or not), which runs for the last position only: its logits
+        give the first token, and no other position's are computed."""
+        output = 2 * self.vocab_size * self.hidden_size
+        return prompt_len * (self.forward_flops_per_token(prompt_len) - output) + output
+
     def train_flops_per_token(self, context: int) -> float:
         """6 N + 12 L H Q T (PaLM appendix B): backward costs twice the forward."""
         return 3 * self.forward_flops_per_token(context)

@@ -70,6 +70,11 @@ class CausalLM:
         """Whether the next decode will capture a CUDA graph, a cost no measured generation may carry."""
         return False
 
+    def kv_bytes_read(self, position: int) -> int:
+        """Bytes of the KV cache, keys and values of every layer and sequence, that the decode step at
+        ``position`` reads, as this backend decodes; from the cache of the last generation."""
+        raise NotImplementedError
+
     def enable_activation_checkpointing(self) -> None:
         """Recompute each layer's activations in the backward pass instead of keeping them."""
         raise NotImplementedError
@@ -159,6 +164,12 @@ class NativeLM(CausalLM):
             return {"cuda_graphs": False, "reason": self.eager_reason}
         return {"cuda_graphs": True, "captures": list(self.captures)}
 
+    def kv_bytes_read(self, position: int) -> int:
+        """The graph's ``decode_step`` attends over every slot of the preallocated cache (``max_len``,
+        those after the position masked); eager decoding over positions 0..``position``."""
+        slots = self.cache.max_len if self.graph is not None else position + 1
+        return 2 * slots * self.cache.keys[:, :, :, 0].numel() * self.cache.keys.element_size()
+
     def decode_eagerly(self, reason: str) -> None:
         """Never capture: something about this model keeps its step out of a graph."""
         self.eager_reason = self.eager_reason or reason
@@ -206,6 +217,17 @@ class HuggingFaceLM(CausalLM):
     @property
     def decoding(self) -> dict[str, Any]:
         return {"cuda_graphs": False, "reason": "the hf backend decodes eagerly, one transformers forward per token"}
+
+    def kv_bytes_read(self, position: int) -> int:
+        """Attention reads the whole ``StaticCache`` (``max_len`` slots, masked), or the ``DynamicCache``
+        up to the position, which the step has just grown by concatenation, a copy that reads the
+        ``position`` earlier slots once more. The widths are the cache's own: under autocast a
+        rotary family's keys and values stay fp32 (the prefill writes them so, and concatenating a
+        16-bit step promotes it), and Falcon caches every query head's keys, not its kv heads'."""
+        layers = self.cache.layers
+        per_slot = sum(t[..., 0, :].numel() * t.element_size() for layer in layers for t in (layer.keys, layer.values))
+        slots = layers[0].keys.shape[-2] if self.static_cache else 2 * position + 1
+        return slots * per_slot
 
     def enable_activation_checkpointing(self) -> None:
         self.module.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})

@@ -11,8 +11,11 @@ roofline; the collective volumes are the ring algorithms' ``2 (g - 1) / g`` for 
   checkpointing, which runs the forward pass twice; memory traffic of reading the weights
   three times (forward, two backward matmuls) and the optimizer's read-modify-write of weights,
   gradients and both moments;
-- prefill: ``2 N + 4 L H Q T`` FLOPs per token; decode: one read of the weights and the KV cache per
-  step for the whole batch, so batch 1 decoding sits on the bandwidth roof;
+- forward: ``2 N + 4 L H Q T`` FLOPs per token; decode: per step, for the whole batch, one read of
+  the weights the step touches (``_decode_weight_bytes``) and of the KV cache it attends over:
+  every slot of the preallocated cache (``T + new_tokens``), as the native backend's CUDA graph
+  reads it, or the positions so far (``T + new_tokens / 2`` on average) in eager decoding, as
+  ``fitbench.run.metrics`` counts them; so batch 1 decoding sits on the bandwidth roof;
 - data parallel: gradients all-reduced (DDP) or weights all-gathered twice and gradients
   reduce-scattered (FSDP); tensor parallel: two all-reduces of the activations per layer in the
   forward pass and two in the backward; pipeline: one micro-batch per step crosses the stages one
@@ -33,6 +36,7 @@ from fitbench import hardware
 from fitbench.models.architecture import Architecture
 from fitbench.plan.memory import (ADAPTER_BASES, QUANTIZED, Parallelism, Widths, adapter_params, layer_matmul_params,
                                   quantized_layer_bytes)
+from fitbench.run.precision import peak_kind
 
 # GPU-to-GPU bandwidth per direction, bytes/s. NVLink 4 (H100/H200 SXM): 900 GB/s both directions
 # (NVIDIA H100 datasheet); NVLink 3 (A100 SXM): 600 GB/s; PCIe Gen5 x16: 64 GB/s, Gen4: 32 GB/s.
@@ -55,10 +59,6 @@ HOST_LINK_BANDWIDTH = {
     "NVIDIA H200": 64e9,
     "NVIDIA H200 NVL": 64e9,
 }
-
-PRECISION_KIND = {"fp32": "fp32", "tf32": "tf32", "bf16": "bf16", "fp16": "fp16", "bf16-pure": "bf16",
-                  "int8": "bf16", "nf4": "bf16", "fp4": "bf16", "int8-dynamic": "int8", "int4": "bf16",
-                  "fp8": "fp8", "fp8-block": "fp8"}
 
 
 @dataclass(frozen=True)
@@ -83,10 +83,13 @@ def _weight_bytes(arch: Architecture, precision: str) -> float:
 
 def estimate_step_time(arch: Architecture, mode: str, precision: str, batch: int, seq_len: int, *,
                        new_tokens: int, parallelism: Parallelism, gpu_name: str,
-                       activation_checkpointing: bool = False, offloaded_bytes: float = 0.0) -> StepTime:
+                       activation_checkpointing: bool = False, offloaded_bytes: float = 0.0,
+                       whole_cache: bool = True) -> StepTime:
     """The roofline time of one step (one decode step in infer); ``offloaded_bytes`` of weights
-    cross the host link each forward pass."""
-    peak = hardware.peak_flops(gpu_name, PRECISION_KIND[precision]) or hardware.peak_flops(gpu_name, "bf16")
+    cross the host link each forward pass. ``whole_cache``: decoding attends over every slot of the
+    preallocated KV cache, as a GPU run's CUDA graph does; offloaded layers decode eagerly, over the
+    positions so far."""
+    peak = hardware.peak_flops(gpu_name, peak_kind(precision, mode)) or hardware.peak_flops(gpu_name, "bf16")
     bandwidth = hardware.peak_bandwidth(gpu_name)
     if not peak or not bandwidth:
         raise ValueError(f"no datasheet figures for {gpu_name!r}")
@@ -98,8 +101,9 @@ def estimate_step_time(arch: Architecture, mode: str, precision: str, batch: int
     n = batch * seq_len  # tokens per data-parallel rank
 
     if mode == "infer":
-        cache = arch.kv_cache_bytes_per_token(widths.compute) * batch * (seq_len + new_tokens / 2)
-        step_bytes = (weight_bytes + cache) / (tp * stages)
+        positions = seq_len + new_tokens if whole_cache and not offloaded_bytes else seq_len + new_tokens / 2
+        cache = arch.kv_cache_bytes_per_token(widths.compute) * batch * positions
+        step_bytes = (_decode_weight_bytes(arch, precision, batch) + cache) / (tp * stages)
         memory_s = step_bytes * stages / bandwidth  # stages decode one after another
         compute_s = 2 * batch * arch.matmul_params / (peak * tp)
         per_layer = 2 * (tp - 1) / tp * batch * arch.hidden_size * widths.compute
@@ -139,3 +143,21 @@ def estimate_step_time(arch: Architecture, mode: str, precision: str, batch: int
     bound = max((("compute", compute_s), ("memory", memory_s), ("communication", communication_s)),
                 key=lambda item: item[1])[0]
     return StepTime(seconds, compute_s, memory_s, communication_s, bound, tokens_per_s)
+
+
+def _decode_weight_bytes(arch: Architecture, precision: str, batch: int) -> float:
+    """The weights one decode step of ``batch`` sequences reads (``fitbench.run.worker.decode_weight_bytes``
+    measures the same on the built model): all of them, but of each lookup table that the output
+    projection does not share one row per sequence (tokens) or one row (GPT-2's positions, shared by
+    the batch); under autocast, each matmul's weights and biases (all parameters but the tables and
+    norms) are re-cast every step, a 16-bit copy written and read beside the fp32 read."""
+    widths = Widths.of(precision)
+    table_width = 2 if precision in QUANTIZED else widths.weights  # quantization leaves the tables bf16
+    token_table = 0 if arch.tie_embeddings else arch.vocab_size * arch.hidden_size
+    position_table = arch.embedding_params - arch.vocab_size * arch.hidden_size
+    rows = (0 if arch.tie_embeddings else batch) + (1 if position_table else 0)
+    touched = _weight_bytes(arch, precision) - table_width * (token_table + position_table - rows * arch.hidden_size)
+    if widths.autocast:
+        norms = arch.num_layers * arch.norm_params_per_layer + arch.final_norm_params
+        touched += 2 * widths.compute * (arch.matmul_params - norms)
+    return touched

@@ -4,7 +4,9 @@
 - ``forward-backward``: the same without the optimizer step (CS336's "backward" pass type).
 - ``forward``: logits only, under ``inference_mode``.
 - ``infer``: a generation: prefill of the prompt (which yields the first token), then
-  ``new_tokens - 1`` decode steps through the KV cache, greedy.
+  ``new_tokens - 1`` decode steps through the KV cache, greedy. Each starts from an idle device, as
+  a request does: the time to first token covers the host's launch work of the prefill as well
+  as the device's, while each decode step's latency is steady-state device time.
 
 Inputs are random token ids of shape (batch, seq_len); targets are the inputs shifted by one.
 """
@@ -70,20 +72,27 @@ def make_step(mode: str, lm: CausalLM, policy: PrecisionPolicy, tokens: torch.Te
 
 @dataclass(frozen=True)
 class Generation:
-    """Device seconds of one generation."""
+    """Seconds of one generation, from the device's own clock."""
 
-    time_to_first_token: float  # prefill of the prompt, through the first token
+    time_to_first_token: float  # from an idle device, the prefill's launch and work through the first token
     token_latencies: list[float]  # each decode step after the first token
     end_to_end: float
 
 
 def generate(lm: CausalLM, prompt: torch.Tensor, new_tokens: int, policy: PrecisionPolicy,
              clock: DeviceClock, device: torch.device) -> Callable[[], list]:
-    """A function that runs one greedy generation and returns its marks, to be read after a synchronize."""
+    """A function that runs one greedy generation and returns its marks, to be read after a synchronize.
+
+    It waits for the device to be idle before its first mark. Otherwise a generation's first mark
+    would sit in a queue behind the last one's work while the host launched the prefill ahead, and
+    the launch would never show. From idle, the mark is stamped at once and the prefill's kernels
+    run as the host launches them, so the time to first token is what a request sees. The decode
+    steps follow with no synchronization: their latencies are steady-state device time."""
     max_len = prompt.shape[1] + new_tokens
 
     def run() -> list:
         with torch.inference_mode(), policy.autocast(device.type):
+            clock.synchronize()
             marks = [clock.mark()]
             token = lm.prefill(prompt, max_len).argmax(dim=-1, keepdim=True)  # (B, 1)
             marks.append(clock.mark())

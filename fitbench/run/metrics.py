@@ -4,12 +4,23 @@
   ``MFU = tokens/s x FLOPs per token / peak FLOP/s`` with FLOPs per token ``6 N + 12 L H Q T`` for a
   training step (forward + backward) and ``2 N + 4 L H Q T`` for a forward pass, N the matmul
   parameters, L layers, H heads, Q head dim, T the context. No causal halving. The peak is the
-  datasheet's dense figure for the precision's tensor-core kind (``fitbench.hardware``), and, when
-  ``fitbench env --measure`` has stored one for this device, also the measured matmul ceiling.
-- **Decode bandwidth**: a decode step reads every weight once and the KV cache of every sequence, so
-  ``bytes per step = weight bytes + B x kv bytes per token x context``, averaged over the generation's
-  contexts; achieved bandwidth = bytes per step / median step latency; the roofline is the memory
-  bandwidth, and ``tokens/s per sequence <= bandwidth / (weight bytes + kv bytes per sequence)``.
+  datasheet's dense figure for the tensor-core kind that does most of the FLOPs
+  (``fitbench.run.precision.peak_kind``, ``fitbench.hardware``), and, when ``fitbench env --measure``
+  has stored one for this device, also the measured matmul ceiling.
+- **Prefill** of a prompt of T tokens, per sequence: ``T (2 (N - V h) + 4 L H Q T) + 2 V h`` FLOPs
+  (``Architecture.prefill_flops``): the output projection (V h, tied or not) runs for the last
+  position only, whose logits give the first token; the rest as in a forward pass. Prefill
+  TFLOP/s and MFU divide it by the time to first token, which starts from an idle device and so
+  includes the host's launch work (``fitbench.run.loops.generate``).
+- **Decode bandwidth**: the bytes one decode step reads, over the median step latency.
+  ``weight bytes per step``: the weights the step touches (``fitbench.run.worker.decode_weight_bytes``:
+  every parameter's storage but the lookup tables, of which a row per sequence; under autocast the
+  16-bit copies the step writes and reads again); ``KV bytes per step``: the KV cache the step
+  attends over, as the backend reads it (``CausalLM.kv_bytes_read``), averaged over the generation's
+  decode steps. Two figures: weights only, the convention of gpt-fast and torchao (bytes = model
+  size), to compare with theirs; and weights + KV, all that the step reads. Each as GB/s and as a
+  percentage of the device's memory bandwidth (the roofline), and ``tokens/s <= B x bandwidth /
+  bytes per step``.
 """
 
 from __future__ import annotations
@@ -45,29 +56,39 @@ def step_metrics(arch: Architecture, mode: str, batch: int, seq_len: int, step: 
     }
 
 
-def inference_metrics(arch: Architecture, batch: int, prompt_len: int, new_tokens: int, weight_bytes: int,
-                      kv_bytes_per_element: float, ttft: SampleStats, token_latency: SampleStats | None,
-                      peak_flops: float | None, measured_flops: float | None,
-                      peak_bandwidth: float | None) -> dict:
-    prefill_flops = batch * prompt_len * arch.forward_flops_per_token(prompt_len)
-    metrics = {
+def _percent(achieved: float, peak: float | None) -> float | None:
+    return 100 * achieved / peak if peak else None
+
+
+def inference_metrics(arch: Architecture, batch: int, prompt_len: int, weight_bytes: int, ttft: SampleStats,
+                      token_latency: SampleStats, decode_weight_bytes: float, decode_kv_bytes: float,
+                      peak_flops: float | None, measured_flops: float | None, peak_bandwidth: float | None) -> dict:
+    """Prefill and decode figures of a generation, by the formulas of the module docstring.
+
+    ``weight_bytes``: the weights the model holds; ``decode_weight_bytes`` and ``decode_kv_bytes``:
+    what one decode step reads of the weights and of the KV cache (averaged over the steps). The
+    row's fields: ``decode_weight_bytes_per_step``, ``decode_kv_bytes_per_step`` and their sum
+    ``decode_bytes_per_step``; ``decode_weights_bandwidth_gbs`` and ``decode_weights_roofline_percent``
+    from the weights alone (gpt-fast's and torchao's figure), ``decode_bandwidth_gbs`` and
+    ``decode_roofline_percent`` from weights + KV; ``decode_roofline_tokens_per_s``, the decode
+    rate at full bandwidth for weights + KV."""
+    prefill_flops = batch * arch.prefill_flops(prompt_len)
+    step = token_latency.median
+    bytes_per_step = decode_weight_bytes + decode_kv_bytes
+    return {
         "prefill_tokens_per_s": batch * prompt_len / ttft.median,
+        "prefill_flops": prefill_flops,
         "prefill_tflops": prefill_flops / ttft.median / 1e12,
         "prefill_mfu": utilization(prefill_flops / ttft.median, peak_flops),
         "prefill_mfu_measured_peak": utilization(prefill_flops / ttft.median, measured_flops),
         "weight_bytes": weight_bytes,
-    }
-    if token_latency is None:
-        return metrics
-    mean_context = prompt_len + new_tokens / 2
-    kv_bytes = batch * arch.kv_cache_bytes_per_token(kv_bytes_per_element) * mean_context
-    bytes_per_step = weight_bytes + kv_bytes
-    achieved_bandwidth = bytes_per_step / token_latency.median
-    metrics.update({
-        "decode_tokens_per_s": batch / token_latency.median,
+        "decode_tokens_per_s": batch / step,
+        "decode_weight_bytes_per_step": decode_weight_bytes,
+        "decode_kv_bytes_per_step": decode_kv_bytes,
         "decode_bytes_per_step": bytes_per_step,
-        "decode_bandwidth_gbs": achieved_bandwidth / 1e9,
+        "decode_weights_bandwidth_gbs": decode_weight_bytes / step / 1e9,
+        "decode_bandwidth_gbs": bytes_per_step / step / 1e9,
+        "decode_weights_roofline_percent": _percent(decode_weight_bytes / step, peak_bandwidth),
+        "decode_roofline_percent": _percent(bytes_per_step / step, peak_bandwidth),
         "decode_roofline_tokens_per_s": batch * peak_bandwidth / bytes_per_step if peak_bandwidth else None,
-        "decode_roofline_percent": 100 * achieved_bandwidth / peak_bandwidth if peak_bandwidth else None,
-    })
-    return metrics
+    }

@@ -3,7 +3,9 @@
 On a GPU the host runs ahead of the device, so a host clock around a step measures the launch,
 not the work. An event recorded before and after each step is stamped on the device's own
 timeline; one ``synchronize`` after the last step makes every stamp readable, so measuring adds
-no synchronization between steps. On the CPU, operators run synchronously and a host clock is exact.
+no synchronization between steps. (A generation waits for an idle device before it starts, on
+purpose: ``fitbench.run.loops.generate``.) On the CPU, operators run synchronously and a host
+clock is exact.
 """
 
 from __future__ import annotations

@@ -40,7 +40,7 @@ from fitbench.models.offload import Offload, OffloadCapacityError, build_offload
 from fitbench.models.registry import is_local_model, resolve
 from fitbench.run.loops import generate, make_step, random_tokens, read_generation
 from fitbench.run.metrics import inference_metrics, step_metrics
-from fitbench.run.precision import policy as precision_policy
+from fitbench.run.precision import peak_kind, policy as precision_policy
 from fitbench.plan.memory import ADAPTER_ALPHA, ADAPTER_RANK
 from fitbench.run.adapters import add_adapters
 from fitbench.run.precision import TRAINING_MODES, training_problem
@@ -154,9 +154,10 @@ def measure(spec: RunSpec, device: torch.device, scratch: Path) -> dict:
         lm.compile()
 
     device_name = torch.cuda.get_device_name(device) if device.type == "cuda" else hardware.cpu_device_name()
-    peak = hardware.peak_flops(device_name, policy.peak_kind) if device.type == "cuda" else None
+    kind = peak_kind(spec.precision, spec.mode)
+    peak = hardware.peak_flops(device_name, kind) if device.type == "cuda" else None
     ceilings = hardware.load_ceilings(device_name)
-    measured_peak = ceilings.matmul_flops.get(policy.peak_kind) if ceilings else None
+    measured_peak = ceilings.matmul_flops.get(kind) if ceilings else None
     peaks = Peaks(flops=peak, measured_flops=measured_peak,
                   bandwidth=hardware.peak_bandwidth(device_name) if device.type == "cuda" else None)
 
@@ -176,7 +177,7 @@ def measure(spec: RunSpec, device: torch.device, scratch: Path) -> dict:
     offloaded = {"offload": offload_row(offload, timing, spec.mode)} if offload else {}
     return {
         "device_name": device_name, "build_s": build_s, "compile_s": compile_s, "warnings": warnings,
-        "peak_flops": peak, "measured_peak_flops": measured_peak,
+        "peak_flops": peak, "measured_peak_flops": measured_peak, "peak_kind": kind,
         "peak_source": "datasheet (dense)" if peak else None,
         "timing": timing, "throughput": throughput, "decode": decoding, "environment": hardware.environment(),
         "quality": built.quality.__dict__ if built.quality else None,
@@ -334,13 +335,59 @@ def _measure_generation(spec, arch, built: Built, policy, clock, device, peaks: 
             "token_latency": latencies,
         },
     }
-    kv_element_bytes = torch.finfo(policy.compute_dtype).bits / 8
-    throughput = inference_metrics(
-        arch, spec.batch_size, spec.seq_len, spec.new_tokens, weight_bytes, kv_element_bytes,
-        ttft, token_latency, peaks.flops, peaks.measured_flops, peaks.bandwidth,
-    )
-    noisy = [name for name, stats in (("token latency", token_latency), ("end-to-end", e2e)) if stats.noisy]
+    offload = built.offload
+    stored = offload.resident_bytes + offload.offloaded_bytes if offload else weight_storage_bytes(lm.module)
+    decode_weights = decode_weight_bytes(lm.module, stored, spec.batch_size, arch.vocab_size, policy.autocast_dtype)
+    # the decode steps write positions T .. T + new_tokens - 2, into the last generation's cache
+    positions = range(spec.seq_len, spec.seq_len + spec.new_tokens - 1)
+    decode_kv = sum(lm.kv_bytes_read(position) for position in positions) / len(positions)
+    throughput = inference_metrics(arch, spec.batch_size, spec.seq_len, weight_bytes, ttft, token_latency,
+                                   decode_weights, decode_kv, peaks.flops, peaks.measured_flops, peaks.bandwidth)
+    noisy = [name for name, stats in (("time to first token", ttft), ("token latency", token_latency),
+                                      ("end-to-end", e2e)) if stats.noisy]
     return timing, throughput, noisy, compile_s
+
+
+def decode_weight_bytes(module: torch.nn.Module, stored_bytes: float, batch: int, vocab_size: int,
+                        autocast_dtype: torch.dtype | None) -> float:
+    """Bytes of weights one decode step of ``batch`` sequences reads, from the built module:
+
+        stored - lookup tables + rows looked up + autocast copies + rotary rows
+
+    - ``stored_bytes``: every parameter's storage (``weight_storage_bytes``, quantized layouts
+      included; for offload, the resident and offloaded layers), each read once;
+    - a lookup table (``nn.Embedding``) that no matmul shares is read a row at a time, not whole: the
+      token table one row per sequence (B x dim x element bytes), a position table (GPT-2's) one
+      row, the position every sequence is at. A table tied to the output projection is read whole
+      by that matmul and stays in ``stored``;
+    - under autocast (bf16 / fp16 over fp32 weights), every matmul (``nn.Linear``, transformers'
+      ``Conv1D``) casts its fp32 weight and bias to 16 bits on every step, since autocast caches no
+      casts inside ``inference_mode`` (profiled: one cast of the weight per call there, one in all
+      under ``no_grad``); each element is read (4 B), written as a copy (2 B) and the copy read by
+      the matmul (2 B): 8 B;
+    - rotary positions: the native model's fp32 cos and sin tables (max_len x head_dim) are read one
+      row each; transformers computes cos and sin from its inverse frequencies (head_dim / 2 fp32),
+      read whole.
+    """
+    from transformers.pytorch_utils import Conv1D
+
+    matmul_weights = {id(p): p for part in module.modules() if isinstance(part, (torch.nn.Linear, Conv1D))
+                      for p in part.parameters(recurse=False)}
+    touched = float(stored_bytes)
+    for part in module.modules():
+        if isinstance(part, torch.nn.Embedding) and id(part.weight) not in matmul_weights:
+            rows = batch if part.num_embeddings == vocab_size else 1
+            touched += (rows - part.num_embeddings) * part.embedding_dim * part.weight.element_size()
+    if autocast_dtype is not None:
+        width = torch.finfo(autocast_dtype).bits // 8
+        touched += sum(2 * width * p.numel() for p in matmul_weights.values() if p.dtype == torch.float32)
+    for name, buffer in module.named_buffers():
+        leaf = name.rpartition(".")[2]
+        if leaf in ("rope_cos", "rope_sin"):
+            touched += buffer.shape[-1] * buffer.element_size()
+        elif leaf == "inv_freq":
+            touched += buffer.numel() * buffer.element_size()
+    return touched
 
 
 def classify(error: BaseException) -> str:
