@@ -282,3 +282,26 @@ def test_injected_memory_limit_applies_to_hf_rows(monkeypatch):
         raise_injected_out_of_memory(spec, resolve("gpt2"), None)
     monkeypatch.setenv("FITBENCH_INJECT", f"mem-limit:{peak * 1.01}")
     raise_injected_out_of_memory(spec, resolve("gpt2"), None)
+
+
+@pytest.mark.parametrize("precision", ["bf16-pure", "bf16"])
+@pytest.mark.parametrize("family", ["llama", "falcon", "gpt2"])
+def test_hf_kv_cache_term_is_the_cache_transformers_keeps(family, precision):
+    # bf16-pure keeps a StaticCache of prompt + new tokens; under autocast a DynamicCache that holds every
+    # position but the last token's. Falcon caches all 8 query heads (kv heads 2); rotary families' autocast
+    # cache is fp32, GPT-2's bf16.
+    from fitbench.models.backends import load_model
+    from fitbench.run.loops import generate
+    from fitbench.run.precision import policy
+    from fitbench.run.timing import DeviceClock
+
+    arch = tiny_family(family)
+    chosen = policy(precision)
+    lm = load_model(arch, "hf", CPU, chosen.weight_dtype, compute_dtype=chosen.compute_dtype)
+    batch, prompt, new = 2, 12, 5
+    generate(lm, torch.zeros((batch, prompt), dtype=torch.long), new, chosen, DeviceClock(CPU), CPU)()
+    kept = sum(t.numel() * t.element_size() for layer in lm.cache.layers for t in (layer.keys, layer.values))
+    terms = {t.name: t.bytes for t in estimate_memory(arch, "infer", precision, batch, prompt, new_tokens=new,
+                                                      backend="hf").terms}
+    cached = prompt + new if precision == "bf16-pure" else prompt + new - 1
+    assert terms["KV cache"] * cached / (prompt + new) == kept

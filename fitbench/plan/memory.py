@@ -301,10 +301,16 @@ def final_saved_bytes(arch: Architecture, tokens: int, widths: Widths, frozen_no
             + widths.compute * tokens * arch.hidden_size)
 
 
-def kv_cache_bytes(arch: Architecture, batch: int, length: int, widths: Widths, tp: int = 1) -> float:
+def kv_cache_bytes(arch: Architecture, batch: int, length: int, widths: Widths, tp: int = 1,
+                   backend: str = "native") -> float:
     """2 x L x kv heads x head dim x c x tokens x batch (REFERENCE.md); preallocated for the whole
-    prompt + generation."""
-    return arch.kv_cache_bytes_per_token(widths.compute) * batch * length / tp
+    prompt + generation. transformers keeps its cache otherwise in two ways: Falcon broadcasts its
+    kv heads to every query head before caching (H heads cached, not KV), and under autocast the
+    rotary families' keys and values stay fp32 (its prefill writes them so, and each 16-bit step
+    concatenated to them is promoted), while GPT-2's are 16-bit."""
+    heads = arch.num_heads if backend == "hf" and arch.family == "falcon" else arch.num_kv_heads
+    width = 4 if backend == "hf" and widths.autocast and arch.family != "gpt2" else widths.compute
+    return 2 * arch.num_layers * heads * arch.head_dim * width * batch * length / tp
 
 
 # Tensors of width h alive at the MLP's widest point of a forward pass without autograd in
@@ -315,7 +321,7 @@ def kv_cache_bytes(arch: Architecture, batch: int, length: int, widths: Widths, 
 # added). The prefill holds fewer: it computes logits for the last position only, and under
 # autocast its cache grows layer by layer.
 HF_WIDE_AT_MLP = {("llama", "forward"): (5, 0), ("llama", "infer"): (4, 0),
-                  ("falcon", "forward"): (8, 1), ("falcon", "infer"): (8, 0),
+                  ("falcon", "forward"): (8, 1), ("falcon", "infer"): (5, 0),
                   ("gpt2", "forward"): (4, 5), ("gpt2", "infer"): (4, 1)}
 
 
@@ -595,9 +601,10 @@ def _inference(arch, mode, widths, batch, seq_len, new_tokens, terms, tp, stages
     rows = batch if mode == "infer" else n  # infer computes logits for the last position only
     if mode == "infer":
         # Each pipeline stage caches its own layers; tensor parallelism splits the kv heads.
-        terms.append(Term("KV cache", kv_cache_bytes(arch, batch, seq_len + new_tokens, widths, tp) / stages,
-                          f"2 x {arch.num_layers / stages:g} layers x {arch.num_kv_heads * arch.head_dim / tp:g} x "
-                          f"{c} B x {batch} x {seq_len + new_tokens} tokens"))
+        cache = kv_cache_bytes(arch, batch, seq_len + new_tokens, widths, tp, backend) / stages
+        per_token = cache / (arch.num_layers / stages) / batch / (seq_len + new_tokens) / 2
+        terms.append(Term("KV cache", cache, f"2 x {arch.num_layers / stages:g} layers x {per_token:g} B x {batch} x "
+                          f"{seq_len + new_tokens} tokens"))
     if compiled:
         terms.append(Term("MLP temporaries", inductor.prefill_transient_bytes(arch, n, c, r, widths.autocast, tp),
                           "r n h + c n h + 2 c n f (+ c h f under autocast) + 8 n: one fused MLP's "
