@@ -276,7 +276,7 @@ def _label(row: dict[str, Any]) -> str:
 
 
 def _describe_row(row: dict[str, Any]) -> str:
-    from fitbench.results.report import headline
+    from fitbench.results.report import headline, quality_summary
     from fitbench.units import format_bytes, format_seconds
 
     if row["status"] != "ok":
@@ -286,8 +286,8 @@ def _describe_row(row: dict[str, Any]) -> str:
     per = "/token" if row["spec"]["mode"] == "infer" else "/step"
     warn = f" [yellow]({escape('; '.join(row['warnings']))})[/yellow]" if row.get("warnings") else ""
     quality = row.get("quality")
-    cost = (f", logits {100 * quality['logits_relative_error']:.1f}% off bf16, weights "
-            f"{100 * row['weights']['relative_to_bf16']:.0f}% of bf16") if quality else ""
+    cost = (f", weights {100 * row['weights']['relative_to_bf16']:.0f}% of bf16; {escape(quality_summary(quality))}"
+            if quality else "")
     offload = row.get("offload")
     if offload:
         layers = offload["resident_layers"] + offload["offloaded_layers"]

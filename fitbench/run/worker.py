@@ -41,13 +41,14 @@ from fitbench.run.precision import policy as precision_policy
 from fitbench.plan.memory import ADAPTER_ALPHA, ADAPTER_RANK
 from fitbench.run.adapters import add_adapters
 from fitbench.run.precision import TRAINING_MODES, training_problem
-from fitbench.run.quantize import Quality, build_quantized_native, float8_training, hardware_problem, quantize_built
+from fitbench.run.quality import Quality
+from fitbench.run.quantize import build_quantized_native, float8_training, hardware_problem, quantize_built
 from fitbench.run.timing import DeviceClock, first_call_seconds, run_stages, time_steps
 from fitbench.run.trackers import NvmlSampler, memory_report
 from fitbench.stats import SampleStats
 
 EXIT_OK, EXIT_FAILED = 0, 3
-PROBE_TOKENS = 64  # the sequence whose logits compare quantized weights with bf16
+PROBE_TOKENS = 64  # the sequence on which quantized weights are compared with bf16
 
 
 def emit(**event) -> None:
@@ -170,17 +171,26 @@ def measure(spec: RunSpec, device: torch.device, scratch: Path) -> dict:
         warnings.append(f"no datasheet peak for {device_name!r}: MFU left empty (fitbench env --measure "
                         f"gives a measured one)")
     offloaded = {"offload": offload_row(offload, timing, spec.mode)} if offload else {}
+    checkpoint = checkpoint_directory(spec)
     return {
         "device_name": device_name, "build_s": build_s, "compile_s": compile_s, "warnings": warnings,
         "peak_flops": peak, "measured_peak_flops": measured_peak,
         "peak_source": "datasheet (dense)" if peak else None,
         "timing": timing, "throughput": throughput, "decode": decoding, "environment": hardware.environment(),
-        "quality": built.quality.__dict__ if built.quality else None,
-        "training": built.training,
+        "quality": built.quality.as_dict() if built.quality else None, "training": built.training,
         "weights": {"bytes": weight_bytes, "bf16_bytes": 2 * arch.total_params,
-                    "relative_to_bf16": weight_bytes / (2 * arch.total_params), "method": weight_method},
+                    "relative_to_bf16": weight_bytes / (2 * arch.total_params), "method": weight_method,
+                    "source": f"checkpoint {checkpoint}" if checkpoint else "random"},
         **offloaded,
     }
+
+
+def checkpoint_directory(spec: RunSpec) -> Path | None:
+    """The directory the weights are loaded from, or None when they are random (a preset, a hub id,
+    a directory with a config and no weights)."""
+    if is_local_model(spec.model) and has_weights(spec.model):
+        return Path(spec.model).resolve()
+    return None
 
 
 @dataclass(frozen=True)
@@ -229,7 +239,7 @@ def build(spec: RunSpec, arch, policy, device: torch.device, scratch: Path) -> B
     else:
         lm = load_model(arch, spec.backend, device, torch.bfloat16, model_path=model_path,
                         cuda_graphs=spec.cuda_graphs)
-        quality = quantize_built(lm, spec.precision, device, probe)
+        quality = quantize_built(lm, arch, spec.precision, device, probe, checkpoint=checkpoint_directory(spec))
     if not training:
         return Built(lm, quality)
     adapters = add_adapters(lm.module, device)
