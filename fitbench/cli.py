@@ -370,8 +370,8 @@ def run(args: argparse.Namespace, cli_options: dict[str, Any]) -> int:
     console.print(f"rows: {store.path}  table: {csv_path}")
     failed = sum(row["status"] != "ok" for row in rows)
     if failed:
-        console.print(f"{failed} of {len(rows)} configuration(s) did not finish; their rows say why "
-                      f"(status, error) and the logs are in {out}/logs/.")
+        console.print(f"{failed} of {len(rows)} configuration(s) did not finish or gave invalid numbers; their "
+                      f"rows say why (status, error) and the logs are in {out}/logs/.")
     return 0
 
 
