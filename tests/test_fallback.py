@@ -698,6 +698,7 @@ def test_auto_batch_counts_an_invalid_probe_as_fitting(sweeps):
     # its memory held to the end: the batch fits, whatever the weights make of the numbers
     row = ran(sweeps["invalid_auto"])
     assert row["status"] == "invalid" and "loss not finite" in row["error"]
-    assert row["batch_probes"] == [{"batch_size": AUTO_BATCH, "fits": True}, {"batch_size": AUTO_BATCH + 1, "fits": False}]
+    assert row["batch_probes"] == [{"batch_size": AUTO_BATCH, "fits": True},
+                                   {"batch_size": AUTO_BATCH + 1, "fits": False}]
     assert row["max_batch"] == AUTO_BATCH and row["spec"]["batch_size"] == AUTO_BATCH
     assert [attempt["status"] for attempt in row["attempts"]] == ["invalid"]

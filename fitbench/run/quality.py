@@ -6,7 +6,7 @@ weights, random ones included.
   ``W x`` is the bf16 layer's output (bias included; the quantized layer keeps the same bias) and
   ``Q(x)`` the quantized layer's output on the same ``x``. Each matmul sees the inputs the bf16
   model gives it, so errors do not compound through the layers and the figure is the method's own
-  (Dettmers et al. 2022 and Frantar et al. 2023, GPTQ, measure quantization per layer this way).
+  (the layer-wise objective ``||W X - Q(W) X||`` of GPTQ, Frantar et al. 2023, on a layer's inputs).
   Summarised as the mean and the worst over the model's quantized matmuls, with the worst one named.
 - **Next-token agreement.** Over the probe's positions, the fraction where the quantized model's
   most likely next token is the bf16 model's.

@@ -186,6 +186,7 @@ def quantize_built(lm, arch: Architecture, precision: str, device: torch.device,
     del record
     quantized = lm.logits(probe)
     if text is not None:
-        perplexities = Perplexity(REFERENCE_TEXT_NAME, text.shape[1], bf16_perplexity, perplexity(lm.logits(text), text))
+        perplexities = Perplexity(REFERENCE_TEXT_NAME, text.shape[1], bf16_perplexity,
+                                  perplexity(lm.logits(text), text))
     return Quality(summarise(errors), top1_agreement(quantized, reference), kl_divergence(quantized, reference),
                    probe.numel(), perplexities, reference="bf16, same weights, same input")
