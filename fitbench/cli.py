@@ -315,7 +315,7 @@ def _label(row: dict[str, Any]) -> str:
 
 
 def _describe_row(row: dict[str, Any]) -> str:
-    from fitbench.results.report import headline
+    from fitbench.results.report import headline, quality_summary
     from fitbench.units import format_bytes, format_seconds
 
     if row["status"] != "ok":
@@ -325,8 +325,8 @@ def _describe_row(row: dict[str, Any]) -> str:
     per = "/token" if row["spec"]["mode"] == "infer" else "/step"
     warn = f" [yellow]({escape('; '.join(row['warnings']))})[/yellow]" if row.get("warnings") else ""
     quality = row.get("quality")
-    cost = (f", logits {100 * quality['logits_relative_error']:.1f}% off bf16, weights "
-            f"{100 * row['weights']['relative_to_bf16']:.0f}% of bf16") if quality else ""
+    cost = (f", weights {100 * row['weights']['relative_to_bf16']:.0f}% of bf16; {escape(quality_summary(quality))}"
+            if quality else "")
     offload = row.get("offload")
     if offload:
         layers = offload["resident_layers"] + offload["offloaded_layers"]
@@ -411,8 +411,8 @@ def run(args: argparse.Namespace, cli_options: dict[str, Any]) -> int:
     console.print(f"rows: {store.path}  table: {csv_path}")
     failed = sum(row["status"] != "ok" for row in rows)
     if failed:
-        console.print(f"{failed} of {len(rows)} configuration(s) did not finish; their rows say why "
-                      f"(status, error) and the logs are in {out}/logs/.")
+        console.print(f"{failed} of {len(rows)} configuration(s) did not finish or gave invalid numbers; their "
+                      f"rows say why (status, error) and the logs are in {out}/logs/.")
     return 0
 
 

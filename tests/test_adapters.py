@@ -3,6 +3,7 @@ float8 training's refusal off a GPU, what the memory model and the planner say o
 refusal of torchao inference tensors in training."""
 
 import json
+import math
 import re
 
 import pytest
@@ -93,7 +94,10 @@ def test_worker_trains_adapters_and_says_so(precision, tmp_path):
     # FLOPs per token: 6 N + 12 L H Q T less the base's weight gradients (2 N), plus 6 x the adapters.
     N, L, H, Q = arch.matmul_params, arch.num_layers, arch.num_heads, arch.head_dim
     assert row["throughput"]["flops_per_token"] == 4 * N + 12 * L * H * Q * 16 + 6 * hand_adapter_params(arch)
-    assert row["quality"]["logits_relative_error"] > 0  # the base is quantized, its error measured as in infer
+    # the base is quantized, its error measured as in infer; the loss of every measured step is kept
+    assert row["quality"]["matmul_error"]["mean"] > 0 and row["quality"]["kl_divergence"] > 0
+    assert len(row["loss"]) == spec(precision=precision).measure_steps
+    assert all(math.isfinite(loss) for loss in row["loss"])
 
 
 def test_adapter_training_memory_terms_by_hand():

@@ -14,6 +14,7 @@ import sys
 from dataclasses import dataclass
 from pathlib import Path
 
+import pandas as pd
 import pytest
 import yaml
 
@@ -456,9 +457,10 @@ def finish_sweep(process: subprocess.Popen, out: Path, timeout: float = 240) -> 
 
 
 @pytest.fixture(scope="module")
-def sweeps(tmp_path_factory) -> dict[str, Sweep]:
+def sweeps(tmp_path_factory, tiny_checkpoint) -> dict[str, Sweep]:
     """Every end-to-end sweep below, started at once."""
     root = tmp_path_factory.mktemp("sweeps")
+    on_nan = ["--models", str(tiny_checkpoint(root / "nan", fill=math.nan)), *TINY[2:]]  # tiny, weights all NaN
     seeds = write_yaml(root / "seeds.yaml", SEEDS_YAML)
     planned = {
         "infer": (["--mode", "infer", "--precision", "bf16-pure", "--batch-size", "1"], "oom:bf16-pure"),
@@ -474,7 +476,14 @@ def sweeps(tmp_path_factory) -> dict[str, Sweep]:
         "offload_option": (["--mode", "forward", "--precision", "bf16-pure", "--batch-size", "1", "--offload"],
                            f"mem-limit:{offload_budget('forward', RESIDENT)}"),
     }
+    on_nan_planned = {
+        "invalid": (["--mode", "infer", "--precision", "bf16-pure", "--batch-size", "1"], None),
+        "invalid_auto": (["--mode", "train", "--precision", "fp32", "--batch-size", "auto"],
+                         f"mem-limit:{auto_budget()}"),
+    }
     started = {name: start_sweep(root / name, [*TINY, *args], inject) for name, (args, inject) in planned.items()}
+    started |= {name: start_sweep(root / name, [*on_nan, *args], inject)
+                for name, (args, inject) in on_nan_planned.items()}
     return {name: finish_sweep(*pair) for name, pair in started.items()}
 
 
@@ -677,3 +686,27 @@ def test_offload_option_keeps_on_the_device_the_layers_the_budget_holds(sweeps):
     assert prediction["gpu_memory_bytes"] == offload_budget("forward", RESIDENT)
     assert len(row["timing"]["samples"]["step"]) == 1
     assert f"{4 - RESIDENT} of 4 layers (3 MB) offloaded to disk" in " ".join(sweep.stdout.split())
+
+
+def test_an_invalid_run_is_a_finished_failed_row_without_fallback(sweeps):
+    sweep = sweeps["invalid"]
+    row = ran(sweep)
+    assert row["status"] == "invalid"
+    assert "prefill logits not finite in 1 of 1 measured steps" in row["error"]
+    # NaN weights are NaN on every rung: the ladder is for running out of memory only
+    assert [attempt["status"] for attempt in row["attempts"]] == ["invalid"]
+    assert row["spec"]["precision"] == "bf16-pure" and len(sweep.logs) == 1
+    printed = " ".join(sweep.stdout.split())
+    assert "invalid" in printed and "1 of 1 configuration(s) did not finish or gave invalid numbers" in printed
+    table = pd.read_csv(sweep.out / "results.csv")
+    assert list(table["status"]) == ["invalid"]
+
+
+def test_auto_batch_counts_an_invalid_probe_as_fitting(sweeps):
+    # its memory held to the end: the batch fits, whatever the weights make of the numbers
+    row = ran(sweeps["invalid_auto"])
+    assert row["status"] == "invalid" and "loss not finite" in row["error"]
+    assert row["batch_probes"] == [{"batch_size": AUTO_BATCH, "fits": True},
+                                   {"batch_size": AUTO_BATCH + 1, "fits": False}]
+    assert row["max_batch"] == AUTO_BATCH and row["spec"]["batch_size"] == AUTO_BATCH
+    assert [attempt["status"] for attempt in row["attempts"]] == ["invalid"]

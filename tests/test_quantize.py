@@ -1,6 +1,8 @@
-"""Quantized weights (``fitbench.run.quantize``): the worker's quality and weight-size report, which
-matmuls are replaced, the bf16 reference the error is measured against, and the refusals of what
-this hardware or mode cannot run."""
+"""Quantized weights (``fitbench.run.quantize``) and their quality against bf16 (``fitbench.run.quality``):
+the worker's quality and weight-size report, which matmuls are replaced, each quality figure
+recomputed by hand (per-matmul error on the bf16 model's own activations, top-1 agreement, KL
+divergence, a checkpoint's perplexity on the shipped text), and the refusals of what this hardware
+or mode cannot run."""
 
 import copy
 import json
@@ -10,8 +12,10 @@ from pathlib import Path
 import pytest
 import torch
 
-from fitbench.models.backends import HuggingFaceLM
+from tokenizers import Tokenizer
 from torch import nn
+
+from fitbench.models.backends import HuggingFaceLM, load_model
 
 from fitbench.cli import hardware_refusals, main
 from fitbench.config import RunSpec, SweepConfig, expand
@@ -23,17 +27,19 @@ from fitbench.plan.memory import estimate_memory
 from fitbench.results.store import ResultStore
 from fitbench.run import worker
 from fitbench.run.loops import random_tokens
+from fitbench.run.quality import (MatmulError, kl_divergence, matmul_errors, recorded_matmuls, reference_text,
+                                  summarise, top1_agreement)
 from fitbench.run.quantize import build_quantized_native, hardware_problem, quantize_built, quantize_linears
 
 CPU = torch.device("cpu")
 BATCH, SEQ, NEW = 1, 16, 4
 CPU_PRECISIONS = ("int8", "nf4", "int8-dynamic")
 
-# Relative error of the logits against the bf16 model. 8-bit weights resolve each row (or row block)
-# to 1/127 of its largest magnitude, a per-matrix error near 1%, a few percent after tiny's four layers.
-# 4-bit weights have 16 levels per block of 64, about ten times coarser per matrix, and the error
-# compounds through the seven matmuls of every layer: on tiny it is about 0.25, so its bound is looser.
-MAX_LOGITS_ERROR = {"int8": 0.1, "int8-dynamic": 0.1, "nf4": 0.5}
+# Relative error of one matmul's output against bf16. 8-bit weights round each element to a step of
+# 1/127 of its row's largest magnitude (about 4 sigma for Gaussian rows of hundreds of elements): an
+# rms error of 4 sigma / 127 / sqrt(12), about 1% of sigma, and so about 1% of the output. NF4 has 16
+# levels per block of 64, about ten times coarser: near 10%.
+MAX_MATMUL_ERROR = {"int8": 0.02, "int8-dynamic": 0.03, "nf4": 0.15}
 # The measured weight storage against the planner's weight term.
 PLANNER_TOLERANCE = 0.03
 SMALL_SHAPES = ["--batch-size", str(BATCH), "--seq-len", str(SEQ), "--new-tokens", str(NEW),
@@ -54,10 +60,61 @@ def run_worker(run: RunSpec, tmp_path: Path) -> tuple[int, dict]:
     return code, json.loads(result_path.read_text())
 
 
-def logits_error(quantized: torch.Tensor, reference: torch.Tensor) -> float:
+def relative_error(quantized: torch.Tensor, reference: torch.Tensor) -> float:
     """||q - ref|| / ||ref|| in float64, written out."""
     q, ref = quantized.double(), reference.double()
     return math.sqrt(((q - ref) ** 2).sum().item() / (ref ** 2).sum().item())
+
+
+def agreement_by_hand(quantized: torch.Tensor, reference: torch.Tensor) -> float:
+    q, ref = quantized.reshape(-1, quantized.shape[-1]), reference.reshape(-1, reference.shape[-1])
+    same = [int(torch.argmax(q[i])) == int(torch.argmax(ref[i])) for i in range(len(ref))]
+    return sum(same) / len(same)
+
+
+def kl_by_hand(quantized: torch.Tensor, reference: torch.Tensor) -> float:
+    """Mean over positions of sum_v p (log p - log q), p and q the softmaxes, in float64."""
+    q, ref = quantized.reshape(-1, quantized.shape[-1]).double(), reference.reshape(-1, reference.shape[-1]).double()
+    total = 0.0
+    for i in range(len(ref)):
+        log_p = ref[i] - torch.log(torch.exp(ref[i] - ref[i].max()).sum()) - ref[i].max()
+        log_q = q[i] - torch.log(torch.exp(q[i] - q[i].max()).sum()) - q[i].max()
+        total += (torch.exp(log_p) * (log_p - log_q)).sum().item()
+    return total / len(ref)
+
+
+def perplexity_by_hand(logits: torch.Tensor, ids: list[int]) -> float:
+    """exp of the mean of -log softmax(logits[i])[ids[i + 1]], in float64."""
+    logits = logits[0].double()
+    nll = [torch.logsumexp(logits[i], 0).item() - logits[i, ids[i + 1]].item() for i in range(len(ids) - 1)]
+    return math.exp(sum(nll) / len(nll))
+
+
+def bf16_matmul_calls(model: nn.Module, run) -> dict[str, tuple[torch.Tensor, torch.Tensor]]:
+    """Input and output of every decoder matmul of ``model`` while ``run()`` runs it."""
+    calls, handles = {}, []
+    for name in decoder_linear_names(model):
+        def keep(module, args, output, name=name):
+            calls[name] = (args[0].clone(), output.clone())
+        handles.append(dict(model.named_modules())[name].register_forward_hook(keep))
+    with torch.no_grad():
+        run()
+    for handle in handles:
+        handle.remove()
+    return calls
+
+
+def check_matmul_error(reported: MatmulError, calls: dict, quantized: nn.Module, precision: str) -> None:
+    """The reported mean and worst against each bf16 input run through the quantized matmul by hand."""
+    modules = dict(quantized.named_modules())
+    with torch.no_grad():
+        errors = {name: relative_error(modules[name](x), y) for name, (x, y) in calls.items()}
+    worst = max(errors, key=errors.get)
+    assert reported.count == len(errors)
+    assert reported.mean == pytest.approx(sum(errors.values()) / len(errors), rel=1e-4)
+    assert reported.worst_matmul == worst
+    assert reported.worst == pytest.approx(errors[worst], rel=1e-4)
+    assert 0 < reported.mean <= reported.worst < MAX_MATMUL_ERROR[precision]
 
 
 def matrices(arch) -> list[tuple[int, int]]:
@@ -90,10 +147,14 @@ def test_worker_reports_quality_and_weight_storage(precision, mode, tmp_path):
     assert code == worker.EXIT_OK
 
     quality = result["quality"]
-    error = quality["logits_relative_error"]
-    assert math.isfinite(error)
-    assert 0 < error < MAX_LOGITS_ERROR[precision]
+    matmul = quality["matmul_error"]
+    assert matmul["count"] == 7 * arch.num_layers
+    assert 0 < matmul["mean"] <= matmul["worst"] < MAX_MATMUL_ERROR[precision]
+    assert matmul["worst_matmul"] in decoder_linear_names(build_native(arch, "meta", torch.bfloat16))
+    assert 0 <= quality["top1_agreement"] <= 1 and 0 <= quality["kl_divergence"] < 1
     assert quality["probe_tokens"] == min(SEQ, worker.PROBE_TOKENS)
+    assert quality["perplexity"] is None  # random weights
+    assert result["weights"]["source"] == "random"
 
     weights = result["weights"]
     bf16_bytes = 2 * arch.total_params
@@ -242,7 +303,7 @@ def bf16_twin(arch, seed: int) -> nn.Module:
 
 
 @pytest.mark.parametrize("precision", CPU_PRECISIONS)
-def test_native_build_reports_the_error_against_the_same_bf16_weights(precision):
+def test_native_build_measures_quality_against_the_same_bf16_weights(precision):
     arch = resolve("tiny")
     probe = random_tokens(arch.vocab_size, 1, SEQ, CPU, seed=1)
     torch.manual_seed(7)
@@ -258,25 +319,129 @@ def test_native_build_reports_the_error_against_the_same_bf16_weights(precision)
     # the same bf16 weights quantize to the same model
     assert torch.equal(built_logits, twin_logits)
     assert quality.probe_tokens == SEQ
-    assert quality.logits_relative_error == pytest.approx(logits_error(built_logits, expected_logits), rel=1e-5)
-    assert 0 < quality.logits_relative_error < MAX_LOGITS_ERROR[precision]
+    # each matmul on the input it has in the bf16 model, not the one the quantized layers before give it
+    check_matmul_error(quality.matmul_error, bf16_matmul_calls(reference, lambda: reference(probe)), built, precision)
+    assert quality.top1_agreement == agreement_by_hand(built_logits, expected_logits)
+    assert quality.kl_divergence == pytest.approx(kl_by_hand(built_logits, expected_logits), rel=1e-3, abs=1e-8)
+    assert quality.kl_divergence > 0
+    assert quality.perplexity is None
 
 
 @pytest.mark.parametrize("precision", CPU_PRECISIONS)
-def test_quantize_built_reports_the_error_against_the_model_before(precision):
+def test_quantize_built_measures_quality_against_the_model_before(precision):
     arch = resolve("tiny")
     torch.manual_seed(3)
     model = build_hf(arch, CPU, torch.bfloat16).eval()
     probe = random_tokens(arch.vocab_size, 1, SEQ, CPU, seed=2)
+    before = copy.deepcopy(model)
+    calls = bf16_matmul_calls(before, lambda: before(probe))
     with torch.no_grad():
         reference = model(probe).logits.clone()
-    quality = quantize_built(HuggingFaceLM(model, static_cache=True), precision, CPU, probe)
+    quality = quantize_built(HuggingFaceLM(model, static_cache=True), arch, precision, CPU, probe)
     with torch.no_grad():
         quantized = model(probe).logits
     assert quality.probe_tokens == SEQ
-    assert quality.logits_relative_error == pytest.approx(logits_error(quantized, reference), rel=1e-5)
-    assert 0 < quality.logits_relative_error < MAX_LOGITS_ERROR[precision]
+    check_matmul_error(quality.matmul_error, calls, model, precision)
+    assert quality.top1_agreement == agreement_by_hand(quantized, reference)
+    assert quality.kl_divergence == pytest.approx(kl_by_hand(quantized, reference), rel=1e-3, abs=1e-8)
+    assert quality.perplexity is None
     assert type(model.lm_head) is nn.Linear and model.lm_head.weight.dtype == torch.bfloat16
+
+
+def test_matmul_error_of_one_linear_by_hand():
+    torch.manual_seed(0)
+    linear = nn.Linear(128, 64, bias=True, dtype=torch.bfloat16)
+    holder = nn.Sequential(copy.deepcopy(linear))
+    x = torch.randn(3, 5, 128, dtype=torch.bfloat16)
+    with recorded_matmuls({"0": holder[0]}) as record, torch.no_grad():
+        holder(x)
+    quantize_linears(holder, "int8", CPU)
+    errors = matmul_errors(record, {"0": holder[0]}, CPU)
+    with torch.no_grad():
+        expected = relative_error(holder[0](x), linear(x))
+    assert errors == {"0": pytest.approx(expected, rel=1e-5)}
+    assert 0 < expected < MAX_MATMUL_ERROR["int8"]
+    # a matmul whose bf16 output is zero has no relative error: NaN, and it is the worst
+    summary = summarise({"a": 0.01, "b": math.nan, "c": 0.03})
+    assert summary.worst_matmul == "b" and math.isnan(summary.worst) and math.isnan(summary.mean)
+    assert summarise({"a": 0.01, "c": 0.03}) == MatmulError(0.02, 0.03, "c", 2)
+    assert summarise({}) == MatmulError(None, None, None, 0)
+
+
+def test_agreement_and_kl_on_small_logits():
+    reference = torch.tensor([[[0.0, math.log(2), 0.0], [3.0, 1.0, 0.0]]])
+    quantized = torch.tensor([[[0.0, 0.0, math.log(2)], [2.0, 1.0, 0.0]]])
+    # position 0: p = (1/4, 1/2, 1/4), q = (1/4, 1/4, 1/2): KL = 1/2 ln 2 - 1/4 ln 2; argmaxes 1 and 2
+    first = math.log(2) / 4
+    # position 1: p = e^(3, 1, 0) / (e^3 + e + 1), q = e^(2, 1, 0) / (e^2 + e + 1); argmaxes both 0
+    zp, zq = math.exp(3) + math.e + 1, math.exp(2) + math.e + 1
+    p = [math.exp(3) / zp, math.e / zp, 1 / zp]
+    q = [math.exp(2) / zq, math.e / zq, 1 / zq]
+    second = sum(pi * math.log(pi / qi) for pi, qi in zip(p, q))
+    assert kl_divergence(quantized, reference) == pytest.approx((first + second) / 2, rel=1e-6)
+    assert top1_agreement(quantized, reference) == 0.5
+    assert kl_divergence(reference, reference) == pytest.approx(0, abs=1e-7)
+
+
+# ---- perplexity of a checkpoint on the shipped text -------------------------------------------------
+
+
+def test_shipped_text_is_package_data():
+    text = reference_text()
+    assert text.startswith("Four score and seven years ago") and text.endswith("shall not perish from the earth.")
+    assert "#" not in text  # the header saying where it comes from is not part of it
+    assert len(text.split()) > 200
+
+
+@pytest.mark.parametrize("precision", ["int8", "nf4"])
+def test_perplexity_of_a_checkpoint_by_hand(precision, tmp_path, tiny_checkpoint):
+    directory = tiny_checkpoint(tmp_path / "checkpoint", seed=5)
+    arch = resolve(str(directory))
+    lm = load_model(arch, "native", CPU, torch.bfloat16, model_path=str(directory))
+    twin = copy.deepcopy(lm.module)
+    probe = random_tokens(arch.vocab_size, 1, SEQ, CPU, seed=1)
+    quality = quantize_built(lm, arch, precision, CPU, probe, checkpoint=directory)
+
+    ids = Tokenizer.from_file(str(directory / "tokenizer.json")).encode(reference_text()).ids
+    perplexity = quality.perplexity
+    assert perplexity.tokens == len(ids) > 200 and "Gettysburg" in perplexity.text
+    tokens = torch.tensor([ids])
+    with torch.no_grad():
+        bf16 = perplexity_by_hand(twin(tokens), ids)
+        quantize_linears(twin, precision, CPU)
+        quantized = perplexity_by_hand(twin(tokens), ids)
+    assert perplexity.bf16 == pytest.approx(bf16, rel=1e-4)
+    assert perplexity.quantized == pytest.approx(quantized, rel=1e-4)
+    assert perplexity.quantized != perplexity.bf16
+    # random weights (std 0.02) predict almost uniformly: near the vocabulary's size
+    assert 0.8 * arch.vocab_size < perplexity.bf16 < 1.25 * arch.vocab_size
+
+
+def test_a_checkpoint_without_a_tokenizer_says_so(tmp_path, tiny_checkpoint):
+    directory = tiny_checkpoint(tmp_path / "checkpoint", tokenizer=False)
+    arch = resolve(str(directory))
+    lm = load_model(arch, "native", CPU, torch.bfloat16, model_path=str(directory))
+    quality = quantize_built(lm, arch, "int8", CPU, random_tokens(arch.vocab_size, 1, SEQ, CPU, seed=1),
+                             checkpoint=directory)
+    assert quality.perplexity.startswith(f"not measured: no tokenizer in {directory}")
+    assert quality.matmul_error.count == 7 * arch.num_layers
+
+
+@pytest.mark.parametrize("backend", ["native", "hf"])
+def test_worker_reports_a_checkpoint_and_its_perplexity(backend, tmp_path, tiny_checkpoint):
+    directory = tiny_checkpoint(tmp_path / "checkpoint", seed=5)
+    code, result = run_worker(spec(model=str(directory), backend=backend, precision="nf4"), tmp_path)
+    assert result["status"] == "ok", result.get("error")
+    assert result["weights"]["source"] == f"checkpoint {directory.resolve()}"
+    perplexity = result["quality"]["perplexity"]
+    ids = Tokenizer.from_file(str(directory / "tokenizer.json")).encode(reference_text()).ids
+    assert perplexity["tokens"] == len(ids)
+    assert perplexity["bf16"] != perplexity["quantized"]
+    assert all(math.isfinite(perplexity[key]) for key in ("bf16", "quantized"))
+    # without weights the directory is an architecture with random weights
+    (directory / "model.safetensors").unlink()
+    code, result = run_worker(spec(model=str(directory), backend=backend, precision="nf4"), tmp_path)
+    assert result["weights"]["source"] == "random" and result["quality"]["perplexity"] is None
 
 
 # ---- refusals -------------------------------------------------------------------------------------
@@ -331,7 +496,7 @@ def test_cli_records_refusals_without_launching(tmp_path, capsys, monkeypatch):
     ok = rows["int8"]
     assert ok["status"] == "ok", ok.get("error")
     assert Path(ok["log"]).is_file()
-    assert 0 < ok["quality"]["logits_relative_error"] < MAX_LOGITS_ERROR["int8"]
+    assert 0 < ok["quality"]["matmul_error"]["mean"] < MAX_MATMUL_ERROR["int8"]
     assert ok["weights"]["bytes"] < 2 * resolve("tiny").total_params
     assert sorted(path.name for path in (out / "logs").iterdir()) == [f"{ok['key']}-1.log"]
 

@@ -22,6 +22,9 @@ from fitbench.config import RunSpec, offload_problem
 from fitbench.run.precision import QUANTIZED_PRECISIONS, TRAINING_MODES, trains_every_weight
 
 OFFLOAD_PRECISION = "bf16-pure"  # when the ladder has no floating-point rung
+# Statuses of a run whose memory held to its end: ``invalid`` (non-finite numbers, fitbench.run.sanity)
+# is a failed row, but no out-of-memory: no rung of the ladder would change it, and its batch fits.
+RAN_TO_THE_END = ("ok", "invalid")
 
 
 def probe_steps(mode: str) -> dict[str, int]:
@@ -76,8 +79,8 @@ def next_attempt(spec: RunSpec, policy: FallbackPolicy) -> tuple[RunSpec, str] |
 
 def run_with_fallback(spec: RunSpec, policy: FallbackPolicy,
                       run: Callable[[RunSpec], dict[str, Any]]) -> dict[str, Any]:
-    """Run ``spec``, walking the fallback ladder on out-of-memory; the last attempt's row, with all
-    attempts listed."""
+    """Run ``spec``, walking the fallback ladder on out-of-memory only (an ``invalid`` run's weights
+    give the same non-finite numbers on every rung); the last attempt's row, with all attempts listed."""
     attempts = []
     current, change = spec, "as planned"
     while True:

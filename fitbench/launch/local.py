@@ -4,6 +4,8 @@ The parent blocks on the child's progress pipe and then on ``wait`` (it never sp
 child's whole process group when the timeout fires, and turns any ending into a result row:
 
 - ``ok``: the worker measured and wrote its result;
+- ``invalid``: the worker measured to the end, but a loss, logits or quality figure is not finite
+  (``fitbench.run.sanity``): a finished, failed row, whose memory held, so no fallback follows;
 - ``oom`` / ``error``: the worker caught an out-of-memory or another exception and said so;
 - ``crashed``: the worker died without a result (a signal, an abort, a non-zero exit);
 - ``timeout``: the run outlived ``--timeout`` and was killed.
@@ -26,7 +28,7 @@ from pathlib import Path
 from typing import Any, Callable
 
 from fitbench.config import RunSpec
-from fitbench.launch.fallback import FallbackPolicy, run_with_fallback, search_max_batch
+from fitbench.launch.fallback import RAN_TO_THE_END, FallbackPolicy, run_with_fallback, search_max_batch
 from fitbench.models.registry import resolve
 from fitbench.results.store import ResultStore
 
@@ -153,7 +155,7 @@ def _run_planned(spec: RunSpec, logs: Path, timeout: float, on_event, policy: Fa
     to_run = spec
     if spec.auto_batch:
         predicted = predicted_batch(spec)
-        found, probes = search_max_batch(spec, predicted, lambda probe: run(probe)["status"] == "ok")
+        found, probes = search_max_batch(spec, predicted, lambda probe: run(probe)["status"] in RAN_TO_THE_END)
         search = {"predicted_batch": predicted, "max_batch": found, "batch_probes": probes}
         to_run = spec.model_copy(update={"batch_size": max(found, 1), "auto_batch": False})
     row = run_with_fallback(to_run, policy, run)

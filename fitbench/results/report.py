@@ -65,6 +65,24 @@ def measured_gpu_peak(row: dict[str, Any]) -> float | None:
     return float(gpus[0]["peak_reserved"]) + context
 
 
+def quality_summary(quality: dict[str, Any] | None) -> str:
+    """A quantized row's quality against bf16 in one line (``fitbench.run.quality`` defines each figure)."""
+    if not quality:
+        return "-"
+    matmul = quality["matmul_error"]
+    parts = []
+    if matmul["count"]:
+        parts.append(f"matmul error {_percent(matmul['mean'])} mean, {_percent(matmul['worst'])} worst "
+                     f"({matmul['worst_matmul']})")
+    parts.append(f"top-1 {_percent(quality['top1_agreement'])}, KL {quality['kl_divergence']:.2g} nats")
+    perplexity = quality.get("perplexity")
+    if isinstance(perplexity, dict):
+        parts.append(f"perplexity {perplexity['bf16']:.2f} -> {perplexity['quantized']:.2f}")
+    elif perplexity:
+        parts.append(f"perplexity {perplexity}")
+    return "; ".join(parts)
+
+
 def results_table(rows: Iterable[dict[str, Any]], title: str = "fitbench results") -> Table:
     table = Table(title=title, title_justify="left")
     for column, justify in (("model", "left"), ("params", "right"), ("mode", "left"), ("precision", "left"),
@@ -141,7 +159,7 @@ def markdown_report(rows: list[dict[str, Any]]) -> str:
     lines.append("")
     columns = ("model", "params", "mode", "precision", "batch×seq", "median ± CV", "roofline", "tokens/s",
                "MFU (datasheet)",
-               "MFU (measured peak)", "decode % of BW roofline", "weights vs bf16", "logits error vs bf16",
+               "MFU (measured peak)", "decode % of BW roofline", "weights vs bf16", "quality vs bf16",
                "measured peak (NVML)", "predicted peak", "error", "status")
     lines.append("| " + " | ".join(columns) + " |")
     lines.append("|" + "---|" * len(columns))
@@ -162,7 +180,7 @@ def markdown_report(rows: list[dict[str, Any]]) -> str:
             _percent(throughput.get("prefill_mfu_measured_peak" if infer else "mfu_measured_peak")),
             _percent(throughput.get("decode_roofline_percent"), 1.0),
             _percent((row.get("weights") or {}).get("relative_to_bf16")),
-            _percent((row.get("quality") or {}).get("logits_relative_error")),
+            quality_summary(row.get("quality")),
             format_bytes(head["measured_peak"]), format_bytes(head["predicted_peak"]),
             f"{head['prediction_error']:+.1f}%" if head["prediction_error"] is not None else "-",
             row["status"],

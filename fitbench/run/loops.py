@@ -8,6 +8,11 @@
   a request does: the time to first token covers the host's launch work of the prefill as well
   as the device's, while each decode step's latency is steady-state device time.
 
+Each step also returns, as a device scalar left unread, what ``fitbench.run.sanity`` checks once
+the measured stage has synchronized: the loss, or the fp32 sum of the logits (a generation: of the
+prefill's and of the last decode step's logits). The forward step's sum reads its logits once more
+inside the timed step (on a GPU without an fp32 copy: the reduction accumulates 16-bit inputs in fp32).
+
 Inputs are random token ids of shape (batch, seq_len); targets are the inputs shifted by one.
 """
 
@@ -33,13 +38,14 @@ def random_tokens(vocab: int, batch: int, length: int, device: torch.device, see
 
 
 def make_step(mode: str, lm: CausalLM, policy: PrecisionPolicy, tokens: torch.Tensor,
-              device: torch.device) -> Callable[[], None]:
-    """The step function of a training-style mode over ``tokens`` of shape (B, T + 1)."""
+              device: torch.device) -> Callable[[], torch.Tensor]:
+    """The step function of a training-style mode over ``tokens`` of shape (B, T + 1); a step returns
+    its loss, or for ``forward`` the fp32 sum of its logits."""
     inputs, targets = tokens[:, :-1], tokens[:, 1:]
     if mode == "forward":
-        def forward() -> None:
+        def forward() -> torch.Tensor:
             with torch.inference_mode(), policy.autocast(device.type):
-                lm.logits(inputs)
+                return lm.logits(inputs).sum(dtype=torch.float32)
         return forward
 
     parameters = [p for p in lm.module.parameters() if p.requires_grad]
@@ -48,24 +54,26 @@ def make_step(mode: str, lm: CausalLM, policy: PrecisionPolicy, tokens: torch.Te
     optimizer = torch.optim.AdamW(parameters, lr=LEARNING_RATE, fused=True) if mode == "train" else None
     scaler = torch.amp.GradScaler(device.type) if policy.scale_loss else None
 
-    def loss_backward() -> None:
+    def loss_backward() -> torch.Tensor:
         with policy.autocast(device.type):
             logits = lm.logits(inputs)  # (B, T, V)
             loss = F.cross_entropy(logits.flatten(0, 1).float(), targets.flatten())
         (scaler.scale(loss) if scaler else loss).backward()
+        return loss.detach()
 
-    def forward_backward() -> None:
+    def forward_backward() -> torch.Tensor:
         lm.module.zero_grad(set_to_none=True)
-        loss_backward()
+        return loss_backward()
 
-    def train() -> None:
+    def train() -> torch.Tensor:
         optimizer.zero_grad(set_to_none=True)
-        loss_backward()
+        loss = loss_backward()
         if scaler:
             scaler.step(optimizer)
             scaler.update()
         else:
             optimizer.step()
+        return loss
 
     return train if mode == "train" else forward_backward
 
@@ -80,8 +88,9 @@ class Generation:
 
 
 def generate(lm: CausalLM, prompt: torch.Tensor, new_tokens: int, policy: PrecisionPolicy,
-             clock: DeviceClock, device: torch.device) -> Callable[[], list]:
-    """A function that runs one greedy generation and returns its marks, to be read after a synchronize.
+             clock: DeviceClock, device: torch.device) -> Callable[[], tuple[list, list]]:
+    """A function that runs one greedy generation and returns its marks, to be read after a synchronize,
+    and the fp32 sums of its prefill's and last decode step's logits, summed after the last mark.
 
     It waits for the device to be idle before its first mark. Otherwise a generation's first mark
     would sit in a queue behind the last one's work while the host launched the prefill ahead, and
@@ -90,17 +99,22 @@ def generate(lm: CausalLM, prompt: torch.Tensor, new_tokens: int, policy: Precis
     steps follow with no synchronization: their latencies are steady-state device time."""
     max_len = prompt.shape[1] + new_tokens
 
-    def run() -> list:
+    def run() -> tuple[list, list]:
         with torch.inference_mode(), policy.autocast(device.type):
             clock.synchronize()
             marks = [clock.mark()]
-            token = lm.prefill(prompt, max_len).argmax(dim=-1, keepdim=True)  # (B, 1)
+            first = logits = lm.prefill(prompt, max_len)  # (B, V)
+            token = first.argmax(dim=-1, keepdim=True)  # (B, 1)
             marks.append(clock.mark())
             for _ in range(new_tokens - 1):
                 # the argmax is queued before the next decode, which may overwrite the logits (a graph's output)
-                token = lm.decode(token).argmax(dim=-1, keepdim=True)
+                logits = lm.decode(token)
+                token = logits.argmax(dim=-1, keepdim=True)
                 marks.append(clock.mark())
-        return marks
+            # after the last mark, so the timed steps stay as they were; the prefill's (B, V) logits
+            # wait for it, a row of logits per sequence beside the cache
+            sums = [first.sum(dtype=torch.float32), logits.sum(dtype=torch.float32)]
+        return marks, sums
 
     return run
 

@@ -13,20 +13,23 @@ Embeddings, norms and the output projection stay bf16, as transformers' integrat
 
 A large model is quantized as it is built, one layer at a time (``build_quantized_native``), so the
 full bf16 model never exists: the peak is the quantized layers so far plus one layer in bf16. The
-same pass measures quality: a probe sequence runs through each layer before and after it is
-quantized, and the relative error of the final logits against the bf16 model (same random weights,
-same input) is reported beside the speed.
+same pass measures quality against the bf16 model (``fitbench.run.quality``): a probe sequence runs
+through each layer in bf16, each matmul's input is kept, and the layer, once quantized, runs its
+matmuls on those inputs and its own copy of the probe's hidden states through; the final logits of
+the two copies give the next-token agreement and KL divergence.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from pathlib import Path
 
 import torch
 from torch import nn
 
 from fitbench.models.architecture import Architecture
 from fitbench.models.native import NativeCausalLM, init_random_weights, meta_model
+from fitbench.run.quality import (REFERENCE_TEXT_NAME, NoTokenizer, Perplexity, Quality, kl_divergence, matmul_errors,
+                                  perplexity, recorded_matmuls, summarise, tokenize_reference_text, top1_agreement)
 
 BITSANDBYTES = ("int8", "nf4", "fp4")
 TORCHAO = ("int8-dynamic", "int4", "fp8", "fp8-block")
@@ -148,22 +151,17 @@ def float8_training(module: nn.Module) -> int:
     return len(converted)
 
 
-@dataclass(frozen=True)
-class Quality:
-    logits_relative_error: float  # ||q - ref|| / ||ref|| over the probe's logits
-    probe_tokens: int
-    reference: str = "bf16, same random weights, same input"
-
-
-def relative_error(quantized: torch.Tensor, reference: torch.Tensor) -> float:
-    return ((quantized.float() - reference.float()).norm() / reference.float().norm()).item()
+def quantizable_linears(module: nn.Module, prefix: str = "") -> dict[str, nn.Module]:
+    """The matmuls ``quantize_linears`` replaces or converts, by their names in the model."""
+    return {f"{prefix}{name}": child for name, child in module.named_modules()
+            if _quantizable(child, f"{prefix}{name}")}
 
 
 @torch.no_grad()
 def build_quantized_native(arch: Architecture, device: torch.device, precision: str,
                            probe: torch.Tensor) -> tuple[NativeCausalLM, Quality]:
     """Materialize and quantize one layer at a time, carrying a bf16 and a quantized copy of the probe's
-    hidden states through the layers; return the model and the relative error of its logits."""
+    hidden states through the layers; return the model and its quality against bf16."""
     model = meta_model(arch, torch.bfloat16)
     for part in (model.model.embed_tokens, model.model.norm, model.lm_head):
         part.to_empty(device=device)
@@ -177,20 +175,49 @@ def build_quantized_native(arch: Architecture, device: torch.device, precision: 
     T = probe.shape[1]
     cos, sin = model.rope_cos[:T], model.rope_sin[:T]
     reference = quantized = model.model.embed_tokens(probe)
-    for layer in model.model.layers:
+    errors: dict[str, float] = {}
+    for i, layer in enumerate(model.model.layers):
         layer.to_empty(device=device)
         init_random_weights(layer)
-        reference = layer(reference, cos, sin, None, 0)
+        prefix = f"model.layers.{i}."
+        with recorded_matmuls(quantizable_linears(layer, prefix)) as record:
+            reference = layer(reference, cos, sin, None, 0)
         quantize_linears(layer, precision, device)
+        errors |= matmul_errors(record, {f"{prefix}{name}": m for name, m in layer.named_modules()}, device)
+        del record
         quantized = layer(quantized, cos, sin, None, 0)
-    error = relative_error(model.lm_head(model.model.norm(quantized)), model.lm_head(model.model.norm(reference)))
-    return model, Quality(error, probe.numel())
+    reference_logits = model.lm_head(model.model.norm(reference))
+    quantized_logits = model.lm_head(model.model.norm(quantized))
+    return model, Quality(summarise(errors), top1_agreement(quantized_logits, reference_logits),
+                          kl_divergence(quantized_logits, reference_logits), probe.numel(), None,
+                          reference="bf16, same random weights, same input")
 
 
 @torch.no_grad()
-def quantize_built(lm, precision: str, device: torch.device, probe: torch.Tensor) -> Quality:
-    """Quantize an already built bf16 model in place (transformers, or a checkpoint), measuring the
-    logits' relative error on the probe before and after; ``lm`` is a ``fitbench.models.backends.CausalLM``."""
-    reference = lm.logits(probe)
+def quantize_built(lm, arch: Architecture, precision: str, device: torch.device, probe: torch.Tensor,
+                   checkpoint: str | Path | None = None) -> Quality:
+    """Quantize an already built bf16 model of ``arch`` in place (transformers, or a checkpoint),
+    measuring its quality against itself before; ``lm`` is a ``fitbench.models.backends.CausalLM``.
+    The matmuls' inputs and outputs of the bf16 pass wait in host memory (a large model has hundreds
+    of matmuls) until the quantized matmuls run on them. With the ``checkpoint`` directory the weights
+    came from, the perplexity of the shipped text before and after."""
+    text, perplexities = None, None
+    if checkpoint is not None:
+        try:
+            ids = tokenize_reference_text(checkpoint, arch.vocab_size, arch.max_seq_len)
+            text = torch.tensor([ids], device=device)
+        except NoTokenizer as reason:
+            perplexities = f"not measured: {reason}"
+    linears = quantizable_linears(lm.module)
+    with recorded_matmuls(linears, keep=lambda t: t.to("cpu")) as record:
+        reference = lm.logits(probe)
+    bf16_perplexity = perplexity(lm.logits(text), text) if text is not None else None
     quantize_linears(lm.module, precision, device)
-    return Quality(relative_error(lm.logits(probe), reference), probe.numel(), reference="bf16, same weights, same input")
+    errors = matmul_errors(record, dict(lm.module.named_modules()), device)
+    del record
+    quantized = lm.logits(probe)
+    if text is not None:
+        perplexities = Perplexity(REFERENCE_TEXT_NAME, text.shape[1], bf16_perplexity,
+                                  perplexity(lm.logits(text), text))
+    return Quality(summarise(errors), top1_agreement(quantized, reference), kl_divergence(quantized, reference),
+                   probe.numel(), perplexities, reference="bf16, same weights, same input")

@@ -72,16 +72,17 @@ def run_stages(call: Callable[[], T], clock: DeviceClock, *, warmup: int, repeat
     return results
 
 
-def time_steps(step: Callable[[], object], clock: DeviceClock, *, warmup: int, repeats: int,
-               on_step: Callable[[str, int, int], None] = lambda phase, i, n: None) -> list[float]:
-    """Seconds of each of ``repeats`` timed steps after ``warmup`` untimed ones."""
-    def timed() -> tuple[Mark, Mark]:
+def time_steps(step: Callable[[], T], clock: DeviceClock, *, warmup: int, repeats: int,
+               on_step: Callable[[str, int, int], None] = lambda phase, i, n: None) -> tuple[list[float], list[T]]:
+    """Seconds of each of ``repeats`` timed steps after ``warmup`` untimed ones, and what each timed
+    step returned (device tensors included: the measured stage ends with a synchronize)."""
+    def timed() -> tuple[Mark, T, Mark]:
         start = clock.mark()
-        step()
-        return start, clock.mark()
+        result = step()
+        return start, result, clock.mark()
 
     marks = run_stages(timed, clock, warmup=warmup, repeats=repeats, on_step=on_step)
-    return [clock.seconds(start, end) for start, end in marks]
+    return [clock.seconds(start, end) for start, _, end in marks], [result for _, result, _ in marks]
 
 
 def first_call_seconds(call: Callable[[], object], clock: DeviceClock) -> float:

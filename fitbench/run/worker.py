@@ -44,13 +44,15 @@ from fitbench.run.precision import peak_kind, policy as precision_policy
 from fitbench.plan.memory import ADAPTER_ALPHA, ADAPTER_RANK
 from fitbench.run.adapters import add_adapters
 from fitbench.run.precision import TRAINING_MODES, training_problem
-from fitbench.run.quantize import Quality, build_quantized_native, float8_training, hardware_problem, quantize_built
+from fitbench.run.quality import Quality
+from fitbench.run.quantize import build_quantized_native, float8_training, hardware_problem, quantize_built
+from fitbench.run.sanity import Verdict, non_finite_figures, non_finite_steps, read, warmup_warning
 from fitbench.run.timing import DeviceClock, first_call_seconds, run_stages, time_steps
 from fitbench.run.trackers import NvmlSampler, memory_report
 from fitbench.stats import SampleStats
 
 EXIT_OK, EXIT_FAILED = 0, 3
-PROBE_TOKENS = 64  # the sequence whose logits compare quantized weights with bf16
+PROBE_TOKENS = 64  # the sequence on which quantized weights are compared with bf16
 
 
 def emit(**event) -> None:
@@ -123,7 +125,9 @@ def weight_storage_bytes(module: torch.nn.Module) -> int:
 
 
 def measure(spec: RunSpec, device: torch.device, scratch: Path) -> dict:
-    """Build, warm up and measure ``spec``; every field of the result row but the memory."""
+    """Build, warm up and measure ``spec``; every field of the result row but the memory. The status is
+    ``ok``, or ``invalid`` with the reasons in ``error`` when a loss, logits or quality figure is not
+    finite (``fitbench.run.sanity``)."""
     arch = resolve(spec.model)
     policy = precision_policy(spec.precision)
     policy.apply_backend_flags()
@@ -162,11 +166,13 @@ def measure(spec: RunSpec, device: torch.device, scratch: Path) -> dict:
                   bandwidth=hardware.peak_bandwidth(device_name) if device.type == "cuda" else None)
 
     measure_mode = _measure_generation if spec.mode == "infer" else _measure_steps
-    timing, throughput, noisy, compile_s = measure_mode(spec, arch, built, policy, clock, device, peaks, weight_bytes)
+    timing, throughput, noisy, compile_s, verdict = measure_mode(spec, arch, built, policy, clock, device, peaks,
+                                                                 weight_bytes)
     decoding = lm.decoding if spec.mode == "infer" else None
 
     warnings = [f"{name} varies: CV above 5%; more --warmup-steps or --measure-steps may steady it"
                 for name in noisy]
+    warnings += [warning for warning in (warmup_warning(spec.warmup_steps),) if warning]
     if decoding and not decoding["cuda_graphs"] and device.type == "cuda" and spec.backend == "native" \
             and spec.cuda_graphs:
         warnings.append(f"decoded without CUDA graphs, so kernel launches are in the decode time: "
@@ -175,17 +181,30 @@ def measure(spec: RunSpec, device: torch.device, scratch: Path) -> dict:
         warnings.append(f"no datasheet peak for {device_name!r}: MFU left empty (fitbench env --measure "
                         f"gives a measured one)")
     offloaded = {"offload": offload_row(offload, timing, spec.mode)} if offload else {}
+    quality = built.quality.as_dict() if built.quality else None
+    problems = verdict.problems + [f"quality figure not finite: {name}" for name in non_finite_figures(quality or {})]
+    checkpoint = checkpoint_directory(spec)
     return {
+        "status": "invalid" if problems else "ok", **({"error": "; ".join(problems)} if problems else {}),
         "device_name": device_name, "build_s": build_s, "compile_s": compile_s, "warnings": warnings,
         "peak_flops": peak, "measured_peak_flops": measured_peak, "peak_kind": kind,
         "peak_source": "datasheet (dense)" if peak else None,
         "timing": timing, "throughput": throughput, "decode": decoding, "environment": hardware.environment(),
-        "quality": built.quality.__dict__ if built.quality else None,
-        "training": built.training,
+        "quality": quality, "training": built.training,
+        **({"loss": verdict.loss} if verdict.loss is not None else {}),
         "weights": {"bytes": weight_bytes, "bf16_bytes": 2 * arch.total_params,
-                    "relative_to_bf16": weight_bytes / (2 * arch.total_params), "method": weight_method},
+                    "relative_to_bf16": weight_bytes / (2 * arch.total_params), "method": weight_method,
+                    "source": f"checkpoint {checkpoint}" if checkpoint else "random"},
         **offloaded,
     }
+
+
+def checkpoint_directory(spec: RunSpec) -> Path | None:
+    """The directory the weights are loaded from, or None when they are random (a preset, a hub id,
+    a directory with a config and no weights)."""
+    if is_local_model(spec.model) and has_weights(spec.model):
+        return Path(spec.model).resolve()
+    return None
 
 
 @dataclass(frozen=True)
@@ -234,7 +253,7 @@ def build(spec: RunSpec, arch, policy, device: torch.device, scratch: Path) -> B
     else:
         lm = load_model(arch, spec.backend, device, torch.bfloat16, model_path=model_path,
                         cuda_graphs=spec.cuda_graphs)
-        quality = quantize_built(lm, spec.precision, device, probe)
+        quality = quantize_built(lm, arch, spec.precision, device, probe, checkpoint=checkpoint_directory(spec))
     if not training:
         return Built(lm, quality)
     adapters = add_adapters(lm.module, device)
@@ -297,12 +316,18 @@ def _measure_steps(spec, arch, built: Built, policy, clock, device, peaks: Peaks
     if spec.compile:
         emit(phase="compile")
         compile_s = first_call_seconds(step, clock)
-    samples = time_steps(step, clock, warmup=spec.warmup_steps, repeats=spec.measure_steps, on_step=_progress)
+    samples, returned = time_steps(step, clock, warmup=spec.warmup_steps, repeats=spec.measure_steps,
+                                   on_step=_progress)
     stats = SampleStats.of(samples)
     timing = {"step": stats.as_dict(), "samples": {"step": samples}}
     throughput = step_metrics(arch, spec.mode, spec.batch_size, spec.seq_len, stats, peaks.flops,
                               peaks.measured_flops, adapter_params=built.adapter_params)
-    return timing, throughput, ["step time"] if stats.noisy else [], compile_s
+    if spec.mode == "forward":
+        verdict = Verdict(non_finite_steps("logits", read(returned)))
+    else:
+        loss = read(returned)
+        verdict = Verdict(non_finite_steps("loss", loss), loss)
+    return timing, throughput, ["step time"] if stats.noisy else [], compile_s, verdict
 
 
 def _measure_generation(spec, arch, built: Built, policy, clock, device, peaks: Peaks, weight_bytes: int):
@@ -319,8 +344,11 @@ def _measure_generation(spec, arch, built: Built, policy, clock, device, peaks: 
         emit(phase="capture")
         run()
         clock.synchronize()
-    all_marks = run_stages(run, clock, warmup=spec.warmup_steps, repeats=spec.measure_steps, on_step=_progress)
-    generations = [read_generation(marks, clock) for marks in all_marks]
+    runs = run_stages(run, clock, warmup=spec.warmup_steps, repeats=spec.measure_steps, on_step=_progress)
+    generations = [read_generation(marks, clock) for marks, _ in runs]
+    sums = [read(logits_sums) for _, logits_sums in runs]
+    verdict = Verdict(non_finite_steps("prefill logits", [first for first, _ in sums])
+                      + non_finite_steps("last decode step's logits", [last for _, last in sums]))
     ttft = SampleStats.of(g.time_to_first_token for g in generations)
     latencies = [t for g in generations for t in g.token_latencies]
     token_latency = SampleStats.of(latencies)
@@ -345,7 +373,7 @@ def _measure_generation(spec, arch, built: Built, policy, clock, device, peaks: 
                                    decode_weights, decode_kv, peaks.flops, peaks.measured_flops, peaks.bandwidth)
     noisy = [name for name, stats in (("time to first token", ttft), ("token latency", token_latency),
                                       ("end-to-end", e2e)) if stats.noisy]
-    return timing, throughput, noisy, compile_s
+    return timing, throughput, noisy, compile_s, verdict
 
 
 def decode_weight_bytes(module: torch.nn.Module, stored_bytes: float, batch: int, vocab_size: int,
@@ -415,8 +443,8 @@ def main(argv: list[str]) -> int:
         torch.cuda.set_device(device)
     sampler = NvmlSampler([torch.cuda.current_device()]) if device.type == "cuda" else None
     try:
-        payload = {"status": "ok", **measure(spec, device, result_path.parent)}
-        code = EXIT_OK
+        payload = measure(spec, device, result_path.parent)
+        code = EXIT_OK if payload["status"] == "ok" else EXIT_FAILED
     except Exception as error:  # every failure becomes a result row; the sweep goes on
         traceback.print_exc()
         payload = {"status": classify(error), "error": describe(error)}
