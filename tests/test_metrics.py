@@ -103,7 +103,7 @@ def test_time_to_first_token_includes_the_prefills_host_work():
     lm = SlowPrefill(build_native(arch, CPU, torch.float32), [delay])
     clock = DeviceClock(CPU)
     run = generate(lm, random_tokens(arch.vocab_size, 1, 8, CPU, seed=2), 4, policy("fp32"), clock, CPU)
-    generations = [read_generation(marks, clock) for marks in run_stages(run, clock, warmup=1, repeats=3)]
+    generations = [read_generation(marks, clock) for marks, _ in run_stages(run, clock, warmup=1, repeats=3)]
     for generation in generations:
         assert generation.time_to_first_token >= delay
     # the decode steps carry none of it (a median: a shared CPU may stall one step)
@@ -115,7 +115,7 @@ def test_a_noisy_time_to_first_token_warns():
     run_spec = RunSpec(model="tiny", backend="native", mode="infer", precision="fp32", batch_size=1, seq_len=8,
                        new_tokens=3, device="cpu", warmup_steps=1, measure_steps=4)
     built = worker.Built(SlowPrefill(build_native(arch, CPU, torch.float32), [0.0, 0.05]))
-    timing, _, noisy, _ = worker._measure_generation(run_spec, arch, built, policy("fp32"), DeviceClock(CPU), CPU,
+    timing, _, noisy, _, _ = worker._measure_generation(run_spec, arch, built, policy("fp32"), DeviceClock(CPU), CPU,
                                                      worker.Peaks(None, None, None), 4 * TINY_PARAMS)
     assert timing["time_to_first_token"]["cv_percent"] > 5
     assert "time to first token" in noisy
