@@ -7,7 +7,7 @@ import pytest
 
 from fitbench.launch.local import worker_environment
 
-SETTINGS = "import torch; print(torch._C._accelerator_getAllocatorSettings())"
+SETTINGS = "from fitbench.run.trackers import allocator_settings; print(allocator_settings())"
 
 
 def allocator_settings_in_a_worker(environment: dict) -> str:

@@ -104,6 +104,15 @@ def torch_peaks(device_indices: list[int]) -> dict[int, dict[str, int]]:
     }
 
 
+def allocator_settings() -> str:
+    """The caching allocator's settings: as torch parsed them where it can say (2.13), else the
+    variable it read them from (PYTORCH_ALLOC_CONF, or the older PYTORCH_CUDA_ALLOC_CONF)."""
+    parsed = getattr(torch._C, "_accelerator_getAllocatorSettings", None)
+    if parsed is not None:
+        return parsed()
+    return os.environ.get("PYTORCH_ALLOC_CONF") or os.environ.get("PYTORCH_CUDA_ALLOC_CONF") or ""
+
+
 def allocator_report(index: int) -> dict:
     """How the caching allocator ran: its settings as torch parsed them (expandable segments or not),
     the times it freed its cache and retried an allocation (``num_alloc_retries``: each one a
@@ -112,7 +121,7 @@ def allocator_report(index: int) -> dict:
     allocated (``torch.cuda.memory_stats``)."""
     stats = torch.cuda.memory_stats(index)
     return {
-        "settings": torch._C._accelerator_getAllocatorSettings(),
+        "settings": allocator_settings(),
         "num_alloc_retries": stats.get("num_alloc_retries", 0),
         "peak_inactive_split_bytes": stats.get("inactive_split_bytes.all.peak", 0),
     }
