@@ -29,6 +29,7 @@ from fitbench.models.backends import load_model  # noqa: E402
 from fitbench.models.registry import resolve  # noqa: E402
 from fitbench.run.loops import make_step, random_tokens  # noqa: E402
 from fitbench.run.precision import policy as precision_policy  # noqa: E402
+from fitbench.run.trackers import allocator_settings  # noqa: E402
 
 TRACE_ENTRIES = 2_000_000
 SEGMENT_GROWS, SEGMENT_SHRINKS = ("segment_alloc", "segment_map"), ("segment_free", "segment_unmap")
@@ -98,7 +99,7 @@ def main() -> None:
 
     summary = {
         "configuration": vars(args) | {"out": str(args.out)},
-        "allocator_settings": torch._C._accelerator_getAllocatorSettings(),
+        "allocator_settings": allocator_settings(),
         "max_allocated": torch.cuda.max_memory_allocated(),
         "max_reserved": torch.cuda.max_memory_reserved(),
         "stats": {key: value for key, value in torch.cuda.memory_stats().items()
