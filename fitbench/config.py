@@ -18,8 +18,9 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_valida
 from fitbench.errors import UserError
 from fitbench.models.backends import backend_error, default_backend
 from fitbench.models.registry import resolve
-from fitbench.run.precision import (PRECISIONS, QUANTIZED_PRECISIONS, TRAINING_MODES, training_problem,
-                                    trains_every_weight)
+from fitbench.plan.memory import offload_problem
+from fitbench.precisions import TRAINING_MODES
+from fitbench.run.precision import PRECISIONS, training_problem, trains_every_weight
 
 Mode = Literal["train", "forward", "forward-backward", "infer"]
 Precision = Literal["fp32", "tf32", "bf16", "fp16", "bf16-pure",
@@ -89,22 +90,6 @@ class RunSpec(BaseModel):
         eager = " no-cuda-graphs" if self.graphs_off else ""
         offload = " offload" if self.offload else ""
         return f"{self.model} {self.mode} {self.precision} {shape}{recompute}{eager}{offload} [{self.backend}]"
-
-
-def offload_problem(mode: str, precision: str, backend: str, compile: bool) -> str | None:
-    """Why a configuration cannot offload its decoder layers, or None when it can."""
-    if mode not in ("infer", "forward"):
-        return (f"layers stream in for inference only (--mode infer or forward); {mode} needs every weight "
-                f"with its gradient and optimizer state at each step")
-    if precision in QUANTIZED_PRECISIONS:
-        return (f"layers stream in as floating-point weights; {precision} layers keep quantization state that "
-                f"accelerate's hooks do not move: use bf16-pure")
-    if backend != "native":
-        return "fitbench builds its own decoder layer by layer to offload it: use --backend native (Llama-style models)"
-    if compile:
-        return ("torch.compile stops at accelerate's hooks around every offloaded layer, breaking the graph at "
-                "each: drop --compile")
-    return None
 
 
 def _as_list(value: Any) -> Any:

@@ -2,7 +2,6 @@
 float8 training's refusal off a GPU, what the memory model and the planner say of both, and the
 refusal of torchao inference tensors in training."""
 
-import json
 import math
 import re
 

@@ -1,6 +1,6 @@
 """What a row says about a generation: the time to first token (``fitbench.run.loops.generate``), the
 prefill FLOPs and the bytes a decode step reads (``fitbench.run.metrics``, ``fitbench.run.worker``,
-``CausalLM.kv_bytes_read``), and the peak MFU divides by (``fitbench.run.precision.peak_kind``).
+``CausalLM.kv_bytes_read``), and the peak MFU divides by (``fitbench.precisions.peak_kind``).
 
 Expected values are worked out here from the models' published shapes, never read back from the
 code under test.
@@ -25,7 +25,8 @@ from fitbench.plan.memory import Parallelism
 from fitbench.run import worker
 from fitbench.run.loops import generate, random_tokens, read_generation
 from fitbench.run.metrics import inference_metrics
-from fitbench.run.precision import PRECISIONS, peak_kind, policy
+from fitbench.precisions import peak_kind
+from fitbench.run.precision import PRECISIONS, policy
 from fitbench.run.quantize import quantize_linears
 from fitbench.run.timing import DeviceClock, run_stages
 from fitbench.stats import SampleStats

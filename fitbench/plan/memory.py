@@ -39,11 +39,12 @@ from ``fitbench.plan.compiled``.
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 from fitbench.models.architecture import Architecture
 from fitbench.models.backends import default_backend
 from fitbench.plan import compiled as inductor
+from fitbench.precisions import TRAINING_MODES
 
 @dataclass(frozen=True)
 class QuantizedFormat:
@@ -86,7 +87,6 @@ QUANTIZED: dict[str, QuantizedFormat] = {
 }
 
 
-TRAINING_MODES = ("train", "forward-backward")
 
 # Low-rank adapters (``fitbench.run.adapters``): how int8 and 4-bit bases train. Rank 16 on every
 # matmul of every layer (seven in Llama, four in Falcon and GPT-2), alpha 32: between PEFT's
@@ -440,6 +440,22 @@ def _offloaded(arch, mode, precision, batch, seq_len, new_tokens, resident, para
         terms.append(Term("offloaded layer in flight", w * per_layer, f"{w:g} B x {per_layer:,} parameters: one "
                           f"offloaded layer, copied in for its forward"))
     return _inference(arch, mode, widths, batch, seq_len, new_tokens, terms, 1, backend=backend)
+
+
+def offload_problem(mode: str, precision: str, backend: str, compile: bool) -> str | None:
+    """Why a configuration cannot offload its decoder layers, or None when it can."""
+    if mode not in ("infer", "forward"):
+        return (f"layers stream in for inference only (--mode infer or forward); {mode} needs every weight "
+                f"with its gradient and optimizer state at each step")
+    if precision in QUANTIZED:
+        return (f"layers stream in as floating-point weights; {precision} layers keep quantization state that "
+                f"accelerate's hooks do not move: use bf16-pure")
+    if backend != "native":
+        return "fitbench builds its own decoder layer by layer to offload it: use --backend native (Llama-style models)"
+    if compile:
+        return ("torch.compile stops at accelerate's hooks around every offloaded layer, breaking the graph at "
+                "each: drop --compile")
+    return None
 
 
 def offloaded_weights(arch: Architecture, precision: str, resident_layers: int) -> float:

@@ -25,7 +25,7 @@ from fitbench.models.backends import default_backend
 from fitbench.plan import compiled as inductor
 from fitbench.plan.calibration import DEFAULT, PAGE, TENSORS_ONLY, Calibration
 from fitbench.plan.memory import (QUANTIZED, TRAINING_MODES, MemoryEstimate, Parallelism, Term, Widths, estimate_memory,
-                                  offloaded_weights, saved_per_layer)
+                                  offload_problem, offloaded_weights, saved_per_layer)
 from fitbench.plan.speed import StepTime, estimate_step_time
 from fitbench.run.precision import training_problem, trains_every_weight
 from fitbench.units import format_bytes
@@ -483,7 +483,6 @@ def alternatives(arch: Architecture, spec, target: GpuTarget, calibration: Calib
       by the roofline among those.
 
     Each keeps everything else of the spec. Returns only the changes predicted to fit."""
-    from fitbench.config import offload_problem
 
     mode, batch, seq_len, new_tokens = spec.mode, spec.batch_size, spec.seq_len, spec.new_tokens
     training = mode in TRAINING_MODES

@@ -36,7 +36,7 @@ from fitbench import hardware
 from fitbench.models.architecture import Architecture
 from fitbench.plan.memory import (ADAPTER_BASES, QUANTIZED, Parallelism, Widths, adapter_params, layer_matmul_params,
                                   quantized_layer_bytes)
-from fitbench.run.precision import peak_kind
+from fitbench.precisions import peak_kind
 
 # GPU-to-GPU bandwidth per direction, bytes/s. NVLink 4 (H100/H200 SXM): 900 GB/s both directions
 # (NVIDIA H100 datasheet); NVLink 3 (A100 SXM): 600 GB/s; PCIe Gen5 x16: 64 GB/s, Gen4: 32 GB/s.

@@ -40,10 +40,11 @@ from fitbench.models.offload import Offload, OffloadCapacityError, build_offload
 from fitbench.models.registry import is_local_model, resolve
 from fitbench.run.loops import generate, make_step, random_tokens, read_generation
 from fitbench.run.metrics import inference_metrics, step_metrics
-from fitbench.run.precision import peak_kind, policy as precision_policy
+from fitbench.precisions import TRAINING_MODES, peak_kind
+from fitbench.run.precision import policy as precision_policy
 from fitbench.plan.memory import ADAPTER_ALPHA, ADAPTER_RANK
 from fitbench.run.adapters import add_adapters
-from fitbench.run.precision import TRAINING_MODES, training_problem
+from fitbench.run.precision import training_problem
 from fitbench.run.quality import Quality
 from fitbench.run.quantize import build_quantized_native, float8_training, hardware_problem, quantize_built
 from fitbench.run.sanity import Verdict, non_finite_figures, non_finite_steps, read, warmup_warning
