@@ -15,7 +15,7 @@ embedding is not autocast and the fp32 stream absorbs each 16-bit branch it is a
 Peak, not sum. A training step (gradients set to None at its start, fused AdamW) peaks at one of:
 
 - the start of the backward pass: weights, AdamW state, every saved activation, and the logits'
-  loss chain (16-bit logits, fp32 log-softmax output, its incoming and outgoing gradients);
+  loss chain (the logits and their fp32 log-probabilities, ``loss_chain_bytes``);
 - the optimizer step: weights, gradients and AdamW state (16 bytes per parameter in mixed precision).
 
 Inference and forward passes keep nothing for a backward pass: their peak is the weights (and,
@@ -41,6 +41,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from fitbench.loss import loss_chain_bytes, loss_chunk_rows
 from fitbench.models.architecture import Architecture
 from fitbench.models.backends import default_backend
 from fitbench.plan import compiled as inductor
@@ -587,9 +588,9 @@ def _training(arch, mode, widths, batch, seq_len, recompute, terms, local_params
         Term("final norm and output input", inductor.final_saved_bytes(arch, n, c, r, recompute) if compiled
              else final_saved_bytes(arch, n, widths, frozen_norm=frozen, backend=backend),
              "saved by the final norm and the output projection", at(START)),
-        Term("loss chain", 12 * n * V, f"fp32 log-softmax output and the gradients into and out of it, "
-             f"12 n V, n = {n:,}, V = {V:,}", at(START)),
-        Term("logits held by the loop", c * n * V, f"{c} B x n V: the step's logits, alive until it ends"),
+        Term("loss chain", loss_chain_bytes(n, V, c), f"the fp32 log-probabilities beside the {c} B logits and one "
+             f"chunk's upcast, or one chunk's two fp32 gradients: 4 n V + max({c} n V + 4 r V, 8 r V), n = {n:,}, "
+             f"r = {min(loss_chunk_rows(V), n):,}, V = {V:,}", at(START)),
     ]
     if recompute:
         output_grad = 0.0 if frozen else w * V * h

@@ -31,6 +31,7 @@ from fitbench.models.architecture import Architecture
 from fitbench.models.backends import CausalLM, HuggingFaceLM, NativeLM, backend_error
 from fitbench.models.hf import hf_config
 from fitbench.models.native import meta_model
+from fitbench.plan.allocator import Allocator
 from fitbench.run.loops import generate, make_step
 from fitbench.run.precision import policy as precision_policy
 from fitbench.run.timing import DeviceClock
@@ -40,26 +41,32 @@ DECODE_STEPS = 2
 
 
 class LiveStorage(TorchDispatchMode):
-    """Live and peak bytes of every storage created while active, plus those ``adopt`` is given."""
+    """Live and peak bytes of every storage created while active, plus those ``adopt`` is given,
+    each also served, in the same order, by a replay of the caching allocator."""
 
     def __init__(self) -> None:
         super().__init__()
         self.live = 0
         self.peak = 0
+        self.allocator = Allocator()
         self._seen: WeakIdKeyDictionary = WeakIdKeyDictionary()
+        self._count = 0
 
     def adopt(self, tensor: torch.Tensor) -> None:
         storage = tensor.untyped_storage()
         if storage in self._seen:
             return
         size = storage.nbytes()
-        self._seen[storage] = size
+        self._count += 1
+        self._seen[storage] = self._count
         self.live += size
         self.peak = max(self.peak, self.live)
-        weakref.finalize(storage, self._free, size)
+        self.allocator.malloc(self._count, size)
+        weakref.finalize(storage, self._free, self._count, size)
 
-    def _free(self, size: int) -> None:
+    def _free(self, key: int, size: int) -> None:
         self.live -= size
+        self.allocator.free(key)
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         out = func(*args, **(kwargs or {}))
@@ -71,8 +78,13 @@ class LiveStorage(TorchDispatchMode):
 
 @dataclass(frozen=True)
 class TracedPeak:
+    """``peak_bytes``: live tensor bytes at their peak (``torch.cuda.max_memory_allocated``);
+    ``peak_reserved``: the caching allocator's mapped bytes at their peak
+    (``torch.cuda.max_memory_reserved``), from ``fitbench.plan.allocator``."""
+
     peak_bytes: int
     device: str
+    peak_reserved: int = 0
 
 
 def trace_peak(arch: Architecture, mode: str, precision: str, batch: int, seq_len: int, *,
@@ -103,7 +115,7 @@ def trace_peak(arch: Architecture, mode: str, precision: str, batch: int, seq_le
                 step = make_step(mode, lm, policy, tokens, target)
                 for _ in range(TRAINING_STEPS if mode == "train" else 1):
                     step()
-    return TracedPeak(peak_bytes=tracker.peak, device=str(target))
+    return TracedPeak(peak_bytes=tracker.peak, device=str(target), peak_reserved=tracker.allocator.peak_reserved)
 
 
 def _meta_module(arch: Architecture, backend: str, dtype: torch.dtype) -> nn.Module:
