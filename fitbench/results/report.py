@@ -153,6 +153,13 @@ def _shape(spec: dict[str, Any]) -> str:
     return shape + (" rc" if spec.get("activation_checkpointing") else "") + (" off" if spec.get("offload") else "")
 
 
+def _rate(value: float | None) -> str:
+    """Tokens/s: whole above 10, two significant figures below (an offloaded 65B decodes 0.14, not 0)."""
+    if not value:
+        return "-"
+    return f"{value:,.0f}" if value >= 10 else f"{value:.2g}"
+
+
 def _share(value: float | None, scale: float = 100.0, decimals: int = 1) -> tuple[str, ...]:
     return (f"{scale * value:.{decimals}f}%",) if value is not None else ("-",)
 
@@ -163,8 +170,7 @@ _COMMON = {
     "mode": _Column(("mode",), lambda row, head: (row["spec"]["mode"],), 1, "left"),
     "precision": _Column(("precision",), lambda row, head: (row["spec"]["precision"],), 2, "left"),
     "shape": _Column(("batch×seq",), lambda row, head: (_shape(row["spec"]),), 4),
-    "tokens/s": _Column(("tokens/s",), lambda row, head: (f"{head['tokens_per_s']:,.0f}"
-                                                         if head["tokens_per_s"] else "-",), 2),
+    "tokens/s": _Column(("tokens/s",), lambda row, head: (_rate(head["tokens_per_s"]),), 2),
     "memory": _Column(("peak", "memory"), lambda row, head: _memory_parts(row) or ("-",), 3),
     "predicted": _Column(("predicted", "(error)"), _prediction_cell, 6),
     "roofline": _Column(("roofline",), lambda row, head: (format_seconds(head["roofline_time"]),), 9),
@@ -242,7 +248,7 @@ class ResultsTable:
 def _layout(columns: list[_Column], cells: list[list[tuple[str, ...]]], width: int,
             words_cap: int) -> tuple[list[int], set[int], list[int]]:
     """Which columns to show, which of them to stack, and their widths, for a table ``width`` wide.
-    Stacking comes first (the widest saving first), then columns go, least compared first; then a
+    Stacking comes first (the widest saving first), then columns go, empty or least compared first; then a
     column left out comes back if what went made room, and a stack that is no longer needed unfolds.
     SIMPLE_HEAD without edges spends three cells between columns (padding, rule, padding)."""
     def natural(c: int, stacked: bool) -> int:
@@ -252,6 +258,10 @@ def _layout(columns: list[_Column], cells: list[list[tuple[str, ...]]], width: i
     stack = [natural(c, True) for c in range(len(columns))]
     shown, stacked = list(range(len(columns))), set()
 
+    def rank(c: int) -> tuple[bool, int, int]:
+        """Larger goes first: a column without a single figure, then the least compared."""
+        return all(row_cells[c] == ("-",) for row_cells in cells), columns[c].keep, c
+
     def total(shown: list[int], stacked: set[int]) -> int:
         return sum(stack[c] if c in stacked else inline[c] for c in shown) + 3 * (len(shown) - 1)
 
@@ -260,8 +270,8 @@ def _layout(columns: list[_Column], cells: list[list[tuple[str, ...]]], width: i
         if savings:
             stacked.add(max(savings, key=savings.__getitem__))
         else:
-            shown.remove(max(shown, key=lambda c: (columns[c].keep, c)))
-    for c in sorted(set(range(len(columns))) - set(shown), key=lambda c: (columns[c].keep, c)):
+            shown.remove(max(shown, key=rank))
+    for c in sorted(set(range(len(columns))) - set(shown), key=rank, reverse=True):
         for with_stack in (stacked, stacked | {c}):
             if total(sorted(shown + [c]), with_stack) <= width:
                 shown, stacked = sorted(shown + [c]), with_stack
