@@ -167,7 +167,6 @@ def _share(value: float | None, scale: float = 100.0, decimals: int = 1) -> tupl
 _COMMON = {
     "model": _Column(("model",), lambda row, head: (head["model"],), 0, "left", words=True),
     "params": _Column(("params",), lambda row, head: (format_count(row.get("params")),), 8),
-    "mode": _Column(("mode",), lambda row, head: (row["spec"]["mode"],), 1, "left"),
     "precision": _Column(("precision",), lambda row, head: (row["spec"]["precision"],), 2, "left"),
     "shape": _Column(("batch×seq",), lambda row, head: (_shape(row["spec"]),), 4),
     "tokens/s": _Column(("tokens/s",), lambda row, head: (_rate(head["tokens_per_s"]),), 2),
@@ -179,7 +178,7 @@ _COMMON = {
 # What a person compares first differs per mode: a training step's time, tokens/s and MFU; a decode
 # step's latency, decode tokens/s and how close it comes to the bandwidth roofline.
 _TRAINING_COLUMNS = (
-    _COMMON["model"], _COMMON["params"], _COMMON["mode"], _COMMON["precision"], _COMMON["shape"],
+    _COMMON["model"], _COMMON["params"], _COMMON["precision"], _COMMON["shape"],
     _Column(("median", "± CV"), _time_cell, 1), _COMMON["roofline"], _COMMON["tokens/s"],
     _Column(("MFU",), lambda row, head: _share(head["mfu"]), 5), _COMMON["memory"], _COMMON["predicted"],
     _COMMON["status"],
@@ -194,7 +193,7 @@ _INFER_COLUMNS = (
 
 
 class ResultsTable:
-    """The rows as terminal tables, one for training-style modes and one for infer, laid out for the
+    """The rows as terminal tables, one per mode (its name in the title, not a column), laid out for the
     width they are printed at: every cell on one line when that fits, else each cell's parts stacked,
     and columns left out (least compared first, named under the table) until the rest fits. A figure
     is shown whole or not at all; rich would otherwise cut it to fit ("64… ms ± 93…")."""
@@ -205,26 +204,25 @@ class ResultsTable:
 
     def __rich_console__(self, console: Console, options: ConsoleOptions) -> RenderResult:
         names = short_names(row["spec"]["model"] for row in self.rows)
-        groups: dict[bool, list[dict[str, Any]]] = {}
+        by_mode: dict[str, list[dict[str, Any]]] = {}
         for row in self.rows:
-            groups.setdefault(row["spec"]["mode"] == "infer", []).append(row)
-        if not groups:
+            by_mode.setdefault(row["spec"]["mode"], []).append(row)
+        if not by_mode:
             yield Text(f"{self.title}: no rows")
-        for index, (infer, rows) in enumerate(groups.items()):
+        for index, (mode, rows) in enumerate(by_mode.items()):
             if index:
                 yield Text()
-            yield self._table(infer, rows, names, options.max_width)
+            yield self._table(mode, rows, names, options.max_width)
 
-    def _table(self, infer: bool, rows: list[dict[str, Any]], names: dict[str, str], width: int) -> Table:
-        modes = list(dict.fromkeys(row["spec"]["mode"] for row in rows))
-        columns = [c for c in (_INFER_COLUMNS if infer else _TRAINING_COLUMNS) if c.name != "mode" or len(modes) > 1]
+    def _table(self, mode: str, rows: list[dict[str, Any]], names: dict[str, str], width: int) -> Table:
+        columns = list(_INFER_COLUMNS if mode == "infer" else _TRAINING_COLUMNS)
         cells = []
         for row in rows:
             head = {**headline(row), "model": names[row["spec"]["model"]]}
             cells.append([column.cell(row, head) for column in columns])
         words_cap = max(10, min(MODEL_NAME_CAP, width // 4))
         shown, stacked, widths = _layout(columns, cells, width, words_cap)
-        table = Table(title=f"{self.title} · {', '.join(modes)}", title_justify="left", box=box.SIMPLE_HEAD,
+        table = Table(title=f"{self.title} · {mode}", title_justify="left", box=box.SIMPLE_HEAD,
                       show_edge=False, pad_edge=False)
         for c in shown:
             column = columns[c]
