@@ -206,7 +206,7 @@ def test_output_that_is_not_a_terminal_gets_a_line_per_configuration(tmp_path):
     """The sweep's output piped: each configuration's line arrives as it finishes, with the count,
     the elapsed time and the time left; the final tables are then readable at any width."""
     out = tmp_path / "out"
-    args = ["run", "--models", "tiny", "--mode", "train", "infer", "--batch-size", "1", "--seq-len", "16",
+    args = ["run", "--models", "tiny", "--mode", "forward", "infer", "--batch-size", "1", "--seq-len", "16",
             "--new-tokens", "4", "--warmup-steps", "1", "--measure-steps", "2", "--out", str(out)]
     env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")])}
     env.pop("FITBENCH_INJECT", None)
@@ -225,12 +225,12 @@ def test_output_that_is_not_a_terminal_gets_a_line_per_configuration(tmp_path):
     first, running, rows_then = lines[-1]
     # printed when the first row was written, while the second configuration still had to run
     assert running is None and rows_then == 1
-    assert re.match(r"\[1/2 done, \d+:\d\d:\d\d elapsed, about \d+:\d\d:\d\d left\] ok tiny train fp32 1x16 "
+    assert re.match(r"\[1/2 done, \d+:\d\d:\d\d elapsed, about \d+:\d\d:\d\d left\] ok tiny forward fp32 1x16 "
                     r"\[native\]: [\d.]+ \S+/step ± [\d.]+%, [\d,.]+ tokens/s", first), first
     progress = [line for line in rest.splitlines() if line.startswith("[2/2")]
     assert len(progress) == 1 and re.match(r"\[2/2 done, \d+:\d\d:\d\d elapsed, done\] ok tiny infer fp32 1x16\+4 "
                                            r"\[native\]: ", progress[0]), progress
-    assert re.search(r"^fitbench results · train *$", rest, flags=re.M)
+    assert re.search(r"^fitbench results · forward *$", rest, flags=re.M)
     assert re.search(r"^fitbench results · infer *$", rest, flags=re.M)
 
     rows = list(ResultStore(out).rows())
