@@ -17,7 +17,7 @@ from rich.console import Console
 
 from fitbench.results.report import results_table, short_names, write_csv
 from fitbench.results.store import ResultStore
-from fitbench.results.terminal import SweepClock
+from fitbench.results.terminal import EtaColumn, SweepClock
 from fitbench.units import format_bytes, format_count, format_seconds
 
 ROOT = Path(__file__).parent.parent
@@ -239,3 +239,34 @@ def test_output_that_is_not_a_terminal_gets_a_line_per_configuration(tmp_path):
         check_table(rows, width)
     table = pd.read_csv(out / "results.csv")
     assert [json.loads(cell) for cell in table["environment.gpus"]] == [row["environment"]["gpus"] for row in rows]
+
+
+def test_memory_of_several_gpus_is_one_figure_per_gpu():
+    base = next(row for row in committed_rows() if row["spec"]["mode"] == "train" and row["status"] == "ok")
+    gpu = base["memory"]["gpus"][0]
+    gpus = [{**gpu, "index": index, "nvml_peak_used": gpu["nvml_peak_used"] + index * 1.3e9} for index in range(4)]
+    row = {**base, "memory": {**base["memory"], "gpus": gpus}}
+    for width in WIDTHS:
+        text = check_table([row, base], width)
+        if width == 160:
+            assert ", ".join(format_bytes(g["nvml_peak_used"]) for g in gpus) in text
+
+
+def test_the_live_display_shows_the_time_left_on_the_sweep_only():
+    from rich.progress import Progress
+
+    now = [0.0]
+    clock = SweepClock(3, now=lambda: now[0])
+    console = Console(width=120, file=io.StringIO(), force_terminal=True, color_system=None)
+    with Progress(EtaColumn(clock), console=console, auto_refresh=False) as progress:
+        sweep = progress.add_task("sweep", total=3, eta=True)
+        run = progress.add_task("", total=None)
+        clock.start()
+        now[0] += 20
+        clock.finish()
+        clock.start()
+        now[0] += 5
+        progress.refresh()
+        columns = progress.columns[0]
+        assert str(columns(progress.tasks[sweep])) == "about 0:00:35 left"
+        assert str(columns(progress.tasks[run])) == ""

@@ -120,6 +120,7 @@ class _Column:
     keep: int
     justify: str = "right"
     words: bool = False  # text that may wrap at a narrow width; figures never do
+    separator: str = " "  # between the parts of a cell on one line
 
     @property
     def name(self) -> str:
@@ -170,7 +171,7 @@ _COMMON = {
     "precision": _Column(("precision",), lambda row, head: (row["spec"]["precision"],), 2, "left"),
     "shape": _Column(("batch×seq",), lambda row, head: (_shape(row["spec"]),), 4),
     "tokens/s": _Column(("tokens/s",), lambda row, head: (_rate(head["tokens_per_s"]),), 2),
-    "memory": _Column(("peak", "memory"), lambda row, head: _memory_parts(row) or ("-",), 3),
+    "memory": _Column(("peak", "memory"), lambda row, head: _memory_parts(row) or ("-",), 3, separator=", "),
     "predicted": _Column(("predicted", "(error)"), _prediction_cell, 6),
     "roofline": _Column(("roofline",), lambda row, head: (format_seconds(head["roofline_time"]),), 9),
     "status": _Column(("status",), lambda row, head: (row["status"],), 0, "left", words=True),
@@ -233,7 +234,7 @@ class ResultsTable:
         table.leading = int(any(len(row_cells[c]) > 2 for row_cells in cells for c in stacked))
         for row, row_cells in zip(rows, cells):
             status_style = "" if row["status"] == "ok" else "red"
-            table.add_row(*(Text(("\n" if c in stacked else " ").join(row_cells[c]),
+            table.add_row(*(Text(("\n" if c in stacked else columns[c].separator).join(row_cells[c]),
                                  style=status_style if columns[c].name == "status" else "") for c in shown))
         left_out = [columns[c].name for c in range(len(columns)) if c not in shown]
         if left_out:
@@ -283,7 +284,7 @@ def _layout(columns: list[_Column], cells: list[list[tuple[str, ...]]], width: i
 def _width(column: _Column, cells: list[tuple[str, ...]], stacked: bool, words_cap: int) -> int:
     lines = list(column.header) if stacked else [column.name]
     for parts in cells:
-        lines += list(parts) if stacked else [" ".join(parts)]
+        lines += list(parts) if stacked else [column.separator.join(parts)]
     natural = max(cell_len(line) for line in lines)
     if column.words:
         return min(natural, max(words_cap, max(cell_len(line) for line in column.header)))
