@@ -86,7 +86,7 @@ def sections(text: str) -> dict[str, tuple[str, list[str]]]:
 
 def whole(figure: str, text: str) -> bool:
     """``figure`` appears with nothing of a number glued to either side: not cut, not part of another."""
-    return re.search(r"(?<![\d.,])" + re.escape(figure) + r"(?![\d.,])", text) is not None
+    return re.search(r"(?<![\d.,])" + re.escape(figure) + r"(?!\d|[.,]\d)", text) is not None
 
 
 def check_table(rows: list[dict], width: int) -> str:
