@@ -18,7 +18,7 @@ from typing import Any, Callable
 from rich.console import Console
 from rich.markup import escape
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, SpinnerColumn, TextColumn, TimeElapsedColumn
-from rich.table import Table
+from rich.table import Column, Table
 
 from fitbench import __version__
 from fitbench.errors import UserError
@@ -376,9 +376,10 @@ def run(args: argparse.Namespace, cli_options: dict[str, Any]) -> int:
                   + f"; results in {out}/")
     # Outside a terminal a live display shows nothing until the end: one line per configuration instead.
     clock = SweepClock(len(specs))
-    progress = Progress(SpinnerColumn(), TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(),
-                        TimeElapsedColumn(), EtaColumn(clock), console=console, transient=True,
-                        disable=not console.is_terminal)
+    figure = Column(no_wrap=True)  # at 80 columns the label wraps; counts and times stay whole
+    progress = Progress(SpinnerColumn(), TextColumn("{task.description}"), BarColumn(bar_width=20),
+                        MofNCompleteColumn(table_column=figure), TimeElapsedColumn(table_column=figure),
+                        EtaColumn(clock), console=console, transient=True, disable=not console.is_terminal)
     with progress:
         sweep_task = progress.add_task("sweep", total=len(specs), eta=True)
         run_task = progress.add_task("", total=None)

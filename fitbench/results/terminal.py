@@ -11,6 +11,7 @@ import time
 from typing import Callable
 
 from rich.progress import ProgressColumn, Task
+from rich.table import Column
 from rich.text import Text
 
 
@@ -60,7 +61,7 @@ class SweepClock:
     def eta(self) -> str:
         remaining = self.remaining
         if remaining is None:
-            return "time left: estimated after the first configuration"
+            return "time left: estimating"
         return "done" if self.done >= self.total else f"about {clock_time(remaining)} left"
 
     def summary(self) -> str:
@@ -77,7 +78,7 @@ class EtaColumn(ProgressColumn):
     """The sweep's estimated time left, on the task added with ``eta=True``."""
 
     def __init__(self, clock: SweepClock):
-        super().__init__()
+        super().__init__(table_column=Column(no_wrap=True))  # the label beside it wraps first
         self.clock = clock
 
     def render(self, task: Task) -> Text:
