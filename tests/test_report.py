@@ -79,7 +79,7 @@ def sections(text: str) -> dict[str, tuple[str, list[str]]]:
             continue
         title = part.splitlines()[0].strip()
         note = " ".join(line.strip() for line in part.splitlines())
-        left_out = re.search(r"not shown at \d+ columns: (.*?) \(results\.csv", note)
+        left_out = re.search(r"not shown at \d+ columns: (.*?); every figure is in results\.csv", note)
         found[title.split(" · ")[-1]] = (part, left_out.group(1).split(", ") if left_out else [])
     return found
 

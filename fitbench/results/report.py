@@ -195,9 +195,9 @@ _INFER_COLUMNS = (
 
 class ResultsTable:
     """The rows as terminal tables, one per mode (its name in the title, not a column), laid out for the
-    width they are printed at: every cell on one line when that fits, else each cell's parts stacked,
-    and columns left out (least compared first, named under the table) until the rest fits. A figure
-    is shown whole or not at all; rich would otherwise cut it to fit ("64… ms ± 93…")."""
+    width they are printed at (``_layout``): cells on one line where that fits, a figure's spread
+    stacked under it where not, and columns left out, named under the table, when even that is too
+    wide. A figure is shown whole or not at all; rich would otherwise cut it ("64… ms ± 93…")."""
 
     def __init__(self, rows: Iterable[dict[str, Any]], title: str = "fitbench results"):
         self.rows = list(rows)
@@ -238,8 +238,8 @@ class ResultsTable:
                                  style=status_style if columns[c].name == "status" else "") for c in shown))
         left_out = [columns[c].name for c in range(len(columns)) if c not in shown]
         if left_out:
-            table.caption = (f"not shown at {width} columns: {', '.join(left_out)} (results.csv and "
-                             f"`fitbench report --markdown` have every figure)")
+            table.caption = (f"not shown at {width} columns: {', '.join(left_out)}; every figure is in "
+                             f"results.csv and `fitbench report --markdown DIR`")
             table.caption_justify = "left"
         return table
 
@@ -258,7 +258,7 @@ def _layout(columns: list[_Column], cells: list[list[tuple[str, ...]]], width: i
     shown, stacked = list(range(len(columns))), set()
 
     def rank(c: int) -> tuple[bool, int, int]:
-        """Larger goes first: a column without a single figure, then the least compared."""
+        """The largest is left out first: a column without a single figure, then the least compared."""
         return all(row_cells[c] == ("-",) for row_cells in cells), columns[c].keep, c
 
     def total(shown: list[int], stacked: set[int]) -> int:
