@@ -18,7 +18,7 @@ from typing import Any, Callable
 from rich.console import Console
 from rich.markup import escape
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, SpinnerColumn, TextColumn, TimeElapsedColumn
-from rich.table import Table
+from rich.table import Column, Table
 
 from fitbench import __version__
 from fitbench.errors import UserError
@@ -345,6 +345,7 @@ def run(args: argparse.Namespace, cli_options: dict[str, Any]) -> int:
     from fitbench.plan.calibration import TENSORS_ONLY
     from fitbench.results.report import results_table, write_csv
     from fitbench.results.store import ResultStore
+    from fitbench.results.terminal import EtaColumn, SweepClock
 
     saved: dict[str, Any] = {}
     if args.resume:
@@ -373,13 +374,18 @@ def run(args: argparse.Namespace, cli_options: dict[str, Any]) -> int:
     console.print(f"fitbench {__version__}: {len(specs)} configuration(s) on {device}"
                   + (f", {sum(s.key in done for s in specs)} already finished" if done else "")
                   + f"; results in {out}/")
-    progress = Progress(SpinnerColumn(), TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(),
-                        TimeElapsedColumn(), console=console, transient=True)
+    # Outside a terminal a live display shows nothing until the end: one line per configuration instead.
+    clock = SweepClock(len(specs))
+    figure = Column(no_wrap=True)  # at 80 columns the label wraps; counts and times stay whole
+    progress = Progress(SpinnerColumn(), TextColumn("{task.description}"), BarColumn(bar_width=20),
+                        MofNCompleteColumn(table_column=figure), TimeElapsedColumn(table_column=figure),
+                        EtaColumn(clock), console=console, transient=True, disable=not console.is_terminal)
     with progress:
-        sweep_task = progress.add_task("sweep", total=len(specs))
+        sweep_task = progress.add_task("sweep", total=len(specs), eta=True)
         run_task = progress.add_task("", total=None)
 
         def on_start(spec, index, total):
+            clock.start()
             progress.update(run_task, description=f"{escape(spec.label)}: starting", completed=0, total=None)
 
         def on_event(event):
@@ -392,12 +398,19 @@ def run(args: argparse.Namespace, cli_options: dict[str, Any]) -> int:
                 progress.update(run_task, description=f"{label}: {phase}", total=None)
 
         def on_finish(row):
-            progress.console.print(_describe_row(row))
+            clock.finish(measured=row["status"] != "refused")
+            if console.is_terminal:
+                progress.console.print(_describe_row(row))
+            else:
+                console.print(f"{escape(f'[{clock.summary()}]')} {_describe_row(row)}", soft_wrap=True)
             progress.advance(sweep_task)
             write_csv(list(store.rows()), out)
 
-        callbacks = SweepCallbacks(on_start=on_start, on_event=on_event, on_finish=on_finish,
-                                   on_skip=lambda spec: progress.advance(sweep_task))
+        def on_skip(spec):
+            clock.skip()
+            progress.advance(sweep_task)
+
+        callbacks = SweepCallbacks(on_start=on_start, on_event=on_event, on_finish=on_finish, on_skip=on_skip)
         run_sweep(specs, store, timeout=config.timeout, command=command, callbacks=callbacks,
                   predict=predict, refusals=refusals, calibration=calibration.source if calibration else TENSORS_ONLY,
                   fallback=lambda spec: FallbackPolicy(tuple(fallback_ladder(config, spec.mode)),

@@ -10,11 +10,17 @@ CPU, beside the planner's prediction and its error.
 
 from __future__ import annotations
 
+import json
+from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Iterable
+from typing import Any, Callable, Iterable
 
 import pandas as pd
+from rich import box
+from rich.cells import cell_len
+from rich.console import Console, ConsoleOptions, RenderResult
 from rich.table import Table
+from rich.text import Text
 
 from fitbench.units import format_bytes, format_count, format_seconds
 
@@ -26,13 +32,7 @@ def headline(row: dict[str, Any]) -> dict[str, Any]:
     spec, timing, throughput = row["spec"], row.get("timing") or {}, row.get("throughput") or {}
     infer = spec["mode"] == "infer"
     time_stats = (timing.get("token_latency") if infer else timing.get("step")) or {}
-    gpus = (row.get("memory") or {}).get("gpus") or []
-    if gpus:
-        memory = ", ".join(format_bytes(g.get("nvml_peak_used") or g["peak_reserved"]) for g in gpus)
-    elif row.get("memory"):
-        memory = format_bytes(row["memory"]["host_peak_rss"]) + " host"
-    else:
-        memory = ""
+    memory = ", ".join(_memory_parts(row))
     measured_peak = measured_gpu_peak(row)
     predicted = (row.get("prediction") or {}).get("predicted_peak_bytes")
     error = 100 * (predicted - measured_peak) / measured_peak if predicted and measured_peak else None
@@ -83,54 +83,234 @@ def quality_summary(quality: dict[str, Any] | None) -> str:
     return "; ".join(parts)
 
 
-def results_table(rows: Iterable[dict[str, Any]], title: str = "fitbench results") -> Table:
-    table = Table(title=title, title_justify="left")
-    for column, justify in (("model", "left"), ("params", "right"), ("mode", "left"), ("precision", "left"),
-                            ("batch×seq", "right"), ("median ± CV", "right"), ("roofline", "right"),
-                            ("tokens/s", "right"),
-                            ("MFU", "right"), ("peak memory", "right"), ("predicted (error)", "right"),
-                            ("status", "left")):
-        table.add_column(column, justify=justify)
-    for row in rows:
-        spec, head = row["spec"], headline(row)
-        shape = f"{spec['batch_size']}×{spec['seq_len']}" + (f"+{spec['new_tokens']}" if spec["mode"] == "infer" else "")
-        if spec.get("activation_checkpointing"):
-            shape += " rc"
-        if spec.get("offload"):
-            shape += " off"
-        timing = f"{format_seconds(head['time'])} ± {head['cv']:.1f}%" if head["time"] is not None else "-"
-        if spec["mode"] == "infer" and head["time"] is not None:
-            timing += "/tok"
-        mfu = f"{100 * head['mfu']:.1f}%" if head["mfu"] is not None else "-"
-        if head["roofline"] is not None:
-            mfu += f" ({head['roofline']:.0f}% BW)"
-        status = row["status"] if row["status"] == "ok" else f"[red]{row['status']}[/red]"
-        table.add_row(
-            spec["model"], format_count(row.get("params")), spec["mode"], spec["precision"], shape, timing,
-            format_seconds(head["roofline_time"]),
-            f"{head['tokens_per_s']:,.0f}" if head["tokens_per_s"] else "-", mfu, head["memory"],
-            _prediction(head), status,
-        )
-    return table
+MODEL_NAME_CAP = 40  # wider model names wrap inside their column rather than push figures out
 
 
-def _prediction(head: dict[str, Any]) -> str:
+def short_names(names: Iterable[str]) -> dict[str, str]:
+    """Each model name as the table shows it: a local path becomes its shortest run of trailing
+    components that no other name ends with (``../models/tiny-llama-a`` -> ``tiny-llama-a``; two
+    directories called ``ckpt`` keep the parent that differs); presets and hub ids stay whole."""
+    names = list(dict.fromkeys(names))
+    paths = {name: Path(name).expanduser().parts for name in names if _is_path(name)}
+    shown = {name: name for name in names if name not in paths}
+    for name, parts in paths.items():
+        others = [other_parts for other_parts in paths.values() if other_parts != parts]
+        for count in range(1, len(parts) + 1):
+            tail = str(Path(*parts[-count:]))
+            if count == len(parts) or (tail not in names and all(other[-count:] != parts[-count:] for other in others)):
+                shown[name] = tail
+                break
+    return shown
+
+
+def _is_path(name: str) -> bool:
+    """A local directory, as ``fitbench.models.registry`` tells it from a hub id (``org/name``):
+    one that exists here, or one that cannot be a hub id (a leading . / ~, or more than one /)."""
+    return name.startswith((".", "/", "~")) or name.count("/") > 1 or ("/" in name and Path(name).exists())
+
+
+@dataclass(frozen=True)
+class _Column:
+    """One column of the terminal table. A cell is a few parts (a figure and its spread, one memory
+    figure per GPU) shown on one line when the table fits, else one under the other; ``keep`` ranks
+    the columns (0 first) for which are left out when even stacked cells do not fit."""
+
+    header: tuple[str, ...]
+    cell: Callable[[dict[str, Any], dict[str, Any]], tuple[str, ...]]
+    keep: int
+    justify: str = "right"
+    words: bool = False  # text that may wrap at a narrow width; figures never do
+    separator: str = " "  # between the parts of a cell on one line
+
+    @property
+    def name(self) -> str:
+        return " ".join(self.header)
+
+
+def _time_cell(row: dict[str, Any], head: dict[str, Any]) -> tuple[str, ...]:
+    if head["time"] is None:
+        return ("-",)
+    return (format_seconds(head["time"]),) + ((f"± {head['cv']:.1f}%",) if head["cv"] is not None else ())
+
+
+def _memory_parts(row: dict[str, Any]) -> tuple[str, ...]:
+    gpus = (row.get("memory") or {}).get("gpus") or []
+    if gpus:
+        return tuple(format_bytes(g.get("nvml_peak_used") or g["peak_reserved"]) for g in gpus)
+    if row.get("memory"):
+        return (format_bytes(row["memory"]["host_peak_rss"]) + " host",)
+    return ()
+
+
+def _prediction_cell(row: dict[str, Any], head: dict[str, Any]) -> tuple[str, ...]:
     if head["predicted_peak"] is None:
+        return ("-",)
+    error = (f"({head['prediction_error']:+.1f}%)",) if head["prediction_error"] is not None else ()
+    return (format_bytes(head["predicted_peak"]),) + error
+
+
+def _shape(spec: dict[str, Any]) -> str:
+    shape = f"{spec['batch_size']}×{spec['seq_len']}" + (f"+{spec['new_tokens']}" if spec["mode"] == "infer" else "")
+    return shape + (" rc" if spec.get("activation_checkpointing") else "") + (" off" if spec.get("offload") else "")
+
+
+def _rate(value: float | None) -> str:
+    """Tokens/s: whole above 10, two significant figures below (an offloaded 65B decodes 0.14, not 0)."""
+    if not value:
         return "-"
-    error = f" ({head['prediction_error']:+.1f}%)" if head["prediction_error"] is not None else ""
-    return format_bytes(head["predicted_peak"]) + error
+    return f"{value:,.0f}" if value >= 10 else f"{value:.2g}"
+
+
+def _share(value: float | None, scale: float = 100.0, decimals: int = 1) -> tuple[str, ...]:
+    return (f"{scale * value:.{decimals}f}%",) if value is not None else ("-",)
+
+
+_COMMON = {
+    "model": _Column(("model",), lambda row, head: (head["model"],), 0, "left", words=True),
+    "params": _Column(("params",), lambda row, head: (format_count(row.get("params")),), 8),
+    "precision": _Column(("precision",), lambda row, head: (row["spec"]["precision"],), 2, "left"),
+    "shape": _Column(("batch×seq",), lambda row, head: (_shape(row["spec"]),), 4),
+    "tokens/s": _Column(("tokens/s",), lambda row, head: (_rate(head["tokens_per_s"]),), 2),
+    "memory": _Column(("peak", "memory"), lambda row, head: _memory_parts(row) or ("-",), 3, separator=", "),
+    "predicted": _Column(("predicted", "(error)"), _prediction_cell, 6),
+    "roofline": _Column(("roofline",), lambda row, head: (format_seconds(head["roofline_time"]),), 9),
+    "status": _Column(("status",), lambda row, head: (row["status"],), 0, "left", words=True),
+}
+# What a person compares first differs per mode: a training step's time, tokens/s and MFU; a decode
+# step's latency, decode tokens/s and how close it comes to the bandwidth roofline.
+_TRAINING_COLUMNS = (
+    _COMMON["model"], _COMMON["params"], _COMMON["precision"], _COMMON["shape"],
+    _Column(("median", "± CV"), _time_cell, 1), _COMMON["roofline"], _COMMON["tokens/s"],
+    _Column(("MFU",), lambda row, head: _share(head["mfu"]), 5), _COMMON["memory"], _COMMON["predicted"],
+    _COMMON["status"],
+)
+_INFER_COLUMNS = (
+    _COMMON["model"], _COMMON["params"], _COMMON["precision"], _COMMON["shape"],
+    _Column(("per token", "± CV"), _time_cell, 1), _COMMON["roofline"], _COMMON["tokens/s"],
+    _Column(("% of BW", "roofline"), lambda row, head: _share(head["roofline"], 1.0, 0), 5),
+    _Column(("prefill", "MFU"), lambda row, head: _share(head["mfu"]), 7), _COMMON["memory"],
+    _COMMON["predicted"], _COMMON["status"],
+)
+
+
+class ResultsTable:
+    """The rows as terminal tables, one per mode (its name in the title, not a column), laid out for the
+    width they are printed at (``_layout``): cells on one line where that fits, a figure's spread
+    stacked under it where not, and columns left out, named under the table, when even that is too
+    wide. A figure is shown whole or not at all; rich would otherwise cut it ("64… ms ± 93…")."""
+
+    def __init__(self, rows: Iterable[dict[str, Any]], title: str = "fitbench results"):
+        self.rows = list(rows)
+        self.title = title
+
+    def __rich_console__(self, console: Console, options: ConsoleOptions) -> RenderResult:
+        names = short_names(row["spec"]["model"] for row in self.rows)
+        by_mode: dict[str, list[dict[str, Any]]] = {}
+        for row in self.rows:
+            by_mode.setdefault(row["spec"]["mode"], []).append(row)
+        if not by_mode:
+            yield Text(f"{self.title}: no rows")
+        for index, (mode, rows) in enumerate(by_mode.items()):
+            if index:
+                yield Text()
+            yield self._table(mode, rows, names, options.max_width)
+
+    def _table(self, mode: str, rows: list[dict[str, Any]], names: dict[str, str], width: int) -> Table:
+        columns = list(_INFER_COLUMNS if mode == "infer" else _TRAINING_COLUMNS)
+        cells = []
+        for row in rows:
+            head = {**headline(row), "model": names[row["spec"]["model"]]}
+            cells.append([column.cell(row, head) for column in columns])
+        words_cap = max(10, min(MODEL_NAME_CAP, width // 4))
+        shown, stacked, widths = _layout(columns, cells, width, words_cap)
+        table = Table(title=f"{self.title} · {mode}", title_justify="left", box=box.SIMPLE_HEAD,
+                      show_edge=False, pad_edge=False)
+        for c in shown:
+            column = columns[c]
+            table.add_column("\n".join(column.header) if c in stacked else column.name, justify=column.justify,
+                             no_wrap=not column.words, overflow="fold", max_width=widths[c] if column.words else None,
+                             min_width=None if column.words else widths[c])
+        # a row taller than a figure and its spread reads as one row only with room between rows
+        table.leading = int(any(len(row_cells[c]) > 2 for row_cells in cells for c in stacked))
+        for row, row_cells in zip(rows, cells):
+            status_style = "" if row["status"] == "ok" else "red"
+            table.add_row(*(Text(("\n" if c in stacked else columns[c].separator).join(row_cells[c]),
+                                 style=status_style if columns[c].name == "status" else "") for c in shown))
+        left_out = [columns[c].name for c in range(len(columns)) if c not in shown]
+        if left_out:
+            table.caption = (f"not shown at {width} columns: {', '.join(left_out)}; every figure is in "
+                             f"results.csv and `fitbench report --markdown DIR`")
+            table.caption_justify = "left"
+        return table
+
+
+def _layout(columns: list[_Column], cells: list[list[tuple[str, ...]]], width: int,
+            words_cap: int) -> tuple[list[int], set[int], list[int]]:
+    """Which columns to show, which of them to stack, and their widths, for a table ``width`` wide.
+    Stacking comes first (the widest saving first), then columns go, empty or least compared first; then a
+    column left out comes back if what went made room, and a stack that is no longer needed unfolds.
+    SIMPLE_HEAD without edges spends three cells between columns (padding, rule, padding)."""
+    def natural(c: int, stacked: bool) -> int:
+        return _width(columns[c], [row_cells[c] for row_cells in cells], stacked, words_cap)
+
+    inline = [natural(c, False) for c in range(len(columns))]
+    stack = [natural(c, True) for c in range(len(columns))]
+    shown, stacked = list(range(len(columns))), set()
+
+    def rank(c: int) -> tuple[bool, int, int]:
+        """The largest is left out first: a column without a single figure, then the least compared."""
+        return all(row_cells[c] == ("-",) for row_cells in cells), columns[c].keep, c
+
+    def total(shown: list[int], stacked: set[int]) -> int:
+        return sum(stack[c] if c in stacked else inline[c] for c in shown) + 3 * (len(shown) - 1)
+
+    while shown and total(shown, stacked) > width:
+        savings = {c: inline[c] - stack[c] for c in shown if c not in stacked and inline[c] > stack[c]}
+        if savings:
+            stacked.add(max(savings, key=savings.__getitem__))
+        else:
+            shown.remove(max(shown, key=rank))
+    for c in sorted(set(range(len(columns))) - set(shown), key=rank, reverse=True):
+        for with_stack in (stacked, stacked | {c}):
+            if total(sorted(shown + [c]), with_stack) <= width:
+                shown, stacked = sorted(shown + [c]), with_stack
+                break
+    for c in sorted(stacked, key=lambda c: (inline[c] - stack[c], c)):
+        if total(shown, stacked - {c}) <= width:
+            stacked = stacked - {c}
+    return shown, stacked, [stack[c] if c in stacked else inline[c] for c in range(len(columns))]
+
+
+def _width(column: _Column, cells: list[tuple[str, ...]], stacked: bool, words_cap: int) -> int:
+    lines = list(column.header) if stacked else [column.name]
+    for parts in cells:
+        lines += list(parts) if stacked else [column.separator.join(parts)]
+    natural = max(cell_len(line) for line in lines)
+    if column.words:
+        return min(natural, max(words_cap, max(cell_len(line) for line in column.header)))
+    return natural
+
+
+def results_table(rows: Iterable[dict[str, Any]], title: str = "fitbench results") -> ResultsTable:
+    return ResultsTable(rows, title)
 
 
 def flat_frame(rows: Iterable[dict[str, Any]]) -> pd.DataFrame:
-    """One column per scalar field (``spec.model``, ``throughput.mfu``, ``memory.gpus``...);
-    raw samples stay in the JSONL only."""
+    """One column per field (``spec.model``, ``throughput.mfu``...); what stays nested (the list
+    ``memory.gpus``, an empty dict) is a JSON cell, which any CSV reader's user can parse back, as a
+    Python repr is not. Raw samples stay in the JSONL only."""
     trimmed = []
     for row in rows:
         row = dict(row)
         if isinstance(row.get("timing"), dict):
             row["timing"] = {k: v for k, v in row["timing"].items() if k != "samples"}
         trimmed.append(row)
-    return pd.json_normalize(trimmed, sep=".")
+    frame = pd.json_normalize(trimmed, sep=".")
+    return frame.map(_json_cell)
+
+
+def _json_cell(value: Any) -> Any:
+    return json.dumps(value, default=str) if isinstance(value, (dict, list, tuple)) else value
 
 
 def write_csv(rows: Iterable[dict[str, Any]], directory: str | Path) -> Path:

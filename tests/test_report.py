@@ -1,0 +1,272 @@
+"""What a person reads: the results table at any terminal width, model names, sweep progress and
+the CSV. Rows come from the committed GPU runs in benchmarks/results and from a real CPU run."""
+
+import io
+import json
+import os
+import re
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pandas as pd
+import pytest
+from rich.cells import cell_len
+from rich.console import Console
+
+from fitbench.results.report import results_table, short_names, write_csv
+from fitbench.results.store import ResultStore
+from fitbench.results.terminal import EtaColumn, SweepClock
+from fitbench.units import format_bytes, format_count, format_seconds
+
+ROOT = Path(__file__).parent.parent
+WIDTHS = (60, 80, 160)
+
+
+def committed_rows() -> list[dict]:
+    """Every row of the committed H100 runs: every mode, ok, oom and refused, offload, auto batch."""
+    rows = []
+    for path in sorted((ROOT / "benchmarks/results").rglob("results.jsonl")):
+        rows += ResultStore(path.parent).rows()
+    return rows
+
+
+def render(rows: list[dict], width: int) -> str:
+    console = Console(width=width, file=io.StringIO(), color_system=None)
+    console.print(results_table(rows))
+    return console.file.getvalue()
+
+
+def figures(row: dict) -> dict[str, list[str]]:
+    """Each column's figures for ``row``, read from the row's own fields (not through the table's code)."""
+    spec, throughput = row["spec"], row.get("throughput") or {}
+    infer = spec["mode"] == "infer"
+    stats = (row.get("timing") or {}).get("token_latency" if infer else "step") or {}
+    gpus = (row.get("memory") or {}).get("gpus") or []
+    memory = [format_bytes(g.get("nvml_peak_used") or g["peak_reserved"]) for g in gpus]
+    if not gpus and row.get("memory"):
+        memory = [format_bytes(row["memory"]["host_peak_rss"])]
+    tokens = throughput.get("decode_tokens_per_s" if infer else "tokens_per_s")
+    found = {
+        "params": [format_count(row.get("params"))],
+        "batch×seq": [f"{spec['batch_size']}×{spec['seq_len']}" + (f"+{spec['new_tokens']}" if infer else "")],
+        "median ± CV" if not infer else "per token ± CV":
+            [format_seconds(stats["median"]), f"{stats['cv_percent']:.1f}%"] if stats else [],
+        "tokens/s": [f"{tokens:,.0f}"] if tokens and tokens >= 10 else [],
+        "peak memory": memory,
+    }
+    prediction = row.get("prediction") or {}
+    if prediction.get("step_time_estimate_s"):
+        found["roofline"] = [format_seconds(prediction["step_time_estimate_s"])]
+    if prediction.get("predicted_peak_bytes"):
+        found["predicted (error)"] = [format_bytes(prediction["predicted_peak_bytes"])]
+    if infer:
+        if throughput.get("decode_roofline_percent") is not None:
+            found["% of BW roofline"] = [f"{throughput['decode_roofline_percent']:.0f}%"]
+        if throughput.get("prefill_mfu") is not None:
+            found["prefill MFU"] = [f"{100 * throughput['prefill_mfu']:.1f}%"]
+    elif throughput.get("mfu") is not None:
+        found["MFU"] = [f"{100 * throughput['mfu']:.1f}%"]
+    return found
+
+
+def sections(text: str) -> dict[str, tuple[str, list[str]]]:
+    """The rendered text per table, by mode: (the table, the names of the columns it leaves out)."""
+    found = {}
+    for part in re.split(r"^(?=fitbench results · )", text, flags=re.M):
+        if not part.strip():
+            continue
+        title = part.splitlines()[0].strip()
+        note = " ".join(line.strip() for line in part.splitlines())
+        left_out = re.search(r"not shown at \d+ columns: (.*?); every figure is in results\.csv", note)
+        found[title.split(" · ")[-1]] = (part, left_out.group(1).split(", ") if left_out else [])
+    return found
+
+
+def whole(figure: str, text: str) -> bool:
+    """``figure`` appears with nothing of a number glued to either side: not cut, not part of another."""
+    return re.search(r"(?<![\d.,])" + re.escape(figure) + r"(?!\d|[.,]\d)", text) is not None
+
+
+def check_table(rows: list[dict], width: int) -> str:
+    text = render(rows, width)
+    assert "…" not in text
+    assert max(cell_len(line) for line in text.splitlines()) <= width
+    tables = sections(text)
+    assert set(tables) == {row["spec"]["mode"] for row in rows}
+    for row in rows:
+        table, left_out = tables[row["spec"]["mode"]]
+        assert row["status"] in table
+        for column, shown in figures(row).items():
+            if column in left_out:
+                continue
+            for figure in shown:
+                assert whole(figure, table), (width, column, figure, row["label"])
+    return text
+
+
+@pytest.mark.parametrize("width", WIDTHS)
+def test_every_figure_is_whole_or_its_column_is_named_as_left_out(width):
+    rows = committed_rows()
+    assert {row["status"] for row in rows} >= {"ok", "oom", "refused"}
+    text = check_table(rows, width)
+    tables = sections(text)
+    for mode, (table, left_out) in tables.items():
+        # what a person compares first survives any of these widths
+        for column in ("model", "precision", "status", "tokens/s", "per token" if mode == "infer" else "median"):
+            assert column in table and column not in left_out
+        assert (left_out == []) == (width == 160), left_out
+
+
+def test_a_narrow_table_stacks_the_spread_under_its_figure():
+    row = next(row for row in committed_rows() if row["spec"]["mode"] == "train" and row["status"] == "ok")
+    wide, narrow = render([row], 160), render([row], 60)
+    median = format_seconds(row["timing"]["step"]["median"])
+    spread = f"± {row['timing']['step']['cv_percent']:.1f}%"
+    assert f"{median} {spread}" in wide
+    lines = narrow.splitlines()
+    line = next(i for i, text in enumerate(lines) if median in text)
+    assert spread in lines[line + 1] and spread not in lines[line]
+
+
+@pytest.mark.parametrize("names, shown", [
+    (["../models/tiny-llama-a", "../models/tiny-llama-b"], ["tiny-llama-a", "tiny-llama-b"]),
+    (["/data/run1/ckpt", "/data/run2/ckpt"], ["run1/ckpt", "run2/ckpt"]),
+    (["/a/x/ckpt", "/b/x/ckpt", "/b/y/ckpt"], ["a/x/ckpt", "b/x/ckpt", "y/ckpt"]),
+    (["../models/tiny", "tiny"], ["models/tiny", "tiny"]),  # a path is not mistaken for the preset
+    (["x/a/b/c", "a/b/c/"], ["x/a/b/c", "a/b/c"]),  # one path is the other's tail: the shorter stays whole
+    (["/ckpt", "/a/ckpt"], ["/ckpt", "a/ckpt"]),
+    (["./m/a", "./m/a/"], ["a", "a"]),  # one directory spelled twice is one model
+    (["meta-llama/Llama-2-7b-hf", "7B"], ["meta-llama/Llama-2-7b-hf", "7B"]),  # hub ids and presets stay whole
+])
+def test_model_paths_shortened_to_what_tells_them_apart(names, shown):
+    assert [short_names(names)[name] for name in names] == shown
+
+
+def test_the_table_shows_short_model_names():
+    base = next(row for row in committed_rows() if row["spec"]["mode"] == "infer" and row["status"] == "ok")
+    paths = ["../models/tiny-llama-a", "../models/tiny-llama-b", "/scratch/old/final", "/scratch/new/final"]
+    rows = [{**base, "spec": {**base["spec"], "model": path}} for path in paths]
+    for width in WIDTHS:
+        text = check_table(rows, width)
+        assert "../models" not in text and "scratch" not in text
+        for name in ("tiny-llama-a", "tiny-llama-b", "old/final", "new/final"):
+            assert re.search(rf"^{name} ", text, flags=re.M), (width, name)
+
+
+def test_csv_keeps_nested_fields_as_json(tmp_path):
+    rows = committed_rows()
+    table = pd.read_csv(write_csv(rows, tmp_path))
+    checked = 0
+    for field in ("memory.gpus", "environment.gpus", "warnings", "prediction.terms", "attempts"):
+        assert field in table.columns
+        for row, cell in zip(rows, table[field]):
+            value = row
+            for key in field.split("."):
+                value = (value or {}).get(key)
+            if isinstance(cell, str):
+                assert json.loads(cell) == json.loads(json.dumps(value)), field
+                checked += 1
+            else:
+                assert value is None, field
+    assert checked > 100
+    text = (tmp_path / "results.csv").read_text()
+    assert "{'" not in text and "['" not in text and "None" not in text
+
+
+def test_sweep_clock_estimates_from_what_was_measured():
+    now = [100.0]
+    clock = SweepClock(6, now=lambda: now[0])
+    clock.skip()  # finished by an earlier invocation: done, but no duration
+    assert clock.remaining is None and "1/6 done" in clock.summary()
+    clock.start()
+    now[0] += 30
+    clock.finish()
+    clock.start()
+    now[0] += 2
+    clock.finish(measured=False)  # refused before launch: no process ran
+    clock.start()
+    now[0] += 90
+    clock.finish()
+    assert clock.remaining == pytest.approx(60 * 2)  # two left at the mean of 30 s and 90 s
+    clock.start()
+    now[0] += 45
+    assert clock.remaining == pytest.approx(15 + 60)  # the running one has spent 45 of its 60
+    now[0] += 100
+    assert clock.remaining == pytest.approx(60)  # overdue: at least the one still queued
+    assert clock.summary() == "4/6 done, 0:04:27 elapsed, about 0:01:00 left"
+    clock.finish()
+    clock.start()
+    clock.finish()
+    assert clock.remaining == 0 and clock.summary().endswith("done")
+
+
+def test_output_that_is_not_a_terminal_gets_a_line_per_configuration(tmp_path):
+    """The sweep's output piped: each configuration's line arrives as it finishes, with the count,
+    the elapsed time and the time left; the final tables are then readable at any width."""
+    out = tmp_path / "out"
+    args = ["run", "--models", "tiny", "--mode", "forward", "infer", "--batch-size", "1", "--seq-len", "16",
+            "--new-tokens", "4", "--warmup-steps", "1", "--measure-steps", "2", "--out", str(out)]
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")])}
+    env.pop("FITBENCH_INJECT", None)
+    parent = subprocess.Popen([sys.executable, "-m", "fitbench", *args], cwd=tmp_path, env=env,
+                              stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    try:
+        lines = []
+        for line in parent.stdout:
+            lines.append((line, parent.poll(), len(list(ResultStore(out).rows()))))
+            if line.startswith("[1/2"):
+                break
+        rest = parent.stdout.read()
+        assert parent.wait(timeout=300) == 0, parent.stderr.read()
+    finally:
+        parent.kill()
+    first, running, rows_then = lines[-1]
+    # printed when the first row was written, while the second configuration still had to run
+    assert running is None and rows_then == 1
+    assert re.match(r"\[1/2 done, \d+:\d\d:\d\d elapsed, about \d+:\d\d:\d\d left\] ok tiny forward fp32 1x16 "
+                    r"\[native\]: [\d.]+ \S+/step ± [\d.]+%, [\d,.]+ tokens/s", first), first
+    progress = [line for line in rest.splitlines() if line.startswith("[2/2")]
+    assert len(progress) == 1 and re.match(r"\[2/2 done, \d+:\d\d:\d\d elapsed, done\] ok tiny infer fp32 1x16\+4 "
+                                           r"\[native\]: ", progress[0]), progress
+    assert re.search(r"^fitbench results · forward *$", rest, flags=re.M)
+    assert re.search(r"^fitbench results · infer *$", rest, flags=re.M)
+
+    rows = list(ResultStore(out).rows())
+    assert [row["status"] for row in rows] == ["ok", "ok"]
+    for width in WIDTHS:
+        check_table(rows, width)
+    table = pd.read_csv(out / "results.csv")
+    assert [json.loads(cell) for cell in table["environment.gpus"]] == [row["environment"]["gpus"] for row in rows]
+
+
+def test_memory_of_several_gpus_is_one_figure_per_gpu():
+    base = next(row for row in committed_rows() if row["spec"]["mode"] == "train" and row["status"] == "ok")
+    gpu = base["memory"]["gpus"][0]
+    gpus = [{**gpu, "index": index, "nvml_peak_used": gpu["nvml_peak_used"] + index * 1.3e9} for index in range(4)]
+    row = {**base, "memory": {**base["memory"], "gpus": gpus}}
+    for width in WIDTHS:
+        text = check_table([row, base], width)
+        if width == 160:
+            assert ", ".join(format_bytes(g["nvml_peak_used"]) for g in gpus) in text
+
+
+def test_the_live_display_shows_the_time_left_on_the_sweep_only():
+    from rich.progress import Progress
+
+    now = [0.0]
+    clock = SweepClock(3, now=lambda: now[0])
+    console = Console(width=120, file=io.StringIO(), force_terminal=True, color_system=None)
+    with Progress(EtaColumn(clock), console=console, auto_refresh=False) as progress:
+        sweep = progress.add_task("sweep", total=3, eta=True)
+        run = progress.add_task("", total=None)
+        clock.start()
+        now[0] += 20
+        clock.finish()
+        clock.start()
+        now[0] += 5
+        progress.refresh()
+        columns = progress.columns[0]
+        assert str(columns(progress.tasks[sweep])) == "about 0:00:35 left"
+        assert str(columns(progress.tasks[run])) == ""
