@@ -462,7 +462,9 @@ def describe_validation_error(error: ValidationError, origin: dict[str, Source] 
     problems = []
     for item in error.errors():
         field = next((str(part) for part in item["loc"] if isinstance(part, str)), "config")
-        source = (origin or {}).get(field) or Source({}, kind="cli")
+        source = (origin or {}).get(field)
+        if source is None:
+            source = Source({}, kind="cli")
         label = source.label(field)
         description = SweepConfig.model_fields.get(field)
         expected = f" Expected: {description.description}." if description and description.description else ""
@@ -471,8 +473,8 @@ def describe_validation_error(error: ValidationError, origin: dict[str, Source] 
                             f"fields.")
             continue
         message = item["msg"].removeprefix("Value error, ")
-        problems.append(f"{label}: {message[:200]} (got {excerpt(item.get('input'))}).{expected} "
-                        f"Fix {source.where(field)}.")
+        got = "" if "got " in message else f" (got {excerpt(item.get('input'))})"
+        problems.append(f"{label}: {message[:200]}{got}.{expected} Fix {source.where(field)}.")
     return " ".join(dict.fromkeys(problems))
 
 
