@@ -311,6 +311,10 @@ class Source(dict):
         return f"`{key}` in the saved sweep {self.name} (it was saved damaged; start a new sweep with --out)"
 
 
+class _Refused(yaml.YAMLError):
+    """Well-formed YAML that fitbench will not expand."""
+
+
 class _BoundedLoader(yaml.SafeLoader):
     """PyYAML's safe loader, refusing documents whose aliases expand past ``YAML_MAX_NODES`` nodes (a
     "billion laughs" of a few hundred bytes stands for gigabytes once anything walks it) or refer to
@@ -322,7 +326,7 @@ class _BoundedLoader(yaml.SafeLoader):
 
         def expanded(item, inside: frozenset) -> int:
             if id(item) in inside:
-                raise yaml.YAMLError("an alias refers to the node that contains it")
+                raise _Refused("an alias refers to the node that contains it")
             if id(item) not in sizes:
                 children = item.value if isinstance(item.value, list) else []
                 pairs = [part for child in children for part in (child if isinstance(child, tuple) else (child,))]
@@ -330,7 +334,7 @@ class _BoundedLoader(yaml.SafeLoader):
                 for child in pairs:
                     total += expanded(child, inside | {id(item)})
                     if total > YAML_MAX_NODES:
-                        raise yaml.YAMLError(f"its aliases expand to more than {YAML_MAX_NODES:,} values")
+                        raise _Refused(f"its aliases expand to more than {YAML_MAX_NODES:,} values")
                 sizes[id(item)] = total
             return sizes[id(item)]
 
@@ -370,6 +374,8 @@ def _read_yaml(path: str | Path) -> Any:
                         f"{error.start}). Save it as UTF-8.") from None
     try:
         return yaml.load(text, Loader=_BoundedLoader)
+    except _Refused as error:
+        raise UserError(f"config: {path} is refused: {error}. Write the values out instead of through aliases.") from None
     except yaml.YAMLError as error:
         mark = getattr(error, "problem_mark", None)
         where = f" at line {mark.line + 1}, column {mark.column + 1}" if mark else ""

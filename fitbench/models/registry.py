@@ -173,6 +173,8 @@ def architecture_from_hf_config(config: dict[str, Any], *, name: str, source: st
     """Map a transformers config of the llama, mistral, qwen2, falcon or gpt2 type to an Architecture.
     Every field is checked first; a UserError names each bad one (``where``: the file, for messages)."""
     model_type = config.get("model_type")
+    if not isinstance(model_type, str):
+        model_type = None if model_type is None else excerpt(model_type)
     fields = _Fields(config)
     if model_type in _LLAMA_LIKE:
         heads = fields.size("num_attention_heads", "heads")
@@ -214,10 +216,10 @@ def architecture_from_hf_config(config: dict[str, Any], *, name: str, source: st
             norm_eps=fields.number("layer_norm_epsilon", 1e-5, below=1.0),
         )
     else:
-        found = "no model_type" if model_type is None else f"model_type {excerpt(model_type)}"
+        found = "no model_type" if model_type is None else f"model_type {model_type!r}"
         raise UserError(
             f"models: {where} has {found}; fitbench supports llama, mistral, qwen2, falcon (new decoder "
-            f"architecture) and gpt2 configs. Set `model_type`, or pass a preset (`fitbench models`)."
+            f"architecture) and gpt2 configs. Fix `model_type` in the file, or pass a preset (`fitbench models`)."
         )
     names = _FIELD_NAMES[shape["family"]]
     if not fields.problems:

@@ -61,15 +61,17 @@ class ResultStore:
     def append(self, row: dict[str, Any]) -> None:
         self.directory.mkdir(parents=True, exist_ok=True)
         line = json.dumps(row, default=str).encode() + b"\n"
-        with self.path.open("a+b") as handle:
+        # Unbuffered: a failed write raises here, where the file is cut back, not later when a buffer flushes.
+        with self.path.open("a+b", buffering=0) as handle:
             size = handle.seek(0, os.SEEK_END)
             if size > 0:
                 handle.seek(-1, os.SEEK_END)
                 if handle.read(1) != b"\n":
                     line = b"\n" + line  # a line cut short by a kill must not swallow this row
             try:
-                handle.write(line)
-                handle.flush()
+                rest = memoryview(line)
+                while rest:
+                    rest = rest[handle.write(rest):]
                 os.fsync(handle.fileno())
             except OSError as error:
                 handle.truncate(size)  # no half row: the file stays as every earlier write left it
