@@ -832,10 +832,10 @@ def test_requirements_table_and_json(capsys):
     assert all(rows[("infer", p)]["min_gpus"] == 1 for p in ("bf16-pure", "int8", "nf4"))
     for row in rows.values():
         assert row["model"] == "7B"
-    # The batch counts: 64 x (4096 + 128) tokens of KV cache at 524,288 B each is 141.7 GB.
-    assert kv_bytes_per_token(LLAMA2_7B) * 64 * (4096 + 128) > 80e9
+    # The batch counts: 64 x (3968 + 128) tokens of KV cache at 524,288 B each is 137.4 GB.
+    assert kv_bytes_per_token(LLAMA2_7B) * 64 * (3968 + 128) > 80e9
     code, out, err = cli(["plan", "--requirements", "--gpu-memory", "80GB", "--models", "7B", "--mode", "infer",
-                          "--precision", "bf16-pure", "--batch-size", "64", "--seq-len", "4096", "--json"], capsys)
+                          "--precision", "bf16-pure", "--batch-size", "64", "--seq-len", "3968", "--json"], capsys)
     assert code == 0, err
     assert json.loads(out)[0]["min_gpus"] > 1
 
