@@ -9,8 +9,10 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 import shlex
 import sys
+import tempfile
 from datetime import datetime, timezone
 from pathlib import Path
 from typing import Any, Callable
@@ -21,7 +23,8 @@ from rich.progress import BarColumn, MofNCompleteColumn, Progress, SpinnerColumn
 from rich.table import Column, Table
 
 from fitbench import __version__
-from fitbench.errors import UserError
+from fitbench.errors import UserError, excerpt
+from fitbench.results.store import DISK_ERRORS
 from fitbench.run.loops import MODES
 from fitbench.run.precision import PRECISIONS
 
@@ -97,7 +100,11 @@ def _add_run_options(parser: argparse.ArgumentParser) -> None:
     add("--seed", type=int, default=S, help="seed of the random weights and tokens (default 0)")
     add("--out", default=S, metavar="DIR", help="results directory (default ./fitbench-results/<UTC time>)")
     add("--resume", metavar="DIR", default=None,
-        help="continue the sweep in DIR: its saved settings apply, finished configurations are skipped")
+        help="continue the sweep in DIR: its saved settings apply, finished configurations are skipped; options "
+             "that differ from the saved ones are refused (the difference is shown) unless --extend is given")
+    add("--extend", action="store_true",
+        help="with --resume: add the models, modes, precisions, batch sizes and sequence lengths given to the "
+             "saved sweep (it becomes their product; what it had stays in it)")
     add("--config", metavar="FILE", default=None, help="YAML file with any of these options as keys")
 
 
@@ -108,10 +115,11 @@ def _add_plan_options(parser: argparse.ArgumentParser) -> None:
     add("--precision", nargs="+", choices=PRECISIONS, default=None, metavar="PRECISION",
         help="the precision ladder, in order of preference (default per mode: train bf16 bf16-pure; "
              "infer and forward bf16-pure int8 nf4)")
-    add("--batch-size", dest="batch_size", nargs="+", default=["1"], metavar="N",
+    add("--batch-size", dest="batch_size", nargs="+", type=_batch_size, default=[1], metavar="N",
         help="batch sizes, or auto for the largest predicted to fit (default 1)")
-    add("--seq-len", "--context-length", dest="seq_len", default=512, metavar="T", help="default 512")
-    add("--new-tokens", dest="new_tokens", default=128, metavar="N", help="generated tokens in infer (default 128)")
+    add("--seq-len", "--context-length", dest="seq_len", type=int, default=512, metavar="T", help="default 512")
+    add("--new-tokens", dest="new_tokens", type=int, default=128, metavar="N",
+        help="generated tokens in infer (default 128)")
     add("--strategy", nargs="+", choices=("single", "ddp", "fsdp", "tp", "pipeline"), default=None,
         help="limit the layouts considered (default: all that apply to the mode)")
     add("--gpus", type=int, default=None, help="how many GPUs to plan for (default: those detected)")
@@ -337,35 +345,63 @@ def _describe_row(row: dict[str, Any]) -> str:
             f"{head['tokens_per_s']:,.0f} tokens/s{cost}{warn}")
 
 
+def _warn(message: str) -> None:
+    errors.print(f"fitbench: warning: {escape(message)}", soft_wrap=True)
+
+
+def check_output_directory(out: str, option: str) -> None:
+    """A UserError unless ``out`` is, or can be made, a directory this process can write in; checked
+    before anything runs, by writing there."""
+    path = Path(out)
+    if path.exists() and not path.is_dir():
+        raise UserError(f"out: {out} ({option}) is an existing file, not a directory. Give a directory, or a path "
+                        f"that does not exist yet.")
+    try:
+        path.mkdir(parents=True, exist_ok=True)
+        with tempfile.TemporaryFile(dir=path):
+            pass
+    except OSError as error:
+        raise UserError(f"out: cannot write in {out} ({option}): {error.strerror}. Give a directory you can write "
+                        f"to.") from None
+
+
 def run(args: argparse.Namespace, cli_options: dict[str, Any]) -> int:
     """Benchmark every configuration of the sweep, each in a fresh process."""
-    from fitbench.config import expand, fallback_ladder, load_yaml, merge_sources
+    from fitbench.config import expand, fallback_ladder, load_yaml, merge_sources, resumed_config, saved_options
     from fitbench.launch.fallback import FallbackPolicy
     from fitbench.launch.local import SweepCallbacks, run_sweep
     from fitbench.plan.calibration import TENSORS_ONLY
     from fitbench.results.report import results_table, write_csv
-    from fitbench.results.store import ResultStore
+    from fitbench.results.store import SWEEP_FILE, ResultStore
     from fitbench.results.terminal import EtaColumn, SweepClock
 
     saved: dict[str, Any] = {}
     if args.resume:
+        if "out" in cli_options:
+            raise UserError(f"--resume and --out contradict: --resume {args.resume} writes to the directory it "
+                            f"resumes. Give --resume alone, or --out alone for a new sweep.")
         store = ResultStore(args.resume)
         sweep = store.load_sweep()
         if sweep is None:
             raise UserError(f"resume: {args.resume} holds no fitbench sweep (no sweep.json). Pass the --out directory "
                             f"of an earlier run.")
-        saved = {key: value for key, value in sweep["config"].items() if value is not None}
+        saved = saved_options(sweep, str(store.directory / SWEEP_FILE))
+    elif args.extend:
+        raise UserError("--extend adds to a saved sweep; give it with --resume DIR.")
     file_options = load_yaml(args.config) if args.config else {}
     config = merge_sources(saved, file_options, cli_options)
+    if args.resume:
+        config = resumed_config(saved, config, extend=args.extend)
+    out = args.resume or config.out or str(Path("fitbench-results") / datetime.now(timezone.utc).strftime("%Y%m%d-%H%M%S"))
     device = resolve_device(config.device)
     specs = expand(config, device=device, default_models=default_models(device))
+    check_output_directory(out, "--resume" if args.resume else "--out")
     target, calibration = run_target(device)
     specs, predict, refusals = plan_specs(specs, config, target, calibration)
     refusals.update(hardware_refusals(specs, device))
 
-    out = args.resume or config.out or str(Path("fitbench-results") / datetime.now(timezone.utc).strftime("%Y%m%d-%H%M%S"))
     config = config.model_copy(update={"out": out})
-    store = ResultStore(out)
+    store = ResultStore(out, on_bad_line=_warn)
     command = shlex.join(["fitbench", *args.argv])
     store.save_sweep({"config": config.model_dump(), "device": device, "command": command,
                       "fitbench_version": __version__})
@@ -441,24 +477,36 @@ Without --gpus/--gpu-memory/--gpu the GPUs of this machine are used.
 """
 
 
+# Bounds of what a plan can describe: beyond them a number is a typo, and sizes stop being finite floats.
+GPU_MEMORY_MAX = 1e14
+GPUS_MAX = 65536
+
+
 def gpu_target(args: argparse.Namespace):
     """The GPUs to plan for: described on the command line, else detected."""
     from fitbench import hardware
     from fitbench.plan.planner import GPU_ALIASES, GpuTarget
     from fitbench.units import parse_bytes
 
+    if args.gpu and args.gpu_memory:
+        raise UserError(f"--gpu and --gpu-memory contradict: --gpu {excerpt(args.gpu)} sets the memory per GPU "
+                        f"from its datasheet; give --gpu for a known GPU, or --gpu-memory to describe another.")
     name = None
     if args.gpu:
         name = GPU_ALIASES.get(args.gpu.upper(), args.gpu)
         if hardware.gpu_spec(name) is None:
-            raise UserError(f"gpu: {args.gpu!r} is not a known GPU. Known: {', '.join(GPU_ALIASES)} (or an exact "
+            raise UserError(f"gpu: {excerpt(args.gpu)} is not a known GPU. Known: {', '.join(GPU_ALIASES)} (or an exact "
                             f"device name such as 'NVIDIA H100 80GB HBM3'); or describe it with --gpu-memory.")
     memory, source = None, None
     if args.gpu_memory:
         try:
             memory, source = parse_bytes(args.gpu_memory), "--gpu-memory"
         except ValueError:
-            raise UserError(f"gpu-memory: {args.gpu_memory!r} is not a size; write it like 80GB or 79.2GiB.") from None
+            raise UserError(f"gpu-memory: {excerpt(args.gpu_memory)} is not a size; write it like 80GB or "
+                            f"79.2GiB.") from None
+        if not math.isfinite(memory) or not 0 < memory <= GPU_MEMORY_MAX:
+            raise UserError(f"gpu-memory: {excerpt(args.gpu_memory)} is not a GPU's memory; give a size above zero "
+                            f"and at most {GPU_MEMORY_MAX / 1e12:.0f} TB, like 80GB or 79.2GiB.")
     detected = hardware.detect_gpus()
     if name is None and memory is None and args.gpus is None:
         if not detected:
@@ -473,8 +521,8 @@ def gpu_target(args: argparse.Namespace):
         spec = hardware.gpu_spec(name)
         memory, source = spec.total_memory, spec.total_memory_source
     count = 1 if args.gpus is None else args.gpus
-    if count <= 0:
-        raise UserError(f"gpus: must be a positive number of GPUs, got {count}.")
+    if not 0 < count <= GPUS_MAX:
+        raise UserError(f"gpus: must be a number of GPUs from 1 to {GPUS_MAX:,}, got {excerpt(count)}.")
     return GpuTarget(name, count, memory, described=True, memory_source=source)
 
 
@@ -529,16 +577,24 @@ def plan(args: argparse.Namespace, cli_options: dict[str, Any]) -> int:
     from fitbench.plan.calibration import load_calibration
     from fitbench.plan.planner import minimum_gpus, plan as make_plan
 
+    from fitbench.config import check_context, merge_sources
+
+    shapes = merge_sources({}, {}, {"batch_size": args.batch_size, "seq_len": [args.seq_len],
+                                    "new_tokens": args.new_tokens, "models": args.models})
+    if "auto" in shapes.batch_size and len(shapes.batch_size) > 1:
+        raise UserError("batch_size: auto finds the largest batch that fits; give it alone, or list batch sizes.")
+    batch = None if shapes.batch_size == ["auto"] else shapes.batch_size
+    seq_len, new_tokens = args.seq_len, args.new_tokens
     target = gpu_target(args)
     calibration = load_calibration(target.name)
-    batch = None if args.batch_size == ["auto"] else [_positive_int(v, "batch-size") for v in args.batch_size]
-    seq_len = _positive_int(args.seq_len, "seq-len")
-    new_tokens = _positive_int(args.new_tokens, "new-tokens")
+    architectures = {name: resolve(name) for name in args.models}
+    for name, arch in architectures.items():
+        for mode in args.mode:
+            check_context(arch, mode, seq_len, new_tokens)
     if args.requirements:
         return _requirements(args, target, calibration, seq_len, new_tokens, batch, minimum_gpus)
     results, outputs = [], []
-    for name in args.models:
-        arch = resolve(name)
+    for name, arch in architectures.items():
         for mode in args.mode:
             result = make_plan(arch, mode, target, seq_len=seq_len, new_tokens=new_tokens, batch_sizes=batch,
                                precisions=args.precision, strategies=args.strategy, calibration=calibration)
@@ -559,17 +615,6 @@ def plan(args: argparse.Namespace, cli_options: dict[str, Any]) -> int:
         for result, trace in results:
             _plan_text(result, trace)
     return 0
-
-
-def _positive_int(value: Any, field: str) -> int:
-    try:
-        number = int(value)
-    except (TypeError, ValueError):
-        raise UserError(f"{field}: expected a positive integer{' or auto' if field == 'batch-size' else ''}, "
-                        f"got {value!r}.") from None
-    if number <= 0:
-        raise UserError(f"{field}: must be positive, got {number}.")
-    return number
 
 
 def _requirements(args, target, calibration, seq_len, new_tokens, batch, minimum_gpus) -> int:
@@ -712,7 +757,7 @@ def report(args: argparse.Namespace, cli_options: dict[str, Any]) -> int:
     from fitbench.results.report import markdown_report, results_table
     from fitbench.results.store import ResultStore
 
-    store = ResultStore(args.directory)
+    store = ResultStore(args.directory, on_bad_line=_warn)
     if not store.path.exists():
         raise UserError(f"report: {args.directory} has no {store.path.name}. Pass the --out directory of a "
                         f"`fitbench run`.")
@@ -783,14 +828,21 @@ def main(argv: list[str] | None = None) -> int:
         args = parser.parse_args(["run", *argv])
     args.argv = argv
     options = {key: value for key, value in vars(args).items()
-               if key not in ("command", "function", "resume", "config", "json", "sources", "measure", "argv",
-                               "directory", "markdown")}
+               if key not in ("command", "function", "resume", "extend", "config", "json", "sources", "measure",
+                               "argv", "directory", "markdown")}
     if args.command != "run":
         options = {}
     try:
         return args.function(args, options)
     except UserError as error:
-        errors.print(f"fitbench: {error}", soft_wrap=True)
+        errors.print(f"fitbench: {escape(str(error))}", soft_wrap=True)
+        return UserError.exit_code
+    except OSError as error:
+        if error.errno not in DISK_ERRORS:
+            raise
+        errors.print(f"fitbench: out: writing {escape(str(error.filename or 'a file'))} failed: {error.strerror}. "
+                     f"Rows already written are intact; make room and `fitbench run --resume <its --out directory>` "
+                     f"finishes the sweep.", soft_wrap=True)
         return UserError.exit_code
     except KeyboardInterrupt:
         errors.print("fitbench: interrupted; finished rows are saved, `fitbench run --resume <out>` goes on.")

@@ -10,12 +10,12 @@ from __future__ import annotations
 import hashlib
 import json
 from pathlib import Path
-from typing import Any, Literal
+from typing import Annotated, Any, Callable, Literal
 
 import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
-from fitbench.errors import UserError
+from fitbench.errors import UserError, excerpt
 from fitbench.models.backends import backend_error, default_backend
 from fitbench.models.registry import resolve
 from fitbench.plan.memory import offload_problem
@@ -29,6 +29,27 @@ BackendChoice = Literal["auto", "native", "hf"]
 
 # The seeds' CS336 script says --pass-type forward|backward; backward there means forward + backward.
 PASS_TYPES = {"forward": "forward", "backward": "forward-backward"}
+
+# Counts (batch, tokens, steps) become int64 tensor sizes and products of two of them must still fit.
+COUNT_MAX = 2**31 - 1
+# torch.manual_seed takes an unsigned 64-bit seed.
+SEED_MAX = 2**64 - 1
+
+
+def _whole_number(value: Any, minimum: int, maximum: int, auto: bool = False) -> Any:
+    """``value`` if it is a whole number in [minimum, maximum] (or ``auto``); YAML's true, 2.5 and "4" are
+    not counts, so no type coercion happens here."""
+    if auto and value == "auto":
+        return value
+    if isinstance(value, bool) or not isinstance(value, int):
+        kind = "text" if isinstance(value, str) else type(value).__name__
+        raise ValueError(f"expected a whole number{' or auto' if auto else ''}, got {excerpt(value)} ({kind})")
+    if value < minimum:
+        raise ValueError(f"must be positive, got {value}" if minimum == 1 else f"must be at least {minimum}, "
+                                                                                f"got {value}")
+    if value > maximum:
+        raise ValueError(f"must be at most {maximum:,}, got {excerpt(value)}")
+    return value
 
 
 class RunSpec(BaseModel):
@@ -104,7 +125,8 @@ class SweepConfig(BaseModel):
 
     model_config = ConfigDict(extra="forbid", populate_by_name=True)
 
-    models: list[str] | None = Field(None, min_length=1, description="preset names, local directories or hub ids")
+    models: list[Annotated[str, Field(min_length=1)]] | None = Field(
+        None, min_length=1, description="preset names, local directories or hub ids")
     mode: list[Mode] | None = Field(None, min_length=1, description="train, forward, forward-backward, infer")
     precision: list[Precision] | None = Field(None, min_length=1, description=", ".join(PRECISIONS))
     batch_size: list[int | Literal["auto"]] | None = Field(
@@ -125,21 +147,32 @@ class SweepConfig(BaseModel):
     device: str = "auto"
     timeout: float = Field(3600.0, gt=0, description="seconds per configuration")
     out: str | None = None
-    seed: int = 0
+    seed: int = Field(0, description=f"a whole number from 0 to {SEED_MAX:,} (2^64 - 1)")
 
     @field_validator("models", "mode", "precision", "batch_size", "seq_len", "fallback", mode="before")
     @classmethod
     def _scalar_to_list(cls, value: Any) -> Any:
         return _as_list(value)
 
-    @field_validator("batch_size", "seq_len")
+    @field_validator("batch_size", "seq_len", mode="before")
     @classmethod
-    def _positive(cls, values: list | None) -> list | None:
-        for value in values or []:
-            if value != "auto" and value <= 0:
-                raise ValueError(f"must be positive, got {value}")
+    def _counts(cls, values: Any, info) -> Any:
+        values = _as_list(values)
+        if isinstance(values, list):
+            for value in values:
+                _whole_number(value, 1, COUNT_MAX, auto=info.field_name == "batch_size")
         return values
 
+    @field_validator("new_tokens", "warmup_steps", "measure_steps", mode="before")
+    @classmethod
+    def _count(cls, value: Any, info) -> Any:
+        minimum = {"new_tokens": 2, "warmup_steps": 0, "measure_steps": 1}[info.field_name]
+        return value if value is None else _whole_number(value, minimum, COUNT_MAX)
+
+    @field_validator("seed", mode="before")
+    @classmethod
+    def _seed(cls, value: Any) -> Any:
+        return _whole_number(value, 0, SEED_MAX)
 
     @field_validator("device")
     @classmethod
@@ -199,6 +232,19 @@ def default_precision(mode: str, device_type: str) -> str:
     return "bf16-pure" if mode == "infer" else "bf16"
 
 
+def check_context(arch, mode: str, seq_len: int, new_tokens: int) -> None:
+    """A UserError when the tokens of a step (the prompt and the generated ones in infer) exceed the model's
+    context; ``run`` and ``plan`` both ask here."""
+    needed = seq_len + (new_tokens if mode == "infer" else 0)
+    if needed > arch.max_seq_len:
+        what = f"seq_len {seq_len} + new_tokens {new_tokens}" if mode == "infer" else f"seq_len {seq_len}"
+        longest = arch.max_seq_len - (new_tokens if mode == "infer" else 0)
+        fix = (f"Use --seq-len (alias --context-length) of at most {longest}" if longest > 0 else
+               f"Use fewer --new-tokens")
+        raise UserError(f"seq_len: {what} exceeds the {arch.max_seq_len}-token context of {excerpt(arch.name)}. "
+                        f"{fix}.")
+
+
 def expand(config: SweepConfig, *, device: str, default_models: list[str]) -> list[RunSpec]:
     """Every RunSpec of the sweep, in order: model, mode, precision, batch, seq_len. Raises UserError."""
     device_type = device.split(":")[0]
@@ -223,14 +269,7 @@ def expand(config: SweepConfig, *, device: str, default_models: list[str]) -> li
                     raise UserError(f"offload: {problem}.")
                 for batch in config.batch_size or [default_batch]:
                     for seq_len in config.seq_len or [default_seq]:
-                        needed = seq_len + (new_tokens if mode == "infer" else 0)
-                        if needed > arch.max_seq_len:
-                            what = f"seq_len {seq_len} + new_tokens {new_tokens}" if mode == "infer" else f"seq_len {seq_len}"
-                            raise UserError(
-                                f"seq_len: {what} exceeds the {arch.max_seq_len}-token context of {model}. "
-                                f"Use --seq-len (alias --context-length) of at most "
-                                f"{arch.max_seq_len - (new_tokens if mode == 'infer' else 0)}."
-                            )
+                        check_context(arch, mode, seq_len, new_tokens)
                         specs.append(RunSpec(
                             model=model, backend=backend, mode=mode, precision=precision,
                             batch_size=1 if batch == "auto" else batch, auto_batch=batch == "auto",
@@ -246,73 +285,246 @@ def expand(config: SweepConfig, *, device: str, default_models: list[str]) -> li
 # ---- loading and merging ------------------------------------------------------------------
 
 
-def load_yaml(path: str | Path) -> dict[str, Any]:
-    """A YAML file with the sweep's fields; the seeds' layout ``models: {sizes: [...]}`` is accepted."""
+# A sweep's file is a few hundred bytes; the caps keep a hostile or mistaken file from costing memory.
+YAML_MAX_BYTES = 1_000_000
+YAML_MAX_NODES = 10_000  # counting every alias as the copy it stands for
+
+
+class Source(dict):
+    """The options of one source (``cli``, a YAML ``file``, a ``saved`` sweep) and how a message names
+    each: ``where(field)`` says where the value was written (``--batch-size``, the ``priority_order``
+    key of config.yaml), ``label(field)`` what to call it, the key as written in a file."""
+
+    def __init__(self, values: dict[str, Any], *, kind: str, name: str = "", keys: dict[str, str] | None = None):
+        super().__init__(values)
+        self.kind, self.name, self.keys = kind, name, dict(keys or {})
+
+    def label(self, field: str) -> str:
+        return field if self.kind == "cli" else self.keys.get(field, field)
+
+    def where(self, field: str) -> str:
+        key = self.keys.get(field, field)
+        if self.kind == "cli":
+            return "--" + key.replace("_", "-")
+        if self.kind == "file":
+            return f"the `{key}` key of {self.name}"
+        return f"`{key}` in the saved sweep {self.name} (it was saved damaged; start a new sweep with --out)"
+
+
+class _Refused(yaml.YAMLError):
+    """Well-formed YAML that fitbench will not expand."""
+
+
+class _BoundedLoader(yaml.SafeLoader):
+    """PyYAML's safe loader, refusing documents whose aliases expand past ``YAML_MAX_NODES`` nodes (a
+    "billion laughs" of a few hundred bytes stands for gigabytes once anything walks it) or refer to
+    themselves."""
+
+    def compose_document(self):
+        node = super().compose_document()
+        sizes: dict[int, int] = {}
+
+        def expanded(item, inside: frozenset) -> int:
+            if id(item) in inside:
+                raise _Refused("an alias refers to the node that contains it")
+            if id(item) not in sizes:
+                children = item.value if isinstance(item.value, list) else []
+                pairs = [part for child in children for part in (child if isinstance(child, tuple) else (child,))]
+                total = 1
+                for child in pairs:
+                    total += expanded(child, inside | {id(item)})
+                    if total > YAML_MAX_NODES:
+                        raise _Refused(f"its aliases expand to more than {YAML_MAX_NODES:,} values")
+                sizes[id(item)] = total
+            return sizes[id(item)]
+
+        if node is not None:
+            expanded(node, frozenset())
+        return node
+
+
+def _contradictions(source: dict[str, Any], name: Callable[[str], str]) -> None:
+    """Two options of one source that say different things: a UserError naming both. Across sources
+    the usual precedence decides."""
+    if "pass_type" in source and "mode" in source:
+        raise UserError(f"{name('pass_type')} and {name('mode')} both set the mode (pass_type forward is mode "
+                        f"forward, backward is forward-backward); give only one of them.")
+    if source.get("no_fallback") is True and source.get("fallback") is not None:
+        raise UserError(f"{name('no_fallback')} and {name('fallback')} contradict: one turns retrying off, the "
+                        f"other lists the precisions to retry with; give only one of them.")
+    for alias, field in (("context_length", "seq_len"), ("samples", "measure_steps")):
+        if alias in source and field in source and source[alias] != source[field]:
+            raise UserError(f"{name(alias)} and {name(field)} are one setting with two values "
+                            f"({excerpt(source[alias])} and {excerpt(source[field])}); give only one of them.")
+
+
+def _read_yaml(path: str | Path) -> Any:
     try:
-        text = Path(path).read_text()
+        with open(path, "rb") as handle:
+            raw = handle.read(YAML_MAX_BYTES + 1)
     except OSError as error:
         raise UserError(f"config: cannot read {path}: {error.strerror}. Pass an existing YAML file to --config.") from None
+    if len(raw) > YAML_MAX_BYTES:
+        raise UserError(f"config: {path} is larger than {YAML_MAX_BYTES:,} bytes; a sweep's YAML file is a few "
+                        f"lines of options. Pass the right file to --config.")
     try:
-        data = yaml.safe_load(text) or {}
+        text = raw.decode("utf-8")
+    except UnicodeDecodeError as error:
+        raise UserError(f"config: {path} is not UTF-8 text (byte {error.object[error.start]:#04x} at offset "
+                        f"{error.start}). Save it as UTF-8.") from None
+    try:
+        return yaml.load(text, Loader=_BoundedLoader)
+    except _Refused as error:
+        raise UserError(f"config: {path} is refused: {error}. Write the values out instead of through aliases.") from None
     except yaml.YAMLError as error:
         mark = getattr(error, "problem_mark", None)
         where = f" at line {mark.line + 1}, column {mark.column + 1}" if mark else ""
-        raise UserError(f"config: {path} is not valid YAML{where} ({getattr(error, 'problem', error)}). "
+        problem = getattr(error, "problem", None) or str(error)
+        raise UserError(f"config: {path} is not valid YAML{where} ({excerpt(problem, 120)}). "
                         f"Fix the file; every field of `fitbench run --help` can be a key.") from None
+
+
+def _text_keys(mapping: dict, path: str | Path, inside: str) -> None:
+    for key in mapping:
+        if not isinstance(key, str):
+            raise UserError(f"config: in {path}, {inside} has the key {excerpt(key)} ({type(key).__name__}); keys "
+                            f"are option names, such as models or batch_size. Fix the file.")
+
+
+def load_yaml(path: str | Path) -> Source:
+    """A YAML file with the sweep's fields; the seeds' layout ``models: {sizes: [...]}`` is accepted."""
+    data = _read_yaml(path)
+    if data is None:
+        data = {}
     if not isinstance(data, dict):
         raise UserError(f"config: {path} must hold a mapping of fields (models: [...], mode: ...), "
                         f"not a {type(data).__name__}.")
+    _text_keys(data, path, "the top level")
     data = {key.replace("-", "_"): value for key, value in data.items()}
+    _contradictions(data, lambda key: f"`{key}` in {path}")
+    keys = {}
     models = data.get("models")
     if isinstance(models, dict):
+        _text_keys(models, path, "`models`")
         if "sizes" not in models:
             raise UserError(f"config: in {path}, `models` is a mapping without `sizes`; write models: [7B, 13B] "
                             f"or models: {{sizes: [7B, 13B]}}.")
         quantization = models.get("quantization") or {}
-        data["models"] = models["sizes"]
+        data["models"], keys["models"] = models["sizes"], "models.sizes"
         if isinstance(quantization, dict) and "priority_order" in quantization:
-            data.setdefault("priority_order", quantization["priority_order"])
+            _text_keys(quantization, path, "`models.quantization`")
+            if "priority_order" not in data:
+                data["priority_order"] = quantization["priority_order"]
+                keys["fallback"] = "models.quantization.priority_order"
             if quantization.get("enabled") is False or quantization.get("fallback_strategy") is False:
                 data.setdefault("no_fallback", True)
+                keys.setdefault("no_fallback", "models.quantization.enabled")
     if "priority_order" in data:
         order = data.pop("priority_order")
-        data.setdefault("fallback", [SEED_PRECISIONS.get(str(p).lower(), p) for p in _as_list(order)])
-    return data
+        if "fallback" not in data:
+            data["fallback"] = [SEED_PRECISIONS.get(str(p).lower(), p) for p in _as_list(order)]
+            keys.setdefault("fallback", "priority_order")
+    return Source(data, kind="file", name=str(path), keys=keys)
 
 
-def _field_names(source: dict[str, Any]) -> dict[str, Any]:
+def _field_names(source: dict[str, Any]) -> tuple[dict[str, Any], dict[str, str]]:
     """One source with its aliases under the fields' own names, so that a later source's alias
-    (``--pass-type``) overrides an earlier source's field (``mode:`` in the file), and the reverse."""
-    source = dict(source)
+    (``--pass-type``) overrides an earlier source's field (``mode:`` in the file), and the reverse;
+    with the key each renamed field was written as."""
+    source, written = dict(source), {}
     if isinstance(source.get("pass_type"), str) and source["pass_type"] in PASS_TYPES:
         source.setdefault("mode", PASS_TYPES[source.pop("pass_type")])
+        written["mode"] = "pass_type"
     for alias, name in (("context_length", "seq_len"), ("samples", "measure_steps")):
         if alias in source:
             source.setdefault(name, source.pop(alias))
-    return source
+            written[name] = alias
+    return source, written
 
 
 def merge_sources(defaults: dict[str, Any], file: dict[str, Any], cli: dict[str, Any]) -> SweepConfig:
-    """CLI > file > defaults, then validation with one clear paragraph per problem."""
-    merged = {**_field_names(defaults), **_field_names(file), **_field_names(cli)}
+    """CLI > file > defaults, then validation with one clear paragraph that names where each bad value
+    was written. ``defaults`` is the saved sweep on ``--resume``."""
+    cli = cli if isinstance(cli, Source) else Source(cli, kind="cli")
+    _contradictions(cli, cli.where)
+    sources = [source if isinstance(source, Source) else Source(source, kind=kind, name=name)
+               for source, kind, name in ((defaults, "saved", "sweep.json"), (file, "file", "the config file"))]
+    merged, origin = {}, {}
+    for source in (*sources, cli):
+        values, written = _field_names(source)
+        merged.update(values)
+        origin.update({field: Source({}, kind=source.kind, name=source.name,
+                                     keys={**source.keys, field: written.get(field, source.keys.get(field, field))})
+                       for field in values})
     try:
         return SweepConfig.model_validate(merged)
     except ValidationError as error:
-        raise UserError(describe_validation_error(error)) from None
+        raise UserError(describe_validation_error(error, origin)) from None
 
 
-def describe_validation_error(error: ValidationError) -> str:
+def describe_validation_error(error: ValidationError, origin: dict[str, Source] | None = None) -> str:
+    """One sentence per problem: the option as the user wrote it, what is wrong with a short excerpt
+    of the value, what is expected, and where to fix it."""
     problems = []
     for item in error.errors():
-        field = ".".join(str(part) for part in item["loc"] if not isinstance(part, int)) or "config"
-        flag = "--" + field.replace("_", "-")
+        field = next((str(part) for part in item["loc"] if isinstance(part, str)), "config")
+        source = (origin or {}).get(field)
+        if source is None:
+            source = Source({}, kind="cli")
+        label = source.label(field)
         description = SweepConfig.model_fields.get(field)
         expected = f" Expected: {description.description}." if description and description.description else ""
         if item["type"] == "extra_forbidden":
-            problems.append(f"{field}: unknown field. `fitbench run --help` lists the fields.")
+            problems.append(f"{label}: unknown field ({source.where(field)}). `fitbench run --help` lists the "
+                            f"fields.")
             continue
         message = item["msg"].removeprefix("Value error, ")
-        problems.append(f"{field}: {message} (got {item.get('input')!r}).{expected} Fix {flag} or the "
-                        f"`{field}` key of the config file.")
-    return " ".join(problems)
+        got = "" if "got " in message else f" (got {excerpt(item.get('input'))})"
+        problems.append(f"{label}: {message[:200]}{got}.{expected} Fix {source.where(field)}.")
+    return " ".join(dict.fromkeys(problems))
 
+
+# ---- resuming a saved sweep ---------------------------------------------------------------
+
+# What --extend may add to: the lists whose product is the sweep. Everything else is one setting of
+# the whole sweep.
+EXTENDABLE = ("models", "mode", "precision", "batch_size", "seq_len")
+
+
+def saved_options(sweep: Any, name: str) -> Source:
+    """The options of a sweep.json (``name`` for messages), validated: a damaged file is a UserError."""
+    config = sweep.get("config") if isinstance(sweep, dict) else None
+    if not isinstance(config, dict):
+        raise UserError(f"resume: {name} is damaged: it holds no `config` object. It is not a sweep fitbench "
+                        f"saved, or it was edited; start a new sweep with --out.")
+    source = Source({key: value for key, value in config.items() if value is not None}, kind="saved", name=name)
+    try:
+        SweepConfig.model_validate(dict(source))
+    except ValidationError as error:
+        raise UserError(f"resume: {name} is damaged: " + describe_validation_error(
+            error, {field: source for field in source})) from None
+    return source
+
+
+def resumed_config(saved: Source, requested: SweepConfig, *, extend: bool) -> SweepConfig:
+    """The sweep a ``--resume`` runs: the saved one when the options given change nothing; with
+    ``extend``, the saved one with the new values added to its lists, so every configuration it had
+    stays in it. Any other difference is a UserError that lists it: a saved sweep is never replaced."""
+    before, after = SweepConfig.model_validate(dict(saved)).model_dump(), requested.model_dump()
+    changed = [field for field in before if before[field] != after[field]]
+    if not changed:
+        return requested
+    shown = "; ".join(f"{field}: saved {excerpt(before[field])}, given {excerpt(after[field])}" for field in changed)
+    if not extend:
+        raise UserError(f"resume: the options given differ from the sweep saved in {saved.name} ({shown}). "
+                        f"`fitbench run --resume DIR` alone finishes the saved sweep; add --extend to add the "
+                        f"new models, modes, precisions, batch sizes or sequence lengths to it; or start a new "
+                        f"sweep with --out.")
+    fixed = [field for field in changed if field not in EXTENDABLE or before[field] is None]
+    if fixed:
+        raise UserError(f"resume: --extend adds values to the saved sweep's lists of {', '.join(EXTENDABLE)} "
+                        f"(a list the saved sweep left to its defaults cannot grow), but the options given also "
+                        f"change {', '.join(fixed)} ({shown}). Give only values to add, or start a new sweep "
+                        f"with --out.")
+    grown = {field: list(dict.fromkeys([*before[field], *after[field]])) for field in changed}
+    return SweepConfig.model_validate({**before, **grown})

@@ -369,18 +369,24 @@ def test_resume_after_the_sweep_is_killed(tmp_path, capsys):
     assert len(rows_of(out)) == 4
 
 
+def stored_row(key: str, **fields) -> dict:
+    """A row as the store keeps it: a key, a status and the spec fields every report reads."""
+    return {"key": key, "status": "ok", "label": key,
+            "spec": {"model": "tiny", "mode": "train", "precision": "fp32", "batch_size": 1, "seq_len": 16}, **fields}
+
+
 def test_result_store_skips_a_truncated_last_line(tmp_path):
     store = ResultStore(tmp_path / "store")
     assert list(store.rows()) == [] and store.finished_keys() == set()
-    store.append({"key": "a", "value": 1})
+    store.append(stored_row("a", value=1))
     with store.path.open("a") as handle:
         handle.write('{"key": "b", "val')
     assert [row["key"] for row in store.rows()] == ["a"]
-    store.append({"key": "c", "value": [1, 2]})
+    store.append(stored_row("c", value=[1, 2]))
     assert [row["key"] for row in store.rows()] == ["a", "c"]
     assert store.finished_keys() == {"a", "c"}
     lines = store.path.read_text().splitlines()
-    assert len(lines) == 3 and json.loads(lines[2]) == {"key": "c", "value": [1, 2]}
+    assert len(lines) == 3 and json.loads(lines[2]) == stored_row("c", value=[1, 2])
     assert store.load_sweep() is None
     store.save_sweep({"config": {"models": ["tiny"]}})
     assert store.load_sweep() == {"config": {"models": ["tiny"]}}

@@ -3,56 +3,134 @@
 Killing a sweep loses only the run in flight. ``finished_keys`` lets ``--resume`` skip every
 configuration that already has a row, whatever its status: an out-of-memory or a crash is a
 finished measurement too. Delete a row to run it again.
+
+The file outlives the code that wrote it and the people who edit it: a line that is not a row (cut
+short by a kill, not JSON, not UTF-8, not an object with a ``key``, a ``status`` and a ``spec``) is
+skipped and reported once through ``on_bad_line``, with its line number, and everything else still
+reads. A write that fails (a full disk) leaves the file as it was before the write began.
 """
 
 from __future__ import annotations
 
+import errno
 import json
 import os
 from pathlib import Path
-from typing import Any, Iterator
+from typing import Any, Callable, Iterator
+
+from fitbench.errors import UserError, excerpt
 
 RESULTS_FILE = "results.jsonl"
 SWEEP_FILE = "sweep.json"
+SWEEP_MAX_BYTES = 10_000_000
+# A full disk, a file grown past RLIMIT_FSIZE, a quota, a file system remounted read-only mid-sweep.
+DISK_ERRORS = {errno.ENOSPC, errno.EFBIG, errno.EDQUOT, errno.EROFS}
+# The fields of a row's spec that every report reads.
+SPEC_FIELDS = {"model": str, "mode": str, "precision": str, "batch_size": int, "seq_len": int}
+
+
+def _row_problem(line: bytes) -> tuple[dict[str, Any] | None, str]:
+    """The row on ``line``, or None and why it is not one."""
+    try:
+        text = line.decode("utf-8")
+    except UnicodeDecodeError:
+        return None, "is not UTF-8"
+    try:
+        row = json.loads(text)
+    except json.JSONDecodeError:
+        return None, "is not complete JSON (a write cut short?)"
+    if not isinstance(row, dict):
+        return None, f"holds {excerpt(row, 30)}, not a row"
+    missing = [field for field, kind in (("key", str), ("status", str), ("spec", dict))
+               if not isinstance(row.get(field), kind)]
+    if not missing:
+        missing = [f"spec.{field}" for field, kind in SPEC_FIELDS.items() if not isinstance(row["spec"].get(field), kind)
+                   or isinstance(row["spec"].get(field), bool)]
+    if missing:
+        return None, f"is a row without a valid {', '.join(missing)}"
+    return row, ""
 
 
 class ResultStore:
-    def __init__(self, directory: str | Path):
+    def __init__(self, directory: str | Path, on_bad_line: Callable[[str], None] | None = None):
         self.directory = Path(directory)
         self.path = self.directory / RESULTS_FILE
+        self.on_bad_line = on_bad_line
+        self._reported: set[int] = set()
 
     def append(self, row: dict[str, Any]) -> None:
         self.directory.mkdir(parents=True, exist_ok=True)
         line = json.dumps(row, default=str).encode() + b"\n"
-        with self.path.open("a+b") as handle:
-            if handle.seek(0, os.SEEK_END) > 0:
+        # Unbuffered: a failed write raises here, where the file is cut back, not later when a buffer flushes.
+        with self.path.open("a+b", buffering=0) as handle:
+            size = handle.seek(0, os.SEEK_END)
+            if size > 0:
                 handle.seek(-1, os.SEEK_END)
                 if handle.read(1) != b"\n":
                     line = b"\n" + line  # a line cut short by a kill must not swallow this row
-            handle.write(line)
-            handle.flush()
-            os.fsync(handle.fileno())
+            try:
+                rest = memoryview(line)
+                while rest:
+                    rest = rest[handle.write(rest):]
+                os.fsync(handle.fileno())
+            except OSError as error:
+                handle.truncate(size)  # no half row: the file stays as every earlier write left it
+                raise self._write_error(error, "a row") from None
+
+    def _write_error(self, error: OSError, what: str) -> OSError | UserError:
+        if error.errno not in DISK_ERRORS:
+            return error
+        return UserError(f"out: writing {what} to {self.directory} failed: {error.strerror}. The rows written "
+                         f"before are intact; make room and `fitbench run --resume {self.directory}` finishes the "
+                         f"sweep.")
 
     def rows(self) -> Iterator[dict[str, Any]]:
-        """Every complete row; a line cut short by a kill mid-write is skipped."""
+        """Every complete row; any other line is skipped (see the module's docstring)."""
         if not self.path.exists():
             return
-        with self.path.open(encoding="utf-8") as handle:
-            for line in handle:
-                try:
-                    yield json.loads(line)
-                except json.JSONDecodeError:
+        with self.path.open("rb") as handle:
+            for number, line in enumerate(handle, start=1):
+                if not line.strip():
                     continue
+                row, problem = _row_problem(line)
+                if row is not None:
+                    yield row
+                elif number not in self._reported:
+                    self._reported.add(number)
+                    if self.on_bad_line:
+                        self.on_bad_line(f"{self.path}: line {number} {problem}; skipped")
 
     def finished_keys(self) -> set[str]:
-        return {row["key"] for row in self.rows() if "key" in row}
+        return {row["key"] for row in self.rows()}
 
     def save_sweep(self, sweep: dict[str, Any]) -> None:
         self.directory.mkdir(parents=True, exist_ok=True)
         tmp = self.directory / (SWEEP_FILE + ".tmp")
-        tmp.write_text(json.dumps(sweep, indent=2, default=str))
+        try:
+            tmp.write_text(json.dumps(sweep, indent=2, default=str))
+        except OSError as error:
+            tmp.unlink(missing_ok=True)
+            raise self._write_error(error, SWEEP_FILE) from None
         os.replace(tmp, self.directory / SWEEP_FILE)
 
-    def load_sweep(self) -> dict[str, Any] | None:
+    def load_sweep(self) -> Any:
+        """The saved sweep as JSON, None when there is none; a file that is not JSON is a UserError (what
+        it holds is validated by ``fitbench.config.saved_options``)."""
         path = self.directory / SWEEP_FILE
-        return json.loads(path.read_text()) if path.exists() else None
+        if not path.is_file():
+            return None
+        damaged = f"resume: {path} is damaged"
+        fix = "It is not a sweep fitbench saved, or it was edited; start a new sweep with --out."
+        try:
+            with path.open("rb") as handle:
+                raw = handle.read(SWEEP_MAX_BYTES + 1)
+        except OSError as error:
+            raise UserError(f"resume: cannot read {path}: {error.strerror}.") from None
+        if len(raw) > SWEEP_MAX_BYTES:
+            raise UserError(f"{damaged}: it is larger than {SWEEP_MAX_BYTES:,} bytes. {fix}")
+        try:
+            return json.loads(raw.decode("utf-8"))
+        except UnicodeDecodeError:
+            raise UserError(f"{damaged}: it is not UTF-8 text. {fix}") from None
+        except json.JSONDecodeError as error:
+            raise UserError(f"{damaged}: it is not valid JSON ({error.msg} at line {error.lineno}). {fix}") from None
