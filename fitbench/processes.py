@@ -137,20 +137,22 @@ def end_own_tree() -> None:
 
 def tie_to_parent(scratch: Path) -> None:
     """Make this worker die with the parent named by ``PARENT_VARIABLE`` (nothing when it is unset: a
-    worker started by hand). On the parent's death, by any signal: end this process's tree, remove
-    ``scratch`` and exit 128 + SIGTERM."""
+    worker started by hand). On the parent's death, by any signal, or on a SIGTERM: end this
+    process's tree, remove ``scratch`` and exit 128 + SIGTERM. The scratch directory goes whoever
+    sent the SIGTERM: the parent-death signal arrives before ``getppid`` shows the new parent, and a
+    living parent's own cleanup does not mind it gone."""
     named = os.environ.get(PARENT_VARIABLE)
     if not named:
         return
     parent = int(named)
-    lock = threading.Lock()
+    ending = threading.Lock()
 
     def abandon() -> None:
-        with lock:
-            end_own_tree()
-            if os.getppid() != parent:
-                shutil.rmtree(scratch, ignore_errors=True)
-            os._exit(128 + signal.SIGTERM)
+        if not ending.acquire(blocking=False):
+            return  # the signal handler or the watch thread is already at it, and exits
+        end_own_tree()
+        shutil.rmtree(scratch, ignore_errors=True)
+        os._exit(128 + signal.SIGTERM)
 
     _prctl(PR_SET_CHILD_SUBREAPER, 1)
     signal.signal(signal.SIGTERM, lambda signum, frame: abandon())

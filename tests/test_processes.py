@@ -164,7 +164,7 @@ def test_a_misbehaving_worker_that_exits_0_is_ok_and_leaves_nothing(tmp_path, ca
 def test_one_sweep_per_output_directory(tmp_path, capsys):
     out = tmp_path / "out"
     holder = subprocess.Popen([sys.executable, "-c", "import sys, time; from fitbench.results.store import ResultStore;"
-                               f"ResultStore({str(out)!r}).lock(); print('locked', flush=True); time.sleep(600)"],
+                               f"store = ResultStore({str(out)!r}); store.lock(); print('locked', flush=True); time.sleep(600)"],
                               stdout=subprocess.PIPE, text=True)
     try:
         assert holder.stdout.readline().strip() == "locked"
@@ -199,7 +199,7 @@ def test_an_interrupted_row_is_run_again_and_replaced(tmp_path):
 
 @pytest.mark.parametrize("value", ["inf", "nan", "0", "-5", "-inf"])
 def test_timeout_must_be_finite_and_positive(value, tmp_path, capsys):
-    code, _, stderr = cli(["run", "--models", "tiny", "--timeout", value, "--out", str(tmp_path / "out")], capsys)
+    code, _, stderr = cli(["run", "--models", "tiny", f"--timeout={value}", "--out", str(tmp_path / "out")], capsys)
     assert code == 2
     assert "timeout" in stderr and "--timeout" in stderr and "Traceback" not in stderr
     assert len(stderr.strip().splitlines()) == 1
@@ -252,14 +252,14 @@ def test_a_worker_killed_with_host_memory_exhausted_is_an_out_of_memory(tmp_path
 
 def test_a_cpu_configuration_beyond_the_host_memory_is_refused_before_launch(tmp_path, capsys):
     out = tmp_path / "out"
-    code, stdout, stderr = cli(["run", "--models", "405B", "tiny", "--mode", "train", "--batch-size", "1",
+    code, stdout, stderr = cli(["run", "--models", "65B", "tiny", "--mode", "train", "--batch-size", "1",
                                 "--seq-len", "16", "--warmup-steps", "0", "--measure-steps", "1", "--out", str(out)],
                                capsys)
     assert code == 1, stderr
     big, tiny = rows_of(out)
     assert big["status"] == "refused" and "timing" not in big
     assert list((out / "logs").glob(f"{big['key']}*")) == []  # no worker started for it
-    assert big["error"].startswith("refused before launch: 405B train fp32 1x16 [native] is predicted to need ")
+    assert big["error"].startswith("refused before launch: 65B train fp32 1x16 [native] is predicted to need ")
     assert "of host memory;" in big["error"] and "is available (" in big["error"]
     assert tiny["status"] == "ok", tiny.get("error")
 
