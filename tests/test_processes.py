@@ -252,16 +252,18 @@ def test_a_worker_killed_with_host_memory_exhausted_is_an_out_of_memory(tmp_path
 
 def test_a_cpu_configuration_beyond_the_host_memory_is_refused_before_launch(tmp_path, capsys):
     out = tmp_path / "out"
-    code, stdout, stderr = cli(["run", "--models", "65B", "tiny", "--mode", "train", "--batch-size", "1",
+    code, stdout, stderr = cli(["run", "--models", "65B", "--mode", "train", "infer", "--batch-size", "1",
                                 "--seq-len", "16", "--warmup-steps", "0", "--measure-steps", "1", "--out", str(out)],
                                capsys)
     assert code == 1, stderr
-    big, tiny = rows_of(out)
-    assert big["status"] == "refused" and "timing" not in big
-    assert list((out / "logs").glob(f"{big['key']}*")) == []  # no worker started for it
-    assert big["error"].startswith("refused before launch: 65B train fp32 1x16 [native] is predicted to need ")
-    assert "of host memory;" in big["error"] and "is available (" in big["error"]
-    assert tiny["status"] == "ok", tiny.get("error")
+    train, infer = rows_of(out)
+    assert not (out / "logs").exists()  # no worker started
+    memory = host_memory()
+    for row in (train, infer):
+        assert row["status"] == "refused" and "timing" not in row
+        assert row["error"].startswith(f"refused before launch: {row['label']} is predicted to need ")
+        assert "of host memory; " in row["error"] and f"is available ({memory.source})" in row["error"]
+    assert "--offload" in infer["error"] and "--offload" not in train["error"]  # offload is for inference
 
 
 def test_host_memory_reads_meminfo_and_cgroups():
