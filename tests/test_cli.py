@@ -334,7 +334,7 @@ def test_resume_after_the_sweep_is_killed(tmp_path, capsys):
     finally:
         parent.send_signal(signal.SIGKILL)
         parent.wait()
-        # a worker runs in its own session and outlives its parent; let it end, then make sure
+        # the worker dies with its parent (tests/test_processes.py); let it end, then make sure
         _, alive = psutil.wait_procs(list(workers), timeout=60)
         for process in alive:
             process.kill()

@@ -331,7 +331,9 @@ def _run_planned(spec: RunSpec, logs: Path, timeout: float, on_event, policy: Fa
         remaining = deadline - time.monotonic()
         if remaining <= 0:
             raise _OutOfTime({"key": candidate.key, "label": candidate.label, "spec": candidate.model_dump(),
-                              "status": "timeout", "error": f"{limit} ran out before {candidate.label} could start"})
+                              "status": "timeout", "error": f"{limit} ran out before {candidate.label} could start",
+                              "params": resolve(candidate.model).total_params, "started_at": _now(),
+                              "finished_at": _now()})
         row = run_one(candidate, logs / f"{spec.key}-{next(attempt)}.log", remaining, on_event, limit=limit)
         tried.append({"spec": candidate.model_dump(), "status": row["status"], "error": row.get("error")})
         if row["status"] == "timeout":
