@@ -72,8 +72,12 @@ class ResultStore:
     def lock(self) -> None:
         """Hold the directory's lock until ``unlock`` or this process's exit; a UserError naming the
         holder's PID when another process holds it."""
-        self.directory.mkdir(parents=True, exist_ok=True)
-        handle = (self.directory / LOCK_FILE).open("a+")
+        try:
+            self.directory.mkdir(parents=True, exist_ok=True)
+            handle = (self.directory / LOCK_FILE).open("a+")
+        except OSError as error:
+            raise UserError(f"out: {self.directory} cannot be the results directory ({error.strerror}: "
+                            f"{error.filename}); pass an --out directory you can write to.") from None
         try:
             fcntl.flock(handle, fcntl.LOCK_EX | fcntl.LOCK_NB)
         except BlockingIOError:
