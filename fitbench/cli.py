@@ -48,6 +48,11 @@ examples:
 defaults: on a GPU, batch 4 x 512 tokens with bf16 autocast for training-style modes and batch 1
 with a 128-token prompt and bf16 weights for infer; on a CPU, 1 x 128 tokens in fp32.
 Results: <out>/results.jsonl (one row per configuration, written as it finishes) and results.csv.
+One sweep at a time per --out directory: a second one exits 2 naming the PID that holds it.
+
+exit status: 0 every configuration ok; 1 one or more did not finish ok (their rows say why; the
+summary lists them); 2 bad input, nothing ran; 130 interrupted (Ctrl-C, SIGTERM, SIGHUP: the row in
+flight says interrupted, --resume runs it again).
 """
 
 
@@ -96,7 +101,9 @@ def _add_run_options(parser: argparse.ArgumentParser) -> None:
     add("--measure-steps", "--samples", dest="measure_steps", type=int, default=S, metavar="N",
         help="timed steps (generations in infer), default 10")
     add("--device", default=S, help="cpu, cuda or cuda:N (default: the first GPU if there is one, else cpu)")
-    add("--timeout", type=float, default=S, metavar="SECONDS", help="per configuration (default 3600)")
+    add("--timeout", type=float, default=S, metavar="SECONDS",
+        help="a configuration's whole life: its batch probes (--batch-size auto), fallback attempts and run "
+             "together; past it the worker and all it started are killed and the row says timeout (default 3600)")
     add("--seed", type=int, default=S, help="seed of the random weights and tokens (default 0)")
     add("--out", default=S, metavar="DIR", help="results directory (default ./fitbench-results/<UTC time>)")
     add("--resume", metavar="DIR", default=None,
@@ -182,9 +189,9 @@ def predicted_max_batch(spec, device: str) -> int:
     """The planner's largest batch for ``spec`` on its device: the GPU's memory with the calibrated
     overheads, or on a CPU the budget of FITBENCH_INJECT's mem-limit (else the available RAM); with
     offload, beside no resident decoder layer."""
-    import psutil
     import torch
 
+    from fitbench.host import host_memory
     from fitbench.models.registry import resolve
     from fitbench.plan.memory import estimate_memory
     from fitbench.run.worker import injected_memory_limit
@@ -192,7 +199,7 @@ def predicted_max_batch(spec, device: str) -> int:
     arch = resolve(spec.model)
     resident = 0 if spec.offload else None
     if device == "cpu":
-        budget = injected_memory_limit() or psutil.virtual_memory().available
+        budget = injected_memory_limit() or host_memory().available
 
         def peak(batch: int) -> float:
             return estimate_memory(arch, spec.mode, spec.precision, batch, spec.seq_len, new_tokens=spec.new_tokens,
@@ -219,11 +226,13 @@ def predicted_max_batch(spec, device: str) -> int:
 
 
 def hardware_refusals(specs: list, device: str) -> dict[str, str]:
-    """Configurations this device cannot run (fp8 below compute capability 8.9, int4 without a GPU),
-    by spec key, with the reason; they are recorded, not launched."""
+    """Configurations this device cannot run (fp8 below compute capability 8.9, int4 without a GPU;
+    on a CPU, one predicted to need more than the host memory available), by spec key, with the
+    reason; they are recorded, not launched."""
     import torch
 
     from fitbench.run.quantize import hardware_problem
+    from fitbench.run.worker import injected_memory_limit
 
     target = torch.device(device)
     capability = torch.cuda.get_device_capability(target) if target.type == "cuda" else None
@@ -232,6 +241,38 @@ def hardware_refusals(specs: list, device: str) -> dict[str, str]:
         problem = hardware_problem(spec.precision, target, capability)
         if problem:
             refusals[spec.key] = f"refused before launch: {problem}"
+    if target.type == "cpu" and injected_memory_limit() is None:  # a mem-limit is planned as a GPU (run_target)
+        refusals = {**ram_refusals(specs), **refusals}
+    return refusals
+
+
+def ram_refusals(specs: list) -> dict[str, str]:
+    """CPU configurations whose predicted peak (the planner's tensors: weights, gradients, optimizer
+    state, activations, KV cache; offloaded layers go to disk) exceeds the host memory available
+    (``fitbench.host``), by spec key, with the reason."""
+    from fitbench.host import host_memory
+    from fitbench.models.registry import resolve
+    from fitbench.plan.memory import estimate_memory
+    from fitbench.plan.planner import offload_split
+    from fitbench.units import format_bytes
+
+    memory = host_memory()
+    refusals = {}
+    for spec in specs:
+        arch = resolve(spec.model)
+        resident = offload_split(arch, spec.mode, spec.precision, spec.batch_size, spec.seq_len,
+                                 new_tokens=spec.new_tokens, budget=memory.available, calibration=None,
+                                 backend=spec.backend).resident_layers if spec.offload else None
+        peak = estimate_memory(arch, spec.mode, spec.precision, spec.batch_size, spec.seq_len,
+                               new_tokens=spec.new_tokens, activation_checkpointing=spec.activation_checkpointing,
+                               resident_layers=resident, backend=spec.backend, compiled=spec.compile).peak_bytes
+        if peak > memory.available:
+            offload = " or, for infer and forward, --offload (layers that do not fit go to disk)" \
+                if spec.mode in ("infer", "forward") and not spec.offload else ""
+            refusals[spec.key] = (
+                f"refused before launch: {spec.label} is predicted to need {format_bytes(peak)} of host memory; "
+                f"{format_bytes(memory.available)} is available ({memory.source}). Run a smaller model, batch "
+                f"or --seq-len, a lower precision (bf16-pure, int8, nf4){offload}, or on a machine with more memory.")
     return refusals
 
 
@@ -402,6 +443,7 @@ def run(args: argparse.Namespace, cli_options: dict[str, Any]) -> int:
 
     config = config.model_copy(update={"out": out})
     store = ResultStore(out, on_bad_line=_warn)
+    store.lock()  # until this run returns; a failed run's lock goes with its store, or with the process
     command = shlex.join(["fitbench", *args.argv])
     store.save_sweep({"config": config.model_dump(), "device": device, "command": command,
                       "fitbench_version": __version__})
@@ -458,10 +500,13 @@ def run(args: argparse.Namespace, cli_options: dict[str, Any]) -> int:
     console.print(results_table(rows))
     csv_path = write_csv(list(store.rows()), out)
     console.print(f"rows: {store.path}  table: {csv_path}")
-    failed = sum(row["status"] != "ok" for row in rows)
+    store.unlock()
+    failed = [row for row in rows if row["status"] != "ok"]
     if failed:
-        console.print(f"{failed} of {len(rows)} configuration(s) did not finish or gave invalid numbers; their "
-                      f"rows say why (status, error) and the logs are in {out}/logs/.")
+        listed = "; ".join(f"{escape(row['label'])}: {row['status']}" for row in failed)
+        console.print(f"{len(failed)} of {len(rows)} configuration(s) did not finish or gave invalid numbers "
+                      f"({listed}); their rows say why (status, error) and the logs are in {out}/logs/.")
+        return 1
     return 0
 
 
@@ -844,6 +889,10 @@ def main(argv: list[str] | None = None) -> int:
                      f"Rows already written are intact; make room and `fitbench run --resume <its --out directory>` "
                      f"finishes the sweep.", soft_wrap=True)
         return UserError.exit_code
-    except KeyboardInterrupt:
-        errors.print("fitbench: interrupted; finished rows are saved, `fitbench run --resume <out>` goes on.")
+    except KeyboardInterrupt as interruption:
+        try:
+            errors.print(f"fitbench: {interruption or 'interrupted'}; finished rows are saved, "
+                         f"`fitbench run --resume <out>` goes on.")
+        except OSError:  # the terminal went with a hangup
+            pass
         return 130

@@ -145,7 +145,8 @@ class SweepConfig(BaseModel):
     warmup_steps: int = Field(5, ge=0)
     measure_steps: int = Field(10, gt=0, validation_alias="samples")
     device: str = "auto"
-    timeout: float = Field(3600.0, gt=0, description="seconds per configuration")
+    timeout: float = Field(3600.0, gt=0, allow_inf_nan=False,
+                           description="a finite, positive number of seconds: a configuration's whole life")
     out: str | None = None
     seed: int = Field(0, description=f"a whole number from 0 to {SEED_MAX:,} (2^64 - 1)")
 

@@ -1,20 +1,34 @@
 """A fresh process per configuration, with a timeout, and every outcome recorded as a row.
 
-The parent blocks on the child's progress pipe and then on ``wait`` (it never spins), kills the
-child's whole process group when the timeout fires, and turns any ending into a result row:
+The parent blocks on the child's progress pipe and its exit (it never spins), and turns any ending
+into a result row:
 
 - ``ok``: the worker measured and wrote its result;
 - ``invalid``: the worker measured to the end, but a loss, logits or quality figure is not finite
   (``fitbench.run.sanity``): a finished, failed row, whose memory held, so no fallback follows;
-- ``oom`` / ``error``: the worker caught an out-of-memory or another exception and said so;
+- ``oom``: the worker caught an out-of-memory (a GPU's, or a CPU allocator's), or the kernel killed
+  it for lack of host memory: SIGKILL, not sent by fitbench, with the kernel's OOM-kill count
+  risen meanwhile (``fitbench.host``) or the worker's peak resident memory at ``OOM_RSS_SHARE``
+  of the host memory available when it started (on a CPU, FITBENCH_INJECT's mem-limit stands for
+  that); the fallback ladder starts from it;
+- ``error``: the worker caught another exception and said so, or its result file is damaged
+  (a protocol error);
 - ``crashed``: the worker died without a result (a signal, an abort, a non-zero exit);
-- ``timeout``: the run outlived ``--timeout`` and was killed.
+- ``timeout``: the configuration outlived ``--timeout`` (which bounds its batch probes and
+  fallback attempts too) and was killed; a worker that exited by itself with its result written is
+  never one;
+- ``interrupted``: SIGINT, SIGTERM or SIGHUP ended the sweep while it ran; ``--resume`` runs it again.
+
+Nothing a worker starts outlives it, whatever ends it (``fitbench.processes``), and each run's
+scratch directory, with any layers offloaded to disk, is removed.
 """
 
 from __future__ import annotations
 
 import json
 import os
+import secrets
+import selectors
 import signal
 import subprocess
 import sys
@@ -22,17 +36,29 @@ import tempfile
 import threading
 import time
 from collections import deque
-from dataclasses import dataclass, field
+from contextlib import contextmanager
+from dataclasses import dataclass
 from datetime import datetime, timezone
 from pathlib import Path
 from typing import Any, Callable
 
 from fitbench.config import RunSpec
+from fitbench.host import HostMemory, host_memory, oom_kills
 from fitbench.launch.fallback import RAN_TO_THE_END, FallbackPolicy, run_with_fallback, search_max_batch
 from fitbench.models.registry import resolve
+from fitbench.processes import PARENT_VARIABLE, TOKEN_VARIABLE, kill_tree
 from fitbench.results.store import ResultStore
 
 ERROR_TAIL_LINES = 15
+WORKER_STATUSES = ("ok", "invalid", "oom", "error", "refused")  # what a worker's result file may say
+OOM_RSS_SHARE = 0.9
+MAX_LINE_BYTES = 1 << 20  # a progress event is a few hundred bytes
+PROTOCOL_ERRORS_KEPT = 5
+READ_BYTES = 1 << 16
+DRAIN_READS = 64  # after the exit, at most this many reads: a process the worker started may write on
+POLL_S = 0.5
+WAIT_SLICE_S = 3600.0  # one wait at most this long (far longer ones overflow select's timeout)
+CAUGHT_SIGNALS = (signal.SIGTERM, signal.SIGHUP)
 
 
 def _now() -> str:
@@ -54,22 +80,6 @@ class SweepCallbacks:
     on_skip: Callable[[RunSpec], None] = lambda spec: None
 
 
-@dataclass
-class _Child:
-    process: subprocess.Popen
-    timed_out: threading.Event = field(default_factory=threading.Event)
-
-    def kill(self) -> None:
-        try:
-            os.killpg(self.process.pid, signal.SIGKILL)
-        except ProcessLookupError:
-            pass
-
-    def expire(self) -> None:
-        self.timed_out.set()
-        self.kill()
-
-
 # torch reads the allocator's settings from either variable (PYTORCH_ALLOC_CONF is the newer name).
 ALLOCATOR_VARIABLES = ("PYTORCH_ALLOC_CONF", "PYTORCH_CUDA_ALLOC_CONF")
 
@@ -89,78 +99,301 @@ def worker_environment() -> dict[str, str]:
     return environment
 
 
-def run_one(spec: RunSpec, log_path: Path, timeout: float,
-            on_event: Callable[[dict[str, Any]], None]) -> dict[str, Any]:
-    """Run ``spec`` in a child process; return the row that describes what happened."""
+def run_one(spec: RunSpec, log_path: Path, timeout: float, on_event: Callable[[dict[str, Any]], None], *,
+            limit: str | None = None) -> dict[str, Any]:
+    """Run ``spec`` in a child process for at most ``timeout`` seconds (``limit`` names that bound in a
+    timeout's error); return the row that describes what happened. However this ends (the worker's
+    exit, the timeout, an exception such as an interruption), nothing the worker started outlives
+    it and its scratch directory is removed."""
     log_path.parent.mkdir(parents=True, exist_ok=True)
     started, started_at = time.monotonic(), _now()
-    with tempfile.TemporaryDirectory(prefix="fitbench-") as scratch:
+    token = secrets.token_hex(8)
+    kills_before, budget = oom_kills(), _host_budget(spec)
+    with tempfile.TemporaryDirectory(prefix="fitbench-", ignore_cleanup_errors=True) as scratch:
         spec_path, result_path = Path(scratch) / "spec.json", Path(scratch) / "result.json"
         spec_path.write_text(spec.model_dump_json())
         with log_path.open("w") as log:
             process = subprocess.Popen(
                 [sys.executable, "-m", "fitbench.run.worker", str(spec_path), str(result_path)],
-                stdout=subprocess.PIPE, stderr=log, stdin=subprocess.DEVNULL, text=True,
-                start_new_session=True, env=worker_environment(),
+                stdout=subprocess.PIPE, stderr=log, stdin=subprocess.DEVNULL, start_new_session=True,
+                env={**worker_environment(), TOKEN_VARIABLE: token, PARENT_VARIABLE: str(os.getpid())},
             )
-            child = _Child(process)
-            timer = threading.Timer(timeout, child.expire)
-            timer.start()
+            progress = _Progress(on_event, log)
             try:
-                for line in process.stdout:
-                    try:
-                        on_event(json.loads(line))
-                    except json.JSONDecodeError:
-                        log.write(line)
-                process.wait()
-            except BaseException:
-                child.kill()
-                process.wait()
-                raise
+                timed_out = _follow(process, started + timeout, progress)
             finally:
-                timer.cancel()
-        payload = json.loads(result_path.read_text()) if result_path.exists() else None
+                kill_tree(process.pid, token)
+                peak_rss = _reap(process)
+                process.stdout.close()
+            progress.finish()
+        payload, problem = _read_result(result_path)
 
     row: dict[str, Any] = {"key": spec.key, "label": spec.label, "spec": spec.model_dump()}
-    if child.timed_out.is_set():
-        row.update(status="timeout", error=f"killed after the {timeout:g} s timeout (--timeout)\n"
-                                            + _tail(log_path, ERROR_TAIL_LINES))
+    code, tail = process.returncode, _tail(log_path, ERROR_TAIL_LINES)
+    if timed_out and not (code == 0 and payload is not None):
+        row.update(status="timeout", error=f"killed when {limit or f'the {timeout:g} s timeout (--timeout)'} ran out\n"
+                                           + tail)
     elif payload is not None:
-        row.update(payload)
+        row.update({key: value for key, value in payload.items() if key not in row})
         if payload["status"] != "ok":
-            row["error"] = payload.get("error") or _tail(log_path, ERROR_TAIL_LINES)
+            row["error"] = payload.get("error") or tail
+    elif problem is not None:
+        row.update(status="error", error=f"protocol error: {problem}\n" + tail)
+    elif code == -signal.SIGKILL and (oom_kills() > kills_before or peak_rss >= OOM_RSS_SHARE * budget.available):
+        evidence = ("the kernel counted an out-of-memory kill meanwhile" if oom_kills() > kills_before else
+                    f"its peak resident memory, {peak_rss / 1e9:.2f} GB, reached {OOM_RSS_SHARE:.0%} of the "
+                    f"{budget.available / 1e9:.2f} GB available when it started ({budget.source})")
+        row.update(status="oom", error=f"worker killed by SIGKILL, out of host memory: {evidence}\n" + tail)
     else:
-        code = process.returncode
         cause = f"signal {signal.Signals(-code).name}" if code < 0 else f"exit code {code}"
-        row.update(status="crashed", error=f"worker died ({cause}) without a result\n" + _tail(log_path, ERROR_TAIL_LINES))
+        row.update(status="crashed", error=f"worker died ({cause}) without a result\n" + tail)
+    if progress.problems:
+        row["protocol_errors"] = progress.problems
+        row["warnings"] = [*row.get("warnings", []),
+                           f"protocol error: the worker's stdout broke the progress protocol "
+                           f"{progress.problem_count} time(s), e.g. {progress.problems[0]} (see protocol_errors)"]
     arch = resolve(spec.model)
     row.update(
         params=arch.total_params, non_embedding_params=arch.non_embedding_params,
-        exit_code=process.returncode, started_at=started_at, finished_at=_now(),
+        exit_code=code, started_at=started_at, finished_at=_now(),
         wall_s=time.monotonic() - started, log=str(log_path),
     )
     return row
 
 
+def _host_budget(spec: RunSpec) -> HostMemory:
+    """The host memory a worker may take: FITBENCH_INJECT's mem-limit for a CPU worker (the budget the
+    planner and the worker use there), else what the host has available."""
+    from fitbench.run.worker import injected_memory_limit
+
+    limit = injected_memory_limit() if spec.device == "cpu" else None
+    return HostMemory(limit, "FITBENCH_INJECT mem-limit") if limit else host_memory()
+
+
+def _follow(process: subprocess.Popen, deadline: float, progress: _Progress) -> bool:
+    """Show the worker's progress until it exits (False) or ``deadline`` (``time.monotonic``) passes
+    (True). The exit is watched on its own (a pidfd), not as the end of stdout: a process the worker
+    started may hold stdout open after the worker is gone. Where there is no pidfd, the exit is
+    polled every ``POLL_S``."""
+    stdout = process.stdout.fileno()
+    os.set_blocking(stdout, False)
+    try:
+        exit_fd = os.pidfd_open(process.pid)
+    except (AttributeError, OSError):
+        exit_fd = None
+    with selectors.DefaultSelector() as selector:
+        selector.register(stdout, selectors.EVENT_READ)
+        if exit_fd is not None:
+            selector.register(exit_fd, selectors.EVENT_READ)
+        try:
+            while not _exited(process.pid):
+                remaining = deadline - time.monotonic()
+                if remaining <= 0:
+                    return not _exited(process.pid)
+                for key, _ in selector.select(min(remaining, WAIT_SLICE_S if exit_fd is not None else POLL_S)):
+                    if key.fd == stdout and not _read_into(stdout, progress):
+                        selector.unregister(stdout)
+            for _ in range(DRAIN_READS):  # what the worker wrote before it exited
+                if not _read_into(stdout, progress):
+                    break
+            return False
+        finally:
+            if exit_fd is not None:
+                os.close(exit_fd)
+
+
+def _read_into(fd: int, progress: _Progress) -> bool:
+    """Feed what ``fd`` has to ``progress``; False at its end or when nothing is waiting."""
+    try:
+        chunk = os.read(fd, READ_BYTES)
+    except BlockingIOError:
+        return False
+    progress.feed(chunk)
+    return bool(chunk)
+
+
+def _exited(pid: int) -> bool:
+    """Whether the child ``pid`` has exited, leaving it unreaped (its PID stays ours until ``_reap``)."""
+    return os.waitid(os.P_PID, pid, os.WEXITED | os.WNOHANG | os.WNOWAIT) is not None
+
+
+def _reap(process: subprocess.Popen) -> int:
+    """Wait for the child, set its return code, and return its peak resident memory in bytes."""
+    _, status, usage = os.wait4(process.pid, 0)
+    process.returncode = os.waitstatus_to_exitcode(status)
+    return usage.ru_maxrss * (1 if sys.platform == "darwin" else 1024)  # bytes on macOS, KiB on Linux
+
+
+def _read_result(path: Path) -> tuple[dict[str, Any] | None, str | None]:
+    """The worker's result, or None and what is wrong with it (None and None: it wrote none)."""
+    if not path.exists():
+        return None, None
+    try:
+        payload = json.loads(path.read_bytes())
+    except (ValueError, RecursionError):
+        return None, "the worker's result file is not JSON"
+    if not isinstance(payload, dict) or payload.get("status") not in WORKER_STATUSES:
+        return None, f"the worker's result file is not an object with a status of {', '.join(WORKER_STATUSES)}"
+    return payload, None
+
+
+class _Progress:
+    """The worker's stdout: one JSON object per line, each shown by ``on_event``; other text goes to the
+    log. What breaks that protocol (JSON that is not an object, bytes that are not UTF-8, a line over
+    ``MAX_LINE_BYTES``, an event the parent cannot show) is noted in ``problems`` (the first few, with
+    a short excerpt), never raised: the sweep goes on."""
+
+    def __init__(self, on_event: Callable[[dict[str, Any]], None], log):
+        self.on_event, self.log = on_event, log
+        self.pending = bytearray()
+        self.skipping = False  # inside a line too long to keep
+        self.lines = 0
+        self.problems: list[str] = []
+        self.problem_count = 0
+
+    def feed(self, chunk: bytes) -> None:
+        self.pending += chunk
+        while (end := self.pending.find(b"\n")) >= 0:
+            line = bytes(self.pending[:end])
+            del self.pending[:end + 1]
+            if self.skipping:
+                self.skipping = False
+            else:
+                self._line(line)
+        if len(self.pending) > MAX_LINE_BYTES:
+            if not self.skipping:
+                self.lines += 1
+                self._problem(f"a line longer than {MAX_LINE_BYTES >> 20} MiB")
+            self.skipping = True
+            self.pending.clear()
+
+    def finish(self) -> None:
+        if self.pending and not self.skipping:
+            self._line(bytes(self.pending))
+        self.pending.clear()
+
+    def _line(self, line: bytes) -> None:
+        self.lines += 1
+        try:
+            text = line.decode()
+        except UnicodeDecodeError:
+            self._problem("bytes that are not UTF-8")
+            self._log(line.decode(errors="replace"))
+            return
+        try:
+            event = json.loads(text)
+        except (ValueError, RecursionError):
+            self._log(text)  # a library's own print: kept with the worker's stderr
+            return
+        if not isinstance(event, dict):
+            self._problem(f"JSON that is not an object: {_excerpt(text)}")
+            return
+        try:
+            self.on_event(event)
+        except Exception as error:  # the parent's display must not end the sweep
+            self._problem(f"an event the parent could not show ({type(error).__name__}): {_excerpt(text)}")
+
+    def _problem(self, what: str) -> None:
+        self.problem_count += 1
+        if len(self.problems) < PROTOCOL_ERRORS_KEPT:
+            self.problems.append(f"stdout line {self.lines}: {what}")
+
+    def _log(self, text: str) -> None:
+        self.log.write(text + "\n")
+        self.log.flush()
+
+
+def _excerpt(text: str, length: int = 60) -> str:
+    return repr(text if len(text) <= length else text[:length] + "...")
+
+
+class _OutOfTime(Exception):
+    """The configuration's ``--timeout`` ran out: ``row`` is its last attempt's, or one that says no
+    time was left to start the next."""
+
+    def __init__(self, row: dict[str, Any]):
+        super().__init__(row["error"])
+        self.row = row
+
+
 def _run_planned(spec: RunSpec, logs: Path, timeout: float, on_event, policy: FallbackPolicy,
                  predicted_batch: Callable[[RunSpec], int]) -> dict[str, Any]:
-    """One configuration of the sweep: the batch search if asked for, then the run with its fallbacks;
-    the row keeps the configuration's own key and label, whatever finally ran (``spec`` says that)."""
+    """One configuration of the sweep: the batch search if asked for, then the run with its fallbacks,
+    all within ``timeout`` seconds (the configuration's whole life: a timed-out probe or attempt, or
+    none left for the next, ends it as ``timeout``); the row keeps the configuration's own key and
+    label, whatever finally ran (``spec`` says that)."""
     attempt = iter(range(1, 1000))
+    deadline = time.monotonic() + timeout
+    limit = f"the configuration's {timeout:g} s --timeout (batch probes and fallback attempts included)"
+    tried: list[dict[str, Any]] = []
 
     def run(candidate: RunSpec) -> dict[str, Any]:
-        return run_one(candidate, logs / f"{spec.key}-{next(attempt)}.log", timeout, on_event)
+        remaining = deadline - time.monotonic()
+        if remaining <= 0:
+            raise _OutOfTime({"key": candidate.key, "label": candidate.label, "spec": candidate.model_dump(),
+                              "status": "timeout", "error": f"{limit} ran out before {candidate.label} could start",
+                              "params": resolve(candidate.model).total_params, "started_at": _now(),
+                              "finished_at": _now()})
+        row = run_one(candidate, logs / f"{spec.key}-{next(attempt)}.log", remaining, on_event, limit=limit)
+        tried.append({"spec": candidate.model_dump(), "status": row["status"], "error": row.get("error")})
+        if row["status"] == "timeout":
+            raise _OutOfTime(row)
+        return row
 
     search: dict[str, Any] = {}
     to_run = spec
-    if spec.auto_batch:
-        predicted = predicted_batch(spec)
-        found, probes = search_max_batch(spec, predicted, lambda probe: run(probe)["status"] in RAN_TO_THE_END)
-        search = {"predicted_batch": predicted, "max_batch": found, "batch_probes": probes}
-        to_run = spec.model_copy(update={"batch_size": max(found, 1), "auto_batch": False})
-    row = run_with_fallback(to_run, policy, run)
+    try:
+        if spec.auto_batch:
+            predicted = predicted_batch(spec)
+            found, probes = search_max_batch(spec, predicted, lambda probe: run(probe)["status"] in RAN_TO_THE_END)
+            search = {"predicted_batch": predicted, "max_batch": found, "batch_probes": probes}
+            to_run = spec.model_copy(update={"batch_size": max(found, 1), "auto_batch": False})
+        row = run_with_fallback(to_run, policy, run)
+    except _OutOfTime as out_of_time:
+        row = {**out_of_time.row, "attempts": tried}
     row.update(search, key=spec.key, label=spec.label)
     return row
+
+
+class SweepInterrupted(KeyboardInterrupt):
+    """SIGTERM or SIGHUP (a closed terminal, an ended ssh session) ended the sweep, as Ctrl-C does."""
+
+    def __init__(self, signum: int):
+        super().__init__(f"interrupted by {signal.Signals(signum).name}")
+
+
+@contextmanager
+def _signals_interrupt():
+    """While the sweep runs, SIGTERM and SIGHUP raise ``SweepInterrupted`` in the main thread, so the
+    worker in flight ends with everything it started, its scratch directory is removed and its row
+    says ``interrupted``. Further signals are ignored meanwhile, so that cleanup finishes. After a
+    hangup the terminal is gone: standard output and error then go to /dev/null, so the last words
+    cannot fail."""
+    if threading.current_thread() is not threading.main_thread():
+        yield
+        return
+
+    def interrupt(signum, frame):
+        for caught in CAUGHT_SIGNALS:
+            signal.signal(caught, signal.SIG_IGN)
+        if signum == signal.SIGHUP:
+            _detach_from_terminal()
+        raise SweepInterrupted(signum)
+
+    previous = {caught: signal.signal(caught, interrupt) for caught in CAUGHT_SIGNALS}
+    try:
+        yield
+    finally:
+        for caught, handler in previous.items():
+            signal.signal(caught, handler)
+
+
+def _detach_from_terminal() -> None:
+    null = os.open(os.devnull, os.O_WRONLY)
+    for fd in (1, 2):
+        if os.isatty(fd):
+            os.dup2(null, fd)
+    os.close(null)
 
 
 def run_sweep(specs: list[RunSpec], store: ResultStore, *, timeout: float, command: str,
@@ -177,23 +410,41 @@ def run_sweep(specs: list[RunSpec], store: ResultStore, *, timeout: float, comma
     probing from ``predicted_batch`` (``fitbench.launch.fallback``)."""
     finished = store.finished_keys()
     rows = []
-    for index, spec in enumerate(specs):
-        if spec.key in finished:
-            callbacks.on_skip(spec)
-            continue
-        callbacks.on_start(spec, index, len(specs))
-        if spec.key in (refusals or {}):
+    with _signals_interrupt():
+        for index, spec in enumerate(specs):
+            if spec.key in finished:
+                callbacks.on_skip(spec)
+                continue
+            callbacks.on_start(spec, index, len(specs))
+            rows.append(_one_of_sweep(spec, store, timeout, command, callbacks, predict, refusals or {}, calibration,
+                                      fallback, predicted_batch))
+            finished.add(spec.key)
+    return rows
+
+
+def _one_of_sweep(spec: RunSpec, store: ResultStore, timeout, command, callbacks, predict, refusals, calibration,
+                  fallback, predicted_batch) -> dict[str, Any]:
+    """Run one configuration of ``run_sweep`` and append its row; an interruption appends an
+    ``interrupted`` row (``--resume`` runs it again) and goes on up."""
+    started_at = _now()
+    try:
+        if spec.key in refusals:
             row = {"key": spec.key, "label": spec.label, "spec": spec.model_dump(), "status": "refused",
                    "error": refusals[spec.key], "params": resolve(spec.model).total_params,
-                   "started_at": _now(), "finished_at": _now()}
+                   "started_at": started_at, "finished_at": _now()}
         else:
             row = _run_planned(spec, store.directory / "logs", timeout, callbacks.on_event, fallback(spec),
                                predicted_batch)
-        row["command"] = command
-        row["calibration"] = calibration
-        row["prediction"] = predict(RunSpec.model_validate(row["spec"]))
-        store.append(row)
-        finished.add(spec.key)
-        rows.append(row)
-        callbacks.on_finish(row)
-    return rows
+    except KeyboardInterrupt as interruption:
+        store.append({"key": spec.key, "label": spec.label, "spec": spec.model_dump(), "status": "interrupted",
+                      "error": f"{interruption or 'interrupted by SIGINT'}: the worker and everything it started "
+                               f"were ended; `fitbench run --resume {store.directory}` runs it again",
+                      "params": resolve(spec.model).total_params, "started_at": started_at,
+                      "finished_at": _now(), "command": command})
+        raise
+    row["command"] = command
+    row["calibration"] = calibration
+    row["prediction"] = predict(RunSpec.model_validate(row["spec"]))
+    store.append(row)
+    callbacks.on_finish(row)
+    return row

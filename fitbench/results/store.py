@@ -2,17 +2,24 @@
 
 Killing a sweep loses only the run in flight. ``finished_keys`` lets ``--resume`` skip every
 configuration that already has a row, whatever its status: an out-of-memory or a crash is a
-finished measurement too. Delete a row to run it again.
+finished measurement too. Delete a row to run it again. The one exception is ``interrupted``: the
+sweep, not the configuration, was stopped, so ``--resume`` runs it again, and its later row
+replaces it in ``rows``.
 
 The file outlives the code that wrote it and the people who edit it: a line that is not a row (cut
 short by a kill, not JSON, not UTF-8, not an object with a ``key``, a ``status`` and a ``spec``) is
 skipped and reported once through ``on_bad_line``, with its line number, and everything else still
 reads. A write that fails (a full disk) leaves the file as it was before the write began.
+
+One sweep at a time per directory: ``lock`` takes an exclusive ``flock`` on ``fitbench.lock``,
+which holds the holder's PID. The kernel releases it when the holder exits, however it exits, so
+a lock left by a killed run is no obstacle.
 """
 
 from __future__ import annotations
 
 import errno
+import fcntl
 import json
 import os
 from pathlib import Path
@@ -22,6 +29,8 @@ from fitbench.errors import UserError, excerpt
 
 RESULTS_FILE = "results.jsonl"
 SWEEP_FILE = "sweep.json"
+LOCK_FILE = "fitbench.lock"
+INTERRUPTED = "interrupted"
 SWEEP_MAX_BYTES = 10_000_000
 # A full disk, a file grown past RLIMIT_FSIZE, a quota, a file system remounted read-only mid-sweep.
 DISK_ERRORS = {errno.ENOSPC, errno.EFBIG, errno.EDQUOT, errno.EROFS}
@@ -57,6 +66,7 @@ class ResultStore:
         self.path = self.directory / RESULTS_FILE
         self.on_bad_line = on_bad_line
         self._reported: set[int] = set()
+        self._lock = None  # the open lock file while this process holds the directory
 
     def append(self, row: dict[str, Any]) -> None:
         self.directory.mkdir(parents=True, exist_ok=True)
@@ -85,7 +95,17 @@ class ResultStore:
                          f"sweep.")
 
     def rows(self) -> Iterator[dict[str, Any]]:
-        """Every complete row; any other line is skipped (see the module's docstring)."""
+        """Every complete row but an ``interrupted`` one that a later row of its key replaced; any
+        other line is skipped (see the module's docstring)."""
+        rows = list(self._lines())
+        later = {}
+        for index, row in enumerate(rows):
+            later[row.get("key")] = index
+        for index, row in enumerate(rows):
+            if row.get("status") != INTERRUPTED or later[row.get("key")] == index:
+                yield row
+
+    def _lines(self) -> Iterator[dict[str, Any]]:
         if not self.path.exists():
             return
         with self.path.open("rb") as handle:
@@ -101,7 +121,35 @@ class ResultStore:
                         self.on_bad_line(f"{self.path}: line {number} {problem}; skipped")
 
     def finished_keys(self) -> set[str]:
-        return {row["key"] for row in self.rows()}
+        return {row["key"] for row in self.rows() if row.get("status") != INTERRUPTED}
+
+    def lock(self) -> None:
+        """Hold the directory's lock until ``unlock`` or this process's exit; a UserError naming the
+        holder's PID when another process holds it."""
+        try:
+            self.directory.mkdir(parents=True, exist_ok=True)
+            handle = (self.directory / LOCK_FILE).open("a+")
+        except OSError as error:
+            raise UserError(f"out: {self.directory} cannot be the results directory ({error.strerror}: "
+                            f"{error.filename}); pass an --out directory you can write to.") from None
+        try:
+            fcntl.flock(handle, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            handle.seek(0)
+            holder = handle.read(32).strip()
+            handle.close()
+            raise UserError(f"out: {self.directory} is in use by another fitbench run (PID {holder or 'unknown'}); "
+                            f"one sweep writes to a directory at a time. Wait for it to finish (or stop it), or "
+                            f"pass another --out.") from None
+        handle.truncate(0)
+        handle.write(f"{os.getpid()}\n")
+        handle.flush()
+        self._lock = handle
+
+    def unlock(self) -> None:
+        if self._lock is not None:
+            self._lock.close()
+            self._lock = None
 
     def save_sweep(self, sweep: dict[str, Any]) -> None:
         self.directory.mkdir(parents=True, exist_ok=True)

@@ -13,17 +13,30 @@ Fault injection for tests (comma-separated in ``FITBENCH_INJECT``):
 - ``oom:<precision>``: a worker running that precision with every layer on the device raises the
   real ``torch.cuda.OutOfMemoryError`` once its model is built (an offloaded run is what gets
   around it), as a run predicted to fit that then runs out would;
+- ``hang:<model>``: the worker of that model sleeps before it builds anything, as a hung
+  collective would (for timeouts and signals);
+- ``orphan:<model>``: the worker first starts a process in a session of its own that sleeps and
+  holds the worker's stdout open, as a stray server or compiler daemon would;
+- ``garbage:<model>``: the worker writes a JSON line that is not an object, bytes that are not
+  UTF-8 and a line of several MiB to its progress channel, then runs normally;
+- ``sigkill:<model>``: the worker kills itself with SIGKILL once its model is built, as the
+  kernel's out-of-memory killer would;
+- ``alloc:<model>``: the worker asks the allocator of its device for 2**62 bytes once its model is
+  built: a real allocation failure (on a CPU, ``DefaultCPUAllocator: can't allocate memory``);
 - ``mem-limit:<bytes>``: a worker raises it when the planner's predicted tensor peak for its
   configuration exceeds that budget, which makes a CPU behave like a GPU of that size; an
   offloaded configuration also keeps on the device only the layers that budget has room for.
   ``fitbench run`` plans against the same budget on a CPU, so what is predicted not to fit there
-  is refused before launch, as on a GPU.
+  is refused before launch, as on a GPU. The parent takes the same budget for the host memory
+  a CPU worker had (``fitbench.launch.local``).
 """
 
 from __future__ import annotations
 
 import json
 import os
+import signal
+import subprocess
 import sys
 import time
 import traceback
@@ -38,6 +51,7 @@ from fitbench.models.backends import CausalLM, NativeLM, load_model
 from fitbench.models.hf import has_weights
 from fitbench.models.offload import Offload, OffloadCapacityError, build_offloaded
 from fitbench.models.registry import is_local_model, resolve
+from fitbench.processes import end_own_tree, tie_to_parent
 from fitbench.run.loops import generate, make_step, random_tokens, read_generation
 from fitbench.run.metrics import inference_metrics, step_metrics
 from fitbench.precisions import TRAINING_MODES, peak_kind
@@ -72,6 +86,21 @@ def injected_memory_limit() -> float | None:
         if kind == "mem-limit":
             return float(value)
     return None
+
+
+def inject_misbehaviour(spec: RunSpec) -> None:
+    """FITBENCH_INJECT's ``orphan``, ``garbage`` and ``hang`` (module docstring)."""
+    if injected("orphan", spec.model):
+        child = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(3600)"], start_new_session=True,
+                                 stdin=subprocess.DEVNULL)
+        print(f"FITBENCH_INJECT: started process {child.pid} in its own session", file=sys.stderr, flush=True)
+    if injected("garbage", spec.model):
+        sys.stdout.buffer.write(b'[1, 2, 3]\n42\n\xff\xfe not UTF-8\n' + b"x" * (5 << 20) + b"\n")
+        sys.stdout.flush()
+    if injected("hang", spec.model):
+        print(f"FITBENCH_INJECT: the worker of {spec.model} hangs", file=sys.stderr, flush=True)
+        while True:
+            time.sleep(60)
 
 
 def raise_injected_out_of_memory(spec: RunSpec, arch, resident_layers: int | None) -> None:
@@ -135,6 +164,7 @@ def measure(spec: RunSpec, device: torch.device, scratch: Path) -> dict:
     torch.manual_seed(spec.seed)
     clock = DeviceClock(device)
 
+    inject_misbehaviour(spec)
     emit(phase="build")
     started = time.perf_counter()
     allocated_before = torch.cuda.memory_allocated(device) if device.type == "cuda" else 0
@@ -152,6 +182,11 @@ def measure(spec: RunSpec, device: torch.device, scratch: Path) -> dict:
     if injected("crash", spec.model):
         print(f"FITBENCH_INJECT: aborting the worker of {spec.model}", file=sys.stderr, flush=True)
         os.abort()
+    if injected("sigkill", spec.model):
+        print(f"FITBENCH_INJECT: killing the worker of {spec.model}", file=sys.stderr, flush=True)
+        os.kill(os.getpid(), signal.SIGKILL)
+    if injected("alloc", spec.model):
+        torch.empty(1 << 62, dtype=torch.uint8, device=device)
     raise_injected_out_of_memory(spec, arch, offload.resident_layers if offload else None)
     if spec.activation_checkpointing:
         lm.enable_activation_checkpointing()
@@ -419,12 +454,17 @@ def decode_weight_bytes(module: torch.nn.Module, stored_bytes: float, batch: int
     return touched
 
 
+# How allocators say they ran out: CUDA's caching allocator, the CPU's (DefaultCPUAllocator) and libc's.
+OUT_OF_MEMORY_MESSAGES = ("out of memory", "can't allocate memory", "cannot allocate memory")
+
+
 def classify(error: BaseException) -> str:
+    """``refused``, ``oom`` (on a GPU or a CPU: the fallback ladder starts from it) or ``error``."""
     if isinstance(error, (RefusedError, OffloadCapacityError)):
         return "refused"
-    if isinstance(error, torch.cuda.OutOfMemoryError):
+    if isinstance(error, (torch.cuda.OutOfMemoryError, MemoryError)):
         return "oom"
-    if isinstance(error, RuntimeError) and "out of memory" in str(error).lower():
+    if isinstance(error, RuntimeError) and any(text in str(error).lower() for text in OUT_OF_MEMORY_MESSAGES):
         return "oom"
     return "error"
 
@@ -464,4 +504,9 @@ def main(argv: list[str]) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main(sys.argv[1:]))
+    tie_to_parent(Path(sys.argv[2]).parent)
+    try:
+        exit_code = main(sys.argv[1:])
+    finally:
+        end_own_tree()
+    sys.exit(exit_code)

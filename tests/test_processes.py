@@ -1,0 +1,275 @@
+"""Nothing left behind: real sweeps, real signals, real processes, real locks.
+
+Every process a sweep starts inherits a mark in its environment; a test that ends a sweep then
+looks for any living process that carries it, and for any scratch directory in the sweep's TMPDIR.
+"""
+
+import json
+import math
+import os
+import signal
+import subprocess
+import sys
+import time
+import uuid
+from pathlib import Path
+
+import pytest
+
+from fitbench.cli import main
+from fitbench.config import RunSpec
+from fitbench.host import host_memory, memory_cgroups, oom_kills
+from fitbench.launch.local import MAX_LINE_BYTES
+from fitbench.results.store import ResultStore
+from fitbench.run import worker
+
+SHAPES = ["--mode", "forward", "--batch-size", "1", "--seq-len", "16", "--warmup-steps", "1", "--measure-steps", "1"]
+MARK = "FITBENCH_TEST_MARK"
+slow = pytest.mark.slow
+
+
+@pytest.fixture(autouse=True)
+def in_tmp(tmp_path, monkeypatch):
+    """Each test in its own directory, with its own TMPDIR for the sweep's scratch directories and a mark
+    that every process the sweep starts inherits."""
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.delenv("FITBENCH_INJECT", raising=False)
+    (tmp_path / "tmp").mkdir()
+    monkeypatch.setenv("TMPDIR", str(tmp_path / "tmp"))
+    monkeypatch.setenv(MARK, uuid.uuid4().hex)
+
+
+def cli(argv: list[str], capsys) -> tuple[int, str, str]:
+    code = main(argv)
+    captured = capsys.readouterr()
+    return code, captured.out, captured.err
+
+
+def marked() -> set[int]:
+    """Living processes (not zombies) that carry this test's mark, this one excluded."""
+    needle = f"{MARK}={os.environ[MARK]}".encode()
+    found = set()
+    for entry in os.listdir("/proc"):
+        if not entry.isdigit() or int(entry) == os.getpid():
+            continue
+        try:
+            if needle in Path(f"/proc/{entry}/environ").read_bytes().split(b"\0"):
+                found.add(int(entry))
+        except OSError:
+            continue
+    return found
+
+
+def scratch(tmp_path: Path) -> list[Path]:
+    """The sweep's scratch directories (torch keeps caches of its own beside them)."""
+    return list((tmp_path / "tmp").glob("fitbench-*"))
+
+
+def assert_nothing_left(tmp_path: Path, within: float = 30) -> None:
+    deadline = time.monotonic() + within
+    while (marked() or scratch(tmp_path)) and time.monotonic() < deadline:
+        time.sleep(0.2)
+    assert not marked(), f"processes left running: {sorted(marked())}"
+    assert scratch(tmp_path) == [], "scratch directories left behind"
+
+
+def wait_for_log(out: Path, text: str, parent: subprocess.Popen | None = None, within: float = 180) -> None:
+    deadline = time.monotonic() + within
+    while not any(text in log.read_text(errors="replace") for log in (out / "logs").glob("*.log")):
+        assert parent is None or parent.poll() is None, "the sweep ended before it could be interrupted"
+        assert time.monotonic() < deadline, f"no worker log said {text!r} in time"
+        time.sleep(0.1)
+
+
+def rows_of(out: Path) -> list[dict]:
+    return list(ResultStore(out).rows())
+
+
+# ---- the worker dies with its parent ---------------------------------------------------------------
+
+
+@slow
+@pytest.mark.parametrize("signum", [signal.SIGTERM, signal.SIGHUP, signal.SIGKILL])
+def test_a_killed_sweep_leaves_no_process_and_no_scratch_directory(signum, tmp_path):
+    out = tmp_path / "out"
+    parent = subprocess.Popen([sys.executable, "-m", "fitbench", "run", "--models", "tiny", *SHAPES, "--out", str(out)],
+                              cwd=tmp_path, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                              env={**os.environ, "FITBENCH_INJECT": "orphan:tiny,hang:tiny"})
+    try:
+        wait_for_log(out, "hangs", parent)
+        assert len(marked()) >= 3  # the sweep, its worker, and the worker's child in a session of its own
+        assert scratch(tmp_path), "the worker runs in a scratch directory"
+        parent.send_signal(signum)
+        stdout, stderr = parent.communicate(timeout=60)
+    finally:
+        if parent.poll() is None:
+            parent.kill()
+            parent.communicate()
+    assert_nothing_left(tmp_path)
+    if signum == signal.SIGKILL:
+        assert parent.returncode == -signal.SIGKILL
+        assert rows_of(out) == []
+        return
+    assert parent.returncode == 130, stderr
+    assert "Traceback" not in stderr
+    assert f"interrupted by {signal.Signals(signum).name}" in stderr
+    (row,) = rows_of(out)
+    assert row["status"] == "interrupted" and row["spec"]["model"] == "tiny"
+    assert signal.Signals(signum).name in row["error"] and "--resume" in row["error"]
+    assert ResultStore(out).finished_keys() == set()  # --resume runs it again
+
+
+@slow
+def test_the_timeout_bounds_batch_probes_and_kills_all_the_worker_started(tmp_path, capsys, monkeypatch):
+    # Each probe of --batch-size auto hangs: per attempt, the timeout would let every probe run its course.
+    monkeypatch.setenv("FITBENCH_INJECT", "orphan:tiny,hang:tiny")
+    out = tmp_path / "out"
+    argv = ["run", "--models", "tiny", *SHAPES, "--batch-size", "auto", "--timeout", "10", "--out", str(out)]
+    started = time.monotonic()
+    code, stdout, stderr = cli(argv, capsys)
+    elapsed = time.monotonic() - started
+    assert code == 1, stderr
+    (row,) = rows_of(out)
+    assert row["status"] == "timeout"
+    assert "10 s --timeout (batch probes and fallback attempts included)" in row["error"]
+    assert [attempt["status"] for attempt in row["attempts"]] == ["timeout"]
+    assert row["attempts"][0]["spec"]["auto_batch"]  # it was a probe
+    assert elapsed < 10 + 25, elapsed
+    assert_nothing_left(tmp_path, within=0)  # gone before the row was written
+    assert "tiny forward fp32 autox16 [native]: timeout" in " ".join(stdout.split())
+
+
+@slow
+def test_a_misbehaving_worker_that_exits_0_is_ok_and_leaves_nothing(tmp_path, capsys, monkeypatch):
+    # The worker's child holds stdout open after the worker exits; its progress channel carries garbage.
+    monkeypatch.setenv("FITBENCH_INJECT", "orphan:tiny,garbage:tiny")
+    out = tmp_path / "out"
+    code, stdout, stderr = cli(["run", "--models", "tiny", *SHAPES, "--timeout", "120", "--out", str(out)], capsys)
+    assert code == 0, stderr
+    (row,) = rows_of(out)
+    assert row["status"] == "ok" and row["exit_code"] == 0, row.get("error")
+    assert row["wall_s"] < 100  # not held until the timeout by the child's open stdout
+    errors = row["protocol_errors"]
+    assert [error.split(": ", 1)[1] for error in errors] == [
+        "JSON that is not an object: '[1, 2, 3]'", "JSON that is not an object: '42'", "bytes that are not UTF-8",
+        f"a line longer than {MAX_LINE_BYTES >> 20} MiB"]
+    assert any(warning.startswith("protocol error") for warning in row["warnings"])
+    assert (out / "logs" / f"{row['key']}-1.log").stat().st_size < MAX_LINE_BYTES  # the huge line was not kept
+    assert_nothing_left(tmp_path, within=0)
+
+
+# ---- one sweep per output directory -------------------------------------------------------------------
+
+
+def test_one_sweep_per_output_directory(tmp_path, capsys):
+    out = tmp_path / "out"
+    holder = subprocess.Popen([sys.executable, "-c", "import sys, time; from fitbench.results.store import ResultStore;"
+                               f"store = ResultStore({str(out)!r}); store.lock(); print('locked', flush=True); time.sleep(600)"],
+                              stdout=subprocess.PIPE, text=True)
+    try:
+        assert holder.stdout.readline().strip() == "locked"
+        code, _, stderr = cli(["run", "--models", "tiny", *SHAPES, "--out", str(out)], capsys)
+        assert code == 2
+        assert f"PID {holder.pid}" in stderr and "--out" in stderr and "Traceback" not in stderr
+        assert len(stderr.strip().splitlines()) == 1
+        assert sorted(path.name for path in out.iterdir()) == ["fitbench.lock"]  # nothing written, nothing ran
+    finally:
+        holder.kill()
+        holder.wait()
+    # The killed holder's lock file stays; its lock went with it.
+    store = ResultStore(out)
+    store.lock()
+    assert (out / "fitbench.lock").read_text().strip() == str(os.getpid())
+    store.unlock()
+
+
+def test_an_interrupted_row_is_run_again_and_replaced(tmp_path):
+    store = ResultStore(tmp_path / "store")
+    store.append({"key": "a", "status": "ok"})
+    store.append({"key": "b", "status": "interrupted"})
+    assert store.finished_keys() == {"a"}
+    assert [row["key"] for row in store.rows()] == ["a", "b"]
+    store.append({"key": "b", "status": "oom"})
+    assert store.finished_keys() == {"a", "b"}
+    assert [(row["key"], row["status"]) for row in store.rows()] == [("a", "ok"), ("b", "oom")]
+
+
+# ---- timeout values -------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("value", ["inf", "nan", "0", "-5", "-inf"])
+def test_timeout_must_be_finite_and_positive(value, tmp_path, capsys):
+    code, _, stderr = cli(["run", "--models", "tiny", f"--timeout={value}", "--out", str(tmp_path / "out")], capsys)
+    assert code == 2
+    assert "timeout" in stderr and "--timeout" in stderr and "Traceback" not in stderr
+    assert len(stderr.strip().splitlines()) == 1
+    assert not (tmp_path / "out").exists()
+
+
+def test_help_says_what_the_timeout_bounds_and_the_exit_codes(capsys):
+    with pytest.raises(SystemExit):
+        main(["run", "--help"])
+    text = " ".join(capsys.readouterr().out.split())
+    assert "a configuration's whole life: its batch probes (--batch-size auto), fallback attempts and run" in text
+    assert "exit status: 0 every configuration ok; 1 one or more did not finish ok" in text
+    assert "2 bad input, nothing ran; 130 interrupted" in text
+
+
+# ---- memory on a CPU ------------------------------------------------------------------------------------
+
+
+def test_a_cpu_allocation_failure_is_an_out_of_memory(tmp_path, monkeypatch):
+    monkeypatch.setenv("FITBENCH_INJECT", "alloc:tiny")
+    spec = RunSpec(model="tiny", backend="native", mode="forward", precision="fp32", batch_size=1, seq_len=16,
+                   new_tokens=2, device="cpu", warmup_steps=0, measure_steps=1)
+    spec_path, result_path = tmp_path / "spec.json", tmp_path / "result.json"
+    spec_path.write_text(spec.model_dump_json())
+    assert worker.main([str(spec_path), str(result_path)]) == worker.EXIT_FAILED
+    result = json.loads(result_path.read_text())
+    assert result["status"] == "oom"
+    assert "DefaultCPUAllocator: can't allocate memory" in result["error"]
+    assert worker.classify(MemoryError()) == "oom"
+    assert worker.classify(RuntimeError("something else")) == "error"
+
+
+@slow
+def test_a_worker_killed_with_host_memory_exhausted_is_an_out_of_memory(tmp_path, capsys, monkeypatch):
+    # A mem-limit makes this CPU a host of that size; the worker, far above it, dies of SIGKILL.
+    limit = 150e6
+    monkeypatch.setenv("FITBENCH_INJECT", f"sigkill:tiny,mem-limit:{limit:.0f}")
+    out = tmp_path / "out"
+    code, stdout, stderr = cli(["run", "--models", "tiny", *SHAPES, "--precision", "fp32", "--out", str(out)], capsys)
+    assert code == 1, stderr
+    (row,) = rows_of(out)
+    assert row["status"] == "oom" and row["exit_code"] == -signal.SIGKILL
+    assert "out of host memory" in row["error"] and "FITBENCH_INJECT mem-limit" in row["error"]
+    peak = float(row["error"].split("peak resident memory, ")[1].split(" GB")[0]) * 1e9
+    assert peak >= 0.9 * limit
+    # the ladder ran: the out-of-memory was retried offloaded, and died the same way
+    assert [attempt["status"] for attempt in row["attempts"]] == ["oom", "oom"]
+    assert row["attempts"][1]["spec"]["offload"]
+
+
+def test_a_cpu_configuration_beyond_the_host_memory_is_refused_before_launch(tmp_path, capsys):
+    out = tmp_path / "out"
+    code, stdout, stderr = cli(["run", "--models", "65B", "--mode", "train", "infer", "--batch-size", "1",
+                                "--seq-len", "16", "--warmup-steps", "0", "--measure-steps", "1", "--out", str(out)],
+                               capsys)
+    assert code == 1, stderr
+    train, infer = rows_of(out)
+    assert not (out / "logs").exists()  # no worker started
+    memory = host_memory()
+    for row in (train, infer):
+        assert row["status"] == "refused" and "timing" not in row
+        assert row["error"].startswith(f"refused before launch: {row['label']} is predicted to need ")
+        assert "of host memory; " in row["error"] and f"is available ({memory.source})" in row["error"]
+    assert "--offload" in infer["error"] and "--offload" not in train["error"]  # offload is for inference
+
+
+def test_host_memory_reads_meminfo_and_cgroups():
+    memory = host_memory()
+    meminfo = {line.split(":")[0]: int(line.split()[1]) * 1024 for line in Path("/proc/meminfo").read_text().splitlines()}
+    assert 0 < memory.available <= meminfo["MemTotal"]
+    assert memory.source == "/proc/meminfo MemAvailable" or memory.source.startswith("cgroup ")
+    assert all(directory.is_dir() and version in (1, 2) for directory, version in memory_cgroups())
+    assert oom_kills() >= 0 and not math.isnan(memory.available)
