@@ -241,7 +241,7 @@ def check_context(arch, mode: str, seq_len: int, new_tokens: int) -> None:
         what = f"seq_len {seq_len} + new_tokens {new_tokens}" if mode == "infer" else f"seq_len {seq_len}"
         longest = arch.max_seq_len - (new_tokens if mode == "infer" else 0)
         fix = (f"Use --seq-len (alias --context-length) of at most {longest}" if longest > 0 else
-               f"Use fewer --new-tokens")
+               "Use fewer --new-tokens")
         raise UserError(f"seq_len: {what} exceeds the {arch.max_seq_len}-token context of {excerpt(arch.name)}. "
                         f"{fix}.")
 

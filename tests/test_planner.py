@@ -1039,7 +1039,7 @@ def test_30b_training_on_an_h200_is_refused_with_fsdp_and_adapters_as_alternativ
     need = f"{prediction['predicted_peak_bytes'] / GB:.1f} GB"
     assert reason.startswith(f"refused before launch: 30B train in bf16-pure at batch 1 x 512 tokens is predicted "
                              f"to need {need} on one GPU of 150.1 GB; it fits ")
-    assert f"on 2 GPUs with " in reason and f"at {sharded.assessment.predicted_peak / GB:.1f} GB each" in reason
+    assert "on 2 GPUs with " in reason and f"at {sharded.assessment.predicted_peak / GB:.1f} GB each" in reason
     assert f"as nf4 adapters (QLoRA) on this GPU at {adapters.predicted_peak / GB:.1f} GB" in reason
     assert reason.count(", or ") == 1 and reason.endswith(".")
 
@@ -1155,7 +1155,7 @@ def test_else_the_newest_stored_for_that_gpu_and_its_source_says_which():
     undated = calibration("stored before dates", None)
     other_gpu = calibration("another GPU", "2026-11-20T00:00:00Z")
     store_raw({f"{H100}|torch 2.9.0": asdict(old), f"{H100}|torch 2.10.0": asdict(new),
-               f"{H100}|torch 2.1.0": asdict(undated), f"NVIDIA H200|torch 2.10.0": asdict(other_gpu)})
+               f"{H100}|torch 2.1.0": asdict(undated), "NVIDIA H200|torch 2.10.0": asdict(other_gpu)})
     chosen = load_calibration(H100)
     assert replace(chosen, source="measured lately") == new
     assert chosen.source == (f"measured lately (stored for torch 2.10.0, the newest for {H100}; none for torch "

@@ -185,11 +185,12 @@ def test_one_sweep_per_output_directory(tmp_path, capsys):
 
 def test_an_interrupted_row_is_run_again_and_replaced(tmp_path):
     store = ResultStore(tmp_path / "store")
-    store.append({"key": "a", "status": "ok"})
-    store.append({"key": "b", "status": "interrupted"})
+    spec = {"model": "tiny", "mode": "train", "precision": "fp32", "batch_size": 1, "seq_len": 16}
+    store.append({"key": "a", "status": "ok", "spec": spec})
+    store.append({"key": "b", "status": "interrupted", "spec": spec})
     assert store.finished_keys() == {"a"}
     assert [row["key"] for row in store.rows()] == ["a", "b"]
-    store.append({"key": "b", "status": "oom"})
+    store.append({"key": "b", "status": "oom", "spec": spec})
     assert store.finished_keys() == {"a", "b"}
     assert [(row["key"], row["status"]) for row in store.rows()] == [("a", "ok"), ("b", "oom")]
 
