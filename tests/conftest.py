@@ -8,6 +8,18 @@ os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
 os.environ.setdefault("HF_HUB_DISABLE_TELEMETRY", "1")
 
 
+def cli(argv: list[str], capsys) -> tuple[int, str, str]:
+    """``fitbench ARGV`` in this process (its workers are child processes); exit code, stdout, stderr."""
+    from fitbench.cli import main
+
+    try:
+        code = main(argv)
+    except SystemExit as exit_:
+        code = exit_.code
+    captured = capsys.readouterr()
+    return code, captured.out, captured.err
+
+
 def write_tiny_checkpoint(directory, fill: float | None = None, tokenizer: bool = True, seed: int = 0):
     """``tiny`` as a transformers-layout checkpoint in ``directory``: config.json, model.safetensors with
     the native model's bf16 weights (random from ``seed``, or every element ``fill``) and, with

@@ -13,10 +13,10 @@ from pathlib import Path
 
 import pytest
 
-from fitbench.cli import main
 from fitbench.config import load_yaml
 from fitbench.errors import UserError
 from fitbench.results.store import ResultStore
+from conftest import cli
 
 MESSAGE_MAX = 700  # characters: a message quotes input, it never echoes it
 # Configurations that a CPU refuses before launch (int4 needs a GPU): real sweeps, real rows, no worker.
@@ -28,15 +28,6 @@ REPO = Path(__file__).resolve().parents[1]
 def in_tmp(tmp_path, monkeypatch):
     monkeypatch.chdir(tmp_path)
     monkeypatch.delenv("FITBENCH_INJECT", raising=False)
-
-
-def cli(argv: list[str], capsys) -> tuple[int, str, str]:
-    try:
-        code = main(argv)
-    except SystemExit as exit_:
-        code = exit_.code
-    captured = capsys.readouterr()
-    return code, captured.out, captured.err
 
 
 def check_user_error(code: int, stderr: str, *fields: str) -> str:

@@ -15,13 +15,13 @@ import pytest
 import torch
 from transformers import LlamaConfig
 
-from fitbench.cli import main
 from fitbench.config import RunSpec, SweepConfig, expand, load_yaml, merge_sources
 from fitbench.errors import UserError
 from fitbench.models.presets import PRESETS
 from fitbench.models.registry import resolve
 from fitbench.plan.calibration import TENSORS_ONLY
 from fitbench.results.store import ResultStore
+from conftest import cli
 
 SMALL_SHAPES = ["--batch-size", "1", "--seq-len", "16", "--new-tokens", "4", "--warmup-steps", "1",
                 "--measure-steps", "2"]
@@ -34,16 +34,6 @@ def in_tmp(tmp_path, monkeypatch):
     """Each test runs in its own directory: nothing lands in the checkout, not even a core file."""
     monkeypatch.chdir(tmp_path)
     monkeypatch.delenv("FITBENCH_INJECT", raising=False)
-
-
-def cli(argv: list[str], capsys) -> tuple[int, str, str]:
-    """``fitbench ARGV`` in this process (its workers are child processes); exit code, stdout, stderr."""
-    try:
-        code = main(argv)
-    except SystemExit as exit_:
-        code = exit_.code
-    captured = capsys.readouterr()
-    return code, captured.out, captured.err
 
 
 def fitbench(*args: str, cwd: Path, env: dict | None = None, timeout: float = 300) -> subprocess.CompletedProcess:

@@ -20,7 +20,7 @@ import pytest
 import torch
 
 from fitbench import hardware
-from fitbench.cli import gpu_target, main, run_target
+from fitbench.cli import gpu_target, run_target
 from fitbench.config import RunSpec
 from fitbench.errors import UserError
 from fitbench.models.registry import resolve
@@ -44,6 +44,7 @@ from fitbench.plan.planner import (
 )
 from fitbench.plan.speed import estimate_step_time
 from fitbench.run.precision import PRECISIONS
+from conftest import cli
 
 # ---- datasheet figures and published shapes ---------------------------------------------------
 
@@ -750,15 +751,6 @@ def test_predict_spec_keeps_on_the_gpu_the_layers_that_fit():
 
 
 # ---- 9. the commands -----------------------------------------------------------------------------
-
-def cli(argv, capsys):
-    try:
-        code = main(argv)
-    except SystemExit as exit_:
-        code = exit_.code
-    captured = capsys.readouterr()
-    return code, captured.out, captured.err
-
 
 PLAN_70B = ["plan", "--models", "llama-2-70b", "--mode", "infer", "--gpus", "4", "--gpu-memory", "80GB"]
 

@@ -22,6 +22,7 @@ from fitbench.host import host_memory, memory_cgroups, oom_kills
 from fitbench.launch.local import MAX_LINE_BYTES
 from fitbench.results.store import ResultStore
 from fitbench.run import worker
+from conftest import cli
 
 SHAPES = ["--mode", "forward", "--batch-size", "1", "--seq-len", "16", "--warmup-steps", "1", "--measure-steps", "1"]
 MARK = "FITBENCH_TEST_MARK"
@@ -37,12 +38,6 @@ def in_tmp(tmp_path, monkeypatch):
     (tmp_path / "tmp").mkdir()
     monkeypatch.setenv("TMPDIR", str(tmp_path / "tmp"))
     monkeypatch.setenv(MARK, uuid.uuid4().hex)
-
-
-def cli(argv: list[str], capsys) -> tuple[int, str, str]:
-    code = main(argv)
-    captured = capsys.readouterr()
-    return code, captured.out, captured.err
 
 
 def marked() -> set[int]:
