@@ -2,7 +2,8 @@
 layer by layer, with and without returning the free pages after each layer.
 
 Each variant builds in a fresh process (``fitbench.run.quantize.build_quantized_native``, as the
-worker does) and prints the peaks of allocated and reserved memory.
+worker does) and prints the peaks of allocated and reserved memory, and the allocations once the model is built (the
+peak beyond them is what the build's temporaries add).
 
 Usage (on a GPU): python benchmarks/build_gap.py [--model 7B] [--precisions int8 nf4 fp8]
 """
@@ -35,8 +36,9 @@ def build(model: str, precision: str, release: bool) -> dict:
         quantize.quantize_linears = quantize_then_release
     arch, device = resolve(model), torch.device("cuda")
     probe = random_tokens(arch.vocab_size, 1, 64, device, seed=0)
-    quantize.build_quantized_native(arch, device, precision, probe)
+    built, _ = quantize.build_quantized_native(arch, device, precision, probe)
     return {"model": model, "precision": precision, "release_each_layer": release,
+            "allocated_after": torch.cuda.memory_allocated(),
             "max_allocated": torch.cuda.max_memory_allocated(), "max_reserved": torch.cuda.max_memory_reserved()}
 
 
@@ -57,6 +59,7 @@ def main() -> None:
             row = json.loads(line) if done.returncode == 0 else {"precision": precision, "error": line}
             if "max_reserved" in row:
                 row["gap_GB"] = round((row["max_reserved"] - row["max_allocated"]) / 1e9, 3)
+                row["build_temporaries_GB"] = round((row["max_allocated"] - row["allocated_after"]) / 1e9, 3)
             print(json.dumps(row), flush=True)
 
 

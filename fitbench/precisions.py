@@ -1,5 +1,5 @@
-"""What a precision is, as plain data every floor may read: the modes that train, and the tensor cores
-whose peak MFU divides by. (Dtypes, autocast and how each precision builds live in
+"""What a precision is, as plain data every floor may read: the modes that train, the tensor cores
+whose peak MFU divides by, and why a precision's decode step cannot be captured in a CUDA graph. (Dtypes, autocast and how each precision builds live in
 ``fitbench.run.precision`` and ``fitbench.run.quantize``.)"""
 
 from __future__ import annotations
@@ -47,3 +47,17 @@ def peak_kind(precision: str, mode: str) -> str:
     if training is None:
         raise ValueError(f"{precision} has no backward pass, so no training peak")
     return training
+
+
+# Precisions whose decode step no CUDA graph can hold, and why: the worker decodes them eagerly from
+# the start (a failed capture would leave its side stream's cuBLAS workspace and context behind) and
+# the planner counts the eager overheads for them.
+_GRAPH_PROBLEMS = {
+    "int8": "LLM.int8 finds each input's outlier columns with a data-dependent shape (bitsandbytes' "
+            "int8_vectorwise_quant calls torch.argwhere), which a CUDA graph cannot capture",
+}
+
+
+def graph_problem(precision: str) -> str | None:
+    """Why ``precision`` decodes without a CUDA graph, or None when its step can be captured."""
+    return _GRAPH_PROBLEMS.get(precision)

@@ -11,8 +11,9 @@ import torch
 from fitbench.models.native import DecoderConfig, NativeCausalLM
 from fitbench.models.registry import resolve
 from fitbench.plan.memory import (
-    END, FIRST, MLP, OUTPUT, RECOMPUTE, START, MemoryEstimate, Parallelism, Term, estimate_memory,
+    BUILD, END, FIRST, MLP, OUTLIERS, OUTPUT, RECOMPUTE, START, MemoryEstimate, Parallelism, Term, estimate_memory,
 )
+from fitbench.plan.outliers import outlier_probability
 from fitbench.plan.trace import trace_peak
 
 # The analytic peak must land within 3% of the traced one. The model claims to follow the loops
@@ -203,6 +204,42 @@ def test_quantized_weights(precision, per_layer):
     # the layers' matrices quantized; norms, embedding and output projection in bf16
     plain = 2 * (PARAMS - L * LAYER_MATMUL)
     assert terms_of(estimate)["weights"] == pytest.approx(L * per_layer + plain, rel=1e-12)
+
+
+@pytest.mark.parametrize("precision, per_element", [("int8", 2.2), ("nf4", 0.35), ("fp8", 10.6)])
+def test_the_build_holds_one_bf16_layer_and_one_matrix_of_temporaries_and_no_cache(precision, per_element):
+    estimate = estimate_memory(ARCH, "infer", precision, 2, 16, new_tokens=NEW_TOKENS)
+    by_name = {t.name: t for t in estimate.terms}
+    # one layer's parameters in bf16, and the quantizer's bytes per element of the largest matrix (H x F)
+    assert by_name["quantizer temporaries"].bytes == pytest.approx(2 * LAYER_PARAMS + per_element * H * F)
+    assert by_name["quantizer temporaries"].moments == frozenset({BUILD})
+    # the KV cache and the step's temporaries come after the build
+    assert BUILD not in by_name["KV cache"].moments and MLP in by_name["KV cache"].moments
+    assert estimate.total_at(BUILD) == pytest.approx(
+        by_name["weights"].bytes + by_name["rotary tables"].bytes + by_name["quantizer temporaries"].bytes)
+
+
+def test_four_bit_prefill_holds_one_dequantized_matrix_at_the_mlp():
+    by_name = {t.name: t for t in estimate_memory(ARCH, "infer", "nf4", 2, 16, new_tokens=NEW_TOKENS).terms}
+    assert by_name["dequantized weight"].bytes == 2 * H * F
+    assert by_name["dequantized weight"].moments == frozenset({MLP})
+
+
+@pytest.mark.parametrize("batch, seq_len", [(1, 16), (4, 64)])
+def test_int8_outlier_columns_by_hand(batch, seq_len):
+    n = batch * seq_len
+    p = outlier_probability(H, gated=True)
+    k = F * (1 - (1 - p) ** n)  # columns of the down projection's input holding an outlier
+    estimate = estimate_memory(ARCH, "infer", "int8", batch, seq_len, new_tokens=NEW_TOKENS)
+    by_name = {t.name: t for t in estimate.terms}
+    # bf16: r = c = 2; stream 3 r n h, input c n f, subA 2 n k, CB gather h k, fp32 pair 8 h k, 8 n h
+    live = 3 * 2 * n * H + 2 * n * F + 2 * n * k + H * k + 8 * H * k + 8 * n * H
+    assert by_name["LLM.int8 outlier columns"].bytes == pytest.approx(live, rel=1e-9)
+    assert by_name["LLM.int8 allocator reserve"].bytes == pytest.approx(8 * H * k, rel=1e-9)
+    assert estimate.total_at(OUTLIERS) == pytest.approx(
+        by_name["weights"].bytes + by_name["rotary tables"].bytes + by_name["KV cache"].bytes + live + 8 * H * k)
+    assert "LLM.int8 outlier columns" not in terms_of(estimate_memory(ARCH, "infer", "nf4", batch, seq_len,
+                                                                      new_tokens=NEW_TOKENS))
 
 
 @pytest.mark.parametrize("precision, grad_bytes, adam_bytes", [("fp32", 4, 8), ("bf16", 4, 8), ("bf16-pure", 2, 4)])

@@ -12,6 +12,7 @@ from fitbench.models.graphs import Replay
 from fitbench.models.hf import build_hf, hf_config
 from fitbench.models.native import DecoderConfig, build_native, rope_inverse_frequencies
 from fitbench.models.registry import resolve
+from fitbench.precisions import graph_problem
 from fitbench.run.loops import make_step, random_tokens
 from fitbench.run.precision import policy
 from fitbench.run import worker
@@ -368,6 +369,20 @@ def test_a_failed_capture_falls_back_to_eager_decoding_and_says_why():
     assert lm.decoding == {"cuda_graphs": False, "reason": (
         "capture failed, decoding eagerly: RuntimeError: CUDA error: operation not permitted when stream is "
         "capturing; then RuntimeError: CUDA error: operation failed due to a previous error during capture")}
+
+
+def test_weights_no_graph_can_hold_decode_eagerly_from_the_start_and_say_why():
+    arch = VARIANTS["llama-tied"]
+    native = random_native(arch)
+    tokens = torch.randint(0, arch.vocab_size, (1, 10), generator=torch.Generator().manual_seed(7))
+    calls = []
+    lm = NativeLM(native, torch.float32, cuda_graphs=True, capture=eager_capture(calls),
+                  graph_problem=graph_problem("int8"))
+    assert not lm.capture_pending
+    generation_logits(lm, tokens, 6, 10)
+    assert calls == []  # never attempted: a failed capture leaves a side stream's workspace behind
+    assert lm.decoding == {"cuda_graphs": False, "reason": graph_problem("int8")}
+    assert "argwhere" in graph_problem("int8") and graph_problem("nf4") is None
 
 
 def test_autocast_decoding_is_captured_and_matches_eager():

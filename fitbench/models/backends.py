@@ -97,11 +97,12 @@ class NativeLM(CausalLM):
     fp32 read, the 16-bit write and read), which the decode bandwidth figures count.
 
     ``capture`` turns the step into a replayable one; the default, CUDA graphs, needs a GPU, and
-    any other is taken to work where the model is.
+    any other is taken to work where the model is. ``graph_problem`` says why this model's step can
+    never be captured (``fitbench.precisions.graph_problem``): it then decodes eagerly from the start.
     """
 
     def __init__(self, module: NativeCausalLM, cache_dtype: torch.dtype, cuda_graphs: bool = False,
-                 capture: Capture | None = None):
+                 capture: Capture | None = None, graph_problem: str | None = None):
         self.module = module
         self.cache_dtype = cache_dtype
         self.cache: KVCache | None = None
@@ -116,6 +117,8 @@ class NativeLM(CausalLM):
             self.eager_reason = "turned off (--no-cuda-graphs)"
         elif capture is None and device.type != "cuda":
             self.eager_reason = f"CUDA graphs need a GPU; this run is on {device.type}"
+        elif graph_problem:
+            self.eager_reason = graph_problem
 
     def prefill(self, tokens: torch.Tensor, max_len: int) -> torch.Tensor:
         B, T = tokens.shape
@@ -235,17 +238,18 @@ class HuggingFaceLM(CausalLM):
 
 def load_model(arch: Architecture, backend: Backend, device: torch.device | str, dtype: torch.dtype,
                model_path: str | None = None, compute_dtype: torch.dtype | None = None,
-               cuda_graphs: bool = False) -> CausalLM:
+               cuda_graphs: bool = False, graph_problem: str | None = None) -> CausalLM:
     """Build ``arch`` with ``backend`` directly on ``device`` with weights in ``dtype``: random, or the
     checkpoint in ``model_path`` when that directory has one. ``compute_dtype`` is the activations'
     dtype when autocast makes it differ from the weights'; the KV cache holds it. ``cuda_graphs``:
-    the native backend decodes through CUDA graphs on a GPU."""
+    the native backend decodes through CUDA graphs on a GPU, unless ``graph_problem`` says why the
+    weights it will hold cannot be captured (``NativeLM``)."""
     compute_dtype = compute_dtype or dtype
     if backend == "native":
         module = build_native(arch, device, dtype)
         if model_path is not None and has_weights(model_path):
             load_checkpoint(module, Path(model_path), device)
-        return NativeLM(module, cache_dtype=compute_dtype, cuda_graphs=cuda_graphs)
+        return NativeLM(module, cache_dtype=compute_dtype, cuda_graphs=cuda_graphs, graph_problem=graph_problem)
     return HuggingFaceLM(build_hf(arch, device, dtype, weights_dir=model_path), static_cache=compute_dtype == dtype)
 
 

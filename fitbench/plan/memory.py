@@ -45,6 +45,7 @@ from fitbench.loss import loss_chain_bytes, loss_chunk_rows
 from fitbench.models.architecture import Architecture
 from fitbench.models.backends import default_backend
 from fitbench.plan import compiled as inductor
+from fitbench.plan.outliers import outlier_columns
 from fitbench.precisions import TRAINING_MODES
 
 @dataclass(frozen=True)
@@ -63,11 +64,15 @@ class QuantizedFormat:
 
 
 # While a model is quantized layer by layer, the layer being quantized exists in bf16 beside the
-# quantizer's own temporaries (an fp16 copy for LLM.int8, packing buffers, float8 scales). Measured
-# on Llama-2-7B on one H100 (benchmarks/results/2026-11-22-h100-quantized-decode) as the peak
-# beyond the quantized model, in units of one layer's bf16 weights.
-BUILD_TEMPORARIES_LAYERS = {"int8": 2.0, "nf4": 1.0, "fp4": 1.0, "int8-dynamic": 2.0, "int4": 2.0,
-                            "fp8": 3.2, "fp8-block": 3.2}
+# quantizer's temporaries for one matrix: bytes per element of the layer's largest matrix, the peak of
+# allocations during the build beyond the built model and one layer in bf16. Measured on one H200
+# with benchmarks/build_gap.py (benchmarks/results/2026-11-23-h200-quantized-inference): Llama-2-7B
+# (11008 x 4096), and llama-3.1-8b (14336 x 4096) for fp8, where three fp32 copies of the matrix
+# being cast were alive at the peak (10.6 B, the larger of the two). LLM.int8 casts to fp16 and
+# rounds (2.2 B); bitsandbytes' 4-bit packs in place of the input (0.3 B); torchao's int8 and int4
+# hold an fp32 copy and its scaled copy in part (2.2 B, 5.7 B); float8 per 128 x 128 block 11.2 B.
+BUILD_TEMPORARY_BYTES = {"int8": 2.2, "nf4": 0.35, "fp4": 0.35, "int8-dynamic": 2.2, "int4": 5.7,
+                         "fp8": 10.6, "fp8-block": 11.2}
 
 # Every matrix of ``Architecture.layer_matrices`` is quantized (``fitbench.run.quantize``: each
 # nn.Linear of the layers, GPT-2's Conv1D turned into one first); biases, embeddings, position
@@ -396,14 +401,15 @@ def estimate_memory(arch: Architecture, mode: str, precision: str, batch: int, s
         weights = quantized + plain
         terms = [Term("weights", weights, f"{QUANTIZED[precision].source}: {quantized:,.0f} B in the layers' "
                                           f"matrices, {plain:,.0f} B in bf16 elsewhere"), rotary_term(arch, backend)]
-        layers_in_bf16 = BUILD_TEMPORARIES_LAYERS[precision]
-        terms.append(Term("quantizer temporaries", layers_in_bf16 * 2 * arch.params_per_layer / tp,
-                          f"{layers_in_bf16:g} x one layer in bf16 while it is quantized (measured)",
-                          frozenset({BUILD})))
+        per_element = BUILD_TEMPORARY_BYTES[precision]
+        terms.append(Term("quantizer temporaries",
+                          (2 * arch.params_per_layer + per_element * largest_layer_matrix(arch)) / tp,
+                          f"one layer in bf16 while it is quantized, and {per_element:g} B x its largest matrix "
+                          f"(measured)", frozenset({BUILD})))
         if training:
             return _adapter_training(arch, mode, precision, widths, batch, seq_len, activation_checkpointing, terms,
                                      layers, tp, backend)
-        return _inference(arch, mode, widths, batch, seq_len, new_tokens, terms, tp, stages, quantized=True,
+        return _inference(arch, mode, widths, batch, seq_len, new_tokens, terms, tp, stages, precision=precision,
                           backend=backend)
     weights = widths.weights * local_params / shards
     terms = [Term("weights", weights, f"{widths.weights:g} B x {local_params:,.0f} parameters"
@@ -620,24 +626,59 @@ def _training(arch, mode, widths, batch, seq_len, recompute, terms, local_params
 
 
 MLP, OUTPUT, BUILD = "prefill MLP", "output projection", "quantizing a layer"
+OUTLIERS = "LLM.int8 outlier columns"
 
 
-def _inference(arch, mode, widths, batch, seq_len, new_tokens, terms, tp, stages=1, quantized=False,
+def int8_outlier_terms(arch: Architecture, tokens: int, widths: Widths, tp: int = 1) -> list[Term]:
+    """LLM.int8's widest moment in a prefill or forward of n tokens: the MLP's output projection (h x f)
+    taking its k outlier columns (``fitbench.plan.outliers``) out of the int8 product
+    (bitsandbytes' ``int8_mixed_scaled_mm``). Beside the residual stream (3 r n h, as at the MLP) and
+    the projection's input (c n f): the outlier columns of the input in fp16 (2 n k), the same columns
+    of the int8 weight gathered (h k), the weight columns dequantized in fp32, the product with the row
+    scales and its scaled copy (2 x 4 h k), and two n x h 4-byte buffers of the int8 product. Traced on
+    one H200 (benchmarks/peak_anatomy.py, 7B 4 x 512): 612 MB live against 613 MB from this formula.
+
+    The reserve: the dequantized columns change size from layer to layer as k does, so the caching
+    allocator finds no hole of the next size and maps more; on the same trace reserved memory grew by
+    four blocks of the pair's size (713 MB) for the 360 MB the pair holds: one more pair (8 h k)."""
+    n, h, f, c, r = tokens, arch.hidden_size, arch.ffn_size, widths.compute, widths.residual
+    k = outlier_columns(arch, n) / tp
+    live = 3 * r * n * h + c * n * f / tp + 2 * n * k + 9 * h * k + 8 * n * h
+    return [Term("LLM.int8 outlier columns", live,
+                 f"3 r n h + c n f + 2 n k + 9 h k + 8 n h, k = {k:,.0f} of {f / tp:,.0f} input columns of the "
+                 f"MLP's output projection holding an outlier (|x| >= 6) on random weights", frozenset({OUTLIERS})),
+            Term("LLM.int8 allocator reserve", 8 * h * k, "one more fp32 pair of dequantized outlier columns "
+                 "(8 h k): blocks that change size from layer to layer (measured)", frozenset({OUTLIERS}))]
+
+
+def _inference(arch, mode, widths, batch, seq_len, new_tokens, terms, tp, stages=1, precision=None,
                backend="native", compiled=False):
     """Without autograd, a layer's temporaries die with it. Two moments can peak: the widest MLP,
     where silu(gate), up and their product (3 c n f) live beside the layer's input, the residual
     after attention and its normalized copy (3 r n h) and the token ids (8 n); and the output projection, with the final normalized input (r n h), its 16-bit
     cast under autocast, the projection's own cast weight (V h c) and the logits. ``compiled``: inductor's
-    fused MLP and final norm (``fitbench.plan.compiled``)."""
+    fused MLP and final norm (``fitbench.plan.compiled``).
+
+    Quantized weights (``precision``) add the moment of the build (``quantizer temporaries``), when no
+    step has run and no KV cache exists yet; 4-bit weights are dequantized to bf16 for each prefill
+    matmul (2 B x the largest matrix, at the MLP); LLM.int8 adds the moment of its outlier columns
+    (``int8_outlier_terms``)."""
     n, V, h = batch * seq_len, arch.vocab_size, arch.hidden_size
     c, r = widths.compute, widths.residual
     rows = batch if mode == "infer" else n  # infer computes logits for the last position only
+    moments = (MLP, OUTPUT) + ((OUTLIERS,) if precision == "int8" else ())
     if mode == "infer":
         # Each pipeline stage caches its own layers; tensor parallelism splits the kv heads.
         cache = kv_cache_bytes(arch, batch, seq_len + new_tokens, widths, tp, backend) / stages
         per_token = cache / (arch.num_layers / stages) / batch / (seq_len + new_tokens) / 2
         terms.append(Term("KV cache", cache, f"2 x {arch.num_layers / stages:g} layers x {per_token:g} B x {batch} x "
-                          f"{seq_len + new_tokens} tokens"))
+                          f"{seq_len + new_tokens} tokens", frozenset(moments) if precision in QUANTIZED else None))
+    if precision == "int8":
+        terms += int8_outlier_terms(arch, n, widths, tp)
+    if precision in ("nf4", "fp4"):
+        dequantized = 2 * largest_layer_matrix(arch) / tp
+        terms.append(Term("dequantized weight", dequantized, "2 B x the largest matrix: bitsandbytes dequantizes a "
+                          "4-bit weight to bf16 for a matmul of more than one token", frozenset({MLP})))
     if compiled:
         terms.append(Term("MLP temporaries", inductor.prefill_transient_bytes(arch, n, c, r, widths.autocast, tp),
                           "r n h + c n h + 2 c n f (+ c h f under autocast) + 8 n: one fused MLP's "
@@ -655,4 +696,4 @@ def _inference(arch, mode, widths, batch, seq_len, new_tokens, terms, tp, stages
         head += c * V * h
         formula += ", and the output projection's 16-bit copy"
     terms.append(Term("output projection", head, formula, frozenset({OUTPUT})))
-    return MemoryEstimate(tuple(terms), (MLP, OUTPUT, BUILD) if quantized else (MLP, OUTPUT))
+    return MemoryEstimate(tuple(terms), moments + ((BUILD,) if precision in QUANTIZED else ()))

@@ -27,6 +27,7 @@ from fitbench.plan.calibration import DEFAULT, PAGE, TENSORS_ONLY, Calibration
 from fitbench.plan.memory import (QUANTIZED, TRAINING_MODES, MemoryEstimate, Parallelism, Term, Widths, estimate_memory,
                                   offload_problem, offloaded_weights, saved_per_layer)
 from fitbench.plan.speed import StepTime, estimate_step_time
+from fitbench.precisions import graph_problem
 from fitbench.run.precision import training_problem, trains_every_weight
 from fitbench.units import format_bytes
 
@@ -146,13 +147,12 @@ LATE_BACKWARD = ("recompute of the last layer", "backward of the first layer", "
 
 
 # Decoding stays eager with LLM.int8, whose outlier search synchronizes (``fitbench.models.backends``).
-EAGER_DECODE_PRECISIONS = ("int8",)
 
 
 def decodes_through_graph(candidate: Candidate) -> bool:
     """Whether a generation of ``candidate`` replays its decode steps from a CUDA graph; offloaded
     layers stream in through hooks a graph cannot hold."""
-    return candidate.precision not in EAGER_DECODE_PRECISIONS and candidate.resident_layers is None
+    return graph_problem(candidate.precision) is None and candidate.resident_layers is None
 
 
 def overhead_terms(arch: Architecture, mode: str, candidate: Candidate, memory: MemoryEstimate, moment: str,

@@ -54,7 +54,7 @@ from fitbench.models.registry import is_local_model, resolve
 from fitbench.processes import end_own_tree, tie_to_parent
 from fitbench.run.loops import generate, make_step, random_tokens, read_generation
 from fitbench.run.metrics import inference_metrics, step_metrics
-from fitbench.precisions import TRAINING_MODES, peak_kind
+from fitbench.precisions import TRAINING_MODES, graph_problem, peak_kind
 from fitbench.run.precision import policy as precision_policy
 from fitbench.plan.memory import ADAPTER_ALPHA, ADAPTER_RANK
 from fitbench.run.adapters import add_adapters
@@ -171,6 +171,11 @@ def measure(spec: RunSpec, device: torch.device, scratch: Path) -> dict:
     built = build(spec, arch, policy, device, scratch)
     lm, offload = built.lm, built.offload
     clock.synchronize()
+    if device.type == "cuda":
+        # The build's free blocks (a quantized layer's bf16 weights, the quality probe's temporaries)
+        # go back to the device: they are holes a served model does not keep, sized for the build and
+        # not for the steps, and the planner's step moments count allocations, not the build's holes.
+        torch.cuda.empty_cache()
     build_s = time.perf_counter() - started
     if offload:
         weight_bytes = offload.resident_bytes + offload.offloaded_bytes
@@ -285,10 +290,11 @@ def build(spec: RunSpec, arch, policy, device: torch.device, scratch: Path) -> B
     probe = random_tokens(arch.vocab_size, 1, min(spec.seq_len, PROBE_TOKENS), device, spec.seed + 1)
     if spec.backend == "native" and model_path is None:
         module, quality = build_quantized_native(arch, device, spec.precision, probe)
-        lm = NativeLM(module, cache_dtype=torch.bfloat16, cuda_graphs=spec.cuda_graphs)
+        lm = NativeLM(module, cache_dtype=torch.bfloat16, cuda_graphs=spec.cuda_graphs,
+                      graph_problem=graph_problem(spec.precision))
     else:
         lm = load_model(arch, spec.backend, device, torch.bfloat16, model_path=model_path,
-                        cuda_graphs=spec.cuda_graphs)
+                        cuda_graphs=spec.cuda_graphs, graph_problem=graph_problem(spec.precision))
         quality = quantize_built(lm, arch, spec.precision, device, probe, checkpoint=checkpoint_directory(spec))
     if not training:
         return Built(lm, quality)
