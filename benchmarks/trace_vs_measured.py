@@ -13,7 +13,7 @@ import sys
 
 from fitbench.models.registry import resolve
 from fitbench.plan.memory import estimate_memory
-from fitbench.plan.trace import trace_peak
+from fitbench.run.trace import trace_peak
 from fitbench.results.store import ResultStore
 
 

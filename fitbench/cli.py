@@ -26,7 +26,7 @@ from fitbench import __version__
 from fitbench.errors import UserError, excerpt
 from fitbench.results.store import DISK_ERRORS
 from fitbench.run.loops import MODES
-from fitbench.run.precision import PRECISIONS
+from fitbench.precisions import PRECISIONS
 
 # Outside a terminal (CI logs, pipes) rich would wrap tables at 80 columns.
 console = Console(highlight=False, width=None if sys.stdout.isatty() else 160)
@@ -231,7 +231,7 @@ def hardware_refusals(specs: list, device: str) -> dict[str, str]:
     reason; they are recorded, not launched."""
     import torch
 
-    from fitbench.run.quantize import hardware_problem
+    from fitbench.precisions import hardware_problem
     from fitbench.run.worker import injected_memory_limit
 
     target = torch.device(device)
@@ -294,7 +294,8 @@ def run_target(device: str, measure: Callable[[], Any] | None = None):
 
     import torch
 
-    from fitbench.plan.calibration import ensure_calibration, load_calibration, measure_calibration
+    from fitbench.launch.calibrate import measure_calibration
+    from fitbench.plan.calibration import ensure_calibration, load_calibration
 
     properties = torch.cuda.get_device_properties(torch.device(device))
 
@@ -646,7 +647,7 @@ def plan(args: argparse.Namespace, cli_options: dict[str, Any]) -> int:
             trace = None
             if args.trace and result.chosen and result.chosen.candidate.gpus == 1:
                 from fitbench.models.backends import default_backend
-                from fitbench.plan.trace import trace_peak
+                from fitbench.run.trace import trace_peak
 
                 chosen = result.chosen.candidate
                 trace = trace_peak(arch, mode, chosen.precision, chosen.batch_size, seq_len, new_tokens=new_tokens,
@@ -694,7 +695,8 @@ def _requirements(args, target, calibration, seq_len, new_tokens, batch, minimum
 
 def calibrate(args: argparse.Namespace, cli_options: dict[str, Any]) -> int:
     """Measure this GPU's CUDA context and cuBLAS workspace and store them for the planner."""
-    from fitbench.plan.calibration import measure_calibration, save_calibration
+    from fitbench.launch.calibrate import measure_calibration
+    from fitbench.plan.calibration import save_calibration
 
     device = resolve_device(args.device)
     if device == "cpu":

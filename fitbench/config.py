@@ -19,8 +19,7 @@ from fitbench.errors import UserError, excerpt
 from fitbench.models.backends import backend_error, default_backend
 from fitbench.models.registry import resolve
 from fitbench.plan.memory import offload_problem
-from fitbench.precisions import TRAINING_MODES
-from fitbench.run.precision import PRECISIONS, training_problem, trains_every_weight
+from fitbench.precisions import PRECISIONS, TRAINING_MODES, training_problem, trains_every_weight
 
 Mode = Literal["train", "forward", "forward-backward", "infer"]
 Precision = Literal["fp32", "tf32", "bf16", "fp16", "bf16-pure",

@@ -1,10 +1,106 @@
-"""What a precision is, as plain data every floor may read: the modes that train, the tensor cores
-whose peak MFU divides by, and why a precision's decode step cannot be captured in a CUDA graph. (Dtypes, autocast and how each precision builds live in
-``fitbench.run.precision`` and ``fitbench.run.quantize``.)"""
+"""What a precision is, in one registry every floor may read.
+
+- ``fp32``: fp32 weights and math, TF32 tensor cores off.
+- ``tf32``: fp32 weights, matmuls on TF32 tensor cores (a GPU setting; the CPU ignores it).
+- ``bf16`` / ``fp16``: mixed precision: fp32 weights, gradients and optimizer state; matmuls under
+  autocast in 16 bits. fp16 training scales the loss (``torch.amp.GradScaler``).
+- ``bf16-pure``: weights, gradients and AdamW state all bf16; no autocast.
+- quantized (``fitbench.run.quantize`` builds them): bf16 weights and activations, whose
+  decoder-layer matmuls are then quantized; MFU divides by the peak of the tensor cores that do most
+  of the FLOPs (``peak_kind``).
+
+Training with quantized weights (``training_problem`` says which can):
+
+- ``int8``, ``nf4``, ``fp4``: the quantized base is frozen and only low-rank adapters train
+  (QLoRA, ``fitbench.run.adapters``): a different workload from full training, and rows say so;
+- ``fp8``: full training, bf16 weights and AdamW state, the decoder layers' matmuls in float8
+  (torchao's float8 training, row-wise scales, fresh casts of weights and activations every step);
+- ``int8-dynamic``, ``int4``, ``fp8-block``: torchao's inference tensors have no backward pass, so
+  these are refused for training.
+
+Beside the names: the dtypes and autocast of each (``policy``), the tensor cores whose peak MFU
+divides by (``peak_kind``), what the hardware must offer (``hardware_problem``) and why a decode
+step cannot be captured in a CUDA graph (``graph_problem``).
+"""
 
 from __future__ import annotations
 
+import contextlib
+from dataclasses import dataclass
+from typing import Iterator
+
+import torch
+
 TRAINING_MODES = ("train", "forward-backward")
+
+FLOAT_PRECISIONS: tuple[str, ...] = ("fp32", "tf32", "bf16", "fp16", "bf16-pure")
+QUANTIZED_PRECISIONS: tuple[str, ...] = ("int8", "nf4", "fp4", "int8-dynamic", "int4", "fp8", "fp8-block")
+PRECISIONS: tuple[str, ...] = FLOAT_PRECISIONS + QUANTIZED_PRECISIONS
+
+
+# The precisions whose quantized base trains through low-rank adapters (``fitbench.run.adapters``):
+# rank 16 on every matmul of every layer (seven in Llama, four in Falcon and GPT-2), alpha 32, between
+# PEFT's default rank 8 and QLoRA's 64 (Dettmers et al. 2023, every linear layer adapted).
+ADAPTER_BASES = ("int8", "nf4", "fp4")
+ADAPTER_RANK, ADAPTER_ALPHA = 16, 32
+
+
+def training_problem(precision: str) -> str | None:
+    """Why a training-style mode cannot run ``precision``, or None."""
+    if precision in QUANTIZED_PRECISIONS and precision not in ADAPTER_BASES + ("fp8",):
+        return (f"{precision} weights are torchao inference tensors with no backward pass; train with fp8 (float8 "
+                f"training), with adapters on an int8, nf4 or fp4 base, or in bf16 / bf16-pure")
+    return None
+
+
+def trains_every_weight(precision: str) -> bool:
+    """Whether training in ``precision`` updates the whole model; adapters on a frozen base do not, so a
+    fallback from full training never lands there (it would measure another workload)."""
+    return training_problem(precision) is None and precision not in ADAPTER_BASES
+
+
+@dataclass(frozen=True)
+class PrecisionPolicy:
+    name: str
+    weight_dtype: torch.dtype
+    autocast_dtype: torch.dtype | None
+    allow_tf32: bool
+    scale_loss: bool
+    quantized: bool = False
+
+    @property
+    def compute_dtype(self) -> torch.dtype:
+        """The dtype activations (and the KV cache) have."""
+        return self.autocast_dtype or self.weight_dtype
+
+    @contextlib.contextmanager
+    def autocast(self, device_type: str) -> Iterator[None]:
+        if self.autocast_dtype is None:
+            yield
+            return
+        with torch.autocast(device_type=device_type, dtype=self.autocast_dtype):
+            yield
+
+    def apply_backend_flags(self) -> None:
+        """Process-wide matmul precision. Each run is its own process, so this never leaks."""
+        torch.backends.cuda.matmul.allow_tf32 = self.allow_tf32
+        torch.backends.cudnn.allow_tf32 = self.allow_tf32
+
+
+_POLICIES = {
+    "fp32": PrecisionPolicy("fp32", torch.float32, None, False, False),
+    "tf32": PrecisionPolicy("tf32", torch.float32, None, True, False),
+    "bf16": PrecisionPolicy("bf16", torch.float32, torch.bfloat16, False, False),
+    "fp16": PrecisionPolicy("fp16", torch.float32, torch.float16, False, True),
+    "bf16-pure": PrecisionPolicy("bf16-pure", torch.bfloat16, None, False, False),
+    **{name: PrecisionPolicy(name, torch.bfloat16, None, False, False, quantized=True)
+       for name in QUANTIZED_PRECISIONS},
+}
+
+
+def policy(name: str) -> PrecisionPolicy:
+    return _POLICIES[name]
+
 
 
 # The tensor-core kind (a column of ``fitbench.hardware``'s peak table) that does the bulk of the
@@ -61,3 +157,19 @@ _GRAPH_PROBLEMS = {
 def graph_problem(precision: str) -> str | None:
     """Why ``precision`` decodes without a CUDA graph, or None when its step can be captured."""
     return _GRAPH_PROBLEMS.get(precision)
+
+
+FP8_CAPABILITY = (8, 9)  # float8 tensor cores: Ada (8.9) and Hopper (9.0) onwards
+
+
+def hardware_problem(precision: str, device: torch.device, capability: tuple[int, int] | None) -> str | None:
+    """Why this device cannot run ``precision``, or None."""
+    if precision in ("fp8", "fp8-block"):
+        if device.type != "cuda":
+            return f"{precision} needs a GPU with float8 tensor cores (compute capability 8.9 or newer); this run is on a CPU"
+        if capability is not None and capability < FP8_CAPABILITY:
+            return (f"{precision} needs compute capability 8.9 or newer (Ada, Hopper); this GPU has "
+                    f"{capability[0]}.{capability[1]}")
+    if precision == "int4" and device.type != "cuda":
+        return "int4 uses torchao's tinygemm kernel, which runs on CUDA GPUs only"
+    return None

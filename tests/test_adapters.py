@@ -13,7 +13,8 @@ from fitbench.config import RunSpec, SweepConfig, expand, fallback_ladder
 from fitbench.errors import UserError
 from fitbench.launch.fallback import FallbackPolicy, next_attempt
 from fitbench.models.registry import resolve
-from fitbench.plan.memory import ADAPTER_RANK, INT8_OUTLIER_COLUMNS, adapter_params, estimate_memory
+from fitbench.plan.memory import INT8_OUTLIER_COLUMNS, adapter_params, estimate_memory
+from fitbench.precisions import ADAPTER_RANK
 from fitbench.plan.planner import Candidate, GpuTarget, assess
 from fitbench.run import worker
 from fitbench.run.adapters import LowRankAdapted, add_adapters

@@ -1,4 +1,4 @@
-"""The caching allocator's replay (``fitbench.plan.allocator``) on hand-made sequences, and on a traced
+"""The caching allocator's replay (``fitbench.run.allocator``) on hand-made sequences, and on a traced
 training step whose whole-logits loss made the reserve outgrow the allocations."""
 
 import dataclasses
@@ -6,8 +6,8 @@ import dataclasses
 import torch.nn.functional as F
 
 from fitbench.models.registry import resolve
-from fitbench.plan import trace
-from fitbench.plan.allocator import LARGE_PAGE, SMALL_PAGE, Allocator, rounded
+from fitbench.run import trace
+from fitbench.run.allocator import LARGE_PAGE, SMALL_PAGE, Allocator, rounded
 from fitbench.run import loops
 
 MiB = 2**20

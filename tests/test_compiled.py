@@ -19,8 +19,7 @@ from fitbench.plan import compiled
 from fitbench.plan.calibration import DEFAULT
 from fitbench.plan.memory import END, MLP, OUTPUT, START, estimate_memory
 from fitbench.plan.planner import Candidate, GpuTarget, predict_spec
-from fitbench.run.precision import PRECISIONS as RUNNABLE
-from fitbench.run.precision import policy
+from fitbench.precisions import PRECISIONS as RUNNABLE, policy
 
 # Two layers: the first (which saves a 16-bit tensor in place of an fp32 one) and one like every
 # later layer. Widths all differ, and none equals the batch or the token count, so a saved tensor's

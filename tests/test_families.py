@@ -15,8 +15,8 @@ from fitbench.models.presets import PRESETS
 from fitbench.models.registry import resolve
 from fitbench.plan.memory import QUANTIZED, TRAINING_MODES, Widths, estimate_memory, gpt2_gelu_upcast_bytes
 from fitbench.plan.planner import DEFAULT_LADDER, Candidate, GpuTarget, assess
-from fitbench.plan.trace import trace_peak
-from fitbench.run.precision import training_problem
+from fitbench.run.trace import trace_peak
+from fitbench.precisions import training_problem
 from fitbench.run.quantize import quantize_linears
 from fitbench.run.worker import weight_storage_bytes
 
@@ -139,7 +139,8 @@ def test_storage_rules_hold_on_a_real_model(family, precision):
 
 @pytest.mark.parametrize("family", ["llama", "falcon", "gpt2"])
 def test_adapters_go_on_every_layer_matrix(family):
-    from fitbench.plan.memory import ADAPTER_RANK, adapter_params
+    from fitbench.plan.memory import adapter_params
+    from fitbench.precisions import ADAPTER_RANK
     from fitbench.run.adapters import add_adapters
 
     arch = tiny_family(family)
@@ -295,7 +296,7 @@ def test_hf_kv_cache_term_is_the_cache_transformers_keeps(family, precision):
     # cache is fp32, GPT-2's bf16.
     from fitbench.models.backends import load_model
     from fitbench.run.loops import generate
-    from fitbench.run.precision import policy
+    from fitbench.precisions import policy
     from fitbench.run.timing import DeviceClock
 
     arch = tiny_family(family)

@@ -1,5 +1,5 @@
 """The analytic memory model (``fitbench.plan.memory``) against hand arithmetic and against the
-fake-tensor trace of the real loops (``fitbench.plan.trace``)."""
+fake-tensor trace of the real loops (``fitbench.run.trace``)."""
 
 import dataclasses
 import functools
@@ -14,7 +14,7 @@ from fitbench.plan.memory import (
     BUILD, END, FIRST, MLP, OUTLIERS, OUTPUT, RECOMPUTE, START, MemoryEstimate, Parallelism, Term, estimate_memory,
 )
 from fitbench.plan.outliers import outlier_probability
-from fitbench.plan.trace import trace_peak
+from fitbench.run.trace import trace_peak
 
 # The analytic peak must land within 3% of the traced one. The model claims to follow the loops
 # tensor by tensor, so what it leaves out (token ids, scalars, small temporaries) is far below this;

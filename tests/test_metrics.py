@@ -25,8 +25,7 @@ from fitbench.plan.memory import Parallelism
 from fitbench.run import worker
 from fitbench.run.loops import generate, random_tokens, read_generation
 from fitbench.run.metrics import inference_metrics
-from fitbench.precisions import peak_kind
-from fitbench.run.precision import PRECISIONS, policy
+from fitbench.precisions import PRECISIONS, peak_kind, policy
 from fitbench.run.quantize import quantize_linears
 from fitbench.run.timing import DeviceClock, run_stages
 from fitbench.stats import SampleStats

@@ -12,9 +12,8 @@ from fitbench.models.graphs import Replay
 from fitbench.models.hf import build_hf, hf_config
 from fitbench.models.native import DecoderConfig, build_native, rope_inverse_frequencies
 from fitbench.models.registry import resolve
-from fitbench.precisions import graph_problem
+from fitbench.precisions import graph_problem, policy
 from fitbench.run.loops import make_step, random_tokens
-from fitbench.run.precision import policy
 from fitbench.run import worker
 
 MODES = ("train", "forward", "forward-backward", "infer")
@@ -463,7 +462,8 @@ def test_cuda_graph_replays_match_eager_decoding():
 def test_cuda_graph_decoding_in_every_inference_precision(precision):
     """Replays give what the same static step gives launched eagerly; a precision whose kernels cannot
     be captured decodes eagerly and says why."""
-    from fitbench.run.quantize import build_quantized_native, hardware_problem
+    from fitbench.precisions import hardware_problem
+    from fitbench.run.quantize import build_quantized_native
 
     device = torch.device("cuda")
     problem = hardware_problem(precision, device, torch.cuda.get_device_capability(device))

@@ -43,7 +43,7 @@ from fitbench.plan.planner import (
     strategies_for,
 )
 from fitbench.plan.speed import estimate_step_time
-from fitbench.run.precision import PRECISIONS
+from fitbench.precisions import PRECISIONS
 from conftest import cli
 
 # ---- datasheet figures and published shapes ---------------------------------------------------

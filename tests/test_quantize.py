@@ -24,12 +24,13 @@ from fitbench.models.hf import build_hf
 from fitbench.models.native import build_native, init_random_weights, meta_model
 from fitbench.models.registry import resolve
 from fitbench.plan.memory import estimate_memory
+from fitbench.precisions import hardware_problem
 from fitbench.results.store import ResultStore
 from fitbench.run import worker
 from fitbench.run.loops import random_tokens
 from fitbench.run.quality import (MatmulError, kl_divergence, matmul_errors, recorded_matmuls, reference_text,
                                   summarise, top1_agreement)
-from fitbench.run.quantize import build_quantized_native, hardware_problem, quantize_built, quantize_linears
+from fitbench.run.quantize import build_quantized_native, quantize_built, quantize_linears
 
 CPU = torch.device("cpu")
 BATCH, SEQ, NEW = 1, 16, 4

@@ -20,8 +20,7 @@ from typing import Any, Callable
 
 from fitbench.config import RunSpec
 from fitbench.plan.memory import offload_problem
-from fitbench.precisions import TRAINING_MODES
-from fitbench.run.precision import QUANTIZED_PRECISIONS, trains_every_weight
+from fitbench.precisions import QUANTIZED_PRECISIONS, TRAINING_MODES, trains_every_weight
 
 OFFLOAD_PRECISION = "bf16-pure"  # when the ladder has no floating-point rung
 # Statuses of a run whose memory held to its end: ``invalid`` (non-finite numbers, fitbench.run.sanity)

@@ -2,7 +2,7 @@
 
 The terms follow fitbench's own loops and the model the run builds tensor by tensor
 (``fitbench.run.loops``; the native decoder ``fitbench.models.native``, or on the ``hf`` backend
-transformers' model of the family); ``fitbench.plan.trace`` runs those loops on fake tensors and is
+transformers' model of the family); ``fitbench.run.trace`` runs those loops on fake tensors and is
 the reference the tests hold this model to. Weights, biases, norms and position tables come from
 the family's own description (``Architecture.layer_matrices``, ``layer_norms``,
 ``position_embeddings``), so every term is a sum of non-negative sizes.
@@ -46,7 +46,7 @@ from fitbench.models.architecture import Architecture
 from fitbench.models.backends import default_backend
 from fitbench.plan import compiled as inductor
 from fitbench.plan.outliers import outlier_columns
-from fitbench.precisions import TRAINING_MODES
+from fitbench.precisions import ADAPTER_BASES, ADAPTER_RANK, TRAINING_MODES
 
 @dataclass(frozen=True)
 class QuantizedFormat:
@@ -94,11 +94,6 @@ QUANTIZED: dict[str, QuantizedFormat] = {
 
 
 
-# Low-rank adapters (``fitbench.run.adapters``): how int8 and 4-bit bases train. Rank 16 on every
-# matmul of every layer (seven in Llama, four in Falcon and GPT-2), alpha 32: between PEFT's
-# default rank 8 and QLoRA's 64 (Dettmers et al. 2023, every linear layer adapted).
-ADAPTER_BASES = ("int8", "nf4", "fp4")
-ADAPTER_RANK, ADAPTER_ALPHA = 16, 32
 # LLM.int8 keeps, for the backward pass, each matmul's input columns holding an outlier (|x| > 6)
 # in fp16 (bitsandbytes' MatMul8bitLt, ``subA``): a data-dependent amount. With fitbench's random
 # weights the residual stream grows layer after layer and about a third of the columns qualify
@@ -278,7 +273,7 @@ def saved_per_layer(arch: Architecture, tokens: int, widths: Widths, tp: int = 1
     The CPU's autocast keeps ``pow`` in 16 bits, so the CPU trace sees 5 c n f.
 
     Every figure above is checked against the fake-tensor trace of the real modules
-    (``fitbench.plan.trace``).
+    (``fitbench.run.trace``).
     """
     n, h, f = tokens, arch.hidden_size, arch.ffn_size
     k, heads = arch.num_kv_heads * arch.head_dim, arch.num_heads

@@ -21,7 +21,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from fitbench.plan.memory import ADAPTER_ALPHA, ADAPTER_RANK
+from fitbench.precisions import ADAPTER_ALPHA, ADAPTER_RANK
 
 
 class LowRankAdapted(nn.Module):

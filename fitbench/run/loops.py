@@ -28,7 +28,7 @@ import torch.nn.functional as F
 
 from fitbench.loss import loss_chunk_rows
 from fitbench.models.backends import CausalLM
-from fitbench.run.precision import PrecisionPolicy
+from fitbench.precisions import PrecisionPolicy
 from fitbench.run.timing import DeviceClock
 
 MODES: tuple[str, ...] = ("train", "forward", "forward-backward", "infer")

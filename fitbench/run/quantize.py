@@ -33,20 +33,6 @@ from fitbench.run.quality import (REFERENCE_TEXT_NAME, NoTokenizer, Perplexity, 
 
 BITSANDBYTES = ("int8", "nf4", "fp4")
 TORCHAO = ("int8-dynamic", "int4", "fp8", "fp8-block")
-FP8_CAPABILITY = (8, 9)
-
-
-def hardware_problem(precision: str, device: torch.device, capability: tuple[int, int] | None) -> str | None:
-    """Why this device cannot run ``precision``, or None."""
-    if precision in ("fp8", "fp8-block"):
-        if device.type != "cuda":
-            return f"{precision} needs a GPU with float8 tensor cores (compute capability 8.9 or newer); this run is on a CPU"
-        if capability is not None and capability < FP8_CAPABILITY:
-            return (f"{precision} needs compute capability 8.9 or newer (Ada, Hopper); this GPU has "
-                    f"{capability[0]}.{capability[1]}")
-    if precision == "int4" and device.type != "cuda":
-        return "int4 uses torchao's tinygemm kernel, which runs on CUDA GPUs only"
-    return None
 
 
 def _quantizable(module: nn.Module, name: str) -> bool:

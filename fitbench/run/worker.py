@@ -54,13 +54,12 @@ from fitbench.models.registry import is_local_model, resolve
 from fitbench.processes import end_own_tree, tie_to_parent
 from fitbench.run.loops import generate, make_step, random_tokens, read_generation
 from fitbench.run.metrics import inference_metrics, step_metrics
-from fitbench.precisions import TRAINING_MODES, graph_problem, peak_kind
-from fitbench.run.precision import policy as precision_policy
-from fitbench.plan.memory import ADAPTER_ALPHA, ADAPTER_RANK
+from fitbench.precisions import (ADAPTER_ALPHA, ADAPTER_RANK, TRAINING_MODES, graph_problem, hardware_problem,
+                                 peak_kind, training_problem)
+from fitbench.precisions import policy as precision_policy
 from fitbench.run.adapters import add_adapters
-from fitbench.run.precision import training_problem
 from fitbench.run.quality import Quality
-from fitbench.run.quantize import build_quantized_native, float8_training, hardware_problem, quantize_built
+from fitbench.run.quantize import build_quantized_native, float8_training, quantize_built
 from fitbench.run.sanity import Verdict, non_finite_figures, non_finite_steps, read, warmup_warning
 from fitbench.run.timing import DeviceClock, first_call_seconds, run_stages, time_steps
 from fitbench.run.trackers import NvmlSampler, memory_report

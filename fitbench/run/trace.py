@@ -31,9 +31,9 @@ from fitbench.models.architecture import Architecture
 from fitbench.models.backends import CausalLM, HuggingFaceLM, NativeLM, backend_error
 from fitbench.models.hf import hf_config
 from fitbench.models.native import meta_model
-from fitbench.plan.allocator import Allocator
+from fitbench.run.allocator import Allocator
 from fitbench.run.loops import generate, make_step
-from fitbench.run.precision import policy as precision_policy
+from fitbench.precisions import policy as precision_policy
 from fitbench.run.timing import DeviceClock
 
 TRAINING_STEPS = 2
@@ -80,7 +80,7 @@ class LiveStorage(TorchDispatchMode):
 class TracedPeak:
     """``peak_bytes``: live tensor bytes at their peak (``torch.cuda.max_memory_allocated``);
     ``peak_reserved``: the caching allocator's mapped bytes at their peak
-    (``torch.cuda.max_memory_reserved``), from ``fitbench.plan.allocator``."""
+    (``torch.cuda.max_memory_reserved``), from ``fitbench.run.allocator``."""
 
     peak_bytes: int
     device: str
