@@ -300,6 +300,11 @@ YAML_MAX_BYTES = 1_000_000
 YAML_MAX_NODES = 10_000  # counting every alias as the copy it stands for
 
 
+def _shortened(text: str, limit: int = 40) -> str:
+    """An option name as written, cut: an unknown key can be any length."""
+    return text if len(text) <= limit else text[: limit - 3] + "..."
+
+
 class Source(dict):
     """The options of one source (``cli``, a YAML ``file``, a ``saved`` sweep) and how a message names
     each: ``where(field)`` says where the value was written (``--batch-size``, the ``priority_order``
@@ -313,7 +318,7 @@ class Source(dict):
         return field if self.kind == "cli" else self.keys.get(field, field)
 
     def where(self, field: str) -> str:
-        key = self.keys.get(field, field)
+        key = _shortened(self.keys.get(field, field))
         if self.kind == "cli":
             return "--" + key.replace("_", "-")
         if self.kind == "file":
@@ -508,10 +513,6 @@ def merge_sources(defaults: dict[str, Any], file: dict[str, Any], cli: dict[str,
         raise UserError(describe_validation_error(error, origin)) from None
 
 
-def _shortened(text: str, limit: int = 40) -> str:
-    return text if len(text) <= limit else text[: limit - 3] + "..."
-
-
 def describe_validation_error(error: ValidationError, origin: dict[str, Source] | None = None) -> str:
     """One sentence per problem: the option as the user wrote it, what is wrong with a short excerpt
     of the value, what is expected, and where to fix it."""
@@ -525,7 +526,7 @@ def describe_validation_error(error: ValidationError, origin: dict[str, Source] 
         description = SweepConfig.model_fields.get(field)
         expected = f" Expected: {description.description}." if description and description.description else ""
         if item["type"] == "extra_forbidden":
-            problems.append(f"{_shortened(label)}: unknown field ({_shortened(source.where(field), 160)}). "
+            problems.append(f"{_shortened(label)}: unknown field ({source.where(field)}). "
                             f"`fitbench run --help` lists the fields.")
             continue
         message = item["msg"].removeprefix("Value error, ")

@@ -41,7 +41,7 @@ OPTIONAL_FIELDS = {"label": str, "error": str, "params": (int, float), "warnings
                    "throughput": dict, "prediction": dict, "memory": dict, "weights": dict, "quality": dict,
                    "offload": dict, "environment": dict}
 # A file of garbage would print a warning per line; past these, one line counts the rest.
-WARNINGS_MAX = 5
+WARNINGS_MAX = 10
 
 
 def _row_problem(line: bytes) -> tuple[dict[str, Any] | None, str]:
