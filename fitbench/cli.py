@@ -418,8 +418,8 @@ def run(args: argparse.Namespace, cli_options: dict[str, Any]) -> int:
 
     for option, value in (("--resume", args.resume), ("--config", args.config)):
         if value is not None and not value.strip():
-            raise UserError(f"{option[2:]}: {option} was given an empty path; give the "
-                            f"{'directory of a sweep' if option == '--resume' else 'YAML file'}, or leave {option} out.")
+            what = "directory of a sweep" if option == "--resume" else "YAML file"
+            raise UserError(f"{option[2:]}: {option} was given an empty path; give the {what}, or leave {option} out.")
     saved: dict[str, Any] = {}
     if args.resume:
         if "out" in cli_options:
@@ -913,7 +913,7 @@ def main(argv: list[str] | None = None) -> int:
         return UserError.exit_code
     except KeyboardInterrupt as interruption:
         try:
-            errors.print(f"fitbench: {interruption or 'interrupted'}; finished rows are saved, "
+            errors.print(f"fitbench: {str(interruption) or 'interrupted by SIGINT'}; finished rows are saved, "
                          f"`fitbench run --resume <out>` goes on.")
         except OSError:  # the terminal went with a hangup
             pass

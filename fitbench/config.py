@@ -443,8 +443,9 @@ def load_yaml(path: str | Path) -> Source:
     spelled = {key.replace("-", "_"): key for key in data}
     if len(spelled) < len(data):
         twice = next(key for key in data if key != spelled[key.replace("-", "_")])
-        raise UserError(f"config: in {path}, `{excerpt(twice, 40)}` and `{excerpt(spelled[twice.replace('-', '_')], 40)}` "
-                        f"are one option written twice; keep one of them.")
+        other = spelled[twice.replace("-", "_")]
+        raise UserError(f"config: in {path}, `{_shortened(twice)}` and `{_shortened(other)}` are one option written "
+                        f"twice; keep one of them.")
     data = {key.replace("-", "_"): value for key, value in data.items()}
     _contradictions(data, lambda key: f"`{key}` in {path}")
     keys = {}

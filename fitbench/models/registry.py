@@ -64,8 +64,10 @@ def _read_config(directory: str) -> dict[str, Any]:
     try:
         config = json.loads(text)
     except (ValueError, RecursionError) as error:  # ValueError: JSONDecodeError, or an int of thousands of digits
-        where = (f" ({error.msg} at line {error.lineno}, column {error.colno})" if isinstance(error, json.JSONDecodeError)
-                 else " (nested too deeply)" if isinstance(error, RecursionError) else " (a number with too many digits)")
+        if isinstance(error, json.JSONDecodeError):
+            where = f" ({error.msg} at line {error.lineno}, column {error.colno})"
+        else:
+            where = " (nested too deeply)" if isinstance(error, RecursionError) else " (a number with too many digits)"
         raise UserError(f"models: {path} is not valid JSON{where}. {fix}") from None
     if not isinstance(config, dict):
         raise UserError(f"models: {path} holds a JSON {type(config).__name__}, not an object of fields "
