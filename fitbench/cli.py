@@ -395,16 +395,16 @@ def check_output_directory(out: str, option: str) -> None:
     """A UserError unless ``out`` is, or can be made, a directory this process can write in; checked
     before anything runs, by writing there."""
     path = Path(out)
-    if path.exists() and not path.is_dir():
-        raise UserError(f"out: {out} ({option}) is an existing file, not a directory. Give a directory, or a path "
-                        f"that does not exist yet.")
     try:
+        if path.exists() and not path.is_dir():
+            raise UserError(f"out: {excerpt(out, 200)} ({option}) is an existing file, not a directory. Give a "
+                            f"directory, or a path that does not exist yet.")
         path.mkdir(parents=True, exist_ok=True)
         with tempfile.TemporaryFile(dir=path):
             pass
     except OSError as error:
-        raise UserError(f"out: cannot write in {out} ({option}): {error.strerror}. Give a directory you can write "
-                        f"to.") from None
+        raise UserError(f"out: cannot write in {excerpt(out, 200)} ({option}): {error.strerror}. Give a directory "
+                        f"you can write to.") from None
 
 
 def run(args: argparse.Namespace, cli_options: dict[str, Any]) -> int:
@@ -417,6 +417,10 @@ def run(args: argparse.Namespace, cli_options: dict[str, Any]) -> int:
     from fitbench.results.store import SWEEP_FILE, ResultStore
     from fitbench.results.terminal import EtaColumn, SweepClock
 
+    for option, value in (("--resume", args.resume), ("--config", args.config)):
+        if value is not None and not value.strip():
+            what = "directory of a sweep" if option == "--resume" else "YAML file"
+            raise UserError(f"{option[2:]}: {option} was given an empty path; give the {what}, or leave {option} out.")
     saved: dict[str, Any] = {}
     if args.resume:
         if "out" in cli_options:
@@ -525,6 +529,7 @@ Without --gpus/--gpu-memory/--gpu the GPUs of this machine are used.
 
 # Bounds of what a plan can describe: beyond them a number is a typo, and sizes stop being finite floats.
 GPU_MEMORY_MAX = 1e14
+GPU_MEMORY_MIN = 1e9
 GPUS_MAX = 65536
 
 
@@ -534,6 +539,10 @@ def gpu_target(args: argparse.Namespace):
     from fitbench.plan.planner import GPU_ALIASES, GpuTarget
     from fitbench.units import parse_bytes
 
+    for option, value in (("--gpu", args.gpu), ("--gpu-memory", args.gpu_memory)):
+        if value is not None and not value.strip():
+            raise UserError(f"{option[2:]}: {option} was given an empty value; give it like "
+                            f"{'H100-80GB' if option == '--gpu' else '80GB'}, or leave it out.")
     if args.gpu and args.gpu_memory:
         raise UserError(f"--gpu and --gpu-memory contradict: --gpu {excerpt(args.gpu)} sets the memory per GPU "
                         f"from its datasheet; give --gpu for a known GPU, or --gpu-memory to describe another.")
@@ -550,9 +559,10 @@ def gpu_target(args: argparse.Namespace):
         except ValueError:
             raise UserError(f"gpu-memory: {excerpt(args.gpu_memory)} is not a size; write it like 80GB or "
                             f"79.2GiB.") from None
-        if not math.isfinite(memory) or not 0 < memory <= GPU_MEMORY_MAX:
-            raise UserError(f"gpu-memory: {excerpt(args.gpu_memory)} is not a GPU's memory; give a size above zero "
-                            f"and at most {GPU_MEMORY_MAX / 1e12:.0f} TB, like 80GB or 79.2GiB.")
+        if not math.isfinite(memory) or not GPU_MEMORY_MIN <= memory <= GPU_MEMORY_MAX:
+            raise UserError(f"gpu-memory: {excerpt(args.gpu_memory)} is not a GPU's memory; give a size from "
+                            f"{GPU_MEMORY_MIN / 1e9:.0f} GB to {GPU_MEMORY_MAX / 1e12:.0f} TB with its unit, like 80GB "
+                            f"or 79.2GiB (a bare number is bytes).")
     detected = hardware.detect_gpus()
     if name is None and memory is None and args.gpus is None:
         if not detected:
@@ -836,6 +846,17 @@ class _Parser(argparse.ArgumentParser):
         self.exit(UserError.exit_code, f"{self.prog}: {message}. `{self.prog} --help` lists the options.\n")
 
 
+# Two spellings of one option: argparse keeps the last one given, so both together say two things.
+_SPELLINGS = (("--seq-len", "--context-length"), ("--measure-steps", "--samples"), ("--mode", "--modes"))
+
+
+def _one_spelling(parser: argparse.ArgumentParser, argv: list[str]) -> None:
+    given = {arg.split("=", 1)[0] for arg in argv if arg.startswith("--")}
+    for first, second in _SPELLINGS:
+        if first in given and second in given:
+            parser.error(f"{first} and {second} are one option given twice; give only one of them")
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = _Parser(
         prog="fitbench", description="Which models fit on these GPUs, how to run them, and how fast they go.",
@@ -874,6 +895,7 @@ def main(argv: list[str] | None = None) -> int:
     if args.command is None:
         args = parser.parse_args(["run", *argv])
     args.argv = argv
+    _one_spelling(parser, argv)
     options = {key: value for key, value in vars(args).items()
                if key not in ("command", "function", "resume", "extend", "config", "json", "sources", "measure",
                                "argv", "directory", "markdown")}
@@ -893,7 +915,7 @@ def main(argv: list[str] | None = None) -> int:
         return UserError.exit_code
     except KeyboardInterrupt as interruption:
         try:
-            errors.print(f"fitbench: {interruption or 'interrupted'}; finished rows are saved, "
+            errors.print(f"fitbench: {str(interruption) or 'interrupted by SIGINT'}; finished rows are saved, "
                          f"`fitbench run --resume <out>` goes on.")
         except OSError:  # the terminal went with a hangup
             pass

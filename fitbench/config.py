@@ -146,7 +146,7 @@ class SweepConfig(BaseModel):
     device: str = "auto"
     timeout: float = Field(3600.0, gt=0, allow_inf_nan=False,
                            description="a finite, positive number of seconds: a configuration's whole life")
-    out: str | None = None
+    out: str | None = Field(None, min_length=1, description="a directory path")
     seed: int = Field(0, description=f"a whole number from 0 to {SEED_MAX:,} (2^64 - 1)")
 
     @field_validator("models", "mode", "precision", "batch_size", "seq_len", "fallback", mode="before")
@@ -174,12 +174,21 @@ class SweepConfig(BaseModel):
     def _seed(cls, value: Any) -> Any:
         return _whole_number(value, 0, SEED_MAX)
 
+    @field_validator("timeout", mode="before")
+    @classmethod
+    def _seconds(cls, value: Any) -> Any:
+        # YAML's true and "10" are not durations; pydantic would read them as 1.0 and 10.0.
+        if isinstance(value, (bool, str)):
+            kind = "text" if isinstance(value, str) else "bool"
+            raise ValueError(f"expected a number of seconds, got {excerpt(value)} ({kind})")
+        return value
+
     @field_validator("device")
     @classmethod
     def _device_name(cls, value: str) -> str:
         if value in ("auto", "cpu", "cuda") or (value.startswith("cuda:") and value[5:].isdigit()):
             return value
-        raise ValueError(f"must be auto, cpu, cuda or cuda:N, got {value!r}")
+        raise ValueError(f"must be auto, cpu, cuda or cuda:N, got {excerpt(value)}")
 
     @model_validator(mode="before")
     @classmethod
@@ -290,6 +299,11 @@ YAML_MAX_BYTES = 1_000_000
 YAML_MAX_NODES = 10_000  # counting every alias as the copy it stands for
 
 
+def _shortened(text: str, limit: int = 40) -> str:
+    """An option name as written, cut: an unknown key can be any length."""
+    return text if len(text) <= limit else text[: limit - 3] + "..."
+
+
 class Source(dict):
     """The options of one source (``cli``, a YAML ``file``, a ``saved`` sweep) and how a message names
     each: ``where(field)`` says where the value was written (``--batch-size``, the ``priority_order``
@@ -303,7 +317,7 @@ class Source(dict):
         return field if self.kind == "cli" else self.keys.get(field, field)
 
     def where(self, field: str) -> str:
-        key = self.keys.get(field, field)
+        key = _shortened(self.keys.get(field, field))
         if self.kind == "cli":
             return "--" + key.replace("_", "-")
         if self.kind == "file":
@@ -323,6 +337,22 @@ class _BoundedLoader(yaml.SafeLoader):
     def compose_document(self):
         node = super().compose_document()
         sizes: dict[int, int] = {}
+        seen: set[int] = set()
+
+        def unique_keys(item) -> None:
+            # PyYAML keeps the last of two equal keys; a file that sets an option twice says two things.
+            if id(item) in seen or not isinstance(item.value, list):
+                return
+            seen.add(id(item))
+            if isinstance(item, yaml.MappingNode):
+                keys = [key.value for key, _ in item.value if isinstance(key, yaml.ScalarNode)]
+                repeated = next((key for key in keys if keys.count(key) > 1 and key != "<<"), None)
+                if repeated is not None:
+                    raise _Refused(f"the key {excerpt(repeated)} appears twice in one mapping (line "
+                                   f"{item.start_mark.line + 1})")
+            for child in item.value:
+                for part in (child if isinstance(child, tuple) else (child,)):
+                    unique_keys(part)
 
         def expanded(item, inside: frozenset) -> int:
             if id(item) in inside:
@@ -340,6 +370,7 @@ class _BoundedLoader(yaml.SafeLoader):
 
         if node is not None:
             expanded(node, frozenset())
+            unique_keys(node)
         return node
 
 
@@ -375,13 +406,20 @@ def _read_yaml(path: str | Path) -> Any:
     try:
         return yaml.load(text, Loader=_BoundedLoader)
     except _Refused as error:
-        raise UserError(f"config: {path} is refused: {error}. Write the values out instead of through aliases.") from None
+        fix = "Give each option once" if "twice" in str(error) else "Write the values out instead of through aliases"
+        raise UserError(f"config: {path} is refused: {error}. {fix}.") from None
+    except RecursionError:
+        raise UserError(f"config: {path} nests lists or mappings too deeply to read; a sweep's options are at most "
+                        f"two levels deep. Fix the file.") from None
     except yaml.YAMLError as error:
         mark = getattr(error, "problem_mark", None)
         where = f" at line {mark.line + 1}, column {mark.column + 1}" if mark else ""
         problem = getattr(error, "problem", None) or str(error)
         raise UserError(f"config: {path} is not valid YAML{where} ({excerpt(problem, 120)}). "
                         f"Fix the file; every field of `fitbench run --help` can be a key.") from None
+    except ValueError as error:  # an integer of thousands of digits
+        raise UserError(f"config: {path} holds a number fitbench cannot read ({excerpt(str(error), 80)}). "
+                        f"Fix the file.") from None
 
 
 def _text_keys(mapping: dict, path: str | Path, inside: str) -> None:
@@ -395,11 +433,18 @@ def load_yaml(path: str | Path) -> Source:
     """A YAML file with the sweep's fields; the seeds' layout ``models: {sizes: [...]}`` is accepted."""
     data = _read_yaml(path)
     if data is None:
-        data = {}
+        raise UserError(f"config: {path} holds no options (it is empty or only comments). Add options such as "
+                        f"models: [tiny], or leave out --config.")
     if not isinstance(data, dict):
         raise UserError(f"config: {path} must hold a mapping of fields (models: [...], mode: ...), "
                         f"not a {type(data).__name__}.")
     _text_keys(data, path, "the top level")
+    spelled = {key.replace("-", "_"): key for key in data}
+    if len(spelled) < len(data):
+        twice = next(key for key in data if key != spelled[key.replace("-", "_")])
+        other = spelled[twice.replace("-", "_")]
+        raise UserError(f"config: in {path}, `{_shortened(twice)}` and `{_shortened(other)}` are one option written "
+                        f"twice; keep one of them.")
     data = {key.replace("-", "_"): value for key, value in data.items()}
     _contradictions(data, lambda key: f"`{key}` in {path}")
     keys = {}
@@ -410,8 +455,11 @@ def load_yaml(path: str | Path) -> Source:
             raise UserError(f"config: in {path}, `models` is a mapping without `sizes`; write models: [7B, 13B] "
                             f"or models: {{sizes: [7B, 13B]}}.")
         quantization = models.get("quantization") or {}
+        if not isinstance(quantization, dict):
+            raise UserError(f"config: in {path}, `models.quantization` is {excerpt(quantization)}; it must be a "
+                            f"mapping such as {{priority_order: [fp16, 8bit]}}. Fix the file.")
         data["models"], keys["models"] = models["sizes"], "models.sizes"
-        if isinstance(quantization, dict) and "priority_order" in quantization:
+        if "priority_order" in quantization:
             _text_keys(quantization, path, "`models.quantization`")
             if "priority_order" not in data:
                 data["priority_order"] = quantization["priority_order"]
@@ -421,6 +469,9 @@ def load_yaml(path: str | Path) -> Source:
                 keys.setdefault("no_fallback", "models.quantization.enabled")
     if "priority_order" in data:
         order = data.pop("priority_order")
+        if order is None:
+            raise UserError(f"config: in {path}, `{keys.get('fallback', 'priority_order')}` is empty; list the "
+                            f"precisions to fall back through, e.g. [fp16, 8bit, 4bit], or leave the key out.")
         if "fallback" not in data:
             data["fallback"] = [SEED_PRECISIONS.get(str(p).lower(), p) for p in _as_list(order)]
             keys.setdefault("fallback", "priority_order")
@@ -475,8 +526,8 @@ def describe_validation_error(error: ValidationError, origin: dict[str, Source] 
         description = SweepConfig.model_fields.get(field)
         expected = f" Expected: {description.description}." if description and description.description else ""
         if item["type"] == "extra_forbidden":
-            problems.append(f"{label}: unknown field ({source.where(field)}). `fitbench run --help` lists the "
-                            f"fields.")
+            problems.append(f"{_shortened(label)}: unknown field ({source.where(field)}). "
+                            f"`fitbench run --help` lists the fields.")
             continue
         message = item["msg"].removeprefix("Value error, ")
         got = "" if "got " in message else f" (got {excerpt(item.get('input'))})"

@@ -440,3 +440,163 @@ def test_extend_cannot_change_a_setting(saved_sweep, argv, fields, capsys):
 def test_help_documents_extend(capsys):
     code, stdout, _ = cli(["run", "--help"], capsys)
     assert code == 0 and "--extend" in stdout and "--resume" in stdout
+
+
+# ---- a second round: held-out-style inputs ----------------------------------------------------------
+
+
+@pytest.mark.parametrize("argv, fields", [
+    (["--resume", ""], ["resume", "empty path"]),
+    (["--config", ""], ["config", "empty path"]),
+    (["--out", ""], ["out", "--out"]),
+    (["--seq-len", "16", "--context-length", "32"], ["--seq-len", "--context-length"]),
+    (["--samples", "2", "--measure-steps=3"], ["--measure-steps", "--samples"]),
+    (["--mode", "infer", "--modes", "train"], ["--mode", "--modes"]),
+    (["--timeout=-inf"], ["timeout", "finite", "--timeout"]),
+    (["--timeout", "-inf"], ["--timeout"]),
+    (["--timeout", "1e400"], ["timeout", "finite"]),
+    (["--timeout", "nan"], ["timeout", "finite"]),
+    (["--timeout", "0"], ["timeout", "greater than 0"]),
+    (["--timeout", "0x10"], ["--timeout", "0x10"]),
+    (["--seed=-1"], ["seed", "at least 0"]),
+    (["--seed", "0x10"], ["--seed"]),
+    (["--new-tokens=-4"], ["new_tokens", "--new-tokens"]),
+    (["--warmup-steps", str(2**31)], ["warmup_steps", "2,147,483,647"]),
+    (["--device", "c" * 5000], ["device", "--device"]),
+])
+def test_more_bad_run_options(argv, fields, tmp_path, capsys):
+    out = [] if "--out" in argv or "--resume" in argv else ["--out", str(tmp_path / "out")]
+    code, stdout, stderr = cli(["run", *REFUSED, *out, *argv] if "--resume" not in argv else ["run", *argv], capsys)
+    check_user_error(code, stderr, *fields)
+    assert "c" * 100 not in stderr and stdout == ""
+    assert not (tmp_path / "out").exists() and not (tmp_path / "fitbench-results").exists()
+
+
+@pytest.mark.parametrize("argv, fields", [
+    (["--gpu", ""], ["gpu", "--gpu", "empty"]),
+    (["--gpu-memory", ""], ["gpu-memory", "empty"]),
+    (["--gpu-memory", "1B"], ["gpu-memory", "1B", "1 GB"]),
+    (["--gpu-memory", "80"], ["gpu-memory", "bare number is bytes"]),
+    (["--gpu-memory", "1e-300GB"], ["gpu-memory", "1e-300GB"]),
+    (["--gpu-memory=-infGB"], ["gpu-memory", "-infGB"]),
+    (["--gpu-memory", "80GB", "--seq-len", "16", "--context-length", "32"], ["--seq-len", "--context-length"]),
+    (["--gpu-memory", "80GB", "--gpus=-1"], ["gpus"]),
+    (["--gpu-memory", "80GB", "--mode", "infer", "--new-tokens", str(10**20)], ["new_tokens", "at most"]),
+])
+def test_more_bad_plan_options(argv, fields, capsys):
+    code, stdout, stderr = cli(["plan", "--models", "tiny", *argv], capsys)
+    check_user_error(code, stderr, *fields)
+    assert stdout == ""
+
+
+MORE_BAD_YAML = [
+    ("", ["config", "holds no options"]),
+    ("# only a comment\n", ["config", "holds no options"]),
+    ("models: [tiny]\nseq_len: 16\nseq_len: 32\n", ["config", "seq_len", "twice", "line 1"]),
+    ("models: {sizes: [tiny], sizes: [small]}\n", ["config", "sizes", "twice"]),
+    ("models: [tiny]\nseq_len: 16\nseq-len: 32\n", ["config", "seq_len", "seq-len", "written twice"]),
+    ("models: " + "[" * 5000 + "]" * 5000 + "\n", ["config", "too deeply"]),
+    ("models: " + "{a: " * 3000 + "1" + "}" * 3000 + "\n", ["config", "too deeply"]),
+    ("models: [tiny]\nseed: " + "9" * 5000 + "\n", ["config", "number"]),
+    ("models: [tiny]\npriority_order: null\n", ["config", "priority_order", "empty"]),
+    ("models: {sizes: [tiny], quantization: {priority_order: null}}\n", ["models.quantization.priority_order"]),
+    ("models: {sizes: [tiny], quantization: 5}\n", ["config", "`models.quantization`", "mapping"]),
+    ("models: [tiny]\ntimeout: '10'\n", ["timeout", "text", "`timeout` key of"]),
+    ("models: [tiny]\ntimeout: true\n", ["timeout", "bool"]),
+    ("models: [tiny]\ntimeout: -.inf\n", ["timeout", "finite"]),
+    ("models: [tiny]\ndevice: " + "c" * 100_000 + "\n", ["device", "`device` key of"]),
+    ("models: [tiny]\n? " + "k" * 5000 + "x\n: 1\n", ["unknown field"]),
+    ("models: [tiny]\nout: ''\n", ["out", "`out` key of"]),
+    ("models: [tiny]\nmode: train\n---\nmode: infer\n", ["config", "another document"]),
+]
+
+
+@pytest.mark.parametrize("text, fields", MORE_BAD_YAML, ids=[f"yaml{i}" for i in range(len(MORE_BAD_YAML))])
+def test_more_bad_yaml(text, fields, tmp_path, capsys):
+    config = tmp_path / "config.yaml"
+    config.write_text(text)
+    out = [] if "out:" in text else ["--out", str(tmp_path / "out")]
+    code, _, stderr = cli(["run", "--config", str(config), *out], capsys)
+    message = check_user_error(code, stderr, *fields)
+    assert "config.yaml" in message and "c" * 100 not in message and "k" * 100 not in message
+    assert not (tmp_path / "out").exists() and not (tmp_path / "fitbench-results").exists()
+
+
+MORE_BAD_CONFIGS = [
+    (b'{"model_type": "llama", "hidden_size": ' + b"9" * 5000 + b"}", ["not valid JSON", "digits"]),
+    (b'{"model_type": "llama", "hidden_size": NaN}', ["`hidden_size`", "nan"]),
+    (b'{"model_type": "llama", "vocab_size": Infinity}', ["`vocab_size`", "inf"]),
+    (json.dumps({**LLAMA, "model_type": "x" * 5000}).encode(), ["model_type", "Fix `model_type`"]),
+    (json.dumps({**LLAMA, "rope_scaling": {"rope_type": "llama3", "factor": 8}}).encode(),
+     ["`rope_scaling`", "`low_freq_factor` is missing"]),
+    (json.dumps({**LLAMA, "rope_scaling": {"rope_type": "llama3", "factor": 8, "low_freq_factor": 1,
+                                           "high_freq_factor": 1, "original_max_position_embeddings": 64}}).encode(),
+     ["`rope_scaling`", "equals"]),
+    (json.dumps({**LLAMA, "rope_scaling": {"rope_type": "linear", "factor": -2}}).encode(), ["`factor`", "-2"]),
+    (json.dumps({**LLAMA, "rope_scaling": {"type": "dynamic", "factor": "x"}}).encode(), ["`factor`", "text"]),
+    (json.dumps({**LLAMA, "rope_parameters": {"rope_type": "linear", "factor": 0}}).encode(), ["`factor`"]),
+    (json.dumps({**FALCON, "new_decoder_architecture": "yes"}).encode(), ["`new_decoder_architecture`",
+                                                                          "true or false"]),
+    (b"\xef\xbb\xbf" + json.dumps(LLAMA).encode(), ["not valid JSON", "BOM"]),
+    (json.dumps(LLAMA).encode() + b"trailing", ["not valid JSON", "Extra data"]),
+    (b"[" * 100_000 + b"]" * 100_000, ["not valid JSON"]),
+]
+
+
+@pytest.mark.parametrize("command", ["run", "plan"])
+@pytest.mark.parametrize("raw, fields", MORE_BAD_CONFIGS, ids=[f"config{i}" for i in range(len(MORE_BAD_CONFIGS))])
+def test_more_bad_model_directories(command, raw, fields, tmp_path, capsys):
+    test_bad_model_directories(command, raw, fields, tmp_path, capsys)
+    assert "x" * 100 not in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("name", ["/no/such/model", "./missing-model", "../" + "m" * 300])
+def test_a_missing_model_path_is_not_a_hub_id(name, capsys):
+    code, _, stderr = cli(["plan", "--models", name, "--gpu-memory", "80GB"], capsys)
+    check_user_error(code, stderr, "models", "does not exist")
+    assert "hub" not in stderr
+
+
+@pytest.mark.parametrize("name", ["n" * 300, "/".join(["q"] * 2100)])
+def test_out_names_the_file_system_refuses(name, tmp_path, capsys):
+    code, _, stderr = cli(["run", *REFUSED, "--out", str(tmp_path / name)], capsys)
+    check_user_error(code, stderr, "out", "--out", "too long")
+
+
+def test_results_lines_that_json_cannot_read_and_fields_of_the_wrong_type(tmp_path, capsys):
+    out = tmp_path / "out"
+    code, _, stderr = cli(["run", *REFUSED, "--out", str(out)], capsys)
+    assert code == 1, stderr
+    good = (out / "results.jsonl").read_bytes()
+    row = json.loads(good)
+    damaged = [b'{"key": "a", "status": "ok", "spec": {"seq_len": ' + b"9" * 5000 + b"}}\n", b"[" * 100_000 + b"\n",
+               json.dumps({**row, "key": "k1", "timing": float("nan")}).encode() + b"\n",
+               json.dumps({**row, "key": "k2", "memory": [1]}).encode() + b"\n",
+               json.dumps({**row, "key": "k3", "label": 5}).encode() + b"\n"]
+    (out / "results.jsonl").write_bytes(good + b"".join(damaged))
+    for argv in (["report", str(out)], ["report", str(out), "--markdown"], ["run", "--resume", str(out)]):
+        code, stdout, stderr = cli(argv, capsys)
+        assert code in (0, 1) and "Traceback" not in stderr, stderr
+        assert [f"line {n}" in stderr for n in range(2, 7)] == [True] * 5, stderr
+        assert "timing" in stderr and "memory" in stderr and "label" in stderr
+
+
+def test_a_results_file_of_garbage_warns_in_a_few_lines(tmp_path, capsys):
+    (tmp_path / "out").mkdir()
+    (tmp_path / "out" / "results.jsonl").write_bytes(bytes(range(256)) * 200)
+    code, _, stderr = cli(["report", str(tmp_path / "out")], capsys)
+    assert code == 0 and "Traceback" not in stderr
+    lines = stderr.strip().splitlines()
+    assert len(lines) == 11 and "more damaged line(s)" in lines[-1], stderr
+
+
+def test_a_results_file_that_is_a_directory(tmp_path, capsys):
+    (tmp_path / "out" / "results.jsonl").mkdir(parents=True)
+    code, _, stderr = cli(["report", str(tmp_path / "out")], capsys)
+    check_user_error(code, stderr, "results.jsonl", "Is a directory")
+
+
+@pytest.mark.parametrize("raw", [b'{"config": {"models": ["tiny"], "seed": ' + b"9" * 5000 + b"}}", b"[" * 100_000,
+                                 b'{"config": {"' + b"k" * 10_000 + b'": 1}}'], ids=["digits", "deep", "long-key"])
+def test_saved_sweeps_json_cannot_read(raw, tmp_path, capsys):
+    test_damaged_saved_sweep(raw, ["sweep.json"], tmp_path, capsys)

@@ -84,7 +84,7 @@ def rows_of(out: Path) -> list[dict]:
 
 
 @slow
-@pytest.mark.parametrize("signum", [signal.SIGTERM, signal.SIGHUP, signal.SIGKILL])
+@pytest.mark.parametrize("signum", [signal.SIGTERM, signal.SIGHUP, signal.SIGINT, signal.SIGKILL])
 def test_a_killed_sweep_leaves_no_process_and_no_scratch_directory(signum, tmp_path):
     out = tmp_path / "out"
     parent = subprocess.Popen([sys.executable, "-m", "fitbench", "run", "--models", "tiny", *SHAPES, "--out", str(out)],

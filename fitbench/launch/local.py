@@ -437,7 +437,7 @@ def _one_of_sweep(spec: RunSpec, store: ResultStore, timeout, command, callbacks
                                predicted_batch)
     except KeyboardInterrupt as interruption:
         store.append({"key": spec.key, "label": spec.label, "spec": spec.model_dump(), "status": "interrupted",
-                      "error": f"{interruption or 'interrupted by SIGINT'}: the worker and everything it started "
+                      "error": f"{str(interruption) or 'interrupted by SIGINT'}: the worker and everything it started "
                                f"were ended; `fitbench run --resume {store.directory}` runs it again",
                       "params": resolve(spec.model).total_params, "started_at": started_at,
                       "finished_at": _now(), "command": command})

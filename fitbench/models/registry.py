@@ -63,8 +63,11 @@ def _read_config(directory: str) -> dict[str, Any]:
         raise UserError(f"models: {path} is empty. {fix}")
     try:
         config = json.loads(text)
-    except (json.JSONDecodeError, RecursionError) as error:
-        where = f" ({error.msg} at line {error.lineno}, column {error.colno})" if hasattr(error, "msg") else ""
+    except (ValueError, RecursionError) as error:  # ValueError: JSONDecodeError, or an int of thousands of digits
+        if isinstance(error, json.JSONDecodeError):
+            where = f" ({error.msg} at line {error.lineno}, column {error.colno})"
+        else:
+            where = " (nested too deeply)" if isinstance(error, RecursionError) else " (a number with too many digits)"
         raise UserError(f"models: {path} is not valid JSON{where}. {fix}") from None
     if not isinstance(config, dict):
         raise UserError(f"models: {path} holds a JSON {type(config).__name__}, not an object of fields "
@@ -137,6 +140,9 @@ def resolve(name: str) -> Architecture:
         exists = Path(name).exists()
     except OSError:
         exists = False
+    if not exists and name.startswith(("/", "./", "../", "~")):
+        raise UserError(f"models: the directory {excerpt(name)} does not exist; a local model is a directory with a "
+                        f"transformers config.json. Check the path, or pass a preset (`fitbench models`).")
     if exists and Path(name).is_dir():
         raise UserError(f"models: the directory {excerpt(name)} has no config.json; a local model is a directory "
                         f"with a transformers config.json, or pass a preset (`fitbench models`).")
@@ -194,7 +200,8 @@ def architecture_from_hf_config(config: dict[str, Any], *, name: str, source: st
             theta = _rope_value(config, "rope_theta", 10000.0)
             fields.config = {**config, "rope_theta": theta}
             shape.update(rope_theta=fields.number("rope_theta", 10000.0), rope_scaling=_rope_scaling(config))
-    elif model_type == "falcon" and config.get("new_decoder_architecture"):
+            _check_rope_scaling(fields, shape["rope_scaling"])
+    elif model_type == "falcon" and fields.flag("new_decoder_architecture", False):
         hidden, heads = fields.size("hidden_size", "hidden"), fields.size("num_attention_heads", "heads")
         shape = dict(
             family="falcon", hf_model_type="falcon", vocab_size=fields.size("vocab_size", "vocab"), hidden_size=hidden,
@@ -216,7 +223,8 @@ def architecture_from_hf_config(config: dict[str, Any], *, name: str, source: st
             norm_eps=fields.number("layer_norm_epsilon", 1e-5, below=1.0),
         )
     else:
-        found = "no model_type" if model_type is None else f"model_type {model_type!r}"
+        found = "no model_type" if model_type is None else f"model_type {excerpt(model_type)}"
+        found += f" ({'; '.join(fields.problems)})" if fields.problems else ""
         raise UserError(
             f"models: {where} has {found}; fitbench supports llama, mistral, qwen2, falcon (new decoder "
             f"architecture) and gpt2 configs. Fix `model_type` in the file, or pass a preset (`fitbench models`)."
@@ -260,6 +268,30 @@ def _rope_scaling(config: dict[str, Any]) -> dict[str, Any] | None:
     if parameters.get("rope_type", parameters.get("type", "default")) == "default":
         return None
     return {key: value for key, value in parameters.items() if key != "rope_theta"}
+
+
+# The fields Llama 3.1's frequency scaling reads (fitbench.models.native.rope_inverse_frequencies).
+_LLAMA3_SCALING = ("factor", "low_freq_factor", "high_freq_factor", "original_max_position_embeddings")
+
+
+def _check_rope_scaling(fields: _Fields, scaling: dict[str, Any] | None) -> None:
+    """The scaling's numbers are finite and above zero; llama3 scaling has every field it divides by."""
+    if not scaling:
+        return
+    kind = scaling.get("rope_type", scaling.get("type"))
+    scaled = _Fields(scaling)
+    if kind == "llama3":
+        for key in _LLAMA3_SCALING:
+            if scaling.get(key) is None:
+                scaled.problems.append(f"`{key}` is missing (llama3 scaling needs {', '.join(_LLAMA3_SCALING)})")
+            else:
+                scaled.number(key, 1.0)
+        if not scaled.problems and scaling["low_freq_factor"] == scaling["high_freq_factor"]:
+            scaled.problems.append("`low_freq_factor` equals `high_freq_factor` (the band between them is divided by "
+                                   "their difference)")
+    elif "factor" in scaling:
+        scaled.number("factor", 1.0)
+    fields.problems.extend(f"`rope_scaling`: {problem}" for problem in scaled.problems)
 
 
 def _rope_value(config: dict[str, Any], key: str, default: float) -> float:

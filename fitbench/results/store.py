@@ -36,6 +36,12 @@ SWEEP_MAX_BYTES = 10_000_000
 DISK_ERRORS = {errno.ENOSPC, errno.EFBIG, errno.EDQUOT, errno.EROFS}
 # The fields of a row's spec that every report reads.
 SPEC_FIELDS = {"model": str, "mode": str, "precision": str, "batch_size": int, "seq_len": int}
+# Fields a row may leave out or set to null, and the type the tables and reports read them as.
+OPTIONAL_FIELDS = {"label": str, "error": str, "params": (int, float), "warnings": list, "timing": dict,
+                   "throughput": dict, "prediction": dict, "memory": dict, "weights": dict, "quality": dict,
+                   "offload": dict, "environment": dict}
+# A file of garbage would print a warning per line; past these, one line counts the rest.
+WARNINGS_MAX = 10
 
 
 def _row_problem(line: bytes) -> tuple[dict[str, Any] | None, str]:
@@ -48,6 +54,8 @@ def _row_problem(line: bytes) -> tuple[dict[str, Any] | None, str]:
         row = json.loads(text)
     except json.JSONDecodeError:
         return None, "is not complete JSON (a write cut short?)"
+    except (ValueError, RecursionError):  # an int of thousands of digits; arrays nested thousands deep
+        return None, "is JSON that cannot be read (too deeply nested, or a number of too many digits)"
     if not isinstance(row, dict):
         return None, f"holds {excerpt(row, 30)}, not a row"
     missing = [field for field, kind in (("key", str), ("status", str), ("spec", dict))
@@ -55,6 +63,9 @@ def _row_problem(line: bytes) -> tuple[dict[str, Any] | None, str]:
     if not missing:
         missing = [f"spec.{field}" for field, kind in SPEC_FIELDS.items() if not isinstance(row["spec"].get(field), kind)
                    or isinstance(row["spec"].get(field), bool)]
+    if not missing:
+        missing = [field for field, kind in OPTIONAL_FIELDS.items() if row.get(field) is not None
+                   and (not isinstance(row[field], kind) or isinstance(row[field], bool))]
     if missing:
         return None, f"is a row without a valid {', '.join(missing)}"
     return row, ""
@@ -108,7 +119,13 @@ class ResultStore:
     def _lines(self) -> Iterator[dict[str, Any]]:
         if not self.path.exists():
             return
-        with self.path.open("rb") as handle:
+        try:
+            handle = self.path.open("rb")
+        except OSError as error:
+            raise UserError(f"out: cannot read {self.path}: {error.strerror}. It holds the sweep's rows; make it a "
+                            f"readable file, or start a new sweep with --out.") from None
+        unreported = []
+        with handle:
             for number, line in enumerate(handle, start=1):
                 if not line.strip():
                     continue
@@ -117,8 +134,14 @@ class ResultStore:
                     yield row
                 elif number not in self._reported:
                     self._reported.add(number)
-                    if self.on_bad_line:
-                        self.on_bad_line(f"{self.path}: line {number} {problem}; skipped")
+                    if len(self._reported) <= WARNINGS_MAX:
+                        if self.on_bad_line:
+                            self.on_bad_line(f"{self.path}: line {number} {problem}; skipped")
+                    else:
+                        unreported.append(number)
+        if unreported and self.on_bad_line:
+            self.on_bad_line(f"{self.path}: {len(unreported)} more damaged line(s), lines {unreported[0]} to "
+                             f"{unreported[-1]}; skipped")
 
     def finished_keys(self) -> set[str]:
         return {row["key"] for row in self.rows() if row.get("status") != INTERRUPTED}
@@ -136,7 +159,7 @@ class ResultStore:
             fcntl.flock(handle, fcntl.LOCK_EX | fcntl.LOCK_NB)
         except BlockingIOError:
             handle.seek(0)
-            holder = handle.read(32).strip()
+            holder = excerpt(handle.read(32).strip().split("\n")[0], 20).strip("'\"")
             handle.close()
             raise UserError(f"out: {self.directory} is in use by another fitbench run (PID {holder or 'unknown'}); "
                             f"one sweep writes to a directory at a time. Wait for it to finish (or stop it), or "
@@ -182,3 +205,6 @@ class ResultStore:
             raise UserError(f"{damaged}: it is not UTF-8 text. {fix}") from None
         except json.JSONDecodeError as error:
             raise UserError(f"{damaged}: it is not valid JSON ({error.msg} at line {error.lineno}). {fix}") from None
+        except (ValueError, RecursionError):
+            raise UserError(f"{damaged}: it is JSON nested too deeply, or with a number of too many digits. {fix}") \
+                from None
