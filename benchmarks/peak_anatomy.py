@@ -27,7 +27,7 @@ os.environ.setdefault("PYTORCH_CUDA_ALLOC_CONF", "expandable_segments:True")
 
 import torch  # noqa: E402  (after the allocator's settings)
 
-from fitbench.config import RunSpec  # noqa: E402
+from fitbench.spec import RunSpec  # noqa: E402
 from fitbench.run import worker  # noqa: E402
 
 TRACE_ENTRIES = 4_000_000

@@ -358,7 +358,7 @@ def plan_specs(specs: list, config, target, calibration) -> tuple[list, Callable
 
 def _label(row: dict[str, Any]) -> str:
     """The configuration as asked for, and what finally ran when a fallback or the batch search changed it."""
-    from fitbench.config import RunSpec
+    from fitbench.spec import RunSpec
 
     ran = RunSpec.model_validate(row["spec"]).label if "spec" in row else row["label"]
     return row["label"] if ran == row["label"] else f"{row['label']} (ran as {ran})"
@@ -412,6 +412,7 @@ def run(args: argparse.Namespace, cli_options: dict[str, Any]) -> int:
     from fitbench.config import expand, fallback_ladder, load_yaml, merge_sources, resumed_config, saved_options
     from fitbench.launch.fallback import FallbackPolicy
     from fitbench.launch.local import SweepCallbacks, run_sweep
+    from fitbench.launch.orders import assign
     from fitbench.plan.calibration import TENSORS_ONLY
     from fitbench.results.report import results_table, write_csv
     from fitbench.results.store import SWEEP_FILE, ResultStore
@@ -498,7 +499,8 @@ def run(args: argparse.Namespace, cli_options: dict[str, Any]) -> int:
                   predict=predict, refusals=refusals, calibration=calibration.source if calibration else TENSORS_ONLY,
                   fallback=lambda spec: FallbackPolicy(tuple(fallback_ladder(config, spec.mode)),
                                                        enabled=not config.no_fallback),
-                  predicted_batch=lambda spec: predicted_max_batch(spec, device))
+                  predicted_batch=lambda spec: predicted_max_batch(spec, device),
+                  assign=lambda spec: assign(spec, target, calibration))
 
     keys = {spec.key for spec in specs}
     rows = [row for row in store.rows() if row.get("key") in keys]

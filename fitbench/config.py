@@ -1,4 +1,4 @@
-"""What to run: ``SweepConfig`` (validated user input) and ``RunSpec`` (one configuration).
+"""What to run: ``SweepConfig``, validated user input, expanded into ``RunSpec``s (``fitbench.spec``).
 
 Configs validate; they never act: no device access, no environment changes. Values the hardware
 decides (the device, the default models, precisions and shapes) arrive as arguments to ``expand``.
@@ -7,8 +7,6 @@ Precedence is CLI > YAML file > defaults; the merge happens in ``merge_sources``
 
 from __future__ import annotations
 
-import hashlib
-import json
 from pathlib import Path
 from typing import Annotated, Any, Callable, Literal
 
@@ -18,12 +16,9 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_valida
 from fitbench.errors import UserError, excerpt
 from fitbench.models.backends import backend_error, default_backend
 from fitbench.models.registry import resolve
-from fitbench.plan.memory import offload_problem
-from fitbench.precisions import PRECISIONS, TRAINING_MODES, training_problem, trains_every_weight
+from fitbench.precisions import PRECISIONS, TRAINING_MODES, offload_problem, training_problem, trains_every_weight
+from fitbench.spec import Mode, Precision, RunSpec
 
-Mode = Literal["train", "forward", "forward-backward", "infer"]
-Precision = Literal["fp32", "tf32", "bf16", "fp16", "bf16-pure",
-                    "int8", "nf4", "fp4", "int8-dynamic", "int4", "fp8", "fp8-block"]
 BackendChoice = Literal["auto", "native", "hf"]
 
 # The seeds' CS336 script says --pass-type forward|backward; backward there means forward + backward.
@@ -49,67 +44,6 @@ def _whole_number(value: Any, minimum: int, maximum: int, auto: bool = False) ->
     if value > maximum:
         raise ValueError(f"must be at most {maximum:,}, got {excerpt(value)}")
     return value
-
-
-class RunSpec(BaseModel):
-    """One configuration, run in one fresh process."""
-
-    model_config = ConfigDict(frozen=True, extra="forbid")
-
-    model: str
-    backend: Literal["native", "hf"]
-    mode: Mode
-    precision: Precision
-    batch_size: int = Field(gt=0)
-    seq_len: int = Field(gt=0)
-    new_tokens: int = Field(gt=0)
-    compile: bool = False
-    activation_checkpointing: bool = False
-    device: str
-    warmup_steps: int = Field(ge=0)
-    measure_steps: int = Field(gt=0)
-    seed: int = 0
-    auto_batch: bool = False  # batch_size is found by probing, starting from the planner's prediction
-    cuda_graphs: bool = True  # native infer on a GPU decodes through a CUDA graph
-    # Decoder layers that do not fit on the device stay in a slower tier (host memory beside a GPU,
-    # disk beside the CPU) and stream in for their forward (fitbench.models.offload).
-    offload: bool = False
-
-    @model_validator(mode="after")
-    def _offload_applies(self) -> RunSpec:
-        problem = offload_problem(self.mode, self.precision, self.backend, self.compile) if self.offload else None
-        if problem:
-            raise ValueError(problem)
-        return self
-
-    @property
-    def key(self) -> str:
-        """Identity of the configuration: the same key means the same measurement. ``cuda_graphs`` and
-        ``offload``, added later, count only when they change what runs, so earlier results keep their
-        keys."""
-        fields = self.model_dump()
-        if self.mode != "infer":
-            fields.pop("new_tokens")
-        if not self.graphs_off:
-            fields.pop("cuda_graphs")
-        if not self.offload:
-            fields.pop("offload")
-        digest = hashlib.sha1(json.dumps(fields, sort_keys=True).encode()).hexdigest()
-        return digest[:12]
-
-    @property
-    def graphs_off(self) -> bool:
-        """CUDA graphs turned off where they apply: generation with the native backend."""
-        return not self.cuda_graphs and self.mode == "infer" and self.backend == "native"
-
-    @property
-    def label(self) -> str:
-        batch = "auto" if self.auto_batch else self.batch_size
-        shape = f"{batch}x{self.seq_len}" + (f"+{self.new_tokens}" if self.mode == "infer" else "")
-        recompute = " recompute" if self.activation_checkpointing else ""
-        eager = " no-cuda-graphs" if self.graphs_off else ""
-        offload = " offload" if self.offload else ""
-        return f"{self.model} {self.mode} {self.precision} {shape}{recompute}{eager}{offload} [{self.backend}]"
 
 
 def _as_list(value: Any) -> Any:

@@ -20,7 +20,8 @@ Training with quantized weights (``training_problem`` says which can):
 
 Beside the names: the dtypes and autocast of each (``policy``), the tensor cores whose peak MFU
 divides by (``peak_kind``), what the hardware must offer (``hardware_problem``) and why a decode
-step cannot be captured in a CUDA graph (``graph_problem``).
+step cannot be captured in a CUDA graph (``graph_problem``), and why its layers cannot be
+offloaded (``offload_problem``).
 """
 
 from __future__ import annotations
@@ -172,4 +173,20 @@ def hardware_problem(precision: str, device: torch.device, capability: tuple[int
                     f"{capability[0]}.{capability[1]}")
     if precision == "int4" and device.type != "cuda":
         return "int4 uses torchao's tinygemm kernel, which runs on CUDA GPUs only"
+    return None
+
+
+def offload_problem(mode: str, precision: str, backend: str, compile: bool) -> str | None:
+    """Why a configuration cannot offload its decoder layers, or None when it can."""
+    if mode not in ("infer", "forward"):
+        return (f"layers stream in for inference only (--mode infer or forward); {mode} needs every weight "
+                f"with its gradient and optimizer state at each step")
+    if precision in QUANTIZED_PRECISIONS:
+        return (f"layers stream in as floating-point weights; {precision} layers keep quantization state that "
+                f"accelerate's hooks do not move: use bf16-pure")
+    if backend != "native":
+        return "fitbench builds its own decoder layer by layer to offload it: use --backend native (Llama-style models)"
+    if compile:
+        return ("torch.compile stops at accelerate's hooks around every offloaded layer, breaking the graph at "
+                "each: drop --compile")
     return None

@@ -9,7 +9,8 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from fitbench.config import RunSpec, SweepConfig, expand, fallback_ladder
+from fitbench.config import SweepConfig, expand, fallback_ladder
+from fitbench.spec import RunSpec
 from fitbench.errors import UserError
 from fitbench.launch.fallback import FallbackPolicy, next_attempt
 from fitbench.models.registry import resolve

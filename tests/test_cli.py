@@ -15,7 +15,8 @@ import pytest
 import torch
 from transformers import LlamaConfig
 
-from fitbench.config import RunSpec, SweepConfig, expand, load_yaml, merge_sources
+from fitbench.config import SweepConfig, expand, load_yaml, merge_sources
+from fitbench.spec import RunSpec
 from fitbench.errors import UserError
 from fitbench.models.presets import PRESETS
 from fitbench.models.registry import resolve

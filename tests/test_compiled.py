@@ -12,7 +12,7 @@ import dataclasses
 import pytest
 import torch
 
-from fitbench.config import RunSpec
+from fitbench.spec import RunSpec
 from fitbench.models.native import build_native
 from fitbench.models.registry import resolve
 from fitbench.plan import compiled

@@ -19,8 +19,10 @@ import pytest
 import yaml
 
 from fitbench.cli import predicted_max_batch
-from fitbench.config import RunSpec, SweepConfig, fallback_ladder, load_yaml, merge_sources
+from fitbench.config import SweepConfig, fallback_ladder, load_yaml, merge_sources
+from fitbench.spec import RunSpec
 from fitbench.launch.fallback import FallbackPolicy, largest_batch, next_attempt, search_max_batch
+from fitbench.launch.orders import assign
 from fitbench.models.registry import resolve
 from fitbench.plan.memory import estimate_memory
 from fitbench.results.store import ResultStore
@@ -391,7 +393,7 @@ def test_worker_mem_limit_injection(tmp_path):
              "under": spec(mode="train", precision="fp32", batch_size=AUTO_BATCH)}
     workers = {}
     for name, s in specs.items():
-        (tmp_path / f"{name}.json").write_text(s.model_dump_json())
+        (tmp_path / f"{name}.json").write_text(assign(s, None, None).model_dump_json())
         workers[name] = subprocess.Popen(
             [sys.executable, "-m", "fitbench.run.worker", str(tmp_path / f"{name}.json"), str(tmp_path / f"{name}.out")],
             stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True, cwd=tmp_path,

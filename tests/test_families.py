@@ -246,7 +246,7 @@ def test_hf_analytic_peak_matches_the_trace(family, mode, precision, batch, seq_
 
 
 def hf_spec(**fields):
-    from fitbench.config import RunSpec
+    from fitbench.spec import RunSpec
 
     values = dict(model="gpt2", backend="hf", mode="train", precision="bf16", batch_size=1, seq_len=256,
                   new_tokens=16, device="cpu", warmup_steps=1, measure_steps=1)

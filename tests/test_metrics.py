@@ -14,7 +14,7 @@ import pytest
 import torch
 from torch import nn
 
-from fitbench.config import RunSpec
+from fitbench.spec import Assignment, RunSpec
 from fitbench.models.backends import HuggingFaceLM, NativeLM, load_model
 from fitbench.models.graphs import Replay
 from fitbench.models.hf import build_hf
@@ -303,7 +303,7 @@ def test_kv_bytes_read_by_each_way_of_decoding():
 
 def run_worker(run: RunSpec, tmp_path) -> dict:
     spec_path, result_path = tmp_path / "spec.json", tmp_path / "result.json"
-    spec_path.write_text(run.model_dump_json())
+    spec_path.write_text(Assignment(spec=run).model_dump_json())
     assert worker.main([str(spec_path), str(result_path)]) == worker.EXIT_OK
     return json.loads(result_path.read_text())
 

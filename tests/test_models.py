@@ -5,7 +5,7 @@ import pytest
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
-from fitbench.config import RunSpec
+from fitbench.spec import Assignment, RunSpec
 from fitbench.models.architecture import Architecture
 from fitbench.models.backends import HuggingFaceLM, NativeLM, load_model
 from fitbench.models.graphs import Replay
@@ -43,7 +43,7 @@ def check_stats(stats: dict, count: int) -> None:
 def measure(run: RunSpec, tmp_path) -> dict:
     """The worker's whole job (``python -m fitbench.run.worker SPEC RESULT``), run in this process."""
     spec_path, result_path = tmp_path / "spec.json", tmp_path / "result.json"
-    spec_path.write_text(run.model_dump_json())
+    spec_path.write_text(Assignment(spec=run).model_dump_json())
     code = worker.main([str(spec_path), str(result_path)])
     result = json.loads(result_path.read_text())
     assert result["status"] == "ok", result.get("error")

@@ -12,7 +12,8 @@ import torch
 from pydantic import ValidationError
 
 from fitbench.cli import build_parser
-from fitbench.config import RunSpec, SweepConfig, expand, load_yaml, merge_sources
+from fitbench.config import SweepConfig, expand, load_yaml, merge_sources
+from fitbench.spec import RunSpec
 from fitbench.errors import UserError
 from fitbench.models.backends import NativeLM
 from fitbench.models.native import build_native, meta_model

@@ -21,7 +21,7 @@ import torch
 
 from fitbench import hardware
 from fitbench.cli import gpu_target, run_target
-from fitbench.config import RunSpec
+from fitbench.spec import RunSpec
 from fitbench.errors import UserError
 from fitbench.models.registry import resolve
 from fitbench.plan.calibration import (DEFAULT, TENSORS_ONLY, Calibration, calibration_path, ensure_calibration,

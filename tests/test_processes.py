@@ -17,7 +17,7 @@ from pathlib import Path
 import pytest
 
 from fitbench.cli import main
-from fitbench.config import RunSpec
+from fitbench.spec import Assignment, RunSpec
 from fitbench.host import host_memory, memory_cgroups, oom_kills
 from fitbench.launch.local import MAX_LINE_BYTES
 from fitbench.results.store import ResultStore
@@ -219,7 +219,7 @@ def test_a_cpu_allocation_failure_is_an_out_of_memory(tmp_path, monkeypatch):
     spec = RunSpec(model="tiny", backend="native", mode="forward", precision="fp32", batch_size=1, seq_len=16,
                    new_tokens=2, device="cpu", warmup_steps=0, measure_steps=1)
     spec_path, result_path = tmp_path / "spec.json", tmp_path / "result.json"
-    spec_path.write_text(spec.model_dump_json())
+    spec_path.write_text(Assignment(spec=spec).model_dump_json())
     assert worker.main([str(spec_path), str(result_path)]) == worker.EXIT_FAILED
     result = json.loads(result_path.read_text())
     assert result["status"] == "oom"

@@ -18,7 +18,8 @@ from torch import nn
 from fitbench.models.backends import HuggingFaceLM, load_model
 
 from fitbench.cli import hardware_refusals, main
-from fitbench.config import RunSpec, SweepConfig, expand
+from fitbench.config import SweepConfig, expand
+from fitbench.spec import Assignment, RunSpec
 from fitbench.errors import UserError
 from fitbench.models.hf import build_hf
 from fitbench.models.native import build_native, init_random_weights, meta_model
@@ -56,7 +57,7 @@ def spec(**fields) -> RunSpec:
 def run_worker(run: RunSpec, tmp_path: Path) -> tuple[int, dict]:
     """``python -m fitbench.run.worker SPEC RESULT``, in this process: exit code and result."""
     spec_path, result_path = tmp_path / "spec.json", tmp_path / "result.json"
-    spec_path.write_text(run.model_dump_json())
+    spec_path.write_text(Assignment(spec=run).model_dump_json())
     code = worker.main([str(spec_path), str(result_path)])
     return code, json.loads(result_path.read_text())
 

@@ -8,7 +8,7 @@ from pathlib import Path
 
 import pytest
 
-from fitbench.config import RunSpec
+from fitbench.spec import Assignment, RunSpec
 from fitbench.models.registry import resolve
 from fitbench.run import worker
 from fitbench.run.sanity import non_finite_figures, non_finite_steps
@@ -25,7 +25,7 @@ def run_worker(tmp_path: Path, **fields) -> tuple[int, dict]:
     """``python -m fitbench.run.worker SPEC RESULT`` in this process: exit code and result."""
     spec = RunSpec(**{"model": "tiny", "backend": "native", "precision": "fp32", **SHAPES, **fields})
     spec_path, result_path = tmp_path / "spec.json", tmp_path / "result.json"
-    spec_path.write_text(spec.model_dump_json())
+    spec_path.write_text(Assignment(spec=spec).model_dump_json())
     code = worker.main([str(spec_path), str(result_path)])
     return code, json.loads(result_path.read_text())
 

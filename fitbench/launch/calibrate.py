@@ -8,11 +8,11 @@ from pathlib import Path
 
 import torch
 
-from fitbench.config import RunSpec
 from fitbench.launch.local import run_one
 from fitbench.models.registry import resolve
 from fitbench.plan.calibration import DEFAULT, Calibration
 from fitbench.run.trace import trace_peak
+from fitbench.spec import Assignment, RunSpec
 
 
 def measure_calibration(device: str, scratch: Path) -> Calibration:
@@ -23,7 +23,7 @@ def measure_calibration(device: str, scratch: Path) -> Calibration:
                                             ("forward", "bf16-pure", 4, 256)):
         spec = RunSpec(model="tiny", backend="native", mode=mode, precision=precision, batch_size=batch,
                        seq_len=seq_len, new_tokens=8, device=device, warmup_steps=2, measure_steps=3)
-        row = run_one(spec, scratch / f"{mode}.log", timeout=600, on_event=lambda event: None)
+        row = run_one(Assignment(spec=spec), scratch / f"{mode}.log", timeout=600, on_event=lambda event: None)
         if row["status"] != "ok":
             raise RuntimeError(f"calibration run {spec.label} ended {row['status']}: {row.get('error')}")
         gpu = row["memory"]["gpus"][0]

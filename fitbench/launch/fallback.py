@@ -18,8 +18,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any, Callable
 
-from fitbench.config import RunSpec
-from fitbench.plan.memory import offload_problem
+from fitbench.spec import RunSpec
+from fitbench.precisions import offload_problem
 from fitbench.precisions import QUANTIZED_PRECISIONS, TRAINING_MODES, trains_every_weight
 
 OFFLOAD_PRECISION = "bf16-pure"  # when the ladder has no floating-point rung

@@ -42,7 +42,7 @@ from datetime import datetime, timezone
 from pathlib import Path
 from typing import Any, Callable
 
-from fitbench.config import RunSpec
+from fitbench.spec import Assignment, RunSpec
 from fitbench.host import HostMemory, host_memory, oom_kills
 from fitbench.launch.fallback import RAN_TO_THE_END, FallbackPolicy, run_with_fallback, search_max_batch
 from fitbench.models.registry import resolve
@@ -99,19 +99,20 @@ def worker_environment() -> dict[str, str]:
     return environment
 
 
-def run_one(spec: RunSpec, log_path: Path, timeout: float, on_event: Callable[[dict[str, Any]], None], *,
+def run_one(assignment: Assignment, log_path: Path, timeout: float, on_event: Callable[[dict[str, Any]], None], *,
             limit: str | None = None) -> dict[str, Any]:
-    """Run ``spec`` in a child process for at most ``timeout`` seconds (``limit`` names that bound in a
+    """Run the assignment's configuration in a child process for at most ``timeout`` seconds (``limit`` names that bound in a
     timeout's error); return the row that describes what happened. However this ends (the worker's
     exit, the timeout, an exception such as an interruption), nothing the worker started outlives
     it and its scratch directory is removed."""
+    spec = assignment.spec
     log_path.parent.mkdir(parents=True, exist_ok=True)
     started, started_at = time.monotonic(), _now()
     token = secrets.token_hex(8)
     kills_before, budget = oom_kills(), _host_budget(spec)
     with tempfile.TemporaryDirectory(prefix="fitbench-", ignore_cleanup_errors=True) as scratch:
         spec_path, result_path = Path(scratch) / "spec.json", Path(scratch) / "result.json"
-        spec_path.write_text(spec.model_dump_json())
+        spec_path.write_text(assignment.model_dump_json())
         with log_path.open("w") as log:
             process = subprocess.Popen(
                 [sys.executable, "-m", "fitbench.run.worker", str(spec_path), str(result_path)],
@@ -317,7 +318,7 @@ class _OutOfTime(Exception):
 
 
 def _run_planned(spec: RunSpec, logs: Path, timeout: float, on_event, policy: FallbackPolicy,
-                 predicted_batch: Callable[[RunSpec], int]) -> dict[str, Any]:
+                 predicted_batch: Callable[[RunSpec], int], assign: Callable[[RunSpec], Assignment]) -> dict[str, Any]:
     """One configuration of the sweep: the batch search if asked for, then the run with its fallbacks,
     all within ``timeout`` seconds (the configuration's whole life: a timed-out probe or attempt, or
     none left for the next, ends it as ``timeout``); the row keeps the configuration's own key and
@@ -334,7 +335,7 @@ def _run_planned(spec: RunSpec, logs: Path, timeout: float, on_event, policy: Fa
                               "status": "timeout", "error": f"{limit} ran out before {candidate.label} could start",
                               "params": resolve(candidate.model).total_params, "started_at": _now(),
                               "finished_at": _now()})
-        row = run_one(candidate, logs / f"{spec.key}-{next(attempt)}.log", remaining, on_event, limit=limit)
+        row = run_one(assign(candidate), logs / f"{spec.key}-{next(attempt)}.log", remaining, on_event, limit=limit)
         tried.append({"spec": candidate.model_dump(), "status": row["status"], "error": row.get("error")})
         if row["status"] == "timeout":
             raise _OutOfTime(row)
@@ -401,13 +402,15 @@ def run_sweep(specs: list[RunSpec], store: ResultStore, *, timeout: float, comma
               predict: Callable[[RunSpec], dict[str, Any] | None] = lambda spec: None,
               refusals: dict[str, str] | None = None, calibration: str | None = None,
               fallback: Callable[[RunSpec], FallbackPolicy] = lambda spec: FallbackPolicy((), enabled=False),
-              predicted_batch: Callable[[RunSpec], int] = lambda spec: 1) -> list[dict[str, Any]]:
+              predicted_batch: Callable[[RunSpec], int] = lambda spec: 1,
+              assign: Callable[[RunSpec], Assignment] = lambda spec: Assignment(spec=spec)) -> list[dict[str, Any]]:
     """Run every spec without a row in ``store``; append each row the moment it exists, with the
     planner's prediction (``predict``) for the configuration that finally ran beside what was
     measured, and the ``calibration`` (its source) the predictions used. A spec in ``refusals`` is
     not launched: its row says why this hardware cannot run it or the planner predicts it won't fit.
     An out-of-memory walks the ``fallback`` ladder; an ``auto_batch`` spec first finds its batch by
-    probing from ``predicted_batch`` (``fitbench.launch.fallback``)."""
+    probing from ``predicted_batch`` (``fitbench.launch.fallback``). Each launch's assignment, the
+    planner's figures its worker acts on, comes from ``assign`` (``fitbench.launch.orders``)."""
     finished = store.finished_keys()
     rows = []
     with _signals_interrupt():
@@ -417,13 +420,13 @@ def run_sweep(specs: list[RunSpec], store: ResultStore, *, timeout: float, comma
                 continue
             callbacks.on_start(spec, index, len(specs))
             rows.append(_one_of_sweep(spec, store, timeout, command, callbacks, predict, refusals or {}, calibration,
-                                      fallback, predicted_batch))
+                                      fallback, predicted_batch, assign))
             finished.add(spec.key)
     return rows
 
 
 def _one_of_sweep(spec: RunSpec, store: ResultStore, timeout, command, callbacks, predict, refusals, calibration,
-                  fallback, predicted_batch) -> dict[str, Any]:
+                  fallback, predicted_batch, assign) -> dict[str, Any]:
     """Run one configuration of ``run_sweep`` and append its row; an interruption appends an
     ``interrupted`` row (``--resume`` runs it again) and goes on up."""
     started_at = _now()
@@ -434,7 +437,7 @@ def _one_of_sweep(spec: RunSpec, store: ResultStore, timeout, command, callbacks
                    "started_at": started_at, "finished_at": _now()}
         else:
             row = _run_planned(spec, store.directory / "logs", timeout, callbacks.on_event, fallback(spec),
-                               predicted_batch)
+                               predicted_batch, assign)
     except KeyboardInterrupt as interruption:
         store.append({"key": spec.key, "label": spec.label, "spec": spec.model_dump(), "status": "interrupted",
                       "error": f"{str(interruption) or 'interrupted by SIGINT'}: the worker and everything it started "

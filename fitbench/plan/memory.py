@@ -444,22 +444,6 @@ def _offloaded(arch, mode, precision, batch, seq_len, new_tokens, resident, para
     return _inference(arch, mode, widths, batch, seq_len, new_tokens, terms, 1, backend=backend)
 
 
-def offload_problem(mode: str, precision: str, backend: str, compile: bool) -> str | None:
-    """Why a configuration cannot offload its decoder layers, or None when it can."""
-    if mode not in ("infer", "forward"):
-        return (f"layers stream in for inference only (--mode infer or forward); {mode} needs every weight "
-                f"with its gradient and optimizer state at each step")
-    if precision in QUANTIZED:
-        return (f"layers stream in as floating-point weights; {precision} layers keep quantization state that "
-                f"accelerate's hooks do not move: use bf16-pure")
-    if backend != "native":
-        return "fitbench builds its own decoder layer by layer to offload it: use --backend native (Llama-style models)"
-    if compile:
-        return ("torch.compile stops at accelerate's hooks around every offloaded layer, breaking the graph at "
-                "each: drop --compile")
-    return None
-
-
 def offloaded_weights(arch: Architecture, precision: str, resident_layers: int) -> float:
     """Bytes kept off the GPU: w x (L - k) x parameters per layer."""
     return Widths.of(precision).weights * (arch.num_layers - resident_layers) * arch.params_per_layer

@@ -25,9 +25,9 @@ from fitbench.models.backends import default_backend
 from fitbench.plan import compiled as inductor
 from fitbench.plan.calibration import DEFAULT, PAGE, TENSORS_ONLY, Calibration
 from fitbench.plan.memory import (QUANTIZED, TRAINING_MODES, MemoryEstimate, Parallelism, Term, Widths, estimate_memory,
-                                  offload_problem, offloaded_weights, saved_per_layer)
+                                  offloaded_weights, saved_per_layer)
 from fitbench.plan.speed import StepTime, estimate_step_time
-from fitbench.precisions import graph_problem, training_problem, trains_every_weight
+from fitbench.precisions import graph_problem, offload_problem, training_problem, trains_every_weight
 from fitbench.units import format_bytes
 
 # Names people type for --gpu, to the exact device names of the peak table.

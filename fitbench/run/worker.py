@@ -1,6 +1,8 @@
-"""One RunSpec in one process: build the model, warm up, measure, write the result.
+"""One configuration in one process: build the model, warm up, measure, write the result.
 
-Run as ``python -m fitbench.run.worker SPEC.json RESULT.json``. Progress goes to stdout as one
+Run as ``python -m fitbench.run.worker ASSIGNMENT.json RESULT.json``: the configuration
+(``fitbench.spec.Assignment``) with the planner's figures it acts on, which the launcher computed;
+the worker never plans. Progress goes to stdout as one
 JSON object per line (the parent shows it as a live line); diagnostics go to stderr (the parent
 keeps them in the run's log). The result file is written only at the end; a worker that dies
 leaves none, and the parent records the death. Disk offload writes its layers into RESULT.json's
@@ -46,7 +48,7 @@ from pathlib import Path
 import torch
 
 from fitbench import hardware
-from fitbench.config import RunSpec
+from fitbench.spec import Assignment, RunSpec
 from fitbench.models.backends import CausalLM, NativeLM, load_model
 from fitbench.models.hf import has_weights
 from fitbench.models.offload import Offload, OffloadCapacityError, build_offloaded
@@ -102,17 +104,12 @@ def inject_misbehaviour(spec: RunSpec) -> None:
             time.sleep(60)
 
 
-def raise_injected_out_of_memory(spec: RunSpec, arch, resident_layers: int | None) -> None:
+def raise_injected_out_of_memory(assignment: Assignment) -> None:
+    spec, peak = assignment.spec, assignment.predicted_peak_bytes
     if injected("oom", spec.precision) and not spec.offload:
         raise torch.cuda.OutOfMemoryError(f"CUDA out of memory (injected by FITBENCH_INJECT for {spec.precision})")
     limit = injected_memory_limit()
-    if limit is not None:
-        from fitbench.plan.memory import estimate_memory
-
-        peak = estimate_memory(arch, spec.mode, spec.precision, spec.batch_size, spec.seq_len,
-                               new_tokens=spec.new_tokens, activation_checkpointing=spec.activation_checkpointing,
-                               resident_layers=resident_layers, backend=spec.backend,
-                               compiled=spec.compile).peak_bytes
+    if limit is not None and peak is not None:
         if peak > limit:
             raise torch.cuda.OutOfMemoryError(f"CUDA out of memory (injected: predicted {peak:,.0f} B exceeds the "
                                               f"FITBENCH_INJECT limit of {limit:,.0f} B)")
@@ -153,10 +150,11 @@ def weight_storage_bytes(module: torch.nn.Module) -> int:
     return total
 
 
-def measure(spec: RunSpec, device: torch.device, scratch: Path) -> dict:
-    """Build, warm up and measure ``spec``; every field of the result row but the memory. The status is
-    ``ok``, or ``invalid`` with the reasons in ``error`` when a loss, logits or quality figure is not
-    finite (``fitbench.run.sanity``)."""
+def measure(assignment: Assignment, device: torch.device, scratch: Path) -> dict:
+    """Build, warm up and measure the assignment's configuration; every field of the result row but
+    the memory. The status is ``ok``, or ``invalid`` with the reasons in ``error`` when a loss, logits
+    or quality figure is not finite (``fitbench.run.sanity``)."""
+    spec = assignment.spec
     arch = resolve(spec.model)
     policy = precision_policy(spec.precision)
     policy.apply_backend_flags()
@@ -167,7 +165,7 @@ def measure(spec: RunSpec, device: torch.device, scratch: Path) -> dict:
     emit(phase="build")
     started = time.perf_counter()
     allocated_before = torch.cuda.memory_allocated(device) if device.type == "cuda" else 0
-    built = build(spec, arch, policy, device, scratch)
+    built = build(assignment, arch, policy, device, scratch)
     lm, offload = built.lm, built.offload
     clock.synchronize()
     if device.type == "cuda":
@@ -191,7 +189,7 @@ def measure(spec: RunSpec, device: torch.device, scratch: Path) -> dict:
         os.kill(os.getpid(), signal.SIGKILL)
     if injected("alloc", spec.model):
         torch.empty(1 << 62, dtype=torch.uint8, device=device)
-    raise_injected_out_of_memory(spec, arch, offload.resident_layers if offload else None)
+    raise_injected_out_of_memory(assignment)
     if spec.activation_checkpointing:
         lm.enable_activation_checkpointing()
     if spec.compile:
@@ -267,10 +265,11 @@ def offload_row(offload: Offload, timing: dict, mode: str) -> dict:
     return {**offload.as_dict(), "stream_gbs": offload.offloaded_bytes / step / 1e9 if offload.offloaded_layers else None}
 
 
-def build(spec: RunSpec, arch, policy, device: torch.device, scratch: Path) -> Built:
+def build(assignment: Assignment, arch, policy, device: torch.device, scratch: Path) -> Built:
+    spec = assignment.spec
     model_path = spec.model if is_local_model(spec.model) else None
     if spec.offload:
-        return build_offload(spec, arch, policy, device, scratch, model_path)
+        return build_offload(assignment, arch, policy, device, scratch, model_path)
     if not policy.quantized:
         return Built(load_model(arch, spec.backend, device, policy.weight_dtype, model_path=model_path,
                                 compute_dtype=policy.compute_dtype, cuda_graphs=spec.cuda_graphs))
@@ -305,30 +304,24 @@ def build(spec: RunSpec, arch, policy, device: torch.device, scratch: Path) -> B
                            "trainable_params": adapters})
 
 
-def build_offload(spec: RunSpec, arch, policy, device: torch.device, scratch: Path, model_path: str | None) -> Built:
+def build_offload(assignment: Assignment, arch, policy, device: torch.device, scratch: Path,
+                  model_path: str | None) -> Built:
     """The native model with the decoder layers the device has no room for offloaded
-    (``fitbench.models.offload``). The room is the planner's ``offload_split`` of the device's
-    memory: a GPU's total memory less its calibrated overheads, or on the CPU the available RAM;
-    FITBENCH_INJECT's mem-limit replaces either. Decoding stays eager: the offloaded layers stream
-    in through accelerate's hooks, host-to-device copies a CUDA graph cannot replay."""
+    (``fitbench.models.offload``). The room is the assignment's ``offload_layer_memory``, the
+    planner's split of the device's memory (``fitbench.launch.orders``). Decoding stays eager: the
+    offloaded layers stream in through accelerate's hooks, host-to-device copies a CUDA graph cannot
+    replay."""
     import psutil
 
-    from fitbench.plan.calibration import load_calibration
-    from fitbench.plan.planner import offload_split
-
+    if assignment.offload_layer_memory is None:
+        raise ValueError("an offloaded run needs the room for its layers (Assignment.offload_layer_memory), "
+                         "which the launcher computes")
     if model_path is not None and has_weights(model_path):
         raise RefusedError(f"offload builds random weights layer by layer; {model_path} holds a checkpoint, "
                            f"which it does not stream: run it without --offload")
-    limit = injected_memory_limit()
     host = float(psutil.virtual_memory().available)
-    if device.type == "cuda":
-        budget = limit or float(torch.cuda.get_device_properties(device).total_memory)
-        calibration = load_calibration(torch.cuda.get_device_name(device))
-    else:
-        budget, calibration = limit or host, None
-    split = offload_split(arch, spec.mode, spec.precision, spec.batch_size, spec.seq_len, new_tokens=spec.new_tokens,
-                          budget=budget, calibration=calibration)
-    module, offload = build_offloaded(arch, device, policy.weight_dtype, split.layer_memory, host, scratch / "offload")
+    module, offload = build_offloaded(arch, device, policy.weight_dtype, assignment.offload_layer_memory, host,
+                                      scratch / "offload")
     lm = NativeLM(module, cache_dtype=policy.compute_dtype)
     lm.decode_eagerly("offloaded layers stream in through accelerate's hooks: host-to-device copies a CUDA graph "
                       "cannot replay")
@@ -483,13 +476,13 @@ def describe(error: BaseException) -> str:
 
 def main(argv: list[str]) -> int:
     spec_path, result_path = Path(argv[0]), Path(argv[1])
-    spec = RunSpec.model_validate_json(spec_path.read_text())
-    device = torch.device(spec.device)
+    assignment = Assignment.model_validate_json(spec_path.read_text())
+    device = torch.device(assignment.spec.device)
     if device.type == "cuda":
         torch.cuda.set_device(device)
     sampler = NvmlSampler([torch.cuda.current_device()]) if device.type == "cuda" else None
     try:
-        payload = measure(spec, device, result_path.parent)
+        payload = measure(assignment, device, result_path.parent)
         code = EXIT_OK if payload["status"] == "ok" else EXIT_FAILED
     except Exception as error:  # every failure becomes a result row; the sweep goes on
         traceback.print_exc()

@@ -1,0 +1,186 @@
+"""One configuration (``RunSpec``), how it spreads over GPUs (``Layout``), and what a worker is told
+beside it (``Assignment``).
+
+Plain data that validates and never acts: the planner reads it, the launcher writes it to a file,
+the worker reads it back. Nothing here touches a device.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+from typing import Literal
+
+from pydantic import BaseModel, ConfigDict, Field, model_validator
+
+from fitbench.precisions import offload_problem
+
+Mode = Literal["train", "forward", "forward-backward", "infer"]
+Precision = Literal["fp32", "tf32", "bf16", "fp16", "bf16-pure",
+                    "int8", "nf4", "fp4", "int8-dynamic", "int4", "fp8", "fp8-block"]
+
+# Strategy names the CLI and the planner use, and the degree of a Layout each sets.
+STRATEGY_DEGREES = {"ddp": "dp_replicate", "fsdp": "dp_shard", "tp": "tp", "pipeline": "pp"}
+
+
+class LayoutError(ValueError):
+    """Degrees that do not make the world size."""
+
+
+class Layout(BaseModel):
+    """The degrees of parallelism of one job: data-parallel replicas (DDP), data-parallel shards
+    (FSDP2), tensor-parallel and pipeline-parallel ranks. Their product is the world size: the ranks
+    of the job, one GPU each (the arithmetic of torchtitan's ``ParallelDims``). The default is one
+    process on one device."""
+
+    model_config = ConfigDict(frozen=True, extra="forbid")
+
+    dp_replicate: int = Field(1, ge=1)
+    dp_shard: int = Field(1, ge=1)
+    tp: int = Field(1, ge=1)
+    pp: int = Field(1, ge=1)
+
+    @property
+    def world_size(self) -> int:
+        return self.dp_replicate * self.dp_shard * self.tp * self.pp
+
+    @property
+    def data_parallel(self) -> int:
+        """Ranks that see different batches: throughput sums over them."""
+        return self.dp_replicate * self.dp_shard
+
+    @property
+    def strategy(self) -> str:
+        """``single``, or the strategies in use joined by ``+`` (``fsdp``, ``ddp+fsdp`` is HSDP, ...)."""
+        used = [name for name, degree in STRATEGY_DEGREES.items() if getattr(self, degree) > 1]
+        return "+".join(used) or "single"
+
+    @property
+    def label(self) -> str:
+        """``ddp x 2``, ``fsdp 2 x tp 4``; empty for a single process."""
+        used = [(name, getattr(self, degree)) for name, degree in STRATEGY_DEGREES.items() if getattr(self, degree) > 1]
+        if len(used) == 1:
+            return f"{used[0][0]} x {used[0][1]}"
+        return " x ".join(f"{name} {degree}" for name, degree in used)
+
+    @classmethod
+    def for_world(cls, world_size: int, **degrees: int) -> Layout:
+        """The layout whose degrees are ``degrees`` (``dp_replicate``, ``dp_shard``, ``tp``, ``pp``; the
+        ones not given are 1), one of which may be -1: it takes what the others leave of
+        ``world_size``. Raises ``LayoutError`` naming every factor when they do not multiply to it."""
+        unknown = set(degrees) - set(STRATEGY_DEGREES.values())
+        if unknown:
+            raise LayoutError(f"unknown degree(s) {', '.join(sorted(unknown))}; the degrees are "
+                              f"{', '.join(STRATEGY_DEGREES.values())}")
+        if world_size < 1:
+            raise LayoutError(f"the world size must be at least 1, got {world_size}")
+        values = {name: degrees.get(name, 1) for name in STRATEGY_DEGREES.values()}
+        inferred = [name for name, value in values.items() if value == -1]
+        bad = [f"{name}={value}" for name, value in values.items() if value < 1 and value != -1]
+        if bad or len(inferred) > 1:
+            raise LayoutError(f"degrees must be positive, with at most one -1 to infer; got "
+                              f"{', '.join(bad + [f'{name}=-1' for name in inferred])}")
+        known = 1
+        for name, value in values.items():
+            if value != -1:
+                known *= value
+        if inferred:
+            if world_size % known:
+                raise LayoutError(f"{' x '.join(f'{n}={v}' for n, v in values.items() if v != -1)} = {known} does "
+                                  f"not divide the world size {world_size}, so {inferred[0]} cannot be inferred")
+            values[inferred[0]] = world_size // known
+        elif known != world_size:
+            raise LayoutError(f"{' x '.join(f'{n}={v}' for n, v in values.items())} = {known}, not the world "
+                              f"size {world_size}")
+        return cls(**values)
+
+    @classmethod
+    def of_strategy(cls, strategy: str, gpus: int) -> Layout:
+        """One strategy over ``gpus`` ranks (``single`` only with one)."""
+        if strategy == "single":
+            return cls.for_world(gpus)
+        if strategy not in STRATEGY_DEGREES:
+            raise LayoutError(f"unknown strategy {strategy!r}; known: single, {', '.join(STRATEGY_DEGREES)}")
+        return cls.for_world(gpus, **{STRATEGY_DEGREES[strategy]: -1})
+
+
+class RunSpec(BaseModel):
+    """One configuration, run in one fresh process."""
+
+    model_config = ConfigDict(frozen=True, extra="forbid")
+
+    model: str
+    backend: Literal["native", "hf"]
+    mode: Mode
+    precision: Precision
+    batch_size: int = Field(gt=0)
+    seq_len: int = Field(gt=0)
+    new_tokens: int = Field(gt=0)
+    compile: bool = False
+    activation_checkpointing: bool = False
+    device: str
+    warmup_steps: int = Field(ge=0)
+    measure_steps: int = Field(gt=0)
+    seed: int = 0
+    auto_batch: bool = False  # batch_size is found by probing, starting from the planner's prediction
+    cuda_graphs: bool = True  # native infer on a GPU decodes through a CUDA graph
+    # Decoder layers that do not fit on the device stay in a slower tier (host memory beside a GPU,
+    # disk beside the CPU) and stream in for their forward (fitbench.models.offload).
+    offload: bool = False
+    # How the configuration spreads over ranks: one process on one device unless said otherwise.
+    layout: Layout = Layout()
+
+    @model_validator(mode="after")
+    def _offload_applies(self) -> RunSpec:
+        problem = offload_problem(self.mode, self.precision, self.backend, self.compile) if self.offload else None
+        if problem:
+            raise ValueError(problem)
+        return self
+
+    @property
+    def key(self) -> str:
+        """Identity of the configuration: the same key means the same measurement. ``cuda_graphs``,
+        ``offload`` and ``layout``, added later, count only when they change what runs, so earlier
+        results keep their keys."""
+        fields = self.model_dump()
+        if self.mode != "infer":
+            fields.pop("new_tokens")
+        if not self.graphs_off:
+            fields.pop("cuda_graphs")
+        if not self.offload:
+            fields.pop("offload")
+        if self.layout.world_size == 1:
+            fields.pop("layout")
+        digest = hashlib.sha1(json.dumps(fields, sort_keys=True).encode()).hexdigest()
+        return digest[:12]
+
+    @property
+    def graphs_off(self) -> bool:
+        """CUDA graphs turned off where they apply: generation with the native backend."""
+        return not self.cuda_graphs and self.mode == "infer" and self.backend == "native"
+
+    @property
+    def label(self) -> str:
+        batch = "auto" if self.auto_batch else self.batch_size
+        shape = f"{batch}x{self.seq_len}" + (f"+{self.new_tokens}" if self.mode == "infer" else "")
+        recompute = " recompute" if self.activation_checkpointing else ""
+        eager = " no-cuda-graphs" if self.graphs_off else ""
+        offload = " offload" if self.offload else ""
+        layout = f" {self.layout.label}" if self.layout.world_size > 1 else ""
+        return (f"{self.model} {self.mode} {self.precision} {shape}{recompute}{eager}{offload}{layout} "
+                f"[{self.backend}]")
+
+
+class Assignment(BaseModel):
+    """What a worker is told beside its configuration: the figures of the planner it acts on,
+    computed by the launcher, so that a worker never plans (``fitbench.launch.orders``)."""
+
+    model_config = ConfigDict(frozen=True, extra="forbid")
+
+    spec: RunSpec
+    # Bytes the decoder layers of an offloaded run may take on the device (the planner's
+    # ``offload_split``); None when nothing is offloaded.
+    offload_layer_memory: float | None = None
+    # The planner's tensor peak for this configuration, as it will be built; a FITBENCH_INJECT
+    # mem-limit compares against it.
+    predicted_peak_bytes: float | None = None
