@@ -135,9 +135,20 @@ def end_own_tree() -> None:
     kill_tree(os.getpid(), os.environ.get(TOKEN_VARIABLE))
 
 
+def _alive(pid: int) -> bool:
+    """Whether a process ``pid`` exists (a zombie counts until it is reaped)."""
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    return True
+
+
 def tie_to_parent(scratch: Path) -> None:
     """Make this worker die with the parent named by ``PARENT_VARIABLE`` (nothing when it is unset: a
-    worker started by hand). On the parent's death, by any signal, or on a SIGTERM: end this
+    worker started by hand), and with its direct parent (torchrun's agent, for a rank). On the parent's death, by any signal, or on a SIGTERM: end this
     process's tree, remove ``scratch`` and exit 128 + SIGTERM. The scratch directory goes whoever
     sent the SIGTERM: the parent-death signal arrives before ``getppid`` shows the new parent, and a
     living parent's own cleanup does not mind it gone."""
@@ -157,11 +168,14 @@ def tie_to_parent(scratch: Path) -> None:
     _prctl(PR_SET_CHILD_SUBREAPER, 1)
     signal.signal(signal.SIGTERM, lambda signum, frame: abandon())
     _prctl(PR_SET_PDEATHSIG, signal.SIGTERM)
-    if os.getppid() != parent:  # the parent died before the signal was armed
+    # Under torchrun the direct parent is torchrun's agent, itself the named parent's child: the
+    # signal covers the agent's death, the watch the named parent's.
+    direct = os.getppid()
+    if direct == 1 or not _alive(parent):  # a parent died before the signal was armed
         abandon()
 
     def watch() -> None:
-        while os.getppid() == parent:
+        while os.getppid() == direct and _alive(parent):
             time.sleep(PARENT_POLL_S)
         abandon()
 

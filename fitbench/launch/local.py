@@ -42,6 +42,7 @@ from datetime import datetime, timezone
 from pathlib import Path
 from typing import Any, Callable
 
+from fitbench.launch.launchers import launcher_for
 from fitbench.spec import Assignment, RunSpec
 from fitbench.host import HostMemory, host_memory, oom_kills
 from fitbench.launch.fallback import RAN_TO_THE_END, FallbackPolicy, run_with_fallback, search_max_batch
@@ -115,7 +116,7 @@ def run_one(assignment: Assignment, log_path: Path, timeout: float, on_event: Ca
         spec_path.write_text(assignment.model_dump_json())
         with log_path.open("w") as log:
             process = subprocess.Popen(
-                [sys.executable, "-m", "fitbench.run.worker", str(spec_path), str(result_path)],
+                launcher_for(spec.layout).command(spec_path, result_path),
                 stdout=subprocess.PIPE, stderr=log, stdin=subprocess.DEVNULL, start_new_session=True,
                 env={**worker_environment(), TOKEN_VARIABLE: token, PARENT_VARIABLE: str(os.getpid())},
             )
