@@ -141,8 +141,9 @@ def shard_fsdp(model: NativeCausalLM, policy: PrecisionPolicy, rank: Rank, offlo
     from torch.distributed.fsdp import CPUOffloadPolicy, OffloadPolicy, fully_shard
 
     mesh = init_device_mesh(rank.device.type, (rank.world_size,), mesh_dim_names=("dp_shard",))
-    options = {"mesh": mesh, "mp_policy": mixed_precision(policy),
-               "offload_policy": CPUOffloadPolicy(pin_memory=rank.device.type == "cuda") if offload else OffloadPolicy()}
+    # pinned host memory needs a GPU to pin for
+    offload_policy = CPUOffloadPolicy(pin_memory=rank.device.type == "cuda") if offload else OffloadPolicy()
+    options = {"mesh": mesh, "mp_policy": mixed_precision(policy), "offload_policy": offload_policy}
     for layer in model.model.layers:
         fully_shard(layer, **options)
     fully_shard(model, **options)
