@@ -73,7 +73,12 @@ def parallelize(lm: CausalLM, strategy: str, policy: PrecisionPolicy, mode: str,
 
     ``offload`` (FSDP): the shards, their gradients and the optimizer state live in CPU memory
     (``CPUOffloadPolicy``, pinned on a GPU machine); each layer is copied to the GPU to be gathered,
-    and the optimizer steps on the CPU."""
+    and the optimizer steps on the CPU.
+
+    FSDP shards a model built whole: until ``fully_shard`` has run, every rank holds all the weights
+    in their build dtype (weights x bytes per element), freed as each unit is sharded. That is the
+    rank's peak when the sharded training state (weights, gradients, optimizer state / world_size,
+    plus activations) is smaller."""
     backend = "native" if isinstance(lm.module, NativeCausalLM) else "hf"
     problem = data_parallel_problem(strategy, policy.name, mode, backend, offload)
     if problem:
@@ -109,7 +114,9 @@ def wrap_ddp(model: nn.Module, rank: Rank) -> nn.Module:
     - buffers are not broadcast before each forward: the native model's only buffers are the rotary
       tables, computed from the config, equal on every rank (torch 2.13 renamed ``broadcast_buffers``
       to ``forward_sync_buffers`` and warns on the old name; 2.11 has only the old one);
-    - buckets of DDP's default size (25 MB, the first 1 MB), whose all-reduces overlap the backward pass.
+    - buckets of DDP's default size (25 MiB, the first 1 MiB: ``_DEFAULT_BUCKET_CAP_MB`` in
+      ``torch.nn.parallel.distributed`` and ``torch.distributed._DEFAULT_FIRST_BUCKET_BYTES``), whose
+      all-reduces overlap the backward pass.
     """
     from torch.nn.parallel import DistributedDataParallel
 
