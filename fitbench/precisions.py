@@ -190,3 +190,45 @@ def offload_problem(mode: str, precision: str, backend: str, compile: bool) -> s
         return ("torch.compile stops at accelerate's hooks around every offloaded layer, breaking the graph at "
                 "each: drop --compile")
     return None
+
+
+DATA_PARALLEL_STRATEGIES: tuple[str, ...] = ("ddp", "fsdp")
+# torchao's inference tensors: subclasses that implement the quantized matmul and little else
+# (measured on torch 2.13 / torchao 0.18: DDP's start-up broadcast stops at aten.view, FSDP's
+# sharding at aten.split). fp8 is one of them outside training, where it is float8 training instead.
+_TORCHAO_INFERENCE = ("int8-dynamic", "int4", "fp8", "fp8-block")
+
+
+def data_parallel_problem(strategy: str, precision: str, mode: str, backend: str = "native",
+                          offload: bool = False) -> str | None:
+    """Why ``strategy`` (``ddp`` or ``fsdp``) cannot run ``precision`` in ``mode`` with ``backend`` (and
+    FSDP's CPU offload when ``offload``), in one sentence with the way out; None when it can.
+
+    What composes: fp32, tf32, bf16, fp16 and bf16-pure under both, in train, forward-backward and
+    forward; fp8 training under both (torchao's float8 linears keep plain bf16 weights, and with
+    row-wise scales FSDP gathers them in bf16 and each rank casts its own); adapters on an int8,
+    nf4 or fp4 base under DDP (a frozen replica per rank, the fp32 adapters' gradients averaged)."""
+    if strategy not in DATA_PARALLEL_STRATEGIES:
+        raise ValueError(f"strategy {strategy!r} is not data parallel; expected one of {DATA_PARALLEL_STRATEGIES}")
+    name = strategy.upper()
+    if backend != "native":
+        return (f"{name} is applied to fitbench's native decoder, layer by layer, and the {backend} backend's "
+                f"models are not: use --backend native (Llama-style models) or run on one GPU")
+    if mode == "infer" and strategy == "ddp":
+        return ("generation has no gradients for DDP to average, so N GPUs would run N independent copies that "
+                "one GPU's figures already describe: run infer on one GPU")
+    if mode == "infer":
+        return ("FSDP gathers a layer's weights around its forward call, and decoding runs the KV-cache step and "
+                "CUDA graphs outside those calls: run infer on one GPU, with --offload for a model that does not fit")
+    if offload and strategy == "ddp":
+        return ("DDP keeps a whole replica on every GPU and has no CPU offload; keeping the weights, gradients and "
+                "optimizer state in CPU memory is FSDP's: use --strategy fsdp --offload")
+    training = mode in TRAINING_MODES
+    if precision in _TORCHAO_INFERENCE and not (precision == "fp8" and training):
+        return (f"{precision} weights are torchao tensor subclasses that implement the quantized matmul and little "
+                f"else, so {name} can neither {'broadcast' if strategy == 'ddp' else 'shard'} them: run {precision} "
+                f"on one GPU, or use bf16 across GPUs")
+    if precision in ADAPTER_BASES and strategy == "fsdp":
+        return (f"bitsandbytes keeps each {precision} weight's scales beside its data, and the flat shards FSDP "
+                f"cuts from a weight carry none: use --strategy ddp, or bf16 or fp8 under FSDP")
+    return None

@@ -46,8 +46,9 @@ class CausalLM:
     module: nn.Module
 
     def logits(self, tokens: torch.Tensor) -> torch.Tensor:
-        """(B, T) -> (B, T, V)."""
-        return self.module(tokens) if isinstance(self.module, NativeCausalLM) else self.module(tokens).logits
+        """(B, T) -> (B, T, V). The module may be wrapped (DDP), so the output's type says which it is."""
+        out = self.module(tokens)
+        return out if isinstance(out, torch.Tensor) else out.logits
 
     def prefill(self, tokens: torch.Tensor, max_len: int) -> torch.Tensor:
         """Start a generation: fill a cache of ``max_len`` positions with the prompt (B, T), from
