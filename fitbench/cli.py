@@ -101,6 +101,12 @@ def _add_run_options(parser: argparse.ArgumentParser) -> None:
     add("--measure-steps", "--samples", dest="measure_steps", type=int, default=S, metavar="N",
         help="timed steps (generations in infer), default 10")
     add("--device", default=S, help="cpu, cuda or cuda:N (default: the first GPU if there is one, else cpu)")
+    add("--gpus", type=int, default=S, metavar="N",
+        help="run each configuration as one torchrun job of N ranks, one GPU each (on --device cpu, N CPU "
+             "processes talking over gloo); default 1")
+    add("--strategy", choices=("auto", "ddp", "fsdp"), default=S,
+        help="with --gpus N: ddp (a replica per GPU, gradients averaged), fsdp (weights, gradients and optimizer "
+             "state sharded, FSDP2) or auto (default: what fits and composes, DDP first)")
     add("--timeout", type=float, default=S, metavar="SECONDS",
         help="a configuration's whole life: its batch probes (--batch-size auto), fallback attempts and run "
              "together; past it the worker and all it started are killed and the row says timeout (default 3600)")

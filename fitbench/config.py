@@ -16,8 +16,9 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_valida
 from fitbench.errors import UserError, excerpt
 from fitbench.models.backends import backend_error, default_backend
 from fitbench.models.registry import resolve
-from fitbench.precisions import PRECISIONS, TRAINING_MODES, offload_problem, training_problem, trains_every_weight
-from fitbench.spec import Mode, Precision, RunSpec
+from fitbench.precisions import (DATA_PARALLEL_STRATEGIES, PRECISIONS, TRAINING_MODES, data_parallel_problem,
+                                 offload_problem, training_problem, trains_every_weight)
+from fitbench.spec import Layout, Mode, Precision, RunSpec
 
 BackendChoice = Literal["auto", "native", "hf"]
 
@@ -26,6 +27,8 @@ PASS_TYPES = {"forward": "forward", "backward": "forward-backward"}
 
 # Counts (batch, tokens, steps) become int64 tensor sizes and products of two of them must still fit.
 COUNT_MAX = 2**31 - 1
+# Ranks of one job on one node: torchrun --standalone starts them all here.
+RANKS_MAX = 1024
 # torch.manual_seed takes an unsigned 64-bit seed.
 SEED_MAX = 2**64 - 1
 
@@ -82,6 +85,11 @@ class SweepConfig(BaseModel):
                            description="a finite, positive number of seconds: a configuration's whole life")
     out: str | None = Field(None, min_length=1, description="a directory path")
     seed: int = Field(0, description=f"a whole number from 0 to {SEED_MAX:,} (2^64 - 1)")
+    gpus: int = Field(1, description=f"ranks of each configuration's job, 1 to {RANKS_MAX}: GPUs, or CPU processes "
+                                     f"with device cpu")
+    strategy: Literal["auto", "ddp", "fsdp"] = Field(
+        "auto", description="auto, ddp or fsdp: how a job of several ranks shares the model (auto: the planner's "
+                            "choice among what fits, by predicted throughput)")
 
     @field_validator("models", "mode", "precision", "batch_size", "seq_len", "fallback", mode="before")
     @classmethod
@@ -102,6 +110,11 @@ class SweepConfig(BaseModel):
     def _count(cls, value: Any, info) -> Any:
         minimum = {"new_tokens": 2, "warmup_steps": 0, "measure_steps": 1}[info.field_name]
         return value if value is None else _whole_number(value, minimum, COUNT_MAX)
+
+    @field_validator("gpus", mode="before")
+    @classmethod
+    def _gpus(cls, value: Any) -> Any:
+        return _whole_number(value, 1, RANKS_MAX)
 
     @field_validator("seed", mode="before")
     @classmethod
@@ -210,6 +223,7 @@ def expand(config: SweepConfig, *, device: str, default_models: list[str]) -> li
                 problem = offload_problem(mode, precision, backend, config.compile) if config.offload else None
                 if problem:
                     raise UserError(f"offload: {problem}.")
+                layout = _layout(config, mode, precision, backend)
                 for batch in config.batch_size or [default_batch]:
                     for seq_len in config.seq_len or [default_seq]:
                         check_context(arch, mode, seq_len, new_tokens)
@@ -221,8 +235,28 @@ def expand(config: SweepConfig, *, device: str, default_models: list[str]) -> li
                             activation_checkpointing=bool(config.activation_checkpointing)
                             and mode in TRAINING_MODES, offload=config.offload, device=device,
                             warmup_steps=config.warmup_steps, measure_steps=config.measure_steps, seed=config.seed,
+                            layout=layout,
                         ))
     return specs
+
+
+def _layout(config: SweepConfig, mode: str, precision: str, backend: str) -> Layout:
+    """The layout of a job of ``config.gpus`` ranks: the strategy asked for, or under ``auto`` the first of
+    DDP and FSDP that composes with the configuration (the planner may choose the other by predicted
+    throughput where it plans: ``fitbench.plan.planner``). Raises UserError when none composes."""
+    if config.gpus == 1:
+        return Layout()
+    if config.offload:
+        raise UserError(f"offload: --offload streams layers into one device; it does not combine with --gpus "
+                        f"{config.gpus}. Drop one of them.")
+    candidates = DATA_PARALLEL_STRATEGIES if config.strategy == "auto" else (config.strategy,)
+    problems = []
+    for strategy in candidates:
+        problem = data_parallel_problem(strategy, precision, mode, backend)
+        if problem is None:
+            return Layout.of_strategy(strategy, config.gpus)
+        problems.append(f"{strategy}: {problem}")
+    raise UserError(f"strategy: {mode} {precision} on {config.gpus} ranks cannot run ({'; '.join(problems)}).")
 
 
 # ---- loading and merging ------------------------------------------------------------------

@@ -66,9 +66,10 @@ def descendants(roots: set[int]) -> set[int]:
 
 
 def carrying(token: str) -> set[int]:
-    """Processes whose environment holds ``TOKEN_VARIABLE=token`` (those of other users are unreadable, and
-    not ours)."""
+    """Processes whose environment holds ``TOKEN_VARIABLE=token``, or a token derived from it
+    (``token.rank1``: ``rank_token``) (those of other users are unreadable, and not ours)."""
     needle = f"{TOKEN_VARIABLE}={token}".encode()
+    derived = needle + b"."
     found = set()
     try:
         entries = os.listdir("/proc")
@@ -81,7 +82,7 @@ def carrying(token: str) -> set[int]:
             environment = Path(f"/proc/{entry}/environ").read_bytes()
         except OSError:
             continue
-        if needle in environment.split(b"\0"):
+        if any(variable == needle or variable.startswith(derived) for variable in environment.split(b"\0")):
             found.add(int(entry))
     return found
 
@@ -130,8 +131,18 @@ def _prctl(option: int, value: int) -> bool:
         return False
 
 
+def rank_token() -> None:
+    """Give this rank of a torchrun job a token of its own, derived from the job's (``token.rank1``), for
+    what it starts from now on: ``end_own_tree`` then ends what this rank started and spares torchrun's
+    agent and the other ranks, which carry the job's token; the parent's search still finds all."""
+    token, rank = os.environ.get(TOKEN_VARIABLE), os.environ.get("RANK")
+    if token and rank is not None:
+        os.environ[TOKEN_VARIABLE] = f"{token}.rank{rank}"
+
+
 def end_own_tree() -> None:
-    """Kill everything this process started, wherever it now runs (its own sessions included)."""
+    """Kill everything this process started, wherever it now runs (its own sessions included). A rank
+    (``rank_token``) searches by its own token, which the processes it started carry and it does not."""
     kill_tree(os.getpid(), os.environ.get(TOKEN_VARIABLE))
 
 

@@ -43,6 +43,7 @@ from pathlib import Path
 from typing import Any, Callable
 
 from fitbench.launch.launchers import launcher_for
+from fitbench.run.ranks import rank_result_path
 from fitbench.spec import Assignment, RunSpec
 from fitbench.host import HostMemory, host_memory, oom_kills
 from fitbench.launch.fallback import RAN_TO_THE_END, FallbackPolicy, run_with_fallback, search_max_batch
@@ -129,6 +130,8 @@ def run_one(assignment: Assignment, log_path: Path, timeout: float, on_event: Ca
                 process.stdout.close()
             progress.finish()
         payload, problem = _read_result(result_path)
+        if payload is None and problem is None and spec.layout.world_size > 1:
+            payload, problem = _first_failed_rank(result_path, spec.layout.world_size)
 
     row: dict[str, Any] = {"key": spec.key, "label": spec.label, "spec": spec.model_dump()}
     code, tail = process.returncode, _tail(log_path, ERROR_TAIL_LINES)
@@ -224,6 +227,21 @@ def _reap(process: subprocess.Popen) -> int:
     _, status, usage = os.wait4(process.pid, 0)
     process.returncode = os.waitstatus_to_exitcode(status)
     return usage.ru_maxrss * (1 if sys.platform == "darwin" else 1024)  # bytes on macOS, KiB on Linux
+
+
+def _first_failed_rank(result_path: Path, ranks: int) -> tuple[dict[str, Any] | None, str | None]:
+    """The result of the rank that failed first, by when it wrote it: a rank that fails alone writes
+    its own (``fitbench.run.ranks.rank_result_path``), and the others' failures that follow (a peer
+    gone from a collective) are consequences."""
+    written = [(path.stat().st_mtime_ns, rank, path) for rank in range(ranks)
+               if (path := rank_result_path(result_path, rank)).exists()]
+    if not written:
+        return None, None
+    _, rank, path = min(written)
+    payload, problem = _read_result(path)
+    if payload is not None:
+        payload = {**payload, "error": f"rank {rank}: {payload.get('error')}"}
+    return payload, problem
 
 
 def _read_result(path: Path) -> tuple[dict[str, Any] | None, str | None]:

@@ -26,6 +26,7 @@ import json
 import os
 from dataclasses import dataclass
 from datetime import timedelta
+from pathlib import Path
 from typing import Iterator, Mapping
 
 import torch
@@ -133,3 +134,9 @@ def gather_json(rank: Rank, payload: dict) -> list[dict] | None:
     received: list | None = [None] * rank.world_size if rank.main else None
     dist.gather_object(text, received, dst=0)
     return [json.loads(item) for item in received] if rank.main else None
+
+
+def rank_result_path(result_path: Path, rank: int) -> Path:
+    """Where a rank of a torchrun job that failed on its own writes its result (``result-rank1.json``):
+    the other ranks wait in a collective it will never join, so no gathered result will come."""
+    return result_path.with_name(f"{result_path.stem}-rank{rank}{result_path.suffix}")

@@ -25,6 +25,8 @@ Fault injection for tests (comma-separated in ``FITBENCH_INJECT``):
   kernel's out-of-memory killer would;
 - ``alloc:<model>``: the worker asks the allocator of its device for 2**62 bytes once its model is
   built: a real allocation failure (on a CPU, ``DefaultCPUAllocator: can't allocate memory``);
+- ``rank-error:<rank>``: that rank of a torchrun job raises once its model is built, while the others
+  go on to their first collective; ``rank-hang:<rank>``: that rank sleeps there instead;
 - ``mem-limit:<bytes>``: a worker raises it when the planner's predicted tensor peak for its
   configuration exceeds that budget, which makes a CPU behave like a GPU of that size; an
   offloaded configuration also keeps on the device only the layers that budget has room for.
@@ -43,6 +45,7 @@ import sys
 import time
 import traceback
 from dataclasses import dataclass
+from datetime import timedelta
 from pathlib import Path
 
 import torch
@@ -53,9 +56,12 @@ from fitbench.models.backends import CausalLM, NativeLM, load_model
 from fitbench.models.hf import has_weights
 from fitbench.models.offload import Offload, OffloadCapacityError, build_offloaded
 from fitbench.models.registry import is_local_model, resolve
-from fitbench.processes import end_own_tree, tie_to_parent
+from fitbench.processes import end_own_tree, rank_token, tie_to_parent
 from fitbench.run.loops import generate, make_step, random_tokens, read_generation
+from fitbench.run.aggregate import combine
 from fitbench.run.metrics import inference_metrics, step_metrics
+from fitbench.run.parallel import data_seed, parallelize
+from fitbench.run.ranks import Rank, gather_json, process_group, rank_result_path
 from fitbench.precisions import (ADAPTER_ALPHA, ADAPTER_RANK, TRAINING_MODES, graph_problem, hardware_problem,
                                  peak_kind, training_problem)
 from fitbench.precisions import policy as precision_policy
@@ -71,8 +77,13 @@ EXIT_OK, EXIT_FAILED = 0, 3
 PROBE_TOKENS = 64  # the sequence on which quantized weights are compared with bf16
 
 
+# Only rank 0 of a torchrun job reports progress: one progress line per job.
+_REPORTS_PROGRESS = {"on": True}
+
+
 def emit(**event) -> None:
-    print(json.dumps(event), flush=True)
+    if _REPORTS_PROGRESS["on"]:
+        print(json.dumps(event), flush=True)
 
 
 def injected(kind: str, value: str) -> bool:
@@ -150,11 +161,14 @@ def weight_storage_bytes(module: torch.nn.Module) -> int:
     return total
 
 
-def measure(assignment: Assignment, device: torch.device, scratch: Path) -> dict:
+def measure(assignment: Assignment, device: torch.device, scratch: Path, rank: Rank | None = None) -> dict:
     """Build, warm up and measure the assignment's configuration; every field of the result row but
     the memory. The status is ``ok``, or ``invalid`` with the reasons in ``error`` when a loss, logits
-    or quality figure is not finite (``fitbench.run.sanity``)."""
+    or quality figure is not finite (``fitbench.run.sanity``). ``rank``: this process's place in a
+    torchrun job, whose layout's data parallelism is applied after the build; each data-parallel
+    rank draws its own batch."""
     spec = assignment.spec
+    rank = rank or Rank.from_environment(device)
     arch = resolve(spec.model)
     policy = precision_policy(spec.precision)
     policy.apply_backend_flags()
@@ -189,11 +203,20 @@ def measure(assignment: Assignment, device: torch.device, scratch: Path) -> dict
         os.kill(os.getpid(), signal.SIGKILL)
     if injected("alloc", spec.model):
         torch.empty(1 << 62, dtype=torch.uint8, device=device)
+    if injected("rank-error", str(rank.rank)):
+        raise RuntimeError(f"FITBENCH_INJECT: rank {rank.rank} fails once its model is built")
+    while injected("rank-hang", str(rank.rank)):
+        time.sleep(60)
     raise_injected_out_of_memory(assignment)
-    if spec.activation_checkpointing:
-        lm.enable_activation_checkpointing()
-    if spec.compile:
-        lm.compile()
+    parallel = None
+    if spec.layout.data_parallel > 1:
+        parallel = parallelize(lm, spec.layout.strategy, policy, spec.mode, rank,
+                               activation_checkpointing=spec.activation_checkpointing, compile=spec.compile)
+    else:
+        if spec.activation_checkpointing:
+            lm.enable_activation_checkpointing()
+        if spec.compile:
+            lm.compile()
 
     device_name = torch.cuda.get_device_name(device) if device.type == "cuda" else hardware.cpu_device_name()
     kind = peak_kind(spec.precision, spec.mode)
@@ -204,7 +227,8 @@ def measure(assignment: Assignment, device: torch.device, scratch: Path) -> dict
                   bandwidth=hardware.peak_bandwidth(device_name) if device.type == "cuda" else None)
 
     measure_mode = _measure_generation if spec.mode == "infer" else _measure_steps
-    timing, throughput, noisy, compile_s, verdict = measure_mode(spec, arch, built, policy, clock, device, peaks,
+    data = spec.model_copy(update={"seed": data_seed(spec.seed, rank.rank)}) if parallel else spec
+    timing, throughput, noisy, compile_s, verdict = measure_mode(data, arch, built, policy, clock, device, peaks,
                                                                  weight_bytes)
     decoding = lm.decoding if spec.mode == "infer" else None
 
@@ -234,6 +258,7 @@ def measure(assignment: Assignment, device: torch.device, scratch: Path) -> dict
                     "relative_to_bf16": weight_bytes / (2 * arch.total_params), "method": weight_method,
                     "source": f"checkpoint {checkpoint}" if checkpoint else "random"},
         **offloaded,
+        **({"parallel": parallel} if parallel else {}),
     }
 
 
@@ -474,34 +499,62 @@ def describe(error: BaseException) -> str:
     return ("".join(traceback.format_exception_only(error)).strip() + where)[-2000:]
 
 
-def main(argv: list[str]) -> int:
-    spec_path, result_path = Path(argv[0]), Path(argv[1])
-    assignment = Assignment.model_validate_json(spec_path.read_text())
-    device = torch.device(assignment.spec.device)
-    if device.type == "cuda":
-        torch.cuda.set_device(device)
-    sampler = NvmlSampler([torch.cuda.current_device()]) if device.type == "cuda" else None
-    try:
-        payload = measure(assignment, device, result_path.parent)
-        code = EXIT_OK if payload["status"] == "ok" else EXIT_FAILED
-    except Exception as error:  # every failure becomes a result row; the sweep goes on
-        traceback.print_exc()
-        payload = {"status": classify(error), "error": describe(error)}
-        code = EXIT_FAILED
-    # Also after a failure: the peak an out-of-memory reached is what the planner needs to know.
+# A collective that waits longer than this fails instead of blocking (a rank hung or gone), which ends
+# the job; the sweep's --timeout still bounds the configuration's whole life.
+COLLECTIVE_TIMEOUT = timedelta(minutes=10)
+
+
+def _write(path: Path, payload: dict) -> None:
+    tmp = path.with_suffix(".tmp")
+    tmp.write_text(json.dumps(payload))
+    os.replace(tmp, path)
+
+
+def _memory(device: torch.device, sampler: NvmlSampler | None, payload: dict) -> None:
+    """Also after a failure: the peak an out-of-memory reached is what the planner needs to know."""
     payload["memory"] = memory_report(device, sampler)
     for gpu in payload["memory"]["gpus"]:
         if "expandable_segments:true" not in gpu["allocator"]["settings"].lower():
             payload.setdefault("warnings", []).append(
                 f"the CUDA allocator ran without expandable segments ({gpu['allocator']['settings'] or 'defaults'}), "
                 f"which the planner assumes: reserved memory may exceed the prediction")
-    tmp = result_path.with_suffix(".tmp")
-    tmp.write_text(json.dumps(payload))
-    os.replace(tmp, result_path)
-    return code
+
+
+def main(argv: list[str]) -> int:
+    """Measure the assignment in ``argv[0]`` and write the result to ``argv[1]``. Under torchrun every
+    rank measures and rank 0 writes the job's one result from all of theirs (``fitbench.run.aggregate``);
+    only rank 0 reports progress."""
+    spec_path, result_path = Path(argv[0]), Path(argv[1])
+    assignment = Assignment.model_validate_json(spec_path.read_text())
+    rank = Rank.from_environment(assignment.spec.device)
+    _REPORTS_PROGRESS["on"] = rank.main
+    device = rank.device
+    if device.type == "cuda":
+        torch.cuda.set_device(device)
+    sampler = NvmlSampler([torch.cuda.current_device()]) if device.type == "cuda" else None
+    with process_group(rank, COLLECTIVE_TIMEOUT):
+        try:
+            payload = measure(assignment, device, result_path.parent, rank)
+        except Exception as error:  # every failure becomes a result row; the sweep goes on
+            traceback.print_exc()
+            payload = {"status": classify(error), "error": describe(error)}
+            if rank.world_size > 1:
+                _memory(device, sampler, payload)
+                _write(rank_result_path(result_path, rank.rank), payload)
+                print(f"rank {rank.rank} of {rank.world_size} failed: {payload['error'].splitlines()[0]}",
+                      file=sys.stderr, flush=True)
+                os._exit(EXIT_FAILED)  # torchrun ends the ranks waiting for this one
+        _memory(device, sampler, payload)
+        payloads = gather_json(rank, payload)
+    if not rank.main:
+        return EXIT_OK
+    result = combine(payloads, assignment.spec.layout)
+    _write(result_path, result)
+    return EXIT_OK if result["status"] == "ok" else EXIT_FAILED
 
 
 if __name__ == "__main__":
+    rank_token()
     tie_to_parent(Path(sys.argv[2]).parent)
     try:
         exit_code = main(sys.argv[1:])

@@ -1,0 +1,149 @@
+"""``fitbench run --gpus N``: each configuration as one torchrun job of N gloo ranks on the CPU.
+
+One row per job from every rank (``fitbench.run.aggregate``); a rank that fails alone names itself in
+the row; a rank that hangs ends as the configuration's timeout; nothing the job started outlives it.
+"""
+
+import json
+import os
+import uuid
+from pathlib import Path
+
+import pytest
+
+from conftest import cli
+from fitbench.config import SweepConfig, expand
+from fitbench.errors import UserError
+from fitbench.run.aggregate import combine
+from fitbench.spec import Layout, LayoutError, RunSpec
+
+MARK = "FITBENCH_TEST_MARK"
+SHAPE = ["--models", "tiny", "--device", "cpu", "--gpus", "2", "--mode", "train", "--batch-size", "2",
+         "--seq-len", "16", "--warmup-steps", "1", "--measure-steps", "2"]
+
+
+@pytest.fixture
+def in_tmp(tmp_path, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.delenv("FITBENCH_INJECT", raising=False)
+    (tmp_path / "tmp").mkdir()
+    monkeypatch.setenv("TMPDIR", str(tmp_path / "tmp"))
+    monkeypatch.setenv(MARK, uuid.uuid4().hex)
+    return tmp_path
+
+
+def marked() -> set[int]:
+    """Living processes that carry this test's mark, this one excluded."""
+    needle = f"{MARK}={os.environ[MARK]}".encode()
+    found = set()
+    for entry in os.listdir("/proc"):
+        if not entry.isdigit() or int(entry) == os.getpid():
+            continue
+        try:
+            if needle in Path(f"/proc/{entry}/environ").read_bytes().split(b"\0"):
+                found.add(int(entry))
+        except OSError:
+            continue
+    return found
+
+
+def rows(out: Path) -> list[dict]:
+    return [json.loads(line) for line in (out / "results.jsonl").read_text().splitlines()]
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("strategy", ["ddp", "fsdp"])
+def test_a_job_of_two_ranks_is_one_row(in_tmp, capsys, strategy):
+    code, out, err = cli(["run", *SHAPE, "--strategy", strategy, "--out", "r"], capsys)
+    assert code == 0, out + err
+    [row] = rows(in_tmp / "r")
+    assert row["status"] == "ok" and row["ranks"] == 2
+    assert Layout.model_validate(row["layout"]) == Layout.of_strategy(strategy, 2)
+    assert row["parallel"]["strategy"] == strategy
+    assert f"{strategy} x 2" in row["label"]
+    per_rank = row["throughput"]["tokens_per_s_per_rank"]
+    assert len(per_rank) == 2 and row["throughput"]["tokens_per_s"] == pytest.approx(sum(per_rank))
+    assert row["throughput"]["tokens_per_step"] == 2 * 2 * 16  # both ranks' batches
+    assert row["timing"]["step"]["median"] == max(row["timing"]["rank_step_medians"])
+    assert len(row["memory"]["host_peak_rss_per_rank"]) == 2
+    assert not marked() and not list((in_tmp / "tmp").glob("fitbench-*"))
+
+
+@pytest.mark.slow
+def test_a_rank_that_fails_names_itself_and_one_that_hangs_times_out(in_tmp, capsys, monkeypatch):
+    monkeypatch.setenv("FITBENCH_INJECT", "rank-error:1")
+    code, out, err = cli(["run", *SHAPE, "--strategy", "ddp", "--out", "failed", "--no-fallback"], capsys)
+    assert code == 1
+    [row] = rows(in_tmp / "failed")
+    assert row["status"] == "error" and row["error"].startswith("rank 1: ")
+    assert "rank 1 fails" in row["error"]
+    assert not marked()
+
+    monkeypatch.setenv("FITBENCH_INJECT", "rank-hang:0")
+    code, out, err = cli(["run", *SHAPE, "--strategy", "ddp", "--out", "hung", "--timeout", "20"], capsys)
+    assert code == 1
+    [row] = rows(in_tmp / "hung")
+    assert row["status"] == "timeout"
+    assert not marked() and not list((in_tmp / "tmp").glob("fitbench-*"))
+
+
+def test_the_sweep_gives_each_configuration_its_layout():
+    config = SweepConfig(models=["tiny"], mode=["train", "forward"], precision=["fp32"], gpus=4, strategy="fsdp")
+    specs = expand(config, device="cpu", default_models=["tiny"])
+    assert [spec.layout for spec in specs] == [Layout(dp_shard=4)] * 2
+    auto = expand(config.model_copy(update={"strategy": "auto"}), device="cpu", default_models=["tiny"])
+    assert {spec.layout.strategy for spec in auto} == {"ddp"}  # DDP composes with fp32 and is tried first
+    single = expand(config.model_copy(update={"gpus": 1}), device="cpu", default_models=["tiny"])
+    assert all(spec.layout.world_size == 1 for spec in single)
+    with pytest.raises(UserError, match="ddp: generation has no gradients"):
+        expand(SweepConfig(models=["tiny"], mode=["infer"], gpus=2, strategy="ddp"), device="cpu",
+               default_models=["tiny"])
+
+
+def test_a_single_process_keeps_its_key_and_a_layout_changes_it():
+    fields = dict(model="tiny", backend="native", mode="train", precision="fp32", batch_size=1, seq_len=16,
+                  new_tokens=2, device="cpu", warmup_steps=1, measure_steps=1)
+    single = RunSpec(**fields)
+    assert RunSpec(**fields, layout=Layout()).key == single.key
+    assert RunSpec(**fields, layout=Layout(dp_shard=2)).key != single.key
+    assert RunSpec(**fields, layout=Layout(dp_shard=2)).key != RunSpec(**fields, layout=Layout(dp_replicate=2)).key
+
+
+def test_layout_degrees_multiply_to_the_world_size():
+    assert Layout.for_world(8, tp=2, dp_shard=-1) == Layout(dp_shard=4, tp=2)
+    assert Layout(dp_replicate=2, dp_shard=2, tp=2, pp=2).world_size == 16
+    assert Layout(dp_replicate=2, dp_shard=3).data_parallel == 6
+    assert Layout(dp_shard=2, tp=4).strategy == "fsdp+tp" and Layout().strategy == "single"
+    with pytest.raises(LayoutError, match=r"dp_replicate=1 x dp_shard=2 x tp=2 x pp=1 = 4, not the world size 6"):
+        Layout.for_world(6, dp_shard=2, tp=2)
+    with pytest.raises(LayoutError, match="does not divide the world size 6"):
+        Layout.for_world(6, tp=4, dp_shard=-1)
+    with pytest.raises(LayoutError, match="at most one -1"):
+        Layout.for_world(4, tp=-1, dp_shard=-1)
+    with pytest.raises(LayoutError, match="unknown strategy"):
+        Layout.of_strategy("zero3", 2)
+
+
+def test_rows_combine_by_the_rule_of_each_figure():
+    """Two data-parallel ranks: tokens and tokens/s add, the step is the slower rank's, MFU is the
+    achieved FLOP/s over both GPUs' peak, memory lists both GPUs; a failed rank decides the status."""
+    def payload(median, tokens_per_s, gpu_peak, status="ok"):
+        return {"status": status, "error": None if status == "ok" else "out of memory",
+                "timing": {"step": {"median": median}},
+                "throughput": {"tokens_per_step": 100, "tokens_per_s": tokens_per_s, "flops_per_token": 10.0,
+                               "achieved_tflops": tokens_per_s * 10 / 1e12, "mfu": tokens_per_s * 10 / 1e4 * 100,
+                               "mfu_measured_peak": None},
+                "memory": {"gpus": [{"index": 0, "max_reserved": gpu_peak}], "host_peak_rss": gpu_peak // 10}}
+
+    layout = Layout(dp_replicate=2)
+    row = combine([payload(0.5, 200.0, 1000), payload(0.4, 250.0, 1200)], layout)
+    assert row["throughput"]["tokens_per_step"] == 200
+    assert row["throughput"]["tokens_per_s"] == 450.0 and row["throughput"]["tokens_per_s_per_gpu"] == 225.0
+    # achieved 450 x 10 FLOP/s against a peak of 1e4 FLOP/s per GPU, two GPUs: 22.5%
+    assert row["throughput"]["mfu"] == pytest.approx(100 * 450 * 10 / (2 * 1e4))
+    assert row["throughput"]["achieved_tflops"] == pytest.approx(450 * 10 / 1e12)
+    assert row["timing"]["step"]["median"] == 0.5 and row["timing"]["slowest_rank"] == 0
+    assert [gpu["rank"] for gpu in row["memory"]["gpus"]] == [0, 1]
+    assert row["memory"]["host_peak_rss"] == 120
+    failed = combine([payload(0.5, 200.0, 1000), payload(0.4, 250.0, 1200, status="oom")], layout)
+    assert failed["status"] == "oom" and failed["error"] == "rank 1: out of memory"
