@@ -155,213 +155,6 @@ def _batch_size(text: str) -> int | str:
 # ---- run ------------------------------------------------------------------------------------
 
 
-def resolve_device(requested: str) -> str:
-    """'auto' -> the first GPU if torch sees one, else cpu; a GPU that is not there is a UserError."""
-    import torch
-
-    if requested == "auto":
-        return "cuda:0" if torch.cuda.is_available() else "cpu"
-    if requested == "cpu":
-        return "cpu"
-    if not torch.cuda.is_available():
-        raise UserError(
-            f"device: {requested!r} was asked for, but torch {torch.__version__} sees no CUDA GPU (no driver, or a "
-            f"CPU-only build). Use --device cpu, or run where a GPU is visible."
-        )
-    index = int(requested.split(":")[1]) if ":" in requested else 0
-    if index >= torch.cuda.device_count():
-        raise UserError(f"device: {requested!r} does not exist; this machine has {torch.cuda.device_count()} GPU(s), "
-                        f"cuda:0 to cuda:{torch.cuda.device_count() - 1}.")
-    return f"cuda:{index}"
-
-
-def default_models(device: str) -> list[str]:
-    """The main job's models. CPU: ``tiny`` and ``small``. GPU: the ladder's sizes whose mixed-precision
-    training state (16 bytes per parameter: fp32 weights and gradients, AdamW's two moments) takes at
-    most 70% of the GPU, leaving the rest for activations; at most three sizes."""
-    if device == "cpu":
-        return ["tiny", "small"]
-    import torch
-
-    from fitbench.models.presets import SIZE_LADDER
-    from fitbench.models.registry import resolve
-
-    memory = torch.cuda.get_device_properties(torch.device(device)).total_memory
-    fitting = [name for name in SIZE_LADDER if 16 * resolve(name).total_params <= 0.7 * memory]
-    return fitting[:3] or ["tiny"]
-
-
-def predicted_max_batch(spec, device: str) -> int:
-    """The planner's largest batch for ``spec`` on its device: the GPU's memory with the calibrated
-    overheads, or on a CPU the budget of FITBENCH_INJECT's mem-limit (else the available RAM); with
-    offload, beside no resident decoder layer."""
-    import torch
-
-    from fitbench.host import host_memory
-    from fitbench.models.registry import resolve
-    from fitbench.plan.memory import estimate_memory
-    from fitbench.run.worker import injected_memory_limit
-
-    arch = resolve(spec.model)
-    resident = 0 if spec.offload else None
-    if device == "cpu":
-        budget = injected_memory_limit() or host_memory().available
-
-        def peak(batch: int) -> float:
-            return estimate_memory(arch, spec.mode, spec.precision, batch, spec.seq_len, new_tokens=spec.new_tokens,
-                                   activation_checkpointing=spec.activation_checkpointing,
-                                   resident_layers=resident, backend=spec.backend,
-                                   compiled=spec.compile).peak_bytes
-    else:
-        from fitbench.plan.calibration import load_calibration
-        from fitbench.plan.planner import Candidate, GpuTarget, assess
-
-        properties = torch.cuda.get_device_properties(torch.device(device))
-        budget = injected_memory_limit() or float(properties.total_memory)
-        target = GpuTarget(properties.name, 1, budget, described=False)
-        calibration = load_calibration(properties.name)
-
-        def peak(batch: int) -> float:
-            candidate = Candidate(spec.precision, "single", 1, spec.activation_checkpointing, batch, resident,
-                                  compiled=spec.compile)
-            return assess(arch, spec.mode, candidate, target, seq_len=spec.seq_len, new_tokens=spec.new_tokens,
-                          calibration=calibration, backend=spec.backend).predicted_peak
-    from fitbench.launch.fallback import largest_batch
-
-    return largest_batch(peak, budget)
-
-
-def hardware_refusals(specs: list, device: str) -> dict[str, str]:
-    """Configurations this device cannot run (fp8 below compute capability 8.9, int4 without a GPU;
-    on a CPU, one predicted to need more than the host memory available), by spec key, with the
-    reason; they are recorded, not launched."""
-    import torch
-
-    from fitbench.precisions import hardware_problem
-    from fitbench.run.worker import injected_memory_limit
-
-    target = torch.device(device)
-    capability = torch.cuda.get_device_capability(target) if target.type == "cuda" else None
-    refusals = {}
-    for spec in specs:
-        problem = hardware_problem(spec.precision, target, capability)
-        if problem:
-            refusals[spec.key] = f"refused before launch: {problem}"
-    if target.type == "cpu" and injected_memory_limit() is None:  # a mem-limit is planned as a GPU (run_target)
-        refusals = {**ram_refusals(specs), **refusals}
-    return refusals
-
-
-def ram_refusals(specs: list) -> dict[str, str]:
-    """CPU configurations whose predicted peak (the planner's tensors: weights, gradients, optimizer
-    state, activations, KV cache; offloaded layers go to disk) exceeds the host memory available
-    (``fitbench.host``), by spec key, with the reason."""
-    from fitbench.host import host_memory
-    from fitbench.models.registry import resolve
-    from fitbench.plan.memory import estimate_memory
-    from fitbench.plan.planner import offload_split
-    from fitbench.units import format_bytes
-
-    memory = host_memory()
-    refusals = {}
-    for spec in specs:
-        arch = resolve(spec.model)
-        resident = offload_split(arch, spec.mode, spec.precision, spec.batch_size, spec.seq_len,
-                                 new_tokens=spec.new_tokens, budget=memory.available, calibration=None,
-                                 backend=spec.backend).resident_layers if spec.offload else None
-        peak = estimate_memory(arch, spec.mode, spec.precision, spec.batch_size, spec.seq_len,
-                               new_tokens=spec.new_tokens, activation_checkpointing=spec.activation_checkpointing,
-                               resident_layers=resident, backend=spec.backend, compiled=spec.compile).peak_bytes
-        if peak > memory.available:
-            offload = " or, for infer and forward, --offload (layers that do not fit go to disk)" \
-                if spec.mode in ("infer", "forward") and not spec.offload else ""
-            refusals[spec.key] = (
-                f"refused before launch: {spec.label} is predicted to need {format_bytes(peak)} of host memory; "
-                f"{format_bytes(memory.available)} is available ({memory.source}). Run a smaller model, batch "
-                f"or --seq-len, a lower precision (bf16-pure, int8, nf4){offload}, or on a machine with more memory.")
-    return refusals
-
-
-def run_target(device: str, measure: Callable[[], Any] | None = None):
-    """What ``fitbench run`` plans against: (GpuTarget, calibration). On a GPU, its name and memory
-    (FITBENCH_INJECT's mem-limit replaces the memory) with the calibration stored for it and this
-    torch version, measured now and stored when there is none (``measure``, default
-    ``measure_calibration`` on the GPU: seconds, one line printed). On a CPU, a target only under a
-    mem-limit, which makes the CPU a GPU of that size, tensors only (calibration None); else
-    (None, None): nothing is planned."""
-    from fitbench.plan.planner import GpuTarget
-    from fitbench.run.worker import injected_memory_limit
-
-    limit = injected_memory_limit()
-    if device == "cpu":
-        source = "FITBENCH_INJECT mem-limit"
-        return (GpuTarget(None, 1, limit, described=False, memory_source=source) if limit else None), None
-    import tempfile
-
-    import torch
-
-    from fitbench.launch.calibrate import measure_calibration
-    from fitbench.plan.calibration import ensure_calibration, load_calibration
-
-    properties = torch.cuda.get_device_properties(torch.device(device))
-
-    def measure_here():
-        with tempfile.TemporaryDirectory(prefix="fitbench-calibrate-") as scratch:
-            return measure_calibration(device, Path(scratch))
-
-    try:
-        calibration, stored_in = ensure_calibration(properties.name, measure or measure_here)
-    except RuntimeError as error:  # a calibration run that failed, or no NVML: plan as before
-        calibration, stored_in = load_calibration(properties.name), None
-        console.print(f"calibrating {properties.name} failed ({escape(str(error))}); planning with "
-                      f"{calibration.source}")
-    if stored_in is not None:
-        console.print(f"first run on {properties.name} with torch {torch.__version__}, calibrated: "
-                      f"{_calibration_figures(calibration)}; stored in {stored_in}")
-    memory, source = ((limit, "FITBENCH_INJECT mem-limit") if limit else
-                      (float(properties.total_memory), "torch.cuda.get_device_properties().total_memory"))
-    return GpuTarget(properties.name, 1, memory, described=False, memory_source=source), calibration
-
-
-def plan_specs(specs: list, config, target, calibration) -> tuple[list, Callable[[Any], dict | None], dict[str, str]]:
-    """Plan every configuration before it runs, with the model of its backend, on the GPU of ``target`` (``run_target``;
-    None: nothing is planned): the planner picks the precision and activation checkpointing the user
-    left open, and predicts the per-GPU peak stored with the result. A configuration that no choice
-    left open makes fit is refused: it is not launched, and its reason names the predicted need and the
-    alternatives predicted to fit (``fitbench.plan.planner.alternatives``, also in the prediction).
-    Returns the specs to run, a function giving the prediction for the configuration that finally
-    ran (the planned one, or, after a fallback or a batch search changed it, a new prediction for
-    what ran; the choices the planner made stay listed), and the refusals by spec key."""
-    if target is None:
-        return specs, lambda spec: None, {}
-
-    from fitbench.models.registry import resolve
-    from fitbench.plan.planner import alternatives, planner_choices, predict_spec, refusal
-
-    planned, predictions, refusals = [], {}, {}
-    for spec in specs:
-        arch = resolve(spec.model)
-        spec, prediction = predict_spec(arch, spec, target, calibration, choose_precision=config.precision is None,
-                                        choose_recompute=config.activation_checkpointing is None,
-                                        runnable=PRECISIONS)
-        planned.append(spec)
-        predictions[spec.key] = prediction
-        if not prediction["fits"]:
-            found = alternatives(arch, spec, target, calibration)
-            prediction["alternatives"] = [alternative.as_dict() for alternative in found]
-            refusals[spec.key] = refusal(arch, spec, prediction, target, found)
-
-    def prediction_for(ran) -> dict | None:
-        if ran.key in predictions:
-            return predictions[ran.key]
-        _, prediction = predict_spec(resolve(ran.model), ran, target, calibration, choose_precision=False,
-                                     choose_recompute=False, runnable=PRECISIONS)
-        return {**prediction, "chosen_by_planner": planner_choices(ran.mode, config.precision is None,
-                                                                   config.activation_checkpointing is None)}
-
-    return planned, prediction_for, refusals
-
-
 def _label(row: dict[str, Any]) -> str:
     """The configuration as asked for, and what finally ran when a fallback or the batch search changed it."""
     from fitbench.spec import RunSpec
@@ -419,6 +212,8 @@ def run(args: argparse.Namespace, cli_options: dict[str, Any]) -> int:
     from fitbench.launch.fallback import FallbackPolicy
     from fitbench.launch.local import SweepCallbacks, run_sweep
     from fitbench.launch.orders import assign
+    from fitbench.sweep import (check_ranks, default_models, hardware_refusals, plan_specs, predicted_max_batch, resolve_device,
+                                run_target)
     from fitbench.plan.calibration import TENSORS_ONLY
     from fitbench.results.report import results_table, write_csv
     from fitbench.results.store import SWEEP_FILE, ResultStore
@@ -447,9 +242,10 @@ def run(args: argparse.Namespace, cli_options: dict[str, Any]) -> int:
         config = resumed_config(saved, config, extend=args.extend)
     out = args.resume or config.out or str(Path("fitbench-results") / datetime.now(timezone.utc).strftime("%Y%m%d-%H%M%S"))
     device = resolve_device(config.device)
+    check_ranks(device, config.gpus)
     specs = expand(config, device=device, default_models=default_models(device))
     check_output_directory(out, "--resume" if args.resume else "--out")
-    target, calibration = run_target(device)
+    target, calibration = run_target(device, say=lambda text: console.print(escape(text)))
     specs, predict, refusals = plan_specs(specs, config, target, calibration)
     refusals.update(hardware_refusals(specs, device))
 
@@ -715,6 +511,7 @@ def calibrate(args: argparse.Namespace, cli_options: dict[str, Any]) -> int:
     """Measure this GPU's CUDA context and cuBLAS workspace and store them for the planner."""
     from fitbench.launch.calibrate import measure_calibration
     from fitbench.plan.calibration import save_calibration
+    from fitbench.sweep import calibration_figures, resolve_device
 
     device = resolve_device(args.device)
     if device == "cpu":
@@ -727,14 +524,8 @@ def calibrate(args: argparse.Namespace, cli_options: dict[str, Any]) -> int:
     with tempfile.TemporaryDirectory(prefix="fitbench-calibrate-") as scratch:
         calibration = measure_calibration(device, Path(scratch))
     path = save_calibration(torch.cuda.get_device_name(torch.device(device)), calibration)
-    console.print(f"{_calibration_figures(calibration)}; stored in {path}")
+    console.print(f"{calibration_figures(calibration)}; stored in {path}")
     return 0
-
-
-def _calibration_figures(c) -> str:
-    return (f"CUDA context {c.cuda_context_training / 1e6:.0f} MB training, {c.cuda_context_inference / 1e6:.0f} MB "
-            f"generating, {c.cuda_context_eager / 1e6:.0f} MB forward; workspaces {c.workspace_training / 1e6:.0f} "
-            f"MB training, {c.workspace_inference / 1e6:.0f} MB generating, {c.workspace_eager / 1e6:.0f} MB forward")
 
 
 # ---- models ---------------------------------------------------------------------------------
@@ -775,6 +566,8 @@ def env(args: argparse.Namespace, cli_options: dict[str, Any]) -> int:
     from fitbench import hardware
 
     if args.measure:
+        from fitbench.sweep import resolve_device
+
         device = resolve_device(args.device)
         console.print(f"measuring matmul and copy ceilings on {device} ...")
         ceilings = hardware.measure_ceilings(device)

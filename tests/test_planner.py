@@ -20,7 +20,8 @@ import pytest
 import torch
 
 from fitbench import hardware
-from fitbench.cli import gpu_target, run_target
+from fitbench.cli import gpu_target
+from fitbench.sweep import run_target
 from fitbench.spec import RunSpec
 from fitbench.errors import UserError
 from fitbench.models.registry import resolve

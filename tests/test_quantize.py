@@ -17,7 +17,8 @@ from torch import nn
 
 from fitbench.models.backends import HuggingFaceLM, load_model
 
-from fitbench.cli import hardware_refusals, main
+from fitbench.cli import main
+from fitbench.sweep import hardware_refusals
 from fitbench.config import SweepConfig, expand
 from fitbench.spec import Assignment, RunSpec
 from fitbench.errors import UserError

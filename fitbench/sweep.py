@@ -1,0 +1,244 @@
+"""Plan before run: what ``fitbench run`` does between parsing its options and launching the first
+worker. The device and its default models, the GPU target and its calibration, the planner's choices
+and predictions for every configuration, and the configurations refused before launch (this hardware
+cannot run them, or they are predicted not to fit), with the reason. The CLI parses, calls these and
+prints; the launcher (``fitbench.launch``) runs what they leave.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any, Callable
+
+from fitbench.errors import UserError
+from fitbench.precisions import PRECISIONS
+
+
+def resolve_device(requested: str) -> str:
+    """'auto' -> the first GPU if torch sees one, else cpu; a GPU that is not there is a UserError."""
+    import torch
+
+    if requested == "auto":
+        return "cuda:0" if torch.cuda.is_available() else "cpu"
+    if requested == "cpu":
+        return "cpu"
+    if not torch.cuda.is_available():
+        raise UserError(
+            f"device: {requested!r} was asked for, but torch {torch.__version__} sees no CUDA GPU (no driver, or a "
+            f"CPU-only build). Use --device cpu, or run where a GPU is visible."
+        )
+    index = int(requested.split(":")[1]) if ":" in requested else 0
+    if index >= torch.cuda.device_count():
+        raise UserError(f"device: {requested!r} does not exist; this machine has {torch.cuda.device_count()} GPU(s), "
+                        f"cuda:0 to cuda:{torch.cuda.device_count() - 1}.")
+    return f"cuda:{index}"
+
+
+def check_ranks(device: str, ranks: int) -> None:
+    """A job of ``ranks`` ranks on ``device``: on GPUs, rank r drives cuda:r (torchrun's LOCAL_RANK), so
+    the job needs that many visible GPUs, from the first; on a CPU any number of processes runs.
+    Raises UserError."""
+    if ranks == 1 or device == "cpu":
+        return
+    import torch
+
+    visible = torch.cuda.device_count()
+    if device != "cuda:0":
+        raise UserError(f"device: a job of {ranks} ranks uses cuda:0 to cuda:{ranks - 1}, one rank each; "
+                        f"{device} was given. Leave --device out, or choose the GPUs with CUDA_VISIBLE_DEVICES.")
+    if visible < ranks:
+        raise UserError(f"gpus: --gpus {ranks} needs {ranks} GPUs; this machine shows {visible}. Give --gpus "
+                        f"{visible} or fewer, or run on --device cpu ({ranks} CPU processes).")
+
+
+def default_models(device: str) -> list[str]:
+    """The main job's models. CPU: ``tiny`` and ``small``. GPU: the ladder's sizes whose mixed-precision
+    training state (16 bytes per parameter: fp32 weights and gradients, AdamW's two moments) takes at
+    most 70% of the GPU, leaving the rest for activations; at most three sizes."""
+    if device == "cpu":
+        return ["tiny", "small"]
+    import torch
+
+    from fitbench.models.presets import SIZE_LADDER
+    from fitbench.models.registry import resolve
+
+    memory = torch.cuda.get_device_properties(torch.device(device)).total_memory
+    fitting = [name for name in SIZE_LADDER if 16 * resolve(name).total_params <= 0.7 * memory]
+    return fitting[:3] or ["tiny"]
+
+
+def predicted_max_batch(spec, device: str) -> int:
+    """The planner's largest batch for ``spec`` on its device: the GPU's memory with the calibrated
+    overheads, or on a CPU the budget of FITBENCH_INJECT's mem-limit (else the available RAM); with
+    offload, beside no resident decoder layer."""
+    import torch
+
+    from fitbench.host import host_memory
+    from fitbench.models.registry import resolve
+    from fitbench.plan.memory import estimate_memory
+    from fitbench.run.worker import injected_memory_limit
+
+    arch = resolve(spec.model)
+    resident = 0 if spec.offload else None
+    if device == "cpu":
+        budget = injected_memory_limit() or host_memory().available
+
+        def peak(batch: int) -> float:
+            return estimate_memory(arch, spec.mode, spec.precision, batch, spec.seq_len, new_tokens=spec.new_tokens,
+                                   activation_checkpointing=spec.activation_checkpointing,
+                                   resident_layers=resident, backend=spec.backend,
+                                   compiled=spec.compile).peak_bytes
+    else:
+        from fitbench.plan.calibration import load_calibration
+        from fitbench.plan.planner import Candidate, GpuTarget, assess
+
+        properties = torch.cuda.get_device_properties(torch.device(device))
+        budget = injected_memory_limit() or float(properties.total_memory)
+        target = GpuTarget(properties.name, 1, budget, described=False)
+        calibration = load_calibration(properties.name)
+
+        def peak(batch: int) -> float:
+            candidate = Candidate(spec.precision, "single", 1, spec.activation_checkpointing, batch, resident,
+                                  compiled=spec.compile)
+            return assess(arch, spec.mode, candidate, target, seq_len=spec.seq_len, new_tokens=spec.new_tokens,
+                          calibration=calibration, backend=spec.backend).predicted_peak
+    from fitbench.launch.fallback import largest_batch
+
+    return largest_batch(peak, budget)
+
+
+def hardware_refusals(specs: list, device: str) -> dict[str, str]:
+    """Configurations this device cannot run (fp8 below compute capability 8.9, int4 without a GPU;
+    on a CPU, one predicted to need more than the host memory available), by spec key, with the
+    reason; they are recorded, not launched."""
+    import torch
+
+    from fitbench.precisions import hardware_problem
+    from fitbench.run.worker import injected_memory_limit
+
+    target = torch.device(device)
+    capability = torch.cuda.get_device_capability(target) if target.type == "cuda" else None
+    refusals = {}
+    for spec in specs:
+        problem = hardware_problem(spec.precision, target, capability)
+        if problem:
+            refusals[spec.key] = f"refused before launch: {problem}"
+    if target.type == "cpu" and injected_memory_limit() is None:  # a mem-limit is planned as a GPU (run_target)
+        refusals = {**ram_refusals(specs), **refusals}
+    return refusals
+
+
+def ram_refusals(specs: list) -> dict[str, str]:
+    """CPU configurations whose predicted peak (the planner's tensors: weights, gradients, optimizer
+    state, activations, KV cache; offloaded layers go to disk) exceeds the host memory available
+    (``fitbench.host``), by spec key, with the reason."""
+    from fitbench.host import host_memory
+    from fitbench.models.registry import resolve
+    from fitbench.plan.memory import estimate_memory
+    from fitbench.plan.planner import offload_split
+    from fitbench.units import format_bytes
+
+    memory = host_memory()
+    refusals = {}
+    for spec in specs:
+        arch = resolve(spec.model)
+        resident = offload_split(arch, spec.mode, spec.precision, spec.batch_size, spec.seq_len,
+                                 new_tokens=spec.new_tokens, budget=memory.available, calibration=None,
+                                 backend=spec.backend).resident_layers if spec.offload else None
+        peak = estimate_memory(arch, spec.mode, spec.precision, spec.batch_size, spec.seq_len,
+                               new_tokens=spec.new_tokens, activation_checkpointing=spec.activation_checkpointing,
+                               resident_layers=resident, backend=spec.backend, compiled=spec.compile).peak_bytes
+        if peak > memory.available:
+            offload = " or, for infer and forward, --offload (layers that do not fit go to disk)" \
+                if spec.mode in ("infer", "forward") and not spec.offload else ""
+            refusals[spec.key] = (
+                f"refused before launch: {spec.label} is predicted to need {format_bytes(peak)} of host memory; "
+                f"{format_bytes(memory.available)} is available ({memory.source}). Run a smaller model, batch "
+                f"or --seq-len, a lower precision (bf16-pure, int8, nf4){offload}, or on a machine with more memory.")
+    return refusals
+
+
+def run_target(device: str, measure: Callable[[], Any] | None = None, say: Callable[[str], None] = print):
+    """What ``fitbench run`` plans against: (GpuTarget, calibration). On a GPU, its name and memory
+    (FITBENCH_INJECT's mem-limit replaces the memory) with the calibration stored for it and this
+    torch version, measured now and stored when there is none (``measure``, default
+    ``measure_calibration`` on the GPU: seconds, one line told to ``say``). On a CPU, a target only under a
+    mem-limit, which makes the CPU a GPU of that size, tensors only (calibration None); else
+    (None, None): nothing is planned."""
+    from fitbench.plan.planner import GpuTarget
+    from fitbench.run.worker import injected_memory_limit
+
+    limit = injected_memory_limit()
+    if device == "cpu":
+        source = "FITBENCH_INJECT mem-limit"
+        return (GpuTarget(None, 1, limit, described=False, memory_source=source) if limit else None), None
+    import tempfile
+
+    import torch
+
+    from fitbench.launch.calibrate import measure_calibration
+    from fitbench.plan.calibration import ensure_calibration, load_calibration
+
+    properties = torch.cuda.get_device_properties(torch.device(device))
+
+    def measure_here():
+        with tempfile.TemporaryDirectory(prefix="fitbench-calibrate-") as scratch:
+            return measure_calibration(device, Path(scratch))
+
+    try:
+        calibration, stored_in = ensure_calibration(properties.name, measure or measure_here)
+    except RuntimeError as error:  # a calibration run that failed, or no NVML: plan as before
+        calibration, stored_in = load_calibration(properties.name), None
+        say(f"calibrating {properties.name} failed ({error}); planning with {calibration.source}")
+    if stored_in is not None:
+        say(f"first run on {properties.name} with torch {torch.__version__}, calibrated: "
+            f"{calibration_figures(calibration)}; stored in {stored_in}")
+    memory, source = ((limit, "FITBENCH_INJECT mem-limit") if limit else
+                      (float(properties.total_memory), "torch.cuda.get_device_properties().total_memory"))
+    return GpuTarget(properties.name, 1, memory, described=False, memory_source=source), calibration
+
+
+def plan_specs(specs: list, config, target, calibration) -> tuple[list, Callable[[Any], dict | None], dict[str, str]]:
+    """Plan every configuration before it runs, with the model of its backend, on the GPU of ``target`` (``run_target``;
+    None: nothing is planned): the planner picks the precision and activation checkpointing the user
+    left open, and predicts the per-GPU peak stored with the result. A configuration that no choice
+    left open makes fit is refused: it is not launched, and its reason names the predicted need and the
+    alternatives predicted to fit (``fitbench.plan.planner.alternatives``, also in the prediction).
+    Returns the specs to run, a function giving the prediction for the configuration that finally
+    ran (the planned one, or, after a fallback or a batch search changed it, a new prediction for
+    what ran; the choices the planner made stay listed), and the refusals by spec key."""
+    if target is None:
+        return specs, lambda spec: None, {}
+
+    from fitbench.models.registry import resolve
+    from fitbench.plan.planner import alternatives, planner_choices, predict_spec, refusal
+
+    planned, predictions, refusals = [], {}, {}
+    for spec in specs:
+        arch = resolve(spec.model)
+        spec, prediction = predict_spec(arch, spec, target, calibration, choose_precision=config.precision is None,
+                                        choose_recompute=config.activation_checkpointing is None,
+                                        runnable=PRECISIONS)
+        planned.append(spec)
+        predictions[spec.key] = prediction
+        if not prediction["fits"]:
+            found = alternatives(arch, spec, target, calibration)
+            prediction["alternatives"] = [alternative.as_dict() for alternative in found]
+            refusals[spec.key] = refusal(arch, spec, prediction, target, found)
+
+    def prediction_for(ran) -> dict | None:
+        if ran.key in predictions:
+            return predictions[ran.key]
+        _, prediction = predict_spec(resolve(ran.model), ran, target, calibration, choose_precision=False,
+                                     choose_recompute=False, runnable=PRECISIONS)
+        return {**prediction, "chosen_by_planner": planner_choices(ran.mode, config.precision is None,
+                                                                   config.activation_checkpointing is None)}
+
+    return planned, prediction_for, refusals
+
+
+def calibration_figures(c) -> str:
+    """A calibration's figures in one line."""
+    return (f"CUDA context {c.cuda_context_training / 1e6:.0f} MB training, {c.cuda_context_inference / 1e6:.0f} MB "
+            f"generating, {c.cuda_context_eager / 1e6:.0f} MB forward; workspaces {c.workspace_training / 1e6:.0f} "
+            f"MB training, {c.workspace_inference / 1e6:.0f} MB generating, {c.workspace_eager / 1e6:.0f} MB forward")
