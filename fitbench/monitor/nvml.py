@@ -209,7 +209,7 @@ def _resolve(nvml, requested: Sequence[str]) -> list[_Gpu]:
         try:
             handle = nvml.nvmlDeviceGetHandleByIndex(index)
             devices.append((handle, _text(nvml.nvmlDeviceGetUUID(handle))))
-        except nvml.NVMLError:  # a GPU that refuses to be named can only be asked for by index, and fails then
+        except nvml.NVMLError:  # a GPU NVML cannot name matches no request; asked for by index, it says so
             devices.append((None, None))
     gpus = []
     for position, entry in enumerate(requested):
@@ -233,12 +233,13 @@ def _resolve(nvml, requested: Sequence[str]) -> list[_Gpu]:
             try:
                 gpu.handle = nvml.nvmlDeviceGetHandleByUUID(entry)
                 gpu.uuid = _text(nvml.nvmlDeviceGetUUID(gpu.handle))
-            except nvml.NVMLError as error:
-                gpu.handle, gpu.reason = None, f"MIG device {_excerpt(entry)!r}: {error}"
+            except Exception as error:  # an NVML error, or a binding too old for MIG
+                gpu.handle, gpu.reason = None, f"MIG device {_excerpt(entry)!r}: {_why(error)}"
         else:
             gpu.reason = f"{_excerpt(entry)!r} is neither a GPU index nor a GPU-/MIG- UUID"
         if gpu.handle is not None:
             gpu.queries = _queries(nvml)
+            # name and total memory label the GPU for people; sampling goes on without them
             try:
                 gpu.name = _text(nvml.nvmlDeviceGetName(gpu.handle))
             except nvml.NVMLError:
