@@ -74,9 +74,11 @@ import math
 import os
 import threading
 import time
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import asdict, dataclass, field, fields
+from itertools import pairwise
 from pathlib import Path
-from typing import IO, Any, Callable, Iterable, Mapping, Sequence
+from typing import IO, Any
 
 from fitbench.stats import SampleStats
 
@@ -406,7 +408,7 @@ def _lerp(t0: float, v0: float, t1: float, v1: float, t: float) -> float:
 
 def _value_at(points: list[tuple[float, float]], t: float) -> float:
     """The piecewise-linear curve through ``points`` (sorted by time) at ``t`` inside their span."""
-    for (t0, v0), (t1, v1) in zip(points, points[1:]):
+    for (t0, v0), (t1, v1) in pairwise(points):
         if t0 <= t <= t1 and t1 > t0:
             return _lerp(t0, v0, t1, v1, t)
     return next(v for tp, v in points if tp == t)
@@ -422,7 +424,7 @@ def _integral(points: list[tuple[float, float]], start: float, end: float) -> tu
     if high < low:
         return None
     total = 0.0
-    for (t0, v0), (t1, v1) in zip(points, points[1:]):
+    for (t0, v0), (t1, v1) in pairwise(points):
         left, right = max(t0, low), min(t1, high)
         if right > left:
             total += (right - left) * (_lerp(t0, v0, t1, v1, left) + _lerp(t0, v0, t1, v1, right)) / 2
@@ -439,7 +441,7 @@ def _mean(points: list[tuple[float, float]], start: float, end: float) -> float 
 
 def _energy(samples: list[Sample], start: float, end: float) -> tuple[float | None, str | None]:
     counter = [(s.t, float(s.energy_j)) for s in samples if s.energy_j is not None]
-    rising = all(b[1] >= a[1] for a, b in zip(counter, counter[1:]))
+    rising = all(b[1] >= a[1] for a, b in pairwise(counter))
     if len(counter) >= 2 and rising:
         low, high = max(start, counter[0][0]), min(end, counter[-1][0])
         if high > low:
@@ -465,7 +467,7 @@ def summarize_gpu(samples: Iterable[Sample], tokens: float | None = None,
         values = [getattr(s, name) for s in inside if getattr(s, name) is not None]
         return max(values) if values else None
 
-    gaps = [b.t - a.t for a, b in zip(inside, inside[1:])]
+    gaps = [b.t - a.t for a, b in pairwise(inside)]
     interval = SampleStats.of(gaps) if gaps else None
     covered = (min(end, ordered[-1].t) - max(start, ordered[0].t)) if ordered else None
     energy, method = _energy(ordered, start, end)
