@@ -1,0 +1,1 @@
+"""Watching a job from the parent process: per-GPU timelines that outlive the job's ranks."""
