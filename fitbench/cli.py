@@ -24,9 +24,9 @@ from rich.table import Column, Table
 
 from fitbench import __version__
 from fitbench.errors import UserError, excerpt
+from fitbench.precisions import PRECISIONS
 from fitbench.results.store import DISK_ERRORS
 from fitbench.run.loops import MODES
-from fitbench.precisions import PRECISIONS
 
 # Outside a terminal (CI logs, pipes) rich would wrap tables at 80 columns.
 console = Console(highlight=False, width=None if sys.stdout.isatty() else 160)
@@ -212,12 +212,12 @@ def run(args: argparse.Namespace, cli_options: dict[str, Any]) -> int:
     from fitbench.launch.fallback import FallbackPolicy
     from fitbench.launch.local import SweepCallbacks, run_sweep
     from fitbench.launch.orders import assign
-    from fitbench.sweep import (check_ranks, default_models, hardware_refusals, plan_specs, predicted_max_batch, resolve_device,
-                                run_target)
     from fitbench.plan.calibration import TENSORS_ONLY
     from fitbench.results.report import results_table, write_csv
     from fitbench.results.store import SWEEP_FILE, ResultStore
     from fitbench.results.terminal import EtaColumn, SweepClock
+    from fitbench.sweep import (check_ranks, default_models, hardware_refusals, plan_specs, predicted_max_batch,
+                                resolve_device, run_target)
 
     for option, value in (("--resume", args.resume), ("--config", args.config)):
         if value is not None and not value.strip():
@@ -433,11 +433,11 @@ def _plan_text(result, trace) -> None:
 
 def plan(args: argparse.Namespace, cli_options: dict[str, Any]) -> int:
     """Predict per-GPU memory term by term and choose how to run each model; no GPU needed."""
+    from fitbench.config import check_context, merge_sources
     from fitbench.models.registry import resolve
     from fitbench.plan.calibration import load_calibration
-    from fitbench.plan.planner import minimum_gpus, plan as make_plan
-
-    from fitbench.config import check_context, merge_sources
+    from fitbench.plan.planner import minimum_gpus
+    from fitbench.plan.planner import plan as make_plan
 
     shapes = merge_sources({}, {}, {"batch_size": args.batch_size, "seq_len": [args.seq_len],
                                     "new_tokens": args.new_tokens, "models": args.models})
@@ -516,9 +516,9 @@ def calibrate(args: argparse.Namespace, cli_options: dict[str, Any]) -> int:
     device = resolve_device(args.device)
     if device == "cpu":
         raise UserError("device: calibration measures GPU overheads; run it where a GPU is visible.")
-    import torch
-
     import tempfile
+
+    import torch
 
     console.print(f"calibrating {device}: tiny training, generating and in a forward pass, in fresh processes ...")
     with tempfile.TemporaryDirectory(prefix="fitbench-calibrate-") as scratch:

@@ -36,20 +36,21 @@ import tempfile
 import threading
 import time
 from collections import deque
-from contextlib import contextmanager
+from contextlib import contextmanager, nullcontext
 from dataclasses import dataclass
 from datetime import datetime, timezone
 from pathlib import Path
 from typing import Any, Callable
 
-from fitbench.launch.launchers import launcher_for
-from fitbench.run.ranks import rank_result_path
-from fitbench.spec import Assignment, RunSpec
 from fitbench.host import HostMemory, host_memory, oom_kills
 from fitbench.launch.fallback import RAN_TO_THE_END, FallbackPolicy, run_with_fallback, search_max_batch
+from fitbench.launch.launchers import launcher_for
 from fitbench.models.registry import resolve
+from fitbench.monitor.nvml import GpuMonitor, job_gpus
 from fitbench.processes import PARENT_VARIABLE, TOKEN_VARIABLE, kill_tree
 from fitbench.results.store import ResultStore
+from fitbench.run.ranks import rank_result_path
+from fitbench.spec import Assignment, RunSpec
 
 ERROR_TAIL_LINES = 15
 WORKER_STATUSES = ("ok", "invalid", "oom", "error", "refused")  # what a worker's result file may say
@@ -102,11 +103,13 @@ def worker_environment() -> dict[str, str]:
 
 
 def run_one(assignment: Assignment, log_path: Path, timeout: float, on_event: Callable[[dict[str, Any]], None], *,
-            limit: str | None = None) -> dict[str, Any]:
-    """Run the assignment's configuration in a child process for at most ``timeout`` seconds (``limit`` names that bound in a
-    timeout's error); return the row that describes what happened. However this ends (the worker's
-    exit, the timeout, an exception such as an interruption), nothing the worker started outlives
-    it and its scratch directory is removed."""
+            limit: str | None = None, artifacts: Path | None = None) -> dict[str, Any]:
+    """Run the assignment's configuration in a child process (a torchrun job for several ranks) for at
+    most ``timeout`` seconds (``limit`` names that bound in a timeout's error); return the row that
+    describes what happened. However this ends (the worker's exit, the timeout, an exception such as
+    an interruption), nothing the worker started outlives it and its scratch directory is removed.
+    On GPUs, the parent samples every GPU of the job (``fitbench.monitor.nvml``) into ``artifacts``
+    (the attempt's directory; the log's own when None), and the row gets the summary per GPU."""
     spec = assignment.spec
     log_path.parent.mkdir(parents=True, exist_ok=True)
     started, started_at = time.monotonic(), _now()
@@ -115,7 +118,8 @@ def run_one(assignment: Assignment, log_path: Path, timeout: float, on_event: Ca
     with tempfile.TemporaryDirectory(prefix="fitbench-", ignore_cleanup_errors=True) as scratch:
         spec_path, result_path = Path(scratch) / "spec.json", Path(scratch) / "result.json"
         spec_path.write_text(assignment.model_dump_json())
-        with log_path.open("w") as log:
+        monitor = _monitor(spec, artifacts or log_path.parent)
+        with log_path.open("w") as log, monitor or nullcontext():
             process = subprocess.Popen(
                 launcher_for(spec.layout).command(spec_path, result_path),
                 stdout=subprocess.PIPE, stderr=log, stdin=subprocess.DEVNULL, start_new_session=True,
@@ -157,6 +161,8 @@ def run_one(assignment: Assignment, log_path: Path, timeout: float, on_event: Ca
         row["warnings"] = [*row.get("warnings", []),
                            f"protocol error: the worker's stdout broke the progress protocol "
                            f"{progress.problem_count} time(s), e.g. {progress.problems[0]} (see protocol_errors)"]
+    if monitor is not None:
+        row["gpu_monitor"] = {**monitor.summary(), "timeline": str(monitor.path)}
     arch = resolve(spec.model)
     row.update(
         params=arch.total_params, non_embedding_params=arch.non_embedding_params,
@@ -227,6 +233,14 @@ def _reap(process: subprocess.Popen) -> int:
     _, status, usage = os.wait4(process.pid, 0)
     process.returncode = os.waitstatus_to_exitcode(status)
     return usage.ru_maxrss * (1 if sys.platform == "darwin" else 1024)  # bytes on macOS, KiB on Linux
+
+
+def _monitor(spec: RunSpec, directory: Path) -> GpuMonitor | None:
+    """The sampler of the job's GPUs, rank k's GPU k-th; none for a CPU job."""
+    if not spec.device.startswith("cuda"):
+        return None
+    directory.mkdir(parents=True, exist_ok=True)
+    return GpuMonitor(job_gpus(spec.layout.world_size), directory)
 
 
 def _first_failed_rank(result_path: Path, ranks: int) -> tuple[dict[str, Any] | None, str | None]:
@@ -354,7 +368,9 @@ def _run_planned(spec: RunSpec, logs: Path, timeout: float, on_event, policy: Fa
                               "status": "timeout", "error": f"{limit} ran out before {candidate.label} could start",
                               "params": resolve(candidate.model).total_params, "started_at": _now(),
                               "finished_at": _now()})
-        row = run_one(assign(candidate), logs / f"{spec.key}-{next(attempt)}.log", remaining, on_event, limit=limit)
+        number = next(attempt)
+        row = run_one(assign(candidate), logs / f"{spec.key}-{number}.log", remaining, on_event, limit=limit,
+                      artifacts=logs.parent / "artifacts" / spec.key / str(number))
         tried.append({"spec": candidate.model_dump(), "status": row["status"], "error": row.get("error")})
         if row["status"] == "timeout":
             raise _OutOfTime(row)

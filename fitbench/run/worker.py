@@ -51,26 +51,26 @@ from pathlib import Path
 import torch
 
 from fitbench import hardware
-from fitbench.spec import Assignment, RunSpec
 from fitbench.models.backends import CausalLM, NativeLM, load_model
 from fitbench.models.hf import has_weights
 from fitbench.models.offload import Offload, OffloadCapacityError, build_offloaded
 from fitbench.models.registry import is_local_model, resolve
-from fitbench.processes import end_own_tree, rank_token, tie_to_parent
-from fitbench.run.loops import generate, make_step, random_tokens, read_generation
-from fitbench.run.aggregate import combine
-from fitbench.run.metrics import inference_metrics, step_metrics
-from fitbench.run.parallel import data_seed, parallelize
-from fitbench.run.ranks import Rank, gather_json, process_group, rank_result_path
 from fitbench.precisions import (ADAPTER_ALPHA, ADAPTER_RANK, TRAINING_MODES, graph_problem, hardware_problem,
                                  peak_kind, training_problem)
 from fitbench.precisions import policy as precision_policy
+from fitbench.processes import end_own_tree, rank_token, tie_to_parent
 from fitbench.run.adapters import add_adapters
+from fitbench.run.aggregate import combine
+from fitbench.run.loops import generate, make_step, random_tokens, read_generation
+from fitbench.run.metrics import inference_metrics, step_metrics
+from fitbench.run.parallel import data_seed, parallelize
 from fitbench.run.quality import Quality
 from fitbench.run.quantize import build_quantized_native, float8_training, quantize_built
+from fitbench.run.ranks import Rank, gather_json, process_group, rank_result_path
 from fitbench.run.sanity import Verdict, non_finite_figures, non_finite_steps, read, warmup_warning
 from fitbench.run.timing import DeviceClock, first_call_seconds, run_stages, time_steps
 from fitbench.run.trackers import NvmlSampler, memory_report
+from fitbench.spec import Assignment, RunSpec
 from fitbench.stats import SampleStats
 
 EXIT_OK, EXIT_FAILED = 0, 3
