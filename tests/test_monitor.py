@@ -9,7 +9,6 @@ import subprocess
 import sys
 import threading
 import time
-import types
 from pathlib import Path
 
 import pytest
@@ -266,139 +265,7 @@ def test_a_killed_writer_loses_no_flushed_round(tmp_path):
 
 
 # ---------------------------------------------------------------------------------------------
-# The sampling thread, against a stand-in for the NVML library (CI has no GPU; the real one is
-# below). Its errors are pynvml's own classes and codes, so the monitor's handling is the real one.
-
-
-class _StandInNvml:
-    """Two GPUs. The first answers everything; the second has no v2 memory call, no V temperature
-    call, no power or energy, and loses its utilization query once."""
-
-    def __init__(self):
-        import pynvml
-
-        self.NVMLError = pynvml.NVMLError
-        self.nvmlMemory_v2 = pynvml.nvmlMemory_v2
-        self.NVML_TEMPERATURE_GPU = pynvml.NVML_TEMPERATURE_GPU
-        self.NVML_CLOCK_SM = pynvml.NVML_CLOCK_SM
-        for name in dir(pynvml):
-            if name.startswith("NVML_ERROR_"):
-                setattr(self, name, getattr(pynvml, name))
-        self.uuids = ["GPU-aaaa1111-0000", "GPU-bbbb2222-0000"]
-        self.inits = self.shutdowns = self.utilization_calls = 0
-        self.born = time.monotonic()
-
-    def _refuse(self, code):
-        raise self.NVMLError(code)
-
-    def nvmlInit(self):
-        self.inits += 1
-
-    def nvmlShutdown(self):
-        self.shutdowns += 1
-
-    def nvmlDeviceGetCount(self):
-        return 2
-
-    def nvmlDeviceGetHandleByIndex(self, index):
-        return index
-
-    def nvmlDeviceGetUUID(self, handle):
-        return self.uuids[handle].encode()
-
-    def nvmlDeviceGetHandleByUUID(self, uuid):
-        self._refuse(self.NVML_ERROR_NOT_FOUND)
-
-    def nvmlDeviceGetName(self, handle):
-        return "Stand-in GPU"
-
-    def nvmlDeviceGetMemoryInfo(self, handle, version=None):
-        if version is not None and handle == 1:
-            self._refuse(self.NVML_ERROR_FUNCTION_NOT_FOUND)
-        return types.SimpleNamespace(total=80_000, used=1_000 * (handle + 1))
-
-    def nvmlDeviceGetUtilizationRates(self, handle):
-        if handle == 1:
-            self.utilization_calls += 1
-            if self.utilization_calls == 2:
-                self._refuse(self.NVML_ERROR_GPU_IS_LOST)
-        return types.SimpleNamespace(gpu=60, memory=30)
-
-    def nvmlDeviceGetPowerUsage(self, handle):
-        if handle == 1:
-            self._refuse(self.NVML_ERROR_NOT_SUPPORTED)
-        return 250_000  # mW
-
-    def nvmlDeviceGetTemperatureV(self, handle, sensor):
-        if handle == 1:
-            self._refuse(self.NVML_ERROR_FUNCTION_NOT_FOUND)
-        return 50
-
-    def nvmlDeviceGetTemperature(self, handle, sensor):
-        return 51
-
-    def nvmlDeviceGetClockInfo(self, handle, clock):
-        return 1980
-
-    def nvmlDeviceGetTotalEnergyConsumption(self, handle):
-        if handle == 1:
-            self._refuse(self.NVML_ERROR_NOT_SUPPORTED)
-        return int(1_000_000 + 250_000 * (time.monotonic() - self.born))  # mJ at a steady 250 W
-
-
-def test_sampling_thread_with_refused_and_failing_queries(tmp_path, monkeypatch):
-    nvml = _StandInNvml()
-    monkeypatch.setitem(sys.modules, "pynvml", nvml)
-    with GpuMonitor(["0", "GPU-bbbb"], tmp_path, interval_s=0.05) as monitor:
-        assert len(_sampler_threads()) == 1
-        time.sleep(0.6)
-    assert not _sampler_threads()
-    assert nvml.inits == nvml.shutdowns == 1
-    summary = monitor.summary(tokens=100)
-    assert summary["available"] and summary["failure"] is None and summary["timeline_error"] is None
-    first, second = summary["gpus"]
-    assert (first["uuid"], second["uuid"]) == tuple(nvml.uuids)
-    assert first["sources"]["memory"] == "nvmlDeviceGetMemoryInfo_v2"
-    assert second["sources"]["memory"] == "nvmlDeviceGetMemoryInfo"
-    assert second["sources"]["temperature"] == "nvmlDeviceGetTemperature"
-    assert first["refused"] == {}
-    assert set(second["refused"]) == {"power_w", "energy_j"}
-    assert "Not Supported" in second["refused"]["power_w"]
-    assert second["errors"]["utilization"]["count"] == 1
-    assert "GPU is lost" in second["errors"]["utilization"]["first"]
-    assert second["peak_temperature_c"] == 51 and second["peak_memory_used_bytes"] == 2_000
-    assert second["energy_j"] is None and second["peak_power_w"] is None
-    assert summary["energy_j"] is None  # one GPU without energy: the job's total is unknown
-    # 0.6 s at 0.05 s: about 12 rounds plus the first and the last; the interval is measured
-    assert first["samples"] >= 6
-    assert 0.04 <= first["interval_s"]["median"] <= 0.15
-    assert first["energy_method"] == "nvml_energy_counter"
-    assert first["energy_j"] == pytest.approx(250 * first["duration_s"], rel=0.05, abs=1.0)
-    assert first["mean_power_w"] == pytest.approx(250.0)
-    assert second["mean_utilization_percent"] == pytest.approx(60.0)
-    nulls = [s for s in monitor.samples if s.gpu == 1 and s.utilization_percent is None]
-    assert len(nulls) == 1
-    timeline = read_timeline(tmp_path / "nvml.jsonl")
-    assert timeline.samples == monitor.samples and timeline.damaged_lines == 0
-    assert timeline.header["gpus"][1]["refused"].keys() == {"power_w", "energy_j"}
-    assert timeline.header["columns"]["power_w"].startswith("W;")
-
-
-def test_requests_that_match_no_gpu_or_two(tmp_path, monkeypatch):
-    monkeypatch.setitem(sys.modules, "pynvml", _StandInNvml())
-    with GpuMonitor(["5", "GPU-", "MIG-x", "cuda:0", "1"], tmp_path, interval_s=0.05) as monitor:
-        pass
-    gpus = monitor.summary()["gpus"]
-    assert [g["available"] for g in gpus] == [False, False, False, False, True]
-    assert gpus[0]["reason"] == "GPU index 5: NVML sees 2 GPU(s)"
-    assert gpus[1]["reason"] == "2 GPUs' UUIDs start with 'GPU-'"
-    assert gpus[2]["reason"] == "MIG device 'MIG-x': Not Found"
-    assert gpus[3]["reason"] == "'cuda:0' is neither a GPU index nor a GPU-/MIG- UUID"
-    assert gpus[4]["uuid"] == "GPU-bbbb2222-0000" and gpus[4]["gpu"] == 4
-
-
-# ---------------------------------------------------------------------------------------------
-# A real GPU
+# The sampling thread on a real GPU (skipped where there is none).
 
 
 @pytest.mark.skipif(not NVML, reason="needs NVML and a GPU")
