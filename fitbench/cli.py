@@ -704,29 +704,56 @@ def _requirements(args, target, calibration, seq_len, new_tokens, batch, minimum
 
 
 def calibrate(args: argparse.Namespace, cli_options: dict[str, Any]) -> int:
-    """Measure this GPU's CUDA context and cuBLAS workspace and store them for the planner."""
-    from fitbench.launch.calibrate import measure_calibration
+    """Measure this GPU's CUDA context and cuBLAS workspace, and with several GPUs the all-reduce and
+    all-gather bus bandwidth, and store them for the planner."""
+    from fitbench.launch.calibrate import measure_bus_bandwidth, measure_calibration, with_bus_bandwidth
     from fitbench.plan.calibration import save_calibration
 
-    device = resolve_device(args.device)
-    if device == "cpu":
-        raise UserError("device: calibration measures GPU overheads; run it where a GPU is visible.")
+    import os
+
     import torch
 
-    import tempfile
-
-    console.print(f"calibrating {device}: tiny training, generating and in a forward pass, in fresh processes ...")
+    device = resolve_device(args.device)
+    if device == "cpu" and args.gpus is None:
+        raise UserError("device: calibration measures GPU overheads; run it where a GPU is visible (on a CPU, "
+                        "--gpus 2 or more measures the bus bandwidth of that many processes over gloo, to try it).")
+    # on a CPU, one process per core at most
+    low, high, what = (2, max(2, os.cpu_count() or 2), "CPU cores") if device == "cpu" else (
+        1, torch.cuda.device_count(), "GPUs visible")
+    gpus = high if args.gpus is None else args.gpus
+    if not low <= gpus <= high:
+        raise UserError(f"gpus: {excerpt(gpus)} to measure; give {low} to {high} (the {what}).")
     with tempfile.TemporaryDirectory(prefix="fitbench-calibrate-") as scratch:
+        if device == "cpu":
+            console.print(f"measuring the bus bandwidth of {gpus} CPU processes over gloo ...")
+            bus = measure_bus_bandwidth(gpus, device, Path(scratch))
+            console.print(f"{_bus_figures(bus)}; nothing stored: the planner plans GPUs")
+            return 0
+        console.print(f"calibrating {device}: tiny training, generating and in a forward pass, in fresh processes ...")
         calibration = measure_calibration(device, Path(scratch))
+        if gpus > 1:
+            console.print(f"measuring all-reduce and all-gather over {gpus} GPUs, one process each ...")
+            calibration = with_bus_bandwidth(calibration, measure_bus_bandwidth(gpus, device, Path(scratch)))
     path = save_calibration(torch.cuda.get_device_name(torch.device(device)), calibration)
     console.print(f"{_calibration_figures(calibration)}; stored in {path}")
     return 0
 
 
+def _bus_figures(bus) -> str:
+    return (f"bus bandwidth: all-reduce {bus.all_reduce / 1e9:.3g} GB/s, all-gather {bus.all_gather / 1e9:.3g} GB/s "
+            f"({bus.source})")
+
+
 def _calibration_figures(c) -> str:
-    return (f"CUDA context {c.cuda_context_training / 1e6:.0f} MB training, {c.cuda_context_inference / 1e6:.0f} MB "
-            f"generating, {c.cuda_context_eager / 1e6:.0f} MB forward; workspaces {c.workspace_training / 1e6:.0f} "
-            f"MB training, {c.workspace_inference / 1e6:.0f} MB generating, {c.workspace_eager / 1e6:.0f} MB forward")
+    from fitbench.plan.speed import BusBandwidth
+
+    figures = (f"CUDA context {c.cuda_context_training / 1e6:.0f} MB training, {c.cuda_context_inference / 1e6:.0f} MB "
+               f"generating, {c.cuda_context_eager / 1e6:.0f} MB forward; workspaces {c.workspace_training / 1e6:.0f} "
+               f"MB training, {c.workspace_inference / 1e6:.0f} MB generating, {c.workspace_eager / 1e6:.0f} MB forward")
+    if c.all_reduce_bus_bandwidth is None:
+        return figures
+    bus = BusBandwidth(c.all_reduce_bus_bandwidth, c.all_gather_bus_bandwidth, c.collectives_source)
+    return f"{figures}; {_bus_figures(bus)}"
 
 
 # ---- models ---------------------------------------------------------------------------------
@@ -877,6 +904,9 @@ def build_parser() -> argparse.ArgumentParser:
             _add_plan_options(sub)
         elif name == "calibrate":
             sub.add_argument("--device", default="auto", help="GPU to measure (default: the first)")
+            sub.add_argument("--gpus", type=int, default=None,
+                             help="GPUs for the all-reduce and all-gather bus bandwidth (default: all visible; on "
+                                  "--device cpu, that many processes over gloo)")
         elif name == "report":
             sub.add_argument("directory", metavar="DIR", help="the --out directory of a fitbench run")
             sub.add_argument("--markdown", action="store_true", help="print a Markdown table with provenance")

@@ -23,6 +23,7 @@ from fitbench import hardware
 from fitbench.cli import gpu_target, run_target
 from fitbench.config import RunSpec
 from fitbench.errors import UserError
+from fitbench.launch.calibrate import measure_bus_bandwidth, with_bus_bandwidth
 from fitbench.models.registry import resolve
 from fitbench.plan.calibration import (DEFAULT, TENSORS_ONLY, Calibration, calibration_path, ensure_calibration,
                                       load_calibration, save_calibration)
@@ -1012,6 +1013,44 @@ def test_calibrate_command_on_a_cpu_only_machine(tmp_path):
     assert done.returncode == 2
     assert "calibration measures GPU overheads" in done.stderr and "Traceback" not in done.stderr
     assert done.stdout == ""
+
+
+@pytest.mark.parametrize("argv, message", [
+    (["calibrate", "--device", "cpu", "--gpus", "1"], "gpus: 1 to measure; give 2 to"),
+    (["calibrate", "--device", "cpu", "--gpus", "-3"], "gpus: -3 to measure"),
+    (["calibrate", "--device", "cpu", "--gpus", "100000"], "(the CPU cores)"),
+])
+def test_calibrate_bus_bandwidth_out_of_range_exits_2(argv, message, capsys):
+    code, out, err = cli(argv, capsys)
+    assert code == 2 and message in err and "Traceback" not in err and out == ""
+    assert len(err.strip().splitlines()) == 1, err
+    assert not calibration_path().exists()
+
+
+@pytest.mark.slow
+def test_bus_bandwidth_of_two_gloo_ranks(tmp_path):
+    bus = measure_bus_bandwidth(2, "cpu", tmp_path, timeout_s=120)
+    timed = json.loads((tmp_path / "collectives.json").read_text())
+    assert (timed["world"], timed["backend"], timed["message_bytes"]) == (2, "gloo", 4 * MIB)
+    assert 0 < timed["all_reduce_s"] < 10 and 0 < timed["all_gather_s"] < 10
+    # nccl-tests' bus bandwidth, from the slowest rank's seconds per operation: an all-reduce moves
+    # 2 (g - 1) / g of its bytes through each link, an all-gather (g - 1) / g of the gathered tensor
+    assert bus.all_reduce == pytest.approx(2 * (2 - 1) / 2 * 4 * MIB / timed["all_reduce_s"], rel=1e-12)
+    assert bus.all_gather == pytest.approx((2 - 1) / 2 * 4 * MIB / timed["all_gather_s"], rel=1e-12)
+    assert bus.source.startswith("measured on 2 CPU processes with gloo, 4 MiB messages, torch ")
+    assert {path.name for path in tmp_path.glob("rank*.log")} == {"rank0.log", "rank1.log"}
+    # stored with a calibration, it is what the speed model uses
+    save_calibration("NVIDIA H200", with_bus_bandwidth(DEFAULT, bus))
+    assert bus_bandwidth("NVIDIA H200", load_calibration("NVIDIA H200")) == bus
+
+
+def test_calibrations_stored_without_bus_bandwidth_keep_the_datasheet():
+    calibration_path().parent.mkdir(parents=True, exist_ok=True)
+    older = {key: value for key, value in asdict(DEFAULT).items() if "bus" not in key and "collectives" not in key}
+    calibration_path().write_text(json.dumps({f"NVIDIA H200|torch {torch.__version__}": older}))
+    loaded = load_calibration("NVIDIA H200")
+    assert loaded.all_reduce_bus_bandwidth is None and loaded.cuda_context_training == DEFAULT.cuda_context_training
+    assert bus_bandwidth("NVIDIA H200", loaded).all_reduce == NVLINK4_PER_DIRECTION
 
 
 # ---- 10. responsiveness --------------------------------------------------------------------------
