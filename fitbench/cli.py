@@ -745,15 +745,19 @@ def _bus_figures(bus) -> str:
 
 
 def _calibration_figures(c) -> str:
+    return (f"CUDA context {c.cuda_context_training / 1e6:.0f} MB training, {c.cuda_context_inference / 1e6:.0f} MB "
+            f"generating, {c.cuda_context_eager / 1e6:.0f} MB forward; workspaces {c.workspace_training / 1e6:.0f} "
+            f"MB training, {c.workspace_inference / 1e6:.0f} MB generating, {c.workspace_eager / 1e6:.0f} MB forward"
+            + _collectives_figures(c))
+
+
+def _collectives_figures(c) -> str:
     from fitbench.plan.speed import BusBandwidth
 
-    figures = (f"CUDA context {c.cuda_context_training / 1e6:.0f} MB training, {c.cuda_context_inference / 1e6:.0f} MB "
-               f"generating, {c.cuda_context_eager / 1e6:.0f} MB forward; workspaces {c.workspace_training / 1e6:.0f} "
-               f"MB training, {c.workspace_inference / 1e6:.0f} MB generating, {c.workspace_eager / 1e6:.0f} MB forward")
     if c.all_reduce_bus_bandwidth is None:
-        return figures
+        return ""
     bus = BusBandwidth(c.all_reduce_bus_bandwidth, c.all_gather_bus_bandwidth, c.collectives_source)
-    return f"{figures}; {_bus_figures(bus)}"
+    return f"; {_bus_figures(bus)}"
 
 
 # ---- models ---------------------------------------------------------------------------------

@@ -29,13 +29,15 @@ datasheet's NVLink bandwidth in one direction.
   backward pass. FSDP2 all-gathers the units in the compute dtype for the forward pass (the root's
   and the first layer's before any compute) and again, less the root, which stays gathered, for
   the backward pass, and reduce-scatters the gradients in the reduce dtype during the backward
-  pass; the root's reduce-scatter comes after it:
+  pass; the root's reduce-scatter comes after it. Per pass, with t its compute-or-memory time:
 
-      t = t_forward + max(t_backward, overlapped collectives) + exposed collectives
+      t_pass = max(t, the pass's collectives - its exposed ones) + its exposed ones
 
-  with the backward pass 2/3 of the step's busy time, 3/4 under activation checkpointing (the
-  forward's recomputation runs in it; FSDP gathers nothing again for it); tensor parallel: two all-reduces of the activations per layer in the
-  forward pass and two in the backward; pipeline: one micro-batch per step crosses the stages one
+  (DDP's forward pass has none), the backward pass 2/3 of the step's busy time, 3/4 under
+  activation checkpointing (the forward's recomputation runs in it; FSDP gathers nothing again
+  for it);
+- tensor parallel: two all-reduces of the activations per layer in the forward pass and two in
+  the backward, nothing to overlap with; pipeline: one micro-batch per step crosses the stages one
   after another, ``(M + S - 1) / M`` stage-times for M micro-batches and S stages;
 - offload: the offloaded layers' weights cross the host link (PCIe) once per forward pass (each
   decode step, the prefill, a forward step), copied synchronously before each layer runs, so the
