@@ -154,7 +154,11 @@ class Widths:
     autocast: bool
 
     @classmethod
-    def of(cls, precision: str) -> Widths:
+    def of(cls, precision: str, parallelism: Parallelism | None = None) -> Widths:
+        """``precision``'s widths; under FSDP (``parallelism``), a mixed precision's: 16-bit gathered
+        weights and inputs, so 16-bit activations and no autocast, beside its fp32 shards."""
+        if parallelism is not None and parallelism.shards > 1 and precision in ("bf16", "fp16"):
+            return cls(4, 2, 2, False)
         if precision in QUANTIZED:
             return cls(2, 2, 2, False)  # weights outside the layers' matmuls stay bf16
         if precision in ("fp32", "tf32"):
@@ -441,8 +445,7 @@ def estimate_memory(arch: Architecture, mode: str, precision: str, batch: int, s
     terms = [Term("weights", weights, f"{widths.weights:g} B x {local_params:,.0f} parameters"
                   + (f" / {shards} FSDP shards" if shards > 1 else "")), rotary_term(arch, backend)]
     if training:
-        if shards > 1 and widths.autocast:  # FSDP's mixed precision: 16-bit layers, no autocast
-            widths = Widths(widths.weights, widths.compute, widths.compute, autocast=False)
+        widths = Widths.of(precision, parallelism)
         return _training(arch, mode, widths, batch, seq_len, activation_checkpointing, terms, local_params / shards,
                          layers, tp, backend=backend, compiled=compiled, layout=parallelism)
     return _inference(arch, mode, widths, batch, seq_len, new_tokens, terms, tp, stages, backend=backend,

@@ -168,7 +168,7 @@ def overhead_terms(arch: Architecture, mode: str, candidate: Candidate, memory: 
     if moment in LATE_BACKWARD:
         backend = backend or default_backend(arch)
         tokens, tp = candidate.batch_size * seq_len, candidate.parallelism.tensor
-        widths = Widths.of(candidate.precision)
+        widths = Widths.of(candidate.precision, candidate.parallelism)
         layer = (inductor.saved_per_layer(arch, tokens, widths.compute, widths.residual, tp)
                  if candidate.compiled and backend == "native"
                  else saved_per_layer(arch, tokens, widths, tp, backend=backend, context=seq_len))
@@ -513,7 +513,7 @@ def alternatives(arch: Architecture, spec, target: GpuTarget, calibration: Calib
       precision (the spec's, else bf16-pure);
     - the fewest GPUs of this kind (2, 4, 8 ... up to ``max_gpus``) on which a layout that divides the
       memory (FSDP, tensor parallel, pipeline stages; not DDP, which replicates it) fits, the fastest
-      by the roofline among those.
+      by the roofline among those; in training FSDP where it fits, as ``plan`` chooses.
 
     Each keeps everything else of the spec. Returns only the changes predicted to fit."""
 
@@ -577,7 +577,8 @@ def alternatives(arch: Architecture, spec, target: GpuTarget, calibration: Calib
         fitting = [a for a in (assess(arch, mode, c, many, seq_len=seq_len, new_tokens=new_tokens,
                                       calibration=calibration, backend=spec.backend) for c in layouts) if a.fits]
         if fitting:
-            best = max(fitting, key=lambda a: a.speed.tokens_per_s)
+            best = max(fitting, key=lambda a: (not training or a.candidate.strategy in LAUNCHED_IN_TRAINING,
+                                               a.speed.tokens_per_s))
             found.append(Alternative(f"on {gpus} GPUs with {STRATEGY_NAMES[best.candidate.strategy]}"
                                      f"{with_recompute(best.candidate)}", best))
             break
