@@ -49,13 +49,16 @@ output projection):
   reduce_dtype=fp32)``; FSDP pads each parameter's first dimension to a multiple of g, at most
   g - 1 rows, not counted). The mixed-precision policy gathers 16-bit parameters and casts the
   root's inputs, so the layers compute as in bf16-pure: activations with bf16-pure's widths, no
-  autocast copies. Gathered in flight (torch 2.13, ``_fsdp_param_group.py``, ``_fsdp_collectives.py``),
-  c the gathered dtype and rd the reduce dtype (fp32 under that policy, else the parameters'):
+  autocast copies. Gathered in flight (torch 2.11 to 2.13, ``torch/distributed/fsdp/_fully_shard/``
+  ``_fsdp_param_group.py`` and ``_fsdp_collectives.py``), c the gathered dtype and rd the reduce
+  dtype (fp32 under that policy, else the parameters'):
   the root, not resharded after forward, c E at every moment; two layers, 2 c p: the one at work
   and the next (the all-gather output of one held until the next one's copy-out in forward; the
   one prefetched in backward); in the backward of a layer its unsharded gradients, c p, beside the
   previous layer's reduce-scatter input, rd p, which FSDP holds until this layer's reduce-scatter
-  is issued (``reduce_scatter_max_input_buffers`` = 1); the root's output projection and final
+  is issued (one held: ``reduce_scatter_state``, in 2.13 ``reduce_scatter_max_input_buffers`` = 1;
+  the layer's gradients are copied into its own input before they are freed, and the held one is
+  dropped first); the root's output projection and final
   norm gradients, c (V h + norm), unsharded until the root's reduce-scatter at the end, where the
   root's gradients and the first layer's reduce-scatter input give way to the root's own
   reduce-scatter input: max(c G + rd p, rd E), G the root's gradients (two V h contributions
