@@ -241,4 +241,20 @@ def calibration_figures(c) -> str:
     """A calibration's figures in one line."""
     return (f"CUDA context {c.cuda_context_training / 1e6:.0f} MB training, {c.cuda_context_inference / 1e6:.0f} MB "
             f"generating, {c.cuda_context_eager / 1e6:.0f} MB forward; workspaces {c.workspace_training / 1e6:.0f} "
-            f"MB training, {c.workspace_inference / 1e6:.0f} MB generating, {c.workspace_eager / 1e6:.0f} MB forward")
+            f"MB training, {c.workspace_inference / 1e6:.0f} MB generating, {c.workspace_eager / 1e6:.0f} MB forward"
+            + _collectives_figures(c))
+
+
+def bus_figures(bus) -> str:
+    """Measured bus bandwidths in one line."""
+    return (f"bus bandwidth: all-reduce {bus.all_reduce / 1e9:.3g} GB/s, all-gather {bus.all_gather / 1e9:.3g} GB/s "
+            f"({bus.source})")
+
+
+def _collectives_figures(c) -> str:
+    from fitbench.plan.speed import BusBandwidth
+
+    if c.all_reduce_bus_bandwidth is None:
+        return ""
+    bus = BusBandwidth(c.all_reduce_bus_bandwidth, c.all_gather_bus_bandwidth, c.collectives_source)
+    return f"; {bus_figures(bus)}"

@@ -21,7 +21,7 @@ import yaml
 from fitbench.sweep import predicted_max_batch
 from fitbench.config import SweepConfig, fallback_ladder, load_yaml, merge_sources
 from fitbench.spec import RunSpec
-from fitbench.launch.fallback import FallbackPolicy, largest_batch, next_attempt, search_max_batch
+from fitbench.launch.fallback import FallbackPolicy, Rung, largest_batch, next_attempt, next_rung, search_max_batch
 from fitbench.launch.orders import assign
 from fitbench.models.registry import resolve
 from fitbench.plan.memory import estimate_memory
@@ -209,6 +209,89 @@ def test_ladder_with_a_repeated_precision_ends():
     assert fallback_ladder(SweepConfig(fallback=["bf16-pure", "int8", "bf16-pure"]), "infer") == ["bf16-pure", "int8"]
     steps = walk(spec(precision="bf16-pure"), FallbackPolicy(("bf16-pure", "int8", "bf16-pure")))
     assert [change for _, change in steps] == ["precision bf16-pure -> int8", "offload on, precision int8 -> bf16-pure"]
+
+
+# ---- next_rung: the layout over the GPUs at hand --------------------------------------------------
+
+
+def walk_rungs(start: RunSpec, policy: FallbackPolicy, strategy: str, gpus: int, at_hand: int,
+               limit: int = 30) -> list[Rung]:
+    """Every rung after ``start`` (run with ``strategy`` over ``gpus``) until next_rung gives up."""
+    rungs: list[Rung] = []
+    current = Rung(start, strategy, gpus, "as planned")
+    for _ in range(limit):
+        following = next_rung(current.spec, policy, strategy=current.strategy, gpus=current.gpus,
+                              gpus_at_hand=at_hand)
+        if following is None:
+            return rungs
+        rungs.append(following)
+        current = following
+    raise AssertionError(f"next_rung still going after {limit} attempts: {[r.change for r in rungs[-4:]]}")
+
+
+def test_full_training_shards_over_the_gpus_at_hand_before_any_precision_rung():
+    start = spec(mode="train", precision="bf16", batch_size=4)
+    rungs = walk_rungs(start, TRAIN_LADDER, "single", 1, 2)
+    assert [r.change for r in rungs] == ["1 GPU -> fsdp x 2", "precision bf16 -> bf16-pure",
+                                         "activation checkpointing on", "batch 4 -> 2", "batch 2 -> 1"]
+    # the same configuration first, sharded; then the ladder goes on in that layout
+    assert rungs[0].spec == start
+    assert all((r.strategy, r.gpus) == ("fsdp", 2) for r in rungs)
+    assert not any(r.spec.precision in ("int8", "nf4") for r in rungs)
+
+
+@pytest.mark.parametrize("mode", ["train", "forward-backward"])
+@pytest.mark.parametrize("strategy, gpus, at_hand, change", [
+    ("ddp", 2, 2, "ddp x 2 -> fsdp x 2"), ("fsdp", 2, 4, "fsdp x 2 -> fsdp x 4"), ("ddp", 4, 8, "ddp x 4 -> fsdp x 8"),
+    ("single", 1, 8, "1 GPU -> fsdp x 8")])
+def test_replicated_or_partly_sharded_training_moves_to_fsdp_over_every_gpu(mode, strategy, gpus, at_hand, change):
+    start = spec(mode=mode, precision="bf16-pure", batch_size=2)
+    rung = next_rung(start, TRAIN_LADDER, strategy=strategy, gpus=gpus, gpus_at_hand=at_hand)
+    assert (rung.spec, rung.strategy, rung.gpus, rung.change) == (start, "fsdp", at_hand, change)
+
+
+def test_fsdp_over_every_gpu_goes_on_down_the_ladder():
+    rung = next_rung(spec(mode="train", precision="bf16"), TRAIN_LADDER, strategy="fsdp", gpus=2, gpus_at_hand=2)
+    assert (rung.spec.precision, rung.strategy, rung.gpus, rung.change) == (
+        "bf16-pure", "fsdp", 2, "precision bf16 -> bf16-pure")
+
+
+def test_one_gpu_at_hand_walks_the_one_gpu_ladder():
+    for start, policy in ((spec(mode="train", precision="bf16", batch_size=5), TRAIN_LADDER),
+                          (spec(precision="bf16-pure", batch_size=4), INFER_LADDER)):
+        rungs = walk_rungs(start, policy, "single", 1, 1)
+        assert [(r.spec, r.change) for r in rungs] == walk(start, policy)
+        assert all((r.strategy, r.gpus) == ("single", 1) for r in rungs)
+
+
+def test_full_training_never_becomes_adapters():
+    # a ladder of adapter bases only: none is a rung of full training, on one GPU or several
+    adapters_only = FallbackPolicy(("nf4", "int8"))
+    for at_hand in (1, 2):
+        rungs = walk_rungs(spec(mode="train", precision="bf16", batch_size=2), adapters_only, "single", 1, at_hand)
+        assert all(r.spec.precision == "bf16" for r in rungs)
+        assert [r.change for r in rungs][-2:] == ["activation checkpointing on", "batch 2 -> 1"]
+
+
+@pytest.mark.parametrize("start, strategy, gpus", [
+    (spec(mode="infer", precision="bf16-pure", batch_size=2), "single", 1),  # inference has no data parallelism
+    (spec(mode="train", precision="nf4", batch_size=2), "single", 1),  # adapters on a quantized base
+    (spec(mode="train", precision="bf16", batch_size=2), "tp", 2),  # tensor parallel keeps its layout
+])
+def test_only_full_training_in_a_data_parallel_layout_is_sharded(start, strategy, gpus):
+    rungs = walk_rungs(start, INFER_LADDER if start.mode == "infer" else TRAIN_LADDER, strategy, gpus, 4)
+    assert rungs and all((r.strategy, r.gpus) == (strategy, gpus) for r in rungs)
+    assert not any("fsdp" in r.change for r in rungs)
+
+
+def test_a_layout_of_several_gpus_never_offloads():
+    rungs = walk_rungs(spec(precision="bf16-pure", batch_size=2), INFER_LADDER, "tp", 2, 2)
+    assert [r.change for r in rungs] == ["precision bf16-pure -> int8", "precision int8 -> nf4", "batch 2 -> 1"]
+
+
+def test_a_disabled_policy_has_no_rung():
+    disabled = FallbackPolicy(("bf16", "bf16-pure"), enabled=False)
+    assert next_rung(spec(mode="train", precision="bf16"), disabled, strategy="single", gpus=1, gpus_at_hand=8) is None
 
 
 # ---- largest_batch and search_max_batch -----------------------------------------------------------

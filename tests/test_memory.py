@@ -487,7 +487,7 @@ def test_offload_outside_its_scope_is_an_error(mode, precision, parallelism, res
 def test_fsdp_shards_weights_gradients_and_optimizer_state(precision):
     single = terms_of(estimate_memory(ARCH, "train", precision, 2, 32))
     sharded = terms_of(estimate_memory(ARCH, "train", precision, 2, 32, parallelism=Parallelism("fsdp", 4)))
-    w, c = WIDTHS[precision]["w"], WIDTHS[precision]["c"]
+    w = WIDTHS[precision]["w"]
     for name, per_param in (("weights", w), ("optimizer state", 2 * w)):
         assert sharded[name] == single[name] / 4 == per_param * PARAMS / 4, name
     # on one GPU the input embedding's gradient is a term of its own; FSDP shards every gradient,
@@ -496,12 +496,70 @@ def test_fsdp_shards_weights_gradients_and_optimizer_state(precision):
     assert single["gradients"] == w * (PARAMS - V * H)
     assert sharded["gradients"] == whole_gradients / 4 == w * PARAMS / 4
     assert "input embedding gradient" not in sharded
-    assert sharded["activations"] == single["activations"]
-    # two gathered layers and one layer's unsharded gradients in flight; FSDP gathers 16-bit
-    # weights itself, so there are no autocast copies
-    assert sharded["unsharded FSDP units"] == 3 * c * LAYER_PARAMS
+    # FSDP's mixed precision gathers 16-bit weights and runs the layers in 16 bits: bf16's activations
+    # are bf16-pure's, and there are no autocast copies
+    same_widths = "bf16-pure" if precision == "bf16" else precision
+    assert sharded["activations"] == terms_of(estimate_memory(ARCH, "train", same_widths, 2, 32))["activations"]
     assert "autocast weight copies" not in sharded
-    assert "unsharded FSDP units" not in single
+
+
+@pytest.mark.parametrize("precision", PRECISIONS)
+@pytest.mark.parametrize("tied", [False, True], ids=["untied", "tied"])
+def test_fsdp_units_in_flight_by_hand(precision, tied):
+    arch = dataclasses.replace(ARCH, tie_embeddings=tied)
+    estimate = estimate_memory(arch, "train", precision, 2, 32, parallelism=Parallelism("fsdp", 4))
+    terms = terms_of(estimate)
+    # gathered in 16 bits under mixed precision (c), reduced in the sharded parameters' dtype (w)
+    c, rd = {"fp32": (4, 4), "bf16": (2, 4), "bf16-pure": (2, 2)}[precision]
+    root = V * H + H + (0 if tied else V * H)  # embedding, final norm, output projection
+    assert root == (EDGE_PARAMS if not tied else EDGE_PARAMS - V * H)
+    gradients_at_root = root + (V * H if tied else 0)  # a tied matrix gets two contributions, then their sum
+    expected = {
+        "FSDP root gathered": (c * root, None),
+        "FSDP layers gathered": (2 * c * LAYER_PARAMS, {START, RECOMPUTE, FIRST}),
+        "FSDP layer gradients": (c * LAYER_PARAMS + rd * LAYER_PARAMS, {FIRST}),
+        "FSDP root gradients": (c * (V * H + H), {RECOMPUTE, FIRST}),
+        "FSDP root reduce-scatter": (max(c * gradients_at_root + rd * LAYER_PARAMS, rd * root), {END}),
+    }
+    by_name = {term.name: term for term in estimate.terms}
+    for name, (size, moments) in expected.items():
+        assert terms[name] == size > 0, name
+        assert by_name[name].moments == (None if moments is None else frozenset(moments)), name
+    assert "tied embedding gradients" not in terms and "unsharded FSDP units" not in terms
+    # the start of the backward pass: shards, every activation and the loss, the root and two layers gathered
+    start = sum(terms[name] for name in ("weights", "optimizer state", "rotary tables", "activations",
+                                         "final norm and output input", "loss chain"))
+    assert estimate.total_at(START) == start + c * root + 2 * c * LAYER_PARAMS
+
+
+@pytest.mark.parametrize("precision", PRECISIONS)
+@pytest.mark.parametrize("tied", [False, True], ids=["untied", "tied"])
+def test_ddp_gradient_buckets_by_hand(precision, tied):
+    arch = dataclasses.replace(ARCH, tie_embeddings=tied)
+    params = PARAMS - (V * H if tied else 0)
+    single = estimate_memory(arch, "train", precision, 2, 32)
+    ddp = estimate_memory(arch, "train", precision, 2, 32, parallelism=Parallelism("ddp", 4))
+    one, each = terms_of(single), terms_of(ddp)
+    w = WIDTHS[precision]["w"]
+    # replicated: weights and optimizer state as on one GPU; the gradients live in DDP's buckets, which
+    # exist at every moment (gradient_as_bucket_view)
+    assert each["weights"] == one["weights"] == w * params
+    assert each["optimizer state"] == one["optimizer state"] == 2 * w * params
+    assert "gradients" not in each and each["gradient buckets"] == w * params
+    assert {t.name: t.moments for t in ddp.terms}["gradient buckets"] is None
+    assert each["activations"] == one["activations"]
+    assert ddp.total_at(START) == single.total_at(START) + w * params
+    if tied:
+        # the output projection's contribution waits in autograd for the embedding's: one matrix more
+        # at the first layer than the buckets
+        assert each["tied gradient awaiting its sum"] == w * V * H
+        assert ddp.total_at(FIRST) == single.total_at(FIRST) + w * V * H
+        assert each["tied embedding gradients"] == one["tied embedding gradients"] == 2 * w * V * H
+    else:
+        # the input embedding's fresh gradient, before its copy into the bucket
+        assert each["input embedding gradient"] == one["input embedding gradient"] == w * V * H
+        assert ddp.total_at(FIRST) == single.total_at(FIRST) + w * V * H
+        assert ddp.total_at(END) == single.total_at(END) + w * V * H
 
 
 @pytest.mark.parametrize("precision", PRECISIONS)
@@ -551,7 +609,8 @@ def test_parallelism_degrees():
 @pytest.mark.parametrize("mode", ["train", "forward-backward", "forward", "infer"])
 @pytest.mark.parametrize("precision", PRECISIONS)
 @pytest.mark.parametrize("checkpointing", [False, True])
-@pytest.mark.parametrize("parallelism", [Parallelism(), Parallelism("fsdp", 2)], ids=["single", "fsdp"])
+@pytest.mark.parametrize("parallelism", [Parallelism(), Parallelism("fsdp", 2), Parallelism("ddp", 2)],
+                         ids=["single", "fsdp", "ddp"])
 def test_as_dict_is_json_and_sums_to_the_peak(mode, precision, checkpointing, parallelism):
     estimate = estimate_memory(resolve("tiny"), mode, precision, 2, 64, new_tokens=NEW_TOKENS,
                                activation_checkpointing=checkpointing, parallelism=parallelism)

@@ -25,7 +25,7 @@ from fitbench.models.registry import resolve
 from fitbench.precisions import PRECISIONS, data_parallel_problem, policy
 from fitbench.run.loops import make_step, random_tokens
 from fitbench.run.parallel import data_seed, mixed_precision, parallelize
-from fitbench.run.ranks import ENVIRONMENT, Rank, RankEnvironmentError, gather_json, process_group
+from fitbench.run.ranks import Rank, RankEnvironmentError, gather_json, process_group
 
 REPO = Path(__file__).resolve().parents[1]
 WORLD = 2

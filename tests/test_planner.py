@@ -24,6 +24,7 @@ from fitbench.cli import gpu_target
 from fitbench.sweep import run_target
 from fitbench.spec import RunSpec
 from fitbench.errors import UserError
+from fitbench.launch.calibrate import measure_bus_bandwidth, with_bus_bandwidth
 from fitbench.models.registry import resolve
 from fitbench.plan.calibration import (DEFAULT, TENSORS_ONLY, Calibration, calibration_path, ensure_calibration,
                                       load_calibration, save_calibration)
@@ -43,7 +44,7 @@ from fitbench.plan.planner import (
     refusal,
     strategies_for,
 )
-from fitbench.plan.speed import estimate_step_time
+from fitbench.plan.speed import bus_bandwidth, estimate_step_time
 from fitbench.precisions import PRECISIONS
 from conftest import cli
 
@@ -428,10 +429,66 @@ def test_training_roofline_ddp_by_hand():
     # fp32 master weights read 3 times, AdamW touching weights, gradients and both moments.
     memory = (3 * 4 * P7 + 4 * 4 * P7) / H100_BANDWIDTH
     allreduce = 2 * (g - 1) / g * 4 * P7 / NVLINK4_PER_DIRECTION  # fp32 gradients, ring all-reduce
-    seconds = max(compute, memory) + allreduce
+    # The buckets are all-reduced during the backward pass (2/3 of the step); the input embedding's
+    # gradient (fp32, 524 MB, more than a 25 MiB bucket) forms last and is reduced after it.
+    last = 2 * (g - 1) / g * 4 * LLAMA2_7B["V"] * LLAMA2_7B["h"] / NVLINK4_PER_DIRECTION
+    busy = max(compute, memory)
+    seconds = busy / 3 + max(2 * busy / 3, allreduce - last) + last
+    assert speed.communication_s == pytest.approx(allreduce, rel=1e-9)
     assert speed.seconds == pytest.approx(seconds, rel=1e-9)
     assert speed.tokens_per_s == pytest.approx(n * g / seconds, rel=1e-9)
     assert speed.bound == "compute"
+    # hidden but the last bucket: more than 99% of the step is compute
+    assert speed.seconds < 1.01 * compute
+
+
+def test_training_roofline_fsdp_by_hand():
+    batch, seq_len, g = 4, 2048, 4
+    speed = estimate_step_time(resolve("7B"), "train", "bf16", batch, seq_len, new_tokens=1,
+                               parallelism=Parallelism("fsdp", g), gpu_name=H100)
+    n = batch * seq_len
+    compute = n * hand_train_flops_per_token(LLAMA2_7B, seq_len) / H100_BF16_FLOPS
+    # bf16 gathered weights read 3 times; AdamW on this rank's quarter of the fp32 state
+    memory = (3 * 2 * P7 + 4 * 4 * P7 / g) / H100_BANDWIDTH
+    busy = max(compute, memory)
+    ring = (g - 1) / g / NVLINK4_PER_DIRECTION
+    root = edge_params(LLAMA2_7B)
+    gather_forward = ring * 2 * P7  # bf16, every unit
+    first = ring * 2 * (root + layer_params(LLAMA2_7B))  # the root and the first layer, before any compute
+    gather_backward = ring * 2 * (P7 - root)  # the root stays gathered
+    reduce = ring * 4 * P7  # fp32 reduce dtype
+    root_reduce = ring * 4 * root  # the root's reduce-scatter, after the backward pass
+    seconds = (max(busy / 3, gather_forward - first) + first
+               + max(2 * busy / 3, gather_backward + reduce - root_reduce) + root_reduce)
+    assert speed.communication_s == pytest.approx(gather_forward + gather_backward + reduce, rel=1e-9)
+    assert speed.seconds == pytest.approx(seconds, rel=1e-9)
+    assert speed.tokens_per_s == pytest.approx(n * g / seconds, rel=1e-9)
+    # at batch 1 x 512 the collectives outlast the compute in both passes: the step is theirs
+    small = estimate_step_time(resolve("7B"), "train", "bf16", 1, 512, new_tokens=1,
+                               parallelism=Parallelism("fsdp", g), gpu_name=H100)
+    assert small.bound == "communication" and small.communication_s > 3 * small.compute_s
+    assert small.seconds == pytest.approx(small.communication_s, rel=1e-12)
+
+
+def test_a_measured_bus_bandwidth_replaces_the_datasheet():
+    measured = replace(DEFAULT, all_reduce_bus_bandwidth=100e9, all_gather_bus_bandwidth=150e9,
+                       collectives_source="measured on 2 x NVIDIA H200 with nccl")
+    links = bus_bandwidth("NVIDIA H200", measured)
+    assert (links.all_reduce, links.all_gather, links.source) == (100e9, 150e9, "measured on 2 x NVIDIA H200 with nccl")
+    default = bus_bandwidth("NVIDIA H200", DEFAULT)
+    assert default.all_reduce == default.all_gather == NVLINK4_PER_DIRECTION and "datasheet" in default.source
+    assert bus_bandwidth("NVIDIA L4").all_reduce == PCIE4_PER_DIRECTION
+    g = 2
+    for strategy, expected in (("ddp", 2 * (g - 1) / g * 4 * P7 / 100e9),
+                               ("fsdp", (g - 1) / g * (2 * P7 + 2 * (P7 - edge_params(LLAMA2_7B)) + 4 * P7) / 150e9)):
+        speed = estimate_step_time(resolve("7B"), "train", "bf16", 1, 512, new_tokens=1,
+                                   parallelism=Parallelism(strategy, g), gpu_name="NVIDIA H200", links=links)
+        assert speed.communication_s == pytest.approx(expected, rel=1e-9), strategy
+    # the planner takes it from the calibration
+    target = GpuTarget("NVIDIA H200", 2, H200_TOTAL_MEMORY, described=True)
+    slow, fast = (assess(resolve("7B"), "train", Candidate("bf16-pure", "fsdp", 2, False, 1), target, seq_len=512,
+                         new_tokens=1, calibration=c).speed for c in (measured, DEFAULT))
+    assert slow.communication_s > fast.communication_s
 
 
 def test_training_roofline_tp_by_hand():
@@ -770,6 +827,54 @@ def test_plan_command_prints_the_breakdown_and_the_rejections(capsys):
         assert re.search(r"needs [\d.]+ GB per GPU; 80\.0 GB available", line), line
 
 
+LLAMA_20B = dict(h=6144, L=50, H=48, kv=8, f=16384, V=32000)  # fitbench's 20B preset: a Llama-2 shape, untied
+
+
+def test_20b_training_on_two_h200s_chooses_fsdp_and_says_why_ddp_does_not_fit(capsys):
+    p20 = total_params(LLAMA_20B)
+    assert resolve("20B").total_params == p20
+    code, out, err = cli(["plan", "--models", "20B", "--mode", "train", "--gpus", "2", "--gpu", "H200"], capsys)
+    assert code == 0, err
+    text = " ".join(out.split())  # the terminal wraps long lines
+    # bf16 keeps 16 B per parameter (318 GB), more than two H200s share; bf16-pure's 8 B, halved, fit
+    chosen = re.search(r"chosen: (\S+), (\w+) x (\d), (?:recompute, )?batch 1: ([\d.]+) GB per GPU", text)
+    assert chosen, text[:400]
+    assert chosen.group(1, 2, 3) == ("bf16-pure", "fsdp", "2")
+    assert 8 * p20 / 2 / GB < float(chosen.group(4)) <= H200_TOTAL_MEMORY / GB
+    # DDP keeps all 8 B per parameter on each GPU: weights 2, gradients (its buckets) 2, AdamW's moments 4
+    ddp = re.search(r"rejected: bf16-pure, ddp x 2, batch 1 needs ([\d.]+) GB per GPU; ([\d.]+) GB available "
+                    r"\(weights, gradients and optimizer state replicated on each GPU: ([\d.]+) GB\)", text)
+    assert ddp, text
+    need, available, replicated = map(float, ddp.groups())
+    assert available == round(H200_TOTAL_MEMORY / GB, 1)
+    assert replicated == round(8 * p20 / GB, 1)
+    assert need > replicated > available
+    # tensor parallel fits and is predicted faster at batch 1, but training runs what `fitbench run` launches
+    assert "also fits: bf16-pure, tp x 2, batch 1" in text
+    assert re.search(r"note: bf16-pure, tp x 2, batch 1 is predicted faster \([\d,]+ tokens/s\)", text)
+
+
+def test_training_chooses_among_one_gpu_ddp_and_fsdp_by_throughput():
+    # 1B fits on one H200: two GPUs with DDP or FSDP double the tokens; the fastest of the fitting
+    # data-parallel layouts is chosen, and it is the first of the feasible list
+    target = GpuTarget("NVIDIA H200", 2, H200_TOTAL_MEMORY, described=True)
+    result = plan(resolve("1B"), "train", target, seq_len=2048, new_tokens=1, batch_sizes=[8], precisions=["bf16"],
+                  checkpointing=[False])
+    by_layout = {(a.candidate.strategy, a.candidate.gpus): a for a in result.feasible}
+    assert {("single", 1), ("ddp", 2), ("fsdp", 2)} <= set(by_layout)
+    data_parallel = [by_layout[k] for k in (("single", 1), ("ddp", 2), ("fsdp", 2))]
+    fastest = max(data_parallel, key=lambda a: a.speed.tokens_per_s)
+    assert result.chosen is fastest is result.feasible[0]
+    assert fastest.candidate.gpus == 2
+    assert fastest.speed.tokens_per_s > 1.9 * by_layout[("single", 1)].speed.tokens_per_s
+    # FSDP halves the 16 B per parameter that DDP replicates
+    assert by_layout[("fsdp", 2)].predicted_peak < by_layout[("ddp", 2)].predicted_peak
+    # asked for tensor parallel alone, the planner chooses it
+    only_tp = plan(resolve("1B"), "train", target, seq_len=2048, new_tokens=1, batch_sizes=[8], precisions=["bf16"],
+                   strategies=["tp"], checkpointing=[False])
+    assert only_tp.chosen.candidate.strategy == "tp"
+
+
 def test_plan_command_json_has_sizes_in_bytes(capsys):
     code, out, err = cli([*PLAN_70B, "--json"], capsys)
     assert code == 0, err
@@ -909,6 +1014,44 @@ def test_calibrate_command_on_a_cpu_only_machine(tmp_path):
     assert done.returncode == 2
     assert "calibration measures GPU overheads" in done.stderr and "Traceback" not in done.stderr
     assert done.stdout == ""
+
+
+@pytest.mark.parametrize("argv, message", [
+    (["calibrate", "--device", "cpu", "--gpus", "1"], "gpus: 1 to measure; give 2 to"),
+    (["calibrate", "--device", "cpu", "--gpus", "-3"], "gpus: -3 to measure"),
+    (["calibrate", "--device", "cpu", "--gpus", "100000"], "(the CPU cores)"),
+])
+def test_calibrate_bus_bandwidth_out_of_range_exits_2(argv, message, capsys):
+    code, out, err = cli(argv, capsys)
+    assert code == 2 and message in err and "Traceback" not in err and out == ""
+    assert len(err.strip().splitlines()) == 1, err
+    assert not calibration_path().exists()
+
+
+@pytest.mark.slow
+def test_bus_bandwidth_of_two_gloo_ranks(tmp_path):
+    bus = measure_bus_bandwidth(2, "cpu", tmp_path, timeout_s=120)
+    timed = json.loads((tmp_path / "collectives.json").read_text())
+    assert (timed["world"], timed["backend"], timed["message_bytes"]) == (2, "gloo", 4 * MIB)
+    assert 0 < timed["all_reduce_s"] < 10 and 0 < timed["all_gather_s"] < 10
+    # nccl-tests' bus bandwidth, from the slowest rank's seconds per operation: an all-reduce moves
+    # 2 (g - 1) / g of its bytes through each link, an all-gather (g - 1) / g of the gathered tensor
+    assert bus.all_reduce == pytest.approx(2 * (2 - 1) / 2 * 4 * MIB / timed["all_reduce_s"], rel=1e-12)
+    assert bus.all_gather == pytest.approx((2 - 1) / 2 * 4 * MIB / timed["all_gather_s"], rel=1e-12)
+    assert bus.source.startswith("measured on 2 CPU processes with gloo, 4 MiB messages, torch ")
+    assert {path.name for path in tmp_path.glob("rank*.log")} == {"rank0.log", "rank1.log"}
+    # stored with a calibration, it is what the speed model uses
+    save_calibration("NVIDIA H200", with_bus_bandwidth(DEFAULT, bus))
+    assert bus_bandwidth("NVIDIA H200", load_calibration("NVIDIA H200")) == bus
+
+
+def test_calibrations_stored_without_bus_bandwidth_keep_the_datasheet():
+    calibration_path().parent.mkdir(parents=True, exist_ok=True)
+    older = {key: value for key, value in asdict(DEFAULT).items() if "bus" not in key and "collectives" not in key}
+    calibration_path().write_text(json.dumps({f"NVIDIA H200|torch {torch.__version__}": older}))
+    loaded = load_calibration("NVIDIA H200")
+    assert loaded.all_reduce_bus_bandwidth is None and loaded.cuda_context_training == DEFAULT.cuda_context_training
+    assert bus_bandwidth("NVIDIA H200", loaded).all_reduce == NVLINK4_PER_DIRECTION
 
 
 # ---- 10. responsiveness --------------------------------------------------------------------------

@@ -1,9 +1,10 @@
 """When reality disagrees with the plan: the fallback ladder, and the search for the largest batch.
 
 **Fallback.** A configuration that runs out of memory is retried in a fresh process with, in this
-order: the next precision of the ladder (``--fallback``, e.g. bf16-pure, int8, nf4), then, for
-training, activation checkpointing, then half the batch, and last, for inference, offload: the
-decoder layers that do not fit stay in host memory and stream in for their forward
+order: for full training with GPUs at hand (``next_rung``), FSDP over all of them; the next
+precision of the ladder (``--fallback``, e.g. bf16-pure, int8, nf4), then, for training,
+activation checkpointing, then half the batch, and last, for inference, offload: the decoder
+layers that do not fit stay in host memory and stream in for their forward
 (``fitbench.models.offload``). Each attempt is recorded in the row's ``attempts`` (what was tried
 and why it failed); the row's ``spec`` is the one that finally ran.
 
@@ -76,6 +77,46 @@ def next_attempt(spec: RunSpec, policy: FallbackPolicy) -> tuple[RunSpec, str] |
         return None
     change = "offload on" + (f", precision {spec.precision} -> {precision}" if precision != spec.precision else "")
     return spec.model_copy(update={"offload": True, "precision": precision}), change
+
+
+# The layouts a data-parallel rung moves between (one GPU, DDP, FSDP); tensor-parallel and pipeline
+# layouts keep theirs.
+DATA_PARALLEL = ("single", "ddp", "fsdp")
+
+
+@dataclass(frozen=True)
+class Rung:
+    """The next attempt: a configuration, the layout it runs with (``strategy`` over ``gpus``) and
+    what changed, in words."""
+
+    spec: RunSpec
+    strategy: str
+    gpus: int
+    change: str
+
+
+def next_rung(spec: RunSpec, policy: FallbackPolicy, *, strategy: str, gpus: int, gpus_at_hand: int) -> Rung | None:
+    """The attempt after ``spec``, run with ``strategy`` over ``gpus`` GPUs, ran out of memory, with
+    ``gpus_at_hand`` GPUs available to it; None when nothing is left to try.
+
+    Full training (a training mode in a precision that trains every weight) shards before anything
+    else: one GPU, DDP, or FSDP over fewer GPUs than are at hand becomes FSDP over all of them, with
+    the same precision, checkpointing and batch per GPU. It changes neither the numbers nor the work
+    per GPU, and divides the weights, gradients and optimizer state, which DDP replicates; quantizing
+    or dropping fp32 master weights changes the model that is trained, so those rungs come after it.
+    From there ``next_attempt``'s ladder goes on in the layout reached (precisions that train every
+    weight, checkpointing, half the batch): adapters on a quantized base train another model, and are
+    never a rung of full training. Other runs keep their layout; offload is a rung of one GPU only."""
+    if not policy.enabled:
+        return None
+    full_training = spec.mode in TRAINING_MODES and trains_every_weight(spec.precision)
+    if full_training and strategy in DATA_PARALLEL and gpus_at_hand > 1 and (strategy != "fsdp" or gpus < gpus_at_hand):
+        before = "1 GPU" if gpus == 1 else f"{strategy} x {gpus}"
+        return Rung(spec, "fsdp", gpus_at_hand, f"{before} -> fsdp x {gpus_at_hand}")
+    following = next_attempt(spec, policy)
+    if following is None or (following[0].offload and gpus > 1):
+        return None
+    return Rung(following[0], strategy, gpus, following[1])
 
 
 def run_with_fallback(spec: RunSpec, policy: FallbackPolicy,

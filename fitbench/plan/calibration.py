@@ -30,6 +30,10 @@ graphs, ``benchmarks/results/2026-11-22-h100-ladder-infer``):
 - **NCCL buffers**: per communicator, for multi-GPU strategies. NCCL's default buffer is 4 MiB
   per channel and peer for the simple protocol (``NCCL_BUFFSIZE``), with up to 32 channels on
   NVLink; the default takes 32 x 2 peers x 4 MiB = 256 MiB per communicator until calibrated.
+- **bus bandwidth** of all-reduce and all-gather (nccl-tests' definition, ``fitbench.plan.speed``):
+  ``fitbench calibrate`` measures it where several GPUs are visible, one process per GPU over NCCL
+  (``fitbench.launch.calibrate.measure_bus_bandwidth``). Without a measurement the speed model takes
+  the datasheet's link bandwidth in one direction.
 """
 
 from __future__ import annotations
@@ -59,6 +63,10 @@ class Calibration:
     cuda_context_eager: float | None = None
     workspace_eager: float | None = None
     measured_at: str | None = None  # UTC, ISO 8601; which stored calibration is the newest
+    # Bytes/s; None where no several GPUs were measured (and in calibrations stored before these existed).
+    all_reduce_bus_bandwidth: float | None = None
+    all_gather_bus_bandwidth: float | None = None
+    collectives_source: str | None = None  # how they were measured: GPUs, backend, message size, torch
 
     def context(self, mode: str, decode_graph: bool = True) -> float:
         return _by_step(mode, decode_graph, self.cuda_context_training, self.cuda_context_inference,

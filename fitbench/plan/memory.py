@@ -28,10 +28,44 @@ and those ``k`` layers, and while any layer is offloaded, one layer's weights ar
 in for its forward. The KV cache of every layer stays on the GPU.
 
 Sharding divides terms per GPU (``Parallelism``): tensor parallelism divides every layer's
-weights, the attention and MLP activations and the KV cache by its degree; FSDP divides weights,
-gradients and optimizer state by the data-parallel degree and adds the unsharded units in flight;
-pipeline parallelism divides the layers by its stages. Constants outside the formulas (CUDA
-context, allocator slack, communication buffers) come from ``fitbench.plan.calibration``.
+weights, the attention and MLP activations and the KV cache by its degree; pipeline parallelism
+divides the layers by its stages. Data parallelism (``_training``'s ``ddp`` and ``fsdp``, per rank,
+``g`` ranks, ``p`` parameters per layer, ``E`` parameters of the root: embeddings, final norm,
+output projection):
+
+- DDP (``DistributedDataParallel(gradient_as_bucket_view=True)``) replicates weights, gradients
+  and optimizer state. Its reducer copies each gradient into flat buckets of at most
+  ``bucket_cap_mb`` = 25 MiB (the first 1 MiB; a larger parameter alone in its bucket), allocated
+  at construction in the gradients' dtype: w P in all, for the whole run. With the buckets as the
+  gradients' storage the gradients cost nothing more, but they exist at every moment, the start of
+  the backward pass included, where one GPU's gradients (set to None each step) do not: w P more
+  than one GPU there. DDP's default (``gradient_as_bucket_view=False``) keeps separate gradients
+  beside the buckets, 2 w P from the first gradient on (torch ``DistributedDataParallel`` docs:
+  "the saved memory size will be equal to the total gradients size"). Each gradient is formed as
+  a fresh tensor and copied into its bucket: the input embedding's, formed last, is counted at
+  the end of the backward pass as on one GPU.
+- FSDP2 (``fully_shard`` on each decoder layer and on the root): weights, gradients and AdamW
+  state w P / g each (w: the sharded dtype, fp32 under ``MixedPrecisionPolicy(param_dtype=bf16,
+  reduce_dtype=fp32)``; FSDP pads each parameter's first dimension to a multiple of g, at most
+  g - 1 rows, not counted). The mixed-precision policy gathers 16-bit parameters and casts the
+  root's inputs, so the layers compute as in bf16-pure: activations with bf16-pure's widths, no
+  autocast copies. Gathered in flight (torch 2.11 to 2.13, ``torch/distributed/fsdp/_fully_shard/``
+  ``_fsdp_param_group.py`` and ``_fsdp_collectives.py``), c the gathered dtype and rd the reduce
+  dtype (fp32 under that policy, else the parameters'):
+  the root, not resharded after forward, c E at every moment; two layers, 2 c p: the one at work
+  and the next (the all-gather output of one held until the next one's copy-out in forward; the
+  one prefetched in backward); in the backward of a layer its unsharded gradients, c p, beside the
+  previous layer's reduce-scatter input, rd p, which FSDP holds until this layer's reduce-scatter
+  is issued (one held: ``reduce_scatter_state``, in 2.13 ``reduce_scatter_max_input_buffers`` = 1;
+  the layer's gradients are copied into its own input before they are freed, and the held one is
+  dropped first); the root's output projection and final
+  norm gradients, c (V h + norm), unsharded until the root's reduce-scatter at the end, where the
+  root's gradients and the first layer's reduce-scatter input give way to the root's own
+  reduce-scatter input: max(c G + rd p, rd E), G the root's gradients (two V h contributions
+  before their sum when the embedding is tied).
+
+Constants outside the formulas (CUDA context, allocator slack, NCCL's buffers per communicator)
+come from ``fitbench.plan.calibration``.
 
 ``compiled``: the native model under ``torch.compile`` saves and holds less; its per-layer terms come
 from ``fitbench.plan.compiled``.
@@ -123,7 +157,11 @@ class Widths:
     autocast: bool
 
     @classmethod
-    def of(cls, precision: str) -> Widths:
+    def of(cls, precision: str, parallelism: Parallelism | None = None) -> Widths:
+        """``precision``'s widths; under FSDP (``parallelism``), a mixed precision's: 16-bit gathered
+        weights and inputs, so 16-bit activations and no autocast, beside its fp32 shards."""
+        if parallelism is not None and parallelism.shards > 1 and precision in ("bf16", "fp16"):
+            return cls(4, 2, 2, False)
         if precision in QUANTIZED:
             return cls(2, 2, 2, False)  # weights outside the layers' matmuls stay bf16
         if precision in ("fp32", "tf32"):
@@ -410,8 +448,9 @@ def estimate_memory(arch: Architecture, mode: str, precision: str, batch: int, s
     terms = [Term("weights", weights, f"{widths.weights:g} B x {local_params:,.0f} parameters"
                   + (f" / {shards} FSDP shards" if shards > 1 else "")), rotary_term(arch, backend)]
     if training:
+        widths = Widths.of(precision, parallelism)
         return _training(arch, mode, widths, batch, seq_len, activation_checkpointing, terms, local_params / shards,
-                         layers, tp, backend=backend, compiled=compiled)
+                         layers, tp, backend=backend, compiled=compiled, layout=parallelism)
     return _inference(arch, mode, widths, batch, seq_len, new_tokens, terms, tp, stages, backend=backend,
                       compiled=compiled)
 
@@ -527,14 +566,18 @@ def _adapter_training(arch, mode, precision, widths, batch, seq_len, recompute, 
 
 
 def _training(arch, mode, widths, batch, seq_len, recompute, terms, local_params, layers, tp,
-              trainable: float | None = None, backend: str = "native", compiled: bool = False):
+              trainable: float | None = None, backend: str = "native", compiled: bool = False,
+              layout: Parallelism = Parallelism()):
     """A training step's terms. ``trainable``: adapter parameters (fp32) when the weights are a frozen
     base; then gradients and optimizer state are the adapters', and no weight gradient forms.
-    ``compiled``: layers, the final norm and the embedding's gradient as ``fitbench.plan.compiled`` has them."""
+    ``compiled``: layers, the final norm and the embedding's gradient as ``fitbench.plan.compiled`` has them.
+    ``layout``: DDP's buckets and FSDP's units in flight (the module docstring); adapters on a frozen
+    base keep one GPU's terms, their few gradients in a bucket or a shard changing little."""
     n, V, h = batch * seq_len, arch.vocab_size, arch.hidden_size
     c, r, w = widths.compute, widths.residual, widths.weights
     frozen = trainable is not None  # adapters on a frozen base: embeddings and norms are frozen too
-    sharded = local_params < arch.total_params and tp == 1 and layers == arch.num_layers and not frozen
+    sharded = layout.shards > 1 and not frozen
+    ddp = layout.strategy == "ddp" and layout.gpus > 1 and not frozen
     moments = (START, RECOMPUTE, FIRST, END) if recompute else (START, FIRST, END)
     def at(*names: str) -> frozenset[str]:
         return frozenset(names)
@@ -554,7 +597,12 @@ def _training(arch, mode, widths, batch, seq_len, recompute, terms, local_params
         first = inductor.first_layer_saving(arch, n, c, r) if compiled and layers == arch.num_layers else 0.0
         activations = Term("activations", one_layer * layers - first, f"{layers:g} layers x {one_layer:,.0f} B saved "
                            f"per layer" + (f", less {first:,.0f} B in the first" if first else ""), at(START))
-    if not frozen:
+    if ddp:
+        state = Term("optimizer state", 2 * w * local_params if mode == "train" else 0.0,
+                     "AdamW first and second moments, 2 x weight bytes")
+        gradients = Term("gradient buckets", w * local_params, f"{w:g} B x {local_params:,.0f} parameters: DDP's "
+                         f"buckets, the gradients' storage (gradient_as_bucket_view), from construction on")
+    elif not frozen:
         state = Term("optimizer state", 2 * w * local_params if mode == "train" else 0.0,
                      "AdamW first and second moments, 2 x weight bytes")
         gradients = Term("gradients", w * (local_params - embedding_grad), f"{w:g} B x {local_params:,.0f} parameters"
@@ -578,30 +626,52 @@ def _training(arch, mode, widths, batch, seq_len, recompute, terms, local_params
              f"r = {min(loss_chunk_rows(V), n):,}, V = {V:,}", at(START)),
     ]
     if recompute:
-        output_grad = 0.0 if frozen else w * V * h
+        output_grad = 0.0 if frozen or sharded else w * V * h  # FSDP: one of the root's gradients
         terms.append(Term("recomputed last layer", one_layer + one_layer_casts + output_grad + r * n * h,
                           "one layer's activations (and weight copies) recomputed, with the output projection's "
                           "gradient and the gradient flowing into the layer", at(RECOMPUTE)))
     terms.append(Term("first layer in backward", one_layer + one_layer_casts,
                       "one layer's saved activations (and weight copies) while the last gradients form", at(FIRST)))
     if sharded:
-        # FSDP gathers each layer's weights in the compute dtype for its forward and again for its
-        # backward and frees them after; with one layer prefetched, two layers' weights and one
-        # layer's unsharded gradients are in flight. No autocast copies: FSDP's mixed precision
-        # gathers 16-bit weights directly.
-        terms.append(Term("unsharded FSDP units", 3 * c * arch.params_per_layer, "two layers' gathered weights "
-                          "and one layer's gradients, 3 x c x parameters per layer", at(START, RECOMPUTE, FIRST)))
+        terms += fsdp_in_flight(arch, c, w)
+    if ddp and arch.tie_embeddings:
+        terms.append(Term("tied gradient awaiting its sum", w * V * h, "w x V h: the output projection's "
+                          "contribution, held by autograd until the embedding's joins it and the sum goes to its "
+                          "bucket", at(FIRST)))
     if embedding_grad:
         terms.append(Term("input embedding gradient", w * embedding_grad, "w x V h, formed by the last backward "
-                          "operator", at(END)))
+                          "operator" + (", before DDP copies it into its bucket" if ddp else ""), at(END)))
     accumulator = inductor.embedding_gradient_accumulator(arch, w) if compiled and not frozen else 0.0
     if accumulator:
         terms.append(Term("embedding gradient accumulator", accumulator, "4 B x V h: the compiled embedding "
                           "backward's fp32 sum, cast to the weights' dtype", at(END)))
-    if arch.tie_embeddings and not frozen:
+    if arch.tie_embeddings and not frozen and not sharded:
         terms.append(Term("tied embedding gradients", 2 * w * V * h, "the input embedding's gradient and its sum "
                           "with the output projection's, 2 x V h x weight bytes", at(END)))
     return MemoryEstimate(tuple(terms), moments)
+
+
+def fsdp_in_flight(arch: Architecture, c: float, rd: float) -> list[Term]:
+    """FSDP2's unsharded units beside the shards (the module docstring): c the gathered (compute)
+    dtype's width, rd the reduce dtype's, which is the sharded parameters' own (fp32 under
+    ``MixedPrecisionPolicy(bf16, reduce fp32)``, bf16 in bf16-pure)."""
+    p, V, h = arch.params_per_layer, arch.vocab_size, arch.hidden_size
+    E = arch.total_params - p * arch.num_layers
+    head = V * h + arch.final_norm_params
+    G = E + (V * h if arch.tie_embeddings else 0)
+    return [
+        Term("FSDP root gathered", c * E, f"c E = {c:g} B x {E:,} parameters of the root (embeddings, final norm, "
+             f"output projection), not resharded after forward"),
+        Term("FSDP layers gathered", 2 * c * p, f"2 c p = 2 x {c:g} B x {p:,}: the layer at work and the next, "
+             f"all-gathered ahead", frozenset({START, RECOMPUTE, FIRST})),
+        Term("FSDP layer gradients", (c + rd) * p, f"(c + rd) p = ({c:g} + {rd:g}) B x {p:,}: a layer's unsharded "
+             f"gradients beside the previous layer's reduce-scatter input", frozenset({FIRST})),
+        Term("FSDP root gradients", c * head, f"c (V h + norm) = {c:g} B x {head:,}: the output projection's and "
+             f"final norm's gradients, unsharded until the root's reduce-scatter", frozenset({RECOMPUTE, FIRST})),
+        Term("FSDP root reduce-scatter", max(c * G + rd * p, rd * E), f"max(c G + rd p, rd E), G = {G:,}: the "
+             f"root's gradients beside the first layer's reduce-scatter input, then the root's own input",
+             frozenset({END})),
+    ]
 
 
 MLP, OUTPUT, BUILD = "prefill MLP", "output projection", "quantizing a layer"

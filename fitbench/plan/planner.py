@@ -26,7 +26,7 @@ from fitbench.plan import compiled as inductor
 from fitbench.plan.calibration import DEFAULT, PAGE, TENSORS_ONLY, Calibration
 from fitbench.plan.memory import (QUANTIZED, TRAINING_MODES, MemoryEstimate, Parallelism, Term, Widths, estimate_memory,
                                   offloaded_weights, saved_per_layer)
-from fitbench.plan.speed import StepTime, estimate_step_time
+from fitbench.plan.speed import StepTime, bus_bandwidth, estimate_step_time
 from fitbench.precisions import graph_problem, offload_problem, training_problem, trains_every_weight
 from fitbench.units import format_bytes
 
@@ -168,7 +168,7 @@ def overhead_terms(arch: Architecture, mode: str, candidate: Candidate, memory: 
     if moment in LATE_BACKWARD:
         backend = backend or default_backend(arch)
         tokens, tp = candidate.batch_size * seq_len, candidate.parallelism.tensor
-        widths = Widths.of(candidate.precision)
+        widths = Widths.of(candidate.precision, candidate.parallelism)
         layer = (inductor.saved_per_layer(arch, tokens, widths.compute, widths.residual, tp)
                  if candidate.compiled and backend == "native"
                  else saved_per_layer(arch, tokens, widths, tp, backend=backend, context=seq_len))
@@ -227,13 +227,31 @@ def assess(arch: Architecture, mode: str, candidate: Candidate, target: GpuTarge
     peak = total(moment)
     fits = peak <= target.memory
     reason = None if fits else (f"{candidate.label} needs {peak / 1e9:.1f} GB per GPU; "
-                                f"{target.memory / 1e9:.1f} GB available")
+                                f"{target.memory / 1e9:.1f} GB available{_data_parallel_why(candidate, memory)}")
     speed = estimate_step_time(arch, mode, candidate.precision, candidate.batch_size, seq_len, new_tokens=new_tokens,
                                parallelism=candidate.parallelism, gpu_name=target.speed_name,
                                activation_checkpointing=candidate.activation_checkpointing,
                                offloaded_bytes=offloaded_weights(arch, candidate.precision, candidate.resident_layers)
-                               if candidate.resident_layers is not None else 0.0)
+                               if candidate.resident_layers is not None else 0.0,
+                               links=bus_bandwidth(target.speed_name, calibration))
     return Assessment(candidate, memory, overheads, peak, fits, reason, speed, moment)
+
+
+# The terms that hold the model's state: what DDP replicates and FSDP shards.
+STATE_TERMS = ("weights", "gradients", "gradient buckets", "optimizer state")
+
+
+def _data_parallel_why(candidate: Candidate, memory: MemoryEstimate) -> str:
+    """For a data-parallel layout that does not fit, what its layout does to the per-GPU need: DDP
+    replicates the state, FSDP shards it and gathers units in flight."""
+    if candidate.gpus == 1 or candidate.strategy not in ("ddp", "fsdp"):
+        return ""
+    state = sum(t.bytes for t in memory.terms if t.name in STATE_TERMS)
+    if candidate.strategy == "ddp":
+        return f" (weights, gradients and optimizer state replicated on each GPU: {state / 1e9:.1f} GB)"
+    gathered = sum(t.bytes for t in memory.terms if t.name.startswith("FSDP") and memory.at_peak(t))
+    return (f" (weights, gradients and optimizer state sharded {candidate.gpus} ways: {state / 1e9:.1f} GB; "
+            f"units gathered in flight {gathered / 1e9:.1f} GB)")
 
 
 def _layout_problem(arch: Architecture, candidate: Candidate, target: GpuTarget) -> str | None:
@@ -329,12 +347,19 @@ def offload_split(arch: Architecture, mode: str, precision: str, batch: int, seq
     return OffloadSplit(layer_memory, layer_bytes, resident)
 
 
+# What a training run launches on several GPUs: one GPU, DDP or FSDP (torchrun ranks).
+LAUNCHED_IN_TRAINING = ("single", "ddp", "fsdp")
+
+
 def plan(arch: Architecture, mode: str, target: GpuTarget, *, seq_len: int, new_tokens: int,
          batch_sizes: list[int] | None, precisions: list[str] | None = None,
          strategies: list[str] | None = None, checkpointing: list[bool] | None = None,
          calibration: Calibration = DEFAULT, backend: str | None = None) -> Plan:
     """``batch_sizes`` None means auto: each layout gets the largest batch predicted to fit; ``backend``
-    as in ``assess``."""
+    as in ``assess``. In training, the chosen layout is one GPU, DDP or FSDP (``LAUNCHED_IN_TRAINING``),
+    the fastest of them that fits on the first rung of the ladder with any fit; tensor-parallel and
+    pipeline layouts are assessed and listed, and chosen only where none of those fits or
+    ``strategies`` leaves only them."""
     ladder = precisions or DEFAULT_LADDER[mode]
     recompute_options = checkpointing if checkpointing is not None else (
         [False, True] if mode in TRAINING_MODES else [False])
@@ -357,16 +382,25 @@ def plan(arch: Architecture, mode: str, target: GpuTarget, *, seq_len: int, new_
                         assessments.append(assess(arch, mode, replace(base, batch_size=batch), target,
                                                   seq_len=seq_len, new_tokens=new_tokens, calibration=calibration,
                                                   backend=backend))
-    feasible = [a for a in assessments if a.fits]
-    rejected = [a for a in assessments if not a.fits]
-    chosen = None
-    for precision in ladder:
-        rung = [a for a in feasible if a.candidate.precision == precision]
-        if rung:
-            chosen = max(rung, key=lambda a: (a.speed.tokens_per_s, -a.candidate.gpus))
-            break
-    ranked = sorted(feasible, key=lambda a: (ladder.index(a.candidate.precision), -a.speed.tokens_per_s))
+    training = mode in TRAINING_MODES
+
+    def passed_over(a: Assessment) -> bool:
+        return training and a.candidate.strategy not in LAUNCHED_IN_TRAINING
+
+    ranked = sorted((a for a in assessments if a.fits), key=lambda a: (
+        ladder.index(a.candidate.precision), passed_over(a), -a.speed.tokens_per_s, a.candidate.gpus))
+    chosen = ranked[0] if ranked else None
+    # First the layouts of the chosen precision that do not fit: why it is not run more simply.
+    rejected = sorted((a for a in assessments if not a.fits),
+                      key=lambda a: chosen is None or a.candidate.precision != chosen.candidate.precision)
     notes = []
+    faster = [a for a in ranked if chosen and passed_over(a) and not passed_over(chosen)
+              and a.candidate.precision == chosen.candidate.precision
+              and a.speed.tokens_per_s > chosen.speed.tokens_per_s]
+    if faster:
+        notes.append(f"{faster[0].candidate.label} is predicted faster ({faster[0].speed.tokens_per_s:,.0f} tokens/s); "
+                     f"in training the choice is among what `fitbench run --gpus N` launches: "
+                     f"{', '.join(LAUNCHED_IN_TRAINING)}")
     if target.speed_name != target.name:
         notes.append(f"speed estimates use {target.speed_name} figures; name the GPU with --gpu for others")
     return Plan(arch.name, mode, target, chosen, tuple(ranked), tuple(rejected), calibration.source, tuple(notes))
@@ -479,7 +513,7 @@ def alternatives(arch: Architecture, spec, target: GpuTarget, calibration: Calib
       precision (the spec's, else bf16-pure);
     - the fewest GPUs of this kind (2, 4, 8 ... up to ``max_gpus``) on which a layout that divides the
       memory (FSDP, tensor parallel, pipeline stages; not DDP, which replicates it) fits, the fastest
-      by the roofline among those.
+      by the roofline among those; in training FSDP where it fits, as ``plan`` chooses.
 
     Each keeps everything else of the spec. Returns only the changes predicted to fit."""
 
@@ -543,7 +577,8 @@ def alternatives(arch: Architecture, spec, target: GpuTarget, calibration: Calib
         fitting = [a for a in (assess(arch, mode, c, many, seq_len=seq_len, new_tokens=new_tokens,
                                       calibration=calibration, backend=spec.backend) for c in layouts) if a.fits]
         if fitting:
-            best = max(fitting, key=lambda a: a.speed.tokens_per_s)
+            best = max(fitting, key=lambda a: (not training or a.candidate.strategy in LAUNCHED_IN_TRAINING,
+                                               a.speed.tokens_per_s))
             found.append(Alternative(f"on {gpus} GPUs with {STRATEGY_NAMES[best.candidate.strategy]}"
                                      f"{with_recompute(best.candidate)}", best))
             break

@@ -2,10 +2,15 @@
 
 Each step is bounded below by its arithmetic and its memory traffic on one GPU, plus the
 communication that cannot overlap, over the GPU-to-GPU link (Williams et al. 2009 for the
-roofline; the collective volumes are the ring algorithms' ``2 (g - 1) / g`` for all-reduce and
-``(g - 1) / g`` for all-gather and reduce-scatter):
+roofline):
 
     t = max(FLOPs per GPU / peak FLOP/s, bytes per GPU / bandwidth) + communication / link bandwidth
+
+A collective's time comes from its bus bandwidth B as nccl-tests defines it (NVIDIA nccl-tests,
+``doc/PERFORMANCE.md``): ``2 (g - 1) / g x S / B`` for an all-reduce of S bytes over g ranks,
+``(g - 1) / g x S / B`` for an all-gather or a reduce-scatter whose whole (gathered) tensor is S
+bytes; B is what ``fitbench calibrate`` measured on several GPUs (``BusBandwidth``), else the
+datasheet's NVLink bandwidth in one direction.
 
 - training step: ``6 N + 12 L H Q T`` FLOPs per token (PaLM), ``8 N + 16 L H Q T`` with activation
   checkpointing, which runs the forward pass twice; memory traffic of reading the weights
@@ -16,9 +21,23 @@ roofline; the collective volumes are the ring algorithms' ``2 (g - 1) / g`` for 
   every slot of the preallocated cache (``T + new_tokens``), as the native backend's CUDA graph
   reads it, or the positions so far (``T + new_tokens / 2`` on average) in eager decoding, as
   ``fitbench.run.metrics`` counts them; so batch 1 decoding sits on the bandwidth roof;
-- data parallel: gradients all-reduced (DDP) or weights all-gathered twice and gradients
-  reduce-scattered (FSDP); tensor parallel: two all-reduces of the activations per layer in the
-  forward pass and two in the backward; pipeline: one micro-batch per step crosses the stages one
+- data parallel: the collectives run on their own streams beside the compute, so only what has
+  nothing to hide behind adds to the step; the rest adds only where it outlasts the compute it
+  overlaps. DDP all-reduces the gradients bucket by bucket during the backward pass (the gradients'
+  width, fp32 under autocast); the last bucket, which holds the input embedding's gradient
+  (formed last, alone in its bucket when larger than ``bucket_cap_mb``), is reduced after the
+  backward pass. FSDP2 all-gathers the units in the compute dtype for the forward pass (the root's
+  and the first layer's before any compute) and again, less the root, which stays gathered, for
+  the backward pass, and reduce-scatters the gradients in the reduce dtype during the backward
+  pass; the root's reduce-scatter comes after it. Per pass, with t its compute-or-memory time:
+
+      t_pass = max(t, the pass's collectives - its exposed ones) + its exposed ones
+
+  (DDP's forward pass has none), the backward pass 2/3 of the step's busy time, 3/4 under
+  activation checkpointing (the forward's recomputation runs in it; FSDP gathers nothing again
+  for it);
+- tensor parallel: two all-reduces of the activations per layer in the forward pass and two in
+  the backward, nothing to overlap with; pipeline: one micro-batch per step crosses the stages one
   after another, ``(M + S - 1) / M`` stage-times for M micro-batches and S stages;
 - offload: the offloaded layers' weights cross the host link (PCIe) once per forward pass (each
   decode step, the prefill, a forward step), copied synchronously before each layer runs, so the
@@ -34,12 +53,15 @@ from dataclasses import dataclass
 
 from fitbench import hardware
 from fitbench.models.architecture import Architecture
+from fitbench.plan.calibration import Calibration
 from fitbench.plan.memory import (ADAPTER_BASES, QUANTIZED, Parallelism, Widths, adapter_params, layer_matmul_params,
                                   quantized_layer_bytes)
 from fitbench.precisions import peak_kind
 
-# GPU-to-GPU bandwidth per direction, bytes/s. NVLink 4 (H100/H200 SXM): 900 GB/s both directions
-# (NVIDIA H100 datasheet); NVLink 3 (A100 SXM): 600 GB/s; PCIe Gen5 x16: 64 GB/s, Gen4: 32 GB/s.
+# GPU-to-GPU bandwidth per direction, bytes/s, the bus bandwidth assumed where none was measured.
+# NVLink 4 (H100/H200 SXM): 900 GB/s both directions (NVIDIA H100 and H200 Tensor Core GPU
+# datasheets); NVLink 3 (A100 SXM): 600 GB/s (A100 datasheet); H100 NVL and H200 NVL bridges
+# 600 and 900 GB/s (datasheets); PCIe Gen5 x16: 64 GB/s, Gen4: 32 GB/s.
 LINK_BANDWIDTH = {
     "NVIDIA H100 80GB HBM3": 450e9,
     "NVIDIA H200": 450e9,
@@ -59,6 +81,40 @@ HOST_LINK_BANDWIDTH = {
     "NVIDIA H200": 64e9,
     "NVIDIA H200 NVL": 64e9,
 }
+
+
+# DDP's default bucket size, bytes: bucket_cap_mb = 25 (torch ``DistributedDataParallel``).
+DDP_BUCKET_BYTES = 25 * 1024**2
+
+
+@dataclass(frozen=True)
+class BusBandwidth:
+    """Bus bandwidths of the collectives, bytes/s, and where they come from. A reduce-scatter moves
+    the bytes of an all-gather the other way over the same ring, so it is taken at the all-gather's."""
+
+    all_reduce: float
+    all_gather: float
+    source: str
+
+    def all_reduce_s(self, size: float, ranks: int) -> float:
+        return 2 * (ranks - 1) / ranks * size / self.all_reduce
+
+    def all_gather_s(self, size: float, ranks: int) -> float:
+        """An all-gather (or reduce-scatter) of a tensor of ``size`` bytes gathered."""
+        return (ranks - 1) / ranks * size / self.all_gather
+
+
+def bus_bandwidth(gpu_name: str, calibration: Calibration | None = None) -> BusBandwidth:
+    """What ``calibration`` measured where it holds a measurement, else the datasheet's link bandwidth in
+    one direction (``LINK_BANDWIDTH``; PCIe Gen4 for GPUs without an NVLink figure)."""
+    if calibration is not None and calibration.all_reduce_bus_bandwidth and calibration.all_gather_bus_bandwidth:
+        return BusBandwidth(calibration.all_reduce_bus_bandwidth, calibration.all_gather_bus_bandwidth,
+                            calibration.collectives_source or "measured")
+    if gpu_name in LINK_BANDWIDTH:
+        link = LINK_BANDWIDTH[gpu_name]
+        return BusBandwidth(link, link, f"datasheet NVLink, {link / 1e9:.0f} GB/s in each direction")
+    return BusBandwidth(PCIE_BANDWIDTH, PCIE_BANDWIDTH, f"PCIe Gen4 x16, {PCIE_BANDWIDTH / 1e9:.0f} GB/s in each "
+                                                        f"direction (no NVLink figure for {gpu_name})")
 
 
 @dataclass(frozen=True)
@@ -84,16 +140,18 @@ def _weight_bytes(arch: Architecture, precision: str) -> float:
 def estimate_step_time(arch: Architecture, mode: str, precision: str, batch: int, seq_len: int, *,
                        new_tokens: int, parallelism: Parallelism, gpu_name: str,
                        activation_checkpointing: bool = False, offloaded_bytes: float = 0.0,
-                       whole_cache: bool = True) -> StepTime:
+                       whole_cache: bool = True, links: BusBandwidth | None = None) -> StepTime:
     """The roofline time of one step (one decode step in infer); ``offloaded_bytes`` of weights
     cross the host link each forward pass. ``whole_cache``: decoding attends over every slot of the
     preallocated KV cache, as a GPU run's CUDA graph does; offloaded layers decode eagerly, over the
-    positions so far."""
+    positions so far. ``links``: the collectives' bus bandwidths (``bus_bandwidth``; by default the
+    datasheet's)."""
     peak = hardware.peak_flops(gpu_name, peak_kind(precision, mode)) or hardware.peak_flops(gpu_name, "bf16")
     bandwidth = hardware.peak_bandwidth(gpu_name)
     if not peak or not bandwidth:
         raise ValueError(f"no datasheet figures for {gpu_name!r}")
-    link = LINK_BANDWIDTH.get(gpu_name, PCIE_BANDWIDTH)
+    links = links or bus_bandwidth(gpu_name)
+    link = links.all_reduce
     g, tp, stages = parallelism.gpus, parallelism.tensor, parallelism.stages
     data_parallel = g if parallelism.strategy in ("ddp", "fsdp") else 1
     widths = Widths.of(precision)
@@ -122,27 +180,64 @@ def estimate_step_time(arch: Architecture, mode: str, precision: str, batch: int
         compute_s = n * per_token / (peak * tp * stages)
         reads = 1 if mode == "forward" else 3
         optimizer_bytes = 4 * widths.weights * arch.total_params if mode == "train" and not adapters else 0
-        # Every FSDP rank reads the whole gathered model; its optimizer touches only its shard.
-        shards = g if parallelism.strategy == "fsdp" else 1
-        memory_s = (reads * weight_bytes + optimizer_bytes / shards) / (bandwidth * tp * stages)
+        # Every FSDP rank reads the whole gathered model (16-bit under its mixed precision); its
+        # optimizer touches only its shard.
+        fsdp = parallelism.strategy == "fsdp" and g > 1
+        gathered = weight_bytes if precision in QUANTIZED or not fsdp else widths.compute * arch.total_params
+        shards = g if fsdp else 1
+        memory_s = (reads * gathered + optimizer_bytes / shards) / (bandwidth * tp * stages)
         communication_s = 0.0
-        if parallelism.strategy == "ddp" and mode != "forward":
-            communication_s = 2 * (g - 1) / g * widths.weights * arch.total_params / link
-        elif parallelism.strategy == "fsdp":
-            gathers = 1 if mode == "forward" else 2
-            communication_s = (gathers + (0 if mode == "forward" else 1)) * (g - 1) / g * weight_bytes / link
-        elif tp > 1:
+        if tp > 1:
             directions = 1 if mode == "forward" else 2
             per_layer = 2 * 2 * (tp - 1) / tp * n * arch.hidden_size * widths.compute
             communication_s = directions * arch.num_layers * per_layer / link
         communication_s += offloaded_bytes / HOST_LINK_BANDWIDTH.get(gpu_name, PCIE_BANDWIDTH)
         # One micro-batch per step: it crosses the stages one after another, (M + S - 1) / M = S slots.
         microbatches = 1
-        seconds = max(compute_s, memory_s) * (microbatches + stages - 1) / microbatches + communication_s
+        step_s = max(compute_s, memory_s) * (microbatches + stages - 1) / microbatches
+        exposed_s = communication_s  # tensor parallel's and the host link's: nothing to hide behind
+        if parallelism.strategy in ("ddp", "fsdp") and g > 1:
+            gradient_bytes = 4 * adapter_params(arch) if adapters else widths.weights * arch.total_params
+            collectives_s, step_s = _data_parallel_step(arch, mode, parallelism, links, step_s, passes, gathered,
+                                                        gradient_bytes, widths, adapters)
+            communication_s += collectives_s
+        seconds = step_s + exposed_s
         tokens_per_s = n * data_parallel / seconds
     bound = max((("compute", compute_s), ("memory", memory_s), ("communication", communication_s)),
                 key=lambda item: item[1])[0]
     return StepTime(seconds, compute_s, memory_s, communication_s, bound, tokens_per_s)
+
+
+def _data_parallel_step(arch: Architecture, mode: str, parallelism: Parallelism, links: BusBandwidth, busy: float,
+                        passes: int, gathered: float, gradient_bytes: float, widths: Widths,
+                        adapters: bool) -> tuple[float, float]:
+    """The collectives' time and the step's under DDP or FSDP (the module docstring): ``busy`` the
+    step's compute-or-memory time, a ``1 / passes`` share of it the forward pass; ``gathered`` the
+    bytes of the whole model as the ranks compute with it, ``gradient_bytes`` of its gradients."""
+    g, V, h = parallelism.gpus, arch.vocab_size, arch.hidden_size
+    forward_s = busy / passes
+    backward_s = busy - forward_s
+    training = mode != "forward"
+    if parallelism.strategy == "ddp":
+        if not training:
+            return 0.0, busy
+        total = links.all_reduce_s(gradient_bytes, g)
+        last_bucket = min(gradient_bytes, max(0 if adapters else widths.weights * V * h, DDP_BUCKET_BYTES))
+        exposed = links.all_reduce_s(last_bucket, g)
+        return total, forward_s + max(backward_s, total - exposed) + exposed
+    share = gathered / arch.total_params  # bytes per parameter, as gathered
+    root = arch.total_params - arch.params_per_layer * arch.num_layers
+    gather_forward = links.all_gather_s(gathered, g)
+    first_units = links.all_gather_s(share * (root + arch.params_per_layer), g)
+    seconds = max(forward_s, gather_forward - first_units) + first_units
+    total = gather_forward
+    if training:
+        gather_backward = links.all_gather_s(gathered - share * root, g)
+        reduce = links.all_gather_s(gradient_bytes, g)
+        root_reduce = links.all_gather_s(0 if adapters else widths.weights * root, g)
+        seconds += max(backward_s, gather_backward + reduce - root_reduce) + root_reduce
+        total += gather_backward + reduce
+    return total, seconds
 
 
 def _decode_weight_bytes(arch: Architecture, precision: str, batch: int) -> float:
