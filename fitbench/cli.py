@@ -245,7 +245,7 @@ def run(args: argparse.Namespace, cli_options: dict[str, Any]) -> int:
     check_ranks(device, config.gpus)
     specs = expand(config, device=device, default_models=default_models(device))
     check_output_directory(out, "--resume" if args.resume else "--out")
-    target, calibration = run_target(device, say=lambda text: console.print(escape(text)))
+    target, calibration = run_target(device, say=lambda text: console.print(escape(text)), ranks=config.gpus)
     specs, predict, refusals = plan_specs(specs, config, target, calibration)
     refusals.update(hardware_refusals(specs, device))
 

@@ -131,10 +131,11 @@ def hardware_refusals(specs: list, device: str) -> dict[str, str]:
 def ram_refusals(specs: list) -> dict[str, str]:
     """CPU configurations whose predicted peak (the planner's tensors: weights, gradients, optimizer
     state, activations, KV cache; offloaded layers go to disk) exceeds the host memory available
-    (``fitbench.host``), by spec key, with the reason."""
+    (``fitbench.host``), by spec key, with the reason; a job of several ranks needs each rank's peak
+    once per rank."""
     from fitbench.host import host_memory
     from fitbench.models.registry import resolve
-    from fitbench.plan.memory import estimate_memory
+    from fitbench.plan.memory import Parallelism, estimate_memory
     from fitbench.plan.planner import offload_split
     from fitbench.units import format_bytes
 
@@ -145,9 +146,12 @@ def ram_refusals(specs: list) -> dict[str, str]:
         resident = offload_split(arch, spec.mode, spec.precision, spec.batch_size, spec.seq_len,
                                  new_tokens=spec.new_tokens, budget=memory.available, calibration=None,
                                  backend=spec.backend).resident_layers if spec.offload else None
-        peak = estimate_memory(arch, spec.mode, spec.precision, spec.batch_size, spec.seq_len,
-                               new_tokens=spec.new_tokens, activation_checkpointing=spec.activation_checkpointing,
-                               resident_layers=resident, backend=spec.backend, compiled=spec.compile).peak_bytes
+        ranks = spec.layout.world_size
+        parallelism = Parallelism(spec.layout.strategy, ranks) if ranks > 1 else Parallelism()
+        peak = ranks * estimate_memory(arch, spec.mode, spec.precision, spec.batch_size, spec.seq_len,
+                                       new_tokens=spec.new_tokens, activation_checkpointing=spec.activation_checkpointing,
+                                       resident_layers=resident, backend=spec.backend, compiled=spec.compile,
+                                       parallelism=parallelism).peak_bytes
         if peak > memory.available:
             offload = " or, for infer and forward, --offload (layers that do not fit go to disk)" \
                 if spec.mode in ("infer", "forward") and not spec.offload else ""
@@ -158,20 +162,21 @@ def ram_refusals(specs: list) -> dict[str, str]:
     return refusals
 
 
-def run_target(device: str, measure: Callable[[], Any] | None = None, say: Callable[[str], None] = print):
+def run_target(device: str, measure: Callable[[], Any] | None = None, say: Callable[[str], None] = print,
+               ranks: int = 1):
     """What ``fitbench run`` plans against: (GpuTarget, calibration). On a GPU, its name and memory
     (FITBENCH_INJECT's mem-limit replaces the memory) with the calibration stored for it and this
     torch version, measured now and stored when there is none (``measure``, default
     ``measure_calibration`` on the GPU: seconds, one line told to ``say``). On a CPU, a target only under a
     mem-limit, which makes the CPU a GPU of that size, tensors only (calibration None); else
-    (None, None): nothing is planned."""
+    (None, None): nothing is planned. A job of ``ranks`` ranks plans for that many GPUs of this kind."""
     from fitbench.plan.planner import GpuTarget
     from fitbench.run.worker import injected_memory_limit
 
     limit = injected_memory_limit()
     if device == "cpu":
         source = "FITBENCH_INJECT mem-limit"
-        return (GpuTarget(None, 1, limit, described=False, memory_source=source) if limit else None), None
+        return (GpuTarget(None, ranks, limit, described=False, memory_source=source) if limit else None), None
     import tempfile
 
     import torch
@@ -195,7 +200,7 @@ def run_target(device: str, measure: Callable[[], Any] | None = None, say: Calla
             f"{calibration_figures(calibration)}; stored in {stored_in}")
     memory, source = ((limit, "FITBENCH_INJECT mem-limit") if limit else
                       (float(properties.total_memory), "torch.cuda.get_device_properties().total_memory"))
-    return GpuTarget(properties.name, 1, memory, described=False, memory_source=source), calibration
+    return GpuTarget(properties.name, ranks, memory, described=False, memory_source=source), calibration
 
 
 def plan_specs(specs: list, config, target, calibration) -> tuple[list, Callable[[Any], dict | None], dict[str, str]]:
@@ -218,7 +223,7 @@ def plan_specs(specs: list, config, target, calibration) -> tuple[list, Callable
         arch = resolve(spec.model)
         spec, prediction = predict_spec(arch, spec, target, calibration, choose_precision=config.precision is None,
                                         choose_recompute=config.activation_checkpointing is None,
-                                        runnable=PRECISIONS)
+                                        runnable=PRECISIONS, choose_strategy=config.strategy == "auto")
         planned.append(spec)
         predictions[spec.key] = prediction
         if not prediction["fits"]:

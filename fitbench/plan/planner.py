@@ -27,7 +27,9 @@ from fitbench.plan.calibration import DEFAULT, PAGE, TENSORS_ONLY, Calibration
 from fitbench.plan.memory import (QUANTIZED, TRAINING_MODES, MemoryEstimate, Parallelism, Term, Widths, estimate_memory,
                                   offloaded_weights, saved_per_layer)
 from fitbench.plan.speed import StepTime, bus_bandwidth, estimate_step_time
-from fitbench.precisions import graph_problem, offload_problem, training_problem, trains_every_weight
+from fitbench.precisions import (DATA_PARALLEL_STRATEGIES, data_parallel_problem, graph_problem, offload_problem,
+                                 training_problem, trains_every_weight)
+from fitbench.spec import Layout
 from fitbench.units import format_bytes
 
 # Names people type for --gpu, to the exact device names of the peak table.
@@ -424,20 +426,24 @@ def minimum_gpus(arch: Architecture, mode: str, precision: str, gpu_memory: floa
     return None
 
 
-def planner_choices(mode: str, choose_precision: bool, choose_recompute: bool) -> list[str]:
+def planner_choices(mode: str, choose_precision: bool, choose_recompute: bool, choose_strategy: bool = False) -> list[str]:
     """What the planner decides for a ``fitbench run`` configuration of ``mode``."""
     return [name for name, chose in (("precision", choose_precision),
-                                     ("activation_checkpointing", choose_recompute and mode in TRAINING_MODES)) if chose]
+                                     ("activation_checkpointing", choose_recompute and mode in TRAINING_MODES),
+                                     ("layout", choose_strategy)) if chose]
 
 
 def predict_spec(arch: Architecture, spec, target: GpuTarget, calibration: Calibration | None, *,
-                 choose_precision: bool, choose_recompute: bool, runnable: tuple[str, ...]):
-    """Plan one ``fitbench run`` configuration on one GPU: choose the precision and activation
-    checkpointing the user left open (first rung of the ladder that fits, fastest within it),
-    and predict its peak (compiled when ``spec.compile``); an offloaded one keeps the layers
-    ``offload_split`` finds room for. When nothing fits, the option that comes closest (the smallest
-    peak) stands for the configuration: what its refusal names. Returns the spec to run and the
-    prediction stored with its result. ``calibration`` None: a CPU, tensors only."""
+                 choose_precision: bool, choose_recompute: bool, runnable: tuple[str, ...],
+                 choose_strategy: bool = False):
+    """Plan one ``fitbench run`` configuration on its GPUs (one, or its layout's world size): choose
+    the precision and activation checkpointing the user left open (first rung of the ladder that
+    fits) and, with ``choose_strategy``, DDP or FSDP over the layout's ranks (the faster predicted
+    among those that compose and fit), and predict the peak per GPU (compiled when ``spec.compile``);
+    an offloaded one keeps the layers ``offload_split`` finds room for. When nothing fits, the option
+    that comes closest (the smallest peak) stands for the configuration: what its refusal names.
+    Returns the spec to run and the prediction stored with its result. ``calibration`` None: a CPU,
+    tensors only."""
     ladder = [p for p in DEFAULT_LADDER[spec.mode] if p in runnable] if choose_precision else [spec.precision]
     if spec.offload:
         ladder = [p for p in ladder if p not in QUANTIZED]
@@ -449,15 +455,30 @@ def predict_spec(arch: Architecture, spec, target: GpuTarget, calibration: Calib
         return offload_split(arch, spec.mode, precision, spec.batch_size, spec.seq_len, new_tokens=spec.new_tokens,
                              budget=target.memory, calibration=calibration, backend=spec.backend).resident_layers
 
-    options = [assess(arch, spec.mode, Candidate(precision, "single", 1, ac, spec.batch_size, resident(precision),
+    ranks = spec.layout.world_size
+
+    def strategies(precision: str) -> list[str]:
+        if ranks == 1:
+            return ["single"]
+        if not choose_strategy:
+            return [spec.layout.strategy]
+        return [s for s in DATA_PARALLEL_STRATEGIES
+                if data_parallel_problem(s, precision, spec.mode, spec.backend) is None] or [spec.layout.strategy]
+
+    groups = [[assess(arch, spec.mode, Candidate(precision, strategy, ranks, ac, spec.batch_size, resident(precision),
                                                  compiled=spec.compile),
                       target, seq_len=spec.seq_len, new_tokens=spec.new_tokens, calibration=calibration,
                       backend=spec.backend)
-               for precision in ladder for ac in recompute]
-    fitting = [a for a in options if a.fits]
-    chosen = fitting[0] if fitting else min(options, key=lambda a: a.predicted_peak)
+               for strategy in strategies(precision)]
+              for precision in ladder for ac in recompute]
+    options = [option for group in groups for option in group]
+    fitting = [[a for a in group if a.fits] for group in groups]
+    first = next((group for group in fitting if group), None)
+    chosen = (max(first, key=lambda a: a.speed.tokens_per_s if a.speed else 0.0) if first
+              else min(options, key=lambda a: a.predicted_peak))
     candidate = chosen.candidate
-    planned = spec.model_copy(update={"precision": candidate.precision,
+    layout = Layout.of_strategy(candidate.strategy, candidate.gpus)
+    planned = spec.model_copy(update={"precision": candidate.precision, "layout": layout,
                                       "activation_checkpointing": candidate.activation_checkpointing})
     return planned, {
         "predicted_peak_bytes": chosen.predicted_peak,
@@ -466,7 +487,8 @@ def predict_spec(arch: Architecture, spec, target: GpuTarget, calibration: Calib
         "fits": chosen.fits,
         "gpu_memory_bytes": target.memory,
         "resident_layers": candidate.resident_layers,
-        "chosen_by_planner": planner_choices(spec.mode, choose_precision, choose_recompute),
+        "chosen_by_planner": planner_choices(spec.mode, choose_precision, choose_recompute,
+                                             choose_strategy and ranks > 1),
         "rejected": [a.reason for a in options if not a.fits],
         "terms": [{"name": t.name, "bytes": t.bytes, "at_peak": t.moments is None or chosen.peak_moment in t.moments}
                   for t in chosen.memory.terms]
