@@ -300,7 +300,7 @@ def run(args: argparse.Namespace, cli_options: dict[str, Any]) -> int:
         run_sweep(specs, store, timeout=config.timeout, command=command, callbacks=callbacks,
                   predict=predict, refusals=refusals, calibration=calibration.source if calibration else TENSORS_ONLY,
                   fallback=lambda spec: FallbackPolicy(tuple(fallback_ladder(config, spec.mode)),
-                                                       enabled=not config.no_fallback),
+                                                       enabled=not config.no_fallback, gpus_at_hand=config.gpus),
                   predicted_batch=lambda spec: predicted_max_batch(spec, device),
                   assign=lambda spec: assign(spec, target, calibration))
 

@@ -147,3 +147,25 @@ def test_rows_combine_by_the_rule_of_each_figure():
     assert row["memory"]["host_peak_rss"] == 120
     failed = combine([payload(0.5, 200.0, 1000), payload(0.4, 250.0, 1200, status="oom")], layout)
     assert failed["status"] == "oom" and failed["error"] == "rank 1: out of memory"
+
+
+def test_full_training_that_runs_out_of_memory_shards_before_it_changes_precision():
+    """The ladder as the launcher walks it: a DDP job's out-of-memory is retried as FSDP over the same
+    GPUs, then down the precisions in that layout."""
+    from fitbench.launch.fallback import FallbackPolicy, run_with_fallback
+
+    fields = dict(model="tiny", backend="native", mode="train", precision="fp32", batch_size=2, seq_len=16,
+                  new_tokens=2, device="cpu", warmup_steps=1, measure_steps=1)
+    ran = []
+
+    def run(spec):
+        ran.append((spec.layout.strategy, spec.precision))
+        return {"status": "ok" if spec.precision == "bf16-pure" else "oom"}
+
+    policy = FallbackPolicy(("fp32", "bf16-pure"), gpus_at_hand=2)
+    row = run_with_fallback(RunSpec(**fields, layout=Layout(dp_replicate=2)), policy, run)
+    assert ran == [("ddp", "fp32"), ("fsdp", "fp32"), ("fsdp", "bf16-pure")]
+    assert row["status"] == "ok" and row["attempts"][1]["change"] == "ddp x 2 -> fsdp x 2"
+    ran.clear()
+    run_with_fallback(RunSpec(**fields), FallbackPolicy(("fp32", "bf16-pure")), run)
+    assert ran[:2] == [("single", "fp32"), ("single", "bf16-pure")]  # one GPU at hand: no sharding rung

@@ -19,9 +19,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any, Callable
 
-from fitbench.spec import RunSpec
-from fitbench.precisions import offload_problem
-from fitbench.precisions import QUANTIZED_PRECISIONS, TRAINING_MODES, trains_every_weight
+from fitbench.precisions import QUANTIZED_PRECISIONS, TRAINING_MODES, offload_problem, trains_every_weight
+from fitbench.spec import Layout, RunSpec
 
 OFFLOAD_PRECISION = "bf16-pure"  # when the ladder has no floating-point rung
 # Statuses of a run whose memory held to its end: ``invalid`` (non-finite numbers, fitbench.run.sanity)
@@ -41,6 +40,7 @@ def probe_steps(mode: str) -> dict[str, int]:
 class FallbackPolicy:
     ladder: tuple[str, ...]  # precisions in order of preference; a repeated one counts once, where it first stands
     enabled: bool = True
+    gpus_at_hand: int = 1  # GPUs (ranks) the sweep may spread a configuration over (--gpus)
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "ladder", tuple(dict.fromkeys(self.ladder)))
@@ -121,18 +121,22 @@ def next_rung(spec: RunSpec, policy: FallbackPolicy, *, strategy: str, gpus: int
 
 def run_with_fallback(spec: RunSpec, policy: FallbackPolicy,
                       run: Callable[[RunSpec], dict[str, Any]]) -> dict[str, Any]:
-    """Run ``spec``, walking the fallback ladder on out-of-memory only (an ``invalid`` run's weights
-    give the same non-finite numbers on every rung); the last attempt's row, with all attempts listed."""
+    """Run ``spec``, walking the fallback ladder (``next_rung``: full training shards over the GPUs at
+    hand first) on out-of-memory only (an ``invalid`` run's weights give the same non-finite numbers
+    on every rung); the last attempt's row, with all attempts listed."""
     attempts = []
     current, change = spec, "as planned"
     while True:
         row = run(current)
         attempts.append({"spec": current.model_dump(), "change": change, "status": row["status"],
                          "error": row.get("error")})
-        following = next_attempt(current, policy) if row["status"] == "oom" else None
-        if following is None:
+        layout = current.layout
+        rung = next_rung(current, policy, strategy=layout.strategy, gpus=layout.world_size,
+                         gpus_at_hand=policy.gpus_at_hand) if row["status"] == "oom" else None
+        if rung is None:
             break
-        current, change = following
+        current = rung.spec.model_copy(update={"layout": Layout.of_strategy(rung.strategy, rung.gpus)})
+        change = rung.change
     row["attempts"] = attempts
     return row
 

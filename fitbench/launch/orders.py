@@ -6,7 +6,8 @@ it acts on, computed here, just before the launch, so that the worker never plan
   the device gives a process, or FITBENCH_INJECT's mem-limit) less its calibrated overheads, or on a
   CPU the host memory available now (or the mem-limit).
 - ``predicted_peak_bytes``: the planner's tensor peak for the configuration as it will be built (with
-  the offload split's resident layers), against which a FITBENCH_INJECT mem-limit raises.
+  the offload split's resident layers; per rank, for a layout of several), against which a
+  FITBENCH_INJECT mem-limit raises.
 """
 
 from __future__ import annotations
@@ -15,7 +16,7 @@ import psutil
 
 from fitbench.models.registry import resolve
 from fitbench.plan.calibration import Calibration
-from fitbench.plan.memory import estimate_memory
+from fitbench.plan.memory import Parallelism, estimate_memory
 from fitbench.plan.planner import GpuTarget, offload_split
 from fitbench.spec import Assignment, RunSpec
 
@@ -31,7 +32,9 @@ def assign(spec: RunSpec, target: GpuTarget | None, calibration: Calibration | N
                               new_tokens=spec.new_tokens, budget=budget, calibration=calibration,
                               backend=spec.backend)
         resident, layer_memory = split.resident_layers, split.layer_memory
+    layout = spec.layout
+    parallelism = Parallelism(layout.strategy, layout.world_size) if layout.world_size > 1 else Parallelism()
     peak = estimate_memory(arch, spec.mode, spec.precision, spec.batch_size, spec.seq_len, new_tokens=spec.new_tokens,
                            activation_checkpointing=spec.activation_checkpointing, resident_layers=resident,
-                           backend=spec.backend, compiled=spec.compile).peak_bytes
+                           backend=spec.backend, compiled=spec.compile, parallelism=parallelism).peak_bytes
     return Assignment(spec=spec, offload_layer_memory=layer_memory, predicted_peak_bytes=peak)
