@@ -81,11 +81,10 @@ def test_the_process_group_is_destroyed_however_the_block_ends(monkeypatch):
                         "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port)}.items():
         monkeypatch.setenv(name, value)
     rank = Rank.from_environment("cpu")
-    with pytest.raises(RuntimeError, match="inside the job"):
-        with process_group(rank, timedelta(seconds=5)):
-            assert dist.is_initialized() and dist.get_backend() == "gloo"
-            assert gather_json(rank, {"rank": rank.rank}) == [{"rank": 0}]
-            raise RuntimeError("inside the job")
+    with pytest.raises(RuntimeError, match="inside the job"), process_group(rank, timedelta(seconds=5)):
+        assert dist.is_initialized() and dist.get_backend() == "gloo"
+        assert gather_json(rank, {"rank": rank.rank}) == [{"rank": 0}]
+        raise RuntimeError("inside the job")
     assert not dist.is_initialized()
 
 
@@ -189,12 +188,22 @@ def marked(mark: str) -> list[int]:
     return found
 
 
+FAIL_RANK = 1
+
+
 @pytest.fixture(scope="module")
-def trained(tmp_path_factory) -> dict:
+def job_run(tmp_path_factory) -> tuple[subprocess.CompletedProcess, dict, Path]:
+    """One job: every configuration trained, then rank FAIL_RANK raising in one more; torchrun's
+    outcome, the losses and the log directory."""
     tmp_path = tmp_path_factory.mktemp("data-parallel")
-    done, _ = torchrun(tmp_path, str(tmp_path / "losses.json"))
-    assert done.returncode == 0, done.stdout[-3000:]
-    return json.loads((tmp_path / "losses.json").read_text())
+    done, logs = torchrun(tmp_path, str(tmp_path / "losses.json"), str(FAIL_RANK), timeout=300)
+    assert (tmp_path / "losses.json").exists(), done.stdout[-3000:]
+    return done, json.loads((tmp_path / "losses.json").read_text()), logs
+
+
+@pytest.fixture(scope="module")
+def trained(job_run) -> dict:
+    return job_run[1]
 
 
 @pytest.fixture(scope="module")
@@ -247,15 +256,17 @@ def test_each_rank_reports_what_was_applied(trained):
 
 
 @slow
-def test_a_rank_that_raises_ends_the_job_and_its_error_file_names_it(tmp_path):
-    done, logs = torchrun(tmp_path, str(tmp_path / "losses.json"), "1", timeout=120)
-    assert done.returncode != 0 and not (tmp_path / "losses.json").exists()
+def test_a_rank_that_raises_ends_the_job_and_its_error_file_names_it(job_run):
+    done, _, logs = job_run
+    assert done.returncode != 0
     errors = {int(path.parent.name): json.loads(path.read_text())["message"]  # by local rank
               for path in logs.glob("*/attempt_0/*/error.json")}
-    assert "injected failure in rank 1 at step 2" in errors[1]["message"], done.stdout[-3000:]
-    # rank 0 waited in the step's gradient all-reduce: gloo saw its peer go (or torchrun stopped it)
-    # well before the process group's timeout
-    if 0 in errors:
-        assert "injected" not in errors[0]["message"]
-        waited = int(errors[0]["extraInfo"]["timestamp"]) - int(errors[1]["extraInfo"]["timestamp"])  # seconds
-        assert waited < job.TIMEOUT.total_seconds(), errors[0]["message"]
+    failed = f"injected failure in rank {FAIL_RANK} at step 2"
+    assert failed in errors[FAIL_RANK]["message"], done.stdout[-3000:]
+    # the other rank waited in the step's gradient all-reduce: gloo saw its peer go (or torchrun
+    # stopped it) well before the process group's timeout
+    other = 1 - FAIL_RANK
+    if other in errors:
+        assert "injected" not in errors[other]["message"]
+        waited = int(errors[other]["extraInfo"]["timestamp"]) - int(errors[FAIL_RANK]["extraInfo"]["timestamp"])
+        assert waited < job.TIMEOUT.total_seconds(), errors[other]["message"]

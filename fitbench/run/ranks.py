@@ -10,13 +10,14 @@ A process started without torchrun is a job of one, and runs with no process gro
 ``fitbench run`` on one device always has.
 
 A failing rank ends the job, not just itself: when one rank exits, torchrun's agent stops the
-others (SIGTERM, then SIGKILL). A rank that hangs instead leaves the others waiting in their next
-collective, which ends after the process group's ``timeout`` with an error (gloo raises it; NCCL's
-watchdog ends the process: TORCH_NCCL_ASYNC_ERROR_HANDLING's default, 3, tears it down), and then
-the agent stops the hung one. gloo also fails a collective at once when a peer's connection closes. The rank entry point should be wrapped in
+others (SIGTERM, then SIGKILL), and gloo fails a collective at once when a peer's connection
+closes. A rank that hangs instead leaves the others waiting in their next collective, which ends
+after the process group's ``timeout`` with an error (gloo raises it; NCCL's watchdog ends the
+process: TORCH_NCCL_ASYNC_ERROR_HANDLING's default, 3, tears it down), and then the agent stops the
+hung one. The rank entry point should be wrapped in
 ``torch.distributed.elastic.multiprocessing.errors.record``: a rank's exception then lands in that
-rank's ``error.json`` (``--log-dir DIR``: ``DIR/<run id>/attempt_0/<local rank>/error.json``) and in
-torchrun's summary, which names the rank that failed first.
+rank's ``error.json`` (``--log-dir DIR``: ``DIR/<run id>/attempt_0/<local rank>/error.json``, with
+the message and a timestamp in seconds) and in torchrun's summary.
 """
 
 from __future__ import annotations
