@@ -243,9 +243,10 @@ def expand(config: SweepConfig, *, device: str, default_models: list[str]) -> li
 def _layout(config: SweepConfig, mode: str, precision: str, backend: str) -> Layout:
     """The layout of a job of ``config.gpus`` ranks: the strategy asked for, or under ``auto`` the first of
     DDP and FSDP that composes with the configuration (the planner may choose the other by predicted
-    throughput where it plans: ``fitbench.plan.planner``). Raises UserError when none composes."""
-    if config.gpus == 1:
-        return Layout()
+    throughput where it plans: ``fitbench.plan.planner``). Generation runs in one process: data
+    parallelism has nothing to average or shard in it. Raises UserError when none composes."""
+    if config.gpus == 1 or mode == "infer":
+        return Layout()  # generation has no gradients to average or shard: it runs on one GPU
     if config.offload:
         raise UserError(f"offload: --offload streams layers into one device; it does not combine with --gpus "
                         f"{config.gpus}. Drop one of them.")

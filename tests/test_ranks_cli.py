@@ -95,9 +95,12 @@ def test_the_sweep_gives_each_configuration_its_layout():
     assert {spec.layout.strategy for spec in auto} == {"ddp"}  # DDP composes with fp32 and is tried first
     single = expand(config.model_copy(update={"gpus": 1}), device="cpu", default_models=["tiny"])
     assert all(spec.layout.world_size == 1 for spec in single)
-    with pytest.raises(UserError, match="ddp: generation has no gradients"):
-        expand(SweepConfig(models=["tiny"], mode=["infer"], gpus=2, strategy="ddp"), device="cpu",
-               default_models=["tiny"])
+    infer = expand(SweepConfig(models=["tiny"], mode=["infer"], gpus=2, strategy="ddp"), device="cpu",
+                   default_models=["tiny"])
+    assert [spec.layout for spec in infer] == [Layout()]  # generation runs in one process
+    with pytest.raises(UserError, match="ddp: int4 weights are torchao tensor subclasses"):
+        expand(SweepConfig(models=["tiny"], mode=["forward"], precision=["int4"], gpus=2, strategy="ddp"),
+               device="cpu", default_models=["tiny"])
 
 
 def test_a_single_process_keeps_its_key_and_a_layout_changes_it():
