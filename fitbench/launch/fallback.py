@@ -20,6 +20,7 @@ from dataclasses import dataclass
 from typing import Any, Callable
 
 from fitbench.precisions import QUANTIZED_PRECISIONS, TRAINING_MODES, offload_problem, trains_every_weight
+from fitbench.search import largest
 from fitbench.spec import Layout, RunSpec
 
 OFFLOAD_PRECISION = "bf16-pure"  # when the ladder has no floating-point rung
@@ -142,17 +143,9 @@ def run_with_fallback(spec: RunSpec, policy: FallbackPolicy,
 
 
 def largest_batch(peak: Callable[[int], float], budget: float, limit: int = 1 << 16) -> int:
-    """The largest batch whose predicted ``peak`` is within ``budget`` (bisection; peaks grow with
-    the batch); 0 when even batch 1 does not fit."""
-    if peak(1) > budget:
-        return 0
-    low, high = 1, 2
-    while high <= limit and peak(high) <= budget:
-        low, high = high, 2 * high
-    while high - low > 1:
-        middle = (low + high) // 2
-        low, high = (middle, high) if peak(middle) <= budget else (low, middle)
-    return low
+    """The largest batch whose predicted ``peak`` is within ``budget`` (peaks grow with the batch; at
+    most ``limit``); 0 when even batch 1 does not fit."""
+    return largest(lambda batch: peak(batch) <= budget, limit=limit)
 
 
 def search_max_batch(spec: RunSpec, predicted: int, fits: Callable[[RunSpec], bool]) -> tuple[int, list[dict]]:
@@ -165,16 +158,5 @@ def search_max_batch(spec: RunSpec, predicted: int, fits: Callable[[RunSpec], bo
         probes.append({"batch_size": batch, "fits": ok})
         return ok
 
-    start = max(1, predicted)
-    if probe(start):
-        low, high = start, None
-        if probe(start + 1):  # the prediction was conservative: look above it, doubling
-            low, high = start + 1, 2 * (start + 1)
-            while probe(high):
-                low, high = high, 2 * high
-    else:
-        low, high = 0, start
-    while high is not None and high - low > 1:
-        middle = (low + high) // 2
-        low, high = (middle, high) if probe(middle) else (low, middle)
-    return low, probes
+    found = largest(probe, start=predicted)
+    return found, probes

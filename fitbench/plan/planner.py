@@ -29,6 +29,7 @@ from fitbench.plan.memory import (QUANTIZED, TRAINING_MODES, MemoryEstimate, Par
 from fitbench.plan.speed import StepTime, bus_bandwidth, estimate_step_time
 from fitbench.precisions import (DATA_PARALLEL_STRATEGIES, data_parallel_problem, graph_problem, offload_problem,
                                  training_problem, trains_every_weight)
+from fitbench.search import largest
 from fitbench.spec import Layout
 from fitbench.units import format_bytes
 
@@ -295,16 +296,7 @@ def largest_fitting_batch(arch, mode, candidate: Candidate, target, *, seq_len, 
         return assess(arch, mode, replace(candidate, batch_size=batch), target, seq_len=seq_len,
                       new_tokens=new_tokens, calibration=calibration, backend=backend).fits
 
-    if not fits(1):
-        return 0
-    low, high = 1, 2
-    while high <= MAX_AUTO_BATCH and fits(high):
-        low, high = high, high * 2
-    high = min(high, MAX_AUTO_BATCH + 1)
-    while high - low > 1:
-        middle = (low + high) // 2
-        low, high = (middle, high) if fits(middle) else (low, middle)
-    return low
+    return largest(fits, limit=MAX_AUTO_BATCH)
 
 
 @dataclass(frozen=True)
