@@ -277,15 +277,18 @@ def test_hf_backend_auto_batch_follows_the_memory_model(monkeypatch):
 
 
 def test_injected_memory_limit_applies_to_hf_rows(monkeypatch):
+    """The launcher's assignment carries the hf row's predicted peak, which the worker compares."""
+    from fitbench.launch.orders import assign
     from fitbench.run.worker import raise_injected_out_of_memory
 
-    spec = hf_spec(batch_size=8)
+    assignment = assign(hf_spec(batch_size=8), None, None)
     peak = estimate_memory(resolve("gpt2"), "train", "bf16", 8, 256, backend="hf").peak_bytes
+    assert assignment.predicted_peak_bytes == peak
     monkeypatch.setenv("FITBENCH_INJECT", f"mem-limit:{peak * 0.99}")
     with pytest.raises(torch.cuda.OutOfMemoryError):
-        raise_injected_out_of_memory(spec, resolve("gpt2"), None)
+        raise_injected_out_of_memory(assignment)
     monkeypatch.setenv("FITBENCH_INJECT", f"mem-limit:{peak * 1.01}")
-    raise_injected_out_of_memory(spec, resolve("gpt2"), None)
+    raise_injected_out_of_memory(assignment)
 
 
 @pytest.mark.parametrize("precision", ["bf16-pure", "bf16"])
