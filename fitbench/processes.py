@@ -147,14 +147,18 @@ def end_own_tree() -> None:
 
 
 def _alive(pid: int) -> bool:
-    """Whether a process ``pid`` exists (a zombie counts until it is reaped)."""
+    """Whether a process ``pid`` exists and has not exited (a zombie, exited but not yet reaped, has)."""
     try:
         os.kill(pid, 0)
     except ProcessLookupError:
         return False
     except PermissionError:
         return True
-    return True
+    try:
+        # /proc/PID/stat: "PID (COMMAND) STATE ...", where COMMAND may itself hold spaces and parentheses
+        return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0] != "Z"
+    except (OSError, IndexError):
+        return True
 
 
 def tie_to_parent(scratch: Path) -> None:
@@ -169,11 +173,16 @@ def tie_to_parent(scratch: Path) -> None:
     parent = int(named)
     ending = threading.Lock()
 
+    rank = "RANK" in os.environ  # torchrun's: the scratch directory is the job's, shared by its ranks
+
     def abandon() -> None:
         if not ending.acquire(blocking=False):
             return  # the signal handler or the watch thread is already at it, and exits
         end_own_tree()
-        shutil.rmtree(scratch, ignore_errors=True)
+        # torchrun ends the other ranks when one fails, while the sweep's parent lives: it still has to
+        # read the failed rank's result from the scratch directory, and removes it itself
+        if not (rank and _alive(parent)):
+            shutil.rmtree(scratch, ignore_errors=True)
         os._exit(128 + signal.SIGTERM)
 
     _prctl(PR_SET_CHILD_SUBREAPER, 1)
