@@ -158,6 +158,8 @@ def resolve_device(requested: str) -> str:
         return "cuda:0" if torch.cuda.is_available() else "cpu"
     if requested == "cpu":
         return "cpu"
+    if not re.fullmatch(r"cuda(:\d{1,6})?", requested):
+        raise UserError(f"device: {excerpt(requested)} is not a device; give auto, cpu, cuda or cuda:N (--device).")
     if not torch.cuda.is_available():
         raise UserError(
             f"device: {requested!r} was asked for, but torch {torch.__version__} sees no CUDA GPU (no driver, or a "
@@ -450,6 +452,10 @@ def run(args: argparse.Namespace, cli_options: dict[str, Any]) -> int:
     config = config.model_copy(update={"out": out})
     store = ResultStore(out, on_bad_line=_warn)
     store.lock()  # until this run returns; a failed run's lock goes with its store, or with the process
+    if not args.resume and (store.directory / SWEEP_FILE).exists():
+        raise UserError(f"out: {excerpt(out, 200)} already holds a sweep ({SWEEP_FILE}); a new one would replace it. "
+                        f"`fitbench run --resume {excerpt(out, 200)}` finishes it (--extend adds to it), or give "
+                        f"another --out.")
     command = shlex.join(["fitbench", *args.argv])
     store.save_sweep({"config": config.model_dump(), "device": device, "command": command,
                       "fitbench_version": __version__})
@@ -634,6 +640,7 @@ def plan(args: argparse.Namespace, cli_options: dict[str, Any]) -> int:
     from fitbench.plan.planner import minimum_gpus, plan as make_plan
 
     from fitbench.config import check_context, merge_sources
+    from fitbench.precisions import TRAINING_MODES, training_problem
 
     shapes = merge_sources({}, {}, {"batch_size": args.batch_size, "seq_len": [args.seq_len],
                                     "new_tokens": args.new_tokens, "models": args.models})
@@ -641,6 +648,10 @@ def plan(args: argparse.Namespace, cli_options: dict[str, Any]) -> int:
         raise UserError("batch_size: auto finds the largest batch that fits; give it alone, or list batch sizes.")
     batch = None if shapes.batch_size == ["auto"] else shapes.batch_size
     seq_len, new_tokens = args.seq_len, args.new_tokens
+    for mode in args.mode:  # as `run` refuses them: no precision of the ladder can train
+        if mode in TRAINING_MODES and args.precision and all(training_problem(p) for p in args.precision):
+            raise UserError(f"precision: {training_problem(args.precision[0])}; or use --mode infer or forward with "
+                            f"{args.precision[0]}.")
     target = gpu_target(args)
     calibration = load_calibration(target.name)
     architectures = {name: resolve(name) for name in args.models}
@@ -814,7 +825,13 @@ def report(args: argparse.Namespace, cli_options: dict[str, Any]) -> int:
     from fitbench.results.report import markdown_report, results_table
     from fitbench.results.store import ResultStore
 
+    if not args.directory.strip():
+        raise UserError("report: the directory was given as an empty path; pass the --out directory of a "
+                        "`fitbench run`.")
     store = ResultStore(args.directory, on_bad_line=_warn)
+    if store.directory.is_file():
+        raise UserError(f"report: {excerpt(args.directory, 200)} is a file; pass the --out directory of a "
+                        f"`fitbench run` (it holds {store.path.name}).")
     if not store.path.exists():
         raise UserError(f"report: {args.directory} has no {store.path.name}. Pass the --out directory of a "
                         f"`fitbench run`.")
@@ -880,6 +897,8 @@ class _Parser(argparse.ArgumentParser):
 
 # Two spellings of one option: argparse keeps the last one given, so both together say two things.
 _SPELLINGS = (("--seq-len", "--context-length"), ("--measure-steps", "--samples"), ("--mode", "--modes"))
+# A switch and its negation: argparse keeps the last one given.
+_OPPOSITES = (("--cuda-graphs", "--no-cuda-graphs"),)
 
 
 def _one_spelling(parser: argparse.ArgumentParser, argv: list[str]) -> None:
@@ -887,6 +906,9 @@ def _one_spelling(parser: argparse.ArgumentParser, argv: list[str]) -> None:
     for first, second in _SPELLINGS:
         if first in given and second in given:
             parser.error(f"{first} and {second} are one option given twice; give only one of them")
+    for first, second in _OPPOSITES:
+        if first in given and second in given:
+            parser.error(f"{first} and {second} contradict; give one of them")
 
 
 def build_parser() -> argparse.ArgumentParser:

@@ -35,6 +35,8 @@ SWEEP_FILE = "sweep.json"
 LOCK_FILE = "fitbench.lock"
 INTERRUPTED = "interrupted"
 SWEEP_MAX_BYTES = 10_000_000
+# A row is kilobytes (its raw samples included); a line far longer is not one, and is not read whole.
+ROW_MAX_BYTES = 16_000_000
 # A full disk, a file grown past RLIMIT_FSIZE, a quota, a file system remounted read-only mid-sweep.
 DISK_ERRORS = {errno.ENOSPC, errno.EFBIG, errno.EDQUOT, errno.EROFS}
 # A file of garbage would print a warning per line; past these, one line counts the rest.
@@ -52,6 +54,17 @@ def _row_problem(line: bytes) -> tuple[dict[str, Any] | None, str]:
         return None, problem
     shown = "; ".join(dropped[:3]) + (f"; and {len(dropped) - 3} more" if len(dropped) > 3 else "")
     return row, f"has {shown}; shown blank" if dropped else ""
+
+
+def _bounded_lines(handle) -> Iterator[bytes]:
+    """The file's lines; b"" for one longer than ``ROW_MAX_BYTES``, which is never held whole."""
+    while line := handle.readline(ROW_MAX_BYTES + 1):
+        if len(line) > ROW_MAX_BYTES:
+            while line and not line.endswith(b"\n"):
+                line = handle.readline(ROW_MAX_BYTES)
+            yield b""
+        else:
+            yield line
 
 
 class ResultStore:
@@ -109,10 +122,10 @@ class ResultStore:
                             f"readable file, or start a new sweep with --out.") from None
         unreported = []
         with handle:
-            for number, line in enumerate(handle, start=1):
-                if not line.strip():
+            for number, line in enumerate(_bounded_lines(handle), start=1):
+                if line and not line.strip():
                     continue
-                row, problem = _row_problem(line)
+                row, problem = _row_problem(line) if line else (None, f"is longer than {ROW_MAX_BYTES:,} bytes")
                 if row is not None:
                     yield row
                 if problem and number not in self._reported:
