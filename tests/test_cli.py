@@ -54,12 +54,11 @@ def write_local_model(directory: Path) -> Path:
 # ---- full runs ----------------------------------------------------------------------------------
 
 
-def test_run_writes_jsonl_csv_and_table(tmp_path):
-    out = tmp_path / "out"
-    args = ["run", "--models", "tiny", "--mode", "train", "infer", *SMALL_SHAPES, "--out", str(out)]
-    done = fitbench(*args, cwd=tmp_path)
-    assert done.returncode == 0, done.stderr
-    assert "Traceback" not in done.stderr
+def test_run_writes_jsonl_csv_and_table(tiny_sweep):
+    out, args = tiny_sweep.out, tiny_sweep.args
+    assert args[1:] == ["--models", "tiny", "--mode", "train", "infer", *SMALL_SHAPES, "--out", str(out)]
+    stdout = "".join(line for line, _, _ in tiny_sweep.lines) + tiny_sweep.rest
+    assert "Traceback" not in tiny_sweep.stderr
 
     rows = rows_of(out)
     assert [row["spec"]["mode"] for row in rows] == ["train", "infer"]
@@ -101,11 +100,11 @@ def test_run_writes_jsonl_csv_and_table(tmp_path):
     sweep = json.loads((out / "sweep.json").read_text())
     assert sweep["config"]["models"] == ["tiny"] and sweep["device"] == "cpu"
 
-    assert "tiny" in done.stdout
-    assert "fitbench results" in done.stdout
+    assert "tiny" in stdout
+    assert "fitbench results" in stdout
     # labels carry the backend in brackets; they must reach the terminal as written
-    assert "tiny train fp32 1x16 [native]" in done.stdout
-    assert "tiny infer fp32 1x16+4 [native]" in done.stdout
+    assert "tiny train fp32 1x16 [native]" in stdout
+    assert "tiny infer fp32 1x16+4 [native]" in stdout
 
 
 def test_seed_spelling_of_the_options(tmp_path, capsys):

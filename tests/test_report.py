@@ -205,45 +205,19 @@ def test_sweep_clock_estimates_from_what_was_measured():
     assert clock.remaining == 0 and clock.summary().endswith("done")
 
 
-@pytest.fixture(scope="module")
-def piped_sweep(tmp_path_factory):
-    """A real CPU sweep of tiny (forward, then infer) with its output piped: (its directory, each
-    line read before the first configuration's line with whether the sweep still ran and how many
-    rows it had written then, the rest of its output)."""
-    tmp_path = tmp_path_factory.mktemp("piped")
-    out = tmp_path / "out"
-    args = ["run", "--models", "tiny", "--mode", "forward", "infer", "--batch-size", "1", "--seq-len", "16",
-            "--new-tokens", "4", "--warmup-steps", "1", "--measure-steps", "2", "--out", str(out)]
-    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")])}
-    env.pop("FITBENCH_INJECT", None)
-    parent = subprocess.Popen([sys.executable, "-m", "fitbench", *args], cwd=tmp_path, env=env,
-                              stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
-    try:
-        lines = []
-        for line in parent.stdout:
-            lines.append((line, parent.poll(), len(list(ResultStore(out).rows()))))
-            if line.startswith("[1/2"):
-                break
-        rest = parent.stdout.read()
-        assert parent.wait(timeout=300) == 0, parent.stderr.read()
-    finally:
-        parent.kill()
-    return out, lines, rest
-
-
-def test_output_that_is_not_a_terminal_gets_a_line_per_configuration(piped_sweep):
+def test_output_that_is_not_a_terminal_gets_a_line_per_configuration(tiny_sweep):
     """The sweep's output piped: each configuration's line arrives as it finishes, with the count,
     the elapsed time and the time left; the final tables are then readable at any width."""
-    out, lines, rest = piped_sweep
-    first, running, rows_then = lines[-1]
+    out, rest = tiny_sweep.out, tiny_sweep.rest
+    first, running, rows_then = tiny_sweep.lines[-1]
     # printed when the first row was written, while the second configuration still had to run
     assert running is None and rows_then == 1
-    assert re.match(r"\[1/2 done, \d+:\d\d:\d\d elapsed, about \d+:\d\d:\d\d left\] ok tiny forward fp32 1x16 "
+    assert re.match(r"\[1/2 done, \d+:\d\d:\d\d elapsed, about \d+:\d\d:\d\d left\] ok tiny train fp32 1x16 "
                     r"\[native\]: [\d.]+ \S+/step ± [\d.]+%, [\d,.]+ tokens/s", first), first
     progress = [line for line in rest.splitlines() if line.startswith("[2/2")]
     assert len(progress) == 1 and re.match(r"\[2/2 done, \d+:\d\d:\d\d elapsed, done\] ok tiny infer fp32 1x16\+4 "
                                            r"\[native\]: ", progress[0]), progress
-    assert re.search(r"^fitbench results · forward *$", rest, flags=re.M)
+    assert re.search(r"^fitbench results · train *$", rest, flags=re.M)
     assert re.search(r"^fitbench results · infer *$", rest, flags=re.M)
 
     rows = list(ResultStore(out).rows())
@@ -341,7 +315,7 @@ def changed(row: dict, path: tuple, value) -> dict:
 BLANK = object()
 
 
-def test_every_field_damaged_is_skipped_or_shown_blank_with_a_warning(piped_sweep, tmp_path, capsys, monkeypatch):
+def test_every_field_damaged_is_skipped_or_shown_blank_with_a_warning(tiny_sweep, tmp_path, capsys, monkeypatch):
     """Each field of real rows (a tiny CPU sweep's, and the committed GPU runs' for what only a GPU
     writes), damaged one at a time in every way ``damages`` lists: nothing reading the rows fails,
     and each damaged row is either skipped or read with exactly the damaged field blank, with a
@@ -350,7 +324,7 @@ def test_every_field_damaged_is_skipped_or_shown_blank_with_a_warning(piped_swee
     from fitbench.results import store as store_module
     from fitbench.results.report import markdown_report
 
-    sources = list(ResultStore(piped_sweep[0]).rows()) + committed_rows()
+    sources = list(ResultStore(tiny_sweep.out).rows()) + committed_rows()
     for row in sources:  # undamaged, every row reads without a word
         assert check_row(json.loads(json.dumps(row)))[1:] == (None, []), row["label"]
     first = {}
@@ -364,7 +338,7 @@ def test_every_field_damaged_is_skipped_or_shown_blank_with_a_warning(piped_swee
 
     out = tmp_path / "out"
     out.mkdir()
-    shutil.copy(piped_sweep[0] / "sweep.json", out / "sweep.json")
+    shutil.copy(tiny_sweep.out / "sweep.json", out / "sweep.json")
     (out / "results.jsonl").write_text("".join(json.dumps(changed(row, path, damage)) + "\n"
                                                for row, path, damage in cases))
     monkeypatch.setattr(store_module, "WARNINGS_MAX", len(cases))
