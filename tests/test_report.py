@@ -4,11 +4,8 @@ the CSV. Rows come from the committed GPU runs in benchmarks/results and from a 
 import io
 import json
 import math
-import os
 import re
 import shutil
-import subprocess
-import sys
 from functools import reduce
 from pathlib import Path
 
