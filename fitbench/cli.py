@@ -10,6 +10,7 @@ from __future__ import annotations
 import argparse
 import json
 import math
+import re
 import shlex
 import sys
 import tempfile
@@ -23,7 +24,7 @@ from rich.progress import BarColumn, MofNCompleteColumn, Progress, SpinnerColumn
 from rich.table import Column, Table
 
 from fitbench import __version__
-from fitbench.errors import UserError, excerpt
+from fitbench.errors import UserError, excerpt, excerpt_words
 from fitbench.precisions import PRECISIONS
 from fitbench.results.store import DISK_ERRORS
 from fitbench.run.loops import MODES
@@ -149,7 +150,7 @@ def _batch_size(text: str) -> int | str:
     try:
         return int(text)
     except ValueError:
-        raise argparse.ArgumentTypeError(f"expected a positive integer or auto, got {text!r}") from None
+        raise argparse.ArgumentTypeError(f"expected a positive integer or auto, got {excerpt(text)}") from None
 
 
 # ---- run ------------------------------------------------------------------------------------
@@ -252,6 +253,10 @@ def run(args: argparse.Namespace, cli_options: dict[str, Any]) -> int:
     config = config.model_copy(update={"out": out})
     store = ResultStore(out, on_bad_line=_warn)
     store.lock()  # until this run returns; a failed run's lock goes with its store, or with the process
+    if not args.resume and (store.directory / SWEEP_FILE).exists():
+        raise UserError(f"out: {excerpt(out, 200)} already holds a sweep ({SWEEP_FILE}); a new one would replace it. "
+                        f"`fitbench run --resume {excerpt(out, 200)}` finishes it (--extend adds to it), or give "
+                        f"another --out.")
     command = shlex.join(["fitbench", *args.argv])
     store.save_sweep({"config": config.model_dump(), "device": device, "command": command,
                       "fitbench_version": __version__})
@@ -312,7 +317,7 @@ def run(args: argparse.Namespace, cli_options: dict[str, Any]) -> int:
     store.unlock()
     failed = [row for row in rows if row["status"] != "ok"]
     if failed:
-        listed = "; ".join(f"{escape(row['label'])}: {row['status']}" for row in failed)
+        listed = "; ".join(f"{escape(row.get('label') or row['key'])}: {escape(row['status'])}" for row in failed)
         console.print(f"{len(failed)} of {len(rows)} configuration(s) did not finish or gave invalid numbers "
                       f"({listed}); their rows say why (status, error) and the logs are in {out}/logs/.")
         return 1
@@ -347,6 +352,8 @@ def gpu_target(args: argparse.Namespace):
         if value is not None and not value.strip():
             raise UserError(f"{option[2:]}: {option} was given an empty value; give it like "
                             f"{'H100-80GB' if option == '--gpu' else '80GB'}, or leave it out.")
+    if args.gpus is not None and not 0 < args.gpus <= GPUS_MAX:
+        raise UserError(f"gpus: must be a number of GPUs from 1 to {GPUS_MAX:,}, got {excerpt(args.gpus)} (--gpus).")
     if args.gpu and args.gpu_memory:
         raise UserError(f"--gpu and --gpu-memory contradict: --gpu {excerpt(args.gpu)} sets the memory per GPU "
                         f"from its datasheet; give --gpu for a known GPU, or --gpu-memory to describe another.")
@@ -380,10 +387,7 @@ def gpu_target(args: argparse.Namespace):
                             "or which GPU it is (--gpu H100-80GB).")
         spec = hardware.gpu_spec(name)
         memory, source = spec.total_memory, spec.total_memory_source
-    count = 1 if args.gpus is None else args.gpus
-    if not 0 < count <= GPUS_MAX:
-        raise UserError(f"gpus: must be a number of GPUs from 1 to {GPUS_MAX:,}, got {excerpt(count)}.")
-    return GpuTarget(name, count, memory, described=True, memory_source=source)
+    return GpuTarget(name, 1 if args.gpus is None else args.gpus, memory, described=True, memory_source=source)
 
 
 def _plan_text(result, trace) -> None:
@@ -438,6 +442,7 @@ def plan(args: argparse.Namespace, cli_options: dict[str, Any]) -> int:
     from fitbench.plan.calibration import load_calibration
     from fitbench.plan.planner import minimum_gpus
     from fitbench.plan.planner import plan as make_plan
+    from fitbench.precisions import TRAINING_MODES, training_problem
 
     shapes = merge_sources({}, {}, {"batch_size": args.batch_size, "seq_len": [args.seq_len],
                                     "new_tokens": args.new_tokens, "models": args.models})
@@ -445,6 +450,10 @@ def plan(args: argparse.Namespace, cli_options: dict[str, Any]) -> int:
         raise UserError("batch_size: auto finds the largest batch that fits; give it alone, or list batch sizes.")
     batch = None if shapes.batch_size == ["auto"] else shapes.batch_size
     seq_len, new_tokens = args.seq_len, args.new_tokens
+    for mode in args.mode:  # as `run` refuses them: no precision of the ladder can train
+        if mode in TRAINING_MODES and args.precision and all(training_problem(p) for p in args.precision):
+            raise UserError(f"precision: {training_problem(args.precision[0])}; or use --mode infer or forward with "
+                            f"{args.precision[0]}.")
     target = gpu_target(args)
     calibration = load_calibration(target.name)
     architectures = {name: resolve(name) for name in args.models}
@@ -631,7 +640,13 @@ def report(args: argparse.Namespace, cli_options: dict[str, Any]) -> int:
     from fitbench.results.report import markdown_report, results_table
     from fitbench.results.store import ResultStore
 
+    if not args.directory.strip():
+        raise UserError("report: the directory was given as an empty path; pass the --out directory of a "
+                        "`fitbench run`.")
     store = ResultStore(args.directory, on_bad_line=_warn)
+    if store.directory.is_file():
+        raise UserError(f"report: {excerpt(args.directory, 200)} is a file; pass the --out directory of a "
+                        f"`fitbench run` (it holds {store.path.name}).")
     if not store.path.exists():
         raise UserError(f"report: {args.directory} has no {store.path.name}. Pass the --out directory of a "
                         f"`fitbench run`.")
@@ -656,15 +671,49 @@ COMMANDS: dict[str, tuple[Command, str]] = {
 }
 
 
+# A value that starts with a minus: argparse takes only -5 and -2.5 for values, and calls -inf, -1e3 or
+# -80GB an unknown option, so the option's own check (and its message) never sees them. No fitbench
+# option is spelled like a number.
+_NEGATIVE_VALUE = re.compile(r"-(\.?\d|inf|nan)", re.IGNORECASE)
+
+
+def _whole(text: str) -> int:
+    try:
+        return int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a whole number, got {excerpt(text)}") from None
+
+
+def _real(text: str) -> float:
+    try:
+        return float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a number, got {excerpt(text)}") from None
+
+
 class _Parser(argparse.ArgumentParser):
-    """Bad flags end like any other bad input: one paragraph on stderr, exit code 2."""
+    """Bad flags end like any other bad input: one paragraph on stderr, exit code 2, quoting the
+    input short (argparse's own messages repeat it whole)."""
+
+    def __init__(self, *args, **kwargs):
+        super().__init__(*args, **kwargs)
+        self.register("type", int, _whole)
+        self.register("type", float, _real)
 
     def error(self, message: str):
+        message = excerpt_words(message)
         self.exit(UserError.exit_code, f"{self.prog}: {message}. `{self.prog} --help` lists the options.\n")
+
+    def _parse_optional(self, arg_string: str):
+        if _NEGATIVE_VALUE.match(arg_string) and arg_string not in self._option_string_actions:
+            return None  # a value, for the option before it
+        return super()._parse_optional(arg_string)
 
 
 # Two spellings of one option: argparse keeps the last one given, so both together say two things.
 _SPELLINGS = (("--seq-len", "--context-length"), ("--measure-steps", "--samples"), ("--mode", "--modes"))
+# A switch and its negation: argparse keeps the last one given.
+_OPPOSITES = (("--cuda-graphs", "--no-cuda-graphs"),)
 
 
 def _one_spelling(parser: argparse.ArgumentParser, argv: list[str]) -> None:
@@ -672,6 +721,9 @@ def _one_spelling(parser: argparse.ArgumentParser, argv: list[str]) -> None:
     for first, second in _SPELLINGS:
         if first in given and second in given:
             parser.error(f"{first} and {second} are one option given twice; give only one of them")
+    for first, second in _OPPOSITES:
+        if first in given and second in given:
+            parser.error(f"{first} and {second} contradict; give one of them")
 
 
 def build_parser() -> argparse.ArgumentParser:

@@ -11,7 +11,7 @@ from pathlib import Path
 from typing import Annotated, Any, Callable, Literal
 
 import yaml
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
+from pydantic import BaseModel, ConfigDict, Field, StrictBool, ValidationError, field_validator, model_validator
 
 from fitbench.errors import UserError, excerpt
 from fitbench.models.backends import backend_error, default_backend
@@ -72,12 +72,16 @@ class SweepConfig(BaseModel):
     new_tokens: int | None = Field(None, gt=1, description="tokens generated per sequence in infer (at least 2)")
     fallback: list[Precision] | None = Field(
         None, min_length=1, description="precisions to fall back through on out-of-memory, in order")
-    no_fallback: bool = False
-    offload: bool = Field(False, description="keep the decoder layers that do not fit in host memory (infer, forward)")
+    # Switches are true or false: YAML's 'yes' in quotes, 1 or "off" are not read as either.
+    no_fallback: StrictBool = Field(False, description="true or false")
+    offload: StrictBool = Field(False, description="true or false: keep the decoder layers that do not fit in host "
+                                                   "memory (infer, forward)")
     backend: BackendChoice = "auto"
-    compile: bool = False
-    cuda_graphs: bool = Field(True, description="true or false: native infer on a GPU decodes through a CUDA graph")
-    activation_checkpointing: bool | None = Field(None, description="None: the planner decides (on a GPU)")
+    compile: StrictBool = Field(False, description="true or false")
+    cuda_graphs: StrictBool = Field(True, description="true or false: native infer on a GPU decodes through a CUDA "
+                                                      "graph")
+    activation_checkpointing: StrictBool | None = Field(None, description="true or false; left out, the planner "
+                                                                          "decides (on a GPU)")
     warmup_steps: int = Field(5, ge=0)
     measure_steps: int = Field(10, gt=0, validation_alias="samples")
     device: str = "auto"

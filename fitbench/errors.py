@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import re
 import reprlib
 from typing import Any
 
@@ -23,4 +24,10 @@ _short.maxstring, _short.maxother, _short.maxlong = EXCERPT_CHARS, EXCERPT_CHARS
 def excerpt(value: Any, limit: int = EXCERPT_CHARS) -> str:
     """``repr(value)`` of at most ``limit`` characters: messages quote input, never echo it whole."""
     text = _short.repr(value)
+    return text if len(text) <= limit else text[: limit - 3] + "..."
+
+
+def excerpt_words(text: str, word: int = EXCERPT_CHARS, limit: int = 400) -> str:
+    """``text`` (a message that repeats input, as argparse's do) with each word, and the whole, cut short."""
+    text = re.sub(r"\S{%d,}" % (word + 1), lambda match: match.group(0)[: word - 3] + "...", text)
     return text if len(text) <= limit else text[: limit - 3] + "..."

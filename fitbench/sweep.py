@@ -7,10 +7,11 @@ prints; the launcher (``fitbench.launch``) runs what they leave.
 
 from __future__ import annotations
 
+import re
 from pathlib import Path
 from typing import Any, Callable
 
-from fitbench.errors import UserError
+from fitbench.errors import UserError, excerpt
 from fitbench.precisions import PRECISIONS
 
 
@@ -22,6 +23,8 @@ def resolve_device(requested: str) -> str:
         return "cuda:0" if torch.cuda.is_available() else "cpu"
     if requested == "cpu":
         return "cpu"
+    if not re.fullmatch(r"cuda(:\d{1,6})?", requested):
+        raise UserError(f"device: {excerpt(requested)} is not a device; give auto, cpu, cuda or cuda:N (--device).")
     if not torch.cuda.is_available():
         raise UserError(
             f"device: {requested!r} was asked for, but torch {torch.__version__} sees no CUDA GPU (no driver, or a "

@@ -1,4 +1,8 @@
 import os
+import subprocess
+import sys
+from dataclasses import dataclass
+from pathlib import Path
 
 import pytest
 
@@ -62,3 +66,41 @@ def write_tiny_checkpoint(directory, fill: float | None = None, tokenizer: bool 
 def tiny_checkpoint():
     """``write_tiny_checkpoint``, for tests and fixtures of any scope."""
     return write_tiny_checkpoint
+
+
+@dataclass
+class PipedSweep:
+    args: list[str]
+    out: Path
+    lines: list[tuple[str, int | None, int]]  # up to the first configuration's: (line, poll(), rows written)
+    rest: str  # everything printed after it
+    stderr: str
+
+
+@pytest.fixture(scope="session")
+def tiny_sweep(tmp_path_factory) -> PipedSweep:
+    """``fitbench run`` of tiny, train then infer, as a real process with its output piped (as in CI
+    logs), read line by line while it runs. Several modules check what it wrote."""
+    from fitbench.results.store import ResultStore
+
+    tmp_path = tmp_path_factory.mktemp("tiny-sweep")
+    out = tmp_path / "out"
+    args = ["run", "--models", "tiny", "--mode", "train", "infer", "--batch-size", "1", "--seq-len", "16",
+            "--new-tokens", "4", "--warmup-steps", "1", "--measure-steps", "2", "--out", str(out)]
+    root = str(Path(__file__).resolve().parents[1])
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([root, os.environ.get("PYTHONPATH", "")])}
+    env.pop("FITBENCH_INJECT", None)
+    parent = subprocess.Popen([sys.executable, "-m", "fitbench", *args], cwd=tmp_path, env=env,
+                              stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    try:
+        lines = []
+        for line in parent.stdout:
+            lines.append((line, parent.poll(), len(list(ResultStore(out).rows()))))
+            if line.startswith("[1/2"):
+                break
+        rest = parent.stdout.read()
+        stderr = parent.stderr.read()
+        assert parent.wait(timeout=300) == 0, stderr
+    finally:
+        parent.kill()
+    return PipedSweep(args, out, lines, rest, stderr)

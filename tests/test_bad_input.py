@@ -15,7 +15,7 @@ import pytest
 
 from fitbench.config import load_yaml
 from fitbench.errors import UserError
-from fitbench.results.store import ResultStore
+from fitbench.results.store import ROW_MAX_BYTES, ResultStore
 from conftest import cli
 
 MESSAGE_MAX = 700  # characters: a message quotes input, it never echoes it
@@ -600,3 +600,174 @@ def test_a_results_file_that_is_a_directory(tmp_path, capsys):
                                  b'{"config": {"' + b"k" * 10_000 + b'": 1}}'], ids=["digits", "deep", "long-key"])
 def test_saved_sweeps_json_cannot_read(raw, tmp_path, capsys):
     test_damaged_saved_sweep(raw, ["sweep.json"], tmp_path, capsys)
+
+
+# ---- values that start with a minus --------------------------------------------------------------
+
+
+@pytest.mark.parametrize("command, argv, fields", [
+    ("run", ["--timeout", "-inf"], ["timeout", "finite", "--timeout"]),
+    ("run", ["--timeout", "-5"], ["timeout", "greater than 0", "--timeout"]),
+    ("run", ["--timeout", "-1e3"], ["timeout", "greater than 0", "--timeout"]),
+    ("run", ["--timeout", "-nan"], ["timeout", "finite", "--timeout"]),
+    ("run", ["--timeout", "-Infinity"], ["timeout", "finite", "--timeout"]),
+    ("run", ["--seed", "-1"], ["seed", "at least 0", "--seed"]),
+    ("run", ["--new-tokens", "-3"], ["new_tokens", "at least 2", "--new-tokens"]),
+    ("run", ["--warmup-steps", "-1"], ["warmup_steps", "--warmup-steps"]),
+    ("run", ["--measure-steps", "-2"], ["measure_steps", "--measure-steps"]),
+    ("run", ["--batch-size", "4", "-2"], ["batch_size", "positive", "--batch-size"]),
+    ("run", ["--seq-len", "16", "-.5"], ["--seq-len", "whole number", "-.5"]),
+    ("run", ["--seed", "-1e3"], ["--seed", "whole number", "-1e3"]),
+    ("plan", ["--gpu-memory", "-80GB"], ["gpu-memory", "-80GB", "1 GB to 100 TB"]),
+    ("plan", ["--gpu-memory", "-inf"], ["gpu-memory", "-inf"]),
+    ("plan", ["--gpus", "-2"], ["gpus", "from 1", "--gpus"]),
+    ("plan", ["--gpu-memory", "80GB", "--gpus", "-2"], ["gpus", "from 1", "--gpus"]),
+    ("plan", ["--gpu-memory", "80GB", "--seq-len", "-5"], ["seq_len", "positive", "--seq-len"]),
+    ("plan", ["--gpu-memory", "80GB", "--new-tokens", "-3"], ["new_tokens", "at least 2", "--new-tokens"]),
+    ("plan", ["--gpu-memory", "80GB", "--batch-size", "4", "-2"], ["batch_size", "positive", "--batch-size"]),
+])
+def test_negative_and_non_finite_values_given_apart_reach_the_options_check(command, argv, fields, tmp_path,
+                                                                             capsys):
+    """argparse alone takes `-inf` or `-80GB` after an option for an unknown option ("expected one
+    argument"); each reaches the option's own check instead, for `run` and `plan` alike."""
+    extra = ["--out", str(tmp_path / "out")] if command == "run" else []
+    code, stdout, stderr = cli([command, "--models", "tiny", *argv, *extra], capsys)
+    message = check_user_error(code, stderr, *fields)
+    assert "expected one argument" not in message and "unrecognized" not in message
+    assert not (tmp_path / "out").exists() and stdout == ""
+
+
+# ---- a third round: every command, files, numbers, contradictions and output directories -----------
+
+
+def _run(tmp: Path, *argv: str) -> list[str]:
+    return ["run", "--models", "tiny", *argv, "--out", str(tmp / "out")]
+
+
+def _yaml(tmp: Path, text: str) -> list[str]:
+    (tmp / "c.yaml").write_text(text)
+    return ["run", "--config", str(tmp / "c.yaml"), "--out", str(tmp / "out")]
+
+
+def _model(tmp: Path, config: dict | None = None, link: str | None = None) -> list[str]:
+    (tmp / "m").mkdir()
+    if link:
+        (tmp / "m" / "config.json").symlink_to(link)
+    else:
+        (tmp / "m" / "config.json").write_text(json.dumps(config))
+    return ["plan", "--models", str(tmp / "m"), "--gpu-memory", "80GB"]
+
+
+def _earlier_sweep(tmp: Path) -> list[str]:
+    code = ResultStore(tmp / "out")
+    code.save_sweep({"config": {"models": ["tiny"]}})
+    return ["run", *REFUSED, "--out", str(tmp / "out")]
+
+
+THIRD_ROUND = [
+    # (what, how to make the command line in a fresh directory, words the message must hold)
+    ("device name", lambda t: _run(t, "--device", "cuda:abc"), ["device", "cuda:N", "--device"]),
+    ("calibrate device name", lambda t: ["calibrate", "--device", "foo"], ["device", "'foo'", "cuda:N"]),
+    ("env device name", lambda t: ["env", "--measure", "--device", "gpu0"], ["device", "'gpu0'", "cuda:N"]),
+    ("calibrate on a CPU", lambda t: ["calibrate", "--device", "cpu"], ["device", "GPU"]),
+    ("a switch and its negation", lambda t: _run(t, "--cuda-graphs", "--no-cuda-graphs"),
+     ["--cuda-graphs", "--no-cuda-graphs", "contradict"]),
+    ("a quoted yes for a switch", lambda t: _yaml(t, "models: [tiny]\ncompile: 'yes'\n"),
+     ["compile", "boolean", "true or false", "`compile` key of"]),
+    ("a number for a switch", lambda t: _yaml(t, "models: [tiny]\nno_fallback: 1\n"), ["no_fallback", "true or false"]),
+    ("a quoted off for a switch", lambda t: _yaml(t, "models: [tiny]\noffload: 'off'\n"), ["offload", "true or false"]),
+    ("plan training with precisions that cannot train", lambda t: ["plan", "--models", "tiny", "--gpu-memory", "80GB",
+                                                                   "--precision", "int4", "--mode", "train"],
+     ["precision", "int4", "--mode infer"]),
+    ("the requirements of training that cannot train",
+     lambda t: ["plan", "--models", "tiny", "--gpu-memory", "80GB", "--precision", "int4", "int8-dynamic", "--mode",
+                "forward-backward", "--requirements"], ["precision", "int4"]),
+    ("--out of an earlier sweep", _earlier_sweep, ["out", "already holds a sweep", "--resume", "another --out"]),
+    ("report of an empty path", lambda t: ["report", ""], ["report", "empty"]),
+    ("report of a file", lambda t: (t / "f").write_text("x") and ["report", str(t / "f")], ["report", "is a file"]),
+    ("--gpus alone below one", lambda t: ["plan", "--models", "tiny", "--gpus", "-2"], ["gpus", "from 1"]),
+    ("a seed in scientific notation", lambda t: _run(t, "--seed", "1e3"), ["--seed", "whole number", "1e3"]),
+    ("a timeout that is a word", lambda t: _run(t, "--timeout", "soon"), ["--timeout", "a number", "soon"]),
+    ("a huge mode", lambda t: _run(t, "--mode", "x" * 3000), ["--mode", "invalid choice"]),
+    ("a seed of 5000 digits", lambda t: _run(t, "--seed", "9" * 5000), ["--seed", "whole number"]),
+    ("a huge command", lambda t: ["y" * 3000], ["invalid choice"]),
+    ("a timeout past a double", lambda t: _run(t, "--timeout", "1e309"), ["timeout", "finite"]),
+    ("a NaN timeout in YAML", lambda t: _yaml(t, "models: [tiny]\ntimeout: .nan\n"),
+     ["timeout", "finite", "`timeout`"]),
+    ("a mapping for batch sizes", lambda t: _yaml(t, "models: [tiny]\nbatch_size: {a: 1}\n"), ["batch_size", "dict"]),
+    ("a number among modes", lambda t: _yaml(t, "models: [tiny]\nmode: [train, 42]\n"), ["mode", "42"]),
+    ("a YAML list of options", lambda t: _yaml(t, "- models\n- tiny\n"), ["config", "mapping", "list"]),
+    ("a tab in YAML", lambda t: _yaml(t, "models: [tiny]\n\tmode: train\n"), ["config", "line 2", "YAML"]),
+    ("a Python tag in YAML", lambda t: _yaml(t, "models: !!python/object:os.system [ls]\n"), ["config", "YAML"]),
+    ("a number for the device", lambda t: _yaml(t, "models: [tiny]\ndevice: 0\n"), ["device", "`device` key of"]),
+    ("resume as a YAML key", lambda t: _yaml(t, "models: [tiny]\nresume: x\n"), ["resume", "unknown field"]),
+    ("a float for a count in YAML", lambda t: _yaml(t, "models: [tiny]\nwarmup_steps: 1.0\n"),
+     ["warmup_steps", "float"]),
+    ("a context of 10^30 tokens", lambda t: _model(t, {**LLAMA, "max_position_embeddings": 10**30}),
+     ["`max_position_embeddings`", "1,073,741,824"]),
+    ("more key/value heads than heads", lambda t: _model(t, {**LLAMA, "num_key_value_heads": 8}),
+     ["`num_key_value_heads`", "divide"]),
+    ("a float vocabulary", lambda t: _model(t, {**LLAMA, "vocab_size": 1e5}), ["`vocab_size`", "float"]),
+    ("a config.json that is a device", lambda t: _model(t, link="/dev/zero"), ["models", "config.json"]),
+    ("an unknown size unit", lambda t: ["plan", "--models", "tiny", "--gpu-memory", "80XB"], ["gpu-memory", "80XB"]),
+    ("a resume of a file", lambda t: (t / "f").write_text("x") and ["run", "--resume", str(t / "f")],
+     ["resume", "no sweep.json"]),
+]
+
+
+@pytest.mark.parametrize("make, fields", [case[1:] for case in THIRD_ROUND], ids=[case[0] for case in THIRD_ROUND])
+def test_a_third_round_of_bad_input(make, fields, tmp_path, capsys):
+    argv = make(tmp_path)
+
+    def files() -> dict:  # a lock file may stay behind: it holds nothing
+        return {path: path.read_bytes() for path in tmp_path.rglob("*") if path.is_file() and path.suffix != ".lock"
+                and path.name != "config.json"}
+
+    before = files()
+    code, stdout, stderr = cli(argv, capsys)
+    message = check_user_error(code, stderr, *fields)
+    assert "x" * 100 not in message and "9" * 100 not in message and "y" * 100 not in message
+    assert files() == before and not (tmp_path / "out" / "results.jsonl").exists()  # nothing written, nothing ran
+
+
+def _one_row(tmp: Path, capsys, **fields) -> Path:
+    """A real sweep's one refused row (no worker runs), with ``fields`` changed."""
+    out = tmp / "out"
+    code, _, stderr = cli(["run", *REFUSED, "--out", str(out)], capsys)
+    assert code == 1, stderr
+    row = json.loads((out / "results.jsonl").read_text())
+    row = {key: value for key, value in {**row, **fields}.items() if value is not MISSING}
+    (out / "results.jsonl").write_text(json.dumps(row) + "\n")
+    return out
+
+
+MISSING = object()
+
+
+@pytest.mark.parametrize("fields, command", [
+    ({"spec": {"model": "~nobody-here/models/x", "mode": "infer", "precision": "int4", "batch_size": 1,
+               "seq_len": 128, "new_tokens": 4}}, ["report"]),
+    ({"command": None}, ["report", "--markdown"]),
+    ({"label": MISSING}, ["run", "--resume"]),
+], ids=["a path under an unknown user's home", "a null command", "no label"])
+def test_rows_that_crashed_a_reader(fields, command, tmp_path, capsys):
+    """Each was a traceback: a model path under the home of a user this machine does not have (the
+    table expanded it), a null command beside another row's (the Markdown sorted them), a row without
+    a label in the summary of a resumed sweep."""
+    out = _one_row(tmp_path, capsys, **fields)
+    with (out / "results.jsonl").open("a") as handle:  # a second row, as written
+        handle.write(json.dumps({**json.loads((out / "results.jsonl").read_text()), "key": "other",
+                                 "label": "other", "command": "fitbench run"}) + "\n")
+    code, stdout, stderr = cli([*command, str(out)], capsys)
+    assert code in (0, 1) and "Traceback" not in stderr and stderr.strip() == "", stderr
+    assert "refused" in stdout
+
+
+def test_a_results_line_too_long_to_be_a_row_is_skipped_unread(tmp_path, capsys):
+    out = _one_row(tmp_path, capsys)
+    good = (out / "results.jsonl").read_bytes()
+    (out / "results.jsonl").write_bytes(good + b"[" * (ROW_MAX_BYTES + 10) + b"\n" + good + b"x" * (ROW_MAX_BYTES + 1))
+    code, stdout, stderr = cli(["report", str(out)], capsys)
+    assert code == 0 and "Traceback" not in stderr
+    assert "line 2 is longer than" in stderr and "line 4 is longer than" in stderr
+    assert stdout.count("refused") == 2

@@ -26,6 +26,7 @@ from fitbench.launch.orders import assign
 from fitbench.models.registry import resolve
 from fitbench.plan.memory import estimate_memory
 from fitbench.results.store import ResultStore
+from conftest import cli
 
 TINY = ["--models", "tiny", "--device", "cpu", "--seq-len", "16", "--new-tokens", "4", "--warmup-steps", "1",
         "--measure-steps", "1"]
@@ -518,6 +519,14 @@ class Sweep:
         assert len(rows) == 1, rows
         return rows[0]
 
+    def row_of(self, **spec) -> dict:
+        """The one row whose spec has these fields (a sweep of several configurations)."""
+        (row,) = [row for row in self.rows if all(row["spec"][key] == value for key, value in spec.items())]
+        return row
+
+    def logs_of(self, row: dict) -> list[str]:
+        return [name for name in self.logs if name.startswith(row["key"])]
+
     @property
     def logs(self) -> list[str]:
         return sorted(path.name for path in (self.out / "logs").glob("*.log"))
@@ -542,41 +551,44 @@ def finish_sweep(process: subprocess.Popen, out: Path, timeout: float = 240) -> 
     return Sweep(out, process.returncode, (directory / "stdout").read_text(), (directory / "stderr").read_text())
 
 
+# Room for anything tiny runs: the planner predicts every configuration on the CPU, as on a GPU.
+AMPLE = 10**12
+
+
 @pytest.fixture(scope="module")
 def sweeps(tmp_path_factory, tiny_checkpoint) -> dict[str, Sweep]:
-    """Every end-to-end sweep below, started at once."""
+    """Every end-to-end sweep below, started at once; a sweep of several configurations serves the
+    tests whose options and injected faults agree (each reads its own row)."""
     root = tmp_path_factory.mktemp("sweeps")
-    on_nan = ["--models", str(tiny_checkpoint(root / "nan", fill=math.nan)), *TINY[2:]]  # tiny, weights all NaN
+    nan = str(tiny_checkpoint(root / "nan", fill=math.nan))  # tiny, weights all NaN
     seeds = write_yaml(root / "seeds.yaml", SEEDS_YAML)
     planned = {
-        "infer": (["--mode", "infer", "--precision", "bf16-pure", "--batch-size", "1"], "oom:bf16-pure"),
+        "out_of_memory": (["--mode", "infer", "train", "--precision", "bf16-pure", "--batch-size", "2"],
+                          f"oom:bf16-pure,mem-limit:{AMPLE}"),
         "no_fallback": (["--mode", "infer", "--precision", "bf16-pure", "--batch-size", "1", "--no-fallback"],
                         "oom:bf16-pure"),
         "skip_int8": (["--mode", "infer", "--precision", "bf16-pure", "--batch-size", "1",
                        "--fallback", "bf16-pure", "nf4"], "oom:bf16-pure"),
-        "train": (["--mode", "train", "--precision", "bf16-pure", "--batch-size", "2"], "oom:bf16-pure"),
         "seeds": (["--config", str(seeds), "--batch-size", "1"], "oom:fp32"),
-        "auto": (["--mode", "train", "--precision", "fp32", "--batch-size", "auto"], f"mem-limit:{auto_budget()}"),
+        "auto": (["--models", "tiny", nan, "--mode", "train", "--precision", "fp32", "--batch-size", "auto"],
+                 f"mem-limit:{auto_budget()}"),
         "offload": (["--mode", "infer", "--precision", "bf16-pure", "--batch-size", "1"],
                     f"oom:bf16-pure,oom:int8,oom:nf4,mem-limit:{fitting_budget()}"),
         "offload_option": (["--mode", "forward", "--precision", "bf16-pure", "--batch-size", "1", "--offload"],
                            f"mem-limit:{offload_budget('forward', RESIDENT)}"),
+        "invalid": (["--models", nan, "--mode", "infer", "--precision", "bf16-pure", "--batch-size", "1"], None),
     }
-    on_nan_planned = {
-        "invalid": (["--mode", "infer", "--precision", "bf16-pure", "--batch-size", "1"], None),
-        "invalid_auto": (["--mode", "train", "--precision", "fp32", "--batch-size", "auto"],
-                         f"mem-limit:{auto_budget()}"),
-    }
-    started = {name: start_sweep(root / name, [*TINY, *args], inject) for name, (args, inject) in planned.items()}
-    started |= {name: start_sweep(root / name, [*on_nan, *args], inject)
-                for name, (args, inject) in on_nan_planned.items()}
+    started = {name: start_sweep(root / name, [*([] if "--models" in args else TINY[:2]), *TINY[2:], *args], inject)
+               for name, (args, inject) in planned.items()}
     return {name: finish_sweep(*pair) for name, pair in started.items()}
 
 
-def ran(sweep: Sweep) -> dict:
-    assert sweep.returncode == (0 if sweep.row["status"] == "ok" else 1), sweep.stderr
+def ran(sweep: Sweep, **spec) -> dict:
+    """The row of ``sweep`` (with ``spec``'s fields when it ran several), checked for its exit status."""
+    rows = sweep.rows
+    assert sweep.returncode == (0 if all(row["status"] == "ok" for row in rows) else 1), sweep.stderr
     assert "Traceback" not in sweep.stderr, sweep.stderr
-    return sweep.row
+    return sweep.row_of(**spec) if spec else sweep.row
 
 
 def check_attempt(attempt: dict, expected_spec: RunSpec, change: str, status: str) -> None:
@@ -590,29 +602,34 @@ def check_attempt(attempt: dict, expected_spec: RunSpec, change: str, status: st
 
 
 def test_infer_out_of_memory_falls_back_to_int8(sweeps):
-    row = ran(sweeps["infer"])
-    planned = spec(precision="bf16-pure")
+    sweep = sweeps["out_of_memory"]
+    row = ran(sweep, mode="infer")
+    planned, int8 = spec(precision="bf16-pure", batch_size=2), spec(precision="int8", batch_size=2)
     assert row["status"] == "ok", row.get("error")
-    assert row["spec"] == spec(precision="int8").model_dump()
-    assert row["key"] == planned.key != spec(precision="int8").key
+    assert row["spec"] == int8.model_dump()
+    assert row["key"] == planned.key != int8.key
     assert len(row["attempts"]) == 2
     check_attempt(row["attempts"][0], planned, "as planned", "oom")
-    check_attempt(row["attempts"][1], spec(precision="int8"), "precision bf16-pure -> int8", "ok")
+    check_attempt(row["attempts"][1], int8, "precision bf16-pure -> int8", "ok")
     assert "FITBENCH_INJECT" in row["attempts"][0]["error"] and "bf16-pure" in row["attempts"][0]["error"]
     assert row["quality"] is not None  # int8 really ran: its logits were compared with bf16
-    assert sweeps["infer"].logs == [f"{planned.key}-1.log", f"{planned.key}-2.log"]
-    assert f"ok {planned.label} (ran as {spec(precision='int8').label})" in sweeps["infer"].stdout
+    assert sweep.logs_of(row) == [f"{planned.key}-1.log", f"{planned.key}-2.log"]
+    assert f"ok {planned.label} (ran as {int8.label})" in " ".join(sweep.stdout.split())
+    # The prediction stored is for what ran: bf16-pure's beside int8's measured peak would report the
+    # planner's error wrongly.
+    assert peak("infer", "int8", 2) != peak("infer", "bf16-pure", 2)
+    assert row["prediction"]["predicted_peak_bytes"] == peak("infer", "int8", 2)
 
 
-def test_resume_skips_the_fallen_back_configuration(sweeps, tmp_path):
+def test_resume_skips_the_fallen_back_configuration(sweeps, tmp_path, capsys, monkeypatch):
     out = tmp_path / "resumed"
-    shutil.copytree(sweeps["infer"].out, out)
+    shutil.copytree(sweeps["out_of_memory"].out, out)
     before = {path.name: path.stat().st_mtime_ns for path in (out / "logs").glob("*.log")}
     rows_before = (out / "results.jsonl").read_text()
-    done = subprocess.run([sys.executable, "-m", "fitbench", "run", "--resume", str(out)], cwd=tmp_path,
-                          env=environment("oom:bf16-pure"), capture_output=True, text=True, timeout=120)
-    assert done.returncode == 0, done.stderr
-    assert "1 already finished" in done.stdout
+    monkeypatch.setenv("FITBENCH_INJECT", "oom:bf16-pure")
+    code, stdout, stderr = cli(["run", "--resume", str(out)], capsys)
+    assert code == 1, stderr  # the training row ran out of memory on every rung
+    assert "2 already finished" in stdout
     assert (out / "results.jsonl").read_text() == rows_before
     assert {path.name: path.stat().st_mtime_ns for path in (out / "logs").glob("*.log")} == before
 
@@ -639,7 +656,7 @@ def test_fallback_ladder_from_the_command_line_skips_int8(sweeps):
 
 
 def test_training_out_of_memory_walks_checkpointing_then_the_batch(sweeps):
-    row = ran(sweeps["train"])
+    row = ran(sweeps["out_of_memory"], mode="train")
     planned = spec(mode="train", precision="bf16-pure", batch_size=2)
     recompute = planned.model_copy(update={"activation_checkpointing": True})
     halved = recompute.model_copy(update={"batch_size": 1})
@@ -650,7 +667,7 @@ def test_training_out_of_memory_walks_checkpointing_then_the_batch(sweeps):
     check_attempt(row["attempts"][0], planned, "as planned", "oom")
     check_attempt(row["attempts"][1], recompute, "activation checkpointing on", "oom")
     check_attempt(row["attempts"][2], halved, "batch 2 -> 1", "oom")
-    assert len(sweeps["train"].logs) == 3
+    assert len(sweeps["out_of_memory"].logs_of(row)) == 3
 
 
 def test_seeds_yaml_priority_order_drives_the_fallback(sweeps):
@@ -668,7 +685,7 @@ def test_seeds_yaml_priority_order_drives_the_fallback(sweeps):
 
 
 def auto_row(sweeps) -> dict:
-    return ran(sweeps["auto"])
+    return ran(sweeps["auto"], model="tiny")
 
 
 def test_auto_batch_finds_the_largest_batch_under_the_limit(sweeps):
@@ -690,30 +707,12 @@ def test_auto_batch_finds_the_largest_batch_under_the_limit(sweeps):
     assert probes == [{"batch_size": AUTO_BATCH, "fits": True}, {"batch_size": AUTO_BATCH + 1, "fits": False}]
     assert len(row["attempts"]) == 1
     check_attempt(row["attempts"][0], final, "as planned", "ok")
-    assert len(sweeps["auto"].logs) == len(probes) + 1  # every probe was a worker of its own
+    assert len(sweeps["auto"].logs_of(row)) == len(probes) + 1  # every probe was a worker of its own
 
 
 def test_auto_batch_row_label_shows_auto(sweeps):
     # The row is the configuration the user asked for; its spec says what finally ran.
     assert auto_row(sweeps)["label"] == spec(mode="train", precision="fp32", batch_size=1, auto_batch=True).label
-
-
-def test_the_prediction_is_for_the_configuration_that_ran(tmp_path, monkeypatch):
-    # After a fallback the row's prediction must describe what ran, not what was planned: a prediction
-    # for bf16-pure beside int8's measured peak would report the planner's error wrongly.
-    from fitbench.launch.local import run_sweep
-
-    monkeypatch.setenv("FITBENCH_INJECT", "oom:bf16-pure")
-    asked: list[RunSpec] = []
-
-    def predict(ran: RunSpec) -> dict:
-        asked.append(ran)
-        return {"for": ran.precision}
-
-    (row,) = run_sweep([spec(precision="bf16-pure")], ResultStore(tmp_path / "out"), timeout=120, command="test",
-                       predict=predict, fallback=lambda s: INFER_LADDER)
-    assert row["status"] == "ok", row.get("error")
-    assert asked == [spec(precision="int8")] and row["prediction"] == {"for": "int8"}
 
 
 def test_out_of_memory_on_every_rung_ends_in_offload(sweeps):
@@ -790,7 +789,9 @@ def test_an_invalid_run_is_a_finished_failed_row_without_fallback(sweeps):
 
 def test_auto_batch_counts_an_invalid_probe_as_fitting(sweeps):
     # its memory held to the end: the batch fits, whatever the weights make of the numbers
-    row = ran(sweeps["invalid_auto"])
+    sweep = sweeps["auto"]
+    ran(sweep, model="tiny")
+    (row,) = [row for row in sweep.rows if row["spec"]["model"].endswith("nan")]
     assert row["status"] == "invalid" and "loss not finite" in row["error"]
     assert row["batch_probes"] == [{"batch_size": AUTO_BATCH, "fits": True},
                                    {"batch_size": AUTO_BATCH + 1, "fits": False}]

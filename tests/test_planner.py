@@ -979,7 +979,7 @@ def test_gpu_target_from_the_command_line(gpu, gpu_memory, gpus, expected):
     (["plan", "--models", "7B", "--gpu-memory", "lots"], "gpu-memory: 'lots' is not a size"),
     (["plan", "--models", "7B", "--gpu-memory", "80GB", "--batch-size", "0"], "batch_size: must be positive"),
     (["plan", "--models", "7B", "--gpu-memory", "80GB", "--batch-size", "many"], "--batch-size: expected a positive"),
-    (["plan", "--models", "7B", "--gpu-memory", "80GB", "--seq-len", "x"], "--seq-len/--context-length: invalid int value: 'x'"),
+    (["plan", "--models", "7B", "--gpu-memory", "80GB", "--seq-len", "x"], "--seq-len/--context-length: expected a whole number, got 'x'"),
     (["plan", "--models", "no-such-model", "--gpu-memory", "80GB"], "models: unknown model 'no-such-model'"),
     (["plan", "--models", "7B", "--gpus", "2"], "gpu-memory: with --gpus"),
     (["plan", "--models", "7B", "--gpus", "-1", "--gpu-memory", "80GB"], "gpus: must be a number of GPUs from 1"),

@@ -3,10 +3,10 @@ the CSV. Rows come from the committed GPU runs in benchmarks/results and from a 
 
 import io
 import json
-import os
+import math
 import re
-import subprocess
-import sys
+import shutil
+from functools import reduce
 from pathlib import Path
 
 import pandas as pd
@@ -14,7 +14,8 @@ import pytest
 from rich.cells import cell_len
 from rich.console import Console
 
-from fitbench.results.report import results_table, short_names, write_csv
+from fitbench.results.report import results_table, short_names, table_cells, write_csv
+from fitbench.results.schema import check_row
 from fitbench.results.store import ResultStore
 from fitbench.results.terminal import EtaColumn, SweepClock
 from fitbench.units import format_bytes, format_count, format_seconds
@@ -201,35 +202,19 @@ def test_sweep_clock_estimates_from_what_was_measured():
     assert clock.remaining == 0 and clock.summary().endswith("done")
 
 
-def test_output_that_is_not_a_terminal_gets_a_line_per_configuration(tmp_path):
+def test_output_that_is_not_a_terminal_gets_a_line_per_configuration(tiny_sweep):
     """The sweep's output piped: each configuration's line arrives as it finishes, with the count,
     the elapsed time and the time left; the final tables are then readable at any width."""
-    out = tmp_path / "out"
-    args = ["run", "--models", "tiny", "--mode", "forward", "infer", "--batch-size", "1", "--seq-len", "16",
-            "--new-tokens", "4", "--warmup-steps", "1", "--measure-steps", "2", "--out", str(out)]
-    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")])}
-    env.pop("FITBENCH_INJECT", None)
-    parent = subprocess.Popen([sys.executable, "-m", "fitbench", *args], cwd=tmp_path, env=env,
-                              stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
-    try:
-        lines = []
-        for line in parent.stdout:
-            lines.append((line, parent.poll(), len(list(ResultStore(out).rows()))))
-            if line.startswith("[1/2"):
-                break
-        rest = parent.stdout.read()
-        assert parent.wait(timeout=300) == 0, parent.stderr.read()
-    finally:
-        parent.kill()
-    first, running, rows_then = lines[-1]
+    out, rest = tiny_sweep.out, tiny_sweep.rest
+    first, running, rows_then = tiny_sweep.lines[-1]
     # printed when the first row was written, while the second configuration still had to run
     assert running is None and rows_then == 1
-    assert re.match(r"\[1/2 done, \d+:\d\d:\d\d elapsed, about \d+:\d\d:\d\d left\] ok tiny forward fp32 1x16 "
+    assert re.match(r"\[1/2 done, \d+:\d\d:\d\d elapsed, about \d+:\d\d:\d\d left\] ok tiny train fp32 1x16 "
                     r"\[native\]: [\d.]+ \S+/step ± [\d.]+%, [\d,.]+ tokens/s", first), first
     progress = [line for line in rest.splitlines() if line.startswith("[2/2")]
     assert len(progress) == 1 and re.match(r"\[2/2 done, \d+:\d\d:\d\d elapsed, done\] ok tiny infer fp32 1x16\+4 "
                                            r"\[native\]: ", progress[0]), progress
-    assert re.search(r"^fitbench results · forward *$", rest, flags=re.M)
+    assert re.search(r"^fitbench results · train *$", rest, flags=re.M)
     assert re.search(r"^fitbench results · infer *$", rest, flags=re.M)
 
     rows = list(ResultStore(out).rows())
@@ -269,3 +254,131 @@ def test_the_live_display_shows_the_time_left_on_the_sweep_only():
         columns = progress.columns[0]
         assert str(columns(progress.tasks[sweep])) == "about 0:00:35 left"
         assert str(columns(progress.tasks[run])) == ""
+
+
+# ---- damaged rows ---------------------------------------------------------------------------------
+
+MISSING = object()  # the key left out
+
+
+def fields_of(value, path: tuple = ()):
+    """(path, value) of every field below ``value``: each key of an object, the first item of a list."""
+    items = value.items() if isinstance(value, dict) else enumerate(value[:1]) if isinstance(value, list) else ()
+    for key, inner in items:
+        yield path + (key,), inner
+        yield from fields_of(inner, path + (key,))
+
+
+def damages(value) -> list:
+    """What an editor, a merge or a script might leave in place of ``value``: other kinds, non-finite
+    and huge numbers, null; for an object's key also nothing at all."""
+    if isinstance(value, dict):
+        kinds = [[1, 2], "text"]
+    elif isinstance(value, list):
+        kinds = [{"a": 1}, "text"]
+    elif isinstance(value, bool):
+        kinds = ["yes", 7]
+    elif isinstance(value, (int, float)):
+        kinds = ["12", math.nan, -math.inf, True, 10**400, [1]]
+    elif isinstance(value, str):
+        kinds = [7, ["text"]]
+    else:  # null: what it stood for is unknown; only the readers' surviving it is checked
+        kinds = ["text", math.nan, {"a": 1}]
+    return kinds + [None]
+
+
+def named(path: tuple) -> str:
+    """A field as the store's warnings name it: ``memory.gpus[0].peak_reserved``."""
+    return "".join(f"[{part}]" if isinstance(part, int) else f".{part}" for part in path).lstrip(".")
+
+
+def changed(row: dict, path: tuple, value) -> dict:
+    """``row`` with the field at ``path`` set to ``value``; MISSING removes it; BLANK: what a reader
+    must show for a damaged field (removed, or an empty object where a list holds objects)."""
+    row = json.loads(json.dumps(row))
+    parent = row
+    for part in path[:-1]:
+        parent = parent[part]
+    last = path[-1]
+    if value is BLANK:
+        value = {} if isinstance(parent, list) and isinstance(parent[last], dict) else MISSING
+    if value is MISSING:
+        del parent[last]
+    else:
+        parent[last] = value
+    return row
+
+
+BLANK = object()
+
+
+def test_every_field_damaged_is_skipped_or_shown_blank_with_a_warning(tiny_sweep, tmp_path, capsys, monkeypatch):
+    """Each field of real rows (a tiny CPU sweep's, and the committed GPU runs' for what only a GPU
+    writes), damaged one at a time in every way ``damages`` lists: nothing reading the rows fails,
+    and each damaged row is either skipped or read with exactly the damaged field blank, with a
+    warning naming its line and the field, or shows what the undamaged row shows."""
+    from fitbench.cli import main
+    from fitbench.results import store as store_module
+    from fitbench.results.report import markdown_report
+
+    sources = list(ResultStore(tiny_sweep.out).rows()) + committed_rows()
+    for row in sources:  # undamaged, every row reads without a word
+        assert check_row(json.loads(json.dumps(row)))[1:] == (None, []), row["label"]
+    first = {}
+    for index, row in enumerate(sources):
+        for path, value in fields_of(row):
+            if path not in first or (first[path][1] is None and value is not None):
+                first[path] = (index, value)
+    cases = [(sources[index], path, damage) for path, (index, value) in first.items()
+             for damage in damages(value) + ([MISSING] if isinstance(path[-1], str) else [])]
+    assert len(first) > 200 and len(cases) > 1000  # the fields really come from the rows
+
+    out = tmp_path / "out"
+    out.mkdir()
+    shutil.copy(tiny_sweep.out / "sweep.json", out / "sweep.json")
+    (out / "results.jsonl").write_text("".join(json.dumps(changed(row, path, damage)) + "\n"
+                                               for row, path, damage in cases))
+    monkeypatch.setattr(store_module, "WARNINGS_MAX", len(cases))
+    warnings: dict[int, str] = {}
+    store = ResultStore(out, on_bad_line=lambda message: warnings.setdefault(
+        int(re.search(r": line (\d+) ", message).group(1)), message))
+    rows = list(store.rows())
+    skipped = {line for line, message in warnings.items() if message.endswith("; skipped")}
+    read = [case for line, case in enumerate(cases, start=1) if line not in skipped]
+    assert len(rows) == len(read) and skipped
+
+    def shown(row: dict) -> tuple[str, list]:
+        """All the Markdown report and the terminal table show of ``row``."""
+        return markdown_report([row]), table_cells(row, row["spec"]["model"])
+
+    lines = [line for line in range(1, len(cases) + 1) if line not in skipped]
+    for line, read_row, (row, path, damage) in zip(lines, rows, read):
+        case = (line, named(path), damage)
+        warning = warnings.get(line)
+        if damage is None or damage is MISSING:
+            assert warning is None, case
+            assert shown(read_row) == shown(changed(row, path, BLANK)), case
+        elif warning is not None:
+            assert f"`{named(path)}` is " in warning and warning.endswith("shown blank"), (case, warning)
+            assert shown(read_row) == shown(changed(row, path, BLANK)), case
+        elif reduce(lambda value, part: value[part], path, row) is not None:
+            assert shown(read_row) == shown(row), case  # a field no report reads
+    for line in skipped:
+        _, path, _ = cases[line - 1]
+        assert "without a valid" in warnings[line] and named(path).split("[")[0] in warnings[line], warnings[line]
+
+    # A row read without a warning shows what its undamaged row shows (above); those read with fields
+    # blank lay out like any other at a narrow width, and every row goes into the CSV.
+    blanked = [read_row for line, read_row in zip(lines, rows) if line in warnings]
+    text = render(blanked, 80)
+    assert len(blanked) > 200 and "…" not in text and max(cell_len(line) for line in text.splitlines()) <= 80
+    assert len(pd.read_csv(write_csv(rows, tmp_path))) == len(rows)
+
+    capsys.readouterr()
+    # the table itself was rendered above; these are the commands around it
+    for argv in (["report", str(out), "--markdown"], ["run", "--resume", str(out)]):
+        code = main(argv)
+        stdout, stderr = capsys.readouterr()
+        assert code in (0, 1) and "Traceback" not in stderr, (argv, stderr[-2000:])
+        assert f"line {min(skipped)} " in stderr and "shown blank" in stderr, argv
+    assert "2 already finished" in stdout  # --resume ran nothing again

@@ -3,12 +3,12 @@
 from __future__ import annotations
 
 import difflib
-import json
 import math
 from pathlib import Path
 from typing import Any
 
 from fitbench.errors import UserError, excerpt
+from fitbench.jsonfile import read_json
 from fitbench.models.architecture import Architecture
 from fitbench.models.presets import PRESETS
 
@@ -47,28 +47,7 @@ def _read_config(directory: str) -> dict[str, Any]:
     """The JSON object in ``directory``/config.json, or a UserError saying what is wrong with the file."""
     path = Path(directory) / "config.json"
     fix = "Fix the file (a transformers config.json), or pass a preset (`fitbench models`)."
-    try:
-        with path.open("rb") as handle:
-            raw = handle.read(CONFIG_MAX_BYTES + 1)
-    except OSError as error:
-        raise UserError(f"models: cannot read {path}: {error.strerror}.") from None
-    if len(raw) > CONFIG_MAX_BYTES:
-        raise UserError(f"models: {path} is larger than {CONFIG_MAX_BYTES:,} bytes; it is not a model's config. {fix}")
-    try:
-        text = raw.decode("utf-8")
-    except UnicodeDecodeError as error:
-        raise UserError(f"models: {path} is not UTF-8 text (byte {error.object[error.start]:#04x} at offset "
-                        f"{error.start}). {fix}") from None
-    if not text.strip():
-        raise UserError(f"models: {path} is empty. {fix}")
-    try:
-        config = json.loads(text)
-    except (ValueError, RecursionError) as error:  # ValueError: JSONDecodeError, or an int of thousands of digits
-        if isinstance(error, json.JSONDecodeError):
-            where = f" ({error.msg} at line {error.lineno}, column {error.colno})"
-        else:
-            where = " (nested too deeply)" if isinstance(error, RecursionError) else " (a number with too many digits)"
-        raise UserError(f"models: {path} is not valid JSON{where}. {fix}") from None
+    config = read_json(path, limit=CONFIG_MAX_BYTES, field="models", fix=fix)
     if not isinstance(config, dict):
         raise UserError(f"models: {path} holds a JSON {type(config).__name__}, not an object of fields "
                         f"(hidden_size, num_attention_heads, ...). {fix}")

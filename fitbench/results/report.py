@@ -61,7 +61,10 @@ def measured_gpu_peak(row: dict[str, Any]) -> float | None:
         return None
     if gpus[0].get("nvml_peak_used"):
         return float(gpus[0]["nvml_peak_used"])
-    context = next((t["bytes"] for t in (row.get("prediction") or {}).get("terms", []) if t["name"] == "CUDA context"), 0)
+    if gpus[0].get("peak_reserved") is None:
+        return None
+    terms = (row.get("prediction") or {}).get("terms") or []
+    context = next((t.get("bytes") or 0 for t in terms if t.get("name") == "CUDA context"), 0)
     return float(gpus[0]["peak_reserved"]) + context
 
 
@@ -69,15 +72,16 @@ def quality_summary(quality: dict[str, Any] | None) -> str:
     """A quantized row's quality against bf16 in one line (``fitbench.run.quality`` defines each figure)."""
     if not quality:
         return "-"
-    matmul = quality["matmul_error"]
+    matmul = quality.get("matmul_error") or {}
     parts = []
-    if matmul["count"]:
-        parts.append(f"matmul error {_percent(matmul['mean'])} mean, {_percent(matmul['worst'])} worst "
-                     f"({matmul['worst_matmul']})")
-    parts.append(f"top-1 {_percent(quality['top1_agreement'])}, KL {quality['kl_divergence']:.2g} nats")
+    if matmul.get("count"):
+        parts.append(f"matmul error {_percent(matmul.get('mean'))} mean, {_percent(matmul.get('worst'))} worst "
+                     f"({matmul.get('worst_matmul') or '-'})")
+    kl = quality.get("kl_divergence")
+    parts.append(f"top-1 {_percent(quality.get('top1_agreement'))}, KL {'-' if kl is None else f'{kl:.2g}'} nats")
     perplexity = quality.get("perplexity")
     if isinstance(perplexity, dict):
-        parts.append(f"perplexity {perplexity['bf16']:.2f} -> {perplexity['quantized']:.2f}")
+        parts.append(f"perplexity {_fixed(perplexity.get('bf16'))} -> {_fixed(perplexity.get('quantized'))}")
     elif perplexity:
         parts.append(f"perplexity {perplexity}")
     return "; ".join(parts)
@@ -91,7 +95,7 @@ def short_names(names: Iterable[str]) -> dict[str, str]:
     components that no other name ends with (``../models/tiny-llama-a`` -> ``tiny-llama-a``; two
     directories called ``ckpt`` keep the parent that differs); presets and hub ids stay whole."""
     names = list(dict.fromkeys(names))
-    paths = {name: Path(name).expanduser().parts for name in names if _is_path(name)}
+    paths = {name: Path(name).parts for name in names if _is_path(name)}
     shown = {name: name for name in names if name not in paths}
     for name, parts in paths.items():
         others = [other_parts for other_parts in paths.values() if other_parts != parts]
@@ -106,7 +110,14 @@ def short_names(names: Iterable[str]) -> dict[str, str]:
 def _is_path(name: str) -> bool:
     """A local directory, as ``fitbench.models.registry`` tells it from a hub id (``org/name``):
     one that exists here, or one that cannot be a hub id (a leading . / ~, or more than one /)."""
-    return name.startswith((".", "/", "~")) or name.count("/") > 1 or ("/" in name and Path(name).exists())
+    return name.startswith((".", "/", "~")) or name.count("/") > 1 or ("/" in name and _exists(name))
+
+
+def _exists(name: str) -> bool:
+    try:
+        return Path(name).exists()
+    except (OSError, ValueError):  # a name too long for a path, or with a NUL
+        return False
 
 
 @dataclass(frozen=True)
@@ -134,11 +145,12 @@ def _time_cell(row: dict[str, Any], head: dict[str, Any]) -> tuple[str, ...]:
 
 
 def _memory_parts(row: dict[str, Any]) -> tuple[str, ...]:
-    gpus = (row.get("memory") or {}).get("gpus") or []
+    memory = row.get("memory") or {}
+    gpus = memory.get("gpus") or []
     if gpus:
-        return tuple(format_bytes(g.get("nvml_peak_used") or g["peak_reserved"]) for g in gpus)
-    if row.get("memory"):
-        return (format_bytes(row["memory"]["host_peak_rss"]) + " host",)
+        return tuple(format_bytes(g.get("nvml_peak_used") or g.get("peak_reserved")) for g in gpus)
+    if memory.get("host_peak_rss") is not None:
+        return (format_bytes(memory["host_peak_rss"]) + " host",)
     return ()
 
 
@@ -150,8 +162,16 @@ def _prediction_cell(row: dict[str, Any], head: dict[str, Any]) -> tuple[str, ..
 
 
 def _shape(spec: dict[str, Any]) -> str:
-    shape = f"{spec['batch_size']}×{spec['seq_len']}" + (f"+{spec['new_tokens']}" if spec["mode"] == "infer" else "")
+    shape = f"{spec['batch_size']}×{spec['seq_len']}" + (_new_tokens(spec) if spec["mode"] == "infer" else "")
     return shape + (" rc" if spec.get("activation_checkpointing") else "") + (" off" if spec.get("offload") else "")
+
+
+def _new_tokens(spec: dict[str, Any]) -> str:
+    return f"+{spec.get('new_tokens') or '?'}"
+
+
+def _fixed(value: float | None) -> str:
+    return "-" if value is None else f"{value:.2f}"
 
 
 def _rate(value: float | None) -> str:
@@ -217,10 +237,7 @@ class ResultsTable:
 
     def _table(self, mode: str, rows: list[dict[str, Any]], names: dict[str, str], width: int) -> Table:
         columns = list(_INFER_COLUMNS if mode == "infer" else _TRAINING_COLUMNS)
-        cells = []
-        for row in rows:
-            head = {**headline(row), "model": names[row["spec"]["model"]]}
-            cells.append([column.cell(row, head) for column in columns])
+        cells = [table_cells(row, names[row["spec"]["model"]]) for row in rows]
         words_cap = max(10, min(MODEL_NAME_CAP, width // 4))
         shown, stacked, widths = _layout(columns, cells, width, words_cap)
         table = Table(title=f"{self.title} · {mode}", title_justify="left", box=box.SIMPLE_HEAD,
@@ -242,6 +259,13 @@ class ResultsTable:
                              f"results.csv and `fitbench report --markdown DIR`")
             table.caption_justify = "left"
         return table
+
+
+def table_cells(row: dict[str, Any], model: str) -> list[tuple[str, ...]]:
+    """The cells of ``row`` in its mode's table, each a few parts, with ``model`` for its name."""
+    head = {**headline(row), "model": model}
+    return [column.cell(row, head) for column in (_INFER_COLUMNS if row["spec"]["mode"] == "infer"
+                                                  else _TRAINING_COLUMNS)]
 
 
 def _layout(columns: list[_Column], cells: list[list[tuple[str, ...]]], width: int,
@@ -329,10 +353,10 @@ def markdown_report(rows: list[dict[str, Any]]) -> str:
         return "(no results)\n"
     lines = []
     env = next((row["environment"] for row in rows if row.get("environment")), {})
-    commands = sorted({row.get("command", "") for row in rows})
-    lines.append(f"Command: `{'`, `'.join(commands)}`  ")
+    commands = sorted({row["command"] for row in rows if row.get("command")})
+    lines.append(f"Command: `{'`, `'.join(commands)}`  " if commands else "Command: -  ")
     if env:
-        gpus = ", ".join(g["name"] for g in env.get("gpus", [])) or env.get("cpu_model", "cpu")
+        gpus = ", ".join(g["name"] for g in env.get("gpus") or [] if g.get("name")) or env.get("cpu_model") or "cpu"
         lines.append(f"Device: {gpus}; torch {env.get('torch')} (CUDA {env.get('torch_cuda')}), transformers "
                      f"{env.get('transformers')}, driver {env.get('driver')}; fitbench {env.get('fitbench_version')} "
                      f"({env.get('git_commit') or 'no commit'}); {env.get('time_utc')}")
@@ -346,11 +370,12 @@ def markdown_report(rows: list[dict[str, Any]]) -> str:
     for row in rows:
         spec, head, throughput = row["spec"], headline(row), row.get("throughput") or {}
         infer = spec["mode"] == "infer"
-        shape = f"{spec['batch_size']}×{spec['seq_len']}" + (f"+{spec['new_tokens']}" if infer else "")
+        shape = f"{spec['batch_size']}×{spec['seq_len']}" + (_new_tokens(spec) if infer else "")
         if spec.get("activation_checkpointing"):
             shape += " recompute"
-        timing = (f"{format_seconds(head['time'])}{'/token' if infer else ''} ± {head['cv']:.1f}%"
-                  if head["time"] is not None else "-")
+        timing = "-" if head["time"] is None else (
+            format_seconds(head["time"]) + ("/token" if infer else "")
+            + (f" ± {head['cv']:.1f}%" if head["cv"] is not None else ""))
         mfu = throughput.get("prefill_mfu" if infer else "mfu")
         cells = (
             spec["model"], format_count(row.get("params")), spec["mode"], spec["precision"], shape, timing,

@@ -8,8 +8,9 @@ replaces it in ``rows``.
 
 The file outlives the code that wrote it and the people who edit it: a line that is not a row (cut
 short by a kill, not JSON, not UTF-8, not an object with a ``key``, a ``status`` and a ``spec``) is
-skipped and reported once through ``on_bad_line``, with its line number, and everything else still
-reads. A write that fails (a full disk) leaves the file as it was before the write began.
+skipped, and a row with damaged fields is read with them blank (``fitbench.results.schema``); either
+is reported once through ``on_bad_line``, with its line number and the fields, and everything else
+still reads. A write that fails (a full disk) leaves the file as it was before the write began.
 
 One sweep at a time per directory: ``lock`` takes an exclusive ``flock`` on ``fitbench.lock``,
 which holds the holder's PID. The kernel releases it when the holder exits, however it exits, so
@@ -26,49 +27,44 @@ from pathlib import Path
 from typing import Any, Callable, Iterator
 
 from fitbench.errors import UserError, excerpt
+from fitbench.jsonfile import parse_json, read_json
+from fitbench.results.schema import check_row
 
 RESULTS_FILE = "results.jsonl"
 SWEEP_FILE = "sweep.json"
 LOCK_FILE = "fitbench.lock"
 INTERRUPTED = "interrupted"
 SWEEP_MAX_BYTES = 10_000_000
+# A row is kilobytes (its raw samples included); a line far longer is not one, and is not read whole.
+ROW_MAX_BYTES = 16_000_000
 # A full disk, a file grown past RLIMIT_FSIZE, a quota, a file system remounted read-only mid-sweep.
 DISK_ERRORS = {errno.ENOSPC, errno.EFBIG, errno.EDQUOT, errno.EROFS}
-# The fields of a row's spec that every report reads.
-SPEC_FIELDS = {"model": str, "mode": str, "precision": str, "batch_size": int, "seq_len": int}
-# Fields a row may leave out or set to null, and the type the tables and reports read them as.
-OPTIONAL_FIELDS = {"label": str, "error": str, "params": (int, float), "warnings": list, "timing": dict,
-                   "throughput": dict, "prediction": dict, "memory": dict, "weights": dict, "quality": dict,
-                   "offload": dict, "environment": dict}
 # A file of garbage would print a warning per line; past these, one line counts the rest.
 WARNINGS_MAX = 10
 
 
 def _row_problem(line: bytes) -> tuple[dict[str, Any] | None, str]:
-    """The row on ``line``, or None and why it is not one."""
-    try:
-        text = line.decode("utf-8")
-    except UnicodeDecodeError:
-        return None, "is not UTF-8"
-    try:
-        row = json.loads(text)
-    except json.JSONDecodeError:
-        return None, "is not complete JSON (a write cut short?)"
-    except (ValueError, RecursionError):  # an int of thousands of digits; arrays nested thousands deep
-        return None, "is JSON that cannot be read (too deeply nested, or a number of too many digits)"
-    if not isinstance(row, dict):
-        return None, f"holds {excerpt(row, 30)}, not a row"
-    missing = [field for field, kind in (("key", str), ("status", str), ("spec", dict))
-               if not isinstance(row.get(field), kind)]
-    if not missing:
-        missing = [f"spec.{field}" for field, kind in SPEC_FIELDS.items() if not isinstance(row["spec"].get(field), kind)
-                   or isinstance(row["spec"].get(field), bool)]
-    if not missing:
-        missing = [field for field, kind in OPTIONAL_FIELDS.items() if row.get(field) is not None
-                   and (not isinstance(row[field], kind) or isinstance(row[field], bool))]
-    if missing:
-        return None, f"is a row without a valid {', '.join(missing)}"
-    return row, ""
+    """The row on ``line`` (its damaged fields dropped: ``fitbench.results.schema``) and what was
+    dropped, or None and why it is not a row."""
+    value, problem = parse_json(line)
+    if problem:
+        return None, problem
+    row, problem, dropped = check_row(value)
+    if problem:
+        return None, problem
+    shown = "; ".join(dropped[:3]) + (f"; and {len(dropped) - 3} more" if len(dropped) > 3 else "")
+    return row, f"has {shown}; shown blank" if dropped else ""
+
+
+def _bounded_lines(handle) -> Iterator[bytes]:
+    """The file's lines; b"" for one longer than ``ROW_MAX_BYTES``, which is never held whole."""
+    while line := handle.readline(ROW_MAX_BYTES + 1):
+        if len(line) > ROW_MAX_BYTES:
+            while line and not line.endswith(b"\n"):
+                line = handle.readline(ROW_MAX_BYTES)
+            yield b""
+        else:
+            yield line
 
 
 class ResultStore:
@@ -107,7 +103,7 @@ class ResultStore:
 
     def rows(self) -> Iterator[dict[str, Any]]:
         """Every complete row but an ``interrupted`` one that a later row of its key replaced; any
-        other line is skipped (see the module's docstring)."""
+        other line is skipped, damaged fields are left out (see the module's docstring)."""
         rows = list(self._lines())
         later = {}
         for index, row in enumerate(rows):
@@ -126,22 +122,23 @@ class ResultStore:
                             f"readable file, or start a new sweep with --out.") from None
         unreported = []
         with handle:
-            for number, line in enumerate(handle, start=1):
-                if not line.strip():
+            for number, line in enumerate(_bounded_lines(handle), start=1):
+                if line and not line.strip():
                     continue
-                row, problem = _row_problem(line)
+                row, problem = _row_problem(line) if line else (None, f"is longer than {ROW_MAX_BYTES:,} bytes")
                 if row is not None:
                     yield row
-                elif number not in self._reported:
+                if problem and number not in self._reported:
                     self._reported.add(number)
                     if len(self._reported) <= WARNINGS_MAX:
                         if self.on_bad_line:
-                            self.on_bad_line(f"{self.path}: line {number} {problem}; skipped")
+                            self.on_bad_line(f"{self.path}: line {number} {problem}"
+                                             + ("; skipped" if row is None else ""))
                     else:
                         unreported.append(number)
         if unreported and self.on_bad_line:
             self.on_bad_line(f"{self.path}: {len(unreported)} more damaged line(s), lines {unreported[0]} to "
-                             f"{unreported[-1]}; skipped")
+                             f"{unreported[-1]}; skipped or shown with fields blank")
 
     def finished_keys(self) -> set[str]:
         return {row["key"] for row in self.rows() if row.get("status") != INTERRUPTED}
@@ -190,21 +187,6 @@ class ResultStore:
         path = self.directory / SWEEP_FILE
         if not path.is_file():
             return None
-        damaged = f"resume: {path} is damaged"
-        fix = "It is not a sweep fitbench saved, or it was edited; start a new sweep with --out."
-        try:
-            with path.open("rb") as handle:
-                raw = handle.read(SWEEP_MAX_BYTES + 1)
-        except OSError as error:
-            raise UserError(f"resume: cannot read {path}: {error.strerror}.") from None
-        if len(raw) > SWEEP_MAX_BYTES:
-            raise UserError(f"{damaged}: it is larger than {SWEEP_MAX_BYTES:,} bytes. {fix}")
-        try:
-            return json.loads(raw.decode("utf-8"))
-        except UnicodeDecodeError:
-            raise UserError(f"{damaged}: it is not UTF-8 text. {fix}") from None
-        except json.JSONDecodeError as error:
-            raise UserError(f"{damaged}: it is not valid JSON ({error.msg} at line {error.lineno}). {fix}") from None
-        except (ValueError, RecursionError):
-            raise UserError(f"{damaged}: it is JSON nested too deeply, or with a number of too many digits. {fix}") \
-                from None
+        return read_json(path, limit=SWEEP_MAX_BYTES, field="resume",
+                         fix="The saved sweep is damaged (not saved by fitbench, or edited since); start a new "
+                             "sweep with --out.")
