@@ -232,7 +232,10 @@ class DecoderLayer(nn.Module):
 class DecoderStack(nn.Module):
     def __init__(self, config: DecoderConfig):
         super().__init__()
-        self.embed_tokens = nn.Embedding(config.vocab_size, config.dim)
+        # Built with its weight, so nn.Embedding draws no N(0, 1) of its own: on the meta device that one
+        # call imports torch._dynamo (seconds in every worker), and init_weights draws them later anyway.
+        self.embed_tokens = nn.Embedding(config.vocab_size, config.dim,
+                                         _weight=torch.empty(config.vocab_size, config.dim))
         self.layers = nn.ModuleList(DecoderLayer(config, i) for i in range(config.n_layers))
         self.norm = RMSNorm(config.dim, config.norm_eps)
 
