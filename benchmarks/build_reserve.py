@@ -29,15 +29,16 @@ def build(model: str, precision: str) -> dict:
     from fitbench.models.registry import resolve
     from fitbench.run.loops import random_tokens
     from fitbench.run.quantize import build_quantized_native
+    from fitbench.run.worker import weight_storage_bytes
 
     arch, device = resolve(model), torch.device("cuda")
     probe = random_tokens(arch.vocab_size, 1, 64, device, seed=0)
     start = time.time()
-    build_quantized_native(arch, device, precision, probe)
+    built, _ = build_quantized_native(arch, device, precision, probe)
     torch.cuda.synchronize()
     return {"model": model, "precision": precision, "s": round(time.time() - start, 1),
             "after": torch.cuda.memory_allocated(), "max_alloc": torch.cuda.max_memory_allocated(),
-            "max_res": torch.cuda.max_memory_reserved()}
+            "max_res": torch.cuda.max_memory_reserved(), "weights": weight_storage_bytes(built)}
 
 
 def main() -> None:

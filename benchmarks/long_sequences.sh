@@ -6,9 +6,11 @@
 set -euo pipefail
 out=${1:?usage: benchmarks/long_sequences.sh OUT_DIR}
 fitbench=${FITBENCH:-fitbench}
-quick=(--warmup-steps 1 --measure-steps 3 --timeout 400 --out "$out")
+quick=(--warmup-steps 1 --measure-steps 3 --timeout 400)
 
-run() { $fitbench run "$@" "${quick[@]}" || true; }
+# each run its own directory under OUT_DIR (a directory holds one sweep)
+n=0
+run() { n=$((n + 1)); $fitbench run "$@" "${quick[@]}" --out "$out/$n" || true; }
 
 run --models llama-3.1-8b --mode train --precision bf16-pure --batch-size 2 1 --seq-len 4096 --activation-checkpointing
 run --models llama-3.1-8b --mode train --precision bf16-pure --batch-size 1 --seq-len 8192 --activation-checkpointing

@@ -2,6 +2,9 @@
 
 Usage: python benchmarks/memory_error.py OUT_DIR [--markdown FILE]
 
+OUT_DIR is one sweep's directory or holds several (the validation scripts give each run its own
+numbered directory); every ``results.jsonl`` under it is read.
+
 Error = (predicted - measured) / measured, measured = what the GPU gave the process at its peak
 (NVML: allocator reserved plus CUDA context). Targets: median |error| <= 2%, worst <= 5%, no
 under-prediction beyond 3%, and no out-of-memory among configurations the planner chose.
@@ -30,7 +33,9 @@ def main() -> None:
     lines = ["| configuration | status | predicted | measured | error | peak moment | planner chose |",
              "|---|---|---|---|---|---|---|"]
     errors, picked_oom, ttft = [], [], []
-    for row in ResultStore(args.directory).rows():
+    sweeps = sorted({path.parent for path in Path(args.directory).rglob("results.jsonl")}, key=str)
+    rows = [row for sweep in sweeps for row in ResultStore(sweep).rows()]
+    for row in rows:
         samples = ((row.get("timing") or {}).get("samples") or {}).get("time_to_first_token")
         if row["status"] == "ok" and samples:
             ttft.append((row["label"], samples[0] / statistics.median(samples) - 1))

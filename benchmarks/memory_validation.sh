@@ -9,9 +9,11 @@ set -euo pipefail
 out=${1:?usage: benchmarks/memory_validation.sh OUT_DIR [all|training|forward|inference]}
 part=${2:-all}
 fitbench=${FITBENCH:-fitbench}
-quick=(--warmup-steps 1 --measure-steps 2 --timeout 300 --out "$out")
+quick=(--warmup-steps 1 --measure-steps 2 --timeout 300)
 
-run() { $fitbench run "$@" "${quick[@]}" || true; }
+# each run its own directory under OUT_DIR (a directory holds one sweep)
+n=0
+run() { n=$((n + 1)); $fitbench run "$@" "${quick[@]}" --out "$out/$n" || true; }
 section() { [[ $part == all || $part == "$1" ]]; }
 
 if section training; then

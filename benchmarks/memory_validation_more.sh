@@ -10,9 +10,11 @@ set -euo pipefail
 out=${1:?usage: benchmarks/memory_validation_more.sh OUT_DIR [all|training|inference]}
 part=${2:-all}
 fitbench=${FITBENCH:-fitbench}
-quick=(--warmup-steps 1 --measure-steps 3 --timeout 400 --out "$out")
+quick=(--warmup-steps 1 --measure-steps 3 --timeout 400)
 
-run() { $fitbench run "$@" "${quick[@]}" || true; }
+# each run its own directory under OUT_DIR (a directory holds one sweep)
+n=0
+run() { n=$((n + 1)); $fitbench run "$@" "${quick[@]}" --out "$out/$n" || true; }
 section() { [[ $part == all || $part == "$1" ]]; }
 
 if section training; then

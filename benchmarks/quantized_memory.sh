@@ -6,9 +6,11 @@
 set -euo pipefail
 out=${1:?usage: benchmarks/quantized_memory.sh OUT_DIR}
 fitbench=${FITBENCH:-fitbench}
-quick=(--mode infer --warmup-steps 1 --measure-steps 3 --timeout 400 --out "$out")
+quick=(--mode infer --warmup-steps 1 --measure-steps 3 --timeout 400)
 
-run() { $fitbench run "$@" "${quick[@]}" || true; }
+# each run its own directory under OUT_DIR (a directory holds one sweep)
+n=0
+run() { n=$((n + 1)); $fitbench run "$@" "${quick[@]}" --out "$out/$n" || true; }
 
 run --models 1B --precision int8 --batch-size 8 --seq-len 256 --new-tokens 32
 run --models 13B --precision int8 --batch-size 2 --seq-len 1024 --new-tokens 32

@@ -113,7 +113,7 @@ def test_seed_spelling_of_the_options(tmp_path, capsys):
     argv = ["run", "--models", "tiny", "--samples", "2", "--context-length", "16", "--pass-type", "backward",
             "--batch-size", "1", "--warmup-steps", "1", "--out", str(out)]
     code, stdout, stderr = cli(argv, capsys)
-    assert code == 0, stderr
+    assert code == 0, stdout + stderr
     (row,) = rows_of(out)
     assert row["status"] == "ok", row.get("error")
     assert row["spec"]["mode"] == "forward-backward"

@@ -12,7 +12,9 @@
 Embeddings, norms and the output projection stay bf16, as transformers' integrations keep them.
 
 A large model is quantized as it is built, one layer at a time (``build_quantized_native``), so the
-full bf16 model never exists: the peak is the quantized layers so far plus one layer in bf16. The
+full bf16 model never exists: the peak is the quantized layers so far plus one layer in bf16. Each
+layer, once quantized, is packed into one block of a pool of its own (``fitbench.run.packing``), so
+that the next layer's bf16 weights and temporaries find the range this one's left free. The
 same pass measures quality against the bf16 model (``fitbench.run.quality``): a probe sequence runs
 through each layer in bf16, each matmul's input is kept, and the layer, once quantized, runs its
 matmuls on those inputs and its own copy of the probe's hidden states through; the final logits of
@@ -21,6 +23,7 @@ the two copies give the next-token agreement and KL divergence.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from pathlib import Path
 
 import torch
@@ -28,6 +31,7 @@ from torch import nn
 
 from fitbench.models.architecture import Architecture
 from fitbench.models.native import NativeCausalLM, init_random_weights, meta_model
+from fitbench.run.packing import Packer
 from fitbench.run.quality import (REFERENCE_TEXT_NAME, NoTokenizer, Perplexity, Quality, kl_divergence, matmul_errors,
                                   perplexity, recorded_matmuls, summarise, tokenize_reference_text, top1_agreement)
 
@@ -102,18 +106,27 @@ def _torchao_config(precision: str):
 
 
 @torch.no_grad()
-def quantize_linears(module: nn.Module, precision: str, device: torch.device) -> None:
-    """Replace (bitsandbytes) or convert (torchao) every matmul of ``module`` but the output projection."""
+def quantize_linears(module: nn.Module, precision: str, device: torch.device,
+                     each: Callable[[nn.Module], object] | None = None) -> None:
+    """Replace (bitsandbytes) or convert (torchao) every matmul of ``module`` but the output projection,
+    one at a time, the largest first, handing each quantized matmul to ``each``. Largest first: the
+    range a matrix and its temporaries leave free is then long enough for every later one's, so the
+    allocator need not map more for them."""
     _to_plain_linears(module)
-    if precision in BITSANDBYTES:
-        for name, child in list(module.named_modules()):
-            for child_name, linear in list(child.named_children()):
-                if _quantizable(linear, f"{name}.{child_name}"):
-                    setattr(child, child_name, _bitsandbytes_linear(linear, precision, device))
-        return
-    from torchao.quantization import quantize_
+    targets = [(parent, name, child.weight.numel()) for parent_name, parent in module.named_modules()
+               for name, child in parent.named_children() if _quantizable(child, f"{parent_name}.{name}")]
+    targets.sort(key=lambda target: -target[2])
+    if precision not in BITSANDBYTES:
+        from torchao.quantization import quantize_
 
-    quantize_(module, _torchao_config(precision), filter_fn=lambda m, fqn: _quantizable(m, fqn or ""))
+        config = _torchao_config(precision)
+    for parent, name, _ in targets:
+        if precision in BITSANDBYTES:
+            setattr(parent, name, _bitsandbytes_linear(getattr(parent, name), precision, device))
+        else:
+            quantize_(getattr(parent, name), config)
+        if each is not None:
+            each(getattr(parent, name))
 
 
 def float8_training(module: nn.Module) -> int:
@@ -146,9 +159,12 @@ def quantizable_linears(module: nn.Module, prefix: str = "") -> dict[str, nn.Mod
 @torch.no_grad()
 def build_quantized_native(arch: Architecture, device: torch.device, precision: str,
                            probe: torch.Tensor) -> tuple[NativeCausalLM, Quality]:
-    """Materialize and quantize one layer at a time, carrying a bf16 and a quantized copy of the probe's
-    hidden states through the layers; return the model and its quality against bf16."""
+    """Materialize, quantize and pack one layer at a time, carrying a bf16 and a quantized copy of the
+    probe's hidden states through the layers; return the model and its quality against bf16. Each
+    matmul is packed as soon as it is quantized, into one block per layer (``fitbench.run.packing``);
+    on a GPU the blocks live in a private memory pool, kept as the model's ``packer``."""
     model = meta_model(arch, torch.bfloat16)
+    packer, layer_bytes = Packer(device), 0
     for part in (model.model.embed_tokens, model.model.norm, model.lm_head):
         part.to_empty(device=device)
         init_random_weights(part)
@@ -163,15 +179,21 @@ def build_quantized_native(arch: Architecture, device: torch.device, precision: 
     reference = quantized = model.model.embed_tokens(probe)
     errors: dict[str, float] = {}
     for i, layer in enumerate(model.model.layers):
+        if layer_bytes:
+            packer.reserve(layer_bytes)  # the first layer measured what one takes
+        taken = []
         layer.to_empty(device=device)
         init_random_weights(layer)
         prefix = f"model.layers.{i}."
         with recorded_matmuls(quantizable_linears(layer, prefix)) as record:
             reference = layer(reference, cos, sin, None, 0)
-        quantize_linears(layer, precision, device)
+        quantize_linears(layer, precision, device, each=lambda matmul: taken.append(packer.pack(matmul)))
         errors |= matmul_errors(record, {f"{prefix}{name}": m for name, m in layer.named_modules()}, device)
         del record
         quantized = layer(quantized, cos, sin, None, 0)
+        taken.append(packer.pack(layer))  # the norms, and what the first forward added
+        layer_bytes = layer_bytes or sum(taken)
+    model.packer = packer
     reference_logits = model.lm_head(model.model.norm(reference))
     quantized_logits = model.lm_head(model.model.norm(quantized))
     return model, Quality(summarise(errors), top1_agreement(quantized_logits, reference_logits),

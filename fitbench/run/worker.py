@@ -127,23 +127,22 @@ def raise_injected_out_of_memory(assignment: Assignment) -> None:
 
 
 def weight_storage_bytes(module: torch.nn.Module) -> int:
-    """Bytes of every parameter's storage, counting what quantized weights keep beside their data:
-    the inner tensors of torchao's tensor subclasses, bitsandbytes' row scales and 4-bit block states."""
+    """Bytes of every parameter's data, counting what quantized weights keep beside it: the inner
+    tensors of torchao's tensor subclasses, bitsandbytes' row scales and 4-bit block states. Each
+    tensor counts its elements x their size once per address: tensors sharing one allocation (a
+    layer packed by ``fitbench.run.packing``, bitsandbytes' ``CB`` beside its weight) count apart."""
     seen: set[int] = set()
 
     def storage(tensor) -> int:
         if tensor is None:
             return 0
-        if hasattr(tensor, "__tensor_flatten__") and type(tensor) not in (torch.Tensor, torch.nn.Parameter):
+        if hasattr(type(tensor), "__tensor_flatten__"):
             names, _ = tensor.__tensor_flatten__()
-            inner = sum(storage(getattr(tensor, name)) for name in names)
-            if inner:
-                return inner
-        key = tensor.untyped_storage().data_ptr()
-        if key in seen:
+            return sum(storage(getattr(tensor, name)) for name in names)
+        if tensor.data_ptr() in seen:
             return 0
-        seen.add(key)
-        return tensor.untyped_storage().nbytes()
+        seen.add(tensor.data_ptr())
+        return tensor.numel() * tensor.element_size()
 
     total = 0
     for part in module.modules():
