@@ -92,3 +92,5 @@ def test_the_quantized_build_packs_each_layer_and_quantizes_the_largest_matrix_f
     # the first layer measures what one takes: a block per matrix and one for the rest
     assert len(storages[0]) == per_layer + 1
     assert all(len(layer) == 1 for layer in storages[1:])
+    # tiny ties its output projection to the embedding: one table, never a second one freed
+    assert model.lm_head.weight is model.model.embed_tokens.weight

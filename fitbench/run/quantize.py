@@ -165,10 +165,13 @@ def build_quantized_native(arch: Architecture, device: torch.device, precision: 
     on a GPU the blocks live in a private memory pool, kept as the model's ``packer``."""
     model = meta_model(arch, torch.bfloat16)
     packer, layer_bytes = Packer(device), 0
-    for part in (model.model.embed_tokens, model.model.norm, model.lm_head):
+    # a tied output projection is never allocated on its own: freed once tied, its table would be a
+    # hole the size of the vocabulary at the bottom of the allocator's segment for the whole run
+    tied = arch.tie_embeddings
+    for part in (model.model.embed_tokens, model.model.norm, *(() if tied else (model.lm_head,))):
         part.to_empty(device=device)
         init_random_weights(part)
-    if arch.tie_embeddings:
+    if tied:
         model.lm_head.weight = model.model.embed_tokens.weight
     model.rope_cos = torch.empty_like(model.rope_cos, device=device)
     model.rope_sin = torch.empty_like(model.rope_sin, device=device)
