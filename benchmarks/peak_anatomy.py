@@ -27,7 +27,7 @@ os.environ.setdefault("PYTORCH_CUDA_ALLOC_CONF", "expandable_segments:True")
 
 import torch  # noqa: E402  (after the allocator's settings)
 
-from fitbench.spec import RunSpec  # noqa: E402
+from fitbench.spec import Assignment, RunSpec  # noqa: E402
 from fitbench.run import worker  # noqa: E402
 
 TRACE_ENTRIES = 4_000_000
@@ -109,7 +109,7 @@ def main() -> None:
 
     torch.cuda.memory._record_memory_history(max_entries=TRACE_ENTRIES)
     with tempfile.TemporaryDirectory() as scratch:
-        row = worker.measure(spec, device, Path(scratch))
+        row = worker.measure(Assignment(spec=spec), device, Path(scratch))
     torch.cuda.synchronize()
     snapshot = torch.cuda.memory._snapshot()
     torch.cuda.memory._record_memory_history(enabled=None)
