@@ -72,25 +72,26 @@ def test_the_reserved_block_is_filled_then_a_new_one_is_taken():
 
 
 @pytest.mark.parametrize("precision", ["int8", "nf4"])
-def test_the_quantized_build_packs_each_layer_and_quantizes_the_largest_matrix_first(precision, monkeypatch):
+def test_the_quantized_build_packs_every_layer_into_one_block_the_largest_matrix_first(precision, monkeypatch):
     arch = resolve("tiny")
     order = []
     packing = Packer.pack
 
     def recording(self, module):
-        weight = getattr(module, "weight", None)
-        if weight is not None and not isinstance(module, nn.RMSNorm):
+        if isinstance(module, nn.Linear) or hasattr(module, "in_features"):
             order.append(module.in_features * module.out_features)
         return packing(self, module)
 
     monkeypatch.setattr(Packer, "pack", recording)
     model, _ = build_quantized_native(arch, CPU, precision, random_tokens(arch.vocab_size, 1, 8, CPU, seed=0))
-    per_layer = len(order) // arch.num_layers
-    assert order[:per_layer] == sorted(order[:per_layer], reverse=True)
-    storages = [{tensor.untyped_storage().data_ptr() for tensor in state_tensors(layer)}
-                for layer in model.model.layers]
-    # the first layer measures what one takes: a block per matrix and one for the rest
-    assert len(storages[0]) == per_layer + 1
-    assert all(len(layer) == 1 for layer in storages[1:])
+    # the first layer is packed whole; from the second on, each matmul as soon as it is quantized
+    per_layer = len(order) // (arch.num_layers - 1)
+    assert per_layer == 7 and order[:per_layer] == sorted(order[:per_layer], reverse=True)
+    storages = {tensor.untyped_storage().data_ptr() for tensor in state_tensors(model.model.layers)}
+    assert len(storages) == 1
+    _, unpacked = tiny_model(precision)
+    with torch.no_grad():
+        unpacked(random_tokens(arch.vocab_size, 1, 8, CPU, seed=0))
+    assert model.packer.open_block == (arch.num_layers * packed_bytes(unpacked.model.layers[0], CPU),) * 2
     # tiny ties its output projection to the embedding: one table, never a second one freed
     assert model.lm_head.weight is model.model.embed_tokens.weight

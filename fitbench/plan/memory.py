@@ -700,6 +700,27 @@ def int8_outlier_terms(arch: Architecture, tokens: int, widths: Widths, tp: int 
                  "(8 h k): blocks that change size from layer to layer (measured)", frozenset({OUTLIERS}))]
 
 
+# Precisions whose matmuls quantize their input on the fly (torchao's dynamic activation scaling).
+ACTIVATION_QUANTIZED = ("fp8", "int8-dynamic")
+# Bytes per element of a matmul's input while torchao quantizes it: three fp32 copies (the input
+# upcast, its scaled and its clamped values) and the 8-bit result. Traced on an H200 at 3B fp8
+# 4 x 1024 (``benchmarks/results/2026-11-23-h200-packed-build/anatomy``): three 134.2 MB fp32 blocks
+# (``_quantize_affine_float8``) and a 33.6 MB float8 one, for the 4,096 x 8,192 input of down_proj.
+ACTIVATION_QUANTIZATION_BYTES = 13
+
+
+def activation_quantization_term(arch: Architecture, tokens: int, compute: float, tp: int) -> Term:
+    """The widest matmul input, ``n x f`` for the MLP's down projection, being quantized: 13 B per
+    element beside it. In Llama's MLP silu(gate) and up (``2 c n f`` of the MLP temporaries) are
+    freed by then, so the term adds ``(13 - 2 c) n f``; other families add the 13 B in full."""
+    freed = 2 * compute if arch.family == "llama" else 0
+    per_element = ACTIVATION_QUANTIZATION_BYTES - freed
+    return Term("activation quantization", per_element * tokens * arch.ffn_size / tp,
+                f"({ACTIVATION_QUANTIZATION_BYTES} - {freed:g}) B x {tokens:,} tokens x {arch.ffn_size:,}: the "
+                f"down projection's input in fp32 three times and quantized, beside the MLP's product",
+                frozenset({MLP}))
+
+
 def _inference(arch, mode, widths, batch, seq_len, new_tokens, terms, tp, stages=1, precision=None,
                backend="native", compiled=False):
     """Without autograd, a layer's temporaries die with it. Two moments can peak: the widest MLP,
@@ -728,6 +749,8 @@ def _inference(arch, mode, widths, batch, seq_len, new_tokens, terms, tp, stages
         dequantized = 2 * largest_layer_matrix(arch) / tp
         terms.append(Term("dequantized weight", dequantized, "2 B x the largest matrix: bitsandbytes dequantizes a "
                           "4-bit weight to bf16 for a matmul of more than one token", frozenset({MLP})))
+    if precision in ACTIVATION_QUANTIZED and n > 1:
+        terms.append(activation_quantization_term(arch, n, c, tp))
     if compiled:
         terms.append(Term("MLP temporaries", inductor.prefill_transient_bytes(arch, n, c, r, widths.autocast, tp),
                           "r n h + c n h + 2 c n f (+ c h f under autocast) + 8 n: one fused MLP's "

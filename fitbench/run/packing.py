@@ -96,8 +96,8 @@ def packed_bytes(module: nn.Module, device: torch.device) -> int:
 class Packer:
     """Moves modules' state into blocks of a pool of its own: on a GPU a private ``torch.cuda.MemPool``,
     kept as long as the packer. ``reserve`` opens one block that the following ``pack`` calls fill from
-    its start, so the matrices of one layer, packed one by one as they are quantized, end up in one
-    allocation; what does not fit gets a block of its own."""
+    its start, so that matrices packed one by one as they are quantized end up in one allocation;
+    what does not fit gets a block of its own."""
 
     def __init__(self, device: torch.device) -> None:
         self.device = torch.empty(0, device=device).device
@@ -114,6 +114,11 @@ class Packer:
                 block = torch.empty(nbytes, dtype=torch.uint8, device=self.device)
         self._blocks.add(block.untyped_storage().data_ptr())
         return block
+
+    @property
+    def open_block(self) -> tuple[int, int]:
+        """The open block's size and the bytes of it in use (0, 0 when none is open)."""
+        return (self._open.numel(), self._used) if self._open is not None else (0, 0)
 
     def reserve(self, nbytes: int) -> None:
         """Open a block of ``nbytes`` for the next ``pack`` calls."""

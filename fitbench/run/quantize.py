@@ -13,8 +13,8 @@ Embeddings, norms and the output projection stay bf16, as transformers' integrat
 
 A large model is quantized as it is built, one layer at a time (``build_quantized_native``), so the
 full bf16 model never exists: the peak is the quantized layers so far plus one layer in bf16. Each
-layer, once quantized, is packed into one block of a pool of its own (``fitbench.run.packing``), so
-that the next layer's bf16 weights and temporaries find the range this one's left free. The
+layer's weights, once quantized, move into one block of a pool of their own (``fitbench.run.packing``),
+so that the next layer's bf16 weights and temporaries find the range this one's left free. The
 same pass measures quality against the bf16 model (``fitbench.run.quality``): a probe sequence runs
 through each layer in bf16, each matmul's input is kept, and the layer, once quantized, runs its
 matmuls on those inputs and its own copy of the probe's hidden states through; the final logits of
@@ -31,7 +31,7 @@ from torch import nn
 
 from fitbench.models.architecture import Architecture
 from fitbench.models.native import NativeCausalLM, init_random_weights, meta_model
-from fitbench.run.packing import Packer
+from fitbench.run.packing import Packer, packed_bytes
 from fitbench.run.quality import (REFERENCE_TEXT_NAME, NoTokenizer, Perplexity, Quality, kl_divergence, matmul_errors,
                                   perplexity, recorded_matmuls, summarise, tokenize_reference_text, top1_agreement)
 
@@ -160,11 +160,13 @@ def quantizable_linears(module: nn.Module, prefix: str = "") -> dict[str, nn.Mod
 def build_quantized_native(arch: Architecture, device: torch.device, precision: str,
                            probe: torch.Tensor) -> tuple[NativeCausalLM, Quality]:
     """Materialize, quantize and pack one layer at a time, carrying a bf16 and a quantized copy of the
-    probe's hidden states through the layers; return the model and its quality against bf16. Each
-    matmul is packed as soon as it is quantized, into one block per layer (``fitbench.run.packing``);
-    on a GPU the blocks live in a private memory pool, kept as the model's ``packer``."""
+    probe's hidden states through the layers; return the model and its quality against bf16. The first
+    layer, once quantized, sizes one block for every layer's weights (``fitbench.run.packing``); from
+    the second on, each matmul moves into it as soon as it is quantized. On a GPU the block lives in a
+    private memory pool, kept as the model's ``packer``: one block, because the pool maps whole pages
+    of 20 MiB for each of its allocations (on an H200, a block per layer of 52 MB took 63 MB)."""
     model = meta_model(arch, torch.bfloat16)
-    packer, layer_bytes = Packer(device), 0
+    packer = Packer(device)
     # a tied output projection is never allocated on its own: freed once tied, its table would be a
     # hole the size of the vocabulary at the bottom of the allocator's segment for the whole run
     tied = arch.tie_embeddings
@@ -182,20 +184,18 @@ def build_quantized_native(arch: Architecture, device: torch.device, precision: 
     reference = quantized = model.model.embed_tokens(probe)
     errors: dict[str, float] = {}
     for i, layer in enumerate(model.model.layers):
-        if layer_bytes:
-            packer.reserve(layer_bytes)  # the first layer measured what one takes
-        taken = []
         layer.to_empty(device=device)
         init_random_weights(layer)
         prefix = f"model.layers.{i}."
         with recorded_matmuls(quantizable_linears(layer, prefix)) as record:
             reference = layer(reference, cos, sin, None, 0)
-        quantize_linears(layer, precision, device, each=lambda matmul: taken.append(packer.pack(matmul)))
+        quantize_linears(layer, precision, device, each=packer.pack if i else None)
         errors |= matmul_errors(record, {f"{prefix}{name}": m for name, m in layer.named_modules()}, device)
         del record
         quantized = layer(quantized, cos, sin, None, 0)
-        taken.append(packer.pack(layer))  # the norms, and what the first forward added
-        layer_bytes = layer_bytes or sum(taken)
+        if i == 0:  # the first layer, quantized, tells what each takes: one block for all of them
+            packer.reserve(packed_bytes(layer, device) * arch.num_layers)
+        packer.pack(layer)  # the first layer whole; then each layer's norms and what its forward added
     model.packer = packer
     reference_logits = model.lm_head(model.model.norm(reference))
     quantized_logits = model.lm_head(model.model.norm(quantized))
