@@ -225,6 +225,27 @@ def test_four_bit_prefill_holds_one_dequantized_matrix_at_the_mlp():
     assert by_name["dequantized weight"].moments == frozenset({MLP})
 
 
+@pytest.mark.parametrize("precision, quantization, reserve", [
+    # fp8 and int8-dynamic: three fp32 copies of the down projection's input and the 8-bit result
+    # (13 B per element) less silu(gate) and up, freed by then (2 x 2 B); one more fp32 copy reserved
+    ("fp8", 13 - 2 * 2, 4), ("int8-dynamic", 13 - 2 * 2, 4),
+    # bitsandbytes' 4-bit weights quantize no activation; one more bf16 product reserved
+    ("nf4", None, 2), ("fp4", None, 2),
+    ("int8", None, None), ("int4", None, None), ("bf16-pure", None, None)])
+def test_quantized_prefill_terms_at_the_mlp_by_hand(precision, quantization, reserve):
+    batch, seq_len = 2, 16
+    n = batch * seq_len
+    estimate = estimate_memory(ARCH, "infer", precision, batch, seq_len, new_tokens=NEW_TOKENS)
+    by_name = terms_of(estimate)
+    assert by_name.get("activation quantization") == (None if quantization is None else quantization * n * F)
+    assert by_name.get("allocator reserve at the MLP") == (None if reserve is None else reserve * n * F)
+    for name in ("activation quantization", "allocator reserve at the MLP"):
+        assert all(t.moments == frozenset({MLP}) for t in estimate.terms if t.name == name)
+    # a decode step of one token quantizes a row at a time: neither term
+    one = terms_of(estimate_memory(ARCH, "infer", precision, 1, 1, new_tokens=NEW_TOKENS))
+    assert "activation quantization" not in one and "allocator reserve at the MLP" not in one
+
+
 @pytest.mark.parametrize("batch, seq_len", [(1, 16), (4, 64)])
 def test_int8_outlier_columns_by_hand(batch, seq_len):
     n = batch * seq_len

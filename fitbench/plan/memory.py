@@ -721,6 +721,31 @@ def activation_quantization_term(arch: Architecture, tokens: int, compute: float
                 frozenset({MLP}))
 
 
+def prefill_reserve_term(arch: Architecture, precision: str | None, tokens: int, compute: float,
+                         tp: int) -> Term | None:
+    """The caching allocator's reserve at a quantized model's prefill MLP: one more block of the
+    MLP's largest temporary. The holes one layer's MLP leaves are split by the next layer's smaller
+    blocks before its MLP needs them again, so the allocator maps the largest temporary anew. Traced on
+    an H200 at 3B fp8 4 x 1024 (``benchmarks/results/2026-11-23-h200-packed-build/anatomy``): the three
+    134 MB fp32 temporaries of the down projection's input each mapped pages twice, 187 MB reserved
+    beyond the allocations at the peak; 3B nf4 8 x 512: 226 MB, where the product of the MLP (67 MB) is
+    the largest. The largest temporary: the fp32 copy of the down projection's input (4 B x n x f)
+    where activations are quantized (fp8, int8-dynamic); the MLP's product (c x n x f) for bitsandbytes'
+    4-bit weights. LLM.int8 has its own (``int8_outlier_terms``); torchao's int4 and fp8-block were not
+    traced and get none."""
+    if tokens <= 1:
+        return None
+    if precision in ACTIVATION_QUANTIZED:
+        per_element, what = 4, "the fp32 copy of the down projection's input"
+    elif precision in ("nf4", "fp4"):
+        per_element, what = compute, "the MLP's product"
+    else:
+        return None
+    return Term("allocator reserve at the MLP", per_element * tokens * arch.ffn_size / tp,
+                f"{per_element:g} B x {tokens:,} tokens x {arch.ffn_size:,}: {what} mapped once more, the holes "
+                f"of the previous layer split by smaller blocks (traced)", frozenset({MLP}))
+
+
 def _inference(arch, mode, widths, batch, seq_len, new_tokens, terms, tp, stages=1, precision=None,
                backend="native", compiled=False):
     """Without autograd, a layer's temporaries die with it. Two moments can peak: the widest MLP,
@@ -751,6 +776,9 @@ def _inference(arch, mode, widths, batch, seq_len, new_tokens, terms, tp, stages
                           "4-bit weight to bf16 for a matmul of more than one token", frozenset({MLP})))
     if precision in ACTIVATION_QUANTIZED and n > 1:
         terms.append(activation_quantization_term(arch, n, c, tp))
+    reserve = prefill_reserve_term(arch, precision, n, c, tp)
+    if reserve is not None:
+        terms.append(reserve)
     if compiled:
         terms.append(Term("MLP temporaries", inductor.prefill_transient_bytes(arch, n, c, r, widths.autocast, tp),
                           "r n h + c n h + 2 c n f (+ c h f under autocast) + 8 n: one fused MLP's "
