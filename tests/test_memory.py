@@ -231,7 +231,8 @@ def test_four_bit_prefill_holds_one_dequantized_matrix_at_the_mlp():
     ("fp8", 13 - 2 * 2, 4), ("int8-dynamic", 13 - 2 * 2, 4),
     # bitsandbytes' 4-bit weights quantize no activation; one more bf16 product reserved
     ("nf4", None, 2), ("fp4", None, 2),
-    ("int8", None, None), ("int4", None, None), ("bf16-pure", None, None)])
+    # LLM.int8: the up projection's int32 product reserved once more
+    ("int8", None, 4), ("int4", None, None), ("bf16-pure", None, None)])
 def test_quantized_prefill_terms_at_the_mlp_by_hand(precision, quantization, reserve):
     batch, seq_len = 2, 16
     n = batch * seq_len
@@ -239,11 +240,13 @@ def test_quantized_prefill_terms_at_the_mlp_by_hand(precision, quantization, res
     by_name = terms_of(estimate)
     assert by_name.get("activation quantization") == (None if quantization is None else quantization * n * F)
     assert by_name.get("allocator reserve at the MLP") == (None if reserve is None else reserve * n * F)
-    for name in ("activation quantization", "allocator reserve at the MLP"):
+    # LLM.int8: the up projection's int32 product and one more 16-bit copy, 6 B per element
+    assert by_name.get("LLM.int8 product") == (6 * n * F if precision == "int8" else None)
+    for name in ("activation quantization", "allocator reserve at the MLP", "LLM.int8 product"):
         assert all(t.moments == frozenset({MLP}) for t in estimate.terms if t.name == name)
     # a decode step of one token quantizes a row at a time: neither term
     one = terms_of(estimate_memory(ARCH, "infer", precision, 1, 1, new_tokens=NEW_TOKENS))
-    assert "activation quantization" not in one and "allocator reserve at the MLP" not in one
+    assert not {"activation quantization", "allocator reserve at the MLP", "LLM.int8 product"} & set(one)
 
 
 @pytest.mark.parametrize("batch, seq_len", [(1, 16), (4, 64)])

@@ -721,6 +721,13 @@ def activation_quantization_term(arch: Architecture, tokens: int, compute: float
                 frozenset({MLP}))
 
 
+# LLM.int8 at the MLP, per element of n x f beyond the three 16-bit intermediates the MLP temporaries
+# count: the up projection's int32 product (4 B) and one more 16-bit copy (2 B). Traced on an H200 at
+# 1B int8 8 x 256 (``benchmarks/results/2026-11-23-h200-packed-build/anatomy/1B-int8-8x256.json``):
+# a 67.1 MB int32 block (bitsandbytes' ops.py:80) and four 33.6 MB 16-bit ones at 2,048 x 8,192.
+INT8_PRODUCT_BYTES = 6
+
+
 def prefill_reserve_term(arch: Architecture, precision: str | None, tokens: int, compute: float,
                          tp: int) -> Term | None:
     """The caching allocator's reserve at a quantized model's prefill MLP: one more block of the
@@ -729,14 +736,17 @@ def prefill_reserve_term(arch: Architecture, precision: str | None, tokens: int,
     an H200 at 3B fp8 4 x 1024 (``benchmarks/results/2026-11-23-h200-packed-build/anatomy``): the three
     134 MB fp32 temporaries of the down projection's input each mapped pages twice, 187 MB reserved
     beyond the allocations at the peak; 3B nf4 8 x 512: 226 MB, where the product of the MLP (67 MB) is
-    the largest. The largest temporary: the fp32 copy of the down projection's input (4 B x n x f)
-    where activations are quantized (fp8, int8-dynamic); the MLP's product (c x n x f) for bitsandbytes'
-    4-bit weights. LLM.int8 has its own (``int8_outlier_terms``); torchao's int4 and fp8-block were not
+    the largest; 1B int8 8 x 256: 60 MB. The largest temporary: the fp32 copy of the down projection's
+    input (4 B x n x f) where activations are quantized (fp8, int8-dynamic); the up projection's int32
+    product (4 B x n x f) for LLM.int8 (its outlier columns have their own, ``int8_outlier_terms``); the
+    MLP's product (c x n x f) for bitsandbytes' 4-bit weights. torchao's int4 and fp8-block were not
     traced and get none."""
     if tokens <= 1:
         return None
     if precision in ACTIVATION_QUANTIZED:
         per_element, what = 4, "the fp32 copy of the down projection's input"
+    elif precision == "int8":
+        per_element, what = 4, "the up projection's int32 product"
     elif precision in ("nf4", "fp4"):
         per_element, what = compute, "the MLP's product"
     else:
@@ -776,6 +786,10 @@ def _inference(arch, mode, widths, batch, seq_len, new_tokens, terms, tp, stages
                           "4-bit weight to bf16 for a matmul of more than one token", frozenset({MLP})))
     if precision in ACTIVATION_QUANTIZED and n > 1:
         terms.append(activation_quantization_term(arch, n, c, tp))
+    if precision == "int8" and n > 1:
+        terms.append(Term("LLM.int8 product", INT8_PRODUCT_BYTES * n * arch.ffn_size / tp,
+                          f"{INT8_PRODUCT_BYTES} B x {n:,} tokens x {arch.ffn_size:,}: the up projection's int32 "
+                          f"product and one more 16-bit copy beside the MLP's temporaries (traced)", frozenset({MLP})))
     reserve = prefill_reserve_term(arch, precision, n, c, tp)
     if reserve is not None:
         terms.append(reserve)
