@@ -42,18 +42,20 @@ from datetime import datetime, timezone
 from pathlib import Path
 from typing import Any, Callable
 
+from pydantic import ValidationError
+
 from fitbench.host import HostMemory, host_memory, oom_kills
 from fitbench.launch.fallback import RAN_TO_THE_END, FallbackPolicy, run_with_fallback, search_max_batch
 from fitbench.launch.launchers import launcher_for
 from fitbench.models.registry import resolve
 from fitbench.monitor.nvml import GpuMonitor, job_gpus
 from fitbench.processes import PARENT_VARIABLE, TOKEN_VARIABLE, kill_tree
+from fitbench.results.row import WORKER_STATUSES, Measurement, Row
 from fitbench.results.store import ResultStore
 from fitbench.run.ranks import rank_result_path
 from fitbench.spec import Assignment, RunSpec
 
 ERROR_TAIL_LINES = 15
-WORKER_STATUSES = ("ok", "invalid", "oom", "error", "refused")  # what a worker's result file may say
 OOM_RSS_SHARE = 0.9
 MAX_LINE_BYTES = 1 << 20  # a progress event is a few hundred bytes
 PROTOCOL_ERRORS_KEPT = 5
@@ -137,13 +139,13 @@ def run_one(assignment: Assignment, log_path: Path, timeout: float, on_event: Ca
         if payload is None and problem is None and spec.layout.world_size > 1:
             payload, problem = _first_failed_rank(result_path, spec.layout.world_size)
 
-    row: dict[str, Any] = {"key": spec.key, "label": spec.label, "spec": spec.model_dump()}
     code, tail = process.returncode, _tail(log_path, ERROR_TAIL_LINES)
+    row: dict[str, Any] = {}
     if timed_out and not (code == 0 and payload is not None):
         row.update(status="timeout", error=f"killed when {limit or f'the {timeout:g} s timeout (--timeout)'} ran out\n"
                                            + tail)
     elif payload is not None:
-        row.update({key: value for key, value in payload.items() if key not in row})
+        row.update(payload)
         if payload["status"] != "ok":
             row["error"] = payload.get("error") or tail
     elif problem is not None:
@@ -158,18 +160,16 @@ def run_one(assignment: Assignment, log_path: Path, timeout: float, on_event: Ca
         row.update(status="crashed", error=f"worker died ({cause}) without a result\n" + tail)
     if progress.problems:
         row["protocol_errors"] = progress.problems
-        row["warnings"] = [*row.get("warnings", []),
+        row["warnings"] = [*(row.get("warnings") or []),
                            f"protocol error: the worker's stdout broke the progress protocol "
                            f"{progress.problem_count} time(s), e.g. {progress.problems[0]} (see protocol_errors)"]
     if monitor is not None:
         row["gpu_monitor"] = {**monitor.summary(), "timeline": str(monitor.path)}
     arch = resolve(spec.model)
-    row.update(
-        params=arch.total_params, non_embedding_params=arch.non_embedding_params,
-        exit_code=code, started_at=started_at, finished_at=_now(),
-        wall_s=time.monotonic() - started, log=str(log_path),
-    )
-    return row
+    return Row(key=spec.key, label=spec.label, spec=spec.model_dump(), **row,
+               params=arch.total_params, non_embedding_params=arch.non_embedding_params,
+               exit_code=code, started_at=started_at, finished_at=_now(),
+               wall_s=time.monotonic() - started, log=str(log_path)).as_dict()
 
 
 def _host_budget(spec: RunSpec) -> HostMemory:
@@ -259,7 +259,8 @@ def _first_failed_rank(result_path: Path, ranks: int) -> tuple[dict[str, Any] | 
 
 
 def _read_result(path: Path) -> tuple[dict[str, Any] | None, str | None]:
-    """The worker's result, or None and what is wrong with it (None and None: it wrote none)."""
+    """The worker's result (``fitbench.results.row.Measurement``), or None and what is wrong with it
+    (None and None: it wrote none)."""
     if not path.exists():
         return None, None
     try:
@@ -268,7 +269,12 @@ def _read_result(path: Path) -> tuple[dict[str, Any] | None, str | None]:
         return None, "the worker's result file is not JSON"
     if not isinstance(payload, dict) or payload.get("status") not in WORKER_STATUSES:
         return None, f"the worker's result file is not an object with a status of {', '.join(WORKER_STATUSES)}"
-    return payload, None
+    try:
+        return Measurement.model_validate(payload).as_dict(), None
+    except ValidationError as error:
+        first = error.errors()[0]
+        where = ".".join(str(part) for part in first["loc"])
+        return None, f"the worker's result file has `{where}`: {first['msg']} ({error.error_count()} problem(s))"
 
 
 class _Progress:
@@ -364,10 +370,10 @@ def _run_planned(spec: RunSpec, logs: Path, timeout: float, on_event, policy: Fa
     def run(candidate: RunSpec) -> dict[str, Any]:
         remaining = deadline - time.monotonic()
         if remaining <= 0:
-            raise _OutOfTime({"key": candidate.key, "label": candidate.label, "spec": candidate.model_dump(),
-                              "status": "timeout", "error": f"{limit} ran out before {candidate.label} could start",
-                              "params": resolve(candidate.model).total_params, "started_at": _now(),
-                              "finished_at": _now()})
+            raise _OutOfTime(Row(key=candidate.key, label=candidate.label, spec=candidate.model_dump(),
+                                 status="timeout", error=f"{limit} ran out before {candidate.label} could start",
+                                 params=resolve(candidate.model).total_params, started_at=_now(),
+                                 finished_at=_now()).as_dict())
         number = next(attempt)
         row = run_one(assign(candidate), logs / f"{spec.key}-{number}.log", remaining, on_event, limit=limit,
                       artifacts=logs.parent / "artifacts" / spec.key / str(number))
@@ -467,22 +473,21 @@ def _one_of_sweep(spec: RunSpec, store: ResultStore, timeout, command, callbacks
     started_at = _now()
     try:
         if spec.key in refusals:
-            row = {"key": spec.key, "label": spec.label, "spec": spec.model_dump(), "status": "refused",
-                   "error": refusals[spec.key], "params": resolve(spec.model).total_params,
-                   "started_at": started_at, "finished_at": _now()}
+            row = Row(key=spec.key, label=spec.label, spec=spec.model_dump(), status="refused",
+                      error=refusals[spec.key], params=resolve(spec.model).total_params,
+                      started_at=started_at, finished_at=_now()).as_dict()
         else:
             row = _run_planned(spec, store.directory / "logs", timeout, callbacks.on_event, fallback(spec),
                                predicted_batch, assign)
     except KeyboardInterrupt as interruption:
-        store.append({"key": spec.key, "label": spec.label, "spec": spec.model_dump(), "status": "interrupted",
-                      "error": f"{str(interruption) or 'interrupted by SIGINT'}: the worker and everything it started "
-                               f"were ended; `fitbench run --resume {store.directory}` runs it again",
-                      "params": resolve(spec.model).total_params, "started_at": started_at,
-                      "finished_at": _now(), "command": command})
+        store.append(Row(key=spec.key, label=spec.label, spec=spec.model_dump(), status="interrupted",
+                         error=f"{str(interruption) or 'interrupted by SIGINT'}: the worker and everything it "
+                               f"started were ended; `fitbench run --resume {store.directory}` runs it again",
+                         params=resolve(spec.model).total_params, started_at=started_at,
+                         finished_at=_now(), command=command).as_dict())
         raise
-    row["command"] = command
-    row["calibration"] = calibration
-    row["prediction"] = predict(RunSpec.model_validate(row["spec"]))
+    row = Row.model_validate({**row, "command": command, "calibration": calibration,
+                              "prediction": predict(RunSpec.model_validate(row["spec"]))}).as_dict()
     store.append(row)
     callbacks.on_finish(row)
     return row

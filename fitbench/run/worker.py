@@ -59,6 +59,7 @@ from fitbench.precisions import (ADAPTER_ALPHA, ADAPTER_RANK, TRAINING_MODES, gr
                                  peak_kind, training_problem)
 from fitbench.precisions import policy as precision_policy
 from fitbench.processes import end_own_tree, rank_token, tie_to_parent
+from fitbench.results.row import Measurement
 from fitbench.run.adapters import add_adapters
 from fitbench.run.aggregate import combine
 from fitbench.run.loops import generate, make_step, random_tokens, read_generation
@@ -245,20 +246,20 @@ def measure(assignment: Assignment, device: torch.device, scratch: Path, rank: R
     quality = built.quality.as_dict() if built.quality else None
     problems = verdict.problems + [f"quality figure not finite: {name}" for name in non_finite_figures(quality or {})]
     checkpoint = checkpoint_directory(spec)
-    return {
-        "status": "invalid" if problems else "ok", **({"error": "; ".join(problems)} if problems else {}),
-        "device_name": device_name, "build_s": build_s, "compile_s": compile_s, "warnings": warnings,
-        "peak_flops": peak, "measured_peak_flops": measured_peak, "peak_kind": kind,
-        "peak_source": "datasheet (dense)" if peak else None,
-        "timing": timing, "throughput": throughput, "decode": decoding, "environment": hardware.environment(),
-        "quality": quality, "training": built.training,
+    return Measurement(
+        status="invalid" if problems else "ok", **({"error": "; ".join(problems)} if problems else {}),
+        device_name=device_name, build_s=build_s, compile_s=compile_s, warnings=warnings,
+        peak_flops=peak, measured_peak_flops=measured_peak, peak_kind=kind,
+        peak_source="datasheet (dense)" if peak else None,
+        timing=timing, throughput=throughput, decode=decoding, environment=hardware.environment(),
+        quality=quality, training=built.training,
         **({"loss": verdict.loss} if verdict.loss is not None else {}),
-        "weights": {"bytes": weight_bytes, "bf16_bytes": 2 * arch.total_params,
-                    "relative_to_bf16": weight_bytes / (2 * arch.total_params), "method": weight_method,
-                    "source": f"checkpoint {checkpoint}" if checkpoint else "random"},
+        weights={"bytes": weight_bytes, "bf16_bytes": 2 * arch.total_params,
+                 "relative_to_bf16": weight_bytes / (2 * arch.total_params), "method": weight_method,
+                 "source": f"checkpoint {checkpoint}" if checkpoint else "random"},
         **offloaded,
         **({"parallel": parallel} if parallel else {}),
-    }
+    ).as_dict()
 
 
 def checkpoint_directory(spec: RunSpec) -> Path | None:
@@ -504,8 +505,9 @@ COLLECTIVE_TIMEOUT = timedelta(minutes=10)
 
 
 def _write(path: Path, payload: dict) -> None:
+    """``payload``, checked against the result's schema (``fitbench.results.row``), in one rename."""
     tmp = path.with_suffix(".tmp")
-    tmp.write_text(json.dumps(payload))
+    tmp.write_text(json.dumps(Measurement.model_validate(payload).as_dict()))
     os.replace(tmp, path)
 
 
@@ -536,7 +538,7 @@ def main(argv: list[str]) -> int:
             payload = measure(assignment, device, result_path.parent, rank)
         except Exception as error:  # every failure becomes a result row; the sweep goes on
             traceback.print_exc()
-            payload = {"status": classify(error), "error": describe(error)}
+            payload = Measurement(status=classify(error), error=describe(error)).as_dict()
             if rank.world_size > 1:
                 _memory(device, sampler, payload)
                 _write(rank_result_path(result_path, rank.rank), payload)
