@@ -1,7 +1,8 @@
 """``fitbench run --gpus N``: each configuration as one torchrun job of N gloo ranks on the CPU.
 
 One row per job from every rank (``fitbench.run.aggregate``); a rank that fails alone names itself in
-the row; a rank that hangs ends as the configuration's timeout; nothing the job started outlives it.
+the row; a rank that hangs is named in the row of the timeout it causes; nothing the job started
+outlives it.
 """
 
 import json
@@ -70,7 +71,7 @@ def test_a_job_of_two_ranks_is_one_row(in_tmp, capsys, strategy):
 
 
 @pytest.mark.slow
-def test_a_rank_that_fails_names_itself_and_one_that_hangs_times_out(in_tmp, capsys, monkeypatch):
+def test_a_rank_that_fails_names_itself_and_one_that_hangs_is_named(in_tmp, capsys, monkeypatch):
     monkeypatch.setenv("FITBENCH_INJECT", "rank-error:1")
     code, out, err = cli(["run", *SHAPE, "--strategy", "ddp", "--out", "failed", "--no-fallback"], capsys)
     assert code == 1
@@ -79,11 +80,23 @@ def test_a_rank_that_fails_names_itself_and_one_that_hangs_times_out(in_tmp, cap
     assert "rank 1 fails" in row["error"]
     assert not marked()
 
-    monkeypatch.setenv("FITBENCH_INJECT", "rank-hang:0")
-    code, out, err = cli(["run", *SHAPE, "--strategy", "ddp", "--out", "hung", "--timeout", "20"], capsys)
+    assert "rank 0 did not finish, in phases whose collectives every rank must join (rank 0: applying ddp" \
+        in row["error"]
+
+    # rank 0 hangs before its first collective; rank 1 waits for it there until the process group's
+    # timeout (4 s, injected) ends the job, well before --timeout, a safety net
+    monkeypatch.setenv("FITBENCH_INJECT", "rank-hang:0,collective-timeout:4")
+    code, out, err = cli(["run", *SHAPE, "--strategy", "ddp", "--out", "hung", "--timeout", "60"], capsys)
     assert code == 1
     [row] = rows(in_tmp / "hung")
     assert row["status"] == "timeout"
+    first, second = row["error"].splitlines()[:2]
+    assert first.startswith("rank 0 hung outside any collective while rank 1 waited for it in one (rank 0: building "
+                            "its model, entered "), first
+    assert second.startswith("rank 1: waited in a collective (applying ddp") and "4 s timeout" in second
+    assert [(rank["rank"], rank["in_collective"], rank["status"]) for rank in row["rank_phases"]] == \
+        [(0, False, None), (1, True, "timeout")]
+    assert row["wall_s"] < 40
     assert not marked() and not list((in_tmp / "tmp").glob("fitbench-*"))
 
 

@@ -15,9 +15,16 @@ into a result row:
   (a protocol error);
 - ``crashed``: the worker died without a result (a signal, an abort, a non-zero exit);
 - ``timeout``: the configuration outlived ``--timeout`` (which bounds its batch probes and
-  fallback attempts too) and was killed; a worker that exited by itself with its result written is
-  never one;
+  fallback attempts too) and was killed, or a rank of its job waited in a collective past the
+  process group's timeout (``fitbench.run.worker``); a worker that exited by itself with its result
+  written is never killed;
 - ``interrupted``: SIGINT, SIGTERM or SIGHUP ended the sweep while it ran; ``--resume`` runs it again.
+
+A torchrun job that ends without its result (a rank failed or hung, or the job was killed) keeps in
+the row's ``rank_phases`` the phase each rank was last in (``fitbench.run.ranks.PhaseLog``) and
+whether it wrote a result of its own, and its error names the ranks that did not finish: a rank
+stopped outside any collective while the others waited in one until a timeout is the rank that
+hung, and is named first.
 
 Nothing a worker starts outlives it, whatever ends it (``fitbench.processes``), and each run's
 scratch directory, with any layers offloaded to disk, is removed.
@@ -52,7 +59,7 @@ from fitbench.monitor.nvml import GpuMonitor, job_gpus
 from fitbench.processes import PARENT_VARIABLE, TOKEN_VARIABLE, kill_tree
 from fitbench.results.row import WORKER_STATUSES, Measurement, Row
 from fitbench.results.store import ResultStore
-from fitbench.run.ranks import rank_result_path
+from fitbench.run.ranks import rank_phase_path, rank_result_path, read_phase
 from fitbench.spec import Assignment, RunSpec
 
 ERROR_TAIL_LINES = 15
@@ -136,18 +143,24 @@ def run_one(assignment: Assignment, log_path: Path, timeout: float, on_event: Ca
                 process.stdout.close()
             progress.finish()
         payload, problem = _read_result(result_path)
+        phases: list[dict[str, Any]] = []
         if payload is None and problem is None and spec.layout.world_size > 1:
             payload, problem = _first_failed_rank(result_path, spec.layout.world_size)
+            phases = _rank_phases(result_path, spec.layout.world_size)
 
     code, tail = process.returncode, _tail(log_path, ERROR_TAIL_LINES)
-    row: dict[str, Any] = {}
-    if timed_out and not (code == 0 and payload is not None):
-        row.update(status="timeout", error=f"killed when {limit or f'the {timeout:g} s timeout (--timeout)'} ran out\n"
-                                           + tail)
+    killed = timed_out and not (code == 0 and payload is not None)
+    held_up, hung = _who_held_up(phases, killed)
+    row: dict[str, Any] = {"rank_phases": phases} if phases else {}
+    waited = f"; {held_up}" if held_up else ""
+    if killed:
+        row.update(status="timeout", error=f"killed when {limit or f'the {timeout:g} s timeout (--timeout)'} ran out"
+                                           f"{waited}\n" + tail)
     elif payload is not None:
         row.update(payload)
         if payload["status"] != "ok":
-            row["error"] = payload.get("error") or tail
+            error = payload.get("error") or tail
+            row["error"] = f"{held_up}\n{error}" if hung else f"{error}\n{held_up}" if held_up else error
     elif problem is not None:
         row.update(status="error", error=f"protocol error: {problem}\n" + tail)
     elif code == -signal.SIGKILL and (oom_kills() > kills_before or peak_rss >= OOM_RSS_SHARE * budget.available):
@@ -157,7 +170,7 @@ def run_one(assignment: Assignment, log_path: Path, timeout: float, on_event: Ca
         row.update(status="oom", error=f"worker killed by SIGKILL, out of host memory: {evidence}\n" + tail)
     else:
         cause = f"signal {signal.Signals(-code).name}" if code < 0 else f"exit code {code}"
-        row.update(status="crashed", error=f"worker died ({cause}) without a result\n" + tail)
+        row.update(status="crashed", error=f"worker died ({cause}) without a result{waited}\n" + tail)
     if progress.problems:
         row["protocol_errors"] = progress.problems
         row["warnings"] = [*(row.get("warnings") or []),
@@ -256,6 +269,54 @@ def _first_failed_rank(result_path: Path, ranks: int) -> tuple[dict[str, Any] | 
     if payload is not None:
         payload = {**payload, "error": f"rank {rank}: {payload.get('error')}"}
     return payload, problem
+
+
+def _rank_phases(result_path: Path, ranks: int) -> list[dict[str, Any]]:
+    """Each rank of the job: the phase it last entered, whether that phase waits in collectives, how
+    long it had been in it when the job ended, and the status of the result it wrote of its own
+    (None: it wrote none, it did not finish)."""
+    now = time.time()
+    phases = []
+    for rank in range(ranks):
+        phase = read_phase(rank_phase_path(result_path, rank))
+        result, _ = _read_result(rank_result_path(result_path, rank))
+        phases.append({"rank": rank, "phase": phase.name if phase else None,
+                       "in_collective": bool(phase and phase.collective),
+                       "seconds": round(now - phase.since, 1) if phase else None,
+                       "status": result["status"] if result else None})
+    return phases
+
+
+def _who_held_up(phases: list[dict[str, Any]], killed: bool) -> tuple[str, bool]:
+    """``phases`` (``_rank_phases``) in a sentence, and whether it names ranks that hung: those that
+    stopped outside any collective, without a result, while others waited for them in one, when
+    the waiting ended the job (``killed`` by the timeout, or a collective's own timeout). A rank that
+    died there instead is said to have stopped: the error of the rank that waited says which."""
+    unfinished = [entry for entry in phases if entry["status"] is None]
+    outside = [entry for entry in unfinished if not entry["in_collective"]]
+    waiting = [entry for entry in phases if entry["in_collective"]]
+    if outside and waiting:
+        hung = killed or any(entry["status"] == "timeout" for entry in waiting)
+        them = "it" if len(outside) == 1 else "them"
+        return (f"{_ranks(outside)} {'hung' if hung else 'stopped'} outside any collective while {_ranks(waiting)} "
+                f"waited for {them} in one ({_where(outside + waiting)})", hung)
+    if not unfinished:
+        return "", False
+    if all(entry["in_collective"] for entry in unfinished):
+        return (f"{_ranks(unfinished)} did not finish, in phases whose collectives every rank must join "
+                f"({_where(unfinished)})", False)
+    return f"{_ranks(unfinished)} did not finish ({_where(unfinished)})", False
+
+
+def _where(entries: list[dict[str, Any]]) -> str:
+    return "; ".join(f"rank {entry['rank']}: " + (f"{entry['phase']}, entered {entry['seconds']:g} s before the end"
+                                                  if entry["phase"] else "no phase recorded, still starting")
+                     for entry in sorted(entries, key=lambda entry: entry["rank"]))
+
+
+def _ranks(entries: list[dict[str, Any]]) -> str:
+    numbers = sorted(str(entry["rank"]) for entry in entries)
+    return f"rank {numbers[0]}" if len(numbers) == 1 else f"ranks {', '.join(numbers[:-1])} and {numbers[-1]}"
 
 
 def _read_result(path: Path) -> tuple[dict[str, Any] | None, str | None]:

@@ -30,10 +30,11 @@ from pydantic import BaseModel, ConfigDict
 
 SCHEMA_VERSION = 1
 
-WorkerStatus = Literal["ok", "invalid", "oom", "error", "refused"]
+# timeout, from a worker: a rank of its job waited in a collective past the process group's timeout.
+WorkerStatus = Literal["ok", "invalid", "oom", "error", "refused", "timeout"]
 # What a worker's result may say, then what only the launcher can: the process died without one
 # (crashed), outlived its --timeout, or the sweep was stopped while it ran (interrupted).
-Status = Literal["ok", "invalid", "oom", "error", "refused", "crashed", "timeout", "interrupted"]
+Status = Literal["ok", "invalid", "oom", "error", "refused", "timeout", "crashed", "interrupted"]
 WORKER_STATUSES: tuple[str, ...] = get_args(WorkerStatus)
 Fields = dict[str, Any]
 
@@ -93,6 +94,8 @@ class Row(Measurement):
     wall_s: float | None = None
     log: str | None = None
     protocol_errors: list[str] | None = None
+    # a torchrun job that ended without its result: each rank's last phase, and its own result's status
+    rank_phases: list[Fields] | None = None
     gpu_monitor: Fields | None = None
     # the sweep (fitbench.launch.local.run_sweep)
     attempts: list[Fields] | None = None
