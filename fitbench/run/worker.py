@@ -222,7 +222,8 @@ def measure(assignment: Assignment, device: torch.device, scratch: Path, rank: R
     if spec.layout.data_parallel > 1:
         phases.enter(f"applying {spec.layout.strategy}, which broadcasts rank 0's weights", collective=True)
         parallel = parallelize(lm, spec.layout.strategy, policy, spec.mode, rank,
-                               activation_checkpointing=spec.activation_checkpointing, compile=spec.compile)
+                               activation_checkpointing=spec.activation_checkpointing, compile=spec.compile,
+                               offload=spec.fsdp_offload)
     else:
         if spec.activation_checkpointing:
             lm.enable_activation_checkpointing()
@@ -306,7 +307,7 @@ def offload_row(offload: Offload, timing: dict, mode: str) -> dict:
 def build(assignment: Assignment, arch, policy, device: torch.device, scratch: Path) -> Built:
     spec = assignment.spec
     model_path = spec.model if is_local_model(spec.model) else None
-    if spec.offload:
+    if spec.layer_offload:
         return build_offload(assignment, arch, policy, device, scratch, model_path)
     if not policy.quantized:
         return Built(load_model(arch, spec.backend, device, policy.weight_dtype, model_path=model_path,
