@@ -256,8 +256,9 @@ def _data_parallel_why(candidate: Candidate, memory: MemoryEstimate) -> str:
     if candidate.strategy == "ddp":
         return f" (weights, gradients and optimizer state replicated on each GPU: {state / 1e9:.1f} GB)"
     gathered = sum(t.bytes for t in memory.terms if t.name.startswith("FSDP") and memory.at_peak(t))
-    return (f" (weights, gradients and optimizer state sharded {candidate.gpus} ways: {state / 1e9:.1f} GB; "
-            f"units gathered in flight {gathered / 1e9:.1f} GB)")
+    where = ("in host memory" if candidate.cpu_offload else
+             f"sharded {candidate.gpus} ways: {state / 1e9:.1f} GB")
+    return f" (weights, gradients and optimizer state {where}; units gathered in flight {gathered / 1e9:.1f} GB)"
 
 
 def _layout_problem(arch: Architecture, candidate: Candidate, target: GpuTarget) -> str | None:
