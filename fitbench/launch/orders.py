@@ -1,10 +1,11 @@
 """What a worker is told beside its configuration (``fitbench.spec.Assignment``): the planner's figures
 it acts on, computed here, just before the launch, so that the worker never plans.
 
-- ``offload_layer_memory``: for a run whose layers are offloaded around one device, the bytes its decoder layers may take on the device,
-  the planner's ``offload_split`` of the device's memory: a GPU's memory (``GpuTarget.memory``: what
-  the device gives a process, or FITBENCH_INJECT's mem-limit) less its calibrated overheads, or on a
-  CPU the host memory available now (or the mem-limit).
+- ``offload_layer_memory``: for a run whose layers are offloaded around one device, the bytes its
+  decoder layers may take on the device, the planner's ``offload_split`` of the device's memory: a
+  GPU's memory (``GpuTarget.memory``: what the device gives a process, or FITBENCH_INJECT's
+  mem-limit) less its calibrated overheads, or on a CPU the host memory available now (or the
+  mem-limit).
 - ``predicted_peak_bytes``: the planner's tensor peak for the configuration as it will be built (with
   the offload split's resident layers; per rank, for a layout of several), against which a
   FITBENCH_INJECT mem-limit raises.
