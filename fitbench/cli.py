@@ -84,7 +84,9 @@ def _add_run_options(parser: argparse.ArgumentParser) -> None:
         help="record an out-of-memory as it is, without retrying")
     add("--offload", action="store_true", default=S,
         help="infer and forward with the decoder layers that do not fit on the GPU kept in host memory and "
-             "streamed in for their forward (accelerate); on a CPU, the layers that do not fit in RAM go to disk")
+             "streamed in for their forward (accelerate); on a CPU, the layers that do not fit in RAM go to disk. "
+             "With --gpus N under FSDP: FSDP's CPU offload, each rank's shards, gradients and optimizer state "
+             "in host memory")
     add("--seq-len", "--context-length", dest="seq_len", nargs="+", type=int, default=S, metavar="T",
         help="tokens per sequence; the prompt length in infer")
     add("--new-tokens", dest="new_tokens", type=int, default=S, metavar="N",

@@ -75,7 +75,8 @@ class SweepConfig(BaseModel):
     # Switches are true or false: YAML's 'yes' in quotes, 1 or "off" are not read as either.
     no_fallback: StrictBool = Field(False, description="true or false")
     offload: StrictBool = Field(False, description="true or false: keep the decoder layers that do not fit in host "
-                                                   "memory (infer, forward)")
+                                                   "memory (infer, forward on one GPU); under FSDP, the shards, "
+                                                   "gradients and optimizer state")
     backend: BackendChoice = "auto"
     compile: StrictBool = Field(False, description="true or false")
     cuda_graphs: StrictBool = Field(True, description="true or false: native infer on a GPU decodes through a CUDA "
@@ -224,10 +225,11 @@ def expand(config: SweepConfig, *, device: str, default_models: list[str]) -> li
                 if mode in TRAINING_MODES and training_problem(precision):
                     raise UserError(f"precision: {training_problem(precision)}; or use --mode infer or forward "
                                     f"with {precision}.")
-                problem = offload_problem(mode, precision, backend, config.compile) if config.offload else None
+                layout = _layout(config, mode, precision, backend)
+                problem = offload_problem(mode, precision, backend, config.compile,
+                                          layout.strategy) if config.offload else None
                 if problem:
                     raise UserError(f"offload: {problem}.")
-                layout = _layout(config, mode, precision, backend)
                 for batch in config.batch_size or [default_batch]:
                     for seq_len in config.seq_len or [default_seq]:
                         check_context(arch, mode, seq_len, new_tokens)
@@ -248,16 +250,16 @@ def _layout(config: SweepConfig, mode: str, precision: str, backend: str) -> Lay
     """The layout of a job of ``config.gpus`` ranks: the strategy asked for, or under ``auto`` the first of
     DDP and FSDP that composes with the configuration (the planner may choose the other by predicted
     throughput where it plans: ``fitbench.plan.planner``). Generation runs in one process: data
-    parallelism has nothing to average or shard in it. Raises UserError when none composes."""
+    parallelism has nothing to average or shard in it. With ``offload``, FSDP, whose CPU offload it is
+    (DDP has none). Raises UserError when none composes."""
     if config.gpus == 1 or mode == "infer":
         return Layout()  # generation has no gradients to average or shard: it runs on one GPU
-    if config.offload:
-        raise UserError(f"offload: --offload streams layers into one device; it does not combine with --gpus "
-                        f"{config.gpus}. Drop one of them.")
+    if config.offload and config.strategy == "ddp":
+        raise UserError(f"offload: {offload_problem(mode, precision, backend, config.compile, 'ddp')}.")
     candidates = DATA_PARALLEL_STRATEGIES if config.strategy == "auto" else (config.strategy,)
     problems = []
     for strategy in candidates:
-        problem = data_parallel_problem(strategy, precision, mode, backend)
+        problem = data_parallel_problem(strategy, precision, mode, backend, config.offload)
         if problem is None:
             return Layout.of_strategy(strategy, config.gpus)
         problems.append(f"{strategy}: {problem}")

@@ -20,8 +20,8 @@ Training with quantized weights (``training_problem`` says which can):
 
 Beside the names: the dtypes and autocast of each (``policy``), the tensor cores whose peak MFU
 divides by (``peak_kind``), what the hardware must offer (``hardware_problem``) and why a decode
-step cannot be captured in a CUDA graph (``graph_problem``), and why its layers cannot be
-offloaded (``offload_problem``).
+step cannot be captured in a CUDA graph (``graph_problem``), and why it cannot run with
+``--offload`` (``offload_problem``).
 """
 
 from __future__ import annotations
@@ -176,11 +176,22 @@ def hardware_problem(precision: str, device: torch.device, capability: tuple[int
     return None
 
 
-def offload_problem(mode: str, precision: str, backend: str, compile: bool) -> str | None:
-    """Why a configuration cannot offload its decoder layers, or None when it can."""
+def offload_problem(mode: str, precision: str, backend: str, compile: bool, strategy: str = "single") -> str | None:
+    """Why a configuration cannot run with ``--offload``, or None when it can. What offload is depends
+    on the layout (``strategy``): on one device, decoder layers kept in host memory and streamed in
+    for their forward (infer and forward); under FSDP, FSDP's CPU offload of the shards, their
+    gradients and the optimizer state, in every mode FSDP runs (``data_parallel_problem`` says
+    which); DDP has none."""
+    if strategy == "ddp":
+        return DDP_OFFLOAD
+    if strategy == "fsdp":
+        return None
+    if strategy != "single":
+        return f"{strategy} has no offload in fitbench: use --strategy fsdp --offload, or drop --offload"
     if mode not in ("infer", "forward"):
         return (f"layers stream in for inference only (--mode infer or forward); {mode} needs every weight "
-                f"with its gradient and optimizer state at each step")
+                f"with its gradient and optimizer state at each step, which FSDP can keep in host memory "
+                f"across several GPUs: --gpus 2 or more with --strategy fsdp (or auto)")
     if precision in QUANTIZED_PRECISIONS:
         return (f"layers stream in as floating-point weights; {precision} layers keep quantization state that "
                 f"accelerate's hooks do not move: use bf16-pure")
@@ -193,6 +204,9 @@ def offload_problem(mode: str, precision: str, backend: str, compile: bool) -> s
 
 
 DATA_PARALLEL_STRATEGIES: tuple[str, ...] = ("ddp", "fsdp")
+DDP_OFFLOAD = ("--offload and --strategy ddp do not combine: DDP keeps a whole replica of the weights, gradients and "
+               "optimizer state on every GPU and has no CPU offload; keeping them in host memory is FSDP's: use "
+               "--strategy fsdp --offload, or drop --offload")
 # torchao's inference tensors: subclasses that implement the quantized matmul and little else
 # (measured on torch 2.13 / torchao 0.18: DDP's start-up broadcast stops at aten.view, FSDP's
 # sharding at aten.split). fp8 is one of them outside training, where it is float8 training instead.
@@ -221,8 +235,7 @@ def data_parallel_problem(strategy: str, precision: str, mode: str, backend: str
         return ("FSDP gathers a layer's weights around its forward call, and decoding runs the KV-cache step and "
                 "CUDA graphs outside those calls: run infer on one GPU, with --offload for a model that does not fit")
     if offload and strategy == "ddp":
-        return ("DDP keeps a whole replica on every GPU and has no CPU offload; keeping the weights, gradients and "
-                "optimizer state in CPU memory is FSDP's: use --strategy fsdp --offload")
+        return DDP_OFFLOAD
     training = mode in TRAINING_MODES
     if precision in _TORCHAO_INFERENCE and not (precision == "fp8" and training):
         return (f"{precision} weights are torchao tensor subclasses that implement the quantized matmul and little "

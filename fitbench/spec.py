@@ -124,18 +124,30 @@ class RunSpec(BaseModel):
     seed: int = 0
     auto_batch: bool = False  # batch_size is found by probing, starting from the planner's prediction
     cuda_graphs: bool = True  # native infer on a GPU decodes through a CUDA graph
-    # Decoder layers that do not fit on the device stay in a slower tier (host memory beside a GPU,
-    # disk beside the CPU) and stream in for their forward (fitbench.models.offload).
+    # On one device, decoder layers that do not fit stay in a slower tier (host memory beside a GPU,
+    # disk beside the CPU) and stream in for their forward (fitbench.models.offload); under FSDP, the
+    # shards, their gradients and the optimizer state live in host memory (FSDP's CPU offload).
     offload: bool = False
     # How the configuration spreads over ranks: one process on one device unless said otherwise.
     layout: Layout = Layout()
 
     @model_validator(mode="after")
     def _offload_applies(self) -> RunSpec:
-        problem = offload_problem(self.mode, self.precision, self.backend, self.compile) if self.offload else None
+        problem = offload_problem(self.mode, self.precision, self.backend, self.compile,
+                                  self.layout.strategy) if self.offload else None
         if problem:
             raise ValueError(problem)
         return self
+
+    @property
+    def layer_offload(self) -> bool:
+        """Decoder layers offloaded around one device (``fitbench.models.offload``)."""
+        return self.offload and self.layout.world_size == 1
+
+    @property
+    def fsdp_offload(self) -> bool:
+        """FSDP's CPU offload: each rank's shards, gradients and optimizer state in host memory."""
+        return self.offload and self.layout.dp_shard > 1
 
     @property
     def key(self) -> str:

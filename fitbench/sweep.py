@@ -82,7 +82,7 @@ def predicted_max_batch(spec, device: str) -> int:
     from fitbench.run.worker import injected_memory_limit
 
     arch = resolve(spec.model)
-    resident = 0 if spec.offload else None
+    resident = 0 if spec.layer_offload else None
     if device == "cpu":
         budget = injected_memory_limit() or host_memory().available
 
@@ -135,7 +135,7 @@ def ram_refusals(specs: list) -> dict[str, str]:
     """CPU configurations whose predicted peak (the planner's tensors: weights, gradients, optimizer
     state, activations, KV cache; offloaded layers go to disk) exceeds the host memory available
     (``fitbench.host``), by spec key, with the reason; a job of several ranks needs each rank's peak
-    once per rank."""
+    once per rank. FSDP's CPU offload moves nothing off a CPU: its state is counted where it is."""
     from fitbench.host import host_memory
     from fitbench.models.registry import resolve
     from fitbench.plan.memory import Parallelism, estimate_memory
@@ -148,7 +148,7 @@ def ram_refusals(specs: list) -> dict[str, str]:
         arch = resolve(spec.model)
         resident = offload_split(arch, spec.mode, spec.precision, spec.batch_size, spec.seq_len,
                                  new_tokens=spec.new_tokens, budget=memory.available, calibration=None,
-                                 backend=spec.backend).resident_layers if spec.offload else None
+                                 backend=spec.backend).resident_layers if spec.layer_offload else None
         ranks = spec.layout.world_size
         parallelism = Parallelism(spec.layout.strategy, ranks) if ranks > 1 else Parallelism()
         peak = ranks * estimate_memory(arch, spec.mode, spec.precision, spec.batch_size, spec.seq_len,

@@ -45,7 +45,9 @@ def imports() -> dict[str, set[str]]:
 @pytest.mark.parametrize("floor, above", [("plan", {"run", "launch", "config", "sweep", "cli"}),
                                           ("run", {"plan", "launch", "config", "sweep", "cli"}),
                                           ("spec", {"plan", "run", "launch", "config", "sweep", "cli"}),
-                                          ("monitor", {"plan", "run", "launch", "config", "sweep", "cli"})])
+                                          ("monitor", {"plan", "run", "launch", "config", "sweep", "cli"}),
+                                          ("results", {"plan", "run", "launch", "config", "sweep", "cli",
+                                                       "monitor", "models"})])
 def test_a_floor_imports_nothing_above_it(floor, above):
     assert not imports().get(floor, set()) & above
 

@@ -557,6 +557,28 @@ def test_fsdp_units_in_flight_by_hand(precision, tied):
 
 
 @pytest.mark.parametrize("precision", PRECISIONS)
+def test_fsdp_cpu_offload_keeps_shards_gradients_and_optimizer_state_in_host_memory(precision):
+    on_gpu = estimate_memory(ARCH, "train", precision, 2, 32, parallelism=Parallelism("fsdp", 4))
+    offloaded = estimate_memory(ARCH, "train", precision, 2, 32, parallelism=Parallelism("fsdp", 4, offload=True))
+    before, after = terms_of(on_gpu), terms_of(offloaded)
+    for name in ("weights", "gradients", "optimizer state"):
+        assert before[name] > 0 and after[name] == 0, name
+    w, c = WIDTHS[precision]["w"], WIDTHS[precision]["c"]
+    # two units' shards pass through: copied in (w), cast for the all-gather (c), their gradients out (w);
+    # the root (12,864 parameters) is the smaller unit here, so two layers' shards
+    assert EDGE_PARAMS < LAYER_PARAMS
+    assert after["FSDP offload staging"] == (2 * w + c) * 2 * LAYER_PARAMS / 4
+    # what is gathered in flight and the activations stay as they were
+    assert {name: size for name, size in after.items() if name not in ("weights", "gradients", "optimizer state",
+                                                                      "FSDP offload staging")} == \
+        {name: size for name, size in before.items() if name not in ("weights", "gradients", "optimizer state")}
+    assert offloaded.peak_bytes < on_gpu.peak_bytes
+    for strategy, gpus in (("ddp", 4), ("fsdp", 1)):
+        with pytest.raises(ValueError, match="CPU offload is FSDP's"):
+            Parallelism(strategy, gpus, offload=True)
+
+
+@pytest.mark.parametrize("precision", PRECISIONS)
 @pytest.mark.parametrize("tied", [False, True], ids=["untied", "tied"])
 def test_ddp_gradient_buckets_by_hand(precision, tied):
     arch = dataclasses.replace(ARCH, tie_embeddings=tied)

@@ -270,3 +270,26 @@ def test_a_rank_that_raises_ends_the_job_and_its_error_file_names_it(job_run):
         assert "injected" not in errors[other]["message"]
         waited = int(errors[other]["extraInfo"]["timestamp"]) - int(errors[FAIL_RANK]["extraInfo"]["timestamp"])
         assert waited < job.TIMEOUT.total_seconds(), errors[other]["message"]
+
+
+@slow
+def test_fsdp_cpu_offload_from_the_command_line_trains_as_fsdp_does(trained, tmp_path, capsys, monkeypatch):
+    """`fitbench run --gpus 2 --strategy fsdp --offload`: the row says the shards lived in host memory, and
+    on CPU ranks, where the offload moves nothing, rank 0's losses are those of FSDP without it over the
+    same steps: the job's own ``fsdp`` configuration, of the same seed, batch, shape and precision."""
+    from conftest import cli
+
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.delenv("FITBENCH_INJECT", raising=False)
+    code, out, err = cli(["run", "--models", "tiny", "--device", "cpu", "--gpus", str(WORLD), "--strategy", "fsdp",
+                          "--mode", "train", "--offload", "--precision", job.PRECISION, "--batch-size", str(job.BATCH),
+                          "--seq-len", str(job.SEQ_LEN), "--seed", str(job.SEED), "--warmup-steps", "1",
+                          "--measure-steps", str(job.STEPS - 1), "--out", "r"], capsys)
+    assert code == 0, out + err
+    [row] = [json.loads(line) for line in (tmp_path / "r" / "results.jsonl").read_text().splitlines()]
+    assert row["status"] == "ok" and row["spec"]["offload"] and row["parallel"]["offload"]
+    assert row["parallel"]["strategy"] == "fsdp" and "offload fsdp x 2" in row["label"]
+    measured = trained["fsdp"][0]["losses"][1:]  # the first step is the row's warm-up
+    assert len(row["loss"]) == len(measured)
+    for loss, expected in zip(row["loss"], measured):
+        assert math.isclose(loss, expected, rel_tol=TOLERANCE), (row["loss"], measured)

@@ -854,6 +854,36 @@ def test_20b_training_on_two_h200s_chooses_fsdp_and_says_why_ddp_does_not_fit(ca
     assert re.search(r"note: bf16-pure, tp x 2, batch 1 is predicted faster \([\d,]+ tokens/s\)", text)
 
 
+def test_fsdp_cpu_offload_fits_what_sharding_alone_does_not_and_pays_the_host_link():
+    """20B in bf16 keeps 16 B per parameter: 159 GB per H200 when sharded over two, more than one holds.
+    With FSDP's CPU offload (``--offload``) the shards, gradients and AdamW's moments go to host memory;
+    what stays is in flight, and the step pays for the shards crossing the host link."""
+    from fitbench.plan.speed import HOST_LINK_BANDWIDTH, PCIE_BANDWIDTH
+    from fitbench.spec import Layout
+
+    target = GpuTarget("NVIDIA H200", 2, H200_TOTAL_MEMORY, described=False)
+    arch = resolve("20B")
+    results = {}
+    for offload in (False, True):
+        spec = RunSpec(model="20B", backend="native", mode="train", precision="bf16", batch_size=1, seq_len=512,
+                       new_tokens=8, device="cuda:0", warmup_steps=1, measure_steps=1, offload=offload,
+                       layout=Layout(dp_shard=2))
+        results[offload] = predict_spec(arch, spec, target, DEFAULT, choose_precision=False, choose_recompute=False,
+                                        runnable=PRECISIONS, choose_strategy=True)
+    (_, alone), (offloaded, prediction) = results[False], results[True]
+    assert not alone["fits"] and 16 * arch.total_params / 2 > H200_TOTAL_MEMORY
+    assert prediction["fits"] and offloaded.layout == Layout(dp_shard=2) and offloaded.offload
+    terms = {term["name"]: term["bytes"] for term in prediction["terms"]}
+    assert terms["weights"] == terms["gradients"] == terms["optimizer state"] == 0
+    assert prediction["predicted_peak_bytes"] < alone["predicted_peak_bytes"] - 16 * arch.total_params / 2 * 0.9
+    on_gpu, off = (estimate_step_time(arch, "train", "bf16", 1, 512, new_tokens=8, gpu_name="NVIDIA H200",
+                                      parallelism=Parallelism("fsdp", 2, offload=offload)) for offload in (False, True))
+    shards_in_and_out = 3 * 4 * arch.total_params / 2  # fp32 shards in twice, their gradients out once
+    link = HOST_LINK_BANDWIDTH.get("NVIDIA H200", PCIE_BANDWIDTH)
+    assert off.seconds - on_gpu.seconds == pytest.approx(shards_in_and_out / link, rel=1e-9)
+    assert Candidate("bf16", "fsdp", 2, False, 1, cpu_offload=True).label == "bf16, fsdp x 2, CPU offload, batch 1"
+
+
 def test_training_chooses_among_one_gpu_ddp_and_fsdp_by_throughput():
     # 1B fits on one H200: two GPUs with DDP or FSDP double the tokens; the fastest of the fitting
     # data-parallel layouts is chosen, and it is the first of the feasible list
@@ -885,7 +915,7 @@ def test_plan_command_json_has_sizes_in_bytes(capsys):
     chosen = result["chosen"]
     assert chosen["candidate"] == {"precision": "bf16-pure", "strategy": "tp", "gpus": 4,
                                    "activation_checkpointing": False, "batch_size": 1, "resident_layers": None,
-                                   "compiled": False}
+                                   "compiled": False, "cpu_offload": False}
     per_gpu = 2 * (LLAMA2_70B["L"] * layer_params(LLAMA2_70B) / 4 + edge_params(LLAMA2_70B))
     assert per_gpu < chosen["predicted_peak_bytes"] < per_gpu + 2e9
     terms = {t["name"]: t["bytes"] for t in chosen["memory"]["terms"]}

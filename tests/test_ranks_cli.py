@@ -1,7 +1,8 @@
 """``fitbench run --gpus N``: each configuration as one torchrun job of N gloo ranks on the CPU.
 
 One row per job from every rank (``fitbench.run.aggregate``); a rank that fails alone names itself in
-the row; a rank that hangs ends as the configuration's timeout; nothing the job started outlives it.
+the row; a rank that hangs is named in the row of the timeout it causes; nothing the job started
+outlives it.
 """
 
 import json
@@ -70,20 +71,31 @@ def test_a_job_of_two_ranks_is_one_row(in_tmp, capsys, strategy):
 
 
 @pytest.mark.slow
-def test_a_rank_that_fails_names_itself_and_one_that_hangs_times_out(in_tmp, capsys, monkeypatch):
+def test_a_rank_that_fails_names_itself_and_one_that_hangs_is_named(in_tmp, capsys, monkeypatch):
     monkeypatch.setenv("FITBENCH_INJECT", "rank-error:1")
     code, out, err = cli(["run", *SHAPE, "--strategy", "ddp", "--out", "failed", "--no-fallback"], capsys)
     assert code == 1
     [row] = rows(in_tmp / "failed")
     assert row["status"] == "error" and row["error"].startswith("rank 1: ")
     assert "rank 1 fails" in row["error"]
+    # rank 0 was stopped with the job: still building, or already waiting for rank 1 in a collective
+    assert "\nrank 0 did not finish" in row["error"] and row["rank_phases"][1]["status"] == "error"
     assert not marked()
 
-    monkeypatch.setenv("FITBENCH_INJECT", "rank-hang:0")
-    code, out, err = cli(["run", *SHAPE, "--strategy", "ddp", "--out", "hung", "--timeout", "20"], capsys)
+    # rank 0 hangs before its first collective; rank 1 waits for it there until the process group's
+    # timeout (4 s, injected) ends the job, well before --timeout, a safety net
+    monkeypatch.setenv("FITBENCH_INJECT", "rank-hang:0,collective-timeout:4")
+    code, out, err = cli(["run", *SHAPE, "--strategy", "ddp", "--out", "hung", "--timeout", "60"], capsys)
     assert code == 1
     [row] = rows(in_tmp / "hung")
     assert row["status"] == "timeout"
+    first, second = row["error"].splitlines()[:2]
+    assert first.startswith("rank 0 hung outside any collective while rank 1 waited for it in one (rank 0: building "
+                            "its model, entered "), first
+    assert second.startswith("rank 1: waited in a collective (applying ddp") and "4 s timeout" in second
+    assert [(rank["rank"], rank["in_collective"], rank["status"]) for rank in row["rank_phases"]] == \
+        [(0, False, None), (1, True, "timeout")]
+    assert row["wall_s"] < 40
     assert not marked() and not list((in_tmp / "tmp").glob("fitbench-*"))
 
 
@@ -101,6 +113,28 @@ def test_the_sweep_gives_each_configuration_its_layout():
     with pytest.raises(UserError, match="ddp: int4 weights are torchao tensor subclasses"):
         expand(SweepConfig(models=["tiny"], mode=["forward"], precision=["int4"], gpus=2, strategy="ddp"),
                device="cpu", default_models=["tiny"])
+
+
+def test_offload_over_several_ranks_is_fsdps_and_ddp_has_none(in_tmp, capsys):
+    """--offload on one device streams decoder layers (infer, forward); over several ranks it is FSDP's
+    CPU offload, in every mode FSDP runs; DDP has none, and training on one device has neither."""
+    config = SweepConfig(models=["tiny"], mode=["train", "forward", "infer"], precision=["fp32"], gpus=2, offload=True)
+    specs = expand(config, device="cpu", default_models=["tiny"])
+    assert [(spec.mode, spec.layout, spec.fsdp_offload, spec.layer_offload) for spec in specs] == [
+        ("train", Layout(dp_shard=2), True, False), ("forward", Layout(dp_shard=2), True, False),
+        ("infer", Layout(), False, True)]  # generation runs in one process, its layers offloaded
+    assert "offload fsdp x 2" in specs[0].label
+    fields = dict(model="tiny", backend="native", mode="train", precision="fp32", batch_size=1, seq_len=16,
+                  new_tokens=2, device="cpu", warmup_steps=1, measure_steps=1, offload=True)
+    with pytest.raises(ValueError, match="--offload and --strategy ddp do not combine"):
+        RunSpec(**fields, layout=Layout(dp_replicate=2))
+    for argv, named in ((["--strategy", "ddp"], ["offload:", "--offload and --strategy ddp", "--strategy fsdp",
+                                                 "drop --offload"]),
+                        (["--gpus", "1"], ["offload:", "--mode infer or forward", "--gpus 2 or more",
+                                           "--strategy fsdp"])):
+        code, out, err = cli(["run", *SHAPE, *argv, "--offload"], capsys)
+        assert code == 2 and "Traceback" not in err and len(err.strip().splitlines()) == 1, err
+        assert all(name in err for name in named), err
 
 
 def test_a_single_process_keeps_its_key_and_a_layout_changes_it():

@@ -107,7 +107,8 @@ def next_rung(spec: RunSpec, policy: FallbackPolicy, *, strategy: str, gpus: int
     or dropping fp32 master weights changes the model that is trained, so those rungs come after it.
     From there ``next_attempt``'s ladder goes on in the layout reached (precisions that train every
     weight, checkpointing, half the batch): adapters on a quantized base train another model, and are
-    never a rung of full training. Other runs keep their layout; offload is a rung of one GPU only."""
+    never a rung of full training. Other runs keep their layout; offload is a rung of one GPU only (a
+    run under FSDP's CPU offload keeps it)."""
     if not policy.enabled:
         return None
     full_training = spec.mode in TRAINING_MODES and trains_every_weight(spec.precision)
@@ -115,7 +116,7 @@ def next_rung(spec: RunSpec, policy: FallbackPolicy, *, strategy: str, gpus: int
         before = "1 GPU" if gpus == 1 else f"{strategy} x {gpus}"
         return Rung(spec, "fsdp", gpus_at_hand, f"{before} -> fsdp x {gpus_at_hand}")
     following = next_attempt(spec, policy)
-    if following is None or (following[0].offload and gpus > 1):
+    if following is None or (following[0].offload and not spec.offload and gpus > 1):
         return None
     return Rung(following[0], strategy, gpus, following[1])
 

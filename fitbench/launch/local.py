@@ -15,9 +15,16 @@ into a result row:
   (a protocol error);
 - ``crashed``: the worker died without a result (a signal, an abort, a non-zero exit);
 - ``timeout``: the configuration outlived ``--timeout`` (which bounds its batch probes and
-  fallback attempts too) and was killed; a worker that exited by itself with its result written is
-  never one;
+  fallback attempts too) and was killed, or a rank of its job waited in a collective past the
+  process group's timeout (``fitbench.run.worker``); a worker that exited by itself with its result
+  written is never killed;
 - ``interrupted``: SIGINT, SIGTERM or SIGHUP ended the sweep while it ran; ``--resume`` runs it again.
+
+A torchrun job that ends without its result (a rank failed or hung, or the job was killed) keeps in
+the row's ``rank_phases`` the phase each rank was last in (``fitbench.run.ranks.PhaseLog``) and
+whether it wrote a result of its own, and its error names the ranks that did not finish: a rank
+stopped outside any collective while the others waited in one until a timeout is the rank that
+hung, and is named first.
 
 Nothing a worker starts outlives it, whatever ends it (``fitbench.processes``), and each run's
 scratch directory, with any layers offloaded to disk, is removed.
@@ -42,18 +49,20 @@ from datetime import datetime, timezone
 from pathlib import Path
 from typing import Any, Callable
 
+from pydantic import ValidationError
+
 from fitbench.host import HostMemory, host_memory, oom_kills
 from fitbench.launch.fallback import RAN_TO_THE_END, FallbackPolicy, run_with_fallback, search_max_batch
 from fitbench.launch.launchers import launcher_for
 from fitbench.models.registry import resolve
 from fitbench.monitor.nvml import GpuMonitor, job_gpus
 from fitbench.processes import PARENT_VARIABLE, TOKEN_VARIABLE, kill_tree
+from fitbench.results.row import WORKER_STATUSES, Measurement, Row
 from fitbench.results.store import ResultStore
-from fitbench.run.ranks import rank_result_path
+from fitbench.run.ranks import rank_phase_path, rank_result_path, read_phase
 from fitbench.spec import Assignment, RunSpec
 
 ERROR_TAIL_LINES = 15
-WORKER_STATUSES = ("ok", "invalid", "oom", "error", "refused")  # what a worker's result file may say
 OOM_RSS_SHARE = 0.9
 MAX_LINE_BYTES = 1 << 20  # a progress event is a few hundred bytes
 PROTOCOL_ERRORS_KEPT = 5
@@ -134,18 +143,24 @@ def run_one(assignment: Assignment, log_path: Path, timeout: float, on_event: Ca
                 process.stdout.close()
             progress.finish()
         payload, problem = _read_result(result_path)
+        phases: list[dict[str, Any]] = []
         if payload is None and problem is None and spec.layout.world_size > 1:
             payload, problem = _first_failed_rank(result_path, spec.layout.world_size)
+            phases = _rank_phases(result_path, spec.layout.world_size)
 
-    row: dict[str, Any] = {"key": spec.key, "label": spec.label, "spec": spec.model_dump()}
     code, tail = process.returncode, _tail(log_path, ERROR_TAIL_LINES)
-    if timed_out and not (code == 0 and payload is not None):
-        row.update(status="timeout", error=f"killed when {limit or f'the {timeout:g} s timeout (--timeout)'} ran out\n"
-                                           + tail)
+    killed = timed_out and not (code == 0 and payload is not None)
+    held_up, hung = _who_held_up(phases, killed)
+    row: dict[str, Any] = {"rank_phases": phases} if phases else {}
+    waited = f"; {held_up}" if held_up else ""
+    if killed:
+        row.update(status="timeout", error=f"killed when {limit or f'the {timeout:g} s timeout (--timeout)'} ran out"
+                                           f"{waited}\n" + tail)
     elif payload is not None:
-        row.update({key: value for key, value in payload.items() if key not in row})
+        row.update(payload)
         if payload["status"] != "ok":
-            row["error"] = payload.get("error") or tail
+            error = payload.get("error") or tail
+            row["error"] = f"{held_up}\n{error}" if hung else f"{error}\n{held_up}" if held_up else error
     elif problem is not None:
         row.update(status="error", error=f"protocol error: {problem}\n" + tail)
     elif code == -signal.SIGKILL and (oom_kills() > kills_before or peak_rss >= OOM_RSS_SHARE * budget.available):
@@ -155,21 +170,19 @@ def run_one(assignment: Assignment, log_path: Path, timeout: float, on_event: Ca
         row.update(status="oom", error=f"worker killed by SIGKILL, out of host memory: {evidence}\n" + tail)
     else:
         cause = f"signal {signal.Signals(-code).name}" if code < 0 else f"exit code {code}"
-        row.update(status="crashed", error=f"worker died ({cause}) without a result\n" + tail)
+        row.update(status="crashed", error=f"worker died ({cause}) without a result{waited}\n" + tail)
     if progress.problems:
         row["protocol_errors"] = progress.problems
-        row["warnings"] = [*row.get("warnings", []),
+        row["warnings"] = [*(row.get("warnings") or []),
                            f"protocol error: the worker's stdout broke the progress protocol "
                            f"{progress.problem_count} time(s), e.g. {progress.problems[0]} (see protocol_errors)"]
     if monitor is not None:
         row["gpu_monitor"] = {**monitor.summary(), "timeline": str(monitor.path)}
     arch = resolve(spec.model)
-    row.update(
-        params=arch.total_params, non_embedding_params=arch.non_embedding_params,
-        exit_code=code, started_at=started_at, finished_at=_now(),
-        wall_s=time.monotonic() - started, log=str(log_path),
-    )
-    return row
+    return Row(key=spec.key, label=spec.label, spec=spec.model_dump(), **row,
+               params=arch.total_params, non_embedding_params=arch.non_embedding_params,
+               exit_code=code, started_at=started_at, finished_at=_now(),
+               wall_s=time.monotonic() - started, log=str(log_path)).as_dict()
 
 
 def _host_budget(spec: RunSpec) -> HostMemory:
@@ -258,8 +271,57 @@ def _first_failed_rank(result_path: Path, ranks: int) -> tuple[dict[str, Any] | 
     return payload, problem
 
 
+def _rank_phases(result_path: Path, ranks: int) -> list[dict[str, Any]]:
+    """Each rank of the job: the phase it last entered, whether that phase waits in collectives, how
+    long it had been in it when the job ended, and the status of the result it wrote of its own
+    (None: it wrote none, it did not finish)."""
+    now = time.time()
+    phases = []
+    for rank in range(ranks):
+        phase = read_phase(rank_phase_path(result_path, rank))
+        result, _ = _read_result(rank_result_path(result_path, rank))
+        phases.append({"rank": rank, "phase": phase.name if phase else None,
+                       "in_collective": bool(phase and phase.collective),
+                       "seconds": round(now - phase.since, 1) if phase else None,
+                       "status": result["status"] if result else None})
+    return phases
+
+
+def _who_held_up(phases: list[dict[str, Any]], killed: bool) -> tuple[str, bool]:
+    """``phases`` (``_rank_phases``) in a sentence, and whether it names ranks that hung: those that
+    stopped outside any collective, without a result, while others waited for them in one, when
+    the waiting ended the job (``killed`` by the timeout, or a collective's own timeout). A rank that
+    died there instead is said to have stopped: the error of the rank that waited says which."""
+    unfinished = [entry for entry in phases if entry["status"] is None]
+    outside = [entry for entry in unfinished if not entry["in_collective"]]
+    waiting = [entry for entry in phases if entry["in_collective"]]
+    if outside and waiting:
+        hung = killed or any(entry["status"] == "timeout" for entry in waiting)
+        them = "it" if len(outside) == 1 else "them"
+        return (f"{_ranks(outside)} {'hung' if hung else 'stopped'} outside any collective while {_ranks(waiting)} "
+                f"waited for {them} in one ({_where(outside + waiting)})", hung)
+    if not unfinished:
+        return "", False
+    if all(entry["in_collective"] for entry in unfinished):
+        return (f"{_ranks(unfinished)} did not finish, in phases whose collectives every rank must join "
+                f"({_where(unfinished)})", False)
+    return f"{_ranks(unfinished)} did not finish ({_where(unfinished)})", False
+
+
+def _where(entries: list[dict[str, Any]]) -> str:
+    return "; ".join(f"rank {entry['rank']}: " + (f"{entry['phase']}, entered {entry['seconds']:g} s before the end"
+                                                  if entry["phase"] else "no phase recorded, still starting")
+                     for entry in sorted(entries, key=lambda entry: entry["rank"]))
+
+
+def _ranks(entries: list[dict[str, Any]]) -> str:
+    numbers = sorted(str(entry["rank"]) for entry in entries)
+    return f"rank {numbers[0]}" if len(numbers) == 1 else f"ranks {', '.join(numbers[:-1])} and {numbers[-1]}"
+
+
 def _read_result(path: Path) -> tuple[dict[str, Any] | None, str | None]:
-    """The worker's result, or None and what is wrong with it (None and None: it wrote none)."""
+    """The worker's result (``fitbench.results.row.Measurement``), or None and what is wrong with it
+    (None and None: it wrote none)."""
     if not path.exists():
         return None, None
     try:
@@ -268,7 +330,12 @@ def _read_result(path: Path) -> tuple[dict[str, Any] | None, str | None]:
         return None, "the worker's result file is not JSON"
     if not isinstance(payload, dict) or payload.get("status") not in WORKER_STATUSES:
         return None, f"the worker's result file is not an object with a status of {', '.join(WORKER_STATUSES)}"
-    return payload, None
+    try:
+        return Measurement.model_validate(payload).as_dict(), None
+    except ValidationError as error:
+        first = error.errors()[0]
+        where = ".".join(str(part) for part in first["loc"])
+        return None, f"the worker's result file has `{where}`: {first['msg']} ({error.error_count()} problem(s))"
 
 
 class _Progress:
@@ -364,10 +431,10 @@ def _run_planned(spec: RunSpec, logs: Path, timeout: float, on_event, policy: Fa
     def run(candidate: RunSpec) -> dict[str, Any]:
         remaining = deadline - time.monotonic()
         if remaining <= 0:
-            raise _OutOfTime({"key": candidate.key, "label": candidate.label, "spec": candidate.model_dump(),
-                              "status": "timeout", "error": f"{limit} ran out before {candidate.label} could start",
-                              "params": resolve(candidate.model).total_params, "started_at": _now(),
-                              "finished_at": _now()})
+            raise _OutOfTime(Row(key=candidate.key, label=candidate.label, spec=candidate.model_dump(),
+                                 status="timeout", error=f"{limit} ran out before {candidate.label} could start",
+                                 params=resolve(candidate.model).total_params, started_at=_now(),
+                                 finished_at=_now()).as_dict())
         number = next(attempt)
         row = run_one(assign(candidate), logs / f"{spec.key}-{number}.log", remaining, on_event, limit=limit,
                       artifacts=logs.parent / "artifacts" / spec.key / str(number))
@@ -467,22 +534,21 @@ def _one_of_sweep(spec: RunSpec, store: ResultStore, timeout, command, callbacks
     started_at = _now()
     try:
         if spec.key in refusals:
-            row = {"key": spec.key, "label": spec.label, "spec": spec.model_dump(), "status": "refused",
-                   "error": refusals[spec.key], "params": resolve(spec.model).total_params,
-                   "started_at": started_at, "finished_at": _now()}
+            row = Row(key=spec.key, label=spec.label, spec=spec.model_dump(), status="refused",
+                      error=refusals[spec.key], params=resolve(spec.model).total_params,
+                      started_at=started_at, finished_at=_now()).as_dict()
         else:
             row = _run_planned(spec, store.directory / "logs", timeout, callbacks.on_event, fallback(spec),
                                predicted_batch, assign)
     except KeyboardInterrupt as interruption:
-        store.append({"key": spec.key, "label": spec.label, "spec": spec.model_dump(), "status": "interrupted",
-                      "error": f"{str(interruption) or 'interrupted by SIGINT'}: the worker and everything it started "
-                               f"were ended; `fitbench run --resume {store.directory}` runs it again",
-                      "params": resolve(spec.model).total_params, "started_at": started_at,
-                      "finished_at": _now(), "command": command})
+        store.append(Row(key=spec.key, label=spec.label, spec=spec.model_dump(), status="interrupted",
+                         error=f"{str(interruption) or 'interrupted by SIGINT'}: the worker and everything it "
+                               f"started were ended; `fitbench run --resume {store.directory}` runs it again",
+                         params=resolve(spec.model).total_params, started_at=started_at,
+                         finished_at=_now(), command=command).as_dict())
         raise
-    row["command"] = command
-    row["calibration"] = calibration
-    row["prediction"] = predict(RunSpec.model_validate(row["spec"]))
+    row = Row.model_validate({**row, "command": command, "calibration": calibration,
+                              "prediction": predict(RunSpec.model_validate(row["spec"]))}).as_dict()
     store.append(row)
     callbacks.on_finish(row)
     return row

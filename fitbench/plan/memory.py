@@ -63,6 +63,9 @@ output projection):
   root's gradients and the first layer's reduce-scatter input give way to the root's own
   reduce-scatter input: max(c G + rd p, rd E), G the root's gradients (two V h contributions
   before their sum when the embedding is tied).
+- FSDP2 with CPU offload (``CPUOffloadPolicy``, ``--offload``): the shards, their gradients and
+  AdamW's state live in host memory, where the optimizer steps; the GPU holds what is in flight
+  as above, and the shards passing through it (``fsdp_offload_staging``).
 
 Constants outside the formulas (CUDA context, allocator slack, NCCL's buffers per communicator)
 come from ``fitbench.plan.calibration``.
@@ -175,10 +178,16 @@ class Widths:
 
 @dataclass(frozen=True)
 class Parallelism:
-    """How one model is spread over GPUs: data (ddp / fsdp), tensor and pipeline degrees."""
+    """How one model is spread over GPUs: data (ddp / fsdp), tensor and pipeline degrees; ``offload``:
+    FSDP's CPU offload."""
 
     strategy: str = "single"  # single, ddp, fsdp, tp, pipeline
     gpus: int = 1
+    offload: bool = False
+
+    def __post_init__(self) -> None:
+        if self.offload and self.shards == 1:
+            raise ValueError(f"CPU offload is FSDP's, over several GPUs; not {self.strategy} over {self.gpus}")
 
     @property
     def tensor(self) -> int:
@@ -445,8 +454,11 @@ def estimate_memory(arch: Architecture, mode: str, precision: str, batch: int, s
         return _inference(arch, mode, widths, batch, seq_len, new_tokens, terms, tp, stages, precision=precision,
                           backend=backend)
     weights = widths.weights * local_params / shards
-    terms = [Term("weights", weights, f"{widths.weights:g} B x {local_params:,.0f} parameters"
-                  + (f" / {shards} FSDP shards" if shards > 1 else "")), rotary_term(arch, backend)]
+    terms = [Term("weights", 0.0 if parallelism.offload else weights,
+                  f"{widths.weights:g} B x {local_params:,.0f} parameters"
+                  + (f" / {shards} FSDP shards" if shards > 1 else "")
+                  + (f", {weights:,.0f} B in host memory (CPU offload)" if parallelism.offload else "")),
+             rotary_term(arch, backend)]
     if training:
         widths = Widths.of(precision, parallelism)
         return _training(arch, mode, widths, batch, seq_len, activation_checkpointing, terms, local_params / shards,
@@ -597,7 +609,12 @@ def _training(arch, mode, widths, batch, seq_len, recompute, terms, local_params
         first = inductor.first_layer_saving(arch, n, c, r) if compiled and layers == arch.num_layers else 0.0
         activations = Term("activations", one_layer * layers - first, f"{layers:g} layers x {one_layer:,.0f} B saved "
                            f"per layer" + (f", less {first:,.0f} B in the first" if first else ""), at(START))
-    if ddp:
+    if layout.offload and not frozen:
+        state = Term("optimizer state", 0.0, f"AdamW's moments of the shards, {2 * w * local_params:,.0f} B in host "
+                     f"memory (CPU offload), where the optimizer steps")
+        gradients = Term("gradients", 0.0, f"the shards' gradients, {w * local_params:,.0f} B in host memory (CPU "
+                         f"offload), copied there after each reduce-scatter")
+    elif ddp:
         state = Term("optimizer state", 2 * w * local_params if mode == "train" else 0.0,
                      "AdamW first and second moments, 2 x weight bytes")
         gradients = Term("gradient buckets", w * local_params, f"{w:g} B x {local_params:,.0f} parameters: DDP's "
@@ -634,6 +651,8 @@ def _training(arch, mode, widths, batch, seq_len, recompute, terms, local_params
                       "one layer's saved activations (and weight copies) while the last gradients form", at(FIRST)))
     if sharded:
         terms += fsdp_in_flight(arch, c, w)
+    if sharded and layout.offload:
+        terms.append(fsdp_offload_staging(arch, w, c, layout.gpus))
     if ddp and arch.tie_embeddings:
         terms.append(Term("tied gradient awaiting its sum", w * V * h, "w x V h: the output projection's "
                           "contribution, held by autograd until the embedding's joins it and the sum goes to its "
@@ -672,6 +691,20 @@ def fsdp_in_flight(arch: Architecture, c: float, rd: float) -> list[Term]:
              f"root's gradients beside the first layer's reduce-scatter input, then the root's own input",
              frozenset({END})),
     ]
+
+
+def fsdp_offload_staging(arch: Architecture, w: float, c: float, g: int) -> Term:
+    """Under FSDP's CPU offload, what of the shards passes through the GPU: before a unit's all-gather
+    its shard is copied in (w) and cast into the all-gather's input (c), and after its reduce-scatter
+    the gradient's shard waits for its copy back to host memory (w); two layers in flight, the root's
+    larger shard counted for one of them (torch 2.13, ``torch/distributed/fsdp/_fully_shard/``
+    ``_fsdp_param.py``: ``offload_to_cpu``)."""
+    p = arch.params_per_layer
+    E = arch.total_params - p * arch.num_layers
+    shard = (p + max(p, E)) / g
+    return Term("FSDP offload staging", (2 * w + c) * shard, f"(2 w + c) (p + max(p, E)) / g = ({2 * w:g} + {c:g}) "
+                f"B x {shard:,.0f}: two units' shards copied in, cast for their all-gather, and their gradients' "
+                f"shards on the way out")
 
 
 MLP, OUTPUT, BUILD = "prefill MLP", "output projection", "quantizing a layer"

@@ -5,7 +5,8 @@ batch size. Its predicted per-GPU peak is the memory model's tensor terms plus t
 overheads (CUDA context, cuBLAS workspace, allocator page rounding, NCCL buffers; none on a CPU,
 where the calibration is None). It fits when that peak is at most the GPU's memory. An offloaded
 candidate (inference on one GPU) keeps only some decoder layers on the GPU; ``offload_split`` says
-how many fit.
+how many fit. An FSDP candidate with CPU offload keeps its shards, gradients and optimizer state in
+host memory.
 
 The precision ladder is an order of preference (quality first): the chosen plan uses the first
 rung that has a fitting candidate, and among that rung's candidates the highest predicted
@@ -82,16 +83,18 @@ class Candidate:
     batch_size: int
     resident_layers: int | None = None  # offload: decoder layers kept on the GPU, the rest in host memory
     compiled: bool = False  # torch.compile (``fitbench.plan.compiled``)
+    cpu_offload: bool = False  # FSDP's: shards, gradients and optimizer state in host memory
 
     @property
     def parallelism(self) -> Parallelism:
-        return Parallelism(self.strategy, self.gpus)
+        return Parallelism(self.strategy, self.gpus, offload=self.cpu_offload)
 
     @property
     def label(self) -> str:
         layout = "1 GPU" if self.gpus == 1 else f"{self.strategy} x {self.gpus}"
         recompute = ", recompute" if self.activation_checkpointing else ""
         offload = f", offload ({self.resident_layers} layers on the GPU)" if self.resident_layers is not None else ""
+        offload += ", CPU offload" if self.cpu_offload else ""
         compiled = ", compiled" if self.compiled else ""
         return f"{self.precision}, {layout}{recompute}{offload}{compiled}, batch {self.batch_size}"
 
@@ -253,8 +256,9 @@ def _data_parallel_why(candidate: Candidate, memory: MemoryEstimate) -> str:
     if candidate.strategy == "ddp":
         return f" (weights, gradients and optimizer state replicated on each GPU: {state / 1e9:.1f} GB)"
     gathered = sum(t.bytes for t in memory.terms if t.name.startswith("FSDP") and memory.at_peak(t))
-    return (f" (weights, gradients and optimizer state sharded {candidate.gpus} ways: {state / 1e9:.1f} GB; "
-            f"units gathered in flight {gathered / 1e9:.1f} GB)")
+    where = ("in host memory" if candidate.cpu_offload else
+             f"sharded {candidate.gpus} ways: {state / 1e9:.1f} GB")
+    return f" (weights, gradients and optimizer state {where}; units gathered in flight {gathered / 1e9:.1f} GB)"
 
 
 def _layout_problem(arch: Architecture, candidate: Candidate, target: GpuTarget) -> str | None:
@@ -442,7 +446,7 @@ def predict_spec(arch: Architecture, spec, target: GpuTarget, calibration: Calib
     recompute = [False, True] if choose_recompute and spec.mode in TRAINING_MODES else [spec.activation_checkpointing]
 
     def resident(precision: str) -> int | None:
-        if not spec.offload:
+        if not spec.layer_offload:
             return None
         return offload_split(arch, spec.mode, precision, spec.batch_size, spec.seq_len, new_tokens=spec.new_tokens,
                              budget=target.memory, calibration=calibration, backend=spec.backend).resident_layers
@@ -455,10 +459,11 @@ def predict_spec(arch: Architecture, spec, target: GpuTarget, calibration: Calib
         if not choose_strategy:
             return [spec.layout.strategy]
         return [s for s in DATA_PARALLEL_STRATEGIES
-                if data_parallel_problem(s, precision, spec.mode, spec.backend) is None] or [spec.layout.strategy]
+                if data_parallel_problem(s, precision, spec.mode, spec.backend, spec.offload) is None] \
+            or [spec.layout.strategy]
 
     groups = [[assess(arch, spec.mode, Candidate(precision, strategy, ranks, ac, spec.batch_size, resident(precision),
-                                                 compiled=spec.compile),
+                                                 compiled=spec.compile, cpu_offload=spec.offload and ranks > 1),
                       target, seq_len=spec.seq_len, new_tokens=spec.new_tokens, calibration=calibration,
                       backend=spec.backend)
                for strategy in strategies(precision)]

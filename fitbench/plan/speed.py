@@ -41,7 +41,10 @@ datasheet's NVLink bandwidth in one direction.
   after another, ``(M + S - 1) / M`` stage-times for M micro-batches and S stages;
 - offload: the offloaded layers' weights cross the host link (PCIe) once per forward pass (each
   decode step, the prefill, a forward step), copied synchronously before each layer runs, so the
-  time ``offloaded bytes / host-link bandwidth`` adds to the step like communication.
+  time ``offloaded bytes / host-link bandwidth`` adds to the step like communication; under FSDP's
+  CPU offload, each rank's shards cross it before every all-gather (forward and backward) and its
+  gradients' shards after every reduce-scatter, 3 w P / g per training step (w P / g per forward
+  step), counted the same way; the optimizer's step on the CPU is not counted.
 
 It is an optimistic bound, never a forecast of the achieved time: fitbench prints it beside the
 measured time so its error is visible.
@@ -191,6 +194,8 @@ def estimate_step_time(arch: Architecture, mode: str, precision: str, batch: int
             directions = 1 if mode == "forward" else 2
             per_layer = 2 * 2 * (tp - 1) / tp * n * arch.hidden_size * widths.compute
             communication_s = directions * arch.num_layers * per_layer / link
+        if parallelism.offload:
+            offloaded_bytes += (1 if mode == "forward" else 3) * widths.weights * arch.total_params / g
         communication_s += offloaded_bytes / HOST_LINK_BANDWIDTH.get(gpu_name, PCIE_BANDWIDTH)
         # One micro-batch per step: it crosses the stages one after another, (M + S - 1) / M = S slots.
         microbatches = 1

@@ -10,7 +10,9 @@ The file outlives the code that wrote it and the people who edit it: a line that
 short by a kill, not JSON, not UTF-8, not an object with a ``key``, a ``status`` and a ``spec``) is
 skipped, and a row with damaged fields is read with them blank (``fitbench.results.schema``); either
 is reported once through ``on_bad_line``, with its line number and the fields, and everything else
-still reads. A write that fails (a full disk) leaves the file as it was before the write began.
+still reads. Rows of every schema version read (``fitbench.results.row``): those from before
+versions as version 0, and one from a newer fitbench for the fields this one knows, reported the
+same way. A write that fails (a full disk) leaves the file as it was before the write began.
 
 One sweep at a time per directory: ``lock`` takes an exclusive ``flock`` on ``fitbench.lock``,
 which holds the holder's PID. The kernel releases it when the holder exits, however it exits, so
@@ -28,6 +30,7 @@ from typing import Any, Callable, Iterator
 
 from fitbench.errors import UserError, excerpt
 from fitbench.jsonfile import parse_json, read_json
+from fitbench.results.row import SCHEMA_VERSION, version
 from fitbench.results.schema import check_row
 
 RESULTS_FILE = "results.jsonl"
@@ -53,7 +56,11 @@ def _row_problem(line: bytes) -> tuple[dict[str, Any] | None, str]:
     if problem:
         return None, problem
     shown = "; ".join(dropped[:3]) + (f"; and {len(dropped) - 3} more" if len(dropped) > 3 else "")
-    return row, f"has {shown}; shown blank" if dropped else ""
+    problems = [f"has {shown}; shown blank"] if dropped else []
+    if version(row) > SCHEMA_VERSION:
+        problems.insert(0, f"has schema version {version(row)}, newer than this fitbench's {SCHEMA_VERSION}: read "
+                           f"for the fields this version knows (a newer fitbench reads them all)")
+    return row, "; ".join(problems)
 
 
 def _bounded_lines(handle) -> Iterator[bytes]:

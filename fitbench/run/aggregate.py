@@ -17,11 +17,12 @@ from __future__ import annotations
 
 from typing import Any
 
+from fitbench.results.row import Measurement
 from fitbench.spec import Layout
 
 
 def combine(payloads: list[dict[str, Any]], layout: Layout) -> dict[str, Any]:
-    """The job's result from ``payloads``, every rank's in rank order."""
+    """The job's result (``fitbench.results.row.Measurement``) from ``payloads``, every rank's in rank order."""
     if len(payloads) == 1:
         return payloads[0]
     row = dict(payloads[0])
@@ -36,9 +37,7 @@ def combine(payloads: list[dict[str, Any]], layout: Layout) -> dict[str, Any]:
         row["timing"] = {**payloads[slowest]["timing"], "slowest_rank": slowest,
                          "rank_step_medians": [step["median"] for step in steps]}
         row["throughput"] = _throughput([p["throughput"] for p in payloads], layout)
-    row["ranks"] = layout.world_size
-    row["layout"] = layout.model_dump()
-    return row
+    return Measurement.model_validate({**row, "ranks": layout.world_size, "layout": layout.model_dump()}).as_dict()
 
 
 def _memory(payloads: list[dict[str, Any]]) -> dict[str, Any]:

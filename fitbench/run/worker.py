@@ -27,6 +27,8 @@ Fault injection for tests (comma-separated in ``FITBENCH_INJECT``):
   built: a real allocation failure (on a CPU, ``DefaultCPUAllocator: can't allocate memory``);
 - ``rank-error:<rank>``: that rank of a torchrun job raises once its model is built, while the others
   go on to their first collective; ``rank-hang:<rank>``: that rank sleeps there instead;
+- ``collective-timeout:<seconds>``: the ranks' collectives fail after that long instead of
+  ``COLLECTIVE_TIMEOUT``, so that a hang ends in seconds;
 - ``mem-limit:<bytes>``: a worker raises it when the planner's predicted tensor peak for its
   configuration exceeds that budget, which makes a CPU behave like a GPU of that size; an
   offloaded configuration also keeps on the device only the layers that budget has room for.
@@ -59,6 +61,7 @@ from fitbench.precisions import (ADAPTER_ALPHA, ADAPTER_RANK, TRAINING_MODES, gr
                                  peak_kind, training_problem)
 from fitbench.precisions import policy as precision_policy
 from fitbench.processes import end_own_tree, rank_token, tie_to_parent
+from fitbench.results.row import Measurement
 from fitbench.run.adapters import add_adapters
 from fitbench.run.aggregate import combine
 from fitbench.run.loops import generate, make_step, random_tokens, read_generation
@@ -66,7 +69,7 @@ from fitbench.run.metrics import inference_metrics, step_metrics
 from fitbench.run.parallel import data_seed, parallelize
 from fitbench.run.quality import Quality
 from fitbench.run.quantize import build_quantized_native, float8_training, quantize_built
-from fitbench.run.ranks import Rank, gather_json, process_group, rank_result_path
+from fitbench.run.ranks import PhaseLog, Rank, gather_json, process_group, rank_result_path
 from fitbench.run.sanity import Verdict, non_finite_figures, non_finite_steps, read, warmup_warning
 from fitbench.run.timing import DeviceClock, first_call_seconds, run_stages, time_steps
 from fitbench.run.trackers import NvmlSampler, memory_report
@@ -92,12 +95,17 @@ def injected(kind: str, value: str) -> bool:
     return f"{kind}:{value}" in (entry.strip() for entry in entries)
 
 
-def injected_memory_limit() -> float | None:
+def injected_value(kind: str) -> float | None:
+    """The number FITBENCH_INJECT gives ``kind`` (``kind:<number>``), None when it lists none."""
     for entry in os.environ.get("FITBENCH_INJECT", "").split(","):
-        kind, _, value = entry.strip().partition(":")
-        if kind == "mem-limit":
+        name, _, value = entry.strip().partition(":")
+        if name == kind:
             return float(value)
     return None
+
+
+def injected_memory_limit() -> float | None:
+    return injected_value("mem-limit")
 
 
 def inject_misbehaviour(spec: RunSpec) -> None:
@@ -160,14 +168,16 @@ def weight_storage_bytes(module: torch.nn.Module) -> int:
     return total
 
 
-def measure(assignment: Assignment, device: torch.device, scratch: Path, rank: Rank | None = None) -> dict:
+def measure(assignment: Assignment, device: torch.device, scratch: Path, rank: Rank | None = None,
+            phases: PhaseLog | None = None) -> dict:
     """Build, warm up and measure the assignment's configuration; every field of the result row but
     the memory. The status is ``ok``, or ``invalid`` with the reasons in ``error`` when a loss, logits
     or quality figure is not finite (``fitbench.run.sanity``). ``rank``: this process's place in a
     torchrun job, whose layout's data parallelism is applied after the build; each data-parallel
-    rank draws its own batch."""
+    rank draws its own batch. ``phases``: where a rank of such a job says which phase it is in."""
     spec = assignment.spec
     rank = rank or Rank.from_environment(device)
+    phases = phases or PhaseLog()
     arch = resolve(spec.model)
     policy = precision_policy(spec.precision)
     policy.apply_backend_flags()
@@ -176,6 +186,7 @@ def measure(assignment: Assignment, device: torch.device, scratch: Path, rank: R
 
     inject_misbehaviour(spec)
     emit(phase="build")
+    phases.enter("building its model", collective=False)
     started = time.perf_counter()
     allocated_before = torch.cuda.memory_allocated(device) if device.type == "cuda" else 0
     built = build(assignment, arch, policy, device, scratch)
@@ -209,8 +220,10 @@ def measure(assignment: Assignment, device: torch.device, scratch: Path, rank: R
     raise_injected_out_of_memory(assignment)
     parallel = None
     if spec.layout.data_parallel > 1:
+        phases.enter(f"applying {spec.layout.strategy}, which broadcasts rank 0's weights", collective=True)
         parallel = parallelize(lm, spec.layout.strategy, policy, spec.mode, rank,
-                               activation_checkpointing=spec.activation_checkpointing, compile=spec.compile)
+                               activation_checkpointing=spec.activation_checkpointing, compile=spec.compile,
+                               offload=spec.fsdp_offload)
     else:
         if spec.activation_checkpointing:
             lm.enable_activation_checkpointing()
@@ -226,6 +239,8 @@ def measure(assignment: Assignment, device: torch.device, scratch: Path, rank: R
                   bandwidth=hardware.peak_bandwidth(device_name) if device.type == "cuda" else None)
 
     measure_mode = _measure_generation if spec.mode == "infer" else _measure_steps
+    phases.enter("running its steps" + (", each with collectives every rank joins" if parallel else ""),
+                 collective=parallel is not None)
     data = spec.model_copy(update={"seed": data_seed(spec.seed, rank.rank)}) if parallel else spec
     timing, throughput, noisy, compile_s, verdict = measure_mode(data, arch, built, policy, clock, device, peaks,
                                                                  weight_bytes)
@@ -245,20 +260,20 @@ def measure(assignment: Assignment, device: torch.device, scratch: Path, rank: R
     quality = built.quality.as_dict() if built.quality else None
     problems = verdict.problems + [f"quality figure not finite: {name}" for name in non_finite_figures(quality or {})]
     checkpoint = checkpoint_directory(spec)
-    return {
-        "status": "invalid" if problems else "ok", **({"error": "; ".join(problems)} if problems else {}),
-        "device_name": device_name, "build_s": build_s, "compile_s": compile_s, "warnings": warnings,
-        "peak_flops": peak, "measured_peak_flops": measured_peak, "peak_kind": kind,
-        "peak_source": "datasheet (dense)" if peak else None,
-        "timing": timing, "throughput": throughput, "decode": decoding, "environment": hardware.environment(),
-        "quality": quality, "training": built.training,
+    return Measurement(
+        status="invalid" if problems else "ok", **({"error": "; ".join(problems)} if problems else {}),
+        device_name=device_name, build_s=build_s, compile_s=compile_s, warnings=warnings,
+        peak_flops=peak, measured_peak_flops=measured_peak, peak_kind=kind,
+        peak_source="datasheet (dense)" if peak else None,
+        timing=timing, throughput=throughput, decode=decoding, environment=hardware.environment(),
+        quality=quality, training=built.training,
         **({"loss": verdict.loss} if verdict.loss is not None else {}),
-        "weights": {"bytes": weight_bytes, "bf16_bytes": 2 * arch.total_params,
-                    "relative_to_bf16": weight_bytes / (2 * arch.total_params), "method": weight_method,
-                    "source": f"checkpoint {checkpoint}" if checkpoint else "random"},
+        weights={"bytes": weight_bytes, "bf16_bytes": 2 * arch.total_params,
+                 "relative_to_bf16": weight_bytes / (2 * arch.total_params), "method": weight_method,
+                 "source": f"checkpoint {checkpoint}" if checkpoint else "random"},
         **offloaded,
         **({"parallel": parallel} if parallel else {}),
-    }
+    ).as_dict()
 
 
 def checkpoint_directory(spec: RunSpec) -> Path | None:
@@ -292,7 +307,7 @@ def offload_row(offload: Offload, timing: dict, mode: str) -> dict:
 def build(assignment: Assignment, arch, policy, device: torch.device, scratch: Path) -> Built:
     spec = assignment.spec
     model_path = spec.model if is_local_model(spec.model) else None
-    if spec.offload:
+    if spec.layer_offload:
         return build_offload(assignment, arch, policy, device, scratch, model_path)
     if not policy.quantized:
         return Built(load_model(arch, spec.backend, device, policy.weight_dtype, model_path=model_path,
@@ -499,13 +514,15 @@ def describe(error: BaseException) -> str:
 
 
 # A collective that waits longer than this fails instead of blocking (a rank hung or gone), which ends
-# the job; the sweep's --timeout still bounds the configuration's whole life.
+# the job, with a result saying so (status timeout); the sweep's --timeout still bounds the
+# configuration's whole life.
 COLLECTIVE_TIMEOUT = timedelta(minutes=10)
 
 
 def _write(path: Path, payload: dict) -> None:
+    """``payload``, checked against the result's schema (``fitbench.results.row``), in one rename."""
     tmp = path.with_suffix(".tmp")
-    tmp.write_text(json.dumps(payload))
+    tmp.write_text(json.dumps(Measurement.model_validate(payload).as_dict()))
     os.replace(tmp, path)
 
 
@@ -531,12 +548,21 @@ def main(argv: list[str]) -> int:
     if device.type == "cuda":
         torch.cuda.set_device(device)
     sampler = NvmlSampler([torch.cuda.current_device()]) if device.type == "cuda" else None
-    with process_group(rank, COLLECTIVE_TIMEOUT):
+    phases = PhaseLog.of_rank(result_path, rank)
+    phases.enter("joining the process group", collective=True)
+    injected_timeout = injected_value("collective-timeout")
+    timeout = timedelta(seconds=injected_timeout) if injected_timeout else COLLECTIVE_TIMEOUT
+    with process_group(rank, timeout):
         try:
-            payload = measure(assignment, device, result_path.parent, rank)
+            payload = measure(assignment, device, result_path.parent, rank, phases)
         except Exception as error:  # every failure becomes a result row; the sweep goes on
             traceback.print_exc()
-            payload = {"status": classify(error), "error": describe(error)}
+            payload = Measurement(status=classify(error), error=describe(error)).as_dict()
+            waited = phases.waited_out(timeout)
+            if waited is not None:
+                payload.update(status="timeout", error=f"waited in a collective ({waited.name}) past the process "
+                                                       f"group's {timeout.total_seconds():g} s timeout for a rank that "
+                                                       f"never joined it: {payload['error']}")
             if rank.world_size > 1:
                 _memory(device, sampler, payload)
                 _write(rank_result_path(result_path, rank.rank), payload)
@@ -544,6 +570,7 @@ def main(argv: list[str]) -> int:
                       file=sys.stderr, flush=True)
                 os._exit(EXIT_FAILED)  # torchrun ends the ranks waiting for this one
         _memory(device, sampler, payload)
+        phases.enter("gathering every rank's result", collective=True)
         payloads = gather_json(rank, payload)
     if not rank.main:
         return EXIT_OK

@@ -1,0 +1,116 @@
+"""The row fitbench writes to ``results.jsonl`` for each configuration, typed, and its schema version.
+
+A row is built in two steps, by two processes:
+
+- ``Measurement``: what a worker writes to its result file: its status, what it measured, or how it
+  failed (``fitbench.run.worker``); under torchrun, rank 0's combines every rank's
+  (``fitbench.run.aggregate``). The parent reads the file back through it: a result file that does
+  not match is a protocol error, never a row with fields of the wrong kind;
+- ``Row``: the measurement with what only the launcher knows (the spec, the outcome of the process,
+  its times and log, the GPUs it sampled) and the sweep (the command, the prediction, the fallback
+  attempts and batch probes) (``fitbench.launch.local``).
+
+Both forbid fields they do not declare, so a field a writer misspells fails where it is built, in a
+test, rather than in a reader. The nested objects (timing, throughput, memory, ...) are the
+writers' own; what readers rely on in them is checked where rows are read
+(``fitbench.results.schema``).
+
+Versions: every row written since ``schema_version`` existed carries it; version 1 is the layout
+below. Rows written before carry none and are version 0 (``version``): version 1's fields, fewer of
+them the older the row, and readers take them as they are (a field left out shows blank). A row of a
+version newer than ``SCHEMA_VERSION`` comes from a newer fitbench: it is read for the fields this
+one knows, and the store says so (``fitbench.results.store``).
+"""
+
+from __future__ import annotations
+
+from typing import Any, Literal, get_args
+
+from pydantic import BaseModel, ConfigDict
+
+SCHEMA_VERSION = 1
+
+# timeout, from a worker: a rank of its job waited in a collective past the process group's timeout.
+WorkerStatus = Literal["ok", "invalid", "oom", "error", "refused", "timeout"]
+# What a worker's result may say, then what only the launcher can: the process died without one
+# (crashed), outlived its --timeout, or the sweep was stopped while it ran (interrupted).
+Status = Literal["ok", "invalid", "oom", "error", "refused", "timeout", "crashed", "interrupted"]
+WORKER_STATUSES: tuple[str, ...] = get_args(WorkerStatus)
+Fields = dict[str, Any]
+
+
+class _Written(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+    def as_dict(self) -> dict[str, Any]:
+        """The fields that were given: a field nobody set stays out of the row, as before the row was
+        typed, rather than appearing as null. Values stay as given (a NaN loss stays NaN)."""
+        return self.model_dump(exclude_unset=True)
+
+
+class Measurement(_Written):
+    """What one worker (or, under torchrun, rank 0 for every rank) writes to its result file."""
+
+    status: WorkerStatus
+    error: str | None = None
+    device_name: str | None = None
+    build_s: float | None = None
+    compile_s: float | None = None
+    warnings: list[str] | None = None
+    peak_flops: float | None = None
+    measured_peak_flops: float | None = None
+    peak_kind: str | None = None
+    peak_source: str | None = None
+    timing: Fields | None = None
+    throughput: Fields | None = None
+    decode: Fields | None = None
+    environment: Fields | None = None
+    quality: Fields | None = None
+    training: Fields | None = None
+    loss: list[float] | None = None
+    weights: Fields | None = None
+    offload: Fields | None = None  # the decoder layers offloaded on one device (fitbench.models.offload)
+    parallel: Fields | None = None  # what fitbench.run.parallel applied
+    memory: Fields | None = None
+    # a torchrun job's (fitbench.run.aggregate)
+    ranks: int | None = None
+    layout: Fields | None = None
+
+
+class Row(Measurement):
+    """One line of ``results.jsonl``: a configuration's identity, its outcome and its measurement."""
+
+    schema_version: int = SCHEMA_VERSION
+    key: str
+    label: str
+    spec: Fields
+    status: Status
+    # the launch (fitbench.launch.local.run_one)
+    params: int | None = None
+    non_embedding_params: int | None = None
+    exit_code: int | None = None
+    started_at: str | None = None
+    finished_at: str | None = None
+    wall_s: float | None = None
+    log: str | None = None
+    protocol_errors: list[str] | None = None
+    # a torchrun job that ended without its result: each rank's last phase, and its own result's status
+    rank_phases: list[Fields] | None = None
+    gpu_monitor: Fields | None = None
+    # the sweep (fitbench.launch.local.run_sweep)
+    attempts: list[Fields] | None = None
+    predicted_batch: int | None = None
+    max_batch: int | None = None
+    batch_probes: list[Fields] | None = None
+    command: str | None = None
+    calibration: str | None = None
+    prediction: Fields | None = None
+
+    def model_post_init(self, context: Any) -> None:
+        self.model_fields_set.add("schema_version")  # written in every row, given or not
+
+
+def version(row: dict[str, Any]) -> int:
+    """The schema version ``row`` was written in: 0 for a row from before versions (it has none)."""
+    value = row.get("schema_version")
+    return value if isinstance(value, int) and not isinstance(value, bool) else 0
