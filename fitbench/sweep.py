@@ -71,24 +71,28 @@ def default_models(device: str) -> list[str]:
 
 
 def predicted_max_batch(spec, device: str) -> int:
-    """The planner's largest batch for ``spec`` on its device: the GPU's memory with the calibrated
-    overheads, or on a CPU the budget of FITBENCH_INJECT's mem-limit (else the available RAM); with
-    offload, beside no resident decoder layer."""
+    """The planner's largest batch per rank for ``spec`` on its device: the GPU's memory with the
+    calibrated overheads, or on a CPU the budget of FITBENCH_INJECT's mem-limit (else the available RAM,
+    shared by the job's ranks); with offload, beside no resident decoder layer. A job of several ranks
+    is planned per rank under its layout's strategy (DDP's replicas, FSDP's shards)."""
     import torch
 
     from fitbench.host import host_memory
     from fitbench.models.registry import resolve
-    from fitbench.plan.memory import estimate_memory
+    from fitbench.plan.memory import Parallelism, estimate_memory
     from fitbench.run.worker import injected_memory_limit
 
     arch = resolve(spec.model)
     resident = 0 if spec.layer_offload else None
+    ranks = spec.layout.world_size
+    strategy = spec.layout.strategy if ranks > 1 else "single"
     if device == "cpu":
-        budget = injected_memory_limit() or host_memory().available
+        budget = injected_memory_limit() or host_memory().available / ranks
 
         def peak(batch: int) -> float:
             return estimate_memory(arch, spec.mode, spec.precision, batch, spec.seq_len, new_tokens=spec.new_tokens,
                                    activation_checkpointing=spec.activation_checkpointing,
+                                   parallelism=Parallelism(strategy, ranks, offload=spec.fsdp_offload),
                                    resident_layers=resident, backend=spec.backend,
                                    compiled=spec.compile).peak_bytes
     else:
@@ -101,8 +105,8 @@ def predicted_max_batch(spec, device: str) -> int:
         calibration = load_calibration(properties.name)
 
         def peak(batch: int) -> float:
-            candidate = Candidate(spec.precision, "single", 1, spec.activation_checkpointing, batch, resident,
-                                  compiled=spec.compile)
+            candidate = Candidate(spec.precision, strategy, ranks, spec.activation_checkpointing, batch, resident,
+                                  compiled=spec.compile, cpu_offload=spec.fsdp_offload)
             return assess(arch, spec.mode, candidate, target, seq_len=spec.seq_len, new_tokens=spec.new_tokens,
                           calibration=calibration, backend=spec.backend).predicted_peak
     from fitbench.launch.fallback import largest_batch

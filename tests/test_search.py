@@ -28,3 +28,29 @@ def test_a_guess_that_is_the_answer_takes_two_tests():
     tests = []
     assert largest(lambda n: tests.append(n) or n <= 12, start=12) == 12
     assert tests == [12, 13]
+
+
+@pytest.mark.parametrize("strategy", ["ddp", "fsdp"])
+def test_the_largest_batch_of_a_job_of_ranks_is_planned_per_rank_under_its_strategy(strategy, monkeypatch):
+    from fitbench.models.registry import resolve
+    from fitbench.plan.memory import Parallelism, estimate_memory
+    from fitbench.spec import Layout, RunSpec
+    from fitbench.sweep import predicted_max_batch
+
+    fields = dict(model="small", backend="native", mode="train", precision="fp32", batch_size=1, seq_len=128,
+                  new_tokens=4, warmup_steps=1, measure_steps=2, device="cpu", auto_batch=True)
+    single, ranks = RunSpec(**fields), RunSpec(**fields, layout=Layout.of_strategy(strategy, 2))
+
+    def peak(batch: int, parallelism: Parallelism) -> float:
+        return estimate_memory(resolve("small"), "train", "fp32", batch, 128, new_tokens=4,
+                               parallelism=parallelism).peak_bytes
+
+    # a limit between FSDP's per-rank peak at batch 4 and one process's at batch 1
+    limit = int(peak(4, Parallelism("fsdp", 2)) + 1)
+    monkeypatch.setenv("FITBENCH_INJECT", f"mem-limit:{limit}")
+    by_hand = max((b for b in range(1, 64) if peak(b, Parallelism(strategy, 2)) <= limit), default=0)
+    assert predicted_max_batch(ranks, "cpu") == by_hand
+    assert predicted_max_batch(single, "cpu") == max((b for b in range(1, 64) if peak(b, Parallelism()) <= limit),
+                                                     default=0)
+    if strategy == "fsdp":
+        assert by_hand >= 4 > predicted_max_batch(single, "cpu")
