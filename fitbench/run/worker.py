@@ -455,9 +455,11 @@ def decode_weight_bytes(module: torch.nn.Module, stored_bytes: float, batch: int
       row each; transformers computes cos and sin from its inverse frequencies (head_dim / 2 fp32),
       read whole.
     """
-    from transformers.pytorch_utils import Conv1D
-
-    matmul_weights = {id(p): p for part in module.modules() if isinstance(part, (torch.nn.Linear, Conv1D))
+    # A Conv1D exists only where transformers built the model, which imported it: a native model's
+    # worker never imports transformers (seconds of CPU) to ask.
+    pytorch_utils = sys.modules.get("transformers.pytorch_utils")
+    matmuls = (torch.nn.Linear, *((pytorch_utils.Conv1D,) if pytorch_utils else ()))
+    matmul_weights = {id(p): p for part in module.modules() if isinstance(part, matmuls)
                       for p in part.parameters(recurse=False)}
     touched = float(stored_bytes)
     for part in module.modules():
