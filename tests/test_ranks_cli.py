@@ -6,6 +6,8 @@ the row; a rank that hangs ends as the configuration's timeout; nothing the job 
 
 import json
 import os
+import subprocess
+import sys
 import uuid
 from pathlib import Path
 
@@ -32,9 +34,9 @@ def in_tmp(tmp_path, monkeypatch):
     return tmp_path
 
 
-def marked() -> set[int]:
-    """Living processes that carry this test's mark, this one excluded."""
-    needle = f"{MARK}={os.environ[MARK]}".encode()
+def marked(mark: str | None = None) -> set[int]:
+    """Living processes that carry this test's mark (or ``mark``), this one excluded."""
+    needle = f"{MARK}={mark or os.environ[MARK]}".encode()
     found = set()
     for entry in os.listdir("/proc"):
         if not entry.isdigit() or int(entry) == os.getpid():
@@ -71,20 +73,32 @@ def test_a_job_of_two_ranks_is_one_row(in_tmp, capsys, strategy):
 
 @pytest.mark.slow
 def test_a_rank_that_fails_names_itself_and_one_that_hangs_times_out(in_tmp, capsys, monkeypatch):
-    monkeypatch.setenv("FITBENCH_INJECT", "rank-error:1")
-    code, out, err = cli(["run", *SHAPE, "--strategy", "ddp", "--out", "failed", "--no-fallback"], capsys)
-    assert code == 1
-    [row] = rows(in_tmp / "failed")
-    assert row["status"] == "error" and row["error"].startswith("rank 1: ")
-    assert "rank 1 fails" in row["error"]
-    assert not marked()
+    # The hanging job runs beside the failing one (its own mark and scratch), so that its wait for the
+    # timeout costs no time of its own.
+    hung_mark, hung_tmp = uuid.uuid4().hex, in_tmp / "tmp-hung"
+    hung_tmp.mkdir()
+    root = str(Path(__file__).resolve().parents[1])
+    hung = subprocess.Popen(
+        [sys.executable, "-m", "fitbench", "run", *SHAPE, "--strategy", "ddp", "--out", "hung", "--timeout", "10"],
+        cwd=in_tmp, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True,
+        env={**os.environ, "FITBENCH_INJECT": "rank-hang:0", MARK: hung_mark, "TMPDIR": str(hung_tmp),
+             "PYTHONPATH": os.pathsep.join([root, os.environ.get("PYTHONPATH", "")])})
+    try:
+        monkeypatch.setenv("FITBENCH_INJECT", "rank-error:1")
+        code, out, err = cli(["run", *SHAPE, "--strategy", "ddp", "--out", "failed", "--no-fallback"], capsys)
+        assert code == 1
+        [row] = rows(in_tmp / "failed")
+        assert row["status"] == "error" and row["error"].startswith("rank 1: ")
+        assert "rank 1 fails" in row["error"]
+        assert not marked()
 
-    monkeypatch.setenv("FITBENCH_INJECT", "rank-hang:0")
-    code, out, err = cli(["run", *SHAPE, "--strategy", "ddp", "--out", "hung", "--timeout", "20"], capsys)
-    assert code == 1
+        _, stderr = hung.communicate(timeout=120)
+    finally:
+        hung.kill()
+    assert hung.returncode == 1, stderr
     [row] = rows(in_tmp / "hung")
     assert row["status"] == "timeout"
-    assert not marked() and not list((in_tmp / "tmp").glob("fitbench-*"))
+    assert not marked(hung_mark) and not list(hung_tmp.glob("fitbench-*"))
 
 
 def test_the_sweep_gives_each_configuration_its_layout():
