@@ -6,6 +6,12 @@ from pathlib import Path
 
 import pytest
 
+# One intra-op thread per process, in this process and every process it starts: the suite runs
+# several processes at once (sweeps side by side, a worker beside its parent) on machines of a few
+# cores, where torch's threads of tiny models spin against each other (a training step of tiny:
+# 0.07 s on one thread, 0.3 to 2.7 s on two of a busy 2-core machine). No test measures threading.
+os.environ.setdefault("OMP_NUM_THREADS", "1")
+
 # Every model in the tests is built from a config; nothing is downloaded.
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")

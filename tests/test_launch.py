@@ -5,29 +5,39 @@ import sys
 
 import pytest
 
-from fitbench.launch.local import worker_environment
+from fitbench.launch.local import ALLOCATOR_VARIABLES, worker_environment
 
 SETTINGS = "from fitbench.run.trackers import allocator_settings; print(allocator_settings())"
+UNCONFIGURED = {"unset": {}, "empty": {"PYTORCH_CUDA_ALLOC_CONF": ""}, "blank": {"PYTORCH_ALLOC_CONF": " "}}
+CONFIGURED = {name: {name: "max_split_size_mb:128"} for name in ALLOCATOR_VARIABLES}
 
 
-def allocator_settings_in_a_worker(environment: dict) -> str:
-    """The allocator settings torch parses in a fresh process started with ``environment``."""
-    return subprocess.run([sys.executable, "-c", SETTINGS], env=environment, capture_output=True, text=True,
-                          check=True).stdout.strip()
+@pytest.fixture(scope="module")
+def settings_in_workers() -> dict[str, str]:
+    """The allocator settings torch parses in a fresh process started with ``worker_environment()`` of
+    each parent environment's allocator variables; the processes start at once, sharing the cores."""
+    workers = {}
+    for name, preset in {**UNCONFIGURED, **CONFIGURED}.items():
+        with pytest.MonkeyPatch.context() as patch:
+            for variable in ALLOCATOR_VARIABLES:
+                patch.delenv(variable, raising=False)
+            for variable, value in preset.items():
+                patch.setenv(variable, value)
+            environment = worker_environment()
+        workers[name] = subprocess.Popen([sys.executable, "-c", SETTINGS], env=environment, stdout=subprocess.PIPE,
+                                         text=True)
+    settings = {}
+    for name, worker in workers.items():
+        settings[name] = worker.communicate(timeout=120)[0].strip()
+        assert worker.returncode == 0, name
+    return settings
 
 
-@pytest.mark.parametrize("preset", [{}, {"PYTORCH_CUDA_ALLOC_CONF": ""}, {"PYTORCH_ALLOC_CONF": " "}])
-def test_workers_get_expandable_segments_unless_the_allocator_is_configured(monkeypatch, preset):
-    for name in ("PYTORCH_ALLOC_CONF", "PYTORCH_CUDA_ALLOC_CONF"):
-        monkeypatch.delenv(name, raising=False)
-    for name, value in preset.items():
-        monkeypatch.setenv(name, value)
-    assert allocator_settings_in_a_worker(worker_environment()) == "expandable_segments:True"
+@pytest.mark.parametrize("parent", UNCONFIGURED)
+def test_workers_get_expandable_segments_unless_the_allocator_is_configured(settings_in_workers, parent):
+    assert settings_in_workers[parent] == "expandable_segments:True"
 
 
-@pytest.mark.parametrize("name", ["PYTORCH_ALLOC_CONF", "PYTORCH_CUDA_ALLOC_CONF"])
-def test_a_users_allocator_settings_are_kept(monkeypatch, name):
-    for variable in ("PYTORCH_ALLOC_CONF", "PYTORCH_CUDA_ALLOC_CONF"):
-        monkeypatch.delenv(variable, raising=False)
-    monkeypatch.setenv(name, "max_split_size_mb:128")
-    assert allocator_settings_in_a_worker(worker_environment()) == "max_split_size_mb:128"
+@pytest.mark.parametrize("name", CONFIGURED)
+def test_a_users_allocator_settings_are_kept(settings_in_workers, name):
+    assert settings_in_workers[name] == "max_split_size_mb:128"

@@ -12,6 +12,7 @@ import subprocess
 import sys
 import time
 import uuid
+from dataclasses import dataclass
 from pathlib import Path
 
 import pytest
@@ -40,9 +41,9 @@ def in_tmp(tmp_path, monkeypatch):
     monkeypatch.setenv(MARK, uuid.uuid4().hex)
 
 
-def marked() -> set[int]:
-    """Living processes (not zombies) that carry this test's mark, this one excluded."""
-    needle = f"{MARK}={os.environ[MARK]}".encode()
+def marked(mark: str | None = None) -> set[int]:
+    """Living processes (not zombies) that carry this test's mark (or ``mark``), this one excluded."""
+    needle = f"{MARK}={mark or os.environ[MARK]}".encode()
     found = set()
     for entry in os.listdir("/proc"):
         if not entry.isdigit() or int(entry) == os.getpid():
@@ -60,11 +61,11 @@ def scratch(tmp_path: Path) -> list[Path]:
     return list((tmp_path / "tmp").glob("fitbench-*"))
 
 
-def assert_nothing_left(tmp_path: Path, within: float = 30) -> None:
+def assert_nothing_left(tmp_path: Path, within: float = 30, mark: str | None = None) -> None:
     deadline = time.monotonic() + within
-    while (marked() or scratch(tmp_path)) and time.monotonic() < deadline:
+    while (marked(mark) or scratch(tmp_path)) and time.monotonic() < deadline:
         time.sleep(0.2)
-    assert not marked(), f"processes left running: {sorted(marked())}"
+    assert not marked(mark), f"processes left running: {sorted(marked(mark))}"
     assert scratch(tmp_path) == [], "scratch directories left behind"
 
 
@@ -83,29 +84,65 @@ def rows_of(out: Path) -> list[dict]:
 # ---- the worker dies with its parent ---------------------------------------------------------------
 
 
-@slow
-@pytest.mark.parametrize("signum", [signal.SIGTERM, signal.SIGHUP, signal.SIGINT, signal.SIGKILL])
-def test_a_killed_sweep_leaves_no_process_and_no_scratch_directory(signum, tmp_path):
-    out = tmp_path / "out"
-    parent = subprocess.Popen([sys.executable, "-m", "fitbench", "run", "--models", "tiny", *SHAPES, "--out", str(out)],
-                              cwd=tmp_path, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
-                              env={**os.environ, "FITBENCH_INJECT": "orphan:tiny,hang:tiny"})
+SIGNALS = [signal.SIGTERM, signal.SIGHUP, signal.SIGINT, signal.SIGKILL]
+
+
+@dataclass
+class KilledSweep:
+    """A sweep sent a signal once its worker hung, and what was running just before."""
+
+    directory: Path  # the sweep's TMPDIR is directory / "tmp", its results directory / "out"
+    mark: str  # in the environment of every process the sweep started
+    running: int  # processes with the mark, just before the signal
+    scratch: list[Path]  # scratch directories, just before the signal
+    returncode: int
+    stderr: str
+
+
+@pytest.fixture(scope="module")
+def killed_sweeps(tmp_path_factory) -> dict[int, KilledSweep]:
+    """One sweep per signal of SIGNALS, started at once (they share the cores), each sent its signal
+    once its worker hangs, with a child in a session of its own holding its stdout."""
+    started = {}
     try:
-        wait_for_log(out, "hangs", parent)
-        assert len(marked()) >= 3  # the sweep, its worker, and the worker's child in a session of its own
-        assert scratch(tmp_path), "the worker runs in a scratch directory"
-        parent.send_signal(signum)
-        stdout, stderr = parent.communicate(timeout=60)
+        for signum in SIGNALS:
+            directory, mark = tmp_path_factory.mktemp(f"killed-{signum.name}"), uuid.uuid4().hex
+            (directory / "tmp").mkdir()
+            env = {**os.environ, "FITBENCH_INJECT": "orphan:tiny,hang:tiny", MARK: mark, "TMPDIR": str(directory / "tmp")}
+            with (directory / "stdout").open("w") as stdout, (directory / "stderr").open("w") as stderr:
+                parent = subprocess.Popen(
+                    [sys.executable, "-m", "fitbench", "run", "--models", "tiny", *SHAPES, "--out",
+                     str(directory / "out")], cwd=directory, stdout=stdout, stderr=stderr, env=env)
+            started[signum] = directory, mark, parent
+        killed = {}
+        for signum, (directory, mark, parent) in started.items():
+            wait_for_log(directory / "out", "hangs", parent)
+            running, before = len(marked(mark)), scratch(directory)
+            parent.send_signal(signum)
+            parent.wait(timeout=60)
+            killed[signum] = KilledSweep(directory, mark, running, before, parent.returncode,
+                                         (directory / "stderr").read_text())
     finally:
-        if parent.poll() is None:
-            parent.kill()
-            parent.communicate()
-    assert_nothing_left(tmp_path)
+        for _, _, parent in started.values():
+            if parent.poll() is None:
+                parent.kill()
+                parent.wait()
+    return killed
+
+
+@slow
+@pytest.mark.parametrize("signum", SIGNALS)
+def test_a_killed_sweep_leaves_no_process_and_no_scratch_directory(signum, killed_sweeps):
+    sweep = killed_sweeps[signum]
+    out, stderr = sweep.directory / "out", sweep.stderr
+    assert sweep.running >= 3  # the sweep, its worker, and the worker's child in a session of its own
+    assert sweep.scratch, "the worker runs in a scratch directory"
+    assert_nothing_left(sweep.directory, mark=sweep.mark)
     if signum == signal.SIGKILL:
-        assert parent.returncode == -signal.SIGKILL
+        assert sweep.returncode == -signal.SIGKILL
         assert rows_of(out) == []
         return
-    assert parent.returncode == 130, stderr
+    assert sweep.returncode == 130, stderr
     assert "Traceback" not in stderr
     assert f"interrupted by {signal.Signals(signum).name}" in stderr
     (row,) = rows_of(out)

@@ -7,6 +7,8 @@ outlives it.
 
 import json
 import os
+import subprocess
+import sys
 import uuid
 from pathlib import Path
 
@@ -33,9 +35,9 @@ def in_tmp(tmp_path, monkeypatch):
     return tmp_path
 
 
-def marked() -> set[int]:
-    """Living processes that carry this test's mark, this one excluded."""
-    needle = f"{MARK}={os.environ[MARK]}".encode()
+def marked(mark: str | None = None) -> set[int]:
+    """Living processes that carry this test's mark (or ``mark``), this one excluded."""
+    needle = f"{MARK}={mark or os.environ[MARK]}".encode()
     found = set()
     for entry in os.listdir("/proc"):
         if not entry.isdigit() or int(entry) == os.getpid():
@@ -72,31 +74,42 @@ def test_a_job_of_two_ranks_is_one_row(in_tmp, capsys, strategy):
 
 @pytest.mark.slow
 def test_a_rank_that_fails_names_itself_and_one_that_hangs_is_named(in_tmp, capsys, monkeypatch):
-    monkeypatch.setenv("FITBENCH_INJECT", "rank-error:1")
-    code, out, err = cli(["run", *SHAPE, "--strategy", "ddp", "--out", "failed", "--no-fallback"], capsys)
-    assert code == 1
-    [row] = rows(in_tmp / "failed")
-    assert row["status"] == "error" and row["error"].startswith("rank 1: ")
-    assert "rank 1 fails" in row["error"]
-    # rank 0 was stopped with the job: still building, or already waiting for rank 1 in a collective
-    assert "\nrank 0 did not finish" in row["error"] and row["rank_phases"][1]["status"] == "error"
-    assert not marked()
+    # The hanging job runs beside the failing one (its own mark and scratch), so that its wait costs no
+    # time of its own. Its rank 0 hangs before its first collective; rank 1 waits for it there until the
+    # process group's timeout (8 s, injected) ends the job, well before --timeout, a safety net.
+    hung_mark, hung_tmp = uuid.uuid4().hex, in_tmp / "tmp-hung"
+    hung_tmp.mkdir()
+    root = str(Path(__file__).resolve().parents[1])
+    hung = subprocess.Popen(
+        [sys.executable, "-m", "fitbench", "run", *SHAPE, "--strategy", "ddp", "--out", "hung", "--timeout", "60"],
+        cwd=in_tmp, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True,
+        env={**os.environ, "FITBENCH_INJECT": "rank-hang:0,collective-timeout:8", MARK: hung_mark,
+             "TMPDIR": str(hung_tmp), "PYTHONPATH": os.pathsep.join([root, os.environ.get("PYTHONPATH", "")])})
+    try:
+        monkeypatch.setenv("FITBENCH_INJECT", "rank-error:1")
+        code, out, err = cli(["run", *SHAPE, "--strategy", "ddp", "--out", "failed", "--no-fallback"], capsys)
+        assert code == 1
+        [row] = rows(in_tmp / "failed")
+        assert row["status"] == "error" and row["error"].startswith("rank 1: ")
+        assert "rank 1 fails" in row["error"]
+        # rank 0 was stopped with the job: still building, or already waiting for rank 1 in a collective
+        assert "\nrank 0 did not finish" in row["error"] and row["rank_phases"][1]["status"] == "error"
+        assert not marked()
 
-    # rank 0 hangs before its first collective; rank 1 waits for it there until the process group's
-    # timeout (4 s, injected) ends the job, well before --timeout, a safety net
-    monkeypatch.setenv("FITBENCH_INJECT", "rank-hang:0,collective-timeout:4")
-    code, out, err = cli(["run", *SHAPE, "--strategy", "ddp", "--out", "hung", "--timeout", "60"], capsys)
-    assert code == 1
+        _, stderr = hung.communicate(timeout=120)
+    finally:
+        hung.kill()
+    assert hung.returncode == 1, stderr
     [row] = rows(in_tmp / "hung")
     assert row["status"] == "timeout"
     first, second = row["error"].splitlines()[:2]
     assert first.startswith("rank 0 hung outside any collective while rank 1 waited for it in one (rank 0: building "
                             "its model, entered "), first
-    assert second.startswith("rank 1: waited in a collective (applying ddp") and "4 s timeout" in second
+    assert second.startswith("rank 1: waited in a collective (applying ddp") and "8 s timeout" in second
     assert [(rank["rank"], rank["in_collective"], rank["status"]) for rank in row["rank_phases"]] == \
         [(0, False, None), (1, True, "timeout")]
     assert row["wall_s"] < 40
-    assert not marked() and not list((in_tmp / "tmp").glob("fitbench-*"))
+    assert not marked(hung_mark) and not list(hung_tmp.glob("fitbench-*"))
 
 
 def test_the_sweep_gives_each_configuration_its_layout():

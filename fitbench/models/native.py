@@ -328,6 +328,19 @@ def meta_model(arch: Architecture, dtype: torch.dtype) -> NativeCausalLM:
     return model
 
 
+def empty_on(tensor: torch.Tensor, device: torch.device | str) -> torch.Tensor:
+    """Uninitialized storage on ``device`` with the shape and dtype of ``tensor`` (a meta tensor),
+    contiguous. ``torch.empty_like`` of a meta tensor otherwise works out its strides symbolically,
+    which imports sympy: most of a second of CPU in every worker that builds a model."""
+    return torch.empty_like(tensor, device=device, memory_format=torch.contiguous_format)
+
+
+def materialize(module: nn.Module, device: torch.device | str) -> nn.Module:
+    """``module.to_empty(device=device)`` through ``empty_on``: every parameter and buffer gets
+    uninitialized, contiguous storage on ``device``, as every weight of these models has."""
+    return module._apply(lambda tensor: empty_on(tensor, device))
+
+
 def build_native(arch: Architecture, device: torch.device | str, dtype: torch.dtype) -> NativeCausalLM:
     """Build on the meta device, allocate storage directly on ``device`` in ``dtype``, then initialize.
 
@@ -335,11 +348,11 @@ def build_native(arch: Architecture, device: torch.device | str, dtype: torch.dt
     """
     model = meta_model(arch, dtype)
     if arch.tie_embeddings:
-        # to_empty visits a shared parameter once per module that holds it, allocating it twice;
+        # materialize visits a shared parameter once per module that holds it, allocating it twice;
         # the second allocation would exist beside the first at the end of the build, when every
         # other weight is already there. Untie for the allocation, tie again after.
         model.lm_head.weight = nn.Parameter(torch.empty(0, device="meta", dtype=dtype))
-    model.to_empty(device=device)
+    materialize(model, device)
     if arch.tie_embeddings:
         model.lm_head.weight = model.model.embed_tokens.weight
     model.init_weights()

@@ -37,7 +37,7 @@ import torch
 from torch import nn
 
 from fitbench.models.architecture import Architecture
-from fitbench.models.native import DecoderLayer, NativeCausalLM, init_random_weights, meta_model
+from fitbench.models.native import DecoderLayer, NativeCausalLM, empty_on, init_random_weights, materialize, meta_model
 
 LAYER_CLASS = DecoderLayer.__name__
 
@@ -136,7 +136,7 @@ def build_offloaded(arch: Architecture, device: torch.device, dtype: torch.dtype
         if name == "lm_head" and arch.tie_embeddings:
             model.lm_head.weight = model.model.embed_tokens.weight
         else:
-            part.to_empty(device=device)
+            materialize(part, device)
         init_random_weights(part)
         if name not in offloaded:
             continue
@@ -147,8 +147,7 @@ def build_offloaded(arch: Architecture, device: torch.device, dtype: torch.dtype
             for key, tensor in part.state_dict().items():
                 offload_weight(tensor, f"{name}.{key}", str(offload_dir), index)
             part.to("meta")
-    model.rope_cos = torch.empty_like(model.rope_cos, device=device)
-    model.rope_sin = torch.empty_like(model.rope_sin, device=device)
+    model.rope_cos, model.rope_sin = empty_on(model.rope_cos, device), empty_on(model.rope_sin, device)
     model.reset_rope()
 
     if offloaded:

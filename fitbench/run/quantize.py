@@ -30,7 +30,7 @@ import torch
 from torch import nn
 
 from fitbench.models.architecture import Architecture
-from fitbench.models.native import NativeCausalLM, init_random_weights, meta_model
+from fitbench.models.native import NativeCausalLM, empty_on, init_random_weights, materialize, meta_model
 from fitbench.run.packing import Packer, packed_bytes
 from fitbench.run.quality import (REFERENCE_TEXT_NAME, NoTokenizer, Perplexity, Quality, kl_divergence, matmul_errors,
                                   perplexity, recorded_matmuls, summarise, tokenize_reference_text, top1_agreement)
@@ -171,12 +171,11 @@ def build_quantized_native(arch: Architecture, device: torch.device, precision: 
     # hole the size of the vocabulary at the bottom of the allocator's segment for the whole run
     tied = arch.tie_embeddings
     for part in (model.model.embed_tokens, model.model.norm, *(() if tied else (model.lm_head,))):
-        part.to_empty(device=device)
+        materialize(part, device)
         init_random_weights(part)
     if tied:
         model.lm_head.weight = model.model.embed_tokens.weight
-    model.rope_cos = torch.empty_like(model.rope_cos, device=device)
-    model.rope_sin = torch.empty_like(model.rope_sin, device=device)
+    model.rope_cos, model.rope_sin = empty_on(model.rope_cos, device), empty_on(model.rope_sin, device)
     model.reset_rope()
 
     T = probe.shape[1]
@@ -184,7 +183,7 @@ def build_quantized_native(arch: Architecture, device: torch.device, precision: 
     reference = quantized = model.model.embed_tokens(probe)
     errors: dict[str, float] = {}
     for i, layer in enumerate(model.model.layers):
-        layer.to_empty(device=device)
+        materialize(layer, device)
         init_random_weights(layer)
         prefix = f"model.layers.{i}."
         with recorded_matmuls(quantizable_linears(layer, prefix)) as record:

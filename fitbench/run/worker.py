@@ -13,8 +13,9 @@ Fault injection for tests (comma-separated in ``FITBENCH_INJECT``):
 - ``crash:<model>``: the worker of that model aborts (SIGABRT) once its model is built, as a
   segfaulting kernel or a killed process would;
 - ``oom:<precision>``: a worker running that precision with every layer on the device raises the
-  real ``torch.cuda.OutOfMemoryError`` once its model is built (an offloaded run is what gets
-  around it), as a run predicted to fit that then runs out would;
+  real ``torch.cuda.OutOfMemoryError`` before it builds its model (an offloaded run is what gets
+  around it), as a run predicted to fit that then runs out would; before the build, so that a
+  quantized rung's libraries are not loaded for nothing (seconds of CPU per attempt);
 - ``hang:<model>``: the worker of that model sleeps before it builds anything, as a hung
   collective would (for timeouts and signals);
 - ``orphan:<model>``: the worker first starts a process in a session of its own that sleeps and
@@ -29,9 +30,10 @@ Fault injection for tests (comma-separated in ``FITBENCH_INJECT``):
   go on to their first collective; ``rank-hang:<rank>``: that rank sleeps there instead;
 - ``collective-timeout:<seconds>``: the ranks' collectives fail after that long instead of
   ``COLLECTIVE_TIMEOUT``, so that a hang ends in seconds;
-- ``mem-limit:<bytes>``: a worker raises it when the planner's predicted tensor peak for its
-  configuration exceeds that budget, which makes a CPU behave like a GPU of that size; an
-  offloaded configuration also keeps on the device only the layers that budget has room for.
+- ``mem-limit:<bytes>``: a worker raises it, before it builds its model, when the planner's
+  predicted tensor peak for its configuration exceeds that budget, which makes a CPU behave like
+  a GPU of that size; an offloaded configuration also keeps on the device only the layers that
+  budget has room for.
   ``fitbench run`` plans against the same budget on a CPU, so what is predicted not to fit there
   is refused before launch, as on a GPU. The parent takes the same budget for the host memory
   a CPU worker had (``fitbench.launch.local``).
@@ -185,6 +187,7 @@ def measure(assignment: Assignment, device: torch.device, scratch: Path, rank: R
     clock = DeviceClock(device)
 
     inject_misbehaviour(spec)
+    raise_injected_out_of_memory(assignment)
     emit(phase="build")
     phases.enter("building its model", collective=False)
     started = time.perf_counter()
@@ -217,7 +220,6 @@ def measure(assignment: Assignment, device: torch.device, scratch: Path, rank: R
         raise RuntimeError(f"FITBENCH_INJECT: rank {rank.rank} fails once its model is built")
     while injected("rank-hang", str(rank.rank)):
         time.sleep(60)
-    raise_injected_out_of_memory(assignment)
     parallel = None
     if spec.layout.data_parallel > 1:
         phases.enter(f"applying {spec.layout.strategy}, which broadcasts rank 0's weights", collective=True)
@@ -470,9 +472,11 @@ def decode_weight_bytes(module: torch.nn.Module, stored_bytes: float, batch: int
       row each; transformers computes cos and sin from its inverse frequencies (head_dim / 2 fp32),
       read whole.
     """
-    from transformers.pytorch_utils import Conv1D
-
-    matmul_weights = {id(p): p for part in module.modules() if isinstance(part, (torch.nn.Linear, Conv1D))
+    # A Conv1D exists only where transformers built the model, which imported it: a native model's
+    # worker never imports transformers (seconds of CPU) to ask.
+    pytorch_utils = sys.modules.get("transformers.pytorch_utils")
+    matmuls = (torch.nn.Linear, *((pytorch_utils.Conv1D,) if pytorch_utils else ()))
+    matmul_weights = {id(p): p for part in module.modules() if isinstance(part, matmuls)
                       for p in part.parameters(recurse=False)}
     touched = float(stored_bytes)
     for part in module.modules():
