@@ -291,11 +291,12 @@ def test_quantize_linears_replaces_decoder_matmuls_only(precision):
 
 def bf16_twin(arch, seed: int) -> nn.Module:
     """A bf16 model whose weights are those ``build_quantized_native`` draws after ``manual_seed(seed)``:
-    the embedding, final norm and (discarded, tied) output projection first, then layer by layer."""
+    the embedding, final norm and (unless tied to the embedding) output projection first, then layer by
+    layer."""
     torch.manual_seed(seed)
     model = meta_model(arch, torch.bfloat16)
     model.to_empty(device=CPU)
-    for part in (model.model.embed_tokens, model.model.norm, model.lm_head):
+    for part in (model.model.embed_tokens, model.model.norm, *(() if arch.tie_embeddings else (model.lm_head,))):
         init_random_weights(part)
     if arch.tie_embeddings:
         model.lm_head.weight = model.model.embed_tokens.weight
