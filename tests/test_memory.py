@@ -2,8 +2,10 @@
 fake-tensor trace of the real loops (``fitbench.run.trace``)."""
 
 import dataclasses
-import functools
 import json
+import multiprocessing
+import os
+from concurrent.futures import ProcessPoolExecutor
 
 import pytest
 import torch
@@ -681,13 +683,11 @@ def test_as_dict_is_json_and_sums_to_the_peak(mode, precision, checkpointing, pa
 
 # ---- against the trace ---------------------------------------------------------------------------
 
-@functools.lru_cache(maxsize=None)
-def traced(model: str, mode: str, precision: str, batch: int, seq_len: int, checkpointing: bool) -> int:
-    return trace_peak(resolve(model), mode, precision, batch, seq_len, new_tokens=NEW_TOKENS,
-                      activation_checkpointing=checkpointing).peak_bytes
-
-
 SHAPES = {"tiny": [(1, 64), (4, 256)], "small": [(2, 128), (4, 512)]}
+# (model, mode, precision, batch, seq_len, checkpointing) of the traces test_trace_grows_with_the_batch
+# and test_trace_checkpointing_lowers_the_peak compare
+GROWTH = [("tiny", "train", precision, batch, 128, False) for precision in PRECISIONS for batch in (1, 2, 4, 8)]
+CHECKPOINTING = [("small", "train", "bf16", 4, 512, checkpointing) for checkpointing in (False, True)]
 
 
 def trace_cases():
@@ -700,9 +700,25 @@ def trace_cases():
                         yield pytest.param(model, mode, precision, batch, seq_len, checkpointing, id=case_id)
 
 
+@pytest.fixture(scope="module")
+def traced() -> dict[tuple, int]:
+    """The traced peak of every configuration the tests below compare with, keyed as GROWTH. The
+    traces are minutes of CPU one after another: they run at once in a process per core (at most
+    four), the largest first."""
+    cases = {tuple(case.values) for case in trace_cases()} | set(GROWTH) | set(CHECKPOINTING)
+    largest_first = sorted(cases, key=lambda case: (case[0] == "small", case[3] * case[4], case[5]), reverse=True)
+    cores = min(4, len(os.sched_getaffinity(0)))
+    with ProcessPoolExecutor(cores, mp_context=multiprocessing.get_context("spawn")) as pool:
+        futures = {(model, mode, precision, batch, seq_len, checkpointing): pool.submit(
+            trace_peak, resolve(model), mode, precision, batch, seq_len, new_tokens=NEW_TOKENS,
+            activation_checkpointing=checkpointing)
+            for model, mode, precision, batch, seq_len, checkpointing in largest_first}
+        return {case: future.result().peak_bytes for case, future in futures.items()}
+
+
 @pytest.mark.parametrize("model, mode, precision, batch, seq_len, checkpointing", list(trace_cases()))
-def test_analytic_peak_matches_the_trace(model, mode, precision, batch, seq_len, checkpointing):
-    actual = traced(model, mode, precision, batch, seq_len, checkpointing)
+def test_analytic_peak_matches_the_trace(traced, model, mode, precision, batch, seq_len, checkpointing):
+    actual = traced[model, mode, precision, batch, seq_len, checkpointing]
     estimate = estimate_memory(resolve(model), mode, precision, batch, seq_len, new_tokens=NEW_TOKENS,
                                activation_checkpointing=checkpointing)
     error = (estimate.peak_bytes - actual) / actual
@@ -720,19 +736,18 @@ def test_trace_is_deterministic():
 
 
 @pytest.mark.parametrize("precision", PRECISIONS)
-def test_trace_grows_with_the_batch(precision):
+def test_trace_grows_with_the_batch(traced, precision):
     arch = resolve("tiny")
     for batch in (1, 2, 4):
-        smaller = traced("tiny", "train", precision, batch, 128, False)
-        larger = traced("tiny", "train", precision, 2 * batch, 128, False)
+        smaller = traced["tiny", "train", precision, batch, 128, False]
+        larger = traced["tiny", "train", precision, 2 * batch, 128, False]
         assert larger > smaller, batch
     # the weights alone are a floor
-    assert traced("tiny", "train", precision, 1, 128, False) > WIDTHS[precision]["w"] * arch.total_params
+    assert traced["tiny", "train", precision, 1, 128, False] > WIDTHS[precision]["w"] * arch.total_params
 
 
-def test_trace_checkpointing_lowers_the_peak():
-    full = traced("small", "train", "bf16", 4, 512, False)
-    checkpointed = traced("small", "train", "bf16", 4, 512, True)
+def test_trace_checkpointing_lowers_the_peak(traced):
+    full, checkpointed = (traced[case] for case in CHECKPOINTING)
     assert checkpointed < full
     # the saved activations of 12 layers are hundreds of MB at 2,048 tokens; checkpointing frees most
     assert full - checkpointed > 500e6

@@ -108,7 +108,8 @@ def killed_sweeps(tmp_path_factory) -> dict[int, KilledSweep]:
         for signum in SIGNALS:
             directory, mark = tmp_path_factory.mktemp(f"killed-{signum.name}"), uuid.uuid4().hex
             (directory / "tmp").mkdir()
-            env = {**os.environ, "FITBENCH_INJECT": "orphan:tiny,hang:tiny", MARK: mark, "TMPDIR": str(directory / "tmp")}
+            env = {**os.environ, "FITBENCH_INJECT": "orphan:tiny,hang:tiny", MARK: mark,
+                   "TMPDIR": str(directory / "tmp")}
             with (directory / "stdout").open("w") as stdout, (directory / "stderr").open("w") as stderr:
                 parent = subprocess.Popen(
                     [sys.executable, "-m", "fitbench", "run", "--models", "tiny", *SHAPES, "--out",

@@ -291,7 +291,8 @@ def test_quantize_linears_replaces_decoder_matmuls_only(precision):
 
 def bf16_twin(arch, seed: int) -> nn.Module:
     """A bf16 model whose weights are those ``build_quantized_native`` draws after ``manual_seed(seed)``:
-    the embedding, final norm and (untied only) output projection first, then layer by layer."""
+    the embedding, final norm and (unless tied to the embedding) output projection first, then layer by
+    layer."""
     torch.manual_seed(seed)
     model = meta_model(arch, torch.bfloat16)
     model.to_empty(device=CPU)
