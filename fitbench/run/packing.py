@@ -77,9 +77,14 @@ def state_tensors(module: nn.Module) -> list[torch.Tensor]:
     return list(found.values())
 
 
+def _resolved(device: torch.device) -> torch.device:
+    """``device`` as tensors name it ("cuda" as "cuda:0"), to compare with their devices."""
+    return torch.empty(0, device=device).device
+
+
 def _storages(module: nn.Module, device: torch.device) -> dict[int, list[torch.Tensor]]:
-    """The tensors of ``module``'s state on ``device``, grouped by the storage they share (by its address)."""
-    device = torch.empty(0, device=device).device  # "cuda" as "cuda:0", to compare with tensors' devices
+    """The tensors of ``module``'s state on ``device`` (resolved), grouped by the storage they share
+    (by its address)."""
     groups: dict[int, list[torch.Tensor]] = {}
     for tensor in state_tensors(module):
         if tensor.device == device and tensor.untyped_storage().nbytes():
@@ -87,10 +92,15 @@ def _storages(module: nn.Module, device: torch.device) -> dict[int, list[torch.T
     return groups
 
 
+def _footprint(groups: dict[int, list[torch.Tensor]]) -> int:
+    """The sum of the groups' storage sizes, each rounded up to 512 bytes."""
+    return sum(aligned(tensors[0].untyped_storage().nbytes()) for tensors in groups.values())
+
+
 def packed_bytes(module: nn.Module, device: torch.device) -> int:
-    """What ``Packer.pack`` would take for ``module``: the sum over the distinct storages on ``device``
-    of their sizes, each rounded up to 512 bytes."""
-    return sum(aligned(tensors[0].untyped_storage().nbytes()) for tensors in _storages(module, device).values())
+    """What ``Packer.pack`` would take for ``module``: the distinct storages on ``device``, each rounded
+    up to 512 bytes."""
+    return _footprint(_storages(module, _resolved(device)))
 
 
 class Packer:
@@ -100,7 +110,7 @@ class Packer:
     what does not fit gets a block of its own."""
 
     def __init__(self, device: torch.device) -> None:
-        self.device = torch.empty(0, device=device).device
+        self.device = _resolved(device)
         self.pool = torch.cuda.MemPool() if self.device.type == "cuda" else None
         self._open: torch.Tensor | None = None
         self._used = 0
@@ -130,7 +140,7 @@ class Packer:
         open block, or a new one when it lacks room; return the bytes taken."""
         groups = {address: tensors for address, tensors in _storages(module, self.device).items()
                   if address not in self._blocks}
-        total = sum(aligned(tensors[0].untyped_storage().nbytes()) for tensors in groups.values())
+        total = _footprint(groups)
         if not total:
             return 0
         if self._open is not None and self._used + total <= self._open.numel():
