@@ -133,12 +133,10 @@ def sweeps(tmp_path_factory) -> dict[int | str, Sweep]:
                      str(directory / "out")], cwd=directory, stdout=stdout, stderr=stderr, env=env)
             started[name] = Sweep(directory, mark, process, time.monotonic())
         unsignalled, running = set(SIGNALS), dict(started)
-        deadline = time.monotonic() + 240
-        while running:
-            assert time.monotonic() < deadline, f"sweeps still running after 240 s: {sorted(map(str, running))}"
+        deadline = time.monotonic() + 240  # then what still runs is killed, and its test fails
+        while running and time.monotonic() < deadline:
             for name, sweep in list(running.items()):
                 if sweep.process.poll() is not None:
-                    assert name not in unsignalled, f"the {name.name} sweep ended before it could be interrupted"
                     sweep.elapsed = time.monotonic() - sweep.started
                     sweep.left, sweep.scratch_left = marked(sweep.mark), scratch(sweep.directory)
                     del running[name]
@@ -161,7 +159,9 @@ def sweeps(tmp_path_factory) -> dict[int | str, Sweep]:
 def test_a_killed_sweep_leaves_no_process_and_no_scratch_directory(signum, sweeps):
     sweep = sweeps[signum]
     out, stderr = sweep.out, sweep.stderr
-    assert sweep.running >= 3  # the sweep, its worker, and the worker's child in a session of its own
+    # the sweep, its worker, and the worker's child in a session of its own (none: it ended, or never
+    # hung, before it could be interrupted)
+    assert sweep.running >= 3, (sweep.process.returncode, stderr)
     assert sweep.scratch, "the worker runs in a scratch directory"
     assert_nothing_left(sweep.directory, mark=sweep.mark)
     if signum == signal.SIGKILL:
