@@ -1,4 +1,5 @@
 import os
+import signal
 import subprocess
 import sys
 from dataclasses import dataclass
@@ -11,6 +12,12 @@ import pytest
 # cores, where torch's threads of tiny models spin against each other (a training step of tiny:
 # 0.07 s on one thread, 0.3 to 2.7 s on two of a busy 2-core machine). No test measures threading.
 os.environ.setdefault("OMP_NUM_THREADS", "1")
+
+# Started in the background of a non-interactive shell, the suite inherits SIGINT ignored, and so would
+# every sweep it starts; the tests that interrupt a sweep with SIGINT, as Ctrl-C does, need it heard.
+# A handler (unlike SIG_IGN) is not inherited: the processes started from here get the default.
+if signal.getsignal(signal.SIGINT) == signal.SIG_IGN:
+    signal.signal(signal.SIGINT, signal.default_int_handler)
 
 # Every model in the tests is built from a config; nothing is downloaded.
 os.environ.setdefault("HF_HUB_OFFLINE", "1")

@@ -453,11 +453,14 @@ def test_resume_of_a_directory_without_a_sweep(tmp_path, capsys):
 
 
 def test_bad_input_in_a_real_process(tmp_path):
-    done = fitbench("run", "--models", "llama2-7b", cwd=tmp_path)
-    check_user_error(done.returncode, done.stderr, "llama-2-7b")
-    assert done.stdout == ""
-    done = fitbench("run", "--precision", "bf17", cwd=tmp_path)
-    check_user_error(done.returncode, done.stderr, "--precision")
+    # both at once: each takes seconds of CPU to start (torch), then says one line
+    runs = [subprocess.Popen([sys.executable, "-m", "fitbench", "run", *args], stdout=subprocess.PIPE,
+                             stderr=subprocess.PIPE, text=True, cwd=tmp_path)
+            for args in (["--models", "llama2-7b"], ["--precision", "bf17"])]
+    (model_out, model_err), (precision_out, precision_err) = (run.communicate(timeout=300) for run in runs)
+    check_user_error(runs[0].returncode, model_err, "llama-2-7b")
+    assert model_out == ""
+    check_user_error(runs[1].returncode, precision_err, "--precision")
     assert not (tmp_path / "fitbench-results").exists()
 
 

@@ -4,8 +4,8 @@ fake-tensor trace of the real loops (``fitbench.run.trace``)."""
 import dataclasses
 import json
 import multiprocessing
+import multiprocessing.pool
 import os
-from concurrent.futures import ProcessPoolExecutor
 
 import pytest
 import torch
@@ -700,20 +700,28 @@ def trace_cases():
                         yield pytest.param(model, mode, precision, batch, seq_len, checkpointing, id=case_id)
 
 
-@pytest.fixture(scope="module")
-def traced() -> dict[tuple, int]:
-    """The traced peak of every configuration the tests below compare with, keyed as GROWTH. The
-    traces are minutes of CPU one after another: they run at once in a process per core (at most
-    four), the largest first."""
+def start_traces() -> dict[tuple, multiprocessing.pool.AsyncResult]:
+    """Trace every configuration the tests below compare with (keyed as GROWTH), the largest first, in
+    the background: a process per core (at most four) at the lowest priority. The traces are minutes
+    of CPU one after another; started when this module is imported, they use what the tests before
+    these leave of the machine's cores (most run in one process), and the rest of it once these run."""
     cases = {tuple(case.values) for case in trace_cases()} | set(GROWTH) | set(CHECKPOINTING)
     largest_first = sorted(cases, key=lambda case: (case[0] == "small", case[3] * case[4], case[5]), reverse=True)
-    cores = min(4, len(os.sched_getaffinity(0)))
-    with ProcessPoolExecutor(cores, mp_context=multiprocessing.get_context("spawn")) as pool:
-        futures = {(model, mode, precision, batch, seq_len, checkpointing): pool.submit(
-            trace_peak, resolve(model), mode, precision, batch, seq_len, new_tokens=NEW_TOKENS,
-            activation_checkpointing=checkpointing)
-            for model, mode, precision, batch, seq_len, checkpointing in largest_first}
-        return {case: future.result().peak_bytes for case, future in futures.items()}
+    # daemonic workers: a session that never asks for the traces ends without waiting for them
+    pool = multiprocessing.get_context("spawn").Pool(min(4, len(os.sched_getaffinity(0))), os.nice, (19,))
+    return {(model, mode, precision, batch, seq_len, checkpointing): pool.apply_async(
+        trace_peak, (resolve(model), mode, precision, batch, seq_len),
+        {"new_tokens": NEW_TOKENS, "activation_checkpointing": checkpointing})
+        for model, mode, precision, batch, seq_len, checkpointing in largest_first}
+
+
+TRACES = start_traces()
+
+
+@pytest.fixture(scope="module")
+def traced() -> dict[tuple, int]:
+    """The traced peak of each configuration of ``TRACES``."""
+    return {case: result.get(timeout=1800).peak_bytes for case, result in TRACES.items()}
 
 
 @pytest.mark.parametrize("model, mode, precision, batch, seq_len, checkpointing", list(trace_cases()))

@@ -12,7 +12,7 @@ import subprocess
 import sys
 import time
 import uuid
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import pytest
@@ -69,14 +69,6 @@ def assert_nothing_left(tmp_path: Path, within: float = 30, mark: str | None = N
     assert scratch(tmp_path) == [], "scratch directories left behind"
 
 
-def wait_for_log(out: Path, text: str, parent: subprocess.Popen | None = None, within: float = 180) -> None:
-    deadline = time.monotonic() + within
-    while not any(text in log.read_text(errors="replace") for log in (out / "logs").glob("*.log")):
-        assert parent is None or parent.poll() is None, "the sweep ended before it could be interrupted"
-        assert time.monotonic() < deadline, f"no worker log said {text!r} in time"
-        time.sleep(0.1)
-
-
 def rows_of(out: Path) -> list[dict]:
     return list(ResultStore(out).rows())
 
@@ -85,65 +77,98 @@ def rows_of(out: Path) -> list[dict]:
 
 
 SIGNALS = [signal.SIGTERM, signal.SIGHUP, signal.SIGINT, signal.SIGKILL]
+# name -> (options, FITBENCH_INJECT) of the sweeps that are not sent a signal
+FINISHING = {
+    # Each probe of --batch-size auto hangs: per attempt, the timeout would let every probe run its course.
+    "timeout": (["--batch-size", "auto", "--timeout", "10"], "orphan:tiny,hang:tiny"),
+    # The worker's child holds stdout open after the worker exits; its progress channel carries garbage.
+    "misbehaving": (["--timeout", "120"], "orphan:tiny,garbage:tiny"),
+}
 
 
 @dataclass
-class KilledSweep:
-    """A sweep sent a signal once its worker hung, and what was running just before."""
+class Sweep:
+    """``fitbench run`` of tiny as a real process, what was running just before it was sent its signal
+    (if it was) and what was left the moment it exited."""
 
     directory: Path  # the sweep's TMPDIR is directory / "tmp", its results directory / "out"
     mark: str  # in the environment of every process the sweep started
-    running: int  # processes with the mark, just before the signal
-    scratch: list[Path]  # scratch directories, just before the signal
-    returncode: int
-    stderr: str
+    process: subprocess.Popen
+    started: float  # time.monotonic()
+    running: int = 0  # processes with the mark, just before the signal
+    scratch: list[Path] = field(default_factory=list)  # scratch directories, just before the signal
+    elapsed: float = 0.0
+    left: set[int] = field(default_factory=set)  # processes with the mark, the moment it exited
+    scratch_left: list[Path] = field(default_factory=list)  # scratch directories, the moment it exited
+
+    @property
+    def out(self) -> Path:
+        return self.directory / "out"
+
+    @property
+    def stdout(self) -> str:
+        return (self.directory / "stdout").read_text()
+
+    @property
+    def stderr(self) -> str:
+        return (self.directory / "stderr").read_text()
 
 
 @pytest.fixture(scope="module")
-def killed_sweeps(tmp_path_factory) -> dict[int, KilledSweep]:
-    """One sweep per signal of SIGNALS, started at once (they share the cores), each sent its signal
-    once its worker hangs, with a child in a session of its own holding its stdout."""
-    started = {}
+def sweeps(tmp_path_factory) -> dict[int | str, Sweep]:
+    """One sweep per signal of SIGNALS, each sent its signal once its worker hangs with a child in a
+    session of its own holding its stdout, and the sweeps of FINISHING: started at once (they share
+    the cores, and waits cost no time of their own), each looked at the moment it exits."""
+    planned = {signum: ([], "orphan:tiny,hang:tiny") for signum in SIGNALS} | FINISHING
+    started: dict[int | str, Sweep] = {}
     try:
-        for signum in SIGNALS:
-            directory, mark = tmp_path_factory.mktemp(f"killed-{signum.name}"), uuid.uuid4().hex
+        for name, (options, inject) in planned.items():
+            label = name.name if isinstance(name, signal.Signals) else name
+            directory, mark = tmp_path_factory.mktemp(label), uuid.uuid4().hex
             (directory / "tmp").mkdir()
-            env = {**os.environ, "FITBENCH_INJECT": "orphan:tiny,hang:tiny", MARK: mark,
-                   "TMPDIR": str(directory / "tmp")}
+            env = {**os.environ, "FITBENCH_INJECT": inject, MARK: mark, "TMPDIR": str(directory / "tmp")}
             with (directory / "stdout").open("w") as stdout, (directory / "stderr").open("w") as stderr:
-                parent = subprocess.Popen(
-                    [sys.executable, "-m", "fitbench", "run", "--models", "tiny", *SHAPES, "--out",
+                process = subprocess.Popen(
+                    [sys.executable, "-m", "fitbench", "run", "--models", "tiny", *SHAPES, *options, "--out",
                      str(directory / "out")], cwd=directory, stdout=stdout, stderr=stderr, env=env)
-            started[signum] = directory, mark, parent
-        killed = {}
-        for signum, (directory, mark, parent) in started.items():
-            wait_for_log(directory / "out", "hangs", parent)
-            running, before = len(marked(mark)), scratch(directory)
-            parent.send_signal(signum)
-            parent.wait(timeout=60)
-            killed[signum] = KilledSweep(directory, mark, running, before, parent.returncode,
-                                         (directory / "stderr").read_text())
+            started[name] = Sweep(directory, mark, process, time.monotonic())
+        unsignalled, running = set(SIGNALS), dict(started)
+        deadline = time.monotonic() + 240  # then what still runs is killed, and its test fails
+        while running and time.monotonic() < deadline:
+            for name, sweep in list(running.items()):
+                if sweep.process.poll() is not None:
+                    sweep.elapsed = time.monotonic() - sweep.started
+                    sweep.left, sweep.scratch_left = marked(sweep.mark), scratch(sweep.directory)
+                    del running[name]
+                elif name in unsignalled and any("hangs" in log.read_text(errors="replace")
+                                                 for log in (sweep.out / "logs").glob("*.log")):
+                    sweep.running, sweep.scratch = len(marked(sweep.mark)), scratch(sweep.directory)
+                    sweep.process.send_signal(name)
+                    unsignalled.remove(name)
+            time.sleep(0.05)
     finally:
-        for _, _, parent in started.values():
-            if parent.poll() is None:
-                parent.kill()
-                parent.wait()
-    return killed
+        for sweep in started.values():
+            if sweep.process.poll() is None:
+                sweep.process.kill()
+                sweep.process.wait()
+    return started
 
 
 @slow
 @pytest.mark.parametrize("signum", SIGNALS)
-def test_a_killed_sweep_leaves_no_process_and_no_scratch_directory(signum, killed_sweeps):
-    sweep = killed_sweeps[signum]
-    out, stderr = sweep.directory / "out", sweep.stderr
-    assert sweep.running >= 3  # the sweep, its worker, and the worker's child in a session of its own
+def test_a_killed_sweep_leaves_no_process_and_no_scratch_directory(signum, sweeps):
+    sweep = sweeps[signum]
+    out, stderr = sweep.out, sweep.stderr
+    # the sweep, its worker, and the worker's child in a session of its own (none: it ended, or never
+    # hung, before it could be interrupted)
+    assert sweep.running >= 3, (sweep.process.returncode, stderr)
     assert sweep.scratch, "the worker runs in a scratch directory"
     assert_nothing_left(sweep.directory, mark=sweep.mark)
     if signum == signal.SIGKILL:
-        assert sweep.returncode == -signal.SIGKILL
+        assert sweep.process.returncode == -signal.SIGKILL
         assert rows_of(out) == []
         return
-    assert sweep.returncode == 130, stderr
+    assert sweep.process.returncode == 130, stderr
     assert "Traceback" not in stderr
     assert f"interrupted by {signal.Signals(signum).name}" in stderr
     (row,) = rows_of(out)
@@ -153,33 +178,24 @@ def test_a_killed_sweep_leaves_no_process_and_no_scratch_directory(signum, kille
 
 
 @slow
-def test_the_timeout_bounds_batch_probes_and_kills_all_the_worker_started(tmp_path, capsys, monkeypatch):
-    # Each probe of --batch-size auto hangs: per attempt, the timeout would let every probe run its course.
-    monkeypatch.setenv("FITBENCH_INJECT", "orphan:tiny,hang:tiny")
-    out = tmp_path / "out"
-    argv = ["run", "--models", "tiny", *SHAPES, "--batch-size", "auto", "--timeout", "10", "--out", str(out)]
-    started = time.monotonic()
-    code, stdout, stderr = cli(argv, capsys)
-    elapsed = time.monotonic() - started
-    assert code == 1, stderr
-    (row,) = rows_of(out)
+def test_the_timeout_bounds_batch_probes_and_kills_all_the_worker_started(sweeps):
+    sweep = sweeps["timeout"]
+    assert sweep.process.returncode == 1, sweep.stderr
+    (row,) = rows_of(sweep.out)
     assert row["status"] == "timeout"
     assert "10 s --timeout (batch probes and fallback attempts included)" in row["error"]
     assert [attempt["status"] for attempt in row["attempts"]] == ["timeout"]
     assert row["attempts"][0]["spec"]["auto_batch"]  # it was a probe
-    assert elapsed < 10 + 25, elapsed
-    assert_nothing_left(tmp_path, within=0)  # gone before the row was written
-    assert "tiny forward fp32 autox16 [native]: timeout" in " ".join(stdout.split())
+    assert sweep.elapsed < 10 + 25, sweep.elapsed
+    assert not sweep.left and not sweep.scratch_left  # gone before the row was written
+    assert "tiny forward fp32 autox16 [native]: timeout" in " ".join(sweep.stdout.split())
 
 
 @slow
-def test_a_misbehaving_worker_that_exits_0_is_ok_and_leaves_nothing(tmp_path, capsys, monkeypatch):
-    # The worker's child holds stdout open after the worker exits; its progress channel carries garbage.
-    monkeypatch.setenv("FITBENCH_INJECT", "orphan:tiny,garbage:tiny")
-    out = tmp_path / "out"
-    code, stdout, stderr = cli(["run", "--models", "tiny", *SHAPES, "--timeout", "120", "--out", str(out)], capsys)
-    assert code == 0, stderr
-    (row,) = rows_of(out)
+def test_a_misbehaving_worker_that_exits_0_is_ok_and_leaves_nothing(sweeps):
+    sweep = sweeps["misbehaving"]
+    assert sweep.process.returncode == 0, sweep.stderr
+    (row,) = rows_of(sweep.out)
     assert row["status"] == "ok" and row["exit_code"] == 0, row.get("error")
     assert row["wall_s"] < 100  # not held until the timeout by the child's open stdout
     errors = row["protocol_errors"]
@@ -187,8 +203,8 @@ def test_a_misbehaving_worker_that_exits_0_is_ok_and_leaves_nothing(tmp_path, ca
         "JSON that is not an object: '[1, 2, 3]'", "JSON that is not an object: '42'", "bytes that are not UTF-8",
         f"a line longer than {MAX_LINE_BYTES >> 20} MiB"]
     assert any(warning.startswith("protocol error") for warning in row["warnings"])
-    assert (out / "logs" / f"{row['key']}-1.log").stat().st_size < MAX_LINE_BYTES  # the huge line was not kept
-    assert_nothing_left(tmp_path, within=0)
+    assert (sweep.out / "logs" / f"{row['key']}-1.log").stat().st_size < MAX_LINE_BYTES  # the huge line was not kept
+    assert not sweep.left and not sweep.scratch_left
 
 
 # ---- one sweep per output directory -------------------------------------------------------------------

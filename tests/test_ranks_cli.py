@@ -9,12 +9,15 @@ import json
 import os
 import subprocess
 import sys
+import time
 import uuid
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import pytest
 
 from conftest import cli
+
 from fitbench.config import SweepConfig, expand
 from fitbench.errors import UserError
 from fitbench.run.aggregate import combine
@@ -25,19 +28,9 @@ SHAPE = ["--models", "tiny", "--device", "cpu", "--gpus", "2", "--mode", "train"
          "--seq-len", "16", "--warmup-steps", "1", "--measure-steps", "2"]
 
 
-@pytest.fixture
-def in_tmp(tmp_path, monkeypatch):
-    monkeypatch.chdir(tmp_path)
-    monkeypatch.delenv("FITBENCH_INJECT", raising=False)
-    (tmp_path / "tmp").mkdir()
-    monkeypatch.setenv("TMPDIR", str(tmp_path / "tmp"))
-    monkeypatch.setenv(MARK, uuid.uuid4().hex)
-    return tmp_path
-
-
-def marked(mark: str | None = None) -> set[int]:
-    """Living processes that carry this test's mark (or ``mark``), this one excluded."""
-    needle = f"{MARK}={mark or os.environ[MARK]}".encode()
+def marked(mark: str) -> set[int]:
+    """Living processes that carry ``mark``, this one excluded."""
+    needle = f"{MARK}={mark}".encode()
     found = set()
     for entry in os.listdir("/proc"):
         if not entry.isdigit() or int(entry) == os.getpid():
@@ -50,16 +43,72 @@ def marked(mark: str | None = None) -> set[int]:
     return found
 
 
-def rows(out: Path) -> list[dict]:
-    return [json.loads(line) for line in (out / "results.jsonl").read_text().splitlines()]
+@dataclass
+class Job:
+    """``fitbench run`` of one torchrun job, and what was left of it the moment it exited."""
+
+    out: Path
+    returncode: int | None = None
+    stderr: str = ""
+    left: set[int] = field(default_factory=set)  # living processes with its mark
+    scratch: list[Path] = field(default_factory=list)  # scratch directories in its TMPDIR
+
+    @property
+    def rows(self) -> list[dict]:
+        return [json.loads(line) for line in (self.out / "results.jsonl").read_text().splitlines()]
+
+
+# name -> (options, FITBENCH_INJECT)
+JOBS = {
+    "ddp": (["--strategy", "ddp"], None),
+    "fsdp": (["--strategy", "fsdp"], None),
+    "failed": (["--strategy", "ddp", "--no-fallback"], "rank-error:1"),
+    "hung": (["--strategy", "ddp", "--timeout", "60"], "rank-hang:0,collective-timeout:8"),
+}
+
+
+@pytest.fixture(scope="module")
+def jobs(tmp_path_factory) -> dict[str, Job]:
+    """Every job of JOBS as a real ``fitbench run`` process, started at once (they share the cores, and
+    the hanging one's wait for its timeout costs no time of its own), each with its own mark in the
+    environment of every process it starts and its own TMPDIR, looked at the moment it exits."""
+    root = str(Path(__file__).resolve().parents[1])
+    started = {}
+    try:
+        for name, (options, inject) in JOBS.items():
+            directory, mark = tmp_path_factory.mktemp(name), uuid.uuid4().hex
+            (directory / "tmp").mkdir()
+            env = {key: value for key, value in os.environ.items() if key != "FITBENCH_INJECT"}
+            env.update({MARK: mark, "TMPDIR": str(directory / "tmp"),
+                        "PYTHONPATH": os.pathsep.join([root, os.environ.get("PYTHONPATH", "")]),
+                        **({"FITBENCH_INJECT": inject} if inject else {})})
+            with (directory / "stderr").open("w") as stderr:
+                process = subprocess.Popen([sys.executable, "-m", "fitbench", "run", *SHAPE, *options, "--out", "out"],
+                                           cwd=directory, stdout=subprocess.DEVNULL, stderr=stderr, env=env)
+            started[name] = process, mark, Job(directory / "out")
+        deadline = time.monotonic() + 300  # then what still runs is killed, and its test fails
+        running = dict(started)
+        while running and time.monotonic() < deadline:
+            for name, (process, mark, job) in list(running.items()):
+                if process.poll() is not None:
+                    job.left, job.scratch = marked(mark), list((job.out.parent / "tmp").glob("fitbench-*"))
+                    job.returncode, job.stderr = process.returncode, (job.out.parent / "stderr").read_text()
+                    del running[name]
+            time.sleep(0.05)
+    finally:
+        for process, _, job in started.values():
+            if process.poll() is None:
+                process.kill()
+                job.returncode = process.wait()
+    return {name: job for name, (_, _, job) in started.items()}
 
 
 @pytest.mark.slow
 @pytest.mark.parametrize("strategy", ["ddp", "fsdp"])
-def test_a_job_of_two_ranks_is_one_row(in_tmp, capsys, strategy):
-    code, out, err = cli(["run", *SHAPE, "--strategy", strategy, "--out", "r"], capsys)
-    assert code == 0, out + err
-    [row] = rows(in_tmp / "r")
+def test_a_job_of_two_ranks_is_one_row(jobs, strategy):
+    job = jobs[strategy]
+    assert job.returncode == 0, job.stderr
+    [row] = job.rows
     assert row["status"] == "ok" and row["ranks"] == 2
     assert Layout.model_validate(row["layout"]) == Layout.of_strategy(strategy, 2)
     assert row["parallel"]["strategy"] == strategy
@@ -69,38 +118,23 @@ def test_a_job_of_two_ranks_is_one_row(in_tmp, capsys, strategy):
     assert row["throughput"]["tokens_per_step"] == 2 * 2 * 16  # both ranks' batches
     assert row["timing"]["step"]["median"] == max(row["timing"]["rank_step_medians"])
     assert len(row["memory"]["host_peak_rss_per_rank"]) == 2
-    assert not marked() and not list((in_tmp / "tmp").glob("fitbench-*"))
+    assert not job.left and not job.scratch
 
 
 @pytest.mark.slow
-def test_a_rank_that_fails_names_itself_and_one_that_hangs_is_named(in_tmp, capsys, monkeypatch):
-    # The hanging job runs beside the failing one (its own mark and scratch), so that its wait costs no
-    # time of its own. Its rank 0 hangs before its first collective; rank 1 waits for it there until the
-    # process group's timeout (8 s, injected) ends the job, well before --timeout, a safety net.
-    hung_mark, hung_tmp = uuid.uuid4().hex, in_tmp / "tmp-hung"
-    hung_tmp.mkdir()
-    root = str(Path(__file__).resolve().parents[1])
-    hung = subprocess.Popen(
-        [sys.executable, "-m", "fitbench", "run", *SHAPE, "--strategy", "ddp", "--out", "hung", "--timeout", "60"],
-        cwd=in_tmp, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True,
-        env={**os.environ, "FITBENCH_INJECT": "rank-hang:0,collective-timeout:8", MARK: hung_mark,
-             "TMPDIR": str(hung_tmp), "PYTHONPATH": os.pathsep.join([root, os.environ.get("PYTHONPATH", "")])})
-    try:
-        monkeypatch.setenv("FITBENCH_INJECT", "rank-error:1")
-        code, out, err = cli(["run", *SHAPE, "--strategy", "ddp", "--out", "failed", "--no-fallback"], capsys)
-        assert code == 1
-        [row] = rows(in_tmp / "failed")
-        assert row["status"] == "error" and row["error"].startswith("rank 1: ")
-        assert "rank 1 fails" in row["error"]
-        # rank 0 was stopped with the job: still building, or already waiting for rank 1 in a collective
-        assert "\nrank 0 did not finish" in row["error"] and row["rank_phases"][1]["status"] == "error"
-        assert not marked()
+def test_a_rank_that_fails_names_itself_and_one_that_hangs_is_named(jobs):
+    failed = jobs["failed"]
+    assert failed.returncode == 1, failed.stderr
+    [row] = failed.rows
+    assert row["status"] == "error" and row["error"].startswith("rank 1: ")
+    assert "rank 1 fails" in row["error"]
+    # rank 0 was stopped with the job: still building, or already waiting for rank 1 in a collective
+    assert "\nrank 0 did not finish" in row["error"] and row["rank_phases"][1]["status"] == "error"
+    assert not failed.left and not failed.scratch
 
-        _, stderr = hung.communicate(timeout=120)
-    finally:
-        hung.kill()
-    assert hung.returncode == 1, stderr
-    [row] = rows(in_tmp / "hung")
+    hung = jobs["hung"]
+    assert hung.returncode == 1, hung.stderr
+    [row] = hung.rows
     assert row["status"] == "timeout"
     first, second = row["error"].splitlines()[:2]
     assert first.startswith("rank 0 hung outside any collective while rank 1 waited for it in one (rank 0: building "
@@ -109,7 +143,7 @@ def test_a_rank_that_fails_names_itself_and_one_that_hangs_is_named(in_tmp, caps
     assert [(rank["rank"], rank["in_collective"], rank["status"]) for rank in row["rank_phases"]] == \
         [(0, False, None), (1, True, "timeout")]
     assert row["wall_s"] < 40
-    assert not marked(hung_mark) and not list(hung_tmp.glob("fitbench-*"))
+    assert not hung.left and not hung.scratch
 
 
 def test_the_sweep_gives_each_configuration_its_layout():
