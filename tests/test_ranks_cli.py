@@ -17,7 +17,6 @@ from pathlib import Path
 import pytest
 
 from conftest import cli
-
 from fitbench.config import SweepConfig, expand
 from fitbench.errors import UserError
 from fitbench.run.aggregate import combine
