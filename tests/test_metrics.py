@@ -6,6 +6,7 @@ Expected values are worked out here from the models' published shapes, never rea
 code under test.
 """
 
+import gc
 import json
 import time
 from dataclasses import replace
@@ -108,6 +109,30 @@ def test_time_to_first_token_includes_the_prefills_host_work():
         assert generation.time_to_first_token >= delay
     # the decode steps carry none of it (a median: a shared CPU may stall one step)
     assert SampleStats.of(t for g in generations for t in g.token_latencies).median < delay
+
+
+def test_the_collector_runs_before_the_warmup_and_never_between_timed_calls():
+    # a full collection between the stages made the first measured call slower than the rest
+    clock, events = DeviceClock(CPU), []
+
+    def note_collection(phase, info):
+        if phase == "start":
+            events.append("collect")
+
+    def call():
+        events.append("call")
+        for _ in range(20_000):  # enough cyclic garbage that an enabled collector would run
+            cycle = []
+            cycle.append(cycle)
+
+    gc.callbacks.append(note_collection)
+    try:
+        run_stages(call, clock, warmup=2, repeats=3)
+        seen = list(events)  # before anything here allocates with the collector on again
+    finally:
+        gc.callbacks.remove(note_collection)
+    assert seen[:6] == ["collect"] + ["call"] * 5
+    assert gc.isenabled()
 
 
 def test_a_noisy_time_to_first_token_warns():

@@ -161,9 +161,10 @@ def test_the_sweep_gives_each_configuration_its_layout():
                device="cpu", default_models=["tiny"])
 
 
-def test_offload_over_several_ranks_is_fsdps_and_ddp_has_none(in_tmp, capsys):
+def test_offload_over_several_ranks_is_fsdps_and_ddp_has_none(tmp_path, monkeypatch, capsys):
     """--offload on one device streams decoder layers (infer, forward); over several ranks it is FSDP's
     CPU offload, in every mode FSDP runs; DDP has none, and training on one device has neither."""
+    monkeypatch.chdir(tmp_path)
     config = SweepConfig(models=["tiny"], mode=["train", "forward", "infer"], precision=["fp32"], gpus=2, offload=True)
     specs = expand(config, device="cpu", default_models=["tiny"])
     assert [(spec.mode, spec.layout, spec.fsdp_offload, spec.layer_offload) for spec in specs] == [
