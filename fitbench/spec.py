@@ -104,6 +104,26 @@ class Layout(BaseModel):
         return cls.for_world(gpus, **{STRATEGY_DEGREES[strategy]: -1})
 
 
+def pipeline_stages(n_layers: int, stages: int) -> tuple[range, ...]:
+    """The decoder layers of each pipeline stage, in order: ``n_layers // stages`` each, and the
+    ``n_layers % stages`` layers left over one apiece to the middle stages first, then to the first
+    stage, and to the last only when every other has one. The first stage also holds the embedding
+    and the last the final norm, the output projection and the loss: with a large vocabulary the
+    last is the heaviest, so it takes an extra layer last. The planner and the run both split here,
+    so a planned stage is the stage that runs. 126 layers on 16 stages: 7, 8 x 14, 7.
+
+    Raises ``LayoutError`` when there are fewer layers than stages (a stage without a layer)."""
+    if stages < 1 or n_layers < stages:
+        raise LayoutError(f"{n_layers} decoder layers cannot make {stages} pipeline stages: each stage needs at "
+                          f"least one layer (use at most {n_layers} stages)")
+    counts = [n_layers // stages] * stages
+    order = list(range(1, stages - 1)) + [0] + ([stages - 1] if stages > 1 else [])
+    for stage in order[:n_layers % stages]:
+        counts[stage] += 1
+    starts = [sum(counts[:i]) for i in range(stages)]
+    return tuple(range(start, start + count) for start, count in zip(starts, counts))
+
+
 class RunSpec(BaseModel):
     """One configuration, run in one fresh process."""
 

@@ -20,7 +20,7 @@ from conftest import cli
 from fitbench.config import SweepConfig, expand
 from fitbench.errors import UserError
 from fitbench.run.aggregate import combine
-from fitbench.spec import Layout, LayoutError, RunSpec
+from fitbench.spec import Layout, LayoutError, RunSpec, pipeline_stages
 
 MARK = "FITBENCH_TEST_MARK"
 SHAPE = ["--models", "tiny", "--device", "cpu", "--gpus", "2", "--mode", "train", "--batch-size", "2",
@@ -253,3 +253,24 @@ def test_full_training_that_runs_out_of_memory_shards_before_it_changes_precisio
     ran.clear()
     run_with_fallback(RunSpec(**fields), FallbackPolicy(("fp32", "bf16-pure")), run)
     assert ran[:2] == [("single", "fp32"), ("single", "bf16-pure")]  # one GPU at hand: no sharding rung
+
+
+@pytest.mark.parametrize("n_layers, stages", [(5, 2), (126, 16), (32, 4), (7, 3), (3, 3), (80, 6), (1, 1)])
+def test_pipeline_stages_cover_every_layer_once_and_differ_by_at_most_one(n_layers, stages):
+    split = pipeline_stages(n_layers, stages)
+    assert len(split) == stages and [layer for stage in split for layer in stage] == list(range(n_layers))
+    sizes = [len(stage) for stage in split]
+    assert max(sizes) - min(sizes) <= 1
+    # the last stage (output projection and loss) is never larger than another
+    assert sizes[-1] == min(sizes)
+    if stages > 2 and n_layers % stages and n_layers % stages <= stages - 2:
+        assert sizes[0] == sizes[-1] == min(sizes)  # middle stages take the extra layers first
+
+
+def test_pipeline_stages_by_hand_and_too_many_stages():
+    assert [len(s) for s in pipeline_stages(5, 2)] == [3, 2]
+    assert [len(s) for s in pipeline_stages(126, 16)] == [7] + [8] * 14 + [7]
+    assert [len(s) for s in pipeline_stages(7, 3)] == [2, 3, 2]
+    assert [len(s) for s in pipeline_stages(8, 3)] == [3, 3, 2]
+    with pytest.raises(LayoutError, match="4 decoder layers cannot make 5 pipeline stages"):
+        pipeline_stages(4, 5)
