@@ -27,7 +27,7 @@ from fitbench import __version__
 from fitbench.errors import UserError, excerpt, excerpt_words
 from fitbench.precisions import PRECISIONS
 from fitbench.results.store import DISK_ERRORS
-from fitbench.run.loops import MODES
+from fitbench.spec import MODES
 
 # Outside a terminal (CI logs, pipes) rich would wrap tables at 80 columns.
 console = Console(highlight=False, width=None if sys.stdout.isatty() else 160)
@@ -376,8 +376,8 @@ def gpu_target(args: argparse.Namespace):
             raise UserError(f"gpu-memory: {excerpt(args.gpu_memory)} is not a GPU's memory; give a size from "
                             f"{GPU_MEMORY_MIN / 1e9:.0f} GB to {GPU_MEMORY_MAX / 1e12:.0f} TB with its unit, like 80GB "
                             f"or 79.2GiB (a bare number is bytes).")
-    detected = hardware.detect_gpus()
     if name is None and memory is None and args.gpus is None:
+        detected = hardware.detect_gpus()  # only then: detecting imports torch, seconds a described GPU never needs
         if not detected:
             raise UserError("gpus: no GPU is visible here; describe the hardware to plan for, e.g. "
                             "--gpus 4 --gpu-memory 80GB, or --gpu H100-80GB.")
@@ -471,7 +471,7 @@ def plan(args: argparse.Namespace, cli_options: dict[str, Any]) -> int:
                                precisions=args.precision, strategies=args.strategy, calibration=calibration)
             trace = None
             if args.trace and result.chosen and result.chosen.candidate.gpus == 1:
-                from fitbench.models.backends import default_backend
+                from fitbench.models.architecture import default_backend
                 from fitbench.run.trace import trace_peak
 
                 chosen = result.chosen.candidate

@@ -14,7 +14,7 @@ import yaml
 from pydantic import BaseModel, ConfigDict, Field, StrictBool, ValidationError, field_validator, model_validator
 
 from fitbench.errors import UserError, excerpt
-from fitbench.models.backends import backend_error, default_backend
+from fitbench.models.architecture import backend_error, default_backend
 from fitbench.models.registry import resolve
 from fitbench.precisions import (DATA_PARALLEL_STRATEGIES, PRECISIONS, TRAINING_MODES, data_parallel_problem,
                                  offload_problem, training_problem, trains_every_weight)

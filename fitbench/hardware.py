@@ -26,6 +26,9 @@ Three kinds of facts live here:
   a device-to-device copy, which give the throughput this particular machine
   and software stack actually reach. They are cached per device name and torch
   version because both change the answer.
+
+The tables need no torch; detection, provenance and measurement import it where they run, so a
+sweep's parent and ``fitbench plan`` start without torch's seconds of import.
 """
 
 from __future__ import annotations
@@ -40,16 +43,20 @@ import platform
 import socket
 import statistics
 import subprocess
+import sys
 import tempfile
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
 from datetime import datetime, timezone
+from typing import TYPE_CHECKING
 
 import psutil
-import torch
 
 import fitbench
+
+if TYPE_CHECKING:
+    import torch
 
 PRECISION_KINDS = ("fp32", "tf32", "bf16", "fp16", "fp8", "int8")
 
@@ -293,6 +300,8 @@ class GpuInfo:
 
 def detect_gpus() -> list[GpuInfo]:
     """All CUDA devices visible to this process; empty without CUDA."""
+    import torch
+
     if not torch.cuda.is_available():
         return []
     gpus = []
@@ -335,6 +344,19 @@ def _package_version(distribution: str) -> str | None:
         return importlib.metadata.version(distribution)
     except importlib.metadata.PackageNotFoundError:
         return None
+
+
+def torch_version() -> str:
+    """The running torch's version, ``torch.__version__``: read from the installed package's metadata
+    (the same string for a wheel) while torch is not imported yet, so that asking imports nothing."""
+    if "torch" in sys.modules:
+        return sys.modules["torch"].__version__
+    version = _package_version("torch")
+    if version is None:
+        import torch
+
+        return torch.__version__
+    return version
 
 
 def _git(*args: str) -> str | None:
@@ -381,6 +403,8 @@ def _cpu_model() -> str:
 
 
 def _cudnn_version() -> int | None:
+    import torch
+
     try:
         return torch.backends.cudnn.version()
     except RuntimeError:
@@ -393,6 +417,8 @@ def _utc_now() -> str:
 
 def environment() -> dict:
     """Provenance of a run, as a JSON-serialisable dict."""
+    import torch
+
     git_commit, git_dirty = _git_provenance()
     affinity = os.sched_getaffinity(0) if hasattr(os, "sched_getaffinity") else None
     return {
@@ -437,7 +463,7 @@ class Ceilings:
     method: str
 
 
-_DTYPES = {"fp32": torch.float32, "tf32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
+_DTYPES = {"fp32": "float32", "tf32": "float32", "bf16": "bfloat16", "fp16": "float16"}  # torch attributes
 _CUDA_KINDS = ("bf16", "fp16", "tf32", "fp32")
 _CPU_KINDS = ("fp32", "bf16")
 _CUDA_MATMUL_SIZE = 8192
@@ -454,6 +480,8 @@ def _median_seconds(
     On CUDA each call gets its own start/end event pair, so host-side launch gaps
     between calls are excluded and one slow call cannot skew the median.
     """
+    import torch
+
     for _ in range(warmup):
         operation()
     if device.type == "cuda":
@@ -479,7 +507,9 @@ def _median_seconds(
 
 def _matmul_flops(kind: str, size: int, device: torch.device, repeats: int, warmup: int) -> float:
     """FLOP/s of an ``size``^3 matmul: 2 * size^3 / median seconds."""
-    dtype = _DTYPES[kind]
+    import torch
+
+    dtype = getattr(torch, _DTYPES[kind])
     left = torch.randn(size, size, device=device, dtype=dtype)
     right = torch.randn(size, size, device=device, dtype=dtype)
     # A preallocated output keeps the allocator out of the timed region.
@@ -492,6 +522,8 @@ def _cuda_matmul_flops(
     kind: str, size: int, device: torch.device, repeats: int, warmup: int
 ) -> float:
     """Like ``_matmul_flops``, with TF32 on only for the ``tf32`` kind and restored after."""
+    import torch
+
     previous = torch.backends.cuda.matmul.allow_tf32
     torch.backends.cuda.matmul.allow_tf32 = kind == "tf32"
     try:
@@ -502,6 +534,8 @@ def _cuda_matmul_flops(
 
 def _copy_bandwidth(nbytes: int, device: torch.device, repeats: int, warmup: int) -> float:
     """Bytes/s of ``dst.copy_(src)``: 2 * nbytes (read + write) / median seconds."""
+    import torch
+
     # Filled, not torch.empty: untouched host pages can map to the shared zero
     # page and make reads look faster than memory is.
     source = torch.ones(nbytes, dtype=torch.uint8, device=device)
@@ -523,6 +557,8 @@ def measure_ceilings(
     Each figure uses the median of ``repeats`` timed calls after ``warmup``
     untimed ones.
     """
+    import torch
+
     if repeats < 1 or warmup < 0:
         raise ValueError(f"need repeats >= 1 and warmup >= 0, got {repeats=} {warmup=}")
     target = torch.device(device)
@@ -618,7 +654,7 @@ def load_ceilings(device_name: str) -> Ceilings | None:
     A missing, unreadable or malformed file or entry gives ``None``.
     """
     try:
-        entry = _read_ceilings_file(ceilings_path())[_ceilings_key(device_name, torch.__version__)]
+        entry = _read_ceilings_file(ceilings_path())[_ceilings_key(device_name, torch_version())]
         ceilings = Ceilings(
             device_name=str(entry["device_name"]),
             torch_version=str(entry["torch_version"]),

@@ -28,9 +28,10 @@ from __future__ import annotations
 
 import contextlib
 from dataclasses import dataclass
-from typing import Iterator
+from typing import TYPE_CHECKING, Iterator
 
-import torch
+if TYPE_CHECKING:
+    import torch
 
 TRAINING_MODES = ("train", "forward-backward")
 
@@ -62,12 +63,28 @@ def trains_every_weight(precision: str) -> bool:
 
 @dataclass(frozen=True)
 class PrecisionPolicy:
+    """How a precision runs inside a worker. Its dtypes are named, not torch objects, so that the
+    registry (and the parent process, which plans and launches) never imports torch: a sweep's
+    parent and ``fitbench plan`` start in a fraction of a second instead of torch's seconds."""
+
     name: str
-    weight_dtype: torch.dtype
-    autocast_dtype: torch.dtype | None
+    weight_dtype_name: str  # an attribute of torch: "float32", "bfloat16"
+    autocast_dtype_name: str | None
     allow_tf32: bool
     scale_loss: bool
     quantized: bool = False
+
+    @property
+    def weight_dtype(self) -> torch.dtype:
+        import torch
+
+        return getattr(torch, self.weight_dtype_name)
+
+    @property
+    def autocast_dtype(self) -> torch.dtype | None:
+        import torch
+
+        return None if self.autocast_dtype_name is None else getattr(torch, self.autocast_dtype_name)
 
     @property
     def compute_dtype(self) -> torch.dtype:
@@ -79,22 +96,26 @@ class PrecisionPolicy:
         if self.autocast_dtype is None:
             yield
             return
+        import torch
+
         with torch.autocast(device_type=device_type, dtype=self.autocast_dtype):
             yield
 
     def apply_backend_flags(self) -> None:
         """Process-wide matmul precision. Each run is its own process, so this never leaks."""
+        import torch
+
         torch.backends.cuda.matmul.allow_tf32 = self.allow_tf32
         torch.backends.cudnn.allow_tf32 = self.allow_tf32
 
 
 _POLICIES = {
-    "fp32": PrecisionPolicy("fp32", torch.float32, None, False, False),
-    "tf32": PrecisionPolicy("tf32", torch.float32, None, True, False),
-    "bf16": PrecisionPolicy("bf16", torch.float32, torch.bfloat16, False, False),
-    "fp16": PrecisionPolicy("fp16", torch.float32, torch.float16, False, True),
-    "bf16-pure": PrecisionPolicy("bf16-pure", torch.bfloat16, None, False, False),
-    **{name: PrecisionPolicy(name, torch.bfloat16, None, False, False, quantized=True)
+    "fp32": PrecisionPolicy("fp32", "float32", None, False, False),
+    "tf32": PrecisionPolicy("tf32", "float32", None, True, False),
+    "bf16": PrecisionPolicy("bf16", "float32", "bfloat16", False, False),
+    "fp16": PrecisionPolicy("fp16", "float32", "float16", False, True),
+    "bf16-pure": PrecisionPolicy("bf16-pure", "bfloat16", None, False, False),
+    **{name: PrecisionPolicy(name, "bfloat16", None, False, False, quantized=True)
        for name in QUANTIZED_PRECISIONS},
 }
 
@@ -163,15 +184,16 @@ def graph_problem(precision: str) -> str | None:
 FP8_CAPABILITY = (8, 9)  # float8 tensor cores: Ada (8.9) and Hopper (9.0) onwards
 
 
-def hardware_problem(precision: str, device: torch.device, capability: tuple[int, int] | None) -> str | None:
-    """Why this device cannot run ``precision``, or None."""
+def hardware_problem(precision: str, device_type: str, capability: tuple[int, int] | None) -> str | None:
+    """Why a device of ``device_type`` (``cpu``, ``cuda``) and compute ``capability`` cannot run
+    ``precision``, or None."""
     if precision in ("fp8", "fp8-block"):
-        if device.type != "cuda":
+        if device_type != "cuda":
             return f"{precision} needs a GPU with float8 tensor cores (compute capability 8.9 or newer); this run is on a CPU"
         if capability is not None and capability < FP8_CAPABILITY:
             return (f"{precision} needs compute capability 8.9 or newer (Ada, Hopper); this GPU has "
                     f"{capability[0]}.{capability[1]}")
-    if precision == "int4" and device.type != "cuda":
+    if precision == "int4" and device_type != "cuda":
         return "int4 uses torchao's tinygemm kernel, which runs on CUDA GPUs only"
     return None
 

@@ -9,13 +9,14 @@ from __future__ import annotations
 
 import hashlib
 import json
-from typing import Literal
+from typing import Literal, get_args
 
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
 from fitbench.precisions import offload_problem
 
 Mode = Literal["train", "forward", "forward-backward", "infer"]
+MODES: tuple[str, ...] = get_args(Mode)
 Precision = Literal["fp32", "tf32", "bf16", "fp16", "bf16-pure",
                     "int8", "nf4", "fp4", "int8-dynamic", "int4", "fp8", "fp8-block"]
 

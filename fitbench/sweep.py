@@ -16,13 +16,14 @@ from fitbench.precisions import PRECISIONS
 
 
 def resolve_device(requested: str) -> str:
-    """'auto' -> the first GPU if torch sees one, else cpu; a GPU that is not there is a UserError."""
+    """'auto' -> the first GPU if torch sees one, else cpu; a GPU that is not there is a UserError.
+    ``cpu`` asks nothing of torch (nor imports it)."""
+    if requested == "cpu":
+        return "cpu"
     import torch
 
     if requested == "auto":
         return "cuda:0" if torch.cuda.is_available() else "cpu"
-    if requested == "cpu":
-        return "cpu"
     if not re.fullmatch(r"cuda(:\d{1,6})?", requested):
         raise UserError(f"device: {excerpt(requested)} is not a device; give auto, cpu, cuda or cuda:N (--device).")
     if not torch.cuda.is_available():
@@ -75,12 +76,10 @@ def predicted_max_batch(spec, device: str) -> int:
     calibrated overheads, or on a CPU the budget of FITBENCH_INJECT's mem-limit (else the available RAM,
     shared by the job's ranks); with offload, beside no resident decoder layer. A job of several ranks
     is planned per rank under its layout's strategy (DDP's replicas, FSDP's shards)."""
-    import torch
-
     from fitbench.host import host_memory
     from fitbench.models.registry import resolve
     from fitbench.plan.memory import Parallelism, estimate_memory
-    from fitbench.run.worker import injected_memory_limit
+    from fitbench.inject import injected_memory_limit
 
     arch = resolve(spec.model)
     resident = 0 if spec.layer_offload else None
@@ -96,6 +95,8 @@ def predicted_max_batch(spec, device: str) -> int:
                                    resident_layers=resident, backend=spec.backend,
                                    compiled=spec.compile).peak_bytes
     else:
+        import torch
+
         from fitbench.plan.calibration import load_calibration
         from fitbench.plan.planner import Candidate, GpuTarget, assess
 
@@ -118,19 +119,20 @@ def hardware_refusals(specs: list, device: str) -> dict[str, str]:
     """Configurations this device cannot run (fp8 below compute capability 8.9, int4 without a GPU;
     on a CPU, one predicted to need more than the host memory available), by spec key, with the
     reason; they are recorded, not launched."""
-    import torch
-
     from fitbench.precisions import hardware_problem
-    from fitbench.run.worker import injected_memory_limit
+    from fitbench.inject import injected_memory_limit
 
-    target = torch.device(device)
-    capability = torch.cuda.get_device_capability(target) if target.type == "cuda" else None
+    device_type, capability = device.partition(":")[0], None
+    if device_type == "cuda":
+        import torch
+
+        capability = torch.cuda.get_device_capability(torch.device(device))
     refusals = {}
     for spec in specs:
-        problem = hardware_problem(spec.precision, target, capability)
+        problem = hardware_problem(spec.precision, device_type, capability)
         if problem:
             refusals[spec.key] = f"refused before launch: {problem}"
-    if target.type == "cpu" and injected_memory_limit() is None:  # a mem-limit is planned as a GPU (run_target)
+    if device_type == "cpu" and injected_memory_limit() is None:  # a mem-limit is planned as a GPU (run_target)
         refusals = {**ram_refusals(specs), **refusals}
     return refusals
 
@@ -178,7 +180,7 @@ def run_target(device: str, measure: Callable[[], Any] | None = None, say: Calla
     mem-limit, which makes the CPU a GPU of that size, tensors only (calibration None); else
     (None, None): nothing is planned. A job of ``ranks`` ranks plans for that many GPUs of this kind."""
     from fitbench.plan.planner import GpuTarget
-    from fitbench.run.worker import injected_memory_limit
+    from fitbench.inject import injected_memory_limit
 
     limit = injected_memory_limit()
     if device == "cpu":

@@ -62,3 +62,35 @@ def test_no_two_parts_import_each_other():
 
     loops = sorted(name for name in edges if reaches(name, name))
     assert not loops, f"parts in an import loop: {loops}"
+
+
+PARENT_WITHOUT_TORCH = """
+import sys
+from fitbench.cli import main
+
+for argv in (["--help"], ["models"], ["plan", "--models", "7B", "--gpu", "H100-80GB"],
+             ["run", "--models", "tiny", "--device", "cpu", "--mode", "forward", "--batch-size", "1", "--seq-len", "8",
+              "--warmup-steps", "0", "--measure-steps", "1", "--out", sys.argv[1]]):
+    try:
+        code = main(argv)
+    except SystemExit as exit_:
+        code = exit_.code
+    assert code == 0, (argv, code)
+    assert "torch" not in sys.modules, f"fitbench {' '.join(argv[:2])} imported torch"
+"""
+
+
+@pytest.mark.slow
+def test_the_parent_never_imports_torch(tmp_path):
+    """torch takes seconds to import: ``--help``, ``plan`` on a described GPU and a CPU sweep's parent
+    (which plans, launches and records) start without it; only the workers import it."""
+    import os
+    import subprocess
+    import sys
+
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(PACKAGE.parent), os.environ.get("PYTHONPATH", "")])}
+    env.pop("FITBENCH_INJECT", None)
+    done = subprocess.run([sys.executable, "-c", PARENT_WITHOUT_TORCH, str(tmp_path / "out")], cwd=tmp_path, env=env,
+                          capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert '"status": "ok"' in (tmp_path / "out" / "results.jsonl").read_text()

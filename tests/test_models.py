@@ -466,7 +466,7 @@ def test_cuda_graph_decoding_in_every_inference_precision(precision):
     from fitbench.run.quantize import build_quantized_native
 
     device = torch.device("cuda")
-    problem = hardware_problem(precision, device, torch.cuda.get_device_capability(device))
+    problem = hardware_problem(precision, device.type, torch.cuda.get_device_capability(device))
     if problem:
         pytest.skip(problem)
     arch = resolve("tiny")

@@ -453,22 +453,21 @@ def test_worker_reports_a_checkpoint_and_its_perplexity(backend, tmp_path, tiny_
 
 def test_hardware_problem_messages():
     for precision in ("fp8", "fp8-block"):
-        message = hardware_problem(precision, CPU, None)
+        message = hardware_problem(precision, "cpu", None)
         assert message and precision in message and "compute capability 8.9" in message and "CPU" in message
-    message = hardware_problem("int4", CPU, None)
+    message = hardware_problem("int4", "cpu", None)
     assert message and "CUDA GPUs" in message
     for precision in CPU_PRECISIONS + ("fp4", "bf16", "fp32"):
-        assert hardware_problem(precision, CPU, None) is None
+        assert hardware_problem(precision, "cpu", None) is None
 
-    cuda = torch.device("cuda")
     for precision in ("fp8", "fp8-block"):
-        message = hardware_problem(precision, cuda, (8, 0))
+        message = hardware_problem(precision, "cuda", (8, 0))
         assert message and "8.0" in message and "8.9" in message
-        assert "8.6" in hardware_problem(precision, cuda, (8, 6))
-        assert hardware_problem(precision, cuda, (8, 9)) is None
-        assert hardware_problem(precision, cuda, (9, 0)) is None
-        assert hardware_problem(precision, cuda, (10, 0)) is None
-    assert hardware_problem("int4", cuda, (8, 0)) is None
+        assert "8.6" in hardware_problem(precision, "cuda", (8, 6))
+        assert hardware_problem(precision, "cuda", (8, 9)) is None
+        assert hardware_problem(precision, "cuda", (9, 0)) is None
+        assert hardware_problem(precision, "cuda", (10, 0)) is None
+    assert hardware_problem("int4", "cuda", (8, 0)) is None
 
 
 def test_hardware_refusals_by_spec_key():

@@ -59,7 +59,7 @@ from fitbench.monitor.nvml import GpuMonitor, job_gpus
 from fitbench.processes import PARENT_VARIABLE, TOKEN_VARIABLE, kill_tree
 from fitbench.results.row import WORKER_STATUSES, Measurement, Row
 from fitbench.results.store import ResultStore
-from fitbench.run.ranks import rank_phase_path, rank_result_path, read_phase
+from fitbench.run.phases import rank_phase_path, rank_result_path, read_phase
 from fitbench.spec import Assignment, RunSpec
 
 ERROR_TAIL_LINES = 15
@@ -188,7 +188,7 @@ def run_one(assignment: Assignment, log_path: Path, timeout: float, on_event: Ca
 def _host_budget(spec: RunSpec) -> HostMemory:
     """The host memory a worker may take: FITBENCH_INJECT's mem-limit for a CPU worker (the budget the
     planner and the worker use there), else what the host has available."""
-    from fitbench.run.worker import injected_memory_limit
+    from fitbench.inject import injected_memory_limit
 
     limit = injected_memory_limit() if spec.device == "cpu" else None
     return HostMemory(limit, "FITBENCH_INJECT mem-limit") if limit else host_memory()

@@ -310,3 +310,19 @@ class Architecture:
             "follows": self.follows,
             "source": self.source,
         }
+
+
+Backend = Literal["native", "hf"]
+BACKENDS: tuple[str, ...] = ("native", "hf")
+
+
+def default_backend(arch: Architecture) -> Backend:
+    """fitbench's own decoder for Llama-style models, transformers for every other family."""
+    return "native" if arch.family == "llama" else "hf"
+
+
+def backend_error(arch: Architecture, backend: str) -> str | None:
+    """Why ``backend`` cannot run ``arch``, or None when it can."""
+    if backend == "native" and arch.family != "llama":
+        return f"the native backend covers Llama-style models; {arch.name} is {arch.family}: use --backend hf"
+    return None

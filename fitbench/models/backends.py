@@ -15,30 +15,15 @@ from __future__ import annotations
 
 import time
 from pathlib import Path
-from typing import Any, Literal
+from typing import Any
 
 import torch
 from torch import nn
 
-from fitbench.models.architecture import Architecture
+from fitbench.models.architecture import BACKENDS, Architecture, Backend, backend_error, default_backend
 from fitbench.models.graphs import Capture, GraphedDecode, capture_cuda_graph
 from fitbench.models.hf import build_hf, has_weights, hf_config
 from fitbench.models.native import KVCache, NativeCausalLM, build_native
-
-Backend = Literal["native", "hf"]
-BACKENDS: tuple[str, ...] = ("native", "hf")
-
-
-def default_backend(arch: Architecture) -> Backend:
-    return "native" if arch.family == "llama" else "hf"
-
-
-def backend_error(arch: Architecture, backend: str) -> str | None:
-    """Why ``backend`` cannot run ``arch``, or None when it can."""
-    if backend == "native" and arch.family != "llama":
-        return f"the native backend covers Llama-style models; {arch.name} is {arch.family}: use --backend hf"
-    return None
-
 
 class CausalLM:
     """A model ready to run: ``module`` for training, and the three calls the loops need."""

@@ -44,6 +44,7 @@ from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 from typing import Callable
 
+from fitbench.hardware import torch_version
 from fitbench.plan.memory import TRAINING_MODES
 
 MIB = 1024**2
@@ -142,25 +143,22 @@ def load_calibration(gpu_name: str | None) -> Calibration:
     torch it was measured with; else the default."""
     if gpu_name is None:
         return DEFAULT
-    import torch
-
+    running = torch_version()
     stored = _stored(gpu_name)
-    if torch.__version__ in stored:
-        return stored[torch.__version__]
+    if running in stored:
+        return stored[running]
     if not stored:
         return DEFAULT
     version = max(stored, key=lambda v: stored[v].measured_at or "")
     return replace(stored[version], source=f"{stored[version].source} (stored for torch {version}, the newest for "
-                                           f"{gpu_name}; none for torch {torch.__version__})")
+                                           f"{gpu_name}; none for torch {running})")
 
 
 def ensure_calibration(gpu_name: str, measure: Callable[[], Calibration]) -> tuple[Calibration, Path | None]:
     """The calibration of the GPU at hand: the one stored for it and the running torch version, else
     a new one from ``measure`` (``fitbench.launch.calibrate.measure_calibration`` on that GPU),
     stored. Returns it and where it was stored, None when it was already there."""
-    import torch
-
-    stored = _stored(gpu_name).get(torch.__version__)
+    stored = _stored(gpu_name).get(torch_version())
     if stored is not None:
         return stored, None
     measured = measure()
@@ -168,8 +166,6 @@ def ensure_calibration(gpu_name: str, measure: Callable[[], Calibration]) -> tup
 
 
 def save_calibration(gpu_name: str, calibration: Calibration) -> Path:
-    import torch
-
     path = calibration_path()
     path.parent.mkdir(parents=True, exist_ok=True)
     try:
@@ -178,7 +174,7 @@ def save_calibration(gpu_name: str, calibration: Calibration) -> Path:
         stored = {}
     if not isinstance(stored, dict):
         stored = {}
-    stored[_key(gpu_name, torch.__version__)] = asdict(calibration)
+    stored[_key(gpu_name, torch_version())] = asdict(calibration)
     tmp = path.with_suffix(".tmp")
     tmp.write_text(json.dumps(stored, indent=2))
     os.replace(tmp, path)

@@ -79,8 +79,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from fitbench.loss import loss_chain_bytes, loss_chunk_rows
-from fitbench.models.architecture import Architecture
-from fitbench.models.backends import default_backend
+from fitbench.models.architecture import Architecture, default_backend
 from fitbench.plan import compiled as inductor
 from fitbench.plan.outliers import outlier_columns
 from fitbench.precisions import ADAPTER_BASES, ADAPTER_RANK, TRAINING_MODES

@@ -21,8 +21,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field, replace
 
 from fitbench import hardware
-from fitbench.models.architecture import Architecture
-from fitbench.models.backends import default_backend
+from fitbench.models.architecture import Architecture, default_backend
 from fitbench.plan import compiled as inductor
 from fitbench.plan.calibration import DEFAULT, PAGE, TENSORS_ONLY, Calibration
 from fitbench.plan.memory import (QUANTIZED, TRAINING_MODES, MemoryEstimate, Parallelism, Term, Widths, estimate_memory,

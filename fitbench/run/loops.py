@@ -31,7 +31,6 @@ from fitbench.models.backends import CausalLM
 from fitbench.precisions import PrecisionPolicy
 from fitbench.run.timing import DeviceClock
 
-MODES: tuple[str, ...] = ("train", "forward", "forward-backward", "infer")
 LEARNING_RATE = 1e-5
 
 

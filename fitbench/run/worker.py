@@ -8,35 +8,7 @@ keeps them in the run's log). The result file is written only at the end; a work
 leaves none, and the parent records the death. Disk offload writes its layers into RESULT.json's
 directory, which the parent makes for the run and removes after it, however the run ends.
 
-Fault injection for tests (comma-separated in ``FITBENCH_INJECT``):
-
-- ``crash:<model>``: the worker of that model aborts (SIGABRT) once its model is built, as a
-  segfaulting kernel or a killed process would;
-- ``oom:<precision>``: a worker running that precision with every layer on the device raises the
-  real ``torch.cuda.OutOfMemoryError`` before it builds its model (an offloaded run is what gets
-  around it), as a run predicted to fit that then runs out would; before the build, so that a
-  quantized rung's libraries are not loaded for nothing (seconds of CPU per attempt);
-- ``hang:<model>``: the worker of that model sleeps before it builds anything, as a hung
-  collective would (for timeouts and signals);
-- ``orphan:<model>``: the worker first starts a process in a session of its own that sleeps and
-  holds the worker's stdout open, as a stray server or compiler daemon would;
-- ``garbage:<model>``: the worker writes a JSON line that is not an object, bytes that are not
-  UTF-8 and a line of several MiB to its progress channel, then runs normally;
-- ``sigkill:<model>``: the worker kills itself with SIGKILL once its model is built, as the
-  kernel's out-of-memory killer would;
-- ``alloc:<model>``: the worker asks the allocator of its device for 2**62 bytes once its model is
-  built: a real allocation failure (on a CPU, ``DefaultCPUAllocator: can't allocate memory``);
-- ``rank-error:<rank>``: that rank of a torchrun job raises once its model is built, while the others
-  go on to their first collective; ``rank-hang:<rank>``: that rank sleeps there instead;
-- ``collective-timeout:<seconds>``: the ranks' collectives fail after that long instead of
-  ``COLLECTIVE_TIMEOUT``, so that a hang ends in seconds;
-- ``mem-limit:<bytes>``: a worker raises it, before it builds its model, when the planner's
-  predicted tensor peak for its configuration exceeds that budget, which makes a CPU behave like
-  a GPU of that size; an offloaded configuration also keeps on the device only the layers that
-  budget has room for.
-  ``fitbench run`` plans against the same budget on a CPU, so what is predicted not to fit there
-  is refused before launch, as on a GPU. The parent takes the same budget for the host memory
-  a CPU worker had (``fitbench.launch.local``).
+Fault injection for tests: ``fitbench.inject``.
 """
 
 from __future__ import annotations
@@ -71,7 +43,9 @@ from fitbench.run.metrics import inference_metrics, step_metrics
 from fitbench.run.parallel import data_seed, parallelize
 from fitbench.run.quality import Quality
 from fitbench.run.quantize import build_quantized_native, float8_training, quantize_built
-from fitbench.run.ranks import PhaseLog, Rank, gather_json, process_group, rank_result_path
+from fitbench.inject import injected, injected_memory_limit, injected_value
+from fitbench.run.phases import PhaseLog, rank_result_path
+from fitbench.run.ranks import Rank, gather_json, process_group
 from fitbench.run.sanity import Verdict, non_finite_figures, non_finite_steps, read, warmup_warning
 from fitbench.run.timing import DeviceClock, first_call_seconds, run_stages, time_steps
 from fitbench.run.trackers import NvmlSampler, memory_report
@@ -89,25 +63,6 @@ _REPORTS_PROGRESS = {"on": True}
 def emit(**event) -> None:
     if _REPORTS_PROGRESS["on"]:
         print(json.dumps(event), flush=True)
-
-
-def injected(kind: str, value: str) -> bool:
-    """True when FITBENCH_INJECT lists ``kind:value`` (comma-separated entries)."""
-    entries = os.environ.get("FITBENCH_INJECT", "").split(",")
-    return f"{kind}:{value}" in (entry.strip() for entry in entries)
-
-
-def injected_value(kind: str) -> float | None:
-    """The number FITBENCH_INJECT gives ``kind`` (``kind:<number>``), None when it lists none."""
-    for entry in os.environ.get("FITBENCH_INJECT", "").split(","):
-        name, _, value = entry.strip().partition(":")
-        if name == kind:
-            return float(value)
-    return None
-
-
-def injected_memory_limit() -> float | None:
-    return injected_value("mem-limit")
 
 
 def inject_misbehaviour(spec: RunSpec) -> None:
@@ -314,7 +269,7 @@ def build(assignment: Assignment, arch, policy, device: torch.device, scratch: P
     if not policy.quantized:
         return Built(load_model(arch, spec.backend, device, policy.weight_dtype, model_path=model_path,
                                 compute_dtype=policy.compute_dtype, cuda_graphs=spec.cuda_graphs))
-    problem = hardware_problem(spec.precision, device,
+    problem = hardware_problem(spec.precision, device.type,
                                torch.cuda.get_device_capability(device) if device.type == "cuda" else None)
     training = spec.mode in TRAINING_MODES
     problem = problem or (training_problem(spec.precision) if training else None)
