@@ -10,14 +10,15 @@ gpus=${2:-2}
 fitbench=${FITBENCH:-fitbench}
 steps=(--warmup-steps 3 --measure-steps 10 --timeout 1200)
 
-weak=(--models 1B --mode train --precision bf16 --batch-size 8 --seq-len 2048 "${steps[@]}" --out "$out/weak")
-$fitbench run "${weak[@]}" || true
-$fitbench run "${weak[@]}" --gpus "$gpus" --strategy ddp || true
-$fitbench run "${weak[@]}" --gpus "$gpus" --strategy fsdp || true
+# a directory holds one sweep: each run its own, under the part it belongs to
+weak=(--models 1B --mode train --precision bf16 --batch-size 8 --seq-len 2048 "${steps[@]}")
+$fitbench run "${weak[@]}" --out "$out/weak/1" || true
+$fitbench run "${weak[@]}" --gpus "$gpus" --strategy ddp --out "$out/weak/ddp" || true
+$fitbench run "${weak[@]}" --gpus "$gpus" --strategy fsdp --out "$out/weak/fsdp" || true
 
-sharded=(--mode train --gpus "$gpus" --strategy fsdp "${steps[@]}" --out "$out/sharded")
-$fitbench run --models 20B --precision bf16-pure --batch-size 1 --seq-len 2048 "${sharded[@]}" || true
+sharded=(--mode train --gpus "$gpus" --strategy fsdp "${steps[@]}")
+$fitbench run --models 20B --precision bf16-pure --batch-size 1 --seq-len 2048 "${sharded[@]}" --out "$out/sharded/20b" || true
 $fitbench run --models llama-3.1-8b --precision bf16 --batch-size 1 --seq-len 4096 --activation-checkpointing \
-    "${sharded[@]}" || true
+    "${sharded[@]}" --out "$out/sharded/8b" || true
 
 $fitbench run --models 30B --mode train --gpus "$gpus" "${steps[@]}" --out "$out/planned" || true
