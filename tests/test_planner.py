@@ -36,13 +36,14 @@ from fitbench.plan.planner import (
     GpuTarget,
     alternatives,
     assess,
+    launch_problem,
+    layouts_for,
     minimum_gpus,
     offload_split,
     overhead_terms,
     plan,
     predict_spec,
     refusal,
-    strategies_for,
 )
 from fitbench.plan.speed import bus_bandwidth, estimate_step_time
 from fitbench.precisions import PRECISIONS
@@ -135,15 +136,17 @@ def bf16_step_weights(s: dict, batch: int) -> float:
 
 
 def hand_decode_seconds(weight_bytes: float, s: dict, batch: int, seq_len: int, new_tokens: int, *,
-                        tp: int = 1) -> float:
+                        tp: int = 1, stages: int = 1) -> float:
     """One decode step: a read of ``weight_bytes`` and of the whole preallocated KV cache (prompt + new
     tokens, as a CUDA graph's step reads it) at HBM bandwidth, tensor-parallel ranks reading their
     share at once, pipeline stages one after another (so, as slow as one GPU); plus two ring
-    all-reduces of the hidden state per layer over NVLink."""
+    all-reduces of the hidden state per layer over NVLink, and the hidden state sent over each
+    boundary between stages."""
     cache = kv_bytes_per_token(s) * batch * (seq_len + new_tokens)
     memory = (weight_bytes + cache) / tp / H100_BANDWIDTH
     compute = 2 * batch * matmul_params(s) / (H100_BF16_FLOPS * tp)
     communication = 2 * s["L"] * 2 * (tp - 1) / tp * batch * s["h"] * 2 / NVLINK4_PER_DIRECTION if tp > 1 else 0.0
+    communication += (stages - 1) * batch * s["h"] * 2 / NVLINK4_PER_DIRECTION
     return max(memory, compute) + communication
 
 
@@ -192,7 +195,7 @@ def test_70b_on_two_80gb_gpus_tp2_fits_and_beats_pipeline2():
     assert tp2.predicted_peak - per_gpu < 2e9
     # The roofline by hand: tp 2 reads half the weights per step, the pipeline all of them.
     tp2_seconds = hand_decode_seconds(bf16_step_weights(LLAMA2_70B, 1), LLAMA2_70B, 1, 128, 128, tp=2)
-    pipeline2_seconds = hand_decode_seconds(bf16_step_weights(LLAMA2_70B, 1), LLAMA2_70B, 1, 128, 128)
+    pipeline2_seconds = hand_decode_seconds(bf16_step_weights(LLAMA2_70B, 1), LLAMA2_70B, 1, 128, 128, stages=2)
     assert tp2.speed.seconds == pytest.approx(tp2_seconds, rel=1e-9)
     assert pipeline2.speed.seconds == pytest.approx(pipeline2_seconds, rel=1e-9)
     assert tp2_seconds < pipeline2_seconds
@@ -217,8 +220,11 @@ def test_ladder_that_starts_with_a_fitting_precision_chooses_it(ladder):
     assert result.chosen.candidate.precision == ladder[0]
     first = [a for a in result.feasible if a.candidate.precision == ladder[0]]
     later = [a for a in result.feasible if a.candidate.precision != ladder[0]]
-    # Within the rung, the fastest; ranked list starts with the chosen one.
-    assert result.chosen.speed.tokens_per_s == max(a.speed.tokens_per_s for a in first)
+    # Within the rung, the fastest the run can launch (quantized weights are not split by tensor
+    # parallelism); ranked list starts with the chosen one.
+    launched = [a for a in first if launch_problem(resolve("llama-2-70b"), a.candidate.layout, a.candidate.precision,
+                                                   "infer", "native") is None]
+    assert result.chosen.speed.tokens_per_s == max(a.speed.tokens_per_s for a in launched)
     assert result.feasible[0] is result.chosen
     assert [a.candidate.precision for a in result.feasible] == sorted(
         (a.candidate.precision for a in result.feasible), key=ladder.index)
@@ -228,12 +234,15 @@ def test_ladder_that_starts_with_a_fitting_precision_chooses_it(ladder):
 
 
 def test_equal_roofline_prefers_fewer_gpus():
-    # One micro-batch through S stages takes S x (1/S) of the time: no faster than one GPU.
+    # One micro-batch through S stages takes S x (1/S) of the time (a bubble of (S - 1) / S), no faster
+    # than one GPU, and its activations cross each boundary forward and their gradient back.
     result = plan(resolve("7B"), "train", GpuTarget(H100, 4, 80e9, described=True), seq_len=512, new_tokens=1,
                   batch_sizes=[1], precisions=["bf16-pure"], strategies=["single", "pipeline"], checkpointing=[False])
-    speeds = {a.candidate.gpus: a.speed.tokens_per_s for a in result.feasible}
-    assert set(speeds) == {1, 2, 4}
-    assert speeds[1] == pytest.approx(speeds[2], rel=1e-12) == pytest.approx(speeds[4], rel=1e-12)
+    seconds = {a.candidate.gpus: 512 / a.speed.tokens_per_s for a in result.feasible}
+    assert set(seconds) == {1, 2, 4}
+    for stages in (2, 4):
+        sends = 2 * (stages - 1) * 512 * LLAMA2_7B["h"] * 2 / NVLINK4_PER_DIRECTION
+        assert seconds[stages] == pytest.approx(seconds[1] + sends, rel=1e-9)
     assert result.chosen.candidate.gpus == 1
 
 
@@ -248,23 +257,31 @@ def test_every_rejection_has_a_reason_and_tp3_is_rejected_for_64_heads():
     assert {a.candidate.precision for a in tp3} == {"bf16-pure", "int8", "nf4"}
     for rejected in tp3:
         assert "tensor parallel 3 does not divide 64 heads" in rejected.reason
-    pipeline3 = [a for a in result.rejected if a.candidate.strategy == "pipeline" and a.candidate.gpus == 3]
+    # 80 layers split unevenly into 3 stages: 27, 27 and 26 (80 % 3 == 2)
+    pipeline3 = [a for a in result.feasible if a.candidate.strategy == "pipeline" and a.candidate.gpus == 3]
     assert pipeline3
-    for rejected in pipeline3:
-        assert "80 layers do not split into 3" in rejected.reason  # 80 % 3 == 2
+    for feasible in pipeline3:
+        assert len(feasible.memory.stage.layers) in (26, 27)
     for feasible in result.feasible:
         assert feasible.fits and feasible.reason is None and feasible.predicted_peak <= 80e9
     # Nothing asks for more GPUs than the three there are.
     assert {a.candidate.gpus for a in (*result.feasible, *result.rejected)} == {1, 2, 3}
 
 
-def test_tp_must_divide_the_kv_heads_too():
-    # 64 heads split 16 ways, but 8 kv heads do not.
-    result = plan(resolve("llama-2-70b"), "infer", GpuTarget(H100, 16, 80e9, described=True), seq_len=128,
+def test_tp_stays_in_one_node_and_replicates_kv_heads_it_cannot_split():
+    arch = resolve("llama-2-70b")
+    result = plan(arch, "infer", GpuTarget(H100, 16, 80e9, described=True), seq_len=128,
                   new_tokens=128, batch_sizes=[1], precisions=["bf16-pure"], strategies=["tp"])
-    tp16 = [a for a in result.rejected if a.candidate.gpus == 16]
-    assert tp16 and all("8 kv heads" in a.reason for a in tp16)
-    assert all(a.candidate.gpus <= 8 for a in result.feasible)
+    assert result.feasible and all(a.candidate.layout.tp <= 8 for a in (*result.feasible, *result.rejected))
+    tp16 = Candidate("bf16-pure", "tp", 16, False, 1)
+    beyond = assess(arch, "infer", tp16, GpuTarget(H100, 16, 80e9, described=True), seq_len=128, new_tokens=128)
+    assert not beyond.fits and "more than the 8 GPUs of one node" in beyond.reason
+    # on a node of 16, 64 heads split 16 ways; the 8 kv heads do not: each rank caches all of them
+    wide = GpuTarget(H100, 16, 80e9, described=True, node_gpus=16)
+    caches = [{t.name: t.bytes for t in assess(arch, "infer", Candidate("bf16-pure", "tp", tp, False, 1), wide,
+                                               seq_len=128, new_tokens=128).memory.terms}["KV cache"]
+              for tp in (8, 16)]
+    assert caches[1] == 8 * caches[0] == kv_bytes_per_token(LLAMA2_70B) * (128 + 128)
 
 
 @pytest.mark.parametrize("count", [1, 2, 3, 5, 6])
@@ -315,10 +332,10 @@ def test_auto_batch_grows_with_gpu_memory(model, mode, precision, seq_len):
 
 # ---- 5. minimum GPU counts -----------------------------------------------------------------------
 
-def layouts(mode: str, gpus: int, precision: str, batch: int):
-    for strategy in strategies_for(mode, gpus):
+def layouts(arch, mode: str, gpus: int, precision: str, batch: int):
+    for layout in layouts_for(arch, mode, gpus):
         for recompute in ([False, True] if mode == "train" else [False]):
-            yield Candidate(precision, strategy, gpus, recompute, batch)
+            yield Candidate.of_layout(precision, layout, recompute, batch)
 
 
 @pytest.mark.parametrize("model, mode, precision, seq_len, expected", [
@@ -336,11 +353,11 @@ def test_minimum_gpus(model, mode, precision, seq_len, expected):
     else:
         assert count == expected
     target = GpuTarget(None, 64, 80e9, described=True)
-    fitting = [c.label for c in layouts(mode, count, precision, 1)
+    fitting = [c.label for c in layouts(arch, mode, count, precision, 1)
                if assess(arch, mode, c, target, seq_len=seq_len, new_tokens=128).fits]
     assert how in fitting
     if count > 1:
-        for candidate in layouts(mode, count // 2, precision, 1):
+        for candidate in layouts(arch, mode, count - 1, precision, 1):
             assert not assess(arch, mode, candidate, target, seq_len=seq_len, new_tokens=128).fits, candidate.label
 
 
@@ -911,12 +928,16 @@ def test_plan_command_json_has_sizes_in_bytes(capsys):
     result = json.loads(out)
     assert {"chosen", "rejected", "feasible", "hardware", "calibration"} <= set(result)
     assert result["hardware"] == {"name": None, "count": 4, "memory": 80e9, "described": True,
-                                  "memory_source": "--gpu-memory"}
+                                  "memory_source": "--gpu-memory", "node_gpus": 8}
     chosen = result["chosen"]
     assert chosen["candidate"] == {"precision": "bf16-pure", "strategy": "tp", "gpus": 4,
                                    "activation_checkpointing": False, "batch_size": 1, "resident_layers": None,
-                                   "compiled": False, "cpu_offload": False}
-    per_gpu = 2 * (LLAMA2_70B["L"] * layer_params(LLAMA2_70B) / 4 + edge_params(LLAMA2_70B))
+                                   "compiled": False, "cpu_offload": False,
+                                   "layout": {"dp_replicate": 1, "dp_shard": 1, "tp": 4, "pp": 1}}
+    # every layer matrix in quarters (8 kv heads split 4 ways), the embedding and the output projection
+    # over the vocabulary; the norms whole on each rank
+    s, norms = LLAMA2_70B, 2 * LLAMA2_70B["h"]
+    per_gpu = 2 * (s["L"] * ((layer_params(s) - norms) / 4 + norms) + 2 * s["V"] * s["h"] / 4 + s["h"])
     assert per_gpu < chosen["predicted_peak_bytes"] < per_gpu + 2e9
     terms = {t["name"]: t["bytes"] for t in chosen["memory"]["terms"]}
     assert terms["weights"] == per_gpu
@@ -987,7 +1008,8 @@ def test_plan_on_detected_gpus(capsys, monkeypatch):
     code, out, err = cli(["plan", "--models", "7B", "--mode", "infer", "--json"], capsys)
     assert code == 0, err
     assert json.loads(out)["hardware"] == {"name": H100, "count": 2, "memory": 85_520_809_984.0, "described": False,
-                                           "memory_source": "torch.cuda.get_device_properties().total_memory"}
+                                           "memory_source": "torch.cuda.get_device_properties().total_memory",
+                                           "node_gpus": 8}
 
 
 @pytest.mark.parametrize("gpu, gpu_memory, gpus, expected", [
@@ -1235,17 +1257,18 @@ def test_inference_alternatives_precisions_smaller_batch_offload_and_more_gpus()
     # Offloaded weights leave room for the cache only as far as the cache fits without them: 66.5 GB of
     # room is less than 141.7 GB, so offload is not offered either.
     assert not any("--offload" in name for name in changes)
-    # More GPUs split the weights and the cache: the fewest that fit, tensor parallel or pipeline stages
-    # (inference has no FSDP), each holding at least its share of both; on half as many nothing fits.
+    # More GPUs split the weights and the cache: the fewest that fit, tensor parallel, pipeline stages or
+    # both (inference has no FSDP), each holding at least its share of both; on one fewer nothing fits.
     (sharded,) = [name for name in changes if name.startswith("on ")]
     layout = changes[sharded].candidate
-    assert sharded.startswith(f"on {layout.gpus} GPUs with ") and layout.strategy in ("tp", "pipeline")
+    assert sharded.startswith(f"on {layout.gpus} GPUs with ")
+    assert set(layout.strategy.split("+")) <= {"tp", "pipeline"}
     share = (2 * P7 + kv_bytes_per_token(LLAMA2_7B) * 64 * (4096 + 128)) / layout.gpus
     assert share <= changes[sharded].predicted_peak <= 80e9
-    fewer = GpuTarget(H100, layout.gpus // 2, 80e9, described=False)
+    fewer = GpuTarget(H100, layout.gpus - 1, 80e9, described=False)
     assert layout.gpus >= 2 and not any(
-        assess(arch, "infer", replace(layout, gpus=fewer.count, strategy=strategy), fewer, seq_len=4096,
-               new_tokens=128).fits for strategy in strategies_for("infer", fewer.count))
+        assess(arch, "infer", Candidate.of_layout(layout.precision, fewer_layout, False, layout.batch_size), fewer,
+               seq_len=4096, new_tokens=128).fits for fewer_layout in layouts_for(arch, "infer", fewer.count))
 
 
 def test_offload_is_offered_when_the_weights_are_what_does_not_fit():

@@ -229,6 +229,10 @@ class Parallelism:
         """The microbatches of a pipeline's training step: ``microbatches``, by default one per stage."""
         return self.microbatches or self.stages
 
+    def microbatches_of(self, batch: int) -> int:
+        """The microbatches a step of ``batch`` sequences makes: no more than its sequences."""
+        return min(self.schedule_microbatches, batch)
+
 
 @dataclass(frozen=True)
 class Stage:
@@ -545,7 +549,7 @@ def estimate_memory(arch: Architecture, mode: str, precision: str, batch: int, s
     the final norm, output projection and logits on the last): ``stage`` (an index) estimates that
     stage's GPUs; by default the estimate is that of the stage with the largest peak, which its
     ``stage`` names (``stage_estimates`` gives them all). A training step's pipeline runs
-    ``parallelism.schedule_microbatches`` microbatches of ``ceil(batch / m)`` sequences under 1F1B
+    ``parallelism.microbatches_of(batch)`` microbatches of ``ceil(batch / m)`` sequences under 1F1B
     (``Stage.in_flight``)."""
     backend = backend or default_backend(arch)
     if resident_layers is not None:
@@ -567,7 +571,7 @@ def estimate_memory(arch: Architecture, mode: str, precision: str, batch: int, s
                                 where)
     in_flight = 1
     if training and parallelism.stages > 1:
-        microbatches = parallelism.schedule_microbatches
+        microbatches = parallelism.microbatches_of(batch)
         in_flight, batch = where.in_flight(microbatches), -(-batch // microbatches)
     if training and precision in QUANTIZED and precision not in ADAPTER_BASES:
         raise ValueError(f"{precision} weights have no backward pass: no training memory model")
@@ -611,7 +615,7 @@ def stage_estimates(arch: Architecture, mode: str, precision: str, batch: int, s
     once."""
     estimates: dict[tuple, MemoryEstimate] = {}
     result = []
-    microbatches = parallelism.schedule_microbatches
+    microbatches = parallelism.microbatches_of(batch)
     for stage in pipeline_stage_list(arch, parallelism.stages):
         shape = (len(stage.layers), stage.first, stage.last, stage.in_flight(microbatches))
         if shape not in estimates:
@@ -702,7 +706,7 @@ def _float8_training(arch, mode, batch, seq_len, recompute, parallelism, backend
                                parallelism=parallelism, backend=backend, compiled=compiled,
                                stage=stage.index if stage else None)
     if parallelism.stages > 1:  # one microbatch in a matmul at a time
-        batch = -(-batch // parallelism.schedule_microbatches)
+        batch = -(-batch // parallelism.microbatches_of(batch))
     n, h, f, tp = batch * seq_len, arch.hidden_size, arch.ffn_size, parallelism.tensor
     casts = (2 * h * f + 2 * n * f) / tp
     moments = frozenset(m for m in estimate.moments if m != START)
