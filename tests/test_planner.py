@@ -22,13 +22,15 @@ import torch
 from fitbench import hardware
 from fitbench.cli import gpu_target
 from fitbench.sweep import run_target
-from fitbench.spec import RunSpec
+from fitbench.spec import Layout, RunSpec
 from fitbench.errors import UserError
 from fitbench.launch.calibrate import measure_bus_bandwidth, with_bus_bandwidth
+from fitbench.models.backends import default_backend
+from fitbench.models.presets import PRESETS
 from fitbench.models.registry import resolve
 from fitbench.plan.calibration import (DEFAULT, TENSORS_ONLY, Calibration, calibration_path, ensure_calibration,
                                       load_calibration, save_calibration)
-from fitbench.plan.memory import Parallelism, estimate_memory
+from fitbench.plan.memory import Parallelism, estimate_memory, stage_estimates
 from fitbench.plan.planner import (
     GPU_ALIASES,
     MAX_AUTO_BATCH,
@@ -36,6 +38,7 @@ from fitbench.plan.planner import (
     GpuTarget,
     alternatives,
     assess,
+    fewest_gpus,
     launch_problem,
     layouts_for,
     minimum_gpus,
@@ -45,8 +48,9 @@ from fitbench.plan.planner import (
     predict_spec,
     refusal,
 )
-from fitbench.plan.speed import bus_bandwidth, estimate_step_time
-from fitbench.precisions import PRECISIONS
+from fitbench.plan.speed import (BusBandwidth, bubble_fraction, bus_bandwidth, estimate_step_time,
+                                 tensor_parallel_all_reduce_s)
+from fitbench.precisions import ADAPTER_BASES, PRECISIONS, training_problem
 from conftest import cli
 
 # ---- datasheet figures and published shapes ---------------------------------------------------
@@ -1417,3 +1421,178 @@ def test_named_gpus_plan_with_what_the_device_gives_a_process():
     # The gap the issue found: 7B inference plans for 85.0 GB on an H100, not 80.0 GB.
     assert gpu_target(argparse.Namespace(gpu="H100-80GB", gpu_memory=None, gpus=None)).memory / GB == \
         pytest.approx(85.0, abs=0.05)
+
+
+# ---- layouts of several GPUs: tensor parallel x pipeline stages x data parallel ---------------------
+
+def terms_of(assessed) -> dict[str, float]:
+    memory = assessed.memory if hasattr(assessed, "memory") else assessed
+    return {term.name: term.bytes for term in memory.terms}
+
+
+def launchable(arch, mode: str, gpus: int, precision: str) -> list[Layout]:
+    return [layout for layout in layouts_for(arch, mode, gpus)
+            if launch_problem(arch, layout, precision, mode, default_backend(arch)) is None]
+
+
+def test_405b_bf16_inference_on_16_h100_is_tp8_x_pp2():
+    arch = resolve("llama-3.1-405b")
+    target = GpuTarget(H100, 16, H100_TOTAL_MEMORY, described=True)
+    result = plan(arch, "infer", target, seq_len=128, new_tokens=128, batch_sizes=[1], precisions=["bf16-pure"])
+    chosen = result.chosen
+    assert chosen is not None and chosen.fits
+    # 810 GB of weights: nothing of 8 GPUs or fewer fits; tensor parallelism stops at one node's 8 GPUs, so
+    # the 16 need pipeline stages too, and the widest tensor-parallel degree reads each step's weights fastest
+    assert all(a.candidate.gpus == 16 for a in result.feasible)
+    assert chosen.candidate.layout == Layout(tp=8, pp=2) and "tp 8 x pipeline 2" in chosen.candidate.label
+    assert 2 * arch.total_params / 16 < chosen.predicted_peak <= H100_TOTAL_MEMORY
+    assert chosen.memory.stage is not None and chosen.memory.stage.count == 2
+    # every other layout of 16 that fits is predicted slower
+    assert all(a.speed.tokens_per_s < chosen.speed.tokens_per_s for a in result.feasible if a is not chosen)
+
+
+def test_falcon_180b_bf16_inference_fewest_h100s_and_the_layout():
+    arch = resolve("falcon-180b")
+    found = fewest_gpus(arch, "infer", "bf16-pure", H100_TOTAL_MEMORY, seq_len=128, new_tokens=128, gpu_name=H100)
+    assert found is not None and found.fits
+    count, layout = found.candidate.gpus, found.candidate.layout
+    assert layout.world_size == count
+    # Falcon runs on transformers' model, which the run splits by pipeline stages, not tensor parallelism
+    assert layout == Layout(pp=count)
+    assert count >= math.ceil(2 * arch.total_params / H100_TOTAL_MEMORY)
+    fewer = GpuTarget(H100, count - 1, H100_TOTAL_MEMORY, described=True)
+    assert not any(assess(arch, "infer", Candidate.of_layout("bf16-pure", other, False, 1), fewer, seq_len=128,
+                          new_tokens=128).fits for other in launchable(arch, "infer", count - 1, "bf16-pure"))
+    assert minimum_gpus(arch, "infer", "bf16-pure", H100_TOTAL_MEMORY, seq_len=128, new_tokens=128) == \
+        (count, found.candidate.label)
+
+
+def test_70b_bf16_inference_on_two_h200_fits_with_tp2():
+    target = GpuTarget("NVIDIA H200", 2, H200_TOTAL_MEMORY, described=True)
+    result = plan(resolve("llama-2-70b"), "infer", target, seq_len=512, new_tokens=128, batch_sizes=[1],
+                  precisions=["bf16-pure"])
+    assert result.chosen.candidate.layout == Layout(tp=2)
+    assert 2 * P70 / 2 < result.chosen.predicted_peak <= H200_TOTAL_MEMORY
+    # two stages fit too, but decode one after another: the whole model's weights read per step
+    by_layout = {a.candidate.layout: a for a in result.feasible}
+    assert by_layout[Layout(pp=2)].speed.tokens_per_s < result.chosen.speed.tokens_per_s
+
+
+def test_uneven_stages_of_126_layers_on_16():
+    arch = resolve("llama-3.1-405b")
+    pipeline = Parallelism("pipeline", 16)
+    estimates = stage_estimates(arch, "infer", "bf16-pure", 1, 128, new_tokens=128, parallelism=pipeline)
+    sizes = [len(e.stage.layers) for e in estimates]
+    assert sum(sizes) == 126 and sizes[0] == sizes[-1] == 7 and set(sizes[1:-1]) == {8}
+    p, V, h = arch.params_per_layer, arch.vocab_size, arch.hidden_size
+    weights = [terms_of(e)["weights"] for e in estimates]
+    assert weights[0] == 2 * (7 * p + V * h)  # and the embedding
+    assert weights[1] == 2 * 8 * p
+    assert weights[-1] == 2 * (7 * p + h + V * h)  # and the final norm and output projection
+    caches = [terms_of(e)["KV cache"] for e in estimates]
+    assert caches[0] == caches[-1] == caches[1] * 7 / 8
+    assert caches[1] == 8 * 2 * arch.num_kv_heads * arch.head_dim * 2 * (128 + 128)
+    assert [("output projection" in terms_of(e)) for e in estimates] == [False] * 15 + [True]
+    # 8 layers (8 x 3.2e9 parameters) outweigh 7 and the embedding (V h = 2.1e9): a middle stage peaks
+    whole = estimate_memory(arch, "infer", "bf16-pure", 1, 128, new_tokens=128, parallelism=pipeline)
+    assert whole.peak_bytes == max(e.peak_bytes for e in estimates) and whole.stage.index not in (0, 15)
+    assert "stage" in whole.as_dict() and whole.as_dict()["stage"].startswith(f"stage {whole.stage.index + 1} of 16")
+
+
+def test_tensor_parallel_all_reduces_by_hand():
+    arch, links = resolve("tiny"), BusBandwidth(100e9, 100e9, "test")
+    L, h = arch.num_layers, arch.hidden_size
+    decode = estimate_step_time(arch, "infer", "bf16-pure", 4, 64, new_tokens=8, parallelism=Parallelism("tp", 2),
+                                gpu_name=H100, links=links)
+    # two ring all-reduces per layer of 4 sequences x h x 2 B: 2 (2 - 1) / 2 x bytes / 100 GB/s
+    assert decode.communication_s == pytest.approx(L * 2 * (2 * 1 / 2 * 4 * h * 2 / 100e9), rel=1e-12)
+    assert tensor_parallel_all_reduce_s(4 * h * 2, 2, links) == 4 * h * 2 / 100e9
+    train = estimate_step_time(arch, "train", "bf16-pure", 4, 64, new_tokens=1, parallelism=Parallelism("tp", 4),
+                               gpu_name=H100, links=links)
+    # two in the forward and two in the backward per layer, each of 4 x 64 tokens x h x 2 B over 4 ranks
+    assert train.communication_s == pytest.approx(L * 4 * (2 * 3 / 4 * 4 * 64 * h * 2 / 100e9), rel=1e-12)
+
+
+def test_pipeline_bubble_by_hand():
+    assert bubble_fraction(4, 8) == 3 / 11 and bubble_fraction(1, 8) == 0 and bubble_fraction(2, 1) == 1 / 2
+    arch, links = resolve("7B"), BusBandwidth(100e9, 100e9, "test")
+    assert arch.num_layers % 4 == 0
+    one = estimate_step_time(arch, "train", "bf16-pure", 8, 512, new_tokens=1, parallelism=Parallelism(),
+                             gpu_name=H100, links=links)
+    piped = estimate_step_time(arch, "train", "bf16-pure", 8, 512, new_tokens=1, gpu_name=H100, links=links,
+                               parallelism=Parallelism(layout=Layout(pp=4), microbatches=8))
+    # each stage a quarter of the work, stretched by the bubble: (m + p - 1) / m = 11 / 8; one microbatch
+    # (a sequence) crossing the 3 boundaries forward and its gradient back is not hidden
+    sends = 2 * 3 * 512 * arch.hidden_size * 2 / 100e9
+    assert piped.seconds == pytest.approx(max(one.compute_s, one.memory_s) / 4 * 11 / 8 + sends, rel=1e-12)
+
+
+def test_pipeline_training_holds_the_microbatches_in_flight():
+    # 1F1B: stage i of p holds min(m, p - i) microbatches' activations
+    arch = resolve("7B")
+    pipeline = Parallelism(layout=Layout(pp=4), microbatches=8)
+    estimates = stage_estimates(arch, "train", "bf16-pure", 8, 512, parallelism=pipeline)
+    per_microbatch = terms_of(estimate_memory(arch, "train", "bf16-pure", 1, 512))["activations"] / arch.num_layers
+    for i, estimate in enumerate(estimates):
+        assert terms_of(estimate)["activations"] == pytest.approx(8 * (4 - i) * per_microbatch, rel=1e-12)
+    assert "loss chain" in terms_of(estimates[-1]) and "loss chain" not in terms_of(estimates[0])
+
+
+EVERY_LAYOUT = (Layout(), Layout(tp=2), Layout(pp=2), Layout(tp=2, pp=2), Layout(tp=4, pp=3))
+
+
+@pytest.mark.parametrize("mode", ["train", "forward-backward", "forward", "infer"])
+def test_every_term_is_non_negative_in_every_layout(mode):
+    training = mode in ("train", "forward-backward")
+    layouts = EVERY_LAYOUT + ((Layout(dp_shard=2, tp=2), Layout(dp_replicate=2, tp=2)) if training else ())
+    for arch in PRESETS:
+        for precision in PRECISIONS:
+            if training and training_problem(precision):
+                continue
+            for layout in layouts:
+                if layout.pp > arch.num_layers or arch.num_heads % layout.tp or (
+                        layout.dp_shard > 1 and precision in ADAPTER_BASES):
+                    continue
+                for estimate in stage_estimates(arch, mode, precision, 2, 64, new_tokens=8,
+                                                parallelism=Parallelism(layout=layout)):
+                    assert estimate.peak_bytes > 0
+                    negative = [t.name for t in estimate.terms if t.bytes < 0]
+                    assert not negative, (arch.name, precision, layout.label, negative)
+
+
+def test_requirements_answers_405b_with_a_layout(capsys):
+    argv = ["plan", "--models", "llama-3.1-405b", "--mode", "infer", "--gpu", "H100-80GB", "--requirements"]
+    code, out, err = cli([*argv, "--json"], capsys)
+    assert code == 0, err
+    rows = {row["precision"]: row for row in json.loads(out)}
+    for row in rows.values():
+        layout = Layout(**row["layout"])
+        assert layout.world_size == row["min_gpus"] and (layout.label in row["how"] or layout.world_size == 1)
+        assert row["peak_per_gpu_bytes"] <= H100_TOTAL_MEMORY
+    bf16 = rows["bf16-pure"]
+    # tensor parallelism stops at 8 GPUs, and 8 cannot hold 810 GB: stages as well
+    assert 8 < bf16["min_gpus"] <= 16 and bf16["layout"]["pp"] > 1 and bf16["peak_stage"]
+    code, out, err = cli(argv, capsys)
+    assert code == 0, err
+    assert "pipeline" in out and "more than 64" not in out
+
+
+def test_the_planner_chooses_the_layout_of_a_run_left_open():
+    # llama-2-70b on two H200s: tensor parallel 2, faster than two stages
+    spec = run_spec("llama-2-70b", "infer", "bf16-pure", 1, 512, layout=Layout(pp=2))
+    target = GpuTarget("NVIDIA H200", 2, H200_TOTAL_MEMORY, described=True)
+    planned, prediction = predict_spec(resolve("llama-2-70b"), spec, target, DEFAULT, choose_precision=False,
+                                       choose_recompute=False, runnable=PRECISIONS, choose_strategy=True)
+    assert planned.layout == Layout(tp=2) and prediction["fits"] and "layout" in prediction["chosen_by_planner"]
+    # Falcon, on transformers' model, is split by stages; quantized weights too
+    for model, precision in (("falcon-40b", "bf16-pure"), ("llama-2-70b", "int8")):
+        spec = run_spec(model, "infer", precision, 1, 512, layout=Layout(tp=2)).model_copy(
+            update={"backend": default_backend(resolve(model))})
+        planned, _ = predict_spec(resolve(model), spec, target, DEFAULT, choose_precision=False,
+                                  choose_recompute=False, runnable=PRECISIONS, choose_strategy=True)
+        assert planned.layout == Layout(pp=2), model
+    # asked for, a layout stays
+    kept, _ = predict_spec(resolve("llama-2-70b"), spec.model_copy(update={"model": "llama-2-70b", "backend": "native",
+                                                                           "precision": "bf16-pure"}),
+                           target, DEFAULT, choose_precision=False, choose_recompute=False, runnable=PRECISIONS)
+    assert kept.layout == Layout(tp=2)
