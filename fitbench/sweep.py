@@ -229,7 +229,8 @@ def plan_specs(specs: list, config, target, calibration) -> tuple[list, Callable
         arch = resolve(spec.model)
         spec, prediction = predict_spec(arch, spec, target, calibration, choose_precision=config.precision is None,
                                         choose_recompute=config.activation_checkpointing is None,
-                                        runnable=PRECISIONS, choose_strategy=config.strategy == "auto")
+                                        runnable=PRECISIONS, choose_strategy=config.strategy == "auto",
+                                        gpus=None if spec.offload else config.gpus)
         planned.append(spec)
         predictions[spec.key] = prediction
         if not prediction["fits"]:

@@ -1578,12 +1578,20 @@ def test_requirements_answers_405b_with_a_layout(capsys):
 
 
 def test_the_planner_chooses_the_layout_of_a_run_left_open():
-    # llama-2-70b on two H200s: tensor parallel 2, faster than two stages
-    spec = run_spec("llama-2-70b", "infer", "bf16-pure", 1, 512, layout=Layout(pp=2))
+    # llama-2-70b on two H200s: tensor parallel 2, faster than two stages, from a generation the sweep
+    # expanded in one process (or from another layout of the two)
     target = GpuTarget("NVIDIA H200", 2, H200_TOTAL_MEMORY, described=True)
-    planned, prediction = predict_spec(resolve("llama-2-70b"), spec, target, DEFAULT, choose_precision=False,
-                                       choose_recompute=False, runnable=PRECISIONS, choose_strategy=True)
-    assert planned.layout == Layout(tp=2) and prediction["fits"] and "layout" in prediction["chosen_by_planner"]
+    for layout, gpus in ((Layout(), 2), (Layout(pp=2), None)):
+        spec = run_spec("llama-2-70b", "infer", "bf16-pure", 1, 512, layout=layout)
+        planned, prediction = predict_spec(resolve("llama-2-70b"), spec, target, DEFAULT, choose_precision=False,
+                                           choose_recompute=False, runnable=PRECISIONS, choose_strategy=True,
+                                           gpus=gpus)
+        assert planned.layout == Layout(tp=2) and prediction["fits"] and "layout" in prediction["chosen_by_planner"]
+    # in training DDP or FSDP first, as `plan` chooses: 7B bf16 on two H200s, FSDP
+    spec = run_spec("7B", "train", "bf16", 1, 512, layout=Layout(dp_replicate=2))
+    planned, _ = predict_spec(resolve("7B"), spec, target, DEFAULT, choose_precision=False, choose_recompute=False,
+                              runnable=PRECISIONS, choose_strategy=True)
+    assert planned.layout.strategy in ("ddp", "fsdp")
     # Falcon, on transformers' model, is split by stages; quantized weights too
     for model, precision in (("falcon-40b", "bf16-pure"), ("llama-2-70b", "int8")):
         spec = run_spec(model, "infer", precision, 1, 512, layout=Layout(tp=2)).model_copy(

@@ -519,12 +519,13 @@ def planner_choices(mode: str, choose_precision: bool, choose_recompute: bool, c
 
 def predict_spec(arch: Architecture, spec, target: GpuTarget, calibration: Calibration | None, *,
                  choose_precision: bool, choose_recompute: bool, runnable: tuple[str, ...],
-                 choose_strategy: bool = False):
+                 choose_strategy: bool = False, gpus: int | None = None):
     """Plan one ``fitbench run`` configuration on its GPUs (one, or its layout's world size): choose
     the precision and activation checkpointing the user left open (first rung of the ladder that
-    fits) and, with ``choose_strategy``, the layout of the layout's ranks (``layouts_for`` those the
-    run can launch, ``launch_problem``: the fastest predicted among those that fit), and predict the
-    peak per GPU (compiled when ``spec.compile``);
+    fits) and, with ``choose_strategy``, the layout of ``gpus`` ranks (by default the layout's world
+    size; ``layouts_for`` those the run can launch, ``launch_problem``: the fastest predicted among
+    those that fit, in training one of ``LAUNCHED_IN_TRAINING`` first, as ``plan`` chooses), and
+    predict the peak per GPU (compiled when ``spec.compile``);
     an offloaded one keeps the layers ``offload_split`` finds room for. When nothing fits, the option
     that comes closest (the smallest peak) stands for the configuration: what its refusal names.
     Returns the spec to run and the prediction stored with its result. ``calibration`` None: a CPU,
@@ -540,7 +541,7 @@ def predict_spec(arch: Architecture, spec, target: GpuTarget, calibration: Calib
         return offload_split(arch, spec.mode, precision, spec.batch_size, spec.seq_len, new_tokens=spec.new_tokens,
                              budget=target.memory, calibration=calibration, backend=spec.backend).resident_layers
 
-    ranks = spec.layout.world_size
+    ranks = gpus if choose_strategy and gpus else spec.layout.world_size
 
     def layouts(precision: str) -> list[Layout]:
         if ranks == 1 or not choose_strategy:
@@ -560,7 +561,9 @@ def predict_spec(arch: Architecture, spec, target: GpuTarget, calibration: Calib
     fitting = [[a for a in group if a.fits] for group in groups]
     first = next((group for group in fitting if group), None)
     estimated = [a for a in options if a.memory is not None] or options
-    chosen = (max(first, key=lambda a: a.speed.tokens_per_s if a.speed else 0.0) if first
+    training = spec.mode in TRAINING_MODES
+    chosen = (max(first, key=lambda a: (not training or a.candidate.strategy in LAUNCHED_IN_TRAINING,
+                                        a.speed.tokens_per_s if a.speed else 0.0)) if first
               else min(estimated, key=lambda a: a.predicted_peak))
     candidate = chosen.candidate
     planned = spec.model_copy(update={"precision": candidate.precision, "layout": candidate.layout,
