@@ -27,9 +27,22 @@ layers on the GPU: the weights term counts the edges (embeddings, final norm, ou
 and those ``k`` layers, and while any layer is offloaded, one layer's weights are in flight, copied
 in for its forward. The KV cache of every layer stays on the GPU.
 
-Sharding divides terms per GPU (``Parallelism``): tensor parallelism divides every layer's
-weights, the attention and MLP activations and the KV cache by its degree; pipeline parallelism
-divides the layers by its stages. Data parallelism (``_training``'s ``ddp`` and ``fsdp``, per rank,
+Sharding divides terms per GPU (``Parallelism``, which carries the run's ``Layout``), as the run
+shards:
+
+- tensor parallelism (degree t): q, k, v, gate and up column-wise, o and down row-wise, so each rank
+  holds 1/t of every layer matrix (``tp_layer_matrices``); k, v and the KV cache whole on every rank
+  where the kv heads do not divide by t (``kv_heads_split``); the embedding and the output projection
+  split over the vocabulary, the norms replicated; inside a layer the per-head and MLP intermediates
+  are 1/t, the residual stream and the norms whole (no sequence parallelism); the logits gathered
+  whole (B, T, V) on each rank before the loss or the next token;
+- pipeline parallelism (p stages): stage i holds the layers ``fitbench.spec.pipeline_stages`` gives
+  it (``Stage``), the first also the embedding, the last the final norm, the output projection and
+  the logits and loss; generation caches each stage's own layers; a training step runs m microbatches
+  (by default p) under 1F1B, stage i holding the activations of min(m, p - i) of them. Stages differ,
+  so each is estimated (``stage_estimates``) and the largest stands for the layout, named.
+
+Data parallelism (``_training``'s ``ddp`` and ``fsdp``, per rank,
 ``g`` ranks, ``p`` parameters per layer, ``E`` parameters of the root: embeddings, final norm,
 output projection):
 

@@ -1,7 +1,8 @@
 """Enumerate ways to run a model on some GPUs, keep those predicted to fit, rank, and explain.
 
-A candidate is a precision, a strategy over a GPU count, activation checkpointing on or off and a
-batch size. Its predicted per-GPU peak is the memory model's tensor terms plus the calibrated
+A candidate is a precision, a layout over a GPU count (``fitbench.spec.Layout``: the object the run
+is given, so a planned layout is the layout that runs; ``layouts_for`` enumerates them for any
+count), activation checkpointing on or off and a batch size. Its predicted per-GPU peak is the memory model's tensor terms plus the calibrated
 overheads (CUDA context, cuBLAS workspace, allocator page rounding, NCCL buffers; none on a CPU,
 where the calibration is None). It fits when that peak is at most the GPU's memory. An offloaded
 candidate (inference on one GPU) keeps only some decoder layers on the GPU; ``offload_split`` says
@@ -192,7 +193,9 @@ def overhead_terms(arch: Architecture, mode: str, candidate: Candidate, memory: 
     ]
     if moment in LATE_BACKWARD:
         backend = backend or default_backend(arch)
-        tokens, tp = candidate.batch_size * seq_len, candidate.parallelism.tensor
+        parallelism = candidate.parallelism  # a pipeline's backward pass holds one microbatch's gradients
+        microbatches = parallelism.microbatches_of(candidate.batch_size) if parallelism.stages > 1 else 1
+        tokens, tp = -(-candidate.batch_size // microbatches) * seq_len, parallelism.tensor
         widths = Widths.of(candidate.precision, candidate.parallelism)
         layer = (inductor.saved_per_layer(arch, tokens, widths.compute, widths.residual, tp)
                  if candidate.compiled and backend == "native"
