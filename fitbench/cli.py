@@ -409,7 +409,8 @@ def _plan_text(result, trace) -> None:
         console.print(f"chosen: [green]{escape(chosen.candidate.label)}[/green]: {format_bytes(chosen.predicted_peak)}"
                       f" per GPU, roofline {speed.tokens_per_s:,.0f} tokens/s ({speed.bound}-bound, "
                       f"{speed.seconds * 1e3:.1f} ms per {'decode step' if result.mode == 'infer' else 'step'})")
-        table = Table(title_justify="left", title=f"per-GPU memory, peak at the {chosen.peak_moment}")
+        stage = f" on {chosen.memory.stage.label}, the largest" if chosen.memory.stage else ""
+        table = Table(title_justify="left", title=f"per-GPU memory, peak at the {chosen.peak_moment}{stage}")
         for column in ("term", "bytes", "at peak", "formula / source"):
             table.add_column(column, justify="right" if column == "bytes" else "left")
         for term in chosen.memory.terms:

@@ -1435,7 +1435,7 @@ def launchable(arch, mode: str, gpus: int, precision: str) -> list[Layout]:
             if launch_problem(arch, layout, precision, mode, default_backend(arch)) is None]
 
 
-def test_405b_bf16_inference_on_16_h100_is_tp8_x_pp2():
+def test_405b_bf16_inference_on_16_h100_is_tp8_x_pp2(capsys):
     arch = resolve("llama-3.1-405b")
     target = GpuTarget(H100, 16, H100_TOTAL_MEMORY, described=True)
     result = plan(arch, "infer", target, seq_len=128, new_tokens=128, batch_sizes=[1], precisions=["bf16-pure"])
@@ -1449,6 +1449,11 @@ def test_405b_bf16_inference_on_16_h100_is_tp8_x_pp2():
     assert chosen.memory.stage is not None and chosen.memory.stage.count == 2
     # every other layout of 16 that fits is predicted slower
     assert all(a.speed.tokens_per_s < chosen.speed.tokens_per_s for a in result.feasible if a is not chosen)
+    code, out, err = cli(["plan", "--models", "llama-3.1-405b", "--mode", "infer", "--gpu", "H100-80GB", "--gpus", "16",
+                          "--precision", "bf16-pure", "--batch-size", "1", "--seq-len", "128", "--new-tokens", "128"],
+                         capsys)
+    assert code == 0, err
+    assert "chosen: bf16-pure, tp 8 x pipeline 2" in out and f"on {chosen.memory.stage.label}" in " ".join(out.split())
 
 
 def test_falcon_180b_bf16_inference_fewest_h100s_and_the_layout():
