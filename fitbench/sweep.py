@@ -105,7 +105,8 @@ def predicted_max_batch(spec, device: str) -> int:
 
         def peak(batch: int) -> float:
             candidate = Candidate.of_layout(spec.precision, spec.layout, spec.activation_checkpointing, batch,
-                                            resident, compiled=spec.compile, cpu_offload=spec.fsdp_offload)
+                                            resident_layers=resident, compiled=spec.compile,
+                                            cpu_offload=spec.fsdp_offload)
             return assess(arch, spec.mode, candidate, target, seq_len=spec.seq_len, new_tokens=spec.new_tokens,
                           calibration=calibration, backend=spec.backend).predicted_peak
     from fitbench.launch.fallback import largest_batch
