@@ -1601,9 +1601,13 @@ def test_the_planner_chooses_the_layout_of_a_run_left_open():
     for model, precision in (("falcon-40b", "bf16-pure"), ("llama-2-70b", "int8")):
         spec = run_spec(model, "infer", precision, 1, 512, layout=Layout(tp=2)).model_copy(
             update={"backend": default_backend(resolve(model))})
-        planned, _ = predict_spec(resolve(model), spec, target, DEFAULT, choose_precision=False,
-                                  choose_recompute=False, runnable=PRECISIONS, choose_strategy=True)
+        planned, prediction = predict_spec(resolve(model), spec, target, DEFAULT, choose_precision=False,
+                                           choose_recompute=False, runnable=PRECISIONS, choose_strategy=True)
         assert planned.layout == Layout(pp=2), model
+        # each stage's predicted peak, for each GPU's measured one; the largest is the prediction
+        stages = prediction["stage_predicted_peak_bytes"]
+        assert len(stages) == 2 and max(stages) == pytest.approx(prediction["predicted_peak_bytes"], rel=1e-12)
+        assert prediction["peak_stage"].startswith(f"stage {stages.index(max(stages)) + 1} of 2")
     # asked for, a layout stays
     kept, _ = predict_spec(resolve("llama-2-70b"), spec.model_copy(update={"model": "llama-2-70b", "backend": "native",
                                                                            "precision": "bf16-pure"}),

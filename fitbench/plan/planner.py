@@ -27,7 +27,7 @@ from fitbench.models.backends import default_backend
 from fitbench.plan import compiled as inductor
 from fitbench.plan.calibration import DEFAULT, PAGE, TENSORS_ONLY, Calibration
 from fitbench.plan.memory import (QUANTIZED, TRAINING_MODES, MemoryEstimate, Parallelism, Term, Widths, estimate_memory,
-                                  offloaded_weights, saved_per_layer)
+                                  offloaded_weights, saved_per_layer, stage_estimates)
 from fitbench.plan.speed import StepTime, bus_bandwidth, estimate_step_time
 from fitbench.precisions import (data_parallel_problem, graph_problem, offload_problem,
                                  training_problem, trains_every_weight)
@@ -586,7 +586,24 @@ def predict_spec(arch: Architecture, spec, target: GpuTarget, calibration: Calib
                  + [{"name": t.name, "bytes": t.bytes, "at_peak": True} for t in chosen.overheads],
         "step_time_estimate_s": chosen.speed.seconds if chosen.speed else None,
         "calibration": calibration.source if calibration else TENSORS_ONLY,
+        **_stage_predictions(arch, spec.mode, chosen, spec.seq_len, spec.new_tokens, spec.backend),
     }
+
+
+def _stage_predictions(arch: Architecture, mode: str, chosen: Assessment, seq_len: int, new_tokens: int,
+                       backend: str | None) -> dict:
+    """Under pipeline parallelism, the stage whose peak the prediction is, and each stage's predicted
+    peak in rank order of the stages (the chosen moment's overheads beside each stage's tensors), to
+    hold against each GPU's measured peak; nothing for one stage."""
+    candidate = chosen.candidate
+    if chosen.memory is None or chosen.memory.stage is None:
+        return {}
+    overheads = sum(t.bytes for t in chosen.overheads)
+    stages = stage_estimates(arch, mode, candidate.precision, candidate.batch_size, seq_len, new_tokens=new_tokens,
+                             activation_checkpointing=candidate.activation_checkpointing,
+                             parallelism=candidate.parallelism, backend=backend, compiled=candidate.compiled)
+    return {"peak_stage": chosen.memory.stage.label,
+            "stage_predicted_peak_bytes": [estimate.peak_bytes + overheads for estimate in stages]}
 
 
 STRATEGY_NAMES = {"fsdp": "FSDP", "tp": "tensor parallel", "pipeline": "pipeline stages"}
