@@ -409,7 +409,8 @@ def _plan_text(result, trace) -> None:
         console.print(f"chosen: [green]{escape(chosen.candidate.label)}[/green]: {format_bytes(chosen.predicted_peak)}"
                       f" per GPU, roofline {speed.tokens_per_s:,.0f} tokens/s ({speed.bound}-bound, "
                       f"{speed.seconds * 1e3:.1f} ms per {'decode step' if result.mode == 'infer' else 'step'})")
-        table = Table(title_justify="left", title=f"per-GPU memory, peak at the {chosen.peak_moment}")
+        stage = f" on {chosen.memory.stage.label}, the largest" if chosen.memory.stage else ""
+        table = Table(title_justify="left", title=f"per-GPU memory, peak at the {chosen.peak_moment}{stage}")
         for column in ("term", "bytes", "at peak", "formula / source"):
             table.add_column(column, justify="right" if column == "bytes" else "left")
         for term in chosen.memory.terms:
@@ -442,7 +443,7 @@ def plan(args: argparse.Namespace, cli_options: dict[str, Any]) -> int:
     from fitbench.config import check_context, merge_sources
     from fitbench.models.registry import resolve
     from fitbench.plan.calibration import load_calibration
-    from fitbench.plan.planner import minimum_gpus
+    from fitbench.plan.planner import fewest_gpus
     from fitbench.plan.planner import plan as make_plan
     from fitbench.precisions import TRAINING_MODES, training_problem
 
@@ -463,7 +464,7 @@ def plan(args: argparse.Namespace, cli_options: dict[str, Any]) -> int:
         for mode in args.mode:
             check_context(arch, mode, seq_len, new_tokens)
     if args.requirements:
-        return _requirements(args, target, calibration, seq_len, new_tokens, batch, minimum_gpus)
+        return _requirements(args, target, calibration, seq_len, new_tokens, batch, fewest_gpus)
     results, outputs = [], []
     for name, arch in architectures.items():
         for mode in args.mode:
@@ -488,7 +489,7 @@ def plan(args: argparse.Namespace, cli_options: dict[str, Any]) -> int:
     return 0
 
 
-def _requirements(args, target, calibration, seq_len, new_tokens, batch, minimum_gpus) -> int:
+def _requirements(args, target, calibration, seq_len, new_tokens, batch, fewest_gpus) -> int:
     from fitbench.models.registry import resolve
     from fitbench.plan.planner import DEFAULT_LADDER
     from fitbench.units import format_bytes
@@ -498,19 +499,28 @@ def _requirements(args, target, calibration, seq_len, new_tokens, batch, minimum
         arch = resolve(name)
         for mode in args.mode:
             for precision in args.precision or DEFAULT_LADDER[mode]:
-                need = minimum_gpus(arch, mode, precision, target.memory, seq_len=seq_len, new_tokens=new_tokens,
-                                    batch_size=(batch or [1])[0], calibration=calibration)
+                need = fewest_gpus(arch, mode, precision, target.memory, seq_len=seq_len, new_tokens=new_tokens,
+                                   batch_size=(batch or [1])[0], calibration=calibration, gpu_name=target.name)
+                stage = need.memory.stage if need else None
                 rows.append({"model": name, "mode": mode, "precision": precision,
-                             "min_gpus": need[0] if need else None, "how": need[1] if need else "more than 64"})
+                             "min_gpus": need.candidate.gpus if need else None,
+                             "how": need.candidate.label if need else "more than 64",
+                             "layout": need.candidate.layout.model_dump() if need else None,
+                             "peak_per_gpu_bytes": need.predicted_peak if need else None,
+                             "peak_stage": stage.label if stage else None})
     if args.json:
         print(json.dumps(rows, indent=2))
         return 0
     table = Table(title=f"GPUs of {format_bytes(target.memory)} needed (batch {(batch or [1])[0]}, seq {seq_len})",
                   title_justify="left")
-    for column in ("model", "mode", "precision", "min GPUs", "how"):
+    for column in ("model", "mode", "precision", "min GPUs", "how", "peak per GPU"):
         table.add_column(column)
     for row in rows:
-        table.add_row(row["model"], row["mode"], row["precision"], str(row["min_gpus"] or "-"), escape(row["how"]))
+        peak = format_bytes(row["peak_per_gpu_bytes"]) if row["peak_per_gpu_bytes"] else "-"
+        if row["peak_stage"]:
+            peak += f" ({row['peak_stage'].split(' (')[0]})"
+        table.add_row(row["model"], row["mode"], row["precision"], str(row["min_gpus"] or "-"), escape(row["how"]),
+                      peak)
     console.print(table)
     return 0
 

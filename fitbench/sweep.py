@@ -84,14 +84,13 @@ def predicted_max_batch(spec, device: str) -> int:
     arch = resolve(spec.model)
     resident = 0 if spec.layer_offload else None
     ranks = spec.layout.world_size
-    strategy = spec.layout.strategy if ranks > 1 else "single"
     if device == "cpu":
         budget = injected_memory_limit() or host_memory().available / ranks
 
         def peak(batch: int) -> float:
             return estimate_memory(arch, spec.mode, spec.precision, batch, spec.seq_len, new_tokens=spec.new_tokens,
                                    activation_checkpointing=spec.activation_checkpointing,
-                                   parallelism=Parallelism(strategy, ranks, offload=spec.fsdp_offload),
+                                   parallelism=Parallelism(layout=spec.layout, offload=spec.fsdp_offload),
                                    resident_layers=resident, backend=spec.backend,
                                    compiled=spec.compile).peak_bytes
     else:
@@ -106,8 +105,9 @@ def predicted_max_batch(spec, device: str) -> int:
         calibration = load_calibration(properties.name)
 
         def peak(batch: int) -> float:
-            candidate = Candidate(spec.precision, strategy, ranks, spec.activation_checkpointing, batch, resident,
-                                  compiled=spec.compile, cpu_offload=spec.fsdp_offload)
+            candidate = Candidate.of_layout(spec.precision, spec.layout, spec.activation_checkpointing, batch,
+                                            resident_layers=resident, compiled=spec.compile,
+                                            cpu_offload=spec.fsdp_offload)
             return assess(arch, spec.mode, candidate, target, seq_len=spec.seq_len, new_tokens=spec.new_tokens,
                           calibration=calibration, backend=spec.backend).predicted_peak
     from fitbench.launch.fallback import largest_batch
@@ -156,7 +156,7 @@ def ram_refusals(specs: list) -> dict[str, str]:
                                  new_tokens=spec.new_tokens, budget=memory.available, calibration=None,
                                  backend=spec.backend).resident_layers if spec.layer_offload else None
         ranks = spec.layout.world_size
-        parallelism = Parallelism(spec.layout.strategy, ranks) if ranks > 1 else Parallelism()
+        parallelism = Parallelism(layout=spec.layout)
         peak = ranks * estimate_memory(arch, spec.mode, spec.precision, spec.batch_size, spec.seq_len,
                                        new_tokens=spec.new_tokens, activation_checkpointing=spec.activation_checkpointing,
                                        resident_layers=resident, backend=spec.backend, compiled=spec.compile,
@@ -232,7 +232,8 @@ def plan_specs(specs: list, config, target, calibration) -> tuple[list, Callable
         arch = resolve(spec.model)
         spec, prediction = predict_spec(arch, spec, target, calibration, choose_precision=config.precision is None,
                                         choose_recompute=config.activation_checkpointing is None,
-                                        runnable=PRECISIONS, choose_strategy=config.strategy == "auto")
+                                        runnable=PRECISIONS, choose_strategy=config.strategy == "auto",
+                                        gpus=None if spec.offload else config.gpus)
         planned.append(spec)
         predictions[spec.key] = prediction
         if not prediction["fits"]:

@@ -14,6 +14,7 @@ from fitbench.models.native import DecoderConfig, NativeCausalLM
 from fitbench.models.registry import resolve
 from fitbench.plan.memory import (
     BUILD, END, FIRST, MLP, OUTLIERS, OUTPUT, RECOMPUTE, START, MemoryEstimate, Parallelism, Term, estimate_memory,
+    stage_estimates,
 )
 from fitbench.plan.outliers import outlier_probability
 from fitbench.run.trace import trace_peak
@@ -623,25 +624,63 @@ def test_tensor_parallelism_halves_the_kv_cache(precision):
 
 
 @pytest.mark.parametrize("precision", PRECISIONS)
-def test_tensor_parallelism_splits_layers_but_not_the_edges(precision):
+def test_tensor_parallelism_splits_layers_and_the_vocabulary(precision):
     w = WIDTHS[precision]["w"]
     split = terms_of(estimate_memory(ARCH, "train", precision, 4, 64, parallelism=Parallelism("tp", 2)))
-    local = L * LAYER_PARAMS / 2 + EDGE_PARAMS
+    # every layer matrix halves (2 kv heads split 2 ways), the norms do not; the embedding and the
+    # output projection split over the vocabulary, the final norm does not
+    local = L * (LAYER_MATMUL / 2 + 2 * H) + V * H / 2 + H + V * H / 2
     assert split["weights"] == w * local
-    # the input embedding is not split, and its gradient is still a term of its own
-    assert split["gradients"] == w * (local - V * H)
-    assert split["input embedding gradient"] == w * V * H
+    assert split["gradients"] == w * (local - V * H / 2)
+    assert split["input embedding gradient"] == w * V * H / 2
     assert split["optimizer state"] == 2 * w * local
     assert split["activations"] == L * hand_saved_per_layer(4 * 64, precision, tp=2)
 
 
+def test_tensor_parallelism_replicates_kv_heads_it_cannot_split():
+    # 2 kv heads on 4 ranks: k, v and the KV cache whole on every rank; q, o and the MLP in quarters
+    split = terms_of(estimate_memory(ARCH, "infer", "bf16-pure", 4, 64, new_tokens=16,
+                                     parallelism=Parallelism("tp", 4)))
+    single = terms_of(estimate_memory(ARCH, "infer", "bf16-pure", 4, 64, new_tokens=16))
+    layer = (2 * H * H + 3 * H * F) / 4 + 2 * H * K + 2 * H
+    assert split["weights"] == 2 * (L * layer + V * H / 4 + H + V * H / 4)
+    assert split["KV cache"] == single["KV cache"]
+
+
 @pytest.mark.parametrize("precision", PRECISIONS)
-def test_pipeline_halves_the_activations(precision):
-    assert L % 2 == 0
+def test_pipeline_stages_hold_their_layers_and_their_edges(precision):
+    # 2 layers on 2 stages, 2 microbatches of 2 sequences under 1F1B: the first stage holds both
+    # microbatches' activations of its layer and the embedding; the last one microbatch's, the final
+    # norm, the output projection and the loss
+    assert L == 2
+    w = WIDTHS[precision]["w"]
     single = terms_of(estimate_memory(ARCH, "train", precision, 4, 64))
-    staged = terms_of(estimate_memory(ARCH, "train", precision, 4, 64, parallelism=Parallelism("pipeline", 2)))
-    assert staged["activations"] == single["activations"] / 2 == (L // 2) * hand_saved_per_layer(4 * 64, precision)
-    assert staged["weights"] == WIDTHS[precision]["w"] * (L // 2 * LAYER_PARAMS + EDGE_PARAMS / 2)
+    pipeline = Parallelism("pipeline", 2)
+    first, last = (terms_of(estimate_memory(ARCH, "train", precision, 4, 64, parallelism=pipeline, stage=i))
+                   for i in (0, 1))
+    assert first["activations"] == single["activations"] / 2 == 2 * hand_saved_per_layer(2 * 64, precision)
+    assert last["activations"] == hand_saved_per_layer(2 * 64, precision)
+    assert first["weights"] == w * (LAYER_PARAMS + V * H)
+    assert last["weights"] == w * (LAYER_PARAMS + H + V * H)
+    assert "loss chain" not in first and "input embedding gradient" in first
+    assert "loss chain" in last and "input embedding gradient" not in last
+    whole = estimate_memory(ARCH, "train", precision, 4, 64, parallelism=pipeline)
+    assert whole.stage is not None and whole.peak_bytes == max(
+        estimate_memory(ARCH, "train", precision, 4, 64, parallelism=pipeline, stage=i).peak_bytes for i in (0, 1))
+
+
+def test_uneven_pipeline_stages():
+    # 5 layers on 2 stages: 3 and 2 (spec.pipeline_stages gives the odd layer to the first here)
+    arch = dataclasses.replace(ARCH, num_layers=5)
+    estimates = stage_estimates(arch, "infer", "bf16-pure", 4, 64, new_tokens=16, parallelism=Parallelism("pipeline", 2))
+    first, last = (terms_of(e) for e in estimates)
+    cache = 2 * 2 * K * 4 * (64 + 16)  # k and v, 2 B, per layer
+    assert (first["KV cache"], last["KV cache"]) == (3 * cache, 2 * cache)
+    assert first["weights"] == 2 * (3 * LAYER_PARAMS + V * H)
+    assert last["weights"] == 2 * (2 * LAYER_PARAMS + H + V * H)
+    assert OUTPUT not in estimates[0].moments and OUTPUT in estimates[1].moments
+    assert [len(e.stage.layers) for e in estimates] == [3, 2] and "embedding" in estimates[0].stage.label
+    assert all(t.bytes >= 0 for e in estimates for t in e.terms)
 
 
 def test_parallelism_degrees():

@@ -22,13 +22,15 @@ import torch
 from fitbench import hardware
 from fitbench.cli import gpu_target
 from fitbench.sweep import run_target
-from fitbench.spec import RunSpec
+from fitbench.spec import Layout, RunSpec
 from fitbench.errors import UserError
 from fitbench.launch.calibrate import measure_bus_bandwidth, with_bus_bandwidth
+from fitbench.models.backends import default_backend
+from fitbench.models.presets import PRESETS
 from fitbench.models.registry import resolve
 from fitbench.plan.calibration import (DEFAULT, TENSORS_ONLY, Calibration, calibration_path, ensure_calibration,
                                       load_calibration, save_calibration)
-from fitbench.plan.memory import Parallelism, estimate_memory
+from fitbench.plan.memory import Parallelism, estimate_memory, stage_estimates
 from fitbench.plan.planner import (
     GPU_ALIASES,
     MAX_AUTO_BATCH,
@@ -36,16 +38,19 @@ from fitbench.plan.planner import (
     GpuTarget,
     alternatives,
     assess,
+    fewest_gpus,
+    launch_problem,
+    layouts_for,
     minimum_gpus,
     offload_split,
     overhead_terms,
     plan,
     predict_spec,
     refusal,
-    strategies_for,
 )
-from fitbench.plan.speed import bus_bandwidth, estimate_step_time
-from fitbench.precisions import PRECISIONS
+from fitbench.plan.speed import (BusBandwidth, bubble_fraction, bus_bandwidth, estimate_step_time,
+                                 tensor_parallel_all_reduce_s)
+from fitbench.precisions import ADAPTER_BASES, PRECISIONS, training_problem
 from conftest import cli
 
 # ---- datasheet figures and published shapes ---------------------------------------------------
@@ -135,15 +140,17 @@ def bf16_step_weights(s: dict, batch: int) -> float:
 
 
 def hand_decode_seconds(weight_bytes: float, s: dict, batch: int, seq_len: int, new_tokens: int, *,
-                        tp: int = 1) -> float:
+                        tp: int = 1, stages: int = 1) -> float:
     """One decode step: a read of ``weight_bytes`` and of the whole preallocated KV cache (prompt + new
     tokens, as a CUDA graph's step reads it) at HBM bandwidth, tensor-parallel ranks reading their
     share at once, pipeline stages one after another (so, as slow as one GPU); plus two ring
-    all-reduces of the hidden state per layer over NVLink."""
+    all-reduces of the hidden state per layer over NVLink, and the hidden state sent over each
+    boundary between stages."""
     cache = kv_bytes_per_token(s) * batch * (seq_len + new_tokens)
     memory = (weight_bytes + cache) / tp / H100_BANDWIDTH
     compute = 2 * batch * matmul_params(s) / (H100_BF16_FLOPS * tp)
     communication = 2 * s["L"] * 2 * (tp - 1) / tp * batch * s["h"] * 2 / NVLINK4_PER_DIRECTION if tp > 1 else 0.0
+    communication += (stages - 1) * batch * s["h"] * 2 / NVLINK4_PER_DIRECTION
     return max(memory, compute) + communication
 
 
@@ -192,7 +199,7 @@ def test_70b_on_two_80gb_gpus_tp2_fits_and_beats_pipeline2():
     assert tp2.predicted_peak - per_gpu < 2e9
     # The roofline by hand: tp 2 reads half the weights per step, the pipeline all of them.
     tp2_seconds = hand_decode_seconds(bf16_step_weights(LLAMA2_70B, 1), LLAMA2_70B, 1, 128, 128, tp=2)
-    pipeline2_seconds = hand_decode_seconds(bf16_step_weights(LLAMA2_70B, 1), LLAMA2_70B, 1, 128, 128)
+    pipeline2_seconds = hand_decode_seconds(bf16_step_weights(LLAMA2_70B, 1), LLAMA2_70B, 1, 128, 128, stages=2)
     assert tp2.speed.seconds == pytest.approx(tp2_seconds, rel=1e-9)
     assert pipeline2.speed.seconds == pytest.approx(pipeline2_seconds, rel=1e-9)
     assert tp2_seconds < pipeline2_seconds
@@ -217,8 +224,11 @@ def test_ladder_that_starts_with_a_fitting_precision_chooses_it(ladder):
     assert result.chosen.candidate.precision == ladder[0]
     first = [a for a in result.feasible if a.candidate.precision == ladder[0]]
     later = [a for a in result.feasible if a.candidate.precision != ladder[0]]
-    # Within the rung, the fastest; ranked list starts with the chosen one.
-    assert result.chosen.speed.tokens_per_s == max(a.speed.tokens_per_s for a in first)
+    # Within the rung, the fastest the run can launch (quantized weights are not split by tensor
+    # parallelism); ranked list starts with the chosen one.
+    launched = [a for a in first if launch_problem(resolve("llama-2-70b"), a.candidate.layout, a.candidate.precision,
+                                                   "infer", "native") is None]
+    assert result.chosen.speed.tokens_per_s == max(a.speed.tokens_per_s for a in launched)
     assert result.feasible[0] is result.chosen
     assert [a.candidate.precision for a in result.feasible] == sorted(
         (a.candidate.precision for a in result.feasible), key=ladder.index)
@@ -228,12 +238,15 @@ def test_ladder_that_starts_with_a_fitting_precision_chooses_it(ladder):
 
 
 def test_equal_roofline_prefers_fewer_gpus():
-    # One micro-batch through S stages takes S x (1/S) of the time: no faster than one GPU.
+    # One micro-batch through S stages takes S x (1/S) of the time (a bubble of (S - 1) / S), no faster
+    # than one GPU, and its activations cross each boundary forward and their gradient back.
     result = plan(resolve("7B"), "train", GpuTarget(H100, 4, 80e9, described=True), seq_len=512, new_tokens=1,
                   batch_sizes=[1], precisions=["bf16-pure"], strategies=["single", "pipeline"], checkpointing=[False])
-    speeds = {a.candidate.gpus: a.speed.tokens_per_s for a in result.feasible}
-    assert set(speeds) == {1, 2, 4}
-    assert speeds[1] == pytest.approx(speeds[2], rel=1e-12) == pytest.approx(speeds[4], rel=1e-12)
+    seconds = {a.candidate.gpus: 512 / a.speed.tokens_per_s for a in result.feasible}
+    assert set(seconds) == {1, 2, 4}
+    for stages in (2, 4):
+        sends = 2 * (stages - 1) * 512 * LLAMA2_7B["h"] * 2 / NVLINK4_PER_DIRECTION
+        assert seconds[stages] == pytest.approx(seconds[1] + sends, rel=1e-9)
     assert result.chosen.candidate.gpus == 1
 
 
@@ -248,23 +261,31 @@ def test_every_rejection_has_a_reason_and_tp3_is_rejected_for_64_heads():
     assert {a.candidate.precision for a in tp3} == {"bf16-pure", "int8", "nf4"}
     for rejected in tp3:
         assert "tensor parallel 3 does not divide 64 heads" in rejected.reason
-    pipeline3 = [a for a in result.rejected if a.candidate.strategy == "pipeline" and a.candidate.gpus == 3]
+    # 80 layers split unevenly into 3 stages: 27, 27 and 26 (80 % 3 == 2)
+    pipeline3 = [a for a in result.feasible if a.candidate.strategy == "pipeline" and a.candidate.gpus == 3]
     assert pipeline3
-    for rejected in pipeline3:
-        assert "80 layers do not split into 3" in rejected.reason  # 80 % 3 == 2
+    for feasible in pipeline3:
+        assert len(feasible.memory.stage.layers) in (26, 27)
     for feasible in result.feasible:
         assert feasible.fits and feasible.reason is None and feasible.predicted_peak <= 80e9
     # Nothing asks for more GPUs than the three there are.
     assert {a.candidate.gpus for a in (*result.feasible, *result.rejected)} == {1, 2, 3}
 
 
-def test_tp_must_divide_the_kv_heads_too():
-    # 64 heads split 16 ways, but 8 kv heads do not.
-    result = plan(resolve("llama-2-70b"), "infer", GpuTarget(H100, 16, 80e9, described=True), seq_len=128,
+def test_tp_stays_in_one_node_and_replicates_kv_heads_it_cannot_split():
+    arch = resolve("llama-2-70b")
+    result = plan(arch, "infer", GpuTarget(H100, 16, 80e9, described=True), seq_len=128,
                   new_tokens=128, batch_sizes=[1], precisions=["bf16-pure"], strategies=["tp"])
-    tp16 = [a for a in result.rejected if a.candidate.gpus == 16]
-    assert tp16 and all("8 kv heads" in a.reason for a in tp16)
-    assert all(a.candidate.gpus <= 8 for a in result.feasible)
+    assert result.feasible and all(a.candidate.layout.tp <= 8 for a in (*result.feasible, *result.rejected))
+    tp16 = Candidate("bf16-pure", "tp", 16, False, 1)
+    beyond = assess(arch, "infer", tp16, GpuTarget(H100, 16, 80e9, described=True), seq_len=128, new_tokens=128)
+    assert not beyond.fits and "more than the 8 GPUs of one node" in beyond.reason
+    # on a node of 16, 64 heads split 16 ways; the 8 kv heads do not: each rank caches all of them
+    wide = GpuTarget(H100, 16, 80e9, described=True, node_gpus=16)
+    caches = [{t.name: t.bytes for t in assess(arch, "infer", Candidate("bf16-pure", "tp", tp, False, 1), wide,
+                                               seq_len=128, new_tokens=128).memory.terms}["KV cache"]
+              for tp in (8, 16)]
+    assert caches[1] == 8 * caches[0] == kv_bytes_per_token(LLAMA2_70B) * (128 + 128)
 
 
 @pytest.mark.parametrize("count", [1, 2, 3, 5, 6])
@@ -315,10 +336,10 @@ def test_auto_batch_grows_with_gpu_memory(model, mode, precision, seq_len):
 
 # ---- 5. minimum GPU counts -----------------------------------------------------------------------
 
-def layouts(mode: str, gpus: int, precision: str, batch: int):
-    for strategy in strategies_for(mode, gpus):
+def layouts(arch, mode: str, gpus: int, precision: str, batch: int):
+    for layout in layouts_for(arch, mode, gpus):
         for recompute in ([False, True] if mode == "train" else [False]):
-            yield Candidate(precision, strategy, gpus, recompute, batch)
+            yield Candidate.of_layout(precision, layout, recompute, batch)
 
 
 @pytest.mark.parametrize("model, mode, precision, seq_len, expected", [
@@ -336,11 +357,11 @@ def test_minimum_gpus(model, mode, precision, seq_len, expected):
     else:
         assert count == expected
     target = GpuTarget(None, 64, 80e9, described=True)
-    fitting = [c.label for c in layouts(mode, count, precision, 1)
+    fitting = [c.label for c in layouts(arch, mode, count, precision, 1)
                if assess(arch, mode, c, target, seq_len=seq_len, new_tokens=128).fits]
     assert how in fitting
     if count > 1:
-        for candidate in layouts(mode, count // 2, precision, 1):
+        for candidate in layouts(arch, mode, count - 1, precision, 1):
             assert not assess(arch, mode, candidate, target, seq_len=seq_len, new_tokens=128).fits, candidate.label
 
 
@@ -911,12 +932,16 @@ def test_plan_command_json_has_sizes_in_bytes(capsys):
     result = json.loads(out)
     assert {"chosen", "rejected", "feasible", "hardware", "calibration"} <= set(result)
     assert result["hardware"] == {"name": None, "count": 4, "memory": 80e9, "described": True,
-                                  "memory_source": "--gpu-memory"}
+                                  "memory_source": "--gpu-memory", "node_gpus": 8}
     chosen = result["chosen"]
     assert chosen["candidate"] == {"precision": "bf16-pure", "strategy": "tp", "gpus": 4,
                                    "activation_checkpointing": False, "batch_size": 1, "resident_layers": None,
-                                   "compiled": False, "cpu_offload": False}
-    per_gpu = 2 * (LLAMA2_70B["L"] * layer_params(LLAMA2_70B) / 4 + edge_params(LLAMA2_70B))
+                                   "compiled": False, "cpu_offload": False,
+                                   "layout": {"dp_replicate": 1, "dp_shard": 1, "tp": 4, "pp": 1}}
+    # every layer matrix in quarters (8 kv heads split 4 ways), the embedding and the output projection
+    # over the vocabulary; the norms whole on each rank
+    s, norms = LLAMA2_70B, 2 * LLAMA2_70B["h"]
+    per_gpu = 2 * (s["L"] * ((layer_params(s) - norms) / 4 + norms) + 2 * s["V"] * s["h"] / 4 + s["h"])
     assert per_gpu < chosen["predicted_peak_bytes"] < per_gpu + 2e9
     terms = {t["name"]: t["bytes"] for t in chosen["memory"]["terms"]}
     assert terms["weights"] == per_gpu
@@ -987,7 +1012,8 @@ def test_plan_on_detected_gpus(capsys, monkeypatch):
     code, out, err = cli(["plan", "--models", "7B", "--mode", "infer", "--json"], capsys)
     assert code == 0, err
     assert json.loads(out)["hardware"] == {"name": H100, "count": 2, "memory": 85_520_809_984.0, "described": False,
-                                           "memory_source": "torch.cuda.get_device_properties().total_memory"}
+                                           "memory_source": "torch.cuda.get_device_properties().total_memory",
+                                           "node_gpus": 8}
 
 
 @pytest.mark.parametrize("gpu, gpu_memory, gpus, expected", [
@@ -1235,17 +1261,18 @@ def test_inference_alternatives_precisions_smaller_batch_offload_and_more_gpus()
     # Offloaded weights leave room for the cache only as far as the cache fits without them: 66.5 GB of
     # room is less than 141.7 GB, so offload is not offered either.
     assert not any("--offload" in name for name in changes)
-    # More GPUs split the weights and the cache: the fewest that fit, tensor parallel or pipeline stages
-    # (inference has no FSDP), each holding at least its share of both; on half as many nothing fits.
+    # More GPUs split the weights and the cache: the fewest that fit, tensor parallel, pipeline stages or
+    # both (inference has no FSDP), each holding at least its share of both; on one fewer nothing fits.
     (sharded,) = [name for name in changes if name.startswith("on ")]
     layout = changes[sharded].candidate
-    assert sharded.startswith(f"on {layout.gpus} GPUs with ") and layout.strategy in ("tp", "pipeline")
+    assert sharded.startswith(f"on {layout.gpus} GPUs with ")
+    assert set(layout.strategy.split("+")) <= {"tp", "pipeline"}
     share = (2 * P7 + kv_bytes_per_token(LLAMA2_7B) * 64 * (4096 + 128)) / layout.gpus
     assert share <= changes[sharded].predicted_peak <= 80e9
-    fewer = GpuTarget(H100, layout.gpus // 2, 80e9, described=False)
+    fewer = GpuTarget(H100, layout.gpus - 1, 80e9, described=False)
     assert layout.gpus >= 2 and not any(
-        assess(arch, "infer", replace(layout, gpus=fewer.count, strategy=strategy), fewer, seq_len=4096,
-               new_tokens=128).fits for strategy in strategies_for("infer", fewer.count))
+        assess(arch, "infer", Candidate.of_layout(layout.precision, fewer_layout, False, layout.batch_size), fewer,
+               seq_len=4096, new_tokens=128).fits for fewer_layout in layouts_for(arch, "infer", fewer.count))
 
 
 def test_offload_is_offered_when_the_weights_are_what_does_not_fit():
@@ -1394,3 +1421,195 @@ def test_named_gpus_plan_with_what_the_device_gives_a_process():
     # The gap the issue found: 7B inference plans for 85.0 GB on an H100, not 80.0 GB.
     assert gpu_target(argparse.Namespace(gpu="H100-80GB", gpu_memory=None, gpus=None)).memory / GB == \
         pytest.approx(85.0, abs=0.05)
+
+
+# ---- layouts of several GPUs: tensor parallel x pipeline stages x data parallel ---------------------
+
+def terms_of(assessed) -> dict[str, float]:
+    memory = assessed.memory if hasattr(assessed, "memory") else assessed
+    return {term.name: term.bytes for term in memory.terms}
+
+
+def launchable(arch, mode: str, gpus: int, precision: str) -> list[Layout]:
+    return [layout for layout in layouts_for(arch, mode, gpus)
+            if launch_problem(arch, layout, precision, mode, default_backend(arch)) is None]
+
+
+def test_405b_bf16_inference_on_16_h100_is_tp8_x_pp2(capsys):
+    arch = resolve("llama-3.1-405b")
+    target = GpuTarget(H100, 16, H100_TOTAL_MEMORY, described=True)
+    result = plan(arch, "infer", target, seq_len=128, new_tokens=128, batch_sizes=[1], precisions=["bf16-pure"])
+    chosen = result.chosen
+    assert chosen is not None and chosen.fits
+    # 810 GB of weights: nothing of 8 GPUs or fewer fits; tensor parallelism stops at one node's 8 GPUs, so
+    # the 16 need pipeline stages too, and the widest tensor-parallel degree reads each step's weights fastest
+    assert all(a.candidate.gpus == 16 for a in result.feasible)
+    assert chosen.candidate.layout == Layout(tp=8, pp=2) and "tp 8 x pipeline 2" in chosen.candidate.label
+    assert 2 * arch.total_params / 16 < chosen.predicted_peak <= H100_TOTAL_MEMORY
+    assert chosen.memory.stage is not None and chosen.memory.stage.count == 2
+    # every other layout of 16 that fits is predicted slower
+    assert all(a.speed.tokens_per_s < chosen.speed.tokens_per_s for a in result.feasible if a is not chosen)
+    code, out, err = cli(["plan", "--models", "llama-3.1-405b", "--mode", "infer", "--gpu", "H100-80GB", "--gpus", "16",
+                          "--precision", "bf16-pure", "--batch-size", "1", "--seq-len", "128", "--new-tokens", "128"],
+                         capsys)
+    assert code == 0, err
+    assert "chosen: bf16-pure, tp 8 x pipeline 2" in out and f"on {chosen.memory.stage.label}" in " ".join(out.split())
+
+
+def test_falcon_180b_bf16_inference_fewest_h100s_and_the_layout():
+    arch = resolve("falcon-180b")
+    found = fewest_gpus(arch, "infer", "bf16-pure", H100_TOTAL_MEMORY, seq_len=128, new_tokens=128, gpu_name=H100)
+    assert found is not None and found.fits
+    count, layout = found.candidate.gpus, found.candidate.layout
+    assert layout.world_size == count
+    # Falcon runs on transformers' model, which the run splits by pipeline stages, not tensor parallelism
+    assert layout == Layout(pp=count)
+    assert count >= math.ceil(2 * arch.total_params / H100_TOTAL_MEMORY)
+    fewer = GpuTarget(H100, count - 1, H100_TOTAL_MEMORY, described=True)
+    assert not any(assess(arch, "infer", Candidate.of_layout("bf16-pure", other, False, 1), fewer, seq_len=128,
+                          new_tokens=128).fits for other in launchable(arch, "infer", count - 1, "bf16-pure"))
+    assert minimum_gpus(arch, "infer", "bf16-pure", H100_TOTAL_MEMORY, seq_len=128, new_tokens=128) == \
+        (count, found.candidate.label)
+
+
+def test_70b_bf16_inference_on_two_h200_fits_with_tp2():
+    target = GpuTarget("NVIDIA H200", 2, H200_TOTAL_MEMORY, described=True)
+    result = plan(resolve("llama-2-70b"), "infer", target, seq_len=512, new_tokens=128, batch_sizes=[1],
+                  precisions=["bf16-pure"])
+    assert result.chosen.candidate.layout == Layout(tp=2)
+    assert 2 * P70 / 2 < result.chosen.predicted_peak <= H200_TOTAL_MEMORY
+    # two stages fit too, but decode one after another: the whole model's weights read per step
+    by_layout = {a.candidate.layout: a for a in result.feasible}
+    assert by_layout[Layout(pp=2)].speed.tokens_per_s < result.chosen.speed.tokens_per_s
+
+
+def test_uneven_stages_of_126_layers_on_16():
+    arch = resolve("llama-3.1-405b")
+    pipeline = Parallelism("pipeline", 16)
+    estimates = stage_estimates(arch, "infer", "bf16-pure", 1, 128, new_tokens=128, parallelism=pipeline)
+    sizes = [len(e.stage.layers) for e in estimates]
+    assert sum(sizes) == 126 and sizes[0] == sizes[-1] == 7 and set(sizes[1:-1]) == {8}
+    p, V, h = arch.params_per_layer, arch.vocab_size, arch.hidden_size
+    weights = [terms_of(e)["weights"] for e in estimates]
+    assert weights[0] == 2 * (7 * p + V * h)  # and the embedding
+    assert weights[1] == 2 * 8 * p
+    assert weights[-1] == 2 * (7 * p + h + V * h)  # and the final norm and output projection
+    caches = [terms_of(e)["KV cache"] for e in estimates]
+    assert caches[0] == caches[-1] == caches[1] * 7 / 8
+    assert caches[1] == 8 * 2 * arch.num_kv_heads * arch.head_dim * 2 * (128 + 128)
+    assert [("output projection" in terms_of(e)) for e in estimates] == [False] * 15 + [True]
+    # 8 layers (8 x 3.2e9 parameters) outweigh 7 and the embedding (V h = 2.1e9): a middle stage peaks
+    whole = estimate_memory(arch, "infer", "bf16-pure", 1, 128, new_tokens=128, parallelism=pipeline)
+    assert whole.peak_bytes == max(e.peak_bytes for e in estimates) and whole.stage.index not in (0, 15)
+    assert "stage" in whole.as_dict() and whole.as_dict()["stage"].startswith(f"stage {whole.stage.index + 1} of 16")
+
+
+def test_tensor_parallel_all_reduces_by_hand():
+    arch, links = resolve("tiny"), BusBandwidth(100e9, 100e9, "test")
+    L, h = arch.num_layers, arch.hidden_size
+    decode = estimate_step_time(arch, "infer", "bf16-pure", 4, 64, new_tokens=8, parallelism=Parallelism("tp", 2),
+                                gpu_name=H100, links=links)
+    # two ring all-reduces per layer of 4 sequences x h x 2 B: 2 (2 - 1) / 2 x bytes / 100 GB/s
+    assert decode.communication_s == pytest.approx(L * 2 * (2 * 1 / 2 * 4 * h * 2 / 100e9), rel=1e-12)
+    assert tensor_parallel_all_reduce_s(4 * h * 2, 2, links) == 4 * h * 2 / 100e9
+    train = estimate_step_time(arch, "train", "bf16-pure", 4, 64, new_tokens=1, parallelism=Parallelism("tp", 4),
+                               gpu_name=H100, links=links)
+    # two in the forward and two in the backward per layer, each of 4 x 64 tokens x h x 2 B over 4 ranks
+    assert train.communication_s == pytest.approx(L * 4 * (2 * 3 / 4 * 4 * 64 * h * 2 / 100e9), rel=1e-12)
+
+
+def test_pipeline_bubble_by_hand():
+    assert bubble_fraction(4, 8) == 3 / 11 and bubble_fraction(1, 8) == 0 and bubble_fraction(2, 1) == 1 / 2
+    arch, links = resolve("7B"), BusBandwidth(100e9, 100e9, "test")
+    assert arch.num_layers % 4 == 0
+    one = estimate_step_time(arch, "train", "bf16-pure", 8, 512, new_tokens=1, parallelism=Parallelism(),
+                             gpu_name=H100, links=links)
+    piped = estimate_step_time(arch, "train", "bf16-pure", 8, 512, new_tokens=1, gpu_name=H100, links=links,
+                               parallelism=Parallelism(layout=Layout(pp=4), microbatches=8))
+    # each stage a quarter of the work, stretched by the bubble: (m + p - 1) / m = 11 / 8; one microbatch
+    # (a sequence) crossing the 3 boundaries forward and its gradient back is not hidden
+    sends = 2 * 3 * 512 * arch.hidden_size * 2 / 100e9
+    assert piped.seconds == pytest.approx(max(one.compute_s, one.memory_s) / 4 * 11 / 8 + sends, rel=1e-12)
+
+
+def test_pipeline_training_holds_the_microbatches_in_flight():
+    # 1F1B: stage i of p holds min(m, p - i) microbatches' activations
+    arch = resolve("7B")
+    pipeline = Parallelism(layout=Layout(pp=4), microbatches=8)
+    estimates = stage_estimates(arch, "train", "bf16-pure", 8, 512, parallelism=pipeline)
+    per_microbatch = terms_of(estimate_memory(arch, "train", "bf16-pure", 1, 512))["activations"] / arch.num_layers
+    for i, estimate in enumerate(estimates):
+        assert terms_of(estimate)["activations"] == pytest.approx(8 * (4 - i) * per_microbatch, rel=1e-12)
+    assert "loss chain" in terms_of(estimates[-1]) and "loss chain" not in terms_of(estimates[0])
+
+
+EVERY_LAYOUT = (Layout(), Layout(tp=2), Layout(pp=2), Layout(tp=2, pp=2), Layout(tp=4, pp=3))
+
+
+@pytest.mark.parametrize("mode", ["train", "forward-backward", "forward", "infer"])
+def test_every_term_is_non_negative_in_every_layout(mode):
+    training = mode in ("train", "forward-backward")
+    layouts = EVERY_LAYOUT + ((Layout(dp_shard=2, tp=2), Layout(dp_replicate=2, tp=2)) if training else ())
+    for arch in PRESETS:
+        for precision in PRECISIONS:
+            if training and training_problem(precision):
+                continue
+            for layout in layouts:
+                if layout.pp > arch.num_layers or arch.num_heads % layout.tp or (
+                        layout.dp_shard > 1 and precision in ADAPTER_BASES):
+                    continue
+                for estimate in stage_estimates(arch, mode, precision, 2, 64, new_tokens=8,
+                                                parallelism=Parallelism(layout=layout)):
+                    assert estimate.peak_bytes > 0
+                    negative = [t.name for t in estimate.terms if t.bytes < 0]
+                    assert not negative, (arch.name, precision, layout.label, negative)
+
+
+def test_requirements_answers_405b_with_a_layout(capsys):
+    argv = ["plan", "--models", "llama-3.1-405b", "--mode", "infer", "--gpu", "H100-80GB", "--requirements"]
+    code, out, err = cli([*argv, "--json"], capsys)
+    assert code == 0, err
+    rows = {row["precision"]: row for row in json.loads(out)}
+    for row in rows.values():
+        layout = Layout(**row["layout"])
+        assert layout.world_size == row["min_gpus"] and (layout.label in row["how"] or layout.world_size == 1)
+        assert row["peak_per_gpu_bytes"] <= H100_TOTAL_MEMORY
+    bf16 = rows["bf16-pure"]
+    # tensor parallelism stops at 8 GPUs, and 8 cannot hold 810 GB: stages as well
+    assert 8 < bf16["min_gpus"] <= 16 and bf16["layout"]["pp"] > 1 and bf16["peak_stage"]
+    code, out, err = cli(argv, capsys)
+    assert code == 0, err
+    assert "pipeline" in out and "more than 64" not in out
+
+
+def test_the_planner_chooses_the_layout_of_a_run_left_open():
+    # llama-2-70b on two H200s: tensor parallel 2, faster than two stages, from a generation the sweep
+    # expanded in one process (or from another layout of the two)
+    target = GpuTarget("NVIDIA H200", 2, H200_TOTAL_MEMORY, described=True)
+    for layout, gpus in ((Layout(), 2), (Layout(pp=2), None)):
+        spec = run_spec("llama-2-70b", "infer", "bf16-pure", 1, 512, layout=layout)
+        planned, prediction = predict_spec(resolve("llama-2-70b"), spec, target, DEFAULT, choose_precision=False,
+                                           choose_recompute=False, runnable=PRECISIONS, choose_strategy=True,
+                                           gpus=gpus)
+        assert planned.layout == Layout(tp=2) and prediction["fits"] and "layout" in prediction["chosen_by_planner"]
+    # in training DDP or FSDP first, as `plan` chooses: 7B bf16 on two H200s, FSDP
+    spec = run_spec("7B", "train", "bf16", 1, 512, layout=Layout(dp_replicate=2))
+    planned, _ = predict_spec(resolve("7B"), spec, target, DEFAULT, choose_precision=False, choose_recompute=False,
+                              runnable=PRECISIONS, choose_strategy=True)
+    assert planned.layout.strategy in ("ddp", "fsdp")
+    # Falcon, on transformers' model, is split by stages; quantized weights too
+    for model, precision in (("falcon-40b", "bf16-pure"), ("llama-2-70b", "int8")):
+        spec = run_spec(model, "infer", precision, 1, 512, layout=Layout(tp=2)).model_copy(
+            update={"backend": default_backend(resolve(model))})
+        planned, prediction = predict_spec(resolve(model), spec, target, DEFAULT, choose_precision=False,
+                                           choose_recompute=False, runnable=PRECISIONS, choose_strategy=True)
+        assert planned.layout == Layout(pp=2), model
+        # each stage's predicted peak, for each GPU's measured one; the largest is the prediction
+        stages = prediction["stage_predicted_peak_bytes"]
+        assert len(stages) == 2 and max(stages) == pytest.approx(prediction["predicted_peak_bytes"], rel=1e-12)
+        assert prediction["peak_stage"].startswith(f"stage {stages.index(max(stages)) + 1} of 2")
+    # asked for, a layout stays
+    kept, _ = predict_spec(resolve("llama-2-70b"), spec.model_copy(update={"model": "llama-2-70b", "backend": "native",
+                                                                           "precision": "bf16-pure"}),
+                           target, DEFAULT, choose_precision=False, choose_recompute=False, runnable=PRECISIONS)
+    assert kept.layout == Layout(tp=2)

@@ -27,9 +27,22 @@ layers on the GPU: the weights term counts the edges (embeddings, final norm, ou
 and those ``k`` layers, and while any layer is offloaded, one layer's weights are in flight, copied
 in for its forward. The KV cache of every layer stays on the GPU.
 
-Sharding divides terms per GPU (``Parallelism``): tensor parallelism divides every layer's
-weights, the attention and MLP activations and the KV cache by its degree; pipeline parallelism
-divides the layers by its stages. Data parallelism (``_training``'s ``ddp`` and ``fsdp``, per rank,
+Sharding divides terms per GPU (``Parallelism``, which carries the run's ``Layout``), as the run
+shards:
+
+- tensor parallelism (degree t): q, k, v, gate and up column-wise, o and down row-wise, so each rank
+  holds 1/t of every layer matrix (``tp_layer_matrices``); k, v and the KV cache whole on every rank
+  where the kv heads do not divide by t (``kv_heads_split``); the embedding and the output projection
+  split over the vocabulary, the norms replicated; inside a layer the per-head and MLP intermediates
+  are 1/t, the residual stream and the norms whole (no sequence parallelism); the logits gathered
+  whole (B, T, V) on each rank before the loss or the next token;
+- pipeline parallelism (p stages): stage i holds the layers ``fitbench.spec.pipeline_stages`` gives
+  it (``Stage``), the first also the embedding, the last the final norm, the output projection and
+  the logits and loss; generation caches each stage's own layers; a training step runs m microbatches
+  (by default p) under 1F1B, stage i holding the activations of min(m, p - i) of them. Stages differ,
+  so each is estimated (``stage_estimates``) and the largest stands for the layout, named.
+
+Data parallelism (``_training``'s ``ddp`` and ``fsdp``, per rank,
 ``g`` ranks, ``p`` parameters per layer, ``E`` parameters of the root: embeddings, final norm,
 output projection):
 
@@ -76,13 +89,14 @@ from ``fitbench.plan.compiled``.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 from fitbench.loss import loss_chain_bytes, loss_chunk_rows
 from fitbench.models.architecture import Architecture, default_backend
 from fitbench.plan import compiled as inductor
 from fitbench.plan.outliers import outlier_columns
 from fitbench.precisions import ADAPTER_BASES, ADAPTER_RANK, TRAINING_MODES
+from fitbench.spec import Layout, pipeline_stages
 
 @dataclass(frozen=True)
 class QuantizedFormat:
@@ -177,29 +191,150 @@ class Widths:
 
 @dataclass(frozen=True)
 class Parallelism:
-    """How one model is spread over GPUs: data (ddp / fsdp), tensor and pipeline degrees; ``offload``:
-    FSDP's CPU offload."""
+    """How one model is spread over GPUs: its ``Layout`` (data-parallel replicas and shards, tensor and
+    pipeline degrees; ``fitbench.spec``), the very object the run is given, so a planned layout is the
+    layout that runs; ``offload``: FSDP's CPU offload; ``microbatches``: of a pipeline's training
+    step (by default one per stage). ``Parallelism("fsdp", 4)`` names one strategy over some GPUs;
+    ``Parallelism(layout=...)`` any layout, combined ones included. A given layout stands unless
+    ``strategy`` and ``gpus`` name another (``dataclasses.replace`` of either): then it is rebuilt
+    from them."""
 
-    strategy: str = "single"  # single, ddp, fsdp, tp, pipeline
+    strategy: str = "single"  # single, ddp, fsdp, tp, pipeline; or a combined layout's, e.g. tp+pipeline
     gpus: int = 1
     offload: bool = False
+    layout: Layout | None = None
+    microbatches: int | None = None
 
     def __post_init__(self) -> None:
+        layout = self.layout
+        named = (self.strategy, self.gpus) != ("single", 1)
+        if layout is None or (named and (layout.strategy, layout.world_size) != (self.strategy, self.gpus)):
+            layout = Layout.of_strategy(self.strategy, self.gpus)
+            object.__setattr__(self, "layout", layout)
+        object.__setattr__(self, "strategy", layout.strategy)
+        object.__setattr__(self, "gpus", layout.world_size)
         if self.offload and self.shards == 1:
             raise ValueError(f"CPU offload is FSDP's, over several GPUs; not {self.strategy} over {self.gpus}")
+        if self.microbatches is not None and self.microbatches < 1:
+            raise ValueError(f"microbatches must be at least 1, got {self.microbatches}")
 
     @property
     def tensor(self) -> int:
-        return self.gpus if self.strategy == "tp" else 1
+        return self.layout.tp
 
     @property
     def stages(self) -> int:
-        return self.gpus if self.strategy == "pipeline" else 1
+        return self.layout.pp
 
     @property
     def shards(self) -> int:
         """How many ways weights, gradients and optimizer state are split across data-parallel ranks."""
-        return self.gpus if self.strategy == "fsdp" else 1
+        return self.layout.dp_shard
+
+    @property
+    def replicas(self) -> int:
+        """DDP's replicas of the (tensor-parallel share of the) model."""
+        return self.layout.dp_replicate
+
+    @property
+    def schedule_microbatches(self) -> int:
+        """The microbatches of a pipeline's training step: ``microbatches``, by default one per stage."""
+        return self.microbatches or self.stages
+
+    def microbatches_of(self, batch: int) -> int:
+        """The microbatches a step of ``batch`` sequences makes: no more than its sequences."""
+        return min(self.schedule_microbatches, batch)
+
+
+@dataclass(frozen=True)
+class Stage:
+    """One pipeline stage as the run builds it: the decoder layers ``fitbench.spec.pipeline_stages``
+    gives it; the first stage also holds the embedding, the last the final norm, the output
+    projection and the loss. Without pipeline parallelism the one stage is first and last."""
+
+    index: int
+    count: int
+    layers: range
+
+    @property
+    def first(self) -> bool:
+        return self.index == 0
+
+    @property
+    def last(self) -> bool:
+        return self.index == self.count - 1
+
+    @property
+    def label(self) -> str:
+        held = ["embedding"] if self.first else []
+        held += ["final norm, output projection and logits"] if self.last else []
+        edges = f", {' and '.join(held)}" if held else ""
+        return (f"stage {self.index + 1} of {self.count} ({len(self.layers)} layers, "
+                f"{self.layers.start}-{self.layers.stop - 1}{edges})")
+
+    def in_flight(self, microbatches: int) -> int:
+        """Microbatches whose activations this stage holds at once under 1F1B (torch's ``Schedule1F1B``):
+        stage i runs ``p - i`` forwards before its first backward, and never more than there are
+        microbatches. 1F1B is what is modelled because it is the schedule that bounds memory by the
+        stage count, not the microbatch count (GPipe holds all m; with the default m = p the two agree
+        on the first stage, which holds the most)."""
+        return min(microbatches, self.count - self.index)
+
+
+def pipeline_stage_list(arch: Architecture, stages: int) -> tuple[Stage, ...]:
+    """Every stage of ``stages`` over ``arch``'s layers (``fitbench.spec.pipeline_stages``)."""
+    return tuple(Stage(i, stages, layers) for i, layers in enumerate(pipeline_stages(arch.num_layers, stages)))
+
+
+def kv_heads_split(arch: Architecture, tp: int) -> int:
+    """How many ways tensor parallelism splits the kv heads: ``tp`` when they divide by it, else 1 (the
+    k and v projections and the KV cache replicated on every rank)."""
+    return tp if arch.num_kv_heads % tp == 0 else 1
+
+
+ROW_WISE = ("o_proj", "down_proj", "dense", "dense_4h_to_h", "c_proj")
+FUSED_QKV = ("query_key_value", "c_attn")
+
+
+def tp_layer_matrices(arch: Architecture, tp: int) -> list[tuple[int, int, int]]:
+    """(rows, columns, bias) of each layer matrix on one tensor-parallel rank: q, k, v, gate, up (and
+    the fused qkv and MLP inputs) column-wise, their rows split; o and down row-wise, their columns
+    split, their biases whole; k and v (the kv part of a fused qkv) whole where the kv heads do not
+    divide by ``tp``."""
+    kv_tp = kv_heads_split(arch, tp)
+    q, k = arch.num_heads * arch.head_dim, arch.num_kv_heads * arch.head_dim
+    shares = []
+    for matrix in arch.layer_matrices:
+        bias = matrix.rows if matrix.bias else 0
+        if matrix.name.rsplit(".", 1)[-1] in ROW_WISE:
+            shares.append((matrix.rows, matrix.columns // tp, bias))
+        elif matrix.name.endswith(("k_proj", "v_proj")):
+            shares.append((matrix.rows // kv_tp, matrix.columns, bias // kv_tp))
+        elif matrix.name.endswith(FUSED_QKV):
+            rows = q // tp + 2 * k // kv_tp
+            shares.append((rows, matrix.columns, rows if matrix.bias else 0))
+        else:
+            shares.append((matrix.rows // tp, matrix.columns, bias // tp))
+    return shares
+
+
+def rank_layer_params(arch: Architecture, tp: int) -> int:
+    """One layer's parameters on one tensor-parallel rank (``tp_layer_matrices``; the norms replicated)."""
+    return sum(rows * columns + bias for rows, columns, bias in tp_layer_matrices(arch, tp)) + \
+        arch.norm_params_per_layer
+
+
+def rank_edge_params(arch: Architecture, tp: int, stage: Stage) -> int:
+    """The parameters outside the decoder layers on one rank of ``stage``: the token embedding on the
+    first stage, split over the vocabulary by ``tp``, with a learned position table whole; the final
+    norm (replicated) and the output projection (split over the vocabulary) on the last. A tied output
+    projection is the embedding itself on one stage, a copy of its own on a last stage that is not the
+    first."""
+    table = arch.vocab_size * arch.hidden_size // tp
+    first = table + arch.position_params if stage.first else 0
+    output = table if not arch.tie_embeddings or not stage.first else 0
+    last = arch.final_norm_params + output if stage.last else 0
+    return first + last
 
 
 @dataclass(frozen=True)
@@ -208,6 +343,7 @@ class MemoryEstimate:
 
     terms: tuple[Term, ...]
     moments: tuple[str, ...]
+    stage: Stage | None = None  # the pipeline stage estimated, where there are several
 
     def total_at(self, moment: str) -> float:
         return sum(t.bytes for t in self.terms if t.moments is None or moment in t.moments)
@@ -227,6 +363,7 @@ class MemoryEstimate:
         return {
             "peak_bytes": self.peak_bytes,
             "peak_moment": self.peak_moment,
+            "stage": self.stage.label if self.stage else None,
             "moments": {moment: self.total_at(moment) for moment in self.moments},
             "terms": [{"name": t.name, "bytes": t.bytes, "formula": t.formula, "at_peak": self.at_peak(t)}
                       for t in self.terms],
@@ -411,36 +548,52 @@ def prefill_transient_bytes(arch: Architecture, tokens: int, widths: Widths, tp:
 def estimate_memory(arch: Architecture, mode: str, precision: str, batch: int, seq_len: int, *,
                     new_tokens: int = 0, activation_checkpointing: bool = False,
                     parallelism: Parallelism = Parallelism(), resident_layers: int | None = None,
-                    backend: str | None = None, compiled: bool = False) -> MemoryEstimate:
+                    backend: str | None = None, compiled: bool = False, stage: int | None = None) -> MemoryEstimate:
     """Peak bytes on one GPU for this configuration, as terms (``at_peak`` marks those that
     coexist at the peak moment). ``resident_layers`` (infer and forward, floating-point weights,
     one GPU) keeps that many decoder layers on the GPU and offloads the rest (``offloaded_weights``).
     ``backend`` (native or hf; by default the family's, ``fitbench.models.backends.default_backend``)
     is the model the run builds. ``compiled``: the native model under ``torch.compile``
     (``fitbench.plan.compiled``); quantized weights (adapters, inference) keep the eager model's terms,
-    an upper bound: their kernels break the graph."""
+    an upper bound: their kernels break the graph.
+
+    Under pipeline parallelism the stages differ (uneven layer counts; the embedding on the first,
+    the final norm, output projection and logits on the last): ``stage`` (an index) estimates that
+    stage's GPUs; by default the estimate is that of the stage with the largest peak, which its
+    ``stage`` names (``stage_estimates`` gives them all). A training step's pipeline runs
+    ``parallelism.microbatches_of(batch)`` microbatches of ``ceil(batch / m)`` sequences under 1F1B
+    (``Stage.in_flight``)."""
     backend = backend or default_backend(arch)
     if resident_layers is not None:
         return _offloaded(arch, mode, precision, batch, seq_len, new_tokens, resident_layers, parallelism, backend)
+    if parallelism.stages > 1 and stage is None:
+        return max(stage_estimates(arch, mode, precision, batch, seq_len, new_tokens=new_tokens,
+                                   activation_checkpointing=activation_checkpointing, parallelism=parallelism,
+                                   backend=backend, compiled=compiled), key=lambda estimate: estimate.peak_bytes)
+    where = pipeline_stage_list(arch, parallelism.stages)[stage or 0]
     # Only the native decoder's compiled graph has been read; the hf backend keeps the eager terms.
     compiled = compiled and backend == "native"
     widths = Widths.of(precision)
-    tp, stages, shards = parallelism.tensor, parallelism.stages, parallelism.shards
-    P = arch.total_params
-    layers = arch.num_layers / stages
-    layer_params = arch.params_per_layer * layers
-    edge_params = P - arch.params_per_layer * arch.num_layers  # embeddings, output projection, final norm
-    local_params = (layer_params / tp + edge_params / (stages if stages > 1 else 1)) if tp > 1 or stages > 1 else P
+    tp, shards = parallelism.tensor, parallelism.shards
+    layers = len(where.layers)
+    local_params = layers * rank_layer_params(arch, tp) + rank_edge_params(arch, tp, where)
     training = mode in TRAINING_MODES
     if training and precision == "fp8":
-        return _float8_training(arch, mode, batch, seq_len, activation_checkpointing, parallelism, backend, compiled)
+        return _float8_training(arch, mode, batch, seq_len, activation_checkpointing, parallelism, backend, compiled,
+                                where)
+    in_flight = 1
+    if training and parallelism.stages > 1:
+        microbatches = parallelism.microbatches_of(batch)
+        in_flight, batch = where.in_flight(microbatches), -(-batch // microbatches)
     if training and precision in QUANTIZED and precision not in ADAPTER_BASES:
         raise ValueError(f"{precision} weights have no backward pass: no training memory model")
     if precision in QUANTIZED:
-        quantized = quantized_layer_bytes(arch, QUANTIZED[precision]) * layers / tp
-        plain = widths.weights * (local_params - layer_matmul_params(arch) * layers / tp)
+        fmt = QUANTIZED[precision]
+        shares = tp_layer_matrices(arch, tp)
+        quantized = sum(fmt.matrix_bytes(rows, columns) for rows, columns, _ in shares) * layers
+        plain = widths.weights * (local_params - sum(rows * columns for rows, columns, _ in shares) * layers)
         weights = quantized + plain
-        terms = [Term("weights", weights, f"{QUANTIZED[precision].source}: {quantized:,.0f} B in the layers' "
+        terms = [Term("weights", weights, f"{fmt.source}: {quantized:,.0f} B in the layers' "
                                           f"matrices, {plain:,.0f} B in bf16 elsewhere"), rotary_term(arch, backend)]
         per_element = BUILD_TEMPORARY_BYTES[precision]
         terms.append(Term("quantizer temporaries",
@@ -449,9 +602,9 @@ def estimate_memory(arch: Architecture, mode: str, precision: str, batch: int, s
                           f"(measured)", frozenset({BUILD})))
         if training:
             return _adapter_training(arch, mode, precision, widths, batch, seq_len, activation_checkpointing, terms,
-                                     layers, tp, backend)
-        return _inference(arch, mode, widths, batch, seq_len, new_tokens, terms, tp, stages, precision=precision,
-                          backend=backend)
+                                     layers, tp, backend, where, in_flight)
+        return _with_stage(_inference(arch, mode, widths, batch, seq_len, new_tokens, terms, tp, where,
+                                      precision=precision, backend=backend), where)
     weights = widths.weights * local_params / shards
     terms = [Term("weights", 0.0 if parallelism.offload else weights,
                   f"{widths.weights:g} B x {local_params:,.0f} parameters"
@@ -460,10 +613,33 @@ def estimate_memory(arch: Architecture, mode: str, precision: str, batch: int, s
              rotary_term(arch, backend)]
     if training:
         widths = Widths.of(precision, parallelism)
-        return _training(arch, mode, widths, batch, seq_len, activation_checkpointing, terms, local_params / shards,
-                         layers, tp, backend=backend, compiled=compiled, layout=parallelism)
-    return _inference(arch, mode, widths, batch, seq_len, new_tokens, terms, tp, stages, backend=backend,
-                      compiled=compiled)
+        return _with_stage(_training(arch, mode, widths, batch, seq_len, activation_checkpointing, terms,
+                                     local_params / shards, layers, tp, backend=backend, compiled=compiled,
+                                     layout=parallelism, stage=where, in_flight=in_flight), where)
+    return _with_stage(_inference(arch, mode, widths, batch, seq_len, new_tokens, terms, tp, where, backend=backend,
+                                  compiled=compiled), where)
+
+
+def stage_estimates(arch: Architecture, mode: str, precision: str, batch: int, seq_len: int, *,
+                    parallelism: Parallelism, **options) -> tuple[MemoryEstimate, ...]:
+    """``estimate_memory`` of every pipeline stage, in order (one estimate without pipeline
+    parallelism); stages of the same shape (layer count, edges, microbatches in flight) are estimated
+    once."""
+    estimates: dict[tuple, MemoryEstimate] = {}
+    result = []
+    microbatches = parallelism.microbatches_of(batch)
+    for stage in pipeline_stage_list(arch, parallelism.stages):
+        shape = (len(stage.layers), stage.first, stage.last, stage.in_flight(microbatches))
+        if shape not in estimates:
+            estimates[shape] = estimate_memory(arch, mode, precision, batch, seq_len, parallelism=parallelism,
+                                               stage=stage.index, **options)
+        result.append(replace(estimates[shape], stage=stage) if parallelism.stages > 1 else estimates[shape])
+    return tuple(result)
+
+
+def _with_stage(estimate: MemoryEstimate, stage: Stage) -> MemoryEstimate:
+    """``estimate`` naming its pipeline stage, where there are several."""
+    return replace(estimate, stage=stage) if stage.count > 1 else estimate
 
 
 def _offloaded(arch, mode, precision, batch, seq_len, new_tokens, resident, parallelism, backend) -> MemoryEstimate:
@@ -511,14 +687,16 @@ def rotary_term(arch: Architecture, backend: str = "native") -> Term:
     return Term("rotary tables", size, f"2 x {arch.max_seq_len} positions x {arch.head_dim} x 4 B")
 
 
-def autocast_copies(arch: Architecture, widths: Widths, saved_layers: float, tp: int) -> tuple[float, str]:
+def autocast_copies(arch: Architecture, widths: Widths, saved_layers: float, tp: int,
+                    output: float | None = None) -> tuple[float, str]:
     """16-bit copies of the weights under autocast. Autograd saves each matmul's copy for the
     backward pass, so a training step holds those of every layer whose activations it keeps, and
-    always the output projection's; without autograd each copy lives only for its matmul, and the
+    always the output projection's (``output`` parameters of it on this rank: V h by default, none on
+    a pipeline stage without it); without autograd each copy lives only for its matmul, and the
     largest (the output projection, or one MLP matrix) bounds them."""
     if not widths.autocast:
         return 0.0, ""
-    output = arch.vocab_size * arch.hidden_size
+    output = arch.vocab_size * arch.hidden_size if output is None else output
     if saved_layers == 0:
         largest = max(output, largest_layer_matrix(arch) / tp)
         return widths.compute * largest, f"{widths.compute} B x {largest:,.0f}: the largest matrix, cast for its matmul"
@@ -530,23 +708,27 @@ START, RECOMPUTE, FIRST, END = ("start of the backward pass", "recompute of the 
                                 "backward of the first layer", "end of the backward pass")
 
 
-def _float8_training(arch, mode, batch, seq_len, recompute, parallelism, backend, compiled=False):
+def _float8_training(arch, mode, batch, seq_len, recompute, parallelism, backend, compiled=False, stage=None):
     """fp8 training (torchao float8, row-wise): bf16 weights, gradients and AdamW state as in
     bf16-pure, and each converted matmul saves its bf16 input and weight, as a bf16 matmul does;
     the float8 copies live only inside a matmul. The largest bound them: the MLP matrix's weight
     cast twice (along rows for the forward, along columns for the backward) and the n x f
     operands of the down projection's backward (its input and incoming gradient) in float8."""
     estimate = estimate_memory(arch, mode, "bf16-pure", batch, seq_len, activation_checkpointing=recompute,
-                               parallelism=parallelism, backend=backend, compiled=compiled)
+                               parallelism=parallelism, backend=backend, compiled=compiled,
+                               stage=stage.index if stage else None)
+    if parallelism.stages > 1:  # one microbatch in a matmul at a time
+        batch = -(-batch // parallelism.microbatches_of(batch))
     n, h, f, tp = batch * seq_len, arch.hidden_size, arch.ffn_size, parallelism.tensor
     casts = (2 * h * f + 2 * n * f) / tp
     moments = frozenset(m for m in estimate.moments if m != START)
     terms = estimate.terms + (Term("float8 casts", casts, "2 h f + 2 n f: one MLP matrix cast twice and the "
                                    "down projection's backward operands, 1 B each", moments),)
-    return MemoryEstimate(terms, estimate.moments)
+    return MemoryEstimate(terms, estimate.moments, estimate.stage)
 
 
-def _adapter_training(arch, mode, precision, widths, batch, seq_len, recompute, terms, layers, tp, backend):
+def _adapter_training(arch, mode, precision, widths, batch, seq_len, recompute, terms, layers, tp, backend,
+                      stage, in_flight=1):
     """Adapters on a frozen quantized base (``fitbench.run.adapters``): the base weights are in
     ``terms``; the adapters' fp32 weights, gradients and AdamW state are 16 B per adapter parameter.
     Gradients flow through every frozen matmul, so activations are saved as in bf16-pure training
@@ -558,8 +740,8 @@ def _adapter_training(arch, mode, precision, widths, batch, seq_len, recompute, 
     A = adapter_params(arch) * layers / arch.num_layers / tp
     terms = [*terms, Term("adapters", 4 * A, f"4 B x {A:,.0f} fp32 adapter parameters (rank {ADAPTER_RANK})")]
     estimate = _training(arch, mode, widths, batch, seq_len, recompute, terms, 0.0, layers, tp, trainable=A,
-                         backend=backend)
-    saving_layers = 0 if recompute else layers
+                         backend=backend, stage=stage, in_flight=in_flight)
+    saving_layers = 0 if recompute else layers * in_flight
     extra_saved = widths.compute * n * ADAPTER_RANK * len(layer_matrices(arch)) * saving_layers
     matmuls = len(arch.layer_matrices)
     added = [Term("adapter activations", extra_saved, f"{widths.compute} B x n x r per matmul, {matmuls} per layer",
@@ -573,22 +755,33 @@ def _adapter_training(arch, mode, precision, widths, batch, seq_len, recompute, 
     added.append(Term("dequantized weight in backward", 2 * largest / tp, "2 B x the largest matrix: the frozen "
                       "matmul's weight in bf16 for its input's gradient",
                       frozenset({FIRST, RECOMPUTE} if recompute else {FIRST})))
-    return MemoryEstimate(estimate.terms + tuple(added), estimate.moments + (BUILD,))
+    return _with_stage(MemoryEstimate(estimate.terms + tuple(added), estimate.moments + (BUILD,)), stage)
 
 
 def _training(arch, mode, widths, batch, seq_len, recompute, terms, local_params, layers, tp,
               trainable: float | None = None, backend: str = "native", compiled: bool = False,
-              layout: Parallelism = Parallelism()):
+              layout: Parallelism = Parallelism(), stage: Stage | None = None, in_flight: int = 1):
     """A training step's terms. ``trainable``: adapter parameters (fp32) when the weights are a frozen
     base; then gradients and optimizer state are the adapters', and no weight gradient forms.
     ``compiled``: layers, the final norm and the embedding's gradient as ``fitbench.plan.compiled`` has them.
     ``layout``: DDP's buckets and FSDP's units in flight (the module docstring); adapters on a frozen
-    base keep one GPU's terms, their few gradients in a bucket or a shard changing little."""
+    base keep one GPU's terms, their few gradients in a bucket or a shard changing little.
+
+    ``stage``: a pipeline stage, ``batch`` one microbatch of it and ``in_flight`` the microbatches
+    whose activations it holds at once (``Stage.in_flight``): the embedding's terms are the first
+    stage's, the final norm's, the output projection's and the loss's the last's (one microbatch's
+    logits at a time: under 1F1B the last stage runs each microbatch's backward right after its
+    forward). Under tensor parallelism the output projection and the embedding are split over the
+    vocabulary and the logits gathered whole on each rank, so the loss chain is one GPU's."""
     n, V, h = batch * seq_len, arch.vocab_size, arch.hidden_size
     c, r, w = widths.compute, widths.residual, widths.weights
+    stage = stage or Stage(0, 1, range(arch.num_layers))
+    has_embedding, has_head = stage.first, stage.last
     frozen = trainable is not None  # adapters on a frozen base: embeddings and norms are frozen too
     sharded = layout.shards > 1 and not frozen
-    ddp = layout.strategy == "ddp" and layout.gpus > 1 and not frozen
+    ddp = layout.replicas > 1 and layout.shards == 1 and not frozen
+    # The output projection's share on this rank, where this stage holds it.
+    output = V * h / tp if has_head else 0.0
     moments = (START, RECOMPUTE, FIRST, END) if recompute else (START, FIRST, END)
     def at(*names: str) -> frozenset[str]:
         return frozenset(names)
@@ -597,16 +790,20 @@ def _training(arch, mode, widths, batch, seq_len, recompute, terms, local_params
                  else saved_per_layer(arch, n, widths, tp, frozen_norms=frozen, backend=backend, context=seq_len))
     one_layer_casts = c * layer_matmul_params(arch) / tp if widths.autocast and not sharded else 0.0
     # An untied input embedding gets its gradient from the very last backward operator, after the
-    # first layer's activations are gone; a tied one is counted with the tied gradients.
-    embedding_grad = 0.0 if arch.tie_embeddings or sharded or frozen else V * h
+    # first layer's activations are gone; a tied one is counted with the tied gradients where one
+    # stage holds both ends of the model.
+    tied_here = arch.tie_embeddings and has_embedding and has_head
+    embedding_grad = 0.0 if tied_here or sharded or frozen or not has_embedding else V * h / tp
+    saved = layers * in_flight
+    held = f"{layers:g} layers x {in_flight} microbatches in flight" if in_flight > 1 else f"{layers:g} layers"
     if recompute:
         inputs = recompute_per_layer(arch, n, widths)
-        activations = Term("activations", inputs * layers, f"{layers:g} layers x {inputs:,.0f} B: each layer's "
+        activations = Term("activations", inputs * saved, f"{held} x {inputs:,.0f} B: each layer's "
                            f"input, kept for recomputation", at(START, RECOMPUTE))
     else:
         # compiled, the first layer saves a 16-bit tensor in place of an fp32 one (on the first stage)
         first = inductor.first_layer_saving(arch, n, c, r) if compiled and layers == arch.num_layers else 0.0
-        activations = Term("activations", one_layer * layers - first, f"{layers:g} layers x {one_layer:,.0f} B saved "
+        activations = Term("activations", one_layer * saved - first, f"{held} x {one_layer:,.0f} B saved "
                            f"per layer" + (f", less {first:,.0f} B in the first" if first else ""), at(START))
     if layout.offload and not frozen:
         state = Term("optimizer state", 0.0, f"AdamW's moments of the shards, {2 * w * local_params:,.0f} B in host "
@@ -629,52 +826,56 @@ def _training(arch, mode, widths, batch, seq_len, recompute, terms, local_params
         gradients = Term("gradients", 4 * trainable, f"4 B x {trainable:,.0f} adapter parameters", at(FIRST, END))
     terms = [*terms, state, gradients, activations]
     if widths.autocast and not sharded:
-        casts, formula = autocast_copies(arch, widths, 0 if recompute else layers, tp)
+        casts, formula = autocast_copies(arch, widths, 0 if recompute else layers, tp, output)
         if recompute:
-            casts, formula = c * V * h, f"{c} B x V h: the output projection's copy, saved by autograd"
+            casts, formula = c * output, f"{c} B x V h / {tp}: the output projection's copy, saved by autograd"
         terms.append(Term("autocast weight copies", casts, formula, at(START)))
-    terms += [
-        Term("final norm and output input", inductor.final_saved_bytes(arch, n, c, r, recompute) if compiled
-             else final_saved_bytes(arch, n, widths, frozen_norm=frozen, backend=backend),
-             "saved by the final norm and the output projection", at(START)),
-        Term("loss chain", loss_chain_bytes(n, V, c), f"the fp32 log-probabilities beside the {c} B logits and one "
-             f"chunk's upcast, or one chunk's two fp32 gradients: 4 n V + max({c} n V + 4 r V, 8 r V), n = {n:,}, "
-             f"r = {min(loss_chunk_rows(V), n):,}, V = {V:,}", at(START)),
-    ]
+    if has_head:
+        terms += [
+            Term("final norm and output input", inductor.final_saved_bytes(arch, n, c, r, recompute) if compiled
+                 else final_saved_bytes(arch, n, widths, frozen_norm=frozen, backend=backend),
+                 "saved by the final norm and the output projection", at(START)),
+            Term("loss chain", loss_chain_bytes(n, V, c), f"the fp32 log-probabilities beside the {c} B logits and "
+                 f"one chunk's upcast, or one chunk's two fp32 gradients: 4 n V + max({c} n V + 4 r V, 8 r V), "
+                 f"n = {n:,}, r = {min(loss_chunk_rows(V), n):,}, V = {V:,}", at(START)),
+        ]
     if recompute:
-        output_grad = 0.0 if frozen or sharded else w * V * h  # FSDP: one of the root's gradients
+        output_grad = 0.0 if frozen or sharded else w * output  # FSDP: one of the root's gradients
         terms.append(Term("recomputed last layer", one_layer + one_layer_casts + output_grad + r * n * h,
                           "one layer's activations (and weight copies) recomputed, with the output projection's "
                           "gradient and the gradient flowing into the layer", at(RECOMPUTE)))
     terms.append(Term("first layer in backward", one_layer + one_layer_casts,
                       "one layer's saved activations (and weight copies) while the last gradients form", at(FIRST)))
     if sharded:
-        terms += fsdp_in_flight(arch, c, w)
+        terms += fsdp_in_flight(arch, c, w, tp)
     if sharded and layout.offload:
-        terms.append(fsdp_offload_staging(arch, w, c, layout.gpus))
-    if ddp and arch.tie_embeddings:
+        terms.append(fsdp_offload_staging(arch, w, c, layout.shards))
+    if ddp and tied_here:
         terms.append(Term("tied gradient awaiting its sum", w * V * h, "w x V h: the output projection's "
                           "contribution, held by autograd until the embedding's joins it and the sum goes to its "
                           "bucket", at(FIRST)))
     if embedding_grad:
-        terms.append(Term("input embedding gradient", w * embedding_grad, "w x V h, formed by the last backward "
-                          "operator" + (", before DDP copies it into its bucket" if ddp else ""), at(END)))
-    accumulator = inductor.embedding_gradient_accumulator(arch, w) if compiled and not frozen else 0.0
+        terms.append(Term("input embedding gradient", w * embedding_grad, f"w x V h / {tp}, formed by the last "
+                          "backward operator" + (", before DDP copies it into its bucket" if ddp else ""), at(END)))
+    accumulator = inductor.embedding_gradient_accumulator(arch, w) / tp if compiled and not frozen and \
+        has_embedding else 0.0
     if accumulator:
         terms.append(Term("embedding gradient accumulator", accumulator, "4 B x V h: the compiled embedding "
                           "backward's fp32 sum, cast to the weights' dtype", at(END)))
-    if arch.tie_embeddings and not frozen and not sharded:
+    if tied_here and not frozen and not sharded:
         terms.append(Term("tied embedding gradients", 2 * w * V * h, "the input embedding's gradient and its sum "
                           "with the output projection's, 2 x V h x weight bytes", at(END)))
     return MemoryEstimate(tuple(terms), moments)
 
 
-def fsdp_in_flight(arch: Architecture, c: float, rd: float) -> list[Term]:
+def fsdp_in_flight(arch: Architecture, c: float, rd: float, tp: int = 1) -> list[Term]:
     """FSDP2's unsharded units beside the shards (the module docstring): c the gathered (compute)
     dtype's width, rd the reduce dtype's, which is the sharded parameters' own (fp32 under
-    ``MixedPrecisionPolicy(bf16, reduce fp32)``, bf16 in bf16-pure)."""
-    p, V, h = arch.params_per_layer, arch.vocab_size, arch.hidden_size
-    E = arch.total_params - p * arch.num_layers
+    ``MixedPrecisionPolicy(bf16, reduce fp32)``, bf16 in bf16-pure). Under FSDP x TP each unit
+    gathers the rank's tensor-parallel share (``rank_layer_params``, ``rank_edge_params``)."""
+    whole = Stage(0, 1, range(arch.num_layers))
+    p, V, h = rank_layer_params(arch, tp), arch.vocab_size, arch.hidden_size // tp
+    E = rank_edge_params(arch, tp, whole)
     head = V * h + arch.final_norm_params
     G = E + (V * h if arch.tie_embeddings else 0)
     return [
@@ -788,7 +989,7 @@ def prefill_reserve_term(arch: Architecture, precision: str | None, tokens: int,
                 f"of the previous layer split by smaller blocks (traced)", frozenset({MLP}))
 
 
-def _inference(arch, mode, widths, batch, seq_len, new_tokens, terms, tp, stages=1, precision=None,
+def _inference(arch, mode, widths, batch, seq_len, new_tokens, terms, tp, stage=None, precision=None,
                backend="native", compiled=False):
     """Without autograd, a layer's temporaries die with it. Two moments can peak: the widest MLP,
     where silu(gate), up and their product (3 c n f) live beside the layer's input, the residual
@@ -799,16 +1000,24 @@ def _inference(arch, mode, widths, batch, seq_len, new_tokens, terms, tp, stages
     Quantized weights (``precision``) add the moment of the build (``quantizer temporaries``), when no
     step has run and no KV cache exists yet; 4-bit weights are dequantized to bf16 for each prefill
     matmul (2 B x the largest matrix, at the MLP); LLM.int8 adds the moment of its outlier columns
-    (``int8_outlier_terms``)."""
+    (``int8_outlier_terms``).
+
+    A pipeline ``stage`` holds the KV cache of its own layers, and only the last stage the output
+    projection's moment. Tensor parallelism (degree ``tp``) splits the layers' intermediates, the
+    kv heads where they divide by it (``kv_heads_split``; else each rank caches all of them) and the
+    output projection over the vocabulary; the logits are gathered whole on each rank, beside the
+    rank's own slice of them, so the output moment holds c rows V (1 + 1 / tp)."""
     n, V, h = batch * seq_len, arch.vocab_size, arch.hidden_size
     c, r = widths.compute, widths.residual
+    stage = stage or Stage(0, 1, range(arch.num_layers))
+    layers = len(stage.layers)
     rows = batch if mode == "infer" else n  # infer computes logits for the last position only
-    moments = (MLP, OUTPUT) + ((OUTLIERS,) if precision == "int8" else ())
+    moments = (MLP,) + ((OUTPUT,) if stage.last else ()) + ((OUTLIERS,) if precision == "int8" else ())
     if mode == "infer":
-        # Each pipeline stage caches its own layers; tensor parallelism splits the kv heads.
-        cache = kv_cache_bytes(arch, batch, seq_len + new_tokens, widths, tp, backend) / stages
-        per_token = cache / (arch.num_layers / stages) / batch / (seq_len + new_tokens) / 2
-        terms.append(Term("KV cache", cache, f"2 x {arch.num_layers / stages:g} layers x {per_token:g} B x {batch} x "
+        kv_tp = kv_heads_split(arch, tp)
+        cache = kv_cache_bytes(arch, batch, seq_len + new_tokens, widths, kv_tp, backend) * layers / arch.num_layers
+        per_token = cache / layers / batch / (seq_len + new_tokens) / 2
+        terms.append(Term("KV cache", cache, f"2 x {layers} layers x {per_token:g} B x {batch} x "
                           f"{seq_len + new_tokens} tokens", frozenset(moments) if precision in QUANTIZED else None))
     if precision == "int8":
         terms += int8_outlier_terms(arch, n, widths, tp)
@@ -825,21 +1034,24 @@ def _inference(arch, mode, widths, batch, seq_len, new_tokens, terms, tp, stages
     reserve = prefill_reserve_term(arch, precision, n, c, tp)
     if reserve is not None:
         terms.append(reserve)
+    logits = c * rows * V * (1 + 1 / tp if tp > 1 else 1)
+    gathered = f" ({tp} slices gathered whole beside this rank's)" if tp > 1 else ""
     if compiled:
         terms.append(Term("MLP temporaries", inductor.prefill_transient_bytes(arch, n, c, r, widths.autocast, tp),
                           "r n h + c n h + 2 c n f (+ c h f under autocast) + 8 n: one fused MLP's "
                           "intermediates beside the residual stream", frozenset({MLP})))
-        head = inductor.output_input_bytes(arch, n, c) + c * rows * V
-        formula = f"final normalized input, cast in the norm's kernel, and {c} B x {rows:,} x V logits"
+        head = inductor.output_input_bytes(arch, n, c) + logits
+        formula = f"final normalized input, cast in the norm's kernel, and {c} B x {rows:,} x V logits{gathered}"
     else:
         terms.append(Term("MLP temporaries", prefill_transient_bytes(arch, n, widths, tp, backend, seq_len,
                                                                   "infer" if mode == "infer" else "forward"),
                           "one MLP's intermediates beside the residual stream, and the token ids",
                           frozenset({MLP})))
-        head = r * n * h + (c * n * h if widths.autocast else 0) + c * rows * V
-        formula = f"final normalized input, its cast, and {c} B x {rows:,} x V logits"
+        head = r * n * h + (c * n * h if widths.autocast else 0) + logits
+        formula = f"final normalized input, its cast, and {c} B x {rows:,} x V logits{gathered}"
     if widths.autocast:
-        head += c * V * h
+        head += c * V * h / tp
         formula += ", and the output projection's 16-bit copy"
-    terms.append(Term("output projection", head, formula, frozenset({OUTPUT})))
+    if stage.last:
+        terms.append(Term("output projection", head, formula, frozenset({OUTPUT})))
     return MemoryEstimate(tuple(terms), moments + ((BUILD,) if precision in QUANTIZED else ()))

@@ -1,7 +1,8 @@
 """Enumerate ways to run a model on some GPUs, keep those predicted to fit, rank, and explain.
 
-A candidate is a precision, a strategy over a GPU count, activation checkpointing on or off and a
-batch size. Its predicted per-GPU peak is the memory model's tensor terms plus the calibrated
+A candidate is a precision, a layout over a GPU count (``fitbench.spec.Layout``: the object the run
+is given, so a planned layout is the layout that runs; ``layouts_for`` enumerates them for any
+count), activation checkpointing on or off and a batch size. Its predicted per-GPU peak is the memory model's tensor terms plus the calibrated
 overheads (CUDA context, cuBLAS workspace, allocator page rounding, NCCL buffers; none on a CPU,
 where the calibration is None). It fits when that peak is at most the GPU's memory. An offloaded
 candidate (inference on one GPU) keeps only some decoder layers on the GPU; ``offload_split`` says
@@ -25,9 +26,9 @@ from fitbench.models.architecture import Architecture, default_backend
 from fitbench.plan import compiled as inductor
 from fitbench.plan.calibration import DEFAULT, PAGE, TENSORS_ONLY, Calibration
 from fitbench.plan.memory import (QUANTIZED, TRAINING_MODES, MemoryEstimate, Parallelism, Term, Widths, estimate_memory,
-                                  offloaded_weights, saved_per_layer)
+                                  offloaded_weights, saved_per_layer, stage_estimates)
 from fitbench.plan.speed import StepTime, bus_bandwidth, estimate_step_time
-from fitbench.precisions import (DATA_PARALLEL_STRATEGIES, data_parallel_problem, graph_problem, offload_problem,
+from fitbench.precisions import (data_parallel_problem, graph_problem, offload_problem,
                                  training_problem, trains_every_weight)
 from fitbench.search import largest
 from fitbench.spec import Layout
@@ -66,6 +67,8 @@ class GpuTarget:
     memory: float  # bytes per GPU
     described: bool
     memory_source: str | None = None  # where ``memory`` comes from
+    # GPUs of one node: tensor parallelism stays inside one (its all-reduces need NVLink's bandwidth)
+    node_gpus: int = 8
 
     @property
     def speed_name(self) -> str:
@@ -83,14 +86,31 @@ class Candidate:
     resident_layers: int | None = None  # offload: decoder layers kept on the GPU, the rest in host memory
     compiled: bool = False  # torch.compile (``fitbench.plan.compiled``)
     cpu_offload: bool = False  # FSDP's: shards, gradients and optimizer state in host memory
+    # The run's layout (``fitbench.spec.Layout``): the object the worker is given. Built from
+    # ``strategy`` and ``gpus`` unless given (``of_layout``) and they agree with it.
+    layout: Layout | None = None
+
+    def __post_init__(self) -> None:
+        layout = self.layout
+        if layout is None or (layout.strategy, layout.world_size) != (self.strategy, self.gpus):
+            object.__setattr__(self, "layout", Layout.of_strategy(self.strategy, self.gpus))
+
+    @classmethod
+    def of_layout(cls, precision: str, layout: Layout, activation_checkpointing: bool, batch_size: int,
+                  **options) -> Candidate:
+        return cls(precision, layout.strategy, layout.world_size, activation_checkpointing, batch_size,
+                   layout=layout, **options)
 
     @property
     def parallelism(self) -> Parallelism:
-        return Parallelism(self.strategy, self.gpus, offload=self.cpu_offload)
+        return Parallelism(layout=self.layout, offload=self.cpu_offload)
+
+    def as_dict(self) -> dict:
+        return {**self.__dict__, "layout": self.layout.model_dump()}
 
     @property
     def label(self) -> str:
-        layout = "1 GPU" if self.gpus == 1 else f"{self.strategy} x {self.gpus}"
+        layout = "1 GPU" if self.gpus == 1 else self.layout.label
         recompute = ", recompute" if self.activation_checkpointing else ""
         offload = f", offload ({self.resident_layers} layers on the GPU)" if self.resident_layers is not None else ""
         offload += ", CPU offload" if self.cpu_offload else ""
@@ -111,7 +131,7 @@ class Assessment:
 
     def as_dict(self) -> dict:
         return {
-            "candidate": self.candidate.__dict__,
+            "candidate": self.candidate.as_dict(),
             "peak_moment": self.peak_moment,
             "label": self.candidate.label,
             "predicted_peak_bytes": self.predicted_peak,
@@ -172,7 +192,9 @@ def overhead_terms(arch: Architecture, mode: str, candidate: Candidate, memory: 
     ]
     if moment in LATE_BACKWARD:
         backend = backend or default_backend(arch)
-        tokens, tp = candidate.batch_size * seq_len, candidate.parallelism.tensor
+        parallelism = candidate.parallelism  # a pipeline's backward pass holds one microbatch's gradients
+        microbatches = parallelism.microbatches_of(candidate.batch_size) if parallelism.stages > 1 else 1
+        tokens, tp = -(-candidate.batch_size // microbatches) * seq_len, parallelism.tensor
         widths = Widths.of(candidate.precision, candidate.parallelism)
         layer = (inductor.saved_per_layer(arch, tokens, widths.compute, widths.residual, tp)
                  if candidate.compiled and backend == "native"
@@ -182,8 +204,11 @@ def overhead_terms(arch: Architecture, mode: str, candidate: Candidate, memory: 
     else:
         terms.append(Term("allocator page rounding", Calibration.page_rounding(memory.total_at(moment)),
                           "expandable segments: the peak rounded up to 2 MiB"))
-    if candidate.gpus > 1:
-        terms.append(Term("NCCL buffers", calibration.nccl_per_communicator, "one communicator"))
+    layout = candidate.layout
+    communicators = sum(1 for degree in (layout.dp_replicate, layout.dp_shard, layout.tp, layout.pp) if degree > 1)
+    if communicators:
+        terms.append(Term("NCCL buffers", communicators * calibration.nccl_per_communicator,
+                          f"{communicators} communicator(s): one per parallel dimension of {layout.label}"))
     widths = Widths.of(candidate.precision)
     if mode == "infer" and graph and widths.autocast:
         terms.append(autocast_graph_pool(arch, candidate.batch_size, widths))
@@ -249,7 +274,7 @@ STATE_TERMS = ("weights", "gradients", "gradient buckets", "optimizer state")
 def _data_parallel_why(candidate: Candidate, memory: MemoryEstimate) -> str:
     """For a data-parallel layout that does not fit, what its layout does to the per-GPU need: DDP
     replicates the state, FSDP shards it and gathers units in flight."""
-    if candidate.gpus == 1 or candidate.strategy not in ("ddp", "fsdp"):
+    if candidate.strategy not in ("ddp", "fsdp"):
         return ""
     state = sum(t.bytes for t in memory.terms if t.name in STATE_TERMS)
     if candidate.strategy == "ddp":
@@ -265,16 +290,39 @@ def _layout_problem(arch: Architecture, candidate: Candidate, target: GpuTarget)
         return f"{candidate.label} needs {candidate.gpus} GPUs; {target.count} available"
     if candidate.resident_layers is not None and candidate.gpus > 1:
         return f"{candidate.label}: offload keeps the layers that do not fit on one GPU in host memory"
-    if candidate.strategy == "tp" and (arch.num_heads % candidate.gpus or arch.num_kv_heads % candidate.gpus):
-        return (f"{candidate.label}: tensor parallel {candidate.gpus} does not divide {arch.num_heads} heads / "
-                f"{arch.num_kv_heads} kv heads")
-    if candidate.strategy == "pipeline" and arch.num_layers % candidate.gpus:
-        return f"{candidate.label}: {arch.num_layers} layers do not split into {candidate.gpus} equal stages"
+    tp, pp = candidate.layout.tp, candidate.layout.pp
+    if arch.num_heads % tp:
+        return f"{candidate.label}: tensor parallel {tp} does not divide {arch.num_heads} heads"
+    if tp > target.node_gpus:
+        return f"{candidate.label}: tensor parallel {tp} spans more than the {target.node_gpus} GPUs of one node"
+    if pp > arch.num_layers:
+        return f"{candidate.label}: {pp} pipeline stages for {arch.num_layers} layers leave a stage without one"
     return None
 
 
+def layouts_for(arch: Architecture, mode: str, gpus: int, node_gpus: int = 8) -> list[Layout]:
+    """The layouts of ``gpus`` GPUs the planner weighs: every tensor-parallel degree that divides the
+    GPU count and fits in one node (``node_gpus``; those that do not divide the heads are listed too,
+    to be rejected with their reason), every pipeline degree that divides what is left, up to the
+    layer count (stages of unequal size where the layers require: ``fitbench.spec.pipeline_stages``),
+    and in training data parallelism for the rest, replicated (DDP) or sharded (FSDP), beside
+    tensor parallelism (FSDP x TP) but not beside pipeline stages. Inference has no data parallelism:
+    generation has no gradients to average, and replicas would only repeat one GPU's figures."""
+    training = mode in TRAINING_MODES
+    found = []
+    for tp in (d for d in range(1, min(gpus, node_gpus) + 1) if gpus % d == 0):
+        for pp in (d for d in range(1, min(gpus // tp, arch.num_layers) + 1) if (gpus // tp) % d == 0):
+            dp = gpus // (tp * pp)
+            if dp == 1:
+                found.append(Layout(tp=tp, pp=pp))
+            elif training and pp == 1:
+                found += [Layout(dp_replicate=dp, tp=tp), Layout(dp_shard=dp, tp=tp)]
+    return found
+
+
 def gpu_counts(available: int) -> list[int]:
-    """1, 2, 4, 8 ... up to the GPUs available, and that count itself."""
+    """1, 2, 4, 8 ... up to the GPUs available, and that count itself: the counts ``plan`` weighs
+    (``minimum_gpus`` tries every count)."""
     counts, g = [], 1
     while g <= available:
         counts.append(g)
@@ -282,14 +330,6 @@ def gpu_counts(available: int) -> list[int]:
     if available not in counts:
         counts.append(available)
     return counts
-
-
-def strategies_for(mode: str, gpus: int) -> list[str]:
-    if gpus == 1:
-        return ["single"]
-    if mode in TRAINING_MODES:
-        return ["ddp", "fsdp", "tp", "pipeline"]
-    return ["tp", "pipeline"]
 
 
 def largest_fitting_batch(arch, mode, candidate: Candidate, target, *, seq_len, new_tokens, calibration,
@@ -353,21 +393,23 @@ def plan(arch: Architecture, mode: str, target: GpuTarget, *, seq_len: int, new_
          strategies: list[str] | None = None, checkpointing: list[bool] | None = None,
          calibration: Calibration = DEFAULT, backend: str | None = None) -> Plan:
     """``batch_sizes`` None means auto: each layout gets the largest batch predicted to fit; ``backend``
-    as in ``assess``. In training, the chosen layout is one GPU, DDP or FSDP (``LAUNCHED_IN_TRAINING``),
-    the fastest of them that fits on the first rung of the ladder with any fit; tensor-parallel and
-    pipeline layouts are assessed and listed, and chosen only where none of those fits or
-    ``strategies`` leaves only them."""
+    as in ``assess``. The layouts are ``layouts_for`` each count of ``gpu_counts``, those that use
+    only ``strategies`` where given (a combined layout, e.g. tp x pipeline, needs both named). In
+    training, the chosen layout is one GPU, DDP or FSDP (``LAUNCHED_IN_TRAINING``), the fastest of
+    them that fits on the first rung of the ladder with any fit; tensor-parallel, pipeline and
+    combined layouts are assessed and listed, and chosen only where none of those fits or
+    ``strategies`` leaves only them. In inference the fastest layout that fits is chosen."""
     ladder = precisions or DEFAULT_LADDER[mode]
     recompute_options = checkpointing if checkpointing is not None else (
         [False, True] if mode in TRAINING_MODES else [False])
     assessments: list[Assessment] = []
     for precision in ladder:
         for gpus in gpu_counts(target.count):
-            for strategy in strategies_for(mode, gpus):
-                if strategies and strategy not in strategies and not (gpus == 1 and "single" in strategies):
+            for layout in layouts_for(arch, mode, gpus, target.node_gpus):
+                if strategies and not set(layout.strategy.split("+")) <= set(strategies):
                     continue
                 for recompute in recompute_options:
-                    base = Candidate(precision, strategy, gpus, recompute, 1)
+                    base = Candidate.of_layout(precision, layout, recompute, 1)
                     if batch_sizes is None:
                         batch = largest_fitting_batch(arch, mode, base, target, seq_len=seq_len,
                                                       new_tokens=new_tokens, calibration=calibration,
@@ -381,8 +423,11 @@ def plan(arch: Architecture, mode: str, target: GpuTarget, *, seq_len: int, new_
                                                   backend=backend))
     training = mode in TRAINING_MODES
 
+    runs_on = backend or default_backend(arch)
+
     def passed_over(a: Assessment) -> bool:
-        return training and a.candidate.strategy not in LAUNCHED_IN_TRAINING
+        return (training and a.candidate.strategy not in LAUNCHED_IN_TRAINING) or launch_problem(
+            arch, a.candidate.layout, a.candidate.precision, mode, runs_on) is not None
 
     ranked = sorted((a for a in assessments if a.fits), key=lambda a: (
         ladder.index(a.candidate.precision), passed_over(a), -a.speed.tokens_per_s, a.candidate.gpus))
@@ -395,29 +440,75 @@ def plan(arch: Architecture, mode: str, target: GpuTarget, *, seq_len: int, new_
               and a.candidate.precision == chosen.candidate.precision
               and a.speed.tokens_per_s > chosen.speed.tokens_per_s]
     if faster:
-        notes.append(f"{faster[0].candidate.label} is predicted faster ({faster[0].speed.tokens_per_s:,.0f} tokens/s); "
-                     f"in training the choice is among what `fitbench run --gpus N` launches: "
-                     f"{', '.join(LAUNCHED_IN_TRAINING)}")
+        best = faster[0].candidate
+        problem = launch_problem(arch, best.layout, best.precision, mode, runs_on)
+        why = (f"the run cannot launch it: {problem}" if problem else
+               f"in training the choice is among what `fitbench run --gpus N` launches: "
+               f"{', '.join(LAUNCHED_IN_TRAINING)}")
+        notes.append(f"{best.label} is predicted faster ({faster[0].speed.tokens_per_s:,.0f} tokens/s); {why}")
     if target.speed_name != target.name:
         notes.append(f"speed estimates use {target.speed_name} figures; name the GPU with --gpu for others")
     return Plan(arch.name, mode, target, chosen, tuple(ranked), tuple(rejected), calibration.source, tuple(notes))
 
 
+def fewest_gpus(arch: Architecture, mode: str, precision: str, gpu_memory: float, *, seq_len: int,
+                new_tokens: int, batch_size: int = 1, max_gpus: int = 64, calibration: Calibration = DEFAULT,
+                backend: str | None = None, gpu_name: str | None = None, node_gpus: int = 8) -> Assessment | None:
+    """The fewest GPUs of ``gpu_memory`` bytes (any count, not only powers of two) that run this at
+    ``batch_size``, and the layout that does it: of the layouts of that count (``layouts_for``) that
+    the run can launch (``launch_problem``) and that fit, the fastest by the roofline (in training
+    one of ``LAUNCHED_IN_TRAINING`` first, as ``plan`` chooses); in training with activation checkpointing only where nothing
+    fits without it. None if more than ``max_gpus`` would be needed. ``gpu_name``: whose speed
+    figures rank the layouts (by default ``DEFAULT_SPEED_GPU``'s)."""
+    target = GpuTarget(gpu_name, max_gpus, gpu_memory, described=True, node_gpus=node_gpus)
+    runs_on = backend or default_backend(arch)
+    for gpus in range(1, max_gpus + 1):
+        layouts = [layout for layout in layouts_for(arch, mode, gpus, node_gpus)
+                   if launch_problem(arch, layout, precision, mode, runs_on) is None]
+        for recompute in ([False, True] if mode in TRAINING_MODES else [False]):
+            fitting = [assessed for assessed in (
+                assess(arch, mode, Candidate.of_layout(precision, layout, recompute, batch_size), target,
+                       seq_len=seq_len, new_tokens=new_tokens, calibration=calibration, backend=backend)
+                for layout in layouts) if assessed.fits]
+            if fitting:
+                return max(fitting, key=lambda a: (mode not in TRAINING_MODES
+                                                   or a.candidate.strategy in LAUNCHED_IN_TRAINING,
+                                                   a.speed.tokens_per_s))
+    return None
+
+
 def minimum_gpus(arch: Architecture, mode: str, precision: str, gpu_memory: float, *, seq_len: int,
                  new_tokens: int, batch_size: int = 1, max_gpus: int = 64,
                  calibration: Calibration = DEFAULT, backend: str | None = None) -> tuple[int, str] | None:
-    """The fewest GPUs of ``gpu_memory`` bytes that run this at ``batch_size``, and how; None if
-    more than ``max_gpus`` would be needed."""
-    target = GpuTarget(None, max_gpus, gpu_memory, described=True)
-    for gpus in gpu_counts(max_gpus):
-        for strategy in strategies_for(mode, gpus):
-            if strategy == "ddp":
-                continue
-            for recompute in ([False, True] if mode in TRAINING_MODES else [False]):
-                candidate = Candidate(precision, strategy, gpus, recompute, batch_size)
-                if assess(arch, mode, candidate, target, seq_len=seq_len, new_tokens=new_tokens,
-                          calibration=calibration, backend=backend).fits:
-                    return gpus, candidate.label
+    """The fewest GPUs of ``gpu_memory`` bytes that run this at ``batch_size``, and how (the label of
+    ``fewest_gpus``'s choice); None if more than ``max_gpus`` would be needed."""
+    found = fewest_gpus(arch, mode, precision, gpu_memory, seq_len=seq_len, new_tokens=new_tokens,
+                        batch_size=batch_size, max_gpus=max_gpus, calibration=calibration, backend=backend)
+    return (found.candidate.gpus, found.candidate.label) if found else None
+
+
+def launch_problem(arch: Architecture, layout: Layout, precision: str, mode: str, backend: str,
+                   offload: bool = False) -> str | None:
+    """Why the run cannot launch ``precision`` in ``mode`` on ``backend`` under ``layout``, in one
+    sentence; None when it can. Data parallelism as ``fitbench.precisions.data_parallel_problem``
+    says; tensor parallelism splits the native decoder's modules (``parallelize_module``) into
+    plain DTensors, so the hf backend's models and the quantized libraries' tensor subclasses are
+    split by pipeline stages instead (fp8 training keeps plain bf16 weights, which split); offload
+    keeps one GPU's or FSDP's layers in host memory, beside neither."""
+    for degree, strategy in ((layout.dp_replicate, "ddp"), (layout.dp_shard, "fsdp")):
+        if degree > 1:
+            problem = data_parallel_problem(strategy, precision, mode, backend, offload)
+            if problem:
+                return problem
+    if layout.tp > 1:
+        if arch.num_heads % layout.tp:
+            return f"tensor parallel {layout.tp} does not divide {arch.num_heads} heads"
+        if backend != "native":
+            return "tensor parallelism splits the native decoder's modules: use --backend native or pipeline stages"
+        if precision in QUANTIZED and not (precision == "fp8" and mode in TRAINING_MODES):
+            return f"{precision} weights are not split by tensor parallelism: pipeline stages split them"
+    if offload and (layout.tp > 1 or layout.pp > 1):
+        return "--offload keeps layers of one GPU or FSDP's shards in host memory, not beside TP or pipeline stages"
     return None
 
 
@@ -430,11 +521,13 @@ def planner_choices(mode: str, choose_precision: bool, choose_recompute: bool, c
 
 def predict_spec(arch: Architecture, spec, target: GpuTarget, calibration: Calibration | None, *,
                  choose_precision: bool, choose_recompute: bool, runnable: tuple[str, ...],
-                 choose_strategy: bool = False):
+                 choose_strategy: bool = False, gpus: int | None = None):
     """Plan one ``fitbench run`` configuration on its GPUs (one, or its layout's world size): choose
     the precision and activation checkpointing the user left open (first rung of the ladder that
-    fits) and, with ``choose_strategy``, DDP or FSDP over the layout's ranks (the faster predicted
-    among those that compose and fit), and predict the peak per GPU (compiled when ``spec.compile``);
+    fits) and, with ``choose_strategy``, the layout of ``gpus`` ranks (by default the layout's world
+    size; ``layouts_for`` those the run can launch, ``launch_problem``: the fastest predicted among
+    those that fit, in training one of ``LAUNCHED_IN_TRAINING`` first, as ``plan`` chooses), and
+    predict the peak per GPU (compiled when ``spec.compile``);
     an offloaded one keeps the layers ``offload_split`` finds room for. When nothing fits, the option
     that comes closest (the smallest peak) stands for the configuration: what its refusal names.
     Returns the spec to run and the prediction stored with its result. ``calibration`` None: a CPU,
@@ -450,31 +543,32 @@ def predict_spec(arch: Architecture, spec, target: GpuTarget, calibration: Calib
         return offload_split(arch, spec.mode, precision, spec.batch_size, spec.seq_len, new_tokens=spec.new_tokens,
                              budget=target.memory, calibration=calibration, backend=spec.backend).resident_layers
 
-    ranks = spec.layout.world_size
+    ranks = gpus if choose_strategy and gpus else spec.layout.world_size
 
-    def strategies(precision: str) -> list[str]:
-        if ranks == 1:
-            return ["single"]
-        if not choose_strategy:
-            return [spec.layout.strategy]
-        return [s for s in DATA_PARALLEL_STRATEGIES
-                if data_parallel_problem(s, precision, spec.mode, spec.backend, spec.offload) is None] \
-            or [spec.layout.strategy]
+    def layouts(precision: str) -> list[Layout]:
+        if ranks == 1 or not choose_strategy:
+            return [spec.layout]
+        return [layout for layout in layouts_for(arch, spec.mode, ranks, target.node_gpus)
+                if launch_problem(arch, layout, precision, spec.mode, spec.backend, spec.offload) is None] \
+            or [spec.layout]
 
-    groups = [[assess(arch, spec.mode, Candidate(precision, strategy, ranks, ac, spec.batch_size, resident(precision),
-                                                 compiled=spec.compile, cpu_offload=spec.offload and ranks > 1),
+    groups = [[assess(arch, spec.mode, Candidate.of_layout(precision, layout, ac, spec.batch_size,
+                                                           resident_layers=resident(precision), compiled=spec.compile,
+                                                           cpu_offload=spec.offload and ranks > 1),
                       target, seq_len=spec.seq_len, new_tokens=spec.new_tokens, calibration=calibration,
                       backend=spec.backend)
-               for strategy in strategies(precision)]
+               for layout in layouts(precision)]
               for precision in ladder for ac in recompute]
     options = [option for group in groups for option in group]
     fitting = [[a for a in group if a.fits] for group in groups]
     first = next((group for group in fitting if group), None)
-    chosen = (max(first, key=lambda a: a.speed.tokens_per_s if a.speed else 0.0) if first
-              else min(options, key=lambda a: a.predicted_peak))
+    estimated = [a for a in options if a.memory is not None] or options
+    training = spec.mode in TRAINING_MODES
+    chosen = (max(first, key=lambda a: (not training or a.candidate.strategy in LAUNCHED_IN_TRAINING,
+                                        a.speed.tokens_per_s if a.speed else 0.0)) if first
+              else min(estimated, key=lambda a: a.predicted_peak))
     candidate = chosen.candidate
-    layout = Layout.of_strategy(candidate.strategy, candidate.gpus)
-    planned = spec.model_copy(update={"precision": candidate.precision, "layout": layout,
+    planned = spec.model_copy(update={"precision": candidate.precision, "layout": candidate.layout,
                                       "activation_checkpointing": candidate.activation_checkpointing})
     return planned, {
         "predicted_peak_bytes": chosen.predicted_peak,
@@ -491,7 +585,24 @@ def predict_spec(arch: Architecture, spec, target: GpuTarget, calibration: Calib
                  + [{"name": t.name, "bytes": t.bytes, "at_peak": True} for t in chosen.overheads],
         "step_time_estimate_s": chosen.speed.seconds if chosen.speed else None,
         "calibration": calibration.source if calibration else TENSORS_ONLY,
+        **_stage_predictions(arch, spec.mode, chosen, spec.seq_len, spec.new_tokens, spec.backend),
     }
+
+
+def _stage_predictions(arch: Architecture, mode: str, chosen: Assessment, seq_len: int, new_tokens: int,
+                       backend: str | None) -> dict:
+    """Under pipeline parallelism, the stage whose peak the prediction is, and each stage's predicted
+    peak in rank order of the stages (the chosen moment's overheads beside each stage's tensors), to
+    hold against each GPU's measured peak; nothing for one stage."""
+    candidate = chosen.candidate
+    if chosen.memory is None or chosen.memory.stage is None:
+        return {}
+    overheads = sum(t.bytes for t in chosen.overheads)
+    stages = stage_estimates(arch, mode, candidate.precision, candidate.batch_size, seq_len, new_tokens=new_tokens,
+                             activation_checkpointing=candidate.activation_checkpointing,
+                             parallelism=candidate.parallelism, backend=backend, compiled=candidate.compiled)
+    return {"peak_stage": chosen.memory.stage.label,
+            "stage_predicted_peak_bytes": [estimate.peak_bytes + overheads for estimate in stages]}
 
 
 STRATEGY_NAMES = {"fsdp": "FSDP", "tp": "tensor parallel", "pipeline": "pipeline stages"}
@@ -513,7 +624,7 @@ class Alternative:
         return f"{self.change} at {format_bytes(self.assessment.predicted_peak)}{each}"
 
     def as_dict(self) -> dict:
-        return {"change": self.change, "candidate": self.assessment.candidate.__dict__,
+        return {"change": self.change, "candidate": self.assessment.candidate.as_dict(),
                 "predicted_peak_bytes": self.assessment.predicted_peak, "label": self.assessment.candidate.label}
 
 
@@ -529,9 +640,10 @@ def alternatives(arch: Architecture, spec, target: GpuTarget, calibration: Calib
     - training: low-rank adapters on an nf4 base (QLoRA) on this GPU;
     - inference: ``--offload`` with the layers ``offload_split`` finds room for, in a floating-point
       precision (the spec's, else bf16-pure);
-    - the fewest GPUs of this kind (2, 4, 8 ... up to ``max_gpus``) on which a layout that divides the
-      memory (FSDP, tensor parallel, pipeline stages; not DDP, which replicates it) fits, the fastest
-      by the roofline among those; in training FSDP where it fits, as ``plan`` chooses.
+    - the fewest GPUs of this kind (any count up to ``max_gpus``) on which a layout that divides the
+      memory (``layouts_for``: FSDP, tensor parallel, pipeline stages and their combinations; not DDP,
+      which replicates it) fits, the fastest by the roofline among those; in training one of
+      ``LAUNCHED_IN_TRAINING`` where one fits, as ``plan`` chooses.
 
     Each keeps everything else of the spec. Returns only the changes predicted to fit."""
 
@@ -589,18 +701,25 @@ def alternatives(arch: Architecture, spec, target: GpuTarget, calibration: Calib
             found.append(Alternative(f"with --offload in {precision} ({split.resident_layers} of {arch.num_layers} "
                                      f"layers on the GPU)", fits))
     many = replace(target, count=max_gpus)
-    for gpus in gpu_counts(max_gpus)[1:]:
-        layouts = [Candidate(spec.precision, strategy, gpus, ac, batch, compiled=spec.compile)
-                   for strategy in strategies_for(mode, gpus) if strategy != "ddp" for ac in recompute]
+    for gpus in range(2, max_gpus + 1):
+        layouts = [Candidate.of_layout(spec.precision, layout, ac, batch, compiled=spec.compile)
+                   for layout in layouts_for(arch, mode, gpus, target.node_gpus) if layout.dp_replicate == 1
+                   for ac in recompute]
         fitting = [a for a in (assess(arch, mode, c, many, seq_len=seq_len, new_tokens=new_tokens,
                                       calibration=calibration, backend=spec.backend) for c in layouts) if a.fits]
         if fitting:
             best = max(fitting, key=lambda a: (not training or a.candidate.strategy in LAUNCHED_IN_TRAINING,
                                                a.speed.tokens_per_s))
-            found.append(Alternative(f"on {gpus} GPUs with {STRATEGY_NAMES[best.candidate.strategy]}"
+            found.append(Alternative(f"on {gpus} GPUs with {layout_words(best.candidate.layout)}"
                                      f"{with_recompute(best.candidate)}", best))
             break
     return found
+
+
+def layout_words(layout: Layout) -> str:
+    """``FSDP``, ``tensor parallel``, ``pipeline stages``; a combined layout by its degrees (``tp 8 x
+    pipeline 2``)."""
+    return STRATEGY_NAMES.get(layout.strategy, layout.label)
 
 
 def refusal(arch: Architecture, spec, prediction: dict, target: GpuTarget,

@@ -36,9 +36,19 @@ datasheet's NVLink bandwidth in one direction.
   (DDP's forward pass has none), the backward pass 2/3 of the step's busy time, 3/4 under
   activation checkpointing (the forward's recomputation runs in it; FSDP gathers nothing again
   for it);
-- tensor parallel: two all-reduces of the activations per layer in the forward pass and two in
-  the backward, nothing to overlap with; pipeline: one micro-batch per step crosses the stages one
-  after another, ``(M + S - 1) / M`` stage-times for M micro-batches and S stages;
+- tensor parallel (degree t): two all-reduces of the activations per layer in the forward pass
+  (after attention's output projection and after the MLP's down projection) and two more in the
+  backward, each of B x T x h x c bytes (one decode step: B x h x c), ring time
+  ``2 (t - 1) / t x bytes / link bandwidth``, with nothing to overlap with;
+- pipeline (p stages, m microbatches, GPipe or 1F1B alike): a training step lasts the largest
+  stage's busy time stretched by the bubble, ``(m + p - 1) / m`` of it, the bubble being
+  ``(p - 1) / (m + p - 1)`` of the step (Huang et al. 2019, GPipe; Narayanan et al. 2021 for
+  1F1B); each stage boundary sends one microbatch's activations forward and their gradient back
+  (``B / m x T x h x c`` bytes each way), and the sends of one microbatch through all the
+  boundaries are on the critical path (the pipeline's fill and drain), the rest overlapping with
+  compute. Decoding crosses the stages one after another, each step sending ``B x h x c`` bytes
+  over every boundary, so stages add no speed to one sequence: the whole model's weights are read
+  per step, at the tensor-parallel degree's rate;
 - offload: the offloaded layers' weights cross the host link (PCIe) once per forward pass (each
   decode step, the prefill, a forward step), copied synchronously before each layer runs, so the
   time ``offloaded bytes / host-link bandwidth`` adds to the step like communication; under FSDP's
@@ -60,11 +70,14 @@ from fitbench.plan.calibration import Calibration
 from fitbench.plan.memory import (ADAPTER_BASES, QUANTIZED, Parallelism, Widths, adapter_params, layer_matmul_params,
                                   quantized_layer_bytes)
 from fitbench.precisions import peak_kind
+from fitbench.spec import pipeline_stages
 
-# GPU-to-GPU bandwidth per direction, bytes/s, the bus bandwidth assumed where none was measured.
+# GPU-to-GPU bandwidth per direction, bytes/s, the bus bandwidth assumed where none was measured
+# (``fitbench calibrate`` on several GPUs measures it, and the calibration's figure replaces this).
 # NVLink 4 (H100/H200 SXM): 900 GB/s both directions (NVIDIA H100 and H200 Tensor Core GPU
 # datasheets); NVLink 3 (A100 SXM): 600 GB/s (A100 datasheet); H100 NVL and H200 NVL bridges
-# 600 and 900 GB/s (datasheets); PCIe Gen5 x16: 64 GB/s, Gen4: 32 GB/s.
+# 600 and 900 GB/s (datasheets). GPUs without an entry talk over PCIe (``PCIE_BANDWIDTH``, Gen4
+# x16, 32 GB/s per direction; Gen5 would be 64 GB/s): L40S, L4, the PCIe H100 and A100 cards.
 LINK_BANDWIDTH = {
     "NVIDIA H100 80GB HBM3": 450e9,
     "NVIDIA H200": 450e9,
@@ -154,24 +167,26 @@ def estimate_step_time(arch: Architecture, mode: str, precision: str, batch: int
     if not peak or not bandwidth:
         raise ValueError(f"no datasheet figures for {gpu_name!r}")
     links = links or bus_bandwidth(gpu_name)
-    link = links.all_reduce
-    g, tp, stages = parallelism.gpus, parallelism.tensor, parallelism.stages
-    data_parallel = g if parallelism.strategy in ("ddp", "fsdp") else 1
+    tp, stages = parallelism.tensor, parallelism.stages
+    data_parallel = parallelism.layout.data_parallel
+    g = data_parallel  # the ranks the data-parallel collectives span
     widths = Widths.of(precision)
     weight_bytes = _weight_bytes(arch, precision)
     n = batch * seq_len  # tokens per data-parallel rank
+    # The largest stage's share of the layers sets a pipeline's pace.
+    share = max(len(layers) for layers in pipeline_stages(arch.num_layers, stages)) / arch.num_layers
 
     if mode == "infer":
         positions = seq_len + new_tokens if whole_cache and not offloaded_bytes else seq_len + new_tokens / 2
         cache = arch.kv_cache_bytes_per_token(widths.compute) * batch * positions
-        step_bytes = (_decode_weight_bytes(arch, precision, batch) + cache) / (tp * stages)
-        memory_s = step_bytes * stages / bandwidth  # stages decode one after another
+        memory_s = (_decode_weight_bytes(arch, precision, batch) + cache) / (tp * bandwidth)  # stages in turn
         compute_s = 2 * batch * arch.matmul_params / (peak * tp)
-        per_layer = 2 * (tp - 1) / tp * batch * arch.hidden_size * widths.compute
-        communication_s = 2 * arch.num_layers * per_layer / link if tp > 1 else 0.0
+        activation = batch * arch.hidden_size * widths.compute
+        communication_s = 2 * arch.num_layers * tensor_parallel_all_reduce_s(activation, tp, links)
+        communication_s += (stages - 1) * activation / links.all_reduce
         communication_s += offloaded_bytes / HOST_LINK_BANDWIDTH.get(gpu_name, PCIE_BANDWIDTH)
         seconds = max(compute_s, memory_s) + communication_s
-        tokens_per_s = batch / seconds
+        tokens_per_s = batch * data_parallel / seconds
     else:
         # Recomputing activations repeats the forward pass: 4 forward-passes' worth instead of 3.
         passes = 1 if mode == "forward" else (4 if activation_checkpointing else 3)
@@ -180,31 +195,31 @@ def estimate_step_time(arch: Architecture, mode: str, precision: str, batch: int
         if adapters:  # no weight gradients for the frozen base: 2 N fewer per token
             per_token += arch.adapter_train_flops_per_token(seq_len, adapter_params(arch)) - \
                 arch.train_flops_per_token(seq_len)
-        compute_s = n * per_token / (peak * tp * stages)
+        compute_s = n * per_token * share / (peak * tp)
         reads = 1 if mode == "forward" else 3
         optimizer_bytes = 4 * widths.weights * arch.total_params if mode == "train" and not adapters else 0
         # Every FSDP rank reads the whole gathered model (16-bit under its mixed precision); its
         # optimizer touches only its shard.
-        fsdp = parallelism.strategy == "fsdp" and g > 1
+        fsdp = parallelism.shards > 1
         gathered = weight_bytes if precision in QUANTIZED or not fsdp else widths.compute * arch.total_params
-        shards = g if fsdp else 1
-        memory_s = (reads * gathered + optimizer_bytes / shards) / (bandwidth * tp * stages)
-        communication_s = 0.0
-        if tp > 1:
-            directions = 1 if mode == "forward" else 2
-            per_layer = 2 * 2 * (tp - 1) / tp * n * arch.hidden_size * widths.compute
-            communication_s = directions * arch.num_layers * per_layer / link
+        shards = parallelism.shards
+        memory_s = (reads * gathered + optimizer_bytes / shards) * share / (bandwidth * tp)
+        directions = 1 if mode == "forward" else 2
+        activation = n * arch.hidden_size * widths.compute
+        layers = share * arch.num_layers
+        communication_s = directions * 2 * layers * tensor_parallel_all_reduce_s(activation, tp, links)
+        microbatches = parallelism.microbatches_of(batch)
+        communication_s += directions * (stages - 1) * activation / microbatches / links.all_reduce
         if parallelism.offload:
             offloaded_bytes += (1 if mode == "forward" else 3) * widths.weights * arch.total_params / g
         communication_s += offloaded_bytes / HOST_LINK_BANDWIDTH.get(gpu_name, PCIE_BANDWIDTH)
-        # One micro-batch per step: it crosses the stages one after another, (M + S - 1) / M = S slots.
-        microbatches = 1
-        step_s = max(compute_s, memory_s) * (microbatches + stages - 1) / microbatches
-        exposed_s = communication_s  # tensor parallel's and the host link's: nothing to hide behind
-        if parallelism.strategy in ("ddp", "fsdp") and g > 1:
+        step_s = max(compute_s, memory_s) / (1 - bubble_fraction(stages, microbatches))
+        exposed_s = communication_s  # tensor parallel's, the stages' and the host link's: nothing to hide behind
+        if g > 1:
             gradient_bytes = 4 * adapter_params(arch) if adapters else widths.weights * arch.total_params
-            collectives_s, step_s = _data_parallel_step(arch, mode, parallelism, links, step_s, passes, gathered,
-                                                        gradient_bytes, widths, adapters)
+            # under FSDP x TP each rank gathers, and reduces, its tensor-parallel share
+            collectives_s, step_s = _data_parallel_step(arch, mode, parallelism, links, step_s, passes, gathered / tp,
+                                                        gradient_bytes / tp, widths, adapters)
             communication_s += collectives_s
         seconds = step_s + exposed_s
         tokens_per_s = n * data_parallel / seconds
@@ -213,17 +228,29 @@ def estimate_step_time(arch: Architecture, mode: str, precision: str, batch: int
     return StepTime(seconds, compute_s, memory_s, communication_s, bound, tokens_per_s)
 
 
+def tensor_parallel_all_reduce_s(size: float, tp: int, links: BusBandwidth) -> float:
+    """One all-reduce of ``size`` bytes of activations over ``tp`` ranks (ring: 2 (t - 1) / t x size
+    / bus bandwidth); nothing without tensor parallelism."""
+    return links.all_reduce_s(size, tp) if tp > 1 else 0.0
+
+
+def bubble_fraction(stages: int, microbatches: int) -> float:
+    """The share of a pipeline's training step that a stage idles, ``(p - 1) / (m + p - 1)`` for p
+    stages and m microbatches under GPipe or 1F1B: the fill and the drain."""
+    return (stages - 1) / (microbatches + stages - 1)
+
+
 def _data_parallel_step(arch: Architecture, mode: str, parallelism: Parallelism, links: BusBandwidth, busy: float,
                         passes: int, gathered: float, gradient_bytes: float, widths: Widths,
                         adapters: bool) -> tuple[float, float]:
     """The collectives' time and the step's under DDP or FSDP (the module docstring): ``busy`` the
     step's compute-or-memory time, a ``1 / passes`` share of it the forward pass; ``gathered`` the
     bytes of the whole model as the ranks compute with it, ``gradient_bytes`` of its gradients."""
-    g, V, h = parallelism.gpus, arch.vocab_size, arch.hidden_size
+    g, V, h = parallelism.layout.data_parallel, arch.vocab_size, arch.hidden_size
     forward_s = busy / passes
     backward_s = busy - forward_s
     training = mode != "forward"
-    if parallelism.strategy == "ddp":
+    if parallelism.shards == 1:
         if not training:
             return 0.0, busy
         total = links.all_reduce_s(gradient_bytes, g)
