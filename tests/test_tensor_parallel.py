@@ -169,3 +169,44 @@ def test_fsdp_x_tp_losses_equal_one_process_on_the_global_batch(ranks):
     applied = ranks[0]["fsdp+tp"]["applied"]
     assert (applied["strategy"], applied["tensor_parallel"], applied["fsdp_units"]) == \
         ("fsdp+tp", 2, arch.num_layers + 1)
+
+
+# ---- from the command line -------------------------------------------------------------------------------
+
+@pytest.mark.parametrize("options, says", [
+    (["--precision", "nf4"], "nf4 weights cannot be sharded"),
+    (["--gpus", "3"], "3 ranks do not divide the model's 8"),
+    (["--backend", "hf"], "--backend native"),
+])
+def test_what_tensor_parallelism_cannot_run_is_refused_before_launch(options, says, tmp_path, capsys, monkeypatch):
+    from conftest import cli
+
+    monkeypatch.chdir(tmp_path)
+    argv = ["run", "--models", "tiny", "--device", "cpu", "--gpus", "2", "--strategy", "tp", "--mode", "infer",
+            "--out", "r"]
+    code, out, err = cli(argv + options, capsys)
+    assert code == 2 and says in out + err and "Traceback" not in out + err, out + err
+    assert not (tmp_path / "r" / "results.jsonl").exists()
+
+
+@slow
+def test_tensor_parallel_generation_from_the_command_line_writes_one_row_of_the_job(tmp_path, capsys, monkeypatch):
+    """`fitbench run --gpus 2 --strategy tp --mode infer`: both ranks generate, and the row is the job's:
+    two ranks, the layout tp 2, rank 0's latencies, each rank's memory, the heads each rank holds."""
+    from conftest import cli
+
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.delenv("FITBENCH_INJECT", raising=False)
+    code, out, err = cli(["run", "--models", "tiny", "--device", "cpu", "--gpus", "2", "--strategy", "tp",
+                          "--mode", "infer", "--batch-size", "2", "--seq-len", "16", "--new-tokens", "4",
+                          "--warmup-steps", "1", "--measure-steps", "2", "--out", "r"], capsys)
+    assert code == 0, out + err
+    [row] = [json.loads(line) for line in (tmp_path / "r" / "results.jsonl").read_text().splitlines()]
+    assert row["status"] == "ok" and row["ranks"] == 2, row.get("error")
+    assert row["layout"] == {"dp_replicate": 1, "dp_shard": 1, "tp": 2, "pp": 1} and "tp x 2" in row["label"]
+    assert (row["parallel"]["kv_heads"], row["parallel"]["kv_heads_per_rank"]) == ("sharded", 2)
+    assert not row["parallel"]["sequence_parallel"]  # generation keeps the sequence whole
+    assert len(row["timing"]["samples"]["time_to_first_token"]) == 2
+    assert row["weights"]["method"] == "parameter storage of this rank's shards"
+    assert len(row["memory"]["host_peak_rss_per_rank"]) == 2
+    assert row["weights"]["bytes"] < 0.6 * 4 * job.VARIANTS["tiny"].total_params  # half the fp32 weights, and norms
