@@ -210,3 +210,26 @@ def test_tensor_parallel_generation_from_the_command_line_writes_one_row_of_the_
     assert row["weights"]["method"] == "parameter storage of this rank's shards"
     assert len(row["memory"]["host_peak_rss_per_rank"]) == 2
     assert row["weights"]["bytes"] < 0.6 * 4 * job.VARIANTS["tiny"].total_params  # half the fp32 weights, and norms
+
+
+two_gpus = pytest.mark.skipif(torch.cuda.device_count() < 2, reason="tensor parallelism over NCCL needs two GPUs")
+
+
+@two_gpus
+@slow
+def test_tensor_parallel_decoding_is_captured_in_a_cuda_graph_on_two_gpus(tmp_path, capsys, monkeypatch):
+    """On GPUs the decode step, its NCCL all-reduces and all-gather included, is captured once in the
+    untimed generation and replayed in the measured ones, on both ranks."""
+    from conftest import cli
+
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.delenv("FITBENCH_INJECT", raising=False)
+    code, out, err = cli(["run", "--models", "tiny", "--device", "cuda", "--gpus", "2", "--strategy", "tp",
+                          "--mode", "infer", "--precision", "bf16-pure", "--batch-size", "2", "--seq-len", "32",
+                          "--new-tokens", "8", "--warmup-steps", "1", "--measure-steps", "3", "--out", "r"], capsys)
+    assert code == 0, out + err
+    [row] = [json.loads(line) for line in (tmp_path / "r" / "results.jsonl").read_text().splitlines()]
+    assert row["status"] == "ok" and row["ranks"] == 2, row.get("error")
+    assert row["decode"]["cuda_graphs"] is True, row["decode"]
+    assert [capture["generation"] for capture in row["decode"]["captures"]] == [1]
+    assert sorted(gpu["rank"] for gpu in row["memory"]["gpus"]) == [0, 1]
