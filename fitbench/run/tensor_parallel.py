@@ -24,7 +24,11 @@ those (``kv_heads_of_rank``). In training each rank's gradients then reach only 
 their sum over the ranks is the gradient, summed in the backward pass (``_sum_gradients``).
 
 Every rank starts from rank 0's weights, broadcast before they are sharded, as data parallelism does
-(``fitbench.run.parallel``): a TP job's logits are then a single process's with the same weights.
+(``fitbench.run.parallel``): a TP job's logits are then a single process's with the same weights. So
+each rank builds the whole model first, and until ``parallelize_tensor`` has sharded it holds every
+weight in its build dtype: a start-up peak of the whole model's weights per GPU, as under FSDP, which
+a model larger than one GPU cannot pass (building each part on the meta device and materializing
+only its shard would, with weights that no longer match a single process's draw).
 
 The decode step stays one static-shaped function of device tensors (``NativeCausalLM.decode_step``):
 its collectives are NCCL calls on the current stream, which a CUDA graph captures with the kernels,
