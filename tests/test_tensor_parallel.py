@@ -64,6 +64,23 @@ def test_the_tensor_parallel_ranks_of_a_data_parallel_group_draw_one_batch():
     assert [data_parallel_rank(Layout(tp=4), r) for r in range(4)] == [0] * 4
 
 
+def test_a_tensor_parallel_generation_row_is_rank_0s_timing_with_mfu_over_every_gpu():
+    from fitbench.run.aggregate import combine
+
+    def payload(ttft, mfu, gpu_peak):
+        return {"status": "ok", "timing": {"time_to_first_token": {"median": ttft}, "samples": {}},
+                "throughput": {"prefill_flops": 1e9, "prefill_mfu": mfu, "prefill_mfu_measured_peak": None,
+                               "decode_tokens_per_s": 1 / ttft},
+                "memory": {"gpus": [{"index": 0, "max_reserved": gpu_peak}], "host_peak_rss": gpu_peak // 10}}
+
+    row = combine([payload(0.25, 40.0, 1000), payload(0.5, 20.0, 1100)], Layout(tp=2))
+    assert row["timing"]["time_to_first_token"]["median"] == 0.25  # every rank took part; rank 0 timed it
+    assert row["throughput"]["decode_tokens_per_s"] == 4.0
+    assert row["throughput"]["prefill_mfu"] == 20.0  # rank 0's FLOP/s over two GPUs' peak
+    assert row["throughput"]["prefill_mfu_measured_peak"] is None
+    assert [gpu["rank"] for gpu in row["memory"]["gpus"]] == [0, 1]
+
+
 # ---- one real job ----------------------------------------------------------------------------------------
 
 @pytest.fixture(scope="module")
@@ -172,6 +189,14 @@ def test_fsdp_x_tp_losses_equal_one_process_on_the_global_batch(ranks):
 
 
 # ---- from the command line -------------------------------------------------------------------------------
+
+def test_the_sweep_gives_every_mode_the_tensor_parallel_layout():
+    from fitbench.config import SweepConfig, expand
+
+    config = SweepConfig(models=["tiny"], mode=["infer", "train", "forward"], precision=["bf16"], gpus=2, strategy="tp")
+    specs = expand(config, device="cpu", default_models=["tiny"])
+    assert [(spec.mode, spec.layout) for spec in specs] == [(mode, Layout(tp=2)) for mode in config.mode]
+
 
 @pytest.mark.parametrize("options, says", [
     (["--precision", "nf4"], "nf4 weights cannot be sharded"),

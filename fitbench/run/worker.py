@@ -179,7 +179,7 @@ def measure(assignment: Assignment, device: torch.device, scratch: Path, rank: R
     """Build, warm up and measure the assignment's configuration; every field of the result row but
     the memory. The status is ``ok``, or ``invalid`` with the reasons in ``error`` when a loss, logits
     or quality figure is not finite (``fitbench.run.sanity``). ``rank``: this process's place in a
-    torchrun job, whose layout's data parallelism is applied after the build; each data-parallel
+    torchrun job, whose layout's tensor and data parallelism are applied after the build; each data-parallel
     rank draws its own batch. ``phases``: where a rank of such a job says which phase it is in."""
     spec = assignment.spec
     rank = rank or Rank.from_environment(device)
