@@ -17,7 +17,7 @@ from fitbench.errors import UserError, excerpt
 from fitbench.models.architecture import backend_error, default_backend
 from fitbench.models.registry import resolve
 from fitbench.precisions import (DATA_PARALLEL_STRATEGIES, PRECISIONS, TRAINING_MODES, data_parallel_problem,
-                                 offload_problem, training_problem, trains_every_weight)
+                                 offload_problem, tensor_parallel_problem, training_problem, trains_every_weight)
 from fitbench.spec import Layout, Mode, Precision, RunSpec
 
 BackendChoice = Literal["auto", "native", "hf"]
@@ -92,9 +92,9 @@ class SweepConfig(BaseModel):
     seed: int = Field(0, description=f"a whole number from 0 to {SEED_MAX:,} (2^64 - 1)")
     gpus: int = Field(1, description=f"ranks of each configuration's job, 1 to {RANKS_MAX}: GPUs, or CPU processes "
                                      f"with device cpu")
-    strategy: Literal["auto", "ddp", "fsdp"] = Field(
-        "auto", description="auto, ddp or fsdp: how a job of several ranks shares the model (auto: the planner's "
-                            "choice among what fits, by predicted throughput)")
+    strategy: Literal["auto", "ddp", "fsdp", "tp"] = Field(
+        "auto", description="auto, ddp, fsdp or tp: how a job of several ranks shares the model (auto: the planner's "
+                            "choice among what fits, by predicted throughput; tp: tensor parallelism, every mode)")
 
     @field_validator("models", "mode", "precision", "batch_size", "seq_len", "fallback", mode="before")
     @classmethod
@@ -225,7 +225,7 @@ def expand(config: SweepConfig, *, device: str, default_models: list[str]) -> li
                 if mode in TRAINING_MODES and training_problem(precision):
                     raise UserError(f"precision: {training_problem(precision)}; or use --mode infer or forward "
                                     f"with {precision}.")
-                layout = _layout(config, mode, precision, backend)
+                layout = _layout(config, mode, precision, backend, arch.num_heads)
                 problem = offload_problem(mode, precision, backend, config.compile,
                                           layout.strategy) if config.offload else None
                 if problem:
@@ -246,12 +246,21 @@ def expand(config: SweepConfig, *, device: str, default_models: list[str]) -> li
     return specs
 
 
-def _layout(config: SweepConfig, mode: str, precision: str, backend: str) -> Layout:
+def _layout(config: SweepConfig, mode: str, precision: str, backend: str, heads: int) -> Layout:
     """The layout of a job of ``config.gpus`` ranks: the strategy asked for, or under ``auto`` the first of
     DDP and FSDP that composes with the configuration (the planner may choose the other by predicted
     throughput where it plans: ``fitbench.plan.planner``). Generation runs in one process: data
-    parallelism has nothing to average or shard in it. With ``offload``, FSDP, whose CPU offload it is
+    parallelism has nothing to average or shard in it; tensor parallelism (``tp``) runs every mode,
+    over a degree that divides the model's ``heads``. With ``offload``, FSDP, whose CPU offload it is
     (DDP has none). Raises UserError when none composes."""
+    if config.strategy == "tp" and config.gpus > 1:
+        problem = tensor_parallel_problem(precision, mode, backend)
+        if problem is None and heads % config.gpus:
+            problem = (f"tensor parallelism splits whole attention heads, and {config.gpus} ranks do not divide the "
+                       f"model's {heads}: use --gpus that divides {heads}, or --strategy pipeline")
+        if problem:
+            raise UserError(f"strategy: {mode} {precision} under --strategy tp: {problem}.")
+        return Layout.of_strategy("tp", config.gpus)
     if config.gpus == 1 or mode == "infer":
         return Layout()  # generation has no gradients to average or shard: it runs on one GPU
     if config.offload and config.strategy == "ddp":

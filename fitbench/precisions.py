@@ -267,3 +267,28 @@ def data_parallel_problem(strategy: str, precision: str, mode: str, backend: str
         return (f"bitsandbytes keeps each {precision} weight's scales beside its data, and the flat shards FSDP "
                 f"cuts from a weight carry none: use --strategy ddp, or bf16 or fp8 under FSDP")
     return None
+
+
+def tensor_parallel_problem(precision: str, mode: str, backend: str = "native") -> str | None:
+    """Why tensor parallelism (``fitbench.run.tensor_parallel``) cannot run ``precision`` in ``mode``
+    with ``backend``, in one sentence with the way out; None when it can: the floating-point
+    precisions, in every mode, on the native decoder.
+
+    Quantized weights are refused: DTensor shards a weight by viewing and splitting it, which
+    torchao's inference tensors (int8-dynamic, int4, fp8, fp8-block) do not implement (the same
+    stops DDP's broadcast and FSDP's sharding of them), and a bitsandbytes weight (int8, nf4, fp4)
+    carries its scales and block state beside its data, which a shard of it would not. fp8 training
+    would need torchao's own float8 tensor-parallel styles. Pipeline stages split a model by layers
+    and leave each layer's weights whole."""
+    if backend != "native":
+        return (f"tensor parallelism is applied to fitbench's native decoder, and the {backend} backend's models "
+                f"are not: use --backend native (Llama-style models)")
+    way_out = "split the model over GPUs by layers with --strategy pipeline, or use bf16 under --strategy tp"
+    if precision == "fp8" and mode in TRAINING_MODES:
+        return (f"fp8 training's float8 matmuls take tensor-parallel shards only through torchao's own float8 "
+                f"styles, which fitbench does not apply: {way_out}")
+    if precision in QUANTIZED_PRECISIONS:
+        library = "bitsandbytes" if precision in ADAPTER_BASES else "torchao"
+        return (f"{precision} weights cannot be sharded by tensor parallelism: DTensor cuts a weight into shards "
+                f"by views and splits, which {library}'s {precision} tensors do not implement: {way_out}")
+    return None

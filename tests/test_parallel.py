@@ -156,14 +156,15 @@ def test_rank_0_draws_the_single_process_batch_and_each_rank_its_own():
 
 # ---- real jobs ----------------------------------------------------------------------------------------
 
-def torchrun(tmp_path: Path, *args: str, timeout: float = 300) -> tuple[subprocess.CompletedProcess, Path]:
-    """tests/data_parallel_job.py as a torchrun job of WORLD CPU ranks; its result and log directory.
+def torchrun(tmp_path: Path, *args: str, timeout: float = 300, script: Path = Path(job.__file__),
+             world: int = WORLD) -> tuple[subprocess.CompletedProcess, Path]:
+    """``script`` (tests/data_parallel_job.py) as a torchrun job of ``world`` CPU ranks; its result and log directory.
     Every process of the job carries a mark, and none may be alive once torchrun has returned."""
     logs, mark = tmp_path / "logs", uuid.uuid4().hex
     env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(REPO), os.environ.get("PYTHONPATH", "")]),
            MARK: mark}
-    command = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", str(WORLD),
-               "--log-dir", str(logs), str(Path(job.__file__)), *args]
+    command = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", str(world),
+               "--log-dir", str(logs), str(script), *args]
     process = subprocess.Popen(command, cwd=tmp_path, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
                                text=True, start_new_session=True)
     try:

@@ -95,11 +95,14 @@ def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.T
 
 
 class KVCache(nn.Module):
-    """Keys and values of every layer, preallocated for (batch, max_len): one write per step, no growth."""
+    """Keys and values of every layer, preallocated for (batch, max_len): one write per step, no growth.
+    ``kv_heads``: the heads this process's attention keeps, all of them unless tensor parallelism
+    gave it a share (``fitbench.run.tensor_parallel``)."""
 
-    def __init__(self, config: DecoderConfig, batch: int, max_len: int, dtype: torch.dtype, device: torch.device):
+    def __init__(self, config: DecoderConfig, batch: int, max_len: int, dtype: torch.dtype, device: torch.device,
+                 kv_heads: int | None = None):
         super().__init__()
-        shape = (config.n_layers, batch, config.n_kv_heads, max_len, config.head_dim)
+        shape = (config.n_layers, batch, kv_heads or config.n_kv_heads, max_len, config.head_dim)
         self.register_buffer("keys", torch.zeros(shape, dtype=dtype, device=device), persistent=False)
         self.register_buffer("values", torch.zeros(shape, dtype=dtype, device=device), persistent=False)
 
@@ -304,7 +307,8 @@ class NativeCausalLM(nn.Module):
         self.rope_sin.copy_(angles.sin())
 
     def new_cache(self, batch: int, max_len: int, dtype: torch.dtype) -> KVCache:
-        return KVCache(self.config, batch, max_len, dtype, self.rope_cos.device)
+        return KVCache(self.config, batch, max_len, dtype, self.rope_cos.device,
+                       self.model.layers[0].self_attn.n_kv_heads)
 
 
 @torch.no_grad()

@@ -7,6 +7,8 @@
   batches (tensor- and pipeline-parallel ranks work on the same tokens); ``tokens_per_s_per_gpu`` is
   the sum over the world size; achieved FLOP/s scale with tokens/s, and MFU divides them by the peak
   of every GPU of the job;
+- **generation** (every rank takes part in each prefill and decode step): the latencies and rates are
+  the job's, timed on rank 0; the prefill's MFU divides its FLOP/s by the peak of every GPU of the job;
 - **memory**: listed per GPU, each with its rank; the host's peak RSS is the largest rank's;
 - **losses**: rank 0's (each data-parallel rank's loss is that of its own batch).
 
@@ -37,6 +39,10 @@ def combine(payloads: list[dict[str, Any]], layout: Layout) -> dict[str, Any]:
         row["timing"] = {**payloads[slowest]["timing"], "slowest_rank": slowest,
                          "rank_step_medians": [step["median"] for step in steps]}
         row["throughput"] = _throughput([p["throughput"] for p in payloads], layout)
+    elif row.get("throughput", {}).get("prefill_flops") is not None:
+        row["throughput"] = {**row["throughput"], **{key: row["throughput"][key] / layout.world_size
+                                                     for key in ("prefill_mfu", "prefill_mfu_measured_peak")
+                                                     if row["throughput"].get(key) is not None}}
     return Measurement.model_validate({**row, "ranks": layout.world_size, "layout": layout.model_dump()}).as_dict()
 
 

@@ -65,7 +65,7 @@ def mixed_precision(policy: PrecisionPolicy):
 
 def parallelize(lm: CausalLM, strategy: str, policy: PrecisionPolicy, mode: str, rank: Rank, *,
                 activation_checkpointing: bool = False, compile: bool = False,
-                offload: bool = False) -> dict[str, Any]:
+                offload: bool = False, mesh=None) -> dict[str, Any]:
     """Apply activation checkpointing, per-layer compile and ``strategy`` to ``lm`` in place (DDP
     replaces ``lm.module`` by its wrapper); return what was applied, for the result row. Call it
     inside ``fitbench.run.ranks.process_group``, after the build and before the optimizer exists
@@ -78,7 +78,11 @@ def parallelize(lm: CausalLM, strategy: str, policy: PrecisionPolicy, mode: str,
     FSDP shards a model built whole: until ``fully_shard`` has run, every rank holds all the weights
     in their build dtype (weights x bytes per element), freed as each unit is sharded. That is the
     rank's peak when the sharded training state (weights, gradients, optimizer state / world_size,
-    plus activations) is smaller."""
+    plus activations) is smaller.
+
+    ``mesh`` (FSDP): the 1-D mesh to shard over, a dimension of a larger one whose other dimensions
+    already laid the weights out (``fitbench.run.tensor_parallel``, which broadcast them first);
+    by default every rank of the job, after rank 0's weights are broadcast."""
     backend = "native" if isinstance(lm.module, NativeCausalLM) else "hf"
     problem = data_parallel_problem(strategy, policy.name, mode, backend, offload)
     if problem:
@@ -97,8 +101,9 @@ def parallelize(lm: CausalLM, strategy: str, policy: PrecisionPolicy, mode: str,
     if strategy == "ddp":
         lm.module = wrap_ddp(model, rank)
         return applied
-    broadcast_weights(model)
-    units = shard_fsdp(model, policy, rank, offload)
+    if mesh is None:
+        broadcast_weights(model)
+    units = shard_fsdp(model, policy, rank, offload, mesh)
     mp = mixed_precision(policy)
     return {**applied, "fsdp_units": units, "offload": offload,
             "param_dtype": _dtype_name(mp.param_dtype), "reduce_dtype": _dtype_name(mp.reduce_dtype)}
@@ -137,17 +142,18 @@ def broadcast_weights(model: nn.Module) -> None:
             dist.broadcast(tensor.data, src=0)
 
 
-def shard_fsdp(model: NativeCausalLM, policy: PrecisionPolicy, rank: Rank, offload: bool) -> int:
+def shard_fsdp(model: NativeCausalLM, policy: PrecisionPolicy, rank: Rank, offload: bool, mesh=None) -> int:
     """``fully_shard`` each decoder layer, then the root (embeddings, final norm and output projection,
     one unit since a tied output projection shares the embedding's weight); returns the number of
-    units. Over a 1-D mesh of every rank: FSDP, not HSDP. The layers reshard after their forward
+    units. Over ``mesh``, by default a 1-D mesh of every rank: FSDP, not HSDP. The layers reshard after their forward
     (gathered again for the backward); the root keeps its weights gathered from its forward to its
     backward, since the output projection is the first thing the backward pass needs (FSDP2's
     defaults)."""
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.fsdp import CPUOffloadPolicy, OffloadPolicy, fully_shard
 
-    mesh = init_device_mesh(rank.device.type, (rank.world_size,), mesh_dim_names=("dp_shard",))
+    if mesh is None:
+        mesh = init_device_mesh(rank.device.type, (rank.world_size,), mesh_dim_names=("dp_shard",))
     # pinned host memory needs a GPU to pin for
     offload_policy = CPUOffloadPolicy(pin_memory=rank.device.type == "cuda") if offload else OffloadPolicy()
     options = {"mesh": mesh, "mp_policy": mixed_precision(policy), "offload_policy": offload_policy}

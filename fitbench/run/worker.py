@@ -47,6 +47,7 @@ from fitbench.inject import injected, injected_memory_limit, injected_value
 from fitbench.run.phases import PhaseLog, rank_result_path
 from fitbench.run.ranks import Rank, gather_json, process_group
 from fitbench.run.sanity import Verdict, non_finite_figures, non_finite_steps, read, warmup_warning
+from fitbench.run.tensor_parallel import data_parallel_rank, parallelize_layout
 from fitbench.run.timing import DeviceClock, first_call_seconds, run_stages, time_steps
 from fitbench.run.trackers import NvmlSampler, memory_report
 from fitbench.spec import Assignment, RunSpec
@@ -93,14 +94,17 @@ def raise_injected_out_of_memory(assignment: Assignment) -> None:
 
 def weight_storage_bytes(module: torch.nn.Module) -> int:
     """Bytes of every parameter's data, counting what quantized weights keep beside it: the inner
-    tensors of torchao's tensor subclasses, bitsandbytes' row scales and 4-bit block states. Each
-    tensor counts its elements x their size once per address: tensors sharing one allocation (a
-    layer packed by ``fitbench.run.packing``, bitsandbytes' ``CB`` beside its weight) count apart."""
+    tensors of torchao's tensor subclasses, bitsandbytes' row scales and 4-bit block states; of a
+    DTensor, this rank's shard. Each tensor counts its elements x their size once per address:
+    tensors sharing one allocation (a layer packed by ``fitbench.run.packing``, bitsandbytes' ``CB``
+    beside its weight) count apart."""
     seen: set[int] = set()
 
     def storage(tensor) -> int:
         if tensor is None:
             return 0
+        if hasattr(tensor, "to_local"):  # a DTensor (tensor parallelism): this rank's shard
+            return storage(tensor.to_local())
         if hasattr(type(tensor), "__tensor_flatten__"):
             names, _ = tensor.__tensor_flatten__()
             return sum(storage(getattr(tensor, name)) for name in names)
@@ -130,7 +134,7 @@ def measure(assignment: Assignment, device: torch.device, scratch: Path, rank: R
     """Build, warm up and measure the assignment's configuration; every field of the result row but
     the memory. The status is ``ok``, or ``invalid`` with the reasons in ``error`` when a loss, logits
     or quality figure is not finite (``fitbench.run.sanity``). ``rank``: this process's place in a
-    torchrun job, whose layout's data parallelism is applied after the build; each data-parallel
+    torchrun job, whose layout's tensor and data parallelism are applied after the build; each data-parallel
     rank draws its own batch. ``phases``: where a rank of such a job says which phase it is in."""
     spec = assignment.spec
     rank = rank or Rank.from_environment(device)
@@ -176,7 +180,14 @@ def measure(assignment: Assignment, device: torch.device, scratch: Path, rank: R
     while injected("rank-hang", str(rank.rank)):
         time.sleep(60)
     parallel = None
-    if spec.layout.data_parallel > 1:
+    if spec.layout.tp > 1:
+        phases.enter(f"applying {spec.layout.strategy}, which broadcasts rank 0's weights", collective=True)
+        parallel = parallelize_layout(lm, spec.layout, policy, spec.mode, spec.seq_len, rank,
+                                      activation_checkpointing=spec.activation_checkpointing, compile=spec.compile,
+                                      offload=spec.fsdp_offload)
+        # the build measured the whole model; the rank keeps its shards
+        weight_bytes, weight_method = weight_storage_bytes(lm.module), "parameter storage of this rank's shards"
+    elif spec.layout.data_parallel > 1:
         phases.enter(f"applying {spec.layout.strategy}, which broadcasts rank 0's weights", collective=True)
         parallel = parallelize(lm, spec.layout.strategy, policy, spec.mode, rank,
                                activation_checkpointing=spec.activation_checkpointing, compile=spec.compile,
@@ -198,7 +209,8 @@ def measure(assignment: Assignment, device: torch.device, scratch: Path, rank: R
     measure_mode = _measure_generation if spec.mode == "infer" else _measure_steps
     phases.enter("running its steps" + (", each with collectives every rank joins" if parallel else ""),
                  collective=parallel is not None)
-    data = spec.model_copy(update={"seed": data_seed(spec.seed, rank.rank)}) if parallel else spec
+    data = (spec.model_copy(update={"seed": data_seed(spec.seed, data_parallel_rank(spec.layout, rank.rank))})
+            if parallel else spec)
     timing, throughput, noisy, compile_s, verdict = measure_mode(data, arch, built, policy, clock, device, peaks,
                                                                  weight_bytes)
     decoding = lm.decoding if spec.mode == "infer" else None
@@ -437,10 +449,11 @@ def decode_weight_bytes(module: torch.nn.Module, stored_bytes: float, batch: int
     for part in module.modules():
         if isinstance(part, torch.nn.Embedding) and id(part.weight) not in matmul_weights:
             rows = batch if part.num_embeddings == vocab_size else 1
-            touched += (rows - part.num_embeddings) * part.embedding_dim * part.weight.element_size()
+            table = _local(part.weight)  # under tensor parallelism, this rank's rows of the vocabulary
+            touched += (rows - table.shape[0]) * part.embedding_dim * table.element_size()
     if autocast_dtype is not None:
         width = torch.finfo(autocast_dtype).bits // 8
-        touched += sum(2 * width * p.numel() for p in matmul_weights.values() if p.dtype == torch.float32)
+        touched += sum(2 * width * _local(p).numel() for p in matmul_weights.values() if p.dtype == torch.float32)
     for name, buffer in module.named_buffers():
         leaf = name.rpartition(".")[2]
         if leaf in ("rope_cos", "rope_sin"):
@@ -448,6 +461,11 @@ def decode_weight_bytes(module: torch.nn.Module, stored_bytes: float, batch: int
         elif leaf == "inv_freq":
             touched += buffer.numel() * buffer.element_size()
     return touched
+
+
+def _local(tensor: torch.Tensor) -> torch.Tensor:
+    """A DTensor's shard on this rank (tensor parallelism, FSDP), or the tensor itself."""
+    return tensor.to_local() if hasattr(tensor, "to_local") else tensor
 
 
 # How allocators say they ran out: CUDA's caching allocator, the CPU's (DefaultCPUAllocator) and libc's.

@@ -1,0 +1,201 @@
+"""Tensor parallelism of a built native model over the ranks of a "tp" device mesh, through DTensor
+(``torch.distributed.tensor.parallel.parallelize_module``), the Megatron-LM split (Shoeybi et al.
+2019) as torchtitan's ``apply_tp`` lays it out:
+
+- attention: q (and k / v where the kv heads divide by the degree) column-wise, so each rank holds
+  ``n_heads / tp`` whole query heads (and ``n_kv_heads / tp`` kv heads) and attends over them alone;
+  o row-wise, its partial sums all-reduced: one all-reduce per attention block;
+- MLP: gate and up column-wise, down row-wise: one all-reduce per MLP block;
+- the embedding sharded over the vocabulary (``RowwiseParallel`` with a replicated input: each rank
+  looks up the tokens of its rows, the others' lookups are zeros, and an all-reduce sums them) and
+  the output projection column-wise over the vocabulary, its logits gathered on every rank
+  (``Replicate``), so the chunked loss and generation see whole logits and run unchanged. These are
+  what the planner counts: the embedding and the output projection each 1 / tp per rank (a tied
+  pair shares one shard, both being split along the vocabulary);
+- the norms replicated; with ``sequence_parallel`` (training) they run on 1 / tp of the sequence
+  each (``SequenceParallel``), the row-wise outputs reduce-scattered along the sequence instead of
+  all-reduced and the column-wise inputs all-gathered, so the norms' inputs and outputs and the
+  residual stream kept for the backward pass are 1 / tp per rank, for the same bytes on the wire.
+  Generation keeps the plain layout: a decode step has one position per sequence, nothing to split.
+
+Fewer kv heads than ranks, or a count the degree does not divide: the k and v projections are
+replicated and every rank computes all kv heads, keeps those its own query heads read and caches only
+those (``kv_heads_of_rank``). In training each rank's gradients then reach only the heads it kept, so
+their sum over the ranks is the gradient, summed in the backward pass (``_sum_gradients``).
+
+Every rank starts from rank 0's weights, broadcast before they are sharded, as data parallelism does
+(``fitbench.run.parallel``): a TP job's logits are then a single process's with the same weights. So
+each rank builds the whole model first, and until ``parallelize_tensor`` has sharded it holds every
+weight in its build dtype: a start-up peak of the whole model's weights per GPU, as under FSDP, which
+a model larger than one GPU cannot pass (building each part on the meta device and materializing
+only its shard would, with weights that no longer match a single process's draw).
+
+The decode step stays one static-shaped function of device tensors (``NativeCausalLM.decode_step``):
+its collectives are NCCL calls on the current stream, which a CUDA graph captures with the kernels,
+so ``fitbench.models.graphs`` captures it under TP as on one GPU.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+from torch import nn
+
+from fitbench.models.backends import CausalLM
+from fitbench.models.native import NativeCausalLM
+from fitbench.precisions import TRAINING_MODES, PrecisionPolicy, tensor_parallel_problem
+from fitbench.run.parallel import broadcast_weights, parallelize
+from fitbench.run.ranks import Rank
+from fitbench.spec import Layout, LayoutError
+
+
+def device_mesh(layout: Layout, device_type: str):
+    """The job's mesh: ("tp",) over every rank, or ("dp_shard", "tp") for FSDP x TP, the tensor-parallel
+    ranks innermost (consecutive global ranks, one node's fast links under torchrun)."""
+    from torch.distributed.device_mesh import init_device_mesh
+
+    if layout.dp_replicate > 1 or layout.pp > 1:
+        raise LayoutError(f"tensor parallelism combines here with FSDP only; {layout.label} also asks for "
+                          f"{'DDP' if layout.dp_replicate > 1 else 'pipeline stages'}")
+    if layout.dp_shard == 1:
+        return init_device_mesh(device_type, (layout.tp,), mesh_dim_names=("tp",))
+    return init_device_mesh(device_type, (layout.dp_shard, layout.tp), mesh_dim_names=("dp_shard", "tp"))
+
+
+def data_parallel_rank(layout: Layout, rank: int) -> int:
+    """The data-parallel group of global rank ``rank``: its tensor-parallel ranks are consecutive and
+    must draw the same batch."""
+    return rank // (layout.world_size // layout.data_parallel)
+
+
+def kv_heads_of_rank(n_heads: int, n_kv_heads: int, tp: int, tp_rank: int) -> list[int]:
+    """The kv heads, in the order its attention reads them, that tensor-parallel rank ``tp_rank``'s
+    query heads (``n_heads / tp`` consecutive ones) use: query head h reads kv head h // (H / KV).
+
+    Where the local query heads split evenly over those kv heads, each is listed once (grouped-query
+    attention on the rank); otherwise one per local query head, which attention reads as MHA."""
+    local = n_heads // tp
+    group = n_heads // n_kv_heads
+    used = [(tp_rank * local + i) // group for i in range(local)]
+    unique = sorted(set(used))
+    per_head = local // len(unique)
+    if local % len(unique) == 0 and used == [unique[i // per_head] for i in range(local)]:
+        return unique
+    return used
+
+
+def split_heads(n_heads: int, n_kv_heads: int, tp: int, tp_rank: int) -> list[int] | None:
+    """How rank ``tp_rank`` of ``tp`` holds the attention heads: None when the kv heads shard like the
+    query heads (``n_kv_heads / tp`` each), or the kv heads it keeps from replicated k and v
+    projections (``kv_heads_of_rank``). Raises ``LayoutError`` when the query heads do not divide by
+    the degree: a head's dot products cannot be split between ranks without a collective per head."""
+    if n_heads % tp:
+        raise LayoutError(f"tensor parallelism of degree {tp} splits whole attention heads, and the model's "
+                          f"{n_heads} query heads do not divide by {tp}: use a degree that divides {n_heads}, "
+                          f"or pipeline stages (--strategy pipeline)")
+    return None if n_kv_heads % tp == 0 else kv_heads_of_rank(n_heads, n_kv_heads, tp, tp_rank)
+
+
+def parallelize_tensor(model: NativeCausalLM, mesh, *, sequence_parallel: bool = False) -> dict[str, Any]:
+    """Shard ``model`` in place over ``mesh`` (1-D, the tensor-parallel ranks; every rank of the job
+    calls it, after the build and before activation checkpointing, compile and FSDP); return what was
+    applied. Raises ``LayoutError`` when the query heads do not divide by the degree."""
+    from torch.distributed.tensor import Replicate, Shard
+    from torch.distributed.tensor.parallel import (ColwiseParallel, PrepareModuleInput, RowwiseParallel,
+                                                   SequenceParallel, parallelize_module)
+
+    config, tp = model.config, mesh.size()
+    kv_heads = split_heads(config.n_heads, config.n_kv_heads, tp, mesh.get_local_rank())
+    kv_sharded = kv_heads is None
+    broadcast_weights(model)
+    sequence = Shard(1)
+    row_output = {"output_layouts": sequence} if sequence_parallel else {}
+    for layer in model.model.layers:
+        attention = layer.self_attn
+        plan = {"self_attn.q_proj": ColwiseParallel(), "self_attn.o_proj": RowwiseParallel(**row_output),
+                "mlp.gate_proj": ColwiseParallel(), "mlp.up_proj": ColwiseParallel(),
+                "mlp.down_proj": RowwiseParallel(**row_output)}
+        if kv_sharded:
+            plan |= {"self_attn.k_proj": ColwiseParallel(), "self_attn.v_proj": ColwiseParallel()}
+        else:
+            keep = torch.tensor(kv_heads, device=attention.k_proj.weight.device)
+            for projection in (attention.k_proj, attention.v_proj):
+                projection.register_forward_hook(_keep_heads(keep, attention.head_dim, mesh))
+        if sequence_parallel:
+            # the attention and the MLP take the whole sequence, gathered from the norms' shards
+            args = (None,) * 4  # cos, sin, cache, start: not activations
+            plan |= {"input_layernorm": SequenceParallel(), "post_attention_layernorm": SequenceParallel(),
+                     "self_attn": PrepareModuleInput(input_layouts=(sequence, *args),
+                                                     desired_input_layouts=(Replicate(), *args),
+                                                     use_local_output=True),
+                     "mlp": PrepareModuleInput(input_layouts=(sequence,), desired_input_layouts=(Replicate(),),
+                                               use_local_output=True)}
+        parallelize_module(layer, mesh, plan, src_data_rank=None)  # the weights already are rank 0's
+        attention.n_heads = config.n_heads // tp
+        attention.n_kv_heads = config.n_kv_heads // tp if kv_sharded else len(kv_heads)
+    root = {"model.embed_tokens": RowwiseParallel(input_layouts=Replicate(), **row_output),
+            "lm_head": ColwiseParallel(input_layouts=sequence if sequence_parallel else Replicate(),
+                                       output_layouts=Replicate())}
+    if sequence_parallel:
+        root["model.norm"] = SequenceParallel()
+    parallelize_module(model, mesh, root, src_data_rank=None)
+    if config.tie_embeddings:
+        # each style made a parameter of its own from the shared one; both shards are the same rows
+        model.lm_head.weight = model.model.embed_tokens.weight
+    return {"tensor_parallel": tp, "sequence_parallel": sequence_parallel,
+            "kv_heads": "sharded" if kv_sharded else "replicated",
+            "kv_heads_per_rank": model.model.layers[0].self_attn.n_kv_heads,
+            "query_heads_per_rank": config.n_heads // tp}
+
+
+def _keep_heads(heads: torch.Tensor, head_dim: int, mesh):
+    """A forward hook for a replicated k or v projection: its output (B, T, KV * D) cut to ``heads``."""
+
+    def hook(module: nn.Module, args, output: torch.Tensor) -> torch.Tensor:
+        if torch.is_grad_enabled():
+            output = _sum_gradients(output, mesh)
+        B, T, _ = output.shape
+        return output.view(B, T, -1, head_dim).index_select(2, heads).reshape(B, T, len(heads) * head_dim)
+
+    return hook
+
+
+def _sum_gradients(tensor: torch.Tensor, mesh) -> torch.Tensor:
+    """``tensor`` unchanged, whose gradient is summed over ``mesh`` in the backward pass: each rank's
+    gradient is a partial sum (``Partial``), which turning back into the replicated forward layout
+    all-reduces."""
+    from torch.distributed.tensor import DTensor, Partial, Replicate
+
+    return DTensor.from_local(tensor, mesh, [Replicate()], run_check=False).to_local(grad_placements=[Partial()])
+
+
+def parallelize_layout(lm: CausalLM, layout: Layout, policy: PrecisionPolicy, mode: str, seq_len: int, rank: Rank,
+                       *, activation_checkpointing: bool = False, compile: bool = False,
+                       offload: bool = False) -> dict[str, Any]:
+    """Apply ``layout`` (tensor parallelism, alone or under FSDP) to ``lm`` in torchtitan's order:
+    tensor parallel, then activation checkpointing, per-layer compile and FSDP over the "dp_shard"
+    dimension (``fitbench.run.parallel.parallelize``); return what was applied, for the result row.
+
+    Sequence parallelism is on in training (train, forward-backward) where ``seq_len`` divides by
+    the degree: it is there that the norms' and residuals' activations are kept for a backward pass.
+    """
+    backend = "native" if isinstance(lm.module, NativeCausalLM) else "hf"
+    problem = tensor_parallel_problem(policy.name, mode, backend)
+    if problem:
+        raise ValueError(problem)
+    mesh = device_mesh(layout, rank.device.type)
+    tp_mesh = mesh["tp"] if layout.dp_shard > 1 else mesh
+    model: NativeCausalLM = lm.module
+    sequence_parallel = mode in TRAINING_MODES and seq_len % layout.tp == 0
+    applied = parallelize_tensor(model, tp_mesh, sequence_parallel=sequence_parallel)
+    applied = {"strategy": layout.strategy, "world_size": rank.world_size, **applied,
+               "initial_weights": "rank 0's, broadcast"}
+    if layout.dp_shard > 1:
+        return {**parallelize(lm, "fsdp", policy, mode, rank, activation_checkpointing=activation_checkpointing,
+                              compile=compile, offload=offload, mesh=mesh["dp_shard"]), **applied}
+    if activation_checkpointing:
+        lm.enable_activation_checkpointing()
+    if compile:
+        lm.compile()
+    return {**applied, "activation_checkpointing": activation_checkpointing, "compile": compile}

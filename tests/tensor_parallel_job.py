@@ -1,0 +1,117 @@
+"""One rank of a small tensor-parallel job, for tests/test_tensor_parallel.py; started by torchrun:
+
+    python -m torch.distributed.run --standalone --nproc-per-node 4 tests/tensor_parallel_job.py OUT.json
+
+Four CPU ranks (gloo) on a ("dp_shard", "tp") mesh of 2 x 2. First each variant of ``VARIANTS`` is
+sharded over the "tp" pairs (both pairs do the same work): one training forward and backward pass
+under sequence parallelism (the loss and a sample of a few gradients), then a generation (the
+prefill's logits and ``DECODE`` steps, the eager forward and the ``decode_step`` that a CUDA graph
+captures on a GPU). Then ``tiny`` trains ``STEPS`` steps under FSDP x TP (``Layout(dp_shard=2,
+tp=2)``), each data-parallel pair on its own batch. Every rank builds from its own seed: the weights
+must come from rank 0. Rank 0 writes every rank's figures to OUT.json.
+"""
+
+import json
+import sys
+from dataclasses import replace
+from datetime import timedelta
+from pathlib import Path
+
+import torch
+from torch.distributed.elastic.multiprocessing.errors import record
+
+from fitbench.models.backends import NativeLM, load_model
+from fitbench.models.graphs import Replay
+from fitbench.models.registry import resolve
+from fitbench.precisions import policy
+from fitbench.run.loops import chunked_cross_entropy, make_step, random_tokens
+from fitbench.run.parallel import data_seed
+from fitbench.run.ranks import Rank, gather_json, process_group
+from fitbench.run.tensor_parallel import data_parallel_rank, device_mesh, parallelize_layout, parallelize_tensor
+from fitbench.spec import Layout
+
+SEED, BATCH, SEQ_LEN, STEPS, PRECISION = 0, 2, 32, 3, "fp32"
+PROMPT, DECODE = 12, 4
+LAYOUT = Layout(dp_shard=2, tp=2)
+VARIANTS = {"tiny": resolve("tiny"), "tiny-1kv": replace(resolve("tiny"), num_kv_heads=1)}
+# gradients sampled: a sharded matrix, a k projection (replicated with one kv head), a norm (under
+# sequence parallelism) and the tied embedding
+GRADIENTS = ("model.layers.0.self_attn.q_proj.weight", "model.layers.1.self_attn.k_proj.weight",
+             "model.layers.0.input_layernorm.weight", "model.embed_tokens.weight")
+SAMPLE = 101  # every SAMPLE-th element of a gradient or a row of logits
+TIMEOUT = timedelta(seconds=60)
+
+
+def full(tensor: torch.Tensor) -> torch.Tensor:
+    """The whole tensor on every rank, from a DTensor's shards."""
+    return tensor.full_tensor() if hasattr(tensor, "full_tensor") else tensor
+
+
+def sample(tensor: torch.Tensor) -> list[float]:
+    return full(tensor).detach().float().flatten()[::SAMPLE].tolist()
+
+
+def built(arch, rank: Rank) -> NativeLM:
+    """Rank 0's model is the reference's (seed ``SEED``); the others' differ, so a rank that kept its
+    own weights would show."""
+    torch.manual_seed(SEED if rank.main else SEED + rank.rank)
+    return load_model(arch, "native", rank.device, policy(PRECISION).weight_dtype)
+
+
+def training_pass(arch, rank: Rank, mesh) -> dict:
+    lm = built(arch, rank)
+    applied = parallelize_tensor(lm.module, mesh, sequence_parallel=True)
+    tokens = random_tokens(arch.vocab_size, BATCH, SEQ_LEN + 1, rank.device, SEED)
+    loss = chunked_cross_entropy(lm.logits(tokens[:, :-1]).flatten(0, 1), tokens[:, 1:].flatten())
+    loss.backward()
+    parameters = dict(lm.module.named_parameters())
+    return {"loss": loss.item(), "gradients": {name: sample(parameters[name].grad) for name in GRADIENTS},
+            "applied": applied}
+
+
+def generation(arch, rank: Rank, mesh, graphed: bool) -> dict:
+    """The prefill's logits and ``DECODE`` decode steps' on fixed tokens; ``graphed``: the decode goes
+    through ``decode_step``, the function a CUDA graph captures, here replayed eagerly."""
+    lm = built(arch, rank)
+    parallelize_tensor(lm.module, mesh)
+    if graphed:
+        lm = NativeLM(lm.module, lm.cache_dtype, cuda_graphs=True, capture=lambda step: Replay(step))
+    prompt = random_tokens(arch.vocab_size, BATCH, PROMPT, rank.device, SEED + 1)
+    following = random_tokens(arch.vocab_size, BATCH, DECODE, rank.device, SEED + 2)
+    with torch.inference_mode():
+        logits = [lm.prefill(prompt, PROMPT + DECODE)]
+        logits += [lm.decode(following[:, i:i + 1]).clone() for i in range(DECODE)]
+    return {"logits": [sample(step) for step in logits], "cache_kv_heads": lm.cache.keys.shape[2],
+            "decoding": lm.decoding}
+
+
+def fsdp_tp_losses(rank: Rank) -> tuple[list[float], dict]:
+    arch, precision = resolve("tiny"), policy(PRECISION)
+    lm = built(arch, rank)
+    applied = parallelize_layout(lm, LAYOUT, precision, "train", SEQ_LEN, rank)
+    tokens = random_tokens(arch.vocab_size, BATCH, SEQ_LEN + 1, rank.device,
+                           data_seed(SEED, data_parallel_rank(LAYOUT, rank.rank)))
+    step = make_step("train", lm, precision, tokens, rank.device)
+    return [step().item() for _ in range(STEPS)], applied
+
+
+@record
+def main(argv: list[str]) -> None:
+    out = Path(argv[0])
+    rank = Rank.from_environment("cpu")
+    with process_group(rank, TIMEOUT):
+        tp_mesh = device_mesh(LAYOUT, rank.device.type)["tp"]
+        figures = {}
+        for name, arch in VARIANTS.items():
+            figures[name] = {"train": training_pass(arch, rank, tp_mesh),
+                             "infer": generation(arch, rank, tp_mesh, graphed=False),
+                             "infer_graphed": generation(arch, rank, tp_mesh, graphed=True)}
+        losses, applied = fsdp_tp_losses(rank)
+        figures["fsdp+tp"] = {"losses": losses, "applied": applied}
+        rows = gather_json(rank, {"rank": rank.rank, **figures})
+        if rank.main:
+            out.write_text(json.dumps(rows))
+
+
+if __name__ == "__main__":
+    main(sys.argv[1:])

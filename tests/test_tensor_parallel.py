@@ -1,0 +1,260 @@
+"""Tensor parallelism of the native model: how heads split, what refuses, and one real torchrun job of four
+CPU ranks (tests/tensor_parallel_job.py) whose TP logits, losses and gradients are compared with one process
+holding the same weights, and whose FSDP x TP losses with one process training on the global batch."""
+
+import json
+import math
+from pathlib import Path
+
+import pytest
+import torch
+
+import tensor_parallel_job as job
+from fitbench.models.backends import NativeLM, load_model
+from fitbench.models.graphs import Replay
+from fitbench.precisions import PRECISIONS, QUANTIZED_PRECISIONS, policy, tensor_parallel_problem
+from fitbench.run.loops import chunked_cross_entropy, make_step, random_tokens
+from fitbench.run.parallel import data_seed
+from fitbench.run.tensor_parallel import data_parallel_rank, kv_heads_of_rank, split_heads
+from fitbench.spec import Layout, LayoutError
+from test_parallel import torchrun
+
+slow = pytest.mark.slow
+
+
+# ---- heads and refusals --------------------------------------------------------------------------------
+
+def test_kv_heads_shard_when_the_degree_divides_them_and_are_kept_per_rank_otherwise():
+    assert split_heads(32, 8, 8, 3) is None
+    # one kv head, two ranks: both keep it
+    assert [kv_heads_of_rank(8, 1, 2, r) for r in range(2)] == [[0], [0]]
+    # 8 kv heads of 64 query heads on 16 ranks: four query heads each, all reading one kv head
+    assert [kv_heads_of_rank(64, 8, 16, r) for r in range(16)] == [[r // 2] for r in range(16)]
+    # 3 kv heads (4 query heads each) on 2 ranks: six query heads read kv heads 0, 0, 0, 0, 1, 1, which do
+    # not group evenly, so the rank keeps one per query head
+    assert split_heads(12, 3, 2, 0) == [0, 0, 0, 0, 1, 1]
+    assert split_heads(12, 3, 2, 1) == [1, 1, 2, 2, 2, 2]
+    # 4 kv heads on 8 ranks of 32 query heads: each rank's 4 query heads read one kv head
+    assert split_heads(32, 4, 8, 5) == [2]
+
+
+def test_query_heads_that_do_not_divide_by_the_degree_are_a_layout_error():
+    with pytest.raises(LayoutError, match="8 query heads do not divide by 3.*pipeline"):
+        split_heads(8, 4, 3, 0)
+
+
+@pytest.mark.parametrize("precision", QUANTIZED_PRECISIONS)
+def test_quantized_precisions_are_refused_with_pipeline_as_the_way_out(precision):
+    for mode in ("infer", "train"):
+        problem = tensor_parallel_problem(precision, mode)
+        assert problem and precision in problem and "--strategy pipeline" in problem
+        assert problem.count(". ") == 0 and not problem.endswith(".")
+
+
+def test_floating_point_precisions_run_in_every_mode_on_the_native_backend_only():
+    for precision in set(PRECISIONS) - set(QUANTIZED_PRECISIONS):
+        for mode in ("train", "forward-backward", "forward", "infer"):
+            assert tensor_parallel_problem(precision, mode) is None
+    assert "--backend native" in tensor_parallel_problem("bf16", "infer", "hf")
+
+
+def test_the_tensor_parallel_ranks_of_a_data_parallel_group_draw_one_batch():
+    layout = Layout(dp_shard=2, tp=2)
+    assert [data_parallel_rank(layout, r) for r in range(4)] == [0, 0, 1, 1]
+    assert [data_parallel_rank(Layout(tp=4), r) for r in range(4)] == [0] * 4
+
+
+def test_a_tensor_parallel_generation_row_is_rank_0s_timing_with_mfu_over_every_gpu():
+    from fitbench.run.aggregate import combine
+
+    def payload(ttft, mfu, gpu_peak):
+        return {"status": "ok", "timing": {"time_to_first_token": {"median": ttft}, "samples": {}},
+                "throughput": {"prefill_flops": 1e9, "prefill_mfu": mfu, "prefill_mfu_measured_peak": None,
+                               "decode_tokens_per_s": 1 / ttft},
+                "memory": {"gpus": [{"index": 0, "max_reserved": gpu_peak}], "host_peak_rss": gpu_peak // 10}}
+
+    row = combine([payload(0.25, 40.0, 1000), payload(0.5, 20.0, 1100)], Layout(tp=2))
+    assert row["timing"]["time_to_first_token"]["median"] == 0.25  # every rank took part; rank 0 timed it
+    assert row["throughput"]["decode_tokens_per_s"] == 4.0
+    assert row["throughput"]["prefill_mfu"] == 20.0  # rank 0's FLOP/s over two GPUs' peak
+    assert row["throughput"]["prefill_mfu_measured_peak"] is None
+    assert [gpu["rank"] for gpu in row["memory"]["gpus"]] == [0, 1]
+
+
+# ---- one real job ----------------------------------------------------------------------------------------
+
+@pytest.fixture(scope="module")
+def ranks(tmp_path_factory) -> list[dict]:
+    tmp_path = tmp_path_factory.mktemp("tensor-parallel")
+    done, _ = torchrun(tmp_path, str(tmp_path / "out.json"), script=Path(job.__file__),
+                       world=job.LAYOUT.world_size, timeout=300)
+    assert done.returncode == 0 and (tmp_path / "out.json").exists(), done.stdout[-3000:]
+    rows = json.loads((tmp_path / "out.json").read_text())
+    assert [row["rank"] for row in rows] == list(range(job.LAYOUT.world_size))
+    return rows
+
+
+def reference(arch) -> NativeLM:
+    torch.manual_seed(job.SEED)
+    return load_model(arch, "native", "cpu", torch.float32)
+
+
+def single_process_training_pass(arch) -> dict:
+    lm = reference(arch)
+    tokens = random_tokens(arch.vocab_size, job.BATCH, job.SEQ_LEN + 1, torch.device("cpu"), job.SEED)
+    loss = chunked_cross_entropy(lm.logits(tokens[:, :-1]).flatten(0, 1), tokens[:, 1:].flatten())
+    loss.backward()
+    parameters = dict(lm.module.named_parameters())
+    return {"loss": loss.item(), "gradients": {name: job.sample(parameters[name].grad) for name in job.GRADIENTS}}
+
+
+def single_process_generation(arch, graphed: bool) -> list[list[float]]:
+    lm = reference(arch)
+    if graphed:
+        lm = NativeLM(lm.module, lm.cache_dtype, cuda_graphs=True, capture=lambda step: Replay(step))
+    prompt = random_tokens(arch.vocab_size, job.BATCH, job.PROMPT, torch.device("cpu"), job.SEED + 1)
+    following = random_tokens(arch.vocab_size, job.BATCH, job.DECODE, torch.device("cpu"), job.SEED + 2)
+    with torch.inference_mode():
+        logits = [lm.prefill(prompt, job.PROMPT + job.DECODE)]
+        logits += [lm.decode(following[:, i:i + 1]).clone() for i in range(job.DECODE)]
+    return [job.sample(step) for step in logits]
+
+
+# fp32 throughout. Tensor parallelism changes only the order of sums: a row-wise matmul's two halves
+# summed by an all-reduce, the embedding's lookups summed with zeros, a norm's and a replicated
+# projection's gradients summed over the ranks. Each order errs by a few units of 2^-24 relative to the
+# magnitudes summed, which through 4 layers and a softmax stays near 1e-6 of the largest logit or
+# gradient (measured: under 8e-7, and equal losses). A rank keeping its own weights, or a replicated kv
+# projection whose gradients are not summed over the ranks, moves them by more than 1e-1.
+RELATIVE = 1e-5
+
+
+def close(measured: list[float], expected: list[float]) -> bool:
+    scale = max(abs(value) for value in expected)
+    return len(measured) == len(expected) and all(abs(m - e) <= RELATIVE * scale for m, e in zip(measured, expected))
+
+
+@slow
+@pytest.mark.parametrize("variant", list(job.VARIANTS))
+def test_a_tensor_parallel_training_pass_equals_one_process(ranks, variant):
+    arch = job.VARIANTS[variant]
+    expected = single_process_training_pass(arch)
+    for row in ranks:
+        measured = row[variant]["train"]
+        assert math.isclose(measured["loss"], expected["loss"], rel_tol=RELATIVE), (row["rank"], measured["loss"])
+        for name in job.GRADIENTS:
+            assert close(measured["gradients"][name], expected["gradients"][name]), (variant, row["rank"], name)
+        applied = measured["applied"]
+        assert (applied["tensor_parallel"], applied["sequence_parallel"]) == (2, True)
+        assert applied["query_heads_per_rank"] == arch.num_heads // 2
+    kv = ranks[0][variant]["train"]["applied"]
+    assert kv["kv_heads"] == ("sharded" if arch.num_kv_heads % 2 == 0 else "replicated")
+
+
+@slow
+@pytest.mark.parametrize("variant", list(job.VARIANTS))
+@pytest.mark.parametrize("path", ["infer", "infer_graphed"])
+def test_tensor_parallel_prefill_and_decode_logits_equal_one_process(ranks, variant, path):
+    arch = job.VARIANTS[variant]
+    expected = single_process_generation(arch, graphed=path == "infer_graphed")
+    for row in ranks:
+        measured = row[variant][path]
+        assert len(measured["logits"]) == 1 + job.DECODE
+        for step, (got, want) in enumerate(zip(measured["logits"], expected)):
+            assert close(got, want), (variant, path, row["rank"], step)
+        # each rank caches the kv heads its query heads read: half of tiny's 4, the one of tiny-1kv
+        assert measured["cache_kv_heads"] == max(arch.num_kv_heads // 2, 1)
+        assert measured["decoding"]["cuda_graphs"] == (path == "infer_graphed")
+
+
+@slow
+def test_fsdp_x_tp_losses_equal_one_process_on_the_global_batch(ranks):
+    arch, device = job.VARIANTS["tiny"], torch.device("cpu")
+    lm = reference(arch)
+    groups = job.LAYOUT.data_parallel
+    tokens = torch.cat([random_tokens(arch.vocab_size, job.BATCH, job.SEQ_LEN + 1, device, data_seed(job.SEED, g))
+                        for g in range(groups)])
+    step = make_step("train", lm, policy(job.PRECISION), tokens, device)
+    expected = [step().item() for _ in range(job.STEPS)]
+    assert expected[0] - expected[-1] > 100 * RELATIVE * expected[0]  # the steps did move the weights
+    per_group = [ranks[g * job.LAYOUT.tp]["fsdp+tp"]["losses"] for g in range(groups)]
+    for row in ranks:  # the two ranks of a tensor-parallel pair see one batch and one loss
+        assert row["fsdp+tp"]["losses"] == per_group[data_parallel_rank(job.LAYOUT, row["rank"])]
+    for i, want in enumerate(expected):
+        mean = sum(losses[i] for losses in per_group) / groups
+        assert math.isclose(mean, want, rel_tol=RELATIVE), (i, mean, want)
+    applied = ranks[0]["fsdp+tp"]["applied"]
+    assert (applied["strategy"], applied["tensor_parallel"], applied["fsdp_units"]) == \
+        ("fsdp+tp", 2, arch.num_layers + 1)
+
+
+# ---- from the command line -------------------------------------------------------------------------------
+
+def test_the_sweep_gives_every_mode_the_tensor_parallel_layout():
+    from fitbench.config import SweepConfig, expand
+
+    config = SweepConfig(models=["tiny"], mode=["infer", "train", "forward"], precision=["bf16"], gpus=2, strategy="tp")
+    specs = expand(config, device="cpu", default_models=["tiny"])
+    assert [(spec.mode, spec.layout) for spec in specs] == [(mode, Layout(tp=2)) for mode in config.mode]
+
+
+@pytest.mark.parametrize("options, says", [
+    (["--precision", "nf4"], "nf4 weights cannot be sharded"),
+    (["--gpus", "3"], "3 ranks do not divide the model's 8"),
+    (["--backend", "hf"], "--backend native"),
+])
+def test_what_tensor_parallelism_cannot_run_is_refused_before_launch(options, says, tmp_path, capsys, monkeypatch):
+    from conftest import cli
+
+    monkeypatch.chdir(tmp_path)
+    argv = ["run", "--models", "tiny", "--device", "cpu", "--gpus", "2", "--strategy", "tp", "--mode", "infer",
+            "--out", "r"]
+    code, out, err = cli(argv + options, capsys)
+    assert code == 2 and says in out + err and "Traceback" not in out + err, out + err
+    assert not (tmp_path / "r" / "results.jsonl").exists()
+
+
+@slow
+def test_tensor_parallel_generation_from_the_command_line_writes_one_row_of_the_job(tmp_path, capsys, monkeypatch):
+    """`fitbench run --gpus 2 --strategy tp --mode infer`: both ranks generate, and the row is the job's:
+    two ranks, the layout tp 2, rank 0's latencies, each rank's memory, the heads each rank holds."""
+    from conftest import cli
+
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.delenv("FITBENCH_INJECT", raising=False)
+    code, out, err = cli(["run", "--models", "tiny", "--device", "cpu", "--gpus", "2", "--strategy", "tp",
+                          "--mode", "infer", "--batch-size", "2", "--seq-len", "16", "--new-tokens", "4",
+                          "--warmup-steps", "1", "--measure-steps", "2", "--out", "r"], capsys)
+    assert code == 0, out + err
+    [row] = [json.loads(line) for line in (tmp_path / "r" / "results.jsonl").read_text().splitlines()]
+    assert row["status"] == "ok" and row["ranks"] == 2, row.get("error")
+    assert row["layout"] == {"dp_replicate": 1, "dp_shard": 1, "tp": 2, "pp": 1} and "tp x 2" in row["label"]
+    assert (row["parallel"]["kv_heads"], row["parallel"]["kv_heads_per_rank"]) == ("sharded", 2)
+    assert not row["parallel"]["sequence_parallel"]  # generation keeps the sequence whole
+    assert len(row["timing"]["samples"]["time_to_first_token"]) == 2
+    assert row["weights"]["method"] == "parameter storage of this rank's shards"
+    assert len(row["memory"]["host_peak_rss_per_rank"]) == 2
+    assert row["weights"]["bytes"] < 0.6 * 4 * job.VARIANTS["tiny"].total_params  # half the fp32 weights, and norms
+
+
+two_gpus = pytest.mark.skipif(torch.cuda.device_count() < 2, reason="tensor parallelism over NCCL needs two GPUs")
+
+
+@two_gpus
+@slow
+def test_tensor_parallel_decoding_is_captured_in_a_cuda_graph_on_two_gpus(tmp_path, capsys, monkeypatch):
+    """On GPUs the decode step, its NCCL all-reduces and all-gather included, is captured once in the
+    untimed generation and replayed in the measured ones, on both ranks."""
+    from conftest import cli
+
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.delenv("FITBENCH_INJECT", raising=False)
+    code, out, err = cli(["run", "--models", "tiny", "--device", "cuda", "--gpus", "2", "--strategy", "tp",
+                          "--mode", "infer", "--precision", "bf16-pure", "--batch-size", "2", "--seq-len", "32",
+                          "--new-tokens", "8", "--warmup-steps", "1", "--measure-steps", "3", "--out", "r"], capsys)
+    assert code == 0, out + err
+    [row] = [json.loads(line) for line in (tmp_path / "r" / "results.jsonl").read_text().splitlines()]
+    assert row["status"] == "ok" and row["ranks"] == 2, row.get("error")
+    assert row["decode"]["cuda_graphs"] is True, row["decode"]
+    assert [capture["generation"] for capture in row["decode"]["captures"]] == [1]
+    assert sorted(gpu["rank"] for gpu in row["memory"]["gpus"]) == [0, 1]
