@@ -1,0 +1,84 @@
+"""One rank of a small pipeline-parallel job, for tests/test_pipeline.py; started by torchrun:
+
+    python -m torch.distributed.run --standalone --nproc-per-node 2 tests/pipeline_job.py OUT_DIR
+
+``ARCH`` (``tiny`` five layers deep, so that two stages are uneven: 3 and 2 layers, the tied
+embedding on both ends) is built as one stage per rank from seed ``SEED`` (fp32, on the CPU, gloo).
+The job trains it for ``STEPS`` steps of ``BATCH`` x ``SEQ_LEN`` tokens in ``MICROBATCHES``
+microbatches, starts over from the same seed for one forward step, then greedily generates
+``NEW_TOKENS`` tokens after a prompt of ``PROMPT`` tokens, twice (the second generation reuses the
+cache). OUT_DIR/ranks.json gets every rank's stage and parameter count, the losses, the forward
+step's logits sum and the tokens; OUT_DIR/logits.pt the last stage's logits of every generated token.
+"""
+
+import dataclasses
+import json
+import sys
+from datetime import timedelta
+from pathlib import Path
+
+import torch
+from torch.distributed.elastic.multiprocessing.errors import record
+
+from fitbench.models.registry import resolve
+from fitbench.precisions import policy
+from fitbench.run.loops import random_tokens
+from fitbench.run.pipeline import build_pipeline_stage
+from fitbench.run.ranks import Rank, gather_json, process_group
+
+ARCH = dataclasses.replace(resolve("tiny"), num_layers=5)
+SEED, BATCH, SEQ_LEN, STEPS, MICROBATCHES, PRECISION = 0, 4, 16, 3, 2, "fp32"
+PROMPT, NEW_TOKENS, GENERATIONS = 8, 5, 2
+TIMEOUT = timedelta(seconds=30)
+
+
+def stage(rank: Rank):
+    torch.manual_seed(SEED)
+    return build_pipeline_stage(ARCH, rank, rank.world_size, rank.device, policy(PRECISION))
+
+
+def generate(lm, prompt: torch.Tensor) -> tuple[list[list[int]], list[torch.Tensor]]:
+    """Greedy tokens (on the first and last stages) and the last stage's logits (B, V) of each."""
+    tokens, logits = [], []
+    with torch.inference_mode():
+        out = lm.prefill(prompt, PROMPT + NEW_TOKENS)
+        for i in range(NEW_TOKENS):
+            token = lm.exchange_token(out, prompt.shape[0])
+            if lm.stage.last:
+                logits.append(out[:, -1].clone())
+            if token is not None:
+                tokens.append(token[:, 0].tolist())
+            if i < NEW_TOKENS - 1:
+                out = lm.decode(token if token is not None else prompt[:, :1])
+    return tokens, logits
+
+
+@record
+def main(argv: list[str]) -> None:
+    out = Path(argv[0])
+    rank = Rank.from_environment("cpu")
+    precision = policy(PRECISION)
+    with process_group(rank, TIMEOUT):
+        lm = stage(rank)
+        count = lm.parameter_count()
+        on_meta = sum(p.is_meta for p in lm.module.parameters())
+        tokens = random_tokens(ARCH.vocab_size, BATCH, SEQ_LEN + 1, rank.device, SEED)
+        step = lm.make_step("train", precision, tokens, MICROBATCHES)
+        losses = [loss.item() for loss in (step() for _ in range(STEPS)) if loss is not None]
+
+        lm = stage(rank)
+        forward = lm.make_step("forward", precision, tokens, MICROBATCHES)()
+        prompt = random_tokens(ARCH.vocab_size, 2, PROMPT, rank.device, SEED + 1)
+        generations = [generate(lm, prompt) for _ in range(GENERATIONS)]
+        if lm.stage.last:
+            torch.save([torch.stack(logits) for _, logits in generations], out / "logits.pt")
+        rows = gather_json(rank, {"rank": rank.rank, "stage": lm.stage.as_dict(), "params": count,
+                                  "meta_params": on_meta, "losses": losses,
+                                  "forward_sum": forward.item() if forward is not None else None,
+                                  "tokens": [tokens for tokens, _ in generations]})
+        if rank.main:
+            (out / "ranks.json").write_text(json.dumps(rows))
+
+
+if __name__ == "__main__":
+    main(sys.argv[1:])

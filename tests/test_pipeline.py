@@ -1,0 +1,153 @@
+"""Pipeline parallelism of the native model (fitbench.run.pipeline).
+
+The fast tests build stages in this process; the slow ones start one real torchrun job of two CPU
+ranks over gloo (tests/pipeline_job.py) and compare what its stages computed with one process
+running the whole model of the same seed.
+"""
+
+import dataclasses
+import json
+import math
+import os
+import signal
+import subprocess
+import sys
+import uuid
+from pathlib import Path
+
+import pytest
+import torch
+
+import pipeline_job as job
+from fitbench.models.backends import load_model
+from fitbench.models.native import build_native
+from fitbench.models.registry import resolve
+from fitbench.precisions import policy
+from fitbench.run.loops import make_step, random_tokens
+from fitbench.run.pipeline import Stage, build_stage, microbatch_problem, pipeline_problem
+from test_parallel import marked
+
+REPO = Path(__file__).resolve().parents[1]
+WORLD = 2
+MARK = "FITBENCH_TEST_MARK"
+slow = pytest.mark.slow
+
+
+# ---- a stage, in this process ---------------------------------------------------------------------------
+
+@pytest.mark.parametrize("layers, tied, stages", [(5, True, 2), (5, True, 3), (4, False, 3)])
+def test_each_stage_holds_its_own_modules_with_the_single_process_weights(layers, tied, stages):
+    arch = dataclasses.replace(resolve("tiny"), num_layers=layers, tie_embeddings=tied)
+    torch.manual_seed(5)
+    whole = build_native(arch, "cpu", torch.float32)
+    expected = dict(whole.named_parameters(remove_duplicate=False))
+    held = set()
+    for index in range(stages):
+        stage = Stage.of_rank(layers, index, stages)
+        torch.manual_seed(5)
+        model = build_stage(arch, stage, "cpu", torch.float32)
+        parameters = dict(model.named_parameters(remove_duplicate=False))
+        layer_names = {name.split(".")[2] for name in parameters if name.startswith("model.layers.")}
+        assert layer_names == {str(i) for i in stage.layers}
+        assert ("model.embed_tokens.weight" in parameters) == stage.first
+        assert ("lm_head.weight" in parameters) == ("model.norm.weight" in parameters) == stage.last
+        for name, parameter in parameters.items():
+            assert not parameter.is_meta and torch.equal(parameter, expected[name]), name
+        held |= set(parameters)
+        assert torch.equal(model.rope_cos, whole.rope_cos)
+    assert held == set(expected)  # every weight on some stage
+
+
+def test_a_batch_must_split_into_the_microbatches_and_other_backends_are_refused():
+    assert microbatch_problem(8, 4) is None
+    assert "--microbatches that divides 6" in microbatch_problem(6, 4)
+    assert pipeline_problem("native", "bf16", "infer") is None
+    problem = pipeline_problem("hf", "bf16", "infer")
+    assert "hf backend" in problem and "--offload" in problem and "--backend native" in problem
+    assert "bf16" in pipeline_problem("native", "fp16", "train")
+
+
+# ---- one real job -------------------------------------------------------------------------------------
+
+@pytest.fixture(scope="module")
+def pipelined(tmp_path_factory) -> tuple[list[dict], list[torch.Tensor]]:
+    """tests/pipeline_job.py as a torchrun job of WORLD CPU ranks: every rank's row, and the last
+    stage's logits of each generation."""
+    tmp_path = tmp_path_factory.mktemp("pipeline")
+    mark = uuid.uuid4().hex
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(REPO), os.environ.get("PYTHONPATH", "")]), MARK: mark}
+    command = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", str(WORLD),
+               str(Path(job.__file__)), str(tmp_path)]
+    process = subprocess.Popen(command, cwd=tmp_path, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                               text=True, start_new_session=True)
+    try:
+        output, _ = process.communicate(timeout=300)
+    except subprocess.TimeoutExpired:
+        os.killpg(process.pid, signal.SIGKILL)
+        process.communicate()
+        raise
+    assert not marked(mark), "a rank outlived its job"
+    assert process.returncode == 0 and (tmp_path / "ranks.json").exists(), output[-3000:]
+    return json.loads((tmp_path / "ranks.json").read_text()), torch.load(tmp_path / "logits.pt")
+
+
+def single_process():
+    torch.manual_seed(job.SEED)
+    return load_model(job.ARCH, "native", "cpu", policy(job.PRECISION).weight_dtype)
+
+
+# The losses average the same N = BATCH x SEQ_LEN token losses in fp32 in another order (the mean of
+# MICROBATCHES means), and the gradients are summed in another order: the bound of test_parallel.
+TOLERANCE = 2 * (job.BATCH * job.SEQ_LEN - 1) * 2.0 ** -24
+
+
+@slow
+def test_stages_hold_uneven_layer_runs_and_never_the_whole_model(pipelined):
+    ranks, _ = pipelined
+    assert [row["stage"]["layers"] for row in ranks] == [[0, 3], [3, 5]]  # 5 layers: 3 and 2
+    assert [(row["stage"]["embedding"], row["stage"]["output_projection"]) for row in ranks] == \
+        [(True, False), (False, True)]
+    whole = single_process().module
+    layer = sum(p.numel() for p in whole.model.layers[0].parameters())
+    table = whole.model.embed_tokens.weight.numel()
+    norm = whole.model.norm.weight.numel()
+    assert [row["params"] for row in ranks] == [table + 3 * layer, 2 * layer + norm + table]  # the tied copy
+    assert all(row["meta_params"] == 0 for row in ranks)
+
+
+@slow
+def test_pipelined_training_losses_equal_one_process(pipelined):
+    ranks, _ = pipelined
+    assert ranks[0]["losses"] == []  # the loss exists on the last stage only
+    lm = single_process()
+    tokens = random_tokens(job.ARCH.vocab_size, job.BATCH, job.SEQ_LEN + 1, torch.device("cpu"), job.SEED)
+    step = make_step("train", lm, policy(job.PRECISION), tokens, torch.device("cpu"))
+    reference = [step().item() for _ in range(job.STEPS)]
+    assert reference[0] - reference[-1] > 100 * TOLERANCE * reference[0]  # the steps did move the weights
+    assert len(ranks[1]["losses"]) == job.STEPS
+    for loss, expected in zip(ranks[1]["losses"], reference):
+        assert math.isclose(loss, expected, rel_tol=TOLERANCE), (ranks[1]["losses"], reference)
+
+
+@slow
+def test_pipelined_forward_prefill_and_decode_equal_one_process(pipelined):
+    ranks, logits = pipelined
+    lm = single_process()
+    tokens = random_tokens(job.ARCH.vocab_size, job.BATCH, job.SEQ_LEN + 1, torch.device("cpu"), job.SEED)
+    with torch.inference_mode():
+        forward = lm.logits(tokens[:, :-1]).sum(dtype=torch.float32).item()
+        assert ranks[0]["forward_sum"] is None
+        assert math.isclose(ranks[1]["forward_sum"], forward, rel_tol=1e-5, abs_tol=1e-3)
+        prompt = random_tokens(job.ARCH.vocab_size, 2, job.PROMPT, torch.device("cpu"), job.SEED + 1)
+        expected_tokens, expected_logits = [], []
+        out = lm.prefill(prompt, job.PROMPT + job.NEW_TOKENS)
+        for i in range(job.NEW_TOKENS):
+            expected_logits.append(out)
+            token = out.argmax(dim=-1, keepdim=True)
+            expected_tokens.append(token[:, 0].tolist())
+            if i < job.NEW_TOKENS - 1:
+                out = lm.decode(token)
+    expected = torch.stack(expected_logits)  # (NEW_TOKENS, B, V)
+    for generation in range(job.GENERATIONS):
+        assert ranks[0]["tokens"][generation] == ranks[1]["tokens"][generation] == expected_tokens
+        torch.testing.assert_close(logits[generation], expected, rtol=1e-5, atol=1e-5)
