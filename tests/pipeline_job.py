@@ -23,7 +23,7 @@ from torch.distributed.elastic.multiprocessing.errors import record
 from fitbench.models.registry import resolve
 from fitbench.precisions import policy
 from fitbench.run.loops import random_tokens
-from fitbench.run.pipeline import build_pipeline_stage
+from fitbench.run.pipeline import PipelineLM, Stage, build_stage
 from fitbench.run.ranks import Rank, gather_json, process_group
 
 ARCH = dataclasses.replace(resolve("tiny"), num_layers=5)
@@ -34,7 +34,9 @@ TIMEOUT = timedelta(seconds=30)
 
 def stage(rank: Rank):
     torch.manual_seed(SEED)
-    return build_pipeline_stage(ARCH, rank, rank.world_size, rank.device, policy(PRECISION))
+    stage = Stage.of_rank(ARCH.num_layers, rank.rank, rank.world_size)
+    weights = policy(PRECISION).weight_dtype
+    return PipelineLM(build_stage(ARCH, stage, rank.device, weights), stage, rank, weights, weights)
 
 
 def generate(lm, prompt: torch.Tensor) -> tuple[list[list[int]], list[torch.Tensor]]:

@@ -22,9 +22,10 @@ import pipeline_job as job
 from fitbench.models.backends import load_model
 from fitbench.models.native import build_native
 from fitbench.models.registry import resolve
-from fitbench.precisions import policy
+from fitbench.precisions import pipeline_problem, policy
 from fitbench.run.loops import make_step, random_tokens
-from fitbench.run.pipeline import Stage, build_stage, microbatch_problem, pipeline_problem
+from fitbench.run.pipeline import Stage, build_stage
+from fitbench.spec import microbatch_problem
 from test_parallel import marked
 
 REPO = Path(__file__).resolve().parents[1]
@@ -61,10 +62,11 @@ def test_each_stage_holds_its_own_modules_with_the_single_process_weights(layers
 def test_a_batch_must_split_into_the_microbatches_and_other_backends_are_refused():
     assert microbatch_problem(8, 4) is None
     assert "--microbatches that divides 6" in microbatch_problem(6, 4)
-    assert pipeline_problem("native", "bf16", "infer") is None
-    problem = pipeline_problem("hf", "bf16", "infer")
+    assert pipeline_problem("bf16", "infer") is None
+    problem = pipeline_problem("bf16", "infer", "hf")
     assert "hf backend" in problem and "--offload" in problem and "--backend native" in problem
-    assert "bf16" in pipeline_problem("native", "fp16", "train")
+    assert "bf16" in pipeline_problem("fp16", "train")
+    assert "adapters" in pipeline_problem("nf4", "train") and pipeline_problem("nf4", "infer") is None
 
 
 # ---- one real job -------------------------------------------------------------------------------------

@@ -8,7 +8,11 @@
   the sum over the world size; achieved FLOP/s scale with tokens/s, and MFU divides them by the peak
   of every GPU of the job;
 - **memory**: listed per GPU, each with its rank; the host's peak RSS is the largest rank's;
-- **losses**: rank 0's (each data-parallel rank's loss is that of its own batch).
+- **losses**: rank 0's (each data-parallel rank's loss is that of its own batch);
+- **pipeline stages**: the loss, the quality of quantized weights and a generation's latencies
+  exist on the last stage (``fitbench.run.pipeline``): under pipeline parallelism the row starts
+  from the last stage's result instead of rank 0's, and ``parallel.stages`` lists every rank's
+  stage (its layers and parameters).
 
 A single process's result passes through unchanged.
 """
@@ -25,7 +29,10 @@ def combine(payloads: list[dict[str, Any]], layout: Layout) -> dict[str, Any]:
     """The job's result (``fitbench.results.row.Measurement``) from ``payloads``, every rank's in rank order."""
     if len(payloads) == 1:
         return payloads[0]
-    row = dict(payloads[0])
+    row = dict(payloads[-1] if layout.pp > 1 else payloads[0])
+    if layout.pp > 1 and "parallel" in row:
+        row["parallel"] = {**{key: value for key, value in row["parallel"].items() if key != "stage"},
+                           "stages": [p.get("parallel", {}).get("stage") for p in payloads]}
     failed = next(((rank, p) for rank, p in enumerate(payloads) if p.get("status") != "ok"), None)
     if failed is not None:
         rank, payload = failed

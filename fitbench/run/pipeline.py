@@ -37,12 +37,15 @@ from torch.utils.checkpoint import checkpoint
 
 from fitbench.models.architecture import Architecture
 from fitbench.models.backends import CausalLM
+from fitbench.models.hf import has_weights
 from fitbench.models.native import KVCache, NativeCausalLM, RMSNorm, empty_on, materialize, meta_model
-from fitbench.precisions import PrecisionPolicy
+from fitbench.models.registry import is_local_model
+from fitbench.precisions import TRAINING_MODES, PrecisionPolicy, pipeline_problem
 from fitbench.run.loops import LEARNING_RATE, chunked_cross_entropy
+from fitbench.run.quality import Quality
 from fitbench.run.ranks import Rank
 from fitbench.run.timing import DeviceClock
-from fitbench.spec import pipeline_stages
+from fitbench.spec import RunSpec, microbatch_problem, pipeline_stages
 
 
 @dataclass(frozen=True)
@@ -69,26 +72,6 @@ class Stage:
     def as_dict(self) -> dict[str, Any]:
         return {"stage": self.index, "layers": [self.layers.start, self.layers.stop],
                 "embedding": self.first, "output_projection": self.last}
-
-
-def pipeline_problem(backend: str, precision: str, mode: str) -> str | None:
-    """Why pipeline stages cannot run this configuration, in one sentence with the way out; None
-    when they can."""
-    if backend != "native":
-        return (f"pipeline stages are cut from fitbench's native decoder and the {backend} backend's models are "
-                f"not: use --backend native (Llama-style models), or for another family run infer on one GPU "
-                f"with --offload, which keeps the layers that do not fit in host memory")
-    if precision == "fp16" and mode in ("train", "forward-backward"):
-        return ("fp16 training scales its loss with one GradScaler over every gradient, which pipeline stages "
-                "split between ranks: use --precision bf16 or bf16-pure")
-    return None
-
-
-def microbatch_problem(batch_size: int, microbatches: int) -> str | None:
-    if batch_size % microbatches:
-        return (f"a batch of {batch_size} sequences does not split into {microbatches} equal microbatches: give a "
-                f"--batch-size that {microbatches} divides, or a --microbatches that divides {batch_size}")
-    return None
 
 
 # ---- the stage's model -------------------------------------------------------------------------------
@@ -406,9 +389,20 @@ class PipelineLM(CausalLM):
         return step
 
 
-def build_pipeline_stage(arch: Architecture, rank: Rank, stages: int, device: torch.device,
-                         policy: PrecisionPolicy) -> PipelineLM:
-    """This rank's stage of ``arch`` in ``policy``'s weight dtype, ready to run."""
+def build_pipelined(spec: RunSpec, arch: Architecture, policy: PrecisionPolicy,
+                    rank: Rank) -> tuple[PipelineLM, Quality | None]:
+    """This rank's stage of ``spec``'s model, ready to run, and for quantized weights their quality
+    against bf16 (on the last stage; None on the others and for float weights)."""
+    problem = pipeline_problem(spec.precision, spec.mode, spec.backend)
+    if spec.mode in TRAINING_MODES:
+        problem = problem or microbatch_problem(spec.batch_size, spec.pipeline_microbatches)
+    if is_local_model(spec.model) and has_weights(spec.model):
+        problem = problem or (f"pipeline stages draw random weights stage by stage; {spec.model} holds a "
+                              f"checkpoint, which they do not load: run it without --strategy pipeline")
+    if problem:
+        raise ValueError(problem)
+    stages = spec.layout.pp
     stage = Stage.of_rank(arch.num_layers, rank.rank % stages, stages)
-    module = build_stage(arch, stage, device, policy.weight_dtype)
-    return PipelineLM(module, stage, rank, cache_dtype=policy.compute_dtype, hidden_dtype=policy.weight_dtype)
+    module = build_stage(arch, stage, rank.device, policy.weight_dtype)
+    lm = PipelineLM(module, stage, rank, cache_dtype=policy.compute_dtype, hidden_dtype=policy.weight_dtype)
+    return lm, None

@@ -69,6 +69,7 @@ from fitbench.run.aggregate import combine
 from fitbench.run.loops import generate, make_step, random_tokens, read_generation
 from fitbench.run.metrics import inference_metrics, step_metrics
 from fitbench.run.parallel import data_seed, parallelize
+from fitbench.run.pipeline import PipelineLM, build_pipelined
 from fitbench.run.quality import Quality
 from fitbench.run.quantize import build_quantized_native, float8_training, quantize_built
 from fitbench.run.ranks import PhaseLog, Rank, gather_json, process_group, rank_result_path
@@ -192,7 +193,8 @@ def measure(assignment: Assignment, device: torch.device, scratch: Path, rank: R
     phases.enter("building its model", collective=False)
     started = time.perf_counter()
     allocated_before = torch.cuda.memory_allocated(device) if device.type == "cuda" else 0
-    built = build(assignment, arch, policy, device, scratch)
+    built = Built(*build_pipelined(spec, arch, policy, rank)) if spec.layout.pp > 1 else \
+        build(assignment, arch, policy, device, scratch)
     lm, offload = built.lm, built.offload
     clock.synchronize()
     if device.type == "cuda":
@@ -221,6 +223,8 @@ def measure(assignment: Assignment, device: torch.device, scratch: Path, rank: R
     while injected("rank-hang", str(rank.rank)):
         time.sleep(60)
     parallel = None
+    if spec.layout.pp > 1:
+        parallel = built.lm.applied(spec.pipeline_microbatches if spec.mode in TRAINING_MODES else None)
     if spec.layout.data_parallel > 1:
         phases.enter(f"applying {spec.layout.strategy}, which broadcasts rank 0's weights", collective=True)
         parallel = parallelize(lm, spec.layout.strategy, policy, spec.mode, rank,
@@ -243,7 +247,7 @@ def measure(assignment: Assignment, device: torch.device, scratch: Path, rank: R
     measure_mode = _measure_generation if spec.mode == "infer" else _measure_steps
     phases.enter("running its steps" + (", each with collectives every rank joins" if parallel else ""),
                  collective=parallel is not None)
-    data = spec.model_copy(update={"seed": data_seed(spec.seed, rank.rank)}) if parallel else spec
+    data = spec.model_copy(update={"seed": data_seed(spec.seed, rank.rank)}) if spec.layout.data_parallel > 1 else spec
     timing, throughput, noisy, compile_s, verdict = measure_mode(data, arch, built, policy, clock, device, peaks,
                                                                  weight_bytes)
     decoding = lm.decoding if spec.mode == "infer" else None
@@ -386,7 +390,10 @@ def _progress(phase: str, i: int, n: int) -> None:
 
 def _measure_steps(spec, arch, built: Built, policy, clock, device, peaks: Peaks, weight_bytes: int):
     tokens = random_tokens(arch.vocab_size, spec.batch_size, spec.seq_len + 1, device, spec.seed)
-    step = make_step(spec.mode, built.lm, policy, tokens, device)
+    if isinstance(built.lm, PipelineLM):
+        step = built.lm.make_step(spec.mode, policy, tokens, spec.pipeline_microbatches)
+    else:
+        step = make_step(spec.mode, built.lm, policy, tokens, device)
     compile_s = None
     if spec.compile:
         emit(phase="compile")
@@ -397,7 +404,9 @@ def _measure_steps(spec, arch, built: Built, policy, clock, device, peaks: Peaks
     timing = {"step": stats.as_dict(), "samples": {"step": samples}}
     throughput = step_metrics(arch, spec.mode, spec.batch_size, spec.seq_len, stats, peaks.flops,
                               peaks.measured_flops, adapter_params=built.adapter_params)
-    if spec.mode == "forward":
+    if returned and returned[0] is None:  # a pipeline stage before the last, where no logits or loss exist
+        verdict = Verdict()
+    elif spec.mode == "forward":
         verdict = Verdict(non_finite_steps("logits", read(returned)))
     else:
         loss = read(returned)
@@ -408,7 +417,10 @@ def _measure_steps(spec, arch, built: Built, policy, clock, device, peaks: Peaks
 def _measure_generation(spec, arch, built: Built, policy, clock, device, peaks: Peaks, weight_bytes: int):
     lm = built.lm
     prompt = random_tokens(arch.vocab_size, spec.batch_size, spec.seq_len, device, spec.seed)
-    run = generate(lm, prompt, spec.new_tokens, policy, clock, device)
+    if isinstance(lm, PipelineLM):
+        run = lm.generator(prompt, spec.new_tokens, policy, clock, device)
+    else:
+        run = generate(lm, prompt, spec.new_tokens, policy, clock, device)
     compile_s = None
     if spec.compile:
         emit(phase="compile")
