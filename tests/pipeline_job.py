@@ -7,8 +7,10 @@ embedding on both ends) is built as one stage per rank from seed ``SEED`` (fp32,
 The job trains it for ``STEPS`` steps of ``BATCH`` x ``SEQ_LEN`` tokens in ``MICROBATCHES``
 microbatches, starts over from the same seed for one forward step, then greedily generates
 ``NEW_TOKENS`` tokens after a prompt of ``PROMPT`` tokens, twice (the second generation reuses the
-cache). OUT_DIR/ranks.json gets every rank's stage and parameter count, the losses, the forward
-step's logits sum and the tokens; OUT_DIR/logits.pt the last stage's logits of every generated token.
+cache), and once more as the worker times it (``PipelineLM.generator``). OUT_DIR/ranks.json gets
+every rank's stage and parameter count, the losses, the forward step's logits sum, the tokens and
+the timed generation's sums and seconds; OUT_DIR/logits.pt the last stage's logits of every
+generated token.
 """
 
 import dataclasses
@@ -24,7 +26,9 @@ from fitbench.models.registry import resolve
 from fitbench.precisions import policy
 from fitbench.run.loops import random_tokens
 from fitbench.run.pipeline import PipelineLM, Stage, build_stage
+from fitbench.run.loops import read_generation
 from fitbench.run.ranks import Rank, gather_json, process_group
+from fitbench.run.timing import DeviceClock
 
 ARCH = dataclasses.replace(resolve("tiny"), num_layers=5)
 SEED, BATCH, SEQ_LEN, STEPS, MICROBATCHES, PRECISION = 0, 4, 16, 3, 2, "fp32"
@@ -72,12 +76,18 @@ def main(argv: list[str]) -> None:
         forward = lm.make_step("forward", precision, tokens, MICROBATCHES)()
         prompt = random_tokens(ARCH.vocab_size, 2, PROMPT, rank.device, SEED + 1)
         generations = [generate(lm, prompt) for _ in range(GENERATIONS)]
+        clock = DeviceClock(rank.device)
+        marks, sums = lm.generator(prompt, NEW_TOKENS, precision, clock, rank.device)()
+        timed = read_generation(marks, clock)
         if lm.stage.last:
             torch.save([torch.stack(logits) for _, logits in generations], out / "logits.pt")
         rows = gather_json(rank, {"rank": rank.rank, "stage": lm.stage.as_dict(), "params": count,
                                   "meta_params": on_meta, "losses": losses,
                                   "forward_sum": forward.item() if forward is not None else None,
-                                  "tokens": [tokens for tokens, _ in generations]})
+                                  "tokens": [tokens for tokens, _ in generations],
+                                  "timed": {"sums": [value.item() for value in sums],
+                                            "time_to_first_token": timed.time_to_first_token,
+                                            "token_latencies": timed.token_latencies}})
         if rank.main:
             (out / "ranks.json").write_text(json.dumps(rows))
 

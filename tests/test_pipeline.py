@@ -153,3 +153,52 @@ def test_pipelined_forward_prefill_and_decode_equal_one_process(pipelined):
     for generation in range(job.GENERATIONS):
         assert ranks[0]["tokens"][generation] == ranks[1]["tokens"][generation] == expected_tokens
         torch.testing.assert_close(logits[generation], expected, rtol=1e-5, atol=1e-5)
+    # as the worker times it: the last stage's sums are of the first and last tokens' logits
+    timed = ranks[1]["timed"]
+    for value, logits_of in zip(timed["sums"], (expected[0], expected[-1])):
+        assert math.isclose(value, logits_of.sum(dtype=torch.float32).item(), rel_tol=1e-5, abs_tol=1e-3)
+    assert len(timed["token_latencies"]) == job.NEW_TOKENS - 1 and timed["time_to_first_token"] > 0
+
+
+@slow
+def test_fitbench_run_with_the_pipeline_strategy_writes_one_row_per_configuration(tmp_path, capsys, monkeypatch):
+    """`fitbench run --gpus 2 --strategy pipeline --mode train`: one ok row for the job of two ranks, with
+    both stages in ``parallel``, the memory of both ranks and the last stage's training losses, those
+    of one process on the same batch (a generation through the worker's timing: ``pipelined``)."""
+    from conftest import cli
+
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.delenv("FITBENCH_INJECT", raising=False)
+    batch, seq_len, steps = 4, 16, 3
+    code, out, err = cli(["run", "--models", "tiny", "--device", "cpu", "--gpus", str(WORLD), "--strategy", "pipeline",
+                          "--mode", "train", "--precision", "fp32", "--batch-size", str(batch), "--seq-len",
+                          str(seq_len), "--microbatches", "4", "--warmup-steps", "1",
+                          "--measure-steps", str(steps - 1), "--out", "r"], capsys)
+    assert code == 0, out + err
+    [train] = [json.loads(line) for line in (tmp_path / "r" / "results.jsonl").read_text().splitlines()]
+    assert train["status"] == "ok" and train["ranks"] == WORLD and "pipeline x 2" in train["label"], train.get("error")
+    assert [stage["layers"] for stage in train["parallel"]["stages"]] == [[0, 2], [2, 4]]
+    assert len(train["memory"]["host_peak_rss_per_rank"]) == WORLD
+    assert (train["parallel"]["schedule"], train["parallel"]["microbatches"]) == ("GPipe", 4)
+    torch.manual_seed(0)
+    lm = load_model(resolve("tiny"), "native", "cpu", torch.float32)
+    tokens = random_tokens(resolve("tiny").vocab_size, batch, seq_len + 1, torch.device("cpu"), 0)
+    step = make_step("train", lm, policy("fp32"), tokens, torch.device("cpu"))
+    expected = [step().item() for _ in range(steps)][1:]  # the first step is the row's warm-up
+    tolerance = 2 * (batch * seq_len - 1) * 2.0 ** -24
+    assert len(train["loss"]) == len(expected)
+    assert all(math.isclose(a, b, rel_tol=tolerance) for a, b in zip(train["loss"], expected)), (train["loss"], expected)
+
+
+def test_microbatches_and_the_pipeline_strategy_are_validated_before_anything_runs(tmp_path, capsys, monkeypatch):
+    from conftest import cli
+
+    monkeypatch.chdir(tmp_path)
+    base = ["run", "--models", "tiny", "--device", "cpu", "--gpus", "2", "--out", "r"]
+    for extra, says in ((["--strategy", "pipeline", "--mode", "train", "--batch-size", "3"], "--microbatches"),
+                        (["--strategy", "pipeline", "--microbatches", "0"], "microbatches"),
+                        (["--strategy", "pipeline", "--mode", "train", "--precision", "fp16"], "bf16"),
+                        (["--models", "gpt2", "--strategy", "pipeline", "--mode", "infer"], "--offload")):
+        code, out, err = cli(base + extra, capsys)
+        assert code == 2 and says in out + err and "Traceback" not in out + err, (extra, out + err)
+        assert not (tmp_path / "r" / "results.jsonl").exists()
