@@ -10,7 +10,9 @@ microbatches, starts over from the same seed for one forward step, then greedily
 cache), and once more as the worker times it (``PipelineLM.generator``). OUT_DIR/ranks.json gets
 every rank's stage and parameter count, the losses, the forward step's logits sum, the tokens and
 the timed generation's sums and seconds; OUT_DIR/logits.pt the last stage's logits of every
-generated token.
+generated token. Then, for each of ``QUANTIZED`` (those that run on a CPU), the stages are built
+quantized (``build_pipelined``, the probe ``probe()``) and generate once: OUT_DIR/quantized.pt
+gets the last stage's logits and quality figures by precision.
 """
 
 import dataclasses
@@ -25,15 +27,29 @@ from torch.distributed.elastic.multiprocessing.errors import record
 from fitbench.models.registry import resolve
 from fitbench.precisions import policy
 from fitbench.run.loops import random_tokens
-from fitbench.run.pipeline import PipelineLM, Stage, build_stage
+from fitbench.run.pipeline import PipelineLM, Stage, build_pipelined, build_stage
 from fitbench.run.loops import read_generation
 from fitbench.run.ranks import Rank, gather_json, process_group
 from fitbench.run.timing import DeviceClock
+from fitbench.spec import Layout, RunSpec
 
 ARCH = dataclasses.replace(resolve("tiny"), num_layers=5)
 SEED, BATCH, SEQ_LEN, STEPS, MICROBATCHES, PRECISION = 0, 4, 16, 3, 2, "fp32"
 PROMPT, NEW_TOKENS, GENERATIONS = 8, 5, 2
-TIMEOUT = timedelta(seconds=30)
+QUANTIZED = ("int8-dynamic", "nf4", "int8")
+TIMEOUT = timedelta(seconds=60)
+
+
+def probe() -> torch.Tensor:
+    return random_tokens(ARCH.vocab_size, 1, 12, torch.device("cpu"), SEED + 2)
+
+
+def quantized_stage(rank: Rank, precision: str):
+    spec = RunSpec(model="tiny", backend="native", mode="infer", precision=precision, batch_size=2, seq_len=PROMPT,
+                   new_tokens=NEW_TOKENS, device="cpu", warmup_steps=0, measure_steps=1,
+                   layout=Layout.of_strategy("pipeline", rank.world_size))
+    torch.manual_seed(SEED)
+    return build_pipelined(spec, ARCH, policy(precision), rank, probe())
 
 
 def stage(rank: Rank):
@@ -81,6 +97,16 @@ def main(argv: list[str]) -> None:
         timed = read_generation(marks, clock)
         if lm.stage.last:
             torch.save([torch.stack(logits) for _, logits in generations], out / "logits.pt")
+        quantized = {}
+        for name in QUANTIZED:
+            lm, quality = quantized_stage(rank, name)
+            _, logits = generate(lm, prompt)
+            if lm.stage.last:
+                quantized[name] = {"logits": torch.stack(logits), "quality": quality.as_dict()}
+            else:
+                assert quality is None
+        if lm.stage.last:
+            torch.save(quantized, out / "quantized.pt")
         rows = gather_json(rank, {"rank": rank.rank, "stage": lm.stage.as_dict(), "params": count,
                                   "meta_params": on_meta, "losses": losses,
                                   "forward_sum": forward.item() if forward is not None else None,

@@ -19,12 +19,13 @@ import pytest
 import torch
 
 import pipeline_job as job
-from fitbench.models.backends import load_model
+from fitbench.models.backends import NativeLM, load_model
 from fitbench.models.native import build_native
 from fitbench.models.registry import resolve
 from fitbench.precisions import pipeline_problem, policy
 from fitbench.run.loops import make_step, random_tokens
 from fitbench.run.pipeline import Stage, build_stage
+from fitbench.run.quantize import build_quantized_native
 from fitbench.spec import microbatch_problem
 from test_parallel import marked
 
@@ -72,9 +73,9 @@ def test_a_batch_must_split_into_the_microbatches_and_other_backends_are_refused
 # ---- one real job -------------------------------------------------------------------------------------
 
 @pytest.fixture(scope="module")
-def pipelined(tmp_path_factory) -> tuple[list[dict], list[torch.Tensor]]:
-    """tests/pipeline_job.py as a torchrun job of WORLD CPU ranks: every rank's row, and the last
-    stage's logits of each generation."""
+def pipelined(tmp_path_factory) -> tuple[list[dict], list[torch.Tensor], Path]:
+    """tests/pipeline_job.py as a torchrun job of WORLD CPU ranks: every rank's row, the last stage's
+    logits of each generation, and the job's directory."""
     tmp_path = tmp_path_factory.mktemp("pipeline")
     mark = uuid.uuid4().hex
     env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(REPO), os.environ.get("PYTHONPATH", "")]), MARK: mark}
@@ -90,7 +91,13 @@ def pipelined(tmp_path_factory) -> tuple[list[dict], list[torch.Tensor]]:
         raise
     assert not marked(mark), "a rank outlived its job"
     assert process.returncode == 0 and (tmp_path / "ranks.json").exists(), output[-3000:]
-    return json.loads((tmp_path / "ranks.json").read_text()), torch.load(tmp_path / "logits.pt")
+    return json.loads((tmp_path / "ranks.json").read_text()), torch.load(tmp_path / "logits.pt"), tmp_path
+
+
+@pytest.fixture(scope="module")
+def pipelined_quantized(pipelined) -> dict:
+    """The job's quantized generations, by precision."""
+    return torch.load(pipelined[2] / "quantized.pt")
 
 
 def single_process():
@@ -105,7 +112,7 @@ TOLERANCE = 2 * (job.BATCH * job.SEQ_LEN - 1) * 2.0 ** -24
 
 @slow
 def test_stages_hold_uneven_layer_runs_and_never_the_whole_model(pipelined):
-    ranks, _ = pipelined
+    ranks, _, _ = pipelined
     assert [row["stage"]["layers"] for row in ranks] == [[0, 3], [3, 5]]  # 5 layers: 3 and 2
     assert [(row["stage"]["embedding"], row["stage"]["output_projection"]) for row in ranks] == \
         [(True, False), (False, True)]
@@ -119,7 +126,7 @@ def test_stages_hold_uneven_layer_runs_and_never_the_whole_model(pipelined):
 
 @slow
 def test_pipelined_training_losses_equal_one_process(pipelined):
-    ranks, _ = pipelined
+    ranks, _, _ = pipelined
     assert ranks[0]["losses"] == []  # the loss exists on the last stage only
     lm = single_process()
     tokens = random_tokens(job.ARCH.vocab_size, job.BATCH, job.SEQ_LEN + 1, torch.device("cpu"), job.SEED)
@@ -133,7 +140,7 @@ def test_pipelined_training_losses_equal_one_process(pipelined):
 
 @slow
 def test_pipelined_forward_prefill_and_decode_equal_one_process(pipelined):
-    ranks, logits = pipelined
+    ranks, logits, _ = pipelined
     lm = single_process()
     tokens = random_tokens(job.ARCH.vocab_size, job.BATCH, job.SEQ_LEN + 1, torch.device("cpu"), job.SEED)
     with torch.inference_mode():
@@ -187,7 +194,8 @@ def test_fitbench_run_with_the_pipeline_strategy_writes_one_row_per_configuratio
     expected = [step().item() for _ in range(steps)][1:]  # the first step is the row's warm-up
     tolerance = 2 * (batch * seq_len - 1) * 2.0 ** -24
     assert len(train["loss"]) == len(expected)
-    assert all(math.isclose(a, b, rel_tol=tolerance) for a, b in zip(train["loss"], expected)), (train["loss"], expected)
+    for loss, step_loss in zip(train["loss"], expected):
+        assert math.isclose(loss, step_loss, rel_tol=tolerance), (train["loss"], expected)
 
 
 def test_microbatches_and_the_pipeline_strategy_are_validated_before_anything_runs(tmp_path, capsys, monkeypatch):
@@ -202,3 +210,29 @@ def test_microbatches_and_the_pipeline_strategy_are_validated_before_anything_ru
         code, out, err = cli(base + extra, capsys)
         assert code == 2 and says in out + err and "Traceback" not in out + err, (extra, out + err)
         assert not (tmp_path / "r" / "results.jsonl").exists()
+
+
+@slow
+@pytest.mark.parametrize("precision", job.QUANTIZED)
+def test_quantized_stages_generate_as_the_single_process_quantized_model(pipelined_quantized, precision):
+    """Each stage's layers built and quantized on its own rank from the same seed: the same quantized
+    model as one process builds, so the same logits, and the quality of the whole model, on the last stage."""
+    torch.manual_seed(job.SEED)
+    module, quality = build_quantized_native(job.ARCH, torch.device("cpu"), precision, job.probe())
+    lm = NativeLM(module, cache_dtype=torch.bfloat16)
+    prompt = random_tokens(job.ARCH.vocab_size, 2, job.PROMPT, torch.device("cpu"), job.SEED + 1)
+    expected = []
+    with torch.inference_mode():
+        out = lm.prefill(prompt, job.PROMPT + job.NEW_TOKENS)
+        for i in range(job.NEW_TOKENS):
+            expected.append(out)
+            if i < job.NEW_TOKENS - 1:
+                out = lm.decode(out.argmax(dim=-1, keepdim=True))
+    got = pipelined_quantized[precision]
+    torch.testing.assert_close(got["logits"], torch.stack(expected), rtol=1e-3, atol=1e-3)
+    expected_quality = quality.as_dict()
+    assert got["quality"]["matmul_error"].pop("worst_matmul") == expected_quality["matmul_error"].pop("worst_matmul")
+    assert got["quality"]["matmul_error"]["count"] == job.ARCH.num_layers * 7  # every layer's, from both stages
+    assert got["quality"]["matmul_error"] == pytest.approx(expected_quality["matmul_error"], rel=1e-4)
+    for name in ("top1_agreement", "kl_divergence", "probe_tokens"):
+        assert got["quality"][name] == pytest.approx(expected_quality[name], rel=1e-4), name

@@ -38,11 +38,12 @@ from torch.utils.checkpoint import checkpoint
 from fitbench.models.architecture import Architecture
 from fitbench.models.backends import CausalLM
 from fitbench.models.hf import has_weights
-from fitbench.models.native import KVCache, NativeCausalLM, RMSNorm, empty_on, materialize, meta_model
+from fitbench.models.native import KVCache, NativeCausalLM, empty_on, materialize, meta_model, replay_random_weights
 from fitbench.models.registry import is_local_model
 from fitbench.precisions import TRAINING_MODES, PrecisionPolicy, pipeline_problem
 from fitbench.run.loops import LEARNING_RATE, chunked_cross_entropy
 from fitbench.run.quality import Quality
+from fitbench.run.quantize import Carried, build_quantized_native
 from fitbench.run.ranks import Rank
 from fitbench.run.timing import DeviceClock
 from fitbench.spec import RunSpec, microbatch_problem, pipeline_stages
@@ -76,30 +77,6 @@ class Stage:
 
 # ---- the stage's model -------------------------------------------------------------------------------
 
-@torch.no_grad()
-def _replay_random_init(model: NativeCausalLM, std: float, draw_order: list[nn.Module]) -> None:
-    """``fitbench.models.native.init_random_weights`` over ``draw_order``, the modules in the order a
-    whole-model build draws them, where only the stage's weights have storage: a weight still on the
-    meta device draws its N(0, std) into a scratch tensor of its shape and dtype on the stage's device
-    and drops it, so that the device's generator has advanced exactly as in the whole-model build
-    when the stage's own weights draw theirs. The scratch is one buffer as large as the largest such
-    weight, reused: the stage's peak during the build is its weights plus that one matrix."""
-    device = model.rope_cos.device
-    skipped = [p.weight for p in draw_order if isinstance(p, (nn.Linear, nn.Embedding)) and p.weight.is_meta]
-    scratch = {dtype: torch.empty(max(w.numel() for w in skipped if w.dtype == dtype), dtype=dtype, device=device)
-               for dtype in {w.dtype for w in skipped}}
-    for part in draw_order:
-        if isinstance(part, (nn.Linear, nn.Embedding)):
-            weight = part.weight
-            target = scratch[weight.dtype][:weight.numel()].view(weight.shape) if weight.is_meta else weight
-            nn.init.normal_(target, mean=0.0, std=std)
-            bias = getattr(part, "bias", None)
-            if bias is not None and not bias.is_meta:
-                nn.init.zeros_(bias)
-        elif isinstance(part, RMSNorm) and not part.weight.is_meta:
-            nn.init.ones_(part.weight)
-
-
 def _prune(model: NativeCausalLM, stage: Stage) -> None:
     """Drop every module of another stage (placeholders keep the layers' indices, so each module keeps
     its name in the whole model: ``model.layers.5`` is layer 5 on any stage) and number the stage's
@@ -129,11 +106,10 @@ def stage_modules(model: NativeCausalLM, stage: Stage) -> list[nn.Module]:
 def build_stage(arch: Architecture, stage: Stage, device: torch.device | str, dtype: torch.dtype) -> NativeCausalLM:
     """The native model with only ``stage``'s modules, on ``device`` in ``dtype``, with the weights that
     ``fitbench.models.native.build_native`` draws for them from the same generator state: materialize
-    the stage's modules, replay the whole model's random initialization (``_replay_random_init``),
-    then drop what belongs to other stages. A tied output projection on the last stage shares the
-    storage of the embedding, as in the whole model; on the first and last stages both hold a copy."""
+    the stage's modules, replay the whole model's random initialization over them
+    (``fitbench.models.native.replay_random_weights``), then drop what belongs to other stages. A
+    tied embedding and output projection on two stages are two copies, drawn alike."""
     model = meta_model(arch, dtype)
-    draw_order = list(model.modules())  # before any untying: the tied weight draws at the embedding and the head
     tied = arch.tie_embeddings
     embedding = model.model.embed_tokens
     if tied and stage.first:
@@ -148,7 +124,7 @@ def build_stage(arch: Architecture, stage: Stage, device: torch.device | str, dt
     if tied and stage.first:
         model.lm_head.weight = embedding.weight
     model.rope_cos, model.rope_sin = empty_on(model.rope_cos, device), empty_on(model.rope_sin, device)
-    _replay_random_init(model, 0.02, draw_order)
+    replay_random_weights([model], device)
     model.reset_rope()
     _prune(model, stage)
     return model
@@ -389,10 +365,12 @@ class PipelineLM(CausalLM):
         return step
 
 
-def build_pipelined(spec: RunSpec, arch: Architecture, policy: PrecisionPolicy,
-                    rank: Rank) -> tuple[PipelineLM, Quality | None]:
-    """This rank's stage of ``spec``'s model, ready to run, and for quantized weights their quality
-    against bf16 (on the last stage; None on the others and for float weights)."""
+def build_pipelined(spec: RunSpec, arch: Architecture, policy: PrecisionPolicy, rank: Rank,
+                    probe: torch.Tensor | None = None) -> tuple[PipelineLM, Quality | None]:
+    """This rank's stage of ``spec``'s model, ready to run. Quantized weights are built, quantized and
+    packed layer by layer on the stage's device (``fitbench.run.quantize.build_quantized_native`` over
+    the stage's layers), the ``probe``'s hidden states passing from stage to stage, and their quality
+    against bf16 comes back on the last stage (None on the others, and for float weights)."""
     problem = pipeline_problem(spec.precision, spec.mode, spec.backend)
     if spec.mode in TRAINING_MODES:
         problem = problem or microbatch_problem(spec.batch_size, spec.pipeline_microbatches)
@@ -403,6 +381,25 @@ def build_pipelined(spec: RunSpec, arch: Architecture, policy: PrecisionPolicy,
         raise ValueError(problem)
     stages = spec.layout.pp
     stage = Stage.of_rank(arch.num_layers, rank.rank % stages, stages)
-    module = build_stage(arch, stage, rank.device, policy.weight_dtype)
-    lm = PipelineLM(module, stage, rank, cache_dtype=policy.compute_dtype, hidden_dtype=policy.weight_dtype)
-    return lm, None
+    if not policy.quantized:
+        module = build_stage(arch, stage, rank.device, policy.weight_dtype)
+        return PipelineLM(module, stage, rank, cache_dtype=policy.compute_dtype, hidden_dtype=policy.weight_dtype), None
+    shape = (probe.shape[0], probe.shape[1], arch.hidden_size)
+
+    def receive() -> Carried:
+        reference, quantized = (torch.empty(shape, dtype=torch.bfloat16, device=rank.device) for _ in range(2))
+        dist.recv(reference, src=rank.rank - 1)
+        dist.recv(quantized, src=rank.rank - 1)
+        errors: list = [None]
+        dist.recv_object_list(errors, src=rank.rank - 1)
+        return reference, quantized, errors[0]
+
+    def send(carried: Carried) -> None:
+        reference, quantized, errors = carried
+        dist.send(reference.to(torch.bfloat16).contiguous(), dst=rank.rank + 1)
+        dist.send(quantized.to(torch.bfloat16).contiguous(), dst=rank.rank + 1)
+        dist.send_object_list([errors], dst=rank.rank + 1)
+
+    module, quality = build_quantized_native(arch, rank.device, spec.precision, probe, stage.layers, receive, send)
+    _prune(module, stage)
+    return PipelineLM(module, stage, rank, cache_dtype=torch.bfloat16, hidden_dtype=torch.bfloat16), quality

@@ -193,8 +193,7 @@ def measure(assignment: Assignment, device: torch.device, scratch: Path, rank: R
     phases.enter("building its model", collective=False)
     started = time.perf_counter()
     allocated_before = torch.cuda.memory_allocated(device) if device.type == "cuda" else 0
-    built = Built(*build_pipelined(spec, arch, policy, rank)) if spec.layout.pp > 1 else \
-        build(assignment, arch, policy, device, scratch)
+    built = build(assignment, arch, policy, device, scratch, rank)
     lm, offload = built.lm, built.offload
     clock.synchronize()
     if device.type == "cuda":
@@ -247,7 +246,8 @@ def measure(assignment: Assignment, device: torch.device, scratch: Path, rank: R
     measure_mode = _measure_generation if spec.mode == "infer" else _measure_steps
     phases.enter("running its steps" + (", each with collectives every rank joins" if parallel else ""),
                  collective=parallel is not None)
-    data = spec.model_copy(update={"seed": data_seed(spec.seed, rank.rank)}) if spec.layout.data_parallel > 1 else spec
+    data_parallel = spec.layout.data_parallel > 1  # pipeline stages all see their pipeline's batch
+    data = spec.model_copy(update={"seed": data_seed(spec.seed, rank.rank)}) if data_parallel else spec
     timing, throughput, noisy, compile_s, verdict = measure_mode(data, arch, built, policy, clock, device, peaks,
                                                                  weight_bytes)
     decoding = lm.decoding if spec.mode == "infer" else None
@@ -310,11 +310,20 @@ def offload_row(offload: Offload, timing: dict, mode: str) -> dict:
     return {**offload.as_dict(), "stream_gbs": offload.offloaded_bytes / step / 1e9 if offload.offloaded_layers else None}
 
 
-def build(assignment: Assignment, arch, policy, device: torch.device, scratch: Path) -> Built:
+def build(assignment: Assignment, arch, policy, device: torch.device, scratch: Path,
+          rank: Rank | None = None) -> Built:
+    """The model of the assignment, or with pipeline stages this ``rank``'s stage of it."""
     spec = assignment.spec
     model_path = spec.model if is_local_model(spec.model) else None
     if spec.layer_offload:
         return build_offload(assignment, arch, policy, device, scratch, model_path)
+    if spec.layout.pp > 1:
+        problem = hardware_problem(spec.precision, device, torch.cuda.get_device_capability(device)
+                                   if device.type == "cuda" else None) if policy.quantized else None
+        if problem:
+            raise RefusedError(problem)
+        probe = random_tokens(arch.vocab_size, 1, min(spec.seq_len, PROBE_TOKENS), device, spec.seed + 1)
+        return Built(*build_pipelined(spec, arch, policy, rank, probe if policy.quantized else None))
     if not policy.quantized:
         return Built(load_model(arch, spec.backend, device, policy.weight_dtype, model_path=model_path,
                                 compute_dtype=policy.compute_dtype, cuda_graphs=spec.cuda_graphs))
