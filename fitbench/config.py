@@ -238,7 +238,10 @@ def expand(config: SweepConfig, *, device: str, default_models: list[str]) -> li
                 if problem:
                     raise UserError(f"offload: {problem}.")
                 for batch in config.batch_size or [default_batch]:
-                    if layout.pp > 1 and mode in TRAINING_MODES and batch != "auto":
+                    if layout.pp > 1 and mode in TRAINING_MODES:
+                        if batch == "auto":
+                            raise UserError("batch-size: auto is not searched for pipeline stages, whose batch must "
+                                            "split into --microbatches; give --batch-size N.")
                         problem = microbatch_problem(batch, config.microbatches or layout.pp)
                         if problem:
                             raise UserError(f"microbatches: {problem} (--microbatches, --batch-size).")

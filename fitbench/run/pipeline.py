@@ -21,7 +21,9 @@ Timing of a generation is the job's, taken on the last stage: every stage leaves
 together and marks its start, and the last stage's marks fall where each token exists, so its
 time to first token spans every stage's prefill and each of its token latencies a whole round
 through the pipeline, the token's trip back to the first stage included. ``fitbench.run.aggregate``
-takes the last stage's figures for the row.
+takes the last stage's figures for the row. The bytes a decode step reads (weights, KV cache), which
+the bandwidth roofline divides by one GPU's bandwidth, are every stage's: the stages read theirs one
+after another.
 """
 
 from __future__ import annotations
@@ -288,6 +290,12 @@ class PipelineLM(CausalLM):
     def kv_bytes_read(self, position: int) -> int:
         """This stage's layers' keys and values up to ``position``: eager decoding reads no more."""
         return 2 * (position + 1) * self.cache.keys[:, :, :, 0].numel() * self.cache.keys.element_size()
+
+    def summed_over_stages(self, *values: float) -> list[float]:
+        """Each of ``values`` summed over the ranks of the job, its pipeline stages (a collective)."""
+        totals = torch.tensor(values, dtype=torch.float64, device=self.device)
+        dist.all_reduce(totals)
+        return totals.tolist()
 
     # -- the workloads
 

@@ -465,6 +465,8 @@ def _measure_generation(spec, arch, built: Built, policy, clock, device, peaks: 
     # the decode steps write positions T .. T + new_tokens - 2, into the last generation's cache
     positions = range(spec.seq_len, spec.seq_len + spec.new_tokens - 1)
     decode_kv = sum(lm.kv_bytes_read(position) for position in positions) / len(positions)
+    if isinstance(lm, PipelineLM):  # a token passes every stage in turn: the job's bytes per token are all of theirs
+        weight_bytes, decode_weights, decode_kv = lm.summed_over_stages(weight_bytes, decode_weights, decode_kv)
     throughput = inference_metrics(arch, spec.batch_size, spec.seq_len, weight_bytes, ttft, token_latency,
                                    decode_weights, decode_kv, peaks.flops, peaks.measured_flops, peaks.bandwidth)
     noisy = [name for name, stats in (("time to first token", ttft), ("token latency", token_latency),
