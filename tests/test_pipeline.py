@@ -186,6 +186,9 @@ def test_fitbench_run_with_the_pipeline_strategy_writes_one_row_per_configuratio
     assert train["status"] == "ok" and train["ranks"] == WORLD and "pipeline x 2" in train["label"], train.get("error")
     assert [stage["layers"] for stage in train["parallel"]["stages"]] == [[0, 2], [2, 4]]
     assert len(train["memory"]["host_peak_rss_per_rank"]) == WORLD
+    stage_bytes = train["weights"]["bytes_per_rank"]
+    assert len(stage_bytes) == WORLD and train["weights"]["bytes"] == sum(stage_bytes)  # the model is its stages
+    assert stage_bytes == [4 * stage["params"] for stage in train["parallel"]["stages"]]  # fp32
     assert (train["parallel"]["schedule"], train["parallel"]["microbatches"]) == ("GPipe", 4)
     torch.manual_seed(0)
     lm = load_model(resolve("tiny"), "native", "cpu", torch.float32)

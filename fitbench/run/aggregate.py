@@ -11,8 +11,8 @@
 - **losses**: rank 0's (each data-parallel rank's loss is that of its own batch);
 - **pipeline stages**: the loss, the quality of quantized weights and a generation's latencies
   exist on the last stage (``fitbench.run.pipeline``): under pipeline parallelism the row starts
-  from the last stage's result instead of rank 0's, and ``parallel.stages`` lists every rank's
-  stage (its layers and parameters).
+  from the last stage's result instead of rank 0's, ``parallel.stages`` lists every rank's stage
+  (its layers and parameters), and the weights' bytes are the stages' sum.
 
 A single process's result passes through unchanged.
 """
@@ -33,6 +33,8 @@ def combine(payloads: list[dict[str, Any]], layout: Layout) -> dict[str, Any]:
     if layout.pp > 1 and "parallel" in row:
         row["parallel"] = {**{key: value for key, value in row["parallel"].items() if key != "stage"},
                            "stages": [p.get("parallel", {}).get("stage") for p in payloads]}
+    if layout.pp > 1 and all(p.get("weights") for p in payloads):
+        row["weights"] = _pipeline_weights(payloads, layout)
     failed = next(((rank, p) for rank, p in enumerate(payloads) if p.get("status") != "ok"), None)
     if failed is not None:
         rank, payload = failed
@@ -45,6 +47,16 @@ def combine(payloads: list[dict[str, Any]], layout: Layout) -> dict[str, Any]:
                          "rank_step_medians": [step["median"] for step in steps]}
         row["throughput"] = _throughput([p["throughput"] for p in payloads], layout)
     return Measurement.model_validate({**row, "ranks": layout.world_size, "layout": layout.model_dump()}).as_dict()
+
+
+def _pipeline_weights(payloads: list[dict[str, Any]], layout: Layout) -> dict[str, Any]:
+    """The model's weights are its stages': the bytes of one pipeline are every stage's (a tied table
+    held by the first and last stages counts twice, as it is stored), each rank's listed."""
+    per_rank = [p["weights"]["bytes"] for p in payloads]
+    pipelines = layout.world_size // layout.pp
+    weights = payloads[-1]["weights"]
+    total = sum(per_rank) / pipelines
+    return {**weights, "bytes": total, "relative_to_bf16": total / weights["bf16_bytes"], "bytes_per_rank": per_rank}
 
 
 def _memory(payloads: list[dict[str, Any]]) -> dict[str, Any]:

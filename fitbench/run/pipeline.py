@@ -53,8 +53,8 @@ from fitbench.spec import RunSpec, microbatch_problem, pipeline_stages
 
 @dataclass(frozen=True)
 class Stage:
-    """Stage ``index`` of ``count``: its decoder layers, and its rank in the job (the ranks of a
-    pipeline are consecutive, stage i on rank i)."""
+    """Stage ``index`` of ``count`` and its decoder layers. The ranks of a pipeline are consecutive:
+    stage i runs on its first rank + i."""
 
     index: int
     count: int
