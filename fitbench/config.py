@@ -218,6 +218,9 @@ def expand(config: SweepConfig, *, device: str, default_models: list[str]) -> li
     device_type = device.split(":")[0]
     modes = config.mode or ["train", "infer"]
     new_tokens = config.new_tokens or (32 if device_type == "cpu" else 128)
+    if config.microbatches is not None and (config.strategy != "pipeline" or config.gpus == 1):
+        raise UserError("microbatches: they split the batch of a pipelined training step; give them with "
+                        "--strategy pipeline and --gpus 2 or more, or leave --microbatches out.")
     specs = []
     for model in config.models or default_models:
         arch = resolve(model)

@@ -182,8 +182,8 @@ class RunSpec(BaseModel):
     @property
     def key(self) -> str:
         """Identity of the configuration: the same key means the same measurement. ``cuda_graphs``,
-        ``offload``, ``layout`` and ``microbatches``, added later, count only when they change what runs, so earlier
-        results keep their keys."""
+        ``offload``, ``layout`` and ``microbatches``, added later, count only when they change what
+        runs, so earlier results keep their keys."""
         fields = self.model_dump()
         if self.mode != "infer":
             fields.pop("new_tokens")

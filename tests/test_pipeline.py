@@ -209,6 +209,7 @@ def test_microbatches_and_the_pipeline_strategy_are_validated_before_anything_ru
     for extra, says in ((["--strategy", "pipeline", "--mode", "train", "--batch-size", "3"], "--microbatches"),
                         (["--strategy", "pipeline", "--microbatches", "0"], "microbatches"),
                         (["--strategy", "pipeline", "--mode", "train", "--batch-size", "auto"], "--batch-size N"),
+                        (["--strategy", "ddp", "--microbatches", "2"], "--strategy pipeline"),
                         (["--strategy", "pipeline", "--mode", "train", "--precision", "fp16"], "bf16"),
                         (["--models", "gpt2", "--strategy", "pipeline", "--mode", "infer"], "--offload")):
         code, out, err = cli(base + extra, capsys)

@@ -190,7 +190,10 @@ def measure(assignment: Assignment, device: torch.device, scratch: Path, rank: R
     inject_misbehaviour(spec)
     raise_injected_out_of_memory(assignment)
     emit(phase="build")
-    phases.enter("building its model", collective=False)
+    if spec.layout.pp > 1:  # the stages make a process group together, and pass a quantized build's probe on
+        phases.enter("building its pipeline stage", collective=True)
+    else:
+        phases.enter("building its model", collective=False)
     started = time.perf_counter()
     allocated_before = torch.cuda.memory_allocated(device) if device.type == "cuda" else 0
     built = build(assignment, arch, policy, device, scratch, rank)
