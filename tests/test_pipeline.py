@@ -23,10 +23,11 @@ from fitbench.models.backends import NativeLM, load_model
 from fitbench.models.native import build_native
 from fitbench.models.registry import resolve
 from fitbench.precisions import pipeline_problem, policy
+from fitbench.run.aggregate import combine
 from fitbench.run.loops import make_step, random_tokens
 from fitbench.run.pipeline import Stage, build_stage
 from fitbench.run.quantize import build_quantized_native
-from fitbench.spec import microbatch_problem
+from fitbench.spec import Layout, microbatch_problem
 from test_parallel import marked
 
 REPO = Path(__file__).resolve().parents[1]
@@ -68,6 +69,26 @@ def test_a_batch_must_split_into_the_microbatches_and_other_backends_are_refused
     assert "hf backend" in problem and "--offload" in problem and "--backend native" in problem
     assert "bf16" in pipeline_problem("fp16", "train")
     assert "adapters" in pipeline_problem("nf4", "train") and pipeline_problem("nf4", "infer") is None
+
+
+def test_a_pipelined_row_takes_the_last_stages_figures_counts_the_tokens_once_and_sums_the_weights():
+    def payload(rank, median, loss):
+        return {"status": "ok", "loss": loss, "timing": {"step": {"median": median}},
+                "throughput": {"tokens_per_step": 64, "tokens_per_s": 64 / median, "flops_per_token": 10.0,
+                               "achieved_tflops": 64 / median * 10 / 1e12, "mfu": None, "mfu_measured_peak": None},
+                "weights": {"bytes": 1000 + rank, "bf16_bytes": 1000, "relative_to_bf16": (1000 + rank) / 1000},
+                "parallel": {"strategy": "pipeline", "stage": {"stage": rank, "layers": [2 * rank, 2 * rank + 2]}},
+                "memory": {"gpus": [], "host_peak_rss": 10 + rank}}
+
+    row = combine([payload(0, 0.5, None), payload(1, 0.4, [2.5, 2.4])], Layout.of_strategy("pipeline", 2))
+    assert row["loss"] == [2.5, 2.4]  # the last stage's
+    assert row["timing"]["step"]["median"] == 0.5 and row["timing"]["slowest_rank"] == 0
+    assert row["throughput"]["tokens_per_step"] == 64  # one pipeline: its tokens once
+    assert row["throughput"]["tokens_per_s_per_gpu"] == pytest.approx(64 / 0.5 / 2)
+    assert [stage["layers"] for stage in row["parallel"]["stages"]] == [[0, 2], [2, 4]] and "stage" not in row["parallel"]
+    assert row["weights"]["bytes"] == 2001 and row["weights"]["bytes_per_rank"] == [1000, 1001]
+    assert row["weights"]["relative_to_bf16"] == pytest.approx(2.001)
+    assert row["memory"]["host_peak_rss_per_rank"] == [10, 11]
 
 
 # ---- one real job -------------------------------------------------------------------------------------
