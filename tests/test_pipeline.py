@@ -85,7 +85,8 @@ def test_a_pipelined_row_takes_the_last_stages_figures_counts_the_tokens_once_an
     assert row["timing"]["step"]["median"] == 0.5 and row["timing"]["slowest_rank"] == 0
     assert row["throughput"]["tokens_per_step"] == 64  # one pipeline: its tokens once
     assert row["throughput"]["tokens_per_s_per_gpu"] == pytest.approx(64 / 0.5 / 2)
-    assert [stage["layers"] for stage in row["parallel"]["stages"]] == [[0, 2], [2, 4]] and "stage" not in row["parallel"]
+    assert [stage["layers"] for stage in row["parallel"]["stages"]] == [[0, 2], [2, 4]]
+    assert "stage" not in row["parallel"]
     assert row["weights"]["bytes"] == 2001 and row["weights"]["bytes_per_rank"] == [1000, 1001]
     assert row["weights"]["relative_to_bf16"] == pytest.approx(2.001)
     assert row["memory"]["host_peak_rss_per_rank"] == [10, 11]
