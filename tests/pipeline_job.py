@@ -1,9 +1,10 @@
 """One rank of a small pipeline-parallel job, for tests/test_pipeline.py; started by torchrun:
 
-    python -m torch.distributed.run --standalone --nproc-per-node 2 tests/pipeline_job.py OUT_DIR
+    python -m torch.distributed.run --standalone --nproc-per-node 3 tests/pipeline_job.py OUT_DIR
 
-``ARCH`` (``tiny`` five layers deep, so that two stages are uneven: 3 and 2 layers, the tied
-embedding on both ends) is built as one stage per rank from seed ``SEED`` (fp32, on the CPU, gloo).
+``ARCH`` (``tiny`` five layers deep, so that the stages are uneven: on three ranks 2, 2 and 1 layers,
+the tied embedding on both ends) is built as one stage per rank from seed ``SEED`` (fp32, on the
+CPU, gloo).
 The job trains it for ``STEPS`` steps of ``BATCH`` x ``SEQ_LEN`` tokens in ``MICROBATCHES``
 microbatches, starts over from the same seed for one forward step, then greedily generates
 ``NEW_TOKENS`` tokens after a prompt of ``PROMPT`` tokens, twice (the second generation reuses the

@@ -1,8 +1,8 @@
 """Pipeline parallelism of the native model (fitbench.run.pipeline).
 
-The fast tests build stages in this process; the slow ones start one real torchrun job of two CPU
+The fast tests build stages in this process; the slow ones start one real torchrun job of three CPU
 ranks over gloo (tests/pipeline_job.py) and compare what its stages computed with one process
-running the whole model of the same seed.
+running the whole model of the same seed, and one `fitbench run` of two ranks.
 """
 
 import dataclasses
@@ -32,6 +32,7 @@ from test_parallel import marked
 
 REPO = Path(__file__).resolve().parents[1]
 WORLD = 2
+STAGES = 3  # the job's: a stage between the first and the last, and the tied table's copies on ranks 0 and 2
 MARK = "FITBENCH_TEST_MARK"
 slow = pytest.mark.slow
 
@@ -96,12 +97,12 @@ def test_a_pipelined_row_takes_the_last_stages_figures_counts_the_tokens_once_an
 
 @pytest.fixture(scope="module")
 def pipelined(tmp_path_factory) -> tuple[list[dict], list[torch.Tensor], Path]:
-    """tests/pipeline_job.py as a torchrun job of WORLD CPU ranks: every rank's row, the last stage's
+    """tests/pipeline_job.py as a torchrun job of STAGES CPU ranks: every rank's row, the last stage's
     logits of each generation, and the job's directory."""
     tmp_path = tmp_path_factory.mktemp("pipeline")
     mark = uuid.uuid4().hex
     env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(REPO), os.environ.get("PYTHONPATH", "")]), MARK: mark}
-    command = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", str(WORLD),
+    command = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", str(STAGES),
                str(Path(job.__file__)), str(tmp_path)]
     process = subprocess.Popen(command, cwd=tmp_path, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
                                text=True, start_new_session=True)
@@ -135,29 +136,29 @@ TOLERANCE = 2 * (job.BATCH * job.SEQ_LEN - 1) * 2.0 ** -24
 @slow
 def test_stages_hold_uneven_layer_runs_and_never_the_whole_model(pipelined):
     ranks, _, _ = pipelined
-    assert [row["stage"]["layers"] for row in ranks] == [[0, 3], [3, 5]]  # 5 layers: 3 and 2
+    assert [row["stage"]["layers"] for row in ranks] == [[0, 2], [2, 4], [4, 5]]  # 5 layers: 2, 2 and 1
     assert [(row["stage"]["embedding"], row["stage"]["output_projection"]) for row in ranks] == \
-        [(True, False), (False, True)]
+        [(True, False), (False, False), (False, True)]
     whole = single_process().module
     layer = sum(p.numel() for p in whole.model.layers[0].parameters())
     table = whole.model.embed_tokens.weight.numel()
     norm = whole.model.norm.weight.numel()
-    assert [row["params"] for row in ranks] == [table + 3 * layer, 2 * layer + norm + table]  # the tied copy
+    assert [row["params"] for row in ranks] == [table + 2 * layer, 2 * layer, layer + norm + table]  # tied: 2 copies
     assert all(row["meta_params"] == 0 for row in ranks)
 
 
 @slow
 def test_pipelined_training_losses_equal_one_process(pipelined):
     ranks, _, _ = pipelined
-    assert ranks[0]["losses"] == []  # the loss exists on the last stage only
+    assert ranks[0]["losses"] == ranks[1]["losses"] == []  # the loss exists on the last stage only
     lm = single_process()
     tokens = random_tokens(job.ARCH.vocab_size, job.BATCH, job.SEQ_LEN + 1, torch.device("cpu"), job.SEED)
     step = make_step("train", lm, policy(job.PRECISION), tokens, torch.device("cpu"))
     reference = [step().item() for _ in range(job.STEPS)]
     assert reference[0] - reference[-1] > 100 * TOLERANCE * reference[0]  # the steps did move the weights
-    assert len(ranks[1]["losses"]) == job.STEPS
-    for loss, expected in zip(ranks[1]["losses"], reference):
-        assert math.isclose(loss, expected, rel_tol=TOLERANCE), (ranks[1]["losses"], reference)
+    assert len(ranks[-1]["losses"]) == job.STEPS
+    for loss, expected in zip(ranks[-1]["losses"], reference):
+        assert math.isclose(loss, expected, rel_tol=TOLERANCE), (ranks[-1]["losses"], reference)
 
 
 @slow
@@ -167,8 +168,8 @@ def test_pipelined_forward_prefill_and_decode_equal_one_process(pipelined):
     tokens = random_tokens(job.ARCH.vocab_size, job.BATCH, job.SEQ_LEN + 1, torch.device("cpu"), job.SEED)
     with torch.inference_mode():
         forward = lm.logits(tokens[:, :-1]).sum(dtype=torch.float32).item()
-        assert ranks[0]["forward_sum"] is None
-        assert math.isclose(ranks[1]["forward_sum"], forward, rel_tol=1e-5, abs_tol=1e-3)
+        assert ranks[0]["forward_sum"] is ranks[1]["forward_sum"] is None
+        assert math.isclose(ranks[-1]["forward_sum"], forward, rel_tol=1e-5, abs_tol=1e-3)
         prompt = random_tokens(job.ARCH.vocab_size, 2, job.PROMPT, torch.device("cpu"), job.SEED + 1)
         expected_tokens, expected_logits = [], []
         out = lm.prefill(prompt, job.PROMPT + job.NEW_TOKENS)
@@ -180,10 +181,11 @@ def test_pipelined_forward_prefill_and_decode_equal_one_process(pipelined):
                 out = lm.decode(token)
     expected = torch.stack(expected_logits)  # (NEW_TOKENS, B, V)
     for generation in range(job.GENERATIONS):
-        assert ranks[0]["tokens"][generation] == ranks[1]["tokens"][generation] == expected_tokens
+        assert ranks[0]["tokens"][generation] == ranks[-1]["tokens"][generation] == expected_tokens
+        assert ranks[1]["tokens"][generation] == []  # a stage between needs no token
         torch.testing.assert_close(logits[generation], expected, rtol=1e-5, atol=1e-5)
     # as the worker times it: the last stage's sums are of the first and last tokens' logits
-    timed = ranks[1]["timed"]
+    timed = ranks[-1]["timed"]
     for value, logits_of in zip(timed["sums"], (expected[0], expected[-1])):
         assert math.isclose(value, logits_of.sum(dtype=torch.float32).item(), rel_tol=1e-5, abs_tol=1e-3)
     assert len(timed["token_latencies"]) == job.NEW_TOKENS - 1 and timed["time_to_first_token"] > 0
