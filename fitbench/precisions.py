@@ -218,8 +218,8 @@ def pipeline_problem(precision: str, mode: str, backend: str = "native") -> str 
     when they can."""
     if backend != "native":
         return (f"pipeline stages are cut from fitbench's native decoder and the {backend} backend's models are "
-                f"not: use --backend native (Llama-style models), or for another family run infer on one GPU "
-                f"with --offload, which keeps the layers that do not fit in host memory")
+                f"not: use --backend native (Llama-style models), or run another family on one GPU, in int8 or nf4 "
+                f"where bf16 does not fit")
     if mode not in TRAINING_MODES:
         return None
     if precision == "fp16":
