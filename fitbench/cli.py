@@ -107,10 +107,14 @@ def _add_run_options(parser: argparse.ArgumentParser) -> None:
     add("--gpus", type=int, default=S, metavar="N",
         help="run each configuration as one torchrun job of N ranks, one GPU each (on --device cpu, N CPU "
              "processes talking over gloo); default 1")
-    add("--strategy", choices=("auto", "ddp", "fsdp", "tp"), default=S,
+    add("--strategy", choices=("auto", "ddp", "fsdp", "tp", "pipeline"), default=S,
         help="with --gpus N: ddp (a replica per GPU, gradients averaged), fsdp (weights, gradients and optimizer "
              "state sharded, FSDP2), tp (tensor parallelism: each layer's heads and MLP split over the GPUs, "
-             "every mode, infer included) or auto (default: what fits and composes, DDP first)")
+             "every mode, infer included), pipeline (consecutive decoder layers per GPU, train and infer; native "
+             "backend) or auto (default: what fits and composes, DDP first)")
+    add("--microbatches", type=int, default=S, metavar="N",
+        help="with --strategy pipeline: microbatches of a training step, which must divide the batch (default: "
+             "one per GPU)")
     add("--timeout", type=float, default=S, metavar="SECONDS",
         help="a configuration's whole life: its batch probes (--batch-size auto), fallback attempts and run "
              "together; past it the worker and all it started are killed and the row says timeout (default 3600)")

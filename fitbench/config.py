@@ -17,8 +17,9 @@ from fitbench.errors import UserError, excerpt
 from fitbench.models.architecture import backend_error, default_backend
 from fitbench.models.registry import resolve
 from fitbench.precisions import (DATA_PARALLEL_STRATEGIES, PRECISIONS, TRAINING_MODES, data_parallel_problem,
-                                 offload_problem, tensor_parallel_problem, training_problem, trains_every_weight)
-from fitbench.spec import Layout, Mode, Precision, RunSpec
+                                 offload_problem, pipeline_problem, tensor_parallel_problem, training_problem,
+                                 trains_every_weight)
+from fitbench.spec import Layout, Mode, Precision, RunSpec, microbatch_problem
 
 BackendChoice = Literal["auto", "native", "hf"]
 
@@ -92,9 +93,12 @@ class SweepConfig(BaseModel):
     seed: int = Field(0, description=f"a whole number from 0 to {SEED_MAX:,} (2^64 - 1)")
     gpus: int = Field(1, description=f"ranks of each configuration's job, 1 to {RANKS_MAX}: GPUs, or CPU processes "
                                      f"with device cpu")
-    strategy: Literal["auto", "ddp", "fsdp", "tp"] = Field(
-        "auto", description="auto, ddp, fsdp or tp: how a job of several ranks shares the model (auto: the planner's "
-                            "choice among what fits, by predicted throughput; tp: tensor parallelism, every mode)")
+    strategy: Literal["auto", "ddp", "fsdp", "tp", "pipeline"] = Field(
+        "auto", description="auto, ddp, fsdp, tp or pipeline: how a job of several ranks shares the model (auto: the "
+                            "planner's choice among what fits, by predicted throughput; tp: tensor parallelism, every "
+                            "mode)")
+    microbatches: int | None = Field(None, description=f"microbatches of a pipelined training step, 1 to {COUNT_MAX:,} "
+                                                       f"(default: one per pipeline stage)")
 
     @field_validator("models", "mode", "precision", "batch_size", "seq_len", "fallback", mode="before")
     @classmethod
@@ -120,6 +124,11 @@ class SweepConfig(BaseModel):
     @classmethod
     def _gpus(cls, value: Any) -> Any:
         return _whole_number(value, 1, RANKS_MAX)
+
+    @field_validator("microbatches", mode="before")
+    @classmethod
+    def _microbatches(cls, value: Any) -> Any:
+        return value if value is None else _whole_number(value, 1, COUNT_MAX)
 
     @field_validator("seed", mode="before")
     @classmethod
@@ -211,6 +220,9 @@ def expand(config: SweepConfig, *, device: str, default_models: list[str]) -> li
     device_type = device.split(":")[0]
     modes = config.mode or ["train", "infer"]
     new_tokens = config.new_tokens or (32 if device_type == "cpu" else 128)
+    if config.microbatches is not None and (config.strategy != "pipeline" or config.gpus == 1):
+        raise UserError("microbatches: they split the batch of a pipelined training step; give them with "
+                        "--strategy pipeline and --gpus 2 or more, or leave --microbatches out.")
     specs = []
     for model in config.models or default_models:
         arch = resolve(model)
@@ -231,6 +243,13 @@ def expand(config: SweepConfig, *, device: str, default_models: list[str]) -> li
                 if problem:
                     raise UserError(f"offload: {problem}.")
                 for batch in config.batch_size or [default_batch]:
+                    if layout.pp > 1 and mode in TRAINING_MODES:
+                        if batch == "auto":
+                            raise UserError("batch-size: auto is not searched for pipeline stages, whose batch must "
+                                            "split into --microbatches; give --batch-size N.")
+                        problem = microbatch_problem(batch, config.microbatches or layout.pp)
+                        if problem:
+                            raise UserError(f"microbatches: {problem} (--microbatches, --batch-size).")
                     for seq_len in config.seq_len or [default_seq]:
                         check_context(arch, mode, seq_len, new_tokens)
                         specs.append(RunSpec(
@@ -241,7 +260,7 @@ def expand(config: SweepConfig, *, device: str, default_models: list[str]) -> li
                             activation_checkpointing=bool(config.activation_checkpointing)
                             and mode in TRAINING_MODES, offload=config.offload, device=device,
                             warmup_steps=config.warmup_steps, measure_steps=config.measure_steps, seed=config.seed,
-                            layout=layout,
+                            layout=layout, microbatches=config.microbatches if layout.pp > 1 else None,
                         ))
     return specs
 
@@ -261,6 +280,8 @@ def _layout(config: SweepConfig, mode: str, precision: str, backend: str, heads:
         if problem:
             raise UserError(f"strategy: {mode} {precision} under --strategy tp: {problem}.")
         return Layout.of_strategy("tp", config.gpus)
+    if config.strategy == "pipeline" and config.gpus > 1:
+        return _pipeline_layout(config, mode, precision, backend)
     if config.gpus == 1 or mode == "infer":
         return Layout()  # generation has no gradients to average or shard: it runs on one GPU
     if config.offload and config.strategy == "ddp":
@@ -273,6 +294,14 @@ def _layout(config: SweepConfig, mode: str, precision: str, backend: str, heads:
             return Layout.of_strategy(strategy, config.gpus)
         problems.append(f"{strategy}: {problem}")
     raise UserError(f"strategy: {mode} {precision} on {config.gpus} ranks cannot run ({'; '.join(problems)}).")
+
+
+def _pipeline_layout(config: SweepConfig, mode: str, precision: str, backend: str) -> Layout:
+    """``config.gpus`` pipeline stages, when the configuration composes with them."""
+    problem = pipeline_problem(precision, mode, backend)
+    if problem:
+        raise UserError(f"strategy: {mode} {precision} as {config.gpus} pipeline stages cannot run: {problem}.")
+    return Layout.of_strategy("pipeline", config.gpus)
 
 
 # ---- loading and merging ------------------------------------------------------------------

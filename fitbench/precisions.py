@@ -235,6 +235,24 @@ DDP_OFFLOAD = ("--offload and --strategy ddp do not combine: DDP keeps a whole r
 _TORCHAO_INFERENCE = ("int8-dynamic", "int4", "fp8", "fp8-block")
 
 
+def pipeline_problem(precision: str, mode: str, backend: str = "native") -> str | None:
+    """Why pipeline stages cannot run this configuration, in one sentence with the way out; None
+    when they can."""
+    if backend != "native":
+        return (f"pipeline stages are cut from fitbench's native decoder and the {backend} backend's models are "
+                f"not: use --backend native (Llama-style models), or run another family on one GPU, in int8 or nf4 "
+                f"where bf16 does not fit")
+    if mode not in TRAINING_MODES:
+        return None
+    if precision == "fp16":
+        return ("fp16 training scales its loss with one GradScaler over every gradient, which pipeline stages "
+                "split between ranks: use --precision bf16 or bf16-pure")
+    if not trains_every_weight(precision) or precision == "fp8":
+        return (f"pipeline stages train every weight in a floating-point precision, not {precision}'s adapters or "
+                f"float8 linears: train with bf16 or bf16-pure, or run {precision} in infer or forward")
+    return None
+
+
 def data_parallel_problem(strategy: str, precision: str, mode: str, backend: str = "native",
                           offload: bool = False) -> str | None:
     """Why ``strategy`` (``ddp`` or ``fsdp``) cannot run ``precision`` in ``mode`` with ``backend`` (and

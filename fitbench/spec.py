@@ -125,6 +125,14 @@ def pipeline_stages(n_layers: int, stages: int) -> tuple[range, ...]:
     return tuple(range(start, start + count) for start, count in zip(starts, counts))
 
 
+def microbatch_problem(batch_size: int, microbatches: int) -> str | None:
+    """Why a pipelined training step cannot cut ``batch_size`` sequences into ``microbatches``; None when it can."""
+    if batch_size % microbatches:
+        return (f"a batch of {batch_size} sequences does not split into {microbatches} equal microbatches: give a "
+                f"--batch-size that {microbatches} divides, or a --microbatches that divides {batch_size}")
+    return None
+
+
 class RunSpec(BaseModel):
     """One configuration, run in one fresh process."""
 
@@ -151,6 +159,8 @@ class RunSpec(BaseModel):
     offload: bool = False
     # How the configuration spreads over ranks: one process on one device unless said otherwise.
     layout: Layout = Layout()
+    # Microbatches of a pipelined training step; None: one per pipeline stage.
+    microbatches: int | None = Field(None, gt=0)
 
     @model_validator(mode="after")
     def _offload_applies(self) -> RunSpec:
@@ -173,8 +183,8 @@ class RunSpec(BaseModel):
     @property
     def key(self) -> str:
         """Identity of the configuration: the same key means the same measurement. ``cuda_graphs``,
-        ``offload`` and ``layout``, added later, count only when they change what runs, so earlier
-        results keep their keys."""
+        ``offload``, ``layout`` and ``microbatches``, added later, count only when they change what
+        runs, so earlier results keep their keys."""
         fields = self.model_dump()
         if self.mode != "infer":
             fields.pop("new_tokens")
@@ -184,8 +194,15 @@ class RunSpec(BaseModel):
             fields.pop("offload")
         if self.layout.world_size == 1:
             fields.pop("layout")
+        if self.microbatches is None:
+            fields.pop("microbatches")
         digest = hashlib.sha1(json.dumps(fields, sort_keys=True).encode()).hexdigest()
         return digest[:12]
+
+    @property
+    def pipeline_microbatches(self) -> int:
+        """Microbatches of a pipelined training step: as given, else one per stage."""
+        return self.microbatches or self.layout.pp
 
     @property
     def graphs_off(self) -> bool:

@@ -323,6 +323,30 @@ def init_random_weights(module: nn.Module, std: float = 0.02) -> None:
             nn.init.ones_(part.weight)
 
 
+@torch.no_grad()
+def replay_random_weights(modules: list[nn.Module], device: torch.device | str, std: float = 0.02) -> None:
+    """``init_random_weights`` over ``modules`` in order, of which only some have storage: a weight still
+    on the meta device draws its N(0, std) into scratch of its shape and dtype on ``device`` and drops it,
+    so that the device's generator advances as when every weight is drawn and the weights with storage
+    get what a build of the whole model gives them. The scratch is one buffer as large as the largest
+    skipped weight, reused. Part of a model is built so (a pipeline stage) from the same seed as the
+    whole model, with no broadcast from a rank that holds it all."""
+    parts = [part for module in modules for part in module.modules()]
+    skipped = [part.weight for part in parts if isinstance(part, (nn.Linear, nn.Embedding)) and part.weight.is_meta]
+    scratch = {dtype: torch.empty(max(w.numel() for w in skipped if w.dtype == dtype), dtype=dtype, device=device)
+               for dtype in {w.dtype for w in skipped}}
+    for part in parts:
+        if isinstance(part, (nn.Linear, nn.Embedding)):
+            weight = part.weight
+            nn.init.normal_(scratch[weight.dtype][:weight.numel()].view(weight.shape) if weight.is_meta else weight,
+                            mean=0.0, std=std)
+            bias = getattr(part, "bias", None)
+            if bias is not None and not bias.is_meta:
+                nn.init.zeros_(bias)
+        elif isinstance(part, RMSNorm) and not part.weight.is_meta:
+            nn.init.ones_(part.weight)
+
+
 def meta_model(arch: Architecture, dtype: torch.dtype) -> NativeCausalLM:
     """The model on the meta device with weights in ``dtype`` and fp32 rotary tables: shapes, no storage."""
     with torch.device("meta"):

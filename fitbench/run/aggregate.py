@@ -10,7 +10,11 @@
 - **generation** (every rank takes part in each prefill and decode step): the latencies and rates are
   the job's, timed on rank 0; the prefill's MFU divides its FLOP/s by the peak of every GPU of the job;
 - **memory**: listed per GPU, each with its rank; the host's peak RSS is the largest rank's;
-- **losses**: rank 0's (each data-parallel rank's loss is that of its own batch).
+- **losses**: rank 0's (each data-parallel rank's loss is that of its own batch);
+- **pipeline stages**: the loss, the quality of quantized weights and a generation's latencies
+  exist on the last stage (``fitbench.run.pipeline``): under pipeline parallelism the row starts
+  from the last stage's result instead of rank 0's, ``parallel.stages`` lists every rank's stage
+  (its layers and parameters), and the weights' bytes are the stages' sum.
 
 A single process's result passes through unchanged.
 """
@@ -27,7 +31,12 @@ def combine(payloads: list[dict[str, Any]], layout: Layout) -> dict[str, Any]:
     """The job's result (``fitbench.results.row.Measurement``) from ``payloads``, every rank's in rank order."""
     if len(payloads) == 1:
         return payloads[0]
-    row = dict(payloads[0])
+    row = dict(payloads[-1] if layout.pp > 1 else payloads[0])
+    if layout.pp > 1 and "parallel" in row:
+        row["parallel"] = {**{key: value for key, value in row["parallel"].items() if key != "stage"},
+                           "stages": [p.get("parallel", {}).get("stage") for p in payloads]}
+    if layout.pp > 1 and all(p.get("weights") for p in payloads):
+        row["weights"] = _pipeline_weights(payloads, layout)
     failed = next(((rank, p) for rank, p in enumerate(payloads) if p.get("status") != "ok"), None)
     if failed is not None:
         rank, payload = failed
@@ -44,6 +53,16 @@ def combine(payloads: list[dict[str, Any]], layout: Layout) -> dict[str, Any]:
                                                      for key in ("prefill_mfu", "prefill_mfu_measured_peak")
                                                      if row["throughput"].get(key) is not None}}
     return Measurement.model_validate({**row, "ranks": layout.world_size, "layout": layout.model_dump()}).as_dict()
+
+
+def _pipeline_weights(payloads: list[dict[str, Any]], layout: Layout) -> dict[str, Any]:
+    """The model's weights are its stages': the bytes of one pipeline are every stage's (a tied table
+    held by the first and last stages counts twice, as it is stored), each rank's listed."""
+    per_rank = [p["weights"]["bytes"] for p in payloads]
+    pipelines = layout.world_size // layout.pp
+    weights = payloads[-1]["weights"]
+    total = sum(per_rank) / pipelines
+    return {**weights, "bytes": total, "relative_to_bf16": total / weights["bf16_bytes"], "bytes_per_rank": per_rank}
 
 
 def _memory(payloads: list[dict[str, Any]]) -> dict[str, Any]:

@@ -30,12 +30,16 @@ import torch
 from torch import nn
 
 from fitbench.models.architecture import Architecture
-from fitbench.models.native import NativeCausalLM, empty_on, init_random_weights, materialize, meta_model
+from fitbench.models.native import (NativeCausalLM, empty_on, init_random_weights, materialize, meta_model,
+                                   replay_random_weights)
 from fitbench.run.packing import Packer, packed_bytes
 from fitbench.run.quality import (REFERENCE_TEXT_NAME, NoTokenizer, Perplexity, Quality, kl_divergence, matmul_errors,
                                   perplexity, recorded_matmuls, summarise, tokenize_reference_text, top1_agreement)
 
 BITSANDBYTES = ("int8", "nf4", "fp4")
+# What one pipeline stage's quantized build hands the next: the probe's bf16 and quantized hidden
+# states (1, T, C) and the matmul errors so far.
+Carried = tuple[torch.Tensor, torch.Tensor, dict[str, float]]
 TORCHAO = ("int8-dynamic", "int4", "fp8", "fp8-block")
 
 
@@ -157,45 +161,69 @@ def quantizable_linears(module: nn.Module, prefix: str = "") -> dict[str, nn.Mod
 
 
 @torch.no_grad()
-def build_quantized_native(arch: Architecture, device: torch.device, precision: str,
-                           probe: torch.Tensor) -> tuple[NativeCausalLM, Quality]:
+def build_quantized_native(arch: Architecture, device: torch.device, precision: str, probe: torch.Tensor,
+                           layers: range | None = None, receive: Callable[[], Carried] | None = None,
+                           send: Callable[[Carried], None] | None = None) -> tuple[NativeCausalLM, Quality | None]:
     """Materialize, quantize and pack one layer at a time, carrying a bf16 and a quantized copy of the
     probe's hidden states through the layers; return the model and its quality against bf16. The first
     layer, once quantized, sizes one block for every layer's weights (``fitbench.run.packing``); from
     the second on, each matmul moves into it as soon as it is quantized. On a GPU the block lives in a
     private memory pool, kept as the model's ``packer``: one block, because the pool maps whole pages
-    of 20 MiB for each of its allocations (on an H200, a block per layer of 52 MB took 63 MB)."""
+    of 20 MiB for each of its allocations (on an H200, a block per layer of 52 MB took 63 MB).
+
+    ``layers``: a pipeline stage's (``fitbench.run.pipeline``), the only decoder layers given storage;
+    the first stage also materializes the embedding and the last the final norm and the output
+    projection (a tied one: its own copy of the table), every other module staying on the meta
+    device, and every weight drawn as in the whole model's build (``replay_random_weights``). The
+    probe's two hidden states and the matmul errors so far come from the stage before (``receive``)
+    and go to the next (``send``); the quality exists on the last stage, None on the others."""
+    layers = range(arch.num_layers) if layers is None else layers
+    first, last = layers.start == 0, layers.stop == arch.num_layers
     model = meta_model(arch, torch.bfloat16)
     packer = Packer(device)
     # a tied output projection is never allocated on its own: freed once tied, its table would be a
     # hole the size of the vocabulary at the bottom of the allocator's segment for the whole run
     tied = arch.tie_embeddings
-    for part in (model.model.embed_tokens, model.model.norm, *(() if tied else (model.lm_head,))):
-        materialize(part, device)
-        init_random_weights(part)
-    if tied:
-        model.lm_head.weight = model.model.embed_tokens.weight
+    embedding, norm, head = model.model.embed_tokens, model.model.norm, model.lm_head
+    ends = (embedding, norm, *(() if tied else (head,)))
+    for part, owned in ((embedding, first or (tied and last)), (norm, last), (head, last and not tied)):
+        if owned:
+            materialize(part, device)
+    replay_random_weights(list(ends), device)
+    if tied and last:
+        model.lm_head.weight = embedding.weight
     model.rope_cos, model.rope_sin = empty_on(model.rope_cos, device), empty_on(model.rope_sin, device)
     model.reset_rope()
 
     T = probe.shape[1]
     cos, sin = model.rope_cos[:T], model.rope_sin[:T]
-    reference = quantized = model.model.embed_tokens(probe)
     errors: dict[str, float] = {}
-    for i, layer in enumerate(model.model.layers):
+    if first:
+        reference = quantized = embedding(probe)
+    else:
+        reference, quantized, errors = receive()
+    # the layers of earlier stages draw their weights into scratch; those of later stages draw nothing here
+    for i in range(layers.stop):
+        layer = model.model.layers[i]
+        if i not in layers:
+            replay_random_weights([layer], device)
+            continue
         materialize(layer, device)
         init_random_weights(layer)
         prefix = f"model.layers.{i}."
         with recorded_matmuls(quantizable_linears(layer, prefix)) as record:
             reference = layer(reference, cos, sin, None, 0)
-        quantize_linears(layer, precision, device, each=packer.pack if i else None)
+        quantize_linears(layer, precision, device, each=packer.pack if i != layers.start else None)
         errors |= matmul_errors(record, {f"{prefix}{name}": m for name, m in layer.named_modules()}, device)
         del record
         quantized = layer(quantized, cos, sin, None, 0)
-        if i == 0:  # the first layer, quantized, tells what each takes: one block for all of them
-            packer.reserve(packed_bytes(layer, device) * arch.num_layers)
+        if i == layers.start:  # the first layer, quantized, tells what each takes: one block for all of them
+            packer.reserve(packed_bytes(layer, device) * len(layers))
         packer.pack(layer)  # the first layer whole; then each layer's norms and what its forward added
     model.packer = packer
+    if not last:
+        send((reference, quantized, errors))
+        return model, None
     reference_logits = model.lm_head(model.model.norm(reference))
     quantized_logits = model.lm_head(model.model.norm(quantized))
     return model, Quality(summarise(errors), top1_agreement(quantized_logits, reference_logits),

@@ -41,6 +41,7 @@ from fitbench.run.aggregate import combine
 from fitbench.run.loops import generate, make_step, random_tokens, read_generation
 from fitbench.run.metrics import inference_metrics, step_metrics
 from fitbench.run.parallel import data_seed, parallelize
+from fitbench.run.pipeline import PipelineLM, build_pipelined
 from fitbench.run.quality import Quality
 from fitbench.run.quantize import build_quantized_native, float8_training, quantize_built
 from fitbench.inject import injected, injected_memory_limit, injected_value
@@ -148,10 +149,13 @@ def measure(assignment: Assignment, device: torch.device, scratch: Path, rank: R
     inject_misbehaviour(spec)
     raise_injected_out_of_memory(assignment)
     emit(phase="build")
-    phases.enter("building its model", collective=False)
+    if spec.layout.pp > 1:  # the stages make a process group together, and pass a quantized build's probe on
+        phases.enter("building its pipeline stage", collective=True)
+    else:
+        phases.enter("building its model", collective=False)
     started = time.perf_counter()
     allocated_before = torch.cuda.memory_allocated(device) if device.type == "cuda" else 0
-    built = build(assignment, arch, policy, device, scratch)
+    built = build(assignment, arch, policy, device, scratch, rank)
     lm, offload = built.lm, built.offload
     clock.synchronize()
     if device.type == "cuda":
@@ -180,6 +184,8 @@ def measure(assignment: Assignment, device: torch.device, scratch: Path, rank: R
     while injected("rank-hang", str(rank.rank)):
         time.sleep(60)
     parallel = None
+    if spec.layout.pp > 1:
+        parallel = built.lm.applied(spec.pipeline_microbatches if spec.mode in TRAINING_MODES else None)
     if spec.layout.tp > 1:
         phases.enter(f"applying {spec.layout.strategy}, which broadcasts rank 0's weights", collective=True)
         parallel = parallelize_layout(lm, spec.layout, policy, spec.mode, spec.seq_len, rank,
@@ -273,11 +279,20 @@ def offload_row(offload: Offload, timing: dict, mode: str) -> dict:
     return {**offload.as_dict(), "stream_gbs": offload.offloaded_bytes / step / 1e9 if offload.offloaded_layers else None}
 
 
-def build(assignment: Assignment, arch, policy, device: torch.device, scratch: Path) -> Built:
+def build(assignment: Assignment, arch, policy, device: torch.device, scratch: Path,
+          rank: Rank | None = None) -> Built:
+    """The model of the assignment, or with pipeline stages this ``rank``'s stage of it."""
     spec = assignment.spec
     model_path = spec.model if is_local_model(spec.model) else None
     if spec.layer_offload:
         return build_offload(assignment, arch, policy, device, scratch, model_path)
+    if spec.layout.pp > 1:
+        problem = hardware_problem(spec.precision, device, torch.cuda.get_device_capability(device)
+                                   if device.type == "cuda" else None) if policy.quantized else None
+        if problem:
+            raise RefusedError(problem)
+        probe = random_tokens(arch.vocab_size, 1, min(spec.seq_len, PROBE_TOKENS), device, spec.seed + 1)
+        return Built(*build_pipelined(spec, arch, policy, rank, probe if policy.quantized else None))
     if not policy.quantized:
         return Built(load_model(arch, spec.backend, device, policy.weight_dtype, model_path=model_path,
                                 compute_dtype=policy.compute_dtype, cuda_graphs=spec.cuda_graphs))
@@ -353,7 +368,10 @@ def _progress(phase: str, i: int, n: int) -> None:
 
 def _measure_steps(spec, arch, built: Built, policy, clock, device, peaks: Peaks, weight_bytes: int):
     tokens = random_tokens(arch.vocab_size, spec.batch_size, spec.seq_len + 1, device, spec.seed)
-    step = make_step(spec.mode, built.lm, policy, tokens, device)
+    if isinstance(built.lm, PipelineLM):
+        step = built.lm.make_step(spec.mode, policy, tokens, spec.pipeline_microbatches)
+    else:
+        step = make_step(spec.mode, built.lm, policy, tokens, device)
     compile_s = None
     if spec.compile:
         emit(phase="compile")
@@ -364,7 +382,9 @@ def _measure_steps(spec, arch, built: Built, policy, clock, device, peaks: Peaks
     timing = {"step": stats.as_dict(), "samples": {"step": samples}}
     throughput = step_metrics(arch, spec.mode, spec.batch_size, spec.seq_len, stats, peaks.flops,
                               peaks.measured_flops, adapter_params=built.adapter_params)
-    if spec.mode == "forward":
+    if returned and returned[0] is None:  # a pipeline stage before the last, where no logits or loss exist
+        verdict = Verdict()
+    elif spec.mode == "forward":
         verdict = Verdict(non_finite_steps("logits", read(returned)))
     else:
         loss = read(returned)
@@ -375,7 +395,10 @@ def _measure_steps(spec, arch, built: Built, policy, clock, device, peaks: Peaks
 def _measure_generation(spec, arch, built: Built, policy, clock, device, peaks: Peaks, weight_bytes: int):
     lm = built.lm
     prompt = random_tokens(arch.vocab_size, spec.batch_size, spec.seq_len, device, spec.seed)
-    run = generate(lm, prompt, spec.new_tokens, policy, clock, device)
+    if isinstance(lm, PipelineLM):
+        run = lm.generator(prompt, spec.new_tokens, policy, clock, device)
+    else:
+        run = generate(lm, prompt, spec.new_tokens, policy, clock, device)
     compile_s = None
     if spec.compile:
         emit(phase="compile")
@@ -411,6 +434,8 @@ def _measure_generation(spec, arch, built: Built, policy, clock, device, peaks: 
     # the decode steps write positions T .. T + new_tokens - 2, into the last generation's cache
     positions = range(spec.seq_len, spec.seq_len + spec.new_tokens - 1)
     decode_kv = sum(lm.kv_bytes_read(position) for position in positions) / len(positions)
+    if isinstance(lm, PipelineLM):  # a token passes every stage in turn: the job's bytes per token are all of theirs
+        weight_bytes, decode_weights, decode_kv = lm.summed_over_stages(weight_bytes, decode_weights, decode_kv)
     throughput = inference_metrics(arch, spec.batch_size, spec.seq_len, weight_bytes, ttft, token_latency,
                                    decode_weights, decode_kv, peaks.flops, peaks.measured_flops, peaks.bandwidth)
     noisy = [name for name, stats in (("time to first token", ttft), ("token latency", token_latency),

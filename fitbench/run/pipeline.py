@@ -1,0 +1,413 @@
+"""Pipeline parallelism of the native model: each rank holds one stage, a run of consecutive decoder
+layers (``fitbench.spec.pipeline_stages``, the split the planner predicts), the first stage also the
+embedding and the last the final norm and output projection.
+
+A stage is built from the meta device: only its own modules get storage, on its own device, so no
+rank ever holds the whole model. Its weights are those the single-process build of the same seed
+draws (``build_stage``), so that a pipelined run and a single-process run measure the same model.
+
+- Training (``train``, ``forward-backward``) runs through ``torch.distributed.pipelining``: a
+  ``PipelineStage`` per rank and ``ScheduleGPipe`` over ``microbatches`` microbatches; the last stage
+  forms each microbatch's loss with the chunked cross-entropy of ``fitbench.run.loops``, and the
+  schedule divides the gradients by the microbatch count, so the step's gradients are those of the
+  mean loss over the whole batch. A tied output projection is a second copy of the embedding on
+  the last stage; the two copies' gradients are summed between the first and last stages before
+  the optimizer steps, as Megatron-LM does, so the copies stay equal.
+- ``forward`` and generation pass hidden states from stage to stage with point-to-point sends.
+  In generation each stage keeps the KV cache of its own layers only; the last stage chooses each
+  token (greedy) and sends it back to the first, which embeds it for the next decode step.
+
+Timing of a generation is the job's, taken on the last stage: every stage leaves a barrier
+together and marks its start, and the last stage's marks fall where each token exists, so its
+time to first token spans every stage's prefill and each of its token latencies a whole round
+through the pipeline, the token's trip back to the first stage included. ``fitbench.run.aggregate``
+takes the last stage's figures for the row. The bytes a decode step reads (weights, KV cache), which
+the bandwidth roofline divides by one GPU's bandwidth, are every stage's: the stages read theirs one
+after another.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass
+from typing import Any, Callable
+
+import torch
+import torch.distributed as dist
+from torch import nn
+from torch.utils.checkpoint import checkpoint
+
+from fitbench.models.architecture import Architecture
+from fitbench.models.backends import CausalLM
+from fitbench.models.hf import has_weights
+from fitbench.models.native import KVCache, NativeCausalLM, empty_on, materialize, meta_model, replay_random_weights
+from fitbench.models.registry import is_local_model
+from fitbench.precisions import TRAINING_MODES, PrecisionPolicy, pipeline_problem
+from fitbench.run.loops import LEARNING_RATE, chunked_cross_entropy
+from fitbench.run.quality import Quality
+from fitbench.run.quantize import Carried, build_quantized_native
+from fitbench.run.ranks import Rank
+from fitbench.run.timing import DeviceClock
+from fitbench.spec import RunSpec, microbatch_problem, pipeline_stages
+
+
+@dataclass(frozen=True)
+class Stage:
+    """Stage ``index`` of ``count`` and its decoder layers. The ranks of a pipeline are consecutive:
+    stage i runs on its first rank + i."""
+
+    index: int
+    count: int
+    layers: range
+
+    @property
+    def first(self) -> bool:
+        return self.index == 0
+
+    @property
+    def last(self) -> bool:
+        return self.index == self.count - 1
+
+    @classmethod
+    def of_rank(cls, n_layers: int, rank: int, count: int) -> Stage:
+        return cls(rank, count, pipeline_stages(n_layers, count)[rank])
+
+    def as_dict(self) -> dict[str, Any]:
+        return {"stage": self.index, "layers": [self.layers.start, self.layers.stop],
+                "embedding": self.first, "output_projection": self.last}
+
+
+# ---- the stage's model -------------------------------------------------------------------------------
+
+def _prune(model: NativeCausalLM, stage: Stage) -> None:
+    """Drop every module of another stage (placeholders keep the layers' indices, so each module keeps
+    its name in the whole model: ``model.layers.5`` is layer 5 on any stage) and number the stage's
+    layers from 0 in its own KV cache."""
+    for i in range(len(model.model.layers)):
+        if i not in stage.layers:
+            model.model.layers[i] = nn.Identity()
+    if not stage.first:
+        model.model.embed_tokens = nn.Identity()
+    if not stage.last:
+        model.model.norm = nn.Identity()
+        model.lm_head = nn.Identity()
+    for local, i in enumerate(stage.layers):
+        model.model.layers[i].self_attn.layer = local
+
+
+def stage_modules(model: NativeCausalLM, stage: Stage) -> list[nn.Module]:
+    """The modules of ``stage`` in the whole model ``model``."""
+    parts = [model.model.layers[i] for i in stage.layers]
+    if stage.first:
+        parts.insert(0, model.model.embed_tokens)
+    if stage.last:
+        parts += [model.model.norm, model.lm_head]
+    return parts
+
+
+def build_stage(arch: Architecture, stage: Stage, device: torch.device | str, dtype: torch.dtype) -> NativeCausalLM:
+    """The native model with only ``stage``'s modules, on ``device`` in ``dtype``, with the weights that
+    ``fitbench.models.native.build_native`` draws for them from the same generator state: materialize
+    the stage's modules, replay the whole model's random initialization over them
+    (``fitbench.models.native.replay_random_weights``), then drop what belongs to other stages. A
+    tied embedding and output projection on two stages are two copies, drawn alike."""
+    model = meta_model(arch, dtype)
+    tied = arch.tie_embeddings
+    embedding = model.model.embed_tokens
+    if tied and stage.first:
+        # materialize gives the embedding new storage and leaves the head holding the meta weight: untie
+        # for the allocation (one, as in build_native), tie again after
+        model.lm_head.weight = nn.Parameter(torch.empty(0, device="meta", dtype=dtype))
+    elif tied and stage.last:
+        # the head's copy is this stage's; the embedding's stays on the meta device, drawing into scratch
+        embedding.weight = nn.Parameter(torch.empty(embedding.weight.shape, device="meta", dtype=dtype))
+    for part in stage_modules(model, stage):
+        materialize(part, device)
+    if tied and stage.first:
+        model.lm_head.weight = embedding.weight
+    model.rope_cos, model.rope_sin = empty_on(model.rope_cos, device), empty_on(model.rope_sin, device)
+    replay_random_weights([model], device)
+    model.reset_rope()
+    _prune(model, stage)
+    return model
+
+
+def stage_forward(model: NativeCausalLM, stage: Stage, x: torch.Tensor, cache: KVCache | None = None,
+                  start: int = 0, last_only: bool = False) -> torch.Tensor:
+    """The stage's part of ``NativeCausalLM.forward``: token ids (B, T) on the first stage, hidden
+    states (B, T, C) on the others, in; hidden states (B, T, C), or on the last stage logits (B, T, V)
+    ((B, 1, V) with ``last_only``), out."""
+    T = x.shape[1]
+    cos, sin = model.rope_cos[start:start + T], model.rope_sin[start:start + T]
+    if stage.first:
+        x = model.model.embed_tokens(x)  # (B, T, C)
+    recompute = model.activation_checkpointing and torch.is_grad_enabled()
+    for i in stage.layers:
+        layer = model.model.layers[i]
+        x = checkpoint(layer, x, cos, sin, cache, start, use_reentrant=False) if recompute else \
+            layer(x, cos, sin, cache, start)
+    if not stage.last:
+        return x
+    x = model.model.norm(x)
+    return model.lm_head(x[:, -1:, :] if last_only else x)
+
+
+class _TrainingStage(nn.Module):
+    """The stage as ``PipelineStage`` calls it: one input, one output."""
+
+    def __init__(self, model: NativeCausalLM, stage: Stage):
+        super().__init__()
+        self.model = model
+        self.stage = stage
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return stage_forward(self.model, self.stage, x)
+
+
+# ---- the stage as a CausalLM ---------------------------------------------------------------------------
+
+class PipelineLM(CausalLM):
+    """One rank's stage of a pipelined native model, with what the worker's loops call: a training
+    step (``make_step``) and a generation (``generator``), both of which every stage of the job runs
+    at once. ``hidden_dtype``: the dtype of the hidden states between stages (the weights' dtype,
+    which the residual stream keeps under autocast too)."""
+
+    def __init__(self, module: NativeCausalLM, stage: Stage, rank: Rank, cache_dtype: torch.dtype,
+                 hidden_dtype: torch.dtype):
+        self.module = module
+        self.stage = stage
+        self.rank = rank
+        self.cache_dtype = cache_dtype
+        self.hidden_dtype = hidden_dtype
+        self.cache: KVCache | None = None
+        self.position = 0
+        # the first and last stages' copies of a tied embedding sum their gradients in a group of their
+        # own; every rank takes part in making a group, whichever ranks it holds
+        self.tied_group = None
+        if module.config.tie_embeddings and stage.count > 1 and dist.is_initialized():
+            first, last = rank.rank - stage.index, rank.rank - stage.index + stage.count - 1
+            self.tied_group = dist.new_group([first, last])
+
+    @property
+    def device(self) -> torch.device:
+        return self.module.rope_cos.device
+
+    @property
+    def previous(self) -> int:
+        return self.rank.rank - 1
+
+    @property
+    def next(self) -> int:
+        return self.rank.rank + 1
+
+    @property
+    def first_rank(self) -> int:
+        return self.rank.rank - self.stage.index
+
+    @property
+    def last_rank(self) -> int:
+        return self.first_rank + self.stage.count - 1
+
+    def parameter_count(self) -> int:
+        return sum(p.numel() for p in {id(p): p for p in self.module.parameters()}.values())
+
+    def applied(self, microbatches: int | None) -> dict[str, Any]:
+        """What the row's ``parallel`` records of this rank's stage."""
+        return {"strategy": "pipeline", "world_size": self.rank.world_size, "stages": self.stage.count,
+                "schedule": "GPipe" if microbatches else None, "microbatches": microbatches,
+                "stage": {**self.stage.as_dict(), "rank": self.rank.rank, "params": self.parameter_count()},
+                "initial_weights": "drawn per stage as the single-process build of the same seed draws them"}
+
+    def logits(self, tokens: torch.Tensor) -> torch.Tensor:
+        raise NotImplementedError("a pipeline stage holds part of the model: its logits exist on the last stage "
+                                  "of a pipelined forward (forward_pass)")
+
+    def enable_activation_checkpointing(self) -> None:
+        self.module.activation_checkpointing = True
+
+    def compile(self) -> None:
+        for i in self.stage.layers:
+            self.module.model.layers[i].compile()
+
+    # -- point to point
+
+    def _receive_hidden(self, batch: int, length: int) -> torch.Tensor:
+        hidden = torch.empty(batch, length, self.module.config.dim, dtype=self.hidden_dtype, device=self.device)
+        dist.recv(hidden, src=self.previous)
+        return hidden
+
+    def _pass_on(self, x: torch.Tensor, start: int, last_only: bool) -> torch.Tensor:
+        """Run the stage on ``x`` (token ids on the first stage, else ignored and received) and send the
+        result on; the last stage's logits (B, T, V) or the hidden states sent."""
+        if not self.stage.first:
+            x = self._receive_hidden(x.shape[0], x.shape[1])
+        out = stage_forward(self.module, self.stage, x, self.cache, start, last_only)
+        if not self.stage.last:
+            out = out.to(self.hidden_dtype).contiguous()
+            dist.send(out, dst=self.next)
+        return out
+
+    def forward_pass(self, tokens: torch.Tensor) -> torch.Tensor:
+        """The whole model's forward through the stages (no cache): the last stage's logits (B, T, V),
+        the hidden states a stage sent on the others."""
+        self.cache = None
+        return self._pass_on(tokens, 0, last_only=False)
+
+    def exchange_token(self, out: torch.Tensor, batch: int) -> torch.Tensor | None:
+        """The greedy token (B, 1), chosen on the last stage and sent to the first; None on the
+        stages between, which need none."""
+        if self.stage.last:
+            token = out[:, -1].argmax(dim=-1, keepdim=True)
+            dist.send(token, dst=self.first_rank)
+            return token
+        if self.stage.first:
+            token = torch.empty(batch, 1, dtype=torch.long, device=self.device)
+            dist.recv(token, src=self.last_rank)
+            return token
+        return None
+
+    def prefill(self, tokens: torch.Tensor, max_len: int) -> torch.Tensor:
+        B, T = tokens.shape
+        if self.cache is None or (self.cache.batch, self.cache.max_len) != (B, max_len):
+            self.cache = None
+            config = dataclasses.replace(self.module.config, n_layers=len(self.stage.layers))
+            self.cache = KVCache(config, B, max_len, self.cache_dtype, self.device)
+        self.position = T
+        return self._pass_on(tokens, 0, last_only=True)
+
+    def decode(self, tokens: torch.Tensor) -> torch.Tensor:
+        if self.position >= self.cache.max_len:
+            raise IndexError(f"the KV cache holds {self.cache.max_len} positions; decoding position {self.position}")
+        out = self._pass_on(tokens, self.position, last_only=False)
+        self.position += 1
+        return out
+
+    @property
+    def decoding(self) -> dict[str, Any]:
+        return {"cuda_graphs": False,
+                "reason": "pipeline stages decode eagerly, one point-to-point send per stage and token"}
+
+    def kv_bytes_read(self, position: int) -> int:
+        """This stage's layers' keys and values up to ``position``: eager decoding reads no more."""
+        return 2 * (position + 1) * self.cache.keys[:, :, :, 0].numel() * self.cache.keys.element_size()
+
+    def summed_over_stages(self, *values: float) -> list[float]:
+        """Each of ``values`` summed over the ranks of the job, its pipeline stages (a collective)."""
+        totals = torch.tensor(values, dtype=torch.float64, device=self.device)
+        dist.all_reduce(totals)
+        return totals.tolist()
+
+    # -- the workloads
+
+    def generator(self, prompt: torch.Tensor, new_tokens: int, policy: PrecisionPolicy, clock: DeviceClock,
+                  device: torch.device) -> Callable[[], tuple[list, list]]:
+        """``fitbench.run.loops.generate`` through the stages: the same marks and sums, taken on every
+        stage; the last stage's are the job's (module docstring). The sums are of the logits on the
+        last stage and of the hidden states sent on the others."""
+        B = prompt.shape[0]
+        max_len = prompt.shape[1] + new_tokens
+
+        def run() -> tuple[list, list]:
+            with torch.inference_mode(), policy.autocast(device.type):
+                dist.barrier()
+                clock.synchronize()
+                marks = [clock.mark()]
+                first = out = self.prefill(prompt, max_len)
+                token = self.exchange_token(out, B)
+                marks.append(clock.mark())
+                for _ in range(new_tokens - 1):
+                    out = self.decode(token if token is not None else prompt[:, :1])
+                    token = self.exchange_token(out, B)
+                    marks.append(clock.mark())
+                sums = [first.sum(dtype=torch.float32), out.sum(dtype=torch.float32)]
+            return marks, sums
+
+        return run
+
+    def make_step(self, mode: str, policy: PrecisionPolicy, tokens: torch.Tensor,
+                  microbatches: int) -> Callable[[], torch.Tensor | None]:
+        """A step of ``mode`` over ``tokens`` (B, T + 1), every stage calling it at once; it returns the
+        loss (the mean of the microbatches' losses) on the last stage, the fp32 sum of the logits for
+        ``forward`` there, and None on the other stages."""
+        inputs, targets = tokens[:, :-1], tokens[:, 1:]
+        if mode == "forward":
+            def forward() -> torch.Tensor | None:
+                with torch.inference_mode(), policy.autocast(self.device.type):
+                    out = self.forward_pass(inputs)
+                    return out.sum(dtype=torch.float32) if self.stage.last else None
+            return forward
+
+        from torch.distributed.pipelining import PipelineStage, ScheduleGPipe
+
+        problem = microbatch_problem(tokens.shape[0], microbatches)
+        if problem:
+            raise ValueError(problem)
+        stage = PipelineStage(_TrainingStage(self.module, self.stage), self.stage.index, self.stage.count,
+                              self.device)
+
+        def loss_fn(logits: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
+            return chunked_cross_entropy(logits.flatten(0, 1), target.flatten())  # (b T, V)
+
+        schedule = ScheduleGPipe(stage, microbatches, loss_fn=loss_fn, scale_grads=True)
+        parameters = [p for p in self.module.parameters() if p.requires_grad]
+        optimizer = torch.optim.AdamW(parameters, lr=LEARNING_RATE, fused=True) if mode == "train" else None
+        tied = self.tied_group is not None and (self.stage.first or self.stage.last)
+        shared = (self.module.model.embed_tokens if self.stage.first else self.module.lm_head).weight if tied else None
+
+        def step() -> torch.Tensor | None:
+            self.module.zero_grad(set_to_none=True)
+            losses: list[torch.Tensor] = []
+            with policy.autocast(self.device.type):
+                if self.stage.first:
+                    schedule.step(inputs, return_outputs=False)
+                elif self.stage.last:
+                    schedule.step(target=targets, losses=losses, return_outputs=False)
+                else:
+                    schedule.step(return_outputs=False)
+            if shared is not None:
+                dist.all_reduce(shared.grad, group=self.tied_group)
+            if optimizer is not None:
+                optimizer.step()
+            return torch.stack(losses).mean().detach() if self.stage.last else None
+
+        return step
+
+
+def build_pipelined(spec: RunSpec, arch: Architecture, policy: PrecisionPolicy, rank: Rank,
+                    probe: torch.Tensor | None = None) -> tuple[PipelineLM, Quality | None]:
+    """This rank's stage of ``spec``'s model, ready to run. Quantized weights are built, quantized and
+    packed layer by layer on the stage's device (``fitbench.run.quantize.build_quantized_native`` over
+    the stage's layers), the ``probe``'s hidden states passing from stage to stage, and their quality
+    against bf16 comes back on the last stage (None on the others, and for float weights)."""
+    problem = pipeline_problem(spec.precision, spec.mode, spec.backend)
+    if spec.mode in TRAINING_MODES:
+        problem = problem or microbatch_problem(spec.batch_size, spec.pipeline_microbatches)
+    if is_local_model(spec.model) and has_weights(spec.model):
+        problem = problem or (f"pipeline stages draw random weights stage by stage; {spec.model} holds a "
+                              f"checkpoint, which they do not load: run it without --strategy pipeline")
+    if problem:
+        raise ValueError(problem)
+    stages = spec.layout.pp
+    stage = Stage.of_rank(arch.num_layers, rank.rank % stages, stages)
+    if not policy.quantized:
+        module = build_stage(arch, stage, rank.device, policy.weight_dtype)
+        return PipelineLM(module, stage, rank, cache_dtype=policy.compute_dtype, hidden_dtype=policy.weight_dtype), None
+    shape = (probe.shape[0], probe.shape[1], arch.hidden_size)
+
+    def receive() -> Carried:
+        reference, quantized = (torch.empty(shape, dtype=torch.bfloat16, device=rank.device) for _ in range(2))
+        dist.recv(reference, src=rank.rank - 1)
+        dist.recv(quantized, src=rank.rank - 1)
+        errors: list = [None]
+        dist.recv_object_list(errors, src=rank.rank - 1)
+        return reference, quantized, errors[0]
+
+    def send(carried: Carried) -> None:
+        reference, quantized, errors = carried
+        dist.send(reference.to(torch.bfloat16).contiguous(), dst=rank.rank + 1)
+        dist.send(quantized.to(torch.bfloat16).contiguous(), dst=rank.rank + 1)
+        dist.send_object_list([errors], dst=rank.rank + 1)
+
+    module, quality = build_quantized_native(arch, rank.device, spec.precision, probe, stage.layers, receive, send)
+    _prune(module, stage)
+    return PipelineLM(module, stage, rank, cache_dtype=torch.bfloat16, hidden_dtype=torch.bfloat16), quality
