@@ -25,7 +25,7 @@ from fitbench.sweep import run_target
 from fitbench.spec import Layout, RunSpec
 from fitbench.errors import UserError
 from fitbench.launch.calibrate import measure_bus_bandwidth, with_bus_bandwidth
-from fitbench.models.backends import default_backend
+from fitbench.models.architecture import default_backend
 from fitbench.models.presets import PRESETS
 from fitbench.models.registry import resolve
 from fitbench.plan.calibration import (DEFAULT, TENSORS_ONLY, Calibration, calibration_path, ensure_calibration,

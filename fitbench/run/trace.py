@@ -28,7 +28,8 @@ from torch.utils._pytree import tree_flatten
 from torch.utils.weak import WeakIdKeyDictionary
 
 from fitbench.models.architecture import Architecture
-from fitbench.models.backends import CausalLM, HuggingFaceLM, NativeLM, backend_error
+from fitbench.models.architecture import backend_error
+from fitbench.models.backends import CausalLM, HuggingFaceLM, NativeLM
 from fitbench.models.hf import hf_config
 from fitbench.models.native import meta_model
 from fitbench.run.allocator import Allocator

@@ -287,7 +287,7 @@ def build(assignment: Assignment, arch, policy, device: torch.device, scratch: P
     if spec.layer_offload:
         return build_offload(assignment, arch, policy, device, scratch, model_path)
     if spec.layout.pp > 1:
-        problem = hardware_problem(spec.precision, device, torch.cuda.get_device_capability(device)
+        problem = hardware_problem(spec.precision, device.type, torch.cuda.get_device_capability(device)
                                    if device.type == "cuda" else None) if policy.quantized else None
         if problem:
             raise RefusedError(problem)
