@@ -90,7 +90,8 @@ def predicted_max_batch(spec, device: str) -> int:
         def peak(batch: int) -> float:
             return estimate_memory(arch, spec.mode, spec.precision, batch, spec.seq_len, new_tokens=spec.new_tokens,
                                    activation_checkpointing=spec.activation_checkpointing,
-                                   parallelism=Parallelism(layout=spec.layout, offload=spec.fsdp_offload),
+                                   parallelism=Parallelism(layout=spec.layout, offload=spec.fsdp_offload,
+                                                               microbatches=spec.microbatches),
                                    resident_layers=resident, backend=spec.backend,
                                    compiled=spec.compile).peak_bytes
     else:
@@ -156,7 +157,7 @@ def ram_refusals(specs: list) -> dict[str, str]:
                                  new_tokens=spec.new_tokens, budget=memory.available, calibration=None,
                                  backend=spec.backend).resident_layers if spec.layer_offload else None
         ranks = spec.layout.world_size
-        parallelism = Parallelism(layout=spec.layout)
+        parallelism = Parallelism(layout=spec.layout, microbatches=spec.microbatches)
         peak = ranks * estimate_memory(arch, spec.mode, spec.precision, spec.batch_size, spec.seq_len,
                                        new_tokens=spec.new_tokens, activation_checkpointing=spec.activation_checkpointing,
                                        resident_layers=resident, backend=spec.backend, compiled=spec.compile,

@@ -1597,8 +1597,14 @@ def test_the_planner_chooses_the_layout_of_a_run_left_open():
     planned, _ = predict_spec(resolve("7B"), spec, target, DEFAULT, choose_precision=False, choose_recompute=False,
                               runnable=PRECISIONS, choose_strategy=True)
     assert planned.layout.strategy in ("ddp", "fsdp")
-    # Falcon, on transformers' model, is split by stages; quantized weights too
-    for model, precision in (("falcon-40b", "bf16-pure"), ("llama-2-70b", "int8")):
+    # quantized weights are split by stages; Falcon, on transformers' model, would be too, but the run
+    # does not launch the hf backend over stages yet, so a run left open is never given them
+    falcon = run_spec("falcon-40b", "infer", "bf16-pure", 1, 512, layout=Layout(tp=2)).model_copy(
+        update={"backend": "hf"})
+    planned, _ = predict_spec(resolve("falcon-40b"), falcon, target, DEFAULT, choose_precision=False,
+                              choose_recompute=False, runnable=PRECISIONS, choose_strategy=True)
+    assert planned.layout.pp == 1
+    for model, precision in (("llama-2-70b", "int8"),):
         spec = run_spec(model, "infer", precision, 1, 512, layout=Layout(tp=2)).model_copy(
             update={"backend": default_backend(resolve(model))})
         planned, prediction = predict_spec(resolve(model), spec, target, DEFAULT, choose_precision=False,

@@ -34,7 +34,7 @@ def assign(spec: RunSpec, target: GpuTarget | None, calibration: Calibration | N
                               backend=spec.backend)
         resident, layer_memory = split.resident_layers, split.layer_memory
     layout = spec.layout
-    parallelism = Parallelism(layout=layout, offload=spec.fsdp_offload)
+    parallelism = Parallelism(layout=layout, offload=spec.fsdp_offload, microbatches=spec.microbatches)
     peak = estimate_memory(arch, spec.mode, spec.precision, spec.batch_size, spec.seq_len, new_tokens=spec.new_tokens,
                            activation_checkpointing=spec.activation_checkpointing, resident_layers=resident,
                            backend=spec.backend, compiled=spec.compile, parallelism=parallelism).peak_bytes

@@ -28,8 +28,8 @@ from fitbench.plan.calibration import DEFAULT, PAGE, TENSORS_ONLY, Calibration
 from fitbench.plan.memory import (QUANTIZED, TRAINING_MODES, MemoryEstimate, Parallelism, Term, Widths, estimate_memory,
                                   offloaded_weights, saved_per_layer, stage_estimates)
 from fitbench.plan.speed import StepTime, bus_bandwidth, estimate_step_time
-from fitbench.precisions import (data_parallel_problem, graph_problem, offload_problem,
-                                 training_problem, trains_every_weight)
+from fitbench.precisions import (data_parallel_problem, graph_problem, offload_problem, pipeline_problem,
+                                 tensor_parallel_problem, training_problem, trains_every_weight)
 from fitbench.search import largest
 from fitbench.spec import Layout
 from fitbench.units import format_bytes
@@ -490,11 +490,15 @@ def minimum_gpus(arch: Architecture, mode: str, precision: str, gpu_memory: floa
 def launch_problem(arch: Architecture, layout: Layout, precision: str, mode: str, backend: str,
                    offload: bool = False) -> str | None:
     """Why the run cannot launch ``precision`` in ``mode`` on ``backend`` under ``layout``, in one
-    sentence; None when it can. Data parallelism as ``fitbench.precisions.data_parallel_problem``
-    says; tensor parallelism splits the native decoder's modules (``parallelize_module``) into
-    plain DTensors, so the hf backend's models and the quantized libraries' tensor subclasses are
-    split by pipeline stages instead (fp8 training keeps plain bf16 weights, which split); offload
-    keeps one GPU's or FSDP's layers in host memory, beside neither."""
+    sentence; None when it can. Each parallelism as the run's own rules say
+    (``fitbench.precisions``: ``data_parallel_problem``, ``tensor_parallel_problem``,
+    ``pipeline_problem``); FSDP is the data parallelism beside tensor parallelism (one 2-D mesh), and
+    pipeline stages take no data parallelism. Tensor parallelism inside pipeline stages is planned
+    (``--requirements``) but not launched yet: ``launchable`` keeps it from the runs the planner
+    chooses. The hf backend's inference is planned over pipeline stages as
+    accelerate's sequential device map splits it, which the run does not launch yet (it refuses,
+    naming the native backend); offload keeps one GPU's or FSDP's layers in host memory, beside
+    neither."""
     for degree, strategy in ((layout.dp_replicate, "ddp"), (layout.dp_shard, "fsdp")):
         if degree > 1:
             problem = data_parallel_problem(strategy, precision, mode, backend, offload)
@@ -503,13 +507,27 @@ def launch_problem(arch: Architecture, layout: Layout, precision: str, mode: str
     if layout.tp > 1:
         if arch.num_heads % layout.tp:
             return f"tensor parallel {layout.tp} does not divide {arch.num_heads} heads"
-        if backend != "native":
-            return "tensor parallelism splits the native decoder's modules: use --backend native or pipeline stages"
-        if precision in QUANTIZED and not (precision == "fp8" and mode in TRAINING_MODES):
-            return f"{precision} weights are not split by tensor parallelism: pipeline stages split them"
+        problem = tensor_parallel_problem(precision, mode, backend)
+        if problem:
+            return problem
+        if layout.dp_replicate > 1:
+            return "DDP beside tensor parallelism is not built: FSDP shards the data-parallel dimension"
+    if layout.pp > 1:
+        problem = None if backend != "native" and mode not in TRAINING_MODES else pipeline_problem(precision, mode,
+                                                                                                   backend)
+        if problem:
+            return problem
+        if layout.data_parallel > 1:
+            return "pipeline stages run beside no data parallelism"
     if offload and (layout.tp > 1 or layout.pp > 1):
         return "--offload keeps layers of one GPU or FSDP's shards in host memory, not beside TP or pipeline stages"
     return None
+
+
+def launchable(layout: Layout, backend: str) -> bool:
+    """Whether ``fitbench run`` launches ``layout`` today, beyond what ``launch_problem`` plans: tensor
+    parallelism inside pipeline stages, and the hf backend over pipeline stages, are not built yet."""
+    return not (layout.tp > 1 and layout.pp > 1) and not (layout.pp > 1 and backend != "native")
 
 
 def planner_choices(mode: str, choose_precision: bool, choose_recompute: bool, choose_strategy: bool = False) -> list[str]:
@@ -549,7 +567,8 @@ def predict_spec(arch: Architecture, spec, target: GpuTarget, calibration: Calib
         if ranks == 1 or not choose_strategy:
             return [spec.layout]
         return [layout for layout in layouts_for(arch, spec.mode, ranks, target.node_gpus)
-                if launch_problem(arch, layout, precision, spec.mode, spec.backend, spec.offload) is None] \
+                if launchable(layout, spec.backend)
+                and launch_problem(arch, layout, precision, spec.mode, spec.backend, spec.offload) is None] \
             or [spec.layout]
 
     groups = [[assess(arch, spec.mode, Candidate.of_layout(precision, layout, ac, spec.batch_size,
