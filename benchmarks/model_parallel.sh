@@ -1,0 +1,28 @@
+#!/usr/bin/env bash
+# Tensor and pipeline parallelism on one node of GPUS GPUs (2 by default), with the one-GPU baselines:
+# 1. Llama-2-70B bf16 inference, TP and PP, batch 1 and 8: per-GPU predicted vs measured peak, decode
+#    tokens/s and % of the bandwidth roofline;
+# 2. the 120B preset (Mistral-Large-2's shape) in fp8 and fp8-block over the GPUs' pipeline stages, each
+#    stage quantized on its own GPU, and on one GPU;
+# 3. 13B bf16 decode at batch 1, one GPU against TP;
+# 4. training of 13B with TP and with PP (the planner's batch left to the flags below).
+# Usage: benchmarks/model_parallel.sh OUT_DIR [GPUS]   (then: python benchmarks/memory_error.py OUT_DIR)
+set -euo pipefail
+out=${1:?usage: benchmarks/model_parallel.sh OUT_DIR [GPUS]}
+gpus=${2:-2}
+fitbench=${FITBENCH:-fitbench}
+steps=(--warmup-steps 2 --measure-steps 5 --timeout 900)
+
+# each run its own directory (a directory holds one sweep)
+n=0
+run() { n=$((n + 1)); $fitbench run "$@" "${steps[@]}" --out "$out/$n" || true; }
+
+infer=(--mode infer --seq-len 512 --new-tokens 32)
+run --models llama-2-70b --precision bf16-pure --batch-size 1 8 "${infer[@]}" --gpus "$gpus" --strategy tp
+run --models llama-2-70b --precision bf16-pure --batch-size 1 8 "${infer[@]}" --gpus "$gpus" --strategy pipeline
+run --models 120B --precision fp8 fp8-block --batch-size 1 "${infer[@]}" --gpus "$gpus" --strategy pipeline
+run --models 120B --precision fp8 fp8-block --batch-size 1 "${infer[@]}"
+run --models 13B --precision bf16-pure --batch-size 1 --mode infer --seq-len 512 --new-tokens 64
+run --models 13B --precision bf16-pure --batch-size 1 --mode infer --seq-len 512 --new-tokens 64 --gpus "$gpus" --strategy tp
+run --models 13B --mode train --precision bf16-pure --batch-size 4 --seq-len 1024 --activation-checkpointing --gpus "$gpus" --strategy tp
+run --models 13B --mode train --precision bf16-pure --batch-size 4 --seq-len 1024 --activation-checkpointing --gpus "$gpus" --strategy pipeline --microbatches 4
