@@ -9,7 +9,8 @@ from __future__ import annotations
 
 import hashlib
 import json
-from typing import Literal, get_args
+from dataclasses import dataclass
+from typing import Any, Literal, get_args
 
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
@@ -131,6 +132,46 @@ def microbatch_problem(batch_size: int, microbatches: int) -> str | None:
         return (f"a batch of {batch_size} sequences does not split into {microbatches} equal microbatches: give a "
                 f"--batch-size that {microbatches} divides, or a --microbatches that divides {batch_size}")
     return None
+
+
+@dataclass(frozen=True)
+class Stage:
+    """Pipeline stage ``index`` of ``count`` and its decoder layers (``pipeline_stages``); the first stage
+    also holds the embedding, the last the final norm, the output projection and the loss. Without
+    pipeline parallelism the one stage is first and last. The ranks of a pipeline are consecutive:
+    stage i runs on its first rank + i. The planner predicts each stage's peak and the run builds it."""
+
+    index: int
+    count: int
+    layers: range
+
+    @classmethod
+    def of(cls, n_layers: int, index: int, count: int) -> Stage:
+        return cls(index, count, pipeline_stages(n_layers, count)[index])
+
+    @classmethod
+    def every(cls, n_layers: int, count: int) -> tuple[Stage, ...]:
+        return tuple(cls(i, count, layers) for i, layers in enumerate(pipeline_stages(n_layers, count)))
+
+    @property
+    def first(self) -> bool:
+        return self.index == 0
+
+    @property
+    def last(self) -> bool:
+        return self.index == self.count - 1
+
+    @property
+    def label(self) -> str:
+        held = ["embedding"] if self.first else []
+        held += ["final norm, output projection and logits"] if self.last else []
+        edges = f", {' and '.join(held)}" if held else ""
+        return (f"stage {self.index + 1} of {self.count} ({len(self.layers)} layers, "
+                f"{self.layers.start}-{self.layers.stop - 1}{edges})")
+
+    def as_dict(self) -> dict[str, Any]:
+        return {"stage": self.index, "layers": [self.layers.start, self.layers.stop],
+                "embedding": self.first, "output_projection": self.last}
 
 
 class RunSpec(BaseModel):

@@ -28,11 +28,11 @@ from torch.distributed.elastic.multiprocessing.errors import record
 from fitbench.models.registry import resolve
 from fitbench.precisions import policy
 from fitbench.run.loops import random_tokens
-from fitbench.run.pipeline import PipelineLM, Stage, build_pipelined, build_stage
+from fitbench.run.pipeline import PipelineLM, build_pipelined, build_stage
 from fitbench.run.loops import read_generation
 from fitbench.run.ranks import Rank, gather_json, process_group
 from fitbench.run.timing import DeviceClock
-from fitbench.spec import Layout, RunSpec
+from fitbench.spec import Layout, RunSpec, Stage
 
 ARCH = dataclasses.replace(resolve("tiny"), num_layers=5)
 SEED, BATCH, SEQ_LEN, STEPS, MICROBATCHES, PRECISION = 0, 4, 16, 3, 2, "fp32"
@@ -55,7 +55,7 @@ def quantized_stage(rank: Rank, precision: str):
 
 def stage(rank: Rank):
     torch.manual_seed(SEED)
-    stage = Stage.of_rank(ARCH.num_layers, rank.rank, rank.world_size)
+    stage = Stage.of(ARCH.num_layers, rank.rank, rank.world_size)
     weights = policy(PRECISION).weight_dtype
     return PipelineLM(build_stage(ARCH, stage, rank.device, weights), stage, rank, weights, weights)
 

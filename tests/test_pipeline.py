@@ -25,9 +25,9 @@ from fitbench.models.registry import resolve
 from fitbench.precisions import pipeline_problem, policy
 from fitbench.run.aggregate import combine
 from fitbench.run.loops import make_step, random_tokens
-from fitbench.run.pipeline import Stage, build_stage
+from fitbench.run.pipeline import build_stage
 from fitbench.run.quantize import build_quantized_native
-from fitbench.spec import Layout, microbatch_problem
+from fitbench.spec import Layout, Stage, microbatch_problem
 from test_parallel import marked
 
 REPO = Path(__file__).resolve().parents[1]
@@ -47,7 +47,7 @@ def test_each_stage_holds_its_own_modules_with_the_single_process_weights(layers
     expected = dict(whole.named_parameters(remove_duplicate=False))
     held = set()
     for index in range(stages):
-        stage = Stage.of_rank(layers, index, stages)
+        stage = Stage.of(layers, index, stages)
         torch.manual_seed(5)
         model = build_stage(arch, stage, "cpu", torch.float32)
         parameters = dict(model.named_parameters(remove_duplicate=False))

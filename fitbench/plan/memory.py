@@ -96,7 +96,7 @@ from fitbench.models.architecture import Architecture, default_backend
 from fitbench.plan import compiled as inductor
 from fitbench.plan.outliers import outlier_columns
 from fitbench.precisions import ADAPTER_BASES, ADAPTER_RANK, TRAINING_MODES
-from fitbench.spec import Layout, pipeline_stages
+from fitbench.spec import Layout, Stage
 
 @dataclass(frozen=True)
 class QuantizedFormat:
@@ -246,44 +246,18 @@ class Parallelism:
         return min(self.schedule_microbatches, batch)
 
 
-@dataclass(frozen=True)
-class Stage:
-    """One pipeline stage as the run builds it: the decoder layers ``fitbench.spec.pipeline_stages``
-    gives it; the first stage also holds the embedding, the last the final norm, the output
-    projection and the loss. Without pipeline parallelism the one stage is first and last."""
-
-    index: int
-    count: int
-    layers: range
-
-    @property
-    def first(self) -> bool:
-        return self.index == 0
-
-    @property
-    def last(self) -> bool:
-        return self.index == self.count - 1
-
-    @property
-    def label(self) -> str:
-        held = ["embedding"] if self.first else []
-        held += ["final norm, output projection and logits"] if self.last else []
-        edges = f", {' and '.join(held)}" if held else ""
-        return (f"stage {self.index + 1} of {self.count} ({len(self.layers)} layers, "
-                f"{self.layers.start}-{self.layers.stop - 1}{edges})")
-
-    def in_flight(self, microbatches: int) -> int:
-        """Microbatches whose activations this stage holds at once under 1F1B (torch's ``Schedule1F1B``):
-        stage i runs ``p - i`` forwards before its first backward, and never more than there are
-        microbatches. 1F1B is what is modelled because it is the schedule that bounds memory by the
-        stage count, not the microbatch count (GPipe holds all m; with the default m = p the two agree
-        on the first stage, which holds the most)."""
-        return min(microbatches, self.count - self.index)
+def microbatches_in_flight(stage: Stage, microbatches: int) -> int:
+    """Microbatches whose activations ``stage`` holds at once under 1F1B (torch's ``Schedule1F1B``):
+    stage i runs ``p - i`` forwards before its first backward, and never more than there are
+    microbatches. 1F1B is what is modelled because it is the schedule that bounds memory by the
+    stage count, not the microbatch count (GPipe holds all m; with the default m = p the two agree
+    on the first stage, which holds the most)."""
+    return min(microbatches, stage.count - stage.index)
 
 
 def pipeline_stage_list(arch: Architecture, stages: int) -> tuple[Stage, ...]:
     """Every stage of ``stages`` over ``arch``'s layers (``fitbench.spec.pipeline_stages``)."""
-    return tuple(Stage(i, stages, layers) for i, layers in enumerate(pipeline_stages(arch.num_layers, stages)))
+    return Stage.every(arch.num_layers, stages)
 
 
 def kv_heads_split(arch: Architecture, tp: int) -> int:
@@ -584,7 +558,7 @@ def estimate_memory(arch: Architecture, mode: str, precision: str, batch: int, s
     in_flight = 1
     if training and parallelism.stages > 1:
         microbatches = parallelism.microbatches_of(batch)
-        in_flight, batch = where.in_flight(microbatches), -(-batch // microbatches)
+        in_flight, batch = microbatches_in_flight(where, microbatches), -(-batch // microbatches)
     if training and precision in QUANTIZED and precision not in ADAPTER_BASES:
         raise ValueError(f"{precision} weights have no backward pass: no training memory model")
     if precision in QUANTIZED:
@@ -629,7 +603,7 @@ def stage_estimates(arch: Architecture, mode: str, precision: str, batch: int, s
     result = []
     microbatches = parallelism.microbatches_of(batch)
     for stage in pipeline_stage_list(arch, parallelism.stages):
-        shape = (len(stage.layers), stage.first, stage.last, stage.in_flight(microbatches))
+        shape = (len(stage.layers), stage.first, stage.last, microbatches_in_flight(stage, microbatches))
         if shape not in estimates:
             estimates[shape] = estimate_memory(arch, mode, precision, batch, seq_len, parallelism=parallelism,
                                                stage=stage.index, **options)

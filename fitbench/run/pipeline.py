@@ -29,7 +29,6 @@ after another.
 from __future__ import annotations
 
 import dataclasses
-from dataclasses import dataclass
 from typing import Any, Callable
 
 import torch
@@ -48,33 +47,7 @@ from fitbench.run.quality import Quality
 from fitbench.run.quantize import Carried, build_quantized_native
 from fitbench.run.ranks import Rank
 from fitbench.run.timing import DeviceClock
-from fitbench.spec import RunSpec, microbatch_problem, pipeline_stages
-
-
-@dataclass(frozen=True)
-class Stage:
-    """Stage ``index`` of ``count`` and its decoder layers. The ranks of a pipeline are consecutive:
-    stage i runs on its first rank + i."""
-
-    index: int
-    count: int
-    layers: range
-
-    @property
-    def first(self) -> bool:
-        return self.index == 0
-
-    @property
-    def last(self) -> bool:
-        return self.index == self.count - 1
-
-    @classmethod
-    def of_rank(cls, n_layers: int, rank: int, count: int) -> Stage:
-        return cls(rank, count, pipeline_stages(n_layers, count)[rank])
-
-    def as_dict(self) -> dict[str, Any]:
-        return {"stage": self.index, "layers": [self.layers.start, self.layers.stop],
-                "embedding": self.first, "output_projection": self.last}
+from fitbench.spec import RunSpec, Stage, microbatch_problem
 
 
 # ---- the stage's model -------------------------------------------------------------------------------
@@ -388,7 +361,7 @@ def build_pipelined(spec: RunSpec, arch: Architecture, policy: PrecisionPolicy, 
     if problem:
         raise ValueError(problem)
     stages = spec.layout.pp
-    stage = Stage.of_rank(arch.num_layers, rank.rank % stages, stages)
+    stage = Stage.of(arch.num_layers, rank.rank % stages, stages)
     if not policy.quantized:
         module = build_stage(arch, stage, rank.device, policy.weight_dtype)
         return PipelineLM(module, stage, rank, cache_dtype=policy.compute_dtype, hidden_dtype=policy.weight_dtype), None
