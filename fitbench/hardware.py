@@ -298,8 +298,23 @@ class GpuInfo:
     compute_capability: tuple[int, int]
 
 
+# The device files through which a GPU reaches torch on Linux: NVIDIA's driver (/dev/nvidia0, ...),
+# WSL2's paravirtualized GPU (/dev/dxg) and AMD's ROCm (/dev/kfd).
+GPU_DEVICE_FILES = ("/dev/nvidia[0-9]*", "/dev/dxg", "/dev/kfd")
+
+
+def no_gpu_device() -> bool:
+    """True on Linux when none of ``GPU_DEVICE_FILES`` exists: no GPU can reach torch, which then need
+    not be imported (seconds) to say so. False elsewhere, or when one exists: ask torch."""
+    import glob
+
+    return sys.platform.startswith("linux") and not any(glob.glob(pattern) for pattern in GPU_DEVICE_FILES)
+
+
 def detect_gpus() -> list[GpuInfo]:
     """All CUDA devices visible to this process; empty without CUDA."""
+    if no_gpu_device():
+        return []
     import torch
 
     if not torch.cuda.is_available():

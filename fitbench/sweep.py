@@ -17,8 +17,11 @@ from fitbench.precisions import PRECISIONS
 
 def resolve_device(requested: str) -> str:
     """'auto' -> the first GPU if torch sees one, else cpu; a GPU that is not there is a UserError.
-    ``cpu`` asks nothing of torch (nor imports it)."""
-    if requested == "cpu":
+    ``cpu``, and ``auto`` on a machine without a GPU's device file (``hardware.no_gpu_device``), ask
+    nothing of torch (nor import it)."""
+    from fitbench.hardware import no_gpu_device
+
+    if requested == "cpu" or (requested == "auto" and no_gpu_device()):
         return "cpu"
     import torch
 

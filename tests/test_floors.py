@@ -67,9 +67,12 @@ def test_no_two_parts_import_each_other():
 PARENT_WITHOUT_TORCH = """
 import sys
 from fitbench.cli import main
+from fitbench.hardware import no_gpu_device
 
+# the default device asks torch only where a GPU could be there
+device = [] if no_gpu_device() else ["--device", "cpu"]
 for argv in (["--help"], ["models"], ["plan", "--models", "7B", "--gpu", "H100-80GB"],
-             ["run", "--models", "tiny", "--device", "cpu", "--mode", "forward", "--batch-size", "1", "--seq-len", "8",
+             ["run", "--models", "tiny", *device, "--mode", "forward", "--batch-size", "1", "--seq-len", "8",
               "--warmup-steps", "0", "--measure-steps", "1", "--out", sys.argv[1]]):
     try:
         code = main(argv)
@@ -83,7 +86,8 @@ for argv in (["--help"], ["models"], ["plan", "--models", "7B", "--gpu", "H100-8
 @pytest.mark.slow
 def test_the_parent_never_imports_torch(tmp_path):
     """torch takes seconds to import: ``--help``, ``plan`` on a described GPU and a CPU sweep's parent
-    (which plans, launches and records) start without it; only the workers import it."""
+    (which plans, launches and records) start without it, on a machine without a GPU with the default
+    device too; only the workers import it."""
     import os
     import subprocess
     import sys

@@ -239,3 +239,17 @@ def test_cpu_device_name_is_stable():
     assert cpu_device_name() == cpu_device_name()
     assert cpu_device_name().startswith("cpu: ")
 
+
+
+def test_no_gpu_device_file_means_torch_sees_no_gpu():
+    """Where no GPU device file exists, the answer given without torch is torch's own."""
+    import torch
+
+    from fitbench.hardware import no_gpu_device
+    from fitbench.sweep import resolve_device
+
+    if no_gpu_device():
+        assert not torch.cuda.is_available()
+        assert resolve_device("auto") == "cpu"
+    else:
+        assert resolve_device("auto") == ("cuda:0" if torch.cuda.is_available() else "cpu")
