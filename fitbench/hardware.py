@@ -616,14 +616,18 @@ def measure_ceilings(
     )
 
 
-def ceilings_path() -> pathlib.Path:
-    """``ceilings.json`` in $FITBENCH_CACHE_DIR, else $XDG_CACHE_HOME/fitbench, else ~/.cache/fitbench."""
+def cache_directory() -> pathlib.Path:
+    """fitbench's cache: $FITBENCH_CACHE_DIR, else $XDG_CACHE_HOME/fitbench, else ~/.cache/fitbench."""
     override = os.environ.get("FITBENCH_CACHE_DIR")
     if override:
-        return pathlib.Path(override) / "ceilings.json"
+        return pathlib.Path(override)
     xdg_cache = os.environ.get("XDG_CACHE_HOME")
-    base = pathlib.Path(xdg_cache) if xdg_cache else pathlib.Path.home() / ".cache"
-    return base / "fitbench" / "ceilings.json"
+    return (pathlib.Path(xdg_cache) if xdg_cache else pathlib.Path.home() / ".cache") / "fitbench"
+
+
+def ceilings_path() -> pathlib.Path:
+    """``ceilings.json`` in ``cache_directory()``."""
+    return cache_directory() / "ceilings.json"
 
 
 def _ceilings_key(device_name: str, torch_version: str) -> str:

@@ -41,3 +41,17 @@ def test_workers_get_expandable_segments_unless_the_allocator_is_configured(sett
 @pytest.mark.parametrize("name", CONFIGURED)
 def test_a_users_allocator_settings_are_kept(settings_in_workers, name):
     assert settings_in_workers[name] == "max_split_size_mb:128"
+
+
+def test_workers_keep_triton_kernels_and_autotuning_in_fitbenchs_cache_unless_the_user_chose_one(monkeypatch, tmp_path):
+    from fitbench.launch.local import worker_environment
+
+    monkeypatch.setenv("FITBENCH_CACHE_DIR", str(tmp_path))
+    monkeypatch.delenv("TRITON_CACHE_DIR", raising=False)
+    monkeypatch.delenv("TRITON_CACHE_AUTOTUNING", raising=False)
+    environment = worker_environment()
+    assert environment["TRITON_CACHE_DIR"] == str(tmp_path / "triton")
+    assert environment["TRITON_CACHE_AUTOTUNING"] == "1"
+    monkeypatch.setenv("TRITON_CACHE_DIR", "/elsewhere")
+    environment = worker_environment()
+    assert environment["TRITON_CACHE_DIR"] == "/elsewhere" and "TRITON_CACHE_AUTOTUNING" not in environment

@@ -51,6 +51,7 @@ from typing import Any, Callable
 
 from pydantic import ValidationError
 
+from fitbench import hardware
 from fitbench.host import HostMemory, host_memory, oom_kills
 from fitbench.launch.fallback import RAN_TO_THE_END, FallbackPolicy, run_with_fallback, search_max_batch
 from fitbench.launch.launchers import launcher_for
@@ -102,12 +103,21 @@ def worker_environment() -> dict[str, str]:
     pages instead of caching whole blocks, so reserved memory tracks the allocated peak (the
     planner's page-rounding term) instead of fragmenting (measured: 42.6 GB reserved for 32.0 GB
     allocated without it on 2.7B). An empty variable counts as unset. Each row records the settings
-    its worker ran with (``fitbench.run.trackers``)."""
+    its worker ran with (``fitbench.run.trackers``).
+
+    Triton's compiled kernels and autotuning results are kept in fitbench's cache
+    (``hardware.cache_directory()/triton``) unless the user chose a Triton cache: torchao's
+    fp8-block matmul autotunes 48 configurations at each new (N, K, M bucket), about 20 s each on an
+    H200, and Triton keeps no autotuning result by default, so every run of a configuration paid it
+    again; its second run now reads what its first chose."""
     environment = {**os.environ, "PYTHONUNBUFFERED": "1"}
     if not any(environment.get(name, "").strip() for name in ALLOCATOR_VARIABLES):
         for name in ALLOCATOR_VARIABLES:
             environment.pop(name, None)
         environment["PYTORCH_CUDA_ALLOC_CONF"] = "expandable_segments:True"
+    if not environment.get("TRITON_CACHE_DIR", "").strip():
+        environment["TRITON_CACHE_DIR"] = str(hardware.cache_directory() / "triton")
+        environment.setdefault("TRITON_CACHE_AUTOTUNING", "1")
     return environment
 
 
