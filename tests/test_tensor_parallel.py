@@ -135,6 +135,21 @@ def close(measured: list[float], expected: list[float]) -> bool:
 
 
 @slow
+def test_a_tensor_parallel_rank_never_holds_the_whole_model(ranks):
+    """Each rank's parameters are about half of tiny's (its shards, and the norms whole), and the build's
+    largest tensor is one whole weight, the embedding (the scratch every weight is drawn into), where
+    building the whole model and sharding it would allocate every weight whole."""
+    arch = job.VARIANTS["tiny"]
+    whole = 4 * arch.total_params  # fp32
+    largest_weight = 4 * arch.vocab_size * arch.hidden_size
+    for row in ranks:
+        build = row["build"]
+        assert 0.45 * whole < build["parameter_bytes"] < 0.55 * whole, (row["rank"], build)
+        assert build["largest_allocation"] == largest_weight, (row["rank"], build)
+    assert largest_weight < 0.3 * whole  # so a whole-model build would show
+
+
+@slow
 @pytest.mark.parametrize("variant", list(job.VARIANTS))
 def test_a_tensor_parallel_training_pass_equals_one_process(ranks, variant):
     arch = job.VARIANTS[variant]

@@ -39,7 +39,8 @@ from torch.utils.checkpoint import checkpoint
 from fitbench.models.architecture import Architecture
 from fitbench.models.backends import CausalLM
 from fitbench.models.hf import has_weights
-from fitbench.models.native import KVCache, NativeCausalLM, empty_on, materialize, meta_model, replay_random_weights
+from fitbench.models.native import (KVCache, NativeCausalLM, ShardWriter, empty_on, materialize, meta_model,
+                                    replay_random_weights)
 from fitbench.models.registry import is_local_model
 from fitbench.precisions import TRAINING_MODES, PrecisionPolicy, pipeline_problem
 from fitbench.run.loops import LEARNING_RATE, chunked_cross_entropy
@@ -78,13 +79,18 @@ def stage_modules(model: NativeCausalLM, stage: Stage) -> list[nn.Module]:
     return parts
 
 
-def build_stage(arch: Architecture, stage: Stage, device: torch.device | str, dtype: torch.dtype) -> NativeCausalLM:
+def build_stage(arch: Architecture, stage: Stage, device: torch.device | str, dtype: torch.dtype,
+                shard: Callable[[NativeCausalLM], ShardWriter] | None = None) -> NativeCausalLM:
     """The native model with only ``stage``'s modules, on ``device`` in ``dtype``, with the weights that
     ``fitbench.models.native.build_native`` draws for them from the same generator state: materialize
     the stage's modules, replay the whole model's random initialization over them
     (``fitbench.models.native.replay_random_weights``), then drop what belongs to other stages. A
-    tied embedding and output projection on two stages are two copies, drawn alike."""
+    tied embedding and output projection on two stages are two copies, drawn alike. ``shard``: tensor
+    parallelism, applied to the model while it is on the meta device, so that only this rank's
+    shards get storage; it returns how each weight's shard is written from the whole weight
+    (``fitbench.run.tensor_parallel.build_tensor_parallel``)."""
     model = meta_model(arch, dtype)
+    writer = shard(model) if shard is not None else None
     tied = arch.tie_embeddings
     embedding = model.model.embed_tokens
     if tied and stage.first:
@@ -99,7 +105,7 @@ def build_stage(arch: Architecture, stage: Stage, device: torch.device | str, dt
     if tied and stage.first:
         model.lm_head.weight = embedding.weight
     model.rope_cos, model.rope_sin = empty_on(model.rope_cos, device), empty_on(model.rope_sin, device)
-    replay_random_weights([model], device)
+    replay_random_weights([model], device, shard_writer=writer)
     model.reset_rope()
     _prune(model, stage)
     return model
