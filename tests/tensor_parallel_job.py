@@ -10,7 +10,9 @@ captures on a GPU). Then ``tiny`` trains ``STEPS`` steps under FSDP x TP (``Layo
 tp=2)``), each data-parallel pair on its own batch. Every rank builds its shards from seed ``SEED``
 on the meta device (``build_tensor_parallel``), drawing the whole weights as one process does and
 keeping its part; the build of ``tiny`` records the largest tensor it allocated and the rank's
-parameter storage. Rank 0 writes every rank's figures to OUT.json.
+parameter storage. Last, ``tiny`` runs on ``PIPELINE`` (two stages of two tensor-parallel ranks
+each, ``build_pipelined``): a forward pass and the generation above, the last stage's ranks keeping
+their logits. Rank 0 writes every rank's figures to OUT.json.
 """
 
 import json
@@ -29,14 +31,16 @@ from fitbench.models.registry import resolve
 from fitbench.precisions import policy
 from fitbench.run.loops import chunked_cross_entropy, make_step, random_tokens
 from fitbench.run.parallel import data_seed
+from fitbench.run.pipeline import build_pipelined
 from fitbench.run.ranks import Rank, gather_json, process_group
 from fitbench.run.tensor_parallel import (build_layout, build_tensor_parallel, data_parallel_rank, device_mesh,
                                           parallelize_layout)
-from fitbench.spec import Layout, Stage
+from fitbench.spec import Layout, RunSpec, Stage
 
 SEED, BATCH, SEQ_LEN, STEPS, PRECISION = 0, 2, 32, 3, "fp32"
 PROMPT, DECODE = 12, 4
 LAYOUT = Layout(dp_shard=2, tp=2)
+PIPELINE = Layout(pp=2, tp=2)
 VARIANTS = {"tiny": resolve("tiny"), "tiny-1kv": replace(resolve("tiny"), num_kv_heads=1)}
 # gradients sampled: a sharded matrix, a k projection (replicated with one kv head), a norm (under
 # sequence parallelism) and the tied embedding
@@ -124,6 +128,26 @@ def fsdp_tp_losses(rank: Rank) -> tuple[list[float], dict]:
     return [step().item() for _ in range(STEPS)], applied
 
 
+def pipelined(rank: Rank) -> dict:
+    """Tensor-parallel pipeline stages of ``tiny``: the forward pass's logits and the prefill's and decode
+    steps' (on the last stage), and what each rank holds."""
+    spec = RunSpec(model="tiny", backend="native", mode="infer", precision=PRECISION, batch_size=BATCH,
+                   seq_len=PROMPT, new_tokens=DECODE, device="cpu", warmup_steps=0, measure_steps=1,
+                   seed=SEED, layout=PIPELINE)
+    torch.manual_seed(SEED)
+    lm, _ = build_pipelined(spec, resolve("tiny"), policy(PRECISION), rank)
+    prompt = random_tokens(lm.module.config.vocab_size, BATCH, PROMPT, rank.device, SEED + 1)
+    following = random_tokens(lm.module.config.vocab_size, BATCH, DECODE, rank.device, SEED + 2)
+    tokens = random_tokens(lm.module.config.vocab_size, BATCH, SEQ_LEN, rank.device, SEED)
+    with torch.inference_mode():
+        forward = lm.forward_pass(tokens)
+        logits = [lm.prefill(prompt, PROMPT + DECODE)]
+        logits += [lm.decode(following[:, i:i + 1]).clone() for i in range(DECODE)]
+    last = lm.stage.last
+    return {"stage": lm.stage.index, "applied": lm.applied(None), "cache_kv_heads": lm.cache.keys.shape[2],
+            "forward": sample(forward) if last else None, "logits": [sample(step) for step in logits] if last else None}
+
+
 @record
 def main(argv: list[str]) -> None:
     out = Path(argv[0])
@@ -137,6 +161,7 @@ def main(argv: list[str]) -> None:
                              "infer_graphed": generation(arch, rank, tp_mesh, graphed=True)}
         losses, applied = fsdp_tp_losses(rank)
         figures["fsdp+tp"] = {"losses": losses, "applied": applied}
+        figures["pipeline+tp"] = pipelined(rank)
         rows = gather_json(rank, {"rank": rank.rank, **figures})
         if rank.main:
             out.write_text(json.dumps(rows))

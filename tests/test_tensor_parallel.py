@@ -203,6 +203,52 @@ def test_fsdp_x_tp_losses_equal_one_process_on_the_global_batch(ranks):
         ("fsdp+tp", 2, arch.num_layers + 1)
 
 
+@slow
+def test_tensor_parallel_pipeline_stages_give_one_process_forward_prefill_and_decode_logits(ranks):
+    """Layout(pp=2, tp=2): rank r holds stage r // 2 as tensor-parallel rank r % 2; the last stage's two
+    ranks both hold the whole logits, equal to one process's."""
+    arch = job.VARIANTS["tiny"]
+    expected = single_process_generation(arch, graphed=False)
+    lm = reference(arch)
+    tokens = random_tokens(arch.vocab_size, job.BATCH, job.SEQ_LEN, torch.device("cpu"), job.SEED)
+    with torch.inference_mode():
+        forward = job.sample(lm.logits(tokens))
+    assert [row["pipeline+tp"]["stage"] for row in ranks] == [0, 0, 1, 1]
+    for row in ranks:
+        measured = row["pipeline+tp"]
+        applied = measured["applied"]
+        assert (applied["strategy"], applied["stages"], applied["tensor_parallel"]) == ("tp+pipeline", 2, 2)
+        assert measured["cache_kv_heads"] == arch.num_kv_heads // 2
+        if measured["stage"] == 0:
+            assert measured["logits"] is None
+            continue
+        assert close(measured["forward"], forward), row["rank"]
+        assert len(measured["logits"]) == 1 + job.DECODE
+        for step, (got, want) in enumerate(zip(measured["logits"], expected)):
+            assert close(got, want), (row["rank"], step)
+    # each rank holds half of its stage's layers' weights: the two stages' ranks together about half the model
+    held = sum(ranks[r]["pipeline+tp"]["applied"]["stage"]["params"] for r in (0, 2))
+    assert 0.45 * arch.total_params < held < 0.65 * arch.total_params, held
+
+
+def test_tensor_parallel_pipeline_training_and_quantized_stages_are_refused():
+    from fitbench.run.pipeline import build_pipelined
+    from fitbench.run.ranks import Rank
+    from fitbench.spec import RunSpec
+
+    rank = Rank(rank=0, local_rank=0, world_size=4, local_world_size=4, device=torch.device("cpu"), launched=True)
+
+    def refusal(mode, precision):
+        spec = RunSpec(model="tiny", backend="native", mode=mode, precision=precision, batch_size=2, seq_len=8,
+                       new_tokens=2, device="cpu", warmup_steps=0, measure_steps=1, layout=job.PIPELINE)
+        with pytest.raises(ValueError) as raised:
+            build_pipelined(spec, job.VARIANTS["tiny"], policy(precision), rank)
+        return str(raised.value)
+
+    assert "--strategy fsdp" in refusal("train", "bf16") and "--tp" in refusal("train", "bf16")
+    assert "--strategy pipeline" in refusal("infer", "nf4")
+
+
 # ---- from the command line -------------------------------------------------------------------------------
 
 def test_the_sweep_gives_every_mode_the_tensor_parallel_layout():
