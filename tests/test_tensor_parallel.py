@@ -275,6 +275,54 @@ def test_what_tensor_parallelism_cannot_run_is_refused_before_launch(options, sa
     assert not (tmp_path / "r" / "results.jsonl").exists()
 
 
+@pytest.mark.parametrize("strategy, mode, layout", [
+    ("fsdp", "train", Layout(dp_shard=2, tp=2)), ("fsdp", "forward-backward", Layout(dp_shard=2, tp=2)),
+    ("fsdp", "infer", Layout(tp=2)), ("pipeline", "infer", Layout(pp=2, tp=2)),
+    ("pipeline", "forward", Layout(pp=2, tp=2)),
+])
+def test_tp_makes_a_2d_layout_with_the_strategy(strategy, mode, layout):
+    from fitbench.config import SweepConfig, expand
+
+    config = SweepConfig(models=["tiny"], mode=[mode], precision=["bf16"], gpus=4, strategy=strategy, tp=2)
+    [spec] = expand(config, device="cpu", default_models=["tiny"])
+    assert spec.layout == layout
+
+
+def test_the_seeds_tensor_parallel_size_is_tp_in_yaml(tmp_path):
+    from fitbench.config import load_yaml, merge_sources
+
+    path = tmp_path / "sweep.yaml"
+    path.write_text("gpus: 4\nstrategy: pipeline\ntensor_parallel_size: 2\n")
+    assert merge_sources({}, load_yaml(path), {}).tp == 2
+
+
+@pytest.mark.parametrize("options, says", [
+    (["--gpus", "4", "--strategy", "pipeline", "--tp", "2", "--mode", "train"], "--strategy fsdp --tp 2"),
+    (["--gpus", "3", "--strategy", "fsdp", "--tp", "2"], "--tp 2 does not divide --gpus 3"),
+    (["--gpus", "4", "--strategy", "ddp", "--tp", "2"], "not --strategy ddp"),
+    (["--tp", "2"], "--gpus is 1"),
+    (["--gpus", "4", "--strategy", "tp", "--tp", "2"], "must equal --gpus 4"),
+    (["--gpus", "4", "--strategy", "pipeline", "--tp", "2", "--mode", "infer", "--precision", "nf4"],
+     "leave --tp out"),
+    (["--gpus", "6", "--strategy", "pipeline", "--tp", "3", "--mode", "infer"], "--tp 3 does not divide"),
+])
+def test_every_wrong_tp_combination_is_one_paragraph_and_exit_2(options, says, tmp_path, capsys, monkeypatch):
+    from conftest import cli
+
+    monkeypatch.chdir(tmp_path)
+    code, out, err = cli(["run", "--models", "tiny", "--device", "cpu", "--out", "r"] + options, capsys)
+    assert code == 2 and says in out + err and "Traceback" not in out + err, out + err
+    assert "--tp" in out + err and not (tmp_path / "r" / "results.jsonl").exists()
+
+
+def test_the_planner_launches_tp_x_pipeline_for_inference_only():
+    from fitbench.plan.planner import launchable
+
+    assert launchable(Layout(pp=2, tp=2), "native", "infer") and launchable(Layout(pp=2, tp=2), "native", "forward")
+    assert not launchable(Layout(pp=2, tp=2), "native", "train")
+    assert not launchable(Layout(pp=2, tp=2), "hf", "infer")
+
+
 @slow
 def test_tensor_parallel_generation_from_the_command_line_writes_one_row_of_the_job(tmp_path, capsys, monkeypatch):
     """`fitbench run --gpus 2 --strategy tp --mode infer`: both ranks generate, and the row is the job's:
