@@ -115,6 +115,10 @@ def _add_run_options(parser: argparse.ArgumentParser) -> None:
     add("--microbatches", type=int, default=S, metavar="N",
         help="with --strategy pipeline: microbatches of a training step, which must divide the batch (default: "
              "one per GPU)")
+    add("--tp", type=int, default=S, metavar="N",
+        help="2-D layouts: N tensor-parallel GPUs inside each FSDP group or pipeline stage, N dividing --gpus. "
+             "--gpus 4 --strategy fsdp --tp 2: FSDP 2 x TP 2 (training); --gpus 4 --strategy pipeline --tp 2: "
+             "2 stages of TP 2 (infer, forward); with --strategy tp, N is --gpus")
     add("--timeout", type=float, default=S, metavar="SECONDS",
         help="a configuration's whole life: its batch probes (--batch-size auto), fallback attempts and run "
              "together; past it the worker and all it started are killed and the row says timeout (default 3600)")

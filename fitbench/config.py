@@ -99,6 +99,9 @@ class SweepConfig(BaseModel):
                             "mode)")
     microbatches: int | None = Field(None, description=f"microbatches of a pipelined training step, 1 to {COUNT_MAX:,} "
                                                        f"(default: one per pipeline stage)")
+    tp: int | None = Field(None, validation_alias="tensor_parallel_size",
+                           description=f"the tensor-parallel degree, 1 to {RANKS_MAX}, inside each FSDP group "
+                                       f"(--strategy fsdp) or pipeline stage (--strategy pipeline); it divides --gpus")
 
     @field_validator("models", "mode", "precision", "batch_size", "seq_len", "fallback", mode="before")
     @classmethod
@@ -129,6 +132,11 @@ class SweepConfig(BaseModel):
     @classmethod
     def _microbatches(cls, value: Any) -> Any:
         return value if value is None else _whole_number(value, 1, COUNT_MAX)
+
+    @field_validator("tp", mode="before")
+    @classmethod
+    def _tp(cls, value: Any) -> Any:
+        return value if value is None else _whole_number(value, 1, RANKS_MAX)
 
     @field_validator("seed", mode="before")
     @classmethod
@@ -162,11 +170,14 @@ class SweepConfig(BaseModel):
             if not isinstance(pass_type, str) or pass_type not in PASS_TYPES:
                 raise ValueError(f"pass_type must be forward or backward, got {pass_type!r}")
             data.setdefault("mode", PASS_TYPES[pass_type])
-        for alias, name in (("context_length", "seq_len"), ("samples", "measure_steps")):
+        for alias, name in FIELD_ALIASES:
             if alias in data and name in data:
                 data.pop(alias)
         return data
 
+
+# Other names of fields: (alias, field), the alias as the seeds' configs spell it.
+FIELD_ALIASES = (("context_length", "seq_len"), ("samples", "measure_steps"), ("tensor_parallel_size", "tp"))
 
 # The seeds' config.yaml says priority_order: ["none", "fp16", "8bit", "4bit"].
 SEED_PRECISIONS = {"none": "fp32", "fp16": "bf16-pure", "8bit": "int8", "4bit": "nf4"}
@@ -272,6 +283,8 @@ def _layout(config: SweepConfig, mode: str, precision: str, backend: str, heads:
     parallelism has nothing to average or shard in it; tensor parallelism (``tp``) runs every mode,
     over a degree that divides the model's ``heads``. With ``offload``, FSDP, whose CPU offload it is
     (DDP has none). Raises UserError when none composes."""
+    if config.tp is not None:
+        return _tensor_parallel_layout(config, mode, precision, backend, heads)
     if config.strategy == "tp" and config.gpus > 1:
         problem = tensor_parallel_problem(precision, mode, backend)
         if problem is None and heads % config.gpus:
@@ -294,6 +307,47 @@ def _layout(config: SweepConfig, mode: str, precision: str, backend: str, heads:
             return Layout.of_strategy(strategy, config.gpus)
         problems.append(f"{strategy}: {problem}")
     raise UserError(f"strategy: {mode} {precision} on {config.gpus} ranks cannot run ({'; '.join(problems)}).")
+
+
+def _tensor_parallel_layout(config: SweepConfig, mode: str, precision: str, backend: str, heads: int) -> Layout:
+    """The layout of ``--tp N`` with ``--gpus`` and ``--strategy``: N tensor-parallel ranks inside each
+    FSDP group (training modes and forward; generation, which has no data parallelism, on N ranks
+    alone), each pipeline stage (inference and forward) or over every rank (``tp``). Raises UserError
+    naming both options and the fix for every combination that does not run."""
+    tp, gpus, strategy = config.tp, config.gpus, config.strategy
+    if gpus == 1:
+        raise UserError(f"tp: --tp {tp} splits each layer over {tp} of a job's ranks, and --gpus is 1; give "
+                        f"--gpus {max(tp, 2)} or more (a multiple of --tp), or leave --tp out.")
+    if gpus % tp:
+        raise UserError(f"tp: --tp {tp} does not divide --gpus {gpus}; give a --tp that divides {gpus} (the ranks "
+                        f"left over make the FSDP groups or pipeline stages), or --gpus a multiple of {tp}.")
+    if strategy in ("auto", "ddp"):
+        raise UserError(f"tp: --tp {tp} combines with --strategy fsdp (training), pipeline (infer, forward) or "
+                        f"tp, not --strategy {strategy}; name one of those, or leave --tp out.")
+    if strategy == "tp" and tp != gpus:
+        raise UserError(f"tp: --strategy tp spreads each layer over every rank, so --tp {tp} must equal --gpus "
+                        f"{gpus}; leave --tp out, or give --strategy fsdp or pipeline for {gpus // tp} groups of "
+                        f"{tp}.")
+    if strategy == "pipeline" and mode in TRAINING_MODES:
+        raise UserError(f"tp: --tp {tp} inside --strategy pipeline runs infer and forward, not {mode}; for training "
+                        f"give --strategy fsdp --tp {tp}, or --strategy pipeline without --tp.")
+    problem = tensor_parallel_problem(precision, mode, backend)
+    if problem is None and heads % tp:
+        problem = (f"tensor parallelism splits whole attention heads, and --tp {tp} does not divide the model's "
+                   f"{heads}: give a --tp that divides {heads}")
+    if problem is None and strategy == "pipeline":
+        problem = pipeline_problem(precision, mode, backend)
+    if problem:
+        raise UserError(f"tp: {mode} {precision} with --tp {tp} and --strategy {strategy}: {problem}; or leave --tp "
+                        f"out.")
+    if strategy == "tp" or (strategy == "fsdp" and mode == "infer"):
+        return Layout(tp=tp)
+    if strategy == "fsdp":
+        problem = data_parallel_problem("fsdp", precision, mode, backend, config.offload)
+        if problem:
+            raise UserError(f"tp: {mode} {precision} with --strategy fsdp and --tp {tp}: {problem}.")
+        return Layout(dp_shard=gpus // tp, tp=tp)
+    return Layout(pp=gpus // tp, tp=tp)
 
 
 def _pipeline_layout(config: SweepConfig, mode: str, precision: str, backend: str) -> Layout:
@@ -396,7 +450,7 @@ def _contradictions(source: dict[str, Any], name: Callable[[str], str]) -> None:
     if source.get("no_fallback") is True and source.get("fallback") is not None:
         raise UserError(f"{name('no_fallback')} and {name('fallback')} contradict: one turns retrying off, the "
                         f"other lists the precisions to retry with; give only one of them.")
-    for alias, field in (("context_length", "seq_len"), ("samples", "measure_steps")):
+    for alias, field in FIELD_ALIASES:
         if alias in source and field in source and source[alias] != source[field]:
             raise UserError(f"{name(alias)} and {name(field)} are one setting with two values "
                             f"({excerpt(source[alias])} and {excerpt(source[field])}); give only one of them.")
@@ -499,7 +553,7 @@ def _field_names(source: dict[str, Any]) -> tuple[dict[str, Any], dict[str, str]
     if isinstance(source.get("pass_type"), str) and source["pass_type"] in PASS_TYPES:
         source.setdefault("mode", PASS_TYPES[source.pop("pass_type")])
         written["mode"] = "pass_type"
-    for alias, name in (("context_length", "seq_len"), ("samples", "measure_steps")):
+    for alias, name in FIELD_ALIASES:
         if alias in source:
             source.setdefault(name, source.pop(alias))
             written[name] = alias

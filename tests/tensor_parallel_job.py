@@ -7,8 +7,12 @@ sharded over the "tp" pairs (both pairs do the same work): one training forward 
 under sequence parallelism (the loss and a sample of a few gradients), then a generation (the
 prefill's logits and ``DECODE`` steps, the eager forward and the ``decode_step`` that a CUDA graph
 captures on a GPU). Then ``tiny`` trains ``STEPS`` steps under FSDP x TP (``Layout(dp_shard=2,
-tp=2)``), each data-parallel pair on its own batch. Every rank builds from its own seed: the weights
-must come from rank 0. Rank 0 writes every rank's figures to OUT.json.
+tp=2)``), each data-parallel pair on its own batch. Every rank builds its shards from seed ``SEED``
+on the meta device (``build_tensor_parallel``), drawing the whole weights as one process does and
+keeping its part; the build of ``tiny`` records the largest tensor it allocated and the rank's
+parameter storage. Last, ``tiny`` runs on ``PIPELINE`` (two stages of two tensor-parallel ranks
+each, ``build_pipelined``): a forward pass and the generation above, the last stage's ranks keeping
+their logits. Rank 0 writes every rank's figures to OUT.json.
 """
 
 import json
@@ -18,6 +22,7 @@ from datetime import timedelta
 from pathlib import Path
 
 import torch
+from torch.utils._python_dispatch import TorchDispatchMode
 from torch.distributed.elastic.multiprocessing.errors import record
 
 from fitbench.models.backends import NativeLM, load_model
@@ -26,13 +31,16 @@ from fitbench.models.registry import resolve
 from fitbench.precisions import policy
 from fitbench.run.loops import chunked_cross_entropy, make_step, random_tokens
 from fitbench.run.parallel import data_seed
+from fitbench.run.pipeline import build_pipelined
 from fitbench.run.ranks import Rank, gather_json, process_group
-from fitbench.run.tensor_parallel import data_parallel_rank, device_mesh, parallelize_layout, parallelize_tensor
-from fitbench.spec import Layout
+from fitbench.run.tensor_parallel import (build_layout, build_tensor_parallel, data_parallel_rank, device_mesh,
+                                          parallelize_layout)
+from fitbench.spec import Layout, RunSpec, Stage
 
 SEED, BATCH, SEQ_LEN, STEPS, PRECISION = 0, 2, 32, 3, "fp32"
 PROMPT, DECODE = 12, 4
 LAYOUT = Layout(dp_shard=2, tp=2)
+PIPELINE = Layout(pp=2, tp=2)
 VARIANTS = {"tiny": resolve("tiny"), "tiny-1kv": replace(resolve("tiny"), num_kv_heads=1)}
 # gradients sampled: a sharded matrix, a k projection (replicated with one kv head), a norm (under
 # sequence parallelism) and the tied embedding
@@ -51,16 +59,41 @@ def sample(tensor: torch.Tensor) -> list[float]:
     return full(tensor).detach().float().flatten()[::SAMPLE].tolist()
 
 
-def built(arch, rank: Rank) -> NativeLM:
-    """Rank 0's model is the reference's (seed ``SEED``); the others' differ, so a rank that kept its
-    own weights would show."""
-    torch.manual_seed(SEED if rank.main else SEED + rank.rank)
-    return load_model(arch, "native", rank.device, policy(PRECISION).weight_dtype)
+class LargestAllocation(TorchDispatchMode):
+    """The bytes of the largest tensor with storage that any operation returns while it is on (a
+    DTensor's: its local shard's)."""
+
+    def __init__(self):
+        super().__init__()
+        self.bytes = 0
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        out = func(*args, **(kwargs or {}))
+        for tensor in out if isinstance(out, (tuple, list)) else (out,):
+            local = tensor.to_local() if hasattr(tensor, "to_local") else tensor
+            if isinstance(local, torch.Tensor) and not local.is_meta:
+                self.bytes = max(self.bytes, local.untyped_storage().nbytes())
+        return out
+
+
+def built(arch, rank: Rank, mesh, sequence_parallel: bool = False) -> tuple[NativeLM, dict]:
+    """Every rank's shards of the model of seed ``SEED``, and what was applied."""
+    torch.manual_seed(SEED)
+    module, applied = build_tensor_parallel(arch, Stage.of(arch.num_layers, 0, 1), mesh, rank.device,
+                                            policy(PRECISION).weight_dtype, sequence_parallel=sequence_parallel)
+    return NativeLM(module, policy(PRECISION).compute_dtype), applied
+
+
+def build_memory(arch, rank: Rank, mesh) -> dict:
+    """The largest tensor the build allocated and the rank's parameter storage, in bytes."""
+    with LargestAllocation() as largest:
+        lm, _ = built(arch, rank, mesh)
+    local = [p.to_local() if hasattr(p, "to_local") else p for p in lm.module.parameters()]
+    return {"largest_allocation": largest.bytes, "parameter_bytes": sum(t.numel() * t.element_size() for t in local)}
 
 
 def training_pass(arch, rank: Rank, mesh) -> dict:
-    lm = built(arch, rank)
-    applied = parallelize_tensor(lm.module, mesh, sequence_parallel=True)
+    lm, applied = built(arch, rank, mesh, sequence_parallel=True)
     tokens = random_tokens(arch.vocab_size, BATCH, SEQ_LEN + 1, rank.device, SEED)
     loss = chunked_cross_entropy(lm.logits(tokens[:, :-1]).flatten(0, 1), tokens[:, 1:].flatten())
     loss.backward()
@@ -72,8 +105,7 @@ def training_pass(arch, rank: Rank, mesh) -> dict:
 def generation(arch, rank: Rank, mesh, graphed: bool) -> dict:
     """The prefill's logits and ``DECODE`` decode steps' on fixed tokens; ``graphed``: the decode goes
     through ``decode_step``, the function a CUDA graph captures, here replayed eagerly."""
-    lm = built(arch, rank)
-    parallelize_tensor(lm.module, mesh)
+    lm, _ = built(arch, rank, mesh)
     if graphed:
         lm = NativeLM(lm.module, lm.cache_dtype, cuda_graphs=True, capture=lambda step: Replay(step))
     prompt = random_tokens(arch.vocab_size, BATCH, PROMPT, rank.device, SEED + 1)
@@ -87,12 +119,33 @@ def generation(arch, rank: Rank, mesh, graphed: bool) -> dict:
 
 def fsdp_tp_losses(rank: Rank) -> tuple[list[float], dict]:
     arch, precision = resolve("tiny"), policy(PRECISION)
-    lm = built(arch, rank)
-    applied = parallelize_layout(lm, LAYOUT, precision, "train", SEQ_LEN, rank)
+    torch.manual_seed(SEED)
+    lm, mesh, applied = build_layout(arch, LAYOUT, precision, "train", SEQ_LEN, rank)
+    applied = parallelize_layout(lm, LAYOUT, precision, "train", rank, mesh, applied)
     tokens = random_tokens(arch.vocab_size, BATCH, SEQ_LEN + 1, rank.device,
                            data_seed(SEED, data_parallel_rank(LAYOUT, rank.rank)))
     step = make_step("train", lm, precision, tokens, rank.device)
     return [step().item() for _ in range(STEPS)], applied
+
+
+def pipelined(rank: Rank) -> dict:
+    """Tensor-parallel pipeline stages of ``tiny``: the forward pass's logits and the prefill's and decode
+    steps' (on the last stage), and what each rank holds."""
+    spec = RunSpec(model="tiny", backend="native", mode="infer", precision=PRECISION, batch_size=BATCH,
+                   seq_len=PROMPT, new_tokens=DECODE, device="cpu", warmup_steps=0, measure_steps=1,
+                   seed=SEED, layout=PIPELINE)
+    torch.manual_seed(SEED)
+    lm, _ = build_pipelined(spec, resolve("tiny"), policy(PRECISION), rank)
+    prompt = random_tokens(lm.module.config.vocab_size, BATCH, PROMPT, rank.device, SEED + 1)
+    following = random_tokens(lm.module.config.vocab_size, BATCH, DECODE, rank.device, SEED + 2)
+    tokens = random_tokens(lm.module.config.vocab_size, BATCH, SEQ_LEN, rank.device, SEED)
+    with torch.inference_mode():
+        forward = lm.forward_pass(tokens)
+        logits = [lm.prefill(prompt, PROMPT + DECODE)]
+        logits += [lm.decode(following[:, i:i + 1]).clone() for i in range(DECODE)]
+    last = lm.stage.last
+    return {"stage": lm.stage.index, "applied": lm.applied(None), "cache_kv_heads": lm.cache.keys.shape[2],
+            "forward": sample(forward) if last else None, "logits": [sample(step) for step in logits] if last else None}
 
 
 @record
@@ -101,13 +154,14 @@ def main(argv: list[str]) -> None:
     rank = Rank.from_environment("cpu")
     with process_group(rank, TIMEOUT):
         tp_mesh = device_mesh(LAYOUT, rank.device.type)["tp"]
-        figures = {}
+        figures = {"build": build_memory(VARIANTS["tiny"], rank, tp_mesh)}
         for name, arch in VARIANTS.items():
             figures[name] = {"train": training_pass(arch, rank, tp_mesh),
                              "infer": generation(arch, rank, tp_mesh, graphed=False),
                              "infer_graphed": generation(arch, rank, tp_mesh, graphed=True)}
         losses, applied = fsdp_tp_losses(rank)
         figures["fsdp+tp"] = {"losses": losses, "applied": applied}
+        figures["pipeline+tp"] = pipelined(rank)
         rows = gather_json(rank, {"rank": rank.rank, **figures})
         if rank.main:
             out.write_text(json.dumps(rows))

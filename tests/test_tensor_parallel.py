@@ -135,6 +135,21 @@ def close(measured: list[float], expected: list[float]) -> bool:
 
 
 @slow
+def test_a_tensor_parallel_rank_never_holds_the_whole_model(ranks):
+    """Each rank's parameters are about half of tiny's (its shards, and the norms whole), and the build's
+    largest tensor is one whole weight, the embedding (the scratch every weight is drawn into), where
+    building the whole model and sharding it would allocate every weight whole."""
+    arch = job.VARIANTS["tiny"]
+    whole = 4 * arch.total_params  # fp32
+    largest_weight = 4 * arch.vocab_size * arch.hidden_size
+    for row in ranks:
+        build = row["build"]
+        assert 0.45 * whole < build["parameter_bytes"] < 0.55 * whole, (row["rank"], build)
+        assert build["largest_allocation"] == largest_weight, (row["rank"], build)
+    assert largest_weight < 0.3 * whole  # so a whole-model build would show
+
+
+@slow
 @pytest.mark.parametrize("variant", list(job.VARIANTS))
 def test_a_tensor_parallel_training_pass_equals_one_process(ranks, variant):
     arch = job.VARIANTS[variant]
@@ -188,6 +203,52 @@ def test_fsdp_x_tp_losses_equal_one_process_on_the_global_batch(ranks):
         ("fsdp+tp", 2, arch.num_layers + 1)
 
 
+@slow
+def test_tensor_parallel_pipeline_stages_give_one_process_forward_prefill_and_decode_logits(ranks):
+    """Layout(pp=2, tp=2): rank r holds stage r // 2 as tensor-parallel rank r % 2; the last stage's two
+    ranks both hold the whole logits, equal to one process's."""
+    arch = job.VARIANTS["tiny"]
+    expected = single_process_generation(arch, graphed=False)
+    lm = reference(arch)
+    tokens = random_tokens(arch.vocab_size, job.BATCH, job.SEQ_LEN, torch.device("cpu"), job.SEED)
+    with torch.inference_mode():
+        forward = job.sample(lm.logits(tokens))
+    assert [row["pipeline+tp"]["stage"] for row in ranks] == [0, 0, 1, 1]
+    for row in ranks:
+        measured = row["pipeline+tp"]
+        applied = measured["applied"]
+        assert (applied["strategy"], applied["stages"], applied["tensor_parallel"]) == ("tp+pipeline", 2, 2)
+        assert measured["cache_kv_heads"] == arch.num_kv_heads // 2
+        if measured["stage"] == 0:
+            assert measured["logits"] is None
+            continue
+        assert close(measured["forward"], forward), row["rank"]
+        assert len(measured["logits"]) == 1 + job.DECODE
+        for step, (got, want) in enumerate(zip(measured["logits"], expected)):
+            assert close(got, want), (row["rank"], step)
+    # each rank holds half of its stage's layers' weights: the two stages' ranks together about half the model
+    held = sum(ranks[r]["pipeline+tp"]["applied"]["stage"]["params"] for r in (0, 2))
+    assert 0.45 * arch.total_params < held < 0.65 * arch.total_params, held
+
+
+def test_tensor_parallel_pipeline_training_and_quantized_stages_are_refused():
+    from fitbench.run.pipeline import build_pipelined
+    from fitbench.run.ranks import Rank
+    from fitbench.spec import RunSpec
+
+    rank = Rank(rank=0, local_rank=0, world_size=4, local_world_size=4, device=torch.device("cpu"), launched=True)
+
+    def refusal(mode, precision):
+        spec = RunSpec(model="tiny", backend="native", mode=mode, precision=precision, batch_size=2, seq_len=8,
+                       new_tokens=2, device="cpu", warmup_steps=0, measure_steps=1, layout=job.PIPELINE)
+        with pytest.raises(ValueError) as raised:
+            build_pipelined(spec, job.VARIANTS["tiny"], policy(precision), rank)
+        return str(raised.value)
+
+    assert "--strategy fsdp" in refusal("train", "bf16") and "--tp" in refusal("train", "bf16")
+    assert "--strategy pipeline" in refusal("infer", "nf4")
+
+
 # ---- from the command line -------------------------------------------------------------------------------
 
 def test_the_sweep_gives_every_mode_the_tensor_parallel_layout():
@@ -212,6 +273,54 @@ def test_what_tensor_parallelism_cannot_run_is_refused_before_launch(options, sa
     code, out, err = cli(argv + options, capsys)
     assert code == 2 and says in out + err and "Traceback" not in out + err, out + err
     assert not (tmp_path / "r" / "results.jsonl").exists()
+
+
+@pytest.mark.parametrize("strategy, mode, layout", [
+    ("fsdp", "train", Layout(dp_shard=2, tp=2)), ("fsdp", "forward-backward", Layout(dp_shard=2, tp=2)),
+    ("fsdp", "infer", Layout(tp=2)), ("pipeline", "infer", Layout(pp=2, tp=2)),
+    ("pipeline", "forward", Layout(pp=2, tp=2)),
+])
+def test_tp_makes_a_2d_layout_with_the_strategy(strategy, mode, layout):
+    from fitbench.config import SweepConfig, expand
+
+    config = SweepConfig(models=["tiny"], mode=[mode], precision=["bf16"], gpus=4, strategy=strategy, tp=2)
+    [spec] = expand(config, device="cpu", default_models=["tiny"])
+    assert spec.layout == layout
+
+
+def test_the_seeds_tensor_parallel_size_is_tp_in_yaml(tmp_path):
+    from fitbench.config import load_yaml, merge_sources
+
+    path = tmp_path / "sweep.yaml"
+    path.write_text("gpus: 4\nstrategy: pipeline\ntensor_parallel_size: 2\n")
+    assert merge_sources({}, load_yaml(path), {}).tp == 2
+
+
+@pytest.mark.parametrize("options, says", [
+    (["--gpus", "4", "--strategy", "pipeline", "--tp", "2", "--mode", "train"], "--strategy fsdp --tp 2"),
+    (["--gpus", "3", "--strategy", "fsdp", "--tp", "2"], "--tp 2 does not divide --gpus 3"),
+    (["--gpus", "4", "--strategy", "ddp", "--tp", "2"], "not --strategy ddp"),
+    (["--tp", "2"], "--gpus is 1"),
+    (["--gpus", "4", "--strategy", "tp", "--tp", "2"], "must equal --gpus 4"),
+    (["--gpus", "4", "--strategy", "pipeline", "--tp", "2", "--mode", "infer", "--precision", "nf4"],
+     "leave --tp out"),
+    (["--gpus", "6", "--strategy", "pipeline", "--tp", "3", "--mode", "infer"], "--tp 3 does not divide"),
+])
+def test_every_wrong_tp_combination_is_one_paragraph_and_exit_2(options, says, tmp_path, capsys, monkeypatch):
+    from conftest import cli
+
+    monkeypatch.chdir(tmp_path)
+    code, out, err = cli(["run", "--models", "tiny", "--device", "cpu", "--out", "r"] + options, capsys)
+    assert code == 2 and says in out + err and "Traceback" not in out + err, out + err
+    assert "--tp" in out + err and not (tmp_path / "r" / "results.jsonl").exists()
+
+
+def test_the_planner_launches_tp_x_pipeline_for_inference_only():
+    from fitbench.plan.planner import launchable
+
+    assert launchable(Layout(pp=2, tp=2), "native", "infer") and launchable(Layout(pp=2, tp=2), "native", "forward")
+    assert not launchable(Layout(pp=2, tp=2), "native", "train")
+    assert not launchable(Layout(pp=2, tp=2), "hf", "infer")
 
 
 @slow

@@ -21,7 +21,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Callable
 
 import torch
 import torch.nn.functional as F
@@ -323,23 +323,44 @@ def init_random_weights(module: nn.Module, std: float = 0.02) -> None:
             nn.init.ones_(part.weight)
 
 
+# Given a weight, the function that writes this process's part of the whole weight (its argument) into
+# it, or None when the weight is held whole (``replay_random_weights``).
+ShardWriter = Callable[[torch.Tensor], Callable[[torch.Tensor], None] | None]
+
+
 @torch.no_grad()
-def replay_random_weights(modules: list[nn.Module], device: torch.device | str, std: float = 0.02) -> None:
-    """``init_random_weights`` over ``modules`` in order, of which only some have storage: a weight still
-    on the meta device draws its N(0, std) into scratch of its shape and dtype on ``device`` and drops it,
-    so that the device's generator advances as when every weight is drawn and the weights with storage
-    get what a build of the whole model gives them. The scratch is one buffer as large as the largest
-    skipped weight, reused. Part of a model is built so (a pipeline stage) from the same seed as the
-    whole model, with no broadcast from a rank that holds it all."""
+def replay_random_weights(modules: list[nn.Module], device: torch.device | str, std: float = 0.02,
+                          shard_writer: ShardWriter | None = None) -> None:
+    """``init_random_weights`` over ``modules`` in order, of which only some have storage, or only a
+    shard of it: a weight still on the meta device draws its N(0, std) into scratch of its shape and
+    dtype on ``device`` and drops it, and a weight that ``shard_writer`` says is held as a shard
+    (tensor parallelism: ``fitbench.run.tensor_parallel``) draws the whole weight into that scratch
+    and keeps its own part of it, so that the device's generator advances as when every weight is
+    drawn and the weights with storage get what a build of the whole model gives them. The scratch is
+    one buffer as large as the largest such weight, reused. Part of a model is built so (a pipeline
+    stage, a tensor-parallel rank's shards) from the same seed as the whole model, with no broadcast
+    from a rank that holds it all: every rank draws the same whole weights and keeps its part."""
     parts = [part for module in modules for part in module.modules()]
-    skipped = [part.weight for part in parts if isinstance(part, (nn.Linear, nn.Embedding)) and part.weight.is_meta]
-    scratch = {dtype: torch.empty(max(w.numel() for w in skipped if w.dtype == dtype), dtype=dtype, device=device)
-               for dtype in {w.dtype for w in skipped}}
+    writers = {}
+    for part in parts:
+        if isinstance(part, (nn.Linear, nn.Embedding)) and not part.weight.is_meta and shard_writer is not None:
+            writer = shard_writer(part.weight)
+            if writer is not None:
+                writers[id(part.weight)] = writer
+    drawn = [part.weight for part in parts if isinstance(part, (nn.Linear, nn.Embedding))
+             and (part.weight.is_meta or id(part.weight) in writers)]
+    scratch = {dtype: torch.empty(max(w.numel() for w in drawn if w.dtype == dtype), dtype=dtype, device=device)
+               for dtype in {w.dtype for w in drawn}}
     for part in parts:
         if isinstance(part, (nn.Linear, nn.Embedding)):
             weight = part.weight
-            nn.init.normal_(scratch[weight.dtype][:weight.numel()].view(weight.shape) if weight.is_meta else weight,
-                            mean=0.0, std=std)
+            if weight.is_meta or id(weight) in writers:
+                whole = scratch[weight.dtype][:weight.numel()].view(weight.shape)
+                nn.init.normal_(whole, mean=0.0, std=std)
+                if id(weight) in writers:
+                    writers[id(weight)](whole)
+            else:
+                nn.init.normal_(weight, mean=0.0, std=std)
             bias = getattr(part, "bias", None)
             if bias is not None and not bias.is_meta:
                 nn.init.zeros_(bias)

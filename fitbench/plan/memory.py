@@ -882,6 +882,7 @@ def fsdp_offload_staging(arch: Architecture, w: float, c: float, g: int) -> Term
 
 
 MLP, OUTPUT, BUILD = "prefill MLP", "output projection", "quantizing a layer"
+SHARDS = "building the tensor-parallel shards"
 OUTLIERS = "LLM.int8 outlier columns"
 
 
@@ -972,7 +973,9 @@ def _inference(arch, mode, widths, batch, seq_len, new_tokens, terms, tp, stage=
     fused MLP and final norm (``fitbench.plan.compiled``).
 
     Quantized weights (``precision``) add the moment of the build (``quantizer temporaries``), when no
-    step has run and no KV cache exists yet; 4-bit weights are dequantized to bf16 for each prefill
+    step has run and no KV cache exists yet; so does tensor parallelism of other weights, whose
+    ranks draw each whole weight into one scratch buffer and keep their shards
+    (``fitbench.run.tensor_parallel``): the shards and the largest whole weight; 4-bit weights are dequantized to bf16 for each prefill
     matmul (2 B x the largest matrix, at the MLP); LLM.int8 adds the moment of its outlier columns
     (``int8_outlier_terms``).
 
@@ -987,12 +990,20 @@ def _inference(arch, mode, widths, batch, seq_len, new_tokens, terms, tp, stage=
     layers = len(stage.layers)
     rows = batch if mode == "infer" else n  # infer computes logits for the last position only
     moments = (MLP,) + ((OUTPUT,) if stage.last else ()) + ((OUTLIERS,) if precision == "int8" else ())
+    sharded_build = tp > 1 and precision not in QUANTIZED
+    if sharded_build:
+        # every weight of the whole model is drawn whole into one scratch buffer, of which the rank keeps its shard
+        largest = max(V * h, largest_layer_matrix(arch))
+        terms.append(Term("whole-weight scratch", widths.weights * largest,
+                          f"{widths.weights:g} B x {largest:,}: the largest weight drawn whole while the rank "
+                          f"keeps its shard of it", frozenset({SHARDS})))
     if mode == "infer":
         kv_tp = kv_heads_split(arch, tp)
         cache = kv_cache_bytes(arch, batch, seq_len + new_tokens, widths, kv_tp, backend) * layers / arch.num_layers
         per_token = cache / layers / batch / (seq_len + new_tokens) / 2
         terms.append(Term("KV cache", cache, f"2 x {layers} layers x {per_token:g} B x {batch} x "
-                          f"{seq_len + new_tokens} tokens", frozenset(moments) if precision in QUANTIZED else None))
+                          f"{seq_len + new_tokens} tokens",
+                          frozenset(moments) if precision in QUANTIZED or sharded_build else None))
     if precision == "int8":
         terms += int8_outlier_terms(arch, n, widths, tp)
     if precision in ("nf4", "fp4"):
@@ -1028,4 +1039,5 @@ def _inference(arch, mode, widths, batch, seq_len, new_tokens, terms, tp, stage=
         formula += ", and the output projection's 16-bit copy"
     if stage.last:
         terms.append(Term("output projection", head, formula, frozenset({OUTPUT})))
-    return MemoryEstimate(tuple(terms), moments + ((BUILD,) if precision in QUANTIZED else ()))
+    return MemoryEstimate(tuple(terms), moments + ((BUILD,) if precision in QUANTIZED else ())
+                          + ((SHARDS,) if sharded_build else ()))

@@ -494,8 +494,8 @@ def launch_problem(arch: Architecture, layout: Layout, precision: str, mode: str
     (``fitbench.precisions``: ``data_parallel_problem``, ``tensor_parallel_problem``,
     ``pipeline_problem``); FSDP is the data parallelism beside tensor parallelism (one 2-D mesh), and
     pipeline stages take no data parallelism. Tensor parallelism inside pipeline stages is planned
-    (``--requirements``) but not launched yet: ``launchable`` keeps it from the runs the planner
-    chooses. The hf backend's inference is planned over pipeline stages as
+    in every mode (``--requirements``) and launched for inference and forward: ``launchable`` keeps
+    its training from the runs the planner chooses. The hf backend's inference is planned over pipeline stages as
     accelerate's sequential device map splits it, which the run does not launch yet (it refuses,
     naming the native backend); offload keeps one GPU's or FSDP's layers in host memory, beside
     neither."""
@@ -524,10 +524,12 @@ def launch_problem(arch: Architecture, layout: Layout, precision: str, mode: str
     return None
 
 
-def launchable(layout: Layout, backend: str) -> bool:
-    """Whether ``fitbench run`` launches ``layout`` today, beyond what ``launch_problem`` plans: tensor
-    parallelism inside pipeline stages, and the hf backend over pipeline stages, are not built yet."""
-    return not (layout.tp > 1 and layout.pp > 1) and not (layout.pp > 1 and backend != "native")
+def launchable(layout: Layout, backend: str, mode: str) -> bool:
+    """Whether ``fitbench run`` launches ``layout`` in ``mode`` today, beyond what ``launch_problem``
+    plans: tensor parallelism inside pipeline stages runs inference and forward, not training, and
+    the hf backend over pipeline stages is not built yet."""
+    return not (layout.tp > 1 and layout.pp > 1 and mode in TRAINING_MODES) and \
+        not (layout.pp > 1 and backend != "native")
 
 
 def planner_choices(mode: str, choose_precision: bool, choose_recompute: bool, choose_strategy: bool = False) -> list[str]:
@@ -567,7 +569,7 @@ def predict_spec(arch: Architecture, spec, target: GpuTarget, calibration: Calib
         if ranks == 1 or not choose_strategy:
             return [spec.layout]
         return [layout for layout in layouts_for(arch, spec.mode, ranks, target.node_gpus)
-                if launchable(layout, spec.backend)
+                if launchable(layout, spec.backend, spec.mode)
                 and launch_problem(arch, layout, precision, spec.mode, spec.backend, spec.offload) is None] \
             or [spec.layout]
 

@@ -17,6 +17,13 @@ draws (``build_stage``), so that a pipelined run and a single-process run measur
   In generation each stage keeps the KV cache of its own layers only; the last stage chooses each
   token (greedy) and sends it back to the first, which embeds it for the next decode step.
 
+With tensor parallelism inside the stages (``Layout(pp=S, tp=T)``, inference and ``forward``),
+the mesh is ("pp", "tp"), tp innermost: global rank r holds stage r // T, as tensor-parallel rank
+r % T of it, its shards built as ``fitbench.run.tensor_parallel.build_tensor_parallel`` builds them
+(only the stage's modules). The hidden states are whole on every tensor-parallel rank after a
+layer's row-wise all-reduce, so rank (s, t) sends them to (s + 1, t), and the last stage's rank
+(S - 1, t) sends the token back to (0, t); each rank caches its own kv heads of its stage's layers.
+
 Timing of a generation is the job's, taken on the last stage: every stage leaves a barrier
 together and marks its start, and the last stage's marks fall where each token exists, so its
 time to first token spans every stage's prefill and each of its token latencies a whole round
@@ -39,14 +46,16 @@ from torch.utils.checkpoint import checkpoint
 from fitbench.models.architecture import Architecture
 from fitbench.models.backends import CausalLM
 from fitbench.models.hf import has_weights
-from fitbench.models.native import KVCache, NativeCausalLM, empty_on, materialize, meta_model, replay_random_weights
+from fitbench.models.native import (KVCache, NativeCausalLM, ShardWriter, empty_on, materialize, meta_model,
+                                    replay_random_weights)
 from fitbench.models.registry import is_local_model
-from fitbench.precisions import TRAINING_MODES, PrecisionPolicy, pipeline_problem
+from fitbench.precisions import TRAINING_MODES, PrecisionPolicy, pipeline_problem, tensor_parallel_problem
 from fitbench.run.loops import LEARNING_RATE, chunked_cross_entropy
 from fitbench.run.quality import Quality
 from fitbench.run.quantize import Carried, build_quantized_native
 from fitbench.run.ranks import Rank
 from fitbench.run.timing import DeviceClock
+from fitbench.run.tensor_parallel import build_tensor_parallel, device_mesh, tensor_mesh
 from fitbench.spec import RunSpec, Stage, microbatch_problem
 
 
@@ -78,13 +87,18 @@ def stage_modules(model: NativeCausalLM, stage: Stage) -> list[nn.Module]:
     return parts
 
 
-def build_stage(arch: Architecture, stage: Stage, device: torch.device | str, dtype: torch.dtype) -> NativeCausalLM:
+def build_stage(arch: Architecture, stage: Stage, device: torch.device | str, dtype: torch.dtype,
+                shard: Callable[[NativeCausalLM], ShardWriter] | None = None) -> NativeCausalLM:
     """The native model with only ``stage``'s modules, on ``device`` in ``dtype``, with the weights that
     ``fitbench.models.native.build_native`` draws for them from the same generator state: materialize
     the stage's modules, replay the whole model's random initialization over them
     (``fitbench.models.native.replay_random_weights``), then drop what belongs to other stages. A
-    tied embedding and output projection on two stages are two copies, drawn alike."""
+    tied embedding and output projection on two stages are two copies, drawn alike. ``shard``: tensor
+    parallelism, applied to the model while it is on the meta device, so that only this rank's
+    shards get storage; it returns how each weight's shard is written from the whole weight
+    (``fitbench.run.tensor_parallel.build_tensor_parallel``)."""
     model = meta_model(arch, dtype)
+    writer = shard(model) if shard is not None else None
     tied = arch.tie_embeddings
     embedding = model.model.embed_tokens
     if tied and stage.first:
@@ -99,7 +113,7 @@ def build_stage(arch: Architecture, stage: Stage, device: torch.device | str, dt
     if tied and stage.first:
         model.lm_head.weight = embedding.weight
     model.rope_cos, model.rope_sin = empty_on(model.rope_cos, device), empty_on(model.rope_sin, device)
-    replay_random_weights([model], device)
+    replay_random_weights([model], device, shard_writer=writer)
     model.reset_rope()
     _prune(model, stage)
     return model
@@ -143,21 +157,27 @@ class PipelineLM(CausalLM):
     """One rank's stage of a pipelined native model, with what the worker's loops call: a training
     step (``make_step``) and a generation (``generator``), both of which every stage of the job runs
     at once. ``hidden_dtype``: the dtype of the hidden states between stages (the weights' dtype,
-    which the residual stream keeps under autocast too)."""
+    which the residual stream keeps under autocast too). ``tp``: the tensor-parallel ranks of each
+    stage (module docstring), ``stage_group`` the process group of this rank's pipeline, one rank per
+    stage (None: every rank of the job)."""
 
     def __init__(self, module: NativeCausalLM, stage: Stage, rank: Rank, cache_dtype: torch.dtype,
-                 hidden_dtype: torch.dtype):
+                 hidden_dtype: torch.dtype, tp: int = 1, stage_group=None, tensor_parallel: dict | None = None):
         self.module = module
         self.stage = stage
         self.rank = rank
         self.cache_dtype = cache_dtype
         self.hidden_dtype = hidden_dtype
+        self.tp = tp
+        self.stage_group = stage_group
+        self.tensor_parallel = tensor_parallel
         self.cache: KVCache | None = None
         self.position = 0
         # the first and last stages' copies of a tied embedding sum their gradients in a group of their
-        # own; every rank takes part in making a group, whichever ranks it holds
+        # own (training, which runs without tensor parallelism); every rank takes part in making a
+        # group, whichever ranks it holds
         self.tied_group = None
-        if module.config.tie_embeddings and stage.count > 1 and dist.is_initialized():
+        if module.config.tie_embeddings and stage.count > 1 and dist.is_initialized() and tp == 1:
             first, last = rank.rank - stage.index, rank.rank - stage.index + stage.count - 1
             self.tied_group = dist.new_group([first, last])
 
@@ -167,29 +187,33 @@ class PipelineLM(CausalLM):
 
     @property
     def previous(self) -> int:
-        return self.rank.rank - 1
+        return self.rank.rank - self.tp
 
     @property
     def next(self) -> int:
-        return self.rank.rank + 1
+        return self.rank.rank + self.tp
 
     @property
     def first_rank(self) -> int:
-        return self.rank.rank - self.stage.index
+        return self.rank.rank - self.stage.index * self.tp
 
     @property
     def last_rank(self) -> int:
-        return self.first_rank + self.stage.count - 1
+        return self.first_rank + (self.stage.count - 1) * self.tp
 
     def parameter_count(self) -> int:
-        return sum(p.numel() for p in {id(p): p for p in self.module.parameters()}.values())
+        """The stage's parameters this rank holds (its shards under tensor parallelism)."""
+        unique = {id(p): p for p in self.module.parameters()}.values()
+        return sum((p.to_local() if hasattr(p, "to_local") else p).numel() for p in unique)
 
     def applied(self, microbatches: int | None) -> dict[str, Any]:
         """What the row's ``parallel`` records of this rank's stage."""
-        return {"strategy": "pipeline", "world_size": self.rank.world_size, "stages": self.stage.count,
-                "schedule": "GPipe" if microbatches else None, "microbatches": microbatches,
+        return {"strategy": "pipeline" if self.tp == 1 else "tp+pipeline", "world_size": self.rank.world_size,
+                "stages": self.stage.count, "schedule": "GPipe" if microbatches else None,
+                "microbatches": microbatches,
                 "stage": {**self.stage.as_dict(), "rank": self.rank.rank, "params": self.parameter_count()},
-                "initial_weights": "drawn per stage as the single-process build of the same seed draws them"}
+                "initial_weights": "drawn per stage as the single-process build of the same seed draws them",
+                **(self.tensor_parallel or {})}
 
     def logits(self, tokens: torch.Tensor) -> torch.Tensor:
         raise NotImplementedError("a pipeline stage holds part of the model: its logits exist on the last stage "
@@ -244,7 +268,8 @@ class PipelineLM(CausalLM):
         if self.cache is None or (self.cache.batch, self.cache.max_len) != (B, max_len):
             self.cache = None
             config = dataclasses.replace(self.module.config, n_layers=len(self.stage.layers))
-            self.cache = KVCache(config, B, max_len, self.cache_dtype, self.device)
+            kv_heads = self.module.model.layers[self.stage.layers[0]].self_attn.n_kv_heads
+            self.cache = KVCache(config, B, max_len, self.cache_dtype, self.device, kv_heads)
         self.position = T
         return self._pass_on(tokens, 0, last_only=True)
 
@@ -265,9 +290,9 @@ class PipelineLM(CausalLM):
         return 2 * (position + 1) * self.cache.keys[:, :, :, 0].numel() * self.cache.keys.element_size()
 
     def summed_over_stages(self, *values: float) -> list[float]:
-        """Each of ``values`` summed over the ranks of the job, its pipeline stages (a collective)."""
+        """Each of ``values`` summed over the stages of this rank's pipeline (a collective of the job)."""
         totals = torch.tensor(values, dtype=torch.float64, device=self.device)
-        dist.all_reduce(totals)
+        dist.all_reduce(totals, group=self.stage_group)
         return totals.tolist()
 
     # -- the workloads
@@ -358,10 +383,22 @@ def build_pipelined(spec: RunSpec, arch: Architecture, policy: PrecisionPolicy, 
     if is_local_model(spec.model) and has_weights(spec.model):
         problem = problem or (f"pipeline stages draw random weights stage by stage; {spec.model} holds a "
                               f"checkpoint, which they do not load: run it without --strategy pipeline")
+    tp = spec.layout.tp
+    if tp > 1:
+        problem = problem or tensor_parallel_problem(spec.precision, spec.mode, spec.backend)
+        if spec.mode in TRAINING_MODES:
+            problem = problem or (f"tensor parallelism inside pipeline stages runs inference and forward; for "
+                                  f"{spec.mode}, combine --tp with --strategy fsdp, or use --strategy pipeline "
+                                  f"without --tp")
     if problem:
         raise ValueError(problem)
     stages = spec.layout.pp
-    stage = Stage.of(arch.num_layers, rank.rank % stages, stages)
+    stage = Stage.of(arch.num_layers, rank.rank // tp, stages)
+    if tp > 1:
+        mesh = device_mesh(spec.layout, rank.device.type)
+        module, applied = build_tensor_parallel(arch, stage, tensor_mesh(mesh), rank.device, policy.weight_dtype)
+        return PipelineLM(module, stage, rank, cache_dtype=policy.compute_dtype, hidden_dtype=policy.weight_dtype,
+                          tp=tp, stage_group=mesh["pp"].get_group(), tensor_parallel=applied), None
     if not policy.quantized:
         module = build_stage(arch, stage, rank.device, policy.weight_dtype)
         return PipelineLM(module, stage, rank, cache_dtype=policy.compute_dtype, hidden_dtype=policy.weight_dtype), None

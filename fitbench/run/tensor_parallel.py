@@ -23,12 +23,14 @@ replicated and every rank computes all kv heads, keeps those its own query heads
 those (``kv_heads_of_rank``). In training each rank's gradients then reach only the heads it kept, so
 their sum over the ranks is the gradient, summed in the backward pass (``_sum_gradients``).
 
-Every rank starts from rank 0's weights, broadcast before they are sharded, as data parallelism does
-(``fitbench.run.parallel``): a TP job's logits are then a single process's with the same weights. So
-each rank builds the whole model first, and until ``parallelize_tensor`` has sharded it holds every
-weight in its build dtype: a start-up peak of the whole model's weights per GPU, as under FSDP, which
-a model larger than one GPU cannot pass (building each part on the meta device and materializing
-only its shard would, with weights that no longer match a single process's draw).
+No rank ever holds the whole model (``build_tensor_parallel``): the model is made on the meta
+device, sharded there (``parallelize_tensor``, as torchtitan does), and only the local shards get
+storage; then every rank draws the whole model's random weights from the same seed in the order a
+single process draws them, each weight into one scratch buffer, and keeps its own part of each
+(``fitbench.models.native.replay_random_weights`` with ``write_shard``). The ranks draw identical
+weights, so nothing is broadcast, and a TP job's logits are a single process's of the same seed. The
+peak of a rank during the build is its shards plus that scratch, one whole weight, the largest
+(the embedding's, for a large vocabulary), as the planner counts it.
 
 The decode step stays one static-shaped function of device tensors (``NativeCausalLM.decode_step``):
 its collectives are NCCL calls on the current stream, which a CUDA graph captures with the kernels,
@@ -37,30 +39,38 @@ so ``fitbench.models.graphs`` captures it under TP as on one GPU.
 
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, Callable
 
 import torch
 from torch import nn
 
-from fitbench.models.backends import CausalLM
+from fitbench.models.backends import CausalLM, NativeLM
 from fitbench.models.native import NativeCausalLM
 from fitbench.precisions import TRAINING_MODES, PrecisionPolicy, tensor_parallel_problem
-from fitbench.run.parallel import broadcast_weights, parallelize
+from fitbench.run.parallel import parallelize
 from fitbench.run.ranks import Rank
-from fitbench.spec import Layout, LayoutError
+from fitbench.spec import Layout, LayoutError, Stage
 
 
 def device_mesh(layout: Layout, device_type: str):
-    """The job's mesh: ("tp",) over every rank, or ("dp_shard", "tp") for FSDP x TP, the tensor-parallel
-    ranks innermost (consecutive global ranks, one node's fast links under torchrun)."""
+    """The job's mesh: ("tp",) over every rank, ("dp_shard", "tp") for FSDP x TP or ("pp", "tp") for
+    TP inside pipeline stages, the tensor-parallel ranks innermost (consecutive global ranks, one
+    node's fast links under torchrun)."""
     from torch.distributed.device_mesh import init_device_mesh
 
-    if layout.dp_replicate > 1 or layout.pp > 1:
-        raise LayoutError(f"tensor parallelism combines here with FSDP only; {layout.label} also asks for "
-                          f"{'DDP' if layout.dp_replicate > 1 else 'pipeline stages'}")
+    if layout.dp_replicate > 1 or (layout.pp > 1 and layout.dp_shard > 1):
+        raise LayoutError(f"tensor parallelism combines here with FSDP or with pipeline stages, one of them; "
+                          f"{layout.label} asks for more")
+    if layout.pp > 1:
+        return init_device_mesh(device_type, (layout.pp, layout.tp), mesh_dim_names=("pp", "tp"))
     if layout.dp_shard == 1:
         return init_device_mesh(device_type, (layout.tp,), mesh_dim_names=("tp",))
     return init_device_mesh(device_type, (layout.dp_shard, layout.tp), mesh_dim_names=("dp_shard", "tp"))
+
+
+def tensor_mesh(mesh):
+    """The "tp" dimension of a job's mesh (``device_mesh``)."""
+    return mesh["tp"] if mesh.ndim > 1 else mesh
 
 
 def data_parallel_rank(layout: Layout, rank: int) -> int:
@@ -97,10 +107,12 @@ def split_heads(n_heads: int, n_kv_heads: int, tp: int, tp_rank: int) -> list[in
     return None if n_kv_heads % tp == 0 else kv_heads_of_rank(n_heads, n_kv_heads, tp, tp_rank)
 
 
-def parallelize_tensor(model: NativeCausalLM, mesh, *, sequence_parallel: bool = False) -> dict[str, Any]:
-    """Shard ``model`` in place over ``mesh`` (1-D, the tensor-parallel ranks; every rank of the job
-    calls it, after the build and before activation checkpointing, compile and FSDP); return what was
-    applied. Raises ``LayoutError`` when the query heads do not divide by the degree."""
+def parallelize_tensor(model: NativeCausalLM, mesh, device: torch.device | str, *,
+                       sequence_parallel: bool = False) -> dict[str, Any]:
+    """Shard ``model``, still on the meta device, in place over ``mesh`` (1-D, the tensor-parallel
+    ranks; every rank of the job calls it, before its weights get storage on ``device`` and before
+    activation checkpointing, compile and FSDP); return what was applied. Raises ``LayoutError``
+    when the query heads do not divide by the degree."""
     from torch.distributed.tensor import Replicate, Shard
     from torch.distributed.tensor.parallel import (ColwiseParallel, PrepareModuleInput, RowwiseParallel,
                                                    SequenceParallel, parallelize_module)
@@ -108,7 +120,6 @@ def parallelize_tensor(model: NativeCausalLM, mesh, *, sequence_parallel: bool =
     config, tp = model.config, mesh.size()
     kv_heads = split_heads(config.n_heads, config.n_kv_heads, tp, mesh.get_local_rank())
     kv_sharded = kv_heads is None
-    broadcast_weights(model)
     sequence = Shard(1)
     row_output = {"output_layouts": sequence} if sequence_parallel else {}
     for layer in model.model.layers:
@@ -119,7 +130,7 @@ def parallelize_tensor(model: NativeCausalLM, mesh, *, sequence_parallel: bool =
         if kv_sharded:
             plan |= {"self_attn.k_proj": ColwiseParallel(), "self_attn.v_proj": ColwiseParallel()}
         else:
-            keep = torch.tensor(kv_heads, device=attention.k_proj.weight.device)
+            keep = torch.tensor(kv_heads, device=device)
             for projection in (attention.k_proj, attention.v_proj):
                 projection.register_forward_hook(_keep_heads(keep, attention.head_dim, mesh))
         if sequence_parallel:
@@ -131,7 +142,7 @@ def parallelize_tensor(model: NativeCausalLM, mesh, *, sequence_parallel: bool =
                                                      use_local_output=True),
                      "mlp": PrepareModuleInput(input_layouts=(sequence,), desired_input_layouts=(Replicate(),),
                                                use_local_output=True)}
-        parallelize_module(layer, mesh, plan, src_data_rank=None)  # the weights already are rank 0's
+        parallelize_module(layer, mesh, plan, src_data_rank=None)  # meta: nothing to send
         attention.n_heads = config.n_heads // tp
         attention.n_kv_heads = config.n_kv_heads // tp if kv_sharded else len(kv_heads)
     root = {"model.embed_tokens": RowwiseParallel(input_layouts=Replicate(), **row_output),
@@ -147,6 +158,40 @@ def parallelize_tensor(model: NativeCausalLM, mesh, *, sequence_parallel: bool =
             "kv_heads": "sharded" if kv_sharded else "replicated",
             "kv_heads_per_rank": model.model.layers[0].self_attn.n_kv_heads,
             "query_heads_per_rank": config.n_heads // tp}
+
+
+def write_shard(weight: torch.Tensor) -> Callable[[torch.Tensor], None] | None:
+    """For ``fitbench.models.native.replay_random_weights``: for a DTensor weight, the function that
+    copies this rank's part of the whole weight into its local shard (cut locally, ``src_data_rank``
+    None: every rank holds the same whole weight, nothing is sent); None for a weight held whole."""
+    from torch.distributed.tensor import DTensor, distribute_tensor
+
+    if not isinstance(weight, DTensor):
+        return None
+
+    def write(whole: torch.Tensor) -> None:
+        part = distribute_tensor(whole, weight.device_mesh, weight.placements, src_data_rank=None)
+        weight.to_local().copy_(part.to_local())
+
+    return write
+
+
+def build_tensor_parallel(arch, stage: Stage, mesh, device: torch.device | str, dtype: torch.dtype, *,
+                          sequence_parallel: bool = False) -> tuple[NativeCausalLM, dict[str, Any]]:
+    """This rank's shards of ``stage``'s modules (the whole model when ``stage`` is the only one),
+    sharded over ``mesh`` (the "tp" ranks) with the weights of the single-process build of the same
+    seed, and what was applied (module docstring: no rank holds more than its shards and one whole
+    weight of scratch)."""
+    from fitbench.run.pipeline import build_stage
+
+    applied: dict[str, Any] = {}
+
+    def shard(model: NativeCausalLM):
+        applied.update(parallelize_tensor(model, mesh, device, sequence_parallel=sequence_parallel))
+        return write_shard
+
+    model = build_stage(arch, stage, device, dtype, shard=shard)
+    return model, {**applied, "initial_weights": "drawn on every rank from the seed, each keeping its shards"}
 
 
 def _keep_heads(heads: torch.Tensor, head_dim: int, mesh):
@@ -170,27 +215,14 @@ def _sum_gradients(tensor: torch.Tensor, mesh) -> torch.Tensor:
     return DTensor.from_local(tensor, mesh, [Replicate()], run_check=False).to_local(grad_placements=[Partial()])
 
 
-def parallelize_layout(lm: CausalLM, layout: Layout, policy: PrecisionPolicy, mode: str, seq_len: int, rank: Rank,
-                       *, activation_checkpointing: bool = False, compile: bool = False,
+def parallelize_layout(lm: CausalLM, layout: Layout, policy: PrecisionPolicy, mode: str, rank: Rank, mesh,
+                       applied: dict[str, Any], *, activation_checkpointing: bool = False, compile: bool = False,
                        offload: bool = False) -> dict[str, Any]:
-    """Apply ``layout`` (tensor parallelism, alone or under FSDP) to ``lm`` in torchtitan's order:
-    tensor parallel, then activation checkpointing, per-layer compile and FSDP over the "dp_shard"
-    dimension (``fitbench.run.parallel.parallelize``); return what was applied, for the result row.
-
-    Sequence parallelism is on in training (train, forward-backward) where ``seq_len`` divides by
-    the degree: it is there that the norms' and residuals' activations are kept for a backward pass.
-    """
-    backend = "native" if isinstance(lm.module, NativeCausalLM) else "hf"
-    problem = tensor_parallel_problem(policy.name, mode, backend)
-    if problem:
-        raise ValueError(problem)
-    mesh = device_mesh(layout, rank.device.type)
-    tp_mesh = mesh["tp"] if layout.dp_shard > 1 else mesh
-    model: NativeCausalLM = lm.module
-    sequence_parallel = mode in TRAINING_MODES and seq_len % layout.tp == 0
-    applied = parallelize_tensor(model, tp_mesh, sequence_parallel=sequence_parallel)
-    applied = {"strategy": layout.strategy, "world_size": rank.world_size, **applied,
-               "initial_weights": "rank 0's, broadcast"}
+    """The rest of ``layout`` on ``lm``, whose tensor parallelism ``build_tensor_parallel`` applied
+    (``applied``) over ``mesh`` (``device_mesh``), in torchtitan's order: activation checkpointing,
+    per-layer compile and FSDP over the "dp_shard" dimension (``fitbench.run.parallel.parallelize``);
+    return what was applied, for the result row."""
+    applied = {"strategy": layout.strategy, "world_size": rank.world_size, **applied}
     if layout.dp_shard > 1:
         return {**parallelize(lm, "fsdp", policy, mode, rank, activation_checkpointing=activation_checkpointing,
                               compile=compile, offload=offload, mesh=mesh["dp_shard"]), **applied}
@@ -199,3 +231,19 @@ def parallelize_layout(lm: CausalLM, layout: Layout, policy: PrecisionPolicy, mo
     if compile:
         lm.compile()
     return {**applied, "activation_checkpointing": activation_checkpointing, "compile": compile}
+
+
+def build_layout(arch, layout: Layout, policy: PrecisionPolicy, mode: str, seq_len: int, rank: Rank, *,
+                 backend: str = "native", cuda_graphs: bool = False) -> tuple[NativeLM, Any, dict[str, Any]]:
+    """This rank's tensor-parallel model of ``layout`` (TP alone or under FSDP), its mesh and what was
+    applied. Sequence parallelism is on in training (train, forward-backward) where ``seq_len``
+    divides by the degree: it is there that the norms' and residuals' activations are kept for a
+    backward pass."""
+    problem = tensor_parallel_problem(policy.name, mode, backend)
+    if problem:
+        raise ValueError(problem)
+    mesh = device_mesh(layout, rank.device.type)
+    sequence_parallel = mode in TRAINING_MODES and seq_len % layout.tp == 0
+    module, applied = build_tensor_parallel(arch, Stage.of(arch.num_layers, 0, 1), tensor_mesh(mesh), rank.device,
+                                            policy.weight_dtype, sequence_parallel=sequence_parallel)
+    return NativeLM(module, cache_dtype=policy.compute_dtype, cuda_graphs=cuda_graphs), mesh, applied

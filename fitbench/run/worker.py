@@ -23,6 +23,7 @@ import traceback
 from dataclasses import dataclass
 from datetime import timedelta
 from pathlib import Path
+from typing import Any
 
 import torch
 
@@ -48,7 +49,7 @@ from fitbench.inject import injected, injected_memory_limit, injected_value
 from fitbench.run.phases import PhaseLog, rank_result_path
 from fitbench.run.ranks import Rank, gather_json, process_group
 from fitbench.run.sanity import Verdict, non_finite_figures, non_finite_steps, read, warmup_warning
-from fitbench.run.tensor_parallel import data_parallel_rank, parallelize_layout
+from fitbench.run.tensor_parallel import build_layout, data_parallel_rank, parallelize_layout
 from fitbench.run.timing import DeviceClock, first_call_seconds, run_stages, time_steps
 from fitbench.run.trackers import NvmlSampler, memory_report
 from fitbench.spec import Assignment, RunSpec
@@ -151,6 +152,8 @@ def measure(assignment: Assignment, device: torch.device, scratch: Path, rank: R
     emit(phase="build")
     if spec.layout.pp > 1:  # the stages make a process group together, and pass a quantized build's probe on
         phases.enter("building its pipeline stage", collective=True)
+    elif spec.layout.tp > 1:  # the ranks make the device mesh together
+        phases.enter("building its tensor-parallel shards", collective=True)
     else:
         phases.enter("building its model", collective=False)
     started = time.perf_counter()
@@ -186,12 +189,11 @@ def measure(assignment: Assignment, device: torch.device, scratch: Path, rank: R
     parallel = None
     if spec.layout.pp > 1:
         parallel = built.lm.applied(spec.pipeline_microbatches if spec.mode in TRAINING_MODES else None)
-    if spec.layout.tp > 1:
-        phases.enter(f"applying {spec.layout.strategy}, which broadcasts rank 0's weights", collective=True)
-        parallel = parallelize_layout(lm, spec.layout, policy, spec.mode, spec.seq_len, rank,
+    if spec.layout.tp > 1 and spec.layout.pp == 1:
+        phases.enter(f"applying {spec.layout.strategy}", collective=True)
+        parallel = parallelize_layout(lm, spec.layout, policy, spec.mode, rank, built.mesh, built.parallel,
                                       activation_checkpointing=spec.activation_checkpointing, compile=spec.compile,
                                       offload=spec.fsdp_offload)
-        # the build measured the whole model; the rank keeps its shards
         weight_bytes, weight_method = weight_storage_bytes(lm.module), "parameter storage of this rank's shards"
     elif spec.layout.data_parallel > 1:
         phases.enter(f"applying {spec.layout.strategy}, which broadcasts rank 0's weights", collective=True)
@@ -269,6 +271,8 @@ class Built:
     training: dict | None = None
     adapter_params: int | None = None
     offload: Offload | None = None
+    mesh: Any = None  # tensor parallelism's device mesh, and what it applied
+    parallel: dict | None = None
 
 
 def offload_row(offload: Offload, timing: dict, mode: str) -> dict:
@@ -293,6 +297,13 @@ def build(assignment: Assignment, arch, policy, device: torch.device, scratch: P
             raise RefusedError(problem)
         probe = random_tokens(arch.vocab_size, 1, min(spec.seq_len, PROBE_TOKENS), device, spec.seed + 1)
         return Built(*build_pipelined(spec, arch, policy, rank, probe if policy.quantized else None))
+    if spec.layout.tp > 1:
+        if model_path is not None and has_weights(model_path):
+            raise ValueError(f"tensor-parallel ranks draw random weights shard by shard; {model_path} holds a "
+                             f"checkpoint, which they do not load: run it without --strategy tp")
+        lm, mesh, applied = build_layout(arch, spec.layout, policy, spec.mode, spec.seq_len, rank,
+                                         backend=spec.backend, cuda_graphs=spec.cuda_graphs)
+        return Built(lm, mesh=mesh, parallel=applied)
     if not policy.quantized:
         return Built(load_model(arch, spec.backend, device, policy.weight_dtype, model_path=model_path,
                                 compute_dtype=policy.compute_dtype, cuda_graphs=spec.cuda_graphs))
