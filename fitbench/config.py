@@ -14,10 +14,11 @@ import yaml
 from pydantic import BaseModel, ConfigDict, Field, StrictBool, ValidationError, field_validator, model_validator
 
 from fitbench.errors import UserError, excerpt
-from fitbench.models.architecture import backend_error, default_backend
+from fitbench.models.architecture import Architecture, backend_error, default_backend
 from fitbench.models.registry import resolve
 from fitbench.precisions import (DATA_PARALLEL_STRATEGIES, PRECISIONS, TRAINING_MODES, data_parallel_problem,
-                                 offload_problem, pipeline_problem, tensor_parallel_problem, training_problem,
+                                 offload_problem, pipeline_problem, tensor_parallel_heads_problem,
+                                 tensor_parallel_problem, training_problem,
                                  trains_every_weight)
 from fitbench.spec import Layout, Mode, Precision, RunSpec, microbatch_problem
 
@@ -237,7 +238,7 @@ def expand(config: SweepConfig, *, device: str, default_models: list[str]) -> li
                 if mode in TRAINING_MODES and training_problem(precision):
                     raise UserError(f"precision: {training_problem(precision)}; or use --mode infer or forward "
                                     f"with {precision}.")
-                layout = _layout(config, mode, precision, backend, arch.num_heads)
+                layout = _layout(config, mode, precision, backend, arch)
                 problem = offload_problem(mode, precision, backend, config.compile,
                                           layout.strategy) if config.offload else None
                 if problem:
@@ -265,18 +266,16 @@ def expand(config: SweepConfig, *, device: str, default_models: list[str]) -> li
     return specs
 
 
-def _layout(config: SweepConfig, mode: str, precision: str, backend: str, heads: int) -> Layout:
+def _layout(config: SweepConfig, mode: str, precision: str, backend: str, arch: Architecture) -> Layout:
     """The layout of a job of ``config.gpus`` ranks: the strategy asked for, or under ``auto`` the first of
     DDP and FSDP that composes with the configuration (the planner may choose the other by predicted
     throughput where it plans: ``fitbench.plan.planner``). Generation runs in one process: data
     parallelism has nothing to average or shard in it; tensor parallelism (``tp``) runs every mode,
-    over a degree that divides the model's ``heads``. With ``offload``, FSDP, whose CPU offload it is
+    over a degree that divides the heads of ``arch``. With ``offload``, FSDP, whose CPU offload it is
     (DDP has none). Raises UserError when none composes."""
     if config.strategy == "tp" and config.gpus > 1:
-        problem = tensor_parallel_problem(precision, mode, backend)
-        if problem is None and heads % config.gpus:
-            problem = (f"tensor parallelism splits whole attention heads, and {config.gpus} ranks do not divide the "
-                       f"model's {heads}: use --gpus that divides {heads}, or --strategy pipeline")
+        problem = (tensor_parallel_problem(precision, mode, backend, arch.family)
+                   or tensor_parallel_heads_problem(arch.num_heads, arch.num_kv_heads, config.gpus, backend))
         if problem:
             raise UserError(f"strategy: {mode} {precision} under --strategy tp: {problem}.")
         return Layout.of_strategy("tp", config.gpus)

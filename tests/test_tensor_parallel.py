@@ -51,11 +51,12 @@ def test_quantized_precisions_are_refused_with_pipeline_as_the_way_out(precision
         assert problem.count(". ") == 0 and not problem.endswith(".")
 
 
-def test_floating_point_precisions_run_in_every_mode_on_the_native_backend_only():
+def test_floating_point_precisions_run_in_every_mode_on_both_backends_where_the_family_has_a_plan():
     for precision in set(PRECISIONS) - set(QUANTIZED_PRECISIONS):
         for mode in ("train", "forward-backward", "forward", "infer"):
             assert tensor_parallel_problem(precision, mode) is None
-    assert "--backend native" in tensor_parallel_problem("bf16", "infer", "hf")
+            assert tensor_parallel_problem(precision, mode, "hf") is None
+    assert "--strategy pipeline" in tensor_parallel_problem("bf16", "infer", "hf", "falcon")
 
 
 def test_the_tensor_parallel_ranks_of_a_data_parallel_group_draw_one_batch():
@@ -201,7 +202,7 @@ def test_the_sweep_gives_every_mode_the_tensor_parallel_layout():
 @pytest.mark.parametrize("options, says", [
     (["--precision", "nf4"], "nf4 weights cannot be sharded"),
     (["--gpus", "3"], "3 ranks do not divide the model's 8"),
-    (["--backend", "hf"], "--backend native"),
+    (["--backend", "hf", "--gpus", "8"], "by whole kv heads"),
 ])
 def test_what_tensor_parallelism_cannot_run_is_refused_before_launch(options, says, tmp_path, capsys, monkeypatch):
     from conftest import cli

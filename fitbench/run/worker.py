@@ -38,6 +38,7 @@ from fitbench.processes import end_own_tree, rank_token, tie_to_parent
 from fitbench.results.row import Measurement
 from fitbench.run.adapters import add_adapters
 from fitbench.run.aggregate import combine
+from fitbench.run.hf_tensor_parallel import parallelize_hf_layout
 from fitbench.run.loops import generate, make_step, random_tokens, read_generation
 from fitbench.run.metrics import inference_metrics, step_metrics
 from fitbench.run.parallel import data_seed, parallelize
@@ -188,9 +189,14 @@ def measure(assignment: Assignment, device: torch.device, scratch: Path, rank: R
         parallel = built.lm.applied(spec.pipeline_microbatches if spec.mode in TRAINING_MODES else None)
     if spec.layout.tp > 1:
         phases.enter(f"applying {spec.layout.strategy}, which broadcasts rank 0's weights", collective=True)
-        parallel = parallelize_layout(lm, spec.layout, policy, spec.mode, spec.seq_len, rank,
-                                      activation_checkpointing=spec.activation_checkpointing, compile=spec.compile,
-                                      offload=spec.fsdp_offload)
+        if spec.backend == "hf":
+            parallel = parallelize_hf_layout(lm, spec.layout, policy, spec.mode, rank,
+                                             activation_checkpointing=spec.activation_checkpointing,
+                                             compile=spec.compile)
+        else:
+            parallel = parallelize_layout(lm, spec.layout, policy, spec.mode, spec.seq_len, rank,
+                                          activation_checkpointing=spec.activation_checkpointing,
+                                          compile=spec.compile, offload=spec.fsdp_offload)
         # the build measured the whole model; the rank keeps its shards
         weight_bytes, weight_method = weight_storage_bytes(lm.module), "parameter storage of this rank's shards"
     elif spec.layout.data_parallel > 1:
