@@ -293,7 +293,8 @@ def data_parallel_problem(strategy: str, precision: str, mode: str, backend: str
 HF_TENSOR_PARALLEL_FAMILIES = ("llama",)
 
 
-def tensor_parallel_problem(precision: str, mode: str, backend: str = "native", family: str = "llama") -> str | None:
+def tensor_parallel_problem(precision: str, mode: str, backend: str = "native",
+                            family: str | None = None) -> str | None:
     """Why tensor parallelism cannot run ``precision`` in ``mode`` with ``backend`` on a model of
     ``family``, in one sentence with the way out; None when it can: the floating-point precisions, in
     every mode, on the native decoder (``fitbench.run.tensor_parallel``) and on transformers' models
@@ -304,10 +305,12 @@ def tensor_parallel_problem(precision: str, mode: str, backend: str = "native", 
     stops DDP's broadcast and FSDP's sharding of them), and a bitsandbytes weight (int8, nf4, fp4)
     carries its scales and block state beside its data, which a shard of it would not. fp8 training
     would need torchao's own float8 tensor-parallel styles. Pipeline stages split a model by layers
-    and leave each layer's weights whole."""
+    and leave each layer's weights whole. The hf backend's answer depends on the model's ``family``;
+    without one it is refused."""
     if backend != "native" and family not in HF_TENSOR_PARALLEL_FAMILIES:
-        return (f"transformers has no tensor-parallel plan for {family} models: split the model over GPUs by "
-                f"layers with --strategy pipeline (--mode infer or forward)")
+        whose = f"{family} models" if family else "a model of unnamed family"
+        return (f"transformers has no tensor-parallel plan for {whose}: split the model over GPUs by layers with "
+                f"--strategy pipeline (--mode infer or forward)")
     way_out = "split the model over GPUs by layers with --strategy pipeline, or use bf16 under --strategy tp"
     if precision == "fp8" and mode in TRAINING_MODES:
         return (f"fp8 training's float8 matmuls take tensor-parallel shards only through torchao's own float8 "

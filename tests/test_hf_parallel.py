@@ -32,6 +32,7 @@ def test_llama_family_models_run_under_transformers_plan_in_every_mode():
     for mode in ("infer", "forward", "forward-backward", "train"):
         assert tensor_parallel_problem("bf16", mode, "hf", "llama") is None
     assert "nf4 weights cannot be sharded" in tensor_parallel_problem("nf4", "infer", "hf", "llama")
+    assert "unnamed family" in tensor_parallel_problem("bf16", "infer", "hf")  # the model's family decides
 
 
 def test_the_plan_needs_kv_heads_that_divide_by_the_degree_where_the_native_decoder_replicates_them():

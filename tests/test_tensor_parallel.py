@@ -55,7 +55,7 @@ def test_floating_point_precisions_run_in_every_mode_on_both_backends_where_the_
     for precision in set(PRECISIONS) - set(QUANTIZED_PRECISIONS):
         for mode in ("train", "forward-backward", "forward", "infer"):
             assert tensor_parallel_problem(precision, mode) is None
-            assert tensor_parallel_problem(precision, mode, "hf") is None
+            assert tensor_parallel_problem(precision, mode, "hf", "llama") is None
     assert "--strategy pipeline" in tensor_parallel_problem("bf16", "infer", "hf", "falcon")
 
 

@@ -71,11 +71,12 @@ def parallelize_hf_tensor(model: nn.Module, tp: int, device_type: str) -> dict[s
             "plan": "transformers' base_model_tp_plan"}
 
 
-def parallelize_hf_layout(lm: CausalLM, layout: Layout, policy: PrecisionPolicy, mode: str, rank: Rank, *,
-                          activation_checkpointing: bool = False, compile: bool = False) -> dict[str, Any]:
+def parallelize_hf_layout(lm: CausalLM, layout: Layout, policy: PrecisionPolicy, mode: str, rank: Rank,
+                          family: str, *, activation_checkpointing: bool = False,
+                          compile: bool = False) -> dict[str, Any]:
     """Apply ``layout``, tensor parallelism over every rank of the job, to the transformers model of
-    ``lm``, then activation checkpointing and compile; return what was applied."""
-    problem = tensor_parallel_problem(policy.name, mode, "hf")
+    ``lm`` (fitbench's ``family``), then activation checkpointing and compile; return what was applied."""
+    problem = tensor_parallel_problem(policy.name, mode, "hf", family)
     if problem:
         raise ValueError(problem)
     if layout.tp != layout.world_size:

@@ -190,7 +190,7 @@ def measure(assignment: Assignment, device: torch.device, scratch: Path, rank: R
     if spec.layout.tp > 1:
         phases.enter(f"applying {spec.layout.strategy}, which broadcasts rank 0's weights", collective=True)
         if spec.backend == "hf":
-            parallel = parallelize_hf_layout(lm, spec.layout, policy, spec.mode, rank,
+            parallel = parallelize_hf_layout(lm, spec.layout, policy, spec.mode, rank, arch.family,
                                              activation_checkpointing=spec.activation_checkpointing,
                                              compile=spec.compile)
         else:
