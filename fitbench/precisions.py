@@ -237,11 +237,17 @@ _TORCHAO_INFERENCE = ("int8-dynamic", "int4", "fp8", "fp8-block")
 
 def pipeline_problem(precision: str, mode: str, backend: str = "native") -> str | None:
     """Why pipeline stages cannot run this configuration, in one sentence with the way out; None
-    when they can."""
+    when they can. The native decoder's stages are ranks of a torchrun job (``fitbench.run.pipeline``)
+    and train too; the hf backend's are one process's devices under accelerate's device map
+    (``fitbench.run.hf_pipeline``), for inference and forward in the floating-point precisions."""
     if backend != "native":
-        return (f"pipeline stages are cut from fitbench's native decoder and the {backend} backend's models are "
-                f"not: use --backend native (Llama-style models), or run another family on one GPU, in int8 or nf4 "
-                f"where bf16 does not fit")
+        if mode in TRAINING_MODES:
+            return (f"the {backend} backend's pipeline stages run one after another in one process, for inference: "
+                    f"train Llama-style models as stages with --backend native, or run {mode} on one GPU")
+        if precision in QUANTIZED_PRECISIONS:
+            return (f"the {backend} backend's pipeline stages hold floating-point weights; {precision} layers are "
+                    f"quantized on one device: use bf16-pure over stages, or --backend native for quantized stages")
+        return None
     if mode not in TRAINING_MODES:
         return None
     if precision == "fp16":

@@ -127,7 +127,7 @@ def test_tensor_parallel_hf_training_steps_equal_one_process(ranks):
             assert math.isclose(got, want, rel_tol=RELATIVE), (row["rank"], row["losses"], expected)
 
 
-two_gpus = pytest.mark.skipif(torch.cuda.device_count() < 2, reason="tensor parallelism over NCCL needs two GPUs")
+two_gpus = pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs two GPUs")
 
 
 @two_gpus
@@ -147,3 +147,125 @@ def test_tensor_parallel_hf_generation_runs_on_two_gpus(tmp_path, capsys, monkey
     assert row["status"] == "ok" and row["ranks"] == 2, row.get("error")
     assert row["parallel"]["plan"] == "transformers' base_model_tp_plan"
     assert sorted(gpu["rank"] for gpu in row["memory"]["gpus"]) == [0, 1]
+
+
+# ---- pipeline stages in one process (accelerate's device map) ----------------------------------------------
+
+def meta_model(arch):
+    from transformers import AutoModelForCausalLM
+
+    from fitbench.models.hf import hf_config
+
+    with torch.device("meta"):
+        return AutoModelForCausalLM.from_config(hf_config(arch))
+
+
+@pytest.mark.parametrize("name, stages", [("tiny", 3), ("gpt2", 5), ("falcon-40b", 4)])
+def test_the_device_map_puts_the_planners_stages_on_consecutive_devices(name, stages):
+    from fitbench.models.registry import resolve
+    from fitbench.run.hf_pipeline import decoder_layers, stage_device_map
+    from fitbench.spec import pipeline_stages
+
+    arch = resolve(name)
+    model = meta_model(arch)
+    devices = [f"cuda:{i}" for i in range(stages)]
+    mapping = stage_device_map(model, devices)
+    prefix, layers = decoder_layers(model)
+    for device, run in zip(devices, pipeline_stages(arch.num_layers, stages), strict=True):
+        assert [i for i in range(len(layers)) if mapping[f"{prefix}.{i}"] == device] == list(run)
+    embedding = next(n for n, m in model.named_modules() if m is model.get_input_embeddings())
+    head = next(n for n, m in model.named_modules() if m is model.get_output_embeddings())
+    assert (mapping[embedding], mapping[head]) == (devices[0], devices[-1])
+    norm = [n for n in mapping if n.rpartition(".")[2] in ("norm", "ln_f")]
+    assert [mapping[n] for n in norm] == [devices[-1]]
+    # every parameter has a device: the map covers the model
+    assert all(any(p == n or p.startswith(n + ".") for n in mapping) for p, _ in model.named_parameters())
+
+
+@pytest.mark.parametrize("name", ["tiny", "gpt2"])
+def test_a_model_over_stages_in_one_process_generates_the_plain_models_tokens(name):
+    from dataclasses import replace
+
+    from fitbench.models.backends import HuggingFaceLM
+    from fitbench.models.hf import build_hf
+    from fitbench.models.registry import resolve
+    from fitbench.run.hf_pipeline import StagedHuggingFaceLM, build_staged
+
+    arch = resolve(name)
+    if name == "gpt2":  # GPT-2's shape, small
+        arch = replace(arch, num_layers=3, hidden_size=64, num_heads=4, num_kv_heads=4, ffn_size=256)
+    torch.manual_seed(0)
+    plain = HuggingFaceLM(build_hf(arch, CPU, torch.float32), static_cache=True)
+    torch.manual_seed(0)
+    module, mapping = build_staged(arch, ["cpu", "cpu"], torch.float32)
+    staged = StagedHuggingFaceLM(module, static_cache=True, devices=["cpu", "cpu"])
+    assert {type(m._hf_hook).__name__ for m in module.modules() if hasattr(m, "_hf_hook")} == {"AlignDevicesHook"}
+    prompt = random_tokens(arch.vocab_size, 2, 8, CPU, 1)
+
+    def greedy(lm) -> list[list[int]]:
+        with torch.inference_mode():
+            token = lm.prefill(prompt, 8 + 6).argmax(-1, keepdim=True)
+            tokens = [token]
+            for _ in range(5):
+                token = lm.decode(token).argmax(-1, keepdim=True)
+                tokens.append(token)
+        return torch.cat(tokens, 1).tolist()
+
+    assert greedy(staged) == greedy(plain)
+    assert staged.module.get_output_embeddings().weight is not staged.module.get_input_embeddings().weight
+    assert staged.applied()["stage_layers"][-1][1] == arch.num_layers - 1
+
+
+def test_the_hf_backends_stages_launch_as_one_process_and_the_natives_as_torchrun():
+    from fitbench.launch.launchers import LocalProcess, Torchrun, launcher_for
+    from fitbench.spec import Layout
+
+    layout = Layout.of_strategy("pipeline", 2)
+    assert launcher_for(layout, "hf") == LocalProcess()
+    assert launcher_for(layout, "native") == Torchrun(2)
+    assert launcher_for(Layout(tp=2), "hf") == Torchrun(2)
+
+
+def test_the_hf_backends_stages_run_inference_in_floating_point_only():
+    from fitbench.precisions import pipeline_problem
+
+    for mode in ("infer", "forward"):
+        assert pipeline_problem("bf16-pure", mode, "hf") is None
+    assert "--backend native" in pipeline_problem("bf16", "train", "hf")
+    assert "bf16-pure over stages" in pipeline_problem("nf4", "infer", "hf")
+
+
+@slow
+def test_hf_pipeline_generation_from_the_command_line_is_one_process_row(tmp_path, capsys, monkeypatch):
+    from conftest import cli
+
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.delenv("FITBENCH_INJECT", raising=False)
+    code, out, err = cli(["run", "--models", "tiny", "--backend", "hf", "--device", "cpu", "--gpus", "2",
+                          "--strategy", "pipeline", "--mode", "infer", "--batch-size", "2", "--seq-len", "16",
+                          "--new-tokens", "4", "--warmup-steps", "1", "--measure-steps", "2", "--out", "r"], capsys)
+    assert code == 0, out + err
+    [row] = [json.loads(line) for line in (tmp_path / "r" / "results.jsonl").read_text().splitlines()]
+    assert row["status"] == "ok", row.get("error")
+    assert row["spec"]["layout"]["pp"] == 2 and "pipeline x 2" in row["label"]
+    assert (row["parallel"]["world_size"], row["parallel"]["stage_layers"]) == (1, [[0, 1], [2, 3]])
+    assert row["weights"]["bytes"] > 4 * job.ARCH.total_params  # the last stage's copy of the tied table
+
+
+@two_gpus
+@slow
+def test_hf_pipeline_generation_spreads_over_two_gpus(tmp_path, capsys, monkeypatch):
+    """One process over two GPUs: each GPU's memory in the row, the layers split as planned."""
+    from conftest import cli
+
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.delenv("FITBENCH_INJECT", raising=False)
+    code, out, err = cli(["run", "--models", "gpt2", "--backend", "hf", "--device", "cuda", "--gpus", "2",
+                          "--strategy", "pipeline", "--mode", "infer", "--precision", "bf16-pure", "--batch-size",
+                          "2", "--seq-len", "32", "--new-tokens", "8", "--warmup-steps", "1", "--measure-steps", "3",
+                          "--out", "r"], capsys)
+    assert code == 0, out + err
+    [row] = [json.loads(line) for line in (tmp_path / "r" / "results.jsonl").read_text().splitlines()]
+    assert row["status"] == "ok", row.get("error")
+    assert sorted(gpu["index"] for gpu in row["memory"]["gpus"]) == [0, 1]
+    assert row["parallel"]["devices"] == ["cuda:0", "cuda:1"]
