@@ -14,10 +14,11 @@ import yaml
 from pydantic import BaseModel, ConfigDict, Field, StrictBool, ValidationError, field_validator, model_validator
 
 from fitbench.errors import UserError, excerpt
-from fitbench.models.architecture import backend_error, default_backend
+from fitbench.models.architecture import Architecture, backend_error, default_backend
 from fitbench.models.registry import resolve
 from fitbench.precisions import (DATA_PARALLEL_STRATEGIES, PRECISIONS, TRAINING_MODES, data_parallel_problem,
-                                 offload_problem, pipeline_problem, tensor_parallel_problem, training_problem,
+                                 offload_problem, pipeline_problem, tensor_parallel_heads_problem,
+                                 tensor_parallel_problem, training_problem,
                                  trains_every_weight)
 from fitbench.spec import Layout, Mode, Precision, RunSpec, microbatch_problem
 
@@ -248,7 +249,7 @@ def expand(config: SweepConfig, *, device: str, default_models: list[str]) -> li
                 if mode in TRAINING_MODES and training_problem(precision):
                     raise UserError(f"precision: {training_problem(precision)}; or use --mode infer or forward "
                                     f"with {precision}.")
-                layout = _layout(config, mode, precision, backend, arch.num_heads)
+                layout = _layout(config, mode, precision, backend, arch)
                 problem = offload_problem(mode, precision, backend, config.compile,
                                           layout.strategy) if config.offload else None
                 if problem:
@@ -276,20 +277,18 @@ def expand(config: SweepConfig, *, device: str, default_models: list[str]) -> li
     return specs
 
 
-def _layout(config: SweepConfig, mode: str, precision: str, backend: str, heads: int) -> Layout:
+def _layout(config: SweepConfig, mode: str, precision: str, backend: str, arch: Architecture) -> Layout:
     """The layout of a job of ``config.gpus`` ranks: the strategy asked for, or under ``auto`` the first of
     DDP and FSDP that composes with the configuration (the planner may choose the other by predicted
     throughput where it plans: ``fitbench.plan.planner``). Generation runs in one process: data
     parallelism has nothing to average or shard in it; tensor parallelism (``tp``) runs every mode,
-    over a degree that divides the model's ``heads``. With ``offload``, FSDP, whose CPU offload it is
+    over a degree that divides the heads of ``arch``. With ``offload``, FSDP, whose CPU offload it is
     (DDP has none). Raises UserError when none composes."""
     if config.tp is not None:
-        return _tensor_parallel_layout(config, mode, precision, backend, heads)
+        return _tensor_parallel_layout(config, mode, precision, backend, arch)
     if config.strategy == "tp" and config.gpus > 1:
-        problem = tensor_parallel_problem(precision, mode, backend)
-        if problem is None and heads % config.gpus:
-            problem = (f"tensor parallelism splits whole attention heads, and {config.gpus} ranks do not divide the "
-                       f"model's {heads}: use --gpus that divides {heads}, or --strategy pipeline")
+        problem = (tensor_parallel_problem(precision, mode, backend, arch.family)
+                   or tensor_parallel_heads_problem(arch.num_heads, arch.num_kv_heads, config.gpus, backend))
         if problem:
             raise UserError(f"strategy: {mode} {precision} under --strategy tp: {problem}.")
         return Layout.of_strategy("tp", config.gpus)
@@ -309,7 +308,8 @@ def _layout(config: SweepConfig, mode: str, precision: str, backend: str, heads:
     raise UserError(f"strategy: {mode} {precision} on {config.gpus} ranks cannot run ({'; '.join(problems)}).")
 
 
-def _tensor_parallel_layout(config: SweepConfig, mode: str, precision: str, backend: str, heads: int) -> Layout:
+def _tensor_parallel_layout(config: SweepConfig, mode: str, precision: str, backend: str,
+                            arch: Architecture) -> Layout:
     """The layout of ``--tp N`` with ``--gpus`` and ``--strategy``: N tensor-parallel ranks inside each
     FSDP group (training modes and forward; generation, which has no data parallelism, on N ranks
     alone), each pipeline stage (inference and forward) or over every rank (``tp``). Raises UserError
@@ -331,10 +331,16 @@ def _tensor_parallel_layout(config: SweepConfig, mode: str, precision: str, back
     if strategy == "pipeline" and mode in TRAINING_MODES:
         raise UserError(f"tp: --tp {tp} inside --strategy pipeline runs infer and forward, not {mode}; for training "
                         f"give --strategy fsdp --tp {tp}, or --strategy pipeline without --tp.")
-    problem = tensor_parallel_problem(precision, mode, backend)
+    if backend != "native" and strategy != "tp":
+        raise UserError(f"tp: --tp {tp} inside --strategy {strategy} runs fitbench's native decoder; the hf "
+                        f"backend's tensor parallelism (transformers' plans) runs alone: give --backend native, or "
+                        f"--strategy tp with --gpus {tp}.")
+    heads = arch.num_heads
+    problem = tensor_parallel_problem(precision, mode, backend, arch.family)
     if problem is None and heads % tp:
         problem = (f"tensor parallelism splits whole attention heads, and --tp {tp} does not divide the model's "
                    f"{heads}: give a --tp that divides {heads}")
+    problem = problem or tensor_parallel_heads_problem(heads, arch.num_kv_heads, tp, backend)
     if problem is None and strategy == "pipeline":
         problem = pipeline_problem(precision, mode, backend)
     if problem:

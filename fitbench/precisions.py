@@ -237,11 +237,17 @@ _TORCHAO_INFERENCE = ("int8-dynamic", "int4", "fp8", "fp8-block")
 
 def pipeline_problem(precision: str, mode: str, backend: str = "native") -> str | None:
     """Why pipeline stages cannot run this configuration, in one sentence with the way out; None
-    when they can."""
+    when they can. The native decoder's stages are ranks of a torchrun job (``fitbench.run.pipeline``)
+    and train too; the hf backend's are one process's devices under accelerate's device map
+    (``fitbench.run.hf_pipeline``), for inference and forward in the floating-point precisions."""
     if backend != "native":
-        return (f"pipeline stages are cut from fitbench's native decoder and the {backend} backend's models are "
-                f"not: use --backend native (Llama-style models), or run another family on one GPU, in int8 or nf4 "
-                f"where bf16 does not fit")
+        if mode in TRAINING_MODES:
+            return (f"the {backend} backend's pipeline stages run one after another in one process, for inference: "
+                    f"train Llama-style models as stages with --backend native, or run {mode} on one GPU")
+        if precision in QUANTIZED_PRECISIONS:
+            return (f"the {backend} backend's pipeline stages hold floating-point weights; {precision} layers are "
+                    f"quantized on one device: use bf16-pure over stages, or --backend native for quantized stages")
+        return None
     if mode not in TRAINING_MODES:
         return None
     if precision == "fp16":
@@ -287,20 +293,30 @@ def data_parallel_problem(strategy: str, precision: str, mode: str, backend: str
     return None
 
 
-def tensor_parallel_problem(precision: str, mode: str, backend: str = "native") -> str | None:
-    """Why tensor parallelism (``fitbench.run.tensor_parallel``) cannot run ``precision`` in ``mode``
-    with ``backend``, in one sentence with the way out; None when it can: the floating-point
-    precisions, in every mode, on the native decoder.
+# The families whose transformers models carry a tensor-parallel plan (a ``base_model_tp_plan`` in
+# their config, transformers 5.x): Llama, Mistral and Qwen2, fitbench's "llama" family. Falcon and
+# GPT-2 have none.
+HF_TENSOR_PARALLEL_FAMILIES = ("llama",)
+
+
+def tensor_parallel_problem(precision: str, mode: str, backend: str = "native",
+                            family: str | None = None) -> str | None:
+    """Why tensor parallelism cannot run ``precision`` in ``mode`` with ``backend`` on a model of
+    ``family``, in one sentence with the way out; None when it can: the floating-point precisions, in
+    every mode, on the native decoder (``fitbench.run.tensor_parallel``) and on transformers' models
+    of the families with a tensor-parallel plan (``fitbench.run.hf_tensor_parallel``).
 
     Quantized weights are refused: DTensor shards a weight by viewing and splitting it, which
     torchao's inference tensors (int8-dynamic, int4, fp8, fp8-block) do not implement (the same
     stops DDP's broadcast and FSDP's sharding of them), and a bitsandbytes weight (int8, nf4, fp4)
     carries its scales and block state beside its data, which a shard of it would not. fp8 training
     would need torchao's own float8 tensor-parallel styles. Pipeline stages split a model by layers
-    and leave each layer's weights whole."""
-    if backend != "native":
-        return (f"tensor parallelism is applied to fitbench's native decoder, and the {backend} backend's models "
-                f"are not: use --backend native (Llama-style models)")
+    and leave each layer's weights whole. The hf backend's answer depends on the model's ``family``;
+    without one it is refused."""
+    if backend != "native" and family not in HF_TENSOR_PARALLEL_FAMILIES:
+        whose = f"{family} models" if family else "a model of unnamed family"
+        return (f"transformers has no tensor-parallel plan for {whose}: split the model over GPUs by layers with "
+                f"--strategy pipeline (--mode infer or forward)")
     way_out = "split the model over GPUs by layers with --strategy pipeline, or use bf16 under --strategy tp"
     if precision == "fp8" and mode in TRAINING_MODES:
         return (f"fp8 training's float8 matmuls take tensor-parallel shards only through torchao's own float8 "
@@ -309,4 +325,20 @@ def tensor_parallel_problem(precision: str, mode: str, backend: str = "native") 
         library = "bitsandbytes" if precision in ADAPTER_BASES else "torchao"
         return (f"{precision} weights cannot be sharded by tensor parallelism: DTensor cuts a weight into shards "
                 f"by views and splits, which {library}'s {precision} tensors do not implement: {way_out}")
+    return None
+
+
+def tensor_parallel_heads_problem(heads: int, kv_heads: int, degree: int, backend: str = "native") -> str | None:
+    """Why tensor parallelism of ``degree`` cannot split a model of ``heads`` query and ``kv_heads`` kv
+    heads, in one sentence with the way out; None when it can. A head's dot products stay on one rank,
+    so the query heads must divide by the degree. The native decoder replicates kv heads that do not
+    divide; transformers' plans cut the k and v projections column-wise, which splits whole kv heads
+    only when they divide too."""
+    if heads % degree:
+        return (f"tensor parallelism splits whole attention heads, and {degree} ranks do not divide the model's "
+                f"{heads}: use --gpus that divides {heads}, or --strategy pipeline")
+    if backend != "native" and kv_heads % degree:
+        return (f"transformers' tensor-parallel plan splits the k and v projections by whole kv heads, and "
+                f"{degree} ranks do not divide the model's {kv_heads}: use --gpus that divides {kv_heads}, "
+                f"--backend native (which replicates the kv heads), or --strategy pipeline")
     return None

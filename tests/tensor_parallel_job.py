@@ -25,7 +25,7 @@ import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.distributed.elastic.multiprocessing.errors import record
 
-from fitbench.models.backends import NativeLM, load_model
+from fitbench.models.backends import NativeLM
 from fitbench.models.graphs import Replay
 from fitbench.models.registry import resolve
 from fitbench.precisions import policy

@@ -62,12 +62,12 @@ def test_each_stage_holds_its_own_modules_with_the_single_process_weights(layers
     assert held == set(expected)  # every weight on some stage
 
 
-def test_a_batch_must_split_into_the_microbatches_and_other_backends_are_refused():
+def test_a_batch_must_split_into_the_microbatches_and_the_hf_backend_trains_no_stages():
     assert microbatch_problem(8, 4) is None
     assert "--microbatches that divides 6" in microbatch_problem(6, 4)
-    assert pipeline_problem("bf16", "infer") is None
-    problem = pipeline_problem("bf16", "infer", "hf")
-    assert "hf backend" in problem and "nf4" in problem and "--backend native" in problem
+    assert pipeline_problem("bf16", "infer") is None and pipeline_problem("bf16", "infer", "hf") is None
+    problem = pipeline_problem("bf16", "train", "hf")
+    assert "hf backend" in problem and "--backend native" in problem
     assert "bf16" in pipeline_problem("fp16", "train")
     assert "adapters" in pipeline_problem("nf4", "train") and pipeline_problem("nf4", "infer") is None
 
@@ -235,7 +235,7 @@ def test_microbatches_and_the_pipeline_strategy_are_validated_before_anything_ru
                         (["--strategy", "pipeline", "--mode", "train", "--batch-size", "auto"], "--batch-size N"),
                         (["--strategy", "ddp", "--microbatches", "2"], "--strategy pipeline"),
                         (["--strategy", "pipeline", "--mode", "train", "--precision", "fp16"], "bf16"),
-                        (["--models", "gpt2", "--strategy", "pipeline", "--mode", "infer"], "hf backend")):
+                        (["--models", "gpt2", "--strategy", "pipeline", "--mode", "train"], "hf backend")):
         code, out, err = cli(base + extra, capsys)
         assert code == 2 and says in out + err and "Traceback" not in out + err, (extra, out + err)
         assert not (tmp_path / "r" / "results.jsonl").exists()

@@ -51,11 +51,12 @@ def test_quantized_precisions_are_refused_with_pipeline_as_the_way_out(precision
         assert problem.count(". ") == 0 and not problem.endswith(".")
 
 
-def test_floating_point_precisions_run_in_every_mode_on_the_native_backend_only():
+def test_floating_point_precisions_run_in_every_mode_on_both_backends_where_the_family_has_a_plan():
     for precision in set(PRECISIONS) - set(QUANTIZED_PRECISIONS):
         for mode in ("train", "forward-backward", "forward", "infer"):
             assert tensor_parallel_problem(precision, mode) is None
-    assert "--backend native" in tensor_parallel_problem("bf16", "infer", "hf")
+            assert tensor_parallel_problem(precision, mode, "hf", "llama") is None
+    assert "--strategy pipeline" in tensor_parallel_problem("bf16", "infer", "hf", "falcon")
 
 
 def test_the_tensor_parallel_ranks_of_a_data_parallel_group_draw_one_batch():
@@ -262,7 +263,7 @@ def test_the_sweep_gives_every_mode_the_tensor_parallel_layout():
 @pytest.mark.parametrize("options, says", [
     (["--precision", "nf4"], "nf4 weights cannot be sharded"),
     (["--gpus", "3"], "3 ranks do not divide the model's 8"),
-    (["--backend", "hf"], "--backend native"),
+    (["--backend", "hf", "--gpus", "8"], "by whole kv heads"),
 ])
 def test_what_tensor_parallelism_cannot_run_is_refused_before_launch(options, says, tmp_path, capsys, monkeypatch):
     from conftest import cli
@@ -305,6 +306,7 @@ def test_the_seeds_tensor_parallel_size_is_tp_in_yaml(tmp_path):
     (["--gpus", "4", "--strategy", "pipeline", "--tp", "2", "--mode", "infer", "--precision", "nf4"],
      "leave --tp out"),
     (["--gpus", "6", "--strategy", "pipeline", "--tp", "3", "--mode", "infer"], "--tp 3 does not divide"),
+    (["--gpus", "4", "--strategy", "fsdp", "--tp", "2", "--backend", "hf"], "give --backend native"),
 ])
 def test_every_wrong_tp_combination_is_one_paragraph_and_exit_2(options, says, tmp_path, capsys, monkeypatch):
     from conftest import cli
@@ -318,9 +320,20 @@ def test_every_wrong_tp_combination_is_one_paragraph_and_exit_2(options, says, t
 def test_the_planner_launches_tp_x_pipeline_for_inference_only():
     from fitbench.plan.planner import launchable
 
-    assert launchable(Layout(pp=2, tp=2), "native", "infer") and launchable(Layout(pp=2, tp=2), "native", "forward")
-    assert not launchable(Layout(pp=2, tp=2), "native", "train")
-    assert not launchable(Layout(pp=2, tp=2), "hf", "infer")
+    assert launchable(Layout(pp=2, tp=2), "infer") and launchable(Layout(pp=2, tp=2), "forward")
+    assert not launchable(Layout(pp=2, tp=2), "train")
+
+
+def test_the_planner_launches_the_hf_backend_over_stages_and_under_its_plans_alone():
+    from fitbench.models.registry import resolve
+    from fitbench.plan.planner import launch_problem
+
+    llama, falcon = resolve("tiny"), resolve("falcon-40b")
+    assert launch_problem(falcon, Layout(pp=2), "bf16", "infer", "hf") is None
+    assert "train" in launch_problem(falcon, Layout(pp=2), "bf16", "train", "hf")
+    assert launch_problem(llama, Layout(tp=2), "bf16", "infer", "hf") is None
+    assert "--strategy pipeline" in launch_problem(falcon, Layout(tp=2), "bf16", "infer", "hf")
+    assert "alone" in launch_problem(llama, Layout(pp=2, tp=2), "bf16", "infer", "hf")
 
 
 @slow

@@ -46,6 +46,9 @@ class Torchrun:
                 "--max-restarts=0", "-m", "fitbench.run.worker", str(assignment), str(result)]
 
 
-def launcher_for(layout: Layout) -> Launcher:
-    """torchrun for a layout of several ranks, a plain process for one."""
-    return Torchrun(layout.world_size) if layout.world_size > 1 else LocalProcess()
+def launcher_for(layout: Layout, backend: str = "native") -> Launcher:
+    """torchrun for a layout of several ranks, a plain process for one, and for the hf backend's
+    pipeline stages, which one process drives over every GPU of the job (``fitbench.run.hf_pipeline``)."""
+    if layout.world_size == 1 or (backend == "hf" and layout.pp == layout.world_size):
+        return LocalProcess()
+    return Torchrun(layout.world_size)

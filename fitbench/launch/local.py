@@ -140,7 +140,7 @@ def run_one(assignment: Assignment, log_path: Path, timeout: float, on_event: Ca
         monitor = _monitor(spec, artifacts or log_path.parent)
         with log_path.open("w") as log, monitor or nullcontext():
             process = subprocess.Popen(
-                launcher_for(spec.layout).command(spec_path, result_path),
+                launcher_for(spec.layout, spec.backend).command(spec_path, result_path),
                 stdout=subprocess.PIPE, stderr=log, stdin=subprocess.DEVNULL, start_new_session=True,
                 env={**worker_environment(), TOKEN_VARIABLE: token, PARENT_VARIABLE: str(os.getpid())},
             )

@@ -29,7 +29,8 @@ from fitbench.plan.memory import (QUANTIZED, TRAINING_MODES, MemoryEstimate, Par
                                   offloaded_weights, saved_per_layer, stage_estimates)
 from fitbench.plan.speed import StepTime, bus_bandwidth, estimate_step_time
 from fitbench.precisions import (data_parallel_problem, graph_problem, offload_problem, pipeline_problem,
-                                 tensor_parallel_problem, training_problem, trains_every_weight)
+                                 tensor_parallel_heads_problem, tensor_parallel_problem, training_problem,
+                                 trains_every_weight)
 from fitbench.search import largest
 from fitbench.spec import Layout
 from fitbench.units import format_bytes
@@ -495,26 +496,25 @@ def launch_problem(arch: Architecture, layout: Layout, precision: str, mode: str
     ``pipeline_problem``); FSDP is the data parallelism beside tensor parallelism (one 2-D mesh), and
     pipeline stages take no data parallelism. Tensor parallelism inside pipeline stages is planned
     in every mode (``--requirements``) and launched for inference and forward: ``launchable`` keeps
-    its training from the runs the planner chooses. The hf backend's inference is planned over pipeline stages as
-    accelerate's sequential device map splits it, which the run does not launch yet (it refuses,
-    naming the native backend); offload keeps one GPU's or FSDP's layers in host memory, beside
-    neither."""
+    its training from the runs the planner chooses. The hf backend runs tensor parallelism alone
+    (transformers' plans) and pipeline stages as accelerate's sequential device map in one process;
+    offload keeps one GPU's or FSDP's layers in host memory, beside neither."""
     for degree, strategy in ((layout.dp_replicate, "ddp"), (layout.dp_shard, "fsdp")):
         if degree > 1:
             problem = data_parallel_problem(strategy, precision, mode, backend, offload)
             if problem:
                 return problem
     if layout.tp > 1:
-        if arch.num_heads % layout.tp:
-            return f"tensor parallel {layout.tp} does not divide {arch.num_heads} heads"
-        problem = tensor_parallel_problem(precision, mode, backend)
+        problem = (tensor_parallel_heads_problem(arch.num_heads, arch.num_kv_heads, layout.tp, backend)
+                   or tensor_parallel_problem(precision, mode, backend, arch.family))
         if problem:
             return problem
+        if backend != "native" and layout.world_size > layout.tp:
+            return "the hf backend's tensor parallelism (transformers' plans) runs alone, beside no FSDP or stages"
         if layout.dp_replicate > 1:
             return "DDP beside tensor parallelism is not built: FSDP shards the data-parallel dimension"
     if layout.pp > 1:
-        problem = None if backend != "native" and mode not in TRAINING_MODES else pipeline_problem(precision, mode,
-                                                                                                   backend)
+        problem = pipeline_problem(precision, mode, backend)
         if problem:
             return problem
         if layout.data_parallel > 1:
@@ -524,12 +524,10 @@ def launch_problem(arch: Architecture, layout: Layout, precision: str, mode: str
     return None
 
 
-def launchable(layout: Layout, backend: str, mode: str) -> bool:
+def launchable(layout: Layout, mode: str) -> bool:
     """Whether ``fitbench run`` launches ``layout`` in ``mode`` today, beyond what ``launch_problem``
-    plans: tensor parallelism inside pipeline stages runs inference and forward, not training, and
-    the hf backend over pipeline stages is not built yet."""
-    return not (layout.tp > 1 and layout.pp > 1 and mode in TRAINING_MODES) and \
-        not (layout.pp > 1 and backend != "native")
+    plans: tensor parallelism inside pipeline stages runs inference and forward, not training."""
+    return not (layout.tp > 1 and layout.pp > 1 and mode in TRAINING_MODES)
 
 
 def planner_choices(mode: str, choose_precision: bool, choose_recompute: bool, choose_strategy: bool = False) -> list[str]:
@@ -569,7 +567,7 @@ def predict_spec(arch: Architecture, spec, target: GpuTarget, calibration: Calib
         if ranks == 1 or not choose_strategy:
             return [spec.layout]
         return [layout for layout in layouts_for(arch, spec.mode, ranks, target.node_gpus)
-                if launchable(layout, spec.backend, spec.mode)
+                if launchable(layout, spec.mode)
                 and launch_problem(arch, layout, precision, spec.mode, spec.backend, spec.offload) is None] \
             or [spec.layout]
 

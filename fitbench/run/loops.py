@@ -65,8 +65,12 @@ def make_step(mode: str, lm: CausalLM, policy: PrecisionPolicy, tokens: torch.Te
 
     parameters = [p for p in lm.module.parameters() if p.requires_grad]
     # Fused AdamW (CUDA and CPU) updates in place with no full-size temporaries, so the step's
-    # memory is weights + gradients + the two moments and nothing more.
-    optimizer = torch.optim.AdamW(parameters, lr=LEARNING_RATE, fused=True) if mode == "train" else None
+    # memory is weights + gradients + the two moments and nothing more. It updates a parameter group
+    # in one call, which takes DTensors or plain tensors, not both: under tensor parallelism that
+    # leaves some weights whole (transformers' plans keep the norms plain), each kind is a group.
+    groups = [[p for p in parameters if hasattr(p, "to_local") == sharded] for sharded in (False, True)]
+    optimizer = torch.optim.AdamW([{"params": group} for group in groups if group], lr=LEARNING_RATE,
+                                  fused=True) if mode == "train" else None
     scaler = torch.amp.GradScaler(device.type) if policy.scale_loss else None
 
     def forward_loss() -> torch.Tensor:

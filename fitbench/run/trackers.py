@@ -127,11 +127,12 @@ def allocator_report(index: int) -> dict:
     }
 
 
-def memory_report(device: torch.device, sampler: NvmlSampler | None) -> dict:
-    """Per-GPU peaks (allocator and NVML) and the host's peak RSS, in bytes."""
+def memory_report(device: torch.device, sampler: NvmlSampler | None, indices: list[int] | None = None) -> dict:
+    """Per-GPU peaks (allocator and NVML) and the host's peak RSS, in bytes: of ``device``, or of the
+    GPUs ``indices`` where one process drives several (the hf backend's pipeline stages)."""
     gpus = []
     if device.type == "cuda":
-        indices = [device.index if device.index is not None else torch.cuda.current_device()]
+        indices = indices or [device.index if device.index is not None else torch.cuda.current_device()]
         nvml = sampler.stop() if sampler else {}
         for index, peaks in torch_peaks(indices).items():
             gpus.append({"index": index, **peaks, "nvml_peak_used": nvml.get(index),

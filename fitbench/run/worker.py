@@ -39,6 +39,8 @@ from fitbench.processes import end_own_tree, rank_token, tie_to_parent
 from fitbench.results.row import Measurement
 from fitbench.run.adapters import add_adapters
 from fitbench.run.aggregate import combine
+from fitbench.run.hf_pipeline import StagedHuggingFaceLM, build_staged, stage_devices
+from fitbench.run.hf_tensor_parallel import parallelize_hf_layout
 from fitbench.run.loops import generate, make_step, random_tokens, read_generation
 from fitbench.run.metrics import inference_metrics, step_metrics
 from fitbench.run.parallel import data_seed, parallelize
@@ -190,10 +192,16 @@ def measure(assignment: Assignment, device: torch.device, scratch: Path, rank: R
     if spec.layout.pp > 1:
         parallel = built.lm.applied(spec.pipeline_microbatches if spec.mode in TRAINING_MODES else None)
     if spec.layout.tp > 1 and spec.layout.pp == 1:
-        phases.enter(f"applying {spec.layout.strategy}", collective=True)
-        parallel = parallelize_layout(lm, spec.layout, policy, spec.mode, rank, built.mesh, built.parallel,
-                                      activation_checkpointing=spec.activation_checkpointing, compile=spec.compile,
-                                      offload=spec.fsdp_offload)
+        if spec.backend == "hf":
+            phases.enter(f"applying {spec.layout.strategy}, which broadcasts rank 0's weights", collective=True)
+            parallel = parallelize_hf_layout(lm, spec.layout, policy, spec.mode, rank, arch.family,
+                                             activation_checkpointing=spec.activation_checkpointing,
+                                             compile=spec.compile)
+        else:
+            phases.enter(f"applying {spec.layout.strategy}", collective=True)
+            parallel = parallelize_layout(lm, spec.layout, policy, spec.mode, rank, built.mesh, built.parallel,
+                                          activation_checkpointing=spec.activation_checkpointing,
+                                          compile=spec.compile, offload=spec.fsdp_offload)
         weight_bytes, weight_method = weight_storage_bytes(lm.module), "parameter storage of this rank's shards"
     elif spec.layout.data_parallel > 1:
         phases.enter(f"applying {spec.layout.strategy}, which broadcasts rank 0's weights", collective=True)
@@ -290,6 +298,10 @@ def build(assignment: Assignment, arch, policy, device: torch.device, scratch: P
     model_path = spec.model if is_local_model(spec.model) else None
     if spec.layer_offload:
         return build_offload(assignment, arch, policy, device, scratch, model_path)
+    if spec.layout.pp > 1 and spec.backend == "hf":
+        devices = stage_devices(device, spec.layout.pp)
+        module, _ = build_staged(arch, devices, policy.weight_dtype, weights_dir=model_path)
+        return Built(StagedHuggingFaceLM(module, policy.compute_dtype == policy.weight_dtype, devices))
     if spec.layout.pp > 1:
         problem = hardware_problem(spec.precision, device.type, torch.cuda.get_device_capability(device)
                                    if device.type == "cuda" else None) if policy.quantized else None
@@ -297,7 +309,7 @@ def build(assignment: Assignment, arch, policy, device: torch.device, scratch: P
             raise RefusedError(problem)
         probe = random_tokens(arch.vocab_size, 1, min(spec.seq_len, PROBE_TOKENS), device, spec.seed + 1)
         return Built(*build_pipelined(spec, arch, policy, rank, probe if policy.quantized else None))
-    if spec.layout.tp > 1:
+    if spec.layout.tp > 1 and spec.backend == "native":
         if model_path is not None and has_weights(model_path):
             raise ValueError(f"tensor-parallel ranks draw random weights shard by shard; {model_path} holds a "
                              f"checkpoint, which they do not load: run it without --strategy tp")
@@ -539,9 +551,10 @@ def _write(path: Path, payload: dict) -> None:
     os.replace(tmp, path)
 
 
-def _memory(device: torch.device, sampler: NvmlSampler | None, payload: dict) -> None:
+def _memory(device: torch.device, sampler: NvmlSampler | None, payload: dict,
+            indices: list[int] | None = None) -> None:
     """Also after a failure: the peak an out-of-memory reached is what the planner needs to know."""
-    payload["memory"] = memory_report(device, sampler)
+    payload["memory"] = memory_report(device, sampler, indices)
     for gpu in payload["memory"]["gpus"]:
         if "expandable_segments:true" not in gpu["allocator"]["settings"].lower():
             payload.setdefault("warnings", []).append(
@@ -560,7 +573,10 @@ def main(argv: list[str]) -> int:
     device = rank.device
     if device.type == "cuda":
         torch.cuda.set_device(device)
-    sampler = NvmlSampler([torch.cuda.current_device()]) if device.type == "cuda" else None
+    # one process of the hf backend's pipeline stages drives a GPU per stage
+    indices = (list(range(assignment.spec.layout.pp)) if assignment.spec.backend == "hf" and
+               assignment.spec.layout.pp > 1 and device.type == "cuda" else None)
+    sampler = NvmlSampler(indices or [torch.cuda.current_device()]) if device.type == "cuda" else None
     phases = PhaseLog.of_rank(result_path, rank)
     phases.enter("joining the process group", collective=True)
     injected_timeout = injected_value("collective-timeout")
@@ -577,12 +593,12 @@ def main(argv: list[str]) -> int:
                                                        f"group's {timeout.total_seconds():g} s timeout for a rank that "
                                                        f"never joined it: {payload['error']}")
             if rank.world_size > 1:
-                _memory(device, sampler, payload)
+                _memory(device, sampler, payload, indices)
                 _write(rank_result_path(result_path, rank.rank), payload)
                 print(f"rank {rank.rank} of {rank.world_size} failed: {payload['error'].splitlines()[0]}",
                       file=sys.stderr, flush=True)
                 os._exit(EXIT_FAILED)  # torchrun ends the ranks waiting for this one
-        _memory(device, sampler, payload)
+        _memory(device, sampler, payload, indices)
         phases.enter("gathering every rank's result", collective=True)
         payloads = gather_json(rank, payload)
     if not rank.main:

@@ -1,0 +1,92 @@
+"""Tensor parallelism of a built transformers model, through transformers' own plan for its family.
+
+A transformers model whose config carries a ``base_model_tp_plan`` (Llama, Mistral, Qwen2 in
+transformers 5) names a DTensor style for each of its modules: q, k, v, gate and up column-wise, o
+and down row-wise, the embedding sharded over the vocabulary and the output projection column-wise
+with its logits gathered (``colwise_gather_output``), so generation and the loss see whole logits.
+``PreTrainedModel.maybe_distribute_model`` applies that plan over a device mesh; ``from_pretrained``
+calls it on a model still on the meta device, before loading each rank's shards. fitbench calls it
+on a built model instead, whose whole weights each rank holds: the styles' ``distribute_tensor``
+with no source rank keeps each rank's own rows or columns, so every rank must hold the same weights
+first, and they are rank 0's, broadcast (as ``fitbench.run.tensor_parallel`` does for the native
+decoder). The job's logits are then one process's with the same weights.
+
+What the plan does not do, fitbench refuses before launch (``fitbench.precisions``,
+``tensor_parallel_problem`` and ``tensor_parallel_heads_problem``): families without a plan (Falcon,
+GPT-2), which run over pipeline stages instead; kv heads that do not divide by the degree (the plan
+cuts k and v column-wise, by whole heads only when they divide); quantized weights. There is no
+sequence parallelism: the plan has no style for the norms, which stay replicated.
+
+The KV cache needs nothing of its own: transformers' ``StaticCache`` and ``DynamicCache`` take their
+shapes from the first keys they are given, this rank's ``n_kv_heads / tp`` heads.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from torch import nn
+
+from fitbench.models.backends import CausalLM
+from fitbench.precisions import PrecisionPolicy, tensor_parallel_problem
+from fitbench.run.parallel import broadcast_weights
+from fitbench.run.ranks import Rank
+from fitbench.spec import Layout, LayoutError
+
+
+def plan_mesh(tp: int, device_type: str):
+    """The mesh ``maybe_distribute_model`` reads: transformers' dense view (pp, dp_replicate, fsdp,
+    tp) of the job, every rank on "tp", and its expert view, which a dense model never uses."""
+    from torch.distributed.device_mesh import init_device_mesh
+    from transformers.distributed.utils import TransformersDeviceMesh
+
+    dense = init_device_mesh(device_type, (1, 1, 1, tp), mesh_dim_names=("pp", "dp_replicate", "fsdp", "tp"))
+    experts = init_device_mesh(device_type, (1, 1, tp, 1), mesh_dim_names=("pp", "dp_replicate", "efsdp", "ep"))
+    return TransformersDeviceMesh(dense, experts)
+
+
+def parallelize_hf_tensor(model: nn.Module, tp: int, device_type: str) -> dict[str, Any]:
+    """Shard ``model`` (a transformers ``PreTrainedModel``) over ``tp`` ranks with its family's plan, in
+    place; every rank of the job calls it. Returns what was applied, for the result row."""
+    from transformers.distributed import DistributedConfig
+
+    if not model.supports_tp_plan:
+        raise LayoutError(f"transformers has no tensor-parallel plan for {type(model).__name__}: run it as "
+                          f"pipeline stages (--strategy pipeline)")
+    config = model.config
+    broadcast_weights(model)
+    output, embedding = model.get_output_embeddings(), model.get_input_embeddings()
+    tied = output is not None and output.weight is embedding.weight
+    if tied:
+        # The plan names the output projection's weight and the embedding's apart, and a tied pair is
+        # one parameter, listed once: untie for the sharding, each style cutting the same rows of
+        # the vocabulary, and tie the shards again.
+        output.weight = nn.Parameter(embedding.weight.data)
+    sharded = type(model).maybe_distribute_model(model, DistributedConfig(tp_size=tp), plan_mesh(tp, device_type))
+    if tied:
+        sharded.tie_weights()
+    return {"tensor_parallel": tp, "sequence_parallel": False, "kv_heads": "sharded",
+            "kv_heads_per_rank": config.num_key_value_heads // tp,
+            "query_heads_per_rank": config.num_attention_heads // tp,
+            "plan": "transformers' base_model_tp_plan"}
+
+
+def parallelize_hf_layout(lm: CausalLM, layout: Layout, policy: PrecisionPolicy, mode: str, rank: Rank,
+                          family: str, *, activation_checkpointing: bool = False,
+                          compile: bool = False) -> dict[str, Any]:
+    """Apply ``layout``, tensor parallelism over every rank of the job, to the transformers model of
+    ``lm`` (fitbench's ``family``), then activation checkpointing and compile; return what was applied."""
+    problem = tensor_parallel_problem(policy.name, mode, "hf", family)
+    if problem:
+        raise ValueError(problem)
+    if layout.tp != layout.world_size:
+        raise LayoutError(f"the hf backend's tensor parallelism runs alone over every rank; {layout.label} also "
+                          f"asks for data parallelism or pipeline stages")
+    applied = parallelize_hf_tensor(lm.module, layout.tp, rank.device.type)
+    if activation_checkpointing:
+        lm.enable_activation_checkpointing()
+    if compile:
+        lm.compile()
+    return {"strategy": layout.strategy, "world_size": rank.world_size, **applied,
+            "initial_weights": "rank 0's, broadcast", "activation_checkpointing": activation_checkpointing,
+            "compile": compile}
