@@ -1597,13 +1597,13 @@ def test_the_planner_chooses_the_layout_of_a_run_left_open():
     planned, _ = predict_spec(resolve("7B"), spec, target, DEFAULT, choose_precision=False, choose_recompute=False,
                               runnable=PRECISIONS, choose_strategy=True)
     assert planned.layout.strategy in ("ddp", "fsdp")
-    # quantized weights are split by stages; Falcon, on transformers' model, would be too, but the run
-    # does not launch the hf backend over stages yet, so a run left open is never given them
+    # quantized weights are split by stages, and so is Falcon on transformers' model, which has no
+    # tensor-parallel plan: accelerate's device map over the two GPUs
     falcon = run_spec("falcon-40b", "infer", "bf16-pure", 1, 512, layout=Layout(tp=2)).model_copy(
         update={"backend": "hf"})
     planned, _ = predict_spec(resolve("falcon-40b"), falcon, target, DEFAULT, choose_precision=False,
                               choose_recompute=False, runnable=PRECISIONS, choose_strategy=True)
-    assert planned.layout.pp == 1
+    assert planned.layout == Layout(pp=2)
     for model, precision in (("llama-2-70b", "int8"),):
         spec = run_spec(model, "infer", precision, 1, 512, layout=Layout(tp=2)).model_copy(
             update={"backend": default_backend(resolve(model))})
