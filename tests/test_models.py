@@ -10,7 +10,7 @@ from fitbench.models.architecture import Architecture
 from fitbench.models.backends import HuggingFaceLM, NativeLM, load_model
 from fitbench.models.graphs import Replay
 from fitbench.models.hf import build_hf, hf_config
-from fitbench.models.native import DecoderConfig, build_native, rope_inverse_frequencies
+from fitbench.models.native import DecoderConfig, build_native, checkpoint_tensors, rope_inverse_frequencies
 from fitbench.models.registry import resolve
 from fitbench.precisions import graph_problem, policy
 from fitbench.run.loops import make_step, random_tokens
@@ -128,7 +128,7 @@ def test_train_updates_weights_and_forward_backward_does_not():
 
     for precision, dtype in (("fp32", torch.float32), ("bf16-pure", torch.bfloat16), ("bf16", torch.float32)):
         lm = load_model(arch, "native", device, policy(precision).weight_dtype)
-        weight = lm.module.model.layers[0].mlp.up_proj.weight
+        weight = lm.module.model.layers[0].mlp.gate_up_proj.weight
         assert weight.dtype == dtype
         before = weight.detach().clone()
         make_step("forward-backward", lm, policy(precision), tokens, device)()
@@ -242,13 +242,25 @@ def test_rope_scaling_variant_differs_from_plain_rope():
     assert ((scaled[between] < plain[between]) & (scaled[between] > plain[between] / 4.0)).all()
 
 
+def fused_twin(native: torch.nn.Module, arch: Architecture) -> torch.nn.Module:
+    """The fused model holding ``native``'s weights, copied in by transformers' names."""
+    fused = build_native(arch, "cpu", native.lm_head.weight.dtype, fused=True).eval()
+    targets, source = checkpoint_tensors(fused), native.state_dict()
+    assert set(targets) == set(source)
+    with torch.no_grad():
+        for name, tensor in targets.items():
+            tensor.copy_(source[name])
+    return fused
+
+
 @pytest.mark.parametrize("variant", ["llama-gqa", "qwen2-bias", "llama3-rope"])
 def test_incremental_decoding_matches_the_full_forward(variant):
     arch = VARIANTS[variant]
     native, hf = paired_models(arch, seed=5)
     tokens = torch.randint(0, arch.vocab_size, (2, 13), generator=torch.Generator().manual_seed(2))
     prompt_len, steps = 10, 3
-    for lm in (NativeLM(native, torch.float32), HuggingFaceLM(hf, static_cache=True)):
+    for lm in (NativeLM(native, torch.float32), NativeLM(fused_twin(native, arch), torch.float32),
+               HuggingFaceLM(hf, static_cache=True)):
         with torch.inference_mode():
             full = lm.logits(tokens)  # (B, T, V)
             first = lm.prefill(tokens[:, :prompt_len], max_len=prompt_len + steps + 2)
@@ -298,6 +310,54 @@ def test_static_decode_step_matches_eager_decoding(variant):
     torch.testing.assert_close(static.values[:, :, :, :end], eager.values[:, :, :, :end], atol=1e-6, rtol=1e-6)
     # one slot written per step, nothing after it
     assert torch.equal(static.keys[:, :, :, end:], stale[0]) and torch.equal(static.values[:, :, :, end:], stale[1])
+
+
+@pytest.mark.parametrize("variant", ["llama-gqa", "qwen2-bias", "llama-tied"])
+def test_fused_projections_hold_the_unfused_weights_of_the_same_seed(variant):
+    arch = VARIANTS[variant]
+    torch.manual_seed(0)
+    unfused = build_native(arch, "cpu", torch.float32)
+    torch.manual_seed(0)
+    fused = build_native(arch, "cpu", torch.float32, fused=True)
+    attention, mlp = fused.model.layers[1].self_attn, fused.model.layers[1].mlp
+    assert not hasattr(attention, "q_proj") and not hasattr(mlp, "up_proj")
+    # drawn part by part: the same numbers as three and two draws, not one draw of the stacked shape
+    assert checkpoint_tensors(fused).keys() == unfused.state_dict().keys()
+    for name, tensor in checkpoint_tensors(fused).items():
+        assert torch.equal(tensor, unfused.state_dict()[name]), name
+    assert sum(p.numel() for p in fused.parameters()) == sum(p.numel() for p in unfused.parameters())
+    if arch.qkv_bias:
+        randomize(unfused, seed=3)
+        fused = fused_twin(unfused, arch)
+    tokens = torch.randint(0, arch.vocab_size, (2, 12), generator=torch.Generator().manual_seed(3))
+    with torch.inference_mode():
+        torch.testing.assert_close(fused(tokens), unfused(tokens), atol=1e-5, rtol=1e-5)
+        for eager in (False, True):
+            caches = [model.new_cache(2, 12, torch.float32) for model in (fused, unfused)]
+            firsts = [model(tokens[:, :8], cache=cache)[:, -1] for model, cache in zip((fused, unfused), caches)]
+            torch.testing.assert_close(*firsts, atol=1e-5, rtol=1e-5)
+            for step in range(8, 12):
+                if eager:
+                    pair = [model(tokens[:, step:step + 1], cache=cache, start=step)[:, -1]
+                            for model, cache in zip((fused, unfused), caches)]
+                else:
+                    position = torch.tensor([step])
+                    pair = [model.decode_step(tokens[:, step:step + 1], cache, position)
+                            for model, cache in zip((fused, unfused), caches)]
+                torch.testing.assert_close(*pair, atol=1e-5, rtol=1e-5)
+
+
+def test_fused_and_unfused_models_train_alike():
+    arch = resolve("tiny")
+    tokens = random_tokens(arch.vocab_size, 2, 17, torch.device("cpu"), seed=4)
+    losses = {}
+    for fused in (False, True):
+        torch.manual_seed(0)
+        lm = NativeLM(build_native(arch, "cpu", torch.float32, fused=fused), torch.float32)
+        step = make_step("train", lm, policy("fp32"), tokens, torch.device("cpu"))
+        losses[fused] = [step().item() for _ in range(3)]
+    assert losses[True][2] < losses[True][0]  # the steps train
+    assert losses[True] == pytest.approx(losses[False], rel=1e-5)
 
 
 def eager_capture(calls: list):

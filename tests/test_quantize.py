@@ -401,7 +401,7 @@ def test_shipped_text_is_package_data():
 def test_perplexity_of_a_checkpoint_by_hand(precision, tmp_path, tiny_checkpoint):
     directory = tiny_checkpoint(tmp_path / "checkpoint", seed=5)
     arch = resolve(str(directory))
-    lm = load_model(arch, "native", CPU, torch.bfloat16, model_path=str(directory))
+    lm = load_model(arch, "native", CPU, torch.bfloat16, model_path=str(directory), fused=False)
     twin = copy.deepcopy(lm.module)
     probe = random_tokens(arch.vocab_size, 1, SEQ, CPU, seed=1)
     quality = quantize_built(lm, arch, precision, CPU, probe, checkpoint=directory)
@@ -424,7 +424,7 @@ def test_perplexity_of_a_checkpoint_by_hand(precision, tmp_path, tiny_checkpoint
 def test_a_checkpoint_without_a_tokenizer_says_so(tmp_path, tiny_checkpoint):
     directory = tiny_checkpoint(tmp_path / "checkpoint", tokenizer=False)
     arch = resolve(str(directory))
-    lm = load_model(arch, "native", CPU, torch.bfloat16, model_path=str(directory))
+    lm = load_model(arch, "native", CPU, torch.bfloat16, model_path=str(directory), fused=False)
     quality = quantize_built(lm, arch, "int8", CPU, random_tokens(arch.vocab_size, 1, SEQ, CPU, seed=1),
                              checkpoint=directory)
     assert quality.perplexity.startswith(f"not measured: no tokenizer in {directory}")

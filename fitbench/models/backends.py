@@ -23,7 +23,7 @@ from torch import nn
 from fitbench.models.architecture import BACKENDS, Architecture, Backend, backend_error, default_backend
 from fitbench.models.graphs import Capture, GraphedDecode, capture_cuda_graph
 from fitbench.models.hf import build_hf, has_weights, hf_config
-from fitbench.models.native import KVCache, NativeCausalLM, build_native
+from fitbench.models.native import KVCache, NativeCausalLM, build_native, checkpoint_tensors
 
 class CausalLM:
     """A model ready to run: ``module`` for training, and the three calls the loops need."""
@@ -224,36 +224,43 @@ class HuggingFaceLM(CausalLM):
 
 def load_model(arch: Architecture, backend: Backend, device: torch.device | str, dtype: torch.dtype,
                model_path: str | None = None, compute_dtype: torch.dtype | None = None,
-               cuda_graphs: bool = False, graph_problem: str | None = None) -> CausalLM:
+               cuda_graphs: bool = False, graph_problem: str | None = None, fused: bool = True) -> CausalLM:
     """Build ``arch`` with ``backend`` directly on ``device`` with weights in ``dtype``: random, or the
     checkpoint in ``model_path`` when that directory has one. ``compute_dtype`` is the activations'
     dtype when autocast makes it differ from the weights'; the KV cache holds it. ``cuda_graphs``:
     the native backend decodes through CUDA graphs on a GPU, unless ``graph_problem`` says why the
-    weights it will hold cannot be captured (``NativeLM``)."""
+    weights it will hold cannot be captured (``NativeLM``). ``fused``: the native model's fused
+    projections (``fitbench.models.native``); a model quantized after loading keeps them apart, as
+    the quantizers name each projection."""
     compute_dtype = compute_dtype or dtype
     if backend == "native":
-        module = build_native(arch, device, dtype)
+        module = build_native(arch, device, dtype, fused=fused)
         if model_path is not None and has_weights(model_path):
             load_checkpoint(module, Path(model_path), device)
         return NativeLM(module, cache_dtype=compute_dtype, cuda_graphs=cuda_graphs, graph_problem=graph_problem)
     return HuggingFaceLM(build_hf(arch, device, dtype, weights_dir=model_path), static_cache=compute_dtype == dtype)
 
 
+@torch.no_grad()
 def load_checkpoint(module: nn.Module, directory: Path, device: torch.device | str) -> None:
     """Copy a transformers-layout checkpoint (safetensors or .bin shards) into the native model, shard by
-    shard, each loaded straight to ``device``; every parameter must be found."""
+    shard, each loaded straight to ``device``, a fused model's projections into their parts
+    (``checkpoint_tensors``); every parameter must be found."""
     from safetensors.torch import load_file
 
-    expected = set(module.state_dict())
+    targets = checkpoint_tensors(module)
+    expected = set(targets)
     found: set[str] = set()
     for shard in sorted(directory.glob("*.safetensors")) or sorted(directory.glob("pytorch_model*.bin")):
         if shard.suffix == ".safetensors":
             state = load_file(str(shard), device=str(device))
         else:
             state = torch.load(shard, map_location=device, weights_only=True)
-        state = {key: value for key, value in state.items() if key in expected}
-        module.load_state_dict(state, strict=False, assign=False)
-        found |= set(state)
+        for key, value in state.items():
+            if key in expected:
+                targets[key].copy_(value)
+                found.add(key)
+        del state
     missing = expected - found
     if module.config.tie_embeddings:
         missing.discard("lm_head.weight")

@@ -11,7 +11,13 @@ that change per token: the step a CUDA graph can capture once and replay (``fitb
 
 Modules carry the same names as transformers' ``LlamaForCausalLM`` (``model.layers.0.self_attn.q_proj``
 ...), and rotary embeddings use the same half-split convention, so a checkpoint of either loads into
-the other unchanged.
+the other unchanged. Built ``fused``, a layer holds q, k and v as one ``qkv_proj`` and gate and up as
+one ``gate_up_proj`` (``FusedLinear``): one matmul reads the input once and launches one kernel where
+three or two did, which is what a decode step at batch 1 and a short training step both pay for. The
+fused weights are the unfused ones stacked by rows, drawn part by part in the unfused order, so a
+fused model holds the weights of the unfused one of the same seed, and a transformers checkpoint loads
+into each part (``checkpoint_tensors``). Tensor parallelism, pipeline stages and quantized builds keep
+the unfused layout: their plans and quantizers name q, k, v, gate and up.
 
 The model is built on the meta device and materialized where it will run (``materialize``), so
 no full copy of the weights ever sits in host memory on the way to a GPU.
@@ -145,23 +151,44 @@ class RMSNorm(nn.Module):
         return self.weight * normed.type_as(x)
 
 
+class FusedLinear(nn.Linear):
+    """Several projections of one input as one matmul: the weight is theirs stacked by rows, in the
+    order of ``parts`` (transformers' names of the projections), ``sizes`` rows each."""
+
+    def __init__(self, in_features: int, parts: tuple[str, ...], sizes: tuple[int, ...], bias: bool):
+        super().__init__(in_features, sum(sizes), bias=bias)
+        self.parts, self.sizes = parts, sizes
+
+    def slices(self, tensor: torch.Tensor) -> dict[str, torch.Tensor]:
+        """Each part's rows of ``tensor`` (the weight or the bias), views by part name."""
+        return dict(zip(self.parts, tensor.split(self.sizes)))
+
+
 class Attention(nn.Module):
-    def __init__(self, config: DecoderConfig, layer: int):
+    def __init__(self, config: DecoderConfig, layer: int, fused: bool = False):
         super().__init__()
         self.layer = layer
         self.n_heads, self.n_kv_heads, self.head_dim = config.n_heads, config.n_kv_heads, config.head_dim
-        self.q_proj = nn.Linear(config.dim, config.n_heads * config.head_dim, bias=config.qkv_bias)
-        self.k_proj = nn.Linear(config.dim, config.n_kv_heads * config.head_dim, bias=config.qkv_bias)
-        self.v_proj = nn.Linear(config.dim, config.n_kv_heads * config.head_dim, bias=config.qkv_bias)
-        self.o_proj = nn.Linear(config.n_heads * config.head_dim, config.dim, bias=False)
+        q, kv = config.n_heads * config.head_dim, config.n_kv_heads * config.head_dim
+        if fused:
+            self.qkv_proj = FusedLinear(config.dim, ("q_proj", "k_proj", "v_proj"), (q, kv, kv), config.qkv_bias)
+        else:
+            self.q_proj = nn.Linear(config.dim, q, bias=config.qkv_bias)
+            self.k_proj = nn.Linear(config.dim, kv, bias=config.qkv_bias)
+            self.v_proj = nn.Linear(config.dim, kv, bias=config.qkv_bias)
+        self.o_proj = nn.Linear(q, config.dim, bias=False)
 
     def project(self, x: torch.Tensor, cos: torch.Tensor,
                 sin: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """x (B, T, C) -> q (B, H, T, D) and k (B, KV, T, D) with rotary positions, and v (B, KV, T, D)."""
         B, T, _ = x.shape
-        q = self.q_proj(x).view(B, T, self.n_heads, self.head_dim).transpose(1, 2)  # (B, H, T, D)
-        k = self.k_proj(x).view(B, T, self.n_kv_heads, self.head_dim).transpose(1, 2)  # (B, KV, T, D)
-        v = self.v_proj(x).view(B, T, self.n_kv_heads, self.head_dim).transpose(1, 2)  # (B, KV, T, D)
+        if hasattr(self, "qkv_proj"):
+            q, k, v = self.qkv_proj(x).split(self.qkv_proj.sizes, dim=-1)  # (B, T, (H + 2 KV) D) in three views
+        else:
+            q, k, v = self.q_proj(x), self.k_proj(x), self.v_proj(x)
+        q = q.view(B, T, self.n_heads, self.head_dim).transpose(1, 2)  # (B, H, T, D)
+        k = k.view(B, T, self.n_kv_heads, self.head_dim).transpose(1, 2)  # (B, KV, T, D)
+        v = v.view(B, T, self.n_kv_heads, self.head_dim).transpose(1, 2)  # (B, KV, T, D)
         return apply_rope(q, cos, sin), apply_rope(k, cos, sin), v
 
     def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
@@ -203,23 +230,34 @@ class Attention(nn.Module):
 class SwiGLU(nn.Module):
     """down(silu(gate(x)) * up(x)) (Shazeer 2020)."""
 
-    def __init__(self, config: DecoderConfig):
+    def __init__(self, config: DecoderConfig, fused: bool = False):
         super().__init__()
-        self.gate_proj = nn.Linear(config.dim, config.ffn_dim, bias=False)
-        self.up_proj = nn.Linear(config.dim, config.ffn_dim, bias=False)
-        self.down_proj = nn.Linear(config.ffn_dim, config.dim, bias=False)
+        f = config.ffn_dim
+        if fused:
+            self.gate_up_proj = FusedLinear(config.dim, ("gate_proj", "up_proj"), (f, f), bias=False)
+        else:
+            self.gate_proj = nn.Linear(config.dim, f, bias=False)
+            self.up_proj = nn.Linear(config.dim, f, bias=False)
+        self.down_proj = nn.Linear(f, config.dim, bias=False)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
+        if not hasattr(self, "gate_up_proj"):
+            return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
+        gate, up = self.gate_up_proj(x).chunk(2, dim=-1)  # (B, T, 2 F) in two views
+        if torch.is_grad_enabled():
+            return self.down_proj(F.silu(gate) * up)
+        # Without autograd the product overwrites silu(gate): the fused output lives until the
+        # product is formed, so a new product would hold 4 F per token where the unfused MLP holds 3 F.
+        return self.down_proj(F.silu(gate).mul_(up))
 
 
 class DecoderLayer(nn.Module):
-    def __init__(self, config: DecoderConfig, layer: int):
+    def __init__(self, config: DecoderConfig, layer: int, fused: bool = False):
         super().__init__()
         self.input_layernorm = RMSNorm(config.dim, config.norm_eps)
-        self.self_attn = Attention(config, layer)
+        self.self_attn = Attention(config, layer, fused)
         self.post_attention_layernorm = RMSNorm(config.dim, config.norm_eps)
-        self.mlp = SwiGLU(config)
+        self.mlp = SwiGLU(config, fused)
 
     def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
                 cache: KVCache | None, start: int) -> torch.Tensor:
@@ -233,21 +271,24 @@ class DecoderLayer(nn.Module):
 
 
 class DecoderStack(nn.Module):
-    def __init__(self, config: DecoderConfig):
+    def __init__(self, config: DecoderConfig, fused: bool = False):
         super().__init__()
         # Built with its weight, so nn.Embedding draws no N(0, 1) of its own: on the meta device that one
         # call imports torch._dynamo (seconds in every worker), and init_weights draws them later anyway.
         self.embed_tokens = nn.Embedding(config.vocab_size, config.dim,
                                          _weight=torch.empty(config.vocab_size, config.dim))
-        self.layers = nn.ModuleList(DecoderLayer(config, i) for i in range(config.n_layers))
+        self.layers = nn.ModuleList(DecoderLayer(config, i, fused) for i in range(config.n_layers))
         self.norm = RMSNorm(config.dim, config.norm_eps)
 
 
 class NativeCausalLM(nn.Module):
-    def __init__(self, config: DecoderConfig):
+    """``fused``: q, k, v and gate, up as one matmul each (module docstring)."""
+
+    def __init__(self, config: DecoderConfig, fused: bool = False):
         super().__init__()
         self.config = config
-        self.model = DecoderStack(config)
+        self.fused = fused
+        self.model = DecoderStack(config, fused)
         self.lm_head = nn.Linear(config.dim, config.vocab_size, bias=False)
         if config.tie_embeddings:
             self.lm_head.weight = self.model.embed_tokens.weight
@@ -311,12 +352,35 @@ class NativeCausalLM(nn.Module):
                        self.model.layers[0].self_attn.n_kv_heads)
 
 
+def checkpoint_tensors(module: nn.Module) -> dict[str, torch.Tensor]:
+    """The module's state by transformers' names: its state dict, with each fused weight and bias
+    replaced by views of its parts (``model.layers.0.self_attn.q_proj.weight`` ...), so that copying
+    a checkpoint's tensors into them loads a fused model as an unfused one."""
+    tensors = dict(module.state_dict(keep_vars=True))
+    for name, part in module.named_modules():
+        if isinstance(part, FusedLinear):
+            owner = name.rpartition(".")[0]
+            for kind in ("weight", "bias"):
+                tensor = tensors.pop(f"{name}.{kind}", None)
+                if tensor is not None:
+                    tensors |= {f"{owner}.{projection}.{kind}": view
+                                for projection, view in part.slices(tensor.data).items()}
+    return tensors
+
+
+def draw_normal(part: nn.Module, weight: torch.Tensor, std: float) -> None:
+    """N(0, std) into ``weight``, ``part``'s weight or a tensor of its shape: a fused weight part by part,
+    in order, so the generator gives each part what it gives the unfused projection of the same name."""
+    for piece in (part.slices(weight).values() if isinstance(part, FusedLinear) else (weight,)):
+        nn.init.normal_(piece, mean=0.0, std=std)
+
+
 @torch.no_grad()
 def init_random_weights(module: nn.Module, std: float = 0.02) -> None:
     """N(0, std) for matrices and embeddings, ones for norms, zeros for biases, in any part of a model."""
     for part in module.modules():
         if isinstance(part, (nn.Linear, nn.Embedding)):
-            nn.init.normal_(part.weight, mean=0.0, std=std)
+            draw_normal(part, part.weight, std)
             if getattr(part, "bias", None) is not None:
                 nn.init.zeros_(part.bias)
         elif isinstance(part, RMSNorm):
@@ -356,11 +420,11 @@ def replay_random_weights(modules: list[nn.Module], device: torch.device | str, 
             weight = part.weight
             if weight.is_meta or id(weight) in writers:
                 whole = scratch[weight.dtype][:weight.numel()].view(weight.shape)
-                nn.init.normal_(whole, mean=0.0, std=std)
+                draw_normal(part, whole, std)
                 if id(weight) in writers:
                     writers[id(weight)](whole)
             else:
-                nn.init.normal_(weight, mean=0.0, std=std)
+                draw_normal(part, weight, std)
             bias = getattr(part, "bias", None)
             if bias is not None and not bias.is_meta:
                 nn.init.zeros_(bias)
@@ -368,10 +432,10 @@ def replay_random_weights(modules: list[nn.Module], device: torch.device | str, 
             nn.init.ones_(part.weight)
 
 
-def meta_model(arch: Architecture, dtype: torch.dtype) -> NativeCausalLM:
+def meta_model(arch: Architecture, dtype: torch.dtype, fused: bool = False) -> NativeCausalLM:
     """The model on the meta device with weights in ``dtype`` and fp32 rotary tables: shapes, no storage."""
     with torch.device("meta"):
-        model = NativeCausalLM(DecoderConfig.from_architecture(arch))
+        model = NativeCausalLM(DecoderConfig.from_architecture(arch), fused)
         model.to(dtype=dtype)
         model.rope_cos, model.rope_sin = model.rope_cos.float(), model.rope_sin.float()
     return model
@@ -390,12 +454,15 @@ def materialize(module: nn.Module, device: torch.device | str) -> nn.Module:
     return module._apply(lambda tensor: empty_on(tensor, device))
 
 
-def build_native(arch: Architecture, device: torch.device | str, dtype: torch.dtype) -> NativeCausalLM:
+def build_native(arch: Architecture, device: torch.device | str, dtype: torch.dtype,
+                 fused: bool = False) -> NativeCausalLM:
     """Build on the meta device, allocate storage directly on ``device`` in ``dtype``, then initialize.
 
     The rotary tables stay fp32 whatever the weight dtype: positions up to 128k need the precision.
+    ``fused``: the fused projections (module docstring), allocated fused and drawn part by part, so
+    the build's peak is the unfused build's, every weight and nothing more.
     """
-    model = meta_model(arch, dtype)
+    model = meta_model(arch, dtype, fused)
     if arch.tie_embeddings:
         # materialize visits a shared parameter once per module that holds it, allocating it twice;
         # the second allocation would exist beside the first at the end of the build, when every

@@ -326,7 +326,7 @@ def build(assignment: Assignment, arch, policy, device: torch.device, scratch: P
     if problem:
         raise RefusedError(problem)
     if training and spec.precision == "fp8":
-        lm = load_model(arch, spec.backend, device, torch.bfloat16, model_path=model_path)
+        lm = load_model(arch, spec.backend, device, torch.bfloat16, model_path=model_path, fused=False)
         converted = float8_training(lm.module)
         return Built(lm, training={"method": f"every weight, bf16 with AdamW in bf16; {converted} matmuls in float8 "
                                              f"(torchao float8 training, row-wise scales)",
@@ -338,7 +338,7 @@ def build(assignment: Assignment, arch, policy, device: torch.device, scratch: P
                       graph_problem=graph_problem(spec.precision))
     else:
         lm = load_model(arch, spec.backend, device, torch.bfloat16, model_path=model_path,
-                        cuda_graphs=spec.cuda_graphs, graph_problem=graph_problem(spec.precision))
+                        cuda_graphs=spec.cuda_graphs, graph_problem=graph_problem(spec.precision), fused=False)
         quality = quantize_built(lm, arch, spec.precision, device, probe, checkpoint=checkpoint_directory(spec))
     if not training:
         return Built(lm, quality)
