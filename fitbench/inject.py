@@ -20,6 +20,8 @@
   go on to their first collective; ``rank-hang:<rank>``: that rank sleeps there instead;
 - ``collective-timeout:<seconds>``: the ranks' collectives fail after that long instead of
   ``COLLECTIVE_TIMEOUT``, so that a hang ends in seconds;
+- ``compile-error:decode``: compiling the native decode step or prefill raises, as on a machine
+  without a C++ compiler or Triton: generation falls back to the eager step and says why;
 - ``mem-limit:<bytes>``: a worker raises it, before it builds its model, when the planner's
   predicted tensor peak for its configuration exceeds that budget, which makes a CPU behave like
   a GPU of that size; an offloaded configuration also keeps on the device only the layers that

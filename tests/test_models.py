@@ -1,3 +1,4 @@
+import dataclasses
 import json
 import math
 
@@ -496,6 +497,36 @@ def test_compile_decodes_eagerly():
                                  "reason": "--compile: decoding runs through the compiled module, eagerly"}
     on_cpu = NativeLM(native, torch.float32, cuda_graphs=True)
     assert on_cpu.decoding == {"cuda_graphs": False, "reason": "CUDA graphs need a GPU; this run is on cpu"}
+
+
+def test_compiled_decode_step_and_prefill_match_eager_decoding():
+    arch = dataclasses.replace(VARIANTS["llama-gqa"], num_layers=1)
+    native = random_native(arch)
+    tokens = torch.randint(0, arch.vocab_size, (2, 10), generator=torch.Generator().manual_seed(9))
+    calls = []
+    compiled = NativeLM(native, torch.float32, cuda_graphs=True, capture=eager_capture(calls), compile_decode=True)
+    eager = NativeLM(native, torch.float32)
+    for prompt_len in (6, 5):  # a second prompt shape: a second prefill compile
+        assert_same_generations(generation_logits(compiled, tokens, prompt_len, 10),
+                                generation_logits(eager, tokens, prompt_len, 10), atol=1e-4, rtol=1e-4)
+    decoding = compiled.decoding
+    assert decoding["compiled"] is True, decoding
+    assert decoding["compile_s"] > 0 and len(decoding["prefill_first_call_s"]) == 2
+    assert len(calls) == 1 and calls[0] is not native.decode_step  # the compiled step was captured
+
+
+def test_a_failed_compile_decodes_eagerly_and_says_why(monkeypatch):
+    monkeypatch.setenv("FITBENCH_INJECT", "compile-error:decode")
+    arch = VARIANTS["llama-gqa"]
+    native = random_native(arch)
+    tokens = torch.randint(0, arch.vocab_size, (1, 10), generator=torch.Generator().manual_seed(10))
+    calls = []
+    lm = NativeLM(native, torch.float32, cuda_graphs=True, capture=eager_capture(calls), compile_decode=True)
+    assert_same_generations(generation_logits(lm, tokens, 6, 10),
+                            generation_logits(NativeLM(native, torch.float32), tokens, 6, 10))
+    assert lm.decoding["cuda_graphs"] is True and lm.decoding["compiled"] is False
+    assert lm.decoding["compile_fallback"] == "RuntimeError: FITBENCH_INJECT: compiling fails"
+    assert len(calls) == 1  # the eager step, still captured
 
 
 cuda_only = pytest.mark.skipif(not torch.cuda.is_available(), reason="CUDA graphs need a GPU")

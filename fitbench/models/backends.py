@@ -20,6 +20,7 @@ from typing import Any
 import torch
 from torch import nn
 
+from fitbench.inject import injected
 from fitbench.models.architecture import BACKENDS, Architecture, Backend, backend_error, default_backend
 from fitbench.models.graphs import Capture, GraphedDecode, capture_cuda_graph
 from fitbench.models.hf import build_hf, has_weights, hf_config
@@ -88,8 +89,11 @@ class NativeLM(CausalLM):
     """
 
     def __init__(self, module: NativeCausalLM, cache_dtype: torch.dtype, cuda_graphs: bool = False,
-                 capture: Capture | None = None, graph_problem: str | None = None):
+                 capture: Capture | None = None, graph_problem: str | None = None, compile_decode: bool = False):
         self.module = module
+        self.compile_decode = compile_decode
+        self.compiled: dict[str, Any] = {}
+        self.prefills: dict[tuple[int, int, int], Any] = {}
         self.cache_dtype = cache_dtype
         self.cache: KVCache | None = None
         self.position = 0
@@ -118,7 +122,34 @@ class NativeLM(CausalLM):
         self.position = T
         if self.graph is not None:
             self.graph.start(T)
-        return self.module(tokens, cache=self.cache, start=0, last_only=True)[:, -1]
+        return self._prefill_step(tokens)(tokens, cache=self.cache, start=0, last_only=True)[:, -1]
+
+    def _prefill_step(self, tokens: torch.Tensor):
+        """The forward that fills the cache: with compiled decoding, compiled once per (batch, prompt,
+        cache length), the shapes being static (``dynamic=False``); its first call, compile included,
+        is timed into ``compiled["prefill_first_call_s"]``. A compile that fails leaves the eager forward."""
+        if not self.compile_decode or self.eager_reason is not None or "compile_fallback" in self.compiled:
+            return self.module
+        shape = (*tokens.shape, self.cache.max_len)
+        if shape not in self.prefills:
+            def first_call(*args, **kwargs):
+                started = time.perf_counter()
+                try:
+                    compiled = compile_static(self.module)
+                    out = compiled(*args, **kwargs)
+                except Exception as error:
+                    self._compile_failed(error)
+                    self.prefills[shape] = self.module
+                    return self.module(*args, **kwargs)
+                self.prefills[shape] = compiled
+                self.compiled.setdefault("prefill_first_call_s", []).append(time.perf_counter() - started)
+                return out
+
+            return first_call
+        return self.prefills[shape]
+
+    def _compile_failed(self, error: BaseException) -> None:
+        self.compiled = {"compiled": False, "compile_fallback": _summary(error)}
 
     def decode(self, tokens: torch.Tensor) -> torch.Tensor:
         if self.position >= self.cache.max_len:
@@ -137,10 +168,32 @@ class NativeLM(CausalLM):
     def capture_pending(self) -> bool:
         return self.eager_reason is None and self.graph is None
 
-    def _capture(self) -> None:
+    def _decode_step(self):
+        """The step to capture: ``decode_step``, compiled by inductor when ``compile_decode`` asks for it
+        (``compile_static``), run once here so that the compile happens before the capture and is timed
+        apart (``compiled["compile_s"]``); the run writes the cache at the position, a slot the first
+        replay writes again before anything reads it. Where compiling fails, the eager step, and why."""
+        if not self.compile_decode or "compile_fallback" in self.compiled:
+            return self.module.decode_step
+        tokens = torch.zeros((self.cache.batch, 1), dtype=torch.long, device=self.cache.keys.device)
+        position = torch.full((1,), self.position, dtype=torch.long, device=self.cache.keys.device)
         started = time.perf_counter()
         try:
-            self.graph = GraphedDecode(self.module, self.cache, self.position, self.capture)
+            compiled = compile_static(self.module.decode_step)
+            compiled(tokens, self.cache, position)
+        except Exception as error:  # no C++ compiler, no Triton, an operation inductor cannot lower
+            self._compile_failed(error)
+            return self.module.decode_step
+        if self.module.rope_cos.device.type == "cuda":
+            torch.cuda.synchronize()
+        self.compiled = {**self.compiled, "compiled": True, "compile_s": time.perf_counter() - started}
+        return compiled
+
+    def _capture(self) -> None:
+        step = self._decode_step()
+        started = time.perf_counter()
+        try:
+            self.graph = GraphedDecode(self.module, self.cache, self.position, self.capture, step)
         except Exception as error:  # some quantized kernels synchronize or have data-dependent shapes
             self.eager_reason = f"capture failed, decoding eagerly: {_summary(error)}"
             return
@@ -151,7 +204,9 @@ class NativeLM(CausalLM):
     def decoding(self) -> dict[str, Any]:
         if self.eager_reason is not None:
             return {"cuda_graphs": False, "reason": self.eager_reason}
-        return {"cuda_graphs": True, "captures": list(self.captures)}
+        compiled = self.compiled if self.compile_decode else {"compiled": False,
+                                                              "compile_fallback": "turned off (--no-compile-decode)"}
+        return {"cuda_graphs": True, "captures": list(self.captures), **compiled}
 
     def kv_bytes_read(self, position: int) -> int:
         """The graph's ``decode_step`` attends over every slot of the preallocated cache (``max_len``,
@@ -170,6 +225,16 @@ class NativeLM(CausalLM):
 
     def enable_activation_checkpointing(self) -> None:
         self.module.activation_checkpointing = True
+
+
+def compile_static(function):
+    """``function`` compiled by inductor for the shapes it is called with (``dynamic=False``: a
+    decode step's shapes never change, and each prefill shape gets its own code) and without
+    inductor's own CUDA graphs: ``fitbench.models.graphs`` captures the compiled step itself. Raises,
+    for tests, under ``FITBENCH_INJECT=compile-error:decode``, as a machine without a compiler would."""
+    if injected("compile-error", "decode"):
+        raise RuntimeError("FITBENCH_INJECT: compiling fails")
+    return torch.compile(function, backend="inductor", dynamic=False, options={"triton.cudagraphs": False})
 
 
 def _summary(error: BaseException) -> str:

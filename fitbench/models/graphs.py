@@ -117,13 +117,15 @@ class GraphedDecode:
     """``decode_step`` captured for one cache. Each call copies the tokens into the buffer the graph
     reads, replays it, and advances the position the graph reads, all on the device."""
 
-    def __init__(self, module: NativeCausalLM, cache: KVCache, position: int, capture: Capture):
+    def __init__(self, module: NativeCausalLM, cache: KVCache, position: int, capture: Capture,
+                 step: Callable[..., torch.Tensor] | None = None):
         device = cache.keys.device
         self.tokens = torch.zeros((cache.batch, 1), dtype=torch.long, device=device)  # (B, 1)
         self.position = torch.full((1,), position, dtype=torch.long, device=device)  # (1,)
         # The warm-up writes the cache at the position, a slot the first replay writes again
         # before anything reads it.
-        self.replay = capture(lambda: module.decode_step(self.tokens, cache, self.position))
+        step = step or module.decode_step  # or a compiled one (fitbench.models.backends.compile_static)
+        self.replay = capture(lambda: step(self.tokens, cache, self.position))
 
     def start(self, position: int) -> None:
         """A new generation in the same cache, whose first decoded token is at ``position``."""
