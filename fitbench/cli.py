@@ -98,6 +98,11 @@ def _add_run_options(parser: argparse.ArgumentParser) -> None:
         help="infer with the native backend on a GPU: replay each decode step from a CUDA graph captured in the "
              "first warm-up generation (default), or with --no-cuda-graphs launch its kernels one by one. The hf "
              "backend always decodes eagerly")
+    add("--compile-decode", dest="compile_decode", action=argparse.BooleanOptionalAction, default=S,
+        help="infer with the native backend on a GPU: compile the decode step and the prefill with inductor "
+             "(once per shape, timed apart: the row's decode record) before the capture (default); "
+             "--no-compile-decode captures the eager step. Where compiling fails the eager step runs and the "
+             "decode record says why")
     add("--activation-checkpointing", dest="activation_checkpointing", action="store_true", default=S,
         help="recompute each layer's activations in the backward pass (train, forward-backward)")
     add("--warmup-steps", dest="warmup_steps", type=int, default=S, metavar="N", help="untimed steps first (default 5)")
@@ -734,7 +739,7 @@ class _Parser(argparse.ArgumentParser):
 # Two spellings of one option: argparse keeps the last one given, so both together say two things.
 _SPELLINGS = (("--seq-len", "--context-length"), ("--measure-steps", "--samples"), ("--mode", "--modes"))
 # A switch and its negation: argparse keeps the last one given.
-_OPPOSITES = (("--cuda-graphs", "--no-cuda-graphs"),)
+_OPPOSITES = (("--cuda-graphs", "--no-cuda-graphs"), ("--compile-decode", "--no-compile-decode"))
 
 
 def _one_spelling(parser: argparse.ArgumentParser, argv: list[str]) -> None:

@@ -83,6 +83,8 @@ class SweepConfig(BaseModel):
     compile: StrictBool = Field(False, description="true or false")
     cuda_graphs: StrictBool = Field(True, description="true or false: native infer on a GPU decodes through a CUDA "
                                                       "graph")
+    compile_decode: StrictBool = Field(True, description="true or false: native infer on a GPU compiles the "
+                                                         "decode step and prefill with inductor before capturing")
     activation_checkpointing: StrictBool | None = Field(None, description="true or false; left out, the planner "
                                                                           "decides (on a GPU)")
     warmup_steps: int = Field(5, ge=0)
@@ -268,7 +270,7 @@ def expand(config: SweepConfig, *, device: str, default_models: list[str]) -> li
                             model=model, backend=backend, mode=mode, precision=precision,
                             batch_size=1 if batch == "auto" else batch, auto_batch=batch == "auto",
                             seq_len=seq_len, new_tokens=new_tokens, compile=config.compile,
-                            cuda_graphs=config.cuda_graphs,
+                            cuda_graphs=config.cuda_graphs, compile_decode=config.compile_decode,
                             activation_checkpointing=bool(config.activation_checkpointing)
                             and mode in TRAINING_MODES, offload=config.offload, device=device,
                             warmup_steps=config.warmup_steps, measure_steps=config.measure_steps, seed=config.seed,

@@ -194,6 +194,7 @@ class RunSpec(BaseModel):
     seed: int = 0
     auto_batch: bool = False  # batch_size is found by probing, starting from the planner's prediction
     cuda_graphs: bool = True  # native infer on a GPU decodes through a CUDA graph
+    compile_decode: bool = True  # ... of the decode step compiled by inductor (fitbench.models.backends)
     # On one device, decoder layers that do not fit stay in a slower tier (host memory beside a GPU,
     # disk beside the CPU) and stream in for their forward (fitbench.models.offload); under FSDP, the
     # shards, their gradients and the optimizer state live in host memory (FSDP's CPU offload).
@@ -231,6 +232,8 @@ class RunSpec(BaseModel):
             fields.pop("new_tokens")
         if not self.graphs_off:
             fields.pop("cuda_graphs")
+        if self.compile_decode or self.mode != "infer" or self.backend != "native":
+            fields.pop("compile_decode")
         if not self.offload:
             fields.pop("offload")
         if self.layout.world_size == 1:

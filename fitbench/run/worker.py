@@ -317,8 +317,11 @@ def build(assignment: Assignment, arch, policy, device: torch.device, scratch: P
                                          backend=spec.backend, cuda_graphs=spec.cuda_graphs)
         return Built(lm, mesh=mesh, parallel=applied)
     if not policy.quantized:
-        return Built(load_model(arch, spec.backend, device, policy.weight_dtype, model_path=model_path,
-                                compute_dtype=policy.compute_dtype, cuda_graphs=spec.cuda_graphs))
+        lm = load_model(arch, spec.backend, device, policy.weight_dtype, model_path=model_path,
+                        compute_dtype=policy.compute_dtype, cuda_graphs=spec.cuda_graphs)
+        if isinstance(lm, NativeLM):
+            lm.compile_decode = spec.compile_decode
+        return Built(lm)
     problem = hardware_problem(spec.precision, device.type,
                                torch.cuda.get_device_capability(device) if device.type == "cuda" else None)
     training = spec.mode in TRAINING_MODES
