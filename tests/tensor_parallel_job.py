@@ -113,7 +113,7 @@ def generation(arch, rank: Rank, mesh, graphed: bool) -> dict:
     with torch.inference_mode():
         logits = [lm.prefill(prompt, PROMPT + DECODE)]
         logits += [lm.decode(following[:, i:i + 1]).clone() for i in range(DECODE)]
-    return {"logits": [sample(step) for step in logits], "cache_kv_heads": lm.cache.keys.shape[2],
+    return {"logits": [sample(step) for step in logits], "cache_kv_heads": lm.cache.layer_keys[0].shape[1],
             "decoding": lm.decoding}
 
 
@@ -144,7 +144,7 @@ def pipelined(rank: Rank) -> dict:
         logits = [lm.prefill(prompt, PROMPT + DECODE)]
         logits += [lm.decode(following[:, i:i + 1]).clone() for i in range(DECODE)]
     last = lm.stage.last
-    return {"stage": lm.stage.index, "applied": lm.applied(None), "cache_kv_heads": lm.cache.keys.shape[2],
+    return {"stage": lm.stage.index, "applied": lm.applied(None), "cache_kv_heads": lm.cache.layer_keys[0].shape[1],
             "forward": sample(forward) if last else None, "logits": [sample(step) for step in logits] if last else None}
 
 

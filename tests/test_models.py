@@ -297,9 +297,9 @@ def test_static_decode_step_matches_eager_decoding(variant):
         native(tokens[:, :prompt_len], cache=eager)
         native(tokens[:, :prompt_len], cache=static)
         # What an earlier generation left after the prompt, large enough to show if the mask let it through.
-        for buffer in (static.keys, static.values):
-            buffer[:, :, :, prompt_len:] = 100 * torch.randn(buffer[:, :, :, prompt_len:].shape, generator=generator)
-        stale = static.keys[:, :, :, end:].clone(), static.values[:, :, :, end:].clone()
+        for buffer in (*static.layer_keys, *static.layer_values):
+            buffer[:, :, prompt_len:] = 100 * torch.randn(buffer[:, :, prompt_len:].shape, generator=generator)
+        stale = [buffer[:, :, end:].clone() for buffer in (*static.layer_keys, *static.layer_values)]
         position = torch.tensor([prompt_len])
         for step in range(prompt_len, end):
             expected = native(tokens[:, step:step + 1], cache=eager, start=step)[:, -1]
@@ -307,10 +307,11 @@ def test_static_decode_step_matches_eager_decoding(variant):
             assert logits.shape == (2, arch.vocab_size)
             torch.testing.assert_close(logits, expected, atol=1e-5, rtol=1e-5)
             position += 1
-    torch.testing.assert_close(static.keys[:, :, :, :end], eager.keys[:, :, :, :end], atol=1e-6, rtol=1e-6)
-    torch.testing.assert_close(static.values[:, :, :, :end], eager.values[:, :, :, :end], atol=1e-6, rtol=1e-6)
+    for written, expected in zip((*static.layer_keys, *static.layer_values), (*eager.layer_keys, *eager.layer_values)):
+        torch.testing.assert_close(written[:, :, :end], expected[:, :, :end], atol=1e-6, rtol=1e-6)
     # one slot written per step, nothing after it
-    assert torch.equal(static.keys[:, :, :, end:], stale[0]) and torch.equal(static.values[:, :, :, end:], stale[1])
+    assert all(torch.equal(buffer[:, :, end:], before)
+               for buffer, before in zip((*static.layer_keys, *static.layer_values), stale))
 
 
 @pytest.mark.parametrize("variant", ["llama-gqa", "qwen2-bias", "llama-tied"])

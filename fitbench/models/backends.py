@@ -175,8 +175,8 @@ class NativeLM(CausalLM):
         replay writes again before anything reads it. Where compiling fails, the eager step, and why."""
         if not self.compile_decode or "compile_fallback" in self.compiled:
             return self.module.decode_step
-        tokens = torch.zeros((self.cache.batch, 1), dtype=torch.long, device=self.cache.keys.device)
-        position = torch.full((1,), self.position, dtype=torch.long, device=self.cache.keys.device)
+        tokens = torch.zeros((self.cache.batch, 1), dtype=torch.long, device=self.cache.device)
+        position = torch.full((1,), self.position, dtype=torch.long, device=self.cache.device)
         started = time.perf_counter()
         try:
             compiled = compile_static(self.module.decode_step)
@@ -212,7 +212,7 @@ class NativeLM(CausalLM):
         """The graph's ``decode_step`` attends over every slot of the preallocated cache (``max_len``,
         those after the position masked); eager decoding over positions 0..``position``."""
         slots = self.cache.max_len if self.graph is not None else position + 1
-        return 2 * slots * self.cache.keys[:, :, :, 0].numel() * self.cache.keys.element_size()
+        return slots * self.cache.slot_bytes
 
     def decode_eagerly(self, reason: str) -> None:
         """Never capture: something about this model keeps its step out of a graph."""

@@ -119,7 +119,7 @@ class GraphedDecode:
 
     def __init__(self, module: NativeCausalLM, cache: KVCache, position: int, capture: Capture,
                  step: Callable[..., torch.Tensor] | None = None):
-        device = cache.keys.device
+        device = cache.device
         self.tokens = torch.zeros((cache.batch, 1), dtype=torch.long, device=device)  # (B, 1)
         self.position = torch.full((1,), position, dtype=torch.long, device=device)  # (1,)
         # The warm-up writes the cache at the position, a slot the first replay writes again

@@ -287,7 +287,7 @@ class PipelineLM(CausalLM):
 
     def kv_bytes_read(self, position: int) -> int:
         """This stage's layers' keys and values up to ``position``: eager decoding reads no more."""
-        return 2 * (position + 1) * self.cache.keys[:, :, :, 0].numel() * self.cache.keys.element_size()
+        return (position + 1) * self.cache.slot_bytes
 
     def summed_over_stages(self, *values: float) -> list[float]:
         """Each of ``values`` summed over the stages of this rank's pipeline (a collective of the job)."""
