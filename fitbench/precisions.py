@@ -172,6 +172,14 @@ def peak_kind(precision: str, mode: str) -> str:
 # Precisions whose decode step no CUDA graph can hold, and why: the worker decodes them eagerly from
 # the start (a failed capture would leave its side stream's cuBLAS workspace and context behind) and
 # the planner counts the eager overheads for them.
+#
+# The torchao ones are captured: read in torchao 0.18, none of their matmuls syncs with the host or
+# changes shape with the data. int4 (``Int4TilePackedTo4dTensor``) is one ``aten._weight_int4pack_mm``
+# call; fp8 (``Float8Tensor``, row-wise) quantizes the activation on the device (amax, scale, cast, or
+# Triton's ``quantize_fp8_row``) and calls ``torch._scaled_mm``; fp8-block calls its Triton blockwise
+# kernels; int8-weight-only and int8-dynamic (``Int8Tensor``) are a cast of the weight, ``torch.mm``
+# (``_int_mm`` for int8-dynamic) and a multiply by the row scales. bitsandbytes' 4-bit decode kernels
+# are launches on fixed shapes too.
 _GRAPH_PROBLEMS = {
     "int8": "LLM.int8 finds each input's outlier columns with a data-dependent shape (bitsandbytes' "
             "int8_vectorwise_quant calls torch.argwhere), which a CUDA graph cannot capture",
