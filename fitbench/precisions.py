@@ -15,8 +15,8 @@ Training with quantized weights (``training_problem`` says which can):
   (QLoRA, ``fitbench.run.adapters``): a different workload from full training, and rows say so;
 - ``fp8``: full training, bf16 weights and AdamW state, the decoder layers' matmuls in float8
   (torchao's float8 training, row-wise scales, fresh casts of weights and activations every step);
-- ``int8-dynamic``, ``int4``, ``fp8-block``: torchao's inference tensors have no backward pass, so
-  these are refused for training.
+- ``int8-dynamic``, ``int8-weight-only``, ``int4``, ``fp8-block``: torchao's inference tensors have no
+  backward pass, so these are refused for training.
 
 Beside the names: the dtypes and autocast of each (``policy``), the tensor cores whose peak MFU
 divides by (``peak_kind``), what the hardware must offer (``hardware_problem``) and why a decode
@@ -36,7 +36,8 @@ if TYPE_CHECKING:
 TRAINING_MODES = ("train", "forward-backward")
 
 FLOAT_PRECISIONS: tuple[str, ...] = ("fp32", "tf32", "bf16", "fp16", "bf16-pure")
-QUANTIZED_PRECISIONS: tuple[str, ...] = ("int8", "nf4", "fp4", "int8-dynamic", "int4", "fp8", "fp8-block")
+QUANTIZED_PRECISIONS: tuple[str, ...] = ("int8", "nf4", "fp4", "int8-dynamic", "int8-weight-only", "int4", "fp8",
+                                         "fp8-block")
 PRECISIONS: tuple[str, ...] = FLOAT_PRECISIONS + QUANTIZED_PRECISIONS
 
 
@@ -132,14 +133,14 @@ def policy(name: str) -> PrecisionPolicy:
 #   outliers, which run in 16 bits (Dettmers et al. 2022, section 3.2);
 # - int8-dynamic (torchao): activations quantized per token at run time, int8 x int8 matmuls (``_int_mm``);
 # - fp8, fp8-block (torchao): float8 x float8 matmuls (``torch._scaled_mm``), row-wise or block-wise scales;
-# - int4, nf4, fp4: weight-only; the weights are dequantized to bf16 (bitsandbytes before the matmul,
-#   torchao's int4 inside its kernel) and the matmuls run in bf16;
+# - int4, nf4, fp4, int8-weight-only: weight-only; the weights are dequantized to bf16 (bitsandbytes and
+#   torchao's int8 before the matmul, torchao's int4 inside its kernel) and the matmuls run in bf16;
 # - fp8 training (torchao float8 training): the forward matmul and both backward matmuls in float8;
 # - adapters on an int8, nf4 or fp4 base: the forward pass runs as in inference, but the backward's
 #   input gradients (2 N per token, bitsandbytes multiplies by the dequantized weight) and attention
 #   (12 L H Q T, all of it) run in bf16, more than the forward's 2 N: bf16.
 #
-# int8-dynamic, int4 and fp8-block have no training (``training_problem``).
+# int8-dynamic, int8-weight-only, int4 and fp8-block have no training (``training_problem``).
 _PEAK_KINDS: dict[str, tuple[str, str | None]] = {  # precision -> (inference, training)
     "fp32": ("fp32", "fp32"),
     "tf32": ("tf32", "tf32"),
@@ -150,6 +151,7 @@ _PEAK_KINDS: dict[str, tuple[str, str | None]] = {  # precision -> (inference, t
     "nf4": ("bf16", "bf16"),
     "fp4": ("bf16", "bf16"),
     "int8-dynamic": ("int8", None),
+    "int8-weight-only": ("bf16", None),
     "int4": ("bf16", None),
     "fp8": ("fp8", "fp8"),
     "fp8-block": ("fp8", None),
@@ -170,6 +172,14 @@ def peak_kind(precision: str, mode: str) -> str:
 # Precisions whose decode step no CUDA graph can hold, and why: the worker decodes them eagerly from
 # the start (a failed capture would leave its side stream's cuBLAS workspace and context behind) and
 # the planner counts the eager overheads for them.
+#
+# The torchao ones are captured: read in torchao 0.18, none of their matmuls syncs with the host or
+# changes shape with the data. int4 (``Int4TilePackedTo4dTensor``) is one ``aten._weight_int4pack_mm``
+# call; fp8 (``Float8Tensor``, row-wise) quantizes the activation on the device (amax, scale, cast, or
+# Triton's ``quantize_fp8_row``) and calls ``torch._scaled_mm``; fp8-block calls its Triton blockwise
+# kernels; int8-weight-only and int8-dynamic (``Int8Tensor``) are a cast of the weight, ``torch.mm``
+# (``_int_mm`` for int8-dynamic) and a multiply by the row scales. bitsandbytes' 4-bit decode kernels
+# are launches on fixed shapes too.
 _GRAPH_PROBLEMS = {
     "int8": "LLM.int8 finds each input's outlier columns with a data-dependent shape (bitsandbytes' "
             "int8_vectorwise_quant calls torch.argwhere), which a CUDA graph cannot capture",
@@ -232,7 +242,7 @@ DDP_OFFLOAD = ("--offload and --strategy ddp do not combine: DDP keeps a whole r
 # torchao's inference tensors: subclasses that implement the quantized matmul and little else
 # (measured on torch 2.13 / torchao 0.18: DDP's start-up broadcast stops at aten.view, FSDP's
 # sharding at aten.split). fp8 is one of them outside training, where it is float8 training instead.
-_TORCHAO_INFERENCE = ("int8-dynamic", "int4", "fp8", "fp8-block")
+_TORCHAO_INFERENCE = ("int8-dynamic", "int8-weight-only", "int4", "fp8", "fp8-block")
 
 
 def pipeline_problem(precision: str, mode: str, backend: str = "native") -> str | None:
@@ -307,7 +317,7 @@ def tensor_parallel_problem(precision: str, mode: str, backend: str = "native",
     of the families with a tensor-parallel plan (``fitbench.run.hf_tensor_parallel``).
 
     Quantized weights are refused: DTensor shards a weight by viewing and splitting it, which
-    torchao's inference tensors (int8-dynamic, int4, fp8, fp8-block) do not implement (the same
+    torchao's inference tensors (int8-dynamic, int8-weight-only, int4, fp8, fp8-block) do not implement (the same
     stops DDP's broadcast and FSDP's sharding of them), and a bitsandbytes weight (int8, nf4, fp4)
     carries its scales and block state beside its data, which a shard of it would not. fp8 training
     would need torchao's own float8 tensor-parallel styles. Pipeline stages split a model by layers

@@ -36,13 +36,13 @@ from fitbench.run.quantize import build_quantized_native, quantize_built, quanti
 
 CPU = torch.device("cpu")
 BATCH, SEQ, NEW = 1, 16, 4
-CPU_PRECISIONS = ("int8", "nf4", "int8-dynamic")
+CPU_PRECISIONS = ("int8", "nf4", "int8-dynamic", "int8-weight-only")
 
 # Relative error of one matmul's output against bf16. 8-bit weights round each element to a step of
 # 1/127 of its row's largest magnitude (about 4 sigma for Gaussian rows of hundreds of elements): an
 # rms error of 4 sigma / 127 / sqrt(12), about 1% of sigma, and so about 1% of the output. NF4 has 16
 # levels per block of 64, about ten times coarser: near 10%.
-MAX_MATMUL_ERROR = {"int8": 0.02, "int8-dynamic": 0.03, "nf4": 0.15}
+MAX_MATMUL_ERROR = {"int8": 0.02, "int8-dynamic": 0.03, "int8-weight-only": 0.02, "nf4": 0.15}
 # The measured weight storage against the planner's weight term.
 PLANNER_TOLERANCE = 0.03
 SMALL_SHAPES = ["--batch-size", str(BATCH), "--seq-len", str(SEQ), "--new-tokens", str(NEW),
@@ -232,6 +232,35 @@ def test_int8_storage_counts_row_scales_after_a_forward():
         model(torch.zeros(1, 4, dtype=torch.long))
     expected = arch.num_layers * sum(rows * cols + 4 * rows for rows, cols in matrices(arch)) + bf16_rest_bytes(arch)
     assert worker.weight_storage_bytes(model) == expected
+
+
+def test_int8_weight_only_storage_counts_row_scales_and_zero_points():
+    arch = resolve("tiny")
+    model = build_native(arch, CPU, torch.bfloat16)
+    quantize_linears(model, "int8-weight-only", CPU)
+    # one int8 per element, one fp32 scale and one int8 zero point per output row
+    expected = arch.num_layers * sum(rows * cols + 5 * rows for rows, cols in matrices(arch)) + bf16_rest_bytes(arch)
+    assert worker.weight_storage_bytes(model) == expected
+    terms = {term.name: term.bytes for term in estimate_memory(arch, "infer", "int8-weight-only", BATCH, SEQ,
+                                                               new_tokens=NEW).terms}
+    assert terms["weights"] == expected
+
+
+def test_int8_weight_only_leaves_activations_unquantized():
+    """Weight-only: the matmul is the bf16 input times the dequantized weight, no rounding of the input
+    (int8-dynamic rounds it per token, and so differs)."""
+    torch.manual_seed(0)
+    linear = nn.Sequential(nn.Linear(64, 48, bias=False, dtype=torch.bfloat16))
+    weight_only, dynamic = copy.deepcopy(linear), copy.deepcopy(linear)
+    quantize_linears(weight_only, "int8-weight-only", CPU)
+    quantize_linears(dynamic, "int8-dynamic", CPU)
+    x = torch.randn(3, 64, dtype=torch.bfloat16)
+    q = weight_only[0].weight
+    dequantized = (q.qdata.float() * q.scale.float()).to(torch.bfloat16)
+    with torch.no_grad():
+        expected = x @ dequantized.t()
+        assert torch.allclose(weight_only(x).float(), expected.float(), rtol=1e-2, atol=1e-2)
+        assert relative_error(weight_only(x), linear(x)) < relative_error(dynamic(x), linear(x))
 
 
 def test_nf4_storage_counts_block_states():
@@ -504,16 +533,17 @@ def test_cli_records_refusals_without_launching(tmp_path, capsys, monkeypatch):
     assert sorted(path.name for path in (out / "logs").iterdir()) == [f"{ok['key']}-1.log"]
 
 
+@pytest.mark.parametrize("precision", ["int8-dynamic", "int8-weight-only"])
 @pytest.mark.parametrize("mode", ["train", "forward-backward"])
-def test_training_torchao_inference_weights_is_refused_by_the_config(mode):
+def test_training_torchao_inference_weights_is_refused_by_the_config(mode, precision):
     with pytest.raises(UserError, match="precision") as error:
-        expand(SweepConfig(models=["tiny"], mode=[mode], precision=["int8-dynamic"]), device="cpu",
+        expand(SweepConfig(models=["tiny"], mode=[mode], precision=[precision]), device="cpu",
                default_models=["tiny"])
     assert "infer" in str(error.value) and "bf16" in str(error.value) and "nf4" in str(error.value)
     for allowed in ("infer", "forward"):
-        (only,) = expand(SweepConfig(models=["tiny"], mode=[allowed], precision=["int8-dynamic"]), device="cpu",
+        (only,) = expand(SweepConfig(models=["tiny"], mode=[allowed], precision=[precision]), device="cpu",
                          default_models=["tiny"])
-        assert only.precision == "int8-dynamic"
+        assert only.precision == precision
 
 
 def test_cli_refuses_training_int4(tmp_path, capsys, monkeypatch):
@@ -528,3 +558,30 @@ def test_cli_refuses_training_int4(tmp_path, capsys, monkeypatch):
     assert "int4" in message and "infer" in message and "forward" in message and "bf16" in message
     assert "Traceback" not in captured.err + captured.out
     assert not out.exists()
+
+
+def test_int8_weight_only_is_an_inference_precision_beside_llm_int8():
+    from fitbench.hardware import peak_bandwidth
+    from fitbench.plan.memory import Parallelism, layer_matmul_params
+    from fitbench.plan.speed import estimate_step_time
+    from fitbench.precisions import (data_parallel_problem, graph_problem, peak_kind, pipeline_problem,
+                                     tensor_parallel_problem, training_problem)
+
+    assert training_problem("int8-weight-only") and "fp8" in training_problem("int8-weight-only")
+    assert "torchao" in tensor_parallel_problem("int8-weight-only", "infer")
+    assert "torchao" in data_parallel_problem("fsdp", "int8-weight-only", "forward")
+    assert pipeline_problem("int8-weight-only", "infer") is None
+    assert graph_problem("int8-weight-only") is None and graph_problem("int8") is not None
+    assert peak_kind("int8-weight-only", "infer") == "bf16"
+    assert hardware_problem("int8-weight-only", "cpu", None) is None
+
+    # same storage as int8-dynamic; its eager decode reads the int8 matrix, writes and reads a bf16 copy
+    arch, gpu = resolve("7B"), "NVIDIA H200"
+
+    def decode(precision):
+        return estimate_step_time(arch, "infer", precision, 1, 128, new_tokens=16, parallelism=Parallelism(),
+                                  gpu_name=gpu)
+
+    copies = 4 * layer_matmul_params(arch) * arch.num_layers / peak_bandwidth(gpu)
+    assert decode("int8-weight-only").memory_s == pytest.approx(decode("int8-dynamic").memory_s + copies)
+    assert decode("int8-dynamic").memory_s < decode("bf16-pure").memory_s < decode("int8-weight-only").memory_s

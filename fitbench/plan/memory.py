@@ -121,8 +121,10 @@ class QuantizedFormat:
 # being cast were alive at the peak (10.6 B, the larger of the two). LLM.int8 casts to fp16 and
 # rounds (2.2 B); bitsandbytes' 4-bit packs in place of the input (0.3 B); torchao's int8 and int4
 # hold an fp32 copy and its scaled copy in part (2.2 B, 5.7 B); float8 per 128 x 128 block 11.2 B.
-BUILD_TEMPORARY_BYTES = {"int8": 2.2, "nf4": 0.35, "fp4": 0.35, "int8-dynamic": 2.2, "int4": 5.7,
-                         "fp8": 10.6, "fp8-block": 11.2}
+# int8-weight-only quantizes its weights with the very call int8-dynamic does (torchao's
+# ``Int8Tensor.from_hp``, per row): the same 2.2 B, not measured apart.
+BUILD_TEMPORARY_BYTES = {"int8": 2.2, "nf4": 0.35, "fp4": 0.35, "int8-dynamic": 2.2, "int8-weight-only": 2.2,
+                         "int4": 5.7, "fp8": 10.6, "fp8-block": 11.2}
 
 # Every matrix of ``Architecture.layer_matrices`` is quantized (``fitbench.run.quantize``: each
 # nn.Linear of the layers, GPT-2's Conv1D turned into one first); biases, embeddings, position
@@ -137,6 +139,11 @@ QUANTIZED: dict[str, QuantizedFormat] = {
                                                "double-quantized"),
     "int8-dynamic": QuantizedFormat(8, 5, 0, "torchao int8 weights, an fp32 scale and an int8 zero point per "
                                              "output row"),
+    # torchao 0.18's Int8WeightOnlyConfig (PerRow, symmetric): ``Int8Tensor.from_hp`` keeps qdata
+    # (rows x columns int8), an fp32 scale and an int8 zero point (all zeros, symmetric, but stored) per
+    # output row: rows x columns + 5 rows bytes (torchao/quantization/quantize_/workflows/int8/int8_tensor.py).
+    "int8-weight-only": QuantizedFormat(8, 5, 0, "torchao int8 weight-only: int8 weights, an fp32 scale and an "
+                                                 "int8 zero point per output row"),
     "int4": QuantizedFormat(4, 4, 128, "torchao int4 tinygemm: bf16 scale and zero point per group of 128"),
     "fp8": QuantizedFormat(8, 4, 0, "torchao float8 row-wise: one fp32 scale per output row"),
     "fp8-block": QuantizedFormat(8, 4, 128 * 128, "float8 with one fp32 scale per 128 x 128 block"),

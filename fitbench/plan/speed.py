@@ -272,12 +272,22 @@ def _data_parallel_step(arch: Architecture, mode: str, parallelism: Parallelism,
     return total, seconds
 
 
+# Weight-only precisions whose eager matmul casts the whole quantized matrix to a bf16 copy and multiplies
+# by it: torchao 0.18's Int8Tensor without activation quantization runs ``torch.mm(x, qdata.t().to(bf16))``
+# then scales the output per row (quantize_/workflows/int8/int8_tensor.py, the weight-only branch), so an
+# eager (or CUDA-graph captured eager) decode step reads 1 B per weight, writes and reads a 2 B copy:
+# 5 B against bf16's 2. Only a compiled step fuses the cast into the matmul and reads 1 B. int4's
+# tinygemm and bitsandbytes' 4-bit decode kernels read the packed weights in place.
+DEQUANTIZED_EACH_MATMUL = ("int8-weight-only",)
+
+
 def _decode_weight_bytes(arch: Architecture, precision: str, batch: int) -> float:
     """The weights one decode step of ``batch`` sequences reads (``fitbench.run.worker.decode_weight_bytes``
     measures the same on the built model): all of them, but of each lookup table that the output
     projection does not share one row per sequence (tokens) or one row (GPT-2's positions, shared by
     the batch); under autocast, each matmul's weights and biases (all parameters but the tables and
-    norms) are re-cast every step, a 16-bit copy written and read beside the fp32 read."""
+    norms) are re-cast every step, a 16-bit copy written and read beside the fp32 read; so are the
+    layers' matrices of ``DEQUANTIZED_EACH_MATMUL``."""
     widths = Widths.of(precision)
     table_width = 2 if precision in QUANTIZED else widths.weights  # quantization leaves the tables bf16
     token_table = 0 if arch.tie_embeddings else arch.vocab_size * arch.hidden_size
@@ -287,4 +297,6 @@ def _decode_weight_bytes(arch: Architecture, precision: str, batch: int) -> floa
     if widths.autocast:
         norms = arch.num_layers * arch.norm_params_per_layer + arch.final_norm_params
         touched += 2 * widths.compute * (arch.matmul_params - norms)
+    if precision in DEQUANTIZED_EACH_MATMUL:
+        touched += 2 * 2 * layer_matmul_params(arch) * arch.num_layers
     return touched
