@@ -1,6 +1,7 @@
 """The hf backend across GPUs: transformers' tensor-parallel plans in one real torchrun job of two CPU ranks
 (tests/hf_tensor_parallel_job.py), whose logits, gradients and losses are compared with one process holding
-the same weights; what is refused before launch, and why."""
+the same weights; which plans exist and what they need (the refusals from the command line are in
+tests/test_tensor_parallel.py with the native decoder's)."""
 
 import json
 import math
@@ -41,21 +42,6 @@ def test_the_plan_needs_kv_heads_that_divide_by_the_degree_where_the_native_deco
     assert "1" in problem and "--backend native" in problem
     assert tensor_parallel_heads_problem(8, 1, 2, "native") is None
     assert "do not divide the model's 8" in tensor_parallel_heads_problem(8, 4, 3, "hf")
-
-
-@pytest.mark.parametrize("options, says", [
-    (["--models", "gpt2"], "no tensor-parallel plan for gpt2"),
-    (["--models", "tiny", "--precision", "int8"], "int8 weights cannot be sharded"),
-])
-def test_what_the_hf_plans_cannot_run_is_refused_before_launch(options, says, tmp_path, capsys, monkeypatch):
-    from conftest import cli
-
-    monkeypatch.chdir(tmp_path)
-    argv = ["run", "--backend", "hf", "--device", "cpu", "--gpus", "2", "--strategy", "tp", "--mode", "infer",
-            "--out", "r"]
-    code, out, err = cli(argv + options, capsys)
-    assert code == 2 and says in out + err and "Traceback" not in out + err, out + err
-    assert not (tmp_path / "r" / "results.jsonl").exists()
 
 
 # ---- one torchrun job of two ranks against one process --------------------------------------------------

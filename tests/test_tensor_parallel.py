@@ -265,6 +265,8 @@ def test_the_sweep_gives_every_mode_the_tensor_parallel_layout():
     (["--precision", "nf4"], "nf4 weights cannot be sharded"),
     (["--gpus", "3"], "3 ranks do not divide the model's 8"),
     (["--backend", "hf", "--gpus", "8"], "by whole kv heads"),
+    (["--backend", "hf", "--models", "gpt2"], "no tensor-parallel plan for gpt2"),
+    (["--backend", "hf", "--precision", "int8"], "int8 weights cannot be sharded"),
 ])
 def test_what_tensor_parallelism_cannot_run_is_refused_before_launch(options, says, tmp_path, capsys, monkeypatch):
     from conftest import cli

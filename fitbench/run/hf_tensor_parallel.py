@@ -8,8 +8,10 @@ with its logits gathered (``colwise_gather_output``), so generation and the loss
 calls it on a model still on the meta device, before loading each rank's shards. fitbench calls it
 on a built model instead, whose whole weights each rank holds: the styles' ``distribute_tensor``
 with no source rank keeps each rank's own rows or columns, so every rank must hold the same weights
-first, and they are rank 0's, broadcast (as ``fitbench.run.tensor_parallel`` does for the native
-decoder). The job's logits are then one process's with the same weights.
+first, and they are rank 0's, broadcast (as data parallelism does, ``fitbench.run.parallel``): each
+rank holds the whole model until the plan shards it, unlike the native decoder's ranks, which build
+only their shards (``fitbench.run.tensor_parallel``). The job's logits are then one process's with
+the same weights.
 
 What the plan does not do, fitbench refuses before launch (``fitbench.precisions``,
 ``tensor_parallel_problem`` and ``tensor_parallel_heads_problem``): families without a plan (Falcon,

@@ -234,12 +234,12 @@ def parallelize_layout(lm: CausalLM, layout: Layout, policy: PrecisionPolicy, mo
 
 
 def build_layout(arch, layout: Layout, policy: PrecisionPolicy, mode: str, seq_len: int, rank: Rank, *,
-                 backend: str = "native", cuda_graphs: bool = False) -> tuple[NativeLM, Any, dict[str, Any]]:
+                 cuda_graphs: bool = False) -> tuple[NativeLM, Any, dict[str, Any]]:
     """This rank's tensor-parallel model of ``layout`` (TP alone or under FSDP), its mesh and what was
     applied. Sequence parallelism is on in training (train, forward-backward) where ``seq_len``
     divides by the degree: it is there that the norms' and residuals' activations are kept for a
     backward pass."""
-    problem = tensor_parallel_problem(policy.name, mode, backend)
+    problem = tensor_parallel_problem(policy.name, mode)
     if problem:
         raise ValueError(problem)
     mesh = device_mesh(layout, rank.device.type)

@@ -314,7 +314,7 @@ def build(assignment: Assignment, arch, policy, device: torch.device, scratch: P
             raise ValueError(f"tensor-parallel ranks draw random weights shard by shard; {model_path} holds a "
                              f"checkpoint, which they do not load: run it without --strategy tp")
         lm, mesh, applied = build_layout(arch, spec.layout, policy, spec.mode, spec.seq_len, rank,
-                                         backend=spec.backend, cuda_graphs=spec.cuda_graphs)
+                                         cuda_graphs=spec.cuda_graphs)
         return Built(lm, mesh=mesh, parallel=applied)
     if not policy.quantized:
         lm = load_model(arch, spec.backend, device, policy.weight_dtype, model_path=model_path,
