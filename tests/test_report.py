@@ -130,6 +130,18 @@ def test_a_narrow_table_stacks_the_spread_under_its_figure():
     assert spread in lines[line + 1] and spread not in lines[line]
 
 
+def test_a_narrow_table_stacks_a_hyphenated_precision_at_its_hyphens():
+    row = next(row for row in committed_rows() if row["spec"]["precision"].count("-") == 2)
+    precision = row["spec"]["precision"]
+    first, second, third = precision.split("-")
+    assert precision in render([row], 160)
+    lines = render([row], 40).splitlines()
+    line = next(i for i, text in enumerate(lines) if f"{first}-" in text)
+    column = lines[line].index(f"{first}-")
+    assert precision not in "".join(lines)
+    assert [text[column:].split()[0] for text in lines[line:line + 3]] == [f"{first}-", f"{second}-", third]
+
+
 @pytest.mark.parametrize("names, shown", [
     (["../models/tiny-llama-a", "../models/tiny-llama-b"], ["tiny-llama-a", "tiny-llama-b"]),
     (["/data/run1/ckpt", "/data/run2/ckpt"], ["run1/ckpt", "run2/ckpt"]),

@@ -11,6 +11,7 @@ CPU, beside the planner's prediction and its error.
 from __future__ import annotations
 
 import json
+import re
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Callable, Iterable
@@ -185,10 +186,17 @@ def _share(value: float | None, scale: float = 100.0, decimals: int = 1) -> tupl
     return (f"{scale * value:.{decimals}f}%",) if value is not None else ("-",)
 
 
+def _hyphenated(name: str) -> tuple[str, ...]:
+    """``name`` in parts that end at its hyphens ("int8-", "weight-", "only"), which a narrow table
+    stacks, so that a long precision or model name costs the width of its longest part, not its own."""
+    return tuple(re.split(r"(?<=-)(?=.)", name))
+
+
 _COMMON = {
-    "model": _Column(("model",), lambda row, head: (head["model"],), 0, "left", words=True),
+    "model": _Column(("model",), lambda row, head: _hyphenated(head["model"]), 0, "left", words=True, separator=""),
     "params": _Column(("params",), lambda row, head: (format_count(row.get("params")),), 8),
-    "precision": _Column(("precision",), lambda row, head: (row["spec"]["precision"],), 2, "left"),
+    "precision": _Column(("precision",), lambda row, head: _hyphenated(row["spec"]["precision"]), 2, "left",
+                         separator=""),
     "shape": _Column(("batch×seq",), lambda row, head: (_shape(row["spec"]),), 4),
     "tokens/s": _Column(("tokens/s",), lambda row, head: (_rate(head["tokens_per_s"]),), 2),
     "memory": _Column(("peak", "memory"), lambda row, head: _memory_parts(row) or ("-",), 3, separator=", "),
