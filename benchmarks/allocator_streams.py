@@ -14,7 +14,8 @@ script replays the events (``alloc`` and ``free_completed`` for allocated bytes;
   and at the moment the sum over streams is largest;
 - mapped: at most and at the end;
 and the largest live blocks at the moment of the most allocated (size, stream, the innermost frame
-of fitbench or of torch's distributed and parallel modules that made it).
+of fitbench or of torch's distributed, parallel or optimizer modules that made it), and the live bytes
+there summed by that frame.
 """
 
 from __future__ import annotations
@@ -71,7 +72,7 @@ def streams_of(snapshot: dict, device: int, top: int) -> dict:
             total = sum(allocated.values())
             if total > peak_total:
                 peak_total, at_peak = total, dict(allocated)
-                peak_blocks = sorted(live.values(), reverse=True)[:top]
+                peak_blocks = sorted(live.values(), reverse=True)
         elif action in MAPPED:
             mapped[stream] += MAPPED[action] * size
             most_mapped[stream] = max(most_mapped[stream], mapped[stream])
@@ -85,7 +86,10 @@ def streams_of(snapshot: dict, device: int, top: int) -> dict:
         "mapped_at_end_gib": sum(final_mapped.values()) / GIB,
         "sum_of_stream_peaks_gib": sum(most.values()) / GIB,
         "largest_live_at_peak": [{"gib": size / GIB, "stream": stream, "made_by": made}
-                                 for size, stream, made in peak_blocks],
+                                 for size, stream, made in peak_blocks[:top]],
+        "live_at_peak_by_maker_gib": dict(sorted(((made, round(sum(b[0] for b in peak_blocks if b[2] == made) / GIB, 3))
+                                                  for made in {b[2] for b in peak_blocks}),
+                                                 key=lambda item: -item[1])[:3 * top]),
     }
 
 
