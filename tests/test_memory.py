@@ -611,18 +611,20 @@ def test_ddp_gradient_buckets_by_hand(precision, tied):
     assert "gradients" not in each and each["gradient buckets"] == w * params
     assert {t.name: t.moments for t in ddp.terms}["gradient buckets"] is None
     assert each["activations"] == one["activations"]
-    assert ddp.total_at(START) == single.total_at(START) + w * params
+    # and a second set of the buckets' bytes, measured on 2 x H200
+    assert each["second gradient buckets"] == w * params
+    assert ddp.total_at(START) == single.total_at(START) + 2 * w * params
     if tied:
         # the output projection's contribution waits in autograd for the embedding's: one matrix more
-        # at the first layer than the buckets
+        # at the first layer than the buckets (and their second set)
         assert each["tied gradient awaiting its sum"] == w * V * H
-        assert ddp.total_at(FIRST) == single.total_at(FIRST) + w * V * H
+        assert ddp.total_at(FIRST) == single.total_at(FIRST) + w * V * H + w * params
         assert each["tied embedding gradients"] == one["tied embedding gradients"] == 2 * w * V * H
     else:
         # the input embedding's fresh gradient, before its copy into the bucket
         assert each["input embedding gradient"] == one["input embedding gradient"] == w * V * H
-        assert ddp.total_at(FIRST) == single.total_at(FIRST) + w * V * H
-        assert ddp.total_at(END) == single.total_at(END) + w * V * H
+        assert ddp.total_at(FIRST) == single.total_at(FIRST) + w * V * H + w * params
+        assert ddp.total_at(END) == single.total_at(END) + w * V * H + w * params
 
 
 @pytest.mark.parametrize("precision", PRECISIONS)

@@ -844,6 +844,12 @@ def _training(arch, mode, widths, batch, seq_len, recompute, terms, local_params
                           "mapped while the gradients are None", at(START, RECOMPUTE), cached=True))
     if sharded and layout.offload:
         terms.append(fsdp_offload_staging(arch, w, c, layout.shards))
+    if ddp and not frozen:
+        terms.append(Term("second gradient buckets", w * local_params, f"{w:g} B x {local_params:,.0f}: measured on "
+                          "2 x H200 (torch 2.11, benchmarks/results/2026-11-24-h200x2-data-parallel), 5 of 6 ranks "
+                          "held a second set of buckets' bytes at every moment (1B preset: 62.0 GB against 57.9 GB); "
+                          "rank 0's allocator snapshot, where it did not, shows the set DDP rebuilds after its first "
+                          "step"))
     if ddp and tied_here:
         terms.append(Term("tied gradient awaiting its sum", w * V * h, "w x V h: the output projection's "
                           "contribution, held by autograd until the embedding's joins it and the sum goes to its "
@@ -1022,7 +1028,14 @@ def _inference(arch, mode, widths, batch, seq_len, new_tokens, terms, tp, stage=
     rows = batch if mode == "infer" else n  # infer computes logits for the last position only
     moments = (MLP,) + ((OUTPUT,) if stage.last else ()) + ((OUTLIERS,) if precision == "int8" else ())
     sharded_build = tp > 1 and precision not in QUANTIZED
-    if sharded_build:
+    if sharded_build and backend == "hf":
+        # transformers' tensor-parallel plan shards a model built whole on each rank, a weight at a time
+        whole = widths.weights * arch.total_params
+        rank = widths.weights * (layers * rank_layer_params(arch, tp) + rank_edge_params(arch, tp, stage))
+        terms.append(Term("whole model before sharding", whole - rank, f"{widths.weights:g} B x "
+                          f"{arch.total_params:,} less this rank's shards: the hf backend builds the whole model on "
+                          f"each rank and transformers' plan shards it in place", frozenset({SHARDS})))
+    elif sharded_build:
         # every weight of the whole model is drawn whole into one scratch buffer, of which the rank keeps its shard
         largest = max(V * h, largest_layer_matrix(arch))
         terms.append(Term("whole-weight scratch", widths.weights * largest,
