@@ -553,10 +553,22 @@ def test_fsdp_units_in_flight_by_hand(precision, tied):
         assert terms[name] == size > 0, name
         assert by_name[name].moments == (None if moments is None else frozenset(moments)), name
     assert "tied embedding gradients" not in terms and "unsharded FSDP units" not in terms
-    # the start of the backward pass: shards, every activation and the loss, the root and two layers gathered
+    # the streams' cached pools: the copy-in stream's at its largest (two layers' all-gather outputs, or
+    # the root's output and its input, one of 4 shards) beyond the output in use; the reduce-scatter
+    # stream's, the sharded gradients' pages, where the gradients are None
+    pool = max(2 * c * LAYER_PARAMS, (1 + 1 / 4) * c * root)
+    assert terms["FSDP all-gather pool"] == pool - c * LAYER_PARAMS and by_name["FSDP all-gather pool"].cached
+    assert by_name["FSDP all-gather pool"].moments is None
+    params = PARAMS - (V * H if tied else 0)
+    assert terms["reduce-scatter pool"] == terms["gradients"] == WIDTHS[precision]["w"] * params / 4
+    assert by_name["reduce-scatter pool"].cached and by_name["reduce-scatter pool"].moments == {START, RECOMPUTE}
+    # the start of the backward pass: shards, every activation and the loss, the root and two layers gathered,
+    # and the pools; what must fit leaves the pools out
     start = sum(terms[name] for name in ("weights", "optimizer state", "rotary tables", "activations",
                                          "final norm and output input", "loss chain"))
-    assert estimate.total_at(START) == start + c * root + 2 * c * LAYER_PARAMS
+    live = start + c * root + 2 * c * LAYER_PARAMS
+    assert estimate.total_at(START, cached=False) == live
+    assert estimate.total_at(START) == live + pool - c * LAYER_PARAMS + terms["gradients"]
 
 
 @pytest.mark.parametrize("precision", PRECISIONS)
@@ -572,9 +584,11 @@ def test_fsdp_cpu_offload_keeps_shards_gradients_and_optimizer_state_in_host_mem
     assert EDGE_PARAMS < LAYER_PARAMS
     assert after["FSDP offload staging"] == (2 * w + c) * 2 * LAYER_PARAMS / 4
     # what is gathered in flight and the activations stay as they were
+    # (the sharded gradients leave the GPU after each reduce-scatter: no reduce-scatter pool keeps them)
     assert {name: size for name, size in after.items() if name not in ("weights", "gradients", "optimizer state",
                                                                       "FSDP offload staging")} == \
-        {name: size for name, size in before.items() if name not in ("weights", "gradients", "optimizer state")}
+        {name: size for name, size in before.items() if name not in ("weights", "gradients", "optimizer state",
+                                                                     "reduce-scatter pool")}
     assert offloaded.peak_bytes < on_gpu.peak_bytes
     for strategy, gpus in (("ddp", 4), ("fsdp", 1)):
         with pytest.raises(ValueError, match="CPU offload is FSDP's"):
@@ -597,18 +611,20 @@ def test_ddp_gradient_buckets_by_hand(precision, tied):
     assert "gradients" not in each and each["gradient buckets"] == w * params
     assert {t.name: t.moments for t in ddp.terms}["gradient buckets"] is None
     assert each["activations"] == one["activations"]
-    assert ddp.total_at(START) == single.total_at(START) + w * params
+    # and a second set of the buckets' bytes, measured on 2 x H200
+    assert each["second gradient buckets"] == w * params
+    assert ddp.total_at(START) == single.total_at(START) + 2 * w * params
     if tied:
         # the output projection's contribution waits in autograd for the embedding's: one matrix more
-        # at the first layer than the buckets
+        # at the first layer than the buckets (and their second set)
         assert each["tied gradient awaiting its sum"] == w * V * H
-        assert ddp.total_at(FIRST) == single.total_at(FIRST) + w * V * H
+        assert ddp.total_at(FIRST) == single.total_at(FIRST) + w * V * H + w * params
         assert each["tied embedding gradients"] == one["tied embedding gradients"] == 2 * w * V * H
     else:
         # the input embedding's fresh gradient, before its copy into the bucket
         assert each["input embedding gradient"] == one["input embedding gradient"] == w * V * H
-        assert ddp.total_at(FIRST) == single.total_at(FIRST) + w * V * H
-        assert ddp.total_at(END) == single.total_at(END) + w * V * H
+        assert ddp.total_at(FIRST) == single.total_at(FIRST) + w * V * H + w * params
+        assert ddp.total_at(END) == single.total_at(END) + w * V * H + w * params
 
 
 @pytest.mark.parametrize("precision", PRECISIONS)

@@ -27,9 +27,14 @@ graphs, ``benchmarks/results/2026-11-22-h100-ladder-infer``):
   pass, gradients are being allocated among freed activations, and the freed holes fragment the
   segment: measured reserved minus allocated there was 0.4 to 3.4 times one layer's saved
   activations, which the planner adds once.
-- **NCCL buffers**: per communicator, for multi-GPU strategies. NCCL's default buffer is 4 MiB
-  per channel and peer for the simple protocol (``NCCL_BUFFSIZE``), with up to 32 channels on
-  NVLink; the default takes 32 x 2 peers x 4 MiB = 256 MiB per communicator until calibrated.
+- **NCCL buffers**: per communicator, for multi-GPU strategies: what a rank's process holds
+  outside the allocator beyond one GPU's CUDA context (NVML's peak minus the allocator's reserved
+  peak, less the context). Measured on 2 x H200 over NVLink (NCCL 2.28.9, torch 2.11): 1.682 GB on
+  every rank of DDP and FSDP training (1B, 8B, 20B presets) against 0.795 GB for one GPU's
+  training, 887 MB for the one communicator (``benchmarks/results/2026-11-24-h200x2-data-parallel``);
+  tensor-parallel decoding held less (0.30 to 0.84 GB), pipeline stages 0.98 to 1.27 GB. NCCL's
+  own buffers (4 MiB per channel and peer, ``NCCL_BUFFSIZE``) are part of it; the rest is NCCL's
+  device state and its kernels. ``fitbench calibrate`` stores this figure (it does not measure it).
 - **bus bandwidth** of all-reduce and all-gather (nccl-tests' definition, ``fitbench.plan.speed``):
   ``fitbench calibrate`` measures it where several GPUs are visible, one process per GPU over NCCL
   (``fitbench.launch.calibrate.measure_bus_bandwidth``). Without a measurement the speed model takes
@@ -49,6 +54,7 @@ from fitbench.plan.memory import TRAINING_MODES
 
 MIB = 1024**2
 PAGE = 2 * MIB
+NCCL_PER_COMMUNICATOR = 887e6  # the module docstring's measurement
 
 
 @dataclass(frozen=True)
@@ -95,7 +101,7 @@ DEFAULT = Calibration(
     cuda_context_inference=797e6,
     workspace_training=2 * 32 * MIB,
     workspace_inference=2 * 32 * MIB,
-    nccl_per_communicator=256 * MIB,
+    nccl_per_communicator=NCCL_PER_COMMUNICATOR,
     source="default (measured on NVIDIA H100 80GB HBM3, torch 2.11.0+cu130)",
     cuda_context_eager=721e6,
     workspace_eager=32 * MIB,

@@ -65,9 +65,9 @@ output projection):
   autocast copies. Gathered in flight (torch 2.11 to 2.13, ``torch/distributed/fsdp/_fully_shard/``
   ``_fsdp_param_group.py`` and ``_fsdp_collectives.py``), c the gathered dtype and rd the reduce
   dtype (fp32 under that policy, else the parameters'):
-  the root, not resharded after forward, c E at every moment; two layers, 2 c p: the one at work
-  and the next (the all-gather output of one held until the next one's copy-out in forward; the
-  one prefetched in backward); in the backward of a layer its unsharded gradients, c p, beside the
+  the root, not resharded after forward, c E at every moment; two layers, 2 c p: the one at work,
+  copied out of its all-gather, and an all-gather output (held until the next one's copy-out in
+  forward; the one prefetched in backward); in the backward of a layer its unsharded gradients, c p, beside the
   previous layer's reduce-scatter input, rd p, which FSDP holds until this layer's reduce-scatter
   is issued (one held: ``reduce_scatter_state``, in 2.13 ``reduce_scatter_max_input_buffers`` = 1;
   the layer's gradients are copied into its own input before they are freed, and the held one is
@@ -76,6 +76,16 @@ output projection):
   root's gradients and the first layer's reduce-scatter input give way to the root's own
   reduce-scatter input: max(c G + rd p, rd E), G the root's gradients (two V h contributions
   before their sum when the embedding is tied).
+  Cached pools (``Term.cached``): the caching allocator keeps a pool per CUDA stream, and the most a
+  stream ever held stays mapped. FSDP allocates the all-gather outputs and inputs on its copy-in
+  stream, whose pool stays at max(2 c p, (1 + 1/g) c E) (two layers' outputs, or the root's output
+  and input), and the reduce-scatter outputs, of which the sharded gradients are views, on its
+  reduce-scatter stream: w P / g stays mapped while the gradients are None, the start of the backward
+  pass included. Read from the allocator's snapshots on 2 x H200, torch 2.11
+  (``benchmarks/allocator_streams.py``, ``benchmarks/results/2026-11-24-h200x2-data-parallel``): the
+  20B preset in bf16-pure, 1 x 2048: the compute stream's most 87.5 GiB, the copy-in stream's 1.46
+  GiB (2 c p), the reduce-scatter stream's 18.5 GiB (the sharded gradients); 116.2 GB reserved
+  against 95.1 GB allocated.
 - FSDP2 with CPU offload (``CPUOffloadPolicy``, ``--offload``): the shards, their gradients and
   AdamW's state live in host memory, where the optimizer steps; the GPU holds what is in flight
   as above, and the shards passing through it (``fsdp_offload_staging``).
@@ -161,12 +171,17 @@ INT8_OUTLIER_COLUMNS = 0.32
 
 @dataclass(frozen=True)
 class Term:
-    """One kind of memory, and the moments of the step at which it is alive (None: all of them)."""
+    """One kind of memory, and the moments of the step at which it is alive (None: all of them).
+    ``cached``: pages a CUDA stream's pool keeps mapped with no tensor in them (the caching allocator
+    keeps a pool per stream, and a block freed on one stream serves only that stream); the allocator
+    unmaps them, after a synchronizing retry, when a request on another stream would not fit, so they
+    count in the peak NVML reads but not in what must fit."""
 
     name: str
     bytes: float
     formula: str
     moments: frozenset[str] | None = None
+    cached: bool = False
 
 
 @dataclass(frozen=True)
@@ -326,8 +341,9 @@ class MemoryEstimate:
     moments: tuple[str, ...]
     stage: Stage | None = None  # the pipeline stage estimated, where there are several
 
-    def total_at(self, moment: str) -> float:
-        return sum(t.bytes for t in self.terms if t.moments is None or moment in t.moments)
+    def total_at(self, moment: str, cached: bool = True) -> float:
+        """Bytes at ``moment``; without ``cached``, the tensors alone (what must fit)."""
+        return sum(t.bytes for t in self.terms if (t.moments is None or moment in t.moments) and (cached or not t.cached))
 
     @property
     def peak_moment(self) -> str:
@@ -346,8 +362,8 @@ class MemoryEstimate:
             "peak_moment": self.peak_moment,
             "stage": self.stage.label if self.stage else None,
             "moments": {moment: self.total_at(moment) for moment in self.moments},
-            "terms": [{"name": t.name, "bytes": t.bytes, "formula": t.formula, "at_peak": self.at_peak(t)}
-                      for t in self.terms],
+            "terms": [{"name": t.name, "bytes": t.bytes, "formula": t.formula, "at_peak": self.at_peak(t),
+                       **({"cached": True} if t.cached else {})} for t in self.terms],
         }
 
 
@@ -828,9 +844,19 @@ def _training(arch, mode, widths, batch, seq_len, recompute, terms, local_params
     terms.append(Term("first layer in backward", one_layer + one_layer_casts,
                       "one layer's saved activations (and weight copies) while the last gradients form", at(FIRST)))
     if sharded:
-        terms += fsdp_in_flight(arch, c, w, tp)
+        terms += fsdp_in_flight(arch, c, w, layout.shards, tp)
+    if sharded and not layout.offload:
+        terms.append(Term("reduce-scatter pool", gradients.bytes, "the sharded gradients' pages: views of the "
+                          "reduce-scatter outputs, allocated on FSDP's reduce-scatter stream, whose pool keeps them "
+                          "mapped while the gradients are None", at(START, RECOMPUTE), cached=True))
     if sharded and layout.offload:
         terms.append(fsdp_offload_staging(arch, w, c, layout.shards))
+    if ddp and not frozen:
+        terms.append(Term("second gradient buckets", w * local_params, f"{w:g} B x {local_params:,.0f}: measured on "
+                          "2 x H200 (torch 2.11, benchmarks/results/2026-11-24-h200x2-data-parallel), 5 of 6 ranks "
+                          "held a second set of buckets' bytes at every moment (1B preset: 62.0 GB against 57.9 GB); "
+                          "rank 0's allocator snapshot, where it did not, shows the set DDP rebuilds after its first "
+                          "step"))
     if ddp and tied_here:
         terms.append(Term("tied gradient awaiting its sum", w * V * h, "w x V h: the output projection's "
                           "contribution, held by autograd until the embedding's joins it and the sum goes to its "
@@ -849,21 +875,32 @@ def _training(arch, mode, widths, batch, seq_len, recompute, terms, local_params
     return MemoryEstimate(tuple(terms), moments)
 
 
-def fsdp_in_flight(arch: Architecture, c: float, rd: float, tp: int = 1) -> list[Term]:
+def fsdp_in_flight(arch: Architecture, c: float, rd: float, g: int, tp: int = 1) -> list[Term]:
     """FSDP2's unsharded units beside the shards (the module docstring): c the gathered (compute)
     dtype's width, rd the reduce dtype's, which is the sharded parameters' own (fp32 under
-    ``MixedPrecisionPolicy(bf16, reduce fp32)``, bf16 in bf16-pure). Under FSDP x TP each unit
-    gathers the rank's tensor-parallel share (``rank_layer_params``, ``rank_edge_params``)."""
+    ``MixedPrecisionPolicy(bf16, reduce fp32)``, bf16 in bf16-pure), g the shards. Under FSDP x TP each
+    unit gathers the rank's tensor-parallel share (``rank_layer_params``, ``rank_edge_params``).
+
+    An all-gather's flat input and output are allocated on FSDP's copy-in stream and the parameters
+    are copied out of it into their own storage on the compute stream. The caching allocator keeps a
+    pool per stream, so the copy-in stream's pool stays mapped at its largest from the first step on:
+    two layers' outputs, or the root's output with its input, max(2 c p, (1 + 1/g) c E) (read from the
+    allocator's snapshots on 2 x H200, torch 2.11, ``benchmarks/allocator_streams.py``: 1.46 GiB for
+    the 20B preset in bf16-pure, 2 c p; 2.94 GiB for llama-3.1-8b in bf16, (1 + 1/2) c E)."""
     whole = Stage(0, 1, range(arch.num_layers))
     p, V, h = rank_layer_params(arch, tp), arch.vocab_size, arch.hidden_size // tp
     E = rank_edge_params(arch, tp, whole)
     head = V * h + arch.final_norm_params
     G = E + (V * h if arch.tie_embeddings else 0)
+    pool = max(2 * c * p, (1 + 1 / g) * c * E)
     return [
         Term("FSDP root gathered", c * E, f"c E = {c:g} B x {E:,} parameters of the root (embeddings, final norm, "
              f"output projection), not resharded after forward"),
-        Term("FSDP layers gathered", 2 * c * p, f"2 c p = 2 x {c:g} B x {p:,}: the layer at work and the next, "
-             f"all-gathered ahead", frozenset({START, RECOMPUTE, FIRST})),
+        Term("FSDP layers gathered", 2 * c * p, f"2 c p = 2 x {c:g} B x {p:,}: the layer at work, copied out of "
+             f"its all-gather, and an all-gather output", frozenset({START, RECOMPUTE, FIRST})),
+        Term("FSDP all-gather pool", pool - c * p, f"max(2 c p, (1 + 1/g) c E) - c p = max(2 x {c * p:,.0f}, "
+             f"{1 + 1 / g:g} x {c * E:,.0f}) - {c * p:,.0f} B: the copy-in stream's pool (two layers' all-gather "
+             f"outputs, or the root's output and input) beyond the output in use", cached=True),
         Term("FSDP layer gradients", (c + rd) * p, f"(c + rd) p = ({c:g} + {rd:g}) B x {p:,}: a layer's unsharded "
              f"gradients beside the previous layer's reduce-scatter input", frozenset({FIRST})),
         Term("FSDP root gradients", c * head, f"c (V h + norm) = {c:g} B x {head:,}: the output projection's and "
@@ -998,7 +1035,14 @@ def _inference(arch, mode, widths, batch, seq_len, new_tokens, terms, tp, stage=
     rows = batch if mode == "infer" else n  # infer computes logits for the last position only
     moments = (MLP,) + ((OUTPUT,) if stage.last else ()) + ((OUTLIERS,) if precision == "int8" else ())
     sharded_build = tp > 1 and precision not in QUANTIZED
-    if sharded_build:
+    if sharded_build and backend == "hf":
+        # transformers' tensor-parallel plan shards a model built whole on each rank, a weight at a time
+        whole = widths.weights * arch.total_params
+        rank = widths.weights * (layers * rank_layer_params(arch, tp) + rank_edge_params(arch, tp, stage))
+        terms.append(Term("whole model before sharding", whole - rank, f"{widths.weights:g} B x "
+                          f"{arch.total_params:,} less this rank's shards: the hf backend builds the whole model on "
+                          f"each rank and transformers' plan shards it in place", frozenset({SHARDS})))
+    elif sharded_build:
         # every weight of the whole model is drawn whole into one scratch buffer, of which the rank keeps its shard
         largest = max(V * h, largest_layer_matrix(arch))
         terms.append(Term("whole-weight scratch", widths.weights * largest,

@@ -26,13 +26,13 @@ from fitbench.models.architecture import Architecture, default_backend
 from fitbench.plan import compiled as inductor
 from fitbench.plan.calibration import DEFAULT, PAGE, TENSORS_ONLY, Calibration
 from fitbench.plan.memory import (QUANTIZED, TRAINING_MODES, MemoryEstimate, Parallelism, Term, Widths, estimate_memory,
-                                  offloaded_weights, saved_per_layer, stage_estimates)
+                                  offloaded_weights, rank_edge_params, saved_per_layer, stage_estimates)
 from fitbench.plan.speed import StepTime, bus_bandwidth, estimate_step_time
 from fitbench.precisions import (data_parallel_problem, graph_problem, offload_problem, pipeline_problem,
                                  tensor_parallel_heads_problem, tensor_parallel_problem, training_problem,
                                  trains_every_weight)
 from fitbench.search import largest
-from fitbench.spec import Layout
+from fitbench.spec import Layout, Stage
 from fitbench.units import format_bytes
 
 # Names people type for --gpu, to the exact device names of the peak table.
@@ -200,13 +200,24 @@ def overhead_terms(arch: Architecture, mode: str, candidate: Candidate, memory: 
         layer = (inductor.saved_per_layer(arch, tokens, widths.compute, widths.residual, tp)
                  if candidate.compiled and backend == "native"
                  else saved_per_layer(arch, tokens, widths, tp, backend=backend, context=seq_len))
-        terms.append(Term("allocator fragmentation", layer, "one layer's saved activations: gradients allocated "
-                          "among freed activations late in the backward pass"))
+        root_input = (widths.weights * rank_edge_params(arch, tp, Stage(0, 1, range(arch.num_layers)))
+                      if parallelism.shards > 1 and not parallelism.offload else 0.0)
+        if root_input > layer:
+            # Measured on 2 x H200 (llama-3.1-8b, FSDP, bf16): the compute stream mapped 3.74 GiB beyond
+            # the most it held, against rd E = 3.91 GiB (benchmarks/results/2026-11-24-h200x2-data-parallel).
+            terms.append(Term("allocator fragmentation", root_input, "rd E: FSDP's root reduce-scatter input, one "
+                              "block larger than any hole the freed activations leave, maps pages of its own late in "
+                              "the backward pass, and the holes stay mapped"))
+        else:
+            terms.append(Term("allocator fragmentation", layer, "one layer's saved activations: gradients allocated "
+                              "among freed activations late in the backward pass"))
     else:
         terms.append(Term("allocator page rounding", Calibration.page_rounding(memory.total_at(moment)),
                           "expandable segments: the peak rounded up to 2 MiB"))
     layout = candidate.layout
     communicators = sum(1 for degree in (layout.dp_replicate, layout.dp_shard, layout.tp, layout.pp) if degree > 1)
+    if (backend or default_backend(arch)) == "hf" and layout.tp == 1:
+        communicators = 0  # the hf backend's pipeline stages are one process driving a GPU each: no NCCL
     if communicators:
         terms.append(Term("NCCL buffers", communicators * calibration.nccl_per_communicator,
                           f"{communicators} communicator(s): one per parallel dimension of {layout.label}"))
@@ -247,17 +258,20 @@ def assess(arch: Architecture, mode: str, candidate: Candidate, target: GpuTarge
                              parallelism=candidate.parallelism, resident_layers=candidate.resident_layers,
                              backend=backend, compiled=candidate.compiled)
 
-    def total(moment: str) -> float:
+    def total(moment: str, cached: bool = True) -> float:
         extra = overhead_terms(arch, mode, candidate, memory, moment, seq_len, calibration, backend)
-        return memory.total_at(moment) + sum(t.bytes for t in extra)
+        return memory.total_at(moment, cached) + sum(t.bytes for t in extra)
 
     # The overheads depend on the moment (fragmentation comes late in the backward pass), so the
-    # peak is taken over tensors and overheads together.
+    # peak is taken over tensors and overheads together. Streams' cached pools (``Term.cached``)
+    # count in the peak but not in what must fit: where they would not fit the allocator releases
+    # them and retries, so the GPU fills to its capacity, no further.
     moment = max(memory.moments, key=total)
     overheads = overhead_terms(arch, mode, candidate, memory, moment, seq_len, calibration, backend)
-    peak = total(moment)
-    fits = peak <= target.memory
-    reason = None if fits else (f"{candidate.label} needs {peak / 1e9:.1f} GB per GPU; "
+    needed = max(total(m, cached=False) for m in memory.moments)
+    fits = needed <= target.memory
+    peak = min(total(moment), max(needed, target.memory))
+    reason = None if fits else (f"{candidate.label} needs {needed / 1e9:.1f} GB per GPU; "
                                 f"{target.memory / 1e9:.1f} GB available{_data_parallel_why(candidate, memory)}")
     speed = estimate_step_time(arch, mode, candidate.precision, candidate.batch_size, seq_len, new_tokens=new_tokens,
                                parallelism=candidate.parallelism, gpu_name=target.speed_name,

@@ -51,6 +51,7 @@ from fitbench.inject import injected, injected_memory_limit, injected_value
 from fitbench.run.phases import PhaseLog, rank_result_path
 from fitbench.run.ranks import Rank, gather_json, process_group
 from fitbench.run.sanity import Verdict, non_finite_figures, non_finite_steps, read, warmup_warning
+from fitbench.run.snapshot import recorded
 from fitbench.run.tensor_parallel import build_layout, data_parallel_rank, parallelize_layout
 from fitbench.run.timing import DeviceClock, first_call_seconds, run_stages, time_steps
 from fitbench.run.trackers import NvmlSampler, memory_report
@@ -227,8 +228,9 @@ def measure(assignment: Assignment, device: torch.device, scratch: Path, rank: R
                  collective=parallel is not None)
     data = (spec.model_copy(update={"seed": data_seed(spec.seed, data_parallel_rank(spec.layout, rank.rank))})
             if parallel else spec)
-    timing, throughput, noisy, compile_s, verdict = measure_mode(data, arch, built, policy, clock, device, peaks,
-                                                                 weight_bytes)
+    with recorded(device, spec.key, rank.rank):
+        timing, throughput, noisy, compile_s, verdict = measure_mode(data, arch, built, policy, clock, device, peaks,
+                                                                     weight_bytes)
     decoding = lm.decoding if spec.mode == "infer" else None
 
     warnings = [f"{name} varies: CV above 5%; more --warmup-steps or --measure-steps may steady it"
