@@ -15,6 +15,7 @@ from fitbench.models.backends import load_model
 from fitbench.precisions import policy, tensor_parallel_heads_problem, tensor_parallel_problem
 from fitbench.run.loops import chunked_cross_entropy, make_step, random_tokens
 from test_parallel import torchrun
+from test_tensor_parallel import RELATIVE, close  # the same sums in another order (measured: under 1e-6)
 
 slow = pytest.mark.slow
 CPU = torch.device("cpu")
@@ -62,17 +63,6 @@ def reference():
     return load_model(job.ARCH, "hf", CPU, policy(job.PRECISION).weight_dtype)
 
 
-# fp32 throughout: tensor parallelism changes only the order of sums (a row-wise matmul's halves summed by
-# an all-reduce, the embedding's lookups summed with zeros), near 1e-6 of the largest value through 4
-# layers (measured: under 1e-6). A rank keeping its own weights moves the logits by more than 1e-1.
-RELATIVE = 1e-5
-
-
-def close(measured: list[float], expected: list[float]) -> bool:
-    scale = max(abs(value) for value in expected)
-    return len(measured) == len(expected) and all(abs(m - e) <= RELATIVE * scale for m, e in zip(measured, expected))
-
-
 @slow
 def test_a_tensor_parallel_hf_forward_and_backward_pass_equals_one_process(ranks):
     lm = reference()
@@ -116,20 +106,26 @@ def test_tensor_parallel_hf_training_steps_equal_one_process(ranks):
 two_gpus = pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs two GPUs")
 
 
-@two_gpus
-@slow
-def test_tensor_parallel_hf_generation_runs_on_two_gpus(tmp_path, capsys, monkeypatch):
-    """`fitbench run --backend hf --gpus 2 --strategy tp` over NCCL: one row of the job, each GPU's memory."""
+def generate_on_two_gpus(model: str, strategy: str, tmp_path, capsys, monkeypatch) -> dict:
+    """`fitbench run --backend hf --gpus 2 --strategy STRATEGY` generating a few tokens: its one row."""
     from conftest import cli
 
     monkeypatch.chdir(tmp_path)
     monkeypatch.delenv("FITBENCH_INJECT", raising=False)
-    code, out, err = cli(["run", "--models", "tiny", "--backend", "hf", "--device", "cuda", "--gpus", "2",
-                          "--strategy", "tp", "--mode", "infer", "--precision", "bf16-pure", "--batch-size", "2",
+    code, out, err = cli(["run", "--models", model, "--backend", "hf", "--device", "cuda", "--gpus", "2",
+                          "--strategy", strategy, "--mode", "infer", "--precision", "bf16-pure", "--batch-size", "2",
                           "--seq-len", "32", "--new-tokens", "8", "--warmup-steps", "1", "--measure-steps", "3",
                           "--out", "r"], capsys)
     assert code == 0, out + err
     [row] = [json.loads(line) for line in (tmp_path / "r" / "results.jsonl").read_text().splitlines()]
+    return row
+
+
+@two_gpus
+@slow
+def test_tensor_parallel_hf_generation_runs_on_two_gpus(tmp_path, capsys, monkeypatch):
+    """`fitbench run --backend hf --gpus 2 --strategy tp` over NCCL: one row of the job, each GPU's memory."""
+    row = generate_on_two_gpus("tiny", "tp", tmp_path, capsys, monkeypatch)
     assert row["status"] == "ok" and row["ranks"] == 2, row.get("error")
     assert row["parallel"]["plan"] == "transformers' base_model_tp_plan"
     assert sorted(gpu["rank"] for gpu in row["memory"]["gpus"]) == [0, 1]
@@ -242,16 +238,7 @@ def test_hf_pipeline_generation_from_the_command_line_is_one_process_row(tmp_pat
 @slow
 def test_hf_pipeline_generation_spreads_over_two_gpus(tmp_path, capsys, monkeypatch):
     """One process over two GPUs: each GPU's memory in the row, the layers split as planned."""
-    from conftest import cli
-
-    monkeypatch.chdir(tmp_path)
-    monkeypatch.delenv("FITBENCH_INJECT", raising=False)
-    code, out, err = cli(["run", "--models", "gpt2", "--backend", "hf", "--device", "cuda", "--gpus", "2",
-                          "--strategy", "pipeline", "--mode", "infer", "--precision", "bf16-pure", "--batch-size",
-                          "2", "--seq-len", "32", "--new-tokens", "8", "--warmup-steps", "1", "--measure-steps", "3",
-                          "--out", "r"], capsys)
-    assert code == 0, out + err
-    [row] = [json.loads(line) for line in (tmp_path / "r" / "results.jsonl").read_text().splitlines()]
+    row = generate_on_two_gpus("gpt2", "pipeline", tmp_path, capsys, monkeypatch)
     assert row["status"] == "ok", row.get("error")
     assert sorted(gpu["index"] for gpu in row["memory"]["gpus"]) == [0, 1]
     assert row["parallel"]["devices"] == ["cuda:0", "cuda:1"]

@@ -200,24 +200,24 @@ def overhead_terms(arch: Architecture, mode: str, candidate: Candidate, memory: 
         layer = (inductor.saved_per_layer(arch, tokens, widths.compute, widths.residual, tp)
                  if candidate.compiled and backend == "native"
                  else saved_per_layer(arch, tokens, widths, tp, backend=backend, context=seq_len))
-        root_input = (widths.weights * rank_edge_params(arch, tp, Stage(0, 1, range(arch.num_layers)))
-                      if parallelism.shards > 1 and not parallelism.offload else 0.0)
-        if root_input > layer:
+        fragmentation = Term("allocator fragmentation", layer, "one layer's saved activations: gradients "
+                             "allocated among freed activations late in the backward pass")
+        if parallelism.shards > 1 and not parallelism.offload:
             # Measured on 2 x H200 (llama-3.1-8b, FSDP, bf16): the compute stream mapped 3.74 GiB beyond
             # the most it held, against rd E = 3.91 GiB (benchmarks/results/2026-11-24-h200x2-data-parallel).
-            terms.append(Term("allocator fragmentation", root_input, "rd E: FSDP's root reduce-scatter input, one "
-                              "block larger than any hole the freed activations leave, maps pages of its own late in "
-                              "the backward pass, and the holes stay mapped"))
-        else:
-            terms.append(Term("allocator fragmentation", layer, "one layer's saved activations: gradients allocated "
-                              "among freed activations late in the backward pass"))
+            root_input = widths.weights * rank_edge_params(arch, tp, Stage(0, 1, range(arch.num_layers)))
+            fragmentation = max(fragmentation, Term(
+                "allocator fragmentation", root_input, "rd E: FSDP's root reduce-scatter input, one block larger "
+                "than the holes the freed activations leave, maps pages of its own late in the backward pass, and "
+                "the holes stay mapped"), key=lambda term: term.bytes)
+        terms.append(fragmentation)
     else:
         terms.append(Term("allocator page rounding", Calibration.page_rounding(memory.total_at(moment)),
                           "expandable segments: the peak rounded up to 2 MiB"))
     layout = candidate.layout
-    communicators = sum(1 for degree in (layout.dp_replicate, layout.dp_shard, layout.tp, layout.pp) if degree > 1)
-    if (backend or default_backend(arch)) == "hf" and layout.tp == 1:
-        communicators = 0  # the hf backend's pipeline stages are one process driving a GPU each: no NCCL
+    # the hf backend's pipeline stages are one process driving a GPU each: no communicator between them
+    stages = layout.pp if (backend or default_backend(arch)) == "native" else 1
+    communicators = sum(1 for degree in (layout.dp_replicate, layout.dp_shard, layout.tp, stages) if degree > 1)
     if communicators:
         terms.append(Term("NCCL buffers", communicators * calibration.nccl_per_communicator,
                           f"{communicators} communicator(s): one per parallel dimension of {layout.label}"))
