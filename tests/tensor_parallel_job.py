@@ -4,9 +4,10 @@
 
 Four CPU ranks (gloo) on a ("dp_shard", "tp") mesh of 2 x 2. First each variant of ``VARIANTS`` is
 sharded over the "tp" pairs (both pairs do the same work): one training forward and backward pass
-under sequence parallelism (the loss and a sample of a few gradients), then a generation (the
-prefill's logits and ``DECODE`` steps, the eager forward and the ``decode_step`` that a CUDA graph
-captures on a GPU). Then ``tiny`` trains ``STEPS`` steps under FSDP x TP (``Layout(dp_shard=2,
+under sequence parallelism (the loss and a sample of a few gradients), then a generation on local
+shards (the prefill's logits and ``DECODE`` steps, the eager forward and the ``decode_step`` that a
+CUDA graph captures on a GPU); the operators of a prefill and a decode step of ``tiny`` are counted
+by name (``dispatched``), for comparison with one process's. Then ``tiny`` trains ``STEPS`` steps under FSDP x TP (``Layout(dp_shard=2,
 tp=2)``), each data-parallel pair on its own batch. Every rank builds its shards from seed ``SEED``
 on the meta device (``build_tensor_parallel``), drawing the whole weights as one process does and
 keeping its part; the build of ``tiny`` records the largest tensor it allocated and the rank's
@@ -17,6 +18,7 @@ their logits. Rank 0 writes every rank's figures to OUT.json.
 
 import json
 import sys
+from collections import Counter
 from dataclasses import replace
 from datetime import timedelta
 from pathlib import Path
@@ -76,11 +78,44 @@ class LargestAllocation(TorchDispatchMode):
         return out
 
 
-def built(arch, rank: Rank, mesh, sequence_parallel: bool = False) -> tuple[NativeLM, dict]:
+class DispatchedOps(TorchDispatchMode):
+    """How many times each operator runs while it is on, by name (``aten.mm.default``, and the
+    collectives' ``c10d.allreduce_.default``...); an operator given a tensor subclass (a DTensor)
+    is named with it, ``aten.view_as.default on DTensor``, since a subclass dispatches its own
+    operators on the host, beneath this mode, for each one it is given."""
+
+    def __init__(self):
+        super().__init__()
+        self.counts: Counter[str] = Counter()
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        self.counts[" on ".join([str(func), *sorted(t.__name__ for t in types)])] += 1
+        return func(*args, **(kwargs or {}))
+
+
+def dispatched(lm: NativeLM, device: torch.device) -> dict[str, dict[str, int]]:
+    """The operators of one prefill of ``PROMPT`` tokens and of one ``decode_step`` after it (the
+    function a CUDA graph captures), counted by name."""
+    prompt = random_tokens(lm.module.config.vocab_size, BATCH, PROMPT, device, SEED + 1)
+    token = random_tokens(lm.module.config.vocab_size, BATCH, 1, device, SEED + 2)
+    counts = {}
+    with torch.inference_mode():
+        with DispatchedOps() as ops:
+            lm.prefill(prompt, PROMPT + DECODE)
+        counts["prefill"] = dict(ops.counts)
+        position = torch.tensor([PROMPT], device=device)
+        with DispatchedOps() as ops:
+            lm.module.decode_step(token, lm.cache, position)
+        counts["decode_step"] = dict(ops.counts)
+    return counts
+
+
+def built(arch, rank: Rank, mesh, sequence_parallel: bool = False, inference: bool = False) -> tuple[NativeLM, dict]:
     """Every rank's shards of the model of seed ``SEED``, and what was applied."""
     torch.manual_seed(SEED)
     module, applied = build_tensor_parallel(arch, Stage.of(arch.num_layers, 0, 1), mesh, rank.device,
-                                            policy(PRECISION).weight_dtype, sequence_parallel=sequence_parallel)
+                                            policy(PRECISION).weight_dtype, sequence_parallel=sequence_parallel,
+                                            inference=inference)
     return NativeLM(module, policy(PRECISION).compute_dtype), applied
 
 
@@ -103,9 +138,10 @@ def training_pass(arch, rank: Rank, mesh) -> dict:
 
 
 def generation(arch, rank: Rank, mesh, graphed: bool) -> dict:
-    """The prefill's logits and ``DECODE`` decode steps' on fixed tokens; ``graphed``: the decode goes
-    through ``decode_step``, the function a CUDA graph captures, here replayed eagerly."""
-    lm, _ = built(arch, rank, mesh)
+    """The prefill's logits and ``DECODE`` decode steps' on fixed tokens, on the local shards that
+    generation runs; ``graphed``: the decode goes through ``decode_step``, the function a CUDA graph
+    captures, here replayed eagerly."""
+    lm, applied = built(arch, rank, mesh, inference=True)
     if graphed:
         lm = NativeLM(lm.module, lm.cache_dtype, cuda_graphs=True, capture=lambda step: Replay(step))
     prompt = random_tokens(arch.vocab_size, BATCH, PROMPT, rank.device, SEED + 1)
@@ -114,7 +150,7 @@ def generation(arch, rank: Rank, mesh, graphed: bool) -> dict:
         logits = [lm.prefill(prompt, PROMPT + DECODE)]
         logits += [lm.decode(following[:, i:i + 1]).clone() for i in range(DECODE)]
     return {"logits": [sample(step) for step in logits], "cache_kv_heads": lm.cache.layer_keys[0].shape[1],
-            "decoding": lm.decoding}
+            "decoding": lm.decoding, "applied": applied}
 
 
 def fsdp_tp_losses(rank: Rank) -> tuple[list[float], dict]:
@@ -154,7 +190,8 @@ def main(argv: list[str]) -> None:
     rank = Rank.from_environment("cpu")
     with process_group(rank, TIMEOUT):
         tp_mesh = device_mesh(LAYOUT, rank.device.type)["tp"]
-        figures = {"build": build_memory(VARIANTS["tiny"], rank, tp_mesh)}
+        figures = {"build": build_memory(VARIANTS["tiny"], rank, tp_mesh),
+                   "dispatched": dispatched(built(VARIANTS["tiny"], rank, tp_mesh, inference=True)[0], rank.device)}
         for name, arch in VARIANTS.items():
             figures[name] = {"train": training_pass(arch, rank, tp_mesh),
                              "infer": generation(arch, rank, tp_mesh, graphed=False),

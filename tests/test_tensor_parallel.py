@@ -4,6 +4,7 @@ holding the same weights, and whose FSDP x TP losses with one process training o
 
 import json
 import math
+from collections import Counter
 from pathlib import Path
 
 import pytest
@@ -182,6 +183,32 @@ def test_tensor_parallel_prefill_and_decode_logits_equal_one_process(ranks, vari
         # each rank caches the kv heads its query heads read: half of tiny's 4, the one of tiny-1kv
         assert measured["cache_kv_heads"] == max(arch.num_kv_heads // 2, 1)
         assert measured["decoding"]["cuda_graphs"] == (path == "infer_graphed")
+
+
+ALL_REDUCE, ALL_GATHER = "c10d.allreduce_.default", "c10d._allgather_base_.default"
+# What a rank runs beyond one process's operators and its collectives, once per call whatever the depth:
+# the embedding's zeroing of the tokens outside its rows (sub, lt, ge, or, masked_fill, unsqueeze,
+# masked_fill_) and the gathered logits' layout (new_empty, view, movedim, flatten, alias). DTensor
+# dispatch adds several per matmul, and each of those shards and redistributes on the host.
+ONCE_PER_CALL = 12
+
+
+@slow
+@pytest.mark.parametrize("call", ["prefill", "decode_step"])
+def test_tensor_parallel_generation_runs_one_process_ops_and_two_all_reduces_per_layer(ranks, call):
+    """Megatron's split and nothing heavier: a rank's prefill and decode step (the one a CUDA graph
+    captures) run plain operators on local tensors, one process's operators with an all-reduce after
+    the attention's and the MLP's row-wise matmuls, one for the embedding and one gather of the logits."""
+    arch = job.VARIANTS["tiny"]
+    one = Counter(job.dispatched(reference(arch), torch.device("cpu"))[call])
+    for row in ranks:
+        counts = Counter(row["dispatched"][call])
+        collectives = Counter({op: n for op, n in counts.items() if "c10d" in op})
+        assert collectives == {ALL_REDUCE: 2 * arch.num_layers + 1, ALL_GATHER: 1}, (row["rank"], collectives)
+        assert not [op for op in counts if " on " in op], row["rank"]  # no operator on a DTensor
+        assert not one - counts, (row["rank"], one - counts)
+        extra = counts - one - collectives
+        assert sum(extra.values()) <= ONCE_PER_CALL, (row["rank"], extra)
 
 
 @slow

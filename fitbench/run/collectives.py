@@ -22,7 +22,7 @@ import torch.distributed as dist
 from fitbench.processes import tie_to_parent
 
 # torch 2.13 deprecates all_gather_into_tensor for all_gather_single, which torch 2.11 lacks.
-_all_gather = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
+all_gather = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
 
 
 def main() -> None:
@@ -57,7 +57,7 @@ def time_collectives(device: torch.device, message_bytes: int, warmup: int, iter
     gathered = torch.empty(elements, dtype=torch.float32, device=device)
     share = torch.ones(elements // world, dtype=torch.float32, device=device)
     operations = {"all_reduce_s": lambda: dist.all_reduce(reduced),
-                  "all_gather_s": lambda: _all_gather(gathered, share)}
+                  "all_gather_s": lambda: all_gather(gathered, share)}
     result = {}
     for name, operation in operations.items():
         for _ in range(warmup):

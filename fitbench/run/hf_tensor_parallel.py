@@ -37,14 +37,20 @@ from fitbench.spec import Layout, LayoutError
 
 
 def plan_mesh(tp: int, device_type: str):
-    """The mesh ``maybe_distribute_model`` reads: transformers' dense view (pp, dp_replicate, fsdp,
-    tp) of the job, every rank on "tp", and its expert view, which a dense model never uses."""
+    """The mesh ``maybe_distribute_model`` reads, every rank on "tp". Recent transformers (5.23)
+    takes its own ``TransformersDeviceMesh``: a dense view (pp, dp_replicate, fsdp, tp) of the job and
+    an expert view, which a dense model never uses. Earlier 5.x releases (5.17, which the pin admits)
+    take a plain torch ``DeviceMesh``, whose "tp" dimension they use when it has several. Whether
+    transformers has the class tells which, not its version number, which says nothing of backports."""
     from torch.distributed.device_mesh import init_device_mesh
-    from transformers.distributed.utils import TransformersDeviceMesh
+    from transformers.distributed import utils
 
+    mesh_manager = getattr(utils, "TransformersDeviceMesh", None)
+    if mesh_manager is None:
+        return init_device_mesh(device_type, (tp,), mesh_dim_names=("tp",))
     dense = init_device_mesh(device_type, (1, 1, 1, tp), mesh_dim_names=("pp", "dp_replicate", "fsdp", "tp"))
     experts = init_device_mesh(device_type, (1, 1, tp, 1), mesh_dim_names=("pp", "dp_replicate", "efsdp", "ep"))
-    return TransformersDeviceMesh(dense, experts)
+    return mesh_manager(dense, experts)
 
 
 def parallelize_hf_tensor(model: nn.Module, tp: int, device_type: str) -> dict[str, Any]:

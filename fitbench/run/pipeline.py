@@ -396,7 +396,8 @@ def build_pipelined(spec: RunSpec, arch: Architecture, policy: PrecisionPolicy, 
     stage = Stage.of(arch.num_layers, rank.rank // tp, stages)
     if tp > 1:
         mesh = device_mesh(spec.layout, rank.device.type)
-        module, applied = build_tensor_parallel(arch, stage, tensor_mesh(mesh), rank.device, policy.weight_dtype)
+        module, applied = build_tensor_parallel(arch, stage, tensor_mesh(mesh), rank.device, policy.weight_dtype,
+                                                inference=True)
         return PipelineLM(module, stage, rank, cache_dtype=policy.compute_dtype, hidden_dtype=policy.weight_dtype,
                           tp=tp, stage_group=mesh["pp"].get_group(), tensor_parallel=applied), None
     if not policy.quantized:

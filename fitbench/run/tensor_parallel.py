@@ -1,6 +1,6 @@
-"""Tensor parallelism of a built native model over the ranks of a "tp" device mesh, through DTensor
-(``torch.distributed.tensor.parallel.parallelize_module``), the Megatron-LM split (Shoeybi et al.
-2019) as torchtitan's ``apply_tp`` lays it out:
+"""Tensor parallelism of a built native model over the ranks of a "tp" device mesh, the Megatron-LM
+split (Shoeybi et al. 2019) as torchtitan's ``apply_tp`` lays it out with DTensor
+(``torch.distributed.tensor.parallel.parallelize_module``):
 
 - attention: q (and k / v where the kv heads divide by the degree) column-wise, so each rank holds
   ``n_heads / tp`` whole query heads (and ``n_kv_heads / tp`` kv heads) and attends over them alone;
@@ -32,6 +32,20 @@ weights, so nothing is broadcast, and a TP job's logits are a single process's o
 peak of a rank during the build is its shards plus that scratch, one whole weight, the largest
 (the embedding's, for a large vocabulary), as the planner counts it.
 
+Two ways run this split. Training, and anything under FSDP, runs through DTensor, which autograd
+(the sequence-parallel layouts, the replicated kv heads' gradient sums) and FSDP2's second mesh
+dimension need. Generation and ``forward`` (``inference``) need none of it, and pay for it on the host:
+DTensor wraps every matmul's input and output and works out each operator's sharding on every call,
+and under ``inference_mode`` a row-wise matmul (``aten.linear`` of a ``Shard(-1)`` input by a
+``Shard(1)`` weight, for which DTensor has no rule) reaches it whole: its sharding is propagated with
+fake tensors, fails, is not cached (the cache keeps no exception), and the call is decomposed, two
+of each layer's matmuls so on every call (profiled on CPU ranks: a prefill of ``tiny`` at TP 2 took
+several times one process's host time, the same ops and collectives aside). So inference keeps the
+shards as plain local tensors (``localize`` after the build) and runs one process's operators on
+them: an all-reduce in place after each row-wise matmul (``_sum_partial_output``), the embedding's
+lookup of its own rows (``VocabShardEmbedding``) and the logits' all-gather (``_gather_vocabulary``),
+nothing else per layer.
+
 The decode step stays one static-shaped function of device tensors (``NativeCausalLM.decode_step``):
 its collectives are NCCL calls on the current stream, which a CUDA graph captures with the kernels,
 so ``fitbench.models.graphs`` captures it under TP as on one GPU.
@@ -42,11 +56,14 @@ from __future__ import annotations
 from typing import Any, Callable
 
 import torch
+import torch.distributed as dist
+import torch.nn.functional as F
 from torch import nn
 
 from fitbench.models.backends import CausalLM, NativeLM
 from fitbench.models.native import NativeCausalLM
 from fitbench.precisions import TRAINING_MODES, PrecisionPolicy, tensor_parallel_problem
+from fitbench.run.collectives import all_gather
 from fitbench.run.parallel import parallelize
 from fitbench.run.ranks import Rank
 from fitbench.spec import Layout, LayoutError, Stage
@@ -107,57 +124,84 @@ def split_heads(n_heads: int, n_kv_heads: int, tp: int, tp_rank: int) -> list[in
     return None if n_kv_heads % tp == 0 else kv_heads_of_rank(n_heads, n_kv_heads, tp, tp_rank)
 
 
-def parallelize_tensor(model: NativeCausalLM, mesh, device: torch.device | str, *,
-                       sequence_parallel: bool = False) -> dict[str, Any]:
+# The Megatron split of a decoder layer: these column-wise (output features, so whole heads and whole
+# MLP columns), the k and v projections too where the kv heads divide by the degree ...
+COLUMN_WISE = ("self_attn.q_proj", "mlp.gate_proj", "mlp.up_proj")
+KV_PROJECTIONS = ("self_attn.k_proj", "self_attn.v_proj")
+# ... and these row-wise (input features), each rank's output a partial sum of the whole one
+ROW_WISE = ("self_attn.o_proj", "mlp.down_proj")
+
+
+def parallelize_tensor(model: NativeCausalLM, mesh, device: torch.device | str, *, sequence_parallel: bool = False,
+                       inference: bool = False) -> dict[str, Any]:
     """Shard ``model``, still on the meta device, in place over ``mesh`` (1-D, the tensor-parallel
     ranks; every rank of the job calls it, before its weights get storage on ``device`` and before
     activation checkpointing, compile and FSDP); return what was applied. Raises ``LayoutError``
-    when the query heads do not divide by the degree."""
+    when the query heads do not divide by the degree.
+
+    ``inference``: the weights are cut as DTensors (so that the build draws and writes them as it
+    does for training) but no DTensor style is applied: the modules run plain ops on local shards
+    with explicit collectives once ``localize`` has swapped the DTensors for their local tensors
+    (module docstring)."""
     from torch.distributed.tensor import Replicate, Shard
     from torch.distributed.tensor.parallel import (ColwiseParallel, PrepareModuleInput, RowwiseParallel,
                                                    SequenceParallel, parallelize_module)
 
+    if inference and sequence_parallel:
+        raise ValueError("sequence parallelism splits the activations a backward pass keeps; inference keeps none")
     config, tp = model.config, mesh.size()
     kv_heads = split_heads(config.n_heads, config.n_kv_heads, tp, mesh.get_local_rank())
     kv_sharded = kv_heads is None
+    columns = COLUMN_WISE + KV_PROJECTIONS if kv_sharded else COLUMN_WISE
     sequence = Shard(1)
     row_output = {"output_layouts": sequence} if sequence_parallel else {}
     for layer in model.model.layers:
         attention = layer.self_attn
-        plan = {"self_attn.q_proj": ColwiseParallel(), "self_attn.o_proj": RowwiseParallel(**row_output),
-                "mlp.gate_proj": ColwiseParallel(), "mlp.up_proj": ColwiseParallel(),
-                "mlp.down_proj": RowwiseParallel(**row_output)}
-        if kv_sharded:
-            plan |= {"self_attn.k_proj": ColwiseParallel(), "self_attn.v_proj": ColwiseParallel()}
-        else:
+        if not kv_sharded:
             keep = torch.tensor(kv_heads, device=device)
             for projection in (attention.k_proj, attention.v_proj):
                 projection.register_forward_hook(_keep_heads(keep, attention.head_dim, mesh))
-        if sequence_parallel:
-            # the attention and the MLP take the whole sequence, gathered from the norms' shards
-            args = (None,) * 4  # cos, sin, cache, start: not activations
-            plan |= {"input_layernorm": SequenceParallel(), "post_attention_layernorm": SequenceParallel(),
-                     "self_attn": PrepareModuleInput(input_layouts=(sequence, *args),
-                                                     desired_input_layouts=(Replicate(), *args),
-                                                     use_local_output=True),
-                     "mlp": PrepareModuleInput(input_layouts=(sequence,), desired_input_layouts=(Replicate(),),
-                                               use_local_output=True)}
-        parallelize_module(layer, mesh, plan, src_data_rank=None)  # meta: nothing to send
+        if inference:
+            for name in columns:
+                _cut(layer.get_submodule(name), mesh, 0)
+            for name in ROW_WISE:
+                _cut(layer.get_submodule(name), mesh, 1)
+                layer.get_submodule(name).register_forward_hook(_sum_partial_output(mesh.get_group()))
+        else:
+            plan = {name: ColwiseParallel() for name in columns}
+            plan |= {name: RowwiseParallel(**row_output) for name in ROW_WISE}
+            if sequence_parallel:
+                # the attention and the MLP take the whole sequence, gathered from the norms' shards
+                args = (None,) * 4  # cos, sin, cache, start: not activations
+                plan |= {"input_layernorm": SequenceParallel(), "post_attention_layernorm": SequenceParallel(),
+                         "self_attn": PrepareModuleInput(input_layouts=(sequence, *args),
+                                                         desired_input_layouts=(Replicate(), *args),
+                                                         use_local_output=True),
+                         "mlp": PrepareModuleInput(input_layouts=(sequence,), desired_input_layouts=(Replicate(),),
+                                                   use_local_output=True)}
+            parallelize_module(layer, mesh, plan, src_data_rank=None)  # meta: nothing to send
         attention.n_heads = config.n_heads // tp
         attention.n_kv_heads = config.n_kv_heads // tp if kv_sharded else len(kv_heads)
-    root = {"model.embed_tokens": RowwiseParallel(input_layouts=Replicate(), **row_output),
-            "lm_head": ColwiseParallel(input_layouts=sequence if sequence_parallel else Replicate(),
-                                       output_layouts=Replicate())}
-    if sequence_parallel:
-        root["model.norm"] = SequenceParallel()
-    parallelize_module(model, mesh, root, src_data_rank=None)
+    if inference:
+        _cut(model.model.embed_tokens, mesh, 0)
+        VocabShardEmbedding.convert(model.model.embed_tokens, mesh)
+        _cut(model.lm_head, mesh, 0)
+        model.lm_head.register_forward_hook(_gather_vocabulary(mesh.get_group(), tp, config.vocab_size))
+    else:
+        root = {"model.embed_tokens": RowwiseParallel(input_layouts=Replicate(), **row_output),
+                "lm_head": ColwiseParallel(input_layouts=sequence if sequence_parallel else Replicate(),
+                                           output_layouts=Replicate())}
+        if sequence_parallel:
+            root["model.norm"] = SequenceParallel()
+        parallelize_module(model, mesh, root, src_data_rank=None)
     if config.tie_embeddings:
         # each style made a parameter of its own from the shared one; both shards are the same rows
         model.lm_head.weight = model.model.embed_tokens.weight
     return {"tensor_parallel": tp, "sequence_parallel": sequence_parallel,
             "kv_heads": "sharded" if kv_sharded else "replicated",
             "kv_heads_per_rank": model.model.layers[0].self_attn.n_kv_heads,
-            "query_heads_per_rank": config.n_heads // tp}
+            "query_heads_per_rank": config.n_heads // tp,
+            "dispatch": "local shards, explicit collectives" if inference else "DTensor"}
 
 
 def write_shard(weight: torch.Tensor) -> Callable[[torch.Tensor], None] | None:
@@ -177,21 +221,111 @@ def write_shard(weight: torch.Tensor) -> Callable[[torch.Tensor], None] | None:
 
 
 def build_tensor_parallel(arch, stage: Stage, mesh, device: torch.device | str, dtype: torch.dtype, *,
-                          sequence_parallel: bool = False) -> tuple[NativeCausalLM, dict[str, Any]]:
+                          sequence_parallel: bool = False,
+                          inference: bool = False) -> tuple[NativeCausalLM, dict[str, Any]]:
     """This rank's shards of ``stage``'s modules (the whole model when ``stage`` is the only one),
     sharded over ``mesh`` (the "tp" ranks) with the weights of the single-process build of the same
     seed, and what was applied (module docstring: no rank holds more than its shards and one whole
-    weight of scratch)."""
+    weight of scratch). ``inference``: local shards with explicit collectives, for a model that
+    computes no gradients (``parallelize_tensor``)."""
     from fitbench.run.pipeline import build_stage
 
     applied: dict[str, Any] = {}
 
     def shard(model: NativeCausalLM):
-        applied.update(parallelize_tensor(model, mesh, device, sequence_parallel=sequence_parallel))
+        applied.update(parallelize_tensor(model, mesh, device, sequence_parallel=sequence_parallel,
+                                          inference=inference))
         return write_shard
 
     model = build_stage(arch, stage, device, dtype, shard=shard)
+    if inference:
+        localize(model)
     return model, {**applied, "initial_weights": "drawn on every rank from the seed, each keeping its shards"}
+
+
+@torch.no_grad()
+def localize(model: nn.Module) -> None:
+    """Swap every DTensor parameter of ``model`` for its local shard (the same storage), a tied one
+    once. The parameters keep ``requires_grad`` as they were, since a matmul chooses its kernel by it
+    (``F.linear`` of the last position's slice folds into one ``mm`` only for a weight that requires
+    grad), so that the ranks run one process's kernels; the model is for ``inference_mode``, its
+    collectives being outside autograd."""
+    from torch.distributed.tensor import DTensor
+
+    local: dict[int, nn.Parameter] = {}
+    for module in model.modules():
+        for name, parameter in list(module.named_parameters(recurse=False)):
+            if isinstance(parameter, DTensor):
+                if id(parameter) not in local:
+                    local[id(parameter)] = nn.Parameter(parameter.to_local(), requires_grad=parameter.requires_grad)
+                setattr(module, name, local[id(parameter)])
+
+
+def _cut(module: nn.Module, mesh, dim: int) -> None:
+    """Replace ``module``'s weight (on the meta device) by a DTensor sharded along ``dim`` over
+    ``mesh``, and its bias, where it has one, along its only dimension with a column-wise cut; what
+    ``parallelize_module``'s styles do to a weight, without their input and output handling."""
+    from torch.distributed.tensor import Shard, distribute_tensor
+
+    module.weight = nn.Parameter(distribute_tensor(module.weight, mesh, [Shard(dim)], src_data_rank=None))
+    if getattr(module, "bias", None) is not None:
+        if dim != 0:
+            raise ValueError(f"a row-wise matmul's bias would be added on every rank before the sum: "
+                             f"{type(module).__name__} has one")
+        module.bias = nn.Parameter(distribute_tensor(module.bias, mesh, [Shard(0)], src_data_rank=None))
+
+
+def _sum_partial_output(group):
+    """A forward hook for a row-wise matmul of local shards: its output, this rank's partial sum, is
+    all-reduced in place into the whole output, the one collective of the attention or the MLP."""
+
+    def hook(module: nn.Module, args, output: torch.Tensor) -> torch.Tensor:
+        dist.all_reduce(output, group=group)
+        return output
+
+    return hook
+
+
+def _gather_vocabulary(group, tp: int, vocab_size: int):
+    """A forward hook for the output projection's local shard (rows of the vocabulary, ``torch.chunk``'s
+    split as DTensor's ``Shard(0)`` cuts it): its logits (B, T, V / tp) gathered from every rank into
+    the whole (B, T, V) on each, so generation and the loss see whole logits. A vocabulary that does
+    not divide by the degree is padded to equal shards for the gather, and the padding dropped."""
+    width = -(-vocab_size // tp)
+
+    def hook(module: nn.Module, args, output: torch.Tensor) -> torch.Tensor:
+        if output.shape[-1] < width:
+            output = F.pad(output, (0, width - output.shape[-1]))
+        output = output.contiguous()
+        shards = output.new_empty(tp * output.shape[0], *output.shape[1:])  # (tp B, T, width), rank-major
+        all_gather(shards, output, group=group)
+        return shards.view(tp, *output.shape).movedim(0, -2).flatten(-2)[..., :vocab_size]  # (B, T, V)
+
+    return hook
+
+
+class VocabShardEmbedding(nn.Embedding):
+    """An embedding holding rows [first, first + rows) of the vocabulary (``num_embeddings`` stays the
+    whole vocabulary's size): each rank looks up the tokens in its rows, writes zeros for the others',
+    and an all-reduce sums the ranks' lookups into every token's row. No token's row is gathered
+    whole, and nothing depends on which tokens came, so a CUDA graph captures it."""
+
+    first: int
+    group: Any
+
+    @classmethod
+    def convert(cls, embedding: nn.Embedding, mesh) -> None:
+        """Turn ``embedding``, whose weight ``_cut`` sharded along the vocabulary, into one."""
+        embedding.__class__ = cls
+        embedding.first = mesh.get_local_rank() * -(-embedding.num_embeddings // mesh.size())
+        embedding.group = mesh.get_group()
+
+    def forward(self, tokens: torch.Tensor) -> torch.Tensor:
+        rows = tokens - self.first  # (B, T)
+        elsewhere = (rows < 0) | (rows >= self.weight.shape[0])
+        x = F.embedding(rows.masked_fill(elsewhere, 0), self.weight)  # (B, T, C)
+        dist.all_reduce(x.masked_fill_(elsewhere.unsqueeze(-1), 0), group=self.group)
+        return x
 
 
 def _keep_heads(heads: torch.Tensor, head_dim: int, mesh):
@@ -238,12 +372,14 @@ def build_layout(arch, layout: Layout, policy: PrecisionPolicy, mode: str, seq_l
     """This rank's tensor-parallel model of ``layout`` (TP alone or under FSDP), its mesh and what was
     applied. Sequence parallelism is on in training (train, forward-backward) where ``seq_len``
     divides by the degree: it is there that the norms' and residuals' activations are kept for a
-    backward pass."""
+    backward pass. Inference and ``forward`` without FSDP run on local shards (module docstring)."""
     problem = tensor_parallel_problem(policy.name, mode)
     if problem:
         raise ValueError(problem)
     mesh = device_mesh(layout, rank.device.type)
-    sequence_parallel = mode in TRAINING_MODES and seq_len % layout.tp == 0
+    training = mode in TRAINING_MODES
+    sequence_parallel = training and seq_len % layout.tp == 0
     module, applied = build_tensor_parallel(arch, Stage.of(arch.num_layers, 0, 1), tensor_mesh(mesh), rank.device,
-                                            policy.weight_dtype, sequence_parallel=sequence_parallel)
+                                            policy.weight_dtype, sequence_parallel=sequence_parallel,
+                                            inference=not training and layout.dp_shard == 1)
     return NativeLM(module, cache_dtype=policy.compute_dtype, cuda_graphs=cuda_graphs), mesh, applied
