@@ -345,6 +345,8 @@ def build(assignment: Assignment, arch, policy, device: torch.device, scratch: P
         lm = load_model(arch, spec.backend, device, torch.bfloat16, model_path=model_path,
                         cuda_graphs=spec.cuda_graphs, graph_problem=graph_problem(spec.precision), fused=False)
         quality = quantize_built(lm, arch, spec.precision, device, probe, checkpoint=checkpoint_directory(spec))
+    if isinstance(lm, NativeLM):
+        lm.compile_decode = spec.compile_decode  # inductor fuses the dequantization into the matmul's loads
     if not training:
         return Built(lm, quality)
     adapters = add_adapters(lm.module, device)
