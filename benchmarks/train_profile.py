@@ -3,7 +3,8 @@ by kind (matmuls, attention, normalization, the loss, the optimizer, other eleme
 the step's wall time beside the kernels' sum; the gap is time the device waited for the host.
 
 The step is fitbench's own (``fitbench.run.loops.make_step``) on either backend, so the profile is of what
-``fitbench run --mode train`` times. A kernel's kind is read from its name (``KINDS``, first match wins).
+``fitbench run --mode train`` times. A kernel's kind is read from its name (``KINDS``, first match wins; ATen's ``gpu_kernel_impl_nocast``
+wraps every elementwise functor, so ``nocast`` is no cast).
 
 Usage: python benchmarks/train_profile.py --model 1B --backend native --batch-size 8 --seq-len 2048 OUT.json
 """
@@ -31,7 +32,7 @@ KINDS: tuple[tuple[str, str], ...] = (
     ("loss", r"log_softmax|softmax|nll|cross_entropy"),
     ("norm", r"rms|norm|rsqrt"),
     ("matmul", r"gemm|cutlass|sm\d\d_|nvjet|cublas|matmul|addmm|\bmm\b|xmma|wgmma"),
-    ("copy", r"copy|cast|fill|memcpy|memset|cat|index"),
+    ("copy", r"copy|(?<!no)cast|fill|memcpy|memset|catarray|index"),
     ("elementwise", r"elementwise|vectorized|reduce|unrolled|pointwise|triton"),
 )
 
