@@ -14,8 +14,13 @@ embedding is not autocast and the fp32 stream absorbs each 16-bit branch it is a
 
 Peak, not sum. A training step (gradients set to None at its start, fused AdamW) peaks at one of:
 
-- the start of the backward pass: weights, AdamW state, every saved activation, and the logits'
-  loss chain (the logits and their fp32 log-probabilities, ``loss_chain_bytes``);
+- the start of the backward pass, as the loss is formed: weights, AdamW state, every saved activation
+  (under autocast every weight's 16-bit copy, saved by autograd, or with checkpointing held by
+  autocast's cache), and the loss chain: the logits, which the loss overwrites with their gradient,
+  and one chunk's fp32 temporaries (``loss_chain_bytes``), or the output projection's backward where
+  it holds more (``output_backward_bytes``);
+- the first layer's backward, at its MLP: the gradients of every layer above, the layer's saved
+  activations and its MLP's gradients (``mlp_backward_bytes``);
 - the optimizer step: weights, gradients and AdamW state (16 bytes per parameter in mixed precision).
 
 Inference and forward passes keep nothing for a backward pass: their peak is the weights (and,
@@ -856,11 +861,15 @@ def _training(arch, mode, widths, batch, seq_len, recompute, terms, local_params
         gradients = Term("gradients", 4 * trainable, f"4 B x {trainable:,.0f} adapter parameters", at(FIRST, END))
     terms = [*terms, state, gradients, activations]
     if widths.autocast and not sharded:
-        # Recomputed layers save no copy, but autocast caches each weight's copy until its region
-        # closes, after the loss: at the loss every copy is alive either way.
-        casts, formula = autocast_copies(arch, widths, layers, tp, output)
-        if recompute:
-            formula += ", held by autocast's cache until the loss is formed"
+        # Recomputed layers save no copy, but eager autocast caches each weight's copy until its region
+        # closes, after the loss: at the loss every copy is alive either way. A compiled graph casts
+        # inside itself, past the cache.
+        if recompute and compiled:
+            casts, formula = c * output, f"{c} B x V h / {tp}: the output projection's copy, saved by autograd"
+        else:
+            casts, formula = autocast_copies(arch, widths, layers, tp, output)
+            if recompute:
+                formula += ", held by autocast's cache until the loss is formed"
         terms.append(Term("autocast weight copies", casts, formula, at(START)))
     if has_head:
         terms += [

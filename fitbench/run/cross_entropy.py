@@ -63,6 +63,10 @@ class FusedCrossEntropy(torch.autograd.Function):
         n = targets.numel()
         scale = FP16_GRADIENT_SCALE if logits.dtype == torch.float16 else 1 / n
         ctx.rest = 1 / (n * scale) if logits.dtype == torch.float16 else 1.0
+        # An alias outside autograd: the logits may be a view a custom Function returned (a DTensor's
+        # local tensor), which autograd forbids writing through where it tracks them. The alias
+        # shares their version counter, so autograd's checks still see the writes.
+        logits = logits.detach()
         rows = loss_chunk_rows(logits.shape[-1])
         total = sum(_chunk_loss(chunk, target, scale if gradient else None)
                     for chunk, target in zip(logits.split(rows), targets.split(rows)))

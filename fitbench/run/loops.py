@@ -1,8 +1,8 @@
 """The four workloads: what one timed step does in each mode.
 
-- ``train``: zero gradients, forward, cross-entropy loss on fp32 logits, backward, AdamW step.
-  The loss is formed in chunks of rows (``chunked_cross_entropy``), so no fp32 copy of the whole
-  logits ever exists.
+- ``train``: zero gradients, forward, cross-entropy loss in fp32, backward, AdamW step. The loss
+  (``fitbench.run.cross_entropy``) works a chunk of rows at a time and leaves the logits' gradient
+  in their place, so no fp32 copy of the logits is ever kept.
 - ``forward-backward``: the same without the optimizer step (CS336's "backward" pass type).
 - ``forward``: logits only, under ``inference_mode``.
 - ``infer``: a generation: prefill of the prompt (which yields the first token), then
@@ -60,7 +60,7 @@ def make_step(mode: str, lm: CausalLM, policy: PrecisionPolicy, tokens: torch.Te
     scaler = torch.amp.GradScaler(device.type) if policy.scale_loss else None
 
     def forward_loss() -> torch.Tensor:
-        # the logits die with this frame: nothing the backward pass needs holds them
+        # the loss writes the logits' gradient over them: nothing but the loss may hold them
         with policy.autocast(device.type):
             return cross_entropy(lm.logits(inputs).flatten(0, 1), targets.flatten())  # (B T, V)
 
