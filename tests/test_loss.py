@@ -140,10 +140,11 @@ def test_a_second_backward_pass_fails_instead_of_scaling_twice():
         loss.backward()
 
 
-@pytest.mark.parametrize("precision", ["fp32", "bf16"])
+@pytest.mark.parametrize("precision", ["fp32", "bf16", "fp16"])
 def test_a_models_gradients_equal_the_out_of_place_losss(precision):
     """One forward-backward step of the tiny preset through the loop's loss (fused) and through the
-    out-of-place loss: the same loss, the same gradient for every parameter."""
+    out-of-place loss: the same loss, the same gradient for every parameter (in fp16 both scaled by
+    the GradScaler's first factor, 2^16)."""
     arch, device = resolve("tiny"), torch.device("cpu")
     torch.manual_seed(0)
     lm = load_model(arch, "native", device, torch.float32)
@@ -154,14 +155,14 @@ def test_a_models_gradients_equal_the_out_of_place_losss(precision):
     lm.module.zero_grad(set_to_none=True)
     with rule.autocast(device.type):
         loss = chunked_cross_entropy(lm.logits(tokens[:, :-1]).flatten(0, 1), tokens[:, 1:].flatten())
-    loss.backward()
+    (loss * (2.0**16 if rule.scale_loss else 1.0)).backward()
     torch.testing.assert_close(fused_loss, loss.detach())
     for name, parameter in lm.module.named_parameters():
         if precision == "fp32":
             torch.testing.assert_close(fused[name], parameter.grad, msg=name)
         else:
-            # the logits' bf16 gradients differ by a rounding here and there (formed from the
-            # exponentials, or from the log-probabilities), and the bf16 backward pass sums them
+            # the logits' 16-bit gradients differ by a rounding here and there (formed from the
+            # exponentials, or from the log-probabilities), and the 16-bit backward pass sums them
             error = (fused[name] - parameter.grad).norm() / parameter.grad.norm()
             assert error < 1e-2, name
 
