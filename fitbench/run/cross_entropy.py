@@ -9,8 +9,8 @@ over that chunk of the logits, in their dtype. Nothing else needs the logits onc
 known: the output projection's backward pass reads its input and its weight, not its output. The
 backward pass scales the stored gradient by the incoming one, in place, and hands it on. The loss
 then costs one chunk's fp32 temporaries beyond the logits, which exist anyway, and one pass over
-the logits per chunk of a handful of kernels: the shifted upcast, its exponential in place, a row
-sum, the one-hot subtracted, and the product written back over the chunk.
+the logits per chunk of a handful of kernels: the row maximum, the shifted upcast, its exponential
+in place, a row sum, and the product (less the one-hot) written back over the chunk.
 
 Writing over the logits is safe when nothing else reads them later, which the loops guarantee (the
 logits die with the frame that forms the loss; a pipeline's last stage keeps its output only for a
@@ -30,9 +30,10 @@ from fitbench.loss import FP16_GRADIENT_SCALE, loss_chunk_rows
 
 
 def cross_entropy(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
-    """Mean cross-entropy of ``logits`` (n, V), which it may overwrite, against ``targets`` (n,): the
-    value of ``F.cross_entropy(logits.float(), targets)``. The caller must not read the logits
-    afterwards, nor have given them to another differentiable operator before."""
+    """Mean cross-entropy of ``logits`` (n, V) against ``targets`` (n,): the value of
+    ``F.cross_entropy(logits.float(), targets)``. Logits that require a gradient it may overwrite
+    with it: the caller must not read them afterwards, nor have given them to another
+    differentiable operator before."""
     gradient = torch.is_grad_enabled() and logits.requires_grad
     if gradient and not _writable(logits):
         return chunked_cross_entropy(logits, targets)
@@ -60,9 +61,9 @@ class FusedCrossEntropy(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, logits: torch.Tensor, targets: torch.Tensor, gradient: bool) -> torch.Tensor:
-        n = targets.numel()
-        scale = FP16_GRADIENT_SCALE if logits.dtype == torch.float16 else 1 / n
-        ctx.rest = 1 / (n * scale) if logits.dtype == torch.float16 else 1.0
+        n, fp16 = targets.numel(), logits.dtype == torch.float16
+        scale = FP16_GRADIENT_SCALE if fp16 else 1 / n
+        ctx.unscale = 1 / (n * scale) if fp16 else None  # what the backward pass applies beyond its input
         # An alias outside autograd: the logits may be a view a custom Function returned (a DTensor's
         # local tensor), which autograd forbids writing through where it tracks them. The alias
         # shares their version counter, so autograd's checks still see the writes.
@@ -80,7 +81,7 @@ class FusedCrossEntropy(torch.autograd.Function):
         # saved as it was written: a second backward pass (retain_graph) would fail autograd's
         # version check on it rather than scale it twice
         (gradient,) = ctx.saved_tensors
-        return gradient.mul_(grad_output if ctx.rest == 1.0 else grad_output * ctx.rest), None, None
+        return gradient.mul_(grad_output if ctx.unscale is None else grad_output * ctx.unscale), None, None
 
 
 def _chunk_loss(chunk: torch.Tensor, target: torch.Tensor, scale: float | None) -> torch.Tensor:
