@@ -496,8 +496,8 @@ def mlp_backward_bytes(arch: Architecture, tokens: int, widths: Widths, tp: int 
     input, which its backward has freed by then. SwiGLU (llama) forms the product's gradient, then
     from it gate's and up's at once: 3 c n f less the product's c n f; a plain activation (Falcon's
     and GPT-2's GELU) its output's gradient, then its input's: 2 c n f less the output's c n f."""
-    hidden = 2 if arch.family == "llama" else 1
-    return widths.residual * tokens * arch.hidden_size + hidden * widths.compute * tokens * arch.ffn_size / tp
+    gradients = 2 if arch.family == "llama" else 1
+    return widths.residual * tokens * arch.hidden_size + gradients * widths.compute * tokens * arch.ffn_size / tp
 
 
 def first_layer_unformed(arch: Architecture, tp: int = 1) -> int:
@@ -888,11 +888,13 @@ def _training(arch, mode, widths, batch, seq_len, recompute, terms, local_params
         terms.append(Term("recomputed last layer", one_layer + one_layer_casts + output_grad + r * n * h,
                           "one layer's activations (and weight copies) recomputed, with the output projection's "
                           "gradient and the gradient flowing into the layer", at(RECOMPUTE)))
-    if compiled:
+    if compiled:  # the layer as inductor's partition saves it; its backward's own tensors are not modelled
         terms.append(Term("first layer in backward", one_layer + one_layer_casts,
                           "one layer's saved activations (and weight copies) while the last gradients form", at(FIRST)))
     else:
-        # the first layer's gradients not yet formed at its MLP's backward, where each is held
+        # The first layer's gradients its MLP's backward has not formed yet are counted with the others
+        # (FSDP's unsharded ones in the compute width), though they take nothing yet; DDP's buckets do
+        # hold them already, and frozen weights form none.
         unformed = 0.0 if frozen or ddp else (c if sharded else w) * first_layer_unformed(arch, tp)
         temporaries = mlp_backward_bytes(arch, n, widths, tp)
         terms.append(Term("first layer in backward", max(0.0, one_layer + one_layer_casts + temporaries - unformed),
