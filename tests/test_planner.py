@@ -619,7 +619,7 @@ def test_fragmentation_overhead_late_in_the_backward_pass():
     arch = resolve("small")  # CS336 small: h 768, f 3072, 12 heads, vocab 10000
     candidate = Candidate("bf16", "single", 1, False, 2)
     memory = estimate_memory(arch, "train", "bf16", 2, 128)
-    assert memory.peak_moment == "backward of the first layer"
+    assert memory.peak_moment == "end of the backward pass"
     terms = overhead_terms(arch, "train", candidate, memory, memory.peak_moment, 128, DEFAULT)
     assert names(terms) == ["CUDA context", "workspaces", "allocator fragmentation"]
     # One layer's saved activations under autocast (fp32 residual, bf16 compute), multi-head

@@ -50,7 +50,8 @@ from fitbench.models.native import (KVCache, NativeCausalLM, ShardWriter, empty_
                                     replay_random_weights)
 from fitbench.models.registry import is_local_model
 from fitbench.precisions import TRAINING_MODES, PrecisionPolicy, pipeline_problem, tensor_parallel_problem
-from fitbench.run.loops import LEARNING_RATE, chunked_cross_entropy
+from fitbench.run.cross_entropy import cross_entropy
+from fitbench.run.loops import LEARNING_RATE
 from fitbench.run.quality import Quality
 from fitbench.run.quantize import Carried, build_quantized_native
 from fitbench.run.ranks import Rank
@@ -344,7 +345,7 @@ class PipelineLM(CausalLM):
                               self.device)
 
         def loss_fn(logits: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
-            return chunked_cross_entropy(logits.flatten(0, 1), target.flatten())  # (b T, V)
+            return cross_entropy(logits.flatten(0, 1), target.flatten())  # (b T, V)
 
         schedule = ScheduleGPipe(stage, microbatches, loss_fn=loss_fn, scale_grads=True)
         parameters = [p for p in self.module.parameters() if p.requires_grad]
