@@ -253,6 +253,11 @@ class NativeLM(CausalLM):
         self.module.activation_checkpointing = True
 
 
+# Inductor's options for the decode step's layer under --decode-tuning: coordinate descent over each
+# generated kernel's launch parameters (block sizes, warps), as gpt-fast compiles its decode step: a
+# longer compile, for kernels that then run once per layer and token.
+DECODE_TUNING = {"coordinate_descent_tuning": True}
+
 # Compiles one graph that Dynamo traced, given example inputs, into the function that runs it (a
 # torch.compile backend).
 Compiler = Callable[[torch.fx.GraphModule, list], Callable[..., Any]]
