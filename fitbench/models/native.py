@@ -8,6 +8,9 @@ Two ways to decode one token: ``forward`` with ``start``, a Python int, attends 
 first ``start + 1`` positions; ``decode_step`` takes the position as a device tensor and attends
 over the whole cache under a mask, so every shape is fixed and nothing depends on host values
 that change per token: the step a CUDA graph can capture once and replay (``fitbench.models.graphs``).
+Both run each layer and the head through ``Regions``: the plain calls, or one compiled function per
+part that serves every layer (``fitbench.models.backends.compile_regions``), for which a layer gets
+its own keys and values as arguments.
 
 Modules carry the same names as transformers' ``LlamaForCausalLM`` (``model.layers.0.self_attn.q_proj``
 ...), and rotary embeddings use the same half-split convention, so a checkpoint of either loads into
@@ -243,8 +246,7 @@ class Attention(nn.Module):
     def decode(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, cache: LayerCache,
                position: torch.Tensor, visible: torch.Tensor) -> torch.Tensor:
         """One token per sequence, x (B, 1, C), at ``position``; attention over every slot of this
-        layer's ``cache``, with
-        ``visible`` (1, 1, 1, S) hiding those after the position.
+        layer's ``cache``, with ``visible`` (1, 1, 1, S) hiding those after the position.
 
         With one query per sequence, the G = H / KV query heads that share a key/value head become
         the G rows of one query block against that head's keys: grouped heads need no kernel support
