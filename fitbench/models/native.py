@@ -335,7 +335,8 @@ class NativeCausalLM(nn.Module):
     def forward(self, tokens: torch.Tensor, cache: KVCache | None = None, start: int = 0,
                 last_only: bool = False, regions: Regions | None = None) -> torch.Tensor:
         """tokens (B, T) -> logits (B, T, V), or (B, 1, V) for the last position when ``last_only``.
-        ``regions``: what the layers and the head run through (``Regions``), the plain calls by default."""
+        ``regions``: what the layers, and the head of the last position, run through (``Regions``),
+        the plain calls by default."""
         regions = regions or EAGER
         T = tokens.shape[1]
         cos, sin = self.rope_cos[start:start + T], self.rope_sin[start:start + T]
@@ -347,11 +348,12 @@ class NativeCausalLM(nn.Module):
                 x = checkpoint(layer, x, cos, sin, layer_cache, start, use_reentrant=False)
             else:
                 x = regions.layer(layer, x, cos, sin, layer_cache, start)
-        if last_only:
-            # In the decode step's strides, size-1 dimensions included, which compiled code is guarded
-            # on (``contiguous`` keeps a view's): one compiled head serves the prefill and the step.
-            x = x[:, -1:, :].clone(memory_format=torch.contiguous_format)  # (B, 1, C)
-        return regions.head(self, x)  # (B, T, V)
+        if not last_only:
+            x = self.model.norm(x)  # the states before the norm are freed before the logits exist
+            return self.lm_head(x)  # (B, T, V)
+        # In the decode step's strides, size-1 dimensions included, which compiled code is guarded on
+        # (``contiguous`` keeps a view's): one compiled head serves the prefill and the step.
+        return regions.head(self, x[:, -1:, :].clone(memory_format=torch.contiguous_format))  # (B, 1, V)
 
     def decode_step(self, tokens: torch.Tensor, cache: KVCache, position: torch.Tensor,
                     regions: Regions | None = None) -> torch.Tensor:
@@ -405,11 +407,12 @@ def call_module(module: nn.Module, *args: Any) -> torch.Tensor:
 
 @dataclass(frozen=True)
 class Regions:
-    """The functions a generation runs the model's parts through, each taking the part first:
-    ``layer`` (a decoder layer over the prompt, ``call_module``), ``layer_decode``
-    (``DecoderLayer.decode``) and ``head`` (``NativeCausalLM.head``). ``EAGER`` calls them as they
-    are; ``fitbench.models.backends.compile_regions`` compiles each once, so that one compiled
-    function runs every layer, its weights and cache arguments of the call."""
+    """What ``forward`` and ``decode_step`` run the model's parts through, each function taking the
+    part first: ``layer``, a decoder layer's forward (``call_module``); ``layer_decode``, its step for
+    one token (``DecoderLayer.decode``); ``head``, the final norm and output projection
+    (``NativeCausalLM.head``). ``EAGER`` holds the plain calls; ``fitbench.models.backends.compile_regions``
+    compiles each once, and one compiled function then runs every layer, whose weights and cache
+    come in as arguments."""
 
     layer: Callable[..., torch.Tensor]
     layer_decode: Callable[..., torch.Tensor]
