@@ -280,7 +280,7 @@ class CompiledRegion:
     """``function`` compiled for the shapes it is called with (``dynamic=False``: a decode step's
     shapes never change, and each prefill shape gets its own code). Called with every decoder layer
     in turn, it compiles once per shape: the layer, its weights and its cache are arguments, guarded
-    by type, shape and dtype, not identity. ``graphs`` counts the graphs ``compiler`` compiled and
+    by type, shape, strides and dtype, not identity. ``graphs`` counts the graphs ``compiler`` compiled and
     ``seconds`` the wall time of the calls that compiled (Dynamo's tracing, the compile and that one
     run); more graphs than shapes are recompiles, which the row shows."""
 
