@@ -11,7 +11,8 @@ from fitbench.models.architecture import Architecture
 from fitbench.models.backends import HuggingFaceLM, NativeLM, load_model
 from fitbench.models.graphs import Replay
 from fitbench.models.hf import build_hf, hf_config
-from fitbench.models.native import DecoderConfig, build_native, checkpoint_tensors, rope_inverse_frequencies
+from fitbench.models.native import (DecoderConfig, FusedLinear, build_native, checkpoint_tensors,
+                                    rope_inverse_frequencies)
 from fitbench.models.registry import resolve
 from fitbench.precisions import graph_problem, policy
 from fitbench.run.loops import make_step, random_tokens
@@ -227,6 +228,42 @@ def test_native_and_hf_logits_agree(variant):
     assert ours.shape == theirs.shape == (2, 48, arch.vocab_size)
     assert theirs.std() > 0.1  # the comparison is between non-trivial logits
     torch.testing.assert_close(ours, theirs, atol=1e-4, rtol=1e-4)
+
+
+def gradients_by_transformers_name(module: torch.nn.Module) -> dict[str, torch.Tensor]:
+    """Each parameter's gradient under transformers' names, a fused weight's split into its parts."""
+    grads = {}
+    for name, part in module.named_modules():
+        for kind, parameter in part.named_parameters(recurse=False):
+            if isinstance(part, FusedLinear):
+                owner = name.rpartition(".")[0]
+                grads |= {f"{owner}.{projection}.{kind}": grad
+                          for projection, grad in part.slices(parameter.grad).items()}
+            else:
+                grads[f"{name}.{kind}"] = parameter.grad
+    return grads
+
+
+@pytest.mark.parametrize("fused", [False, True])
+@pytest.mark.parametrize("variant", ["llama-gqa", "qwen2-bias", "llama3-rope"])
+def test_native_and_hf_gradients_agree(variant, fused):
+    """In training the native modules run their own autograd Functions (``fitbench.models.layer_ops``):
+    logits and every weight's gradient against transformers' model with the same weights."""
+    arch = VARIANTS[variant]
+    native, hf = paired_models(arch)
+    if fused:
+        native = fused_twin(native, arch)
+    tokens = torch.randint(0, arch.vocab_size, (2, 48), generator=torch.Generator().manual_seed(1))
+    grad = torch.randn(2, 48, arch.vocab_size, generator=torch.Generator().manual_seed(2))
+    ours, theirs = native(tokens), hf(tokens).logits
+    torch.testing.assert_close(ours, theirs, atol=1e-4, rtol=1e-4)
+    (ours * grad).sum().backward()
+    (theirs * grad).sum().backward()
+    expected = {name: parameter.grad for name, parameter in hf.named_parameters()}
+    actual = gradients_by_transformers_name(native)
+    assert actual.keys() == expected.keys()
+    for name, tensor in actual.items():
+        torch.testing.assert_close(tensor, expected[name], atol=1e-4, rtol=1e-4, msg=name)
 
 
 def test_rope_scaling_variant_differs_from_plain_rope():

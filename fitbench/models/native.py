@@ -22,6 +22,12 @@ fused model holds the weights of the unfused one of the same seed, and a transfo
 into each part (``checkpoint_tensors``). Tensor parallelism, pipeline stages and quantized builds keep
 the unfused layout: their plans and quantizers name q, k, v, gate and up.
 
+In eager training (autograd recording, no ``torch.compile``) RMSNorm, the rotary positions and
+SwiGLU run as the autograd Functions of ``fitbench.models.layer_ops``, which save less and launch
+fewer kernels than the tensor expressions here, and the fused gate/up projection lays its two
+outputs one after the other (``stacked_linear``). Without autograd, and under ``torch.compile``,
+which fuses the expressions itself, the modules run the expressions.
+
 The model is built on the meta device and materialized where it will run (``materialize``), so
 no full copy of the weights ever sits in host memory on the way to a GPU.
 """
@@ -38,6 +44,7 @@ from torch import nn
 from torch.utils.checkpoint import checkpoint
 
 from fitbench.models.architecture import Architecture
+from fitbench.models.layer_ops import eager_training, output_dtype, rms_norm, rotary, stacked_linear, swiglu
 
 
 @dataclass(frozen=True)
@@ -174,7 +181,8 @@ def write_cache(cache: LayerCache, position: torch.Tensor, k: torch.Tensor, v: t
 
 
 class RMSNorm(nn.Module):
-    """x / sqrt(mean(x^2) + eps) * weight (Zhang and Sennrich 2019), computed in fp32."""
+    """x / sqrt(mean(x^2) + eps) * weight (Zhang and Sennrich 2019), computed in fp32. In eager
+    training, ``layer_ops.rms_norm``: its output in the dtype its matmuls compute in, x and 1/rms saved."""
 
     def __init__(self, dim: int, eps: float):
         super().__init__()
@@ -182,6 +190,8 @@ class RMSNorm(nn.Module):
         self.weight = nn.Parameter(torch.ones(dim))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if eager_training(x):
+            return rms_norm(x, self.weight, self.eps)
         normed = x.float() * torch.rsqrt(x.float().pow(2).mean(-1, keepdim=True) + self.eps)
         return self.weight * normed.type_as(x)
 
@@ -216,7 +226,17 @@ class Attention(nn.Module):
                 sin: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """x (B, T, C) -> q (B, H, T, D) and k (B, KV, T, D) with rotary positions, and v (B, KV, T, D)."""
         B, T, _ = x.shape
-        if hasattr(self, "qkv_proj"):
+        fused = hasattr(self, "qkv_proj")
+        if eager_training(x):
+            # q and k rotated into a new buffer (v copied beside them when fused); their gradients are
+            # written straight into the gradient of the projections' output
+            heads = (self.n_heads, self.n_kv_heads, self.n_kv_heads)
+            if fused:
+                return rotary(self.qkv_proj(x).view(B, T, sum(heads), self.head_dim), cos, sin, heads, rotated=2)
+            (q,), (k,) = (rotary(projection(x).view(B, T, count, self.head_dim), cos, sin, (count,), rotated=1)
+                          for projection, count in ((self.q_proj, heads[0]), (self.k_proj, heads[1])))
+            return q, k, self.v_proj(x).view(B, T, heads[2], self.head_dim).transpose(1, 2)
+        if fused:
             q, k, v = self.qkv_proj(x).split(self.qkv_proj.sizes, dim=-1)  # (B, T, (H + 2 KV) D) in three views
         else:
             q, k, v = self.q_proj(x), self.k_proj(x), self.v_proj(x)
@@ -240,6 +260,12 @@ class Attention(nn.Module):
             k = k.repeat_interleave(self.n_heads // self.n_kv_heads, dim=1)  # (B, H, S, D)
             v = v.repeat_interleave(self.n_heads // self.n_kv_heads, dim=1)
             grouped = False
+            if eager_training(q):
+                # q of its own: the fused rotation wrote q, k and v into one buffer, which attention's
+                # saved q would otherwise keep whole beside the expanded copies of k and v. Laid out
+                # (B, T, H, D) as before, which attention's output follows, so that the output
+                # projection's reshape below stays a view.
+                q = q.transpose(1, 2).contiguous().transpose(1, 2)
         y = F.scaled_dot_product_attention(q, k, v, is_causal=T > 1, enable_gqa=grouped)  # (B, H, T, D)
         return self.o_proj(y.transpose(1, 2).reshape(B, T, self.n_heads * self.head_dim))
 
@@ -275,7 +301,12 @@ class SwiGLU(nn.Module):
         self.down_proj = nn.Linear(f, config.dim, bias=False)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if not hasattr(self, "gate_up_proj"):
+        fused = hasattr(self, "gate_up_proj")
+        if eager_training(x):
+            if fused:
+                return self.down_proj(swiglu(stacked_linear(x, self.gate_up_proj.weight, 2)))  # via (2, B, T, F)
+            return self.down_proj(swiglu(self.gate_proj(x), self.up_proj(x)))
+        if not fused:
             return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
         gate, up = self.gate_up_proj(x).chunk(2, dim=-1)  # (B, T, 2 F) in two views
         if torch.is_grad_enabled():
@@ -339,8 +370,10 @@ class NativeCausalLM(nn.Module):
         the plain calls by default."""
         regions = regions or EAGER
         T = tokens.shape[1]
-        cos, sin = self.rope_cos[start:start + T], self.rope_sin[start:start + T]
         x = self.model.embed_tokens(tokens)  # (B, T, C)
+        # cast once here rather than in every layer: the rotation is applied in q's dtype
+        dtype = output_dtype(x)
+        cos, sin = self.rope_cos[start:start + T].to(dtype), self.rope_sin[start:start + T].to(dtype)
         recompute = self.activation_checkpointing and torch.is_grad_enabled()
         layer_caches = cache.layers() if cache is not None else [None] * len(self.model.layers)
         for layer, layer_cache in zip(self.model.layers, layer_caches):

@@ -27,11 +27,12 @@ One layer, without checkpointing:
 
     saved per layer = 2 r n h + 2 c n h + (2 c n h + 2 c n k + 4 n H + 3 c n f) / tp + 8 n
 
-Under bf16 autocast that is 16 n h + 4 n k + 4 n H + 6 n f + 8 n bytes against eager's 30 n h + 4 n k +
-4 n H + 8 n f + 8 n (``fitbench.plan.memory.saved_per_layer``). The first layer, whose input is the
-embedding's output, keeps the attention output projection's result (c n h) in place of the fp32
-residual after attention and recomputes their sum: (r - c) n h less. After the last layer: its
-output (r n h), the final norm's 1/rms (4 n) and the output projection's input (c n h).
+Under bf16 autocast that is 16 n h + 4 n k + 4 n H + 6 n f + 8 n bytes, what the eager model's own
+training operators save too (``fitbench.models.layer_ops``, ``fitbench.plan.memory.saved_per_layer``).
+The first layer, whose input is the embedding's output, keeps the attention output projection's
+result (c n h) in place of the fp32 residual after attention and recomputes their sum: (r - c) n h
+less. After the last layer: its output (r n h), the final norm's 1/rms (4 n) and the output
+projection's input (c n h).
 
 With activation checkpointing each layer keeps its input (r n h), as in eager; the last layer's
 output is recomputed with that layer, so the final norm keeps only 1/rms and the projection's input.

@@ -401,23 +401,25 @@ def adapter_params(arch: Architecture, rank: int = ADAPTER_RANK) -> int:
 
 def norm_saved_bytes(tokens: int, hidden: int, widths: Widths, frozen: bool = False, backend: str = "native",
                      layer_norm: bool = False) -> float:
-    """One norm's saved tensors, without the input when another consumer already keeps it.
+    """One norm's saved tensors, without its output, which the matmuls reading it save.
 
-    - native RMSNorm: its input (r n h), kept by x^2, or with 16-bit residuals its two fp32
-      upcasts (8 n h) instead; 1/rms (4 n); and its normalized output (4 n h in fp32, c n h once
+    - native RMSNorm (``fitbench.models.layer_ops.rms_norm``): its input (r n h) and 1/rms (4 n);
+      its backward pass recomputes the normalized input, whether the weight trains or is ``frozen``,
+      and its output is in the compute dtype (c n h), the matmuls' input;
+    - transformers' RMSNorm (``LlamaRMSNorm``) upcasts once: its input (r n h), or one fp32 copy
+      (4 n h) of a 16-bit one; 1/rms (4 n); and its normalized output (4 n h in fp32, c n h once
       cast back in 16 bits), which the product with the weight keeps for the weight's gradient, so
       not when the weight is ``frozen``;
-    - transformers' RMSNorm (``LlamaRMSNorm``) upcasts once: its input (r n h), or one fp32 copy
-      (4 n h) of a 16-bit one; 1/rms and the normalized output as above;
     - LayerNorm (``layer_norm``; autocast runs it in fp32): its input (r n h) and its mean and
       1/std (2 r n); its output is saved by the matmul that reads it, not by the norm.
     """
     n, h, c, r = tokens, hidden, widths.compute, widths.residual
     if layer_norm:
         return r * n * h + 2 * r * n
+    if backend == "native":
+        return r * n * h + 4 * n
     normalized = 0 if frozen else (4 * n * h if r == 4 else c * n * h)
-    upcasts = 1 if backend == "hf" else 2
-    return (r * n * h if r == 4 else upcasts * 4 * n * h) + normalized + 4 * n
+    return (r * n * h if r == 4 else 4 * n * h) + normalized + 4 * n
 
 
 def saved_per_layer(arch: Architecture, tokens: int, widths: Widths, tp: int = 1, frozen_norms: bool = False,
@@ -425,18 +427,25 @@ def saved_per_layer(arch: Architecture, tokens: int, widths: Widths, tp: int = 1
     """Bytes one layer saves for its backward pass (fused attention, no recompute), for n tokens of
     sequences of ``context`` tokens, on ``backend``.
 
-    Llama family, tensor by tensor in forward order (n tokens, widths r, c as in the module docstring):
+    Llama family, tensor by tensor in forward order (n tokens, widths r, c as in the module docstring),
+    the native decoder's eager training operators (``fitbench.models.layer_ops``) as they save, with
+    its fused or separate projections alike:
 
-    - input RMSNorm: ``norm_saved_bytes`` (less its normalized output when ``frozen_norms``);
-    - q, k, v projections: their input, cast to 16 bits once per projection under autocast (3 c n h),
-      otherwise the norm's output, shared by the three (c n h);
+    - input RMSNorm: ``norm_saved_bytes`` (transformers' less its normalized output when
+      ``frozen_norms``);
+    - q, k, v projections: their input, the native norm's output in the compute dtype, shared by
+      the three (c n h); in transformers' model cast to 16 bits once per projection under autocast
+      (3 c n h), otherwise shared (c n h);
     - rotary q and k (c n h + c n k) and v (c n k), saved by attention, with its output (c n h),
-      which the output projection saves as its input, and the log-sum-exp (4 n H); in fp32 with
-      grouped heads the native decoder expands k and v to all heads first (c n h each), since no
-      fused fp32 kernel takes grouped heads (transformers passes grouped heads to the kernel);
+      which the output projection saves as its input, and the log-sum-exp (4 n H); the native
+      rotation itself saves nothing; in fp32 with grouped heads the native decoder expands k and v
+      to all heads first (c n h each), since no fused fp32 kernel takes grouped heads (transformers
+      passes grouped heads to the kernel);
     - post-attention RMSNorm: as the first, on the new residual (r n h);
-    - gate and up projections: their inputs (2 c n h under autocast, one shared c n h otherwise);
-    - SwiGLU: gate and up outputs, silu(gate) and the product the down projection saves (4 c n f).
+    - gate and up projections: their input, shared as the first's (c n h; transformers' two casts,
+      2 c n h, under autocast);
+    - SwiGLU: gate and up outputs, which the native SwiGLU saves (it recomputes silu(gate)), and the
+      product the down projection saves (3 c n f); transformers' model saves silu(gate) too (4 c n f).
 
     Falcon (``FalconDecoderLayer``, parallel attention and MLP, both LayerNorms reading the layer's
     input): that input (r n h) and each norm's mean and 1/std (4 r n); six h-wide tensors (6 c n h):
@@ -471,13 +480,27 @@ def saved_per_layer(arch: Architecture, tokens: int, widths: Widths, tp: int = 1
         mlp = 5 * c * n * f / tp + gpt2_gelu_upcast_bytes(arch, n, widths, tp)
         return 2 * r * n * h + 4 * r * n + 2 * c * n * h + attention + mlp
     norm = norm_saved_bytes(n, h, widths, frozen_norms, backend)
-    attention_inputs = 3 * c * n * h if widths.autocast else c * n * h
+    casts = widths.autocast and backend == "hf"
+    attention_inputs = 3 * c * n * h if casts else c * n * h
     expanded = backend == "native" and c == 4 and k != h
     kv_saved = 2 * c * n * (h if expanded else k)
     attention = (c * n * h + kv_saved + c * n * h) / tp + 4 * n * heads / tp
-    mlp_inputs = 2 * c * n * h if widths.autocast else c * n * h
-    mlp = 4 * c * n * f / tp
+    mlp_inputs = 2 * c * n * h if casts else c * n * h
+    mlp = (3 if backend == "native" else 4) * c * n * f / tp
     return 2 * norm + attention_inputs + attention + mlp_inputs + mlp
+
+
+def backward_transient_bytes(arch: Architecture, tokens: int, widths: Widths, tp: int = 1,
+                             backend: str = "native") -> float:
+    """What a native layer's backward pass holds beyond the layer's saved tensors at its widest, in
+    SwiGLU's backward (``fitbench.models.layer_ops.swiglu``): the gradients of gate and up (2 c n f)
+    written beside the gradient of their product (c n f), the product itself (c n f) freed with the
+    down projection's backward: 2 c n f. The layer's weight gradients not formed yet are counted
+    already (an over-estimate of one layer's weights). transformers' model is held to its saved
+    tensors (0 here)."""
+    if backend != "native" or arch.family != "llama":
+        return 0.0
+    return 2 * widths.compute * tokens * arch.ffn_size / tp
 
 
 def gpt2_gelu_upcast_bytes(arch: Architecture, tokens: int, widths: Widths, tp: int = 1) -> float:
@@ -763,7 +786,8 @@ def _adapter_training(arch, mode, precision, widths, batch, seq_len, recompute, 
     """Adapters on a frozen quantized base (``fitbench.run.adapters``): the base weights are in
     ``terms``; the adapters' fp32 weights, gradients and AdamW state are 16 B per adapter parameter.
     Gradients flow through every frozen matmul, so activations are saved as in bf16-pure training
-    (less the norms' normalized outputs, kept only for their frozen weights' gradients), plus each
+    (transformers' norms less their normalized outputs, kept only for their frozen weights'
+    gradients; the native norms save the same either way), plus each
     adapter's r-wide intermediate (c n r per matmul) and, for LLM.int8, its outlier columns; the
     frozen matmul's backward dequantizes its weight to bf16 for the gradient of its input (2 x the
     largest matrix)."""
@@ -824,6 +848,8 @@ def _training(arch, mode, widths, batch, seq_len, recompute, terms, local_params
     one_layer = (inductor.saved_per_layer(arch, n, c, r, tp) if compiled
                  else saved_per_layer(arch, n, widths, tp, frozen_norms=frozen, backend=backend, context=seq_len))
     one_layer_casts = c * layer_matmul_params(arch) / tp if widths.autocast and not sharded else 0.0
+    # a layer's backward pass at its widest, beyond what the layer saved (native eager only)
+    widest = 0.0 if compiled else backward_transient_bytes(arch, n, widths, tp, backend)
     # An untied input embedding gets its gradient from the very last backward operator, after the
     # first layer's activations are gone; a tied one is counted with the tied gradients where one
     # stage holds both ends of the model.
@@ -885,9 +911,10 @@ def _training(arch, mode, widths, batch, seq_len, recompute, terms, local_params
                               "beside the logits'", at(START)))
     if recompute:
         output_grad = 0.0 if frozen or sharded else w * output  # FSDP: one of the root's gradients
-        terms.append(Term("recomputed last layer", one_layer + one_layer_casts + output_grad + r * n * h,
+        terms.append(Term("recomputed last layer", one_layer + one_layer_casts + widest + output_grad + r * n * h,
                           "one layer's activations (and weight copies) recomputed, with the output projection's "
-                          "gradient and the gradient flowing into the layer", at(RECOMPUTE)))
+                          "gradient and the gradient flowing into the layer"
+                          + (", and its SwiGLU's gradients" if widest else ""), at(RECOMPUTE)))
     if compiled:  # the layer as inductor's partition saves it; its backward's own tensors are not modelled
         terms.append(Term("first layer in backward", one_layer + one_layer_casts,
                           "one layer's saved activations (and weight copies) while the last gradients form", at(FIRST)))

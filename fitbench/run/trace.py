@@ -90,8 +90,9 @@ class TracedPeak:
 
 def trace_peak(arch: Architecture, mode: str, precision: str, batch: int, seq_len: int, *,
                new_tokens: int = DECODE_STEPS + 1, activation_checkpointing: bool = False,
-               device: str | None = None, backend: str = "native") -> TracedPeak:
-    """Peak live bytes of ``mode`` for ``arch`` on ``backend`` (native or hf), traced with fake tensors."""
+               device: str | None = None, backend: str = "native", fused: bool = False) -> TracedPeak:
+    """Peak live bytes of ``mode`` for ``arch`` on ``backend`` (native or hf), traced with fake tensors;
+    ``fused``: the native model with its fused projections, as a run on one GPU builds it."""
     from torch._subclasses.fake_tensor import FakeTensorMode
 
     problem = backend_error(arch, backend)
@@ -101,7 +102,7 @@ def trace_peak(arch: Architecture, mode: str, precision: str, batch: int, seq_le
     target = torch.device(device)
     policy = precision_policy(precision)
 
-    module = _meta_module(arch, backend, policy.weight_dtype)
+    module = _meta_module(arch, backend, policy.weight_dtype, fused)
     with FakeTensorMode(allow_non_fake_inputs=True):
         lm = _fake_model(arch, module, backend, policy, target, activation_checkpointing)
         tracker = LiveStorage()
@@ -119,10 +120,10 @@ def trace_peak(arch: Architecture, mode: str, precision: str, batch: int, seq_le
     return TracedPeak(peak_bytes=tracker.peak, device=str(target), peak_reserved=tracker.allocator.peak_reserved)
 
 
-def _meta_module(arch: Architecture, backend: str, dtype: torch.dtype) -> nn.Module:
+def _meta_module(arch: Architecture, backend: str, dtype: torch.dtype, fused: bool) -> nn.Module:
     """The model ``backend`` builds, on the meta device (built outside ``FakeTensorMode``)."""
     if backend == "native":
-        return meta_model(arch, dtype)
+        return meta_model(arch, dtype, fused)
     from transformers import AutoModelForCausalLM
 
     with torch.device("meta"):
