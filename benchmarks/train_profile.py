@@ -3,9 +3,10 @@ by kind (matmuls, attention, normalization, the loss, the optimizer, other eleme
 the step's wall time beside the kernels' sum; the gap is time the device waited for the host.
 
 The step is fitbench's own (``fitbench.run.loops.make_step``) on either backend, so the profile is of what
-``fitbench run --mode train`` times. A kernel's kind is read from its name (``KINDS``, first match wins).
+``fitbench run --mode train`` times. A kernel's kind is read from its name (``KINDS``, first match wins; ATen's ``gpu_kernel_impl_nocast``
+wraps every elementwise functor, so ``nocast`` is no cast).
 
-Usage: python benchmarks/train_profile.py --model 1B --backend native --batch-size 8 --seq-len 2048 OUT.json
+Usage: python benchmarks/train_profile.py --model 1B --backend native --batch-size 8 --seq-len 2048 [--compile] OUT.json
 """
 
 from __future__ import annotations
@@ -31,7 +32,7 @@ KINDS: tuple[tuple[str, str], ...] = (
     ("loss", r"log_softmax|softmax|nll|cross_entropy"),
     ("norm", r"rms|norm|rsqrt"),
     ("matmul", r"gemm|cutlass|sm\d\d_|nvjet|cublas|matmul|addmm|\bmm\b|xmma|wgmma"),
-    ("copy", r"copy|cast|fill|memcpy|memset|cat|index"),
+    ("copy", r"copy|(?<!no)cast|fill|memcpy|memset|catarray|index"),
     ("elementwise", r"elementwise|vectorized|reduce|unrolled|pointwise|triton"),
 )
 
@@ -43,10 +44,12 @@ def kind_of(name: str) -> str:
 
 
 def profile_step(model: str, backend: str, batch: int, seq_len: int, precision: str, steps: int,
-                 device: torch.device) -> dict:
+                 device: torch.device, compile: bool = False) -> dict:
     arch = resolve(model)
     rules = policy(precision)
     lm = load_model(arch, backend, device, rules.weight_dtype, compute_dtype=rules.compute_dtype)
+    if compile:
+        lm.compile()
     step = make_step("train", lm, rules, random_tokens(arch.vocab_size, batch, seq_len + 1, device, 0), device)
     for _ in range(3):
         step()
@@ -71,6 +74,7 @@ def profile_step(model: str, backend: str, batch: int, seq_len: int, precision: 
     kernels.sort(key=lambda k: -k["ms"])
     busy = sum(by_kind.values())
     return {"model": model, "backend": backend, "batch": batch, "seq_len": seq_len, "precision": precision,
+            "compile": compile,
             "device": torch.cuda.get_device_name() if device.type == "cuda" else "cpu",
             "torch": torch.__version__, "step_ms": wall * 1e3, "kernels_ms": busy * 1e3,
             "kinds_ms": {kind: ms * 1e3 for kind, ms in sorted(by_kind.items(), key=lambda kv: -kv[1])},
@@ -85,11 +89,12 @@ def main() -> None:
     parser.add_argument("--seq-len", type=int, default=2048)
     parser.add_argument("--precision", default="bf16")
     parser.add_argument("--steps", type=int, default=3)
+    parser.add_argument("--compile", action="store_true", help="torch.compile the module, as fitbench run --compile")
     parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     parser.add_argument("out", type=Path)
     args = parser.parse_args()
     result = profile_step(args.model, args.backend, args.batch_size, args.seq_len, args.precision, args.steps,
-                          torch.device(args.device))
+                          torch.device(args.device), args.compile)
     args.out.parent.mkdir(parents=True, exist_ok=True)
     args.out.write_text(json.dumps(result, indent=1) + "\n")
     print(f"{args.model} {args.backend} {args.batch_size}x{args.seq_len}: step {result['step_ms']:.1f} ms, "

@@ -104,6 +104,9 @@ def _add_run_options(parser: argparse.ArgumentParser) -> None:
              "(once per shape, timed apart: the row's decode record) before the capture (default); "
              "--no-compile-decode captures the eager step. Where compiling fails the eager step runs and the "
              "decode record says why")
+    add("--decode-tuning", dest="decode_tuning", action="store_true", default=S,
+        help="with --compile-decode: tune the decode step's layer with inductor's coordinate descent (its "
+             "compile only; a longer compile)")
     add("--activation-checkpointing", dest="activation_checkpointing", action="store_true", default=S,
         help="recompute each layer's activations in the backward pass (train, forward-backward)")
     add("--warmup-steps", dest="warmup_steps", type=int, default=S, metavar="N", help="untimed steps first (default 5)")

@@ -195,6 +195,7 @@ class RunSpec(BaseModel):
     auto_batch: bool = False  # batch_size is found by probing, starting from the planner's prediction
     cuda_graphs: bool = True  # native infer on a GPU decodes through a CUDA graph
     compile_decode: bool = True  # ... of the decode step compiled by inductor (fitbench.models.backends)
+    decode_tuning: bool = False  # ... its layer's kernels tuned by inductor's coordinate descent
     # On one device, decoder layers that do not fit stay in a slower tier (host memory beside a GPU,
     # disk beside the CPU) and stream in for their forward (fitbench.models.offload); under FSDP, the
     # shards, their gradients and the optimizer state live in host memory (FSDP's CPU offload).
@@ -234,6 +235,8 @@ class RunSpec(BaseModel):
             fields.pop("cuda_graphs")
         if self.compile_decode or self.mode != "infer" or self.backend != "native":
             fields.pop("compile_decode")
+        if not self.tuned_decode:
+            fields.pop("decode_tuning")
         if not self.offload:
             fields.pop("offload")
         if self.layout.world_size == 1:
@@ -254,11 +257,16 @@ class RunSpec(BaseModel):
         return not self.cuda_graphs and self.mode == "infer" and self.backend == "native"
 
     @property
+    def tuned_decode(self) -> bool:
+        """Inductor's coordinate descent turned on where it applies: a compiled native decode step."""
+        return self.decode_tuning and self.compile_decode and self.mode == "infer" and self.backend == "native"
+
+    @property
     def label(self) -> str:
         batch = "auto" if self.auto_batch else self.batch_size
         shape = f"{batch}x{self.seq_len}" + (f"+{self.new_tokens}" if self.mode == "infer" else "")
         recompute = " recompute" if self.activation_checkpointing else ""
-        eager = " no-cuda-graphs" if self.graphs_off else ""
+        eager = " no-cuda-graphs" if self.graphs_off else (" decode-tuning" if self.tuned_decode else "")
         offload = " offload" if self.offload else ""
         layout = f" {self.layout.label}" if self.layout.world_size > 1 else ""
         return (f"{self.model} {self.mode} {self.precision} {shape}{recompute}{eager}{offload}{layout} "

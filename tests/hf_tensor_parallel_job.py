@@ -22,7 +22,8 @@ from fitbench.models.backends import HuggingFaceLM, load_model
 from fitbench.models.registry import resolve
 from fitbench.precisions import policy
 from fitbench.run.hf_tensor_parallel import parallelize_hf_layout
-from fitbench.run.loops import chunked_cross_entropy, make_step, random_tokens
+from fitbench.run.cross_entropy import cross_entropy
+from fitbench.run.loops import make_step, random_tokens
 from fitbench.run.ranks import Rank, gather_json, process_group
 from fitbench.spec import Layout
 
@@ -54,10 +55,11 @@ def built(rank: Rank, mode: str) -> HuggingFaceLM:
 def training_pass(rank: Rank) -> dict:
     lm = built(rank, "forward-backward")
     tokens = random_tokens(ARCH.vocab_size, BATCH, SEQ_LEN + 1, rank.device, SEED)
-    loss = chunked_cross_entropy(lm.logits(tokens[:, :-1]).flatten(0, 1), tokens[:, 1:].flatten())
+    loss = cross_entropy(lm.logits(tokens[:, :-1]).flatten(0, 1), tokens[:, 1:].flatten())
     loss.backward()
     parameters = dict(lm.module.named_parameters())
-    return {"loss": loss.item(), "gradients": {name: sample(parameters[name].grad) for name in GRADIENTS}}
+    return {"loss": loss.item(), "gradients": {name: sample(parameters[name].grad) for name in GRADIENTS},
+            "loss_function": type(loss.grad_fn).__name__}
 
 
 def generation(rank: Rank) -> dict:

@@ -31,7 +31,8 @@ from fitbench.models.backends import NativeLM
 from fitbench.models.graphs import Replay
 from fitbench.models.registry import resolve
 from fitbench.precisions import policy
-from fitbench.run.loops import chunked_cross_entropy, make_step, random_tokens
+from fitbench.run.cross_entropy import cross_entropy
+from fitbench.run.loops import make_step, random_tokens
 from fitbench.run.parallel import data_seed
 from fitbench.run.pipeline import build_pipelined
 from fitbench.run.ranks import Rank, gather_json, process_group
@@ -130,11 +131,11 @@ def build_memory(arch, rank: Rank, mesh) -> dict:
 def training_pass(arch, rank: Rank, mesh) -> dict:
     lm, applied = built(arch, rank, mesh, sequence_parallel=True)
     tokens = random_tokens(arch.vocab_size, BATCH, SEQ_LEN + 1, rank.device, SEED)
-    loss = chunked_cross_entropy(lm.logits(tokens[:, :-1]).flatten(0, 1), tokens[:, 1:].flatten())
+    loss = cross_entropy(lm.logits(tokens[:, :-1]).flatten(0, 1), tokens[:, 1:].flatten())
     loss.backward()
     parameters = dict(lm.module.named_parameters())
     return {"loss": loss.item(), "gradients": {name: sample(parameters[name].grad) for name in GRADIENTS},
-            "applied": applied}
+            "applied": applied, "loss_function": type(loss.grad_fn).__name__}
 
 
 def generation(arch, rank: Rank, mesh, graphed: bool) -> dict:

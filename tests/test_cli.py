@@ -16,7 +16,7 @@ import torch
 from transformers import LlamaConfig
 
 from fitbench.config import SweepConfig, expand, load_yaml, merge_sources
-from fitbench.spec import RunSpec
+from fitbench.spec import Assignment, RunSpec
 from fitbench.errors import UserError
 from fitbench.models.presets import PRESETS
 from fitbench.models.registry import resolve
@@ -209,6 +209,37 @@ def test_cuda_graphs_option_file_key_and_label(tmp_path):
         assert off.key == same.key and off.label == same.label
     specs = expand(merge_sources({}, load_yaml(config), {}), device="cpu", default_models=["tiny"])
     assert [s.cuda_graphs for s in specs] == [False]
+
+
+def test_decode_tuning_option_file_key_label_and_worker(tmp_path):
+    from fitbench.cli import build_parser
+    from fitbench.models.backends import DECODE_TUNING
+    from fitbench.precisions import policy
+    from fitbench.run import worker
+
+    assert build_parser().parse_args(["run", "--decode-tuning"]).decode_tuning is True
+    assert "decode_tuning" not in vars(build_parser().parse_args(["run"]))
+    config = tmp_path / "config.yaml"
+    config.write_text("models: [tiny]\nmode: infer\ndecode-tuning: true\n")
+    assert merge_sources({}, load_yaml(config), {}).decode_tuning is True
+    assert SweepConfig().decode_tuning is False
+    specs = expand(merge_sources({}, load_yaml(config), {}), device="cpu", default_models=["tiny"])
+    assert [s.decode_tuning for s in specs] == [True]
+
+    fields = dict(model="7B", backend="native", precision="bf16-pure", batch_size=1, seq_len=128, new_tokens=128,
+                  device="cuda:0", warmup_steps=5, measure_steps=10)
+    infer = RunSpec(mode="infer", **fields)
+    assert infer.key == "157593d2627d"  # as before the field existed
+    tuned = infer.model_copy(update={"decode_tuning": True})
+    assert tuned.key != infer.key and tuned.label == "7B infer bf16-pure 1x128+128 decode-tuning [native]"
+    # where no compiled decode step runs, tuning it changes nothing
+    for same in (RunSpec(mode="train", **fields), infer.model_copy(update={"compile_decode": False}),
+                 infer.model_copy(update={"backend": "hf"})):
+        assert same.model_copy(update={"decode_tuning": True}).key == same.key
+    # the worker hands inductor's options to the decode step's compile alone
+    tiny = specs[0].model_copy(update={"batch_size": 1, "seq_len": 8, "new_tokens": 2})
+    built = worker.build(Assignment(spec=tiny), resolve("tiny"), policy(tiny.precision), torch.device("cpu"), tmp_path)
+    assert built.lm.decode_options == DECODE_TUNING
 
 
 def test_injected_crash_is_recorded_and_the_sweep_goes_on(tmp_path, capsys, monkeypatch):

@@ -13,7 +13,8 @@ import torch
 import hf_tensor_parallel_job as job
 from fitbench.models.backends import load_model
 from fitbench.precisions import policy, tensor_parallel_heads_problem, tensor_parallel_problem
-from fitbench.run.loops import chunked_cross_entropy, make_step, random_tokens
+from fitbench.run.cross_entropy import chunked_cross_entropy
+from fitbench.run.loops import make_step, random_tokens
 from test_parallel import torchrun
 from test_tensor_parallel import RELATIVE, close  # the same sums in another order (measured: under 1e-6)
 
@@ -72,6 +73,7 @@ def test_a_tensor_parallel_hf_forward_and_backward_pass_equals_one_process(ranks
     parameters = dict(lm.module.named_parameters())
     for row in ranks:
         assert math.isclose(row["train"]["loss"], loss.item(), rel_tol=RELATIVE), row["rank"]
+        assert row["train"]["loss_function"] == "FusedCrossEntropyBackward"  # gathered logits: plain tensors
         for name in job.GRADIENTS:
             assert close(row["train"]["gradients"][name], job.sample(parameters[name].grad)), (row["rank"], name)
 

@@ -103,6 +103,32 @@ def hand_final(n: int, precision: str) -> int:
     return hand_norm(n, precision) + WIDTHS[precision]["c"] * n * H
 
 
+def hand_loss(n: int, precision: str) -> int:
+    """The fused loss: the c-byte logits, overwritten by their gradient, and one chunk's fp32 exponentials
+    (a chunk is 64 MiB of fp32 rows)."""
+    rows = min(64 * 2**20 // (4 * V), n)
+    return WIDTHS[precision]["c"] * n * V + 4 * rows * V
+
+
+def hand_output_backward(n: int, precision: str) -> int:
+    """What the output projection's backward holds beyond the loss: its matmul's two gradients (c n H,
+    c V H) beside the logits' (c n V), or under autocast the weight's gradient cast to fp32 (4 V H) once
+    the logits' gradient is freed; the loss's chunk is gone by then."""
+    w, c = WIDTHS[precision]["w"], WIDTHS[precision]["c"]
+    cast = w * V * H - c * n * V if WIDTHS[precision]["autocast"] else 0
+    return max(0, c * n * V + max(c * n * H + c * V * H, cast) - hand_loss(n, precision))
+
+
+def hand_first_layer(n: int, precision: str) -> float:
+    """The first layer in its MLP's backward: its saved activations (and weight copies), the gradient
+    flowing in (r n H) and SwiGLU's gradients beyond the down projection's freed input (2 c n F), less
+    the layer's gradients not yet formed (all but the down projection's), at least nothing."""
+    w, c, r = WIDTHS[precision]["w"], WIDTHS[precision]["c"], WIDTHS[precision]["r"]
+    layer_casts = c * LAYER_MATMUL if WIDTHS[precision]["autocast"] else 0
+    return max(0, hand_saved_per_layer(n, precision) + layer_casts + r * n * H + 2 * c * n * F
+               - w * (LAYER_PARAMS - H * F))
+
+
 def hand_training_moments(mode: str, precision: str, batch: int, seq_len: int,
                           checkpointing: bool = False) -> dict[str, int]:
     """The candidate peaks of a training step for ARCH on one GPU."""
@@ -119,21 +145,19 @@ def hand_training_moments(mode: str, precision: str, batch: int, seq_len: int,
     layer_casts = c * LAYER_MATMUL if autocast else 0
     # SwiGLU's backward: the gradients of gate and up beside that of their product, the product freed
     widest = 2 * c * n * F
-    # every chunk's fp32 log-probabilities, with the logits and the last chunk's upcast as the forward
-    # pass ends, or with the first chunk's two gradients as the backward pass begins
-    rows = min(64 * 2**20 // (4 * V), n)
-    loss = 4 * n * V + max(c * n * V + 4 * rows * V, 8 * rows * V)
+    # the logits and the loss's chunk, or the output projection's backward where it holds more
+    loss = hand_loss(n, precision) + hand_output_backward(n, precision)
+    # every weight's copy: saved by autograd, or with checkpointing held by autocast's cache to the loss
+    casts = c * (L * LAYER_MATMUL + V * H) if autocast else 0
     moments = {}
     if checkpointing:
         inputs = L * r * n * H  # every layer's input
-        head_cast = c * V * H if autocast else 0  # the output projection's copy, saved by autograd
-        moments[START] = always + inputs + head_cast + hand_final(n, precision) + loss
+        moments[START] = always + inputs + casts + hand_final(n, precision) + loss
         # the last layer recomputed, beside the output projection's gradient and the gradient into the layer
         moments[RECOMPUTE] = always + inputs + one_layer + layer_casts + widest + w * V * H + r * n * H
     else:
-        casts = c * (L * LAYER_MATMUL + V * H) if autocast else 0
         moments[START] = always + L * one_layer + casts + hand_final(n, precision) + loss
-    moments[FIRST] = always + gradients + one_layer + layer_casts + widest
+    moments[FIRST] = always + gradients + hand_first_layer(n, precision)
     moments[END] = always + gradients + embedding_gradient  # untied: no embedding-gradient sum
     return moments
 
@@ -314,11 +338,7 @@ def test_saved_activations_per_layer(precision, batch, seq_len):
     estimate = estimate_memory(ARCH, "train", precision, batch, seq_len)
     terms = terms_of(estimate)
     assert terms["activations"] == L * hand_saved_per_layer(n, precision)
-    layer_casts = 2 * LAYER_MATMUL if precision == "bf16" else 0
-    widest = 2 * WIDTHS[precision]["c"] * n * F
-    assert terms["first layer in backward"] == hand_saved_per_layer(n, precision) + layer_casts + widest
-    hf = terms_of(estimate_memory(ARCH, "train", precision, batch, seq_len, backend="hf"))
-    assert hf["first layer in backward"] - hf["activations"] / L == layer_casts  # held to its saved tensors
+    assert terms["first layer in backward"] == pytest.approx(hand_first_layer(n, precision), rel=1e-12)
 
 
 def test_saved_activations_per_layer_worked_example():
@@ -349,7 +369,13 @@ def test_training_step_terms(precision):
     n = 3 * 20
     terms = terms_of(estimate_memory(ARCH, "train", precision, 3, 20))
     rows = min(max(1, 64 * 2**20 // (4 * V)), n)  # the loss's chunk: 64 MiB of fp32 rows
-    assert terms["loss chain"] == 4 * n * V + max(c * n * V + 4 * rows * V, 8 * rows * V)
+    assert terms["loss chain"] == c * n * V + 4 * rows * V
+    # the output projection's backward: c n H + c V H beside the logits' gradient, against the loss's
+    # 4 r V (60 rows of 100: 24,000 B); under autocast the weight's fp32 gradient, 4 V H, less c n V
+    head = {"fp32": 4 * n * H + 4 * V * H, "bf16": max(2 * n * H + 2 * V * H, 4 * V * H - 2 * n * V),
+            "bf16-pure": 2 * n * H + 2 * V * H}[precision]
+    assert terms.get("output projection backward", 0) == max(0, head - 4 * rows * V)
+    assert ("output projection backward" in terms) == (precision == "fp32")  # 40,960 B against 24,000 B
     assert "logits held by the loop" not in terms
     assert terms["final norm and output input"] == hand_final(n, precision)
     if wd["autocast"]:
@@ -383,7 +409,8 @@ def test_checkpointed_activations_keep_layer_inputs(precision):
     assert terms["recomputed last layer"] == hand_saved_per_layer(n, precision) + layer_casts + 2 * c * n * F + \
         w * V * H + r * n * H
     if wd["autocast"]:
-        assert terms["autocast weight copies"] == c * V * H  # only the output projection's
+        # recomputed layers save none, but autocast's cache holds every copy until the loss is formed
+        assert terms["autocast weight copies"] == c * (L * LAYER_MATMUL + V * H)
     by_name = {t.name: t for t in estimate.terms}
     assert by_name["activations"].moments == frozenset({START, RECOMPUTE})
     assert by_name["recomputed last layer"].moments == frozenset({RECOMPUTE})
@@ -430,12 +457,13 @@ def test_peak_moment_moves_with_the_batch(mode, precision):
 
 @pytest.mark.parametrize("precision", PRECISIONS)
 def test_checkpointed_peak_moment_moves_with_the_vocabulary(precision):
-    """With checkpointing the start of the backward pass holds (c + 4) n V of loss chain against one
-    recomputed layer: the small vocabulary peaks in the recompute, a large one at the start."""
+    """With checkpointing the start of the backward pass holds c n V + 4 r V of loss chain against one
+    layer in its backward pass: the small vocabulary peaks in the first layer's backward, a large one at
+    the start."""
     small_vocab = estimate_memory(ARCH, "train", precision, 8, 64, activation_checkpointing=True)
     large_vocab = estimate_memory(dataclasses.replace(ARCH, vocab_size=4096), "train", precision, 8, 64,
                                   activation_checkpointing=True)
-    assert small_vocab.peak_moment == RECOMPUTE
+    assert small_vocab.peak_moment == FIRST
     assert large_vocab.peak_moment == START
 
 
@@ -568,8 +596,9 @@ def test_fsdp_units_in_flight_by_hand(precision, tied):
     assert by_name["reduce-scatter pool"].cached and by_name["reduce-scatter pool"].moments == {START, RECOMPUTE}
     # the start of the backward pass: shards, every activation and the loss, the root and two layers gathered,
     # and the pools; what must fit leaves the pools out
-    start = sum(terms[name] for name in ("weights", "optimizer state", "rotary tables", "activations",
-                                         "final norm and output input", "loss chain"))
+    start = sum(terms.get(name, 0) for name in ("weights", "optimizer state", "rotary tables", "activations",
+                                                "final norm and output input", "loss chain",
+                                                "output projection backward"))
     live = start + c * root + 2 * c * LAYER_PARAMS
     assert estimate.total_at(START, cached=False) == live
     assert estimate.total_at(START) == live + pool - c * LAYER_PARAMS + terms["gradients"]
@@ -618,16 +647,20 @@ def test_ddp_gradient_buckets_by_hand(precision, tied):
     # and a second set of the buckets' bytes, measured on 2 x H200
     assert each["second gradient buckets"] == w * params
     assert ddp.total_at(START) == single.total_at(START) + 2 * w * params
+    # the first layer's gradients that its MLP's backward has not formed yet take nothing on one GPU;
+    # on DDP they are the buckets', already counted
+    unformed = w * (LAYER_PARAMS - H * F)
+    assert each["first layer in backward"] == one["first layer in backward"] + unformed
     if tied:
         # the output projection's contribution waits in autograd for the embedding's: one matrix more
         # at the first layer than the buckets (and their second set)
         assert each["tied gradient awaiting its sum"] == w * V * H
-        assert ddp.total_at(FIRST) == single.total_at(FIRST) + w * V * H + w * params
+        assert ddp.total_at(FIRST) == single.total_at(FIRST) + w * V * H + w * params + unformed
         assert each["tied embedding gradients"] == one["tied embedding gradients"] == 2 * w * V * H
     else:
         # the input embedding's fresh gradient, before its copy into the bucket
         assert each["input embedding gradient"] == one["input embedding gradient"] == w * V * H
-        assert ddp.total_at(FIRST) == single.total_at(FIRST) + w * V * H + w * params
+        assert ddp.total_at(FIRST) == single.total_at(FIRST) + w * V * H + w * params + unformed
         assert ddp.total_at(END) == single.total_at(END) + w * V * H + w * params
 
 

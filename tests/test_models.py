@@ -537,8 +537,21 @@ def test_compile_decodes_eagerly():
     assert on_cpu.decoding == {"cuda_graphs": False, "reason": "CUDA graphs need a GPU; this run is on cpu"}
 
 
-def test_compiled_decode_step_and_prefill_match_eager_decoding():
-    arch = dataclasses.replace(VARIANTS["llama-gqa"], num_layers=1)
+@pytest.fixture
+def fresh_dynamo():
+    """Dynamo keeps compiled code per Python function for the whole process, beside that of earlier
+    tests' models, up to a limit: each test that compiles starts and ends with none."""
+    torch.compiler.reset()
+    yield
+    torch.compiler.reset()
+
+
+def graph_counts(lm: NativeLM) -> dict[str, int]:
+    return {name: region["graphs"] for name, region in lm.decoding["regions"].items()}
+
+
+def test_compiled_decode_step_and_prefill_match_eager_decoding(fresh_dynamo):
+    arch = dataclasses.replace(VARIANTS["llama-gqa"], num_layers=2)
     native = random_native(arch)
     calls = []
     compiled = NativeLM(native, torch.float32, cuda_graphs=True, capture=eager_capture(calls), compile_decode=True)
@@ -552,7 +565,66 @@ def test_compiled_decode_step_and_prefill_match_eager_decoding():
     decoding = compiled.decoding
     assert decoding["compiled"] is True, decoding
     assert decoding["compile_s"] > 0 and len(decoding["prefill_first_call_s"]) == 1
-    assert len(calls) == 1 and calls[0] is not native.decode_step  # the compiled step was captured
+    # inductor compiled each region once for both layers, the head once for the prefill and the step
+    assert graph_counts(compiled) == {"layer": 1, "layer_decode": 1, "head": 1}
+    assert decoding["compiled_graphs"] == 3
+    assert all(region["compile_s"] > 0 for region in decoding["regions"].values())
+    assert len(calls) == 1
+
+
+def counting_compiler(graphs: list):
+    """A compiler that keeps each graph Dynamo traced and runs it as it is: counting without inductor."""
+    def compile_graph(graph: torch.fx.GraphModule, inputs: list):
+        graphs.append(graph)
+        return graph.forward
+    return compile_graph
+
+
+def test_one_compiled_layer_serves_every_layer_and_each_shape_compiles_once(fresh_dynamo):
+    arch = VARIANTS["llama-gqa"]
+    assert arch.num_layers == 4
+    native = random_native(arch)
+    graphs = []
+    lm = NativeLM(native, torch.float32, cuda_graphs=True, capture=eager_capture([]), compile_decode=True,
+                  compiler=counting_compiler(graphs))
+    eager = NativeLM(native, torch.float32)
+    tokens = torch.randint(0, arch.vocab_size, (2, 12), generator=torch.Generator().manual_seed(11))
+    for prompt_len in (6, 6, 8):
+        assert_same_generations(generation_logits(lm, tokens, prompt_len, 12),
+                                generation_logits(eager, tokens, prompt_len, 12))
+        if prompt_len == 6:
+            # four layers, one trace each; the second generation of the same shapes traces nothing
+            assert graph_counts(lm) == {"layer": 1, "layer_decode": 1, "head": 1} and len(graphs) == 3
+    # a new prompt length: the prefill's layer once more; the step (the same cache) and the head (the
+    # last position) run what they have
+    assert graph_counts(lm) == {"layer": 2, "layer_decode": 1, "head": 1}
+    assert lm.decoding["compiled_graphs"] == len(graphs) == 4
+    assert len(lm.decoding["prefill_first_call_s"]) == 2
+    # the layer is an argument: its weights and its cache are the graphs' inputs, not constants
+    layer_decode = graphs[2]
+    weights = {p.shape for p in native.model.layers[0].parameters()}
+    inputs = [node.meta["example_value"] for node in layer_decode.graph.find_nodes(op="placeholder")]
+    assert weights <= {tuple(value.shape) for value in inputs if isinstance(value, torch.Tensor)}
+    assert not list(layer_decode.named_parameters()) and not list(layer_decode.named_buffers())
+
+
+def test_past_dynamos_recompile_limit_generation_runs_eagerly_and_says_so(fresh_dynamo):
+    arch = VARIANTS["llama-tied"]
+    native = random_native(arch)
+    tokens = torch.randint(0, arch.vocab_size, (1, 12), generator=torch.Generator().manual_seed(12))
+    calls = []
+    lm = NativeLM(native, torch.float32, cuda_graphs=True, capture=eager_capture(calls), compile_decode=True,
+                  compiler=counting_compiler([]))
+    eager = NativeLM(native, torch.float32)
+    with torch._dynamo.config.patch(recompile_limit=1):
+        # the second prompt length needs a second version of the prefill's layer, one past the limit
+        for prompt_len in (6, 8):
+            assert_same_generations(generation_logits(lm, tokens, prompt_len, 12),
+                                    generation_logits(eager, tokens, prompt_len, 12))
+    decoding = lm.decoding
+    assert decoding["compiled"] is False and "recompile limit" in decoding["compile_fallback"], decoding
+    assert "regions" not in decoding
+    assert len(calls) == 2  # the compiled step's graph dropped, the eager step captured in its place
 
 
 def test_a_failed_compile_decodes_eagerly_and_says_why(monkeypatch):

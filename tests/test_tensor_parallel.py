@@ -14,7 +14,8 @@ import tensor_parallel_job as job
 from fitbench.models.backends import NativeLM, load_model
 from fitbench.models.graphs import Replay
 from fitbench.precisions import PRECISIONS, QUANTIZED_PRECISIONS, policy, tensor_parallel_problem
-from fitbench.run.loops import chunked_cross_entropy, make_step, random_tokens
+from fitbench.run.cross_entropy import chunked_cross_entropy
+from fitbench.run.loops import make_step, random_tokens
 from fitbench.run.parallel import data_seed
 from fitbench.run.tensor_parallel import data_parallel_rank, kv_heads_of_rank, split_heads
 from fitbench.spec import Layout, LayoutError
@@ -162,6 +163,8 @@ def test_a_tensor_parallel_training_pass_equals_one_process(ranks, variant):
         assert math.isclose(measured["loss"], expected["loss"], rel_tol=RELATIVE), (row["rank"], measured["loss"])
         for name in job.GRADIENTS:
             assert close(measured["gradients"][name], expected["gradients"][name]), (variant, row["rank"], name)
+        # the logits gathered from their shards are plain tensors, which the fused loss writes over
+        assert measured["loss_function"] == "FusedCrossEntropyBackward"
         applied = measured["applied"]
         assert (applied["tensor_parallel"], applied["sequence_parallel"]) == (2, True)
         assert applied["query_heads_per_rank"] == arch.num_heads // 2

@@ -13,9 +13,11 @@ On a GPU the native backend decodes through a CUDA graph of one decode step
 
 from __future__ import annotations
 
+import dataclasses
+import functools
 import time
 from pathlib import Path
-from typing import Any
+from typing import Any, Callable
 
 import torch
 from torch import nn
@@ -24,7 +26,7 @@ from fitbench.inject import injected
 from fitbench.models.architecture import BACKENDS, Architecture, Backend, backend_error, default_backend
 from fitbench.models.graphs import Capture, GraphedDecode, capture_cuda_graph
 from fitbench.models.hf import build_hf, has_weights, hf_config
-from fitbench.models.native import KVCache, NativeCausalLM, build_native, checkpoint_tensors
+from fitbench.models.native import EAGER, KVCache, NativeCausalLM, Regions, build_native, checkpoint_tensors
 
 class CausalLM:
     """A model ready to run: ``module`` for training, and the three calls the loops need."""
@@ -86,14 +88,23 @@ class NativeLM(CausalLM):
     ``capture`` turns the step into a replayable one; the default, CUDA graphs, needs a GPU, and
     any other is taken to work where the model is. ``graph_problem`` says why this model's step can
     never be captured (``fitbench.precisions.graph_problem``): it then decodes eagerly from the start.
+
+    ``compile_decode``: the captured step and the prefill run through compiled regions
+    (``compile_regions``), one compiled decoder layer serving every layer; ``compiler`` compiles
+    them (inductor by default) and ``decode_options`` are inductor's options for the decode step's
+    layer alone. ``decoding`` reports each region's graphs and compile time.
     """
 
     def __init__(self, module: NativeCausalLM, cache_dtype: torch.dtype, cuda_graphs: bool = False,
-                 capture: Capture | None = None, graph_problem: str | None = None, compile_decode: bool = False):
+                 capture: Capture | None = None, graph_problem: str | None = None, compile_decode: bool = False,
+                 compiler: Compiler | None = None):
         self.module = module
         self.compile_decode = compile_decode
+        self.compiler = compiler
+        self.decode_options: dict[str, Any] = {}
         self.compiled: dict[str, Any] = {}
-        self.prefills: dict[tuple[int, int, int], Any] = {}
+        self.regions: Regions | None = None  # compiled (compile_regions), once compile_decode first needs them
+        self.prefill_shapes: set[tuple[int, int, int]] = set()
         self.cache_dtype = cache_dtype
         self.cache: KVCache | None = None
         self.position = 0
@@ -111,6 +122,9 @@ class NativeLM(CausalLM):
             self.eager_reason = graph_problem
 
     def prefill(self, tokens: torch.Tensor, max_len: int) -> torch.Tensor:
+        """With compiled decoding, the prompt runs through the compiled regions, compiled for each
+        (batch, prompt, cache length) at its first call, the shapes being static (``dynamic=False``);
+        that call, compile included, is timed into ``compiled["prefill_first_call_s"]``."""
         B, T = tokens.shape
         if self.cache is None or (self.cache.batch, self.cache.max_len) != (B, max_len):
             self.graph = None  # it writes into the old cache
@@ -122,33 +136,42 @@ class NativeLM(CausalLM):
         self.position = T
         if self.graph is not None:
             self.graph.start(T)
-        return self._prefill_step(tokens)(tokens, cache=self.cache, start=0, last_only=True)[:, -1]
 
-    def _prefill_step(self, tokens: torch.Tensor):
-        """The forward that fills the cache: with compiled decoding, compiled once per (batch, prompt,
-        cache length), the shapes being static (``dynamic=False``); its first call, compile included,
-        is timed into ``compiled["prefill_first_call_s"]``. A compile that fails leaves the eager forward."""
-        if not self.compile_decode or self.eager_reason is not None or "compile_fallback" in self.compiled:
-            return self.module
-        shape = (*tokens.shape, self.cache.max_len)
-        if shape not in self.prefills:
-            def first_call(*args, **kwargs):
-                started = time.perf_counter()
-                try:
-                    compiled = compile_static(self.module)
-                    out = compiled(*args, **kwargs)
-                except Exception as error:
-                    self._compile_failed(error)
-                    self.prefills[shape] = self.module
-                    return self.module(*args, **kwargs)
-                self.prefills[shape] = compiled
-                self.compiled.setdefault("prefill_first_call_s", []).append(time.perf_counter() - started)
-                return out
+        def run(regions: Regions | None) -> torch.Tensor:
+            return self.module(tokens, cache=self.cache, start=0, last_only=True, regions=regions)[:, -1]
 
-            return first_call
-        return self.prefills[shape]
+        if not self._compiling() or (B, T, max_len) in self.prefill_shapes:
+            return run(self.regions if self._compiling() else None)
+        self.prefill_shapes.add((B, T, max_len))
+        started = time.perf_counter()
+        logits = self._first_compiled_call(run)
+        if self._compiling():
+            self.compiled.setdefault("prefill_first_call_s", []).append(time.perf_counter() - started)
+        return logits
+
+    def _compiling(self) -> bool:
+        """Whether generation runs through compiled regions: asked for, a graph to capture, nothing failed."""
+        return self.compile_decode and self.eager_reason is None and "compile_fallback" not in self.compiled
+
+    def _first_compiled_call(self, run: Callable[[Regions | None], torch.Tensor]) -> torch.Tensor:
+        """``run(regions)`` through the compiled regions, made here at the first call, a call that may
+        compile them for new shapes; where that fails, ``run(None)``, eagerly, and the reason is kept."""
+        try:
+            self.regions = self.regions or compile_regions(self.compiler, self.decode_options)
+            # Past Dynamo's limit of compiled versions of a function, it would run the function eagerly
+            # and say nothing: a run that measured eager code and reported it compiled.
+            with torch._dynamo.config.patch(fail_on_recompile_limit_hit=True):
+                out = run(self.regions)
+            if self.module.rope_cos.device.type == "cuda":
+                torch.cuda.synchronize()
+        except Exception as error:  # no C++ compiler, no Triton, an operation inductor cannot lower
+            self._compile_failed(error)
+            return run(None)
+        return out
 
     def _compile_failed(self, error: BaseException) -> None:
+        self.regions = None
+        self.graph = None  # it may replay the compiled step: the next decode captures the eager one
         self.compiled = {"compiled": False, "compile_fallback": _summary(error)}
 
     def decode(self, tokens: torch.Tensor) -> torch.Tensor:
@@ -168,26 +191,22 @@ class NativeLM(CausalLM):
     def capture_pending(self) -> bool:
         return self.eager_reason is None and self.graph is None
 
-    def _decode_step(self):
-        """The step to capture: ``decode_step``, compiled by inductor when ``compile_decode`` asks for it
-        (``compile_static``), run once here so that the compile happens before the capture and is timed
-        apart (``compiled["compile_s"]``); the run writes the cache at the position, a slot the first
-        replay writes again before anything reads it. Where compiling fails, the eager step, and why."""
-        if not self.compile_decode or "compile_fallback" in self.compiled:
+    def _decode_step(self) -> Callable[..., torch.Tensor]:
+        """The step to capture: ``decode_step``, through the compiled regions when ``compile_decode``
+        asks for them (``compile_regions``), run once here so that any compile happens before the
+        capture and is timed apart (``compiled["compile_s"]``); the run writes the cache at the
+        position, a slot the first replay writes again before anything reads it. Where compiling
+        fails, the eager step, and why."""
+        if not self._compiling():
             return self.module.decode_step
         tokens = torch.zeros((self.cache.batch, 1), dtype=torch.long, device=self.cache.device)
         position = torch.full((1,), self.position, dtype=torch.long, device=self.cache.device)
         started = time.perf_counter()
-        try:
-            compiled = compile_static(self.module.decode_step)
-            compiled(tokens, self.cache, position)
-        except Exception as error:  # no C++ compiler, no Triton, an operation inductor cannot lower
-            self._compile_failed(error)
+        self._first_compiled_call(lambda regions: self.module.decode_step(tokens, self.cache, position, regions))
+        if not self._compiling():
             return self.module.decode_step
-        if self.module.rope_cos.device.type == "cuda":
-            torch.cuda.synchronize()
         self.compiled = {**self.compiled, "compiled": True, "compile_s": time.perf_counter() - started}
-        return compiled
+        return functools.partial(self.module.decode_step, regions=self.regions)
 
     def _capture(self) -> None:
         step = self._decode_step()
@@ -204,8 +223,15 @@ class NativeLM(CausalLM):
     def decoding(self) -> dict[str, Any]:
         if self.eager_reason is not None:
             return {"cuda_graphs": False, "reason": self.eager_reason}
-        compiled = self.compiled if self.compile_decode else {"compiled": False,
-                                                              "compile_fallback": "turned off (--no-compile-decode)"}
+        if not self.compile_decode:
+            compiled = {"compiled": False, "compile_fallback": "turned off (--no-compile-decode)"}
+        elif self.regions is not None:
+            regions = {field.name: getattr(self.regions, field.name).record()
+                       for field in dataclasses.fields(self.regions)}
+            compiled = {**self.compiled, "regions": regions,
+                        "compiled_graphs": sum(region["graphs"] for region in regions.values())}
+        else:
+            compiled = self.compiled
         return {"cuda_graphs": True, "captures": list(self.captures), **compiled}
 
     def kv_bytes_read(self, position: int) -> int:
@@ -227,14 +253,74 @@ class NativeLM(CausalLM):
         self.module.activation_checkpointing = True
 
 
-def compile_static(function):
-    """``function`` compiled by inductor for the shapes it is called with (``dynamic=False``: a
-    decode step's shapes never change, and each prefill shape gets its own code) and without
-    inductor's own CUDA graphs: ``fitbench.models.graphs`` captures the compiled step itself. Raises,
-    for tests, under ``FITBENCH_INJECT=compile-error:decode``, as a machine without a compiler would."""
+# Inductor's options for the decode step's layer under --decode-tuning: coordinate descent over each
+# generated kernel's launch parameters (block sizes, warps), as gpt-fast compiles its decode step: a
+# longer compile, for kernels that then run once per layer and token.
+DECODE_TUNING = {"coordinate_descent_tuning": True}
+
+# Compiles one graph that Dynamo traced, given example inputs, into the function that runs it (a
+# torch.compile backend).
+Compiler = Callable[[torch.fx.GraphModule, list], Callable[..., Any]]
+
+
+def inductor(options: dict[str, Any] | None = None) -> Compiler:
+    """Inductor, with ``options`` (``torch._inductor.config`` names) and without its own CUDA graphs:
+    ``fitbench.models.graphs`` captures the compiled step itself."""
+    patches = {"triton.cudagraphs": False, **(options or {})}
+
+    def compile_graph(graph: torch.fx.GraphModule, inputs: list) -> Callable[..., Any]:
+        from torch._inductor.compile_fx import compile_fx
+
+        return compile_fx(graph, inputs, config_patches=patches)
+
+    return compile_graph
+
+
+class CompiledRegion:
+    """``function`` compiled for the shapes it is called with (``dynamic=False``: a decode step's
+    shapes never change, and each prefill shape gets its own code). Called with every decoder layer
+    in turn, it compiles once per shape: the layer, its weights and its cache are arguments, guarded
+    by type, shape, strides and dtype, not identity. ``graphs`` counts the graphs ``compiler`` compiled and
+    ``seconds`` the wall time of the calls that compiled (Dynamo's tracing, the compile and that one
+    run); more graphs than shapes are recompiles, which the row shows."""
+
+    def __init__(self, function: Callable[..., torch.Tensor], compiler: Compiler):
+        self.compiler = compiler
+        self.graphs = 0
+        self.seconds = 0.0
+        self.compiled = torch.compile(function, backend=self._compile, dynamic=False)
+
+    def _compile(self, graph: torch.fx.GraphModule, inputs: list) -> Callable[..., Any]:
+        self.graphs += 1
+        return self.compiler(graph, inputs)
+
+    def __call__(self, *args: Any) -> torch.Tensor:
+        graphs, started = self.graphs, time.perf_counter()
+        out = self.compiled(*args)
+        if self.graphs != graphs:
+            self.seconds += time.perf_counter() - started
+        return out
+
+    def record(self) -> dict[str, Any]:
+        return {"graphs": self.graphs, "compile_s": self.seconds}
+
+
+def compile_regions(compiler: Compiler | None = None, decode_options: dict[str, Any] | None = None) -> Regions:
+    """The native model's regions (``fitbench.models.native.Regions``) compiled, each once for every
+    layer, instead of the whole model at once, in which Dynamo unrolls the layers and inductor
+    compiles each copy: a decoder layer over the prompt and its decode step, and the head (final norm
+    and output projection), which the prefill and the decode step share, both giving it the last
+    position (B, 1, C). The embedding and the few operators that gather the step's rotary rows and
+    build its mask run eagerly, inside the captured graph all the same: a row lookup and a handful
+    of elementwise kernels on (1, max_len) or fewer elements, which compiling would save microseconds
+    of. ``compiler``: inductor by default; ``decode_options``: inductor's options for the decode
+    step's layer alone. Raises, for tests, under ``FITBENCH_INJECT=compile-error:decode``, as a
+    machine without a compiler would."""
     if injected("compile-error", "decode"):
         raise RuntimeError("FITBENCH_INJECT: compiling fails")
-    return torch.compile(function, backend="inductor", dynamic=False, options={"triton.cudagraphs": False})
+    return Regions(layer=CompiledRegion(EAGER.layer, compiler or inductor()),
+                   layer_decode=CompiledRegion(EAGER.layer_decode, compiler or inductor(decode_options)),
+                   head=CompiledRegion(EAGER.head, compiler or inductor()))
 
 
 def _summary(error: BaseException) -> str:

@@ -124,7 +124,7 @@ class GraphedDecode:
         self.position = torch.full((1,), position, dtype=torch.long, device=device)  # (1,)
         # The warm-up writes the cache at the position, a slot the first replay writes again
         # before anything reads it.
-        step = step or module.decode_step  # or a compiled one (fitbench.models.backends.compile_static)
+        step = step or module.decode_step  # or through compiled regions (fitbench.models.backends.compile_regions)
         self.replay = capture(lambda: step(self.tokens, cache, self.position))
 
     def start(self, position: int) -> None:

@@ -8,6 +8,9 @@ Two ways to decode one token: ``forward`` with ``start``, a Python int, attends 
 first ``start + 1`` positions; ``decode_step`` takes the position as a device tensor and attends
 over the whole cache under a mask, so every shape is fixed and nothing depends on host values
 that change per token: the step a CUDA graph can capture once and replay (``fitbench.models.graphs``).
+Both run each layer and the head through ``Regions``: the plain calls, or one compiled function per
+part that serves every layer (``fitbench.models.backends.compile_regions``), for which a layer gets
+its own keys and values as arguments.
 
 Modules carry the same names as transformers' ``LlamaForCausalLM`` (``model.layers.0.self_attn.q_proj``
 ...), and rotary embeddings use the same half-split convention, so a checkpoint of either loads into
@@ -107,17 +110,25 @@ def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.T
     return x * cos + rotate_half(x) * sin
 
 
+# One layer's keys and values, (B, kv_heads, max_len, head_dim) each: what its attention reads and writes.
+LayerCache = tuple[torch.Tensor, torch.Tensor]
+
+
 class KVCache(nn.Module):
     """Keys and values of every layer, preallocated for (batch, max_len): one write per step, no growth.
     ``kv_heads``: the heads this process's attention keeps, all of them unless tensor parallelism
     gave it a share (``fitbench.run.tensor_parallel``).
 
     Each layer's keys and values are a tensor of their own, (B, kv_heads, max_len, head_dim), not views
-    of one: a compiled decode step (``fitbench.models.backends.compile_static``) takes the cache as an
+    of one: a compiled decode step (``fitbench.models.backends.compile_regions``) takes the cache as an
     argument, and a write into a view of a larger argument is compiled as a new copy of all of it,
     written back at every step (measured on an H200: a capture pool of 1.7 times the cache and 216
     tokens/s at batch 8 on Llama-2-7B, against 1,039 eager); a write into a whole argument with
-    ``index_put_`` is compiled in place, as gpt-fast writes its cache."""
+    ``index_put_`` is compiled in place, as gpt-fast writes its cache.
+
+    A layer gets its own pair as an argument (``layers``), never an index into the cache: one compiled
+    layer then serves every layer, where an index, a Python int, would be a constant of the compiled
+    code, compiled again for each layer."""
 
     def __init__(self, config: DecoderConfig, batch: int, max_len: int, dtype: torch.dtype, device: torch.device,
                  kv_heads: int | None = None):
@@ -144,23 +155,29 @@ class KVCache(nn.Module):
         k = self.layer_keys[0]
         return 2 * len(self.layer_keys) * k[:, :, 0].numel() * k.element_size()
 
-    def update(self, layer: int, start: int, k: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """Write k, v (B, kv_heads, T, head_dim) at positions start..start+T; return all positions so far."""
-        end = start + k.shape[2]
-        keys, values = self.layer_keys[layer], self.layer_values[layer]
-        keys[:, :, start:end] = k
-        values[:, :, start:end] = v
-        return keys[:, :, :end], values[:, :, :end]
+    def layers(self) -> list[LayerCache]:
+        """Each layer's keys and values, in layer order."""
+        return list(zip(self.layer_keys, self.layer_values))
 
-    def write(self, layer: int, position: torch.Tensor, k: torch.Tensor,
-              v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """Write k, v (B, kv_heads, 1, head_dim) at ``position``, a (1,) index tensor on the cache's
-        device; return every slot of the layer (B, kv_heads, max_len, head_dim), those after the
-        position included: the caller masks them."""
-        keys, values = self.layer_keys[layer], self.layer_values[layer]
-        keys[:, :, position] = k
-        values[:, :, position] = v
-        return keys, values
+
+def fill_cache(cache: LayerCache, start: int, k: torch.Tensor, v: torch.Tensor) -> LayerCache:
+    """Write k, v (B, kv_heads, T, head_dim) at positions start..start+T of one layer's cache; return
+    its positions so far."""
+    keys, values = cache
+    end = start + k.shape[2]
+    keys[:, :, start:end] = k
+    values[:, :, start:end] = v
+    return keys[:, :, :end], values[:, :, :end]
+
+
+def write_cache(cache: LayerCache, position: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> LayerCache:
+    """Write k, v (B, kv_heads, 1, head_dim) at ``position``, a (1,) index tensor on the cache's device,
+    into one layer's cache; return every slot of it (B, kv_heads, max_len, head_dim), those after the
+    position included: the caller masks them."""
+    keys, values = cache
+    keys[:, :, position] = k
+    values[:, :, position] = v
+    return keys, values
 
 
 class RMSNorm(nn.Module):
@@ -193,9 +210,8 @@ class FusedLinear(nn.Linear):
 
 
 class Attention(nn.Module):
-    def __init__(self, config: DecoderConfig, layer: int, fused: bool = False):
+    def __init__(self, config: DecoderConfig, fused: bool = False):
         super().__init__()
-        self.layer = layer
         self.n_heads, self.n_kv_heads, self.head_dim = config.n_heads, config.n_kv_heads, config.head_dim
         q, kv = config.n_heads * config.head_dim, config.n_kv_heads * config.head_dim
         if fused:
@@ -230,11 +246,11 @@ class Attention(nn.Module):
         return apply_rope(q, cos, sin), apply_rope(k, cos, sin), v
 
     def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
-                cache: KVCache | None, start: int) -> torch.Tensor:
+                cache: LayerCache | None, start: int) -> torch.Tensor:
         B, T, _ = x.shape
         q, k, v = self.project(x, cos, sin)
         if cache is not None:
-            k, v = cache.update(self.layer, start, k, v)  # (B, KV, start+T, D)
+            k, v = fill_cache(cache, start, k, v)  # (B, KV, start+T, D)
         if T > 1 and start > 0:
             raise NotImplementedError("prefill continuing an existing cache needs a block mask")
         grouped = self.n_kv_heads != self.n_heads
@@ -253,10 +269,10 @@ class Attention(nn.Module):
         y = F.scaled_dot_product_attention(q, k, v, is_causal=T > 1, enable_gqa=grouped)  # (B, H, T, D)
         return self.o_proj(y.transpose(1, 2).reshape(B, T, self.n_heads * self.head_dim))
 
-    def decode(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, cache: KVCache,
+    def decode(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, cache: LayerCache,
                position: torch.Tensor, visible: torch.Tensor) -> torch.Tensor:
-        """One token per sequence, x (B, 1, C), at ``position``; attention over every cache slot, with
-        ``visible`` (1, 1, 1, S) hiding those after the position.
+        """One token per sequence, x (B, 1, C), at ``position``; attention over every slot of this
+        layer's ``cache``, with ``visible`` (1, 1, 1, S) hiding those after the position.
 
         With one query per sequence, the G = H / KV query heads that share a key/value head become
         the G rows of one query block against that head's keys: grouped heads need no kernel support
@@ -264,7 +280,7 @@ class Attention(nn.Module):
         """
         B = x.shape[0]
         q, k, v = self.project(x, cos, sin)  # (B, H, 1, D), (B, KV, 1, D), (B, KV, 1, D)
-        keys, values = cache.write(self.layer, position, k, v)  # (B, KV, S, D)
+        keys, values = write_cache(cache, position, k, v)  # (B, KV, S, D)
         # query head h uses key/value head h // G, as with enable_gqa or repeat_interleave
         q = q.reshape(B, self.n_kv_heads, self.n_heads // self.n_kv_heads, self.head_dim)  # (B, KV, G, D)
         y = F.scaled_dot_product_attention(q, keys, values, attn_mask=visible)  # (B, KV, G, D)
@@ -301,19 +317,19 @@ class SwiGLU(nn.Module):
 
 
 class DecoderLayer(nn.Module):
-    def __init__(self, config: DecoderConfig, layer: int, fused: bool = False):
+    def __init__(self, config: DecoderConfig, fused: bool = False):
         super().__init__()
         self.input_layernorm = RMSNorm(config.dim, config.norm_eps)
-        self.self_attn = Attention(config, layer, fused)
+        self.self_attn = Attention(config, fused)
         self.post_attention_layernorm = RMSNorm(config.dim, config.norm_eps)
         self.mlp = SwiGLU(config, fused)
 
     def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
-                cache: KVCache | None, start: int) -> torch.Tensor:
+                cache: LayerCache | None, start: int) -> torch.Tensor:
         x = x + self.self_attn(self.input_layernorm(x), cos, sin, cache, start)
         return x + self.mlp(self.post_attention_layernorm(x))
 
-    def decode(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, cache: KVCache,
+    def decode(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, cache: LayerCache,
                position: torch.Tensor, visible: torch.Tensor) -> torch.Tensor:
         x = x + self.self_attn.decode(self.input_layernorm(x), cos, sin, cache, position, visible)
         return x + self.mlp(self.post_attention_layernorm(x))
@@ -326,7 +342,7 @@ class DecoderStack(nn.Module):
         # call imports torch._dynamo (seconds in every worker), and init_weights draws them later anyway.
         self.embed_tokens = nn.Embedding(config.vocab_size, config.dim,
                                          _weight=torch.empty(config.vocab_size, config.dim))
-        self.layers = nn.ModuleList(DecoderLayer(config, i, fused) for i in range(config.n_layers))
+        self.layers = nn.ModuleList(DecoderLayer(config, fused) for _ in range(config.n_layers))
         self.norm = RMSNorm(config.dim, config.norm_eps)
 
 
@@ -348,25 +364,32 @@ class NativeCausalLM(nn.Module):
         self.register_buffer("rope_sin", torch.empty(config.max_seq_len, config.head_dim), persistent=False)
 
     def forward(self, tokens: torch.Tensor, cache: KVCache | None = None, start: int = 0,
-                last_only: bool = False) -> torch.Tensor:
-        """tokens (B, T) -> logits (B, T, V), or (B, 1, V) for the last position when ``last_only``."""
+                last_only: bool = False, regions: Regions | None = None) -> torch.Tensor:
+        """tokens (B, T) -> logits (B, T, V), or (B, 1, V) for the last position when ``last_only``.
+        ``regions``: what the layers, and the head of the last position, run through (``Regions``),
+        the plain calls by default."""
+        regions = regions or EAGER
         T = tokens.shape[1]
         x = self.model.embed_tokens(tokens)  # (B, T, C)
         # cast once here rather than in every layer: the rotation is applied in q's dtype
         dtype = output_dtype(x)
         cos, sin = self.rope_cos[start:start + T].to(dtype), self.rope_sin[start:start + T].to(dtype)
         recompute = self.activation_checkpointing and torch.is_grad_enabled()
-        for layer in self.model.layers:
+        layer_caches = cache.layers() if cache is not None else [None] * len(self.model.layers)
+        for layer, layer_cache in zip(self.model.layers, layer_caches):
             if recompute:
-                x = checkpoint(layer, x, cos, sin, cache, start, use_reentrant=False)
+                x = checkpoint(layer, x, cos, sin, layer_cache, start, use_reentrant=False)
             else:
-                x = layer(x, cos, sin, cache, start)
-        x = self.model.norm(x)
-        if last_only:
-            x = x[:, -1:, :]
-        return self.lm_head(x)  # (B, T, V)
+                x = regions.layer(layer, x, cos, sin, layer_cache, start)
+        if not last_only:
+            x = self.model.norm(x)  # the states before the norm are freed before the logits exist
+            return self.lm_head(x)  # (B, T, V)
+        # In the decode step's strides, size-1 dimensions included, which compiled code is guarded on
+        # (``contiguous`` keeps a view's): one compiled head serves the prefill and the step.
+        return regions.head(self, x[:, -1:, :].clone(memory_format=torch.contiguous_format))  # (B, 1, V)
 
-    def decode_step(self, tokens: torch.Tensor, cache: KVCache, position: torch.Tensor) -> torch.Tensor:
+    def decode_step(self, tokens: torch.Tensor, cache: KVCache, position: torch.Tensor,
+                    regions: Regions | None = None) -> torch.Tensor:
         """tokens (B, 1) at ``position``, a (1,) long tensor on the model's device -> logits (B, V).
 
         ``forward(tokens, cache, start=position)`` with static shapes: the rotary rows are gathered
@@ -374,14 +397,20 @@ class NativeCausalLM(nn.Module):
         slots with those after the position masked, so no shape or host value changes from token to
         token and nothing synchronizes. Its temporaries are one layer's at a time plus the logits,
         as in ``forward``; the mask and the slot indices add about ten bytes per cache slot.
+        ``regions``: as in ``forward``; every layer's step runs through the same ``layer_decode``.
         """
+        regions = regions or EAGER
         slots = torch.arange(cache.max_len, device=position.device)
         visible = (slots <= position).view(1, 1, 1, -1)  # (1, 1, 1, S)
         cos, sin = self.rope_cos.index_select(0, position), self.rope_sin.index_select(0, position)  # (1, D)
         x = self.model.embed_tokens(tokens)  # (B, 1, C)
-        for layer in self.model.layers:
-            x = layer.decode(x, cos, sin, cache, position, visible)
-        return self.lm_head(self.model.norm(x))[:, -1]  # (B, V)
+        for layer, layer_cache in zip(self.model.layers, cache.layers()):
+            x = regions.layer_decode(layer, x, cos, sin, layer_cache, position, visible)
+        return regions.head(self, x)[:, -1]  # (B, V)
+
+    def head(self, x: torch.Tensor) -> torch.Tensor:
+        """Hidden states (B, T, C) -> logits (B, T, V): the final norm and the output projection."""
+        return self.lm_head(self.model.norm(x))
 
     @torch.no_grad()
     def init_weights(self, std: float = 0.02) -> None:
@@ -401,6 +430,29 @@ class NativeCausalLM(nn.Module):
     def new_cache(self, batch: int, max_len: int, dtype: torch.dtype) -> KVCache:
         return KVCache(self.config, batch, max_len, dtype, self.rope_cos.device,
                        self.model.layers[0].self_attn.n_kv_heads)
+
+
+def call_module(module: nn.Module, *args: Any) -> torch.Tensor:
+    """``module(*args)``: through ``nn.Module.__call__``, so its hooks run (tensor parallelism's
+    collectives, offload's weight streaming)."""
+    return module(*args)
+
+
+@dataclass(frozen=True)
+class Regions:
+    """What ``forward`` and ``decode_step`` run the model's parts through, each function taking the
+    part first: ``layer``, a decoder layer's forward (``call_module``); ``layer_decode``, its step for
+    one token (``DecoderLayer.decode``); ``head``, the final norm and output projection
+    (``NativeCausalLM.head``). ``EAGER`` holds the plain calls; ``fitbench.models.backends.compile_regions``
+    compiles each once, and one compiled function then runs every layer, whose weights and cache
+    come in as arguments."""
+
+    layer: Callable[..., torch.Tensor]
+    layer_decode: Callable[..., torch.Tensor]
+    head: Callable[..., torch.Tensor]
+
+
+EAGER = Regions(layer=call_module, layer_decode=DecoderLayer.decode, head=NativeCausalLM.head)
 
 
 def checkpoint_tensors(module: nn.Module) -> dict[str, torch.Tensor]:

@@ -14,8 +14,13 @@ embedding is not autocast and the fp32 stream absorbs each 16-bit branch it is a
 
 Peak, not sum. A training step (gradients set to None at its start, fused AdamW) peaks at one of:
 
-- the start of the backward pass: weights, AdamW state, every saved activation, and the logits'
-  loss chain (the logits and their fp32 log-probabilities, ``loss_chain_bytes``);
+- the start of the backward pass, as the loss is formed: weights, AdamW state, every saved activation
+  (under autocast every weight's 16-bit copy, saved by autograd, or with checkpointing held by
+  autocast's cache), and the loss chain: the logits, which the loss overwrites with their gradient,
+  and one chunk's fp32 temporaries (``loss_chain_bytes``), or the output projection's backward where
+  it holds more (``output_backward_bytes``);
+- the first layer's backward, at its MLP: the gradients of every layer above, the layer's saved
+  activations and its MLP's gradients (``mlp_backward_bytes``);
 - the optimizer step: weights, gradients and AdamW state (16 bytes per parameter in mixed precision).
 
 Inference and forward passes keep nothing for a backward pass: their peak is the weights (and,
@@ -508,6 +513,35 @@ def gpt2_gelu_upcast_bytes(arch: Architecture, tokens: int, widths: Widths, tp: 
     return (12 + 2 * c - 5 * c) * tokens * arch.ffn_size / tp
 
 
+def mlp_backward_bytes(arch: Architecture, tokens: int, widths: Widths, tp: int = 1) -> float:
+    """What a layer's backward pass holds beyond its saved activations where it is widest, in its MLP:
+    the gradient flowing into the layer (r n h), and the MLP's gradients beyond the down projection's
+    input, which its backward has freed by then. SwiGLU (llama) forms the product's gradient, then
+    from it gate's and up's at once: 3 c n f less the product's c n f; a plain activation (Falcon's
+    and GPT-2's GELU) its output's gradient, then its input's: 2 c n f less the output's c n f."""
+    gradients = 2 if arch.family == "llama" else 1
+    return widths.residual * tokens * arch.hidden_size + gradients * widths.compute * tokens * arch.ffn_size / tp
+
+
+def first_layer_unformed(arch: Architecture, tp: int = 1) -> int:
+    """Parameters of a layer, on one tensor-parallel rank, whose gradients its MLP's backward finds not
+    yet formed: all but the down projection's (``mlp_backward_bytes``'s moment follows its backward)."""
+    rows, columns, bias = tp_layer_matrices(arch, tp)[-1]  # the down projection: the layer's last matrix
+    return rank_layer_params(arch, tp) - rows * columns - bias
+
+
+def output_backward_bytes(tokens: int, hidden: int, vocab: int, widths: Widths, weight: float) -> float:
+    """What the output projection's backward holds beside the saved activations, where it is widest,
+    for its ``weight`` parameters on this rank (none when frozen). Its matmul forms its input's
+    gradient (c n h) and its weight's (c x weight) beside the logits' gradient (c n V), which the
+    fused loss left in the logits; under autocast the weight's 16-bit gradient is then cast to the
+    weights' width (w x weight), once the logits' gradient and the matmul's saved input and 16-bit
+    weight are freed."""
+    n, c = tokens, widths.compute
+    cast = widths.weights * weight - c * n * vocab if widths.autocast else 0.0
+    return c * n * vocab + max(c * n * hidden + c * weight, cast)
+
+
 def recompute_per_layer(arch: Architecture, tokens: int, widths: Widths) -> float:
     """With full activation checkpointing a layer keeps only its input (r n h)."""
     return widths.residual * tokens * arch.hidden_size
@@ -804,6 +838,10 @@ def _training(arch, mode, widths, batch, seq_len, recompute, terms, local_params
     # The output projection's share on this rank, where this stage holds it.
     output = V * h / tp if has_head else 0.0
     moments = (START, RECOMPUTE, FIRST, END) if recompute else (START, FIRST, END)
+    rows = min(loss_chunk_rows(V), n)
+    head_backward = (output_backward_bytes(n, h, V, widths, 0.0 if frozen else output) - loss_chain_bytes(n, V, c)
+                     if has_head else 0.0)
+
     def at(*names: str) -> frozenset[str]:
         return frozenset(names)
 
@@ -849,29 +887,47 @@ def _training(arch, mode, widths, batch, seq_len, recompute, terms, local_params
         gradients = Term("gradients", 4 * trainable, f"4 B x {trainable:,.0f} adapter parameters", at(FIRST, END))
     terms = [*terms, state, gradients, activations]
     if widths.autocast and not sharded:
-        casts, formula = autocast_copies(arch, widths, 0 if recompute else layers, tp, output)
-        if recompute:
+        # Recomputed layers save no copy, but eager autocast caches each weight's copy until its region
+        # closes, after the loss: at the loss every copy is alive either way. A compiled graph casts
+        # inside itself, past the cache.
+        if recompute and compiled:
             casts, formula = c * output, f"{c} B x V h / {tp}: the output projection's copy, saved by autograd"
+        else:
+            casts, formula = autocast_copies(arch, widths, layers, tp, output)
+            if recompute:
+                formula += ", held by autocast's cache until the loss is formed"
         terms.append(Term("autocast weight copies", casts, formula, at(START)))
     if has_head:
         terms += [
             Term("final norm and output input", inductor.final_saved_bytes(arch, n, c, r, recompute) if compiled
                  else final_saved_bytes(arch, n, widths, frozen_norm=frozen, backend=backend),
                  "saved by the final norm and the output projection", at(START)),
-            Term("loss chain", loss_chain_bytes(n, V, c), f"the fp32 log-probabilities beside the {c} B logits and "
-                 f"one chunk's upcast, or one chunk's two fp32 gradients: 4 n V + max({c} n V + 4 r V, 8 r V), "
-                 f"n = {n:,}, r = {min(loss_chunk_rows(V), n):,}, V = {V:,}", at(START)),
+            Term("loss chain", loss_chain_bytes(n, V, c), f"the {c} B logits, overwritten by their gradient, and one "
+                 f"chunk's fp32 exponentials: {c} n V + 4 r V, n = {n:,}, r = {rows:,}, V = {V:,}", at(START)),
         ]
+        if head_backward > 0:
+            terms.append(Term("output projection backward", head_backward, "where the output projection's backward "
+                              "holds more than the loss (output_backward_bytes less the loss chain): its gradients "
+                              "beside the logits'", at(START)))
     if recompute:
         output_grad = 0.0 if frozen or sharded else w * output  # FSDP: one of the root's gradients
         terms.append(Term("recomputed last layer", one_layer + one_layer_casts + widest + output_grad + r * n * h,
                           "one layer's activations (and weight copies) recomputed, with the output projection's "
                           "gradient and the gradient flowing into the layer"
                           + (", and its SwiGLU's gradients" if widest else ""), at(RECOMPUTE)))
-    swiglu_gradients = " and its SwiGLU's gradients" if widest else ""
-    terms.append(Term("first layer in backward", one_layer + one_layer_casts + widest,
-                      f"one layer's saved activations (and weight copies){swiglu_gradients} while the last "
-                      f"gradients form", at(FIRST)))
+    if compiled:  # the layer as inductor's partition saves it; its backward's own tensors are not modelled
+        terms.append(Term("first layer in backward", one_layer + one_layer_casts,
+                          "one layer's saved activations (and weight copies) while the last gradients form", at(FIRST)))
+    else:
+        # The first layer's gradients its MLP's backward has not formed yet are counted with the others
+        # (FSDP's unsharded ones in the compute width), though they take nothing yet; DDP's buckets do
+        # hold them already, and frozen weights form none.
+        unformed = 0.0 if frozen or ddp else (c if sharded else w) * first_layer_unformed(arch, tp)
+        temporaries = mlp_backward_bytes(arch, n, widths, tp)
+        terms.append(Term("first layer in backward", max(0.0, one_layer + one_layer_casts + temporaries - unformed),
+                          f"one layer's saved activations (and weight copies) at its MLP's backward, with the "
+                          f"gradients there ({temporaries:,.0f} B), less its gradients not yet formed "
+                          f"({unformed:,.0f} B)", at(FIRST)))
     if sharded:
         terms += fsdp_in_flight(arch, c, w, layout.shards, tp)
     if sharded and not layout.offload:

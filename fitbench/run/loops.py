@@ -1,8 +1,8 @@
 """The four workloads: what one timed step does in each mode.
 
-- ``train``: zero gradients, forward, cross-entropy loss on fp32 logits, backward, AdamW step.
-  The loss is formed in chunks of rows (``chunked_cross_entropy``), so no fp32 copy of the whole
-  logits ever exists.
+- ``train``: zero gradients, forward, cross-entropy loss in fp32, backward, AdamW step. The loss
+  (``fitbench.run.cross_entropy``) works a chunk of rows at a time and leaves the logits' gradient
+  in their place, so no fp32 copy of the logits is ever kept.
 - ``forward-backward``: the same without the optimizer step (CS336's "backward" pass type).
 - ``forward``: logits only, under ``inference_mode``.
 - ``infer``: a generation: prefill of the prompt (which yields the first token), then
@@ -24,27 +24,13 @@ from dataclasses import dataclass
 from typing import Callable
 
 import torch
-import torch.nn.functional as F
 
-from fitbench.loss import loss_chunk_rows
 from fitbench.models.backends import CausalLM
 from fitbench.precisions import PrecisionPolicy
+from fitbench.run.cross_entropy import cross_entropy
 from fitbench.run.timing import DeviceClock
 
 LEARNING_RATE = 1e-5
-
-
-def chunked_cross_entropy(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
-    """Mean cross-entropy of ``logits`` (n, V) against ``targets`` (n,), upcast to fp32 a chunk of
-    ``loss_chunk_rows(V)`` rows at a time (``fitbench.loss`` says why and what it holds).
-
-    The value is ``F.cross_entropy(logits.float(), targets)``, summed chunk by chunk. It saves the
-    same fp32 log-probabilities for the backward pass, but the whole upcast copy never exists, and
-    the backward pass forms each chunk's two fp32 gradients one chunk at a time."""
-    rows = loss_chunk_rows(logits.shape[-1])
-    total = sum(F.cross_entropy(chunk.float(), target, reduction="sum")
-                for chunk, target in zip(logits.split(rows), targets.split(rows)))
-    return total / targets.numel()
 
 
 def random_tokens(vocab: int, batch: int, length: int, device: torch.device, seed: int) -> torch.Tensor:
@@ -74,9 +60,9 @@ def make_step(mode: str, lm: CausalLM, policy: PrecisionPolicy, tokens: torch.Te
     scaler = torch.amp.GradScaler(device.type) if policy.scale_loss else None
 
     def forward_loss() -> torch.Tensor:
-        # the logits die with this frame: nothing the backward pass needs holds them
+        # the loss writes the logits' gradient over them: nothing but the loss may hold them
         with policy.autocast(device.type):
-            return chunked_cross_entropy(lm.logits(inputs).flatten(0, 1), targets.flatten())  # (B T, V)
+            return cross_entropy(lm.logits(inputs).flatten(0, 1), targets.flatten())  # (B T, V)
 
     def loss_backward() -> torch.Tensor:
         loss = forward_loss()

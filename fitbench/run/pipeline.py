@@ -50,7 +50,8 @@ from fitbench.models.native import (KVCache, NativeCausalLM, ShardWriter, empty_
                                     replay_random_weights)
 from fitbench.models.registry import is_local_model
 from fitbench.precisions import TRAINING_MODES, PrecisionPolicy, pipeline_problem, tensor_parallel_problem
-from fitbench.run.loops import LEARNING_RATE, chunked_cross_entropy
+from fitbench.run.cross_entropy import cross_entropy
+from fitbench.run.loops import LEARNING_RATE
 from fitbench.run.quality import Quality
 from fitbench.run.quantize import Carried, build_quantized_native
 from fitbench.run.ranks import Rank
@@ -63,8 +64,7 @@ from fitbench.spec import RunSpec, Stage, microbatch_problem
 
 def _prune(model: NativeCausalLM, stage: Stage) -> None:
     """Drop every module of another stage (placeholders keep the layers' indices, so each module keeps
-    its name in the whole model: ``model.layers.5`` is layer 5 on any stage) and number the stage's
-    layers from 0 in its own KV cache."""
+    its name in the whole model: ``model.layers.5`` is layer 5 on any stage)."""
     for i in range(len(model.model.layers)):
         if i not in stage.layers:
             model.model.layers[i] = nn.Identity()
@@ -73,8 +73,6 @@ def _prune(model: NativeCausalLM, stage: Stage) -> None:
     if not stage.last:
         model.model.norm = nn.Identity()
         model.lm_head = nn.Identity()
-    for local, i in enumerate(stage.layers):
-        model.model.layers[i].self_attn.layer = local
 
 
 def stage_modules(model: NativeCausalLM, stage: Stage) -> list[nn.Module]:
@@ -123,16 +121,17 @@ def stage_forward(model: NativeCausalLM, stage: Stage, x: torch.Tensor, cache: K
                   start: int = 0, last_only: bool = False) -> torch.Tensor:
     """The stage's part of ``NativeCausalLM.forward``: token ids (B, T) on the first stage, hidden
     states (B, T, C) on the others, in; hidden states (B, T, C), or on the last stage logits (B, T, V)
-    ((B, 1, V) with ``last_only``), out."""
+    ((B, 1, V) with ``last_only``), out. ``cache`` holds the stage's layers only, in order."""
     T = x.shape[1]
     cos, sin = model.rope_cos[start:start + T], model.rope_sin[start:start + T]
     if stage.first:
         x = model.model.embed_tokens(x)  # (B, T, C)
     recompute = model.activation_checkpointing and torch.is_grad_enabled()
-    for i in stage.layers:
+    layer_caches = cache.layers() if cache is not None else [None] * len(stage.layers)
+    for i, layer_cache in zip(stage.layers, layer_caches):
         layer = model.model.layers[i]
-        x = checkpoint(layer, x, cos, sin, cache, start, use_reentrant=False) if recompute else \
-            layer(x, cos, sin, cache, start)
+        x = checkpoint(layer, x, cos, sin, layer_cache, start, use_reentrant=False) if recompute else \
+            layer(x, cos, sin, layer_cache, start)
     if not stage.last:
         return x
     x = model.model.norm(x)
@@ -344,7 +343,7 @@ class PipelineLM(CausalLM):
                               self.device)
 
         def loss_fn(logits: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
-            return chunked_cross_entropy(logits.flatten(0, 1), target.flatten())  # (b T, V)
+            return cross_entropy(logits.flatten(0, 1), target.flatten())  # (b T, V)
 
         schedule = ScheduleGPipe(stage, microbatches, loss_fn=loss_fn, scale_grads=True)
         parameters = [p for p in self.module.parameters() if p.requires_grad]

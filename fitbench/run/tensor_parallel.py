@@ -9,7 +9,7 @@ split (Shoeybi et al. 2019) as torchtitan's ``apply_tp`` lays it out with DTenso
 - the embedding sharded over the vocabulary (``RowwiseParallel`` with a replicated input: each rank
   looks up the tokens of its rows, the others' lookups are zeros, and an all-reduce sums them) and
   the output projection column-wise over the vocabulary, its logits gathered on every rank
-  (``Replicate``), so the chunked loss and generation see whole logits and run unchanged. These are
+  (``Replicate``), so the loss and generation see whole logits and run unchanged. These are
   what the planner counts: the embedding and the output projection each 1 / tp per rank (a tied
   pair shares one shard, both being split along the vocabulary);
 - the norms replicated; with ``sequence_parallel`` (training) they run on 1 / tp of the sequence

@@ -28,7 +28,7 @@ from typing import Any
 import torch
 
 from fitbench import hardware
-from fitbench.models.backends import CausalLM, NativeLM, load_model
+from fitbench.models.backends import DECODE_TUNING, CausalLM, NativeLM, load_model
 from fitbench.models.hf import has_weights
 from fitbench.models.offload import Offload, OffloadCapacityError, build_offloaded
 from fitbench.models.registry import is_local_model, resolve
@@ -323,6 +323,7 @@ def build(assignment: Assignment, arch, policy, device: torch.device, scratch: P
                         compute_dtype=policy.compute_dtype, cuda_graphs=spec.cuda_graphs)
         if isinstance(lm, NativeLM):
             lm.compile_decode = spec.compile_decode
+            lm.decode_options = DECODE_TUNING if spec.decode_tuning else {}
         return Built(lm)
     problem = hardware_problem(spec.precision, device.type,
                                torch.cuda.get_device_capability(device) if device.type == "cuda" else None)
@@ -347,6 +348,7 @@ def build(assignment: Assignment, arch, policy, device: torch.device, scratch: P
         quality = quantize_built(lm, arch, spec.precision, device, probe, checkpoint=checkpoint_directory(spec))
     if isinstance(lm, NativeLM):
         lm.compile_decode = spec.compile_decode  # inductor fuses the dequantization into the matmul's loads
+        lm.decode_options = DECODE_TUNING if spec.decode_tuning else {}
     if not training:
         return Built(lm, quality)
     adapters = add_adapters(lm.module, device)
