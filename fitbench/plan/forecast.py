@@ -124,80 +124,79 @@ def ceilings(gpu_name: str, measured: hardware.Ceilings | None = None) -> Ceilin
 # bf16 autocast 531 against 156, fp32 743 against 229.
 BACKWARD_TRAFFIC = {(2, 2): 2.0, (4, 2): 2.4, (4, 4): 2.24}
 
+# Operators launched per layer in a forward pass: fitbench's native decoder, its q/k/v and gate/up fused
+# (43), or unfused as quantized, tensor-parallel and pipelined builds keep them (46); transformers'
+# layers (GPT-2 24, Falcon 37, Llama 43). Autocast adds a cast of each matmul's input. A training step
+# launches BACKWARD_OPS operators per forward operator more (native, bf16-pure: 103 per layer against
+# 41 forward with grad mode's own; bf16 autocast 105 against 47). Outside the layers: embedding, final
+# norm, output projection and the logits' reduction; in training also the optimizer's and the
+# gradients' bookkeeping (EDGE_OPS); and each chunk of the loss (``fitbench.loss``): upcast,
+# cross-entropy, sum and their backward (LOSS_CHUNK_OPS). All counted by tests/test_forecast.py.
+LAYER_OPS = {"native": 43, "native unfused": 46, "llama": 43, "falcon": 37, "gpt2": 24}
+BACKWARD_OPS = 1.45
+EDGE_OPS = {"forward": 12, "training": 43}
+LOSS_CHUNK_OPS = 7
+
 # ---- constants, each from a measured row ------------------------------------------------------
+#
+# Each is the value at which its source row's forecast equals the row's measured step (the others held
+# at their values; tests/test_forecast.py solves each again from its row). Rows are under
+# benchmarks/results/; "the 7B", "13B", ... are fitbench's presets.
 
 # The host and the device overlap imperfectly: within a step the pace-setter alternates (the forward's
 # small operators wait on the host, the backward's matmuls on the device) and the launch queue between
 # them evens out only part of it. A step lasts (device^p + host^p)^(1/p): the longer clock where one
-# dominates, 2^(1/p) = 1.26 times either where they are equal. p = 3: the training rows of the validation
-# matrices whose two clocks are within 10% of each other (CS336 medium 8 x 1024: 90.9 ms against
-# clocks of 73.8 and 70.2 ms; Llama-3.1-8B 1 x 1024 checkpointed, 218.0 ms against 162.8 and 157.9 ms)
-# took 1.23 and 1.34 times the longer.
+# dominates, 2^(1/p) = 1.26 times either where they are equal. p = 3: the training rows of the
+# validation matrices whose two clocks come within 10% of each other (CS336 medium, 8 x 1024, and
+# Llama-3.1-8B, 1 x 1024 checkpointed, in 2026-11-24-h200-validation/matrix1-training) took 1.23 and
+# 1.34 times the longer of their two clocks under a plain maximum.
 OVERLAP_EXPONENT = 3.0
-
 # The model's tensor-core matmuls against the 8192^3 product that measured the peak: 7B forward,
-# bf16-pure, 2 x 1024, H200 (benchmarks/results/2026-11-24-h200-validation/matrix1-forward/3):
-# 59.3 ms measured, of which 12.2 ms the other terms; 34.4 ms of matmuls at the peak, / 47.1 = 0.73.
+# bf16-pure, 2 x 1024, H200 (2026-11-24-h200-validation/matrix1-forward/3, 59.3 ms), a step of large
+# matmuls (2048 x 4096 x 11008 and alike) with little else.
 MATMUL_EFFICIENCY = 0.81
-# Causal flash attention against the matmul peak: Llama-3.1-8B training, bf16-pure, checkpointed, on an
-# H200 (benchmarks/results/2026-11-23-h200-chunked-loss/long-sequences): 1 x 8192 took 77.4 ms more than
-# 2 x 4096, the same tokens with half the context: 3.96e13 more attention FLOPs, 512 TFLOP/s, 0.65 of 785.7.
+# Causal flash attention against the matmul peak: Llama-3.1-8B training, bf16-pure, checkpointed, H200
+# (2026-11-23-h200-chunked-loss/long-sequences): 1 x 8192 took 77.4 ms more than 2 x 4096, the same
+# tokens with twice the context (the extra time, not either row, is matched).
 ATTENTION_EFFICIENCY = 0.65
-# Device time per kernel beyond its traffic (the gap between two kernels a CUDA graph replays, and a
-# small kernel's ramp): Llama-2-7B-shaped 7B decode at batch 1 through a graph of the eager step, H200
-# (benchmarks/results/2026-11-24-h200-validation/matrix1-inference/3): 7.23 ms, of which 13.5 GB read at
-# 4.2 TB/s is 3.21 ms; the other 4.02 ms over 46 x 32 + 16 = 1,488 kernels: 2.7 us.
+# Device time per kernel beyond its traffic (the gap between two kernels a CUDA graph replays, a small
+# kernel's ramp and tail): the 7B decoding at batch 1 through a graph of the eager step, H200
+# (2026-11-24-h200-validation/matrix1-inference/3): 7.23 ms, 3.3 ms of it the weights and cache at
+# 4.2 TB/s, the rest over 46 x 32 + 12 kernels.
 KERNEL_S = 2.7e-6
-# Host time per operator launched eagerly. Training (autograd records each operator; autocast
-# dispatches it): CS336 small, bf16, 8 x 1024, H200 (.../2026-11-24-h200-validation/matrix1-training/2),
-# 35.5 ms over 12 x 127 + 50 = 1,574 operators: 22.6 us, its device time 21 ms. Inference
-# (inference_mode): Llama-2-7B bf16 decoding without a graph, H100 (.../2026-11-22-h100-quantized-decode/
-# decode-eager): 21.2 ms over 1,488 operators: 14.2 us, its device time 8.5 ms.
-HOST_OP_S = {"training": 16.9e-6, "inference": 14.0e-6}
+# Host time per operator launched eagerly. Training, where autograd records each operator: CS336
+# small, bf16, 8 x 1024, H200 (2026-11-24-h200-validation/matrix1-training/2, 35.5 ms, its device clock
+# 27 ms). Inference (inference_mode): Llama-2-7B bf16 decoding without a graph, H100
+# (2026-11-22-h100-quantized-decode/decode-eager, 21.2 ms over 1,484 operators, its device clock 8.5 ms).
+HOST_OP_S = {"training": 17.1e-6, "inference": 14.0e-6}
 # transformers' layers call more Python per operator: GPT-2 XL decoding, batch 8, H200
-# (.../2026-11-24-h200-validation/matrix2-inference/2): 19.76 ms over 48 x 24 + 12 = 1,164 operators.
+# (2026-11-24-h200-validation/matrix2-inference/2): 19.76 ms over 48 x 24 + 12 operators.
 HF_HOST_OP_S = 17.0e-6
-# Operators dispatched through DTensor (tensor-parallel training; transformers' tensor parallelism)
-# propagate their sharding on the host first: 13B training over 2 H200s with tensor parallelism,
-# checkpointed, 4 x 1024 (.../2026-11-24-h200x2-model-parallel/13b-train-tp), 928 ms over 6,048
-# operators; transformers' 13B decoding over 2 H200s (.../13b-hf-tp-transformers-5.17), 61.5 ms over
-# 1,732.
+# Operators dispatched through DTensor (fitbench's tensor-parallel training, transformers' tensor
+# parallelism) propagate their sharding on the host first: 13B training over 2 H200s, checkpointed,
+# 4 x 1024 (2026-11-24-h200x2-model-parallel/13b-train-tp, 928 ms); transformers' 13B decoding over 2
+# H200s (2026-11-24-h200x2-model-parallel/13b-hf-tp-transformers-5.17, 61.5 ms).
 DTENSOR_HOST_OP_S = {"training": 123e-6, "inference": 35e-6}
-# A checkpointed layer's host time beyond its operators: CS336 small, bf16, 4 x 512, checkpointed, H200
-# (.../2026-11-24-h200-validation/matrix1-training/1): 56.6 ms, 12 x 175 + 50 = 2,150 operators at
-# 22.6 us = 48.6 ms; 8.0 ms more over 12 layers: 0.67 ms.
-CHECKPOINT_HOST_S = 1.43e-3
-# A torch.compile'd step: the share of the eager elementwise traffic its fused kernels still move,
-# 1B training, bf16, 8 x 2048, compiled, H200 (.../2026-11-24-h200-validation/matrix2-training/3):
-# 209.4 ms, its matmuls, attention, optimizer and loss 191.5 ms; 17.9 ms for 70.7 ms of eager traffic.
+# A checkpointed layer's host time beyond its operators (the recomputation's Python frames and
+# saved-tensor hooks): CS336 small, bf16, 4 x 512, checkpointed, H200
+# (2026-11-24-h200-validation/matrix1-training/1, 56.6 ms).
+CHECKPOINT_HOST_S = 1.42e-3
+# The share of the eager elementwise traffic a torch.compile'd training step still moves (inductor
+# fuses norms, rotary, SwiGLU and the casts): 1B training, bf16, 8 x 2048, compiled, H200
+# (2026-11-24-h200-validation/matrix2-training/3, 209.4 ms).
 COMPILED_TRAFFIC = 0.25
-# Kernels a compiled decode step replays per layer (norms fused with their casts, rotary with the cache
-# write, SwiGLU in one; the matmuls and attention as before), in kernel-equivalents of KERNEL_S:
-# Llama-2-7B bf16 compiled decode, batch 1, H200 (.../2026-11-24-h200-compiled-decode/after/compiled):
-# 4.56 ms, its bytes 3.28 ms at 4.2 TB/s; 1.28 ms over 32 layers and 2.7 us: 15 per layer.
+# Kernels a compiled decode step replays per layer, in kernel-equivalents of KERNEL_S (norms fused with
+# their casts, rotary with the cache write, SwiGLU in one; matmuls and attention as before): Llama-2-7B
+# bf16, compiled decode step, batch 1, H200 (2026-11-24-h200-compiled-decode/after/compiled, 4.56 ms).
 COMPILED_LAYER_KERNELS = 15
-# Latency of one small NCCL collective inside a step (an all-reduce of one token's activations): 13B
-# decoding over 2 H200s with tensor parallelism (.../2026-11-24-h200x2-model-parallel/13b-tp): 9.29 ms;
-# its reads and kernels 7.59 ms; 1.70 ms over 2 x 40 all-reduces: 21 us.
+# Latency of one small NCCL collective inside a step (one token's activations all-reduced): 13B decoding
+# over 2 H200s with tensor parallelism (2026-11-24-h200x2-model-parallel/13b-tp, 9.29 ms; 2 x 40
+# all-reduces a token).
 COLLECTIVE_LATENCY_S = 15e-6
 # Offloaded decoder layers stream in through accelerate's hooks, each copied from pageable host memory
-# before its forward: 65B decoding with 31 of 80 layers in host memory, H100
-# (.../2026-11-22-h100-offload): 50.2 GB per token at 6.84 GB/s.
+# before its forward: 65B decoding with 31 of 80 layers in host memory, H100 (2026-11-22-h100-offload:
+# 50.2 GB a token, 7.34 s).
 OFFLOAD_STREAM_BANDWIDTH = 6.9e9
-
-# Operators launched per layer, by family, in a forward pass: counted in fitbench's native decoder
-# (fused q/k/v and gate/up: 43; unfused, as quantized, tensor-parallel and pipelined builds keep them: 46;
-# tests/test_forecast.py counts them) and transformers' layers decoding (GPT-2 24, Falcon 37, Llama 43;
-# the same test). A training step launches BACKWARD_OPS per forward operator more (counted: native 105
-# per layer, bf16 autocast, fused).
-LAYER_OPS = {"native": 43, "native unfused": 46, "llama": 43, "falcon": 37, "gpt2": 24}
-BACKWARD_OPS = 1.45
-# Outside the layers: embedding, final norm, output projection, sampling or the loss' reduction, and in
-# training the optimizer's and gradients' bookkeeping (counted: 12 forward, 50 training) ...
-EDGE_OPS = {"forward": 12, "training": 50}
-# ... and per chunk of the loss (``fitbench.loss``): upcast, cross-entropy, sum, and their backward.
-LOSS_CHUNK_OPS = 8
-
 
 @dataclass(frozen=True)
 class DecodeFormat:
@@ -214,41 +213,43 @@ class DecodeFormat:
 
 DENSE = DecodeFormat()
 # Per (precision, how the step runs): "eager" is the eager step, replayed from a CUDA graph or launched
-# without one; "compiled", a step compiled by inductor, is the dense step's unless measured: inductor
-# fuses the dequantization into the matmul's loads and the activation quantization into its neighbours.
-# Rows: Llama-2-7B at batch 1 (benchmarks/results/2026-11-24-h200-decode-formats, H200, 2026-11-24) and
-# the quantized-inference matrices of 2026-11-23 (H200).
+# without one; "compiled", a step compiled by inductor, is the dense step's until measured (inductor
+# fuses the dequantization into the matmul's loads and the activation quantization into its
+# neighbours): add an entry per format once its compiled step is timed. Each value is solved, as the
+# constants above, from its source row (H200, torch 2.11, torchao 0.18, bitsandbytes 0.50).
 DECODE_FORMATS: dict[tuple[str, str], DecodeFormat] = {
-    # torchao tinygemm: 5.53 ms, int4 weights 3.6 GB; the other terms 4.08 ms: 1.45 ms, 2.5 TB/s.
-    ("int4", "eager"): DecodeFormat(0.6, 0, 0, "torchao int4 tinygemm, Llama-2-7B batch 1, H200: 5.53 ms"),
-    # float8 row-wise: each matmul quantizes its activations first (absolute value, max, scale, cast)
-    # and scales its output: 10.09 ms, 6.9 GB read 1.64 ms; 8.45 ms of kernels, 98 per layer.
-    ("fp8", "eager"): DecodeFormat(1.0, 7.3, 0, "torchao float8 row-wise, Llama-2-7B batch 1, H200: 10.09 ms"),
-    ("fp8-block", "eager"): DecodeFormat(1.0, 7.3, 0, "as fp8 (Llama-2-7B batch 1, H100: 10.75 ms against 10.35)"),
-    # torchao 0.18's weight-only int8 casts the whole weight to bf16 at each call (``DEQUANTIZED_EACH_MATMUL``):
-    # 24.5 ms, 33 GB moved, 5.9 ms of kernels: 18.6 ms, 1.8 TB/s.
-    ("int8-weight-only", "eager"): DecodeFormat(0.4, 2, 4, "torchao int8 weight-only, Llama-2-7B batch 1, "
-                                                           "H200: 24.5 ms"),
-    # bitsandbytes LLM.int8 decodes without a graph; each matmul quantizes its input, searches its
-    # outlier columns (which synchronizes) and runs two matmuls: host-bound, 7B at batch 4 95.7 ms.
-    ("int8", "eager"): DecodeFormat(1.0, 24, 0, "bitsandbytes LLM.int8, 7B 4 x 512, H200 (2026-11-24-h200-"
-                                                "validation/matrix2-inference): 95.7 ms"),
-    # torchao int8 dynamic, without a graph: 3B 2 x 2048, H200 (2026-11-23-h200-packed-build/heldout/5),
-    # 239 ms, 8.5 ms per layer.
-    ("int8-dynamic", "eager"): DecodeFormat(1.0, 80, 0, "torchao int8 dynamic, 3B 2 x 2048, H200: 239 ms"),
+    # tinygemm reads the packed int4 weights and their group scales at 60% of the copy bandwidth
+    ("int4", "eager"): DecodeFormat(0.6, 0, 0, "Llama-2-7B int4, batch 1 (2026-11-24-h200-decode-formats): 5.53 ms"),
+    # each float8 matmul first quantizes its activations (absolute value, maximum, scale, cast) and
+    # scales its output: 7.3 kernels more per matmul
+    ("fp8", "eager"): DecodeFormat(1.0, 7.3, 0, "Llama-2-7B fp8, batch 1 (2026-11-24-h200-decode-formats): 10.09 ms"),
+    ("fp8-block", "eager"): DecodeFormat(1.0, 7.3, 0, "as fp8: Llama-2-7B batch 1 on an H100 10.75 ms against fp8's "
+                                                      "10.35 (2026-11-22-h100-quantized-decode)"),
+    # torchao's weight-only int8 casts the whole weight to a bf16 copy at each call
+    # (``fitbench.plan.speed.DEQUANTIZED_EACH_MATMUL``), written and read at 40% of the copy bandwidth
+    ("int8-weight-only", "eager"): DecodeFormat(0.4, 2, 4, "Llama-2-7B int8-weight-only, batch 1 "
+                                                           "(2026-11-24-h200-decode-formats): 24.5 ms"),
+    # LLM.int8 decodes without a graph: each matmul quantizes its input, looks for outlier columns
+    # (which synchronizes) and runs an int8 and a 16-bit matmul, 24 operators more, host-bound
+    ("int8", "eager"): DecodeFormat(1.0, 24, 0, "7B int8, 4 x 512 (2026-11-24-h200-validation/matrix2-inference/4): "
+                                                "95.7 ms"),
+    # torchao's int8 dynamic quantization, without a graph: 80 operators' worth per matmul
+    ("int8-dynamic", "eager"): DecodeFormat(1.0, 80, 0, "3B int8-dynamic, 2 x 2048 "
+                                                        "(2026-11-23-h200-packed-build/heldout/5): 239 ms"),
 }
-# bitsandbytes 4-bit: one token per step reads the packed weights in its gemv kernel (Llama-2-7B nf4,
-# batch 1, H100, 2026-11-22-h100-quantized-decode: 6.63 ms, 40% of the bandwidth); more tokens
-# dequantize each weight to a bf16 copy and multiply by it (7B nf4 4 x 512, H200: 12.7 ms).
-FOUR_BIT_GEMV = DecodeFormat(0.45, 0, 0, "bitsandbytes 4-bit gemv, Llama-2-7B nf4 batch 1, H100: 6.63 ms")
-FOUR_BIT_DEQUANTIZED = DecodeFormat(1.0, 2.4, 4, "bitsandbytes 4-bit dequantized, 7B nf4 4 x 512, H200: 12.7 ms")
-# Training: extra operators each matmul launches per forward operator of its own, eagerly: LoRA's
-# adapters beside a frozen quantized base (two casts, two matmuls, a scale, an add: 6) on top of the base's
-# format (LLM.int8 as in decoding), and torchao's float8 training, whose dynamic scaling takes per
-# matmul what 7B fp8 eager training, 4 x 512, H100 (2026-11-22-h100-quantized-training/7b-train),
-# shows: 683 ms against bf16-pure's 227 ms, 456 ms over 32 x 7 matmuls x 2.45 at 22.6 us: 37.
+# bitsandbytes 4-bit: one token per step reads the packed weights in its gemv kernel, at 45% of the
+# copy bandwidth; more tokens dequantize each weight to a bf16 copy and multiply by it.
+FOUR_BIT_GEMV = DecodeFormat(0.45, 0, 0, "Llama-2-7B nf4, batch 1, H100 (2026-11-22-h100-quantized-decode): 6.63 ms")
+FOUR_BIT_DEQUANTIZED = DecodeFormat(1.0, 2.4, 4, "7B nf4, 4 x 512 (2026-11-24-h200-validation/matrix2-inference/4): "
+                                                 "12.7 ms")
+# Training: operators each matmul adds to its layer's forward (the backward adds BACKWARD_OPS per
+# operator): LoRA's adapters beside a frozen quantized base, two casts, two matmuls, a scale and an add
+# (``fitbench.run.adapters``), with the base format's own (LLM.int8's as in decoding); and torchao's
+# float8 training eagerly, its dynamic scaling of inputs, weights and gradients: 7B fp8, 4 x 512, H100
+# (2026-11-22-h100-quantized-training/7b-train, 683 ms against bf16-pure's 227 ms). Compiled, inductor
+# fuses the scaling into the matmuls' neighbours.
 ADAPTER_OPS = 6
-FP8_TRAINING_OPS = 62
+FP8_TRAINING_OPS = 61
 
 
 @dataclass(frozen=True)
@@ -360,11 +361,13 @@ def _decode_time(arch: Architecture, precision: str, batch: int, seq_len: int, n
     else:
         quantized = widths.weights * layer_weights
     # Everything else the step reads: the other parameters at their width, less the lookup tables'
-    # rows no token uses; under autocast each matmul weight's 16-bit copy, written and read.
+    # rows no token uses (a tied output projection reads its whole table); under autocast each matmul
+    # weight's 16-bit copy, written and read.
     plain_width = 2 if precision in QUANTIZED else widths.weights
-    tables = arch.embedding_params - (0 if arch.tie_embeddings else batch * arch.hidden_size)
-    tables -= arch.hidden_size if arch.position_params else 0
-    plain = plain_width * (arch.total_params - layer_weights - tables)
+    h = arch.hidden_size
+    unread = (0 if arch.tie_embeddings else (arch.vocab_size - batch) * h)
+    unread += arch.position_params - h if arch.position_params else 0
+    plain = plain_width * (arch.total_params - layer_weights - unread)
     if widths.autocast:
         plain += 2 * widths.compute * (arch.matmul_params - arch.num_layers * arch.norm_params_per_layer)
     weights_s = ((quantized + fmt.dequantized * layer_weights) / fmt.efficiency + plain) / ceiling.bandwidth
