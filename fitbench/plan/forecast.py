@@ -250,6 +250,9 @@ FOUR_BIT_DEQUANTIZED = DecodeFormat(1.0, 2.4, 4, "7B nf4, 4 x 512 (2026-11-24-h2
 # fuses the scaling into the matmuls' neighbours.
 ADAPTER_OPS = 6
 FP8_TRAINING_OPS = 61
+# Bytes of each cast of a bf16 element to float8 with a dynamic scale: read for the maximum, read and
+# written as one byte for the cast.
+FLOAT8_CAST_BYTES = 2 + 2 + 1
 
 
 @dataclass(frozen=True)
@@ -274,9 +277,6 @@ class Forecast:
     bound: str  # "device", "host" or "communication"
     terms: dict[str, float]  # seconds of the device's parts (matmuls, attention, memory, optimizer, kernels)
     launches: float  # kernels (operators) the step launches
-
-    def as_dict(self) -> dict:
-        return {**self.__dict__, "terms": dict(self.terms)}
 
 
 def decode_format(precision: str, decode: str, tokens: int) -> DecodeFormat:
@@ -432,9 +432,14 @@ def _pass_time(arch: Architecture, mode: str, precision: str, batch: int, seq_le
     weights = 0.0
     if widths.autocast:  # 16-bit copies of the matmul weights, per forward; the gradients' fp32 accumulation
         weights += 6 * matmul_params * ((1 if recompute else 0) + 1) + (6 * matmul_params if training else 0)
-    if precision in QUANTIZED:  # each frozen matmul dequantized to a bf16 copy, forward and backward
+    if precision in QUANTIZED:  # the frozen matmuls read, and where the format does, dequantized to a copy
         stored = sum(QUANTIZED[precision].matrix_bytes(m.rows, m.columns) for m in arch.layer_matrices) * L
-        weights += (stored + 4 * arch.layer_matmul_weights * L) * (passes if training else 1)
+        copies = decode_format(precision, "eager", n).dequantized * arch.layer_matmul_weights * L
+        weights += (stored + copies) * (passes if training else 1)
+    if float8:  # dynamic scaling: each cast to float8 reads its input twice (maximum, cast) and writes a byte
+        weights += FLOAT8_CAST_BYTES * 2 * arch.layer_matmul_weights * L  # the weight and its transpose
+        inputs = sum(m.rows + m.columns for m in arch.layer_matrices) * L  # each matmul's input, its gradient
+        layers += FLOAT8_CAST_BYTES * 2 * n * inputs / tp  # forward and backward
     memory_s = (layers + loss + share * weights / tp) / ceiling.bandwidth
     optimizer_s = share * optimizer / ceiling.bandwidth
 
