@@ -6,7 +6,7 @@ import dataclasses
 import functools
 import importlib.util
 import json
-import math
+import statistics
 from pathlib import Path
 
 import pytest
@@ -27,7 +27,7 @@ from fitbench.plan.planner import GpuTarget, predict_spec
 from fitbench.plan.speed import BusBandwidth
 from fitbench.precisions import policy
 from fitbench.run.loops import make_step, random_tokens
-from fitbench.spec import Layout, RunSpec
+from fitbench.spec import RunSpec
 
 ROOT = Path(__file__).parent.parent
 RESULTS = ROOT / "benchmarks/results"
@@ -505,6 +505,34 @@ def test_each_constant_is_what_its_row_measured(name, key, field, source, low, h
     directory, fields = source
     solved = solve(constant(name, key, field), measured_row(directory, **fields), low, high)
     assert solved == pytest.approx(value, rel=0.03, abs=0.1 if field == "extra_kernels" else 0)
+
+
+def test_the_overlap_exponent_is_what_the_rows_with_close_clocks_measured(monkeypatch):
+    """Solved from each training row of the validation matrices whose two clocks come within 10% of each
+    other, p is about OVERLAP_EXPONENT: their median within 20%, p inside their range."""
+    monkeypatch.setattr(forecast, "OVERLAP_EXPONENT", forecast.OVERLAP_EXPONENT)
+    solved = []
+    for path in sorted((RESULTS / "2026-11-24-h200-validation").glob("matrix*-training/*/results.jsonl")):
+        for row in map(json.loads, path.read_text().splitlines()):
+            if row["status"] != "ok":
+                continue
+            spec = RunSpec.model_validate(row["spec"])
+            clocks = forecast_spec(resolve(spec.model), spec, H200, ceilings(H200),
+                                   run=StepRun(spec.backend, spec.compile, fused=False))
+            if abs(clocks.host_s / clocks.device_s - 1) < 0.1:
+                solved.append(solve(constant("OVERLAP_EXPONENT"), row, 1.01, 20.0))
+                forecast.OVERLAP_EXPONENT = 3.0
+    assert len(solved) >= 4  # the matrices hold such rows
+    assert statistics.median(solved) == pytest.approx(forecast.OVERLAP_EXPONENT, rel=0.2)
+    assert min(solved) < forecast.OVERLAP_EXPONENT < max(solved)
+
+
+def test_a_cpu_run_is_not_forecast():
+    spec = RunSpec(model="tiny", backend="native", mode="train", precision="fp32", batch_size=1, seq_len=16,
+                   new_tokens=1, device="cpu", warmup_steps=1, measure_steps=1)
+    _, prediction = predict_spec(resolve("tiny"), spec, GpuTarget(None, 1, 8e9, described=False), None,
+                                 choose_precision=False, choose_recompute=False, runnable=("fp32",))
+    assert prediction["step_time_forecast_s"] is None and prediction["step_time_estimate_s"] > 0
 
 
 def test_attention_efficiency_is_what_a_doubled_context_cost(monkeypatch):

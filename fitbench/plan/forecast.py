@@ -146,10 +146,10 @@ LOSS_CHUNK_OPS = 7
 # The host and the device overlap imperfectly: within a step the pace-setter alternates (the forward's
 # small operators wait on the host, the backward's matmuls on the device) and the launch queue between
 # them evens out only part of it. A step lasts (device^p + host^p)^(1/p): the longer clock where one
-# dominates, 2^(1/p) = 1.26 times either where they are equal. p = 3: the training rows of the
-# validation matrices whose two clocks come within 10% of each other (CS336 medium, 8 x 1024, and
-# Llama-3.1-8B, 1 x 1024 checkpointed, in 2026-11-24-h200-validation/matrix1-training) took 1.23 and
-# 1.34 times the longer of their two clocks under a plain maximum.
+# dominates, 2^(1/p) = 1.26 times either where they are equal. p = 3: solved from each training row of
+# the validation matrices whose two clocks come within 10% of each other (2026-11-24-h200-validation:
+# CS336 small 8 x 1024 and fp32 checkpointed, 1B 4 x 512, Llama-3.1-8B 1 x 1024 and 7B checkpointed,
+# 7B nf4), p lies between 2.3 and 5.5, 3.3 their median.
 OVERLAP_EXPONENT = 3.0
 # The model's tensor-core matmuls against the 8192^3 product that measured the peak: 7B forward,
 # bf16-pure, 2 x 1024, H200 (2026-11-24-h200-validation/matrix1-forward/3, 59.3 ms), a step of large

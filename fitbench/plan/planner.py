@@ -618,7 +618,9 @@ def predict_spec(arch: Architecture, spec, target: GpuTarget, calibration: Calib
                   for t in chosen.memory.terms]
                  + [{"name": t.name, "bytes": t.bytes, "at_peak": True} for t in chosen.overheads],
         "step_time_estimate_s": chosen.speed.seconds if chosen.speed else None,
-        "step_time_forecast_s": _forecast(arch, planned, target, calibration, chosen) if chosen.speed else None,
+        # a CPU's run (no calibration) is not forecast: the speed model is a GPU's
+        "step_time_forecast_s": _forecast(arch, planned, target, calibration, chosen)
+        if chosen.speed and calibration is not None else None,
         "calibration": calibration.source if calibration else TENSORS_ONLY,
         **_stage_predictions(arch, spec.mode, chosen, spec.seq_len, spec.new_tokens, spec.backend),
     }
