@@ -4,12 +4,13 @@
 the ceilings a GPU measurably reaches (``Ceilings``: a large bf16 matmul and a device-to-device copy)
 and from what an eager PyTorch step does besides its matmuls. Each step is two clocks that run side
 by side: the device's, the sum of its kernels' times, and the host's, which launches them one by one.
-The step lasts the longer of the two:
+The step lasts the longer of the two where one dominates, more where they are close
+(``side_by_side``, ``OVERLAP_EXPONENT``):
 
-    step = max(device, host)        device = matmuls + attention + bytes moved / copy bandwidth
-                                             + kernels x KERNEL_S
-                                    host = launched operators x HOST_OP_S (+ the optimizer's device
-                                           time, + CHECKPOINT_HOST_S per recomputed layer)
+    step = (device^3 + host^3)^(1/3)    device = matmuls + attention + bytes moved / copy bandwidth
+                                                 + kernels x KERNEL_S
+                                        host = launched operators x HOST_OP_S (+ the optimizer's
+                                               device time, + CHECKPOINT_HOST_S per recomputed layer)
 
 Training and forward passes (``_pass_time``), per data-parallel rank, n = B x T tokens:
 
@@ -23,8 +24,9 @@ Training and forward passes (``_pass_time``), per data-parallel rank, n = B x T 
   at the matmul peak times ``ATTENTION_EFFICIENCY``;
 - bytes over the copy bandwidth: the elementwise operators of the eager layers (``layer_traffic``,
   per token: norms, rotary, attention's inputs and output, residual adds, SwiGLU; the backward of
-  each about twice its forward, as for the matmuls), the loss over the logits (``loss_traffic``),
-  and per parameter, AdamW's read-modify-write and autocast's 16-bit copies of the weights;
+  each about twice its forward, ``BACKWARD_TRAFFIC``), the loss over the logits (``loss_traffic``),
+  per parameter AdamW's read-modify-write and autocast's 16-bit copies of the weights, a quantized
+  base's weights (and their dequantized copies), float8 training's dynamic casts;
 - the host: ``layer_ops`` operators per layer (counted in fitbench's own step), the loss' chunks, the
   edges. The fused AdamW update is a handful of launches whose device time the host waits out at the
   end of the step, so it adds to the host's clock. A checkpointed layer costs ``CHECKPOINT_HOST_S``
@@ -37,7 +39,7 @@ A decode step (``_decode_time``), for the whole batch: the weights it reads, eac
 its own width and read efficiency (``DECODE_FORMATS``), the KV cache it attends over, over the copy
 bandwidth, plus its kernels: ``KERNEL_S`` each where a CUDA graph replays them (the eager step, or the
 step ``torch.compile``d, ``COMPILED_LAYER_KERNELS`` per layer), or launched one by one by the host
-without a graph, ``HOST_OP_S`` each, the step lasting the longer of its two clocks.
+without a graph, ``HOST_OP_S`` each, its two clocks side by side.
 
 Communication is the roofline's (``fitbench.plan.speed``): data-parallel collectives overlapped with
 the step's busy time, tensor parallelism's all-reduces exposed, each with ``COLLECTIVE_LATENCY_S``, the
