@@ -32,6 +32,12 @@ MODES = {"train": "train", "forward-backward": "train", "forward": "forward", "i
 # The native decoder fused its q/k/v and gate/up projections at this commit (5a8984c); rows measured
 # before ran each projection as its own matmul, which the forecast counts as such.
 FUSED_SINCE = "2026-11-24T05:50:32+00:00"
+# Eager training ran the native decoder's autograd Functions from the sweep that measured them on
+# (ebb9493, benchmarks/results/2026-11-24-h200-eager-ops), the fused cross-entropy from its commit on
+# (b78e40b); rows started before ran each operator under autograd and the loss out of place, which the
+# forecast counts with its figures of that engine.
+FUNCTIONS_SINCE = "2026-11-24T09:59:00+00:00"
+FUSED_LOSS_SINCE = "2026-11-24T10:09:12+00:00"
 
 
 def row_error(row: dict) -> tuple[float, float] | None:
@@ -48,7 +54,9 @@ def row_error(row: dict) -> tuple[float, float] | None:
     offload = row.get("offload") or {}
     # rows of generations older than the field decoded eagerly: CUDA graphs came with it
     decoding = row.get("decode") or ({"cuda_graphs": False} if spec.mode == "infer" else None)
-    run = replace(step_run(spec, decoding), fused=row.get("started_at", FUSED_SINCE) >= FUSED_SINCE)
+    started = row.get("started_at", FUSED_LOSS_SINCE)
+    run = replace(step_run(spec, decoding), fused=started >= FUSED_SINCE, functions=started >= FUNCTIONS_SINCE,
+                  fused_loss=started >= FUSED_LOSS_SINCE)
     forecast = forecast_spec(resolve(spec.model), spec, gpu, ceiling, run=run,
                              offloaded_bytes=offload.get("offloaded_bytes") or 0.0)
     return measured, forecast.seconds

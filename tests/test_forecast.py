@@ -26,6 +26,7 @@ from fitbench.plan.memory import QUANTIZED, Parallelism, Widths
 from fitbench.plan.planner import GpuTarget, predict_spec
 from fitbench.plan.speed import BusBandwidth
 from fitbench.precisions import policy
+from fitbench.run.cross_entropy import cross_entropy
 from fitbench.run.loops import make_step, random_tokens
 from fitbench.spec import RunSpec
 
@@ -45,12 +46,14 @@ NO_KERNEL = {"view", "_unsafe_view", "t", "transpose", "expand", "split", "chunk
              "squeeze", "reshape", "alias", "detach", "split_with_sizes", "as_strided", "permute", "_reshape_alias",
              "unbind", "empty", "empty_like", "lift_fresh", "new_empty", "empty_strided", "new_empty_strided"}
 MATMULS = {"mm", "addmm", "bmm", "linear", "matmul"}
+INDEXED = {"gather", "scatter", "scatter_", "scatter_add", "scatter_add_"}
 
 
 class Counted(TorchDispatchMode):
     """Every operator dispatched but ``NO_KERNEL``'s, and the bytes the elementwise ones read and write
     (inputs and outputs; an operator whose output is its input, such as a cast to the dtype it has,
-    moves nothing)."""
+    moves nothing; one writing into ``out=`` reads its other inputs and writes that; a gather or a
+    scatter moves only the elements its index names)."""
 
     def __init__(self):
         super().__init__()
@@ -58,12 +61,18 @@ class Counted(TorchDispatchMode):
         self.elementwise_bytes = 0
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-        out = func(*args, **(kwargs or {}))
+        kwargs = kwargs or {}
+        out = func(*args, **kwargs)
         name = func.__name__.split(".")[0]
         if name in NO_KERNEL:
             return out
         self.operators += 1
-        inputs = [t for t in tree_flatten((args, kwargs))[0] if isinstance(t, torch.Tensor)]
+        if name in INDEXED:
+            index = next(a for a in args if isinstance(a, torch.Tensor) and a.dtype == torch.long)
+            self.elementwise_bytes += index.numel() * (index.element_size() + 2 * args[0].element_size())
+            return out
+        given = {key: value for key, value in kwargs.items() if key != "out"}
+        inputs = [t for t in tree_flatten((args, given))[0] if isinstance(t, torch.Tensor)]
         outputs = [t for t in tree_flatten(out)[0] if isinstance(t, torch.Tensor)]
         storages = {t.untyped_storage().data_ptr() for t in inputs}
         aliased = not name.endswith("_") and any(t.untyped_storage().data_ptr() in storages for t in outputs)
@@ -122,11 +131,13 @@ def test_a_layers_elementwise_traffic_is_what_the_real_forward_moves(precision):
 @pytest.mark.parametrize("precision, recompute", [("bf16-pure", False), ("bf16", False), ("fp32", False),
                                                   ("bf16-pure", True)])
 def test_a_layers_backward_moves_what_backward_traffic_says(precision, recompute):
-    """A training step's elementwise bytes per layer against its forward's: 1 + BACKWARD_TRAFFIC (and one
-    more forward when the layer is recomputed), counted in the real step."""
+    """A training step's elementwise bytes per layer, through the native decoder's Functions, against
+    its forward's: 1 + FUNCTIONS_BACKWARD_TRAFFIC (and FUNCTIONS_RECOMPUTED_TRAFFIC more when the layer
+    is recomputed), counted in the real step."""
     forward, training = per_token(precision, "forward"), per_token(precision, "train", recompute)
     widths = Widths.of(precision)
-    passes = 1 + forecast.BACKWARD_TRAFFIC[(widths.residual, widths.compute)] + (1 if recompute else 0)
+    passes = 1 + forecast.FUNCTIONS_BACKWARD_TRAFFIC[(widths.residual, widths.compute)]
+    passes += forecast.FUNCTIONS_RECOMPUTED_TRAFFIC if recompute else 0
     assert training / forward == pytest.approx(passes, rel=0.05)
 
 
@@ -152,13 +163,18 @@ def test_a_native_layer_launches_layer_ops_operators(fused):
 @pytest.mark.parametrize("precision, fused", [("bf16-pure", True), ("bf16", True), ("bf16-pure", False),
                                               ("bf16", False)])
 def test_a_training_step_launches_backward_ops_per_forward_operator(precision, fused):
-    """A layer's training operators against the forecast's: its forward operators (autocast adds a cast
-    of each matmul's input) times 1 + BACKWARD_OPS; the edges and each chunk of the loss besides."""
+    """A layer's training operators through the native decoder's Functions against the forecast's: its
+    forward operators (no casts under autocast: the norm writes the matmuls' dtype) times
+    1 + FUNCTIONS_BACKWARD_OPS; the edges and each chunk of the loss besides."""
     operators, _ = per_layer(lambda layers: count_step(layers, precision, "train", fused=fused))
     forward_ops = forecast.LAYER_OPS["native" if fused else "native unfused"]
-    matmuls = 4 if fused else 7
-    forward_ops += matmuls if Widths.of(precision).autocast else 0
-    assert operators == pytest.approx(forward_ops * (1 + forecast.BACKWARD_OPS), rel=0.11)
+    assert operators == pytest.approx(forward_ops * (1 + forecast.FUNCTIONS_BACKWARD_OPS), rel=0.08)
+
+
+def test_a_recomputed_layer_launches_its_forward_again():
+    plain, recomputed = (per_layer(lambda layers: count_step(layers, "bf16-pure", "train", recompute=recompute))[0]
+                         for recompute in (False, True))
+    assert recomputed - plain == pytest.approx(forecast.LAYER_OPS["native"] * forecast.FUNCTIONS_RECOMPUTED_OPS)
 
 
 def test_the_edges_and_each_loss_chunk_launch_their_operators(monkeypatch):
@@ -171,6 +187,24 @@ def test_the_edges_and_each_loss_chunk_launch_their_operators(monkeypatch):
     chunks = 2 * 16 // 8
     assert (many.operators - few.operators) / chunks == forecast.LOSS_CHUNK_OPS
     assert few.operators - layer - chunks * forecast.LOSS_CHUNK_OPS == forecast.EDGE_OPS["training"]
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+def test_the_fused_loss_moves_what_loss_traffic_says(dtype):
+    """The fused training loss's elementwise bytes per token on logits a matmul formed (whose write
+    ``loss_traffic`` counts): 64 rows less 32, over the 32 between."""
+    vocab, hidden = 512, 64
+
+    def count(rows: int) -> int:
+        x = torch.randn(rows, hidden, dtype=dtype, requires_grad=True)
+        w = torch.randn(hidden, vocab, dtype=dtype, requires_grad=True)
+        with Counted() as counted:
+            cross_entropy(x @ w, torch.randint(0, vocab, (rows,))).backward()
+        return counted.elementwise_bytes
+
+    compute = torch.finfo(dtype).bits // 8
+    per_token = (count(64) - count(32)) / 32 + compute * vocab
+    assert per_token == pytest.approx(forecast.loss_traffic(vocab, compute, True), rel=0.06)
 
 
 @pytest.mark.parametrize("model", ["gpt2", "falcon-40b", "7B"])
@@ -280,12 +314,13 @@ def test_a_training_step_by_hand():
     matmuls = 2 * n * arch.matmul_params * 3 / (500e12 * forecast.MATMUL_EFFICIENCY)
     attention = 2 * L * arch.num_heads * arch.head_dim * T * n * 3.5 / (500e12 * forecast.ATTENTION_EFFICIENCY)
     # per token and layer, bf16: two norms (42 h each), rotary 20 (h + k), attention's tensors 4 (h + k),
-    # two residual adds 6 h each, SwiGLU 10 f; backward twice the forward
+    # two residual adds 6 h each, SwiGLU 10 f; the Functions' training step about twice the forward; the
+    # fused loss (6 x 2 + 20) V
     layer = 2 * 42 * h + 20 * (h + k) + 4 * (h + k) + 2 * 6 * h + 10 * f
     assert layer_traffic(arch, Widths.of("bf16-pure")) == layer
-    memory = (n * L * layer * 3 + n * (32 + 3 * 2) * V) / 2e12
+    memory = (n * L * layer * (1 + forecast.FUNCTIONS_BACKWARD_TRAFFIC[(2, 2)]) + n * (6 * 2 + 20) * V) / 2e12
     optimizer = 7 * 2 * arch.total_params / 2e12
-    launches = L * 43 * (1 + forecast.BACKWARD_OPS) + forecast.EDGE_OPS["training"] + forecast.LOSS_CHUNK_OPS
+    launches = L * 43 * (1 + forecast.FUNCTIONS_BACKWARD_OPS) + forecast.EDGE_OPS["training"] + forecast.LOSS_CHUNK_OPS
     device = matmuls + attention + memory + optimizer + launches * forecast.KERNEL_S
     host = launches * forecast.HOST_OP_S["training"] + optimizer
     assert got.launches == pytest.approx(launches)
@@ -301,9 +336,10 @@ def test_checkpointing_recomputes_the_forward_on_both_clocks():
     forward_flops = 2 * 4 * 512 * arch.matmul_params
     assert recompute.terms["matmuls"] - plain.terms["matmuls"] == pytest.approx(
         forward_flops / (500e12 * forecast.MATMUL_EFFICIENCY))
-    assert recompute.launches - plain.launches == pytest.approx(43 * arch.num_layers)
+    recomputed_ops = 43 * forecast.FUNCTIONS_RECOMPUTED_OPS * arch.num_layers
+    assert recompute.launches - plain.launches == pytest.approx(recomputed_ops)
     assert recompute.host_s - plain.host_s == pytest.approx(
-        43 * arch.num_layers * forecast.HOST_OP_S["training"] + arch.num_layers * forecast.CHECKPOINT_HOST_S)
+        recomputed_ops * forecast.HOST_OP_S["training"] + arch.num_layers * forecast.CHECKPOINT_HOST_S)
 
 
 def test_a_compiled_training_step_keeps_a_share_of_the_traffic_and_launches_fused_kernels():
@@ -311,10 +347,14 @@ def test_a_compiled_training_step_keeps_a_share_of_the_traffic_and_launches_fuse
     eager, compiled = (forecast_step_time(arch, "train", "bf16-pure", 8, 2048, new_tokens=1,
                                           parallelism=Parallelism(), gpu_name=H200, ceiling=ROUND,
                                           run=StepRun(compiled=compiled)) for compiled in (False, True))
-    layers = 8 * 2048 * arch.num_layers * layer_traffic(arch, Widths.of("bf16-pure")) * 3 / 2e12
-    assert eager.terms["memory"] - compiled.terms["memory"] == pytest.approx(layers * (1 - forecast.COMPILED_TRAFFIC))
+    # eagerly through the native decoder's Functions; compiled, inductor fuses the plain operators
+    forward = 8 * 2048 * arch.num_layers * layer_traffic(arch, Widths.of("bf16-pure")) / 2e12
+    eager_bytes = forward * (1 + forecast.FUNCTIONS_BACKWARD_TRAFFIC[(2, 2)])
+    compiled_bytes = forward * (1 + forecast.BACKWARD_TRAFFIC[(2, 2)]) * forecast.COMPILED_TRAFFIC
+    assert eager.terms["memory"] - compiled.terms["memory"] == pytest.approx(eager_bytes - compiled_bytes)
     assert eager.launches - compiled.launches == pytest.approx(
-        (43 - forecast.COMPILED_LAYER_KERNELS) * (1 + forecast.BACKWARD_OPS) * arch.num_layers)
+        (43 * (1 + forecast.FUNCTIONS_BACKWARD_OPS) - forecast.COMPILED_LAYER_KERNELS * (1 + forecast.BACKWARD_OPS))
+        * arch.num_layers)
 
 
 def test_fp32_matmuls_run_at_the_cuda_cores_ceiling():
@@ -518,7 +558,8 @@ def test_the_overlap_exponent_is_what_the_rows_with_close_clocks_measured(monkey
                 continue
             spec = RunSpec.model_validate(row["spec"])
             clocks = forecast_spec(resolve(spec.model), spec, H200, ceilings(H200),
-                                   run=StepRun(spec.backend, spec.compile, fused=False))
+                                   run=StepRun(spec.backend, spec.compile, fused=False, functions=False,
+                                               fused_loss=False))
             if abs(clocks.host_s / clocks.device_s - 1) < 0.1:
                 solved.append(solve(constant("OVERLAP_EXPONENT"), row, 1.01, 20.0))
                 forecast.OVERLAP_EXPONENT = 3.0

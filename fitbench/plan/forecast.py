@@ -24,7 +24,10 @@ Training and forward passes (``_pass_time``), per data-parallel rank, n = B x T 
   at the matmul peak times ``ATTENTION_EFFICIENCY``;
 - bytes over the copy bandwidth: the elementwise operators of the eager layers (``layer_traffic``,
   per token: norms, rotary, attention's inputs and output, residual adds, SwiGLU; the backward of
-  each about twice its forward, ``BACKWARD_TRAFFIC``), the loss over the logits (``loss_traffic``),
+  each about twice its forward where autograd records each operator, ``BACKWARD_TRAFFIC``, a training
+  step about 2.4 forward passes through the native decoder's Functions,
+  ``FUNCTIONS_BACKWARD_TRAFFIC``), the loss over the logits (``loss_traffic``, the fused loss's or the
+  out-of-place one's),
   per parameter AdamW's read-modify-write and autocast's 16-bit copies of the weights, a quantized
   base's weights (and their dequantized copies), float8 training's dynamic casts;
 - the host: ``layer_ops`` operators per layer (counted in fitbench's own step), the loss' chunks, the
@@ -121,23 +124,44 @@ def ceilings(gpu_name: str, measured: hardware.Ceilings | None = None) -> Ceilin
 # The backward of an elementwise operator reads what its forward read and the output's gradient and
 # writes the inputs' gradients: about twice the forward's traffic, as the backward's matmuls are twice
 # the forward's FLOPs; more where the residual stream is fp32, whose gradients are. Bytes of a layer's
-# backward per byte of its forward (``layer_traffic``), by (residual, compute) widths, counted in the
-# native decoder's training step (tests/test_forecast.py): bf16 503 h per token against 168 h forward,
-# bf16 autocast 531 against 156, fp32 743 against 229.
+# backward per byte of its forward (``layer_traffic``), by (residual, compute) widths, where autograd
+# records each operator (transformers' layers, tensor-parallel and compiled native builds, native steps
+# measured before them), counted in the native decoder's training step as it was
+# (tests/test_forecast.py then): bf16 503 h per token against 168 h forward, bf16 autocast 531 against
+# 156, fp32 743 against 229.
 BACKWARD_TRAFFIC = {(2, 2): 2.0, (4, 2): 2.4, (4, 4): 2.24}
+# The native decoder's eager training through its own autograd Functions (``fitbench.models.layer_ops``:
+# RMSNorm in one fused kernel saving x and 1/rms, rotary and SwiGLU saving only what their backward
+# reads, gradients written into their place with ``out=``): a training step's forward and backward
+# together move about 2.4 forward passes' bytes. Bytes of the step beyond one forward pass's
+# (``layer_traffic``), per byte of that forward, and of a recomputed forward (the Functions' forward,
+# lighter than the plain operators), counted in the real step (tests/test_forecast.py): bf16 2.37
+# forward passes' worth, bf16 autocast 2.53, fp32 2.40, bf16 checkpointed 3.22.
+FUNCTIONS_BACKWARD_TRAFFIC = {(2, 2): 1.37, (4, 2): 1.53, (4, 4): 1.40}
+FUNCTIONS_RECOMPUTED_TRAFFIC = 0.85
 
 # Operators launched per layer in a forward pass: fitbench's native decoder, its q/k/v and gate/up fused
 # (43), or unfused as quantized, tensor-parallel and pipelined builds keep them (46); transformers'
-# layers (GPT-2 24, Falcon 37, Llama 43). Autocast adds a cast of each matmul's input. A training step
-# launches BACKWARD_OPS operators per forward operator more (native, bf16-pure: 103 per layer against
-# 41 forward with grad mode's own; bf16 autocast 105 against 47). Outside the layers: embedding, final
-# norm, output projection and the logits' reduction; in training also the optimizer's and the
-# gradients' bookkeeping (EDGE_OPS); and each chunk of the loss (``fitbench.loss``): upcast,
-# cross-entropy, sum and their backward (LOSS_CHUNK_OPS). All counted by tests/test_forecast.py.
+# layers (GPT-2 24, Falcon 37, Llama 43). Where autograd records each operator, autocast adds a cast of
+# each matmul's input and a training step launches BACKWARD_OPS operators per forward operator more (the
+# native decoder before its Functions, bf16-pure: 103 per layer against 41 forward with grad mode's own;
+# bf16 autocast 105 against 47). Through the Functions the norm writes the matmuls' dtype (no casts) and
+# a layer's training launches FUNCTIONS_BACKWARD_OPS per forward operator more (bf16-pure 84 against 43,
+# bf16 autocast 82, unfused 96 and 100 against 46), its recomputation FUNCTIONS_RECOMPUTED_OPS (29
+# against 43). Outside the layers: embedding, final norm, output projection and the logits' reduction;
+# in training also the optimizer's and the gradients' bookkeeping (EDGE_OPS); and each chunk of the loss
+# (``fitbench.loss``): the fused loss's maximum, shifted exponential, sum, gradient written over the
+# logits and its scaling in backward (LOSS_CHUNK_OPS); the out-of-place loss of DTensor logits and of
+# steps measured before the fused loss: upcast, cross-entropy, sum and their backward
+# (CHUNKED_LOSS_CHUNK_OPS, with CHUNKED_LOSS_EDGE_OPS at the edges). All counted by tests/test_forecast.py.
 LAYER_OPS = {"native": 43, "native unfused": 46, "llama": 43, "falcon": 37, "gpt2": 24}
 BACKWARD_OPS = 1.45
-EDGE_OPS = {"forward": 12, "training": 43}
-LOSS_CHUNK_OPS = 7
+FUNCTIONS_BACKWARD_OPS = 1.03
+FUNCTIONS_RECOMPUTED_OPS = 29 / 43
+EDGE_OPS = {"forward": 12, "training": 42}
+LOSS_CHUNK_OPS = 17
+CHUNKED_LOSS_CHUNK_OPS = 7
+CHUNKED_LOSS_EDGE_OPS = 43
 
 # ---- constants, each from a measured row ------------------------------------------------------
 #
@@ -262,12 +286,16 @@ class StepRun:
     """How the step runs, as far as its speed goes: the ``backend`` (native or hf); ``compiled``, the
     model ``torch.compile``d (``--compile``); for generation ``decode``: "graph" (the eager step
     replayed from a CUDA graph), "compiled" (the compiled step in a graph) or "eager" (no graph); and
-    ``fused``, False for steps measured before the native decoder fused its projections."""
+    ``fused``, False for steps measured before the native decoder fused its projections;
+    ``functions``, False for training steps measured before its autograd Functions, and ``fused_loss``
+    before the fused cross-entropy (``benchmarks/speed_error.py`` tells them by their start)."""
 
     backend: str = "native"
     compiled: bool = False
     decode: str = "graph"
     fused: bool = True  # the native decoder's fused projections, where its build has them (``fused_build``)
+    functions: bool = True
+    fused_loss: bool = True
 
 
 @dataclass(frozen=True)
@@ -311,12 +339,18 @@ def layer_traffic(arch: Architecture, widths: Widths) -> float:
     return 2 * norm + 10 * c * (h + k) + attention + 2 * (2 * r + c) * h + 5 * c * f
 
 
-def loss_traffic(vocab: int, compute: int, training: bool) -> float:
+def loss_traffic(vocab: int, compute: int, training: bool, fused: bool = True) -> float:
     """Bytes per token the output's logits cost beyond its matmul: a forward pass writes them and sums
-    them (2 c V); a training step writes them, upcasts each chunk (c + 4), takes its log-softmax (8)
-    and the target's entry, and backward forms the log-softmax's gradient (4 + 12) and casts it back
-    for the matmul (4 + c): (32 + 3 c) V."""
-    return (32 + 3 * compute) * vocab if training else 2 * compute * vocab
+    them (2 c V). A training step writes them (c); the fused loss (``fitbench.run.cross_entropy``,
+    ``fused``) reads each chunk for its maximum (c), reads it again for the shifted fp32 copy (c + 4),
+    takes its exponential in place (8), sums it (4) and writes the gradient over the logits (4 + c),
+    which backward scales in place (2 c): (6 c + 20) V. The out-of-place loss (DTensor logits, steps
+    measured before the fused loss) upcasts each chunk (c + 4), takes its log-softmax (8) and the
+    target's entry, and backward forms the log-softmax's gradient (4 + 12) and casts it back for the
+    matmul (4 + c): (32 + 3 c) V."""
+    if not training:
+        return 2 * compute * vocab
+    return (6 * compute + 20) * vocab if fused else (32 + 3 * compute) * vocab
 
 
 def layer_ops(arch: Architecture, backend: str, fused: bool = True) -> int:
@@ -423,12 +457,20 @@ def _pass_time(arch: Architecture, mode: str, precision: str, batch: int, seq_le
     attention_flops = 2 * L * arch.num_heads * arch.head_dim * seq_len * n * attention_passes
     attention_s = attention_flops * share / (ceiling.peak(gpu_name, "bf16") * ATTENTION_EFFICIENCY * tp)
 
-    backward = BACKWARD_TRAFFIC.get((widths.residual, widths.compute), 2.0)
-    traffic_passes = (1 + backward + (1 if recompute else 0)) if training else 1
+    # autograd records the native decoder's Functions where eager training on one rank's whole tensors
+    # runs them (``layer_ops.eager_training``), each operator elsewhere; the fused loss takes plain logits
+    functions = training and run.functions and run.backend == "native" and tp == 1 and not run.compiled
+    fused_loss = training and run.fused_loss and tp == 1
+    widths_key = (widths.residual, widths.compute)
+    if functions:
+        backward, recomputed = FUNCTIONS_BACKWARD_TRAFFIC.get(widths_key, 1.0), FUNCTIONS_RECOMPUTED_TRAFFIC
+    else:
+        backward, recomputed = BACKWARD_TRAFFIC.get(widths_key, 2.0), 1.0
+    traffic_passes = (1 + backward + (recomputed if recompute else 0)) if training else 1
     layers = n * L * layer_traffic(arch, widths) * traffic_passes / tp
     if run.compiled:
         layers *= COMPILED_TRAFFIC
-    loss = n * loss_traffic(V, widths.compute, training) / tp
+    loss = n * loss_traffic(V, widths.compute, training, fused_loss) / tp
     trainable = 4 * adapter_params(arch) if adapters else widths.weights * arch.total_params
     optimizer = 7 * trainable / (parallelism.shards * tp) if mode == "train" else 0.0
     weights = 0.0
@@ -448,7 +490,7 @@ def _pass_time(arch: Architecture, mode: str, precision: str, batch: int, seq_le
     fused = run.backend == "native" and fused_build(precision, parallelism, run)
     matmuls = 4 if fused and arch.family == "llama" else len(arch.layer_matrices)
     forward_ops = layer_ops(arch, run.backend, fused)
-    if widths.autocast:  # each matmul's input cast to 16 bits
+    if widths.autocast and not functions:  # each matmul's input cast to 16 bits
         forward_ops += matmuls
     if run.compiled:
         forward_ops = COMPILED_LAYER_KERNELS
@@ -456,9 +498,13 @@ def _pass_time(arch: Architecture, mode: str, precision: str, batch: int, seq_le
         forward_ops += matmuls * (ADAPTER_OPS + decode_format(precision, "eager", n).extra_kernels)
     if float8 and not run.compiled:
         forward_ops += matmuls * FP8_TRAINING_OPS
-    per_layer = forward_ops * ((1 + BACKWARD_OPS + (1 if recompute else 0)) if training else 1)
+    if functions:
+        per_layer = forward_ops * (1 + FUNCTIONS_BACKWARD_OPS + (FUNCTIONS_RECOMPUTED_OPS if recompute else 0))
+    else:
+        per_layer = forward_ops * ((1 + BACKWARD_OPS + (1 if recompute else 0)) if training else 1)
     chunks = math.ceil(n / loss_chunk_rows(V)) if training else 0
-    ops = share * L * per_layer + EDGE_OPS["training" if training else "forward"] + chunks * LOSS_CHUNK_OPS
+    edges = EDGE_OPS["forward"] if not training else EDGE_OPS["training"] if fused_loss else CHUNKED_LOSS_EDGE_OPS
+    ops = share * L * per_layer + edges + chunks * (LOSS_CHUNK_OPS if fused_loss else CHUNKED_LOSS_CHUNK_OPS)
     kernels_s = ops * KERNEL_S
     device_s = matmul_s + attention_s + memory_s + optimizer_s + kernels_s
     host_s = ops * _host_op_s(run.backend, tp, "training" if training else "inference") + optimizer_s
