@@ -34,7 +34,7 @@ TINY = ["--models", "tiny", "--device", "cpu", "--seq-len", "16", "--new-tokens"
 SEEDS_YAML = {"models": {"sizes": ["tiny"], "quantization": {"enabled": True, "fallback_strategy": True,
                                                              "priority_order": ["none", "fp16", "8bit", "4bit"]}},
               "mode": "infer"}
-AUTO_BATCH = 17  # the batch the injected memory limit leaves room for in the --batch-size auto sweep
+AUTO_BATCH = 19  # the batch the injected memory limit leaves room for in the --batch-size auto sweep
 # (below 15 sequences of 16 tokens the peak is the end of the backward pass, the same for every batch)
 RESIDENT = 2  # the decoder layers (of tiny's 4) the injected memory limit leaves room for in the --offload sweep
 

@@ -669,7 +669,7 @@ def spec_7b(precision="bf16", batch=1, seq_len=512, mode="train"):
 
 TARGET_80 = GpuTarget(H100, 1, 80e9, described=False)
 PREDICTION_KEYS = {"predicted_peak_bytes", "tensor_peak_bytes", "peak_moment", "terms", "fits", "chosen_by_planner",
-                   "rejected", "gpu_memory_bytes", "step_time_estimate_s", "calibration"}
+                   "rejected", "gpu_memory_bytes", "step_time_estimate_s", "step_time_forecast_s", "calibration"}
 
 
 def test_predict_spec_chooses_bf16_pure_for_7b_training_on_80gb():

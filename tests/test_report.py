@@ -61,6 +61,9 @@ def figures(row: dict) -> dict[str, list[str]]:
         found["roofline"] = [format_seconds(prediction["step_time_estimate_s"])]
     if prediction.get("predicted_peak_bytes"):
         found["predicted (error)"] = [format_bytes(prediction["predicted_peak_bytes"])]
+    if prediction.get("step_time_forecast_s") and stats:
+        error = (prediction["step_time_forecast_s"] - stats["median"]) / stats["median"]
+        found["forecast"] = [format_seconds(prediction["step_time_forecast_s"]), f"({100 * error:+.1f}%)"]
     if infer:
         if throughput.get("decode_roofline_percent") is not None:
             found["% of BW roofline"] = [f"{throughput['decode_roofline_percent']:.0f}%"]
@@ -243,9 +246,26 @@ def test_memory_of_several_gpus_is_one_figure_per_gpu():
     gpus = [{**gpu, "index": index, "nvml_peak_used": gpu["nvml_peak_used"] + index * 1.3e9} for index in range(4)]
     row = {**base, "memory": {**base["memory"], "gpus": gpus}}
     for width in WIDTHS:
-        text = check_table([row, base], width)
-        if width == 160:
-            assert ", ".join(format_bytes(g["nvml_peak_used"]) for g in gpus) in text
+        check_table([row, base], width)
+    # where the table has room for every column inline, the figures share one line
+    assert ", ".join(format_bytes(g["nvml_peak_used"]) for g in gpus) in check_table([row, base], 200)
+
+
+def test_the_forecast_and_its_signed_error_stand_beside_the_memory_prediction():
+    rows = [row for row in committed_rows() if row["status"] == "ok" and row.get("prediction")][:12]
+    assert {row["spec"]["mode"] for row in rows} >= {"train", "infer"}
+    forecast = []
+    for index, row in enumerate(rows):
+        timing = row["timing"]["token_latency" if row["spec"]["mode"] == "infer" else "step"]
+        forecast.append({**row, "prediction": {**row["prediction"],
+                                               "step_time_forecast_s": timing["median"] * (0.8 + 0.05 * index)}})
+    for width in WIDTHS:
+        check_table(forecast, width)
+    wide = render(forecast, 160)
+    for mode in ("train", "infer"):
+        header = next(line for line in sections(wide)[mode][0].splitlines() if "predicted" in line)
+        assert header.index("predicted (error)") < header.index("forecast") < header.index("status")
+    assert "(-20.0%)" in wide and "(+15.0%)" in wide
 
 
 def test_the_live_display_shows_the_time_left_on_the_sweep_only():

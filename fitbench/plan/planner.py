@@ -25,6 +25,7 @@ from fitbench import hardware
 from fitbench.models.architecture import Architecture, default_backend
 from fitbench.plan import compiled as inductor
 from fitbench.plan.calibration import DEFAULT, PAGE, TENSORS_ONLY, Calibration
+from fitbench.plan.forecast import ceilings, forecast_spec, step_run
 from fitbench.plan.memory import (QUANTIZED, TRAINING_MODES, MemoryEstimate, Parallelism, Term, Widths, estimate_memory,
                                   offloaded_weights, rank_edge_params, saved_per_layer, stage_estimates)
 from fitbench.plan.speed import StepTime, bus_bandwidth, estimate_step_time
@@ -617,9 +618,23 @@ def predict_spec(arch: Architecture, spec, target: GpuTarget, calibration: Calib
                   for t in chosen.memory.terms]
                  + [{"name": t.name, "bytes": t.bytes, "at_peak": True} for t in chosen.overheads],
         "step_time_estimate_s": chosen.speed.seconds if chosen.speed else None,
+        # a CPU's run (no calibration) is not forecast: the speed model is a GPU's
+        "step_time_forecast_s": _forecast(arch, planned, target, calibration, chosen)
+        if chosen.speed and calibration is not None else None,
         "calibration": calibration.source if calibration else TENSORS_ONLY,
         **_stage_predictions(arch, spec.mode, chosen, spec.seq_len, spec.new_tokens, spec.backend),
     }
+
+
+def _forecast(arch: Architecture, spec, target: GpuTarget, calibration: Calibration | None,
+              chosen: Assessment) -> float:
+    """The forecast step time of the configuration that runs (``fitbench.plan.forecast``), at the
+    ceilings ``fitbench env --measure`` cached for the GPU where there are some."""
+    name = target.speed_name
+    resident = chosen.candidate.resident_layers
+    offloaded = offloaded_weights(arch, spec.precision, resident) if resident is not None else 0.0
+    return forecast_spec(arch, spec, name, ceilings(name, hardware.load_ceilings(name)), run=step_run(spec),
+                         offloaded_bytes=offloaded, links=bus_bandwidth(name, calibration)).seconds
 
 
 def _stage_predictions(arch: Architecture, mode: str, chosen: Assessment, seq_len: int, new_tokens: int,

@@ -57,7 +57,7 @@ datasheet's NVLink bandwidth in one direction.
   step), counted the same way; the optimizer's step on the CPU is not counted.
 
 It is an optimistic bound, never a forecast of the achieved time: fitbench prints it beside the
-measured time so its error is visible.
+measured time so its error is visible; ``fitbench.plan.forecast`` forecasts the achieved time.
 """
 
 from __future__ import annotations

@@ -5,7 +5,8 @@ training-style modes show the median step time and tokens/s of the step; ``infer
 median per-token decode latency and decode tokens/s, with the prefill MFU. Beside the measured
 time is the planner's roofline time (``fitbench.plan.speed``), a lower bound whose gap shows. Memory is the peak per
 GPU that the process held (NVML: allocator reserved plus CUDA context), or the host's peak RSS on a
-CPU, beside the planner's prediction and its error.
+CPU, beside the planner's prediction and its error; the step's forecast (``fitbench.plan.forecast``) is
+beside it with its error the same way, (forecast - measured) / measured.
 """
 
 from __future__ import annotations
@@ -37,6 +38,8 @@ def headline(row: dict[str, Any]) -> dict[str, Any]:
     measured_peak = measured_gpu_peak(row)
     predicted = (row.get("prediction") or {}).get("predicted_peak_bytes")
     error = 100 * (predicted - measured_peak) / measured_peak if predicted and measured_peak else None
+    forecast = (row.get("prediction") or {}).get("step_time_forecast_s")
+    measured_time = time_stats.get("median")
     mfu = throughput.get("prefill_mfu" if infer else "mfu")
     if mfu is None:
         mfu = throughput.get("prefill_mfu_measured_peak" if infer else "mfu_measured_peak")
@@ -51,6 +54,8 @@ def headline(row: dict[str, Any]) -> dict[str, Any]:
         "measured_peak": measured_peak,
         "predicted_peak": predicted,
         "prediction_error": error,
+        "forecast_time": forecast,
+        "forecast_error": 100 * (forecast - measured_time) / measured_time if forecast and measured_time else None,
     }
 
 
@@ -162,6 +167,13 @@ def _prediction_cell(row: dict[str, Any], head: dict[str, Any]) -> tuple[str, ..
     return (format_bytes(head["predicted_peak"]),) + error
 
 
+def _forecast_cell(row: dict[str, Any], head: dict[str, Any]) -> tuple[str, ...]:
+    if head["forecast_time"] is None:
+        return ("-",)
+    error = (f"({head['forecast_error']:+.1f}%)",) if head["forecast_error"] is not None else ()
+    return (format_seconds(head["forecast_time"]),) + error
+
+
 def _shape(spec: dict[str, Any]) -> str:
     shape = f"{spec['batch_size']}×{spec['seq_len']}" + (_new_tokens(spec) if spec["mode"] == "infer" else "")
     return shape + (" rc" if spec.get("activation_checkpointing") else "") + (" off" if spec.get("offload") else "")
@@ -201,6 +213,7 @@ _COMMON = {
     "tokens/s": _Column(("tokens/s",), lambda row, head: (_rate(head["tokens_per_s"]),), 2),
     "memory": _Column(("peak", "memory"), lambda row, head: _memory_parts(row) or ("-",), 3, separator=", "),
     "predicted": _Column(("predicted", "(error)"), _prediction_cell, 6),
+    "forecast": _Column(("forecast",), _forecast_cell, 7),
     "roofline": _Column(("roofline",), lambda row, head: (format_seconds(head["roofline_time"]),), 9),
     "status": _Column(("status",), lambda row, head: (row["status"],), 0, "left", words=True),
 }
@@ -210,14 +223,14 @@ _TRAINING_COLUMNS = (
     _COMMON["model"], _COMMON["params"], _COMMON["precision"], _COMMON["shape"],
     _Column(("median", "± CV"), _time_cell, 1), _COMMON["roofline"], _COMMON["tokens/s"],
     _Column(("MFU",), lambda row, head: _share(head["mfu"]), 5), _COMMON["memory"], _COMMON["predicted"],
-    _COMMON["status"],
+    _COMMON["forecast"], _COMMON["status"],
 )
 _INFER_COLUMNS = (
     _COMMON["model"], _COMMON["params"], _COMMON["precision"], _COMMON["shape"],
     _Column(("per token", "± CV"), _time_cell, 1), _COMMON["roofline"], _COMMON["tokens/s"],
     _Column(("% of BW", "roofline"), lambda row, head: _share(head["roofline"], 1.0, 0), 5),
     _Column(("prefill", "MFU"), lambda row, head: _share(head["mfu"]), 7), _COMMON["memory"],
-    _COMMON["predicted"], _COMMON["status"],
+    _COMMON["predicted"], _COMMON["forecast"], _COMMON["status"],
 )
 
 
@@ -372,7 +385,7 @@ def markdown_report(rows: list[dict[str, Any]]) -> str:
     columns = ("model", "params", "mode", "precision", "batch×seq", "median ± CV", "roofline", "tokens/s",
                "MFU (datasheet)",
                "MFU (measured peak)", "decode % of BW roofline", "weights vs bf16", "quality vs bf16",
-               "measured peak (NVML)", "predicted peak", "error", "status")
+               "measured peak (NVML)", "predicted peak", "error", "forecast", "forecast error", "status")
     lines.append("| " + " | ".join(columns) + " |")
     lines.append("|" + "---|" * len(columns))
     for row in rows:
@@ -396,6 +409,8 @@ def markdown_report(rows: list[dict[str, Any]]) -> str:
             quality_summary(row.get("quality")),
             format_bytes(head["measured_peak"]), format_bytes(head["predicted_peak"]),
             f"{head['prediction_error']:+.1f}%" if head["prediction_error"] is not None else "-",
+            format_seconds(head["forecast_time"]),
+            f"{head['forecast_error']:+.1f}%" if head["forecast_error"] is not None else "-",
             row["status"],
         )
         lines.append("| " + " | ".join(cells) + " |")

@@ -41,7 +41,7 @@ READ: dict[str, Kind] = {
     "spec": {"new_tokens": int, "activation_checkpointing": bool, "offload": bool},
     "timing": {"step": _STATISTICS, "token_latency": _STATISTICS},
     "throughput": {name: float for name in _THROUGHPUT},
-    "prediction": {"predicted_peak_bytes": float, "step_time_estimate_s": float,
+    "prediction": {"predicted_peak_bytes": float, "step_time_estimate_s": float, "step_time_forecast_s": float,
                    "terms": [{"name": str, "bytes": float}]},
     "memory": {"gpus": [{"nvml_peak_used": float, "peak_reserved": float}], "host_peak_rss": float},
     "weights": {"relative_to_bf16": float},

@@ -1,0 +1,109 @@
+"""The speed model's forecast against the measured step, for rows already measured: each row's
+configuration forecast again with today's model (``fitbench.plan.forecast``), as the run decoded (the
+row's ``decode`` field) and on the row's GPU, beside its median step (training, forward) or decode-step
+latency (infer). Nothing runs on a GPU: this tells how a change to the model moves its error on
+measurements it did not take.
+
+Error = (forecast - measured) / measured, signed as the memory prediction's (``memory_error.py``):
+negative where the step took longer than forecast.
+Ceilings: the row's measured matmul peak where it recorded one (``measured_peak_flops``), else the
+model's table of measured ceilings (``MEASURED_CEILINGS``).
+
+Usage: python benchmarks/speed_error.py RESULT_DIRS... [--markdown FILE]
+
+Each directory is one sweep's or holds several; every ``results.jsonl`` under it is read. Per directory
+and over all of them: the median and the worst |error|, and the median per mode (train, which counts
+forward-backward, forward, infer).
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+from dataclasses import replace
+from pathlib import Path
+
+from fitbench.models.registry import resolve
+from fitbench.plan.forecast import ceilings, forecast_spec, step_run
+from fitbench.results.store import ResultStore
+from fitbench.spec import RunSpec
+
+MODES = {"train": "train", "forward-backward": "train", "forward": "forward", "infer": "infer"}
+# The native decoder fused its q/k/v and gate/up projections at this commit (5a8984c); rows measured
+# before ran each projection as its own matmul, which the forecast counts as such.
+FUSED_SINCE = "2026-11-24T05:50:32+00:00"
+# Eager training ran the native decoder's autograd Functions from the sweep that measured them on
+# (ebb9493, benchmarks/results/2026-11-24-h200-eager-ops), the fused cross-entropy from its commit on
+# (b78e40b); rows started before ran each operator under autograd and the loss out of place, which the
+# forecast counts with its figures of that engine.
+FUNCTIONS_SINCE = "2026-11-24T09:59:00+00:00"
+FUSED_LOSS_SINCE = "2026-11-24T10:09:12+00:00"
+
+
+def row_error(row: dict) -> tuple[float, float] | None:
+    """(measured, forecast) seconds of one measured row, or None where it has no measured step."""
+    timing = row.get("timing") or {}
+    spec = RunSpec.model_validate(row["spec"])
+    measured = (timing.get("token_latency" if spec.mode == "infer" else "step") or {}).get("median")
+    if row["status"] != "ok" or not measured:
+        return None
+    gpu = row["environment"]["gpus"][0]["name"]
+    ceiling = ceilings(gpu)
+    if row.get("measured_peak_flops"):
+        ceiling = replace(ceiling, matmul=row["measured_peak_flops"], source="the row's measured peak")
+    offload = row.get("offload") or {}
+    # rows of generations older than the field decoded eagerly: CUDA graphs came with it
+    decoding = row.get("decode") or ({"cuda_graphs": False} if spec.mode == "infer" else None)
+    started = row.get("started_at", FUSED_LOSS_SINCE)
+    run = replace(step_run(spec, decoding), fused=started >= FUSED_SINCE, functions=started >= FUNCTIONS_SINCE,
+                  fused_loss=started >= FUSED_LOSS_SINCE)
+    forecast = forecast_spec(resolve(spec.model), spec, gpu, ceiling, run=run,
+                             offloaded_bytes=offload.get("offloaded_bytes") or 0.0)
+    return measured, forecast.seconds
+
+
+def summary(errors: list[float]) -> str:
+    if not errors:
+        return "-"
+    absolute = [abs(e) for e in errors]
+    return f"{statistics.median(absolute):.1%} median |error|, worst {max(errors, key=abs):+.1%} ({len(errors)} rows)"
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("directories", nargs="+", type=Path)
+    parser.add_argument("--markdown", type=Path, help="also write the tables and figures to this file")
+    args = parser.parse_args()
+    lines = ["| directory | configuration | mode | measured | forecast | error |", "|---|---|---|---|---|---|"]
+    by_directory: dict[str, list[float]] = {}
+    by_mode: dict[str, list[float]] = {}
+    worst: tuple[float, str] = (0.0, "-")
+    for directory in args.directories:
+        errors = by_directory.setdefault(str(directory), [])
+        for sweep in sorted({path.parent for path in directory.rglob("results.jsonl")}, key=str):
+            for row in ResultStore(sweep).rows():
+                pair = row_error(row)
+                if pair is None:
+                    continue
+                measured, forecast = pair
+                error = (forecast - measured) / measured
+                mode = MODES[row["spec"]["mode"]]
+                errors.append(error)
+                by_mode.setdefault(mode, []).append(error)
+                where = sweep.relative_to(directory) if sweep != directory else Path(".")
+                worst = max(worst, (abs(error), f"{row['label']} in {directory / where}: {error:+.1%}"))
+                lines.append(f"| {directory / where} | {row['label']} | {mode} | {1e3 * measured:.2f} ms | "
+                             f"{1e3 * forecast:.2f} ms | {error:+.1%} |")
+    every = [e for errors in by_directory.values() for e in errors]
+    lines += ["", "| set | error |", "|---|---|"]
+    lines += [f"| {directory} | {summary(errors)} |" for directory, errors in by_directory.items()]
+    lines += [f"| mode {mode} | {summary(errors)} |" for mode, errors in sorted(by_mode.items())]
+    lines += [f"| **all** | {summary(every)} |", "", f"- worst: {worst[1]}"]
+    text = "\n".join(lines) + "\n"
+    print(text)
+    if args.markdown:
+        args.markdown.write_text(text)
+
+
+if __name__ == "__main__":
+    main()

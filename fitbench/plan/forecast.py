@@ -1,0 +1,591 @@
+"""Forecast of one step's time: what a step is expected to last, beside the roofline bound.
+
+``fitbench.plan.speed`` bounds a step from below with datasheet peaks. This module forecasts it from
+the ceilings a GPU measurably reaches (``Ceilings``: a large bf16 matmul and a device-to-device copy)
+and from what an eager PyTorch step does besides its matmuls. Each step is two clocks that run side
+by side: the device's, the sum of its kernels' times, and the host's, which launches them one by one.
+The step lasts the longer of the two where one dominates, more where they are close
+(``side_by_side``, ``OVERLAP_EXPONENT``):
+
+    step = (device^3 + host^3)^(1/3)    device = matmuls + attention + bytes moved / copy bandwidth
+                                                 + kernels x KERNEL_S
+                                        host = launched operators x HOST_OP_S (+ the optimizer's
+                                               device time, + CHECKPOINT_HOST_S per recomputed layer)
+
+Training and forward passes (``_pass_time``), per data-parallel rank, n = B x T tokens:
+
+- matmuls: the FLOPs of ``Architecture.forward_flops_per_token`` without its attention part, three
+  passes for a training step (forward, and the backward's two matmuls), one more forward under
+  activation checkpointing, the adapters' training in place of the frozen base's weight gradients;
+  at the measured matmul peak of the precision's tensor-core kind times ``MATMUL_EFFICIENCY``;
+  fp32 without TF32 runs on CUDA cores, at its own ceiling;
+- attention: causal flash attention, ``2 L H D T`` FLOPs per token forward (half of PaLM's 4 L H Q T,
+  which counts the masked half), its backward 2.5 times that (five matmuls of the forward's two);
+  at the matmul peak times ``ATTENTION_EFFICIENCY``;
+- bytes over the copy bandwidth: the elementwise operators of the eager layers (``layer_traffic``,
+  per token: norms, rotary, attention's inputs and output, residual adds, SwiGLU; the backward of
+  each about twice its forward where autograd records each operator, ``BACKWARD_TRAFFIC``, a training
+  step about 2.4 forward passes through the native decoder's Functions,
+  ``FUNCTIONS_BACKWARD_TRAFFIC``), the loss over the logits (``loss_traffic``, the fused loss's or the
+  out-of-place one's),
+  per parameter AdamW's read-modify-write and autocast's 16-bit copies of the weights, a quantized
+  base's weights (and their dequantized copies), float8 training's dynamic casts;
+- the host: ``layer_ops`` operators per layer (counted in fitbench's own step), the loss' chunks, the
+  edges. The fused AdamW update is a handful of launches whose device time the host waits out at the
+  end of the step, so it adds to the host's clock. A checkpointed layer costs ``CHECKPOINT_HOST_S``
+  of host time beyond its operators (the recomputation's Python frames and saved-tensor hooks);
+- ``torch.compile`` (``compiled``): inductor fuses the elementwise operators into a few kernels
+  (``COMPILED_TRAFFIC`` of the eager traffic stays) and launches ``COMPILED_LAYER_KERNELS`` per layer
+  and pass.
+
+A decode step (``_decode_time``), for the whole batch: the weights it reads, each quantized format at
+its own width and read efficiency (``DECODE_FORMATS``), the KV cache it attends over, over the copy
+bandwidth, plus its kernels: ``KERNEL_S`` each where a CUDA graph replays them (the eager step, or the
+step ``torch.compile``d, ``COMPILED_LAYER_KERNELS`` per layer), or launched one by one by the host
+without a graph, ``HOST_OP_S`` each, its two clocks side by side.
+
+Communication is the roofline's (``fitbench.plan.speed``): data-parallel collectives overlapped with
+the step's busy time, tensor parallelism's all-reduces exposed, each with ``COLLECTIVE_LATENCY_S``, the
+pipeline's bubble; the host link for offloaded layers.
+
+Every constant below names the measured row it comes from; ``benchmarks/speed_error.py`` recomputes
+the forecast of every committed row and its error against the measured step.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+from fitbench import hardware
+from fitbench.loss import loss_chunk_rows
+from fitbench.models.architecture import Architecture
+from fitbench.plan.memory import ADAPTER_BASES, QUANTIZED, Parallelism, Widths, adapter_params, kv_heads_split
+from fitbench.plan.speed import (HOST_LINK_BANDWIDTH, PCIE_BANDWIDTH, BusBandwidth, _data_parallel_step,
+                                 bubble_fraction, bus_bandwidth)
+from fitbench.precisions import graph_problem, peak_kind
+from fitbench.spec import pipeline_stages
+
+# ---- ceilings --------------------------------------------------------------------------------
+
+# What ``fitbench env --measure`` (``hardware.measure_ceilings``) found: a bf16 8192^3 matmul, FLOP/s,
+# and a 1 GiB device-to-device copy, bytes read and written per second.
+MEASURED_CEILINGS = {
+    # benchmarks/results/2026-11-22-h100-core/README.md: 785.7 TFLOP/s; "the measured copy reached 3.0 TB/s"
+    "NVIDIA H100 80GB HBM3": (785.7e12, 3.0e12, "measured on an H100 SXM (benchmarks/results/2026-11-22-h100-core)"),
+    # Copy: 4.2 TB/s, benchmarks/results/2026-11-24-h200-compiled-decode/README.md. The matmul is the
+    # H100's: the same GH100 processor at the same clocks (``hardware``: Hopper SXM compute).
+    "NVIDIA H200": (785.7e12, 4.2e12, "copy measured on an H200 (benchmarks/results/2026-11-24-h200-compiled-"
+                                      "decode), matmul the H100 SXM's (same processor and clocks)"),
+}
+# Elsewhere the datasheet, scaled as the H100 measured against its datasheet: 785.7 / 989.4 of the
+# matmul peak, 3.0 / 3.35 of the bandwidth.
+MATMUL_OF_DATASHEET = 785.7 / 989.4
+COPY_OF_DATASHEET = 3.0 / 3.35
+
+
+@dataclass(frozen=True)
+class Ceilings:
+    """What the GPU measurably reaches: ``matmul``, the bf16 tensor cores' FLOP/s on a large matmul;
+    ``bandwidth``, a device-to-device copy's bytes (read and written) per second."""
+
+    matmul: float
+    bandwidth: float
+    source: str
+
+    def peak(self, gpu_name: str, kind: str) -> float:
+        """FLOP/s of ``kind`` (a column of ``hardware``'s peak table): the measured bf16 figure scaled
+        by the datasheet's ratio of the two kinds (fp8 twice bf16, fp32 without TF32 about 1/15)."""
+        bf16 = hardware.peak_flops(gpu_name, "bf16")
+        other = hardware.peak_flops(gpu_name, kind)
+        return self.matmul * other / bf16 if bf16 and other else self.matmul
+
+
+def ceilings(gpu_name: str, measured: hardware.Ceilings | None = None) -> Ceilings:
+    """The ceilings of ``gpu_name``: ``measured`` (``hardware.load_ceilings``, what ``fitbench env
+    --measure`` cached on this machine) where given, else ``MEASURED_CEILINGS``, else the datasheet
+    scaled as on the H100."""
+    if measured is not None and "bf16" in measured.matmul_flops:
+        return Ceilings(measured.matmul_flops["bf16"], measured.bandwidth,
+                        f"measured here at {measured.measured_at} ({measured.method})")
+    if gpu_name in MEASURED_CEILINGS:
+        matmul, bandwidth, source = MEASURED_CEILINGS[gpu_name]
+        return Ceilings(matmul, bandwidth, source)
+    matmul, bandwidth = hardware.peak_flops(gpu_name, "bf16"), hardware.peak_bandwidth(gpu_name)
+    if not matmul or not bandwidth:
+        raise ValueError(f"no datasheet figures for {gpu_name!r}")
+    return Ceilings(matmul * MATMUL_OF_DATASHEET, bandwidth * COPY_OF_DATASHEET,
+                    f"{gpu_name}'s datasheet x {MATMUL_OF_DATASHEET:.3f} (matmul), x {COPY_OF_DATASHEET:.3f} (copy), "
+                    f"as an H100 SXM measures against its own")
+
+
+# ---- counted in fitbench's own step -----------------------------------------------------------
+
+# The backward of an elementwise operator reads what its forward read and the output's gradient and
+# writes the inputs' gradients: about twice the forward's traffic, as the backward's matmuls are twice
+# the forward's FLOPs; more where the residual stream is fp32, whose gradients are. Bytes of a layer's
+# backward per byte of its forward (``layer_traffic``), by (residual, compute) widths, where autograd
+# records each operator (transformers' layers, tensor-parallel and compiled native builds, native steps
+# measured before them), counted in the native decoder's training step as it was
+# (tests/test_forecast.py then): bf16 503 h per token against 168 h forward, bf16 autocast 531 against
+# 156, fp32 743 against 229.
+BACKWARD_TRAFFIC = {(2, 2): 2.0, (4, 2): 2.4, (4, 4): 2.24}
+# The native decoder's eager training through its own autograd Functions (``fitbench.models.layer_ops``:
+# RMSNorm in one fused kernel saving x and 1/rms, rotary and SwiGLU saving only what their backward
+# reads, gradients written into their place with ``out=``): a training step's forward and backward
+# together move about 2.4 forward passes' bytes. Bytes of the step beyond one forward pass's
+# (``layer_traffic``), per byte of that forward, and of a recomputed forward (the Functions' forward,
+# lighter than the plain operators), counted in the real step (tests/test_forecast.py): bf16 2.37
+# forward passes' worth, bf16 autocast 2.53, fp32 2.40, bf16 checkpointed 3.22.
+FUNCTIONS_BACKWARD_TRAFFIC = {(2, 2): 1.37, (4, 2): 1.53, (4, 4): 1.40}
+FUNCTIONS_RECOMPUTED_TRAFFIC = 0.85
+
+# Operators launched per layer in a forward pass: fitbench's native decoder, its q/k/v and gate/up fused
+# (43), or unfused as quantized, tensor-parallel and pipelined builds keep them (46); transformers'
+# layers (GPT-2 24, Falcon 37, Llama 43). Where autograd records each operator, autocast adds a cast of
+# each matmul's input and a training step launches BACKWARD_OPS operators per forward operator more (the
+# native decoder before its Functions, bf16-pure: 103 per layer against 41 forward with grad mode's own;
+# bf16 autocast 105 against 47). Through the Functions the norm writes the matmuls' dtype (no casts) and
+# a layer's training launches FUNCTIONS_BACKWARD_OPS per forward operator more (bf16-pure 84 against 43,
+# bf16 autocast 82, unfused 96 and 100 against 46), its recomputation FUNCTIONS_RECOMPUTED_OPS (29
+# against 43). Outside the layers: embedding, final norm, output projection and the logits' reduction;
+# in training also the optimizer's and the gradients' bookkeeping (EDGE_OPS); and each chunk of the loss
+# (``fitbench.loss``): the fused loss's maximum, shifted exponential, sum, gradient written over the
+# logits and its scaling in backward (LOSS_CHUNK_OPS); the out-of-place loss of DTensor logits and of
+# steps measured before the fused loss: upcast, cross-entropy, sum and their backward
+# (CHUNKED_LOSS_CHUNK_OPS, with CHUNKED_LOSS_EDGE_OPS at the edges). All counted by tests/test_forecast.py.
+LAYER_OPS = {"native": 43, "native unfused": 46, "llama": 43, "falcon": 37, "gpt2": 24}
+BACKWARD_OPS = 1.45
+FUNCTIONS_BACKWARD_OPS = 1.03
+FUNCTIONS_RECOMPUTED_OPS = 29 / 43
+EDGE_OPS = {"forward": 12, "training": 42}
+LOSS_CHUNK_OPS = 17
+CHUNKED_LOSS_CHUNK_OPS = 7
+CHUNKED_LOSS_EDGE_OPS = 43
+
+# ---- constants, each from a measured row ------------------------------------------------------
+#
+# Each is the value at which its source row's forecast equals the row's measured step (the others held
+# at their values; tests/test_forecast.py solves each again from its row). Rows are under
+# benchmarks/results/; "the 7B", "13B", ... are fitbench's presets.
+
+# The host and the device overlap imperfectly: within a step the pace-setter alternates (the forward's
+# small operators wait on the host, the backward's matmuls on the device) and the launch queue between
+# them evens out only part of it. A step lasts (device^p + host^p)^(1/p): the longer clock where one
+# dominates, 2^(1/p) = 1.26 times either where they are equal. p = 3: solved from each training row of
+# the validation matrices whose two clocks come within 10% of each other (2026-11-24-h200-validation:
+# CS336 small 8 x 1024 and fp32 checkpointed, 1B 4 x 512, Llama-3.1-8B 1 x 1024 and 7B checkpointed,
+# 7B nf4), p lies between 2.3 and 5.5, 3.3 their median.
+OVERLAP_EXPONENT = 3.0
+# The model's tensor-core matmuls against the 8192^3 product that measured the peak: 7B forward,
+# bf16-pure, 2 x 1024, H200 (2026-11-24-h200-validation/matrix1-forward/3, 59.3 ms), a step of large
+# matmuls (2048 x 4096 x 11008 and alike) with little else.
+MATMUL_EFFICIENCY = 0.81
+# Causal flash attention against the matmul peak: Llama-3.1-8B training, bf16-pure, checkpointed, H200
+# (2026-11-23-h200-chunked-loss/long-sequences): 1 x 8192 took 77.4 ms more than 2 x 4096, the same
+# tokens with twice the context (the extra time, not either row, is matched).
+ATTENTION_EFFICIENCY = 0.65
+# Device time per kernel beyond its traffic (the gap between two kernels a CUDA graph replays, a small
+# kernel's ramp and tail): the 7B decoding at batch 1 through a graph of the eager step, H200
+# (2026-11-24-h200-validation/matrix1-inference/3): 7.23 ms, 3.3 ms of it the weights and cache at
+# 4.2 TB/s, the rest over 46 x 32 + 12 kernels.
+KERNEL_S = 2.7e-6
+# Host time per operator launched eagerly. Training, where autograd records each operator: CS336
+# small, bf16, 8 x 1024, H200 (2026-11-24-h200-validation/matrix1-training/2, 35.5 ms, its device clock
+# 27 ms). Inference (inference_mode): Llama-2-7B bf16 decoding without a graph, H100
+# (2026-11-22-h100-quantized-decode/decode-eager, 21.2 ms over 1,484 operators, its device clock 8.5 ms).
+HOST_OP_S = {"training": 17.1e-6, "inference": 14.0e-6}
+# transformers' layers call more Python per operator: GPT-2 XL decoding, batch 8, H200
+# (2026-11-24-h200-validation/matrix2-inference/2): 19.76 ms over 48 x 24 + 12 operators.
+HF_HOST_OP_S = 17.0e-6
+# Operators dispatched through DTensor (fitbench's tensor-parallel training, transformers' tensor
+# parallelism) propagate their sharding on the host first: 13B training over 2 H200s, checkpointed,
+# 4 x 1024 (2026-11-24-h200x2-model-parallel/13b-train-tp, 928 ms); transformers' 13B decoding over 2
+# H200s (2026-11-24-h200x2-model-parallel/13b-hf-tp-transformers-5.17, 61.5 ms).
+DTENSOR_HOST_OP_S = {"training": 123e-6, "inference": 35e-6}
+# A checkpointed layer's host time beyond its operators (the recomputation's Python frames and
+# saved-tensor hooks): CS336 small, bf16, 4 x 512, checkpointed, H200
+# (2026-11-24-h200-validation/matrix1-training/1, 56.6 ms).
+CHECKPOINT_HOST_S = 1.42e-3
+# The share of the eager elementwise traffic a torch.compile'd training step still moves (inductor
+# fuses norms, rotary, SwiGLU and the casts): 1B training, bf16, 8 x 2048, compiled, H200
+# (2026-11-24-h200-validation/matrix2-training/3, 209.4 ms).
+COMPILED_TRAFFIC = 0.25
+# Kernels a compiled decode step replays per layer, in kernel-equivalents of KERNEL_S (norms fused with
+# their casts, rotary with the cache write, SwiGLU in one; matmuls and attention as before): Llama-2-7B
+# bf16, compiled decode step, batch 1, H200 (2026-11-24-h200-compiled-decode/after/compiled, 4.56 ms).
+COMPILED_LAYER_KERNELS = 15
+# Latency of one small NCCL collective inside a step (one token's activations all-reduced): 13B decoding
+# over 2 H200s with tensor parallelism (2026-11-24-h200x2-model-parallel/13b-tp, 9.29 ms; 2 x 40
+# all-reduces a token).
+COLLECTIVE_LATENCY_S = 15e-6
+# Offloaded decoder layers stream in through accelerate's hooks, each copied from pageable host memory
+# before its forward: 65B decoding with 31 of 80 layers in host memory, H100 (2026-11-22-h100-offload:
+# 50.2 GB a token, 7.34 s).
+OFFLOAD_STREAM_BANDWIDTH = 6.9e9
+
+@dataclass(frozen=True)
+class DecodeFormat:
+    """How a decode step's matmuls read one weight format: ``efficiency``, the share of the copy
+    bandwidth its kernels reach reading the weights; ``extra_kernels``, kernels each matmul launches
+    beyond one (activation quantization, a dequantized copy, scaling); ``dequantized``, bytes per weight
+    of a 16-bit copy written and read again at every matmul; ``source``, the row it comes from."""
+
+    efficiency: float = 1.0
+    extra_kernels: float = 0.0
+    dequantized: float = 0.0
+    source: str = "dense: the weights read once at the copy bandwidth"
+
+
+DENSE = DecodeFormat()
+# Per (precision, how the step runs): "eager" is the eager step, replayed from a CUDA graph or launched
+# without one; "compiled", a step compiled by inductor, is the dense step's until measured (inductor
+# fuses the dequantization into the matmul's loads and the activation quantization into its
+# neighbours): add an entry per format once its compiled step is timed. Each value is solved, as the
+# constants above, from its source row (H200, torch 2.11, torchao 0.18, bitsandbytes 0.50).
+DECODE_FORMATS: dict[tuple[str, str], DecodeFormat] = {
+    # tinygemm reads the packed int4 weights and their group scales at 60% of the copy bandwidth
+    ("int4", "eager"): DecodeFormat(0.6, 0, 0, "Llama-2-7B int4, batch 1 (2026-11-24-h200-decode-formats): 5.53 ms"),
+    # each float8 matmul first quantizes its activations (absolute value, maximum, scale, cast) and
+    # scales its output: 7.3 kernels more per matmul
+    ("fp8", "eager"): DecodeFormat(1.0, 7.3, 0, "Llama-2-7B fp8, batch 1 (2026-11-24-h200-decode-formats): 10.09 ms"),
+    ("fp8-block", "eager"): DecodeFormat(1.0, 7.3, 0, "as fp8: Llama-2-7B batch 1 on an H100 10.75 ms against fp8's "
+                                                      "10.35 (2026-11-22-h100-quantized-decode)"),
+    # torchao's weight-only int8 casts the whole weight to a bf16 copy at each call
+    # (``fitbench.plan.speed.DEQUANTIZED_EACH_MATMUL``), written and read at 40% of the copy bandwidth
+    ("int8-weight-only", "eager"): DecodeFormat(0.4, 2, 4, "Llama-2-7B int8-weight-only, batch 1 "
+                                                           "(2026-11-24-h200-decode-formats): 24.5 ms"),
+    # LLM.int8 decodes without a graph: each matmul quantizes its input, looks for outlier columns
+    # (which synchronizes) and runs an int8 and a 16-bit matmul, 24 operators more, host-bound
+    ("int8", "eager"): DecodeFormat(1.0, 24, 0, "7B int8, 4 x 512 (2026-11-24-h200-validation/matrix2-inference/4): "
+                                                "95.7 ms"),
+    # torchao's int8 dynamic quantization, without a graph: 80 operators' worth per matmul
+    ("int8-dynamic", "eager"): DecodeFormat(1.0, 80, 0, "3B int8-dynamic, 2 x 2048 "
+                                                        "(2026-11-23-h200-packed-build/heldout/5): 239 ms"),
+}
+# bitsandbytes 4-bit: one token per step reads the packed weights in its gemv kernel, at 45% of the
+# copy bandwidth; more tokens dequantize each weight to a bf16 copy and multiply by it.
+FOUR_BIT_GEMV = DecodeFormat(0.45, 0, 0, "Llama-2-7B nf4, batch 1, H100 (2026-11-22-h100-quantized-decode): 6.63 ms")
+FOUR_BIT_DEQUANTIZED = DecodeFormat(1.0, 2.4, 4, "7B nf4, 4 x 512 (2026-11-24-h200-validation/matrix2-inference/4): "
+                                                 "12.7 ms")
+# Training: operators each matmul adds to its layer's forward (the backward adds BACKWARD_OPS per
+# operator): LoRA's adapters beside a frozen quantized base, two casts, two matmuls, a scale and an add
+# (``fitbench.run.adapters``), with the base format's own (LLM.int8's as in decoding); and torchao's
+# float8 training eagerly, its dynamic scaling of inputs, weights and gradients: 7B fp8, 4 x 512, H100
+# (2026-11-22-h100-quantized-training/7b-train, 683 ms against bf16-pure's 227 ms). Compiled, inductor
+# fuses the scaling into the matmuls' neighbours.
+ADAPTER_OPS = 6
+FP8_TRAINING_OPS = 61
+# Bytes of each cast of a bf16 element to float8 with a dynamic scale: read for the maximum, read and
+# written as one byte for the cast.
+FLOAT8_CAST_BYTES = 2 + 2 + 1
+
+
+@dataclass(frozen=True)
+class StepRun:
+    """How the step runs, as far as its speed goes: the ``backend`` (native or hf); ``compiled``, the
+    model ``torch.compile``d (``--compile``); for generation ``decode``: "graph" (the eager step
+    replayed from a CUDA graph), "compiled" (the compiled step in a graph) or "eager" (no graph); and
+    ``fused``, False for steps measured before the native decoder fused its projections;
+    ``functions``, False for training steps measured before its autograd Functions, and ``fused_loss``
+    before the fused cross-entropy (``benchmarks/speed_error.py`` tells them by their start)."""
+
+    backend: str = "native"
+    compiled: bool = False
+    decode: str = "graph"
+    fused: bool = True  # the native decoder's fused projections, where its build has them (``fused_build``)
+    functions: bool = True
+    fused_loss: bool = True
+
+
+@dataclass(frozen=True)
+class Forecast:
+    seconds: float
+    device_s: float
+    host_s: float
+    communication_s: float
+    bound: str  # "device", "host" or "communication"
+    terms: dict[str, float]  # seconds of the device's parts (matmuls, attention, memory, optimizer, kernels)
+    launches: float  # kernels (operators) the step launches
+
+
+def decode_format(precision: str, decode: str, tokens: int) -> DecodeFormat:
+    """The weight format's decode terms for a step of ``tokens`` tokens that runs as ``decode`` says."""
+    step = "compiled" if decode == "compiled" else "eager"
+    if precision in ("nf4", "fp4") and step == "eager":
+        return FOUR_BIT_GEMV if tokens == 1 else FOUR_BIT_DEQUANTIZED
+    return DECODE_FORMATS.get((precision, step), DENSE)
+
+
+def layer_traffic(arch: Architecture, widths: Widths) -> float:
+    """Bytes the elementwise operators of one eager layer read and write per token in a forward pass
+    (``fitbench.models.native``; h hidden, f MLP width, k key/value width, c compute and r residual
+    widths; tests/test_forecast.py counts them in the real step):
+
+    - each RMSNorm: two fp32 upcasts of a 16-bit input (r + 4 each), the square (8), the mean (4), the
+      product with 1/rms (8), the cast back (4 + r), the weight's product (2 r), autocast's cast of the
+      result for the matmul (6): 28 h + 2 r h in fp32, 34 h under autocast, 42 h in bf16;
+    - rotary embedding of q and k: products with cos and sin, the negated half, the concatenation and
+      the sum, 10 c per element: 10 c (h + k);
+    - attention's q, k, v and output, 2 c (h + k) (grouped heads expanded for fp32: k = h, and the
+      expansion's copies, 8 (h + k));
+    - two residual adds, (2 r + c) h each;
+    - SwiGLU: silu of the gate and its product with up, 5 c f."""
+    h, f, c, r = arch.hidden_size, arch.ffn_size, widths.compute, widths.residual
+    k = arch.num_kv_heads * arch.head_dim
+    norm = (0 if r == 4 else 2 * (r + 4) + 4 + r) * h + 20 * h + 2 * r * h + (6 * h if widths.autocast else 0)
+    expanded = c == 4 and k != h
+    attention = 2 * c * (h + (h if expanded else k)) + (8 * (h + k) if expanded else 0)
+    return 2 * norm + 10 * c * (h + k) + attention + 2 * (2 * r + c) * h + 5 * c * f
+
+
+def loss_traffic(vocab: int, compute: int, training: bool, fused: bool = True) -> float:
+    """Bytes per token the output's logits cost beyond its matmul: a forward pass writes them and sums
+    them (2 c V). A training step writes them (c); the fused loss (``fitbench.run.cross_entropy``,
+    ``fused``) reads each chunk for its maximum (c), reads it again for the shifted fp32 copy (c + 4),
+    takes its exponential in place (8), sums it (4) and writes the gradient over the logits (4 + c),
+    which backward scales in place (2 c): (6 c + 20) V. The out-of-place loss (DTensor logits, steps
+    measured before the fused loss) upcasts each chunk (c + 4), takes its log-softmax (8) and the
+    target's entry, and backward forms the log-softmax's gradient (4 + 12) and casts it back for the
+    matmul (4 + c): (32 + 3 c) V."""
+    if not training:
+        return 2 * compute * vocab
+    return (6 * compute + 20) * vocab if fused else (32 + 3 * compute) * vocab
+
+
+def layer_ops(arch: Architecture, backend: str, fused: bool = True) -> int:
+    """Operators one layer launches in a forward pass (``LAYER_OPS``); ``fused``: the native decoder's
+    fused projections."""
+    if backend == "native":
+        return LAYER_OPS["native" if fused else "native unfused"]
+    return LAYER_OPS.get(arch.family, LAYER_OPS["llama"])
+
+
+def fused_build(precision: str, parallelism: Parallelism, run: StepRun) -> bool:
+    """Whether the native decoder runs with fused projections: not quantized, on one rank's layers whole
+    (``fitbench.models.native``)."""
+    return run.fused and precision not in QUANTIZED and parallelism.tensor == 1 and parallelism.stages == 1
+
+
+def forecast_step_time(arch: Architecture, mode: str, precision: str, batch: int, seq_len: int, *,
+                       new_tokens: int, parallelism: Parallelism, gpu_name: str, ceiling: Ceilings,
+                       run: StepRun = StepRun(), activation_checkpointing: bool = False,
+                       offloaded_bytes: float = 0.0, links: BusBandwidth | None = None) -> Forecast:
+    """The forecast time of one step (one decode step in infer) of the configuration, run as ``run``
+    says, on ``gpu_name`` with ``ceiling``; ``offloaded_bytes`` of weights cross the host link each
+    forward pass (decoding then runs eagerly); ``links``: the collectives' bus bandwidths."""
+    links = links or bus_bandwidth(gpu_name)
+    if mode == "infer":
+        return _decode_time(arch, precision, batch, seq_len, new_tokens, parallelism, gpu_name, ceiling, run,
+                            offloaded_bytes, links)
+    return _pass_time(arch, mode, precision, batch, seq_len, parallelism, gpu_name, ceiling, run,
+                      activation_checkpointing, offloaded_bytes, links)
+
+
+def _decode_time(arch: Architecture, precision: str, batch: int, seq_len: int, new_tokens: int,
+                 parallelism: Parallelism, gpu_name: str, ceiling: Ceilings, run: StepRun,
+                 offloaded_bytes: float, links: BusBandwidth) -> Forecast:
+    tp, stages = parallelism.tensor, parallelism.stages
+    widths = Widths.of(precision)
+    decode = "eager" if run.backend == "hf" or offloaded_bytes else run.decode
+    fmt = decode_format(precision, decode, batch)
+    matmuls = len(arch.layer_matrices)
+    layer_weights = arch.layer_matmul_weights * arch.num_layers
+    if precision in QUANTIZED:
+        stored = sum(QUANTIZED[precision].matrix_bytes(m.rows, m.columns) for m in arch.layer_matrices)
+        quantized = stored * arch.num_layers
+    else:
+        quantized = widths.weights * layer_weights
+    # Everything else the step reads: the other parameters at their width, less the lookup tables'
+    # rows no token uses (a tied output projection reads its whole table); under autocast each matmul
+    # weight's 16-bit copy, written and read.
+    plain_width = 2 if precision in QUANTIZED else widths.weights
+    h = arch.hidden_size
+    unread = (0 if arch.tie_embeddings else (arch.vocab_size - batch) * h)
+    unread += arch.position_params - h if arch.position_params else 0
+    plain = plain_width * (arch.total_params - layer_weights - unread)
+    if widths.autocast:
+        plain += 2 * widths.compute * (arch.matmul_params - arch.num_layers * arch.norm_params_per_layer)
+    weights_s = ((quantized + fmt.dequantized * layer_weights) / fmt.efficiency + plain) / ceiling.bandwidth
+    positions = seq_len + new_tokens if decode != "eager" else seq_len + new_tokens / 2
+    cache = arch.kv_cache_bytes_per_token(widths.compute) * batch * positions / kv_heads_split(arch, tp)
+    memory_s = weights_s / tp + cache / ceiling.bandwidth
+    matmul_s = 2 * batch * arch.matmul_params / (tp * ceiling.peak(gpu_name, peak_kind(precision, "infer"))
+                                                 * MATMUL_EFFICIENCY)
+    per_layer = COMPILED_LAYER_KERNELS if decode == "compiled" else \
+        layer_ops(arch, run.backend, fused_build(precision, parallelism, run))
+    per_layer += matmuls * fmt.extra_kernels
+    kernels = per_layer * arch.num_layers + EDGE_OPS["forward"]
+    kernels_s = kernels * KERNEL_S
+    device_s = max(matmul_s, memory_s) + kernels_s
+    # Stages decode in turn, the whole model at one rank's pace; each native stage's process launches
+    # its own layers, transformers' stages are one process.
+    host_s = 0.0 if decode != "eager" else kernels / (stages if run.backend == "native" else 1) * \
+        _host_op_s(run.backend, tp, "inference")
+    activation = batch * arch.hidden_size * widths.compute
+    communication_s = 2 * arch.num_layers * _all_reduce_s(activation, tp, links)
+    communication_s += (stages - 1) * (COLLECTIVE_LATENCY_S + activation / links.all_reduce)
+    communication_s += offloaded_bytes / OFFLOAD_STREAM_BANDWIDTH
+    seconds = side_by_side(device_s, host_s) + communication_s
+    terms = {"matmuls": matmul_s, "memory": memory_s, "kernels": kernels_s}
+    return Forecast(seconds, device_s, host_s, communication_s, _bound(device_s, host_s, communication_s), terms,
+                    kernels)
+
+
+def _pass_time(arch: Architecture, mode: str, precision: str, batch: int, seq_len: int, parallelism: Parallelism,
+               gpu_name: str, ceiling: Ceilings, run: StepRun, recompute: bool, offloaded_bytes: float,
+               links: BusBandwidth) -> Forecast:
+    training = mode != "forward"
+    recompute = recompute and training
+    tp, stages = parallelism.tensor, parallelism.stages
+    widths = Widths.of(precision, parallelism)
+    n = batch * seq_len
+    L, h, V = arch.num_layers, arch.hidden_size, arch.vocab_size
+    share = max(len(layers) for layers in pipeline_stages(L, stages)) / L
+    adapters = training and precision in ADAPTER_BASES
+    float8 = training and precision == "fp8"
+    matmul_params = arch.matmul_params
+    # forward 2 N per token; the backward's two matmuls 4 N, the frozen base's weight gradient (2 N) not
+    # formed under adapters, which train fully (6 A); checkpointing repeats the layers' forward
+    passes = (3 if training else 1) - (1 if adapters else 0) + (1 if recompute else 0)
+    matmul_flops = 2 * n * matmul_params * passes + (6 * n * adapter_params(arch) if adapters else 0)
+    kind = peak_kind(precision, "train" if training else "forward")
+    cuda_cores = kind == "fp32"
+    peak = ceiling.peak(gpu_name, kind) * (1.0 if cuda_cores else MATMUL_EFFICIENCY)
+    matmul_s = matmul_flops * share / (peak * tp)
+    attention_passes = (1 + 2.5 + (1 if recompute else 0)) if training else 1
+    attention_flops = 2 * L * arch.num_heads * arch.head_dim * seq_len * n * attention_passes
+    attention_s = attention_flops * share / (ceiling.peak(gpu_name, "bf16") * ATTENTION_EFFICIENCY * tp)
+
+    # autograd records the native decoder's Functions where eager training on one rank's whole tensors
+    # runs them (``layer_ops.eager_training``), each operator elsewhere; the fused loss takes plain logits
+    functions = training and run.functions and run.backend == "native" and tp == 1 and not run.compiled
+    fused_loss = training and run.fused_loss and tp == 1
+    widths_key = (widths.residual, widths.compute)
+    if functions:
+        backward, recomputed = FUNCTIONS_BACKWARD_TRAFFIC.get(widths_key, 1.0), FUNCTIONS_RECOMPUTED_TRAFFIC
+    else:
+        backward, recomputed = BACKWARD_TRAFFIC.get(widths_key, 2.0), 1.0
+    traffic_passes = (1 + backward + (recomputed if recompute else 0)) if training else 1
+    layers = n * L * layer_traffic(arch, widths) * traffic_passes / tp
+    if run.compiled:
+        layers *= COMPILED_TRAFFIC
+    loss = n * loss_traffic(V, widths.compute, training, fused_loss) / tp
+    trainable = 4 * adapter_params(arch) if adapters else widths.weights * arch.total_params
+    optimizer = 7 * trainable / (parallelism.shards * tp) if mode == "train" else 0.0
+    weights = 0.0
+    if widths.autocast:  # 16-bit copies of the matmul weights, per forward; the gradients' fp32 accumulation
+        weights += 6 * matmul_params * ((1 if recompute else 0) + 1) + (6 * matmul_params if training else 0)
+    if precision in QUANTIZED:  # the frozen matmuls read, and where the format does, dequantized to a copy
+        stored = sum(QUANTIZED[precision].matrix_bytes(m.rows, m.columns) for m in arch.layer_matrices) * L
+        copies = decode_format(precision, "eager", n).dequantized * arch.layer_matmul_weights * L
+        weights += (stored + copies) * (passes if training else 1)
+    if float8:  # dynamic scaling: each cast to float8 reads its input twice (maximum, cast) and writes a byte
+        weights += FLOAT8_CAST_BYTES * 2 * arch.layer_matmul_weights * L  # the weight and its transpose
+        inputs = sum(m.rows + m.columns for m in arch.layer_matrices) * L  # each matmul's input, its gradient
+        layers += FLOAT8_CAST_BYTES * 2 * n * inputs / tp  # forward and backward
+    memory_s = (layers + loss + share * weights / tp) / ceiling.bandwidth
+    optimizer_s = share * optimizer / ceiling.bandwidth
+
+    fused = run.backend == "native" and fused_build(precision, parallelism, run)
+    matmuls = 4 if fused and arch.family == "llama" else len(arch.layer_matrices)
+    forward_ops = layer_ops(arch, run.backend, fused)
+    if widths.autocast and not functions:  # each matmul's input cast to 16 bits
+        forward_ops += matmuls
+    if run.compiled:
+        forward_ops = COMPILED_LAYER_KERNELS
+    if adapters:
+        forward_ops += matmuls * (ADAPTER_OPS + decode_format(precision, "eager", n).extra_kernels)
+    if float8 and not run.compiled:
+        forward_ops += matmuls * FP8_TRAINING_OPS
+    if functions:
+        per_layer = forward_ops * (1 + FUNCTIONS_BACKWARD_OPS + (FUNCTIONS_RECOMPUTED_OPS if recompute else 0))
+    else:
+        per_layer = forward_ops * ((1 + BACKWARD_OPS + (1 if recompute else 0)) if training else 1)
+    chunks = math.ceil(n / loss_chunk_rows(V)) if training else 0
+    edges = EDGE_OPS["forward"] if not training else EDGE_OPS["training"] if fused_loss else CHUNKED_LOSS_EDGE_OPS
+    ops = share * L * per_layer + edges + chunks * (LOSS_CHUNK_OPS if fused_loss else CHUNKED_LOSS_CHUNK_OPS)
+    kernels_s = ops * KERNEL_S
+    device_s = matmul_s + attention_s + memory_s + optimizer_s + kernels_s
+    host_s = ops * _host_op_s(run.backend, tp, "training" if training else "inference") + optimizer_s
+    host_s += share * L * CHECKPOINT_HOST_S if recompute and not run.compiled else 0.0
+    busy = side_by_side(device_s, host_s)
+
+    directions = 2 if training else 1
+    activation = n * h * widths.compute
+    communication_s = directions * 2 * share * L * _all_reduce_s(activation, tp, links)
+    microbatches = parallelism.microbatches_of(batch)
+    communication_s += directions * (stages - 1) * activation / microbatches / links.all_reduce
+    communication_s += offloaded_bytes / OFFLOAD_STREAM_BANDWIDTH
+    if parallelism.offload:  # FSDP's shards cross the host link before each gather, its gradients after
+        shards = (1 if not training else 3) * widths.weights * arch.total_params / parallelism.layout.data_parallel
+        communication_s += shards / HOST_LINK_BANDWIDTH.get(gpu_name, PCIE_BANDWIDTH)
+    step_s = busy / (1 - bubble_fraction(stages, microbatches))
+    exposed_s = communication_s
+    if parallelism.layout.data_parallel > 1:
+        fsdp = parallelism.shards > 1
+        gathered = (widths.compute if fsdp and precision not in QUANTIZED else widths.weights) * arch.total_params
+        gradient_bytes = 4 * adapter_params(arch) if adapters else widths.weights * arch.total_params
+        collectives_s, step_s = _data_parallel_step(arch, mode, parallelism, links, step_s, 3 if training else 1,
+                                                    gathered / tp, gradient_bytes / tp, widths, adapters)
+        communication_s += collectives_s
+    seconds = step_s + exposed_s
+    terms = {"matmuls": matmul_s, "attention": attention_s, "memory": memory_s, "optimizer": optimizer_s,
+             "kernels": kernels_s}
+    return Forecast(seconds, device_s, host_s, communication_s, _bound(device_s, host_s, communication_s), terms,
+                    ops)
+
+
+
+
+
+def side_by_side(device_s: float, host_s: float) -> float:
+    """The step's time when the device's and the host's clocks run side by side: the longer of the two
+    where one dominates, more where they are close (``OVERLAP_EXPONENT``)."""
+    p = OVERLAP_EXPONENT
+    return (device_s ** p + host_s ** p) ** (1 / p)
+
+
+def _host_op_s(backend: str, tp: int, kind: str) -> float:
+    """Host seconds per operator: DTensor's under tensor parallelism (native training, transformers
+    always), transformers' or the native decoder's otherwise."""
+    if tp > 1 and (backend == "hf" or kind == "training"):
+        return DTENSOR_HOST_OP_S[kind]
+    return HF_HOST_OP_S if backend == "hf" and kind == "inference" else HOST_OP_S[kind]
+
+
+def _all_reduce_s(size: float, ranks: int, links: BusBandwidth) -> float:
+    """An all-reduce of ``size`` bytes of activations inside a step: its latency and its ring time."""
+    return COLLECTIVE_LATENCY_S + links.all_reduce_s(size, ranks) if ranks > 1 else 0.0
+
+
+def _bound(device_s: float, host_s: float, communication_s: float) -> str:
+    return max((("device", device_s), ("host", host_s), ("communication", communication_s)),
+               key=lambda item: item[1])[0]
+
+
+def step_run(spec, decoding: dict | None = None) -> StepRun:
+    """How ``spec`` (a ``fitbench.spec.RunSpec``) runs its steps: a measured row's ``decoding`` (the
+    worker's ``decode`` field) says how its generation decoded; without one, as the worker would on a
+    GPU: the native backend through a CUDA graph unless turned off, compiled unless turned off, eagerly
+    when offloaded, under ``--compile`` or where the precision's kernels cannot be captured
+    (``graph_problem``); transformers eagerly."""
+    if spec.mode != "infer":
+        return StepRun(spec.backend, spec.compile)
+    if decoding is not None:
+        decode = "eager" if not decoding.get("cuda_graphs") else "compiled" if decoding.get("compiled") else "graph"
+    elif spec.backend == "hf" or spec.offload or spec.compile or not spec.cuda_graphs or graph_problem(spec.precision):
+        decode = "eager"
+    else:
+        decode = "compiled" if spec.compile_decode else "graph"
+    return StepRun(spec.backend, spec.compile, decode)
+
+
+def forecast_spec(arch: Architecture, spec, gpu_name: str, ceiling: Ceilings, *, run: StepRun,
+                  offloaded_bytes: float = 0.0, links: BusBandwidth | None = None) -> Forecast:
+    """``forecast_step_time`` of a ``fitbench.spec.RunSpec`` on its layout."""
+    parallelism = Parallelism(layout=spec.layout, offload=spec.fsdp_offload, microbatches=spec.microbatches)
+    return forecast_step_time(arch, spec.mode, spec.precision, spec.batch_size, spec.seq_len,
+                              new_tokens=spec.new_tokens, parallelism=parallelism, gpu_name=gpu_name,
+                              ceiling=ceiling, run=run, activation_checkpointing=spec.activation_checkpointing,
+                              offloaded_bytes=offloaded_bytes, links=links)

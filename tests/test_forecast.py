@@ -1,0 +1,612 @@
+"""The step-time forecast (fitbench.plan.forecast): each term recomputed by hand on a small case, the
+counts it takes from fitbench's own step counted again in the real step on the CPU, and each constant
+solved again from the measured row it names (benchmarks/results)."""
+
+import dataclasses
+import functools
+import importlib.util
+import json
+import statistics
+from pathlib import Path
+
+import pytest
+import torch
+from torch.utils._python_dispatch import TorchDispatchMode
+from torch.utils._pytree import tree_flatten
+
+import fitbench.plan.forecast as forecast
+from fitbench import hardware
+from fitbench.models.backends import NativeLM, load_model
+from fitbench.models.native import DecoderConfig, NativeCausalLM
+from fitbench.models.registry import resolve
+from fitbench.plan.calibration import DEFAULT
+from fitbench.plan.forecast import (Ceilings, StepRun, ceilings, decode_format, forecast_spec, forecast_step_time,
+                                    layer_traffic, side_by_side, step_run)
+from fitbench.plan.memory import QUANTIZED, Parallelism, Widths
+from fitbench.plan.planner import GpuTarget, predict_spec
+from fitbench.plan.speed import BusBandwidth
+from fitbench.precisions import policy
+from fitbench.run.cross_entropy import cross_entropy
+from fitbench.run.loops import make_step, random_tokens
+from fitbench.spec import RunSpec
+
+ROOT = Path(__file__).parent.parent
+RESULTS = ROOT / "benchmarks/results"
+H100 = "NVIDIA H100 80GB HBM3"
+H200 = "NVIDIA H200"
+TINY = dataclasses.replace(resolve("tiny"), vocab_size=512)
+# Round figures, so that a forecast can be worked out by hand.
+ROUND = Ceilings(matmul=500e12, bandwidth=2e12, source="test")
+
+
+# ---- counting the real step ------------------------------------------------------------------
+
+# ATen's views and allocations of storage nobody has written yet: nothing to launch, little to dispatch.
+NO_KERNEL = {"view", "_unsafe_view", "t", "transpose", "expand", "split", "chunk", "slice", "select", "unsqueeze",
+             "squeeze", "reshape", "alias", "detach", "split_with_sizes", "as_strided", "permute", "_reshape_alias",
+             "unbind", "empty", "empty_like", "lift_fresh", "new_empty", "empty_strided", "new_empty_strided"}
+MATMULS = {"mm", "addmm", "bmm", "linear", "matmul"}
+INDEXED = {"gather", "scatter", "scatter_", "scatter_add", "scatter_add_"}
+
+
+class Counted(TorchDispatchMode):
+    """Every operator dispatched but ``NO_KERNEL``'s, and the bytes the elementwise ones read and write
+    (inputs and outputs; an operator whose output is its input, such as a cast to the dtype it has,
+    moves nothing; one writing into ``out=`` reads its other inputs and writes that; a gather or a
+    scatter moves only the elements its index names)."""
+
+    def __init__(self):
+        super().__init__()
+        self.operators = 0
+        self.elementwise_bytes = 0
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        out = func(*args, **kwargs)
+        name = func.__name__.split(".")[0]
+        if name in NO_KERNEL:
+            return out
+        self.operators += 1
+        if name in INDEXED:
+            index = next(a for a in args if isinstance(a, torch.Tensor) and a.dtype == torch.long)
+            self.elementwise_bytes += index.numel() * (index.element_size() + 2 * args[0].element_size())
+            return out
+        given = {key: value for key, value in kwargs.items() if key != "out"}
+        inputs = [t for t in tree_flatten((args, given))[0] if isinstance(t, torch.Tensor)]
+        outputs = [t for t in tree_flatten(out)[0] if isinstance(t, torch.Tensor)]
+        storages = {t.untyped_storage().data_ptr() for t in inputs}
+        aliased = not name.endswith("_") and any(t.untyped_storage().data_ptr() in storages for t in outputs)
+        if name not in MATMULS and not aliased:
+            self.elementwise_bytes += sum(t.numel() * t.element_size() for t in inputs + outputs)
+        return out
+
+
+def native(arch, layers: int, precision: str, fused: bool = True) -> NativeLM:
+    arch = dataclasses.replace(arch, num_layers=layers)
+    module = NativeCausalLM(DecoderConfig.from_architecture(arch), fused)
+    module.init_weights()
+    module.to(policy(precision).weight_dtype)
+    module.rope_cos.data, module.rope_sin.data = module.rope_cos.float(), module.rope_sin.float()
+    return NativeLM(module, cache_dtype=torch.bfloat16)
+
+
+@functools.lru_cache(maxsize=None)
+def count_step(layers: int, precision: str, mode: str, tokens: int = 32, fused: bool = True,
+               recompute: bool = False) -> Counted:
+    """One step of fitbench's training loop (``make_step``) on tiny, on the CPU, counted after two to warm
+    up; remembered, as several tests count the same steps."""
+    arch = TINY
+    lm = native(arch, layers, precision, fused)
+    lm.module.activation_checkpointing = recompute
+    step = make_step(mode, lm, policy(precision), random_tokens(arch.vocab_size, 2, tokens + 1, torch.device("cpu"), 0),
+                     torch.device("cpu"))
+    step(), step()
+    with Counted() as counted:
+        step()
+    return counted
+
+
+def per_layer(count, *args, **kwargs) -> tuple[float, float]:
+    """(operators, elementwise bytes) of one layer: the step with two layers less the step with one."""
+    one, two = count(1, *args, **kwargs), count(2, *args, **kwargs)
+    return two.operators - one.operators, two.elementwise_bytes - one.elementwise_bytes
+
+
+def per_token(precision: str, mode: str, recompute: bool = False) -> float:
+    """Elementwise bytes of one layer per token: a layer's bytes at 2 x 32 tokens less at 2 x 16, over
+    the 32 tokens between (what each weight costs once a step, autocast's casts, falls out)."""
+    def layer(tokens: int) -> float:
+        return per_layer(lambda layers: count_step(layers, precision, mode, tokens, recompute=recompute))[1]
+
+    return (layer(32) - layer(16)) / (2 * 16)
+
+
+@pytest.mark.parametrize("precision", ["bf16-pure", "bf16", "fp32"])
+def test_a_layers_elementwise_traffic_is_what_the_real_forward_moves(precision):
+    """``layer_traffic`` per token against the bytes of every elementwise operator of a layer's forward,
+    counted in the native decoder (attention's kernel on the CPU reads and writes what a GPU's does)."""
+    assert layer_traffic(TINY, Widths.of(precision)) == pytest.approx(per_token(precision, "forward"), rel=0.06)
+
+
+@pytest.mark.parametrize("precision, recompute", [("bf16-pure", False), ("bf16", False), ("fp32", False),
+                                                  ("bf16-pure", True)])
+def test_a_layers_backward_moves_what_backward_traffic_says(precision, recompute):
+    """A training step's elementwise bytes per layer, through the native decoder's Functions, against
+    its forward's: 1 + FUNCTIONS_BACKWARD_TRAFFIC (and FUNCTIONS_RECOMPUTED_TRAFFIC more when the layer
+    is recomputed), counted in the real step."""
+    forward, training = per_token(precision, "forward"), per_token(precision, "train", recompute)
+    widths = Widths.of(precision)
+    passes = 1 + forecast.FUNCTIONS_BACKWARD_TRAFFIC[(widths.residual, widths.compute)]
+    passes += forecast.FUNCTIONS_RECOMPUTED_TRAFFIC if recompute else 0
+    assert training / forward == pytest.approx(passes, rel=0.05)
+
+
+@pytest.mark.parametrize("fused", [True, False])
+def test_a_native_layer_launches_layer_ops_operators(fused):
+    key = "native" if fused else "native unfused"
+
+    def decode(layers: int) -> Counted:
+        lm = native(TINY, layers, "bf16-pure", fused)
+        cache = lm.module.new_cache(2, 64, torch.bfloat16)
+        tokens, position = torch.zeros(2, 1, dtype=torch.long), torch.tensor([5])
+        with torch.inference_mode():
+            lm.module.decode_step(tokens, cache, position)
+            with Counted() as counted:
+                lm.module.decode_step(tokens, cache, position)
+        return counted
+
+    operators, _ = per_layer(decode)
+    assert operators == forecast.LAYER_OPS[key]
+    assert decode(1).operators - operators == pytest.approx(forecast.EDGE_OPS["forward"], abs=4)
+
+
+@pytest.mark.parametrize("precision, fused", [("bf16-pure", True), ("bf16", True), ("bf16-pure", False),
+                                              ("bf16", False)])
+def test_a_training_step_launches_backward_ops_per_forward_operator(precision, fused):
+    """A layer's training operators through the native decoder's Functions against the forecast's: its
+    forward operators (no casts under autocast: the norm writes the matmuls' dtype) times
+    1 + FUNCTIONS_BACKWARD_OPS; the edges and each chunk of the loss besides."""
+    operators, _ = per_layer(lambda layers: count_step(layers, precision, "train", fused=fused))
+    forward_ops = forecast.LAYER_OPS["native" if fused else "native unfused"]
+    assert operators == pytest.approx(forward_ops * (1 + forecast.FUNCTIONS_BACKWARD_OPS), rel=0.08)
+
+
+def test_a_recomputed_layer_launches_its_forward_again():
+    plain, recomputed = (per_layer(lambda layers: count_step(layers, "bf16-pure", "train", recompute=recompute))[0]
+                         for recompute in (False, True))
+    assert recomputed - plain == pytest.approx(forecast.LAYER_OPS["native"] * forecast.FUNCTIONS_RECOMPUTED_OPS)
+
+
+def test_the_edges_and_each_loss_chunk_launch_their_operators(monkeypatch):
+    import fitbench.loss
+
+    monkeypatch.setattr(fitbench.loss, "LOSS_CHUNK_BYTES", 4 * TINY.vocab_size * 8)  # 8 rows a chunk
+    uncached = count_step.__wrapped__  # chunks of 8 rows are this test's alone
+    few, many = (uncached(1, "bf16-pure", "train", tokens=tokens) for tokens in (16, 32))
+    layer, _ = per_layer(lambda layers: uncached(layers, "bf16-pure", "train", tokens=16))
+    chunks = 2 * 16 // 8
+    assert (many.operators - few.operators) / chunks == forecast.LOSS_CHUNK_OPS
+    assert few.operators - layer - chunks * forecast.LOSS_CHUNK_OPS == forecast.EDGE_OPS["training"]
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+def test_the_fused_loss_moves_what_loss_traffic_says(dtype):
+    """The fused training loss's elementwise bytes per token on logits a matmul formed (whose write
+    ``loss_traffic`` counts): 64 rows less 32, over the 32 between."""
+    vocab, hidden = 512, 64
+
+    def count(rows: int) -> int:
+        x = torch.randn(rows, hidden, dtype=dtype, requires_grad=True)
+        w = torch.randn(hidden, vocab, dtype=dtype, requires_grad=True)
+        with Counted() as counted:
+            cross_entropy(x @ w, torch.randint(0, vocab, (rows,))).backward()
+        return counted.elementwise_bytes
+
+    compute = torch.finfo(dtype).bits // 8
+    per_token = (count(64) - count(32)) / 32 + compute * vocab
+    assert per_token == pytest.approx(forecast.loss_traffic(vocab, compute, True), rel=0.06)
+
+
+@pytest.mark.parametrize("model", ["gpt2", "falcon-40b", "7B"])
+def test_a_transformers_layer_launches_layer_ops_operators(model):
+    base = resolve(model)
+
+    def decode(layers: int) -> Counted:
+        kv = {"gpt2": 8, "falcon": 2, "llama": 8}[base.family]
+        arch = dataclasses.replace(base, num_layers=layers, hidden_size=256, num_heads=8, num_kv_heads=kv,
+                                   ffn_size=1024, vocab_size=512, max_seq_len=128)
+        lm = load_model(arch, "hf", "cpu", torch.bfloat16)
+        with torch.inference_mode():
+            lm.prefill(torch.zeros(2, 8, dtype=torch.long), 32)
+            lm.decode(torch.zeros(2, 1, dtype=torch.long))
+            with Counted() as counted:
+                lm.decode(torch.zeros(2, 1, dtype=torch.long))
+        return counted
+
+    operators, _ = per_layer(decode)
+    assert operators == forecast.LAYER_OPS[base.family]
+
+
+# ---- each term by hand on a small case ----------------------------------------------------------
+
+def test_a_graphed_decode_step_reads_its_weights_and_cache_and_replays_its_kernels():
+    """tiny, bf16, batch 2, 64-token prompt, 8 new tokens, through a graph of the eager step."""
+    arch = resolve("tiny")
+    got = forecast_step_time(arch, "infer", "bf16-pure", 2, 64, new_tokens=8, parallelism=Parallelism(),
+                             gpu_name=H100, ceiling=ROUND, run=StepRun(decode="graph"))
+    h, L, V = arch.hidden_size, arch.num_layers, arch.vocab_size
+    # every parameter but the embedding table's unused rows (tied: the output projection reads them all)
+    weights = 2 * arch.total_params
+    cache = 2 * L * arch.num_kv_heads * arch.head_dim * 2 * 2 * (64 + 8)  # k and v, bf16, batch 2, 72 slots
+    memory = (weights + cache) / 2e12
+    matmuls = 2 * 2 * arch.matmul_params / (500e12 * forecast.MATMUL_EFFICIENCY)
+    kernels = (43 * L + 12) * forecast.KERNEL_S
+    assert memory > matmuls and V * h < arch.total_params
+    assert got.seconds == pytest.approx(memory + kernels)
+    assert got.host_s == 0 and got.launches == 43 * L + 12
+
+
+def test_an_eager_decode_step_runs_its_host_and_device_side_by_side():
+    arch = resolve("7B")
+    graphed, eager = (forecast_step_time(arch, "infer", "bf16-pure", 1, 128, new_tokens=128,
+                                         parallelism=Parallelism(), gpu_name=H100, ceiling=ROUND,
+                                         run=StepRun(decode=decode)) for decode in ("graph", "eager"))
+    launches = 43 * 32 + 12
+    assert eager.host_s == pytest.approx(launches * forecast.HOST_OP_S["inference"])
+    # eager decoding attends over the positions so far (128 + 64 on average), the graph over every slot
+    cache = arch.kv_cache_bytes_per_token(2)
+    assert graphed.device_s - eager.device_s == pytest.approx(cache * 64 / 2e12)
+    assert eager.seconds == pytest.approx(side_by_side(eager.device_s, eager.host_s))
+    hf = forecast_step_time(arch, "infer", "bf16-pure", 1, 128, new_tokens=128, parallelism=Parallelism(),
+                            gpu_name=H100, ceiling=ROUND, run=StepRun("hf", decode="graph"))
+    assert hf.host_s == pytest.approx(launches * forecast.HF_HOST_OP_S)  # transformers decodes eagerly
+
+
+def test_a_compiled_decode_step_replays_fewer_kernels():
+    arch = resolve("7B")
+    graphed, compiled = (forecast_step_time(arch, "infer", "bf16-pure", 1, 512, new_tokens=128,
+                                            parallelism=Parallelism(), gpu_name=H200, ceiling=ROUND,
+                                            run=StepRun(decode=decode)) for decode in ("graph", "compiled"))
+    assert graphed.terms["memory"] == compiled.terms["memory"]
+    assert graphed.seconds - compiled.seconds == pytest.approx(
+        (43 - forecast.COMPILED_LAYER_KERNELS) * 32 * forecast.KERNEL_S)
+
+
+@pytest.mark.parametrize("precision", ["int8-weight-only", "nf4", "fp8", "int4"])
+def test_a_quantized_decode_step_reads_its_format_and_launches_its_kernels(precision):
+    """Each format's terms by hand, 7B at batch 4 through a graph (nf4 dequantizes above one token)."""
+    arch = resolve("7B")
+    batch, prompt, new = 4, 256, 32
+    got = forecast_step_time(arch, "infer", precision, batch, prompt, new_tokens=new, parallelism=Parallelism(),
+                             gpu_name=H200, ceiling=ROUND, run=StepRun(decode="graph"))
+    fmt = decode_format(precision, "graph", batch)
+    assert fmt == (forecast.FOUR_BIT_DEQUANTIZED if precision == "nf4" else forecast.DECODE_FORMATS[(precision,
+                                                                                                     "eager")])
+    L, h, V = arch.num_layers, arch.hidden_size, arch.vocab_size
+    weights = arch.layer_matmul_weights * L
+    stored = sum(QUANTIZED[precision].matrix_bytes(m.rows, m.columns) for m in arch.layer_matrices) * L
+    plain = 2 * (arch.total_params - weights - (V - batch) * h)  # norms, the output projection, 4 embedding rows
+    cache = arch.kv_cache_bytes_per_token(2) * batch * (prompt + new)
+    memory = ((stored + fmt.dequantized * weights) / fmt.efficiency + plain + cache) / 2e12
+    kernels = ((46 + 7 * fmt.extra_kernels) * L + 12) * forecast.KERNEL_S
+    assert got.seconds == pytest.approx(memory + kernels)
+    # compiled, the dense step's terms: the stored weights read once, the compiled step's kernels
+    compiled = forecast_step_time(arch, "infer", precision, batch, prompt, new_tokens=new, parallelism=Parallelism(),
+                                  gpu_name=H200, ceiling=ROUND, run=StepRun(decode="compiled"))
+    assert compiled.seconds == pytest.approx((stored + plain + cache) / 2e12
+                                             + (forecast.COMPILED_LAYER_KERNELS * L + 12) * forecast.KERNEL_S)
+
+
+def test_bitsandbytes_four_bit_decodes_one_token_in_its_gemv_kernel():
+    assert decode_format("nf4", "graph", 1) is forecast.FOUR_BIT_GEMV
+    assert decode_format("fp4", "eager", 8) is forecast.FOUR_BIT_DEQUANTIZED
+    assert decode_format("bf16-pure", "graph", 8) is forecast.DENSE
+
+
+def test_a_training_step_by_hand():
+    """tiny, bf16-pure, 4 x 128, on round ceilings: each term worked out from the architecture."""
+    arch = resolve("tiny")
+    n, T = 4 * 128, 128
+    got = forecast_step_time(arch, "train", "bf16-pure", 4, T, new_tokens=1, parallelism=Parallelism(),
+                             gpu_name=H100, ceiling=ROUND)
+    L, h, f, V = arch.num_layers, arch.hidden_size, arch.ffn_size, arch.vocab_size
+    k = arch.num_kv_heads * arch.head_dim
+    matmuls = 2 * n * arch.matmul_params * 3 / (500e12 * forecast.MATMUL_EFFICIENCY)
+    attention = 2 * L * arch.num_heads * arch.head_dim * T * n * 3.5 / (500e12 * forecast.ATTENTION_EFFICIENCY)
+    # per token and layer, bf16: two norms (42 h each), rotary 20 (h + k), attention's tensors 4 (h + k),
+    # two residual adds 6 h each, SwiGLU 10 f; the Functions' training step about twice the forward; the
+    # fused loss (6 x 2 + 20) V
+    layer = 2 * 42 * h + 20 * (h + k) + 4 * (h + k) + 2 * 6 * h + 10 * f
+    assert layer_traffic(arch, Widths.of("bf16-pure")) == layer
+    memory = (n * L * layer * (1 + forecast.FUNCTIONS_BACKWARD_TRAFFIC[(2, 2)]) + n * (6 * 2 + 20) * V) / 2e12
+    optimizer = 7 * 2 * arch.total_params / 2e12
+    launches = L * 43 * (1 + forecast.FUNCTIONS_BACKWARD_OPS) + forecast.EDGE_OPS["training"] + forecast.LOSS_CHUNK_OPS
+    device = matmuls + attention + memory + optimizer + launches * forecast.KERNEL_S
+    host = launches * forecast.HOST_OP_S["training"] + optimizer
+    assert got.launches == pytest.approx(launches)
+    assert (got.device_s, got.host_s) == pytest.approx((device, host))
+    assert got.seconds == pytest.approx(side_by_side(device, host))
+
+
+def test_checkpointing_recomputes_the_forward_on_both_clocks():
+    arch = resolve("1B")
+    plain, recompute = (forecast_step_time(arch, "train", "bf16-pure", 4, 512, new_tokens=1,
+                                           parallelism=Parallelism(), gpu_name=H100, ceiling=ROUND,
+                                           activation_checkpointing=ac) for ac in (False, True))
+    forward_flops = 2 * 4 * 512 * arch.matmul_params
+    assert recompute.terms["matmuls"] - plain.terms["matmuls"] == pytest.approx(
+        forward_flops / (500e12 * forecast.MATMUL_EFFICIENCY))
+    recomputed_ops = 43 * forecast.FUNCTIONS_RECOMPUTED_OPS * arch.num_layers
+    assert recompute.launches - plain.launches == pytest.approx(recomputed_ops)
+    assert recompute.host_s - plain.host_s == pytest.approx(
+        recomputed_ops * forecast.HOST_OP_S["training"] + arch.num_layers * forecast.CHECKPOINT_HOST_S)
+
+
+def test_a_compiled_training_step_keeps_a_share_of_the_traffic_and_launches_fused_kernels():
+    arch = resolve("1B")
+    eager, compiled = (forecast_step_time(arch, "train", "bf16-pure", 8, 2048, new_tokens=1,
+                                          parallelism=Parallelism(), gpu_name=H200, ceiling=ROUND,
+                                          run=StepRun(compiled=compiled)) for compiled in (False, True))
+    # eagerly through the native decoder's Functions; compiled, inductor fuses the plain operators
+    forward = 8 * 2048 * arch.num_layers * layer_traffic(arch, Widths.of("bf16-pure")) / 2e12
+    eager_bytes = forward * (1 + forecast.FUNCTIONS_BACKWARD_TRAFFIC[(2, 2)])
+    compiled_bytes = forward * (1 + forecast.BACKWARD_TRAFFIC[(2, 2)]) * forecast.COMPILED_TRAFFIC
+    assert eager.terms["memory"] - compiled.terms["memory"] == pytest.approx(eager_bytes - compiled_bytes)
+    assert eager.launches - compiled.launches == pytest.approx(
+        (43 * (1 + forecast.FUNCTIONS_BACKWARD_OPS) - forecast.COMPILED_LAYER_KERNELS * (1 + forecast.BACKWARD_OPS))
+        * arch.num_layers)
+
+
+def test_fp32_matmuls_run_at_the_cuda_cores_ceiling():
+    arch = resolve("small")
+    got = forecast_step_time(arch, "forward", "fp32", 8, 512, new_tokens=1, parallelism=Parallelism(),
+                             gpu_name=H100, ceiling=ROUND)
+    fp32 = 500e12 * hardware.peak_flops(H100, "fp32") / hardware.peak_flops(H100, "bf16")
+    assert got.terms["matmuls"] == pytest.approx(2 * 8 * 512 * arch.matmul_params / fp32)
+
+
+def test_side_by_side_is_the_longer_clock_unless_they_are_close():
+    assert side_by_side(1.0, 0.0) == 1.0
+    assert side_by_side(1.0, 1.0) == pytest.approx(2 ** (1 / forecast.OVERLAP_EXPONENT))
+    assert side_by_side(1.0, 0.2) == pytest.approx(1.0, rel=0.01)
+
+
+def test_tensor_parallel_decoding_pays_two_all_reduces_a_layer():
+    arch = resolve("13B")
+    links = BusBandwidth(100e9, 100e9, "test")
+    one, two = (forecast_step_time(arch, "infer", "bf16-pure", 1, 512, new_tokens=64,
+                                   parallelism=Parallelism("tp", tp), gpu_name=H200, ceiling=ROUND, links=links)
+                for tp in (1, 2))
+    activation = arch.hidden_size * 2
+    all_reduce = forecast.COLLECTIVE_LATENCY_S + 2 * (2 - 1) / 2 * activation / 100e9
+    assert two.communication_s == pytest.approx(2 * arch.num_layers * all_reduce)
+    assert two.terms["memory"] == pytest.approx(one.terms["memory"] / 2)
+
+
+def test_offloaded_layers_stream_at_the_hooks_rate():
+    arch = resolve("65B")
+    offloaded = 50e9
+    plain, off = (forecast_step_time(arch, "infer", "bf16-pure", 1, 128, new_tokens=4, parallelism=Parallelism(),
+                                     gpu_name=H100, ceiling=ROUND, run=StepRun(decode="eager"),
+                                     offloaded_bytes=offloaded_bytes) for offloaded_bytes in (0.0, offloaded))
+    assert off.seconds - plain.seconds == pytest.approx(offloaded / forecast.OFFLOAD_STREAM_BANDWIDTH)
+
+
+def test_ceilings_come_from_a_measurement_here_then_the_table_then_the_scaled_datasheet():
+    measured = hardware.Ceilings(device_name=H200, torch_version="2.11", matmul_flops={"bf16": 700e12},
+                                 bandwidth=4.0e12, measured_at="now", method="test")
+    assert (ceilings(H200, measured).matmul, ceilings(H200, measured).bandwidth) == (700e12, 4.0e12)
+    assert ceilings(H200).bandwidth == forecast.MEASURED_CEILINGS[H200][1]
+    a100 = "NVIDIA A100-SXM4-80GB"
+    assert ceilings(a100).matmul == pytest.approx(hardware.peak_flops(a100, "bf16") * 785.7 / 989.4)
+    assert ceilings(a100).bandwidth == pytest.approx(hardware.peak_bandwidth(a100) * 3.0 / 3.35)
+    assert ROUND.peak(H100, "fp8") == pytest.approx(1000e12, rel=1e-3)
+
+
+def test_how_a_step_runs_follows_the_spec_and_the_rows_decoding():
+    def spec(**fields) -> RunSpec:
+        return RunSpec(**{"model": "7B", "backend": "native", "mode": "infer", "precision": "bf16-pure",
+                          "batch_size": 1, "seq_len": 128, "new_tokens": 8, "device": "cuda", "warmup_steps": 1,
+                          "measure_steps": 1, **fields})
+
+    assert step_run(spec()).decode == "compiled"
+    assert step_run(spec(compile_decode=False)).decode == "graph"
+    assert step_run(spec(cuda_graphs=False)).decode == "eager"
+    assert step_run(spec(precision="int8")).decode == "eager"  # LLM.int8's kernels cannot be captured
+    assert step_run(spec(backend="hf")).decode == "eager"
+    assert step_run(spec(), {"cuda_graphs": True, "compiled": False}).decode == "graph"
+    assert step_run(spec(), {"cuda_graphs": False, "reason": "x"}).decode == "eager"
+    assert step_run(spec(mode="train", compile=True)) == StepRun("native", True)
+
+
+def test_every_planned_row_carries_a_forecast_at_or_above_the_roofline():
+    target = GpuTarget(H100, 1, 80e9, described=True)
+    for mode, precision in (("train", "bf16"), ("forward", "bf16-pure"), ("infer", "bf16-pure"), ("infer", "int4")):
+        spec = RunSpec(model="7B", backend="native", mode=mode, precision=precision, batch_size=2, seq_len=512,
+                       new_tokens=32, device="cuda", warmup_steps=1, measure_steps=1)
+        _, prediction = predict_spec(resolve("7B"), spec, target, DEFAULT, choose_precision=False,
+                                     choose_recompute=False, runnable=(precision,))
+        assert prediction["step_time_forecast_s"] > prediction["step_time_estimate_s"] > 0
+
+
+def test_the_planner_forecasts_at_the_ceilings_measured_here(tmp_path, monkeypatch):
+    monkeypatch.setenv("FITBENCH_CACHE_DIR", str(tmp_path))
+    target = GpuTarget(H200, 1, 140e9, described=True)
+    spec = RunSpec(model="7B", backend="native", mode="infer", precision="bf16-pure", batch_size=1, seq_len=512,
+                   new_tokens=32, device="cuda", warmup_steps=1, measure_steps=1)
+
+    def planned() -> float:
+        return predict_spec(resolve("7B"), spec, target, DEFAULT, choose_precision=False, choose_recompute=False,
+                            runnable=("bf16-pure",))[1]["step_time_forecast_s"]
+
+    table = planned()
+    hardware.save_ceilings(hardware.Ceilings(device_name=H200, torch_version=hardware.torch_version(),
+                                             matmul_flops={"bf16": 785.7e12}, bandwidth=2.1e12, measured_at="now",
+                                             method="test"))
+    assert planned() > table * 1.3  # half the bandwidth: the weights take twice as long
+
+
+# ---- each constant, solved again from its row ----------------------------------------------------
+
+def measured_row(directory: str, **fields) -> dict:
+    for path in sorted((RESULTS / directory).rglob("results.jsonl")):
+        for line in path.read_text().splitlines():
+            row = json.loads(line)
+            if row["status"] == "ok" and all(row["spec"].get(key) == value for key, value in fields.items()):
+                return row
+    raise LookupError(f"no row {fields} in {directory}")
+
+
+def error_script():
+    spec = importlib.util.spec_from_file_location("speed_error", ROOT / "benchmarks/speed_error.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def solve(set_value, row: dict, low: float, high: float) -> float:
+    """The value at which the row's forecast equals its measured step (the forecast is monotonic in it)."""
+    row_error = error_script().row_error
+
+    def gap(value: float) -> float:
+        set_value(value)
+        measured, forecast_s = row_error(row)
+        return forecast_s - measured
+
+    rising = gap(high) > gap(low)
+    for _ in range(50):
+        middle = (low + high) / 2
+        if (gap(middle) > 0) == rising:
+            high = middle
+        else:
+            low = middle
+    return (low + high) / 2
+
+
+def constant(name: str, key=None, field: str | None = None):
+    """A setter of ``forecast.NAME`` (``[key]``, ``.field``) for ``solve``."""
+    def set_value(value: float) -> None:
+        if key is None and field is None:
+            setattr(forecast, name, value)
+        elif field is None:
+            getattr(forecast, name)[key] = value
+        elif key is None:
+            setattr(forecast, name, dataclasses.replace(getattr(forecast, name), **{field: value}))
+        else:
+            getattr(forecast, name)[key] = dataclasses.replace(getattr(forecast, name)[key], **{field: value})
+    return set_value
+
+
+SOURCES = [  # constant, (key), (field), its row, a range holding it
+    ("KERNEL_S", None, None, ("2026-11-24-h200-validation/matrix1-inference/3", {"model": "7B", "batch_size": 1}),
+     1e-7, 1e-5),
+    ("HOST_OP_S", "inference", None, ("2026-11-22-h100-quantized-decode/decode-eager", {"precision": "bf16-pure"}),
+     1e-6, 1e-4),
+    ("HF_HOST_OP_S", None, None, ("2026-11-24-h200-validation/matrix2-inference/2", {"model": "gpt2-xl"}), 1e-6, 1e-4),
+    ("HOST_OP_S", "training", None, ("2026-11-24-h200-validation/matrix1-training/2", {"model": "small"}), 1e-6, 1e-4),
+    ("CHECKPOINT_HOST_S", None, None, ("2026-11-24-h200-validation/matrix1-training/1",
+                                       {"model": "small", "precision": "bf16"}), 0.0, 1e-2),
+    ("MATMUL_EFFICIENCY", None, None, ("2026-11-24-h200-validation/matrix1-forward/3", {"model": "7B"}), 0.3, 1.2),
+    ("COMPILED_TRAFFIC", None, None, ("2026-11-24-h200-validation/matrix2-training/3", {"batch_size": 8}), 0.0, 1.0),
+    ("COMPILED_LAYER_KERNELS", None, None, ("2026-11-24-h200-compiled-decode/after/compiled", {"batch_size": 1}),
+     0, 60),
+    ("COLLECTIVE_LATENCY_S", None, None, ("2026-11-24-h200x2-model-parallel/13b-tp", {}), 0.0, 1e-4),
+    ("DTENSOR_HOST_OP_S", "training", None, ("2026-11-24-h200x2-model-parallel/13b-train-tp", {}), 1e-6, 1e-3),
+    ("DTENSOR_HOST_OP_S", "inference", None, ("2026-11-24-h200x2-model-parallel/13b-hf-tp-transformers-5.17", {}),
+     1e-6, 1e-3),
+    ("OFFLOAD_STREAM_BANDWIDTH", None, None, ("2026-11-22-h100-offload", {}), 1e9, 1e11),
+    ("DECODE_FORMATS", ("int4", "eager"), "efficiency", ("2026-11-24-h200-decode-formats", {"precision": "int4"}),
+     0.1, 3.0),
+    ("DECODE_FORMATS", ("fp8", "eager"), "extra_kernels", ("2026-11-24-h200-decode-formats", {"precision": "fp8"}),
+     0, 30),
+    ("DECODE_FORMATS", ("int8-weight-only", "eager"), "efficiency",
+     ("2026-11-24-h200-decode-formats", {"precision": "int8-weight-only"}), 0.1, 2.0),
+    ("DECODE_FORMATS", ("int8", "eager"), "extra_kernels",
+     ("2026-11-24-h200-validation/matrix2-inference/4", {"precision": "int8"}), 0, 100),
+    ("DECODE_FORMATS", ("int8-dynamic", "eager"), "extra_kernels", ("2026-11-23-h200-packed-build/heldout/5", {}),
+     0, 300),
+    ("FOUR_BIT_GEMV", None, "efficiency", ("2026-11-22-h100-quantized-decode/decode", {"precision": "nf4"}), 0.1, 2.0),
+    ("FOUR_BIT_DEQUANTIZED", None, "extra_kernels",
+     ("2026-11-24-h200-validation/matrix2-inference/4", {"precision": "nf4"}), 0, 30),
+    ("FP8_TRAINING_OPS", None, None, ("2026-11-22-h100-quantized-training/7b-train", {"precision": "fp8"}), 0, 300),
+]
+
+
+@pytest.mark.parametrize("name, key, field, source, low, high", SOURCES,
+                         ids=[f"{s[0]}{'' if s[1] is None else f'[{s[1]}]'}{'' if s[2] is None else f'.{s[2]}'}"
+                              for s in SOURCES])
+def test_each_constant_is_what_its_row_measured(name, key, field, source, low, high, monkeypatch):
+    for kept in ("HOST_OP_S", "DTENSOR_HOST_OP_S", "DECODE_FORMATS"):  # restored after the test
+        monkeypatch.setattr(forecast, kept, dict(getattr(forecast, kept)))
+    value = getattr(forecast, name) if key is None else getattr(forecast, name)[key]
+    value = getattr(value, field) if field else value
+    for attribute in ("FOUR_BIT_GEMV", "FOUR_BIT_DEQUANTIZED", name):
+        monkeypatch.setattr(forecast, attribute, getattr(forecast, attribute))
+    directory, fields = source
+    solved = solve(constant(name, key, field), measured_row(directory, **fields), low, high)
+    assert solved == pytest.approx(value, rel=0.03, abs=0.1 if field == "extra_kernels" else 0)
+
+
+def test_the_overlap_exponent_is_what_the_rows_with_close_clocks_measured(monkeypatch):
+    """Solved from each training row of the validation matrices whose two clocks come within 10% of each
+    other, p is about OVERLAP_EXPONENT: their median within 20%, p inside their range."""
+    monkeypatch.setattr(forecast, "OVERLAP_EXPONENT", forecast.OVERLAP_EXPONENT)
+    solved = []
+    for path in sorted((RESULTS / "2026-11-24-h200-validation").glob("matrix*-training/*/results.jsonl")):
+        for row in map(json.loads, path.read_text().splitlines()):
+            if row["status"] != "ok":
+                continue
+            spec = RunSpec.model_validate(row["spec"])
+            clocks = forecast_spec(resolve(spec.model), spec, H200, ceilings(H200),
+                                   run=StepRun(spec.backend, spec.compile, fused=False, functions=False,
+                                               fused_loss=False))
+            if abs(clocks.host_s / clocks.device_s - 1) < 0.1:
+                solved.append(solve(constant("OVERLAP_EXPONENT"), row, 1.01, 20.0))
+                forecast.OVERLAP_EXPONENT = 3.0
+    assert len(solved) >= 4  # the matrices hold such rows
+    assert statistics.median(solved) == pytest.approx(forecast.OVERLAP_EXPONENT, rel=0.2)
+    assert min(solved) < forecast.OVERLAP_EXPONENT < max(solved)
+
+
+def test_a_cpu_run_is_not_forecast():
+    spec = RunSpec(model="tiny", backend="native", mode="train", precision="fp32", batch_size=1, seq_len=16,
+                   new_tokens=1, device="cpu", warmup_steps=1, measure_steps=1)
+    _, prediction = predict_spec(resolve("tiny"), spec, GpuTarget(None, 1, 8e9, described=False), None,
+                                 choose_precision=False, choose_recompute=False, runnable=("fp32",))
+    assert prediction["step_time_forecast_s"] is None and prediction["step_time_estimate_s"] > 0
+
+
+def test_attention_efficiency_is_what_a_doubled_context_cost(monkeypatch):
+    """The one constant matched on a difference: twice the context at the same tokens."""
+    directory = "2026-11-23-h200-chunked-loss/long-sequences"
+    short = measured_row(directory, model="llama-3.1-8b", batch_size=2, seq_len=4096)
+    long = measured_row(directory, model="llama-3.1-8b", batch_size=1, seq_len=8192)
+    row_error = error_script().row_error
+    value = forecast.ATTENTION_EFFICIENCY
+    monkeypatch.setattr(forecast, "ATTENTION_EFFICIENCY", value)
+    low, high = 0.2, 1.5
+    for _ in range(50):
+        middle = (low + high) / 2
+        forecast.ATTENTION_EFFICIENCY = middle
+        (measured_short, short_s), (measured_long, long_s) = row_error(short), row_error(long)
+        if long_s - short_s > measured_long - measured_short:
+            low = middle
+        else:
+            high = middle
+    assert (low + high) / 2 == pytest.approx(value, rel=0.03)
+
+
+def test_the_error_script_recomputes_every_row_and_summarises_per_directory(capsys, monkeypatch):
+    script = error_script()
+    directory = RESULTS / "2026-11-24-h200-decode-formats"
+    monkeypatch.setattr("sys.argv", ["speed_error.py", str(directory)])
+    script.main()
+    out = capsys.readouterr().out
+    row = measured_row("2026-11-24-h200-decode-formats", precision="int8")
+    measured, forecast_s = script.row_error(row)
+    spec = RunSpec.model_validate(row["spec"])
+    direct = forecast_spec(resolve(spec.model), spec, H200, ceilings(H200), run=StepRun(decode="eager", fused=True))
+    assert forecast_s == pytest.approx(direct.seconds)
+    assert f"| {row['label']} | infer | {1e3 * measured:.2f} ms | {1e3 * forecast_s:.2f} ms | " \
+           f"{(forecast_s - measured) / measured:+.1%} |" in out
+    assert "(5 rows)" in out and "| mode infer |" in out and "- worst: " in out
