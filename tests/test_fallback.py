@@ -35,7 +35,7 @@ SEEDS_YAML = {"models": {"sizes": ["tiny"], "quantization": {"enabled": True, "f
                                                              "priority_order": ["none", "fp16", "8bit", "4bit"]}},
               "mode": "infer"}
 AUTO_BATCH = 19  # the batch the injected memory limit leaves room for in the --batch-size auto sweep
-# (below 12 sequences of 16 tokens the peak is the end of the backward pass, the same for every batch)
+# (below 15 sequences of 16 tokens the peak is the end of the backward pass, the same for every batch)
 RESIDENT = 2  # the decoder layers (of tiny's 4) the injected memory limit leaves room for in the --offload sweep
 
 
