@@ -3,8 +3,8 @@ by kind (matmuls, attention, normalization, the loss, the optimizer, other eleme
 the step's wall time beside the kernels' sum; the gap is time the device waited for the host.
 
 The step is fitbench's own (``fitbench.run.loops.make_step``) on either backend, so the profile is of what
-``fitbench run --mode train`` times. A kernel's kind is read from its name (``KINDS``, first match wins; ATen's ``gpu_kernel_impl_nocast``
-wraps every elementwise functor, so ``nocast`` is no cast).
+``fitbench run --mode train`` times. A kernel's kind is read from its name (``KINDS``, first match wins;
+ATen's ``gpu_kernel_impl_nocast`` wraps every elementwise functor, so ``nocast`` is no cast).
 
 Usage: python benchmarks/train_profile.py --model 1B --backend native --batch-size 8 --seq-len 2048 [--compile] OUT.json
 """
