@@ -35,24 +35,16 @@ from fitbench.plan.memory import estimate_memory  # noqa: E402
 from fitbench.precisions import policy  # noqa: E402
 from fitbench.run import loops  # noqa: E402
 from fitbench.run.cross_entropy import chunked_cross_entropy, cross_entropy  # noqa: E402
+from fitbench.run.timing import DeviceClock, time_steps  # noqa: E402
 
 LOSSES = {"fused": cross_entropy, "chunked": chunked_cross_entropy,
           "whole": lambda logits, targets: F.cross_entropy(logits.float(), targets)}
 
 
 def timed(run, repeats: int) -> float:
-    """Median seconds of ``run`` over ``repeats`` calls after three untimed ones, from CUDA events."""
-    for _ in range(3):
-        run()
-    times = []
-    for _ in range(repeats):
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        run()
-        end.record()
-        end.synchronize()
-        times.append(start.elapsed_time(end) / 1e3)
-    return statistics.median(times)
+    """Median seconds of ``run`` over ``repeats`` calls after three untimed ones (``time_steps``: CUDA events)."""
+    seconds, _ = time_steps(run, DeviceClock(torch.device("cuda")), warmup=3, repeats=repeats)
+    return statistics.median(seconds)
 
 
 def head(loss_name: str, tokens: int, vocab: int, hidden: int, repeats: int) -> dict:

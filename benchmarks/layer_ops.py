@@ -28,7 +28,6 @@ from __future__ import annotations
 
 import argparse
 import statistics
-import time
 from dataclasses import dataclass
 from typing import Callable
 
@@ -37,6 +36,7 @@ import torch.nn.functional as F
 
 from fitbench.models.layer_ops import rms_norm, rotary, stacked_linear, swiglu
 from fitbench.models.native import apply_rope
+from fitbench.run.timing import DeviceClock, time_steps
 
 
 @dataclass(frozen=True)
@@ -169,22 +169,8 @@ def time_pass(forward: Callable, inputs: tuple[torch.Tensor, ...], repeats: int,
             outs = forward(*inputs)
         torch.autograd.backward(outs, grads)
 
-    for _ in range(3):
-        once()
-    samples = []
-    for _ in range(repeats):
-        if device.type == "cuda":
-            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-            start.record()
-            once()
-            end.record()
-            end.synchronize()
-            samples.append(start.elapsed_time(end) / 1e3)
-        else:
-            started = time.perf_counter()
-            once()
-            samples.append(time.perf_counter() - started)
-    return statistics.median(samples)
+    seconds, _ = time_steps(once, DeviceClock(device), warmup=3, repeats=repeats)
+    return statistics.median(seconds)
 
 
 def main() -> None:

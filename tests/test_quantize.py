@@ -215,21 +215,15 @@ def test_weight_storage_of_plain_modules():
     assert worker.weight_storage_bytes(untied) == 2 * 60
 
 
-def test_int8_storage_counts_row_scales():
+@pytest.mark.parametrize("after_forward", [False, True])
+def test_int8_storage_counts_row_scales(after_forward):
     arch = resolve("tiny")
     model = build_native(arch, CPU, torch.bfloat16)
     quantize_linears(model, "int8", CPU)
+    if after_forward:
+        with torch.no_grad():
+            model(torch.zeros(1, 4, dtype=torch.long))
     # one int8 per element and one fp32 absmax per output row
-    expected = arch.num_layers * sum(rows * cols + 4 * rows for rows, cols in matrices(arch)) + bf16_rest_bytes(arch)
-    assert worker.weight_storage_bytes(model) == expected
-
-
-def test_int8_storage_counts_row_scales_after_a_forward():
-    arch = resolve("tiny")
-    model = build_native(arch, CPU, torch.bfloat16)
-    quantize_linears(model, "int8", CPU)
-    with torch.no_grad():
-        model(torch.zeros(1, 4, dtype=torch.long))
     expected = arch.num_layers * sum(rows * cols + 4 * rows for rows, cols in matrices(arch)) + bf16_rest_bytes(arch)
     assert worker.weight_storage_bytes(model) == expected
 
