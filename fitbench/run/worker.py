@@ -293,6 +293,14 @@ def offload_row(offload: Offload, timing: dict, mode: str) -> dict:
     return {**offload.as_dict(), "stream_gbs": offload.offloaded_bytes / step / 1e9 if offload.offloaded_layers else None}
 
 
+def decoding_as_asked(lm, spec: RunSpec):
+    """``lm`` compiling its decode step, and tuning it, as ``spec`` asks, where it is the native backend's."""
+    if isinstance(lm, NativeLM):
+        lm.compile_decode = spec.compile_decode
+        lm.decode_options = DECODE_TUNING if spec.decode_tuning else {}
+    return lm
+
+
 def build(assignment: Assignment, arch, policy, device: torch.device, scratch: Path,
           rank: Rank | None = None) -> Built:
     """The model of the assignment, or with pipeline stages this ``rank``'s stage of it."""
@@ -321,10 +329,7 @@ def build(assignment: Assignment, arch, policy, device: torch.device, scratch: P
     if not policy.quantized:
         lm = load_model(arch, spec.backend, device, policy.weight_dtype, model_path=model_path,
                         compute_dtype=policy.compute_dtype, cuda_graphs=spec.cuda_graphs)
-        if isinstance(lm, NativeLM):
-            lm.compile_decode = spec.compile_decode
-            lm.decode_options = DECODE_TUNING if spec.decode_tuning else {}
-        return Built(lm)
+        return Built(decoding_as_asked(lm, spec))
     problem = hardware_problem(spec.precision, device.type,
                                torch.cuda.get_device_capability(device) if device.type == "cuda" else None)
     training = spec.mode in TRAINING_MODES
@@ -346,9 +351,7 @@ def build(assignment: Assignment, arch, policy, device: torch.device, scratch: P
         lm = load_model(arch, spec.backend, device, torch.bfloat16, model_path=model_path,
                         cuda_graphs=spec.cuda_graphs, graph_problem=graph_problem(spec.precision), fused=False)
         quality = quantize_built(lm, arch, spec.precision, device, probe, checkpoint=checkpoint_directory(spec))
-    if isinstance(lm, NativeLM):
-        lm.compile_decode = spec.compile_decode  # inductor fuses the dequantization into the matmul's loads
-        lm.decode_options = DECODE_TUNING if spec.decode_tuning else {}
+    decoding_as_asked(lm, spec)  # quantized too: inductor fuses the dequantization into the matmul's loads
     if not training:
         return Built(lm, quality)
     adapters = add_adapters(lm.module, device)
