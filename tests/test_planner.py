@@ -1473,6 +1473,28 @@ def test_falcon_180b_bf16_inference_fewest_h100s_and_the_layout():
         (count, found.candidate.label)
 
 
+@pytest.mark.parametrize("precision, strategies", [("fp8", None), ("bf16-pure", ["tp"])])
+def test_a_plan_of_layouts_the_run_refuses_says_why(precision, strategies, capsys):
+    """Falcon-180B on H200s: fp8 fits only in layouts the run does not launch (no tensor-parallel plan in
+    transformers for Falcon, no quantized stages on the hf backend), and bf16 under tensor parallelism
+    is predicted short of memory too. Either way the plan names the run's refusal, not only the memory."""
+    arch = resolve("falcon-180b")
+    target = GpuTarget("NVIDIA H200", 8, H200_TOTAL_MEMORY, described=True)
+    result = plan(arch, "infer", target, seq_len=512, new_tokens=32, batch_sizes=[1], precisions=[precision],
+                  strategies=strategies)
+    shown = [result.chosen] if result.chosen else list(result.rejected)
+    problems = {launch_problem(arch, a.candidate.layout, precision, "infer", "hf") for a in shown}
+    assert shown and None not in problems
+    notes = [note for note in result.notes if note.startswith("the run cannot launch")]
+    assert {note.partition(": ")[2] for note in notes} == problems
+    code, out, err = cli(["plan", "--models", "falcon-180b", "--mode", "infer", "--gpu", "H200", "--gpus", "8",
+                          "--seq-len", "512", "--new-tokens", "32", "--precision", precision,
+                          *(["--strategy", *strategies] if strategies else [])], capsys)
+    assert code == 0, err
+    text = " ".join(out.split())  # the terminal wraps long lines
+    assert all(f"note: {note}" in text for note in notes)
+
+
 def test_70b_bf16_inference_on_two_h200_fits_with_tp2():
     target = GpuTarget("NVIDIA H200", 2, H200_TOTAL_MEMORY, described=True)
     result = plan(resolve("llama-2-70b"), "infer", target, seq_len=512, new_tokens=128, batch_sizes=[1],

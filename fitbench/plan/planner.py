@@ -462,6 +462,15 @@ def plan(arch: Architecture, mode: str, target: GpuTarget, *, seq_len: int, new_
                f"in training the choice is among what `fitbench run --gpus N` launches: "
                f"{', '.join(LAUNCHED_IN_TRAINING)}")
         notes.append(f"{best.label} is predicted faster ({faster[0].speed.tokens_per_s:,.0f} tokens/s); {why}")
+    # A plan that names no way to run, or one the run refuses, says what the run refuses and why: a
+    # model whose layouts the run cannot launch would otherwise read as short of memory alone.
+    unlaunched = [chosen] if chosen else rejected
+    problems = {}
+    for a in unlaunched:
+        problem = launch_problem(arch, a.candidate.layout, a.candidate.precision, mode, runs_on)
+        if problem:
+            problems.setdefault(problem, a.candidate.label)
+    notes.extend(f"the run cannot launch {label}: {problem}" for problem, label in problems.items())
     if target.speed_name != target.name:
         notes.append(f"speed estimates use {target.speed_name} figures; name the GPU with --gpu for others")
     return Plan(arch.name, mode, target, chosen, tuple(ranked), tuple(rejected), calibration.source, tuple(notes))
