@@ -31,7 +31,7 @@ KINDS: tuple[tuple[str, str], ...] = (
     ("attention", r"flash|fmha|attention|sdpa|efficient"),
     ("loss", r"log_softmax|softmax|nll|cross_entropy"),
     ("norm", r"rms|norm|rsqrt"),
-    ("matmul", r"gemm|cutlass|sm\d\d_|nvjet|cublas|matmul|addmm|\bmm\b|xmma|wgmma"),
+    ("matmul", r"gemm|cutlass|sm\d\d_|nvjet|cublas|matmul|addmm|\bmm\b|xmma|wgmma|int4pack|f8f8|e4m3"),
     ("copy", r"copy|(?<!no)cast|fill|memcpy|memset|catarray|index"),
     ("elementwise", r"elementwise|vectorized|reduce|unrolled|pointwise|triton"),
 )

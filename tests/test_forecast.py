@@ -290,17 +290,32 @@ def test_a_quantized_decode_step_reads_its_format_and_launches_its_kernels(preci
     memory = ((stored + fmt.dequantized * weights) / fmt.efficiency + plain + cache) / 2e12
     kernels = ((46 + 7 * fmt.extra_kernels) * L + 12) * forecast.KERNEL_S
     assert got.seconds == pytest.approx(memory + kernels)
-    # compiled, the dense step's terms: the stored weights read once, the compiled step's kernels
+    # compiled: the stored weights read at the compiled format's rate (nf4, never timed compiled, at the
+    # dense step's), the compiled step's kernels
     compiled = forecast_step_time(arch, "infer", precision, batch, prompt, new_tokens=new, parallelism=Parallelism(),
                                   gpu_name=H200, ceiling=ROUND, run=StepRun(decode="compiled"))
-    assert compiled.seconds == pytest.approx((stored + plain + cache) / 2e12
-                                             + (forecast.COMPILED_LAYER_KERNELS * L + 12) * forecast.KERNEL_S)
+    fmt = decode_format(precision, "compiled", batch)
+    assert fmt == forecast.DECODE_FORMATS.get((precision, "compiled, more tokens"),
+                                              forecast.DECODE_FORMATS.get((precision, "compiled"), forecast.DENSE))
+    assert compiled.seconds == pytest.approx(
+        (stored / fmt.efficiency + plain + cache) / 2e12
+        + ((forecast.COMPILED_LAYER_KERNELS + 7 * fmt.extra_kernels) * L + 12) * forecast.KERNEL_S)
 
 
 def test_bitsandbytes_four_bit_decodes_one_token_in_its_gemv_kernel():
     assert decode_format("nf4", "graph", 1) is forecast.FOUR_BIT_GEMV
     assert decode_format("fp4", "eager", 8) is forecast.FOUR_BIT_DEQUANTIZED
     assert decode_format("bf16-pure", "graph", 8) is forecast.DENSE
+
+
+def test_compiled_int4_and_int8_weight_only_read_slower_past_one_token_and_fp8_does_not():
+    """The compiled formats' kernels past batch 1 (``benchmarks/decode_kernels.py``): tinygemm and
+    torchao's int8 weight-only read far slower, the fp8 matmul as fast; bf16 is the dense step's."""
+    for precision in ("int4", "int8-weight-only"):
+        one, more = (decode_format(precision, "compiled", tokens) for tokens in (1, 8))
+        assert more.efficiency < one.efficiency / 2
+    assert decode_format("fp8", "compiled", 1) is decode_format("fp8", "compiled", 32)
+    assert decode_format("bf16-pure", "compiled", 8) is forecast.DENSE
 
 
 def test_a_training_step_by_hand():
@@ -525,6 +540,19 @@ SOURCES = [  # constant, (key), (field), its row, a range holding it
      ("2026-11-24-h200-validation/matrix2-inference/4", {"precision": "int8"}), 0, 100),
     ("DECODE_FORMATS", ("int8-dynamic", "eager"), "extra_kernels", ("2026-11-23-h200-packed-build/heldout/5", {}),
      0, 300),
+    ("DECODE_FORMATS", ("int4", "compiled"), "efficiency",
+     ("2026-11-24-h200-regional-compile/int4", {"precision": "int4"}), 0.1, 3.0),
+    ("DECODE_FORMATS", ("int4", "compiled, more tokens"), "efficiency",
+     ("2026-11-24-h200-engine-profiles/decode-formats-1B", {"precision": "int4", "batch_size": 8}), 0.01, 3.0),
+    ("DECODE_FORMATS", ("int8-weight-only", "compiled"), "efficiency",
+     ("2026-11-24-h200-regional-compile/int8wo", {"precision": "int8-weight-only"}), 0.1, 3.0),
+    ("DECODE_FORMATS", ("int8-weight-only", "compiled, more tokens"), "efficiency",
+     ("2026-11-24-h200-engine-profiles/decode-formats-1B", {"precision": "int8-weight-only", "batch_size": 8}),
+     0.001, 3.0),
+    ("DECODE_FORMATS", ("fp8", "compiled"), "efficiency",
+     ("2026-11-24-h200-regional-compile/fp8", {"precision": "fp8"}), 0.1, 3.0),
+    ("DECODE_FORMATS", ("fp8", "compiled"), "extra_kernels",
+     ("2026-11-24-h200-engine-profiles/decode-formats-1B", {"precision": "fp8", "batch_size": 1}), 0, 30),
     ("FOUR_BIT_GEMV", None, "efficiency", ("2026-11-22-h100-quantized-decode/decode", {"precision": "nf4"}), 0.1, 2.0),
     ("FOUR_BIT_DEQUANTIZED", None, "extra_kernels",
      ("2026-11-24-h200-validation/matrix2-inference/4", {"precision": "nf4"}), 0, 30),

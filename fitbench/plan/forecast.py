@@ -239,10 +239,9 @@ class DecodeFormat:
 
 DENSE = DecodeFormat()
 # Per (precision, how the step runs): "eager" is the eager step, replayed from a CUDA graph or launched
-# without one; "compiled", a step compiled by inductor, is the dense step's until measured (inductor
-# fuses the dequantization into the matmul's loads and the activation quantization into its
-# neighbours): add an entry per format once its compiled step is timed. Each value is solved, as the
-# constants above, from its source row (H200, torch 2.11, torchao 0.18, bitsandbytes 0.50).
+# without one; "compiled", below, the compiled step's, which is the dense step's for a format not
+# timed compiled. Each value is solved, as the constants above, from its source row (H200, torch 2.11,
+# torchao 0.18, bitsandbytes 0.50).
 DECODE_FORMATS: dict[tuple[str, str], DecodeFormat] = {
     # tinygemm reads the packed int4 weights and their group scales at 60% of the copy bandwidth
     ("int4", "eager"): DecodeFormat(0.6, 0, 0, "Llama-2-7B int4, batch 1 (2026-11-24-h200-decode-formats): 5.53 ms"),
@@ -262,6 +261,27 @@ DECODE_FORMATS: dict[tuple[str, str], DecodeFormat] = {
     # torchao's int8 dynamic quantization, without a graph: 80 operators' worth per matmul
     ("int8-dynamic", "eager"): DecodeFormat(1.0, 80, 0, "3B int8-dynamic, 2 x 2048 "
                                                         "(2026-11-23-h200-packed-build/heldout/5): 239 ms"),
+    # Compiled (a decoder layer compiled by inductor, the step in a CUDA graph), for one token per step
+    # and, where it differs, for more ("compiled, more tokens"): inductor fuses the dequantization and
+    # the activation quantization into their neighbours, so a format is its matmul kernels' read rate,
+    # which changes past one token. Kernel by kernel at the 7B MLP's shapes (``benchmarks/
+    # decode_kernels.py``, 2026-11-24-h200-engine-profiles): tinygemm's int4 reads 1.5 TB/s at batch 1,
+    # 0.7 at 8 and 0.23 at 32 (slower than bf16 from batch 8); torchao's int8 weight-only under inductor
+    # 1.7 TB/s at batch 1 and 0.05 at 8; the fp8 matmul (cuBLAS's 128 x 128 tiles) 1.8 TB/s at any batch.
+    ("int4", "compiled"): DecodeFormat(0.48, 0, 0, "Llama-2-7B int4, batch 1 (2026-11-24-h200-regional-compile/int4): "
+                                                   "3.17 ms"),
+    ("int4", "compiled, more tokens"): DecodeFormat(
+        0.16, 0, 0, "1B int4, batch 8 (2026-11-24-h200-engine-profiles/decode-formats-1B): 1.50 ms"),
+    ("int8-weight-only", "compiled"): DecodeFormat(0.84, 0, 0, "Llama-2-7B int8-weight-only, batch 1 "
+                                                               "(2026-11-24-h200-regional-compile/int8wo): 3.30 ms"),
+    ("int8-weight-only", "compiled, more tokens"): DecodeFormat(
+        0.0096, 0, 0, "1B int8-weight-only, batch 8 (2026-11-24-h200-engine-profiles/decode-formats-1B): 24.9 ms"),
+    # two rows, two terms: a step of small matmuls (1B) is slower in fp8 than in bf16, so besides the
+    # read rate each fp8 matmul costs three kernels' time (its activation's scale and cast, and the
+    # fp8 kernel's own start, which at one row of activations does not shrink with the matrix)
+    ("fp8", "compiled"): DecodeFormat(0.92, 3, 0, "Llama-2-7B fp8, batch 1 (2026-11-24-h200-regional-compile/fp8): "
+                                                  "4.97 ms; 1B fp8, batch 1 (2026-11-24-h200-engine-profiles/"
+                                                  "decode-formats-1B): 1.87 ms"),
 }
 # bitsandbytes 4-bit: one token per step reads the packed weights in its gemv kernel, at 45% of the
 # copy bandwidth; more tokens dequantize each weight to a bf16 copy and multiply by it.
@@ -314,6 +334,8 @@ def decode_format(precision: str, decode: str, tokens: int) -> DecodeFormat:
     step = "compiled" if decode == "compiled" else "eager"
     if precision in ("nf4", "fp4") and step == "eager":
         return FOUR_BIT_GEMV if tokens == 1 else FOUR_BIT_DEQUANTIZED
+    if step == "compiled" and tokens > 1 and (precision, "compiled, more tokens") in DECODE_FORMATS:
+        return DECODE_FORMATS[(precision, "compiled, more tokens")]
     return DECODE_FORMATS.get((precision, step), DENSE)
 
 
