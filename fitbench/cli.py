@@ -420,7 +420,11 @@ def _plan_text(result, trace) -> None:
     if target.memory_source:
         console.print(f"memory per GPU: {escape(target.memory_source)}")
     chosen = result.chosen
-    if chosen is None:
+    if chosen is None and not result.rejected:
+        console.print("[red]nothing to plan[/red]: no layout of these GPUs uses only the strategies named by "
+                      "--strategy (single is one GPU; ddp and fsdp need two or more; tp and pipeline two or more); "
+                      "name others or change --gpus.")
+    elif chosen is None:
         console.print("[red]nothing fits[/red]: every candidate was rejected.")
     else:
         speed = chosen.speed

@@ -228,6 +228,7 @@ def plan_specs(specs: list, config, target, calibration) -> tuple[list, Callable
     if target is None:
         return specs, lambda spec: None, {}
 
+    from fitbench.config import fallback_ladder
     from fitbench.models.registry import resolve
     from fitbench.plan.planner import alternatives, planner_choices, predict_spec, refusal
 
@@ -237,7 +238,8 @@ def plan_specs(specs: list, config, target, calibration) -> tuple[list, Callable
         spec, prediction = predict_spec(arch, spec, target, calibration, choose_precision=config.precision is None,
                                         choose_recompute=config.activation_checkpointing is None,
                                         runnable=PRECISIONS, choose_strategy=config.strategy == "auto",
-                                        gpus=None if spec.offload else config.gpus)
+                                        gpus=None if spec.offload else config.gpus,
+                                        ladder=fallback_ladder(config, spec.mode) if config.fallback else None)
         planned.append(spec)
         predictions[spec.key] = prediction
         if not prediction["fits"]:

@@ -1495,6 +1495,31 @@ def test_a_plan_of_layouts_the_run_refuses_says_why(precision, strategies, capsy
     assert all(f"note: {note}" in text for note in notes)
 
 
+def test_the_run_plans_the_precision_it_left_open_from_its_fallback_ladder():
+    """Llama-2-70B's bf16 weights (138 GB) do not fit a 100 GB GPU, its int8 and fp8 ones do: the run's
+    plan takes the next rung of the ladder the user gives, not the default ladder's int8."""
+    from fitbench.config import SweepConfig, expand
+    from fitbench.sweep import plan_specs
+
+    target = GpuTarget("NVIDIA H200", 1, 100e9, described=True)
+    for fallback, expected in ((None, "int8"), (["bf16-pure", "fp8", "nf4"], "fp8")):
+        config = SweepConfig(models=["llama-2-70b"], mode=["infer"], fallback=fallback)
+        specs = expand(config, device="cuda:0", default_models=[])
+        (planned,), _, refusals = plan_specs(specs, config, target, DEFAULT)
+        assert planned.precision == expected and not refusals
+
+
+def test_a_plan_with_no_layout_of_the_strategies_says_so_not_that_nothing_fits(capsys):
+    """FSDP on one GPU is no layout at all: the plan says which strategies need more GPUs, where one
+    with candidates that all fail says nothing fits."""
+    code, out, err = cli(["plan", "--models", "tiny", "--gpus", "1", "--gpu", "H200", "--strategy", "fsdp"], capsys)
+    text = " ".join(out.split())
+    assert code == 0, err
+    assert "nothing to plan" in text and "ddp and fsdp need two or more" in text and "nothing fits" not in text
+    code, out, err = cli(["plan", "--models", "llama-2-70b", "--gpus", "1", "--gpu-memory", "20GB"], capsys)
+    assert "nothing fits" in " ".join(out.split()) and "nothing to plan" not in out
+
+
 def test_70b_bf16_inference_on_two_h200_fits_with_tp2():
     target = GpuTarget("NVIDIA H200", 2, H200_TOTAL_MEMORY, described=True)
     result = plan(resolve("llama-2-70b"), "infer", target, seq_len=512, new_tokens=128, batch_sizes=[1],

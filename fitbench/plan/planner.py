@@ -563,10 +563,10 @@ def planner_choices(mode: str, choose_precision: bool, choose_recompute: bool, c
 
 def predict_spec(arch: Architecture, spec, target: GpuTarget, calibration: Calibration | None, *,
                  choose_precision: bool, choose_recompute: bool, runnable: tuple[str, ...],
-                 choose_strategy: bool = False, gpus: int | None = None):
+                 choose_strategy: bool = False, gpus: int | None = None, ladder: list[str] | None = None):
     """Plan one ``fitbench run`` configuration on its GPUs (one, or its layout's world size): choose
     the precision and activation checkpointing the user left open (first rung of the ladder that
-    fits) and, with ``choose_strategy``, the layout of ``gpus`` ranks (by default the layout's world
+    fits: ``ladder``, the run's --fallback, else ``DEFAULT_LADDER``, its rungs among ``runnable``) and, with ``choose_strategy``, the layout of ``gpus`` ranks (by default the layout's world
     size; ``layouts_for`` those the run can launch, ``launch_problem``: the fastest predicted among
     those that fit, in training one of ``LAUNCHED_IN_TRAINING`` first, as ``plan`` chooses), and
     predict the peak per GPU (compiled when ``spec.compile``);
@@ -574,7 +574,7 @@ def predict_spec(arch: Architecture, spec, target: GpuTarget, calibration: Calib
     that comes closest (the smallest peak) stands for the configuration: what its refusal names.
     Returns the spec to run and the prediction stored with its result. ``calibration`` None: a CPU,
     tensors only."""
-    ladder = [p for p in DEFAULT_LADDER[spec.mode] if p in runnable] if choose_precision else [spec.precision]
+    ladder = [p for p in ladder or DEFAULT_LADDER[spec.mode] if p in runnable] if choose_precision else [spec.precision]
     if spec.offload:
         ladder = [p for p in ladder if p not in QUANTIZED]
     recompute = [False, True] if choose_recompute and spec.mode in TRAINING_MODES else [spec.activation_checkpointing]
