@@ -70,9 +70,9 @@ def _add_run_options(parser: argparse.ArgumentParser) -> None:
     add("--precision", nargs="+", choices=PRECISIONS, default=S, metavar="PRECISION",
         help="fp32, tf32, bf16/fp16 (autocast over fp32 weights), bf16-pure (bf16 weights and optimizer); "
              "quantized weights: int8 (LLM.int8), nf4, fp4 (bitsandbytes), int8-dynamic, int8-weight-only, int4, "
-             "fp8, fp8-block (torchao). Training: fp8 trains every weight with float8 matmuls; int8, nf4 and fp4 "
-             "train low-rank adapters on the frozen quantized base (QLoRA); int8-dynamic, int8-weight-only, int4 "
-             "and fp8-block do not train")
+             "fp8, fp8-weight-only, fp8-block (torchao). Training: fp8 trains every weight with float8 matmuls; "
+             "int8, nf4 and fp4 train low-rank adapters on the frozen quantized base (QLoRA); the other torchao "
+             "ones do not train")
     add("--batch-size", dest="batch_size", nargs="+", type=_batch_size, default=S, metavar="N",
         help="sequences per step, or auto: the largest that runs, from the planner's prediction verified by "
              "probe runs (reported as max_batch)")

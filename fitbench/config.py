@@ -189,7 +189,8 @@ SEED_PRECISIONS = {"none": "fp32", "fp16": "bf16-pure", "8bit": "int8", "4bit": 
 # int8-weight-only is not a default rung: it stores what int8 stores (1 B per weight and 4 or 5 B per
 # row), so beside int8 it is a retry that fits nothing more, and in int8's place it would trade
 # LLM.int8's outlier handling, what keeps large checkpoints near bf16 quality, for decode speed that
-# an out-of-memory retry does not ask for. A user's --fallback may name it.
+# an out-of-memory retry does not ask for. A user's --fallback may name it. fp8-weight-only is not one
+# for the same reasons: it stores 1 B per weight and 4 B per row too.
 DEFAULT_FALLBACK = {
     "train": ["bf16", "bf16-pure"],
     "forward-backward": ["bf16", "bf16-pure"],

@@ -15,8 +15,8 @@ Training with quantized weights (``training_problem`` says which can):
   (QLoRA, ``fitbench.run.adapters``): a different workload from full training, and rows say so;
 - ``fp8``: full training, bf16 weights and AdamW state, the decoder layers' matmuls in float8
   (torchao's float8 training, row-wise scales, fresh casts of weights and activations every step);
-- ``int8-dynamic``, ``int8-weight-only``, ``int4``, ``fp8-block``: torchao's inference tensors have no
-  backward pass, so these are refused for training.
+- ``int8-dynamic``, ``int8-weight-only``, ``int4``, ``fp8-weight-only``, ``fp8-block``: torchao's
+  inference tensors have no backward pass, so these are refused for training.
 
 Beside the names: the dtypes and autocast of each (``policy``), the tensor cores whose peak MFU
 divides by (``peak_kind``), what the hardware must offer (``hardware_problem``) and why a decode
@@ -37,7 +37,7 @@ TRAINING_MODES = ("train", "forward-backward")
 
 FLOAT_PRECISIONS: tuple[str, ...] = ("fp32", "tf32", "bf16", "fp16", "bf16-pure")
 QUANTIZED_PRECISIONS: tuple[str, ...] = ("int8", "nf4", "fp4", "int8-dynamic", "int8-weight-only", "int4", "fp8",
-                                         "fp8-block")
+                                         "fp8-weight-only", "fp8-block")
 PRECISIONS: tuple[str, ...] = FLOAT_PRECISIONS + QUANTIZED_PRECISIONS
 
 
@@ -133,14 +133,15 @@ def policy(name: str) -> PrecisionPolicy:
 #   outliers, which run in 16 bits (Dettmers et al. 2022, section 3.2);
 # - int8-dynamic (torchao): activations quantized per token at run time, int8 x int8 matmuls (``_int_mm``);
 # - fp8, fp8-block (torchao): float8 x float8 matmuls (``torch._scaled_mm``), row-wise or block-wise scales;
-# - int4, nf4, fp4, int8-weight-only: weight-only; the weights are dequantized to bf16 (bitsandbytes and
-#   torchao's int8 before the matmul, torchao's int4 inside its kernel) and the matmuls run in bf16;
+# - int4, nf4, fp4, int8-weight-only, fp8-weight-only: weight-only; the weights are dequantized to bf16
+#   (bitsandbytes and torchao's int8 and float8 before the matmul, torchao's int4 inside its kernel) and
+#   the matmuls run in bf16;
 # - fp8 training (torchao float8 training): the forward matmul and both backward matmuls in float8;
 # - adapters on an int8, nf4 or fp4 base: the forward pass runs as in inference, but the backward's
 #   input gradients (2 N per token, bitsandbytes multiplies by the dequantized weight) and attention
 #   (12 L H Q T, all of it) run in bf16, more than the forward's 2 N: bf16.
 #
-# int8-dynamic, int8-weight-only, int4 and fp8-block have no training (``training_problem``).
+# int8-dynamic, int8-weight-only, int4, fp8-weight-only and fp8-block have no training (``training_problem``).
 _PEAK_KINDS: dict[str, tuple[str, str | None]] = {  # precision -> (inference, training)
     "fp32": ("fp32", "fp32"),
     "tf32": ("tf32", "tf32"),
@@ -154,6 +155,7 @@ _PEAK_KINDS: dict[str, tuple[str, str | None]] = {  # precision -> (inference, t
     "int8-weight-only": ("bf16", None),
     "int4": ("bf16", None),
     "fp8": ("fp8", "fp8"),
+    "fp8-weight-only": ("bf16", None),
     "fp8-block": ("fp8", None),
 }
 
@@ -178,8 +180,9 @@ def peak_kind(precision: str, mode: str) -> str:
 # call; fp8 (``Float8Tensor``, row-wise) quantizes the activation on the device (amax, scale, cast, or
 # Triton's ``quantize_fp8_row``) and calls ``torch._scaled_mm``; fp8-block calls its Triton blockwise
 # kernels; int8-weight-only and int8-dynamic (``Int8Tensor``) are a cast of the weight, ``torch.mm``
-# (``_int_mm`` for int8-dynamic) and a multiply by the row scales. bitsandbytes' 4-bit decode kernels
-# are launches on fixed shapes too.
+# (``_int_mm`` for int8-dynamic) and a multiply by the row scales; fp8-weight-only (``Float8Tensor``
+# without activation quantization) casts the weight to fp32, multiplies it by the row scales, casts it to
+# bf16 and calls ``torch.matmul``. bitsandbytes' 4-bit decode kernels are launches on fixed shapes too.
 _GRAPH_PROBLEMS = {
     "int8": "LLM.int8 finds each input's outlier columns with a data-dependent shape (bitsandbytes' "
             "int8_vectorwise_quant calls torch.argwhere), which a CUDA graph cannot capture",
@@ -196,7 +199,10 @@ FP8_CAPABILITY = (8, 9)  # float8 tensor cores: Ada (8.9) and Hopper (9.0) onwar
 
 def hardware_problem(precision: str, device_type: str, capability: tuple[int, int] | None) -> str | None:
     """Why a device of ``device_type`` (``cpu``, ``cuda``) and compute ``capability`` cannot run
-    ``precision``, or None."""
+    ``precision``, or None. fp8-weight-only needs no float8 tensor cores: torchao 0.18's
+    ``Float8WeightOnlyConfig`` checks no hardware (fp8's config calls ``_check_hardware_support``, this one
+    does not) and its matmul is a bf16 one on the weight cast back, elementwise casts that run anywhere,
+    the CPU included."""
     if precision in ("fp8", "fp8-block"):
         if device_type != "cuda":
             return f"{precision} needs a GPU with float8 tensor cores (compute capability 8.9 or newer); this run is on a CPU"
@@ -242,7 +248,7 @@ DDP_OFFLOAD = ("--offload and --strategy ddp do not combine: DDP keeps a whole r
 # torchao's inference tensors: subclasses that implement the quantized matmul and little else
 # (measured on torch 2.13 / torchao 0.18: DDP's start-up broadcast stops at aten.view, FSDP's
 # sharding at aten.split). fp8 is one of them outside training, where it is float8 training instead.
-_TORCHAO_INFERENCE = ("int8-dynamic", "int8-weight-only", "int4", "fp8", "fp8-block")
+_TORCHAO_INFERENCE = ("int8-dynamic", "int8-weight-only", "int4", "fp8", "fp8-weight-only", "fp8-block")
 
 
 def pipeline_problem(precision: str, mode: str, backend: str = "native") -> str | None:
@@ -317,9 +323,10 @@ def tensor_parallel_problem(precision: str, mode: str, backend: str = "native",
     of the families with a tensor-parallel plan (``fitbench.run.hf_tensor_parallel``).
 
     Quantized weights are refused: DTensor shards a weight by viewing and splitting it, which
-    torchao's inference tensors (int8-dynamic, int8-weight-only, int4, fp8, fp8-block) do not implement (the same
-    stops DDP's broadcast and FSDP's sharding of them), and a bitsandbytes weight (int8, nf4, fp4)
-    carries its scales and block state beside its data, which a shard of it would not. fp8 training
+    torchao's inference tensors (int8-dynamic, int8-weight-only, int4, fp8, fp8-weight-only, fp8-block)
+    do not implement (the same stops DDP's broadcast and FSDP's sharding of them), and a bitsandbytes
+    weight (int8, nf4, fp4) carries its scales and block state beside its data, which a shard of it
+    would not. fp8 training
     would need torchao's own float8 tensor-parallel styles. Pipeline stages split a model by layers
     and leave each layer's weights whole. The hf backend's answer depends on the model's ``family``;
     without one it is refused."""

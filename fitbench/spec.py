@@ -19,7 +19,8 @@ from fitbench.precisions import offload_problem
 Mode = Literal["train", "forward", "forward-backward", "infer"]
 MODES: tuple[str, ...] = get_args(Mode)
 Precision = Literal["fp32", "tf32", "bf16", "fp16", "bf16-pure",
-                    "int8", "nf4", "fp4", "int8-dynamic", "int8-weight-only", "int4", "fp8", "fp8-block"]
+                    "int8", "nf4", "fp4", "int8-dynamic", "int8-weight-only", "int4", "fp8",
+                    "fp8-weight-only", "fp8-block"]
 
 # Strategy names the CLI and the planner use, and the degree of a Layout each sets.
 STRATEGY_DEGREES = {"ddp": "dp_replicate", "fsdp": "dp_shard", "tp": "tp", "pipeline": "pp"}

@@ -44,7 +44,7 @@ def layers_of(module: torch.nn.Module) -> torch.nn.ModuleList:
 def storage_rule(precision: str, rows: int, columns: int) -> float:
     """Bytes one quantized matrix keeps, by the library's own layout."""
     elements = rows * columns
-    if precision in ("int8", "int8-dynamic", "int8-weight-only", "fp8"):
+    if precision in ("int8", "int8-dynamic", "int8-weight-only", "fp8", "fp8-weight-only"):
         # fp32 row scale (+ int8 zero point for torchao's int8 tensors)
         scale = 5 if precision in ("int8-dynamic", "int8-weight-only") else 4
         return elements + scale * rows

@@ -7,6 +7,7 @@ or mode cannot run."""
 import copy
 import json
 import math
+import weakref
 from pathlib import Path
 
 import pytest
@@ -14,6 +15,8 @@ import torch
 
 from tokenizers import Tokenizer
 from torch import nn
+from torch.utils._python_dispatch import TorchDispatchMode
+from torch.utils._pytree import tree_leaves
 
 from fitbench.models.backends import HuggingFaceLM, load_model
 
@@ -36,13 +39,15 @@ from fitbench.run.quantize import build_quantized_native, quantize_built, quanti
 
 CPU = torch.device("cpu")
 BATCH, SEQ, NEW = 1, 16, 4
-CPU_PRECISIONS = ("int8", "nf4", "int8-dynamic", "int8-weight-only")
+CPU_PRECISIONS = ("int8", "nf4", "int8-dynamic", "int8-weight-only", "fp8-weight-only")
 
 # Relative error of one matmul's output against bf16. 8-bit weights round each element to a step of
 # 1/127 of its row's largest magnitude (about 4 sigma for Gaussian rows of hundreds of elements): an
 # rms error of 4 sigma / 127 / sqrt(12), about 1% of sigma, and so about 1% of the output. NF4 has 16
-# levels per block of 64, about ten times coarser: near 10%.
-MAX_MATMUL_ERROR = {"int8": 0.02, "int8-dynamic": 0.03, "int8-weight-only": 0.02, "nf4": 0.15}
+# levels per block of 64, about ten times coarser: near 10%. float8 e4m3 rounds each element to 3
+# mantissa bits, a step of 1/8 to 1/16 of its own magnitude: an rms error near 2.5% of each element.
+MAX_MATMUL_ERROR = {"int8": 0.02, "int8-dynamic": 0.03, "int8-weight-only": 0.02, "nf4": 0.15,
+                    "fp8-weight-only": 0.04}
 # The measured weight storage against the planner's weight term.
 PLANNER_TOLERANCE = 0.03
 SMALL_SHAPES = ["--batch-size", str(BATCH), "--seq-len", str(SEQ), "--new-tokens", str(NEW),
@@ -257,6 +262,81 @@ def test_int8_weight_only_leaves_activations_unquantized():
         assert relative_error(weight_only(x), linear(x)) < relative_error(dynamic(x), linear(x))
 
 
+def test_fp8_weight_only_storage_counts_row_scales():
+    arch = resolve("tiny")
+    model = build_native(arch, CPU, torch.bfloat16)
+    quantize_linears(model, "fp8-weight-only", CPU)
+    weight = model.model.layers[0].mlp.down_proj.weight
+    assert weight.qdata.dtype == torch.float8_e4m3fn and weight.act_quant_kwargs is None
+    assert weight.scale.dtype == torch.float32 and tuple(weight.scale.shape) == (arch.hidden_size, 1)
+    # one e4m3 byte per element and one fp32 scale per output row
+    expected = arch.num_layers * sum(rows * cols + 4 * rows for rows, cols in matrices(arch)) + bf16_rest_bytes(arch)
+    assert worker.weight_storage_bytes(model) == expected
+    terms = {term.name: term.bytes for term in estimate_memory(arch, "infer", "fp8-weight-only", BATCH, SEQ,
+                                                               new_tokens=NEW).terms}
+    assert terms["weights"] == expected
+
+
+def test_fp8_weight_only_multiplies_the_bf16_input_by_the_weight_cast_back():
+    torch.manual_seed(0)
+    linear = nn.Sequential(nn.Linear(64, 48, bias=False, dtype=torch.bfloat16))
+    weight_only = copy.deepcopy(linear)
+    quantize_linears(weight_only, "fp8-weight-only", CPU)
+    x = torch.randn(3, 64, dtype=torch.bfloat16)
+    q = weight_only[0].weight
+    dequantized = (q.qdata.float() * q.scale).to(torch.bfloat16)
+    with torch.no_grad():
+        assert torch.equal(weight_only(x), x @ dequantized.t())
+        assert 0 < relative_error(weight_only(x), linear(x)) < MAX_MATMUL_ERROR["fp8-weight-only"]
+
+
+class CopiesMade(TorchDispatchMode):
+    """What the operators run under it make: bytes of the tensors they create (``written``), of those read
+    again by later operators (``read``), and the most of them alive at once (``peak``). A view or an
+    output sharing an input's storage is no new tensor; each is counted by its storage."""
+
+    def __init__(self):
+        super().__init__()
+        self.alive: dict[int, int] = {}  # storage address -> bytes
+        self.written = self.read = self.peak = 0
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        inputs = [t for t in tree_leaves((args, kwargs)) if isinstance(t, torch.Tensor)]
+        self.read += sum(self.alive.get(t.untyped_storage().data_ptr(), 0) for t in inputs)
+        out = func(*args, **(kwargs or {}))
+        known = {t.untyped_storage().data_ptr() for t in inputs} | set(self.alive)
+        for made in tree_leaves(out):
+            if isinstance(made, torch.Tensor) and made.untyped_storage().data_ptr() not in known:
+                address, size = made.untyped_storage().data_ptr(), made.untyped_storage().nbytes()
+                self.alive[address] = size
+                self.written += size
+                self.peak = max(self.peak, sum(self.alive.values()))
+                weakref.finalize(made, self.alive.pop, address, None)
+        return out
+
+
+@pytest.mark.parametrize("precision", ["int8-weight-only", "fp8-weight-only"])
+def test_an_eager_weight_only_matmul_copies_its_weight_as_the_planner_counts(precision):
+    """One token through the largest matrix of tiny: the dequantized copies' traffic is the speed model's
+    ``DEQUANTIZED_EACH_MATMUL``, and float8's copies alive at once the memory planner's term."""
+    from fitbench.plan.speed import DEQUANTIZED_EACH_MATMUL
+
+    arch = resolve("tiny")
+    rows, columns = arch.ffn_size, arch.hidden_size  # the MLP's gate and up projections
+    model = nn.Sequential(nn.Linear(columns, rows, bias=False, dtype=torch.bfloat16))
+    quantize_linears(model, precision, CPU)
+    x = torch.randn(1, columns, dtype=torch.bfloat16)
+    with torch.no_grad(), CopiesMade() as copies:
+        model(x)
+    # beyond the copies, a few tensors of one row: the output, and int8's scales and its scaled output
+    copied = DEQUANTIZED_EACH_MATMUL[precision] * rows * columns
+    assert copied <= copies.written + copies.read < copied + 8 * 2 * rows
+    if precision == "fp8-weight-only":
+        terms = {term.name: term.bytes for term in estimate_memory(arch, "infer", precision, BATCH, SEQ,
+                                                                   new_tokens=NEW).terms}
+        assert copies.peak == pytest.approx(terms["dequantized weight"], rel=0.01)
+
+
 def test_nf4_storage_counts_block_states():
     arch = resolve("tiny")
     model = build_native(arch, CPU, torch.bfloat16)
@@ -297,7 +377,8 @@ def test_quantize_linears_replaces_decoder_matmuls_only(precision):
         else:
             assert isinstance(module.weight, TorchAOBaseTensor), name
             assert type(module.weight).__module__.startswith("torchao"), name
-            assert module.weight.qdata.dtype == torch.int8, name
+            float8 = precision.startswith("fp8")
+            assert module.weight.qdata.dtype == (torch.float8_e4m3fn if float8 else torch.int8), name
     assert type(model.lm_head) is nn.Linear
     assert type(model.lm_head.weight) is nn.Parameter and model.lm_head.weight.dtype == torch.bfloat16
     assert type(model.model.embed_tokens.weight) is nn.Parameter
@@ -527,7 +608,7 @@ def test_cli_records_refusals_without_launching(tmp_path, capsys, monkeypatch):
     assert sorted(path.name for path in (out / "logs").iterdir()) == [f"{ok['key']}-1.log"]
 
 
-@pytest.mark.parametrize("precision", ["int8-dynamic", "int8-weight-only"])
+@pytest.mark.parametrize("precision", ["int8-dynamic", "int8-weight-only", "fp8-weight-only"])
 @pytest.mark.parametrize("mode", ["train", "forward-backward"])
 def test_training_torchao_inference_weights_is_refused_by_the_config(mode, precision):
     with pytest.raises(UserError, match="precision") as error:
@@ -579,3 +660,33 @@ def test_int8_weight_only_is_an_inference_precision_beside_llm_int8():
     copies = 4 * layer_matmul_params(arch) * arch.num_layers / peak_bandwidth(gpu)
     assert decode("int8-weight-only").memory_s == pytest.approx(decode("int8-dynamic").memory_s + copies)
     assert decode("int8-dynamic").memory_s < decode("bf16-pure").memory_s < decode("int8-weight-only").memory_s
+
+
+def test_fp8_weight_only_is_an_inference_precision_that_needs_no_float8_tensor_cores():
+    from fitbench.hardware import peak_bandwidth
+    from fitbench.plan.memory import Parallelism, layer_matmul_params
+    from fitbench.plan.speed import estimate_step_time
+    from fitbench.precisions import (data_parallel_problem, graph_problem, peak_kind, pipeline_problem,
+                                     tensor_parallel_problem, training_problem)
+
+    assert training_problem("fp8-weight-only") and "fp8" in training_problem("fp8-weight-only")
+    assert "torchao" in tensor_parallel_problem("fp8-weight-only", "infer")
+    assert "torchao" in data_parallel_problem("fsdp", "fp8-weight-only", "forward")
+    assert "torchao" in data_parallel_problem("ddp", "fp8-weight-only", "forward")
+    assert pipeline_problem("fp8-weight-only", "infer") is None
+    assert graph_problem("fp8-weight-only") is None
+    assert peak_kind("fp8-weight-only", "infer") == "bf16"
+    for device, capability in (("cpu", None), ("cuda", (8, 0)), ("cuda", (9, 0))):
+        assert hardware_problem("fp8-weight-only", device, capability) is None
+    assert hardware_problem("fp8", "cuda", (8, 0)) is not None
+
+    # fp8's storage; its eager decode reads the float8 matrix and writes and reads its fp32 and bf16 copies
+    arch, gpu = resolve("7B"), "NVIDIA H200"
+
+    def decode(precision):
+        return estimate_step_time(arch, "infer", precision, 1, 128, new_tokens=16, parallelism=Parallelism(),
+                                  gpu_name=gpu)
+
+    copies = 20 * layer_matmul_params(arch) * arch.num_layers / peak_bandwidth(gpu)
+    assert decode("fp8-weight-only").memory_s == pytest.approx(decode("fp8").memory_s + copies)
+    assert decode("int8-weight-only").memory_s < decode("fp8-weight-only").memory_s

@@ -137,9 +137,10 @@ class QuantizedFormat:
 # rounds (2.2 B); bitsandbytes' 4-bit packs in place of the input (0.3 B); torchao's int8 and int4
 # hold an fp32 copy and its scaled copy in part (2.2 B, 5.7 B); float8 per 128 x 128 block 11.2 B.
 # int8-weight-only quantizes its weights with the very call int8-dynamic does (torchao's
-# ``Int8Tensor.from_hp``, per row): the same 2.2 B, not measured apart.
+# ``Int8Tensor.from_hp``, per row): the same 2.2 B, not measured apart; fp8-weight-only with the call
+# fp8 does (``Float8Tensor.from_hp``, e4m3 per row, the same kernel choice): fp8's 10.6 B.
 BUILD_TEMPORARY_BYTES = {"int8": 2.2, "nf4": 0.35, "fp4": 0.35, "int8-dynamic": 2.2, "int8-weight-only": 2.2,
-                         "int4": 5.7, "fp8": 10.6, "fp8-block": 11.2}
+                         "int4": 5.7, "fp8": 10.6, "fp8-weight-only": 10.6, "fp8-block": 11.2}
 
 # Every matrix of ``Architecture.layer_matrices`` is quantized (``fitbench.run.quantize``: each
 # nn.Linear of the layers, GPT-2's Conv1D turned into one first); biases, embeddings, position
@@ -161,6 +162,10 @@ QUANTIZED: dict[str, QuantizedFormat] = {
                                                  "int8 zero point per output row"),
     "int4": QuantizedFormat(4, 4, 128, "torchao int4 tinygemm: bf16 scale and zero point per group of 128"),
     "fp8": QuantizedFormat(8, 4, 0, "torchao float8 row-wise: one fp32 scale per output row"),
+    # torchao 0.18's Float8WeightOnlyConfig (PerRow): the ``Float8Tensor`` fp8 builds, without activation
+    # quantization: qdata (rows x columns e4m3) and an fp32 scale of shape (rows, 1).
+    "fp8-weight-only": QuantizedFormat(8, 4, 0, "torchao float8 weight-only: e4m3 weights, one fp32 scale per "
+                                                "output row"),
     "fp8-block": QuantizedFormat(8, 4, 128 * 128, "float8 with one fp32 scale per 128 x 128 block"),
 }
 
@@ -1058,6 +1063,14 @@ def activation_quantization_term(arch: Architecture, tokens: int, compute: float
                 frozenset({MLP}))
 
 
+# torchao 0.18's float8 weight-only matmul (``Float8Tensor`` without activation quantization) multiplies its
+# input by ``weight.dequantize()``: the e4m3 matrix cast to an fp32 copy, that copy times the row scales
+# (another fp32 copy), the product cast to bf16, all three alive as the last is made, whatever the tokens:
+# 4 + 4 + 2 B per element of the matrix (quantize_/workflows/float8/float8_tensor.py, ``_float8_addmm_impl``;
+# ``_dequantize_affine_float8``).
+FLOAT8_DEQUANTIZED_BYTES = 10
+
+
 # LLM.int8 at the MLP, per element of n x f beyond the three 16-bit intermediates the MLP temporaries
 # count: the up projection's int32 product (4 B) and one more 16-bit copy (2 B). Traced on an H200 at
 # 1B int8 8 x 256 (``benchmarks/results/2026-11-23-h200-packed-build/anatomy/1B-int8-8x256.json``):
@@ -1105,7 +1118,8 @@ def _inference(arch, mode, widths, batch, seq_len, new_tokens, terms, tp, stage=
     step has run and no KV cache exists yet; so does tensor parallelism of other weights, whose
     ranks draw each whole weight into one scratch buffer and keep their shards
     (``fitbench.run.tensor_parallel``): the shards and the largest whole weight; 4-bit weights are dequantized to bf16 for each prefill
-    matmul (2 B x the largest matrix, at the MLP); LLM.int8 adds the moment of its outlier columns
+    matmul (2 B x the largest matrix, at the MLP), float8 weight-only ones for every matmul, through fp32
+    (``FLOAT8_DEQUANTIZED_BYTES``); LLM.int8 adds the moment of its outlier columns
     (``int8_outlier_terms``).
 
     A pipeline ``stage`` holds the KV cache of its own layers, and only the last stage the output
@@ -1146,6 +1160,11 @@ def _inference(arch, mode, widths, batch, seq_len, new_tokens, terms, tp, stage=
         dequantized = 2 * largest_layer_matrix(arch) / tp
         terms.append(Term("dequantized weight", dequantized, "2 B x the largest matrix: bitsandbytes dequantizes a "
                           "4-bit weight to bf16 for a matmul of more than one token", frozenset({MLP})))
+    if precision == "fp8-weight-only":
+        dequantized = FLOAT8_DEQUANTIZED_BYTES * largest_layer_matrix(arch) / tp
+        terms.append(Term("dequantized weight", dequantized, f"{FLOAT8_DEQUANTIZED_BYTES} B x the largest matrix: "
+                          f"torchao casts a float8 weight to fp32, scales it and casts it to bf16 at every matmul",
+                          frozenset({MLP})))
     if precision in ACTIVATION_QUANTIZED and n > 1:
         terms.append(activation_quantization_term(arch, n, c, tp))
     if precision == "int8" and n > 1:

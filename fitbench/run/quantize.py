@@ -8,6 +8,7 @@
 | ``int8-weight-only``| torchao | int8 per row, activations left bf16        | bf16 (the weight cast to bf16 for the matmul) |
 | ``int4``       | torchao      | int4 weight-only, groups of 128, tinygemm  | bf16 (GPU only) |
 | ``fp8``        | torchao      | float8 e4m3, per-row scales, dynamic activations | fp8 (compute capability >= 8.9) |
+| ``fp8-weight-only``| torchao  | float8 e4m3, per-row scales, activations left bf16 | bf16 (the weight cast to fp32, scaled, cast to bf16 for the matmul) |
 | ``fp8-block``  | torchao      | float8 e4m3, 128 x 128 weight blocks, 1 x 128 activation blocks | fp8 (>= 8.9) |
 
 Embeddings, norms and the output projection stay bf16, as transformers' integrations keep them.
@@ -41,7 +42,7 @@ BITSANDBYTES = ("int8", "nf4", "fp4")
 # What one pipeline stage's quantized build hands the next: the probe's bf16 and quantized hidden
 # states (1, T, C) and the matmul errors so far.
 Carried = tuple[torch.Tensor, torch.Tensor, dict[str, float]]
-TORCHAO = ("int8-dynamic", "int8-weight-only", "int4", "fp8", "fp8-block")
+TORCHAO = ("int8-dynamic", "int8-weight-only", "int4", "fp8", "fp8-weight-only", "fp8-block")
 
 
 def _quantizable(module: nn.Module, name: str) -> bool:
@@ -97,8 +98,9 @@ def _bitsandbytes_linear(linear: nn.Linear, precision: str, device: torch.device
 
 
 def _torchao_config(precision: str):
-    from torchao.quantization import (Float8DynamicActivationFloat8WeightConfig, Int4WeightOnlyConfig,
-                                      Int8DynamicActivationInt8WeightConfig, Int8WeightOnlyConfig)
+    from torchao.quantization import (Float8DynamicActivationFloat8WeightConfig, Float8WeightOnlyConfig,
+                                      Int4WeightOnlyConfig, Int8DynamicActivationInt8WeightConfig,
+                                      Int8WeightOnlyConfig)
     from torchao.quantization.granularity import PerBlock, PerRow
 
     if precision == "int8-dynamic":
@@ -109,6 +111,8 @@ def _torchao_config(precision: str):
         return Int4WeightOnlyConfig(group_size=128, int4_packing_format="tile_packed_to_4d")
     if precision == "fp8":
         return Float8DynamicActivationFloat8WeightConfig(granularity=PerRow())
+    if precision == "fp8-weight-only":
+        return Float8WeightOnlyConfig(granularity=PerRow())  # e4m3, one fp32 scale per output row
     return Float8DynamicActivationFloat8WeightConfig(granularity=[PerBlock([1, 128]), PerBlock([128, 128])])
 
 
