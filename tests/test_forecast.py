@@ -6,6 +6,7 @@ import dataclasses
 import functools
 import importlib.util
 import json
+import re
 import statistics
 from pathlib import Path
 
@@ -308,6 +309,15 @@ def test_bitsandbytes_four_bit_decodes_one_token_in_its_gemv_kernel():
     assert decode_format("bf16-pure", "graph", 8) is forecast.DENSE
 
 
+def test_fp8_weight_only_past_one_token_is_its_batch_1_rate_times_its_kernels_slowdown():
+    """No fp8-weight-only row past batch 1: its kernels' read rate at batch 8 over batch 1 in the kernel
+    benchmark's log scales the efficiency solved from the batch-1 row."""
+    log = (RESULTS / "2026-11-24-h200-engine-profiles/kernels/fp8-wo.log").read_text()
+    b1, b8 = (float(re.search(rf"{batch}\s+[\d.]+ us\s+(\d+) GB/s", log).group(1)) for batch in ("b1", "b8"))
+    one = decode_format("fp8-weight-only", "compiled", 1).efficiency
+    assert decode_format("fp8-weight-only", "compiled", 8).efficiency == pytest.approx(one * b8 / b1, rel=0.03)
+
+
 def test_compiled_int4_and_int8_weight_only_read_slower_past_one_token_and_fp8_does_not():
     """The compiled formats' kernels past batch 1 (``benchmarks/decode_kernels.py``): tinygemm and
     torchao's int8 weight-only read far slower, the fp8 matmul as fast; bf16 is the dense step's."""
@@ -553,6 +563,8 @@ SOURCES = [  # constant, (key), (field), its row, a range holding it
      ("2026-11-24-h200-regional-compile/fp8", {"precision": "fp8"}), 0.1, 3.0),
     ("DECODE_FORMATS", ("fp8", "compiled"), "extra_kernels",
      ("2026-11-24-h200-engine-profiles/decode-formats-1B", {"precision": "fp8", "batch_size": 1}), 0, 30),
+    ("DECODE_FORMATS", ("fp8-weight-only", "compiled"), "efficiency",
+     ("2026-11-24-h200-engine-profiles/fp8-weight-only", {"precision": "fp8-weight-only"}), 0.1, 3.0),
     ("FOUR_BIT_GEMV", None, "efficiency", ("2026-11-22-h100-quantized-decode/decode", {"precision": "nf4"}), 0.1, 2.0),
     ("FOUR_BIT_DEQUANTIZED", None, "extra_kernels",
      ("2026-11-24-h200-validation/matrix2-inference/4", {"precision": "nf4"}), 0, 30),

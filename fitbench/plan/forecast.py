@@ -250,10 +250,17 @@ DECODE_FORMATS: dict[tuple[str, str], DecodeFormat] = {
     ("fp8", "eager"): DecodeFormat(1.0, 7.3, 0, "Llama-2-7B fp8, batch 1 (2026-11-24-h200-decode-formats): 10.09 ms"),
     ("fp8-block", "eager"): DecodeFormat(1.0, 7.3, 0, "as fp8: Llama-2-7B batch 1 on an H100 10.75 ms against fp8's "
                                                       "10.35 (2026-11-22-h100-quantized-decode)"),
-    # torchao's weight-only int8 casts the whole weight to a bf16 copy at each call
-    # (``fitbench.plan.speed.DEQUANTIZED_EACH_MATMUL``), written and read at 40% of the copy bandwidth
-    ("int8-weight-only", "eager"): DecodeFormat(0.4, 2, 4, "Llama-2-7B int8-weight-only, batch 1 "
-                                                           "(2026-11-24-h200-decode-formats): 24.5 ms"),
+    # Eagerly, torchao 0.18's weight-only tensors dequantize the whole weight at each call and multiply by
+    # the copy. Int8Tensor runs ``torch.mm(x, qdata.t().to(bf16))`` then scales the output per row
+    # (quantize_/workflows/int8/int8_tensor.py, the weight-only branch): a 2 B copy written and read, at
+    # 40% of the copy bandwidth. Float8Tensor multiplies by ``weight.dequantize()`` (quantize_/workflows/
+    # float8/float8_tensor.py): an fp32 copy written (4 B), read and scaled into another (4 + 4 B), read
+    # and cast to bf16 (4 + 2 B), which the matmul reads (2 B): 20 B in three kernels; counted from the
+    # code, its rate not timed (the dense one).
+    ("int8-weight-only", "eager"): DecodeFormat(0.4, 2, 2 + 2, "Llama-2-7B int8-weight-only, batch 1 "
+                                                               "(2026-11-24-h200-decode-formats): 24.5 ms"),
+    ("fp8-weight-only", "eager"): DecodeFormat(1.0, 3, 4 + 4 + 4 + 4 + 2 + 2, "torchao 0.18's Float8Tensor "
+                                                                              "weight-only matmul, not timed"),
     # LLM.int8 decodes without a graph: each matmul quantizes its input, looks for outlier columns
     # (which synchronizes) and runs an int8 and a 16-bit matmul, 24 operators more, host-bound
     ("int8", "eager"): DecodeFormat(1.0, 24, 0, "7B int8, 4 x 512 (2026-11-24-h200-validation/matrix2-inference/4): "
@@ -276,6 +283,12 @@ DECODE_FORMATS: dict[tuple[str, str], DecodeFormat] = {
                                                                "(2026-11-24-h200-regional-compile/int8wo): 3.30 ms"),
     ("int8-weight-only", "compiled, more tokens"): DecodeFormat(
         0.0096, 0, 0, "1B int8-weight-only, batch 8 (2026-11-24-h200-engine-profiles/decode-formats-1B): 24.9 ms"),
+    ("fp8-weight-only", "compiled"): DecodeFormat(0.84, 0, 0, "Llama-2-7B fp8-weight-only, batch 1 "
+                                                              "(2026-11-24-h200-engine-profiles/fp8-weight-only): "
+                                                              "3.30 ms"),
+    # no row past batch 1: the batch-1 rate times its kernels' slowdown from batch 1 to 8, 708 / 2,523 GB/s
+    ("fp8-weight-only", "compiled, more tokens"): DecodeFormat(
+        0.24, 0, 0, "0.84 x 708 / 2523 (2026-11-24-h200-engine-profiles/kernels/fp8-wo.log)"),
     # two rows, two terms: a step of small matmuls (1B) is slower in fp8 than in bf16, so besides the
     # read rate each fp8 matmul costs three kernels' time (its activation's scale and cast, and the
     # fp8 kernel's own start, which at one row of activations does not shrink with the matrix)

@@ -272,25 +272,15 @@ def _data_parallel_step(arch: Architecture, mode: str, parallelism: Parallelism,
     return total, seconds
 
 
-# Weight-only precisions whose eager matmul dequantizes the whole matrix and multiplies by the copy, and
-# the bytes per weight those copies write and read beyond the quantized read. torchao 0.18's Int8Tensor
-# without activation quantization runs ``torch.mm(x, qdata.t().to(bf16))`` then scales the output per row
-# (quantize_/workflows/int8/int8_tensor.py, the weight-only branch): a 2 B copy written and read, 5 B
-# against bf16's 2. Its Float8Tensor without activation quantization multiplies by ``weight.dequantize()``
-# (quantize_/workflows/float8/float8_tensor.py): an fp32 copy written (4 B), read and scaled into another
-# (4 + 4 B), read and cast to bf16 (4 + 2 B), which the matmul reads (2 B): 20 B, 21 against bf16's 2.
-# An eager (or CUDA-graph captured eager) decode step pays them; only a compiled step can fuse the casts
-# into the matmul. int4's tinygemm and bitsandbytes' 4-bit decode kernels read the packed weights in place.
-DEQUANTIZED_EACH_MATMUL = {"int8-weight-only": 2 + 2, "fp8-weight-only": 4 + 4 + 4 + 4 + 2 + 2}
-
-
 def _decode_weight_bytes(arch: Architecture, precision: str, batch: int) -> float:
     """The weights one decode step of ``batch`` sequences reads (``fitbench.run.worker.decode_weight_bytes``
     measures the same on the built model): all of them, but of each lookup table that the output
     projection does not share one row per sequence (tokens) or one row (GPT-2's positions, shared by
     the batch); under autocast, each matmul's weights and biases (all parameters but the tables and
-    norms) are re-cast every step, a 16-bit copy written and read beside the fp32 read; the layers'
-    matrices of ``DEQUANTIZED_EACH_MATMUL`` add their dequantized copies' bytes."""
+    norms) are re-cast every step, a 16-bit copy written and read beside the fp32 read. Quantized
+    matrices are read once as stored: the least a step moves, what a compiled step (the default) reads,
+    inductor fusing the dequantization into the matmul; an eager step's dequantized copies are the
+    speed forecast's (``fitbench.plan.forecast.DecodeFormat.dequantized``)."""
     widths = Widths.of(precision)
     table_width = 2 if precision in QUANTIZED else widths.weights  # quantization leaves the tables bf16
     token_table = 0 if arch.tie_embeddings else arch.vocab_size * arch.hidden_size
@@ -300,6 +290,4 @@ def _decode_weight_bytes(arch: Architecture, precision: str, batch: int) -> floa
     if widths.autocast:
         norms = arch.num_layers * arch.norm_params_per_layer + arch.final_norm_params
         touched += 2 * widths.compute * (arch.matmul_params - norms)
-    if precision in DEQUANTIZED_EACH_MATMUL:
-        touched += DEQUANTIZED_EACH_MATMUL[precision] * layer_matmul_params(arch) * arch.num_layers
     return touched
