@@ -16,6 +16,7 @@ from pydantic import BaseModel, ConfigDict, Field, StrictBool, ValidationError, 
 from fitbench.errors import UserError, excerpt
 from fitbench.models.architecture import Architecture, backend_error, default_backend
 from fitbench.models.registry import resolve
+from fitbench.plan.planner import DEFAULT_LADDER
 from fitbench.precisions import (DATA_PARALLEL_STRATEGIES, PRECISIONS, TRAINING_MODES, data_parallel_problem,
                                  offload_problem, pipeline_problem, tensor_parallel_heads_problem,
                                  tensor_parallel_problem, training_problem,
@@ -186,26 +187,15 @@ FIELD_ALIASES = (("context_length", "seq_len"), ("samples", "measure_steps"), ("
 
 # The seeds' config.yaml says priority_order: ["none", "fp16", "8bit", "4bit"].
 SEED_PRECISIONS = {"none": "fp32", "fp16": "bf16-pure", "8bit": "int8", "4bit": "nf4"}
-# int8-weight-only is not a default rung: it stores what int8 stores (1 B per weight and 4 or 5 B per
-# row), so beside int8 it is a retry that fits nothing more, and in int8's place it would trade
-# LLM.int8's outlier handling, what keeps large checkpoints near bf16 quality, for decode speed that
-# an out-of-memory retry does not ask for. A user's --fallback may name it. fp8-weight-only is not one
-# for the same reasons: it stores 1 B per weight and 4 B per row too.
-DEFAULT_FALLBACK = {
-    "train": ["bf16", "bf16-pure"],
-    "forward-backward": ["bf16", "bf16-pure"],
-    "forward": ["bf16-pure", "int8", "nf4"],
-    "infer": ["bf16-pure", "int8", "nf4"],
-}
 
 
 def fallback_ladder(config: SweepConfig, mode: str) -> list[str]:
     """The precisions a configuration of ``mode`` may fall back through: the user's ladder (for training,
     only rungs that train every weight: ``trains_every_weight``), else the default for the mode."""
-    ladder = list(dict.fromkeys(config.fallback or DEFAULT_FALLBACK[mode]))  # a repeated rung counts once
+    ladder = list(dict.fromkeys(config.fallback or DEFAULT_LADDER[mode]))  # a repeated rung counts once
     if mode in TRAINING_MODES:
         ladder = [p for p in ladder if trains_every_weight(p)]
-    return ladder or DEFAULT_FALLBACK[mode]
+    return ladder or DEFAULT_LADDER[mode]
 
 
 def _default_shapes(mode: str, device_type: str) -> tuple[int, int]:

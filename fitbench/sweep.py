@@ -239,7 +239,7 @@ def plan_specs(specs: list, config, target, calibration) -> tuple[list, Callable
                                         choose_recompute=config.activation_checkpointing is None,
                                         runnable=PRECISIONS, choose_strategy=config.strategy == "auto",
                                         gpus=None if spec.offload else config.gpus,
-                                        ladder=fallback_ladder(config, spec.mode) if config.fallback else None)
+                                        ladder=fallback_ladder(config, spec.mode))
         planned.append(spec)
         predictions[spec.key] = prediction
         if not prediction["fits"]:

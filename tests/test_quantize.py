@@ -233,14 +233,17 @@ def test_int8_storage_counts_row_scales(after_forward):
     assert worker.weight_storage_bytes(model) == expected
 
 
-def test_int8_weight_only_storage_counts_row_scales_and_zero_points():
+# bytes per output row beside one byte per element: int8 weight-only's fp32 scale and int8 zero point,
+# float8 weight-only's fp32 scale
+@pytest.mark.parametrize("precision, row_bytes", [("int8-weight-only", 5), ("fp8-weight-only", 4)])
+def test_weight_only_storage_counts_its_row_scales(precision, row_bytes):
     arch = resolve("tiny")
     model = build_native(arch, CPU, torch.bfloat16)
-    quantize_linears(model, "int8-weight-only", CPU)
-    # one int8 per element, one fp32 scale and one int8 zero point per output row
-    expected = arch.num_layers * sum(rows * cols + 5 * rows for rows, cols in matrices(arch)) + bf16_rest_bytes(arch)
+    quantize_linears(model, precision, CPU)
+    expected = arch.num_layers * sum(rows * cols + row_bytes * rows for rows, cols in matrices(arch)) + \
+        bf16_rest_bytes(arch)
     assert worker.weight_storage_bytes(model) == expected
-    terms = {term.name: term.bytes for term in estimate_memory(arch, "infer", "int8-weight-only", BATCH, SEQ,
+    terms = {term.name: term.bytes for term in estimate_memory(arch, "infer", precision, BATCH, SEQ,
                                                                new_tokens=NEW).terms}
     assert terms["weights"] == expected
 
@@ -262,21 +265,6 @@ def test_int8_weight_only_leaves_activations_unquantized():
         assert relative_error(weight_only(x), linear(x)) < relative_error(dynamic(x), linear(x))
 
 
-def test_fp8_weight_only_storage_counts_row_scales():
-    arch = resolve("tiny")
-    model = build_native(arch, CPU, torch.bfloat16)
-    quantize_linears(model, "fp8-weight-only", CPU)
-    weight = model.model.layers[0].mlp.down_proj.weight
-    assert weight.qdata.dtype == torch.float8_e4m3fn and weight.act_quant_kwargs is None
-    assert weight.scale.dtype == torch.float32 and tuple(weight.scale.shape) == (arch.hidden_size, 1)
-    # one e4m3 byte per element and one fp32 scale per output row
-    expected = arch.num_layers * sum(rows * cols + 4 * rows for rows, cols in matrices(arch)) + bf16_rest_bytes(arch)
-    assert worker.weight_storage_bytes(model) == expected
-    terms = {term.name: term.bytes for term in estimate_memory(arch, "infer", "fp8-weight-only", BATCH, SEQ,
-                                                               new_tokens=NEW).terms}
-    assert terms["weights"] == expected
-
-
 def test_fp8_weight_only_multiplies_the_bf16_input_by_the_weight_cast_back():
     torch.manual_seed(0)
     linear = nn.Sequential(nn.Linear(64, 48, bias=False, dtype=torch.bfloat16))
@@ -284,6 +272,8 @@ def test_fp8_weight_only_multiplies_the_bf16_input_by_the_weight_cast_back():
     quantize_linears(weight_only, "fp8-weight-only", CPU)
     x = torch.randn(3, 64, dtype=torch.bfloat16)
     q = weight_only[0].weight
+    assert q.qdata.dtype == torch.float8_e4m3fn and q.act_quant_kwargs is None
+    assert q.scale.dtype == torch.float32 and tuple(q.scale.shape) == (48, 1)  # one per output row
     dequantized = (q.qdata.float() * q.scale).to(torch.bfloat16)
     with torch.no_grad():
         assert torch.equal(weight_only(x), x @ dequantized.t())

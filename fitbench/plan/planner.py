@@ -46,6 +46,13 @@ GPU_ALIASES = {
 }
 DEFAULT_SPEED_GPU = "NVIDIA H100 80GB HBM3"
 
+# The precisions a run falls back through and the planner chooses from, by mode, unless --fallback names
+# others (``fitbench.config.fallback_ladder``).
+# int8-weight-only is not a default rung: it stores what int8 stores (1 B per weight and 4 or 5 B per
+# row), so beside int8 it is a retry that fits nothing more, and in int8's place it would trade
+# LLM.int8's outlier handling, what keeps large checkpoints near bf16 quality, for decode speed that
+# an out-of-memory retry does not ask for. A user's --fallback may name it. fp8-weight-only is not one
+# for the same reasons: it stores 1 B per weight and 4 B per row too.
 DEFAULT_LADDER = {
     "train": ["bf16", "bf16-pure"],
     "forward-backward": ["bf16", "bf16-pure"],
@@ -566,15 +573,17 @@ def predict_spec(arch: Architecture, spec, target: GpuTarget, calibration: Calib
                  choose_strategy: bool = False, gpus: int | None = None, ladder: list[str] | None = None):
     """Plan one ``fitbench run`` configuration on its GPUs (one, or its layout's world size): choose
     the precision and activation checkpointing the user left open (first rung of the ladder that
-    fits: ``ladder``, the run's --fallback, else ``DEFAULT_LADDER``, its rungs among ``runnable``) and, with ``choose_strategy``, the layout of ``gpus`` ranks (by default the layout's world
-    size; ``layouts_for`` those the run can launch, ``launch_problem``: the fastest predicted among
-    those that fit, in training one of ``LAUNCHED_IN_TRAINING`` first, as ``plan`` chooses), and
-    predict the peak per GPU (compiled when ``spec.compile``);
-    an offloaded one keeps the layers ``offload_split`` finds room for. When nothing fits, the option
-    that comes closest (the smallest peak) stands for the configuration: what its refusal names.
+    fits: ``ladder``, the run's, else ``DEFAULT_LADDER``, its rungs among ``runnable``) and, with
+    ``choose_strategy``, the layout of ``gpus`` ranks (by default the layout's world size;
+    ``layouts_for`` those the run can launch, ``launch_problem``: the fastest predicted among those
+    that fit, in training one of ``LAUNCHED_IN_TRAINING`` first, as ``plan`` chooses), and predict
+    the peak per GPU (compiled when ``spec.compile``); an offloaded one keeps the layers
+    ``offload_split`` finds room for. When nothing fits, the option that comes closest (the smallest
+    peak) stands for the configuration: what its refusal names.
     Returns the spec to run and the prediction stored with its result. ``calibration`` None: a CPU,
     tensors only."""
-    ladder = [p for p in ladder or DEFAULT_LADDER[spec.mode] if p in runnable] if choose_precision else [spec.precision]
+    ladder = ([p for p in ladder or DEFAULT_LADDER[spec.mode] if p in runnable] if choose_precision
+              else [spec.precision])
     if spec.offload:
         ladder = [p for p in ladder if p not in QUANTIZED]
     recompute = [False, True] if choose_recompute and spec.mode in TRAINING_MODES else [spec.activation_checkpointing]
