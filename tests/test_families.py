@@ -112,7 +112,9 @@ def test_predicted_weights_match_the_storage_of_every_preset(precision):
 
 
 def tiny_family(family: str):
-    base = {"llama": "tiny", "falcon": "falcon-40b", "gpt2": "gpt2"}[family]
+    """A small model of ``family``, or of transformers' model type of that name (qwen2, mistral)."""
+    base = {"llama": "tiny", "falcon": "falcon-40b", "gpt2": "gpt2", "qwen2": "qwen2.5-7b",
+            "mistral": "mistral-7b"}[family]
     return dataclasses.replace(resolve(base), name=f"tiny-{family}", hidden_size=128, num_layers=2, num_heads=8,
                                num_kv_heads=8 if family == "gpt2" else 2, ffn_size=512, vocab_size=1000,
                                max_seq_len=128)
@@ -295,15 +297,17 @@ def test_injected_memory_limit_applies_to_hf_rows(monkeypatch):
 
 
 @pytest.mark.parametrize("precision", ["bf16-pure", "bf16"])
-@pytest.mark.parametrize("family", ["llama", "falcon", "gpt2"])
+@pytest.mark.parametrize("family", ["llama", "falcon", "gpt2", "qwen2", "mistral"])
 def test_hf_kv_cache_term_is_the_cache_transformers_keeps(family, precision):
-    # bf16-pure keeps a StaticCache of prompt + new tokens; under autocast a DynamicCache that holds every
-    # position but the last token's. Falcon caches all 8 query heads (kv heads 2); rotary families' autocast
-    # cache is fp32, GPT-2's bf16.
+    """bf16-pure keeps a StaticCache of prompt + new tokens; under autocast a DynamicCache that holds every
+    position but the last token's. Falcon caches all 8 query heads (kv heads 2). Under autocast the
+    rotary families' keys are fp32 and their values what the installed ``DynamicCache`` keeps of bf16
+    values beside fp32 keys; GPT-2's both bf16."""
     from fitbench.models.backends import load_model
     from fitbench.run.loops import generate
     from fitbench.precisions import policy
     from fitbench.run.timing import DeviceClock
+    from test_metrics import dynamic_cache_value_bytes
 
     arch = tiny_family(family)
     chosen = policy(precision)
@@ -311,7 +315,40 @@ def test_hf_kv_cache_term_is_the_cache_transformers_keeps(family, precision):
     batch, prompt, new = 2, 12, 5
     generate(lm, torch.zeros((batch, prompt), dtype=torch.long), new, chosen, DeviceClock(CPU), CPU)()
     kept = sum(t.numel() * t.element_size() for layer in lm.cache.layers for t in (layer.keys, layer.values))
+    heads = 8 if family in ("falcon", "gpt2") else 2
+    rotary_autocast = precision == "bf16" and family != "gpt2"
+    keys, values = (4, dynamic_cache_value_bytes()) if rotary_autocast else (2, 2)
+    cached = prompt + new if precision == "bf16-pure" else prompt + new - 1
+    assert kept == 2 * heads * 16 * (keys + values) * batch * cached  # 2 layers, head dim 16
     terms = {t.name: t.bytes for t in estimate_memory(arch, "infer", precision, batch, prompt, new_tokens=new,
                                                       backend="hf").terms}
-    cached = prompt + new if precision == "bf16-pure" else prompt + new - 1
     assert terms["KV cache"] * cached / (prompt + new) == kept
+
+
+def test_the_cache_layout_is_read_once_per_transformers_version(tmp_path, monkeypatch):
+    """``cache_layout`` runs transformers once and keeps the answer under its versions; a kept answer is
+    what the next planner reads (changed here, so that reading it back shows)."""
+    import json
+
+    import transformers
+
+    from fitbench.models import hf_cache
+
+    monkeypatch.setenv("FITBENCH_CACHE_DIR", str(tmp_path))
+    hf_cache._layout.cache_clear()
+    try:
+        arch = tiny_family("falcon")
+        measured = hf_cache.cache_layout(arch, "bfloat16", "bfloat16")
+        assert (measured.key_bytes, measured.value_bytes, measured.query_heads, measured.static) == (2, 2, True, True)
+        path = tmp_path / "hf-cache-layouts.json"
+        (versions, kept), = json.loads(path.read_text()).items()
+        assert f"transformers {transformers.__version__}" in versions
+        (key, entry), = kept.items()
+        path.write_text(json.dumps({versions: {key: {**entry, "key_bytes": 8}}}))
+        hf_cache._layout.cache_clear()
+        assert hf_cache.cache_layout(arch, "bfloat16", "bfloat16").key_bytes == 8
+        path.write_text("{not json")  # a damaged file is measured again
+        hf_cache._layout.cache_clear()
+        assert hf_cache.cache_layout(arch, "bfloat16", "bfloat16") == measured
+    finally:
+        hf_cache._layout.cache_clear()

@@ -313,14 +313,26 @@ def test_kv_bytes_read_by_each_way_of_decoding():
     assert isinstance(static, HuggingFaceLM) and static.static_cache
     decode_all(static, tokens, prompt, max_len)
     assert static.kv_bytes_read(prompt) == max_len * batch * KV_PER_POSITION * 2
-    # under autocast the DynamicCache, fp32 (the prefill's fp32 keys promote the later ones), grown by
-    # concatenation: the p earlier positions copied, then p + 1 read by attention
+    # under autocast the DynamicCache: fp32 keys (the rotary tables are fp32), values as the installed
+    # transformers keeps bf16 values beside them; grown by concatenation: the p earlier positions copied,
+    # then p + 1 read by attention
     dynamic = load_model(arch, "hf", CPU, torch.float32, compute_dtype=torch.bfloat16)
     assert not dynamic.static_cache
     with torch.autocast("cpu", dtype=torch.bfloat16):
         decode_all(dynamic, tokens, prompt, max_len)
-    assert [dynamic.kv_bytes_read(p) for p in range(prompt, max_len)] == [(2 * p + 1) * per_position
+    mixed = batch * KV_PER_POSITION // 2 * (4 + dynamic_cache_value_bytes())
+    assert [dynamic.kv_bytes_read(p) for p in range(prompt, max_len)] == [(2 * p + 1) * mixed
                                                                          for p in range(prompt, max_len)]
+
+
+def dynamic_cache_value_bytes() -> int:
+    """Bytes per element of the bf16 values that transformers' ``DynamicCache`` keeps beside fp32 keys:
+    4 where it promotes them to the keys' dtype (5.17), 2 where it keeps their own (5.24)."""
+    from transformers import DynamicCache
+
+    cache = DynamicCache()
+    cache.update(torch.zeros(1, 1, 1, 4), torch.zeros(1, 1, 1, 4, dtype=torch.bfloat16), layer_idx=0)
+    return cache.layers[0].values.element_size()
 
 
 # ---- 2. through the worker -----------------------------------------------------------------------
@@ -345,8 +357,9 @@ def test_the_worker_reports_what_a_bf16_autocast_step_reads(backend, tmp_path):
     positions = range(prompt, prompt + new - 1)  # the positions the decode steps write
     if backend == "native":  # eager (autocast keeps the graph off), bf16 cache, positions 0..p
         kv = sum(batch * KV_PER_POSITION * 2 * (p + 1) for p in positions) / len(positions)
-    else:  # the fp32 DynamicCache, copied and read
-        kv = sum(batch * KV_PER_POSITION * 4 * (2 * p + 1) for p in positions) / len(positions)
+    else:  # the DynamicCache of fp32 keys and its values, copied and read
+        per_position = batch * KV_PER_POSITION // 2 * (4 + dynamic_cache_value_bytes())
+        kv = sum(per_position * (2 * p + 1) for p in positions) / len(positions)
     assert throughput["decode_kv_bytes_per_step"] == pytest.approx(kv, rel=1e-12)
     latency = result["timing"]["token_latency"]["median"]
     assert throughput["decode_bandwidth_gbs"] == pytest.approx(

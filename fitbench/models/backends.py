@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import inspect
 import time
 from pathlib import Path
 from typing import Any, Callable
@@ -332,11 +333,19 @@ def _summary(error: BaseException) -> str:
 
 
 class HuggingFaceLM(CausalLM):
+    """A transformers model. Its KV cache is transformers' own: ``StaticCache`` when ``static_cache``
+    (weights and activations share a dtype), else ``DynamicCache``; what each holds depends on the
+    installed version (``fitbench.models.hf_cache``)."""
+
     def __init__(self, module: nn.Module, static_cache: bool):
         self.module = module
         self.static_cache = static_cache
         self.cache = None
         self.position = 0
+        self.copied_on_growth = False
+        # transformers 5.24 renamed the forward's ``past_key_values`` to ``cache`` (the old name warns)
+        parameters = inspect.signature(module.forward).parameters
+        self.cache_argument = "cache" if "cache" in parameters else "past_key_values"
 
     def prefill(self, tokens: torch.Tensor, max_len: int) -> torch.Tensor:
         from transformers import DynamicCache, StaticCache
@@ -345,12 +354,14 @@ class HuggingFaceLM(CausalLM):
         self.cache = (StaticCache(config=self.module.config, max_cache_len=max_len) if self.static_cache
                       else DynamicCache(config=self.module.config))
         self.position = tokens.shape[1]
-        out = self.module(tokens, past_key_values=self.cache, use_cache=True, logits_to_keep=1)
+        out = self.module(tokens, **{self.cache_argument: self.cache}, use_cache=True, logits_to_keep=1)
         return out.logits[:, -1]
 
     def decode(self, tokens: torch.Tensor) -> torch.Tensor:
         position = torch.tensor([self.position], device=tokens.device)
-        out = self.module(tokens, past_key_values=self.cache, use_cache=True, cache_position=position)
+        before = self.cache.layers[0].keys.untyped_storage().data_ptr()
+        out = self.module(tokens, **{self.cache_argument: self.cache}, use_cache=True, cache_position=position)
+        self.copied_on_growth = self.cache.layers[0].keys.untyped_storage().data_ptr() != before
         self.position += 1
         return out.logits[:, -1]
 
@@ -360,13 +371,15 @@ class HuggingFaceLM(CausalLM):
 
     def kv_bytes_read(self, position: int) -> int:
         """Attention reads the whole ``StaticCache`` (``max_len`` slots, masked), or the ``DynamicCache``
-        up to the position, which the step has just grown by concatenation, a copy that reads the
-        ``position`` earlier slots once more. The widths are the cache's own: under autocast a
-        rotary family's keys and values stay fp32 (the prefill writes them so, and concatenating a
-        16-bit step promotes it), and Falcon caches every query head's keys, not its kv heads'."""
+        up to the position; a ``DynamicCache`` that the step grew by writing it anew (concatenation:
+        ``copied_on_growth``) read the ``position`` earlier slots once more. The widths are the cache's
+        own, keys' and values' each (``fitbench.models.hf_cache``)."""
         layers = self.cache.layers
         per_slot = sum(t[..., 0, :].numel() * t.element_size() for layer in layers for t in (layer.keys, layer.values))
-        slots = layers[0].keys.shape[-2] if self.static_cache else 2 * position + 1
+        if self.static_cache:
+            slots = layers[0].keys.shape[-2]
+        else:
+            slots = position + 1 + (position if self.copied_on_growth else 0)
         return slots * per_slot
 
     def enable_activation_checkpointing(self) -> None:

@@ -60,7 +60,8 @@ from dataclasses import dataclass
 from fitbench import hardware
 from fitbench.loss import loss_chunk_rows
 from fitbench.models.architecture import Architecture
-from fitbench.plan.memory import ADAPTER_BASES, QUANTIZED, Parallelism, Widths, adapter_params, kv_heads_split
+from fitbench.plan.memory import (ADAPTER_BASES, QUANTIZED, Parallelism, Widths, adapter_params, kv_bytes_read_per_position,
+                                  kv_heads_split)
 from fitbench.plan.speed import (HOST_LINK_BANDWIDTH, PCIE_BANDWIDTH, BusBandwidth, _data_parallel_step,
                                  bubble_fraction, bus_bandwidth)
 from fitbench.precisions import graph_problem, peak_kind
@@ -443,7 +444,7 @@ def _decode_time(arch: Architecture, precision: str, batch: int, seq_len: int, n
         plain += 2 * widths.compute * (arch.matmul_params - arch.num_layers * arch.norm_params_per_layer)
     weights_s = ((quantized + fmt.dequantized * layer_weights) / fmt.efficiency + plain) / ceiling.bandwidth
     positions = seq_len + new_tokens if decode != "eager" else seq_len + new_tokens / 2
-    cache = arch.kv_cache_bytes_per_token(widths.compute) * batch * positions / kv_heads_split(arch, tp)
+    cache = kv_bytes_read_per_position(arch, widths, run.backend) * batch * positions / kv_heads_split(arch, tp)
     memory_s = weights_s / tp + cache / ceiling.bandwidth
     matmul_s = 2 * batch * arch.matmul_params / (tp * ceiling.peak(gpu_name, peak_kind(precision, "infer"))
                                                  * MATMUL_EFFICIENCY)

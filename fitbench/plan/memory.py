@@ -108,6 +108,7 @@ from dataclasses import dataclass, replace
 
 from fitbench.loss import loss_chain_bytes, loss_chunk_rows
 from fitbench.models.architecture import Architecture, default_backend
+from fitbench.models.hf_cache import CacheLayout, cache_layout
 from fitbench.plan import compiled as inductor
 from fitbench.plan.outliers import outlier_columns
 from fitbench.precisions import ADAPTER_BASES, ADAPTER_RANK, TRAINING_MODES
@@ -560,32 +561,44 @@ def final_saved_bytes(arch: Architecture, tokens: int, widths: Widths, frozen_no
             + widths.compute * tokens * arch.hidden_size)
 
 
+def hf_cache(arch: Architecture, widths: Widths) -> CacheLayout:
+    """The KV cache the installed transformers keeps for ``arch`` at these widths: weights of 4 bytes
+    are fp32, of 2 bf16; activations likewise (``fitbench.models.hf_cache``, which runs it once)."""
+    return cache_layout(arch, "float32" if widths.weights == 4 else "bfloat16",
+                        "float32" if widths.compute == 4 else "bfloat16")
+
+
 def kv_cache_bytes(arch: Architecture, batch: int, length: int, widths: Widths, tp: int = 1,
                    backend: str = "native") -> float:
     """2 x L x kv heads x head dim x c x tokens x batch (REFERENCE.md); preallocated for the whole
-    prompt + generation. transformers keeps its cache otherwise in two ways: Falcon broadcasts its
-    kv heads to every query head before caching (H heads cached, not KV), and under autocast the
-    rotary families' keys and values stay fp32 (its prefill writes them so, and each 16-bit step
-    concatenated to them is promoted), while GPT-2's are 16-bit."""
-    heads = arch.num_heads if backend == "hf" and arch.family == "falcon" else arch.num_kv_heads
-    width = 4 if backend == "hf" and widths.autocast and arch.family != "gpt2" else widths.compute
-    return 2 * arch.num_layers * heads * arch.head_dim * width * batch * length / tp
+    prompt + generation. transformers' cache is the installed version's (``hf_cache``): its keys and
+    values each at their own width, and Falcon's of every query head."""
+    if backend == "hf":
+        return hf_cache(arch, widths).bytes_per_token(arch) * batch * length / tp
+    return arch.kv_cache_bytes_per_token(widths.compute) * batch * length / tp
+
+
+def kv_bytes_read_per_position(arch: Architecture, widths: Widths, backend: str = "native") -> float:
+    """What a decode step reads of the KV cache per cached position (``CausalLM.kv_bytes_read``): the
+    cache's bytes per token, twice over for a transformers ``DynamicCache`` that each step writes anew
+    (the copy reads the earlier positions, then attention reads them: 2 p + 1 slots at position p)."""
+    if backend != "hf":
+        return arch.kv_cache_bytes_per_token(widths.compute)
+    layout = hf_cache(arch, widths)
+    return layout.bytes_per_token(arch) * (2 if layout.copies_on_growth else 1)
 
 
 # Tensors of width h alive at the MLP's widest point of a forward pass without autograd in
-# transformers' models, beside the MLP's own intermediates: (residual-width r, compute-width c)
-# counts, forward pass and generation's prefill, as the fake-tensor trace of ``LlamaDecoderLayer``,
-# ``FalconDecoderLayer`` and ``GPT2Block`` through fitbench's loops finds them (the layer's input and
-# residual, the norms' outputs, and in Falcon's parallel layer the attention output waiting to be
-# added). The prefill holds fewer: it computes logits for the last position only, and under
-# autocast its cache grows layer by layer.
-HF_WIDE_AT_MLP = {("llama", "forward"): (5, 0), ("llama", "infer"): (4, 0),
-                  ("falcon", "forward"): (8, 1), ("falcon", "infer"): (5, 0),
-                  ("gpt2", "forward"): (4, 5), ("gpt2", "infer"): (4, 1)}
+# transformers' models, beside the MLP's own intermediates and the KV cache: (residual-width r,
+# compute-width c) counts, forward pass and generation's prefill alike, as the fake-tensor trace of
+# ``LlamaDecoderLayer``, ``FalconDecoderLayer`` and ``GPT2Block`` through fitbench's loops finds them
+# with transformers 5.17 and 5.24 (the layer's input and residual, the norms' outputs, and in Falcon's
+# parallel layer the attention output waiting to be added).
+HF_WIDE_AT_MLP = {"llama": (4, 0), "falcon": (5, 0), "gpt2": (4, 1)}
 
 
 def prefill_transient_bytes(arch: Architecture, tokens: int, widths: Widths, tp: int = 1, backend: str = "native",
-                            context: int = 0, mode: str = "forward") -> float:
+                            context: int = 0) -> float:
     """The most one layer holds at once without autograd, and the token ids (8 n).
 
     Inside the MLP: SwiGLU's silu(gate), up and their product (3 c n f; gate itself is freed once
@@ -596,8 +609,8 @@ def prefill_transient_bytes(arch: Architecture, tokens: int, widths: Widths, tp:
     and Falcon's boolean causal mask (B T^2 = n T bytes)."""
     n, h, f, c, r = tokens, arch.hidden_size, arch.ffn_size, widths.compute, widths.residual
     intermediates = {"llama": 3, "falcon": 2, "gpt2": 4}[arch.family] * c * n * f / tp
-    residuals, casts = (3, 0) if backend == "native" else HF_WIDE_AT_MLP[arch.family, mode]
-    mask = n * context if arch.family == "falcon" else 0
+    residuals, casts = (3, 0) if backend == "native" else HF_WIDE_AT_MLP[arch.family]
+    mask = n * context if backend == "hf" and arch.family == "falcon" else 0
     return (residuals * r + casts * c) * n * h + intermediates + mask + 8 * n
 
 
@@ -1151,8 +1164,17 @@ def _inference(arch, mode, widths, batch, seq_len, new_tokens, terms, tp, stage=
         kv_tp = kv_heads_split(arch, tp)
         cache = kv_cache_bytes(arch, batch, seq_len + new_tokens, widths, kv_tp, backend) * layers / arch.num_layers
         per_token = cache / layers / batch / (seq_len + new_tokens) / 2
+        kept = f": {hf_cache(arch, widths).formula}" if backend == "hf" else ""
         terms.append(Term("KV cache", cache, f"2 x {layers} layers x {per_token:g} B x {batch} x "
-                          f"{seq_len + new_tokens} tokens",
+                          f"{seq_len + new_tokens} tokens{kept}",
+                          frozenset(moments) if precision in QUANTIZED or sharded_build else None))
+    elif backend == "hf":
+        # transformers' models grow a DynamicCache in a forward pass too (``use_cache`` is on by default)
+        cache = kv_cache_bytes(arch, batch, seq_len, widths, kv_heads_split(arch, tp), backend) * layers / arch.num_layers
+        layout = hf_cache(arch, widths)
+        terms.append(Term("KV cache", cache, f"{layers} layers of the forward pass's {batch} x {seq_len} tokens, "
+                          f"which transformers caches unasked: keys {layout.key_bytes} B and values "
+                          f"{layout.value_bytes} B ({layout.source}, read by running it)",
                           frozenset(moments) if precision in QUANTIZED or sharded_build else None))
     if precision == "int8":
         terms += int8_outlier_terms(arch, n, widths, tp)
@@ -1183,8 +1205,7 @@ def _inference(arch, mode, widths, batch, seq_len, new_tokens, terms, tp, stage=
         head = inductor.output_input_bytes(arch, n, c) + logits
         formula = f"final normalized input, cast in the norm's kernel, and {c} B x {rows:,} x V logits{gathered}"
     else:
-        terms.append(Term("MLP temporaries", prefill_transient_bytes(arch, n, widths, tp, backend, seq_len,
-                                                                  "infer" if mode == "infer" else "forward"),
+        terms.append(Term("MLP temporaries", prefill_transient_bytes(arch, n, widths, tp, backend, seq_len),
                           "one MLP's intermediates beside the residual stream, and the token ids",
                           frozenset({MLP})))
         head = r * n * h + (c * n * h if widths.autocast else 0) + logits

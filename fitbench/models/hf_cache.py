@@ -1,0 +1,128 @@
+"""What the installed transformers keeps in a generation's KV cache, read from running it.
+
+The hf backend's KV cache is transformers', and its shape changes between versions: which class
+holds it (a ``StaticCache`` of prompt + new tokens when weights and activations share a dtype, a
+``DynamicCache`` under autocast), the width of the keys and of the values (under autocast a rotary
+family's keys leave the rotary embedding in fp32 while its values are 16-bit; transformers 5.17's
+cache promoted the values to the keys' dtype, 5.24's keeps each in its own), how many heads a
+layer caches (Falcon broadcasts its kv heads to every query head first) and how a ``DynamicCache``
+grows (by concatenation: each step writes a new tensor holding every earlier position again).
+
+None of that is a constant of one version, so ``cache_layout`` reads it from the installed one: it
+builds a one-layer model of the family with small sizes on the CPU, prefills 3 tokens under the
+precision's dtypes (autocast where they differ), decodes one, and looks at the cache. The answer is
+kept per transformers and torch version in fitbench's cache directory, so a planner pays for it once
+(transformers takes seconds to import).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import os
+from dataclasses import dataclass
+from functools import lru_cache
+from importlib.metadata import version
+
+from fitbench.hardware import cache_directory
+from fitbench.models.architecture import Architecture
+
+PROMPT, HEADS = 3, 4
+
+
+@dataclass(frozen=True)
+class CacheLayout:
+    """One layer's cache per token and kv head, as the installed transformers keeps it.
+
+    ``key_bytes``, ``value_bytes``: bytes per element of the cached keys and values; ``query_heads``:
+    the layer caches every query head's keys and values instead of its kv heads'; ``static``: the cache
+    is allocated once for prompt + new tokens; ``copies_on_growth``: a decode step writes the grown
+    cache anew, so it reads every earlier position once more; ``source``: the transformers version."""
+
+    key_bytes: int
+    value_bytes: int
+    query_heads: bool
+    static: bool
+    copies_on_growth: bool
+    source: str
+
+    def bytes_per_token(self, arch: Architecture) -> int:
+        """(k + v bytes) x cached heads x head dim x layers: what one sequence adds per position."""
+        heads = arch.num_heads if self.query_heads else arch.num_kv_heads
+        return (self.key_bytes + self.value_bytes) * heads * arch.head_dim * arch.num_layers
+
+    @property
+    def formula(self) -> str:
+        """How the cache holds a position, for a planner term's formula."""
+        heads = "every query head" if self.query_heads else "the kv heads"
+        kind = "StaticCache (prompt + new tokens)" if self.static else "DynamicCache"
+        return (f"{kind} of {heads}, keys {self.key_bytes} B and values {self.value_bytes} B, as {self.source} "
+                f"keeps them (read by running a one-layer model of the family)")
+
+
+def cache_layout(arch: Architecture, weight_dtype: str, compute_dtype: str) -> CacheLayout:
+    """The installed transformers' cache for ``arch``'s model type with weights in ``weight_dtype`` and
+    activations in ``compute_dtype`` (names of torch dtypes: "float32", "bfloat16"), read from a run
+    or from fitbench's cache of earlier runs with the same transformers and torch."""
+    kv_heads = HEADS if arch.num_kv_heads == arch.num_heads else (1 if arch.num_kv_heads == 1 else HEADS // 2)
+    return _layout(arch.hf_model_type, kv_heads, weight_dtype, compute_dtype)
+
+
+@lru_cache(maxsize=None)
+def _layout(model_type: str, kv_heads: int, weight_dtype: str, compute_dtype: str) -> CacheLayout:
+    versions = f"transformers {version('transformers')}, torch {version('torch')}"
+    key = f"{model_type}|{kv_heads}|{weight_dtype}|{compute_dtype}"
+    path = cache_directory() / "hf-cache-layouts.json"
+    try:
+        known = json.loads(path.read_text()).get(versions, {})
+    except (OSError, ValueError, AttributeError):
+        known = {}
+    if isinstance(known, dict) and isinstance(known.get(key), dict):
+        try:
+            return CacheLayout(**known[key])
+        except TypeError:
+            pass
+    layout = measure_layout(model_type, kv_heads, weight_dtype, compute_dtype)
+    try:
+        stored = json.loads(path.read_text()) if path.exists() else {}
+        stored = stored if isinstance(stored, dict) else {}
+        stored.setdefault(versions, {})[key] = dataclasses.asdict(layout)
+        path.parent.mkdir(parents=True, exist_ok=True)
+        # written beside and renamed over: planners in parallel never read half a file
+        scratch = path.with_name(f"{path.name}.{os.getpid()}")
+        scratch.write_text(json.dumps(stored, indent=1))
+        os.replace(scratch, path)
+    except (OSError, ValueError, AttributeError):
+        pass  # an unwritable cache directory costs the next planner a run, nothing else
+    return layout
+
+
+def measure_layout(model_type: str, kv_heads: int, weight_dtype: str, compute_dtype: str) -> CacheLayout:
+    """Run a one-layer model of ``model_type`` (2 heads of 8 per kv head, vocabulary 64) on the CPU
+    as the hf backend runs it (``fitbench.models.backends.HuggingFaceLM``): a prompt of 3 tokens, then
+    one decode step; read the first layer's cache."""
+    import torch
+    import transformers
+
+    from fitbench.models.backends import HuggingFaceLM
+    from fitbench.models.hf import build_hf
+    from fitbench.models.presets import PRESETS
+
+    template = next(arch for arch in PRESETS if arch.hf_model_type == model_type)
+    arch = dataclasses.replace(template, name=f"probe-{model_type}", hidden_size=8 * HEADS,
+                               num_layers=1, num_heads=HEADS, num_kv_heads=kv_heads, ffn_size=64, vocab_size=64,
+                               max_seq_len=16)
+    weights, compute = getattr(torch, weight_dtype), getattr(torch, compute_dtype)
+    lm = HuggingFaceLM(build_hf(arch, "cpu", weights), static_cache=weights == compute)
+    tokens = torch.zeros((1, PROMPT), dtype=torch.long)
+    with torch.inference_mode(), torch.autocast("cpu", dtype=compute, enabled=weights != compute):
+        lm.prefill(tokens, PROMPT + 2)
+        layer = lm.cache.layers[0]
+        before = layer.keys.untyped_storage().data_ptr()
+        lm.decode(tokens[:, :1])
+        layer = lm.cache.layers[0]
+        copies = layer.keys.untyped_storage().data_ptr() != before
+    return CacheLayout(key_bytes=layer.keys.element_size(), value_bytes=layer.values.element_size(),
+                       query_heads=layer.keys.shape[1] == HEADS != kv_heads, static=lm.static_cache,
+                       copies_on_growth=copies and not lm.static_cache,
+                       source=f"transformers {transformers.__version__}")
