@@ -1,0 +1,58 @@
+#!/usr/bin/env bash
+# Several GPUs against one, side by side in one command on one host, bf16:
+# 1. decode at batch 1, 13B (512-token prompt, 64 new tokens): one GPU, then TP 2 and TP 4;
+# 2. weak scaling of training, the 1B preset at 8 x 2048 tokens per GPU (3 warm-up, 10 measured steps):
+#    one GPU, then DDP and FSDP over 2 and GPUS;
+# then summary.md: each row's tokens/s against its one-GPU baseline (decode: the ratio of tokens/s;
+# training: tokens/s per GPU over the one GPU's tokens/s, the weak-scaling efficiency).
+# Usage: benchmarks/vs_one_gpu.sh OUT_DIR GPUS   (GPUS 2 or 4)
+set -euo pipefail
+out=${1:?usage: benchmarks/vs_one_gpu.sh OUT_DIR GPUS}
+gpus=${2:?usage: benchmarks/vs_one_gpu.sh OUT_DIR GPUS}
+fitbench=${FITBENCH:-fitbench}
+# a directory holds one sweep: each run its own
+run() { local dir=$1; shift; $fitbench run "$@" --out "$out/$dir" || true; }
+
+decode=(--models 13B --mode infer --precision bf16-pure --batch-size 1 --seq-len 512 --new-tokens 64
+        --warmup-steps 2 --measure-steps 5)
+run decode/1 "${decode[@]}"
+for n in 2 "$gpus"; do
+  [ -d "$out/decode/tp-$n" ] || run "decode/tp-$n" "${decode[@]}" --gpus "$n" --strategy tp
+done
+
+weak=(--models 1B --mode train --precision bf16 --batch-size 8 --seq-len 2048 --warmup-steps 3 --measure-steps 10)
+run weak/1 "${weak[@]}"
+for n in 2 "$gpus"; do
+  for strategy in ddp fsdp; do
+    [ -d "$out/weak/$strategy-$n" ] || run "weak/$strategy-$n" "${weak[@]}" --gpus "$n" --strategy "$strategy"
+  done
+done
+
+python - "$out" > "$out/summary.md" <<'PYTHON'
+import json, sys
+from pathlib import Path
+
+out = Path(sys.argv[1])
+
+def row(directory):
+    path = out / directory / "results.jsonl"
+    rows = [json.loads(line) for line in path.read_text().splitlines()] if path.exists() else []
+    return rows[-1] if rows and rows[-1]["status"] == "ok" else None
+
+print("| run | layout | tokens/s | per GPU | against one GPU | MFU |\n|---|---|---|---|---|---|")
+for part, key, per_gpu in (("decode", "decode_tokens_per_s", False), ("weak", "tokens_per_s", True)):
+    base = row(f"{part}/1")
+    for directory in sorted(p.parent.relative_to(out) for p in (out / part).glob("*/results.jsonl")):
+        r = row(directory)
+        if r is None:
+            print(f"| {directory} | | | | not ok | |")
+            continue
+        gpus = r["parallel"]["world_size"] if r.get("parallel") else 1
+        tokens = r["throughput"][key]
+        ratio = tokens / gpus / base["throughput"][key] if per_gpu else tokens / base["throughput"][key]
+        mfu = r["throughput"].get("mfu")
+        layout = r["parallel"]["strategy"] + f" x {gpus}" if r.get("parallel") else "one GPU"
+        print(f"| {directory} | {layout} | {tokens:,.0f} | {tokens / gpus:,.0f} | {ratio:.3f} | "
+              f"{'' if mfu is None else f'{100 * mfu:.1f}%'} |")
+PYTHON
+cat "$out/summary.md"
