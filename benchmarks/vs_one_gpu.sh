@@ -1,32 +1,42 @@
 #!/usr/bin/env bash
 # Several GPUs against one, side by side in one command on one host, bf16:
-# 1. decode at batch 1, 13B (512-token prompt, 64 new tokens): one GPU, then TP 2 and TP 4;
+# 1. decode at batch 1, 13B (512-token prompt, 64 new tokens): one GPU, then TP 2 and TP GPUS; with
+#    GPUS 4, Llama-2-70B under TP 4 (its bandwidth roofline is the reference: it does not fit one GPU);
 # 2. weak scaling of training, the 1B preset at 8 x 2048 tokens per GPU (3 warm-up, 10 measured steps):
 #    one GPU, then DDP and FSDP over 2 and GPUS;
 # then summary.md: each row's tokens/s against its one-GPU baseline (decode: the ratio of tokens/s;
 # training: tokens/s per GPU over the one GPU's tokens/s, the weak-scaling efficiency).
-# Usage: benchmarks/vs_one_gpu.sh OUT_DIR GPUS   (GPUS 2 or 4)
+# Usage: benchmarks/vs_one_gpu.sh OUT_DIR GPUS [decode|weak|all]   (GPUS 2 or 4; all by default)
 set -euo pipefail
 out=${1:?usage: benchmarks/vs_one_gpu.sh OUT_DIR GPUS}
-gpus=${2:?usage: benchmarks/vs_one_gpu.sh OUT_DIR GPUS}
+gpus=${2:?usage: benchmarks/vs_one_gpu.sh OUT_DIR GPUS [decode|weak|all]}
+part=${3:-all}
 fitbench=${FITBENCH:-fitbench}
 # a directory holds one sweep: each run its own
 run() { local dir=$1; shift; $fitbench run "$@" --out "$out/$dir" || true; }
 
 decode=(--models 13B --mode infer --precision bf16-pure --batch-size 1 --seq-len 512 --new-tokens 64
         --warmup-steps 2 --measure-steps 5)
-run decode/1 "${decode[@]}"
-for n in 2 "$gpus"; do
-  [ -d "$out/decode/tp-$n" ] || run "decode/tp-$n" "${decode[@]}" --gpus "$n" --strategy tp
-done
-
-weak=(--models 1B --mode train --precision bf16 --batch-size 8 --seq-len 2048 --warmup-steps 3 --measure-steps 10)
-run weak/1 "${weak[@]}"
-for n in 2 "$gpus"; do
-  for strategy in ddp fsdp; do
-    [ -d "$out/weak/$strategy-$n" ] || run "weak/$strategy-$n" "${weak[@]}" --gpus "$n" --strategy "$strategy"
+if [ "$part" != weak ]; then
+  run decode/1 "${decode[@]}"
+  for n in 2 "$gpus"; do
+    [ -d "$out/decode/tp-$n" ] || run "decode/tp-$n" "${decode[@]}" --gpus "$n" --strategy tp
   done
-done
+  if [ "$gpus" -ge 4 ]; then
+    run decode-70b/tp-4 --models llama-2-70b --mode infer --precision bf16-pure --batch-size 1 --seq-len 512 \
+        --new-tokens 64 --warmup-steps 2 --measure-steps 5 --gpus 4 --strategy tp
+  fi
+fi
+
+if [ "$part" != decode ]; then
+  weak=(--models 1B --mode train --precision bf16 --batch-size 8 --seq-len 2048 --warmup-steps 3 --measure-steps 10)
+  run weak/1 "${weak[@]}"
+  for n in 2 "$gpus"; do
+    for strategy in ddp fsdp; do
+      [ -d "$out/weak/$strategy-$n" ] || run "weak/$strategy-$n" "${weak[@]}" --gpus "$n" --strategy "$strategy"
+    done
+  done
+fi
 
 python - "$out" > "$out/summary.md" <<'PYTHON'
 import json, sys
@@ -40,7 +50,8 @@ def row(directory):
     return rows[-1] if rows and rows[-1]["status"] == "ok" else None
 
 print("| run | layout | tokens/s | per GPU | against one GPU | MFU |\n|---|---|---|---|---|---|")
-for part, key, per_gpu in (("decode", "decode_tokens_per_s", False), ("weak", "tokens_per_s", True)):
+for part, key, per_gpu in (("decode", "decode_tokens_per_s", False), ("decode-70b", "decode_tokens_per_s", False),
+                           ("weak", "tokens_per_s", True)):
     base = row(f"{part}/1")
     for directory in sorted(p.parent.relative_to(out) for p in (out / part).glob("*/results.jsonl")):
         r = row(directory)
@@ -49,10 +60,14 @@ for part, key, per_gpu in (("decode", "decode_tokens_per_s", False), ("weak", "t
             continue
         gpus = r["parallel"]["world_size"] if r.get("parallel") else 1
         tokens = r["throughput"][key]
-        ratio = tokens / gpus / base["throughput"][key] if per_gpu else tokens / base["throughput"][key]
+        roofline = r["throughput"].get("decode_roofline_percent")
+        if base is None:  # no one-GPU row: the share of the bandwidth roofline instead
+            ratio = f"{roofline:.1f}% of roofline" if roofline is not None else ""
+        else:
+            ratio = f"{tokens / gpus / base['throughput'][key] if per_gpu else tokens / base['throughput'][key]:.3f}"
         mfu = r["throughput"].get("mfu")
         layout = r["parallel"]["strategy"] + f" x {gpus}" if r.get("parallel") else "one GPU"
-        print(f"| {directory} | {layout} | {tokens:,.0f} | {tokens / gpus:,.0f} | {ratio:.3f} | "
+        print(f"| {directory} | {layout} | {tokens:,.0f} | {tokens / gpus:,.0f} | {ratio} | "
               f"{'' if mfu is None else f'{100 * mfu:.1f}%'} |")
 PYTHON
 cat "$out/summary.md"

@@ -138,20 +138,33 @@ def training_pass(arch, rank: Rank, mesh) -> dict:
             "applied": applied, "loss_function": type(loss.grad_fn).__name__}
 
 
-def generation(arch, rank: Rank, mesh, graphed: bool) -> dict:
+def generation(arch, rank: Rank, mesh, graphed: bool, compiled: bool = False) -> dict:
     """The prefill's logits and ``DECODE`` decode steps' on fixed tokens, on the local shards that
     generation runs; ``graphed``: the decode goes through ``decode_step``, the function a CUDA graph
-    captures, here replayed eagerly."""
+    captures, here replayed eagerly; ``compiled``: through the compiled regions as well, each graph
+    that Dynamo traces run as traced (no inductor), and the collectives counted in them."""
     lm, applied = built(arch, rank, mesh, inference=True)
+    graphs: list[torch.fx.GraphModule] = []
     if graphed:
-        lm = NativeLM(lm.module, lm.cache_dtype, cuda_graphs=True, capture=lambda step: Replay(step))
+        lm = NativeLM(lm.module, lm.cache_dtype, cuda_graphs=True, capture=lambda step: Replay(step),
+                      compile_decode=compiled, compiler=traced_as_is(graphs) if compiled else None)
     prompt = random_tokens(arch.vocab_size, BATCH, PROMPT, rank.device, SEED + 1)
     following = random_tokens(arch.vocab_size, BATCH, DECODE, rank.device, SEED + 2)
     with torch.inference_mode():
         logits = [lm.prefill(prompt, PROMPT + DECODE)]
         logits += [lm.decode(following[:, i:i + 1]).clone() for i in range(DECODE)]
     return {"logits": [sample(step) for step in logits], "cache_kv_heads": lm.cache.layer_keys[0].shape[1],
-            "decoding": lm.decoding, "applied": applied}
+            "decoding": lm.decoding, "applied": applied,
+            "traced_collectives": [sum("all_reduce" in str(node.target) or "all_gather" in str(node.target)
+                                       for node in graph.graph.nodes) for graph in graphs]}
+
+
+def traced_as_is(graphs: list):
+    """A ``torch.compile`` backend that keeps each graph Dynamo traced and runs it unchanged."""
+    def compile_graph(graph: torch.fx.GraphModule, inputs: list):
+        graphs.append(graph)
+        return graph.forward
+    return compile_graph
 
 
 def fsdp_tp_losses(rank: Rank) -> tuple[list[float], dict]:
@@ -196,7 +209,8 @@ def main(argv: list[str]) -> None:
         for name, arch in VARIANTS.items():
             figures[name] = {"train": training_pass(arch, rank, tp_mesh),
                              "infer": generation(arch, rank, tp_mesh, graphed=False),
-                             "infer_graphed": generation(arch, rank, tp_mesh, graphed=True)}
+                             "infer_graphed": generation(arch, rank, tp_mesh, graphed=True),
+                             "infer_compiled": generation(arch, rank, tp_mesh, graphed=True, compiled=True)}
         losses, applied = fsdp_tp_losses(rank)
         figures["fsdp+tp"] = {"losses": losses, "applied": applied}
         figures["pipeline+tp"] = pipelined(rank)

@@ -174,10 +174,10 @@ def test_a_tensor_parallel_training_pass_equals_one_process(ranks, variant):
 
 @slow
 @pytest.mark.parametrize("variant", list(job.VARIANTS))
-@pytest.mark.parametrize("path", ["infer", "infer_graphed"])
+@pytest.mark.parametrize("path", ["infer", "infer_graphed", "infer_compiled"])
 def test_tensor_parallel_prefill_and_decode_logits_equal_one_process(ranks, variant, path):
     arch = job.VARIANTS[variant]
-    expected = single_process_generation(arch, graphed=path == "infer_graphed")
+    expected = single_process_generation(arch, graphed=path != "infer")
     for row in ranks:
         measured = row[variant][path]
         assert len(measured["logits"]) == 1 + job.DECODE
@@ -185,7 +185,21 @@ def test_tensor_parallel_prefill_and_decode_logits_equal_one_process(ranks, vari
             assert close(got, want), (variant, path, row["rank"], step)
         # each rank caches the kv heads its query heads read: half of tiny's 4, the one of tiny-1kv
         assert measured["cache_kv_heads"] == max(arch.num_kv_heads // 2, 1)
-        assert measured["decoding"]["cuda_graphs"] == (path == "infer_graphed")
+        assert measured["decoding"]["cuda_graphs"] == (path != "infer")
+
+
+@slow
+def test_tensor_parallel_decode_compiles_with_its_collectives_in_the_graph(ranks):
+    """Compiled under TP as on one GPU: one graph for the prefill's layer, one for the decode step's, one
+    for the head, no fallback; each layer graph holds its two all-reduces (attention, MLP), the head's
+    its logits' all-gather, so nothing breaks the graph at a collective."""
+    for row in ranks:
+        measured = row["tiny"]["infer_compiled"]
+        regions = measured["decoding"]["regions"]
+        assert {name: region["graphs"] for name, region in regions.items()} == {"layer": 1, "layer_decode": 1,
+                                                                                 "head": 1}
+        assert "compile_fallback" not in measured["decoding"]
+        assert sorted(measured["traced_collectives"]) == [1, 2, 2]
 
 
 ALL_REDUCE, ALL_GATHER = "c10d.allreduce_.default", "c10d._allgather_base_.default"

@@ -325,7 +325,8 @@ def build(assignment: Assignment, arch, policy, device: torch.device, scratch: P
                              f"checkpoint, which they do not load: run it without --strategy tp")
         lm, mesh, applied = build_layout(arch, spec.layout, policy, spec.mode, spec.seq_len, rank,
                                          cuda_graphs=spec.cuda_graphs)
-        return Built(lm, mesh=mesh, parallel=applied)
+        # generation compiles its step as on one GPU: the all-reduces trace into the layer's graph
+        return Built(decoding_as_asked(lm, spec), mesh=mesh, parallel=applied)
     if not policy.quantized:
         lm = load_model(arch, spec.backend, device, policy.weight_dtype, model_path=model_path,
                         compute_dtype=policy.compute_dtype, cuda_graphs=spec.cuda_graphs)
