@@ -429,8 +429,9 @@ def _plan_text(result, trace) -> None:
     else:
         speed = chosen.speed
         console.print(f"chosen: [green]{escape(chosen.candidate.label)}[/green]: {format_bytes(chosen.predicted_peak)}"
-                      f" per GPU, roofline {speed.tokens_per_s:,.0f} tokens/s ({speed.bound}-bound, "
-                      f"{speed.seconds * 1e3:.1f} ms per {'decode step' if result.mode == 'infer' else 'step'})")
+                      f" per GPU, forecast {chosen.forecast_tokens_per_s:,.0f} tokens/s over its GPUs; roofline "
+                      f"{speed.tokens_per_s:,.0f} tokens/s ({speed.bound}-bound, {speed.seconds * 1e3:.1f} ms per "
+                      f"{'decode step' if result.mode == 'infer' else 'step'})")
         stage = f" on {chosen.memory.stage.label}, the largest" if chosen.memory.stage else ""
         table = Table(title_justify="left", title=f"per-GPU memory, peak at the {chosen.peak_moment}{stage}")
         for column in ("term", "bytes", "at peak", "formula / source"):
@@ -449,7 +450,7 @@ def _plan_text(result, trace) -> None:
                           f"analytic {format_bytes(chosen.memory.peak_bytes)} ({gap:+.1f}%)")
     for other in result.feasible[1:4]:
         console.print(f"  also fits: {escape(other.candidate.label)}: {format_bytes(other.predicted_peak)}, "
-                      f"{other.speed.tokens_per_s:,.0f} tokens/s")
+                      f"forecast {other.forecast_tokens_per_s:,.0f} tokens/s")
     shown = result.rejected[:8]
     for rejected in shown:
         console.print(f"  rejected: {escape(rejected.reason)}")

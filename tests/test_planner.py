@@ -39,7 +39,6 @@ from fitbench.plan.planner import (
     alternatives,
     assess,
     fewest_gpus,
-    launch_problem,
     layouts_for,
     minimum_gpus,
     offload_split,
@@ -224,17 +223,19 @@ def test_ladder_that_starts_with_a_fitting_precision_chooses_it(ladder):
     assert result.chosen.candidate.precision == ladder[0]
     first = [a for a in result.feasible if a.candidate.precision == ladder[0]]
     later = [a for a in result.feasible if a.candidate.precision != ladder[0]]
-    # Within the rung, the fastest the run can launch (quantized weights are not split by tensor
-    # parallelism); ranked list starts with the chosen one.
-    launched = [a for a in first if launch_problem(resolve("llama-2-70b"), a.candidate.layout, a.candidate.precision,
-                                                   "infer", "native") is None]
-    assert result.chosen.speed.tokens_per_s == max(a.speed.tokens_per_s for a in launched)
+    # Only layouts the run can launch fit (quantized weights are not split by tensor parallelism); within
+    # the rung, the fastest forecast; the ranked list starts with the chosen one.
+    assert all(a.candidate.layout.problem(resolve("llama-2-70b"), "infer", a.candidate.precision, "native") is None
+               for a in result.feasible)
+    if ladder[0] != "bf16-pure":
+        assert all(a.candidate.layout.tp == 1 for a in first)
+    assert result.chosen.forecast_tokens_per_s == max(a.forecast_tokens_per_s for a in first)
     assert result.feasible[0] is result.chosen
     assert [a.candidate.precision for a in result.feasible] == sorted(
         (a.candidate.precision for a in result.feasible), key=ladder.index)
     if ladder[0] == "bf16-pure":
         # 4-bit weights read a quarter of the bytes: a later rung would be faster.
-        assert max(a.speed.tokens_per_s for a in later) > result.chosen.speed.tokens_per_s
+        assert max(a.forecast_tokens_per_s for a in later) > result.chosen.forecast_tokens_per_s
 
 
 def test_equal_roofline_prefers_fewer_gpus():
@@ -260,7 +261,7 @@ def test_every_rejection_has_a_reason_and_tp3_is_rejected_for_64_heads():
     tp3 = [a for a in result.rejected if a.candidate.strategy == "tp" and a.candidate.gpus == 3]
     assert {a.candidate.precision for a in tp3} == {"bf16-pure", "int8", "nf4"}
     for rejected in tp3:
-        assert "tensor parallel 3 does not divide 64 heads" in rejected.reason
+        assert "3 ranks do not divide the model's 64 heads" in rejected.reason
     # 80 layers split unevenly into 3 stages: 27, 27 and 26 (80 % 3 == 2)
     pipeline3 = [a for a in result.feasible if a.candidate.strategy == "pipeline" and a.candidate.gpus == 3]
     assert pipeline3
@@ -845,8 +846,9 @@ def test_plan_command_prints_the_breakdown_and_the_rejections(capsys):
         assert term in out
     rejected = [line.strip() for line in out.splitlines() if line.strip().startswith("rejected:")]
     assert rejected
-    for line in rejected:
-        assert re.search(r"needs [\d.]+ GB per GPU; 80\.0 GB available", line), line
+    for line in rejected:  # short of memory, or a layout the run cannot launch (quantized weights under TP)
+        assert re.search(r"needs [\d.]+ GB per GPU; 80\.0 GB available|the run cannot launch [^:]+: (int8|nf4) "
+                         r"weights cannot be sharded", line), line
 
 
 LLAMA_20B = dict(h=6144, L=50, H=48, kv=8, f=16384, V=32000)  # fitbench's 20B preset: a Llama-2 shape, untied
@@ -871,9 +873,13 @@ def test_20b_training_on_two_h200s_chooses_fsdp_and_says_why_ddp_does_not_fit(ca
     assert available == round(H200_TOTAL_MEMORY / GB, 1)
     assert replicated == round(8 * p20 / GB, 1)
     assert need > replicated > available
-    # tensor parallel fits and is predicted faster at batch 1, but training runs what `fitbench run` launches
-    assert "also fits: bf16-pure, tp x 2, batch 1" in text
-    assert re.search(r"note: bf16-pure, tp x 2, batch 1 is predicted faster \([\d,]+ tokens/s\)", text)
+    # tensor parallelism fits too, but its all-reduces and DTensor's host work forecast it slower
+    forecast = re.search(r"chosen: .*? forecast ([\d,]+) tokens/s", text)
+    result = plan(resolve("20B"), "train", GpuTarget("NVIDIA H200", 2, H200_TOTAL_MEMORY, described=True), seq_len=512,
+                  new_tokens=128, batch_sizes=[1])
+    tp2 = next(a for a in result.feasible if a.candidate.layout == Layout(tp=2))
+    assert tp2.forecast_tokens_per_s < result.chosen.forecast_tokens_per_s
+    assert round(result.chosen.forecast_tokens_per_s) == int(forecast.group(1).replace(",", ""))
 
 
 def test_fsdp_cpu_offload_fits_what_sharding_alone_does_not_and_pays_the_host_link():
@@ -938,7 +944,7 @@ def test_plan_command_json_has_sizes_in_bytes(capsys):
     assert chosen["candidate"] == {"precision": "bf16-pure", "strategy": "tp", "gpus": 4,
                                    "activation_checkpointing": False, "batch_size": 1, "resident_layers": None,
                                    "compiled": False, "cpu_offload": False,
-                                   "layout": {"dp_replicate": 1, "dp_shard": 1, "tp": 4, "pp": 1}}
+                                   "layout": {"dp_replicate": 1, "dp_shard": 1, "tp": 4, "pp": 1, "replicas": 1}}
     # every layer matrix in quarters (8 kv heads split 4 ways), the embedding and the output projection
     # over the vocabulary; the norms whole on each rank
     s, norms = LLAMA2_70B, 2 * LLAMA2_70B["h"]
@@ -953,9 +959,10 @@ def test_plan_command_json_has_sizes_in_bytes(capsys):
     assert result["feasible"][0]["label"] == chosen["label"]
     assert all(f["fits"] and f["predicted_peak_bytes"] <= 80e9 for f in result["feasible"])
     assert result["rejected"]
-    for rejected in result["rejected"]:
+    for rejected in result["rejected"]:  # short of memory, or a layout the run cannot launch, never estimated
         assert not rejected["fits"] and rejected["reason"]
-        assert rejected["predicted_peak_bytes"] > 80e9
+        assert rejected["predicted_peak_bytes"] > 80e9 or (
+            "the run cannot launch" in rejected["reason"] and rejected["memory"] is None)
 
 
 def test_plan_uses_a_stored_calibration(capsys):
@@ -1310,7 +1317,7 @@ def test_when_nothing_fits_the_reason_says_so():
     found = alternatives(arch, spec, target, DEFAULT, max_gpus=2)
     assert not prediction["fits"] and found == []
     assert refusal(arch, spec, prediction, target, found).endswith(
-        "no change of precision, checkpointing, batch or GPU count makes it fit.")
+        "no change of precision, checkpointing, batch, layout or GPU count makes it fit.")
 
 
 def test_on_a_cpu_the_prediction_is_the_tensors_alone():
@@ -1433,7 +1440,7 @@ def terms_of(assessed) -> dict[str, float]:
 
 def launchable(arch, mode: str, gpus: int, precision: str) -> list[Layout]:
     return [layout for layout in layouts_for(arch, mode, gpus)
-            if launch_problem(arch, layout, precision, mode, default_backend(arch)) is None]
+            if layout.problem(arch, mode, precision, default_backend(arch)) is None]
 
 
 def test_405b_bf16_inference_on_16_h100_is_tp8_x_pp2(capsys):
@@ -1475,24 +1482,26 @@ def test_falcon_180b_bf16_inference_fewest_h100s_and_the_layout():
 
 @pytest.mark.parametrize("precision, strategies", [("fp8", None), ("bf16-pure", ["tp"])])
 def test_a_plan_of_layouts_the_run_refuses_says_why(precision, strategies, capsys):
-    """Falcon-180B on H200s: fp8 fits only in layouts the run does not launch (no tensor-parallel plan in
-    transformers for Falcon, no quantized stages on the hf backend), and bf16 under tensor parallelism
-    is predicted short of memory too. Either way the plan names the run's refusal, not only the memory."""
+    """Falcon-180B on H200s: fp8 would fit only in layouts the run does not launch (no tensor-parallel plan
+    in transformers for Falcon, no quantized stages on the hf backend), and under tensor parallelism bf16
+    cannot launch either. Either way the plan rejects those layouts with the run's reason
+    (``Layout.problem``), not with their memory, and says so."""
     arch = resolve("falcon-180b")
     target = GpuTarget("NVIDIA H200", 8, H200_TOTAL_MEMORY, described=True)
     result = plan(arch, "infer", target, seq_len=512, new_tokens=32, batch_sizes=[1], precisions=[precision],
                   strategies=strategies)
-    shown = [result.chosen] if result.chosen else list(result.rejected)
-    problems = {launch_problem(arch, a.candidate.layout, precision, "infer", "hf") for a in shown}
-    assert shown and None not in problems
-    notes = [note for note in result.notes if note.startswith("the run cannot launch")]
-    assert {note.partition(": ")[2] for note in notes} == problems
+    unlaunched = [a for a in result.rejected if a.candidate.layout.problem(arch, "infer", precision, "hf")]
+    assert result.chosen is None and unlaunched
+    for assessed in unlaunched:
+        problem = assessed.candidate.layout.problem(arch, "infer", precision, "hf")
+        assert assessed.reason == f"{assessed.candidate.label}: the run cannot launch {problem}"
+        assert assessed.memory is None
     code, out, err = cli(["plan", "--models", "falcon-180b", "--mode", "infer", "--gpu", "H200", "--gpus", "8",
                           "--seq-len", "512", "--new-tokens", "32", "--precision", precision,
                           *(["--strategy", *strategies] if strategies else [])], capsys)
     assert code == 0, err
     text = " ".join(out.split())  # the terminal wraps long lines
-    assert all(f"note: {note}" in text for note in notes)
+    assert "nothing fits" in text and f"rejected: {unlaunched[0].reason}" in text
 
 
 def test_the_run_plans_the_precision_it_left_open_from_its_fallback_ladder():
@@ -1645,10 +1654,15 @@ def test_the_planner_chooses_the_layout_of_a_run_left_open():
     planned, _ = predict_spec(resolve("7B"), spec, target, DEFAULT, choose_precision=False, choose_recompute=False,
                               runnable=PRECISIONS, choose_strategy=True)
     assert planned.layout.strategy in ("ddp", "fsdp")
-    # quantized weights are split by stages, and so is Falcon on transformers' model, which has no
-    # tensor-parallel plan: accelerate's device map over the two GPUs
+    # where one GPU does not hold the model (two of 60 GB), quantized weights are split by stages, and so
+    # is Falcon on transformers' model, which has no tensor-parallel plan: accelerate's device map over the
+    # two GPUs; where one does (an H200), one GPU is faster than two stages that decode in turn
     falcon = run_spec("falcon-40b", "infer", "bf16-pure", 1, 512, layout=Layout(tp=2)).model_copy(
         update={"backend": "hf"})
+    planned, _ = predict_spec(resolve("falcon-40b"), falcon, target, DEFAULT, choose_precision=False,
+                              choose_recompute=False, runnable=PRECISIONS, choose_strategy=True)
+    assert planned.layout == Layout()
+    target = GpuTarget("NVIDIA H200", 2, 60e9, described=True)
     planned, _ = predict_spec(resolve("falcon-40b"), falcon, target, DEFAULT, choose_precision=False,
                               choose_recompute=False, runnable=PRECISIONS, choose_strategy=True)
     assert planned.layout == Layout(pp=2)
