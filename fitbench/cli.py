@@ -116,11 +116,13 @@ def _add_run_options(parser: argparse.ArgumentParser) -> None:
     add("--gpus", type=int, default=S, metavar="N",
         help="run each configuration as one torchrun job of N ranks, one GPU each (on --device cpu, N CPU "
              "processes talking over gloo); default 1")
-    add("--strategy", choices=("auto", "ddp", "fsdp", "tp", "pipeline"), default=S,
+    add("--strategy", choices=("auto", "ddp", "fsdp", "tp", "pipeline", "replicas"), default=S,
         help="with --gpus N: ddp (a replica per GPU, gradients averaged), fsdp (weights, gradients and optimizer "
              "state sharded, FSDP2), tp (tensor parallelism: each layer's heads and MLP split over the GPUs, "
              "every mode, infer included), pipeline (consecutive decoder layers per GPU, train and infer; native "
-             "backend) or auto (default: what fits and composes, DDP first)")
+             "backend), replicas (infer and forward: N independent copies, one per GPU, each with its own batch; "
+             "tokens/s summed over them) or auto (default: among what fits and composes, the fastest forecast; "
+             "without a plan, as on a CPU, DDP first)")
     add("--microbatches", type=int, default=S, metavar="N",
         help="with --strategy pipeline: microbatches of a training step, which must divide the batch (default: "
              "one per GPU)")
@@ -154,7 +156,7 @@ def _add_plan_options(parser: argparse.ArgumentParser) -> None:
     add("--seq-len", "--context-length", dest="seq_len", type=int, default=512, metavar="T", help="default 512")
     add("--new-tokens", dest="new_tokens", type=int, default=128, metavar="N",
         help="generated tokens in infer (default 128)")
-    add("--strategy", nargs="+", choices=("single", "ddp", "fsdp", "tp", "pipeline"), default=None,
+    add("--strategy", nargs="+", choices=("single", "ddp", "fsdp", "tp", "pipeline", "replicas"), default=None,
         help="limit the layouts considered (default: all that apply to the mode)")
     add("--gpus", type=int, default=None, help="how many GPUs to plan for (default: those detected)")
     add("--gpu-memory", dest="gpu_memory", default=None, metavar="SIZE", help="memory per GPU, e.g. 80GB or 79.2GiB")

@@ -96,10 +96,11 @@ class SweepConfig(BaseModel):
     seed: int = Field(0, description=f"a whole number from 0 to {SEED_MAX:,} (2^64 - 1)")
     gpus: int = Field(1, description=f"ranks of each configuration's job, 1 to {RANKS_MAX}: GPUs, or CPU processes "
                                      f"with device cpu")
-    strategy: Literal["auto", "ddp", "fsdp", "tp", "pipeline"] = Field(
-        "auto", description="auto, ddp, fsdp, tp or pipeline: how a job of several ranks shares the model (auto: the "
-                            "planner's choice among what fits, by predicted throughput; tp: tensor parallelism, every "
-                            "mode)")
+    strategy: Literal["auto", "ddp", "fsdp", "tp", "pipeline", "replicas"] = Field(
+        "auto", description="auto, ddp, fsdp, tp, pipeline or replicas: how a job of several ranks shares the model "
+                            "(auto: the planner's choice among what fits, by forecast throughput; tp: tensor "
+                            "parallelism, every mode; replicas: a whole model per rank, each its own batch, infer "
+                            "and forward)")
     microbatches: int | None = Field(None, description=f"microbatches of a pipelined training step, 1 to {COUNT_MAX:,} "
                                                        f"(default: one per pipeline stage)")
     tp: int | None = Field(None, validation_alias="tensor_parallel_size",
@@ -279,14 +280,14 @@ def _layout(config: SweepConfig, mode: str, precision: str, backend: str, arch: 
     DDP and FSDP that composes with the configuration (the planner may choose another by forecast
     throughput where it plans: ``fitbench.plan.planner``). Generation under ``auto``, ``ddp`` or
     ``fsdp`` runs in one process: data parallelism has nothing to average or shard in it; tensor
-    parallelism (``tp``) runs every mode. With ``offload``, FSDP,
+    parallelism (``tp``) runs every mode, ``replicas`` inference and forward. With ``offload``, FSDP,
     whose CPU offload it is (DDP has none). What composes is ``Layout.problem``'s to say; raises
     UserError with its reason when the layout asked for does not."""
     if config.tp is not None:
         return _tensor_parallel_layout(config, mode, precision, backend, arch)
     if config.gpus == 1:
         return Layout()
-    if config.strategy in ("tp", "pipeline"):
+    if config.strategy in ("tp", "pipeline", "replicas"):
         layout = Layout.of_strategy(config.strategy, config.gpus)
         problem = layout.problem(arch, mode, precision, backend, config.offload)
         if problem:
@@ -321,7 +322,7 @@ def _tensor_parallel_layout(config: SweepConfig, mode: str, precision: str, back
     if gpus % tp:
         raise UserError(f"tp: --tp {tp} does not divide --gpus {gpus}; give a --tp that divides {gpus} (the ranks "
                         f"left over make the FSDP groups or pipeline stages), or --gpus a multiple of {tp}.")
-    if strategy in ("auto", "ddp"):
+    if strategy in ("auto", "ddp", "replicas"):
         raise UserError(f"tp: --tp {tp} combines with --strategy fsdp (training), pipeline (infer, forward) or "
                         f"tp, not --strategy {strategy}; name one of those, or leave --tp out.")
     if strategy == "tp" and tp != gpus:

@@ -53,6 +53,10 @@ REFUSED = [
      ["pipeline x 2:"], "bf16-pure over stages"),
     (["--gpus", "4", "--strategy", "pipeline", "--tp", "2", "--mode", "train"], ["tp 2 x pipeline 2:"],
      "--strategy fsdp --tp 2"),
+    (["--gpus", "2", "--strategy", "replicas", "--mode", "train"], ["replicas x 2:"], "--strategy ddp or fsdp"),
+    (["--gpus", "2", "--strategy", "replicas", "--mode", "forward-backward"], ["replicas x 2:"],
+     "--mode infer or forward"),
+    (["--gpus", "2", "--strategy", "replicas", "--mode", "infer", "--offload"], ["replicas x 2:"], "drop --offload"),
 ]
 
 

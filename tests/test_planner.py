@@ -1532,7 +1532,7 @@ def test_a_plan_with_no_layout_of_the_strategies_says_so_not_that_nothing_fits(c
 def test_70b_bf16_inference_on_two_h200_fits_with_tp2():
     target = GpuTarget("NVIDIA H200", 2, H200_TOTAL_MEMORY, described=True)
     result = plan(resolve("llama-2-70b"), "infer", target, seq_len=512, new_tokens=128, batch_sizes=[1],
-                  precisions=["bf16-pure"])
+                  precisions=["bf16-pure"], strategies=["tp", "pipeline"])
     assert result.chosen.candidate.layout == Layout(tp=2)
     assert 2 * P70 / 2 < result.chosen.predicted_peak <= H200_TOTAL_MEMORY
     # two stages fit too, but decode one after another: the whole model's weights read per step
@@ -1640,28 +1640,30 @@ def test_requirements_answers_405b_with_a_layout(capsys):
 
 
 def test_the_planner_chooses_the_layout_of_a_run_left_open():
-    # llama-2-70b on two H200s: tensor parallel 2, faster than two stages, from a generation the sweep
-    # expanded in one process (or from another layout of the two)
-    target = GpuTarget("NVIDIA H200", 2, H200_TOTAL_MEMORY, described=True)
+    # llama-2-70b on two GPUs of 100 GB, which one does not hold: tensor parallel 2, faster than two stages,
+    # from a generation the sweep expanded in one process (or from another layout of the two)
+    target = GpuTarget("NVIDIA H200", 2, 100e9, described=True)
     for layout, gpus in ((Layout(), 2), (Layout(pp=2), None)):
         spec = run_spec("llama-2-70b", "infer", "bf16-pure", 1, 512, layout=layout)
         planned, prediction = predict_spec(resolve("llama-2-70b"), spec, target, DEFAULT, choose_precision=False,
                                            choose_recompute=False, runnable=PRECISIONS, choose_strategy=True,
                                            gpus=gpus)
         assert planned.layout == Layout(tp=2) and prediction["fits"] and "layout" in prediction["chosen_by_planner"]
-    # in training DDP or FSDP first, as `plan` chooses: 7B bf16 on two H200s, FSDP
+    # in training the fastest forecast: 7B bf16 on two H200s, DDP or FSDP
+    target = GpuTarget("NVIDIA H200", 2, H200_TOTAL_MEMORY, described=True)
     spec = run_spec("7B", "train", "bf16", 1, 512, layout=Layout(dp_replicate=2))
     planned, _ = predict_spec(resolve("7B"), spec, target, DEFAULT, choose_precision=False, choose_recompute=False,
                               runnable=PRECISIONS, choose_strategy=True)
     assert planned.layout.strategy in ("ddp", "fsdp")
     # where one GPU does not hold the model (two of 60 GB), quantized weights are split by stages, and so
     # is Falcon on transformers' model, which has no tensor-parallel plan: accelerate's device map over the
-    # two GPUs; where one does (an H200), one GPU is faster than two stages that decode in turn
+    # two GPUs; where one does (an H200), two replicas, a whole copy and batch each, decode twice what two
+    # stages do in turn
     falcon = run_spec("falcon-40b", "infer", "bf16-pure", 1, 512, layout=Layout(tp=2)).model_copy(
         update={"backend": "hf"})
     planned, _ = predict_spec(resolve("falcon-40b"), falcon, target, DEFAULT, choose_precision=False,
                               choose_recompute=False, runnable=PRECISIONS, choose_strategy=True)
-    assert planned.layout == Layout()
+    assert planned.layout == Layout(replicas=2)
     target = GpuTarget("NVIDIA H200", 2, 60e9, described=True)
     planned, _ = predict_spec(resolve("falcon-40b"), falcon, target, DEFAULT, choose_precision=False,
                               choose_recompute=False, runnable=PRECISIONS, choose_strategy=True)

@@ -335,7 +335,9 @@ def layouts_for(arch: Architecture, mode: str, gpus: int, node_gpus: int = 8) ->
     to be rejected with their reason), every pipeline degree that divides what is left, up to the
     layer count (stages of unequal size where the layers require: ``fitbench.spec.pipeline_stages``),
     and in training data parallelism for the rest, replicated (DDP) or sharded (FSDP), beside
-    tensor parallelism (FSDP x TP) but not beside pipeline stages."""
+    tensor parallelism (FSDP x TP) but not beside pipeline stages. Inference and forward have
+    ``gpus`` replicas instead: generation has no gradients to average, and independent copies, each
+    with its own batch, add their throughputs."""
     training = mode in TRAINING_MODES
     found = []
     for tp in (d for d in range(1, min(gpus, node_gpus) + 1) if gpus % d == 0):
@@ -345,6 +347,8 @@ def layouts_for(arch: Architecture, mode: str, gpus: int, node_gpus: int = 8) ->
                 found.append(Layout(tp=tp, pp=pp))
             elif training and pp == 1:
                 found += [Layout(dp_replicate=dp, tp=tp), Layout(dp_shard=dp, tp=tp)]
+    if not training and gpus > 1:
+        found.append(Layout(replicas=gpus))
     return found
 
 

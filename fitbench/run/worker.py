@@ -13,6 +13,7 @@ Fault injection for tests: ``fitbench.inject``.
 
 from __future__ import annotations
 
+import hashlib
 import json
 import os
 import signal
@@ -23,7 +24,7 @@ import traceback
 from dataclasses import dataclass
 from datetime import timedelta
 from pathlib import Path
-from typing import Any
+from typing import Any, Callable
 
 import torch
 
@@ -140,7 +141,9 @@ def measure(assignment: Assignment, device: torch.device, scratch: Path, rank: R
     the memory. The status is ``ok``, or ``invalid`` with the reasons in ``error`` when a loss, logits
     or quality figure is not finite (``fitbench.run.sanity``). ``rank``: this process's place in a
     torchrun job, whose layout's tensor and data parallelism are applied after the build; each data-parallel
-    rank draws its own batch. ``phases``: where a rank of such a job says which phase it is in."""
+    rank draws its own batch. Replicas build each a whole model of their own from the seed, the weights
+    one process would draw, and time their own batch between two barriers (``replica_barrier``).
+    ``phases``: where a rank of such a job says which phase it is in."""
     spec = assignment.spec
     rank = rank or Rank.from_environment(device)
     phases = phases or PhaseLog()
@@ -204,7 +207,7 @@ def measure(assignment: Assignment, device: torch.device, scratch: Path, rank: R
                                           activation_checkpointing=spec.activation_checkpointing,
                                           compile=spec.compile, offload=spec.fsdp_offload)
         weight_bytes, weight_method = weight_storage_bytes(lm.module), "parameter storage of this rank's shards"
-    elif spec.layout.data_parallel > 1:
+    elif spec.layout.dp_replicate > 1 or spec.layout.dp_shard > 1:
         phases.enter(f"applying {spec.layout.strategy}, which broadcasts rank 0's weights", collective=True)
         parallel = parallelize(lm, spec.layout.strategy, policy, spec.mode, rank,
                                activation_checkpointing=spec.activation_checkpointing, compile=spec.compile,
@@ -224,13 +227,22 @@ def measure(assignment: Assignment, device: torch.device, scratch: Path, rank: R
                   bandwidth=hardware.peak_bandwidth(device_name) if device.type == "cuda" else None)
 
     measure_mode = _measure_generation if spec.mode == "infer" else _measure_steps
+    replicas = spec.layout.replicas > 1
     phases.enter("running its steps" + (", each with collectives every rank joins" if parallel else ""),
                  collective=parallel is not None)
     data = (spec.model_copy(update={"seed": data_seed(spec.seed, data_parallel_rank(spec.layout, rank.rank))})
-            if parallel else spec)
+            if parallel or replicas else spec)
+    # a training-style step reads one token more per row: the target of its last position
+    length = spec.seq_len if spec.mode == "infer" else spec.seq_len + 1
+    tokens = random_tokens(arch.vocab_size, spec.batch_size, length, device, data.seed)
+    barrier = replica_barrier(phases) if replicas else None
     with recorded(device, spec.key, rank.rank):
         timing, throughput, noisy, compile_s, verdict = measure_mode(data, arch, built, policy, clock, device, peaks,
-                                                                     weight_bytes)
+                                                                     weight_bytes, tokens, barrier)
+    if replicas:
+        parallel = {"strategy": "replicas", "world_size": rank.world_size, "replica": rank.rank,
+                    "initial_weights": "each replica's own, drawn from the seed", "data_seed": data.seed,
+                    "batch_digest": batch_digest(tokens)}
     decoding = lm.decoding if spec.mode == "infer" else None
 
     warnings = [f"{name} varies: CV above 5%; more --warmup-steps or --measure-steps may steady it"
@@ -390,6 +402,27 @@ class RefusedError(Exception):
     """This hardware cannot run the configuration; nothing was attempted."""
 
 
+def replica_barrier(phases: PhaseLog) -> Callable[[], None]:
+    """The barrier replicas meet at before their measured stage and after it (``run_stages``), so that
+    the stages run side by side and their throughputs add up to what N GPUs do at once; the only
+    collective of their steps. While a replica waits there its phase says so: one that hung in its own
+    steps is the one outside it."""
+    import torch.distributed as dist
+
+    def barrier() -> None:
+        phases.enter("waiting at the barrier every replica meets around its measured steps", collective=True)
+        dist.barrier()
+        phases.enter("running its steps", collective=False)
+
+    return barrier
+
+
+def batch_digest(tokens: torch.Tensor) -> str:
+    """The first 12 hex digits of the SHA-1 of a batch's token ids (int64, row-major): batches alike
+    have equal digests, so a row shows which ranks ran batches of their own."""
+    return hashlib.sha1(tokens.detach().to("cpu", torch.int64).contiguous().numpy().tobytes()).hexdigest()[:12]
+
+
 @dataclass(frozen=True)
 class Peaks:
     flops: float | None
@@ -401,8 +434,8 @@ def _progress(phase: str, i: int, n: int) -> None:
     emit(phase=phase, step=i, of=n)
 
 
-def _measure_steps(spec, arch, built: Built, policy, clock, device, peaks: Peaks, weight_bytes: int):
-    tokens = random_tokens(arch.vocab_size, spec.batch_size, spec.seq_len + 1, device, spec.seed)
+def _measure_steps(spec, arch, built: Built, policy, clock, device, peaks: Peaks, weight_bytes: int,
+                   tokens: torch.Tensor, barrier: Callable[[], None] | None):
     if isinstance(built.lm, PipelineLM):
         step = built.lm.make_step(spec.mode, policy, tokens, spec.pipeline_microbatches)
     else:
@@ -412,7 +445,7 @@ def _measure_steps(spec, arch, built: Built, policy, clock, device, peaks: Peaks
         emit(phase="compile")
         compile_s = first_call_seconds(step, clock)
     samples, returned = time_steps(step, clock, warmup=spec.warmup_steps, repeats=spec.measure_steps,
-                                   on_step=_progress)
+                                   on_step=_progress, barrier=barrier)
     stats = SampleStats.of(samples)
     timing = {"step": stats.as_dict(), "samples": {"step": samples}}
     throughput = step_metrics(arch, spec.mode, spec.batch_size, spec.seq_len, stats, peaks.flops,
@@ -427,9 +460,9 @@ def _measure_steps(spec, arch, built: Built, policy, clock, device, peaks: Peaks
     return timing, throughput, ["step time"] if stats.noisy else [], compile_s, verdict
 
 
-def _measure_generation(spec, arch, built: Built, policy, clock, device, peaks: Peaks, weight_bytes: int):
+def _measure_generation(spec, arch, built: Built, policy, clock, device, peaks: Peaks, weight_bytes: int,
+                        prompt: torch.Tensor, barrier: Callable[[], None] | None):
     lm = built.lm
-    prompt = random_tokens(arch.vocab_size, spec.batch_size, spec.seq_len, device, spec.seed)
     if isinstance(lm, PipelineLM):
         run = lm.generator(prompt, spec.new_tokens, policy, clock, device)
     else:
@@ -444,7 +477,8 @@ def _measure_generation(spec, arch, built: Built, policy, clock, device, peaks: 
         emit(phase="capture")
         run()
         clock.synchronize()
-    runs = run_stages(run, clock, warmup=spec.warmup_steps, repeats=spec.measure_steps, on_step=_progress)
+    runs = run_stages(run, clock, warmup=spec.warmup_steps, repeats=spec.measure_steps, on_step=_progress,
+                      barrier=barrier)
     generations = [read_generation(marks, clock) for marks, _ in runs]
     sums = [read(logits_sums) for _, logits_sums in runs]
     verdict = Verdict(non_finite_steps("prefill logits", [first for first, _ in sums])
@@ -593,7 +627,7 @@ def main(argv: list[str]) -> int:
     phases.enter("joining the process group", collective=True)
     injected_timeout = injected_value("collective-timeout")
     timeout = timedelta(seconds=injected_timeout) if injected_timeout else COLLECTIVE_TIMEOUT
-    with process_group(rank, timeout):
+    with process_group(rank, timeout, host_only=assignment.spec.layout.replicas > 1):
         try:
             payload = measure(assignment, device, result_path.parent, rank, phases)
         except Exception as error:  # every failure becomes a result row; the sweep goes on
