@@ -451,7 +451,8 @@ def _plan_text(result, trace) -> None:
             console.print(f"traced peak (fake tensors on {trace.device}): {format_bytes(trace.peak_bytes)} of tensors; "
                           f"analytic {format_bytes(chosen.memory.peak_bytes)} ({gap:+.1f}%)")
     for other in result.feasible[1:4]:
-        console.print(f"  also fits: {escape(other.candidate.label)}: {format_bytes(other.predicted_peak)}, "
+        edge = "" if other.clear else " (within the allocator-retry margin)"
+        console.print(f"  also fits: {escape(other.candidate.label)}: {format_bytes(other.predicted_peak)}{edge}, "
                       f"forecast {other.forecast_tokens_per_s:,.0f} tokens/s")
     shown = result.rejected[:8]
     for rejected in shown:

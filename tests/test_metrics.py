@@ -149,7 +149,7 @@ def test_a_noisy_time_to_first_token_warns():
     built = worker.Built(SlowPrefill(build_native(arch, CPU, torch.float32), [0.0, 0.05]))
     prompt = random_tokens(arch.vocab_size, 1, 8, CPU, seed=0)
     timing, _, noisy, _, _ = worker._measure_generation(run_spec, arch, built, policy("fp32"), DeviceClock(CPU), CPU,
-                                                     worker.Peaks(None, None, None), 4 * TINY_PARAMS, prompt, None)
+                                                     worker.Peaks(None, None, None), 4 * TINY_PARAMS, prompt, {})
     assert timing["time_to_first_token"]["cv_percent"] > 5
     assert "time to first token" in noisy
 

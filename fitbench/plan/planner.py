@@ -10,6 +10,10 @@ memory. An offloaded candidate (inference on one GPU) keeps only some decoder la
 ``offload_split`` says how many fit. An FSDP candidate with CPU offload keeps its shards, gradients
 and optimizer state in host memory.
 
+Automatic choices (the precision, activation checkpointing, the layout, an automatic batch) treat a
+candidate predicted within ``RETRY_MARGIN`` of a GPU's memory as not fitting where another choice is
+clear of it (``Assessment.clear``): at the edge, the caching allocator's retries slow every step.
+
 The precision ladder is an order of preference (quality first): the chosen plan uses the first
 rung that has a fitting candidate, and among that rung's candidates the highest forecast
 throughput over the GPUs each uses (``forecast_tokens_per_s``; fewer GPUs on a tie): one GPU,
@@ -62,6 +66,14 @@ DEFAULT_LADDER = {
     "infer": ["bf16-pure", "int8", "nf4"],
 }
 MAX_AUTO_BATCH = 1 << 16
+# The share of a GPU's memory that automatic choices keep free beyond a predicted peak: within it the
+# CUDA caching allocator's retries start (frees and cudaMalloc inside a step, ``fitbench.run.retries``).
+# From 30B bf16-pure under FSDP x 4 at 4 x 512 on H100s of 85.0 GB: predicted at 74.4 GB per GPU, it ran
+# at 85.0 of 85.0 GB with retries, 4.10 s a step (9.9% MFU) against 1.27 s with activation checkpointing.
+# A prediction at 74.4 / 85.0 of the memory reached the capacity, so
+#     RETRY_MARGIN = 1 - 74.4 / 85.0 = 12.5% of the GPU's memory.
+# A CPU has no caching allocator: there (no calibration) the margin is 0.
+RETRY_MARGIN = 1 - 74.4 / 85.0
 # Offload is the last rung of the fallback ladder: an out-of-memory there ends the configuration,
 # while one layer fewer on the GPU costs about 1/L of the speed. So on a GPU the split keeps 1% of
 # the memory free beyond the predicted peak, three times the largest under-prediction measured for
@@ -141,6 +153,9 @@ class Assessment:
     peak_moment: str | None = None  # with the overheads, which can move it
     # What the choice ranked it by, where it was ranked (``forecast_tokens_per_s``)
     forecast_tokens_per_s: float | None = None
+    # It fits with ``RETRY_MARGIN`` of the GPU's memory to spare (on a CPU, it fits): what automatic
+    # choices take where they can
+    clear: bool = False
 
     def as_dict(self) -> dict:
         return {
@@ -154,6 +169,7 @@ class Assessment:
             "overheads": [{"name": t.name, "bytes": t.bytes, "formula": t.formula} for t in self.overheads],
             "speed": self.speed.as_dict() if self.speed else None,
             "forecast_tokens_per_s": self.forecast_tokens_per_s,
+            "clear_of_retry_margin": self.clear,
         }
 
 
@@ -292,7 +308,14 @@ def assess(arch: Architecture, mode: str, candidate: Candidate, target: GpuTarge
                                offloaded_bytes=offloaded_weights(arch, candidate.precision, candidate.resident_layers)
                                if candidate.resident_layers is not None else 0.0,
                                links=bus_bandwidth(target.speed_name, calibration))
-    return Assessment(candidate, memory, overheads, peak, fits, reason, speed, moment)
+    clear = fits and peak <= (1 - retry_margin(calibration)) * target.memory
+    return Assessment(candidate, memory, overheads, peak, fits, reason, speed, moment, clear=clear)
+
+
+def retry_margin(calibration: Calibration | None) -> float:
+    """The share of the memory automatic choices keep free: ``RETRY_MARGIN`` on a GPU, none on a CPU
+    (``calibration`` None), which has no caching allocator to retry."""
+    return RETRY_MARGIN if calibration is not None else 0.0
 
 
 # The terms that hold the model's state: what DDP replicates and FSDP shards.
@@ -411,13 +434,15 @@ def gpu_counts(available: int) -> list[int]:
 
 
 def largest_fitting_batch(arch, mode, candidate: Candidate, target, *, seq_len, new_tokens, calibration,
-                          backend: str | None = None) -> int:
-    """The largest batch predicted to fit (bisection on the monotone memory model); 0 if none."""
-    def fits(batch: int) -> bool:
+                          backend: str | None = None, clear: bool = False) -> int:
+    """The largest batch predicted to fit (bisection on the monotone memory model); 0 if none. ``clear``:
+    the largest clear of ``RETRY_MARGIN`` (``Assessment.clear``), else the largest that fits."""
+    def assessed(batch: int) -> Assessment:
         return assess(arch, mode, replace(candidate, batch_size=batch), target, seq_len=seq_len,
-                      new_tokens=new_tokens, calibration=calibration, backend=backend).fits
+                      new_tokens=new_tokens, calibration=calibration, backend=backend)
 
-    return largest(fits, limit=MAX_AUTO_BATCH)
+    found = largest(lambda batch: assessed(batch).clear, limit=MAX_AUTO_BATCH) if clear else 0
+    return found or largest(lambda batch: assessed(batch).fits, limit=MAX_AUTO_BATCH)
 
 
 @dataclass(frozen=True)
@@ -467,10 +492,11 @@ def plan(arch: Architecture, mode: str, target: GpuTarget, *, seq_len: int, new_
          strategies: list[str] | None = None, checkpointing: list[bool] | None = None,
          calibration: Calibration = DEFAULT, backend: str | None = None) -> Plan:
     """``batch_sizes`` None means auto: each layout gets the largest batch predicted to fit; ``backend``
-    as in ``assess``. The layouts are ``layouts_for`` each count of ``gpu_counts``, those that use
-    only ``strategies`` where given (a combined layout, e.g. tp x pipeline, needs both named). The
-    chosen one is, on the first rung of the ladder with any fit, the fastest forecast among those
-    that fit (``fastest_first``); layouts the run cannot launch are rejected with the reason."""
+    as in ``assess``, clear of ``RETRY_MARGIN`` where one is. The layouts are ``layouts_for`` each count
+    of ``gpu_counts``, those that use only ``strategies`` where given (a combined layout, e.g. tp x
+    pipeline, needs both named). The chosen one is, on the first rung of the ladder with any fit, the
+    fastest forecast among those that fit (``fastest_first``), those clear of ``RETRY_MARGIN`` first
+    where any is; layouts the run cannot launch are rejected with the reason."""
     ladder = precisions or DEFAULT_LADDER[mode]
     recompute_options = checkpointing if checkpointing is not None else (
         [False, True] if mode in TRAINING_MODES else [False])
@@ -485,7 +511,7 @@ def plan(arch: Architecture, mode: str, target: GpuTarget, *, seq_len: int, new_
                     if batch_sizes is None:
                         batch = largest_fitting_batch(arch, mode, base, target, seq_len=seq_len,
                                                       new_tokens=new_tokens, calibration=calibration,
-                                                      backend=backend)
+                                                      backend=backend, clear=True)
                         sizes = [batch or 1]
                     else:
                         sizes = batch_sizes
@@ -495,12 +521,17 @@ def plan(arch: Architecture, mode: str, target: GpuTarget, *, seq_len: int, new_
                                                   backend=backend))
     fitting = fastest_first(arch, mode, [a for a in assessments if a.fits], target, seq_len=seq_len,
                             new_tokens=new_tokens, calibration=calibration, backend=backend)
-    fitting.sort(key=lambda a: ladder.index(a.candidate.precision))  # stable: fastest first within a rung
+    # stable sorts: fastest first within a rung, the rungs in order, those clear of the margin first
+    fitting.sort(key=lambda a: ladder.index(a.candidate.precision))
+    fitting.sort(key=lambda a: not a.clear)
     chosen = fitting[0] if fitting else None
     # First the layouts of the chosen precision that do not fit: why it is not run more simply.
     rejected = sorted((a for a in assessments if not a.fits),
                       key=lambda a: chosen is None or a.candidate.precision != chosen.candidate.precision)
     notes = []
+    if chosen and not chosen.clear:
+        notes.append(f"{chosen.candidate.label} is predicted within {RETRY_MARGIN:.1%} of the GPU's memory, where "
+                     f"the caching allocator's retries slow every step, and nothing else fits clear of it")
     if target.speed_name != target.name:
         notes.append(f"speed estimates use {target.speed_name} figures; name the GPU with --gpu for others")
     return Plan(arch.name, mode, target, chosen, tuple(fitting), tuple(rejected), calibration.source, tuple(notes))
@@ -511,10 +542,10 @@ def fewest_gpus(arch: Architecture, mode: str, precision: str, gpu_memory: float
                 backend: str | None = None, gpu_name: str | None = None, node_gpus: int = 8) -> Assessment | None:
     """The fewest GPUs of ``gpu_memory`` bytes (any count, not only powers of two) that run this at
     ``batch_size``, and the layout that does it: of the layouts of that count (``layouts_for``) that
-    the run can launch (``Layout.problem``) and that fit, the fastest forecast (``fastest_first``); in
-    training with activation checkpointing only where nothing fits without it. None if more than
-    ``max_gpus`` would be needed. ``gpu_name``: whose speed figures rank the layouts (by default
-    ``DEFAULT_SPEED_GPU``'s)."""
+    the run can launch (``Layout.problem``) and that fit, the fastest forecast (``fastest_first``) of
+    those clear of ``RETRY_MARGIN`` where any is; in training with activation checkpointing only where
+    nothing fits without it. None if more than ``max_gpus`` would be needed. ``gpu_name``: whose speed
+    figures rank the layouts (by default ``DEFAULT_SPEED_GPU``'s)."""
     target = GpuTarget(gpu_name, max_gpus, gpu_memory, described=True, node_gpus=node_gpus)
     for gpus in range(1, max_gpus + 1):
         layouts = layouts_for(arch, mode, gpus, node_gpus)
@@ -524,8 +555,9 @@ def fewest_gpus(arch: Architecture, mode: str, precision: str, gpu_memory: float
                        seq_len=seq_len, new_tokens=new_tokens, calibration=calibration, backend=backend)
                 for layout in layouts) if assessed.fits]
             if fitting:
-                return fastest_first(arch, mode, fitting, target, seq_len=seq_len, new_tokens=new_tokens,
-                                     calibration=calibration, backend=backend)[0]
+                return fastest_first(arch, mode, [a for a in fitting if a.clear] or fitting, target,
+                                     seq_len=seq_len, new_tokens=new_tokens, calibration=calibration,
+                                     backend=backend)[0]
     return None
 
 
@@ -555,8 +587,11 @@ def predict_spec(arch: Architecture, spec, target: GpuTarget, calibration: Calib
     ``choose_strategy``, the layout of ``gpus`` ranks (by default the layout's world size): one GPU
     or any of ``layouts_for`` those ranks that the run can launch, the fastest forecast among those
     that fit (``fastest_first``: N replicas count N GPUs' tokens, one GPU its own), as ``plan``
-    chooses; and predict the peak per GPU (compiled when ``spec.compile``); an offloaded one keeps the
-    layers ``offload_split`` finds room for. When nothing fits, the option that comes closest (the
+    chooses. Those choices take a candidate clear of ``RETRY_MARGIN`` where the ladder has one
+    (checkpointing or another layout before a step at the edge), else the first that fits; the
+    prediction says ``within_retry_margin`` when what it chose is not clear of it. And predict the
+    peak per GPU (compiled when ``spec.compile``); an offloaded one keeps the layers ``offload_split``
+    finds room for. When nothing fits, the option that comes closest (the
     smallest peak) stands for the configuration: what its refusal names.
     Returns the spec to run and the prediction stored with its result. ``calibration`` None: a CPU,
     tensors only."""
@@ -580,10 +615,11 @@ def predict_spec(arch: Architecture, spec, target: GpuTarget, calibration: Calib
                                                            cpu_offload=spec.offload and layout.world_size > 1),
                       target, seq_len=spec.seq_len, new_tokens=spec.new_tokens, calibration=calibration,
                       backend=spec.backend)
-               for layout in layouts]
-              for precision in ladder for ac in recompute]
+               for layout in layouts for ac in recompute]
+              for precision in ladder]
     options = [option for group in groups for option in group]
-    first = next((fitting for group in groups if (fitting := [a for a in group if a.fits])), None)
+    first = (next((clear for group in groups if (clear := [a for a in group if a.clear])), None)
+             or next((fitting for group in groups if (fitting := [a for a in group if a.fits])), None))
     estimated = [a for a in options if a.memory is not None] or options
     chosen = (fastest_first(arch, spec.mode, first, target, seq_len=spec.seq_len, new_tokens=spec.new_tokens,
                             calibration=calibration, backend=spec.backend, cuda_graphs=spec.cuda_graphs,
@@ -597,6 +633,7 @@ def predict_spec(arch: Architecture, spec, target: GpuTarget, calibration: Calib
         "tensor_peak_bytes": chosen.memory.peak_bytes,
         "peak_moment": chosen.peak_moment,
         "fits": chosen.fits,
+        "within_retry_margin": chosen.fits and not chosen.clear,
         "gpu_memory_bytes": target.memory,
         "resident_layers": candidate.resident_layers,
         "chosen_by_planner": planner_choices(spec.mode, choose_precision, choose_recompute,

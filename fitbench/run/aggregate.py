@@ -10,6 +10,8 @@
 - **generation** (every rank takes part in each prefill and decode step): the latencies and rates are
   the job's, timed on rank 0; the prefill's MFU divides its FLOP/s by the peak of every GPU of the job;
 - **memory**: listed per GPU, each with its rank; the host's peak RSS is the largest rank's;
+- **allocator retries** (``fitbench.run.retries``): summed over the ranks, each rank's kept; a step of
+  the job retried where any of its ranks did, and took the slowest rank's time (``_allocator_retries``);
 - **losses**: rank 0's (each data-parallel rank's loss is that of its own batch);
 - **pipeline stages**: the loss, the quality of quantized weights and a generation's latencies
   exist on the last stage (``fitbench.run.pipeline``): under pipeline parallelism the row starts
@@ -28,6 +30,7 @@ from __future__ import annotations
 from typing import Any
 
 from fitbench.results.row import Measurement
+from fitbench.run.retries import WARNING_START, retries_warning
 from fitbench.spec import Layout
 from fitbench.stats import SampleStats
 
@@ -59,11 +62,35 @@ def combine(payloads: list[dict[str, Any]], layout: Layout) -> dict[str, Any]:
         row["throughput"] = {**row["throughput"], **{key: row["throughput"][key] / layout.world_size
                                                      for key in ("prefill_mfu", "prefill_mfu_measured_peak")
                                                      if row["throughput"].get(key) is not None}}
+    if any(p.get("allocator_retries") for p in payloads):
+        generations = "timing" in row and "step" not in row["timing"]
+        row["allocator_retries"] = _allocator_retries(payloads, "end_to_end" if generations else "step")
+        warning = retries_warning(row["allocator_retries"], "measured generations" if generations
+                                  else "measured steps of the job")
+        row["warnings"] = [w for w in row.get("warnings") or [] if not w.startswith(WARNING_START)] + (
+            [warning] if warning else [])
     if layout.replicas > 1 and all(p.get("parallel") for p in payloads):
         row["parallel"] = {**{key: value for key, value in row["parallel"].items()
                               if key not in ("replica", "data_seed", "batch_digest")},
                            "replicas": _replicas(payloads)}
     return Measurement.model_validate({**row, "ranks": layout.world_size, "layout": layout.model_dump()}).as_dict()
+
+
+def _allocator_retries(payloads: list[dict[str, Any]], samples: str) -> dict[str, Any]:
+    """The job's ``allocator_retries`` from each rank's (``RetryCounter.report``): the retries summed; step i
+    of the job retried where any rank's step i did, and lasted its slowest rank's measured time (each
+    rank's ``samples``, a step's or a generation's); ``per_rank``: each rank's own report (None where a
+    rank has none)."""
+    reports = [p.get("allocator_retries") for p in payloads]
+    steps = max(len(report["per_step"]) for report in reports if report)
+    retried = [i for i in range(steps) if any(report and report["per_step"][i] > 0 for report in reports)]
+    timed = [p["timing"]["samples"][samples] for p in payloads
+             if samples in ((p.get("timing") or {}).get("samples") or {})]
+    seconds = [max(ranks[i] for ranks in timed) for i in retried] if timed else []
+    return {"num_alloc_retries": sum(report["num_alloc_retries"] for report in reports if report),
+            "per_step": [sum(report["per_step"][i] for report in reports if report) for i in range(steps)],
+            "steps_with_retries": len(retried), "seconds_in_steps_with_retries": sum(seconds),
+            "per_rank": reports}
 
 
 def _pipeline_weights(payloads: list[dict[str, Any]], layout: Layout) -> dict[str, Any]:

@@ -57,11 +57,13 @@ def collector_paused() -> Iterator[None]:
 
 def run_stages(call: Callable[[], T], clock: DeviceClock, *, warmup: int, repeats: int,
                on_step: Callable[[str, int, int], None] = lambda phase, i, n: None,
-               barrier: Callable[[], None] | None = None) -> list[T]:
+               barrier: Callable[[], None] | None = None, counter=None) -> list[T]:
     """``warmup`` untimed calls, then ``repeats`` measured ones; returns what each measured call
     returned (its marks), readable once this function has synchronized. ``barrier``: where the ranks
     of a job time steps of their own (replicas), called once the warm-up has finished on the device
     and once the measured calls have, so that every rank's measured stage runs while the others' do.
+    ``counter``: a device counter (``fitbench.run.retries.RetryCounter``) whose ``around()`` each
+    measured call runs inside, outside the call's own timing marks.
 
     The collector is paused over both stages and collects before the first warm-up call, so the first
     measured call follows a warm-up call as every other follows its predecessor. A full collection
@@ -77,7 +79,8 @@ def run_stages(call: Callable[[], T], clock: DeviceClock, *, warmup: int, repeat
             barrier()
         results = []
         for i in range(repeats):
-            results.append(call())
+            with counter.around() if counter else contextlib.nullcontext():
+                results.append(call())
             on_step("measure", i + 1, repeats)
         clock.synchronize()
         if barrier:
@@ -87,16 +90,17 @@ def run_stages(call: Callable[[], T], clock: DeviceClock, *, warmup: int, repeat
 
 def time_steps(step: Callable[[], T], clock: DeviceClock, *, warmup: int, repeats: int,
                on_step: Callable[[str, int, int], None] = lambda phase, i, n: None,
-               barrier: Callable[[], None] | None = None) -> tuple[list[float], list[T]]:
+               barrier: Callable[[], None] | None = None, counter=None) -> tuple[list[float], list[T]]:
     """Seconds of each of ``repeats`` timed steps after ``warmup`` untimed ones, and what each timed
     step returned (device tensors included: the measured stage ends with a synchronize); ``barrier``
-    as in ``run_stages``."""
+    and ``counter`` as in ``run_stages``."""
     def timed() -> tuple[Mark, T, Mark]:
         start = clock.mark()
         result = step()
         return start, result, clock.mark()
 
-    marks = run_stages(timed, clock, warmup=warmup, repeats=repeats, on_step=on_step, barrier=barrier)
+    marks = run_stages(timed, clock, warmup=warmup, repeats=repeats, on_step=on_step, barrier=barrier,
+                       counter=counter)
     return [clock.seconds(start, end) for start, _, end in marks], [result for _, result, _ in marks]
 
 

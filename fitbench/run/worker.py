@@ -51,6 +51,7 @@ from fitbench.run.quantize import build_quantized_native, float8_training, quant
 from fitbench.inject import injected, injected_memory_limit, injected_value
 from fitbench.run.phases import PhaseLog, rank_result_path
 from fitbench.run.ranks import Rank, gather_json, process_group
+from fitbench.run.retries import RetryCounter, retries_warning
 from fitbench.run.sanity import Verdict, non_finite_figures, non_finite_steps, read, warmup_warning
 from fitbench.run.snapshot import recorded
 from fitbench.run.tensor_parallel import build_layout, data_parallel_rank, parallelize_layout
@@ -235,10 +236,13 @@ def measure(assignment: Assignment, device: torch.device, scratch: Path, rank: R
     # a training-style step reads one token more per row: the target of its last position
     length = spec.seq_len if spec.mode == "infer" else spec.seq_len + 1
     tokens = random_tokens(arch.vocab_size, spec.batch_size, length, device, data.seed)
-    barrier = replica_barrier(phases) if replicas else None
+    retries = RetryCounter.of(device)
+    stages = {"barrier": replica_barrier(phases) if replicas else None, "counter": retries}
     with recorded(device, spec.key, rank.rank):
         timing, throughput, noisy, compile_s, verdict = measure_mode(data, arch, built, policy, clock, device, peaks,
-                                                                     weight_bytes, tokens, barrier)
+                                                                     weight_bytes, tokens, stages)
+    generations = spec.mode == "infer"
+    allocator = retries.report(timing["samples"]["end_to_end" if generations else "step"]) if retries else None
     if replicas:
         parallel = {"strategy": "replicas", "world_size": rank.world_size, "replica": rank.rank,
                     "initial_weights": "each replica's own, drawn from the seed", "data_seed": data.seed,
@@ -247,7 +251,9 @@ def measure(assignment: Assignment, device: torch.device, scratch: Path, rank: R
 
     warnings = [f"{name} varies: CV above 5%; more --warmup-steps or --measure-steps may steady it"
                 for name in noisy]
-    warnings += [warning for warning in (warmup_warning(spec.warmup_steps),) if warning]
+    warnings += [warning for warning in (warmup_warning(spec.warmup_steps),
+                                         retries_warning(allocator, "measured generations" if generations
+                                                         else "measured steps")) if warning]
     if decoding and not decoding["cuda_graphs"] and device.type == "cuda" and spec.backend == "native" \
             and spec.cuda_graphs:
         warnings.append(f"decoded without CUDA graphs, so kernel launches are in the decode time: "
@@ -272,6 +278,7 @@ def measure(assignment: Assignment, device: torch.device, scratch: Path, rank: R
                  "source": f"checkpoint {checkpoint}" if checkpoint else "random"},
         **offloaded,
         **({"parallel": parallel} if parallel else {}),
+        **({"allocator_retries": allocator} if allocator else {}),
     ).as_dict()
 
 
@@ -435,7 +442,8 @@ def _progress(phase: str, i: int, n: int) -> None:
 
 
 def _measure_steps(spec, arch, built: Built, policy, clock, device, peaks: Peaks, weight_bytes: int,
-                   tokens: torch.Tensor, barrier: Callable[[], None] | None):
+                   tokens: torch.Tensor, stages: dict[str, Any]):
+    """Time ``spec``'s training-style steps over ``tokens``; ``stages``: ``run_stages``' barrier and counter."""
     if isinstance(built.lm, PipelineLM):
         step = built.lm.make_step(spec.mode, policy, tokens, spec.pipeline_microbatches)
     else:
@@ -445,7 +453,7 @@ def _measure_steps(spec, arch, built: Built, policy, clock, device, peaks: Peaks
         emit(phase="compile")
         compile_s = first_call_seconds(step, clock)
     samples, returned = time_steps(step, clock, warmup=spec.warmup_steps, repeats=spec.measure_steps,
-                                   on_step=_progress, barrier=barrier)
+                                   on_step=_progress, **stages)
     stats = SampleStats.of(samples)
     timing = {"step": stats.as_dict(), "samples": {"step": samples}}
     throughput = step_metrics(arch, spec.mode, spec.batch_size, spec.seq_len, stats, peaks.flops,
@@ -461,7 +469,8 @@ def _measure_steps(spec, arch, built: Built, policy, clock, device, peaks: Peaks
 
 
 def _measure_generation(spec, arch, built: Built, policy, clock, device, peaks: Peaks, weight_bytes: int,
-                        prompt: torch.Tensor, barrier: Callable[[], None] | None):
+                        prompt: torch.Tensor, stages: dict[str, Any]):
+    """Time ``spec``'s generations from ``prompt``; ``stages``: ``run_stages``' barrier and counter."""
     lm = built.lm
     if isinstance(lm, PipelineLM):
         run = lm.generator(prompt, spec.new_tokens, policy, clock, device)
@@ -478,7 +487,7 @@ def _measure_generation(spec, arch, built: Built, policy, clock, device, peaks: 
         run()
         clock.synchronize()
     runs = run_stages(run, clock, warmup=spec.warmup_steps, repeats=spec.measure_steps, on_step=_progress,
-                      barrier=barrier)
+                      **stages)
     generations = [read_generation(marks, clock) for marks, _ in runs]
     sums = [read(logits_sums) for _, logits_sums in runs]
     verdict = Verdict(non_finite_steps("prefill logits", [first for first, _ in sums])
