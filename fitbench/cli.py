@@ -116,11 +116,13 @@ def _add_run_options(parser: argparse.ArgumentParser) -> None:
     add("--gpus", type=int, default=S, metavar="N",
         help="run each configuration as one torchrun job of N ranks, one GPU each (on --device cpu, N CPU "
              "processes talking over gloo); default 1")
-    add("--strategy", choices=("auto", "ddp", "fsdp", "tp", "pipeline"), default=S,
+    add("--strategy", choices=("auto", "ddp", "fsdp", "tp", "pipeline", "replicas"), default=S,
         help="with --gpus N: ddp (a replica per GPU, gradients averaged), fsdp (weights, gradients and optimizer "
              "state sharded, FSDP2), tp (tensor parallelism: each layer's heads and MLP split over the GPUs, "
              "every mode, infer included), pipeline (consecutive decoder layers per GPU, train and infer; native "
-             "backend) or auto (default: what fits and composes, DDP first)")
+             "backend), replicas (infer and forward: N independent copies, one per GPU, each with its own batch; "
+             "tokens/s summed over them) or auto (default: among what fits and composes, the fastest forecast; "
+             "without a plan, as on a CPU, DDP first)")
     add("--microbatches", type=int, default=S, metavar="N",
         help="with --strategy pipeline: microbatches of a training step, which must divide the batch (default: "
              "one per GPU)")
@@ -154,7 +156,7 @@ def _add_plan_options(parser: argparse.ArgumentParser) -> None:
     add("--seq-len", "--context-length", dest="seq_len", type=int, default=512, metavar="T", help="default 512")
     add("--new-tokens", dest="new_tokens", type=int, default=128, metavar="N",
         help="generated tokens in infer (default 128)")
-    add("--strategy", nargs="+", choices=("single", "ddp", "fsdp", "tp", "pipeline"), default=None,
+    add("--strategy", nargs="+", choices=("single", "ddp", "fsdp", "tp", "pipeline", "replicas"), default=None,
         help="limit the layouts considered (default: all that apply to the mode)")
     add("--gpus", type=int, default=None, help="how many GPUs to plan for (default: those detected)")
     add("--gpu-memory", dest="gpu_memory", default=None, metavar="SIZE", help="memory per GPU, e.g. 80GB or 79.2GiB")
@@ -429,8 +431,9 @@ def _plan_text(result, trace) -> None:
     else:
         speed = chosen.speed
         console.print(f"chosen: [green]{escape(chosen.candidate.label)}[/green]: {format_bytes(chosen.predicted_peak)}"
-                      f" per GPU, roofline {speed.tokens_per_s:,.0f} tokens/s ({speed.bound}-bound, "
-                      f"{speed.seconds * 1e3:.1f} ms per {'decode step' if result.mode == 'infer' else 'step'})")
+                      f" per GPU, forecast {chosen.forecast_tokens_per_s:,.0f} tokens/s over its GPUs; roofline "
+                      f"{speed.tokens_per_s:,.0f} tokens/s ({speed.bound}-bound, {speed.seconds * 1e3:.1f} ms per "
+                      f"{'decode step' if result.mode == 'infer' else 'step'})")
         stage = f" on {chosen.memory.stage.label}, the largest" if chosen.memory.stage else ""
         table = Table(title_justify="left", title=f"per-GPU memory, peak at the {chosen.peak_moment}{stage}")
         for column in ("term", "bytes", "at peak", "formula / source"):
@@ -448,8 +451,9 @@ def _plan_text(result, trace) -> None:
             console.print(f"traced peak (fake tensors on {trace.device}): {format_bytes(trace.peak_bytes)} of tensors; "
                           f"analytic {format_bytes(chosen.memory.peak_bytes)} ({gap:+.1f}%)")
     for other in result.feasible[1:4]:
-        console.print(f"  also fits: {escape(other.candidate.label)}: {format_bytes(other.predicted_peak)}, "
-                      f"{other.speed.tokens_per_s:,.0f} tokens/s")
+        edge = "" if other.clear else " (within the allocator-retry margin)"
+        console.print(f"  also fits: {escape(other.candidate.label)}: {format_bytes(other.predicted_peak)}{edge}, "
+                      f"forecast {other.forecast_tokens_per_s:,.0f} tokens/s")
     shown = result.rejected[:8]
     for rejected in shown:
         console.print(f"  rejected: {escape(rejected.reason)}")

@@ -17,10 +17,7 @@ from fitbench.errors import UserError, excerpt
 from fitbench.models.architecture import Architecture, backend_error, default_backend
 from fitbench.models.registry import resolve
 from fitbench.plan.planner import DEFAULT_LADDER
-from fitbench.precisions import (DATA_PARALLEL_STRATEGIES, PRECISIONS, TRAINING_MODES, data_parallel_problem,
-                                 offload_problem, pipeline_problem, tensor_parallel_heads_problem,
-                                 tensor_parallel_problem, training_problem,
-                                 trains_every_weight)
+from fitbench.precisions import PRECISIONS, TRAINING_MODES, offload_problem, training_problem, trains_every_weight
 from fitbench.spec import Layout, Mode, Precision, RunSpec, microbatch_problem
 
 BackendChoice = Literal["auto", "native", "hf"]
@@ -99,10 +96,11 @@ class SweepConfig(BaseModel):
     seed: int = Field(0, description=f"a whole number from 0 to {SEED_MAX:,} (2^64 - 1)")
     gpus: int = Field(1, description=f"ranks of each configuration's job, 1 to {RANKS_MAX}: GPUs, or CPU processes "
                                      f"with device cpu")
-    strategy: Literal["auto", "ddp", "fsdp", "tp", "pipeline"] = Field(
-        "auto", description="auto, ddp, fsdp, tp or pipeline: how a job of several ranks shares the model (auto: the "
-                            "planner's choice among what fits, by predicted throughput; tp: tensor parallelism, every "
-                            "mode)")
+    strategy: Literal["auto", "ddp", "fsdp", "tp", "pipeline", "replicas"] = Field(
+        "auto", description="auto, ddp, fsdp, tp, pipeline or replicas: how a job of several ranks shares the model "
+                            "(auto: the planner's choice among what fits, by forecast throughput; tp: tensor "
+                            "parallelism, every mode; replicas: a whole model per rank, each its own batch, infer "
+                            "and forward)")
     microbatches: int | None = Field(None, description=f"microbatches of a pipelined training step, 1 to {COUNT_MAX:,} "
                                                        f"(default: one per pipeline stage)")
     tp: int | None = Field(None, validation_alias="tensor_parallel_size",
@@ -279,41 +277,44 @@ def expand(config: SweepConfig, *, device: str, default_models: list[str]) -> li
 
 def _layout(config: SweepConfig, mode: str, precision: str, backend: str, arch: Architecture) -> Layout:
     """The layout of a job of ``config.gpus`` ranks: the strategy asked for, or under ``auto`` the first of
-    DDP and FSDP that composes with the configuration (the planner may choose the other by predicted
-    throughput where it plans: ``fitbench.plan.planner``). Generation runs in one process: data
-    parallelism has nothing to average or shard in it; tensor parallelism (``tp``) runs every mode,
-    over a degree that divides the heads of ``arch``. With ``offload``, FSDP, whose CPU offload it is
-    (DDP has none). Raises UserError when none composes."""
+    DDP and FSDP that composes with the configuration (the planner may choose another by forecast
+    throughput where it plans: ``fitbench.plan.planner``). Generation under ``auto``, ``ddp`` or
+    ``fsdp`` runs in one process: data parallelism has nothing to average or shard in it; tensor
+    parallelism (``tp``) runs every mode, ``replicas`` inference and forward. With ``offload``, FSDP,
+    whose CPU offload it is (DDP has none). What composes is ``Layout.problem``'s to say; raises
+    UserError with its reason when the layout asked for does not."""
     if config.tp is not None:
         return _tensor_parallel_layout(config, mode, precision, backend, arch)
-    if config.strategy == "tp" and config.gpus > 1:
-        problem = (tensor_parallel_problem(precision, mode, backend, arch.family)
-                   or tensor_parallel_heads_problem(arch.num_heads, arch.num_kv_heads, config.gpus, backend))
+    if config.gpus == 1:
+        return Layout()
+    if config.strategy in ("tp", "pipeline", "replicas"):
+        layout = Layout.of_strategy(config.strategy, config.gpus)
+        problem = layout.problem(arch, mode, precision, backend, config.offload)
         if problem:
-            raise UserError(f"strategy: {mode} {precision} under --strategy tp: {problem}.")
-        return Layout.of_strategy("tp", config.gpus)
-    if config.strategy == "pipeline" and config.gpus > 1:
-        return _pipeline_layout(config, mode, precision, backend)
-    if config.gpus == 1 or mode == "infer":
+            raise UserError(f"strategy: {mode} {precision} under --strategy {config.strategy} on {config.gpus} ranks "
+                            f"cannot run: {problem}.")
+        return layout
+    if mode == "infer":
         return Layout()  # generation has no gradients to average or shard: it runs on one GPU
-    if config.offload and config.strategy == "ddp":
-        raise UserError(f"offload: {offload_problem(mode, precision, backend, config.compile, 'ddp')}.")
-    candidates = DATA_PARALLEL_STRATEGIES if config.strategy == "auto" else (config.strategy,)
+    candidates = ("ddp", "fsdp") if config.strategy == "auto" else (config.strategy,)
     problems = []
     for strategy in candidates:
-        problem = data_parallel_problem(strategy, precision, mode, backend, config.offload)
+        layout = Layout.of_strategy(strategy, config.gpus)
+        problem = layout.problem(arch, mode, precision, backend, config.offload)
         if problem is None:
-            return Layout.of_strategy(strategy, config.gpus)
-        problems.append(f"{strategy}: {problem}")
-    raise UserError(f"strategy: {mode} {precision} on {config.gpus} ranks cannot run ({'; '.join(problems)}).")
+            return layout
+        problems.append(problem)
+    field = "offload" if config.offload and config.strategy == "ddp" else "strategy"
+    raise UserError(f"{field}: {mode} {precision} on {config.gpus} ranks cannot run ({'; '.join(problems)}).")
 
 
 def _tensor_parallel_layout(config: SweepConfig, mode: str, precision: str, backend: str,
                             arch: Architecture) -> Layout:
     """The layout of ``--tp N`` with ``--gpus`` and ``--strategy``: N tensor-parallel ranks inside each
     FSDP group (training modes and forward; generation, which has no data parallelism, on N ranks
-    alone), each pipeline stage (inference and forward) or over every rank (``tp``). Raises UserError
-    naming both options and the fix for every combination that does not run."""
+    alone), each pipeline stage (inference and forward) or over every rank (``tp``). The options' own
+    arithmetic is checked here, what the layout composes with by ``Layout.problem``; raises UserError
+    naming the options and the fix for every combination that does not run."""
     tp, gpus, strategy = config.tp, config.gpus, config.strategy
     if gpus == 1:
         raise UserError(f"tp: --tp {tp} splits each layer over {tp} of a job's ranks, and --gpus is 1; give "
@@ -321,47 +322,24 @@ def _tensor_parallel_layout(config: SweepConfig, mode: str, precision: str, back
     if gpus % tp:
         raise UserError(f"tp: --tp {tp} does not divide --gpus {gpus}; give a --tp that divides {gpus} (the ranks "
                         f"left over make the FSDP groups or pipeline stages), or --gpus a multiple of {tp}.")
-    if strategy in ("auto", "ddp"):
+    if strategy in ("auto", "ddp", "replicas"):
         raise UserError(f"tp: --tp {tp} combines with --strategy fsdp (training), pipeline (infer, forward) or "
                         f"tp, not --strategy {strategy}; name one of those, or leave --tp out.")
     if strategy == "tp" and tp != gpus:
         raise UserError(f"tp: --strategy tp spreads each layer over every rank, so --tp {tp} must equal --gpus "
                         f"{gpus}; leave --tp out, or give --strategy fsdp or pipeline for {gpus // tp} groups of "
                         f"{tp}.")
-    if strategy == "pipeline" and mode in TRAINING_MODES:
-        raise UserError(f"tp: --tp {tp} inside --strategy pipeline runs infer and forward, not {mode}; for training "
-                        f"give --strategy fsdp --tp {tp}, or --strategy pipeline without --tp.")
-    if backend != "native" and strategy != "tp":
-        raise UserError(f"tp: --tp {tp} inside --strategy {strategy} runs fitbench's native decoder; the hf "
-                        f"backend's tensor parallelism (transformers' plans) runs alone: give --backend native, or "
-                        f"--strategy tp with --gpus {tp}.")
-    heads = arch.num_heads
-    problem = tensor_parallel_problem(precision, mode, backend, arch.family)
-    if problem is None and heads % tp:
-        problem = (f"tensor parallelism splits whole attention heads, and --tp {tp} does not divide the model's "
-                   f"{heads}: give a --tp that divides {heads}")
-    problem = problem or tensor_parallel_heads_problem(heads, arch.num_kv_heads, tp, backend)
-    if problem is None and strategy == "pipeline":
-        problem = pipeline_problem(precision, mode, backend)
+    if strategy == "tp" or (strategy == "fsdp" and mode == "infer"):
+        layout = Layout(tp=tp)
+    elif strategy == "fsdp":
+        layout = Layout(dp_shard=gpus // tp, tp=tp)
+    else:
+        layout = Layout(pp=gpus // tp, tp=tp)
+    problem = layout.problem(arch, mode, precision, backend, config.offload)
     if problem:
         raise UserError(f"tp: {mode} {precision} with --tp {tp} and --strategy {strategy}: {problem}; or leave --tp "
                         f"out.")
-    if strategy == "tp" or (strategy == "fsdp" and mode == "infer"):
-        return Layout(tp=tp)
-    if strategy == "fsdp":
-        problem = data_parallel_problem("fsdp", precision, mode, backend, config.offload)
-        if problem:
-            raise UserError(f"tp: {mode} {precision} with --strategy fsdp and --tp {tp}: {problem}.")
-        return Layout(dp_shard=gpus // tp, tp=tp)
-    return Layout(pp=gpus // tp, tp=tp)
-
-
-def _pipeline_layout(config: SweepConfig, mode: str, precision: str, backend: str) -> Layout:
-    """``config.gpus`` pipeline stages, when the configuration composes with them."""
-    problem = pipeline_problem(precision, mode, backend)
-    if problem:
-        raise UserError(f"strategy: {mode} {precision} as {config.gpus} pipeline stages cannot run: {problem}.")
-    return Layout.of_strategy("pipeline", config.gpus)
+    return layout
 
 
 # ---- loading and merging ------------------------------------------------------------------

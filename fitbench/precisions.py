@@ -353,7 +353,8 @@ def tensor_parallel_heads_problem(heads: int, kv_heads: int, degree: int, backen
     only when they divide too."""
     if heads % degree:
         return (f"tensor parallelism splits whole attention heads, and {degree} ranks do not divide the model's "
-                f"{heads}: use --gpus that divides {heads}, or --strategy pipeline")
+                f"{heads} heads: use a tensor-parallel degree that divides {heads} (--gpus under --strategy tp, --tp "
+                f"beside --strategy fsdp or pipeline), or --strategy pipeline alone")
     if backend != "native" and kv_heads % degree:
         return (f"transformers' tensor-parallel plan splits the k and v projections by whole kv heads, and "
                 f"{degree} ranks do not divide the model's {kv_heads}: use --gpus that divides {kv_heads}, "

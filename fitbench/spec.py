@@ -10,11 +10,12 @@ from __future__ import annotations
 import hashlib
 import json
 from dataclasses import dataclass
-from typing import Any, Literal, get_args
+from typing import Any, Literal, Protocol, get_args
 
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
-from fitbench.precisions import offload_problem
+from fitbench.precisions import (DDP_OFFLOAD, TRAINING_MODES, data_parallel_problem, offload_problem,
+                                 pipeline_problem, tensor_parallel_heads_problem, tensor_parallel_problem)
 
 Mode = Literal["train", "forward", "forward-backward", "infer"]
 MODES: tuple[str, ...] = get_args(Mode)
@@ -23,18 +24,31 @@ Precision = Literal["fp32", "tf32", "bf16", "fp16", "bf16-pure",
                     "fp8-weight-only", "fp8-block"]
 
 # Strategy names the CLI and the planner use, and the degree of a Layout each sets.
-STRATEGY_DEGREES = {"ddp": "dp_replicate", "fsdp": "dp_shard", "tp": "tp", "pipeline": "pp"}
+STRATEGY_DEGREES = {"ddp": "dp_replicate", "fsdp": "dp_shard", "tp": "tp", "pipeline": "pp", "replicas": "replicas"}
 
 
 class LayoutError(ValueError):
     """Degrees that do not make the world size."""
 
 
+class ModelShape(Protocol):
+    """What a layout's rules need to know of a model (``fitbench.models.architecture.Architecture``
+    has these): its query and kv heads, its decoder layers, and its family (whose transformers model
+    may or may not carry a tensor-parallel plan)."""
+
+    num_heads: int
+    num_kv_heads: int
+    num_layers: int
+    family: str
+
+
 class Layout(BaseModel):
     """The degrees of parallelism of one job: data-parallel replicas (DDP), data-parallel shards
-    (FSDP2), tensor-parallel and pipeline-parallel ranks. Their product is the world size: the ranks
-    of the job, one GPU each (the arithmetic of torchtitan's ``ParallelDims``). The default is one
-    process on one device."""
+    (FSDP2), tensor-parallel and pipeline-parallel ranks, and independent ``replicas`` (a whole model
+    per rank, its own batch, no collective inside a step: inference and forward). Their product is
+    the world size: the ranks of the job, one GPU each (the arithmetic of torchtitan's
+    ``ParallelDims``). The default is one process on one device. What composes, and why not, is
+    ``problem``'s to say."""
 
     model_config = ConfigDict(frozen=True, extra="forbid")
 
@@ -42,15 +56,16 @@ class Layout(BaseModel):
     dp_shard: int = Field(1, ge=1)
     tp: int = Field(1, ge=1)
     pp: int = Field(1, ge=1)
+    replicas: int = Field(1, ge=1)
 
     @property
     def world_size(self) -> int:
-        return self.dp_replicate * self.dp_shard * self.tp * self.pp
+        return self.dp_replicate * self.dp_shard * self.tp * self.pp * self.replicas
 
     @property
     def data_parallel(self) -> int:
         """Ranks that see different batches: throughput sums over them."""
-        return self.dp_replicate * self.dp_shard
+        return self.dp_replicate * self.dp_shard * self.replicas
 
     @property
     def strategy(self) -> str:
@@ -105,6 +120,71 @@ class Layout(BaseModel):
         if strategy not in STRATEGY_DEGREES:
             raise LayoutError(f"unknown strategy {strategy!r}; known: single, {', '.join(STRATEGY_DEGREES)}")
         return cls.for_world(gpus, **{STRATEGY_DEGREES[strategy]: -1})
+
+    def problem(self, model: ModelShape, mode: str, precision: str, backend: str,
+                offload: bool = False) -> str | None:
+        """Why fitbench cannot run ``precision`` in ``mode`` on ``backend``'s build of ``model`` under this
+        layout (with FSDP's CPU offload, or a run's ``--offload``, when ``offload``), in one paragraph
+        that names the layout and the way out; None when it can. The one place the rules of what
+        composes are written: the sweep's validation (``fitbench.config``) raises these reasons to the
+        user, and the planner records them beside the layouts it passes over.
+
+        - replicas: alone, for inference and forward (a training step's gradients need DDP or FSDP);
+        - DDP and FSDP: as ``fitbench.precisions.data_parallel_problem`` says, DDP beside no tensor
+          parallelism (FSDP is the data-parallel dimension of a 2-D mesh), neither beside stages;
+        - tensor parallelism: whole heads per rank (``tensor_parallel_heads_problem``), the precisions
+          and backends ``tensor_parallel_problem`` allows, the hf backend's plans alone, and inside
+          pipeline stages for inference and forward only;
+        - pipeline stages: at least one layer each, as ``pipeline_problem`` allows;
+        - offload: one device's layers, or FSDP's shards alone, in host memory.
+        One process on one device has no rule here (offload's are ``offload_problem``'s)."""
+        reason = self._reason(model, mode, precision, backend, offload)
+        return None if reason is None else f"{self.label}: {reason}"
+
+    def _reason(self, model: ModelShape, mode: str, precision: str, backend: str, offload: bool) -> str | None:
+        training = mode in TRAINING_MODES
+        if self.replicas > 1:
+            if self.world_size > self.replicas:
+                return ("replicas are whole copies of the model, one per GPU, beside no other parallelism: give "
+                        "--strategy replicas alone")
+            if training:
+                return (f"replicas are independent copies that exchange nothing, and {mode} needs its gradients "
+                        f"averaged or sharded: use --strategy ddp or fsdp (or auto) to train over several GPUs, "
+                        f"or replicas with --mode infer or forward")
+        if offload and self.strategy not in ("single", "fsdp"):
+            if self.dp_replicate > 1:
+                return DDP_OFFLOAD
+            return ("--offload keeps one GPU's decoder layers, or FSDP's shards, in host memory, beside no tensor "
+                    "parallelism, pipeline stages or replicas: drop --offload, or give --strategy fsdp --offload")
+        for degree, strategy in ((self.dp_replicate, "ddp"), (self.dp_shard, "fsdp")):
+            if degree > 1:
+                problem = data_parallel_problem(strategy, precision, mode, backend, offload)
+                if problem:
+                    return problem
+        if self.tp > 1:
+            problem = (tensor_parallel_heads_problem(model.num_heads, model.num_kv_heads, self.tp, backend)
+                       or tensor_parallel_problem(precision, mode, backend, model.family))
+            if problem:
+                return problem
+            if backend != "native" and self.world_size > self.tp:
+                return (f"the {backend} backend's tensor parallelism (transformers' plans) runs alone, beside no "
+                        f"FSDP or stages: give --backend native, or --strategy tp with --gpus {self.tp}")
+            if self.dp_replicate > 1:
+                return ("DDP beside tensor parallelism is not built: FSDP shards the data-parallel dimension "
+                        "(--strategy fsdp --tp N)")
+        if self.pp > 1:
+            if self.pp > model.num_layers:
+                return (f"{self.pp} pipeline stages for the model's {model.num_layers} decoder layers leave a stage "
+                        f"without one: use at most {model.num_layers} stages")
+            problem = pipeline_problem(precision, mode, backend)
+            if problem:
+                return problem
+            if self.data_parallel > 1:
+                return "pipeline stages run beside no data parallelism: give --strategy pipeline alone"
+            if self.tp > 1 and training:
+                return (f"tensor parallelism inside pipeline stages runs infer and forward, not {mode}: for training "
+                        f"give --strategy fsdp --tp {self.tp} (FSDP x TP), or --strategy pipeline without --tp")
+        return None
 
 
 def pipeline_stages(n_layers: int, stages: int) -> tuple[range, ...]:
@@ -227,8 +307,8 @@ class RunSpec(BaseModel):
     @property
     def key(self) -> str:
         """Identity of the configuration: the same key means the same measurement. ``cuda_graphs``,
-        ``offload``, ``layout`` and ``microbatches``, added later, count only when they change what
-        runs, so earlier results keep their keys."""
+        ``offload``, ``layout`` (its ``replicas`` degree) and ``microbatches``, added later, count only
+        when they change what runs, so earlier results keep their keys."""
         fields = self.model_dump()
         if self.mode != "infer":
             fields.pop("new_tokens")
@@ -242,6 +322,8 @@ class RunSpec(BaseModel):
             fields.pop("offload")
         if self.layout.world_size == 1:
             fields.pop("layout")
+        elif self.layout.replicas == 1:
+            fields["layout"].pop("replicas")
         if self.microbatches is None:
             fields.pop("microbatches")
         digest = hashlib.sha1(json.dumps(fields, sort_keys=True).encode()).hexdigest()

@@ -75,10 +75,12 @@ def default_models(device: str) -> list[str]:
 
 
 def predicted_max_batch(spec, device: str) -> int:
-    """The planner's largest batch per rank for ``spec`` on its device: the GPU's memory with the
-    calibrated overheads, or on a CPU the budget of FITBENCH_INJECT's mem-limit (else the available RAM,
-    shared by the job's ranks); with offload, beside no resident decoder layer. A job of several ranks
-    is planned per rank under its layout's strategy (DDP's replicas, FSDP's shards)."""
+    """The planner's largest batch per rank for ``spec`` on its device: on a GPU the largest whose peak
+    with the calibrated overheads stays clear of ``RETRY_MARGIN`` of its memory (the allocator retries
+    within it), else the largest that fits; on a CPU within the budget of FITBENCH_INJECT's mem-limit
+    (else the available RAM, shared by the job's ranks); with offload, beside no resident decoder layer.
+    A job of several ranks is planned per rank under its layout's strategy (DDP's replicas, FSDP's
+    shards)."""
     from fitbench.host import host_memory
     from fitbench.models.registry import resolve
     from fitbench.plan.memory import Parallelism, estimate_memory
@@ -101,7 +103,7 @@ def predicted_max_batch(spec, device: str) -> int:
         import torch
 
         from fitbench.plan.calibration import load_calibration
-        from fitbench.plan.planner import Candidate, GpuTarget, assess
+        from fitbench.plan.planner import RETRY_MARGIN, Candidate, GpuTarget, assess
 
         properties = torch.cuda.get_device_properties(torch.device(device))
         budget = injected_memory_limit() or float(properties.total_memory)
@@ -116,7 +118,9 @@ def predicted_max_batch(spec, device: str) -> int:
                           calibration=calibration, backend=spec.backend).predicted_peak
     from fitbench.launch.fallback import largest_batch
 
-    return largest_batch(peak, budget)
+    if device == "cpu":
+        return largest_batch(peak, budget)
+    return largest_batch(peak, (1 - RETRY_MARGIN) * budget) or largest_batch(peak, budget)
 
 
 def hardware_refusals(specs: list, device: str) -> dict[str, str]:

@@ -13,8 +13,10 @@ from fitbench.models.hf import build_hf, hf_config
 from fitbench.models.native import meta_model
 from fitbench.models.presets import PRESETS
 from fitbench.models.registry import resolve
-from fitbench.plan.memory import QUANTIZED, TRAINING_MODES, Widths, estimate_memory, gpt2_gelu_upcast_bytes
+from fitbench.plan.memory import (QUANTIZED, TRAINING_MODES, Parallelism, Widths, estimate_memory,
+                                  gpt2_gelu_upcast_bytes)
 from fitbench.plan.planner import DEFAULT_LADDER, Candidate, GpuTarget, assess
+from fitbench.spec import Layout
 from fitbench.run.trace import trace_peak
 from fitbench.precisions import training_problem
 from fitbench.run.quantize import quantize_linears
@@ -195,13 +197,20 @@ def test_falcon_180b_nf4_by_hand():
 
 
 def test_falcon_180b_int8_does_not_fit_two_80_gb_gpus():
+    """The memory of LLM.int8 weights split two and four ways. No such layout launches (transformers has
+    no tensor-parallel plan for Falcon, and its stages hold floating-point weights), so the planner rejects
+    them for that (``Layout.problem``); the memory model still says what each would need."""
     arch = resolve("falcon-180b")
-    target = GpuTarget(None, 2, 80e9, described=True)
-    for strategy in ("tp", "pipeline"):
-        assert not assess(arch, "infer", Candidate("int8", strategy, 2, False, 1), target, seq_len=512,
-                          new_tokens=128).fits
-    assert assess(arch, "infer", Candidate("int8", "tp", 4, False, 1), GpuTarget(None, 4, 80e9, True),
-                  seq_len=512, new_tokens=128).fits
+
+    def need(layout: Layout) -> float:
+        return estimate_memory(arch, "infer", "int8", 1, 512, new_tokens=128,
+                               parallelism=Parallelism(layout=layout)).peak_bytes
+
+    assert need(Layout(tp=2)) > 80e9 and need(Layout(pp=2)) > 80e9
+    assert need(Layout(tp=4)) < 80e9
+    rejected = assess(arch, "infer", Candidate("int8", "tp", 4, False, 1), GpuTarget(None, 4, 80e9, True),
+                      seq_len=512, new_tokens=128)
+    assert not rejected.fits and "the run cannot launch tp x 4" in rejected.reason
 
 
 def test_gpt2_weights_and_training_by_hand():
@@ -234,6 +243,10 @@ def hf_trace_cases():
                 for batch, seq_len in ((1, 64), (4, 256)):
                     yield pytest.param(family, mode, precision, batch, seq_len,
                                        id=f"{family}-{mode}-{precision}-{batch}x{seq_len}")
+    # transformers' Qwen2 and Mistral models, whose caches autocast leaves of mixed widths as Llama's
+    for family in ("qwen2", "mistral"):
+        for mode in ("forward", "infer"):
+            yield pytest.param(family, mode, "bf16", 4, 256, id=f"{family}-{mode}-bf16-4x256")
 
 
 @pytest.mark.parametrize("family, mode, precision, batch, seq_len", list(hf_trace_cases()))

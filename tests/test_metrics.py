@@ -135,13 +135,21 @@ def test_the_collector_runs_before_the_warmup_and_never_between_timed_calls():
     assert gc.isenabled()
 
 
+def test_a_barrier_meets_the_ranks_around_the_measured_calls_only():
+    events = []
+    clock = DeviceClock(CPU)
+    run_stages(lambda: events.append("call"), clock, warmup=2, repeats=3, barrier=lambda: events.append("barrier"))
+    assert events == ["call"] * 2 + ["barrier"] + ["call"] * 3 + ["barrier"]
+
+
 def test_a_noisy_time_to_first_token_warns():
     arch = resolve("tiny")
     run_spec = RunSpec(model="tiny", backend="native", mode="infer", precision="fp32", batch_size=1, seq_len=8,
                        new_tokens=3, device="cpu", warmup_steps=1, measure_steps=4)
     built = worker.Built(SlowPrefill(build_native(arch, CPU, torch.float32), [0.0, 0.05]))
+    prompt = random_tokens(arch.vocab_size, 1, 8, CPU, seed=0)
     timing, _, noisy, _, _ = worker._measure_generation(run_spec, arch, built, policy("fp32"), DeviceClock(CPU), CPU,
-                                                     worker.Peaks(None, None, None), 4 * TINY_PARAMS)
+                                                     worker.Peaks(None, None, None), 4 * TINY_PARAMS, prompt, {})
     assert timing["time_to_first_token"]["cv_percent"] > 5
     assert "time to first token" in noisy
 

@@ -156,7 +156,7 @@ def test_the_sweep_gives_each_configuration_its_layout():
     infer = expand(SweepConfig(models=["tiny"], mode=["infer"], gpus=2, strategy="ddp"), device="cpu",
                    default_models=["tiny"])
     assert [spec.layout for spec in infer] == [Layout()]  # generation runs in one process
-    with pytest.raises(UserError, match="ddp: int4 weights are torchao tensor subclasses"):
+    with pytest.raises(UserError, match="ddp x 2: int4 weights are torchao tensor subclasses"):
         expand(SweepConfig(models=["tiny"], mode=["forward"], precision=["int4"], gpus=2, strategy="ddp"),
                device="cpu", default_models=["tiny"])
 
@@ -197,8 +197,11 @@ def test_layout_degrees_multiply_to_the_world_size():
     assert Layout.for_world(8, tp=2, dp_shard=-1) == Layout(dp_shard=4, tp=2)
     assert Layout(dp_replicate=2, dp_shard=2, tp=2, pp=2).world_size == 16
     assert Layout(dp_replicate=2, dp_shard=3).data_parallel == 6
+    assert Layout(replicas=4).data_parallel == Layout(replicas=4).world_size == 4
+    assert Layout.of_strategy("replicas", 2) == Layout(replicas=2) and Layout(replicas=2).label == "replicas x 2"
     assert Layout(dp_shard=2, tp=4).strategy == "fsdp+tp" and Layout().strategy == "single"
-    with pytest.raises(LayoutError, match=r"dp_replicate=1 x dp_shard=2 x tp=2 x pp=1 = 4, not the world size 6"):
+    with pytest.raises(LayoutError, match=r"dp_replicate=1 x dp_shard=2 x tp=2 x pp=1 x replicas=1 = 4, not the "
+                                          r"world size 6"):
         Layout.for_world(6, dp_shard=2, tp=2)
     with pytest.raises(LayoutError, match="does not divide the world size 6"):
         Layout.for_world(6, tp=4, dp_shard=-1)

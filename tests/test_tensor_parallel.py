@@ -348,12 +348,13 @@ def test_the_seeds_tensor_parallel_size_is_tp_in_yaml(tmp_path):
     (["--gpus", "4", "--strategy", "pipeline", "--tp", "2", "--mode", "train"], "--strategy fsdp --tp 2"),
     (["--gpus", "3", "--strategy", "fsdp", "--tp", "2"], "--tp 2 does not divide --gpus 3"),
     (["--gpus", "4", "--strategy", "ddp", "--tp", "2"], "not --strategy ddp"),
+    (["--gpus", "4", "--strategy", "replicas", "--tp", "2", "--mode", "infer"], "not --strategy replicas"),
     (["--tp", "2"], "--gpus is 1"),
     (["--gpus", "4", "--strategy", "tp", "--tp", "2"], "must equal --gpus 4"),
     (["--gpus", "4", "--strategy", "pipeline", "--tp", "2", "--mode", "infer", "--precision", "nf4"],
      "leave --tp out"),
-    (["--gpus", "6", "--strategy", "pipeline", "--tp", "3", "--mode", "infer"], "--tp 3 does not divide"),
-    (["--gpus", "4", "--strategy", "fsdp", "--tp", "2", "--backend", "hf"], "give --backend native"),
+    (["--gpus", "6", "--strategy", "pipeline", "--tp", "3", "--mode", "infer"], "3 ranks do not divide the model's 8"),
+    (["--gpus", "4", "--strategy", "fsdp", "--tp", "2", "--backend", "hf"], "use --backend native"),
 ])
 def test_every_wrong_tp_combination_is_one_paragraph_and_exit_2(options, says, tmp_path, capsys, monkeypatch):
     from conftest import cli
@@ -364,23 +365,22 @@ def test_every_wrong_tp_combination_is_one_paragraph_and_exit_2(options, says, t
     assert "--tp" in out + err and not (tmp_path / "r" / "results.jsonl").exists()
 
 
-def test_the_planner_launches_tp_x_pipeline_for_inference_only():
-    from fitbench.plan.planner import launchable
+def test_tp_x_pipeline_runs_inference_only():
+    tiny = job.VARIANTS["tiny"]
+    assert Layout(pp=2, tp=2).problem(tiny, "infer", "bf16", "native") is None
+    assert Layout(pp=2, tp=2).problem(tiny, "forward", "bf16", "native") is None
+    assert "--strategy fsdp --tp 2" in Layout(pp=2, tp=2).problem(tiny, "train", "bf16", "native")
 
-    assert launchable(Layout(pp=2, tp=2), "infer") and launchable(Layout(pp=2, tp=2), "forward")
-    assert not launchable(Layout(pp=2, tp=2), "train")
 
-
-def test_the_planner_launches_the_hf_backend_over_stages_and_under_its_plans_alone():
+def test_the_hf_backend_runs_over_stages_and_under_its_plans_alone():
     from fitbench.models.registry import resolve
-    from fitbench.plan.planner import launch_problem
 
     llama, falcon = resolve("tiny"), resolve("falcon-40b")
-    assert launch_problem(falcon, Layout(pp=2), "bf16", "infer", "hf") is None
-    assert "train" in launch_problem(falcon, Layout(pp=2), "bf16", "train", "hf")
-    assert launch_problem(llama, Layout(tp=2), "bf16", "infer", "hf") is None
-    assert "--strategy pipeline" in launch_problem(falcon, Layout(tp=2), "bf16", "infer", "hf")
-    assert "alone" in launch_problem(llama, Layout(pp=2, tp=2), "bf16", "infer", "hf")
+    assert Layout(pp=2).problem(falcon, "infer", "bf16", "hf") is None
+    assert "train" in Layout(pp=2).problem(falcon, "train", "bf16", "hf")
+    assert Layout(tp=2).problem(llama, "infer", "bf16", "hf") is None
+    assert "--strategy pipeline" in Layout(tp=2).problem(falcon, "infer", "bf16", "hf")
+    assert "alone" in Layout(pp=2, tp=2).problem(llama, "infer", "bf16", "hf")
 
 
 @slow
@@ -397,7 +397,8 @@ def test_tensor_parallel_generation_from_the_command_line_writes_one_row_of_the_
     assert code == 0, out + err
     [row] = [json.loads(line) for line in (tmp_path / "r" / "results.jsonl").read_text().splitlines()]
     assert row["status"] == "ok" and row["ranks"] == 2, row.get("error")
-    assert row["layout"] == {"dp_replicate": 1, "dp_shard": 1, "tp": 2, "pp": 1} and "tp x 2" in row["label"]
+    assert row["layout"] == {"dp_replicate": 1, "dp_shard": 1, "tp": 2, "pp": 1, "replicas": 1}
+    assert "tp x 2" in row["label"]
     assert (row["parallel"]["kv_heads"], row["parallel"]["kv_heads_per_rank"]) == ("sharded", 2)
     assert not row["parallel"]["sequence_parallel"]  # generation keeps the sequence whole
     assert len(row["timing"]["samples"]["time_to_first_token"]) == 2

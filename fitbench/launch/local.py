@@ -429,8 +429,9 @@ class _OutOfTime(Exception):
 
 def _run_planned(spec: RunSpec, logs: Path, timeout: float, on_event, policy: FallbackPolicy,
                  predicted_batch: Callable[[RunSpec], int], assign: Callable[[RunSpec], Assignment]) -> dict[str, Any]:
-    """One configuration of the sweep: the batch search if asked for, then the run with its fallbacks,
-    all within ``timeout`` seconds (the configuration's whole life: a timed-out probe or attempt, or
+    """One configuration of the sweep: the batch search if asked for (a probe whose steps made the caching
+    allocator retry counts as not fitting: a smaller batch beats a step that thrashes), then the run
+    with its fallbacks, all within ``timeout`` seconds (the configuration's whole life: a timed-out probe or attempt, or
     none left for the next, ends it as ``timeout``); the row keeps the configuration's own key and
     label, whatever finally ran (``spec`` says that)."""
     attempt = iter(range(1, 1000))
@@ -458,7 +459,7 @@ def _run_planned(spec: RunSpec, logs: Path, timeout: float, on_event, policy: Fa
     try:
         if spec.auto_batch:
             predicted = predicted_batch(spec)
-            found, probes = search_max_batch(spec, predicted, lambda probe: run(probe)["status"] in RAN_TO_THE_END)
+            found, probes = search_max_batch(spec, predicted, lambda probe: _ran_clear(run(probe)))
             search = {"predicted_batch": predicted, "max_batch": found, "batch_probes": probes}
             to_run = spec.model_copy(update={"batch_size": max(found, 1), "auto_batch": False})
         row = run_with_fallback(to_run, policy, run)
@@ -466,6 +467,11 @@ def _run_planned(spec: RunSpec, logs: Path, timeout: float, on_event, policy: Fa
         row = {**out_of_time.row, "attempts": tried}
     row.update(search, key=spec.key, label=spec.label)
     return row
+
+
+def _ran_clear(row: dict[str, Any]) -> bool:
+    """A batch probe ran to the end without the caching allocator retrying (``fitbench.run.retries``)."""
+    return row["status"] in RAN_TO_THE_END and not (row.get("allocator_retries") or {}).get("num_alloc_retries")
 
 
 class SweepInterrupted(KeyboardInterrupt):

@@ -603,18 +603,28 @@ def _bound(device_s: float, host_s: float, communication_s: float) -> str:
 def step_run(spec, decoding: dict | None = None) -> StepRun:
     """How ``spec`` (a ``fitbench.spec.RunSpec``) runs its steps: a measured row's ``decoding`` (the
     worker's ``decode`` field) says how its generation decoded; without one, as the worker would on a
-    GPU: the native backend through a CUDA graph unless turned off, compiled unless turned off, eagerly
-    when offloaded, under ``--compile`` or where the precision's kernels cannot be captured
-    (``graph_problem``); transformers eagerly."""
+    GPU (``decode_kind``)."""
     if spec.mode != "infer":
         return StepRun(spec.backend, spec.compile)
     if decoding is not None:
         decode = "eager" if not decoding.get("cuda_graphs") else "compiled" if decoding.get("compiled") else "graph"
-    elif spec.backend == "hf" or spec.offload or spec.compile or not spec.cuda_graphs or graph_problem(spec.precision):
-        decode = "eager"
     else:
-        decode = "compiled" if spec.compile_decode else "graph"
+        decode = decode_kind(spec.backend, spec.layout, spec.precision, offloaded=spec.offload,
+                             compiled=spec.compile, cuda_graphs=spec.cuda_graphs, compile_decode=spec.compile_decode)
     return StepRun(spec.backend, spec.compile, decode)
+
+
+def decode_kind(backend: str, layout, precision: str, *, offloaded: bool = False, compiled: bool = False,
+                cuda_graphs: bool = True, compile_decode: bool = True) -> str:
+    """How a generation's decode steps run on a GPU: transformers' models eagerly, and the native
+    decoder eagerly when offloaded, under ``--compile``, without CUDA graphs, where the precision's
+    kernels cannot be captured (``graph_problem``) or over pipeline stages (each stage decodes its
+    layers eagerly: ``fitbench.run.pipeline``); else the compiled step in a graph (under tensor
+    parallelism too, its collectives inside the graph) unless ``compile_decode`` is off. ``layout``: a
+    ``fitbench.spec.Layout``."""
+    if backend == "hf" or offloaded or compiled or not cuda_graphs or graph_problem(precision) or layout.pp > 1:
+        return "eager"
+    return "compiled" if compile_decode else "graph"
 
 
 def forecast_spec(arch: Architecture, spec, gpu_name: str, ceiling: Ceilings, *, run: StepRun,

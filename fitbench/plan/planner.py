@@ -2,16 +2,23 @@
 
 A candidate is a precision, a layout over a GPU count (``fitbench.spec.Layout``: the object the run
 is given, so a planned layout is the layout that runs; ``layouts_for`` enumerates them for any
-count), activation checkpointing on or off and a batch size. Its predicted per-GPU peak is the memory model's tensor terms plus the calibrated
-overheads (CUDA context, cuBLAS workspace, allocator page rounding, NCCL buffers; none on a CPU,
-where the calibration is None). It fits when that peak is at most the GPU's memory. An offloaded
-candidate (inference on one GPU) keeps only some decoder layers on the GPU; ``offload_split`` says
-how many fit. An FSDP candidate with CPU offload keeps its shards, gradients and optimizer state in
-host memory.
+count), activation checkpointing on or off and a batch size. A layout the run cannot launch is
+rejected with ``Layout.problem``'s reason. Its predicted per-GPU peak is the memory model's tensor
+terms plus the calibrated overheads (CUDA context, cuBLAS workspace, allocator page rounding, NCCL
+buffers; none on a CPU, where the calibration is None). It fits when that peak is at most the GPU's
+memory. An offloaded candidate (inference on one GPU) keeps only some decoder layers on the GPU;
+``offload_split`` says how many fit. An FSDP candidate with CPU offload keeps its shards, gradients
+and optimizer state in host memory.
+
+Automatic choices (the precision, activation checkpointing, the layout, an automatic batch) treat a
+candidate predicted within ``RETRY_MARGIN`` of a GPU's memory as not fitting where another choice is
+clear of it (``Assessment.clear``): at the edge, the caching allocator's retries slow every step.
 
 The precision ladder is an order of preference (quality first): the chosen plan uses the first
-rung that has a fitting candidate, and among that rung's candidates the highest predicted
-throughput (fewer GPUs on a tie). Every rejected candidate keeps its reason.
+rung that has a fitting candidate, and among that rung's candidates the highest forecast
+throughput over the GPUs each uses (``forecast_tokens_per_s``; fewer GPUs on a tie): one GPU,
+replicas, DDP, FSDP, tensor parallelism, pipeline stages and their combinations alike. Every
+rejected candidate keeps its reason.
 
 A ``fitbench run`` configuration that no choice left open makes fit is refused before launch
 (``refusal``): its reason names the predicted need and the ``alternatives`` predicted to fit.
@@ -25,13 +32,12 @@ from fitbench import hardware
 from fitbench.models.architecture import Architecture, default_backend
 from fitbench.plan import compiled as inductor
 from fitbench.plan.calibration import DEFAULT, PAGE, TENSORS_ONLY, Calibration
-from fitbench.plan.forecast import ceilings, forecast_spec, step_run
+from fitbench.plan.forecast import (Ceilings, StepRun, ceilings, decode_kind, forecast_spec, forecast_step_time,
+                                   step_run)
 from fitbench.plan.memory import (QUANTIZED, TRAINING_MODES, MemoryEstimate, Parallelism, Term, Widths, estimate_memory,
                                   offloaded_weights, rank_edge_params, saved_per_layer, stage_estimates)
 from fitbench.plan.speed import StepTime, bus_bandwidth, estimate_step_time
-from fitbench.precisions import (data_parallel_problem, graph_problem, offload_problem, pipeline_problem,
-                                 tensor_parallel_heads_problem, tensor_parallel_problem, training_problem,
-                                 trains_every_weight)
+from fitbench.precisions import graph_problem, offload_problem, training_problem, trains_every_weight
 from fitbench.search import largest
 from fitbench.spec import Layout, Stage
 from fitbench.units import format_bytes
@@ -60,6 +66,14 @@ DEFAULT_LADDER = {
     "infer": ["bf16-pure", "int8", "nf4"],
 }
 MAX_AUTO_BATCH = 1 << 16
+# The share of a GPU's memory that automatic choices keep free beyond a predicted peak: within it the
+# CUDA caching allocator's retries start (frees and cudaMalloc inside a step, ``fitbench.run.retries``).
+# From 30B bf16-pure under FSDP x 4 at 4 x 512 on H100s of 85.0 GB: predicted at 74.4 GB per GPU, it ran
+# at 85.0 of 85.0 GB with retries, 4.10 s a step (9.9% MFU) against 1.27 s with activation checkpointing.
+# A prediction at 74.4 / 85.0 of the memory reached the capacity, so
+#     RETRY_MARGIN = 1 - 74.4 / 85.0 = 12.5% of the GPU's memory.
+# A CPU has no caching allocator: there (no calibration) the margin is 0.
+RETRY_MARGIN = 1 - 74.4 / 85.0
 # Offload is the last rung of the fallback ladder: an out-of-memory there ends the configuration,
 # while one layer fewer on the GPU costs about 1/L of the speed. So on a GPU the split keeps 1% of
 # the memory free beyond the predicted peak, three times the largest under-prediction measured for
@@ -137,6 +151,11 @@ class Assessment:
     reason: str | None
     speed: StepTime | None
     peak_moment: str | None = None  # with the overheads, which can move it
+    # What the choice ranked it by, where it was ranked (``forecast_tokens_per_s``)
+    forecast_tokens_per_s: float | None = None
+    # It fits with ``RETRY_MARGIN`` of the GPU's memory to spare (on a CPU, it fits): what automatic
+    # choices take where they can
+    clear: bool = False
 
     def as_dict(self) -> dict:
         return {
@@ -149,6 +168,8 @@ class Assessment:
             "memory": self.memory.as_dict() if self.memory else None,
             "overheads": [{"name": t.name, "bytes": t.bytes, "formula": t.formula} for t in self.overheads],
             "speed": self.speed.as_dict() if self.speed else None,
+            "forecast_tokens_per_s": self.forecast_tokens_per_s,
+            "clear_of_retry_margin": self.clear,
         }
 
 
@@ -253,7 +274,7 @@ def assess(arch: Architecture, mode: str, candidate: Candidate, target: GpuTarge
            new_tokens: int, calibration: Calibration | None = DEFAULT, backend: str | None = None) -> Assessment:
     """Predict ``candidate``'s peak and speed; ``backend`` (native or hf, by default the family's)
     is the model the run builds."""
-    problem = _layout_problem(arch, candidate, target)
+    problem = _layout_problem(arch, mode, candidate, target, backend or default_backend(arch))
     if problem:
         return Assessment(candidate, None, (), 0.0, False, problem, None)
 
@@ -287,7 +308,14 @@ def assess(arch: Architecture, mode: str, candidate: Candidate, target: GpuTarge
                                offloaded_bytes=offloaded_weights(arch, candidate.precision, candidate.resident_layers)
                                if candidate.resident_layers is not None else 0.0,
                                links=bus_bandwidth(target.speed_name, calibration))
-    return Assessment(candidate, memory, overheads, peak, fits, reason, speed, moment)
+    clear = fits and peak <= (1 - retry_margin(calibration)) * target.memory
+    return Assessment(candidate, memory, overheads, peak, fits, reason, speed, moment, clear=clear)
+
+
+def retry_margin(calibration: Calibration | None) -> float:
+    """The share of the memory automatic choices keep free: ``RETRY_MARGIN`` on a GPU, none on a CPU
+    (``calibration`` None), which has no caching allocator to retry."""
+    return RETRY_MARGIN if calibration is not None else 0.0
 
 
 # The terms that hold the model's state: what DDP replicates and FSDP shards.
@@ -308,19 +336,20 @@ def _data_parallel_why(candidate: Candidate, memory: MemoryEstimate) -> str:
     return f" (weights, gradients and optimizer state {where}; units gathered in flight {gathered / 1e9:.1f} GB)"
 
 
-def _layout_problem(arch: Architecture, candidate: Candidate, target: GpuTarget) -> str | None:
+def _layout_problem(arch: Architecture, mode: str, candidate: Candidate, target: GpuTarget,
+                    backend: str) -> str | None:
+    """Why ``candidate`` cannot run on ``target`` whatever its memory: more GPUs than there are,
+    offloaded layers over several, tensor parallelism wider than a node, or what its layout does not
+    compose with (``Layout.problem``)."""
     if candidate.gpus > target.count:
         return f"{candidate.label} needs {candidate.gpus} GPUs; {target.count} available"
     if candidate.resident_layers is not None and candidate.gpus > 1:
         return f"{candidate.label}: offload keeps the layers that do not fit on one GPU in host memory"
-    tp, pp = candidate.layout.tp, candidate.layout.pp
-    if arch.num_heads % tp:
-        return f"{candidate.label}: tensor parallel {tp} does not divide {arch.num_heads} heads"
-    if tp > target.node_gpus:
-        return f"{candidate.label}: tensor parallel {tp} spans more than the {target.node_gpus} GPUs of one node"
-    if pp > arch.num_layers:
-        return f"{candidate.label}: {pp} pipeline stages for {arch.num_layers} layers leave a stage without one"
-    return None
+    if candidate.layout.tp > target.node_gpus:
+        return (f"{candidate.label}: tensor parallel {candidate.layout.tp} spans more than the {target.node_gpus} "
+                f"GPUs of one node")
+    problem = candidate.layout.problem(arch, mode, candidate.precision, backend, candidate.cpu_offload)
+    return f"{candidate.label}: the run cannot launch {problem}" if problem else None
 
 
 def layouts_for(arch: Architecture, mode: str, gpus: int, node_gpus: int = 8) -> list[Layout]:
@@ -329,8 +358,9 @@ def layouts_for(arch: Architecture, mode: str, gpus: int, node_gpus: int = 8) ->
     to be rejected with their reason), every pipeline degree that divides what is left, up to the
     layer count (stages of unequal size where the layers require: ``fitbench.spec.pipeline_stages``),
     and in training data parallelism for the rest, replicated (DDP) or sharded (FSDP), beside
-    tensor parallelism (FSDP x TP) but not beside pipeline stages. Inference has no data parallelism:
-    generation has no gradients to average, and replicas would only repeat one GPU's figures."""
+    tensor parallelism (FSDP x TP) but not beside pipeline stages. Inference and forward have
+    ``gpus`` replicas instead: generation has no gradients to average, and independent copies, each
+    with its own batch, add their throughputs."""
     training = mode in TRAINING_MODES
     found = []
     for tp in (d for d in range(1, min(gpus, node_gpus) + 1) if gpus % d == 0):
@@ -340,7 +370,55 @@ def layouts_for(arch: Architecture, mode: str, gpus: int, node_gpus: int = 8) ->
                 found.append(Layout(tp=tp, pp=pp))
             elif training and pp == 1:
                 found += [Layout(dp_replicate=dp, tp=tp), Layout(dp_shard=dp, tp=tp)]
+    if not training and gpus > 1:
+        found.append(Layout(replicas=gpus))
     return found
+
+
+def forecast_tokens_per_s(arch: Architecture, mode: str, candidate: Candidate, target: GpuTarget, *, seq_len: int,
+                          new_tokens: int, calibration: Calibration | None, backend: str | None = None,
+                          ceiling: Ceilings | None = None, cuda_graphs: bool = True,
+                          compile_decode: bool = True) -> float:
+    """The throughput the forecast (``fitbench.plan.forecast``) expects of ``candidate`` on ``target``'s
+    GPUs, over every GPU its layout uses, what automatic choices rank layouts by:
+
+        tokens/s = tokens per step x data-parallel ranks / forecast step time
+
+    with a step's tokens B x T (one decode step's B in infer) and the data-parallel ranks those that
+    take their own batch (DDP, FSDP, replicas; tensor-parallel and pipeline ranks share one), so N
+    replicas forecast N times one GPU, and one GPU counts as itself beside N. A generation decodes as
+    the run would (``decode_kind``: ``cuda_graphs`` and ``compile_decode`` as the run asks); the
+    collectives at ``calibration``'s bus bandwidth (else the datasheet's); ``ceiling`` by default
+    the GPU's (``ceilings``)."""
+    backend = backend or default_backend(arch)
+    name = target.speed_name
+    offloaded = candidate.resident_layers is not None
+    run = StepRun(backend, candidate.compiled,
+                  decode_kind(backend, candidate.layout, candidate.precision, offloaded=offloaded,
+                              compiled=candidate.compiled, cuda_graphs=cuda_graphs, compile_decode=compile_decode))
+    forecast = forecast_step_time(
+        arch, mode, candidate.precision, candidate.batch_size, seq_len, new_tokens=new_tokens,
+        parallelism=candidate.parallelism, gpu_name=name,
+        ceiling=ceiling or ceilings(name, hardware.load_ceilings(name)),
+        run=run, activation_checkpointing=candidate.activation_checkpointing,
+        offloaded_bytes=offloaded_weights(arch, candidate.precision, candidate.resident_layers) if offloaded else 0.0,
+        links=bus_bandwidth(name, calibration))
+    tokens = candidate.batch_size * (1 if mode == "infer" else seq_len) * candidate.layout.data_parallel
+    return tokens / forecast.seconds
+
+
+def fastest_first(arch: Architecture, mode: str, assessed: list[Assessment], target: GpuTarget, *, seq_len: int,
+           new_tokens: int, calibration: Calibration | None, backend: str | None = None,
+           **run: bool) -> list[Assessment]:
+    """``assessed`` with their ``forecast_tokens_per_s``, fastest first, fewer GPUs first on a tie."""
+    if not assessed:
+        return []
+    name = target.speed_name
+    ceiling = ceilings(name, hardware.load_ceilings(name))
+    forecast = [replace(a, forecast_tokens_per_s=forecast_tokens_per_s(
+        arch, mode, a.candidate, target, seq_len=seq_len, new_tokens=new_tokens, calibration=calibration,
+        backend=backend, ceiling=ceiling, **run)) for a in assessed]
+    return sorted(forecast, key=lambda a: (-a.forecast_tokens_per_s, a.candidate.gpus))
 
 
 def gpu_counts(available: int) -> list[int]:
@@ -356,13 +434,15 @@ def gpu_counts(available: int) -> list[int]:
 
 
 def largest_fitting_batch(arch, mode, candidate: Candidate, target, *, seq_len, new_tokens, calibration,
-                          backend: str | None = None) -> int:
-    """The largest batch predicted to fit (bisection on the monotone memory model); 0 if none."""
-    def fits(batch: int) -> bool:
+                          backend: str | None = None, clear: bool = False) -> int:
+    """The largest batch predicted to fit (bisection on the monotone memory model); 0 if none. ``clear``:
+    the largest clear of ``RETRY_MARGIN`` (``Assessment.clear``), else the largest that fits."""
+    def assessed(batch: int) -> Assessment:
         return assess(arch, mode, replace(candidate, batch_size=batch), target, seq_len=seq_len,
-                      new_tokens=new_tokens, calibration=calibration, backend=backend).fits
+                      new_tokens=new_tokens, calibration=calibration, backend=backend)
 
-    return largest(fits, limit=MAX_AUTO_BATCH)
+    found = largest(lambda batch: assessed(batch).clear, limit=MAX_AUTO_BATCH) if clear else 0
+    return found or largest(lambda batch: assessed(batch).fits, limit=MAX_AUTO_BATCH)
 
 
 @dataclass(frozen=True)
@@ -407,21 +487,16 @@ def offload_split(arch: Architecture, mode: str, precision: str, batch: int, seq
     return OffloadSplit(layer_memory, layer_bytes, resident)
 
 
-# What a training run launches on several GPUs: one GPU, DDP or FSDP (torchrun ranks).
-LAUNCHED_IN_TRAINING = ("single", "ddp", "fsdp")
-
-
 def plan(arch: Architecture, mode: str, target: GpuTarget, *, seq_len: int, new_tokens: int,
          batch_sizes: list[int] | None, precisions: list[str] | None = None,
          strategies: list[str] | None = None, checkpointing: list[bool] | None = None,
          calibration: Calibration = DEFAULT, backend: str | None = None) -> Plan:
     """``batch_sizes`` None means auto: each layout gets the largest batch predicted to fit; ``backend``
-    as in ``assess``. The layouts are ``layouts_for`` each count of ``gpu_counts``, those that use
-    only ``strategies`` where given (a combined layout, e.g. tp x pipeline, needs both named). In
-    training, the chosen layout is one GPU, DDP or FSDP (``LAUNCHED_IN_TRAINING``), the fastest of
-    them that fits on the first rung of the ladder with any fit; tensor-parallel, pipeline and
-    combined layouts are assessed and listed, and chosen only where none of those fits or
-    ``strategies`` leaves only them. In inference the fastest layout that fits is chosen."""
+    as in ``assess``, clear of ``RETRY_MARGIN`` where one is. The layouts are ``layouts_for`` each count
+    of ``gpu_counts``, those that use only ``strategies`` where given (a combined layout, e.g. tp x
+    pipeline, needs both named). The chosen one is, on the first rung of the ladder with any fit, the
+    fastest forecast among those that fit (``fastest_first``), those clear of ``RETRY_MARGIN`` first
+    where any is; layouts the run cannot launch are rejected with the reason."""
     ladder = precisions or DEFAULT_LADDER[mode]
     recompute_options = checkpointing if checkpointing is not None else (
         [False, True] if mode in TRAINING_MODES else [False])
@@ -436,7 +511,7 @@ def plan(arch: Architecture, mode: str, target: GpuTarget, *, seq_len: int, new_
                     if batch_sizes is None:
                         batch = largest_fitting_batch(arch, mode, base, target, seq_len=seq_len,
                                                       new_tokens=new_tokens, calibration=calibration,
-                                                      backend=backend)
+                                                      backend=backend, clear=True)
                         sizes = [batch or 1]
                     else:
                         sizes = batch_sizes
@@ -444,43 +519,22 @@ def plan(arch: Architecture, mode: str, target: GpuTarget, *, seq_len: int, new_
                         assessments.append(assess(arch, mode, replace(base, batch_size=batch), target,
                                                   seq_len=seq_len, new_tokens=new_tokens, calibration=calibration,
                                                   backend=backend))
-    training = mode in TRAINING_MODES
-
-    runs_on = backend or default_backend(arch)
-
-    def passed_over(a: Assessment) -> bool:
-        return (training and a.candidate.strategy not in LAUNCHED_IN_TRAINING) or launch_problem(
-            arch, a.candidate.layout, a.candidate.precision, mode, runs_on) is not None
-
-    ranked = sorted((a for a in assessments if a.fits), key=lambda a: (
-        ladder.index(a.candidate.precision), passed_over(a), -a.speed.tokens_per_s, a.candidate.gpus))
-    chosen = ranked[0] if ranked else None
+    fitting = fastest_first(arch, mode, [a for a in assessments if a.fits], target, seq_len=seq_len,
+                            new_tokens=new_tokens, calibration=calibration, backend=backend)
+    # stable sorts: fastest first within a rung, the rungs in order, those clear of the margin first
+    fitting.sort(key=lambda a: ladder.index(a.candidate.precision))
+    fitting.sort(key=lambda a: not a.clear)
+    chosen = fitting[0] if fitting else None
     # First the layouts of the chosen precision that do not fit: why it is not run more simply.
     rejected = sorted((a for a in assessments if not a.fits),
                       key=lambda a: chosen is None or a.candidate.precision != chosen.candidate.precision)
     notes = []
-    faster = [a for a in ranked if chosen and passed_over(a) and not passed_over(chosen)
-              and a.candidate.precision == chosen.candidate.precision
-              and a.speed.tokens_per_s > chosen.speed.tokens_per_s]
-    if faster:
-        best = faster[0].candidate
-        problem = launch_problem(arch, best.layout, best.precision, mode, runs_on)
-        why = (f"the run cannot launch it: {problem}" if problem else
-               f"in training the choice is among what `fitbench run --gpus N` launches: "
-               f"{', '.join(LAUNCHED_IN_TRAINING)}")
-        notes.append(f"{best.label} is predicted faster ({faster[0].speed.tokens_per_s:,.0f} tokens/s); {why}")
-    # A plan that names no way to run, or one the run refuses, says what the run refuses and why: a
-    # model whose layouts the run cannot launch would otherwise read as short of memory alone.
-    unlaunched = [chosen] if chosen else rejected
-    problems = {}
-    for a in unlaunched:
-        problem = launch_problem(arch, a.candidate.layout, a.candidate.precision, mode, runs_on)
-        if problem:
-            problems.setdefault(problem, a.candidate.label)
-    notes.extend(f"the run cannot launch {label}: {problem}" for problem, label in problems.items())
+    if chosen and not chosen.clear:
+        notes.append(f"{chosen.candidate.label} is predicted within {RETRY_MARGIN:.1%} of the GPU's memory, where "
+                     f"the caching allocator's retries slow every step, and nothing else fits clear of it")
     if target.speed_name != target.name:
         notes.append(f"speed estimates use {target.speed_name} figures; name the GPU with --gpu for others")
-    return Plan(arch.name, mode, target, chosen, tuple(ranked), tuple(rejected), calibration.source, tuple(notes))
+    return Plan(arch.name, mode, target, chosen, tuple(fitting), tuple(rejected), calibration.source, tuple(notes))
 
 
 def fewest_gpus(arch: Architecture, mode: str, precision: str, gpu_memory: float, *, seq_len: int,
@@ -488,24 +542,22 @@ def fewest_gpus(arch: Architecture, mode: str, precision: str, gpu_memory: float
                 backend: str | None = None, gpu_name: str | None = None, node_gpus: int = 8) -> Assessment | None:
     """The fewest GPUs of ``gpu_memory`` bytes (any count, not only powers of two) that run this at
     ``batch_size``, and the layout that does it: of the layouts of that count (``layouts_for``) that
-    the run can launch (``launch_problem``) and that fit, the fastest by the roofline (in training
-    one of ``LAUNCHED_IN_TRAINING`` first, as ``plan`` chooses); in training with activation checkpointing only where nothing
-    fits without it. None if more than ``max_gpus`` would be needed. ``gpu_name``: whose speed
+    the run can launch (``Layout.problem``) and that fit, the fastest forecast (``fastest_first``) of
+    those clear of ``RETRY_MARGIN`` where any is; in training with activation checkpointing only where
+    nothing fits without it. None if more than ``max_gpus`` would be needed. ``gpu_name``: whose speed
     figures rank the layouts (by default ``DEFAULT_SPEED_GPU``'s)."""
     target = GpuTarget(gpu_name, max_gpus, gpu_memory, described=True, node_gpus=node_gpus)
-    runs_on = backend or default_backend(arch)
     for gpus in range(1, max_gpus + 1):
-        layouts = [layout for layout in layouts_for(arch, mode, gpus, node_gpus)
-                   if launch_problem(arch, layout, precision, mode, runs_on) is None]
+        layouts = layouts_for(arch, mode, gpus, node_gpus)
         for recompute in ([False, True] if mode in TRAINING_MODES else [False]):
             fitting = [assessed for assessed in (
                 assess(arch, mode, Candidate.of_layout(precision, layout, recompute, batch_size), target,
                        seq_len=seq_len, new_tokens=new_tokens, calibration=calibration, backend=backend)
                 for layout in layouts) if assessed.fits]
             if fitting:
-                return max(fitting, key=lambda a: (mode not in TRAINING_MODES
-                                                   or a.candidate.strategy in LAUNCHED_IN_TRAINING,
-                                                   a.speed.tokens_per_s))
+                return fastest_first(arch, mode, [a for a in fitting if a.clear] or fitting, target,
+                                     seq_len=seq_len, new_tokens=new_tokens, calibration=calibration,
+                                     backend=backend)[0]
     return None
 
 
@@ -517,48 +569,6 @@ def minimum_gpus(arch: Architecture, mode: str, precision: str, gpu_memory: floa
     found = fewest_gpus(arch, mode, precision, gpu_memory, seq_len=seq_len, new_tokens=new_tokens,
                         batch_size=batch_size, max_gpus=max_gpus, calibration=calibration, backend=backend)
     return (found.candidate.gpus, found.candidate.label) if found else None
-
-
-def launch_problem(arch: Architecture, layout: Layout, precision: str, mode: str, backend: str,
-                   offload: bool = False) -> str | None:
-    """Why the run cannot launch ``precision`` in ``mode`` on ``backend`` under ``layout``, in one
-    sentence; None when it can. Each parallelism as the run's own rules say
-    (``fitbench.precisions``: ``data_parallel_problem``, ``tensor_parallel_problem``,
-    ``pipeline_problem``); FSDP is the data parallelism beside tensor parallelism (one 2-D mesh), and
-    pipeline stages take no data parallelism. Tensor parallelism inside pipeline stages is planned
-    in every mode (``--requirements``) and launched for inference and forward: ``launchable`` keeps
-    its training from the runs the planner chooses. The hf backend runs tensor parallelism alone
-    (transformers' plans) and pipeline stages as accelerate's sequential device map in one process;
-    offload keeps one GPU's or FSDP's layers in host memory, beside neither."""
-    for degree, strategy in ((layout.dp_replicate, "ddp"), (layout.dp_shard, "fsdp")):
-        if degree > 1:
-            problem = data_parallel_problem(strategy, precision, mode, backend, offload)
-            if problem:
-                return problem
-    if layout.tp > 1:
-        problem = (tensor_parallel_heads_problem(arch.num_heads, arch.num_kv_heads, layout.tp, backend)
-                   or tensor_parallel_problem(precision, mode, backend, arch.family))
-        if problem:
-            return problem
-        if backend != "native" and layout.world_size > layout.tp:
-            return "the hf backend's tensor parallelism (transformers' plans) runs alone, beside no FSDP or stages"
-        if layout.dp_replicate > 1:
-            return "DDP beside tensor parallelism is not built: FSDP shards the data-parallel dimension"
-    if layout.pp > 1:
-        problem = pipeline_problem(precision, mode, backend)
-        if problem:
-            return problem
-        if layout.data_parallel > 1:
-            return "pipeline stages run beside no data parallelism"
-    if offload and (layout.tp > 1 or layout.pp > 1):
-        return "--offload keeps layers of one GPU or FSDP's shards in host memory, not beside TP or pipeline stages"
-    return None
-
-
-def launchable(layout: Layout, mode: str) -> bool:
-    """Whether ``fitbench run`` launches ``layout`` in ``mode`` today, beyond what ``launch_problem``
-    plans: tensor parallelism inside pipeline stages runs inference and forward, not training."""
-    return not (layout.tp > 1 and layout.pp > 1 and mode in TRAINING_MODES)
 
 
 def planner_choices(mode: str, choose_precision: bool, choose_recompute: bool, choose_strategy: bool = False) -> list[str]:
@@ -574,12 +584,15 @@ def predict_spec(arch: Architecture, spec, target: GpuTarget, calibration: Calib
     """Plan one ``fitbench run`` configuration on its GPUs (one, or its layout's world size): choose
     the precision and activation checkpointing the user left open (first rung of the ladder that
     fits: ``ladder``, the run's, else ``DEFAULT_LADDER``, its rungs among ``runnable``) and, with
-    ``choose_strategy``, the layout of ``gpus`` ranks (by default the layout's world size;
-    ``layouts_for`` those the run can launch, ``launch_problem``: the fastest predicted among those
-    that fit, in training one of ``LAUNCHED_IN_TRAINING`` first, as ``plan`` chooses), and predict
-    the peak per GPU (compiled when ``spec.compile``); an offloaded one keeps the layers
-    ``offload_split`` finds room for. When nothing fits, the option that comes closest (the smallest
-    peak) stands for the configuration: what its refusal names.
+    ``choose_strategy``, the layout of ``gpus`` ranks (by default the layout's world size): one GPU
+    or any of ``layouts_for`` those ranks that the run can launch, the fastest forecast among those
+    that fit (``fastest_first``: N replicas count N GPUs' tokens, one GPU its own), as ``plan``
+    chooses. Those choices take a candidate clear of ``RETRY_MARGIN`` where the ladder has one
+    (checkpointing or another layout before a step at the edge), else the first that fits; the
+    prediction says ``within_retry_margin`` when what it chose is not clear of it. And predict the
+    peak per GPU (compiled when ``spec.compile``); an offloaded one keeps the layers ``offload_split``
+    finds room for. When nothing fits, the option that comes closest (the
+    smallest peak) stands for the configuration: what its refusal names.
     Returns the spec to run and the prediction stored with its result. ``calibration`` None: a CPU,
     tensors only."""
     ladder = ([p for p in ladder or DEFAULT_LADDER[spec.mode] if p in runnable] if choose_precision
@@ -595,29 +608,22 @@ def predict_spec(arch: Architecture, spec, target: GpuTarget, calibration: Calib
                              budget=target.memory, calibration=calibration, backend=spec.backend).resident_layers
 
     ranks = gpus if choose_strategy and gpus else spec.layout.world_size
-
-    def layouts(precision: str) -> list[Layout]:
-        if ranks == 1 or not choose_strategy:
-            return [spec.layout]
-        return [layout for layout in layouts_for(arch, spec.mode, ranks, target.node_gpus)
-                if launchable(layout, spec.mode)
-                and launch_problem(arch, layout, precision, spec.mode, spec.backend, spec.offload) is None] \
-            or [spec.layout]
-
+    layouts = ([Layout(), *layouts_for(arch, spec.mode, ranks, target.node_gpus)] if choose_strategy and ranks > 1
+               else [spec.layout])
     groups = [[assess(arch, spec.mode, Candidate.of_layout(precision, layout, ac, spec.batch_size,
                                                            resident_layers=resident(precision), compiled=spec.compile,
-                                                           cpu_offload=spec.offload and ranks > 1),
+                                                           cpu_offload=spec.offload and layout.world_size > 1),
                       target, seq_len=spec.seq_len, new_tokens=spec.new_tokens, calibration=calibration,
                       backend=spec.backend)
-               for layout in layouts(precision)]
-              for precision in ladder for ac in recompute]
+               for layout in layouts for ac in recompute]
+              for precision in ladder]
     options = [option for group in groups for option in group]
-    fitting = [[a for a in group if a.fits] for group in groups]
-    first = next((group for group in fitting if group), None)
+    first = (next((clear for group in groups if (clear := [a for a in group if a.clear])), None)
+             or next((fitting for group in groups if (fitting := [a for a in group if a.fits])), None))
     estimated = [a for a in options if a.memory is not None] or options
-    training = spec.mode in TRAINING_MODES
-    chosen = (max(first, key=lambda a: (not training or a.candidate.strategy in LAUNCHED_IN_TRAINING,
-                                        a.speed.tokens_per_s if a.speed else 0.0)) if first
+    chosen = (fastest_first(arch, spec.mode, first, target, seq_len=spec.seq_len, new_tokens=spec.new_tokens,
+                            calibration=calibration, backend=spec.backend, cuda_graphs=spec.cuda_graphs,
+                            compile_decode=spec.compile_decode)[0] if first
               else min(estimated, key=lambda a: a.predicted_peak))
     candidate = chosen.candidate
     planned = spec.model_copy(update={"precision": candidate.precision, "layout": candidate.layout,
@@ -627,6 +633,7 @@ def predict_spec(arch: Architecture, spec, target: GpuTarget, calibration: Calib
         "tensor_peak_bytes": chosen.memory.peak_bytes,
         "peak_moment": chosen.peak_moment,
         "fits": chosen.fits,
+        "within_retry_margin": chosen.fits and not chosen.clear,
         "gpu_memory_bytes": target.memory,
         "resident_layers": candidate.resident_layers,
         "chosen_by_planner": planner_choices(spec.mode, choose_precision, choose_recompute,
@@ -696,28 +703,30 @@ class Alternative:
 
 def alternatives(arch: Architecture, spec, target: GpuTarget, calibration: Calibration | None, *,
                  max_gpus: int = 64) -> list[Alternative]:
-    """What would make ``spec`` (one ``fitbench run`` configuration, predicted not to fit on one GPU of
-    ``target``) fit, each change alone, where it applies, in this order:
+    """What would make ``spec`` (one ``fitbench run`` configuration, predicted not to fit on its GPUs of
+    ``target``: one, or its layout's) fit, each change alone, where it applies, in this order:
 
     - activation checkpointing, in training that has it off;
     - another precision of the mode's ladder (``DEFAULT_LADDER``; in training, those that train every
       weight), with checkpointing where only that fits;
     - the largest smaller batch that fits (not for ``--batch-size auto``, which tried batch 1);
-    - training: low-rank adapters on an nf4 base (QLoRA) on this GPU;
-    - inference: ``--offload`` with the layers ``offload_split`` finds room for, in a floating-point
-      precision (the spec's, else bf16-pure);
+    - training: low-rank adapters on an nf4 base (QLoRA) on these GPUs;
+    - inference on one GPU: ``--offload`` with the layers ``offload_split`` finds room for, in a
+      floating-point precision (the spec's, else bf16-pure);
     - the fewest GPUs of this kind (any count up to ``max_gpus``) on which a layout that divides the
-      memory (``layouts_for``: FSDP, tensor parallel, pipeline stages and their combinations; not DDP,
-      which replicates it) fits, the fastest by the roofline among those; in training one of
-      ``LAUNCHED_IN_TRAINING`` where one fits, as ``plan`` chooses.
+      memory (``layouts_for``: FSDP, tensor parallel, pipeline stages and their combinations; not DDP
+      or replicas, which replicate it) fits, the fastest forecast among those (``fastest_first``).
 
-    Each keeps everything else of the spec. Returns only the changes predicted to fit."""
+    Each keeps everything else of the spec, its layout included. Returns only the changes predicted
+    to fit."""
 
     mode, batch, seq_len, new_tokens = spec.mode, spec.batch_size, spec.seq_len, spec.new_tokens
     training = mode in TRAINING_MODES
     recompute = [spec.activation_checkpointing, True] if training and not spec.activation_checkpointing \
         else [spec.activation_checkpointing]
-    one = replace(target, count=1)
+    layout = spec.layout
+    one = replace(target, count=layout.world_size)
+    here = "on this GPU" if layout.world_size == 1 else "on these GPUs"
 
     def first_fitting(candidates) -> Assessment | None:
         for candidate in candidates:
@@ -728,7 +737,9 @@ def alternatives(arch: Architecture, spec, target: GpuTarget, calibration: Calib
         return None
 
     def single(precision: str, ac: bool, batch_size: int = batch) -> Candidate:
-        return Candidate(precision, "single", 1, ac, batch_size, compiled=spec.compile)
+        """The spec with these changes, on its own layout."""
+        return Candidate.of_layout(precision, layout, ac, batch_size, compiled=spec.compile,
+                                   cpu_offload=spec.fsdp_offload)
 
     def with_recompute(candidate: Candidate) -> str:
         return " with activation checkpointing" if candidate.activation_checkpointing and \
@@ -756,10 +767,11 @@ def alternatives(arch: Architecture, spec, target: GpuTarget, calibration: Calib
     if training and spec.precision not in QUANTIZED:
         fits = first_fitting([single(ADAPTER_BASE, ac) for ac in recompute])
         if fits:
-            found.append(Alternative(f"as {ADAPTER_BASE} adapters (QLoRA) on this GPU{with_recompute(fits.candidate)}",
+            found.append(Alternative(f"as {ADAPTER_BASE} adapters (QLoRA) {here}{with_recompute(fits.candidate)}",
                                      fits))
     precision = spec.precision if spec.precision not in QUANTIZED else "bf16-pure"
-    if not spec.offload and offload_problem(mode, precision, spec.backend, spec.compile) is None:
+    if layout.world_size == 1 and not spec.offload and offload_problem(mode, precision, spec.backend,
+                                                                       spec.compile) is None:
         split = offload_split(arch, mode, precision, batch, seq_len, new_tokens=new_tokens, budget=target.memory,
                               calibration=calibration, backend=spec.backend)
         fits = first_fitting([Candidate(precision, "single", 1, False, batch, split.resident_layers)])
@@ -768,14 +780,14 @@ def alternatives(arch: Architecture, spec, target: GpuTarget, calibration: Calib
                                      f"layers on the GPU)", fits))
     many = replace(target, count=max_gpus)
     for gpus in range(2, max_gpus + 1):
-        layouts = [Candidate.of_layout(spec.precision, layout, ac, batch, compiled=spec.compile)
-                   for layout in layouts_for(arch, mode, gpus, target.node_gpus) if layout.dp_replicate == 1
-                   for ac in recompute]
+        layouts = [Candidate.of_layout(spec.precision, other, ac, batch, compiled=spec.compile)
+                   for other in layouts_for(arch, mode, gpus, target.node_gpus)
+                   if other.dp_replicate == 1 and other.replicas == 1 for ac in recompute]
         fitting = [a for a in (assess(arch, mode, c, many, seq_len=seq_len, new_tokens=new_tokens,
                                       calibration=calibration, backend=spec.backend) for c in layouts) if a.fits]
         if fitting:
-            best = max(fitting, key=lambda a: (not training or a.candidate.strategy in LAUNCHED_IN_TRAINING,
-                                               a.speed.tokens_per_s))
+            best = fastest_first(arch, mode, fitting, many, seq_len=seq_len, new_tokens=new_tokens,
+                                 calibration=calibration, backend=spec.backend)[0]
             found.append(Alternative(f"on {gpus} GPUs with {layout_words(best.candidate.layout)}"
                                      f"{with_recompute(best.candidate)}", best))
             break
@@ -791,16 +803,22 @@ def layout_words(layout: Layout) -> str:
 def refusal(arch: Architecture, spec, prediction: dict, target: GpuTarget,
             found: list[Alternative]) -> str:
     """One paragraph: why ``spec`` is not launched (the need ``predict_spec`` predicted for it against
-    the GPU's memory) and the ``found`` alternatives that would fit, e.g. "30B train in bf16-pure
-    with activation checkpointing needs 261.3 GB on one GPU of 150.1 GB; it fits on 2 GPUs with FSDP
-    at 131.0 GB each, or as nf4 adapters (QLoRA) on this GPU at 41.0 GB"."""
+    the GPU's memory, per GPU under its layout) and the ``found`` alternatives that would fit, e.g.
+    "30B train in bf16-pure with activation checkpointing needs 261.3 GB on one GPU of 150.1 GB; it
+    fits on 2 GPUs with FSDP at 131.0 GB each, or as nf4 adapters (QLoRA) on this GPU at 41.0 GB", or
+    "65B train in bf16 at batch 4 x 512 tokens under the layout tp x 4 is predicted to need 97.0 GB
+    per GPU, on 4 GPUs of 85.0 GB each"."""
     recompute = " with activation checkpointing" if spec.activation_checkpointing else ""
     offload = " with --offload" if spec.offload else ""
     what = f"{spec.model} {spec.mode} in {spec.precision}{recompute}{offload} at batch {spec.batch_size}"
-    need = (f"refused before launch: {what} x {spec.seq_len} tokens is predicted to need "
-            f"{format_bytes(prediction['predicted_peak_bytes'])} on one GPU of {format_bytes(target.memory)}")
+    need = format_bytes(prediction["predicted_peak_bytes"])
+    gpus = spec.layout.world_size
+    need = (f"refused before launch: {what} x {spec.seq_len} tokens is predicted to need {need} on one GPU of "
+            f"{format_bytes(target.memory)}" if gpus == 1 else
+            f"refused before launch: {what} x {spec.seq_len} tokens under the layout {spec.layout.label} is "
+            f"predicted to need {need} per GPU, on {gpus} GPUs of {format_bytes(target.memory)} each")
     if not found:
-        return f"{need}, and no change of precision, checkpointing, batch or GPU count makes it fit."
+        return f"{need}, and no change of precision, checkpointing, batch, layout or GPU count makes it fit."
     options = [alternative.summary for alternative in found]
     listed = options[0] if len(options) == 1 else ", ".join(options[:-1]) + ", or " + options[-1]
     return f"{need}; it fits {listed}."

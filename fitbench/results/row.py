@@ -72,6 +72,8 @@ class Measurement(_Written):
     offload: Fields | None = None  # the decoder layers offloaded on one device (fitbench.models.offload)
     parallel: Fields | None = None  # what fitbench.run.parallel applied
     memory: Fields | None = None
+    # the CUDA caching allocator's retries over the measured steps (fitbench.run.retries); absent on a CPU
+    allocator_retries: Fields | None = None
     # a torchrun job's (fitbench.run.aggregate)
     ranks: int | None = None
     layout: Fields | None = None

@@ -49,7 +49,7 @@ from fitbench.models.hf import has_weights
 from fitbench.models.native import (KVCache, NativeCausalLM, ShardWriter, empty_on, materialize, meta_model,
                                     replay_random_weights)
 from fitbench.models.registry import is_local_model
-from fitbench.precisions import TRAINING_MODES, PrecisionPolicy, pipeline_problem, tensor_parallel_problem
+from fitbench.precisions import TRAINING_MODES, PrecisionPolicy
 from fitbench.run.cross_entropy import cross_entropy
 from fitbench.run.loops import LEARNING_RATE
 from fitbench.run.quality import Quality
@@ -376,21 +376,15 @@ def build_pipelined(spec: RunSpec, arch: Architecture, policy: PrecisionPolicy, 
     packed layer by layer on the stage's device (``fitbench.run.quantize.build_quantized_native`` over
     the stage's layers), the ``probe``'s hidden states passing from stage to stage, and their quality
     against bf16 comes back on the last stage (None on the others, and for float weights)."""
-    problem = pipeline_problem(spec.precision, spec.mode, spec.backend)
+    problem = spec.layout.problem(arch, spec.mode, spec.precision, spec.backend)
     if spec.mode in TRAINING_MODES:
         problem = problem or microbatch_problem(spec.batch_size, spec.pipeline_microbatches)
     if is_local_model(spec.model) and has_weights(spec.model):
         problem = problem or (f"pipeline stages draw random weights stage by stage; {spec.model} holds a "
                               f"checkpoint, which they do not load: run it without --strategy pipeline")
-    tp = spec.layout.tp
-    if tp > 1:
-        problem = problem or tensor_parallel_problem(spec.precision, spec.mode, spec.backend)
-        if spec.mode in TRAINING_MODES:
-            problem = problem or (f"tensor parallelism inside pipeline stages runs inference and forward; for "
-                                  f"{spec.mode}, combine --tp with --strategy fsdp, or use --strategy pipeline "
-                                  f"without --tp")
     if problem:
         raise ValueError(problem)
+    tp = spec.layout.tp
     stages = spec.layout.pp
     stage = Stage.of(arch.num_layers, rank.rank // tp, stages)
     if tp > 1:

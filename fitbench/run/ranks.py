@@ -105,10 +105,12 @@ def _integer(name: str, text: str) -> int:
 
 
 @contextlib.contextmanager
-def process_group(rank: Rank, timeout: timedelta) -> Iterator[None]:
+def process_group(rank: Rank, timeout: timedelta, host_only: bool = False) -> Iterator[None]:
     """The job's process group for the duration of the block: NCCL between GPUs, gloo between CPU
-    processes. A collective that waits longer than ``timeout`` (a rank hung or gone) fails instead of
-    blocking the job forever. Destroyed on the way out, however the block ends, so NCCL's
+    processes, and gloo too where the ranks exchange only host objects (``host_only``: replicas, whose
+    barriers and results cross no GPU), so that no NCCL communicator takes GPU memory beside what one
+    GPU's run holds. A collective that waits longer than ``timeout`` (a rank hung or gone) fails
+    instead of blocking the job forever. Destroyed on the way out, however the block ends, so NCCL's
     communicators and their threads do not outlive the run. A rank not started by torchrun has
     nothing to join."""
     if not rank.launched:
@@ -119,6 +121,7 @@ def process_group(rank: Rank, timeout: timedelta) -> Iterator[None]:
             raise RankEnvironmentError(f"LOCAL_RANK {rank.local_rank} has no GPU: this node shows "
                                        f"{torch.cuda.device_count()}; start no more ranks per node than it has GPUs")
         torch.cuda.set_device(rank.device)
+    if rank.device.type == "cuda" and not host_only:
         # device_id binds the communicator to this rank's GPU at once, instead of at the first collective
         dist.init_process_group("nccl", timeout=timeout, device_id=rank.device)
     else:

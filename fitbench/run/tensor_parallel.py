@@ -62,7 +62,7 @@ from torch import nn
 
 from fitbench.models.backends import CausalLM, NativeLM
 from fitbench.models.native import NativeCausalLM
-from fitbench.precisions import TRAINING_MODES, PrecisionPolicy, tensor_parallel_problem
+from fitbench.precisions import TRAINING_MODES, PrecisionPolicy
 from fitbench.run.collectives import all_gather
 from fitbench.run.parallel import parallelize
 from fitbench.run.ranks import Rank
@@ -373,7 +373,7 @@ def build_layout(arch, layout: Layout, policy: PrecisionPolicy, mode: str, seq_l
     applied. Sequence parallelism is on in training (train, forward-backward) where ``seq_len``
     divides by the degree: it is there that the norms' and residuals' activations are kept for a
     backward pass. Inference and ``forward`` without FSDP run on local shards (module docstring)."""
-    problem = tensor_parallel_problem(policy.name, mode)
+    problem = layout.problem(arch, mode, policy.name, "native")
     if problem:
         raise ValueError(problem)
     mesh = device_mesh(layout, rank.device.type)

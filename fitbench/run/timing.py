@@ -56,9 +56,14 @@ def collector_paused() -> Iterator[None]:
 
 
 def run_stages(call: Callable[[], T], clock: DeviceClock, *, warmup: int, repeats: int,
-               on_step: Callable[[str, int, int], None] = lambda phase, i, n: None) -> list[T]:
+               on_step: Callable[[str, int, int], None] = lambda phase, i, n: None,
+               barrier: Callable[[], None] | None = None, counter=None) -> list[T]:
     """``warmup`` untimed calls, then ``repeats`` measured ones; returns what each measured call
-    returned (its marks), readable once this function has synchronized.
+    returned (its marks), readable once this function has synchronized. ``barrier``: where the ranks
+    of a job time steps of their own (replicas), called once the warm-up has finished on the device
+    and once the measured calls have, so that every rank's measured stage runs while the others' do.
+    ``counter``: a device counter (``fitbench.run.retries.RetryCounter``) whose ``around()`` each
+    measured call runs inside, outside the call's own timing marks.
 
     The collector is paused over both stages and collects before the first warm-up call, so the first
     measured call follows a warm-up call as every other follows its predecessor. A full collection
@@ -70,24 +75,32 @@ def run_stages(call: Callable[[], T], clock: DeviceClock, *, warmup: int, repeat
             call()
             on_step("warmup", i + 1, warmup)
         clock.synchronize()
+        if barrier:
+            barrier()
         results = []
         for i in range(repeats):
-            results.append(call())
+            with counter.around() if counter else contextlib.nullcontext():
+                results.append(call())
             on_step("measure", i + 1, repeats)
         clock.synchronize()
+        if barrier:
+            barrier()
     return results
 
 
 def time_steps(step: Callable[[], T], clock: DeviceClock, *, warmup: int, repeats: int,
-               on_step: Callable[[str, int, int], None] = lambda phase, i, n: None) -> tuple[list[float], list[T]]:
+               on_step: Callable[[str, int, int], None] = lambda phase, i, n: None,
+               barrier: Callable[[], None] | None = None, counter=None) -> tuple[list[float], list[T]]:
     """Seconds of each of ``repeats`` timed steps after ``warmup`` untimed ones, and what each timed
-    step returned (device tensors included: the measured stage ends with a synchronize)."""
+    step returned (device tensors included: the measured stage ends with a synchronize); ``barrier``
+    and ``counter`` as in ``run_stages``."""
     def timed() -> tuple[Mark, T, Mark]:
         start = clock.mark()
         result = step()
         return start, result, clock.mark()
 
-    marks = run_stages(timed, clock, warmup=warmup, repeats=repeats, on_step=on_step)
+    marks = run_stages(timed, clock, warmup=warmup, repeats=repeats, on_step=on_step, barrier=barrier,
+                       counter=counter)
     return [clock.seconds(start, end) for start, _, end in marks], [result for _, result, _ in marks]
 
 

@@ -13,6 +13,7 @@ Fault injection for tests: ``fitbench.inject``.
 
 from __future__ import annotations
 
+import hashlib
 import json
 import os
 import signal
@@ -23,7 +24,7 @@ import traceback
 from dataclasses import dataclass
 from datetime import timedelta
 from pathlib import Path
-from typing import Any
+from typing import Any, Callable
 
 import torch
 
@@ -50,6 +51,7 @@ from fitbench.run.quantize import build_quantized_native, float8_training, quant
 from fitbench.inject import injected, injected_memory_limit, injected_value
 from fitbench.run.phases import PhaseLog, rank_result_path
 from fitbench.run.ranks import Rank, gather_json, process_group
+from fitbench.run.retries import RetryCounter, retries_warning
 from fitbench.run.sanity import Verdict, non_finite_figures, non_finite_steps, read, warmup_warning
 from fitbench.run.snapshot import recorded
 from fitbench.run.tensor_parallel import build_layout, data_parallel_rank, parallelize_layout
@@ -140,7 +142,9 @@ def measure(assignment: Assignment, device: torch.device, scratch: Path, rank: R
     the memory. The status is ``ok``, or ``invalid`` with the reasons in ``error`` when a loss, logits
     or quality figure is not finite (``fitbench.run.sanity``). ``rank``: this process's place in a
     torchrun job, whose layout's tensor and data parallelism are applied after the build; each data-parallel
-    rank draws its own batch. ``phases``: where a rank of such a job says which phase it is in."""
+    rank draws its own batch. Replicas build each a whole model of their own from the seed, the weights
+    one process would draw, and time their own batch between two barriers (``replica_barrier``).
+    ``phases``: where a rank of such a job says which phase it is in."""
     spec = assignment.spec
     rank = rank or Rank.from_environment(device)
     phases = phases or PhaseLog()
@@ -204,7 +208,7 @@ def measure(assignment: Assignment, device: torch.device, scratch: Path, rank: R
                                           activation_checkpointing=spec.activation_checkpointing,
                                           compile=spec.compile, offload=spec.fsdp_offload)
         weight_bytes, weight_method = weight_storage_bytes(lm.module), "parameter storage of this rank's shards"
-    elif spec.layout.data_parallel > 1:
+    elif spec.layout.dp_replicate > 1 or spec.layout.dp_shard > 1:
         phases.enter(f"applying {spec.layout.strategy}, which broadcasts rank 0's weights", collective=True)
         parallel = parallelize(lm, spec.layout.strategy, policy, spec.mode, rank,
                                activation_checkpointing=spec.activation_checkpointing, compile=spec.compile,
@@ -224,18 +228,32 @@ def measure(assignment: Assignment, device: torch.device, scratch: Path, rank: R
                   bandwidth=hardware.peak_bandwidth(device_name) if device.type == "cuda" else None)
 
     measure_mode = _measure_generation if spec.mode == "infer" else _measure_steps
+    replicas = spec.layout.replicas > 1
     phases.enter("running its steps" + (", each with collectives every rank joins" if parallel else ""),
                  collective=parallel is not None)
     data = (spec.model_copy(update={"seed": data_seed(spec.seed, data_parallel_rank(spec.layout, rank.rank))})
-            if parallel else spec)
+            if parallel or replicas else spec)
+    # a training-style step reads one token more per row: the target of its last position
+    length = spec.seq_len if spec.mode == "infer" else spec.seq_len + 1
+    tokens = random_tokens(arch.vocab_size, spec.batch_size, length, device, data.seed)
+    retries = RetryCounter.of(device)
+    stages = {"barrier": replica_barrier(phases) if replicas else None, "counter": retries}
     with recorded(device, spec.key, rank.rank):
         timing, throughput, noisy, compile_s, verdict = measure_mode(data, arch, built, policy, clock, device, peaks,
-                                                                     weight_bytes)
+                                                                     weight_bytes, tokens, stages)
+    generations = spec.mode == "infer"
+    allocator = retries.report(timing["samples"]["end_to_end" if generations else "step"]) if retries else None
+    if replicas:
+        parallel = {"strategy": "replicas", "world_size": rank.world_size, "replica": rank.rank,
+                    "initial_weights": "each replica's own, drawn from the seed", "data_seed": data.seed,
+                    "batch_digest": batch_digest(tokens)}
     decoding = lm.decoding if spec.mode == "infer" else None
 
     warnings = [f"{name} varies: CV above 5%; more --warmup-steps or --measure-steps may steady it"
                 for name in noisy]
-    warnings += [warning for warning in (warmup_warning(spec.warmup_steps),) if warning]
+    warnings += [warning for warning in (warmup_warning(spec.warmup_steps),
+                                         retries_warning(allocator, "measured generations" if generations
+                                                         else "measured steps")) if warning]
     if decoding and not decoding["cuda_graphs"] and device.type == "cuda" and spec.backend == "native" \
             and spec.cuda_graphs:
         warnings.append(f"decoded without CUDA graphs, so kernel launches are in the decode time: "
@@ -260,6 +278,7 @@ def measure(assignment: Assignment, device: torch.device, scratch: Path, rank: R
                  "source": f"checkpoint {checkpoint}" if checkpoint else "random"},
         **offloaded,
         **({"parallel": parallel} if parallel else {}),
+        **({"allocator_retries": allocator} if allocator else {}),
     ).as_dict()
 
 
@@ -391,6 +410,27 @@ class RefusedError(Exception):
     """This hardware cannot run the configuration; nothing was attempted."""
 
 
+def replica_barrier(phases: PhaseLog) -> Callable[[], None]:
+    """The barrier replicas meet at before their measured stage and after it (``run_stages``), so that
+    the stages run side by side and their throughputs add up to what N GPUs do at once; the only
+    collective of their steps. While a replica waits there its phase says so: one that hung in its own
+    steps is the one outside it."""
+    import torch.distributed as dist
+
+    def barrier() -> None:
+        phases.enter("waiting at the barrier every replica meets around its measured steps", collective=True)
+        dist.barrier()
+        phases.enter("running its steps", collective=False)
+
+    return barrier
+
+
+def batch_digest(tokens: torch.Tensor) -> str:
+    """The first 12 hex digits of the SHA-1 of a batch's token ids (int64, row-major): batches alike
+    have equal digests, so a row shows which ranks ran batches of their own."""
+    return hashlib.sha1(tokens.detach().to("cpu", torch.int64).contiguous().numpy().tobytes()).hexdigest()[:12]
+
+
 @dataclass(frozen=True)
 class Peaks:
     flops: float | None
@@ -402,8 +442,9 @@ def _progress(phase: str, i: int, n: int) -> None:
     emit(phase=phase, step=i, of=n)
 
 
-def _measure_steps(spec, arch, built: Built, policy, clock, device, peaks: Peaks, weight_bytes: int):
-    tokens = random_tokens(arch.vocab_size, spec.batch_size, spec.seq_len + 1, device, spec.seed)
+def _measure_steps(spec, arch, built: Built, policy, clock, device, peaks: Peaks, weight_bytes: int,
+                   tokens: torch.Tensor, stages: dict[str, Any]):
+    """Time ``spec``'s training-style steps over ``tokens``; ``stages``: ``run_stages``' barrier and counter."""
     if isinstance(built.lm, PipelineLM):
         step = built.lm.make_step(spec.mode, policy, tokens, spec.pipeline_microbatches)
     else:
@@ -413,7 +454,7 @@ def _measure_steps(spec, arch, built: Built, policy, clock, device, peaks: Peaks
         emit(phase="compile")
         compile_s = first_call_seconds(step, clock)
     samples, returned = time_steps(step, clock, warmup=spec.warmup_steps, repeats=spec.measure_steps,
-                                   on_step=_progress)
+                                   on_step=_progress, **stages)
     stats = SampleStats.of(samples)
     timing = {"step": stats.as_dict(), "samples": {"step": samples}}
     throughput = step_metrics(arch, spec.mode, spec.batch_size, spec.seq_len, stats, peaks.flops,
@@ -428,9 +469,10 @@ def _measure_steps(spec, arch, built: Built, policy, clock, device, peaks: Peaks
     return timing, throughput, ["step time"] if stats.noisy else [], compile_s, verdict
 
 
-def _measure_generation(spec, arch, built: Built, policy, clock, device, peaks: Peaks, weight_bytes: int):
+def _measure_generation(spec, arch, built: Built, policy, clock, device, peaks: Peaks, weight_bytes: int,
+                        prompt: torch.Tensor, stages: dict[str, Any]):
+    """Time ``spec``'s generations from ``prompt``; ``stages``: ``run_stages``' barrier and counter."""
     lm = built.lm
-    prompt = random_tokens(arch.vocab_size, spec.batch_size, spec.seq_len, device, spec.seed)
     if isinstance(lm, PipelineLM):
         run = lm.generator(prompt, spec.new_tokens, policy, clock, device)
     else:
@@ -445,7 +487,8 @@ def _measure_generation(spec, arch, built: Built, policy, clock, device, peaks: 
         emit(phase="capture")
         run()
         clock.synchronize()
-    runs = run_stages(run, clock, warmup=spec.warmup_steps, repeats=spec.measure_steps, on_step=_progress)
+    runs = run_stages(run, clock, warmup=spec.warmup_steps, repeats=spec.measure_steps, on_step=_progress,
+                      **stages)
     generations = [read_generation(marks, clock) for marks, _ in runs]
     sums = [read(logits_sums) for _, logits_sums in runs]
     verdict = Verdict(non_finite_steps("prefill logits", [first for first, _ in sums])
@@ -594,7 +637,7 @@ def main(argv: list[str]) -> int:
     phases.enter("joining the process group", collective=True)
     injected_timeout = injected_value("collective-timeout")
     timeout = timedelta(seconds=injected_timeout) if injected_timeout else COLLECTIVE_TIMEOUT
-    with process_group(rank, timeout):
+    with process_group(rank, timeout, host_only=assignment.spec.layout.replicas > 1):
         try:
             payload = measure(assignment, device, result_path.parent, rank, phases)
         except Exception as error:  # every failure becomes a result row; the sweep goes on
