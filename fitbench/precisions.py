@@ -171,6 +171,13 @@ def peak_kind(precision: str, mode: str) -> str:
     return training
 
 
+def weight_only(precision: str) -> bool:
+    """Whether ``precision`` quantizes the weights alone: stored small, dequantized for matmuls that run
+    in bf16 (the table above), so what it buys is the bytes a decode step reads, which its kernels must
+    beat bf16's at the batch asked to gain anything."""
+    return precision in QUANTIZED_PRECISIONS and _PEAK_KINDS[precision][0] == "bf16"
+
+
 # Precisions whose decode step no CUDA graph can hold, and why: the worker decodes them eagerly from
 # the start (a failed capture would leave its side stream's cuBLAS workspace and context behind) and
 # the planner counts the eager overheads for them.

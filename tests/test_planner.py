@@ -1752,3 +1752,25 @@ def test_the_hf_backends_pipeline_stages_hold_no_nccl_buffers():
     names = {backend: {t.name for t in assess(arch, "infer", candidate, target, seq_len=512, new_tokens=32,
                                               backend=backend).overheads} for backend in ("hf", "native")}
     assert "NCCL buffers" not in names["hf"] and "NCCL buffers" in names["native"]
+
+
+@pytest.mark.parametrize("precision", ["int8-weight-only", "int4"])
+def test_a_weight_only_format_slower_than_bf16_at_the_batch_asked_warns_in_the_row(precision):
+    """torchao's int8 weight-only and tinygemm int4 kernels decode Llama-2-7B faster than bf16 at batch 1
+    (1.37x and 1.42x) and slower at batch 8 (int8 weight-only 19x slower, int4 6.29 against 5.59 ms per
+    token; benchmarks/results/2026-11-24-h200-engine-profiles): the prediction warns at 8, not at 1."""
+    from fitbench.plan.calibration import DEFAULT
+    from fitbench.plan.planner import GpuTarget, predict_spec
+    from fitbench.precisions import PRECISIONS
+
+    target = GpuTarget("NVIDIA H200", 1, 140e9, described=False)
+    warned = {}
+    for batch in (1, 8):
+        spec = RunSpec(model="llama-2-7b", backend="native", mode="infer", precision=precision, batch_size=batch,
+                       seq_len=512, new_tokens=128, device="cuda", warmup_steps=1, measure_steps=1)
+        _, prediction = predict_spec(resolve("llama-2-7b"), spec, target, DEFAULT, choose_precision=False,
+                                     choose_recompute=False, runnable=PRECISIONS)
+        warned[batch] = prediction["warnings"]
+    assert warned[1] == []
+    [warning] = warned[8]
+    assert f"{precision} is forecast slower than bf16-pure at batch 8" in warning and "--precision bf16-pure" in warning

@@ -563,8 +563,11 @@ def _one_of_sweep(spec: RunSpec, store: ResultStore, timeout, command, callbacks
                          params=resolve(spec.model).total_params, started_at=started_at,
                          finished_at=_now(), command=command).as_dict())
         raise
-    row = Row.model_validate({**row, "command": command, "calibration": calibration,
-                              "prediction": predict(RunSpec.model_validate(row["spec"]))}).as_dict()
+    prediction = predict(RunSpec.model_validate(row["spec"]))
+    # the planner's warnings about the configuration that ran join the worker's
+    warned = [*(row.get("warnings") or []), *((prediction or {}).get("warnings") or [])]
+    row = Row.model_validate({**row, "command": command, "calibration": calibration, "prediction": prediction,
+                              "warnings": warned or None}).as_dict()
     store.append(row)
     callbacks.on_finish(row)
     return row

@@ -37,7 +37,7 @@ from fitbench.plan.forecast import (Ceilings, StepRun, ceilings, decode_kind, fo
 from fitbench.plan.memory import (QUANTIZED, TRAINING_MODES, MemoryEstimate, Parallelism, Term, Widths, estimate_memory,
                                   offloaded_weights, rank_edge_params, saved_per_layer, stage_estimates)
 from fitbench.plan.speed import StepTime, bus_bandwidth, estimate_step_time
-from fitbench.precisions import graph_problem, offload_problem, training_problem, trains_every_weight
+from fitbench.precisions import graph_problem, offload_problem, training_problem, trains_every_weight, weight_only
 from fitbench.search import largest
 from fitbench.spec import Layout, Stage
 from fitbench.units import format_bytes
@@ -628,6 +628,8 @@ def predict_spec(arch: Architecture, spec, target: GpuTarget, calibration: Calib
     candidate = chosen.candidate
     planned = spec.model_copy(update={"precision": candidate.precision, "layout": candidate.layout,
                                       "activation_checkpointing": candidate.activation_checkpointing})
+    forecast = (_forecast(arch, planned, target, calibration, chosen)
+                if chosen.speed and calibration is not None else None)
     return planned, {
         "predicted_peak_bytes": chosen.predicted_peak,
         "tensor_peak_bytes": chosen.memory.peak_bytes,
@@ -644,11 +646,27 @@ def predict_spec(arch: Architecture, spec, target: GpuTarget, calibration: Calib
                  + [{"name": t.name, "bytes": t.bytes, "at_peak": True} for t in chosen.overheads],
         "step_time_estimate_s": chosen.speed.seconds if chosen.speed else None,
         # a CPU's run (no calibration) is not forecast: the speed model is a GPU's
-        "step_time_forecast_s": _forecast(arch, planned, target, calibration, chosen)
-        if chosen.speed and calibration is not None else None,
+        "step_time_forecast_s": forecast,
+        "warnings": slower_than_bf16(arch, planned, target, calibration, chosen, forecast),
         "calibration": calibration.source if calibration else TENSORS_ONLY,
         **_stage_predictions(arch, spec.mode, chosen, spec.seq_len, spec.new_tokens, spec.backend),
     }
+
+
+def slower_than_bf16(arch: Architecture, spec, target: GpuTarget, calibration: Calibration | None,
+                     chosen: Assessment, forecast: float | None) -> list[str]:
+    """A warning for the row when ``spec`` decodes in a weight-only format (``weight_only``) that the
+    forecast puts slower than bf16 weights at the same batch and layout: its kernels read fewer bytes
+    but, past batch 1, some run far below the bandwidth that bf16's matmuls reach (the forecast's
+    ``DECODE_FORMATS``); nothing where there is no forecast."""
+    if spec.mode != "infer" or not weight_only(spec.precision) or forecast is None:
+        return []
+    bf16 = _forecast(arch, spec.model_copy(update={"precision": "bf16-pure"}), target, calibration, chosen)
+    if forecast <= bf16:
+        return []
+    return [f"{spec.precision} is forecast slower than bf16-pure at batch {spec.batch_size}: {forecast * 1e3:.2f} "
+            f"against {bf16 * 1e3:.2f} ms per decode step; its kernels pay off at batch 1, so decode this batch "
+            f"with --precision bf16-pure, or this precision at a smaller batch"]
 
 
 def _forecast(arch: Architecture, spec, target: GpuTarget, calibration: Calibration | None,
