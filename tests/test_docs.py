@@ -1,6 +1,7 @@
 """The repository explains itself, and its explanations cannot go stale silently: every ``docs/`` page
-that the code cites exists, no citation names a design document outside the repository, every path
-``docs/architecture.md`` names exists, and every committed results folder says how to make it again."""
+that the code cites exists, no citation names a design document outside the repository, every path a
+``docs/`` page names exists, ``docs/benchmarks.md`` lists every script, and every committed results
+folder says how to make it again."""
 
 import re
 from pathlib import Path
@@ -9,8 +10,9 @@ import pytest
 
 ROOT = Path(__file__).resolve().parents[1]
 RESULTS = ROOT / "benchmarks" / "results"
-SOURCES = sorted([*(ROOT / "fitbench").rglob("*.py"), *(ROOT / "tests").glob("*.py"), *(ROOT / "benchmarks").glob("*.py"),
-                  ROOT / "README.md", *(ROOT / "docs").glob("*.md")])
+SOURCES = sorted([*(ROOT / "fitbench").rglob("*.py"), *(ROOT / "tests").glob("*.py"),
+                  *(ROOT / "benchmarks").glob("*.py"), ROOT / "README.md", RESULTS / "README.md",
+                  *(ROOT / "docs").glob("*.md")])
 DOC_CITATION = re.compile(r"\bdocs/[\w./-]+\.md\b")
 # A bare upper-case file name ending in .md is a page of no folder: one that lives outside the
 # repository, which a reader of the repository cannot open. README.md is every folder's own.
@@ -19,8 +21,10 @@ BARE_DESIGN_DOC = re.compile(r"(?<![\w/.-])(?!README\.md)[A-Z][A-Z_]*\.md\b")
 REPO_PATH = re.compile(r"`((?:fitbench|tests|benchmarks|docs)/[\w./-]*|README\.md|\.gitignore)`")
 
 
-def test_the_docs_pages_exist():
-    assert (ROOT / "docs" / "architecture.md").is_file() and (ROOT / "docs" / "style.md").is_file()
+def test_the_docs_pages_exist_and_the_readme_links_them():
+    readme = (ROOT / "README.md").read_text()
+    for name in ("architecture.md", "style.md", "results.md", "benchmarks.md"):
+        assert (ROOT / "docs" / name).is_file() and f"docs/{name}" in readme, name
 
 
 @pytest.mark.parametrize("source", SOURCES, ids=lambda path: str(path.relative_to(ROOT)))
@@ -32,12 +36,20 @@ def test_every_cited_docs_page_exists_and_no_citation_leaves_the_repository(sour
     assert not outside, f"{source.name} cites documents that are not in the repository: {outside}"
 
 
-def test_every_path_in_the_architecture_page_exists():
-    text = (ROOT / "docs" / "architecture.md").read_text()
-    paths = sorted(set(REPO_PATH.findall(text)))
-    assert len(paths) > 40  # the tables were read
+@pytest.mark.parametrize("page", sorted((ROOT / "docs").glob("*.md")), ids=lambda path: path.name)
+def test_every_path_a_docs_page_names_exists(page):
+    paths = sorted(set(REPO_PATH.findall(page.read_text())))
+    if page.name == "architecture.md":
+        assert len(paths) > 40  # the tables were read
     missing = [path for path in paths if not (ROOT / path).exists()]
-    assert not missing, f"docs/architecture.md names paths that do not exist: {missing}"
+    assert not missing, f"docs/{page.name} names paths that do not exist: {missing}"
+
+
+def test_the_benchmarks_page_lists_every_script():
+    listed = set(REPO_PATH.findall((ROOT / "docs" / "benchmarks.md").read_text()))
+    scripts = {str(path.relative_to(ROOT))
+               for pattern in ("*.py", "*.sh") for path in (ROOT / "benchmarks").glob(pattern)}
+    assert scripts and not scripts - listed, f"docs/benchmarks.md does not list {sorted(scripts - listed)}"
 
 
 def test_every_name_the_architecture_page_gives_a_file_is_in_it():
