@@ -674,8 +674,9 @@ def env(args: argparse.Namespace, cli_options: dict[str, Any]) -> int:
 
 
 def report(args: argparse.Namespace, cli_options: dict[str, Any]) -> int:
-    """Show the results of a finished (or interrupted) sweep again, as a table or as Markdown."""
-    from fitbench.results.report import markdown_report, results_table
+    """Show the results of a finished (or interrupted) sweep again, as a table or as Markdown; with
+    ``--csv``, also write its results.csv again from results.jsonl (committed results keep only the rows)."""
+    from fitbench.results.report import markdown_report, results_table, write_csv
     from fitbench.results.store import ResultStore
 
     if not args.directory.strip():
@@ -693,6 +694,8 @@ def report(args: argparse.Namespace, cli_options: dict[str, Any]) -> int:
         print(markdown_report(rows), end="")
     else:
         console.print(results_table(rows, title=f"fitbench results: {args.directory}"))
+    if args.csv:
+        print(f"table: {write_csv(rows, store.directory)}", file=sys.stderr if args.markdown else sys.stdout)
     return 0
 
 
@@ -790,6 +793,8 @@ def build_parser() -> argparse.ArgumentParser:
         elif name == "report":
             sub.add_argument("directory", metavar="DIR", help="the --out directory of a fitbench run")
             sub.add_argument("--markdown", action="store_true", help="print a Markdown table with provenance")
+            sub.add_argument("--csv", action="store_true",
+                             help="also write DIR/results.csv from the rows, as `fitbench run` writes it")
         elif name == "env":
             sub.add_argument("--json", action="store_true", help="machine-readable output")
             sub.add_argument("--measure", action="store_true",
@@ -808,7 +813,7 @@ def main(argv: list[str] | None = None) -> int:
     _one_spelling(parser, argv)
     options = {key: value for key, value in vars(args).items()
                if key not in ("command", "function", "resume", "extend", "config", "json", "sources", "measure",
-                               "argv", "directory", "markdown")}
+                               "argv", "directory", "markdown", "csv")}
     if args.command != "run":
         options = {}
     try:

@@ -1,4 +1,4 @@
-"""The rule of floors (ARCHITECTURE.md): ``plan/`` is pure prediction and imports nothing from
+"""The rule of floors (docs/architecture.md, "The floors"): ``plan/`` is pure prediction and imports nothing from
 ``run/``, ``launch/`` or ``config.py``; ``run/`` is what happens inside one rank and imports nothing
 from ``plan/`` or ``launch/``; no two parts of the package import each other, however indirectly.
 Read from the source, lazy imports inside functions included."""

@@ -2,6 +2,7 @@
 timeline file (a killed writer included), and, where NVML and a CUDA GPU exist, a real job."""
 
 import dataclasses
+import gzip
 import json
 import os
 import signal
@@ -19,6 +20,7 @@ from fitbench.monitor.nvml import (
     Sample,
     TimelineWriter,
     job_gpus,
+    open_timeline,
     read_timeline,
     summarize,
     summarize_gpu,
@@ -230,6 +232,50 @@ def test_timeline_round_trip_and_a_line_cut_short(tmp_path):
     timeline = read_timeline(path)
     assert timeline.samples == tuple(samples[:-1]) + (samples[0],)
     assert timeline.damaged_lines == 1
+
+
+def test_a_gzipped_timeline_reads_as_the_plain_one(tmp_path):
+    """Committed timelines are gzipped: the same samples come back from ``nvml.jsonl.gz``, named
+    as such or by the plain name a row's ``timeline`` records."""
+    plain = tmp_path / "plain" / "nvml.jsonl"
+    samples = _three_samples(0) + _three_samples(1)
+    writer = TimelineWriter(plain)
+    writer.header({"gpus": [{"gpu": 0, "uuid": "GPU-a"}, {"gpu": 1, "uuid": "GPU-b"}]})
+    writer.samples(samples)
+    writer.close()
+    packed = tmp_path / "packed" / "nvml.jsonl.gz"
+    packed.parent.mkdir()
+    packed.write_bytes(gzip.compress(plain.read_bytes()))
+    assert packed.stat().st_size < plain.stat().st_size
+    expected = read_timeline(plain)
+    assert expected.samples == tuple(samples) and expected.damaged_lines == 0
+    for path in (packed, packed.with_name("nvml.jsonl")):
+        assert read_timeline(path) == expected, path
+    with open_timeline(packed.with_name("nvml.jsonl")) as lines:
+        assert lines.read() == plain.read_text()
+
+    # where both exist, the plain name is the plain file (a sweep's own, still being written)
+    (packed.parent / "nvml.jsonl").write_text(plain.read_text().splitlines(keepends=True)[0])
+    assert read_timeline(packed.with_name("nvml.jsonl")).samples == ()
+    with pytest.raises(FileNotFoundError, match="missing"):
+        read_timeline(tmp_path / "missing" / "nvml.jsonl")
+
+    # a compressed file cut short gives a prefix of its samples and one damaged line
+    data = packed.read_bytes()
+    packed.write_bytes(data[: len(data) - 12])
+    cut = read_timeline(packed)
+    assert cut.samples == tuple(samples[: len(cut.samples)]) and cut.damaged_lines == 1
+
+
+def test_every_committed_timeline_reads_whole():
+    """The timelines under ``benchmarks/results/`` are gzipped and read without a damaged line."""
+    results = REPO / "benchmarks" / "results"
+    compressed = sorted(results.rglob("nvml*.jsonl.gz"))
+    assert compressed, "no committed timeline found"
+    assert not sorted(results.rglob("nvml*.jsonl")), "commit timelines gzipped (gzip -9 nvml.jsonl)"
+    for path in compressed:
+        timeline = read_timeline(path)
+        assert timeline.header["format"] == FORMAT and timeline.samples and not timeline.damaged_lines, path
 
 
 def test_a_killed_writer_loses_no_flushed_round(tmp_path):

@@ -190,6 +190,27 @@ def test_csv_keeps_nested_fields_as_json(tmp_path):
     assert "{'" not in text and "['" not in text and "None" not in text
 
 
+def test_report_writes_the_csv_again_from_the_rows(tmp_path, capsys):
+    """Committed results keep results.jsonl only: ``fitbench report DIR --csv`` writes the
+    results.csv that ``fitbench run`` wrote beside it, one line per row."""
+    from fitbench.cli import main
+
+    folder = tmp_path / "7b-infer"
+    shutil.copytree(ROOT / "benchmarks/results/2026-11-22-h100-core/7b-infer", folder)
+    assert not (folder / "results.csv").exists()
+    assert main(["report", str(folder), "--csv"]) == 0
+    assert f"table: {folder / 'results.csv'}" in capsys.readouterr().out
+    rows = list(ResultStore(folder).rows())
+    table = pd.read_csv(folder / "results.csv")
+    assert list(table["key"]) == [row["key"] for row in rows] and len(rows) >= 1
+    assert table.equals(pd.read_csv(write_csv(rows, tmp_path)))
+
+    # with --markdown on stdout, the path goes to stderr so the Markdown stays whole
+    assert main(["report", str(folder), "--markdown", "--csv"]) == 0
+    out, err = capsys.readouterr()
+    assert "table:" not in out and "results.csv" in err
+
+
 def test_sweep_clock_estimates_from_what_was_measured():
     now = [100.0]
     clock = SweepClock(6, now=lambda: now[0])

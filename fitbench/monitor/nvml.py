@@ -43,7 +43,10 @@ GPU its request, UUID, name, total memory, the NVML call behind each figure and 
 refused, and the column definitions with units), then one sample object per line with the columns
 above. Each sampling round is written and flushed as one write, so the file holds every round
 taken until the parent dies; a killed parent leaves at most the last line cut, which
-``read_timeline`` counts as damaged and skips (a prefix of a JSON object never parses).
+``read_timeline`` counts as damaged and skips (a prefix of a JSON object never parses). A sweep
+writes it plain; a timeline kept for long (committed under ``benchmarks/results/``) is gzipped as
+``nvml.jsonl.gz``, and ``open_timeline`` reads either, so a row's ``timeline`` path still reads once
+its file is compressed.
 
 **The summary** (``summarize``, a pure function of the samples) per GPU, over the samples or the
 part of the run inside a window (a rank's measured stage, in ``t``'s clock):
@@ -69,6 +72,7 @@ has no energy figure.
 
 from __future__ import annotations
 
+import gzip
 import json
 import math
 import os
@@ -380,21 +384,40 @@ class Timeline:
     damaged_lines: int  # lines that are not a whole sample: the last one of a killed run, cut short
 
 
+GZIP_SUFFIX = ".gz"
+
+
+def open_timeline(path: str | os.PathLike) -> IO[str]:
+    """A timeline's lines as text, plain or gzipped: ``x.jsonl.gz`` is read through gzip, and
+    ``x.jsonl``, where only ``x.jsonl.gz`` exists, from the compressed file beside it.
+    FileNotFoundError names the path given when neither exists."""
+    path = Path(path)
+    compressed = path if path.name.endswith(GZIP_SUFFIX) else path.with_name(path.name + GZIP_SUFFIX)
+    if path == compressed or (not path.exists() and compressed.exists()):
+        return gzip.open(compressed, "rt", encoding="utf-8", errors="replace")
+    return open(path, encoding="utf-8", errors="replace")
+
+
 def read_timeline(path: str | os.PathLike) -> Timeline:
-    """A timeline file as written, skipping (and counting) lines that do not parse."""
+    """A timeline file as written (plain or gzipped: ``open_timeline``), skipping (and counting)
+    lines that do not parse; a gzipped file cut short reads as far as its stream can be decoded
+    and counts the break as one damaged line."""
     header, samples, damaged = None, [], 0
-    with open(path, encoding="utf-8", errors="replace") as lines:
-        for line in lines:
-            if not line.strip():
-                continue
-            try:
-                record = json.loads(line)
-                if isinstance(record, dict) and record.get("format") == FORMAT:
-                    header = header or record
+    with open_timeline(path) as lines:
+        try:
+            for line in lines:
+                if not line.strip():
                     continue
-                samples.append(Sample.from_record(record))
-            except ValueError:
-                damaged += 1
+                try:
+                    record = json.loads(line)
+                    if isinstance(record, dict) and record.get("format") == FORMAT:
+                        header = header or record
+                        continue
+                    samples.append(Sample.from_record(record))
+                except ValueError:
+                    damaged += 1
+        except EOFError:
+            damaged += 1
     return Timeline(header=header, samples=tuple(samples), damaged_lines=damaged)
 
 

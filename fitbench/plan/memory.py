@@ -570,7 +570,7 @@ def hf_cache(arch: Architecture, widths: Widths) -> CacheLayout:
 
 def kv_cache_bytes(arch: Architecture, batch: int, length: int, widths: Widths, tp: int = 1,
                    backend: str = "native") -> float:
-    """2 x L x kv heads x head dim x c x tokens x batch (REFERENCE.md); preallocated for the whole
+    """2 x L x kv heads x head dim x c x tokens x batch (keys and values, c bytes each); preallocated for the whole
     prompt + generation. transformers' cache is the installed version's (``hf_cache``): its keys and
     values each at their own width, and Falcon's of every query head."""
     if backend == "hf":

@@ -1,4 +1,4 @@
-"""One result from every rank of a job, by an explicit rule per figure (STYLE.md 8, DISTRIBUTED.md):
+"""One result from every rank of a job, by an explicit rule per figure (docs/style.md, rule 7):
 
 - **status**: ``ok`` only when every rank's is; else the first rank's (by rank) that is not, its error
   prefixed with the rank;
@@ -125,8 +125,8 @@ def _replica_generation(payloads: list[dict[str, Any]]) -> tuple[dict[str, Any],
     (likewise the prefill's tokens/s and TFLOP/s, and the decode roofline's tokens/s); each rate is
     kept per rank (``<rate>_per_rank``) and per GPU (``decode_tokens_per_s_per_gpu``, the sum over
     the replicas). The prefill's MFU is the replicas' mean, their summed FLOP/s over every GPU's peak.
-    The latency samples of every replica make one sample (STYLE.md 8), their statistics computed
-    again; the other figures (bytes per step, bandwidth, roofline percent) are rank 0's GPU's."""
+    The latency samples of every replica make one sample (docs/style.md, rule 7), their statistics
+    computed again; the other figures (bytes per step, bandwidth, roofline percent) are rank 0's GPU's."""
     per_rank = [p["throughput"] for p in payloads]
     throughput = dict(per_rank[0])
     for key in GENERATION_RATES:
