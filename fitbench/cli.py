@@ -555,8 +555,8 @@ def _requirements(args, target, calibration, seq_len, new_tokens, batch, fewest_
 
 
 def calibrate(args: argparse.Namespace, cli_options: dict[str, Any]) -> int:
-    """Measure this GPU's CUDA context and cuBLAS workspace, and with several GPUs the all-reduce and
-    all-gather bus bandwidth, and store them for the planner."""
+    """Measure this GPU's CUDA context and cuBLAS workspace, and with several GPUs the all-reduce's and
+    all-gather's bus bandwidth and latency, and store them for the planner."""
     from fitbench.launch.calibrate import measure_bus_bandwidth, measure_calibration, with_bus_bandwidth
     from fitbench.plan.calibration import save_calibration
     import os
@@ -788,7 +788,7 @@ def build_parser() -> argparse.ArgumentParser:
         elif name == "calibrate":
             sub.add_argument("--device", default="auto", help="GPU to measure (default: the first)")
             sub.add_argument("--gpus", type=int, default=None,
-                             help="GPUs for the all-reduce and all-gather bus bandwidth (default: all visible; on "
+                             help="GPUs for the all-reduce's and all-gather's bus bandwidth and latency (default: all visible; on "
                                   "--device cpu, that many processes over gloo)")
         elif name == "report":
             sub.add_argument("directory", metavar="DIR", help="the --out directory of a fitbench run")

@@ -271,15 +271,19 @@ def calibration_figures(c) -> str:
 
 
 def bus_figures(bus) -> str:
-    """Measured bus bandwidths in one line."""
-    return (f"bus bandwidth: all-reduce {bus.all_reduce / 1e9:.3g} GB/s, all-gather {bus.all_gather / 1e9:.3g} GB/s "
-            f"({bus.source})")
+    """Measured bus bandwidths and latencies in one line (a latency of 0: not measured)."""
+    def per_message(latency: float) -> str:
+        return f" + {latency * 1e6:.3g} us a message" if latency else ""
+
+    return (f"bus bandwidth: all-reduce {bus.all_reduce / 1e9:.3g} GB/s{per_message(bus.all_reduce_latency)}, "
+            f"all-gather {bus.all_gather / 1e9:.3g} GB/s{per_message(bus.all_gather_latency)} ({bus.source})")
 
 
 def _collectives_figures(c) -> str:
-    from fitbench.plan.speed import BusBandwidth
+    from fitbench.plan.collectives import BusBandwidth
 
     if c.all_reduce_bus_bandwidth is None:
         return ""
-    bus = BusBandwidth(c.all_reduce_bus_bandwidth, c.all_gather_bus_bandwidth, c.collectives_source)
+    bus = BusBandwidth(c.all_reduce_bus_bandwidth, c.all_gather_bus_bandwidth, c.collectives_source,
+                       c.all_reduce_latency_s or 0.0, c.all_gather_latency_s or 0.0)
     return f"; {bus_figures(bus)}"

@@ -15,6 +15,7 @@ import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_flatten
 
+import fitbench.plan.collectives as collectives
 import fitbench.plan.forecast as forecast
 from fitbench import hardware
 from fitbench.models.backends import NativeLM, load_model
@@ -25,7 +26,7 @@ from fitbench.plan.forecast import (Ceilings, StepRun, ceilings, decode_format, 
                                     layer_traffic, side_by_side, step_run)
 from fitbench.plan.memory import QUANTIZED, Parallelism, Widths
 from fitbench.plan.planner import GpuTarget, predict_spec
-from fitbench.plan.speed import BusBandwidth
+from fitbench.plan.collectives import BusBandwidth
 from fitbench.precisions import policy
 from fitbench.run.cross_entropy import cross_entropy
 from fitbench.run.loops import make_step, random_tokens
@@ -398,13 +399,15 @@ def test_side_by_side_is_the_longer_clock_unless_they_are_close():
 
 def test_tensor_parallel_decoding_pays_two_all_reduces_a_layer():
     arch = resolve("13B")
-    links = BusBandwidth(100e9, 100e9, "test")
+    links = BusBandwidth(100e9, 100e9, "test", 15e-6, 25e-6)
     one, two = (forecast_step_time(arch, "infer", "bf16-pure", 1, 512, new_tokens=64,
                                    parallelism=Parallelism("tp", tp), gpu_name=H200, ceiling=ROUND, links=links)
                 for tp in (1, 2))
     activation = arch.hidden_size * 2
-    all_reduce = forecast.COLLECTIVE_LATENCY_S + 2 * (2 - 1) / 2 * activation / 100e9
-    assert two.communication_s == pytest.approx(2 * arch.num_layers * all_reduce)
+    all_reduce = 15e-6 + 2 * (2 - 1) / 2 * activation / 100e9
+    logits = 25e-6 + (2 - 1) / 2 * arch.vocab_size * 2 / 100e9
+    # two a layer and the embedding's, then the logits gathered
+    assert two.communication_s == pytest.approx((2 * arch.num_layers + 1) * all_reduce + logits)
     assert two.terms["memory"] == pytest.approx(one.terms["memory"] / 2)
 
 
@@ -539,7 +542,6 @@ SOURCES = [  # constant, (key), (field), its row, a range holding it
     ("COMPILED_TRAFFIC", None, None, ("2026-11-24-h200-validation/matrix2-training/3", {"batch_size": 8}), 0.0, 1.0),
     ("COMPILED_LAYER_KERNELS", None, None, ("2026-11-24-h200-compiled-decode/after/compiled", {"batch_size": 1}),
      0, 60),
-    ("COLLECTIVE_LATENCY_S", None, None, ("2026-11-24-h200x2-model-parallel/13b-tp", {}), 0.0, 1e-4),
     ("DTENSOR_HOST_OP_S", "training", None, ("2026-11-24-h200x2-model-parallel/13b-train-tp", {}), 1e-6, 1e-3),
     ("DTENSOR_HOST_OP_S", "inference", None, ("2026-11-24-h200x2-model-parallel/13b-hf-tp-transformers-5.17", {}),
      1e-6, 1e-3),
@@ -589,6 +591,25 @@ def test_each_constant_is_what_its_row_measured(name, key, field, source, low, h
     directory, fields = source
     solved = solve(constant(name, key, field), measured_row(directory, **fields), low, high)
     assert solved == pytest.approx(value, rel=0.03, abs=0.1 if field == "extra_kernels" else 0)
+
+
+def test_the_nvlink_latency_is_the_median_of_the_tensor_parallel_decode_rows(monkeypatch):
+    """Each committed native tensor-parallel decode row at batch 1 solved for the latency at which its
+    forecast equals its measured step: NVLINK_LATENCY_S is their median, each inside 5 to 50 us."""
+    default = collectives.NVLINK_LATENCY_S
+    solved = []
+    for directory in ("2026-11-24-h200x2-model-parallel", "2026-11-27-h100x4-vs-one-gpu",
+                      "2026-11-27-h100x4-tp-compiled-decode"):
+        for path in sorted((RESULTS / directory).rglob("results.jsonl")):
+            for row in map(json.loads, path.read_text().splitlines()):
+                spec = row["spec"]
+                if (row["status"] == "ok" and spec["mode"] == "infer" and spec["backend"] == "native"
+                        and spec["layout"]["tp"] > 1 and spec["batch_size"] == 1):
+                    solved.append(solve(lambda value: monkeypatch.setattr(collectives, "NVLINK_LATENCY_S", value),
+                                        row, 0.0, 2e-4))
+    assert len(solved) == 8
+    assert all(5e-6 < value < 50e-6 for value in solved), solved
+    assert statistics.median(solved) == pytest.approx(default, rel=0.03)
 
 
 def test_the_overlap_exponent_is_what_the_rows_with_close_clocks_measured(monkeypatch):

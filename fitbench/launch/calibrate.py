@@ -1,6 +1,6 @@
 """Measuring a calibration (``fitbench.plan.calibration``) on the GPU at hand: ``tiny`` through the
 real worker in each kind of step, and its tensors traced on fake ones; on several GPUs, the bus
-bandwidth of all-reduce and all-gather."""
+bandwidth and the latency of all-reduce and all-gather."""
 
 from __future__ import annotations
 
@@ -18,15 +18,19 @@ import torch
 from fitbench.launch.local import run_one
 from fitbench.models.registry import resolve
 from fitbench.plan.calibration import DEFAULT, Calibration
-from fitbench.plan.speed import BusBandwidth
+from fitbench.plan.collectives import BusBandwidth
 from fitbench.processes import PARENT_VARIABLE, TOKEN_VARIABLE, kill_tree
 from fitbench.run.trace import trace_peak
 from fitbench.spec import Assignment, RunSpec
 
-MIB = 1024**2
-# Per backend: message size, warm-up and timed operations. NCCL's bus bandwidth on NVLink levels off
-# from a few hundred MB (nccl-tests' curves); gloo on a CPU only has to exercise the code path.
-COLLECTIVE_RUNS = {"nccl": (256 * MIB, 5, 20), "gloo": (4 * MIB, 2, 5)}
+KIB, MIB = 1024, 1024**2
+# Per backend, the small message (latency) and the large one (bandwidth): size, warm-up and timed
+# operations. The small one is the size of a decode step's all-reduce at batch 1 (B x h x 2 bytes:
+# 10 kB for the 13B, 16 kB for Llama-2-70B); NCCL's bus bandwidth on NVLink levels off from a few
+# hundred MB (nccl-tests' curves). gloo on a CPU only has to exercise the code path.
+COLLECTIVE_RUNS = {"nccl": ((16 * KIB, 20, 200), (256 * MIB, 5, 20)), "gloo": ((16 * KIB, 5, 20), (4 * MIB, 2, 5))}
+# Bytes each rank moves per byte of the message (nccl-tests' bus bandwidth factors, over g ranks).
+RING_FACTOR = {"all_reduce": lambda g: 2 * (g - 1) / g, "all_gather": lambda g: (g - 1) / g}
 
 
 def measure_calibration(device: str, scratch: Path) -> Calibration:
@@ -58,14 +62,13 @@ def measure_calibration(device: str, scratch: Path) -> Calibration:
 
 
 def measure_bus_bandwidth(ranks: int, device: str, scratch: Path, timeout_s: float = 300.0) -> BusBandwidth:
-    """All-reduce and all-gather bus bandwidth over ``ranks`` processes, one per GPU with NCCL
+    """All-reduce and all-gather bus bandwidth and latency over ``ranks`` processes, one per GPU with NCCL
     (``device`` cuda), or CPU processes over gloo (``device`` cpu, to exercise the path). The ranks run
-    ``fitbench.run.collectives``; bus bandwidth is nccl-tests' (``doc/PERFORMANCE.md``):
-    ``2 (g - 1) / g x S / t`` for an all-reduce of S bytes taking t seconds, ``(g - 1) / g x S / t`` for
-    an all-gather into S bytes. Every rank has ended when this returns, by itself or killed at
-    ``timeout_s`` or on the first that fails."""
+    ``fitbench.run.collectives`` at a small and a large message (``COLLECTIVE_RUNS``); ``fit_collective``
+    turns the two times into a latency and a bus bandwidth. Every rank has ended when this returns, by
+    itself or killed at ``timeout_s`` or on the first that fails."""
     backend = "nccl" if device.startswith("cuda") else "gloo"
-    message_bytes, warmup, iterations = COLLECTIVE_RUNS[backend]
+    sizes, warmups, iterations = zip(*COLLECTIVE_RUNS[backend])
     token = secrets.token_hex(8)
     environment = {**os.environ, TOKEN_VARIABLE: token, PARENT_VARIABLE: str(os.getpid())}
     logs = [scratch / f"rank{rank}.log" for rank in range(ranks)]
@@ -75,8 +78,9 @@ def measure_bus_bandwidth(ranks: int, device: str, scratch: Path, timeout_s: flo
             with log.open("w") as stderr:
                 processes.append(subprocess.Popen(
                     [sys.executable, "-m", "fitbench.run.collectives", "--rank", str(rank), "--world", str(ranks),
-                     "--backend", backend, "--scratch", str(scratch), "--message-bytes", str(message_bytes),
-                     "--warmup", str(warmup), "--iterations", str(iterations), "--timeout", str(timeout_s)],
+                     "--backend", backend, "--scratch", str(scratch), "--timeout", str(timeout_s),
+                     "--message-bytes", *map(str, sizes), "--warmup", *map(str, warmups),
+                     "--iterations", *map(str, iterations)],
                     stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL, stderr=stderr, env=environment,
                     start_new_session=True))
         deadline = time.monotonic() + timeout_s
@@ -94,15 +98,37 @@ def measure_bus_bandwidth(ranks: int, device: str, scratch: Path, timeout_s: flo
         tail = " | ".join(logs[rank].read_text(errors="replace").strip().splitlines()[-3:])
         raise RuntimeError(f"rank {rank} of the bus-bandwidth measurement ended with exit status {code}: {tail}")
     timed = json.loads((scratch / "collectives.json").read_text())
-    size, g = timed["message_bytes"], timed["world"]
-    all_reduce = 2 * (g - 1) / g * size / timed["all_reduce_s"]
-    all_gather = (g - 1) / g * size / timed["all_gather_s"]
+    small, large = timed["runs"]
+    g = timed["world"]
+    fitted = {name: fit_collective(small["message_bytes"], small[f"{name}_s"], large["message_bytes"],
+                                   large[f"{name}_s"], RING_FACTOR[name](g)) for name in RING_FACTOR}
     what = f"{g} x {torch.cuda.get_device_name(0)}" if backend == "nccl" else f"{g} CPU processes"
     measured_at = time.strftime('%Y-%m-%dT%H:%M:%SZ', time.gmtime())
-    return BusBandwidth(all_reduce, all_gather, f"measured on {what} with {backend}, {size / MIB:.0f} MiB messages, "
-                                                f"torch {torch.__version__} at {measured_at}")
+    return BusBandwidth(fitted["all_reduce"][1], fitted["all_gather"][1],
+                        f"measured on {what} with {backend}, {small['message_bytes'] / KIB:.0f} KiB and "
+                        f"{large['message_bytes'] / MIB:.0f} MiB messages, torch {torch.__version__} at {measured_at}",
+                        fitted["all_reduce"][0], fitted["all_gather"][0])
+
+
+def fit_collective(small_bytes: float, small_s: float, large_bytes: float, large_s: float,
+                   factor: float) -> tuple[float, float]:
+    """(latency in seconds, bus bandwidth in bytes/s) of ``t = latency + factor x S / B`` through two
+    timed messages: B from the slope between them, ``factor (S_large - S_small) / (t_large - t_small)``,
+    the latency what the small one took beyond its bytes, ``t_small - factor S_small / B``. The fit is
+    exact through both points; where noise leaves no positive slope or latency, the measurement is
+    refused rather than stored."""
+    if large_s <= small_s:
+        raise RuntimeError(f"the {large_bytes:.0f}-byte collective took no longer than the {small_bytes:.0f}-byte "
+                           f"one ({large_s:.3g} s against {small_s:.3g} s): too noisy to fit; run it again")
+    bandwidth = factor * (large_bytes - small_bytes) / (large_s - small_s)
+    latency = small_s - factor * small_bytes / bandwidth
+    if latency <= 0:
+        raise RuntimeError(f"the {small_bytes:.0f}-byte collective ({small_s:.3g} s) took less than its bytes at the "
+                           f"large message's rate: too noisy to fit; run it again")
+    return latency, bandwidth
 
 
 def with_bus_bandwidth(calibration: Calibration, bus: BusBandwidth) -> Calibration:
     return replace(calibration, all_reduce_bus_bandwidth=bus.all_reduce, all_gather_bus_bandwidth=bus.all_gather,
+                   all_reduce_latency_s=bus.all_reduce_latency, all_gather_latency_s=bus.all_gather_latency,
                    collectives_source=bus.source)

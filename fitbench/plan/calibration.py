@@ -35,10 +35,11 @@ graphs, ``benchmarks/results/2026-11-22-h100-ladder-infer``):
   tensor-parallel decoding held less (0.30 to 0.84 GB), pipeline stages 0.98 to 1.27 GB. NCCL's
   own buffers (4 MiB per channel and peer, ``NCCL_BUFFSIZE``) are part of it; the rest is NCCL's
   device state and its kernels. ``fitbench calibrate`` stores this figure (it does not measure it).
-- **bus bandwidth** of all-reduce and all-gather (nccl-tests' definition, ``fitbench.plan.speed``):
-  ``fitbench calibrate`` measures it where several GPUs are visible, one process per GPU over NCCL
-  (``fitbench.launch.calibrate.measure_bus_bandwidth``). Without a measurement the speed model takes
-  the datasheet's link bandwidth in one direction.
+- **bus bandwidth and latency** of all-reduce and all-gather (nccl-tests' definition,
+  ``fitbench.plan.collectives``): ``fitbench calibrate`` measures them where several GPUs are visible,
+  one process per GPU over NCCL (``fitbench.launch.calibrate.measure_bus_bandwidth``). Without a
+  measurement the speed model takes the datasheet's link bandwidth in one direction and the
+  interconnect's default latency.
 """
 
 from __future__ import annotations
@@ -73,7 +74,10 @@ class Calibration:
     # Bytes/s; None where no several GPUs were measured (and in calibrations stored before these existed).
     all_reduce_bus_bandwidth: float | None = None
     all_gather_bus_bandwidth: float | None = None
-    collectives_source: str | None = None  # how they were measured: GPUs, backend, message size, torch
+    collectives_source: str | None = None  # how they were measured: GPUs, backend, message sizes, torch
+    # Seconds per message, fitted beside the bus bandwidths; None in calibrations stored before them.
+    all_reduce_latency_s: float | None = None
+    all_gather_latency_s: float | None = None
 
     def context(self, mode: str, decode_graph: bool = True) -> float:
         return _by_step(mode, decode_graph, self.cuda_context_training, self.cuda_context_inference,

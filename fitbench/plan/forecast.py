@@ -45,8 +45,9 @@ step ``torch.compile``d, ``COMPILED_LAYER_KERNELS`` per layer), or launched one 
 without a graph, ``HOST_OP_S`` each, its two clocks side by side.
 
 Communication is the roofline's (``fitbench.plan.speed``): data-parallel collectives overlapped with
-the step's busy time, tensor parallelism's all-reduces exposed, each with ``COLLECTIVE_LATENCY_S``, the
-pipeline's bubble; the host link for offloaded layers.
+the step's busy time, tensor parallelism's all-reduces and the pipeline's sends exposed, each message
+its latency plus its bytes over the bus bandwidth (``fitbench.plan.collectives``), the pipeline's
+bubble; the host link for offloaded layers.
 
 Every constant below names the measured row it comes from; ``benchmarks/speed_error.py`` recomputes
 the forecast of every committed row and its error against the measured step.
@@ -62,8 +63,9 @@ from fitbench.loss import loss_chunk_rows
 from fitbench.models.architecture import Architecture
 from fitbench.plan.memory import (ADAPTER_BASES, QUANTIZED, Parallelism, Widths, adapter_params, kv_bytes_read_per_position,
                                   kv_heads_split)
-from fitbench.plan.speed import (HOST_LINK_BANDWIDTH, PCIE_BANDWIDTH, BusBandwidth, _data_parallel_step,
-                                 bubble_fraction, bus_bandwidth)
+from fitbench.plan.collectives import PCIE_BANDWIDTH, BusBandwidth, bus_bandwidth
+from fitbench.plan.speed import (HOST_LINK_BANDWIDTH, _data_parallel_step, bubble_fraction, pipeline_sends_s,
+                                 tensor_parallel_decode_s, tensor_parallel_pass_s)
 from fitbench.precisions import graph_problem, peak_kind
 from fitbench.spec import pipeline_stages
 
@@ -216,10 +218,6 @@ COMPILED_TRAFFIC = 0.25
 # their casts, rotary with the cache write, SwiGLU in one; matmuls and attention as before): Llama-2-7B
 # bf16, compiled decode step, batch 1, H200 (2026-11-24-h200-compiled-decode/after/compiled, 4.56 ms).
 COMPILED_LAYER_KERNELS = 15
-# Latency of one small NCCL collective inside a step (one token's activations all-reduced): 13B decoding
-# over 2 H200s with tensor parallelism (2026-11-24-h200x2-model-parallel/13b-tp, 9.29 ms; 2 x 40
-# all-reduces a token).
-COLLECTIVE_LATENCY_S = 15e-6
 # Offloaded decoder layers stream in through accelerate's hooks, each copied from pageable host memory
 # before its forward: 65B decoding with 31 of 80 layers in host memory, H100 (2026-11-22-h100-offload:
 # 50.2 GB a token, 7.34 s).
@@ -409,7 +407,7 @@ def forecast_step_time(arch: Architecture, mode: str, precision: str, batch: int
                        offloaded_bytes: float = 0.0, links: BusBandwidth | None = None) -> Forecast:
     """The forecast time of one step (one decode step in infer) of the configuration, run as ``run``
     says, on ``gpu_name`` with ``ceiling``; ``offloaded_bytes`` of weights cross the host link each
-    forward pass (decoding then runs eagerly); ``links``: the collectives' bus bandwidths."""
+    forward pass (decoding then runs eagerly); ``links``: the collectives' constants."""
     links = links or bus_bandwidth(gpu_name)
     if mode == "infer":
         return _decode_time(arch, precision, batch, seq_len, new_tokens, parallelism, gpu_name, ceiling, run,
@@ -458,9 +456,8 @@ def _decode_time(arch: Architecture, precision: str, batch: int, seq_len: int, n
     # its own layers, transformers' stages are one process.
     host_s = 0.0 if decode != "eager" else kernels / (stages if run.backend == "native" else 1) * \
         _host_op_s(run.backend, tp, "inference")
-    activation = batch * arch.hidden_size * widths.compute
-    communication_s = 2 * arch.num_layers * _all_reduce_s(activation, tp, links)
-    communication_s += (stages - 1) * (COLLECTIVE_LATENCY_S + activation / links.all_reduce)
+    communication_s = tensor_parallel_decode_s(arch, batch, widths.compute, tp, links)
+    communication_s += pipeline_sends_s(batch * arch.hidden_size * widths.compute, stages, 1, links)
     communication_s += offloaded_bytes / OFFLOAD_STREAM_BANDWIDTH
     seconds = side_by_side(device_s, host_s) + communication_s
     terms = {"matmuls": matmul_s, "memory": memory_s, "kernels": kernels_s}
@@ -549,9 +546,9 @@ def _pass_time(arch: Architecture, mode: str, precision: str, batch: int, seq_le
 
     directions = 2 if training else 1
     activation = n * h * widths.compute
-    communication_s = directions * 2 * share * L * _all_reduce_s(activation, tp, links)
+    communication_s = tensor_parallel_pass_s(activation, round(share * L), directions, tp, links)
     microbatches = parallelism.microbatches_of(batch)
-    communication_s += directions * (stages - 1) * activation / microbatches / links.all_reduce
+    communication_s += pipeline_sends_s(activation / microbatches, stages, directions, links)
     communication_s += offloaded_bytes / OFFLOAD_STREAM_BANDWIDTH
     if parallelism.offload:  # FSDP's shards cross the host link before each gather, its gradients after
         shards = (1 if not training else 3) * widths.weights * arch.total_params / parallelism.layout.data_parallel
@@ -588,11 +585,6 @@ def _host_op_s(backend: str, tp: int, kind: str) -> float:
     if tp > 1 and (backend == "hf" or kind == "training"):
         return DTENSOR_HOST_OP_S[kind]
     return HF_HOST_OP_S if backend == "hf" and kind == "inference" else HOST_OP_S[kind]
-
-
-def _all_reduce_s(size: float, ranks: int, links: BusBandwidth) -> float:
-    """An all-reduce of ``size`` bytes of activations inside a step: its latency and its ring time."""
-    return COLLECTIVE_LATENCY_S + links.all_reduce_s(size, ranks) if ranks > 1 else 0.0
 
 
 def _bound(device_s: float, host_s: float, communication_s: float) -> str:

@@ -32,11 +32,12 @@ from fitbench import hardware
 from fitbench.models.architecture import Architecture, default_backend
 from fitbench.plan import compiled as inductor
 from fitbench.plan.calibration import DEFAULT, PAGE, TENSORS_ONLY, Calibration
+from fitbench.plan.collectives import bus_bandwidth
 from fitbench.plan.forecast import (Ceilings, StepRun, ceilings, decode_kind, forecast_spec, forecast_step_time,
                                    step_run)
 from fitbench.plan.memory import (QUANTIZED, TRAINING_MODES, MemoryEstimate, Parallelism, Term, Widths, estimate_memory,
                                   offloaded_weights, rank_edge_params, saved_per_layer, stage_estimates)
-from fitbench.plan.speed import StepTime, bus_bandwidth, estimate_step_time
+from fitbench.plan.speed import StepTime, estimate_step_time
 from fitbench.precisions import graph_problem, offload_problem, training_problem, trains_every_weight, weight_only
 from fitbench.search import largest
 from fitbench.spec import Layout, Stage

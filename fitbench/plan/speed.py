@@ -4,13 +4,11 @@ Each step is bounded below by its arithmetic and its memory traffic on one GPU, 
 communication that cannot overlap, over the GPU-to-GPU link (Williams et al. 2009 for the
 roofline):
 
-    t = max(FLOPs per GPU / peak FLOP/s, bytes per GPU / bandwidth) + communication / link bandwidth
+    t = max(FLOPs per GPU / peak FLOP/s, bytes per GPU / bandwidth) + exposed communication
 
-A collective's time comes from its bus bandwidth B as nccl-tests defines it (NVIDIA nccl-tests,
-``doc/PERFORMANCE.md``): ``2 (g - 1) / g x S / B`` for an all-reduce of S bytes over g ranks,
-``(g - 1) / g x S / B`` for an all-gather or a reduce-scatter whose whole (gathered) tensor is S
-bytes; B is what ``fitbench calibrate`` measured on several GPUs (``BusBandwidth``), else the
-datasheet's NVLink bandwidth in one direction.
+Each collective message costs a latency plus its ring traffic over the bus bandwidth
+(``fitbench.plan.collectives``: nccl-tests' definitions; measured by ``fitbench calibrate`` on several
+GPUs, else the interconnect's defaults), so counting messages matters where they are small.
 
 - training step: ``6 N + 12 L H Q T`` FLOPs per token (PaLM), ``8 N + 16 L H Q T`` with activation
   checkpointing, which runs the forward pass twice; memory traffic of reading the weights
@@ -29,7 +27,8 @@ datasheet's NVLink bandwidth in one direction.
   backward pass. FSDP2 all-gathers the units in the compute dtype for the forward pass (the root's
   and the first layer's before any compute) and again, less the root, which stays gathered, for
   the backward pass, and reduce-scatters the gradients in the reduce dtype during the backward
-  pass; the root's reduce-scatter comes after it. Per pass, with t its compute-or-memory time:
+  pass, one message per unit (the root, each layer) and pass; the root's reduce-scatter comes after
+  it. DDP sends one message per bucket. Per pass, with t its compute-or-memory time:
 
       t_pass = max(t, the pass's collectives - its exposed ones) + its exposed ones
 
@@ -38,15 +37,15 @@ datasheet's NVLink bandwidth in one direction.
   for it);
 - tensor parallel (degree t): two all-reduces of the activations per layer in the forward pass
   (after attention's output projection and after the MLP's down projection) and two more in the
-  backward, each of B x T x h x c bytes (one decode step: B x h x c), ring time
-  ``2 (t - 1) / t x bytes / link bandwidth``, with nothing to overlap with;
+  backward, each of B x T x h x c bytes, with nothing to overlap with; a decode step also
+  all-reduces the embedding's output and all-gathers the logits (``tensor_parallel_decode_s``);
 - pipeline (p stages, m microbatches, GPipe or 1F1B alike): a training step lasts the largest
   stage's busy time stretched by the bubble, ``(m + p - 1) / m`` of it, the bubble being
   ``(p - 1) / (m + p - 1)`` of the step (Huang et al. 2019, GPipe; Narayanan et al. 2021 for
   1F1B); each stage boundary sends one microbatch's activations forward and their gradient back
   (``B / m x T x h x c`` bytes each way), and the sends of one microbatch through all the
-  boundaries are on the critical path (the pipeline's fill and drain), the rest overlapping with
-  compute. Decoding crosses the stages one after another, each step sending ``B x h x c`` bytes
+  boundaries are on the critical path (the pipeline's fill and drain), a send each, the rest
+  overlapping with compute. Decoding crosses the stages one after another, each step sending ``B x h x c`` bytes
   over every boundary, so stages add no speed to one sequence: the whole model's weights are read
   per step, at the tensor-parallel degree's rate;
 - offload: the offloaded layers' weights cross the host link (PCIe) once per forward pass (each
@@ -62,31 +61,16 @@ measured time so its error is visible; ``fitbench.plan.forecast`` forecasts the 
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 
 from fitbench import hardware
 from fitbench.models.architecture import Architecture
-from fitbench.plan.calibration import Calibration
+from fitbench.plan.collectives import PCIE_BANDWIDTH, BusBandwidth, bus_bandwidth
 from fitbench.plan.memory import (ADAPTER_BASES, QUANTIZED, Parallelism, Widths, adapter_params, layer_matmul_params,
                                   quantized_layer_bytes)
 from fitbench.precisions import peak_kind
 from fitbench.spec import pipeline_stages
-
-# GPU-to-GPU bandwidth per direction, bytes/s, the bus bandwidth assumed where none was measured
-# (``fitbench calibrate`` on several GPUs measures it, and the calibration's figure replaces this).
-# NVLink 4 (H100/H200 SXM): 900 GB/s both directions (NVIDIA H100 and H200 Tensor Core GPU
-# datasheets); NVLink 3 (A100 SXM): 600 GB/s (A100 datasheet); H100 NVL and H200 NVL bridges
-# 600 and 900 GB/s (datasheets). GPUs without an entry talk over PCIe (``PCIE_BANDWIDTH``, Gen4
-# x16, 32 GB/s per direction; Gen5 would be 64 GB/s): L40S, L4, the PCIe H100 and A100 cards.
-LINK_BANDWIDTH = {
-    "NVIDIA H100 80GB HBM3": 450e9,
-    "NVIDIA H200": 450e9,
-    "NVIDIA A100-SXM4-80GB": 300e9,
-    "NVIDIA A100-SXM4-40GB": 300e9,
-    "NVIDIA H100 NVL": 300e9,
-    "NVIDIA H200 NVL": 450e9,
-}
-PCIE_BANDWIDTH = 32e9
 
 # Host-to-GPU bandwidth per direction, bytes/s: PCIe Gen5 x16 on Hopper ("PCIe Gen5: 128 GB/s", both
 # directions, NVIDIA H100 and H200 datasheets); other GPUs PCIe Gen4 x16 (A100 datasheet: 64 GB/s).
@@ -101,36 +85,6 @@ HOST_LINK_BANDWIDTH = {
 
 # DDP's default bucket size, bytes: bucket_cap_mb = 25 (torch ``DistributedDataParallel``).
 DDP_BUCKET_BYTES = 25 * 1024**2
-
-
-@dataclass(frozen=True)
-class BusBandwidth:
-    """Bus bandwidths of the collectives, bytes/s, and where they come from. A reduce-scatter moves
-    the bytes of an all-gather the other way over the same ring, so it is taken at the all-gather's."""
-
-    all_reduce: float
-    all_gather: float
-    source: str
-
-    def all_reduce_s(self, size: float, ranks: int) -> float:
-        return 2 * (ranks - 1) / ranks * size / self.all_reduce
-
-    def all_gather_s(self, size: float, ranks: int) -> float:
-        """An all-gather (or reduce-scatter) of a tensor of ``size`` bytes gathered."""
-        return (ranks - 1) / ranks * size / self.all_gather
-
-
-def bus_bandwidth(gpu_name: str, calibration: Calibration | None = None) -> BusBandwidth:
-    """What ``calibration`` measured where it holds a measurement, else the datasheet's link bandwidth in
-    one direction (``LINK_BANDWIDTH``; PCIe Gen4 for GPUs without an NVLink figure)."""
-    if calibration is not None and calibration.all_reduce_bus_bandwidth and calibration.all_gather_bus_bandwidth:
-        return BusBandwidth(calibration.all_reduce_bus_bandwidth, calibration.all_gather_bus_bandwidth,
-                            calibration.collectives_source or "measured")
-    if gpu_name in LINK_BANDWIDTH:
-        link = LINK_BANDWIDTH[gpu_name]
-        return BusBandwidth(link, link, f"datasheet NVLink, {link / 1e9:.0f} GB/s in each direction")
-    return BusBandwidth(PCIE_BANDWIDTH, PCIE_BANDWIDTH, f"PCIe Gen4 x16, {PCIE_BANDWIDTH / 1e9:.0f} GB/s in each "
-                                                        f"direction (no NVLink figure for {gpu_name})")
 
 
 @dataclass(frozen=True)
@@ -160,8 +114,8 @@ def estimate_step_time(arch: Architecture, mode: str, precision: str, batch: int
     """The roofline time of one step (one decode step in infer); ``offloaded_bytes`` of weights
     cross the host link each forward pass. ``whole_cache``: decoding attends over every slot of the
     preallocated KV cache, as a GPU run's CUDA graph does; offloaded layers decode eagerly, over the
-    positions so far. ``links``: the collectives' bus bandwidths (``bus_bandwidth``; by default the
-    datasheet's)."""
+    positions so far. ``links``: the collectives' bandwidths and latencies (``bus_bandwidth``; by
+    default the interconnect's)."""
     peak = hardware.peak_flops(gpu_name, peak_kind(precision, mode)) or hardware.peak_flops(gpu_name, "bf16")
     bandwidth = hardware.peak_bandwidth(gpu_name)
     if not peak or not bandwidth:
@@ -181,9 +135,8 @@ def estimate_step_time(arch: Architecture, mode: str, precision: str, batch: int
         cache = arch.kv_cache_bytes_per_token(widths.compute) * batch * positions
         memory_s = (_decode_weight_bytes(arch, precision, batch) + cache) / (tp * bandwidth)  # stages in turn
         compute_s = 2 * batch * arch.matmul_params / (peak * tp)
-        activation = batch * arch.hidden_size * widths.compute
-        communication_s = 2 * arch.num_layers * tensor_parallel_all_reduce_s(activation, tp, links)
-        communication_s += (stages - 1) * activation / links.all_reduce
+        communication_s = tensor_parallel_decode_s(arch, batch, widths.compute, tp, links)
+        communication_s += pipeline_sends_s(batch * arch.hidden_size * widths.compute, stages, 1, links)
         communication_s += offloaded_bytes / HOST_LINK_BANDWIDTH.get(gpu_name, PCIE_BANDWIDTH)
         seconds = max(compute_s, memory_s) + communication_s
         tokens_per_s = batch * data_parallel / seconds
@@ -206,10 +159,10 @@ def estimate_step_time(arch: Architecture, mode: str, precision: str, batch: int
         memory_s = (reads * gathered + optimizer_bytes / shards) * share / (bandwidth * tp)
         directions = 1 if mode == "forward" else 2
         activation = n * arch.hidden_size * widths.compute
-        layers = share * arch.num_layers
-        communication_s = directions * 2 * layers * tensor_parallel_all_reduce_s(activation, tp, links)
+        layers = round(share * arch.num_layers)
+        communication_s = tensor_parallel_pass_s(activation, layers, directions, tp, links)
         microbatches = parallelism.microbatches_of(batch)
-        communication_s += directions * (stages - 1) * activation / microbatches / links.all_reduce
+        communication_s += pipeline_sends_s(activation / microbatches, stages, directions, links)
         if parallelism.offload:
             offloaded_bytes += (1 if mode == "forward" else 3) * widths.weights * arch.total_params / g
         communication_s += offloaded_bytes / HOST_LINK_BANDWIDTH.get(gpu_name, PCIE_BANDWIDTH)
@@ -228,10 +181,35 @@ def estimate_step_time(arch: Architecture, mode: str, precision: str, batch: int
     return StepTime(seconds, compute_s, memory_s, communication_s, bound, tokens_per_s)
 
 
-def tensor_parallel_all_reduce_s(size: float, tp: int, links: BusBandwidth) -> float:
-    """One all-reduce of ``size`` bytes of activations over ``tp`` ranks (ring: 2 (t - 1) / t x size
-    / bus bandwidth); nothing without tensor parallelism."""
-    return links.all_reduce_s(size, tp) if tp > 1 else 0.0
+def tensor_parallel_decode_s(arch: Architecture, batch: int, compute_width: int, tp: int,
+                             links: BusBandwidth) -> float:
+    """One decode step's tensor-parallel collectives over ``tp`` ranks (``fitbench.run.tensor_parallel``):
+    2 L + 1 all-reduces of the batch's activations, B x h x c bytes each (two per layer, after the
+    row-wise attention output and MLP down projections, and the embedding's, each rank holding a slice of
+    the vocabulary's rows), and the all-gather of the logits, B x V x c bytes, each rank computing its
+    columns of them. At batch 1 each message is a few kB: their latency, not their bytes, sets the
+    time (``fitbench.plan.collectives``)."""
+    if tp <= 1:
+        return 0.0
+    all_reduces = 2 * arch.num_layers + 1
+    activation = batch * arch.hidden_size * compute_width
+    return (links.all_reduce_s(all_reduces * activation, tp, messages=all_reduces)
+            + links.all_gather_s(batch * arch.vocab_size * compute_width, tp))
+
+
+def tensor_parallel_pass_s(activation: float, layers: int, directions: int, tp: int, links: BusBandwidth) -> float:
+    """A training or forward step's tensor-parallel all-reduces over ``tp`` ranks: two per layer and
+    direction (forward; backward, the gradients of the column-wise inputs), ``activation`` bytes each
+    (B x T x h x c); nothing on one rank."""
+    messages = directions * 2 * layers
+    return links.all_reduce_s(messages * activation, tp, messages=messages)
+
+
+def pipeline_sends_s(size: float, stages: int, directions: int, links: BusBandwidth) -> float:
+    """The sends on a pipeline's critical path: one microbatch's activations, ``size`` bytes, through
+    each of the ``stages - 1`` boundaries, and in training (``directions`` 2) its gradient back."""
+    messages = directions * (stages - 1)
+    return links.send_recv_s(messages * size, messages=messages)
 
 
 def bubble_fraction(stages: int, microbatches: int) -> float:
@@ -246,27 +224,29 @@ def _data_parallel_step(arch: Architecture, mode: str, parallelism: Parallelism,
     """The collectives' time and the step's under DDP or FSDP (the module docstring): ``busy`` the
     step's compute-or-memory time, a ``1 / passes`` share of it the forward pass; ``gathered`` the
     bytes of the whole model as the ranks compute with it, ``gradient_bytes`` of its gradients."""
-    g, V, h = parallelism.layout.data_parallel, arch.vocab_size, arch.hidden_size
+    g, V, h, L = parallelism.layout.data_parallel, arch.vocab_size, arch.hidden_size, arch.num_layers
     forward_s = busy / passes
     backward_s = busy - forward_s
     training = mode != "forward"
     if parallelism.shards == 1:
         if not training:
             return 0.0, busy
-        total = links.all_reduce_s(gradient_bytes, g)
+        buckets = max(1, math.ceil(gradient_bytes / DDP_BUCKET_BYTES))
+        total = links.all_reduce_s(gradient_bytes, g, messages=buckets)
         last_bucket = min(gradient_bytes, max(0 if adapters else widths.weights * V * h, DDP_BUCKET_BYTES))
         exposed = links.all_reduce_s(last_bucket, g)
         return total, forward_s + max(backward_s, total - exposed) + exposed
+    # one message per unit and pass: the root's and each layer's
     share = gathered / arch.total_params  # bytes per parameter, as gathered
-    root = arch.total_params - arch.params_per_layer * arch.num_layers
-    gather_forward = links.all_gather_s(gathered, g)
-    first_units = links.all_gather_s(share * (root + arch.params_per_layer), g)
+    root = arch.total_params - arch.params_per_layer * L
+    gather_forward = links.all_gather_s(gathered, g, messages=L + 1)
+    first_units = links.all_gather_s(share * (root + arch.params_per_layer), g, messages=2)
     seconds = max(forward_s, gather_forward - first_units) + first_units
     total = gather_forward
     if training:
-        gather_backward = links.all_gather_s(gathered - share * root, g)
-        reduce = links.all_gather_s(gradient_bytes, g)
-        root_reduce = links.all_gather_s(0 if adapters else widths.weights * root, g)
+        gather_backward = links.all_gather_s(gathered - share * root, g, messages=L)
+        reduce = links.reduce_scatter_s(gradient_bytes, g, messages=L + 1)
+        root_reduce = links.reduce_scatter_s(0 if adapters else widths.weights * root, g)
         seconds += max(backward_s, gather_backward + reduce - root_reduce) + root_reduce
         total += gather_backward + reduce
     return total, seconds

@@ -1,11 +1,11 @@
-"""One rank of the collectives' bus-bandwidth measurement: ``fitbench.launch.calibrate.measure_bus_bandwidth``
-starts ``python -m fitbench.run.collectives`` once per GPU, or per CPU rank over gloo.
+"""One rank of the collectives' measurement: ``fitbench.launch.calibrate.measure_bus_bandwidth`` starts
+``python -m fitbench.run.collectives`` once per GPU, or per CPU rank over gloo.
 
 Each rank joins the process group through a file in the measurement's scratch directory (no port
-to find or collide), times back-to-back all-reduces of one fp32 tensor and all-gathers into one of
-the same size after a warm-up, and rank 0 writes the slowest rank's mean seconds per operation to
-a JSON file. Converting them into bus bandwidth (nccl-tests' definition) is the caller's. A rank
-dies with its parent (``fitbench.processes.tie_to_parent``).
+to find or collide); for each message size it times back-to-back all-reduces of one fp32 tensor and
+all-gathers into one of the same size after a warm-up, and rank 0 writes the slowest rank's mean
+seconds per operation, per size, to a JSON file. Fitting latency and bus bandwidth to them is the
+caller's. A rank dies with its parent (``fitbench.processes.tie_to_parent``).
 """
 
 from __future__ import annotations
@@ -26,10 +26,12 @@ all_gather = getattr(dist, "all_gather_single", None) or dist.all_gather_into_te
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description="one rank of fitbench calibrate's bus-bandwidth measurement")
-    for name, kind in (("--rank", int), ("--world", int), ("--backend", str), ("--scratch", Path),
-                       ("--message-bytes", int), ("--warmup", int), ("--iterations", int), ("--timeout", float)):
+    parser = argparse.ArgumentParser(description="one rank of fitbench calibrate's collectives measurement")
+    for name, kind in (("--rank", int), ("--world", int), ("--backend", str), ("--scratch", Path), ("--timeout", float)):
         parser.add_argument(name, type=kind, required=True)
+    # one entry per message size, in the same order
+    for name in ("--message-bytes", "--warmup", "--iterations"):
+        parser.add_argument(name, type=int, nargs="+", required=True)
     args = parser.parse_args()
     tie_to_parent(args.scratch)
     device = torch.device("cpu")
@@ -39,11 +41,11 @@ def main() -> None:
     dist.init_process_group(args.backend, init_method=f"file://{args.scratch / 'rendezvous'}", rank=args.rank,
                             world_size=args.world, timeout=timedelta(seconds=args.timeout))
     try:
-        seconds = time_collectives(device, args.message_bytes, args.warmup, args.iterations)
+        runs = [{**time_collectives(device, size, warmup, iterations), "message_bytes": size, "iterations": iterations}
+                for size, warmup, iterations in zip(args.message_bytes, args.warmup, args.iterations, strict=True)]
         if args.rank == 0:
             (args.scratch / "collectives.json").write_text(json.dumps({
-                **seconds, "message_bytes": args.message_bytes, "world": args.world, "backend": args.backend,
-                "iterations": args.iterations}))
+                "world": args.world, "backend": args.backend, "runs": runs}))
     finally:
         dist.destroy_process_group()
 

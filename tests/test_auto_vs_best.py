@@ -1,0 +1,41 @@
+"""benchmarks/auto_vs_best.sh in its dry run: the plan runs on the CPU for a described GPU, and the
+script prints one run per layout the plan lists as fitting, the choice with its strategy left to the
+planner."""
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+ROOT = Path(__file__).parent.parent
+CASES = {"1b-infer-b1", "1b-infer-b16", "7b-infer-b1", "7b-infer-b16", "13b-train", "30b-train", "70b-infer-b1",
+         "13b-forward"}
+
+
+def test_the_dry_run_prints_the_choice_and_every_fitting_layout(tmp_path):
+    environment = {**os.environ, "FITBENCH": f"{sys.executable} -m fitbench", "FITBENCH_GPU": "H100-80GB"}
+    done = subprocess.run(["bash", str(ROOT / "benchmarks/auto_vs_best.sh"), str(tmp_path), "4", "dry-run"],
+                          capture_output=True, text=True, env=environment, timeout=300)
+    assert done.returncode == 0, done.stderr
+    commands = done.stdout.splitlines()
+    assert not list(tmp_path.rglob("results.jsonl"))  # nothing ran
+    assert {p.parent.name for p in tmp_path.glob("*/plan.json")} == CASES
+    for case in CASES:
+        plan = json.loads((tmp_path / case / "plan.json").read_text())
+        runs = [c.split() for c in commands if c.split("--out ")[1].startswith(f"{tmp_path / case}/")]
+        # the choice and each other fitting layout, once each
+        assert len(runs) == len(plan["feasible"]), case
+        choice = [r for r in runs if r[-1].endswith("/choice")]
+        assert len(choice) == 1 and "--strategy" not in choice[0] and choice[0][choice[0].index("--gpus") + 1] == "4"
+        for run in runs:
+            assert run[run.index("--precision") + 1] == "bf16-pure"
+            assert run[run.index("--warmup-steps") + 1] == "2" and run[run.index("--measure-steps") + 1] == "5"
+        strategies = {(r[r.index("--strategy") + 1] if "--strategy" in r else "single",
+                       r[r.index("--gpus") + 1] if "--gpus" in r else "1",
+                       r[r.index("--tp") + 1] if "--tp" in r else None,
+                       "--activation-checkpointing" in r) for r in runs if r is not choice[0]}
+        assert len(strategies) == len(runs) - 1, case  # no layout twice
+    seventy = [c for c in commands if "/70b-infer-b1/" in c]
+    assert any(c.endswith("/choice") for c in seventy) and any(c.endswith("/pipeline-2") for c in seventy)
+    assert not any(c.endswith("/single-1") for c in seventy)  # 140 GB of weights fit no single 80 GB GPU
