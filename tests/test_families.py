@@ -207,7 +207,10 @@ def test_falcon_180b_int8_does_not_fit_two_80_gb_gpus():
                                parallelism=Parallelism(layout=layout)).peak_bytes
 
     assert need(Layout(tp=2)) > 80e9 and need(Layout(pp=2)) > 80e9
-    assert need(Layout(tp=4)) < 80e9
+    # over 4 ranks the int8 weights would fit, but transformers' model is built whole in bf16 first
+    weights = {t.name: t.bytes for t in estimate_memory(arch, "infer", "int8", 1, 512, new_tokens=128,
+                                                        parallelism=Parallelism(layout=Layout(tp=4))).terms}
+    assert weights["weights"] < 80e9 < need(Layout(tp=4))
     rejected = assess(arch, "infer", Candidate("int8", "tp", 4, False, 1), GpuTarget(None, 4, 80e9, True),
                       seq_len=512, new_tokens=128)
     assert not rejected.fits and "the run cannot launch tp x 4" in rejected.reason
@@ -281,7 +284,10 @@ def test_hf_backend_rows_get_a_prediction():
                                  choose_recompute=False, runnable=tuple(DEFAULT_LADDER["infer"]))
     weights = {t["name"]: t["bytes"] for t in prediction["terms"]}["weights"]
     assert prediction["fits"] and weights == pytest.approx(storage_bytes("falcon-40b", "nf4"), rel=0.01)
-    assert weights < prediction["predicted_peak_bytes"] < weights + 5e9
+    # the hf backend builds the model whole in bf16 and quantizes it in place: the build is the peak
+    bf16 = 2 * resolve("falcon-40b").total_params
+    assert prediction["peak_moment"] == "quantizing a layer"
+    assert bf16 < prediction["predicted_peak_bytes"] < bf16 + 5e9
 
 
 def test_hf_backend_auto_batch_follows_the_memory_model(monkeypatch):
