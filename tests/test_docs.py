@@ -23,7 +23,8 @@ REPO_PATH = re.compile(r"`((?:fitbench|tests|benchmarks|docs)/[\w./-]*|README\.m
 
 def test_the_docs_pages_exist_and_the_readme_links_them():
     readme = (ROOT / "README.md").read_text()
-    for name in ("architecture.md", "style.md", "results.md", "benchmarks.md"):
+    for name in ("architecture.md", "style.md", "results.md", "benchmarks.md", "planning.md",
+                 "precisions.md", "parallelism.md", "running.md"):
         assert (ROOT / "docs" / name).is_file() and f"docs/{name}" in readme, name
 
 
