@@ -119,8 +119,9 @@ def _add_run_options(parser: argparse.ArgumentParser) -> None:
     add("--strategy", choices=("auto", "ddp", "fsdp", "tp", "pipeline", "replicas"), default=S,
         help="with --gpus N: ddp (a replica per GPU, gradients averaged), fsdp (weights, gradients and optimizer "
              "state sharded, FSDP2), tp (tensor parallelism: each layer's heads and MLP split over the GPUs, "
-             "every mode, infer included), pipeline (consecutive decoder layers per GPU, train and infer; native "
-             "backend), replicas (infer and forward: N independent copies, one per GPU, each with its own batch; "
+             "every mode, infer included), pipeline (consecutive decoder layers per GPU: the native backend "
+             "trains and infers, one rank per stage; the hf backend runs infer and forward in one process over "
+             "the GPUs), replicas (infer and forward: N independent copies, one per GPU, each with its own batch; "
              "tokens/s summed over them) or auto (default: among what fits and composes, the fastest forecast; "
              "without a plan, as on a CPU, DDP first)")
     add("--microbatches", type=int, default=S, metavar="N",
