@@ -39,6 +39,7 @@ from fitbench.run.ranks import Rank, gather_json, process_group
 from fitbench.run.tensor_parallel import (build_layout, build_tensor_parallel, data_parallel_rank, device_mesh,
                                           parallelize_layout)
 from fitbench.spec import Layout, RunSpec, Stage
+from test_models import counting_compiler
 
 SEED, BATCH, SEQ_LEN, STEPS, PRECISION = 0, 2, 32, 3, "fp32"
 PROMPT, DECODE = 12, 4
@@ -147,7 +148,7 @@ def generation(arch, rank: Rank, mesh, graphed: bool, compiled: bool = False) ->
     graphs: list[torch.fx.GraphModule] = []
     if graphed:
         lm = NativeLM(lm.module, lm.cache_dtype, cuda_graphs=True, capture=lambda step: Replay(step),
-                      compile_decode=compiled, compiler=traced_as_is(graphs) if compiled else None)
+                      compile_decode=compiled, compiler=counting_compiler(graphs) if compiled else None)
     prompt = random_tokens(arch.vocab_size, BATCH, PROMPT, rank.device, SEED + 1)
     following = random_tokens(arch.vocab_size, BATCH, DECODE, rank.device, SEED + 2)
     with torch.inference_mode():
@@ -157,14 +158,6 @@ def generation(arch, rank: Rank, mesh, graphed: bool, compiled: bool = False) ->
             "decoding": lm.decoding, "applied": applied,
             "traced_collectives": [sum("all_reduce" in str(node.target) or "all_gather" in str(node.target)
                                        for node in graph.graph.nodes) for graph in graphs]}
-
-
-def traced_as_is(graphs: list):
-    """A ``torch.compile`` backend that keeps each graph Dynamo traced and runs it unchanged."""
-    def compile_graph(graph: torch.fx.GraphModule, inputs: list):
-        graphs.append(graph)
-        return graph.forward
-    return compile_graph
 
 
 def fsdp_tp_losses(rank: Rank) -> tuple[list[float], dict]:
