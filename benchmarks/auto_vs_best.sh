@@ -6,7 +6,12 @@
 # --strategy/--tp/--gpus (and --activation-checkpointing where the plan has it), each into its own
 # directory; then summary.md: per case the chosen layout and its tokens/s, the best measured layout and
 # its tokens/s, their ratio and whether the choice is within 10% of the best.
-# Usage: benchmarks/auto_vs_best.sh OUT_DIR [GPUS] [dry-run]   (GPUS 4 by default)
+# Usage: benchmarks/auto_vs_best.sh OUT_DIR [GPUS] [run|dry-run|summary]   (GPUS 4 by default)
+# ALTERNATIVES=N runs only the first N alternatives the plan lists (fastest forecast first, those clear of
+# the allocator's retry margin before the rest) where a device's time is short; every one by default. A
+# directory already holding a row is not run again, so a later call with a larger N (or one after a
+# command cut short) adds the rest; CASES="13b-train 30b-train" runs only the cases named; summary only
+# writes summary.md from the rows there.
 # dry-run plans and prints the run commands without running them (no GPU needed: set FITBENCH_GPU to a
 # described GPU, e.g. H100-80GB; otherwise the plan uses this machine's GPUs).
 set -euo pipefail
@@ -29,16 +34,20 @@ cases="1b-infer-b1 1B infer 1 512 32
 13b-forward 13B forward 8 1024 0"
 
 mkdir -p "$out"
+[ "$mode" = summary ] && cases=""
 while read -r name model task batch seq new; do
+  [ -z "$name" ] && continue
+  [ -n "${CASES:-}" ] && [[ " $CASES " != *" $name "* ]] && continue
   shape=(--models "$model" --mode "$task" --precision bf16-pure --batch-size "$batch" --seq-len "$seq")
   [ "$new" != 0 ] && shape+=(--new-tokens "$new")
   mkdir -p "$out/$name"
   $fitbench plan "${shape[@]}" --gpus "$gpus" "${described[@]}" --json > "$out/$name/plan.json"
   # one line per layout: directory, then its run options (the choice first, its strategy left to the planner)
-  python - "$out/$name/plan.json" "$gpus" > "$out/$name/layouts.txt" <<'PYTHON'
+  python - "$out/$name/plan.json" "$gpus" "${ALTERNATIVES:-}" > "$out/$name/layouts.txt" <<'PYTHON'
 import json, sys
 
 plan, gpus = json.load(open(sys.argv[1])), sys.argv[2]
+limit = int(sys.argv[3]) if sys.argv[3] else None
 
 def name_and_options(candidate):
     strategy, *inner = candidate["strategy"].split("+")
@@ -63,17 +72,20 @@ if plan["chosen"] is None:
 chosen = plan["chosen"]["candidate"]
 choice_options = ["--gpus", gpus] + (["--activation-checkpointing"] if chosen["activation_checkpointing"] else [])
 print("choice", *choice_options)
-for assessment in plan["feasible"]:
-    if assessment["candidate"] != chosen:
-        name, options = name_and_options(assessment["candidate"])
-        print(name, *options)
+alternatives = [a["candidate"] for a in plan["feasible"] if a["candidate"] != chosen]
+print("#", len(alternatives), "alternatives listed")
+for candidate in alternatives[:limit]:
+    name, options = name_and_options(candidate)
+    print(name, *options)
 PYTHON
   while read -r directory options; do
+    [ "$directory" = "#" ] && continue
     read -r -a layout <<< "$options"
     command=($fitbench run "${shape[@]}" "${layout[@]}" "${short[@]}" --out "$out/$name/$directory")
     if [ "$mode" = dry-run ]; then
       echo "${command[*]}"
-    elif [ ! -d "$out/$name/$directory" ]; then
+    elif [ ! -s "$out/$name/$directory/results.jsonl" ]; then  # none yet, or cut short before its row
+      rm -rf "${out:?}/$name/$directory"
       "${command[@]}" || true
     fi
   done < "$out/$name/layouts.txt"
@@ -95,11 +107,15 @@ def tokens_per_s(directory):
     key = "decode_tokens_per_s" if row["spec"]["mode"] == "infer" else "tokens_per_s"
     return row["throughput"][key], row["label"]
 
-print("| case | chosen layout | tokens/s | best measured layout | tokens/s | chosen / best | within 10% |")
-print("|---|---|---|---|---|---|---|")
+print("| case | chosen layout | tokens/s | best measured layout | tokens/s | chosen / best | within 10% | "
+      "alternatives measured / listed |")
+print("|---|---|---|---|---|---|---|---|")
 within = cases = 0
 for case in sorted(p for p in out.iterdir() if (p / "layouts.txt").exists()):
     measured = {d.name: tokens_per_s(d) for d in case.iterdir() if d.is_dir()}
+    listed = next((int(line.split()[1]) for line in (case / "layouts.txt").read_text().splitlines()
+                   if line.startswith("#")), 0)
+    coverage = f"{sum(name != 'choice' for name in measured)} / {listed}"
     chosen, chosen_label = measured.pop("choice", (None, None))
     ok = {name: value for name, value in measured.items() if value[0] is not None}
     best_name = max(ok, key=lambda name: ok[name][0], default=None)
@@ -108,12 +124,12 @@ for case in sorted(p for p in out.iterdir() if (p / "layouts.txt").exists()):
         best, best_label = chosen, f"the choice ({chosen_label})"
     cases += 1
     if chosen is None or best is None:
-        print(f"| {case.name} | {chosen_label or 'not ok'} | | {best_label or '-'} | | | no |")
+        print(f"| {case.name} | {chosen_label or 'not ok'} | | {best_label or '-'} | | | no | {coverage} |")
         continue
     ratio = chosen / best
     within += ratio >= 0.9
     print(f"| {case.name} | {chosen_label} | {chosen:,.0f} | {best_label} | {best:,.0f} | {ratio:.3f} | "
-          f"{'yes' if ratio >= 0.9 else 'no'} |")
+          f"{'yes' if ratio >= 0.9 else 'no'} | {coverage} |")
 print(f"\nThe choice within 10% of the best measured layout in {within} of {cases} cases.")
 PYTHON
 cat "$out/summary.md"

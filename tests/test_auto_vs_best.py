@@ -39,3 +39,26 @@ def test_the_dry_run_prints_the_choice_and_every_fitting_layout(tmp_path):
     seventy = [c for c in commands if "/70b-infer-b1/" in c]
     assert any(c.endswith("/choice") for c in seventy) and any(c.endswith("/pipeline-2") for c in seventy)
     assert not any(c.endswith("/single-1") for c in seventy)  # 140 GB of weights fit no single 80 GB GPU
+
+
+def test_alternatives_and_cases_narrow_the_runs_and_the_summary_counts_them(tmp_path):
+    """ALTERNATIVES=1 runs the choice and the plan's first alternative, CASES only the cases named; the
+    summary counts the alternatives measured against those the plan listed, and a case without a row is
+    not within 10%."""
+    environment = {**os.environ, "FITBENCH": f"{sys.executable} -m fitbench", "FITBENCH_GPU": "H100-80GB",
+                   "ALTERNATIVES": "1", "CASES": "70b-infer-b1 13b-forward"}
+    done = subprocess.run(["bash", str(ROOT / "benchmarks/auto_vs_best.sh"), str(tmp_path), "4", "dry-run"],
+                          capture_output=True, text=True, env=environment, timeout=300)
+    assert done.returncode == 0, done.stderr
+    commands = done.stdout.splitlines()
+    assert {p.parent.name for p in tmp_path.glob("*/plan.json")} == {"70b-infer-b1", "13b-forward"}
+    assert len(commands) == 4
+    assert [c.rsplit("/", 1)[1] for c in commands if "/70b-infer-b1/" in c][0] == "choice"
+    plan = json.loads((tmp_path / "70b-infer-b1" / "plan.json").read_text())
+    (tmp_path / "70b-infer-b1" / "choice").mkdir()
+    summary = subprocess.run(["bash", str(ROOT / "benchmarks/auto_vs_best.sh"), str(tmp_path), "4", "summary"],
+                             capture_output=True, text=True, env=environment, timeout=60)
+    assert summary.returncode == 0, summary.stderr
+    lines = {line.split(" | ")[0].strip("| "): line for line in summary.stdout.splitlines() if line.startswith("| ")}
+    assert lines["70b-infer-b1"].endswith(f"| no | 0 / {len(plan['feasible']) - 1} |")
+    assert "within 10% of the best measured layout in 0 of 2 cases" in summary.stdout

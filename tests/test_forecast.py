@@ -612,6 +612,19 @@ def test_the_nvlink_latency_is_the_median_of_the_tensor_parallel_decode_rows(mon
     assert statistics.median(solved) == pytest.approx(default, rel=0.03)
 
 
+def test_fsdp_host_time_per_layer_is_what_the_default_jobs_fsdp_rows_measured(monkeypatch):
+    """The default job's two FSDP training rows on 4 H100s (1B and 3B, 4 x 512 tokens a rank), each solved
+    for the host time per sharded layer at which its forecast equals its measured step: the constant is
+    their mean, and they agree within 10% (a per-layer cost, not a per-model one)."""
+    value = forecast.FSDP_HOST_S_PER_LAYER
+    monkeypatch.setattr(forecast, "FSDP_HOST_S_PER_LAYER", value)
+    solved = [solve(constant("FSDP_HOST_S_PER_LAYER"),
+                    measured_row("2026-11-27-h100x4-replicas/default", model=model, mode="train"), 0.0, 0.05)
+              for model in ("1B", "3B")]
+    assert solved[0] == pytest.approx(solved[1], rel=0.1), solved
+    assert statistics.mean(solved) == pytest.approx(value, rel=0.03), solved
+
+
 def test_the_overlap_exponent_is_what_the_rows_with_close_clocks_measured(monkeypatch):
     """Solved from each training row of the validation matrices whose two clocks come within 10% of each
     other, p is about OVERLAP_EXPONENT: their median within 20%, p inside their range."""

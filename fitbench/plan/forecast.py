@@ -210,6 +210,16 @@ DTENSOR_HOST_OP_S = {"training": 123e-6, "inference": 35e-6}
 # saved-tensor hooks): CS336 small, bf16, 4 x 512, checkpointed, H200
 # (2026-11-24-h200-validation/matrix1-training/1, 56.6 ms).
 CHECKPOINT_HOST_S = 1.42e-3
+# FSDP2's host time per sharded layer and training step, beyond the layer's operators: its pre- and
+# post-forward and -backward hooks, the copies into and out of its all-gather and reduce-scatter
+# buffers, and the optimizer's step over DTensor shards. The default job's two FSDP rows on 4 H100s,
+# 4 x 512 tokens a rank, whose steps the host sets (2026-11-27-h100x4-replicas/default: 1B, 16 layers,
+# 123.3 ms; 3B, 28 layers, 217.0 ms), each solved for the value at which its forecast is its measured
+# step; their mean.
+FSDP_HOST_S_PER_LAYER = 5.58e-3
+# A forward step runs one of a training step's three gathered passes (forward; backward's gather and
+# reduce-scatter): its share of the per-layer host time, counted in proportion.
+FSDP_FORWARD_SHARE = 1 / 3
 # The share of the eager elementwise traffic a torch.compile'd training step still moves (inductor
 # fuses norms, rotary, SwiGLU and the casts): 1B training, bf16, 8 x 2048, compiled, H200
 # (2026-11-24-h200-validation/matrix2-training/3, 209.4 ms).
@@ -542,6 +552,8 @@ def _pass_time(arch: Architecture, mode: str, precision: str, batch: int, seq_le
     device_s = matmul_s + attention_s + memory_s + optimizer_s + kernels_s
     host_s = ops * _host_op_s(run.backend, tp, "training" if training else "inference") + optimizer_s
     host_s += share * L * CHECKPOINT_HOST_S if recompute and not run.compiled else 0.0
+    if parallelism.shards > 1:  # FSDP2's hooks, copies into and out of its buffers, DTensor's optimizer step
+        host_s += round(share * L) * FSDP_HOST_S_PER_LAYER * (1 if training else FSDP_FORWARD_SHARE)
     busy = side_by_side(device_s, host_s)
 
     directions = 2 if training else 1
