@@ -397,17 +397,21 @@ def gpu_target(args: argparse.Namespace):
             raise UserError(f"gpu-memory: {excerpt(args.gpu_memory)} is not a GPU's memory; give a size from "
                             f"{GPU_MEMORY_MIN / 1e9:.0f} GB to {GPU_MEMORY_MAX / 1e12:.0f} TB with its unit, like 80GB "
                             f"or 79.2GiB (a bare number is bytes).")
-    if name is None and memory is None and args.gpus is None:
+    if name is None and memory is None:
         detected = hardware.detect_gpus()  # only then: detecting imports torch, seconds a described GPU never needs
-        if not detected:
+        if not detected and args.gpus is None:
             raise UserError("gpus: no GPU is visible here; describe the hardware to plan for, e.g. "
                             "--gpus 4 --gpu-memory 80GB, or --gpu H100-80GB.")
-        return GpuTarget(detected[0].name, len(detected), float(detected[0].total_memory), described=False,
+        if not detected:
+            raise UserError("gpu-memory: no GPU is visible here, so with --gpus say how much memory each GPU has "
+                            "(--gpu-memory 80GB) or which GPU it is (--gpu H100-80GB).")
+        count = len(detected) if args.gpus is None else args.gpus
+        if count > len(detected):
+            raise UserError(f"gpus: {count} GPUs asked, {len(detected)} visible here ({detected[0].name}); ask for "
+                            f"at most {len(detected)}, or plan for other hardware with --gpu or --gpu-memory.")
+        return GpuTarget(detected[0].name, count, float(detected[0].total_memory), described=False,
                          memory_source="torch.cuda.get_device_properties().total_memory")
     if memory is None:
-        if name is None:
-            raise UserError("gpu-memory: with --gpus, say how much memory each GPU has (--gpu-memory 80GB) "
-                            "or which GPU it is (--gpu H100-80GB).")
         spec = hardware.gpu_spec(name)
         memory, source = spec.total_memory, spec.total_memory_source
     return GpuTarget(name, 1 if args.gpus is None else args.gpus, memory, described=True, memory_source=source)
