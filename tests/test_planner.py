@@ -20,7 +20,7 @@ import pytest
 import torch
 
 from fitbench import hardware
-from fitbench.cli import gpu_target
+from fitbench.cli.plan import gpu_target
 from fitbench.sweep import run_target
 from fitbench.spec import Layout, RunSpec
 from fitbench.errors import UserError
