@@ -1,18 +1,24 @@
 """Plan before run: what ``fitbench run`` does between parsing its options and launching the first
 worker. The device and its default models, the GPU target and its calibration, the planner's choices
 and predictions for every configuration, and the configurations refused before launch (this hardware
-cannot run them, or they are predicted not to fit), with the reason. The CLI parses, calls these and
-prints; the launcher (``fitbench.launch``) runs what they leave.
+cannot run them, or they are predicted not to fit), with the reason: one job per configuration
+(``fitbench.launch.job``), which ``fitbench.launch.local.run_sweep`` runs.
 """
 
 from __future__ import annotations
 
 import re
+from dataclasses import replace
 from pathlib import Path
 from typing import Any, Callable
 
 from fitbench.errors import UserError, excerpt
+from fitbench.launch.fallback import FallbackPolicy
+from fitbench.launch.job import Job
+from fitbench.plan.calibration import Calibration
+from fitbench.plan.planner import GpuTarget
 from fitbench.precisions import PRECISIONS
+from fitbench.spec import RunSpec
 
 
 def resolve_device(requested: str) -> str:
@@ -72,55 +78,6 @@ def default_models(device: str) -> list[str]:
     memory = torch.cuda.get_device_properties(torch.device(device)).total_memory
     fitting = [name for name in SIZE_LADDER if 16 * resolve(name).total_params <= 0.7 * memory]
     return fitting[:3] or ["tiny"]
-
-
-def predicted_max_batch(spec, device: str) -> int:
-    """The planner's largest batch per rank for ``spec`` on its device: on a GPU the largest whose peak
-    with the calibrated overheads stays clear of ``RETRY_MARGIN`` of its memory (the allocator retries
-    within it), else the largest that fits; on a CPU within the budget of FITBENCH_INJECT's mem-limit
-    (else the available RAM, shared by the job's ranks); with offload, beside no resident decoder layer.
-    A job of several ranks is planned per rank under its layout's strategy (DDP's replicas, FSDP's
-    shards)."""
-    from fitbench.host import host_memory
-    from fitbench.models.registry import resolve
-    from fitbench.plan.memory import Parallelism, estimate_memory
-    from fitbench.inject import injected_memory_limit
-
-    arch = resolve(spec.model)
-    resident = 0 if spec.layer_offload else None
-    ranks = spec.layout.world_size
-    if device == "cpu":
-        budget = injected_memory_limit() or host_memory().available / ranks
-
-        def peak(batch: int) -> float:
-            return estimate_memory(arch, spec.mode, spec.precision, batch, spec.seq_len, new_tokens=spec.new_tokens,
-                                   activation_checkpointing=spec.activation_checkpointing,
-                                   parallelism=Parallelism(layout=spec.layout, offload=spec.fsdp_offload,
-                                                               microbatches=spec.microbatches),
-                                   resident_layers=resident, backend=spec.backend,
-                                   compiled=spec.compile).peak_bytes
-    else:
-        import torch
-
-        from fitbench.plan.calibration import load_calibration
-        from fitbench.plan.planner import RETRY_MARGIN, Candidate, GpuTarget, assess
-
-        properties = torch.cuda.get_device_properties(torch.device(device))
-        budget = injected_memory_limit() or float(properties.total_memory)
-        target = GpuTarget(properties.name, 1, budget, described=False)
-        calibration = load_calibration(properties.name)
-
-        def peak(batch: int) -> float:
-            candidate = Candidate.of_layout(spec.precision, spec.layout, spec.activation_checkpointing, batch,
-                                            resident_layers=resident, compiled=spec.compile,
-                                            cpu_offload=spec.fsdp_offload)
-            return assess(arch, spec.mode, candidate, target, seq_len=spec.seq_len, new_tokens=spec.new_tokens,
-                          calibration=calibration, backend=spec.backend).predicted_peak
-    from fitbench.launch.fallback import largest_batch
-
-    if device == "cpu":
-        return largest_batch(peak, budget)
-    return largest_batch(peak, (1 - RETRY_MARGIN) * budget) or largest_batch(peak, budget)
 
 
 def hardware_refusals(specs: list, device: str) -> dict[str, str]:
@@ -220,46 +177,44 @@ def run_target(device: str, measure: Callable[[], Any] | None = None, say: Calla
     return GpuTarget(properties.name, ranks, memory, described=False, memory_source=source), calibration
 
 
-def plan_specs(specs: list, config, target, calibration) -> tuple[list, Callable[[Any], dict | None], dict[str, str]]:
-    """Plan every configuration before it runs, with the model of its backend, on the GPU of ``target`` (``run_target``;
-    None: nothing is planned): the planner picks the precision and activation checkpointing the user
-    left open, and predicts the per-GPU peak stored with the result. A configuration that no choice
-    left open makes fit is refused: it is not launched, and its reason names the predicted need and the
-    alternatives predicted to fit (``fitbench.plan.planner.alternatives``, also in the prediction).
-    Returns the specs to run, a function giving the prediction for the configuration that finally
-    ran (the planned one, or, after a fallback or a batch search changed it, a new prediction for
-    what ran; the choices the planner made stay listed), and the refusals by spec key."""
-    if target is None:
-        return specs, lambda spec: None, {}
-
+def plan_jobs(specs: list[RunSpec], config, target: GpuTarget | None, calibration: Calibration | None) -> list[Job]:
+    """A job per configuration, planned before it runs with the model of its backend on the GPU of
+    ``target`` (``run_target``; None: nothing is planned): the planner picks the precision, activation
+    checkpointing and layout the user left open, and predicts the per-GPU peak stored with the result.
+    A configuration that no choice left open makes fit is refused: it is not launched, and its reason
+    names the predicted need and the alternatives predicted to fit
+    (``fitbench.plan.planner.alternatives``, also in the prediction). Each job walks the fallback
+    ladder of ``config`` for its mode and lives at most ``config.timeout`` seconds."""
     from fitbench.config import fallback_ladder
     from fitbench.models.registry import resolve
     from fitbench.plan.planner import alternatives, planner_choices, predict_spec, refusal
 
-    planned, predictions, refusals = [], {}, {}
+    jobs = []
     for spec in specs:
+        ladder = fallback_ladder(config, spec.mode)
+        policy = FallbackPolicy(tuple(ladder), enabled=not config.no_fallback, gpus_at_hand=config.gpus)
+        if target is None:
+            jobs.append(Job(spec, config.timeout, policy))
+            continue
         arch = resolve(spec.model)
         spec, prediction = predict_spec(arch, spec, target, calibration, choose_precision=config.precision is None,
                                         choose_recompute=config.activation_checkpointing is None,
                                         runnable=PRECISIONS, choose_strategy=config.strategy == "auto",
-                                        gpus=None if spec.offload else config.gpus,
-                                        ladder=fallback_ladder(config, spec.mode))
-        planned.append(spec)
-        predictions[spec.key] = prediction
+                                        gpus=None if spec.offload else config.gpus, ladder=ladder)
+        reason = None
         if not prediction["fits"]:
             found = alternatives(arch, spec, target, calibration)
             prediction["alternatives"] = [alternative.as_dict() for alternative in found]
-            refusals[spec.key] = refusal(arch, spec, prediction, target, found)
+            reason = refusal(arch, spec, prediction, target, found)
+        chosen = planner_choices(spec.mode, config.precision is None, config.activation_checkpointing is None)
+        jobs.append(Job(spec, config.timeout, policy, target, calibration, prediction, reason, tuple(chosen)))
+    return jobs
 
-    def prediction_for(ran) -> dict | None:
-        if ran.key in predictions:
-            return predictions[ran.key]
-        _, prediction = predict_spec(resolve(ran.model), ran, target, calibration, choose_precision=False,
-                                     choose_recompute=False, runnable=PRECISIONS)
-        return {**prediction, "chosen_by_planner": planner_choices(ran.mode, config.precision is None,
-                                                                   config.activation_checkpointing is None)}
 
-    return planned, prediction_for, refusals
+def refuse_unrunnable(jobs: list[Job], device: str) -> list[Job]:
+    """``jobs`` with those this device cannot run refused before launch (``hardware_refusals``)."""
+    refusals = hardware_refusals([job.spec for job in jobs], device)
+    return [replace(job, refusal=refusals[job.spec.key]) if job.spec.key in refusals else job for job in jobs]
 
 
 def calibration_figures(c) -> str:

@@ -1558,14 +1558,14 @@ def test_the_run_plans_the_precision_it_left_open_from_its_fallback_ladder():
     """Llama-2-70B's bf16 weights (138 GB) do not fit a 100 GB GPU, its int8 and fp8 ones do: the run's
     plan takes the next rung of the ladder the user gives, not the default ladder's int8."""
     from fitbench.config import SweepConfig, expand
-    from fitbench.sweep import plan_specs
+    from fitbench.sweep import plan_jobs
 
     target = GpuTarget("NVIDIA H200", 1, 100e9, described=True)
     for fallback, expected in ((None, "int8"), (["bf16-pure", "fp8", "nf4"], "fp8")):
         config = SweepConfig(models=["llama-2-70b"], mode=["infer"], fallback=fallback)
         specs = expand(config, device="cuda:0", default_models=[])
-        (planned,), _, refusals = plan_specs(specs, config, target, DEFAULT)
-        assert planned.precision == expected and not refusals
+        (job,) = plan_jobs(specs, config, target, DEFAULT)
+        assert job.spec.precision == expected and job.refusal is None
 
 
 def test_a_plan_with_no_layout_of_the_strategies_says_so_not_that_nothing_fits(capsys):

@@ -10,8 +10,6 @@ from pathlib import Path
 from typing import Any
 
 from rich.markup import escape
-from rich.progress import BarColumn, MofNCompleteColumn, Progress, SpinnerColumn, TextColumn, TimeElapsedColumn
-from rich.table import Column
 
 from fitbench import __version__
 from fitbench.cli.command import Command
@@ -47,38 +45,6 @@ flight says interrupted, --resume runs it again).
 NOT_SWEEP_OPTIONS = ("command", "function", "argv", "resume", "extend", "config")
 
 
-def _label(row: dict[str, Any]) -> str:
-    """The configuration as asked for, and what finally ran when a fallback or the batch search changed it."""
-    from fitbench.spec import RunSpec
-
-    ran = RunSpec.model_validate(row["spec"]).label if "spec" in row else row["label"]
-    return row["label"] if ran == row["label"] else f"{row['label']} (ran as {ran})"
-
-
-def _describe_row(row: dict[str, Any]) -> str:
-    from fitbench.results.report import headline, quality_summary
-    from fitbench.units import format_bytes, format_seconds
-
-    if row["status"] != "ok":
-        first_line = (row.get("error") or "").strip().splitlines()[:1]
-        return f"[red]{row['status']}[/red] {escape(_label(row))}: {escape(first_line[0]) if first_line else ''}"
-    head = headline(row)
-    per = "/token" if row["spec"]["mode"] == "infer" else "/step"
-    warn = f" [yellow]({escape('; '.join(row['warnings']))})[/yellow]" if row.get("warnings") else ""
-    quality = row.get("quality")
-    cost = (f", weights {100 * row['weights']['relative_to_bf16']:.0f}% of bf16; {escape(quality_summary(quality))}"
-            if quality else "")
-    offload = row.get("offload")
-    if offload:
-        layers = offload["resident_layers"] + offload["offloaded_layers"]
-        where = "host memory" if offload["tier"] == "cpu" else "disk"
-        cost += (f", {offload['offloaded_layers']} of {layers} layers ({format_bytes(offload['offloaded_bytes'])}) "
-                 f"offloaded to {where}")
-    return (f"[green]ok[/green] {escape(_label(row))}: {format_seconds(head['time'])}{per} ± {head['cv']:.1f}%, "
-            f"{head['tokens_per_s']:,.0f} tokens/s{cost}{warn}")
-
-
-
 def check_output_directory(out: str, option: str) -> None:
     """A UserError unless ``out`` is, or can be made, a directory this process can write in; checked
     before anything runs, by writing there."""
@@ -97,16 +63,41 @@ def check_output_directory(out: str, option: str) -> None:
 
 def run(args: argparse.Namespace) -> int:
     """Benchmark every configuration of the sweep, each in a fresh process."""
-    from fitbench.config import expand, fallback_ladder, load_yaml, merge_sources, resumed_config, saved_options
-    from fitbench.launch.fallback import FallbackPolicy
-    from fitbench.launch.local import SweepCallbacks, run_sweep
-    from fitbench.launch.orders import assign
+    from fitbench.config import expand
+    from fitbench.launch.local import LocalLauncher, run_sweep
     from fitbench.plan.calibration import TENSORS_ONLY
-    from fitbench.results.report import results_table, write_csv
+    from fitbench.results.store import ResultStore
+    from fitbench.sweep import (check_ranks, default_models, plan_jobs, refuse_unrunnable, resolve_device,
+                                run_target)
+
+    from fitbench.cli.display import ProgressDisplay
+
+    config, out = sweep_config(args)
+    device = resolve_device(config.device)
+    check_ranks(device, config.gpus)
+    specs = expand(config, device=device, default_models=default_models(device))
+    check_output_directory(out, "--resume" if args.resume else "--out")
+    target, calibration = run_target(device, say=lambda text: console.print(escape(text)), ranks=config.gpus)
+    jobs = refuse_unrunnable(plan_jobs(specs, config, target, calibration), device)
+
+    store = ResultStore(out, on_bad_line=warn)
+    store.lock()  # until this run returns; a failed run's lock goes with its store, or with the process
+    command = _start_sweep(store, out, config.model_copy(update={"out": out}), device, args)
+    done = store.finished_keys()
+    console.print(f"fitbench {__version__}: {len(jobs)} configuration(s) on {device}"
+                  + (f", {sum(job.spec.key in done for job in jobs)} already finished" if done else "")
+                  + f"; results in {out}/")
+    with ProgressDisplay(len(jobs), store) as display:
+        run_sweep(jobs, store, launcher=LocalLauncher(), display=display, command=command,
+                  calibration=calibration.source if calibration else TENSORS_ONLY)
+    return _summary(store, out, {job.spec.key for job in jobs})
+
+
+def sweep_config(args: argparse.Namespace):
+    """The sweep's options (``fitbench.config.SweepConfig``), the command line's over the ``--config``
+    file's over a resumed sweep's, and its results directory."""
+    from fitbench.config import load_yaml, merge_sources, resumed_config, saved_options
     from fitbench.results.store import SWEEP_FILE, ResultStore
-    from fitbench.results.terminal import EtaColumn, SweepClock
-    from fitbench.sweep import (check_ranks, default_models, hardware_refusals, plan_specs, predicted_max_batch,
-                                resolve_device, run_target)
 
     for option, value in (("--resume", args.resume), ("--config", args.config)):
         if value is not None and not value.strip():
@@ -131,17 +122,14 @@ def run(args: argparse.Namespace) -> int:
     if args.resume:
         config = resumed_config(saved, config, extend=args.extend)
     out = args.resume or config.out or str(Path("fitbench-results") / datetime.now(timezone.utc).strftime("%Y%m%d-%H%M%S"))
-    device = resolve_device(config.device)
-    check_ranks(device, config.gpus)
-    specs = expand(config, device=device, default_models=default_models(device))
-    check_output_directory(out, "--resume" if args.resume else "--out")
-    target, calibration = run_target(device, say=lambda text: console.print(escape(text)), ranks=config.gpus)
-    specs, predict, refusals = plan_specs(specs, config, target, calibration)
-    refusals.update(hardware_refusals(specs, device))
+    return config, out
 
-    config = config.model_copy(update={"out": out})
-    store = ResultStore(out, on_bad_line=warn)
-    store.lock()  # until this run returns; a failed run's lock goes with its store, or with the process
+
+def _start_sweep(store, out: str, config, device: str, args: argparse.Namespace) -> str:
+    """Save the sweep's options in ``store``, the directory ``out`` (for ``--resume``), and return its
+    command line; a new sweep never replaces one already there."""
+    from fitbench.results.store import SWEEP_FILE
+
     if not args.resume and (store.directory / SWEEP_FILE).exists():
         raise UserError(f"out: {excerpt(out, 200)} already holds a sweep ({SWEEP_FILE}); a new one would replace it. "
                         f"`fitbench run --resume {excerpt(out, 200)}` finishes it (--extend adds to it), or give "
@@ -149,56 +137,14 @@ def run(args: argparse.Namespace) -> int:
     command = shlex.join(["fitbench", *args.argv])
     store.save_sweep({"config": config.model_dump(), "device": device, "command": command,
                       "fitbench_version": __version__})
+    return command
 
-    done = store.finished_keys()
-    console.print(f"fitbench {__version__}: {len(specs)} configuration(s) on {device}"
-                  + (f", {sum(s.key in done for s in specs)} already finished" if done else "")
-                  + f"; results in {out}/")
-    # Outside a terminal a live display shows nothing until the end: one line per configuration instead.
-    clock = SweepClock(len(specs))
-    figure = Column(no_wrap=True)  # at 80 columns the label wraps; counts and times stay whole
-    progress = Progress(SpinnerColumn(), TextColumn("{task.description}"), BarColumn(bar_width=20),
-                        MofNCompleteColumn(table_column=figure), TimeElapsedColumn(table_column=figure),
-                        EtaColumn(clock), console=console, transient=True, disable=not console.is_terminal)
-    with progress:
-        sweep_task = progress.add_task("sweep", total=len(specs), eta=True)
-        run_task = progress.add_task("", total=None)
 
-        def on_start(spec, index, total):
-            clock.start()
-            progress.update(run_task, description=f"{escape(spec.label)}: starting", completed=0, total=None)
+def _summary(store, out: str, keys: set[str]) -> int:
+    """The rows of ``keys`` in ``store`` (the directory ``out``) as a table, where they are, and the exit
+    status: 1 when one did not finish ok."""
+    from fitbench.results.report import results_table, write_csv
 
-        def on_event(event):
-            label = progress.tasks[run_task].description.split(":")[0]
-            phase = event.get("phase", "")
-            if "of" in event:
-                progress.update(run_task, description=f"{label}: {phase} {event['step']}/{event['of']}",
-                                completed=event["step"], total=event["of"])
-            else:
-                progress.update(run_task, description=f"{label}: {phase}", total=None)
-
-        def on_finish(row):
-            clock.finish(measured=row["status"] != "refused")
-            if console.is_terminal:
-                progress.console.print(_describe_row(row))
-            else:
-                console.print(f"{escape(f'[{clock.summary()}]')} {_describe_row(row)}", soft_wrap=True)
-            progress.advance(sweep_task)
-            write_csv(list(store.rows()), out)
-
-        def on_skip(spec):
-            clock.skip()
-            progress.advance(sweep_task)
-
-        callbacks = SweepCallbacks(on_start=on_start, on_event=on_event, on_finish=on_finish, on_skip=on_skip)
-        run_sweep(specs, store, timeout=config.timeout, command=command, callbacks=callbacks,
-                  predict=predict, refusals=refusals, calibration=calibration.source if calibration else TENSORS_ONLY,
-                  fallback=lambda spec: FallbackPolicy(tuple(fallback_ladder(config, spec.mode)),
-                                                       enabled=not config.no_fallback, gpus_at_hand=config.gpus),
-                  predicted_batch=lambda spec: predicted_max_batch(spec, device),
-                  assign=lambda spec: assign(spec, target, calibration))
-
-    keys = {spec.key for spec in specs}
     rows = [row for row in store.rows() if row.get("key") in keys]
     console.print(results_table(rows))
     csv_path = write_csv(list(store.rows()), out)
