@@ -7,10 +7,12 @@ cannot run them, or they are predicted not to fit), with the reason: one job per
 
 from __future__ import annotations
 
+import math
 import re
+import tempfile
 from dataclasses import replace
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any, Callable, NamedTuple
 
 from fitbench.errors import UserError, excerpt
 from fitbench.launch.fallback import FallbackPolicy
@@ -151,7 +153,6 @@ def run_target(device: str, measure: Callable[[], Any] | None = None, say: Calla
     if device == "cpu":
         source = "FITBENCH_INJECT mem-limit"
         return (GpuTarget(None, ranks, limit, described=False, memory_source=source) if limit else None), None
-    import tempfile
 
     import torch
 
@@ -215,6 +216,104 @@ def refuse_unrunnable(jobs: list[Job], device: str) -> list[Job]:
     """``jobs`` with those this device cannot run refused before launch (``hardware_refusals``)."""
     refusals = hardware_refusals([job.spec for job in jobs], device)
     return [replace(job, refusal=refusals[job.spec.key]) if job.spec.key in refusals else job for job in jobs]
+
+
+def check_output_directory(out: str, option: str) -> None:
+    """A UserError unless ``out`` is, or can be made, a directory this process can write in; checked
+    before anything runs, by writing there."""
+    path = Path(out)
+    try:
+        if path.exists() and not path.is_dir():
+            raise UserError(f"out: {excerpt(out, 200)} ({option}) is an existing file, not a directory. Give a "
+                            f"directory, or a path that does not exist yet.")
+        path.mkdir(parents=True, exist_ok=True)
+        with tempfile.TemporaryFile(dir=path):
+            pass
+    except OSError as error:
+        raise UserError(f"out: cannot write in {excerpt(out, 200)} ({option}): {error.strerror}. Give a directory "
+                        f"you can write to.") from None
+
+
+class PlannedSweep(NamedTuple):
+    """A sweep ready to launch: the device it runs on, its jobs, and the source of the calibration its
+    predictions used."""
+
+    device: str
+    jobs: list[Job]
+    calibration: str
+
+
+def plan_sweep(config, out: str, out_option: str = "--out", say: Callable[[str], None] = print) -> PlannedSweep:
+    """Everything ``fitbench run`` does before its first launch, in order: the device (``resolve_device``)
+    and its ranks, the configurations (``fitbench.config.expand``), the results directory ``out``
+    (``check_output_directory``; ``out_option`` names it in an error), the target and its calibration
+    (``run_target``, telling ``say`` if it calibrates), and the planned jobs, those this device cannot
+    run refused."""
+    from fitbench.config import expand
+    from fitbench.plan.calibration import TENSORS_ONLY
+
+    device = resolve_device(config.device)
+    check_ranks(device, config.gpus)
+    specs = expand(config, device=device, default_models=default_models(device))
+    check_output_directory(out, out_option)
+    target, calibration = run_target(device, say=say, ranks=config.gpus)
+    jobs = refuse_unrunnable(plan_jobs(specs, config, target, calibration), device)
+    return PlannedSweep(device, jobs, calibration.source if calibration else TENSORS_ONLY)
+
+
+# Bounds of what a plan can describe: beyond them a number is a typo, and sizes stop being finite floats.
+GPU_MEMORY_MAX = 1e14
+GPU_MEMORY_MIN = 1e9
+GPUS_MAX = 65536
+
+
+def gpu_target(*, gpu: str | None = None, gpu_memory: str | None = None, gpus: int | None = None) -> GpuTarget:
+    """The GPUs to plan for: described (``gpu``: a known GPU's name; ``gpu_memory``: a size such as 80GB;
+    ``gpus``: how many), else those detected here. Bad values are a UserError naming the option."""
+    from fitbench import hardware
+    from fitbench.plan.planner import GPU_ALIASES
+    from fitbench.units import parse_bytes
+
+    for option, value in (("--gpu", gpu), ("--gpu-memory", gpu_memory)):
+        if value is not None and not value.strip():
+            raise UserError(f"{option[2:]}: {option} was given an empty value; give it like "
+                            f"{'H100-80GB' if option == '--gpu' else '80GB'}, or leave it out.")
+    if gpus is not None and not 0 < gpus <= GPUS_MAX:
+        raise UserError(f"gpus: must be a number of GPUs from 1 to {GPUS_MAX:,}, got {excerpt(gpus)} (--gpus).")
+    if gpu and gpu_memory:
+        raise UserError(f"--gpu and --gpu-memory contradict: --gpu {excerpt(gpu)} sets the memory per GPU "
+                        f"from its datasheet; give --gpu for a known GPU, or --gpu-memory to describe another.")
+    name = None
+    if gpu:
+        name = GPU_ALIASES.get(gpu.upper(), gpu)
+        if hardware.gpu_spec(name) is None:
+            raise UserError(f"gpu: {excerpt(gpu)} is not a known GPU. Known: {', '.join(GPU_ALIASES)} (or an exact "
+                            f"device name such as 'NVIDIA H100 80GB HBM3'); or describe it with --gpu-memory.")
+    memory, source = None, None
+    if gpu_memory:
+        try:
+            memory, source = parse_bytes(gpu_memory), "--gpu-memory"
+        except ValueError:
+            raise UserError(f"gpu-memory: {excerpt(gpu_memory)} is not a size; write it like 80GB or "
+                            f"79.2GiB.") from None
+        if not math.isfinite(memory) or not GPU_MEMORY_MIN <= memory <= GPU_MEMORY_MAX:
+            raise UserError(f"gpu-memory: {excerpt(gpu_memory)} is not a GPU's memory; give a size from "
+                            f"{GPU_MEMORY_MIN / 1e9:.0f} GB to {GPU_MEMORY_MAX / 1e12:.0f} TB with its unit, like 80GB "
+                            f"or 79.2GiB (a bare number is bytes).")
+    if name is None and memory is None and gpus is None:
+        detected = hardware.detect_gpus()  # only then: detecting imports torch, seconds a described GPU never needs
+        if not detected:
+            raise UserError("gpus: no GPU is visible here; describe the hardware to plan for, e.g. "
+                            "--gpus 4 --gpu-memory 80GB, or --gpu H100-80GB.")
+        return GpuTarget(detected[0].name, len(detected), float(detected[0].total_memory), described=False,
+                         memory_source="torch.cuda.get_device_properties().total_memory")
+    if memory is None:
+        if name is None:
+            raise UserError("gpu-memory: with --gpus, say how much memory each GPU has (--gpu-memory 80GB) "
+                            "or which GPU it is (--gpu H100-80GB).")
+        spec = hardware.gpu_spec(name)
+        memory, source = spec.total_memory, spec.total_memory_source
+    return GpuTarget(name, 1 if gpus is None else gpus, memory, described=True, memory_source=source)
 
 
 def calibration_figures(c) -> str:

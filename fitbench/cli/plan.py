@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import math
 
 from rich.markup import escape
 from rich.table import Table
@@ -12,7 +11,7 @@ from rich.table import Table
 from fitbench.cli.command import Command
 from fitbench.cli.console import console
 from fitbench.cli.options import plan_options
-from fitbench.errors import UserError, excerpt
+from fitbench.errors import UserError
 
 PLAN_EXAMPLES = """\
 examples:
@@ -22,60 +21,6 @@ examples:
   fitbench plan --models 7B 13B 70B --gpu-memory 80GB --requirements
 Without --gpus/--gpu-memory/--gpu the GPUs of this machine are used.
 """
-
-
-# Bounds of what a plan can describe: beyond them a number is a typo, and sizes stop being finite floats.
-GPU_MEMORY_MAX = 1e14
-GPU_MEMORY_MIN = 1e9
-GPUS_MAX = 65536
-
-
-def gpu_target(args: argparse.Namespace):
-    """The GPUs to plan for: described on the command line, else detected."""
-    from fitbench import hardware
-    from fitbench.plan.planner import GPU_ALIASES, GpuTarget
-    from fitbench.units import parse_bytes
-
-    for option, value in (("--gpu", args.gpu), ("--gpu-memory", args.gpu_memory)):
-        if value is not None and not value.strip():
-            raise UserError(f"{option[2:]}: {option} was given an empty value; give it like "
-                            f"{'H100-80GB' if option == '--gpu' else '80GB'}, or leave it out.")
-    if args.gpus is not None and not 0 < args.gpus <= GPUS_MAX:
-        raise UserError(f"gpus: must be a number of GPUs from 1 to {GPUS_MAX:,}, got {excerpt(args.gpus)} (--gpus).")
-    if args.gpu and args.gpu_memory:
-        raise UserError(f"--gpu and --gpu-memory contradict: --gpu {excerpt(args.gpu)} sets the memory per GPU "
-                        f"from its datasheet; give --gpu for a known GPU, or --gpu-memory to describe another.")
-    name = None
-    if args.gpu:
-        name = GPU_ALIASES.get(args.gpu.upper(), args.gpu)
-        if hardware.gpu_spec(name) is None:
-            raise UserError(f"gpu: {excerpt(args.gpu)} is not a known GPU. Known: {', '.join(GPU_ALIASES)} (or an exact "
-                            f"device name such as 'NVIDIA H100 80GB HBM3'); or describe it with --gpu-memory.")
-    memory, source = None, None
-    if args.gpu_memory:
-        try:
-            memory, source = parse_bytes(args.gpu_memory), "--gpu-memory"
-        except ValueError:
-            raise UserError(f"gpu-memory: {excerpt(args.gpu_memory)} is not a size; write it like 80GB or "
-                            f"79.2GiB.") from None
-        if not math.isfinite(memory) or not GPU_MEMORY_MIN <= memory <= GPU_MEMORY_MAX:
-            raise UserError(f"gpu-memory: {excerpt(args.gpu_memory)} is not a GPU's memory; give a size from "
-                            f"{GPU_MEMORY_MIN / 1e9:.0f} GB to {GPU_MEMORY_MAX / 1e12:.0f} TB with its unit, like 80GB "
-                            f"or 79.2GiB (a bare number is bytes).")
-    if name is None and memory is None and args.gpus is None:
-        detected = hardware.detect_gpus()  # only then: detecting imports torch, seconds a described GPU never needs
-        if not detected:
-            raise UserError("gpus: no GPU is visible here; describe the hardware to plan for, e.g. "
-                            "--gpus 4 --gpu-memory 80GB, or --gpu H100-80GB.")
-        return GpuTarget(detected[0].name, len(detected), float(detected[0].total_memory), described=False,
-                         memory_source="torch.cuda.get_device_properties().total_memory")
-    if memory is None:
-        if name is None:
-            raise UserError("gpu-memory: with --gpus, say how much memory each GPU has (--gpu-memory 80GB) "
-                            "or which GPU it is (--gpu H100-80GB).")
-        spec = hardware.gpu_spec(name)
-        memory, source = spec.total_memory, spec.total_memory_source
-    return GpuTarget(name, 1 if args.gpus is None else args.gpus, memory, described=True, memory_source=source)
 
 
 def _plan_text(result, trace) -> None:
@@ -133,6 +78,7 @@ def _plan_text(result, trace) -> None:
 def plan(args: argparse.Namespace) -> int:
     """Predict per-GPU memory term by term and choose how to run each model; no GPU needed."""
     from fitbench.config import check_context, merge_sources
+    from fitbench.sweep import gpu_target
     from fitbench.models.registry import resolve
     from fitbench.plan.calibration import load_calibration
     from fitbench.plan.planner import fewest_gpus
@@ -149,7 +95,7 @@ def plan(args: argparse.Namespace) -> int:
         if mode in TRAINING_MODES and args.precision and all(training_problem(p) for p in args.precision):
             raise UserError(f"precision: {training_problem(args.precision[0])}; or use --mode infer or forward with "
                             f"{args.precision[0]}.")
-    target = gpu_target(args)
+    target = gpu_target(gpu=args.gpu, gpu_memory=args.gpu_memory, gpus=args.gpus)
     calibration = load_calibration(target.name)
     architectures = {name: resolve(name) for name in args.models}
     for name, arch in architectures.items():

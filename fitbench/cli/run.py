@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import argparse
 import shlex
-import tempfile
 from datetime import datetime, timezone
 from pathlib import Path
 from typing import Any
@@ -45,40 +44,17 @@ flight says interrupted, --resume runs it again).
 NOT_SWEEP_OPTIONS = ("command", "function", "argv", "resume", "extend", "config")
 
 
-def check_output_directory(out: str, option: str) -> None:
-    """A UserError unless ``out`` is, or can be made, a directory this process can write in; checked
-    before anything runs, by writing there."""
-    path = Path(out)
-    try:
-        if path.exists() and not path.is_dir():
-            raise UserError(f"out: {excerpt(out, 200)} ({option}) is an existing file, not a directory. Give a "
-                            f"directory, or a path that does not exist yet.")
-        path.mkdir(parents=True, exist_ok=True)
-        with tempfile.TemporaryFile(dir=path):
-            pass
-    except OSError as error:
-        raise UserError(f"out: cannot write in {excerpt(out, 200)} ({option}): {error.strerror}. Give a directory "
-                        f"you can write to.") from None
-
-
 def run(args: argparse.Namespace) -> int:
     """Benchmark every configuration of the sweep, each in a fresh process."""
-    from fitbench.config import expand
     from fitbench.launch.local import LocalLauncher, run_sweep
-    from fitbench.plan.calibration import TENSORS_ONLY
     from fitbench.results.store import ResultStore
-    from fitbench.sweep import (check_ranks, default_models, plan_jobs, refuse_unrunnable, resolve_device,
-                                run_target)
+    from fitbench.sweep import plan_sweep
 
     from fitbench.cli.display import ProgressDisplay
 
     config, out = sweep_config(args)
-    device = resolve_device(config.device)
-    check_ranks(device, config.gpus)
-    specs = expand(config, device=device, default_models=default_models(device))
-    check_output_directory(out, "--resume" if args.resume else "--out")
-    target, calibration = run_target(device, say=lambda text: console.print(escape(text)), ranks=config.gpus)
-    jobs = refuse_unrunnable(plan_jobs(specs, config, target, calibration), device)
+    device, jobs, calibration = plan_sweep(config, out, "--resume" if args.resume else "--out",
+                                           say=lambda text: console.print(escape(text)))
 
     store = ResultStore(out, on_bad_line=warn)
     store.lock()  # until this run returns; a failed run's lock goes with its store, or with the process
@@ -89,7 +65,7 @@ def run(args: argparse.Namespace) -> int:
                   + f"; results in {out}/")
     with ProgressDisplay(len(jobs), store) as display:
         run_sweep(jobs, store, launcher=LocalLauncher(), display=display, command=command,
-                  calibration=calibration.source if calibration else TENSORS_ONLY)
+                  calibration=calibration)
     return _summary(store, out, {job.spec.key for job in jobs})
 
 
