@@ -1,18 +1,26 @@
 """Plan before run: what ``fitbench run`` does between parsing its options and launching the first
 worker. The device and its default models, the GPU target and its calibration, the planner's choices
 and predictions for every configuration, and the configurations refused before launch (this hardware
-cannot run them, or they are predicted not to fit), with the reason. The CLI parses, calls these and
-prints; the launcher (``fitbench.launch``) runs what they leave.
+cannot run them, or they are predicted not to fit), with the reason: one job per configuration
+(``fitbench.launch.job``), which ``fitbench.launch.local.run_sweep`` runs.
 """
 
 from __future__ import annotations
 
+import math
 import re
+import tempfile
+from dataclasses import replace
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any, Callable, NamedTuple
 
 from fitbench.errors import UserError, excerpt
+from fitbench.launch.fallback import FallbackPolicy
+from fitbench.launch.job import Job
+from fitbench.plan.calibration import Calibration
+from fitbench.plan.planner import GpuTarget
 from fitbench.precisions import PRECISIONS
+from fitbench.spec import RunSpec
 
 
 def resolve_device(requested: str) -> str:
@@ -72,55 +80,6 @@ def default_models(device: str) -> list[str]:
     memory = torch.cuda.get_device_properties(torch.device(device)).total_memory
     fitting = [name for name in SIZE_LADDER if 16 * resolve(name).total_params <= 0.7 * memory]
     return fitting[:3] or ["tiny"]
-
-
-def predicted_max_batch(spec, device: str) -> int:
-    """The planner's largest batch per rank for ``spec`` on its device: on a GPU the largest whose peak
-    with the calibrated overheads stays clear of ``RETRY_MARGIN`` of its memory (the allocator retries
-    within it), else the largest that fits; on a CPU within the budget of FITBENCH_INJECT's mem-limit
-    (else the available RAM, shared by the job's ranks); with offload, beside no resident decoder layer.
-    A job of several ranks is planned per rank under its layout's strategy (DDP's replicas, FSDP's
-    shards)."""
-    from fitbench.host import host_memory
-    from fitbench.models.registry import resolve
-    from fitbench.plan.memory import Parallelism, estimate_memory
-    from fitbench.inject import injected_memory_limit
-
-    arch = resolve(spec.model)
-    resident = 0 if spec.layer_offload else None
-    ranks = spec.layout.world_size
-    if device == "cpu":
-        budget = injected_memory_limit() or host_memory().available / ranks
-
-        def peak(batch: int) -> float:
-            return estimate_memory(arch, spec.mode, spec.precision, batch, spec.seq_len, new_tokens=spec.new_tokens,
-                                   activation_checkpointing=spec.activation_checkpointing,
-                                   parallelism=Parallelism(layout=spec.layout, offload=spec.fsdp_offload,
-                                                               microbatches=spec.microbatches),
-                                   resident_layers=resident, backend=spec.backend,
-                                   compiled=spec.compile).peak_bytes
-    else:
-        import torch
-
-        from fitbench.plan.calibration import load_calibration
-        from fitbench.plan.planner import RETRY_MARGIN, Candidate, GpuTarget, assess
-
-        properties = torch.cuda.get_device_properties(torch.device(device))
-        budget = injected_memory_limit() or float(properties.total_memory)
-        target = GpuTarget(properties.name, 1, budget, described=False)
-        calibration = load_calibration(properties.name)
-
-        def peak(batch: int) -> float:
-            candidate = Candidate.of_layout(spec.precision, spec.layout, spec.activation_checkpointing, batch,
-                                            resident_layers=resident, compiled=spec.compile,
-                                            cpu_offload=spec.fsdp_offload)
-            return assess(arch, spec.mode, candidate, target, seq_len=spec.seq_len, new_tokens=spec.new_tokens,
-                          calibration=calibration, backend=spec.backend).predicted_peak
-    from fitbench.launch.fallback import largest_batch
-
-    if device == "cpu":
-        return largest_batch(peak, budget)
-    return largest_batch(peak, (1 - RETRY_MARGIN) * budget) or largest_batch(peak, budget)
 
 
 def hardware_refusals(specs: list, device: str) -> dict[str, str]:
@@ -194,7 +153,6 @@ def run_target(device: str, measure: Callable[[], Any] | None = None, say: Calla
     if device == "cpu":
         source = "FITBENCH_INJECT mem-limit"
         return (GpuTarget(None, ranks, limit, described=False, memory_source=source) if limit else None), None
-    import tempfile
 
     import torch
 
@@ -220,46 +178,146 @@ def run_target(device: str, measure: Callable[[], Any] | None = None, say: Calla
     return GpuTarget(properties.name, ranks, memory, described=False, memory_source=source), calibration
 
 
-def plan_specs(specs: list, config, target, calibration) -> tuple[list, Callable[[Any], dict | None], dict[str, str]]:
-    """Plan every configuration before it runs, with the model of its backend, on the GPU of ``target`` (``run_target``;
-    None: nothing is planned): the planner picks the precision and activation checkpointing the user
-    left open, and predicts the per-GPU peak stored with the result. A configuration that no choice
-    left open makes fit is refused: it is not launched, and its reason names the predicted need and the
-    alternatives predicted to fit (``fitbench.plan.planner.alternatives``, also in the prediction).
-    Returns the specs to run, a function giving the prediction for the configuration that finally
-    ran (the planned one, or, after a fallback or a batch search changed it, a new prediction for
-    what ran; the choices the planner made stay listed), and the refusals by spec key."""
-    if target is None:
-        return specs, lambda spec: None, {}
-
+def plan_jobs(specs: list[RunSpec], config, target: GpuTarget | None, calibration: Calibration | None) -> list[Job]:
+    """A job per configuration, planned before it runs with the model of its backend on the GPU of
+    ``target`` (``run_target``; None: nothing is planned): the planner picks the precision, activation
+    checkpointing and layout the user left open, and predicts the per-GPU peak stored with the result.
+    A configuration that no choice left open makes fit is refused: it is not launched, and its reason
+    names the predicted need and the alternatives predicted to fit
+    (``fitbench.plan.planner.alternatives``, also in the prediction). Each job walks the fallback
+    ladder of ``config`` for its mode and lives at most ``config.timeout`` seconds."""
     from fitbench.config import fallback_ladder
     from fitbench.models.registry import resolve
     from fitbench.plan.planner import alternatives, planner_choices, predict_spec, refusal
 
-    planned, predictions, refusals = [], {}, {}
+    jobs = []
     for spec in specs:
+        ladder = fallback_ladder(config, spec.mode)
+        policy = FallbackPolicy(tuple(ladder), enabled=not config.no_fallback, gpus_at_hand=config.gpus)
+        if target is None:
+            jobs.append(Job(spec, config.timeout, policy))
+            continue
         arch = resolve(spec.model)
         spec, prediction = predict_spec(arch, spec, target, calibration, choose_precision=config.precision is None,
                                         choose_recompute=config.activation_checkpointing is None,
                                         runnable=PRECISIONS, choose_strategy=config.strategy == "auto",
-                                        gpus=None if spec.offload else config.gpus,
-                                        ladder=fallback_ladder(config, spec.mode))
-        planned.append(spec)
-        predictions[spec.key] = prediction
+                                        gpus=None if spec.offload else config.gpus, ladder=ladder)
+        reason = None
         if not prediction["fits"]:
             found = alternatives(arch, spec, target, calibration)
             prediction["alternatives"] = [alternative.as_dict() for alternative in found]
-            refusals[spec.key] = refusal(arch, spec, prediction, target, found)
+            reason = refusal(arch, spec, prediction, target, found)
+        chosen = planner_choices(spec.mode, config.precision is None, config.activation_checkpointing is None)
+        jobs.append(Job(spec, config.timeout, policy, target, calibration, prediction, reason, tuple(chosen)))
+    return jobs
 
-    def prediction_for(ran) -> dict | None:
-        if ran.key in predictions:
-            return predictions[ran.key]
-        _, prediction = predict_spec(resolve(ran.model), ran, target, calibration, choose_precision=False,
-                                     choose_recompute=False, runnable=PRECISIONS)
-        return {**prediction, "chosen_by_planner": planner_choices(ran.mode, config.precision is None,
-                                                                   config.activation_checkpointing is None)}
 
-    return planned, prediction_for, refusals
+def refuse_unrunnable(jobs: list[Job], device: str) -> list[Job]:
+    """``jobs`` with those this device cannot run refused before launch (``hardware_refusals``)."""
+    refusals = hardware_refusals([job.spec for job in jobs], device)
+    return [replace(job, refusal=refusals[job.spec.key]) if job.spec.key in refusals else job for job in jobs]
+
+
+def check_output_directory(out: str, option: str) -> None:
+    """A UserError unless ``out`` is, or can be made, a directory this process can write in; checked
+    before anything runs, by writing there."""
+    path = Path(out)
+    try:
+        if path.exists() and not path.is_dir():
+            raise UserError(f"out: {excerpt(out, 200)} ({option}) is an existing file, not a directory. Give a "
+                            f"directory, or a path that does not exist yet.")
+        path.mkdir(parents=True, exist_ok=True)
+        with tempfile.TemporaryFile(dir=path):
+            pass
+    except OSError as error:
+        raise UserError(f"out: cannot write in {excerpt(out, 200)} ({option}): {error.strerror}. Give a directory "
+                        f"you can write to.") from None
+
+
+class PlannedSweep(NamedTuple):
+    """A sweep ready to launch: the device it runs on, its jobs, and the source of the calibration its
+    predictions used."""
+
+    device: str
+    jobs: list[Job]
+    calibration: str
+
+
+def plan_sweep(config, out: str, out_option: str = "--out", say: Callable[[str], None] = print) -> PlannedSweep:
+    """Everything ``fitbench run`` does before its first launch, in order: the device (``resolve_device``)
+    and its ranks, the configurations (``fitbench.config.expand``), the results directory ``out``
+    (``check_output_directory``; ``out_option`` names it in an error), the target and its calibration
+    (``run_target``, telling ``say`` if it calibrates), and the planned jobs, those this device cannot
+    run refused."""
+    from fitbench.config import expand
+    from fitbench.plan.calibration import TENSORS_ONLY
+
+    device = resolve_device(config.device)
+    check_ranks(device, config.gpus)
+    specs = expand(config, device=device, default_models=default_models(device))
+    check_output_directory(out, out_option)
+    target, calibration = run_target(device, say=say, ranks=config.gpus)
+    jobs = refuse_unrunnable(plan_jobs(specs, config, target, calibration), device)
+    return PlannedSweep(device, jobs, calibration.source if calibration else TENSORS_ONLY)
+
+
+# Bounds of what a plan can describe: beyond them a number is a typo, and sizes stop being finite floats.
+GPU_MEMORY_MAX = 1e14
+GPU_MEMORY_MIN = 1e9
+GPUS_MAX = 65536
+
+
+def gpu_target(*, gpu: str | None = None, gpu_memory: str | None = None, gpus: int | None = None) -> GpuTarget:
+    """The GPUs to plan for: described (``gpu``: a known GPU's name; ``gpu_memory``: a size such as 80GB;
+    ``gpus``: how many), else those detected here. Bad values are a UserError naming the option."""
+    from fitbench import hardware
+    from fitbench.plan.planner import GPU_ALIASES
+    from fitbench.units import parse_bytes
+
+    for option, value in (("--gpu", gpu), ("--gpu-memory", gpu_memory)):
+        if value is not None and not value.strip():
+            raise UserError(f"{option[2:]}: {option} was given an empty value; give it like "
+                            f"{'H100-80GB' if option == '--gpu' else '80GB'}, or leave it out.")
+    if gpus is not None and not 0 < gpus <= GPUS_MAX:
+        raise UserError(f"gpus: must be a number of GPUs from 1 to {GPUS_MAX:,}, got {excerpt(gpus)} (--gpus).")
+    if gpu and gpu_memory:
+        raise UserError(f"--gpu and --gpu-memory contradict: --gpu {excerpt(gpu)} sets the memory per GPU "
+                        f"from its datasheet; give --gpu for a known GPU, or --gpu-memory to describe another.")
+    name = None
+    if gpu:
+        name = GPU_ALIASES.get(gpu.upper(), gpu)
+        if hardware.gpu_spec(name) is None:
+            raise UserError(f"gpu: {excerpt(gpu)} is not a known GPU. Known: {', '.join(GPU_ALIASES)} (or an exact "
+                            f"device name such as 'NVIDIA H100 80GB HBM3'); or describe it with --gpu-memory.")
+    memory, source = None, None
+    if gpu_memory:
+        try:
+            memory, source = parse_bytes(gpu_memory), "--gpu-memory"
+        except ValueError:
+            raise UserError(f"gpu-memory: {excerpt(gpu_memory)} is not a size; write it like 80GB or "
+                            f"79.2GiB.") from None
+        if not math.isfinite(memory) or not GPU_MEMORY_MIN <= memory <= GPU_MEMORY_MAX:
+            raise UserError(f"gpu-memory: {excerpt(gpu_memory)} is not a GPU's memory; give a size from "
+                            f"{GPU_MEMORY_MIN / 1e9:.0f} GB to {GPU_MEMORY_MAX / 1e12:.0f} TB with its unit, like 80GB "
+                            f"or 79.2GiB (a bare number is bytes).")
+    if name is None and memory is None:
+        detected = hardware.detect_gpus()  # only then: detecting imports torch, seconds a described GPU never needs
+        if not detected and gpus is None:
+            raise UserError("gpus: no GPU is visible here; describe the hardware to plan for, e.g. "
+                            "--gpus 4 --gpu-memory 80GB, or --gpu H100-80GB.")
+        if not detected:
+            raise UserError("gpu-memory: no GPU is visible here, so with --gpus say how much memory each GPU has "
+                            "(--gpu-memory 80GB) or which GPU it is (--gpu H100-80GB).")
+        count = len(detected) if gpus is None else gpus
+        if count > len(detected):
+            raise UserError(f"gpus: {count} GPUs asked, {len(detected)} visible here ({detected[0].name}); ask for "
+                            f"at most {len(detected)}, or plan for other hardware with --gpu or --gpu-memory.")
+        return GpuTarget(detected[0].name, count, float(detected[0].total_memory), described=False,
+                         memory_source="torch.cuda.get_device_properties().total_memory")
+    if memory is None:
+        spec = hardware.gpu_spec(name)
+        memory, source = spec.total_memory, spec.total_memory_source
+    return GpuTarget(name, 1 if gpus is None else gpus, memory, described=True, memory_source=source)
 
 
 def calibration_figures(c) -> str:

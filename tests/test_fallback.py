@@ -18,7 +18,7 @@ import pandas as pd
 import pytest
 import yaml
 
-from fitbench.sweep import predicted_max_batch
+from fitbench.launch.job import predicted_max_batch
 from fitbench.config import SweepConfig, fallback_ladder, load_yaml, merge_sources
 from fitbench.spec import RunSpec
 from fitbench.launch.fallback import FallbackPolicy, Rung, largest_batch, next_attempt, next_rung, search_max_batch

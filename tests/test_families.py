@@ -291,7 +291,7 @@ def test_hf_backend_rows_get_a_prediction():
 
 
 def test_hf_backend_auto_batch_follows_the_memory_model(monkeypatch):
-    from fitbench.sweep import predicted_max_batch
+    from fitbench.launch.job import predicted_max_batch
 
     spec = hf_spec()
     one = estimate_memory(resolve("gpt2"), "train", "bf16", 1, 256, backend="hf").peak_bytes

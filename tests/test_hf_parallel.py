@@ -201,13 +201,13 @@ def test_a_model_over_stages_in_one_process_generates_the_plain_models_tokens(na
 
 
 def test_the_hf_backends_stages_launch_as_one_process_and_the_natives_as_torchrun():
-    from fitbench.launch.launchers import LocalProcess, Torchrun, launcher_for
+    from fitbench.launch.commands import LocalProcess, Torchrun, worker_command
     from fitbench.spec import Layout
 
     layout = Layout.of_strategy("pipeline", 2)
-    assert launcher_for(layout, "hf") == LocalProcess()
-    assert launcher_for(layout, "native") == Torchrun(2)
-    assert launcher_for(Layout(tp=2), "hf") == Torchrun(2)
+    assert worker_command(layout, "hf") == LocalProcess()
+    assert worker_command(layout, "native") == Torchrun(2)
+    assert worker_command(Layout(tp=2), "hf") == Torchrun(2)
 
 
 def test_the_hf_backends_stages_run_inference_in_floating_point_only():

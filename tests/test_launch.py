@@ -60,14 +60,15 @@ def test_workers_keep_triton_kernels_and_autotuning_in_fitbenchs_cache_unless_th
 def test_the_planners_warnings_join_the_rows(tmp_path):
     """A warning in the configuration's prediction (a weight-only format forecast slower than bf16) is one
     of the row's warnings, beside the worker's; a row without any has none."""
-    from fitbench.launch.local import run_sweep
+    from fitbench.launch.job import Job
+    from fitbench.launch.local import LocalLauncher, run_sweep
     from fitbench.results.store import ResultStore
     from fitbench.spec import RunSpec
 
     specs = [RunSpec(model="tiny", backend="native", mode="infer", precision=precision, batch_size=8, seq_len=16,
                      new_tokens=4, device="cpu", warmup_steps=1, measure_steps=1) for precision in ("int4", "fp32")]
     warning = "int4 is forecast slower than bf16-pure at batch 8"
-    rows = run_sweep(specs, ResultStore(tmp_path), timeout=60, command="test",
-                     predict=lambda spec: {"warnings": [warning] if spec.precision == "int4" else []},
-                     refusals={spec.key: "refused before launch" for spec in specs})
+    jobs = [Job(spec, 60, prediction={"warnings": [warning] if spec.precision == "int4" else []},
+                refusal="refused before launch") for spec in specs]
+    rows = run_sweep(jobs, ResultStore(tmp_path), launcher=LocalLauncher(), command="test")
     assert [row["warnings"] for row in rows] == [[warning], None]

@@ -5,7 +5,6 @@ Expected values are worked out here from the models' published shapes and the GP
 figures, with the formulas the modules document, never read back from the code under test.
 """
 
-import argparse
 import json
 import math
 import os
@@ -20,7 +19,7 @@ import pytest
 import torch
 
 from fitbench import hardware
-from fitbench.cli import gpu_target
+from fitbench.sweep import gpu_target
 from fitbench.sweep import run_target
 from fitbench.spec import Layout, RunSpec
 from fitbench.errors import UserError
@@ -1060,7 +1059,7 @@ def test_plan_on_detected_gpus(capsys, monkeypatch):
     (None, "79.2GiB", 4, GpuTarget(None, 4, 79.2 * 2**30, True)),
 ])
 def test_gpu_target_from_the_command_line(gpu, gpu_memory, gpus, expected):
-    target = gpu_target(argparse.Namespace(gpu=gpu, gpu_memory=gpu_memory, gpus=gpus))
+    target = gpu_target(gpu=gpu, gpu_memory=gpu_memory, gpus=gpus)
     assert target.name == expected.name and target.count == expected.count and target.described
     assert target.memory == pytest.approx(expected.memory, rel=1e-12)
 
@@ -1462,14 +1461,14 @@ def test_named_gpus_plan_with_what_the_device_gives_a_process():
                 for gpu in json.loads(line)["environment"]["gpus"] if gpu["name"] == H100}
     assert reported == {H100_TOTAL_MEMORY}
     for alias in ("H100-80GB", "H100", "H100-SXM"):
-        target = gpu_target(argparse.Namespace(gpu=alias, gpu_memory=None, gpus=None))
+        target = gpu_target(gpu=alias, gpu_memory=None, gpus=None)
         assert target.memory == H100_TOTAL_MEMORY and "total_memory" in target.memory_source
     # Every named GPU says where its memory comes from; a figure read off a device is in whole bytes
     # (whole MiB for printouts in MiB) and within a few percent of the datasheet's round GB: the driver
     # keeps some back, and the datasheets' GB are sometimes GiB.
     for alias, name in GPU_ALIASES.items():
         spec = hardware.gpu_spec(name)
-        target = gpu_target(argparse.Namespace(gpu=alias, gpu_memory=None, gpus=None))
+        target = gpu_target(gpu=alias, gpu_memory=None, gpus=None)
         assert target.memory == spec.total_memory and target.memory_source == spec.total_memory_source
         if spec.total_memory_source.startswith("the datasheet"):
             assert spec.total_memory == spec.memory_gb * GB
@@ -1477,7 +1476,7 @@ def test_named_gpus_plan_with_what_the_device_gives_a_process():
             assert spec.total_memory == int(spec.total_memory)
             assert 0.97 < spec.total_memory / (spec.memory_gb * GB) < 1.08, alias
     # The gap the issue found: 7B inference plans for 85.0 GB on an H100, not 80.0 GB.
-    assert gpu_target(argparse.Namespace(gpu="H100-80GB", gpu_memory=None, gpus=None)).memory / GB == \
+    assert gpu_target(gpu="H100-80GB", gpu_memory=None, gpus=None).memory / GB == \
         pytest.approx(85.0, abs=0.05)
 
 
@@ -1558,14 +1557,14 @@ def test_the_run_plans_the_precision_it_left_open_from_its_fallback_ladder():
     """Llama-2-70B's bf16 weights (138 GB) do not fit a 100 GB GPU, its int8 and fp8 ones do: the run's
     plan takes the next rung of the ladder the user gives, not the default ladder's int8."""
     from fitbench.config import SweepConfig, expand
-    from fitbench.sweep import plan_specs
+    from fitbench.sweep import plan_jobs
 
     target = GpuTarget("NVIDIA H200", 1, 100e9, described=True)
     for fallback, expected in ((None, "int8"), (["bf16-pure", "fp8", "nf4"], "fp8")):
         config = SweepConfig(models=["llama-2-70b"], mode=["infer"], fallback=fallback)
         specs = expand(config, device="cuda:0", default_models=[])
-        (planned,), _, refusals = plan_specs(specs, config, target, DEFAULT)
-        assert planned.precision == expected and not refusals
+        (job,) = plan_jobs(specs, config, target, DEFAULT)
+        assert job.spec.precision == expected and job.refusal is None
 
 
 def test_a_plan_with_no_layout_of_the_strategies_says_so_not_that_nothing_fits(capsys):

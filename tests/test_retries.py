@@ -9,13 +9,13 @@ import pytest
 
 from conftest import cli
 from fitbench.config import SweepConfig, expand
-from fitbench.launch.local import _ran_clear
+from fitbench.launch.job import _ran_clear
 from fitbench.models.registry import resolve
 from fitbench.plan.calibration import DEFAULT
 from fitbench.plan.planner import RETRY_MARGIN, Candidate, GpuTarget, assess
 from fitbench.results.store import ResultStore
 from fitbench.spec import Layout
-from fitbench.sweep import plan_specs
+from fitbench.sweep import plan_jobs
 
 H100 = "NVIDIA H100 80GB HBM3"
 H100_MEMORY = 85.0e9  # what torch reports of an H100 80GB
@@ -84,10 +84,9 @@ def test_the_30b_fsdp_run_takes_checkpointing_or_another_layout_over_a_step_at_t
     assert at_edge.fits and not at_edge.clear
     for checkpointing, expected in ((None, True), (False, False)):
         config = SweepConfig(models=["30B"], mode=["train"], gpus=4, activation_checkpointing=checkpointing)
-        (planned,), predict, refusals = plan_specs(expand(config, device="cuda:0", default_models=[]), config,
-                                                   target, DEFAULT)
-        prediction = predict(planned)
-        assert not refusals and prediction["fits"] and not prediction["within_retry_margin"]
+        (job,) = plan_jobs(expand(config, device="cuda:0", default_models=[]), config, target, DEFAULT)
+        planned, prediction = job.spec, job.prediction_for(job.spec)
+        assert job.refusal is None and prediction["fits"] and not prediction["within_retry_margin"]
         assert prediction["predicted_peak_bytes"] <= (1 - RETRY_MARGIN) * H100_MEMORY
         assert planned.activation_checkpointing is expected
         assert planned.layout != Layout(dp_shard=4) or expected
@@ -105,7 +104,6 @@ def test_a_cpu_keeps_no_margin_and_a_fixed_configuration_at_the_edge_still_runs(
     target = GpuTarget(H100, 4, H100_MEMORY, described=False)
     config = SweepConfig(models=["30B"], mode=["train"], precision=["bf16-pure"], gpus=4, strategy="fsdp",
                          activation_checkpointing=False, batch_size=[4])
-    (planned,), predict, refusals = plan_specs(expand(config, device="cuda:0", default_models=[]), config, target,
-                                               DEFAULT)
-    assert planned.layout == Layout(dp_shard=4) and not refusals
-    assert predict(planned)["fits"] and predict(planned)["within_retry_margin"]
+    (job,) = plan_jobs(expand(config, device="cuda:0", default_models=[]), config, target, DEFAULT)
+    assert job.spec.layout == Layout(dp_shard=4) and job.refusal is None
+    assert job.prediction_for(job.spec)["fits"] and job.prediction_for(job.spec)["within_retry_margin"]

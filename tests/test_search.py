@@ -35,7 +35,7 @@ def test_the_largest_batch_of_a_job_of_ranks_is_planned_per_rank_under_its_strat
     from fitbench.models.registry import resolve
     from fitbench.plan.memory import Parallelism, estimate_memory
     from fitbench.spec import Layout, RunSpec
-    from fitbench.sweep import predicted_max_batch
+    from fitbench.launch.job import predicted_max_batch
 
     fields = dict(model="small", backend="native", mode="train", precision="fp32", batch_size=1, seq_len=128,
                   new_tokens=4, warmup_steps=1, measure_steps=2, device="cpu", auto_batch=True)

@@ -53,8 +53,9 @@ from pydantic import ValidationError
 
 from fitbench import hardware
 from fitbench.host import HostMemory, host_memory, oom_kills
-from fitbench.launch.fallback import RAN_TO_THE_END, FallbackPolicy, run_with_fallback, search_max_batch
-from fitbench.launch.launchers import launcher_for
+from fitbench.launch.commands import worker_command
+from fitbench.launch.job import Job
+from fitbench.launch.launcher import Attempt, Event, Launcher, SweepDisplay
 from fitbench.models.registry import resolve
 from fitbench.monitor.nvml import GpuMonitor, job_gpus
 from fitbench.processes import PARENT_VARIABLE, TOKEN_VARIABLE, kill_tree
@@ -85,14 +86,6 @@ def _tail(path: Path, lines: int) -> str:
         return "".join(deque(handle, maxlen=lines)).strip()
 
 
-@dataclass
-class SweepCallbacks:
-    on_start: Callable[[RunSpec, int, int], None] = lambda spec, index, total: None
-    on_event: Callable[[dict[str, Any]], None] = lambda event: None
-    on_finish: Callable[[dict[str, Any]], None] = lambda row: None
-    on_skip: Callable[[RunSpec], None] = lambda spec: None
-
-
 # torch reads the allocator's settings from either variable (PYTORCH_ALLOC_CONF is the newer name).
 ALLOCATOR_VARIABLES = ("PYTORCH_ALLOC_CONF", "PYTORCH_CUDA_ALLOC_CONF")
 
@@ -121,8 +114,8 @@ def worker_environment() -> dict[str, str]:
     return environment
 
 
-def run_one(assignment: Assignment, log_path: Path, timeout: float, on_event: Callable[[dict[str, Any]], None], *,
-            limit: str | None = None, artifacts: Path | None = None) -> dict[str, Any]:
+def run_one(assignment: Assignment, log_path: Path, timeout: float, on_event: Callable[[Event], None], *,
+            limit: str | None = None, artifacts: Path | None = None) -> Row:
     """Run the assignment's configuration in a child process (a torchrun job for several ranks) for at
     most ``timeout`` seconds (``limit`` names that bound in a timeout's error); return the row that
     describes what happened. However this ends (the worker's exit, the timeout, an exception such as
@@ -140,7 +133,7 @@ def run_one(assignment: Assignment, log_path: Path, timeout: float, on_event: Ca
         monitor = _monitor(spec, artifacts or log_path.parent)
         with log_path.open("w") as log, monitor or nullcontext():
             process = subprocess.Popen(
-                launcher_for(spec.layout, spec.backend).command(spec_path, result_path),
+                worker_command(spec.layout, spec.backend).command(spec_path, result_path),
                 stdout=subprocess.PIPE, stderr=log, stdin=subprocess.DEVNULL, start_new_session=True,
                 env={**worker_environment(), TOKEN_VARIABLE: token, PARENT_VARIABLE: str(os.getpid())},
             )
@@ -192,7 +185,16 @@ def run_one(assignment: Assignment, log_path: Path, timeout: float, on_event: Ca
     return Row(key=spec.key, label=spec.label, spec=spec.model_dump(), **row,
                params=arch.total_params, non_embedding_params=arch.non_embedding_params,
                exit_code=code, started_at=started_at, finished_at=_now(),
-               wall_s=time.monotonic() - started, log=str(log_path)).as_dict()
+               wall_s=time.monotonic() - started, log=str(log_path))
+
+
+@dataclass(frozen=True)
+class LocalLauncher:
+    """Each attempt as a fresh process (a torchrun job for several ranks) on this machine (``run_one``)."""
+
+    def run(self, attempt: Attempt, on_event: Callable[[Event], None]) -> Row:
+        return run_one(attempt.assignment, attempt.log, attempt.timeout, on_event, limit=attempt.limit,
+                       artifacts=attempt.artifacts)
 
 
 def _host_budget(spec: RunSpec) -> HostMemory:
@@ -418,62 +420,6 @@ def _excerpt(text: str, length: int = 60) -> str:
     return repr(text if len(text) <= length else text[:length] + "...")
 
 
-class _OutOfTime(Exception):
-    """The configuration's ``--timeout`` ran out: ``row`` is its last attempt's, or one that says no
-    time was left to start the next."""
-
-    def __init__(self, row: dict[str, Any]):
-        super().__init__(row["error"])
-        self.row = row
-
-
-def _run_planned(spec: RunSpec, logs: Path, timeout: float, on_event, policy: FallbackPolicy,
-                 predicted_batch: Callable[[RunSpec], int], assign: Callable[[RunSpec], Assignment]) -> dict[str, Any]:
-    """One configuration of the sweep: the batch search if asked for (a probe whose steps made the caching
-    allocator retry counts as not fitting: a smaller batch beats a step that thrashes), then the run
-    with its fallbacks, all within ``timeout`` seconds (the configuration's whole life: a timed-out probe or attempt, or
-    none left for the next, ends it as ``timeout``); the row keeps the configuration's own key and
-    label, whatever finally ran (``spec`` says that)."""
-    attempt = iter(range(1, 1000))
-    deadline = time.monotonic() + timeout
-    limit = f"the configuration's {timeout:g} s --timeout (batch probes and fallback attempts included)"
-    tried: list[dict[str, Any]] = []
-
-    def run(candidate: RunSpec) -> dict[str, Any]:
-        remaining = deadline - time.monotonic()
-        if remaining <= 0:
-            raise _OutOfTime(Row(key=candidate.key, label=candidate.label, spec=candidate.model_dump(),
-                                 status="timeout", error=f"{limit} ran out before {candidate.label} could start",
-                                 params=resolve(candidate.model).total_params, started_at=_now(),
-                                 finished_at=_now()).as_dict())
-        number = next(attempt)
-        row = run_one(assign(candidate), logs / f"{spec.key}-{number}.log", remaining, on_event, limit=limit,
-                      artifacts=logs.parent / "artifacts" / spec.key / str(number))
-        tried.append({"spec": candidate.model_dump(), "status": row["status"], "error": row.get("error")})
-        if row["status"] == "timeout":
-            raise _OutOfTime(row)
-        return row
-
-    search: dict[str, Any] = {}
-    to_run = spec
-    try:
-        if spec.auto_batch:
-            predicted = predicted_batch(spec)
-            found, probes = search_max_batch(spec, predicted, lambda probe: _ran_clear(run(probe)))
-            search = {"predicted_batch": predicted, "max_batch": found, "batch_probes": probes}
-            to_run = spec.model_copy(update={"batch_size": max(found, 1), "auto_batch": False})
-        row = run_with_fallback(to_run, policy, run)
-    except _OutOfTime as out_of_time:
-        row = {**out_of_time.row, "attempts": tried}
-    row.update(search, key=spec.key, label=spec.label)
-    return row
-
-
-def _ran_clear(row: dict[str, Any]) -> bool:
-    """A batch probe ran to the end without the caching allocator retrying (``fitbench.run.retries``)."""
-    return row["status"] in RAN_TO_THE_END and not (row.get("allocator_retries") or {}).get("num_alloc_retries")
-
-
 class SweepInterrupted(KeyboardInterrupt):
     """SIGTERM or SIGHUP (a closed terminal, an ended ssh session) ended the sweep, as Ctrl-C does."""
 
@@ -515,47 +461,32 @@ def _detach_from_terminal() -> None:
     os.close(null)
 
 
-def run_sweep(specs: list[RunSpec], store: ResultStore, *, timeout: float, command: str,
-              callbacks: SweepCallbacks = SweepCallbacks(),
-              predict: Callable[[RunSpec], dict[str, Any] | None] = lambda spec: None,
-              refusals: dict[str, str] | None = None, calibration: str | None = None,
-              fallback: Callable[[RunSpec], FallbackPolicy] = lambda spec: FallbackPolicy((), enabled=False),
-              predicted_batch: Callable[[RunSpec], int] = lambda spec: 1,
-              assign: Callable[[RunSpec], Assignment] = lambda spec: Assignment(spec=spec)) -> list[dict[str, Any]]:
-    """Run every spec without a row in ``store``; append each row the moment it exists, with the
-    planner's prediction (``predict``) for the configuration that finally ran beside what was
-    measured, and the ``calibration`` (its source) the predictions used. A spec in ``refusals`` is
-    not launched: its row says why this hardware cannot run it or the planner predicts it won't fit.
-    An out-of-memory walks the ``fallback`` ladder; an ``auto_batch`` spec first finds its batch by
-    probing from ``predicted_batch`` (``fitbench.launch.fallback``). Each launch's assignment, the
-    planner's figures its worker acts on, comes from ``assign`` (``fitbench.launch.orders``)."""
+def run_sweep(jobs: list[Job], store: ResultStore, *, launcher: Launcher, display: SweepDisplay = SweepDisplay(),
+              command: str, calibration: str | None = None) -> list[dict[str, Any]]:
+    """Run every job without a row in ``store`` (``Job.run``, each attempt by ``launcher``); append each
+    row the moment it exists, with the planner's prediction for the configuration that finally ran
+    beside what was measured, the ``command`` and the ``calibration`` (its source) the predictions
+    used. ``display`` is told as the sweep goes."""
     finished = store.finished_keys()
     rows = []
     with _signals_interrupt():
-        for index, spec in enumerate(specs):
-            if spec.key in finished:
-                callbacks.on_skip(spec)
+        for index, job in enumerate(jobs):
+            if job.spec.key in finished:
+                display.skipped(job)
                 continue
-            callbacks.on_start(spec, index, len(specs))
-            rows.append(_one_of_sweep(spec, store, timeout, command, callbacks, predict, refusals or {}, calibration,
-                                      fallback, predicted_batch, assign))
-            finished.add(spec.key)
+            display.started(job, index, len(jobs))
+            rows.append(_one_of_sweep(job, store, launcher, display, command, calibration))
+            finished.add(job.spec.key)
     return rows
 
 
-def _one_of_sweep(spec: RunSpec, store: ResultStore, timeout, command, callbacks, predict, refusals, calibration,
-                  fallback, predicted_batch, assign) -> dict[str, Any]:
-    """Run one configuration of ``run_sweep`` and append its row; an interruption appends an
-    ``interrupted`` row (``--resume`` runs it again) and goes on up."""
-    started_at = _now()
+def _one_of_sweep(job: Job, store: ResultStore, launcher: Launcher, display: SweepDisplay, command: str,
+                  calibration: str | None) -> dict[str, Any]:
+    """Run one job of ``run_sweep`` and append its row; an interruption appends an ``interrupted`` row
+    (``--resume`` runs it again) and goes on up."""
+    spec, started_at = job.spec, _now()
     try:
-        if spec.key in refusals:
-            row = Row(key=spec.key, label=spec.label, spec=spec.model_dump(), status="refused",
-                      error=refusals[spec.key], params=resolve(spec.model).total_params,
-                      started_at=started_at, finished_at=_now()).as_dict()
-        else:
-            row = _run_planned(spec, store.directory / "logs", timeout, callbacks.on_event, fallback(spec),
-                               predicted_batch, assign)
+        row = job.run(launcher, store.directory / "logs", display.event)
     except KeyboardInterrupt as interruption:
         store.append(Row(key=spec.key, label=spec.label, spec=spec.model_dump(), status="interrupted",
                          error=f"{str(interruption) or 'interrupted by SIGINT'}: the worker and everything it "
@@ -563,11 +494,11 @@ def _one_of_sweep(spec: RunSpec, store: ResultStore, timeout, command, callbacks
                          params=resolve(spec.model).total_params, started_at=started_at,
                          finished_at=_now(), command=command).as_dict())
         raise
-    prediction = predict(RunSpec.model_validate(row["spec"]))
+    prediction = job.prediction_for(RunSpec.model_validate(row["spec"]))
     # the planner's warnings about the configuration that ran join the worker's
     warned = [*(row.get("warnings") or []), *((prediction or {}).get("warnings") or [])]
     row = Row.model_validate({**row, "command": command, "calibration": calibration, "prediction": prediction,
                               "warnings": warned or None}).as_dict()
     store.append(row)
-    callbacks.on_finish(row)
+    display.finished(row)
     return row

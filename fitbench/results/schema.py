@@ -29,7 +29,7 @@ _THROUGHPUT = ("tokens_per_s", "decode_tokens_per_s", "mfu", "mfu_measured_peak"
 _ENVIRONMENT = ("torch", "torch_cuda", "transformers", "driver", "fitbench_version", "git_commit", "time_utc",
                 "cpu_model")
 
-# Every field below the identity that fitbench.results.report, the sweep's summary (fitbench.cli),
+# Every field below the identity that fitbench.results.report, the sweep's summary (fitbench.cli.run),
 # the CSV and the store (the schema version) read, with its kind.
 READ: dict[str, Kind] = {
     "schema_version": int,

@@ -1,8 +1,9 @@
-"""How a configuration's processes start: one worker process, or one torchrun job of N ranks.
+"""How a configuration's processes start on this machine: one worker process, or one torchrun job of N
+ranks.
 
-A launcher turns the worker's two files (its assignment and where its result goes) into the command
-line that starts the job; ``fitbench.launch.local.run_one`` runs that command, follows it, and ends
-everything it started. Every rank of a torchrun job runs ``fitbench.run.worker``; rank 0 writes the
+A worker command turns the worker's two files (its assignment and where its result goes) into the
+command line that starts the job; ``fitbench.launch.local.run_one`` runs that command, follows it, and
+ends everything it started. Every rank of a torchrun job runs ``fitbench.run.worker``; rank 0 writes the
 job's one result (``fitbench.run.ranks.gather_json``).
 
 torchrun (``torch.distributed.run``) on one node: ``--standalone`` makes a rendezvous on a free port of
@@ -22,7 +23,7 @@ from typing import Protocol
 from fitbench.spec import Layout
 
 
-class Launcher(Protocol):
+class WorkerCommand(Protocol):
     def command(self, assignment: Path, result: Path) -> list[str]:
         """The command line that runs the worker on ``assignment`` and writes ``result``."""
 
@@ -46,7 +47,7 @@ class Torchrun:
                 "--max-restarts=0", "-m", "fitbench.run.worker", str(assignment), str(result)]
 
 
-def launcher_for(layout: Layout, backend: str = "native") -> Launcher:
+def worker_command(layout: Layout, backend: str = "native") -> WorkerCommand:
     """torchrun for a layout of several ranks, a plain process for one, and for the hf backend's
     pipeline stages, which one process drives over every GPU of the job (``fitbench.run.hf_pipeline``)."""
     if layout.world_size == 1 or (backend == "hf" and layout.pp == layout.world_size):

@@ -1,0 +1,101 @@
+"""What ``fitbench run`` shows while its sweep goes: a live progress bar in a terminal, one line per
+configuration elsewhere (a live display outside a terminal shows nothing until the end), and each
+finished row in a sentence; results.csv is rewritten after each row."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from rich.markup import escape
+from rich.progress import BarColumn, MofNCompleteColumn, Progress, SpinnerColumn, TextColumn, TimeElapsedColumn
+from rich.table import Column
+
+from fitbench.cli.console import console
+from fitbench.launch.job import Job
+from fitbench.launch.launcher import Event, SweepDisplay
+from fitbench.results.report import write_csv
+from fitbench.results.store import ResultStore
+from fitbench.results.terminal import EtaColumn, SweepClock
+
+
+class ProgressDisplay(SweepDisplay):
+    """The sweep of ``total`` configurations writing to ``store``; used as a context manager around it."""
+
+    def __init__(self, total: int, store: ResultStore):
+        self.store = store
+        self.clock = SweepClock(total)
+        figure = Column(no_wrap=True)  # at 80 columns the label wraps; counts and times stay whole
+        self.progress = Progress(SpinnerColumn(), TextColumn("{task.description}"), BarColumn(bar_width=20),
+                                 MofNCompleteColumn(table_column=figure), TimeElapsedColumn(table_column=figure),
+                                 EtaColumn(self.clock), console=console, transient=True,
+                                 disable=not console.is_terminal)
+        self.sweep_task = self.progress.add_task("sweep", total=total, eta=True)
+        self.run_task = self.progress.add_task("", total=None)
+
+    def __enter__(self) -> ProgressDisplay:
+        self.progress.__enter__()
+        return self
+
+    def __exit__(self, *exception) -> None:
+        self.progress.__exit__(*exception)
+
+    def started(self, job: Job, index: int, total: int) -> None:
+        self.clock.start()
+        self.progress.update(self.run_task, description=f"{escape(job.spec.label)}: starting", completed=0,
+                             total=None)
+
+    def event(self, event: Event) -> None:
+        label = self.progress.tasks[self.run_task].description.split(":")[0]
+        phase = event.get("phase", "")
+        if "of" in event:
+            self.progress.update(self.run_task, description=f"{label}: {phase} {event['step']}/{event['of']}",
+                                 completed=event["step"], total=event["of"])
+        else:
+            self.progress.update(self.run_task, description=f"{label}: {phase}", total=None)
+
+    def finished(self, row: dict[str, Any]) -> None:
+        self.clock.finish(measured=row["status"] != "refused")
+        if console.is_terminal:
+            self.progress.console.print(describe_row(row))
+        else:
+            console.print(f"{escape(f'[{self.clock.summary()}]')} {describe_row(row)}", soft_wrap=True)
+        self.progress.advance(self.sweep_task)
+        write_csv(list(self.store.rows()), self.store.directory)
+
+    def skipped(self, job: Job) -> None:
+        self.clock.skip()
+        self.progress.advance(self.sweep_task)
+
+
+def _label(row: dict[str, Any]) -> str:
+    """The configuration as asked for, and what finally ran when a fallback or the batch search changed it."""
+    from fitbench.spec import RunSpec
+
+    ran = RunSpec.model_validate(row["spec"]).label if "spec" in row else row["label"]
+    return row["label"] if ran == row["label"] else f"{row['label']} (ran as {ran})"
+
+
+def describe_row(row: dict[str, Any]) -> str:
+    """A finished row in one line: its status, what ran, and its headline figures or its error's first line."""
+    from fitbench.results.report import headline, quality_summary
+    from fitbench.units import format_bytes, format_seconds
+
+    if row["status"] != "ok":
+        first_line = (row.get("error") or "").strip().splitlines()[:1]
+        return f"[red]{row['status']}[/red] {escape(_label(row))}: {escape(first_line[0]) if first_line else ''}"
+    head = headline(row)
+    per = "/token" if row["spec"]["mode"] == "infer" else "/step"
+    warn = f" [yellow]({escape('; '.join(row['warnings']))})[/yellow]" if row.get("warnings") else ""
+    quality = row.get("quality")
+    cost = (f", weights {100 * row['weights']['relative_to_bf16']:.0f}% of bf16; {escape(quality_summary(quality))}"
+            if quality else "")
+    offload = row.get("offload")
+    if offload:
+        layers = offload["resident_layers"] + offload["offloaded_layers"]
+        where = "host memory" if offload["tier"] == "cpu" else "disk"
+        cost += (f", {offload['offloaded_layers']} of {layers} layers ({format_bytes(offload['offloaded_bytes'])}) "
+                 f"offloaded to {where}")
+    return (f"[green]ok[/green] {escape(_label(row))}: {format_seconds(head['time'])}{per} ± {head['cv']:.1f}%, "
+            f"{head['tokens_per_s']:,.0f} tokens/s{cost}{warn}")
+
+

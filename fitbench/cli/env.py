@@ -1,0 +1,61 @@
+"""``fitbench env``: versions, GPUs, their datasheet peaks and the measured ceilings."""
+
+from __future__ import annotations
+
+import argparse
+import json
+
+from fitbench.cli.command import Command
+from fitbench.cli.console import console
+from fitbench.cli.options import device_option, json_output, measure_ceilings
+
+
+def env(args: argparse.Namespace) -> int:
+    """Show versions, GPUs with their datasheet peaks, and the stored measured ceilings."""
+    from fitbench import hardware
+
+    if args.measure:
+        from fitbench.sweep import resolve_device
+
+        device = resolve_device(args.device)
+        console.print(f"measuring matmul and copy ceilings on {device} ...")
+        ceilings = hardware.measure_ceilings(device)
+        path = hardware.save_ceilings(ceilings)
+        console.print(f"stored in {path}")
+    info = hardware.environment()
+    device_names = [gpu["name"] for gpu in info["gpus"]] or [hardware.cpu_device_name()]
+    info["datasheet_peaks"] = {name: (hardware.gpu_spec(name).__dict__ if hardware.gpu_spec(name) else None)
+                               for name in device_names}
+    info["measured_ceilings"] = {name: (c.__dict__ if (c := hardware.load_ceilings(name)) else None)
+                                 for name in device_names}
+    if args.json:
+        print(json.dumps(info, indent=2, default=str))
+        return 0
+    for key in ("fitbench_version", "git_commit", "python", "torch", "transformers", "accelerate", "torch_cuda",
+                "driver", "cpu_model", "cpu_count", "hostname"):
+        console.print(f"{key:18s} {info[key]}")
+    for gpu in info["gpus"]:
+        console.print(f"gpu {gpu['index']:<14d} {gpu['name']}, {gpu['total_memory'] / 1e9:.1f} GB, "
+                      f"compute capability {gpu['compute_capability'][0]}.{gpu['compute_capability'][1]}")
+    for name in device_names:
+        peak = info["datasheet_peaks"][name]
+        if peak:
+            console.print(f"datasheet {name}: bf16 {peak['tflops']['bf16']} TFLOP/s, "
+                          f"{peak['bandwidth_gbs']} GB/s ({peak['source']})")
+        elif name.startswith("cpu"):
+            console.print(f"datasheet {name}: none for CPUs; MFU uses a measured ceiling")
+        else:
+            console.print(f"datasheet {name}: not in the table; MFU uses a measured ceiling")
+        ceiling = info["measured_ceilings"][name]
+        if ceiling:
+            flops = ", ".join(f"{k} {v / 1e12:.1f}" for k, v in ceiling["matmul_flops"].items())
+            console.print(f"measured  {name}: {flops} TFLOP/s; copy {ceiling['bandwidth'] / 1e9:.0f} GB/s "
+                          f"({ceiling['measured_at']})")
+        else:
+            console.print(f"measured  {name}: none yet (fitbench env --measure)")
+    return 0
+
+
+COMMAND = Command("env", "versions, GPUs, peak FLOP/s; --measure stores this machine's ceilings", env,
+                  (json_output("machine-readable output"), measure_ceilings,
+                   device_option("device to measure (default: first GPU, else cpu)")))

@@ -1,0 +1,181 @@
+"""The commands' option groups, each adding its options to a parser in the order --help lists them;
+a command names the groups it takes (``fitbench.cli.command.Command``).
+
+List options take space-separated values as users type them (``--models 1B 3B 7B``). Every option of
+``sweep_options`` is also a key of the YAML file given to ``run --config``; their defaults are left
+out of the parsed arguments (``SUPPRESS``), so that the command line wins over the file only where
+given, and the file over the defaults.
+"""
+
+from __future__ import annotations
+
+import argparse
+
+from fitbench.cli.command import OptionGroup
+from fitbench.errors import excerpt
+from fitbench.precisions import PRECISIONS
+from fitbench.spec import MODES
+
+
+def sweep_options(parser: argparse.ArgumentParser) -> None:
+    """What ``fitbench run`` sweeps and how (``fitbench.config.SweepConfig``), and where it writes."""
+    S = argparse.SUPPRESS
+    add = parser.add_argument
+    add("--models", nargs="+", default=S, metavar="MODEL",
+        help="presets (see `fitbench models`), local directories with a config.json, or hub ids")
+    add("--mode", "--modes", dest="mode", nargs="+", choices=MODES, default=S, metavar="MODE",
+        help="what a step does: train (forward, backward, AdamW), forward, forward-backward, infer "
+             "(prefill + decode with a KV cache). Default: train infer")
+    add("--pass-type", dest="pass_type", choices=("forward", "backward"), default=S,
+        help="CS336 spelling: forward = --mode forward, backward = --mode forward-backward")
+    add("--precision", nargs="+", choices=PRECISIONS, default=S, metavar="PRECISION",
+        help="fp32, tf32, bf16/fp16 (autocast over fp32 weights), bf16-pure (bf16 weights and optimizer); "
+             "quantized weights: int8 (LLM.int8), nf4, fp4 (bitsandbytes), int8-dynamic, int8-weight-only, int4, "
+             "fp8, fp8-weight-only, fp8-block (torchao). Training: fp8 trains every weight with float8 matmuls; "
+             "int8, nf4 and fp4 train low-rank adapters on the frozen quantized base (QLoRA); the other torchao "
+             "ones do not train")
+    add("--batch-size", dest="batch_size", nargs="+", type=batch_size, default=S, metavar="N",
+        help="sequences per step, or auto: the largest that runs, from the planner's prediction verified by "
+             "probe runs (reported as max_batch)")
+    add("--fallback", nargs="+", choices=PRECISIONS, default=S, metavar="PRECISION",
+        help="on out-of-memory, retry with the next of these precisions, then activation checkpointing, then half "
+             "the batch, and last, for infer and forward, with offload in the first floating-point one (default "
+             "per mode: train bf16 bf16-pure; infer and forward bf16-pure int8 nf4); also the ladder the planner "
+             "picks the first fitting precision from")
+    add("--no-fallback", dest="no_fallback", action="store_true", default=S,
+        help="record an out-of-memory as it is, without retrying")
+    add("--offload", action="store_true", default=S,
+        help="infer and forward with the decoder layers that do not fit on the GPU kept in host memory and "
+             "streamed in for their forward (accelerate); on a CPU, the layers that do not fit in RAM go to disk. "
+             "With --gpus N under FSDP: FSDP's CPU offload, each rank's shards, gradients and optimizer state "
+             "in host memory")
+    add("--seq-len", "--context-length", dest="seq_len", nargs="+", type=int, default=S, metavar="T",
+        help="tokens per sequence; the prompt length in infer")
+    add("--new-tokens", dest="new_tokens", type=int, default=S, metavar="N",
+        help="tokens generated per sequence in infer (default 128 on a GPU, 32 on a CPU)")
+    add("--backend", choices=("auto", "native", "hf"), default=S,
+        help="native: fitbench's decoder (Llama-style models); hf: transformers (every family). Default auto")
+    add("--compile", action="store_true", default=S, help="torch.compile the model; compile time is reported apart")
+    add("--cuda-graphs", dest="cuda_graphs", action=argparse.BooleanOptionalAction, default=S,
+        help="infer with the native backend on a GPU: replay each decode step from a CUDA graph captured in the "
+             "first warm-up generation (default), or with --no-cuda-graphs launch its kernels one by one. The hf "
+             "backend always decodes eagerly")
+    add("--compile-decode", dest="compile_decode", action=argparse.BooleanOptionalAction, default=S,
+        help="infer with the native backend on a GPU: compile the decode step and the prefill with inductor "
+             "(once per shape, timed apart: the row's decode record) before the capture (default); "
+             "--no-compile-decode captures the eager step. Where compiling fails the eager step runs and the "
+             "decode record says why")
+    add("--decode-tuning", dest="decode_tuning", action="store_true", default=S,
+        help="with --compile-decode: tune the decode step's layer with inductor's coordinate descent (its "
+             "compile only; a longer compile)")
+    add("--activation-checkpointing", dest="activation_checkpointing", action="store_true", default=S,
+        help="recompute each layer's activations in the backward pass (train, forward-backward)")
+    add("--warmup-steps", dest="warmup_steps", type=int, default=S, metavar="N", help="untimed steps first (default 5)")
+    add("--measure-steps", "--samples", dest="measure_steps", type=int, default=S, metavar="N",
+        help="timed steps (generations in infer), default 10")
+    add("--device", default=S, help="cpu, cuda or cuda:N (default: the first GPU if there is one, else cpu)")
+    add("--gpus", type=int, default=S, metavar="N",
+        help="run each configuration as one torchrun job of N ranks, one GPU each (on --device cpu, N CPU "
+             "processes talking over gloo); default 1")
+    add("--strategy", choices=("auto", "ddp", "fsdp", "tp", "pipeline", "replicas"), default=S,
+        help="with --gpus N: ddp (a replica per GPU, gradients averaged), fsdp (weights, gradients and optimizer "
+             "state sharded, FSDP2), tp (tensor parallelism: each layer's heads and MLP split over the GPUs, "
+             "every mode, infer included), pipeline (consecutive decoder layers per GPU: the native backend "
+             "trains and infers, one rank per stage; the hf backend runs infer and forward in one process over "
+             "the GPUs), replicas (infer and forward: N independent copies, one per GPU, each with its own batch; "
+             "tokens/s summed over them) or auto (default: among what fits and composes, the fastest forecast; "
+             "without a plan, as on a CPU, DDP first)")
+    add("--microbatches", type=int, default=S, metavar="N",
+        help="with --strategy pipeline: microbatches of a training step, which must divide the batch (default: "
+             "one per GPU)")
+    add("--tp", type=int, default=S, metavar="N",
+        help="2-D layouts: N tensor-parallel GPUs inside each FSDP group or pipeline stage, N dividing --gpus. "
+             "--gpus 4 --strategy fsdp --tp 2: FSDP 2 x TP 2 (training); --gpus 4 --strategy pipeline --tp 2: "
+             "2 stages of TP 2 (infer, forward); with --strategy tp, N is --gpus")
+    add("--timeout", type=float, default=S, metavar="SECONDS",
+        help="a configuration's whole life: its batch probes (--batch-size auto), fallback attempts and run "
+             "together; past it the worker and all it started are killed and the row says timeout (default 3600)")
+    add("--seed", type=int, default=S, help="seed of the random weights and tokens (default 0)")
+    add("--out", default=S, metavar="DIR", help="results directory (default ./fitbench-results/<UTC time>)")
+    add("--resume", metavar="DIR", default=None,
+        help="continue the sweep in DIR: its saved settings apply, finished configurations are skipped; options "
+             "that differ from the saved ones are refused (the difference is shown) unless --extend is given")
+    add("--extend", action="store_true",
+        help="with --resume: add the models, modes, precisions, batch sizes and sequence lengths given to the "
+             "saved sweep (it becomes their product; what it had stays in it)")
+    add("--config", metavar="FILE", default=None, help="YAML file with any of these options as keys")
+
+
+def plan_options(parser: argparse.ArgumentParser) -> None:
+    """What ``fitbench plan`` plans and for which GPUs."""
+    add = parser.add_argument
+    add("--models", nargs="+", required=True, metavar="MODEL", help="presets, local directories or hub ids")
+    add("--mode", "--modes", dest="mode", nargs="+", choices=MODES, default=["train"], help="default: train")
+    add("--precision", nargs="+", choices=PRECISIONS, default=None, metavar="PRECISION",
+        help="the precision ladder, in order of preference (default per mode: train bf16 bf16-pure; "
+             "infer and forward bf16-pure int8 nf4)")
+    add("--batch-size", dest="batch_size", nargs="+", type=batch_size, default=[1], metavar="N",
+        help="batch sizes, or auto for the largest predicted to fit (default 1)")
+    add("--seq-len", "--context-length", dest="seq_len", type=int, default=512, metavar="T", help="default 512")
+    add("--new-tokens", dest="new_tokens", type=int, default=128, metavar="N",
+        help="generated tokens in infer (default 128)")
+    add("--strategy", nargs="+", choices=("single", "ddp", "fsdp", "tp", "pipeline", "replicas"), default=None,
+        help="limit the layouts considered (default: all that apply to the mode)")
+    add("--gpus", type=int, default=None, help="how many GPUs to plan for (default: those detected)")
+    add("--gpu-memory", dest="gpu_memory", default=None, metavar="SIZE", help="memory per GPU, e.g. 80GB or 79.2GiB")
+    add("--gpu", default=None, metavar="NAME", help="a named GPU, e.g. H100-80GB, A100-40GB, L40S (sets memory and speed)")
+    add("--trace", action="store_true", help="also trace the chosen plan on fake tensors (exact tensor peak)")
+    add("--requirements", action="store_true", help="table of the fewest GPUs each model x precision needs")
+    add("--json", action="store_true", help="machine-readable output, sizes in bytes")
+
+
+def json_output(help: str) -> OptionGroup:
+    """``--json``: print machine-readable output instead of tables."""
+    def group(parser: argparse.ArgumentParser) -> None:
+        parser.add_argument("--json", action="store_true", help=help)
+
+    return group
+
+
+def device_option(help: str) -> OptionGroup:
+    """``--device``: the device a command measures, the first GPU by default."""
+    def group(parser: argparse.ArgumentParser) -> None:
+        parser.add_argument("--device", default="auto", help=help)
+
+    return group
+
+
+def preset_sources(parser: argparse.ArgumentParser) -> None:
+    """``--sources``: where the presets' numbers come from."""
+    parser.add_argument("--sources", action="store_true", help="print where each preset's numbers come from")
+
+
+def bus_gpus(parser: argparse.ArgumentParser) -> None:
+    """``--gpus`` of calibrate: the GPUs whose collectives it measures."""
+    parser.add_argument("--gpus", type=int, default=None,
+                        help="GPUs for the all-reduce's and all-gather's bus bandwidth and latency (default: all "
+                             "visible; on --device cpu, that many processes over gloo)")
+
+
+def results_directory(parser: argparse.ArgumentParser) -> None:
+    """A results directory to show, and how."""
+    add = parser.add_argument
+    add("directory", metavar="DIR", help="the --out directory of a fitbench run")
+    add("--markdown", action="store_true", help="print a Markdown table with provenance")
+    add("--csv", action="store_true", help="also write DIR/results.csv from the rows, as `fitbench run` writes it")
+
+
+def measure_ceilings(parser: argparse.ArgumentParser) -> None:
+    """``--measure``: measure this machine's ceilings before showing them."""
+    parser.add_argument("--measure", action="store_true",
+                        help="measure the matmul and copy ceilings of the device and store them for MFU")
+
+
+def batch_size(text: str) -> int | str:
+    """A ``--batch-size`` value: a positive whole number, or ``auto``."""
+    if text == "auto":
+        return text
+    try:
+        return int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a positive integer or auto, got {excerpt(text)}") from None

@@ -1,0 +1,167 @@
+"""``fitbench plan``: predict per-GPU memory term by term and choose how to run each model; no GPU needed."""
+
+from __future__ import annotations
+
+import argparse
+import json
+
+from rich.markup import escape
+from rich.table import Table
+
+from fitbench.cli.command import Command
+from fitbench.cli.console import console
+from fitbench.cli.options import plan_options
+from fitbench.errors import UserError
+
+PLAN_EXAMPLES = """\
+examples:
+  fitbench plan --models llama-2-70b --mode infer --gpus 4 --gpu-memory 80GB
+  fitbench plan --models 7B 13B --mode train --gpu H100-80GB --batch-size auto
+  fitbench plan --models small --mode train --batch-size 4 --seq-len 512 --gpu H100-80GB --trace
+  fitbench plan --models 7B 13B 70B --gpu-memory 80GB --requirements
+Without --gpus/--gpu-memory/--gpu the GPUs of this machine are used.
+"""
+
+
+def _plan_text(result, trace) -> None:
+    from fitbench.units import format_bytes
+
+    target = result.target
+    where = f"{target.count} x {format_bytes(target.memory)}" + (f" {target.name}" if target.name else "")
+    console.print(f"[bold]{escape(result.model)}[/bold] {result.mode} on {where}"
+                  f" ({'described' if target.described else 'detected'}); overheads: {escape(result.calibration)}")
+    if target.memory_source:
+        console.print(f"memory per GPU: {escape(target.memory_source)}")
+    chosen = result.chosen
+    if chosen is None and not result.rejected:
+        console.print("[red]nothing to plan[/red]: no layout of these GPUs uses only the strategies named by "
+                      "--strategy (single is one GPU; ddp and fsdp need two or more; tp and pipeline two or more); "
+                      "name others or change --gpus.")
+    elif chosen is None:
+        console.print("[red]nothing fits[/red]: every candidate was rejected.")
+    else:
+        speed = chosen.speed
+        console.print(f"chosen: [green]{escape(chosen.candidate.label)}[/green]: {format_bytes(chosen.predicted_peak)}"
+                      f" per GPU, forecast {chosen.forecast_tokens_per_s:,.0f} tokens/s over its GPUs; roofline "
+                      f"{speed.tokens_per_s:,.0f} tokens/s ({speed.bound}-bound, {speed.seconds * 1e3:.1f} ms per "
+                      f"{'decode step' if result.mode == 'infer' else 'step'})")
+        stage = f" on {chosen.memory.stage.label}, the largest" if chosen.memory.stage else ""
+        table = Table(title_justify="left", title=f"per-GPU memory, peak at the {chosen.peak_moment}{stage}")
+        for column in ("term", "bytes", "at peak", "formula / source"):
+            table.add_column(column, justify="right" if column == "bytes" else "left")
+        for term in chosen.memory.terms:
+            alive = term.moments is None or chosen.peak_moment in term.moments
+            table.add_row(term.name, format_bytes(term.bytes), "yes" if alive else "",
+                          escape(term.formula))
+        for term in chosen.overheads:
+            table.add_row(term.name, format_bytes(term.bytes), "yes", escape(term.formula))
+        table.add_row("[bold]predicted peak[/bold]", f"[bold]{format_bytes(chosen.predicted_peak)}[/bold]", "", "")
+        console.print(table)
+        if trace is not None:
+            gap = 100 * (chosen.memory.peak_bytes - trace.peak_bytes) / trace.peak_bytes
+            console.print(f"traced peak (fake tensors on {trace.device}): {format_bytes(trace.peak_bytes)} of tensors; "
+                          f"analytic {format_bytes(chosen.memory.peak_bytes)} ({gap:+.1f}%)")
+    for other in result.feasible[1:4]:
+        edge = "" if other.clear else " (within the allocator-retry margin)"
+        console.print(f"  also fits: {escape(other.candidate.label)}: {format_bytes(other.predicted_peak)}{edge}, "
+                      f"forecast {other.forecast_tokens_per_s:,.0f} tokens/s")
+    shown = result.rejected[:8]
+    for rejected in shown:
+        console.print(f"  rejected: {escape(rejected.reason)}")
+    if len(result.rejected) > len(shown):
+        console.print(f"  ... {len(result.rejected) - len(shown)} more rejected (--json lists all)")
+    for note in result.notes:
+        console.print(f"  note: {note}")
+    console.print()
+
+
+def plan(args: argparse.Namespace) -> int:
+    """Predict per-GPU memory term by term and choose how to run each model; no GPU needed."""
+    from fitbench.config import check_context, merge_sources
+    from fitbench.sweep import gpu_target
+    from fitbench.models.registry import resolve
+    from fitbench.plan.calibration import load_calibration
+    from fitbench.plan.planner import fewest_gpus
+    from fitbench.plan.planner import plan as make_plan
+    from fitbench.precisions import TRAINING_MODES, training_problem
+
+    shapes = merge_sources({}, {}, {"batch_size": args.batch_size, "seq_len": [args.seq_len],
+                                    "new_tokens": args.new_tokens, "models": args.models})
+    if "auto" in shapes.batch_size and len(shapes.batch_size) > 1:
+        raise UserError("batch_size: auto finds the largest batch that fits; give it alone, or list batch sizes.")
+    batch = None if shapes.batch_size == ["auto"] else shapes.batch_size
+    seq_len, new_tokens = args.seq_len, args.new_tokens
+    for mode in args.mode:  # as `run` refuses them: no precision of the ladder can train
+        if mode in TRAINING_MODES and args.precision and all(training_problem(p) for p in args.precision):
+            raise UserError(f"precision: {training_problem(args.precision[0])}; or use --mode infer or forward with "
+                            f"{args.precision[0]}.")
+    target = gpu_target(gpu=args.gpu, gpu_memory=args.gpu_memory, gpus=args.gpus)
+    calibration = load_calibration(target.name)
+    architectures = {name: resolve(name) for name in args.models}
+    for name, arch in architectures.items():
+        for mode in args.mode:
+            check_context(arch, mode, seq_len, new_tokens)
+    if args.requirements:
+        return _requirements(args, target, calibration, seq_len, new_tokens, batch, fewest_gpus)
+    results, outputs = [], []
+    for name, arch in architectures.items():
+        for mode in args.mode:
+            result = make_plan(arch, mode, target, seq_len=seq_len, new_tokens=new_tokens, batch_sizes=batch,
+                               precisions=args.precision, strategies=args.strategy, calibration=calibration)
+            trace = None
+            if args.trace and result.chosen and result.chosen.candidate.gpus == 1:
+                from fitbench.models.architecture import default_backend
+                from fitbench.run.trace import trace_peak
+
+                chosen = result.chosen.candidate
+                trace = trace_peak(arch, mode, chosen.precision, chosen.batch_size, seq_len, new_tokens=new_tokens,
+                                   activation_checkpointing=chosen.activation_checkpointing,
+                                   backend=default_backend(arch))
+            results.append((result, trace))
+            outputs.append({**result.as_dict(), "trace": trace.__dict__ if trace else None})
+    if args.json:
+        print(json.dumps(outputs if len(outputs) > 1 else outputs[0], indent=2, default=str))
+    else:
+        for result, trace in results:
+            _plan_text(result, trace)
+    return 0
+
+
+def _requirements(args, target, calibration, seq_len, new_tokens, batch, fewest_gpus) -> int:
+    from fitbench.models.registry import resolve
+    from fitbench.plan.planner import DEFAULT_LADDER
+    from fitbench.units import format_bytes
+
+    rows = []
+    for name in args.models:
+        arch = resolve(name)
+        for mode in args.mode:
+            for precision in args.precision or DEFAULT_LADDER[mode]:
+                need = fewest_gpus(arch, mode, precision, target.memory, seq_len=seq_len, new_tokens=new_tokens,
+                                   batch_size=(batch or [1])[0], calibration=calibration, gpu_name=target.name)
+                stage = need.memory.stage if need else None
+                rows.append({"model": name, "mode": mode, "precision": precision,
+                             "min_gpus": need.candidate.gpus if need else None,
+                             "how": need.candidate.label if need else "more than 64",
+                             "layout": need.candidate.layout.model_dump() if need else None,
+                             "peak_per_gpu_bytes": need.predicted_peak if need else None,
+                             "peak_stage": stage.label if stage else None})
+    if args.json:
+        print(json.dumps(rows, indent=2))
+        return 0
+    table = Table(title=f"GPUs of {format_bytes(target.memory)} needed (batch {(batch or [1])[0]}, seq {seq_len})",
+                  title_justify="left")
+    for column in ("model", "mode", "precision", "min GPUs", "how", "peak per GPU"):
+        table.add_column(column)
+    for row in rows:
+        peak = format_bytes(row["peak_per_gpu_bytes"]) if row["peak_per_gpu_bytes"] else "-"
+        if row["peak_stage"]:
+            peak += f" ({row['peak_stage'].split(' (')[0]})"
+        table.add_row(row["model"], row["mode"], row["precision"], str(row["min_gpus"] or "-"), escape(row["how"]),
+                      peak)
+    console.print(table)
+    return 0
+
+
+COMMAND = Command("plan", "predict per-GPU memory and choose precision, sharding and batch (no GPU needed)", plan,
+                  (plan_options,), PLAN_EXAMPLES)

@@ -1,0 +1,36 @@
+"""The Python front door: ``fitbench.plan``, ``fitbench.run`` and ``fitbench.load`` do what the commands
+do and return typed results, and the planner's and the worker's packages stay importable as modules."""
+
+import pytest
+
+import fitbench
+from fitbench.errors import UserError
+from fitbench.results.row import Row
+
+
+def test_plan_chooses_as_the_command_does():
+    plan = fitbench.plan("7B", "infer", gpu="H100-80GB")
+    assert plan.model == "7B" and plan.mode == "infer" and plan.chosen is not None and plan.chosen.fits
+    assert plan.target.count == 1 and plan.target.described
+
+
+def test_plan_refuses_bad_input_with_the_commands_paragraph():
+    with pytest.raises(UserError, match="gpu-memory"):
+        fitbench.plan("7B", gpus=2)
+
+
+def test_run_returns_typed_rows_that_load_reads_again(tmp_path):
+    rows = fitbench.run(["tiny"], device="cpu", mode=["forward"], batch_size=[1], seq_len=[8], warmup_steps=0,
+                        measure_steps=1, out=tmp_path)
+    assert [type(row) for row in rows] == [Row] and rows[0].status == "ok" and rows[0].spec["model"] == "tiny"
+    assert fitbench.load(tmp_path) == rows
+    with pytest.raises(UserError, match="no results.jsonl"):
+        fitbench.load(tmp_path / "elsewhere")
+
+
+def test_the_packages_of_the_same_names_stay_modules():
+    import fitbench.plan.memory as memory
+    import fitbench.run.worker  # noqa: F401
+
+    assert memory.__name__ == "fitbench.plan.memory" and fitbench.plan.memory is memory
+    assert callable(fitbench.plan) and callable(fitbench.run) and fitbench.run.worker.__name__ == "fitbench.run.worker"
