@@ -143,6 +143,7 @@ def _add_run_options(parser: argparse.ArgumentParser) -> None:
         help="with --resume: add the models, modes, precisions, batch sizes and sequence lengths given to the "
              "saved sweep (it becomes their product; what it had stays in it)")
     add("--config", metavar="FILE", default=None, help="YAML file with any of these options as keys")
+    _add_analysis_options(parser, default=S)
 
 
 def _add_plan_options(parser: argparse.ArgumentParser) -> None:
@@ -264,6 +265,8 @@ def run(args: argparse.Namespace, cli_options: dict[str, Any]) -> int:
     config = merge_sources(saved, file_options, cli_options)
     if args.resume:
         config = resumed_config(saved, config, extend=args.extend)
+    if config.ollama_url and not config.ollama_model:
+        raise UserError("ollama-model: --ollama-url needs --ollama-model, the model that writes the analysis.")
     out = args.resume or config.out or str(Path("fitbench-results") / datetime.now(timezone.utc).strftime("%Y%m%d-%H%M%S"))
     device = resolve_device(config.device)
     check_ranks(device, config.gpus)
@@ -338,6 +341,7 @@ def run(args: argparse.Namespace, cli_options: dict[str, Any]) -> int:
     csv_path = write_csv(list(store.rows()), out)
     console.print(f"rows: {store.path}  table: {csv_path}")
     store.unlock()
+    write_documents(out, rows, ollama_url=config.ollama_url, ollama_model=config.ollama_model)
     failed = [row for row in rows if row["status"] != "ok"]
     if failed:
         listed = "; ".join(f"{escape(row.get('label') or row['key'])}: {escape(row['status'])}" for row in failed)
@@ -697,7 +701,66 @@ def report(args: argparse.Namespace, cli_options: dict[str, Any]) -> int:
         console.print(results_table(rows, title=f"fitbench results: {args.directory}"))
     if args.csv:
         print(f"table: {write_csv(rows, store.directory)}", file=sys.stderr if args.markdown else sys.stdout)
+    write_documents(args.directory, rows, args.html, args.xlsx, args.ollama_url, args.ollama_model)
     return 0
+
+
+# ---- report documents: HTML, Excel, analysis through Ollama, compare ---------------------------
+
+
+def _add_analysis_options(parser: argparse.ArgumentParser, default: Any = None) -> None:
+    parser.add_argument("--ollama-url", dest="ollama_url", default=default, metavar="URL",
+                        help="an Ollama server that writes a short analysis of the rows into analysis.md and the "
+                             "HTML report, e.g. http://localhost:11434 (default with --ollama-model)")
+    parser.add_argument("--ollama-model", dest="ollama_model", default=default, metavar="MODEL",
+                        help="the model it runs, e.g. gpt-oss-20b; a server or model that does not answer is a "
+                             "warning, and the report is written without an analysis")
+
+
+def write_documents(directory: str, rows: list[dict[str, Any]], html: str | None = None, xlsx: str | None = None,
+                    ollama_url: str | None = None, ollama_model: str | None = None) -> None:
+    """The analysis, HTML report and workbook of the sweep in ``directory`` that the options ask for."""
+    from fitbench.report.analysis import analyse, check_url, write_analysis
+
+    text = None
+    if ollama_url is not None or ollama_model is not None:
+        if not ollama_model:
+            raise UserError("ollama-model: --ollama-url needs --ollama-model, the model that writes the analysis "
+                            "(e.g. gpt-oss-20b).")
+        url = check_url(ollama_url if ollama_url is not None else "http://localhost:11434")
+        console.print(f"asking {escape(ollama_model)} at {escape(url)} for an analysis ...")
+        analysis = analyse(rows, url, ollama_model)
+        if analysis.warning:
+            _warn(analysis.warning)
+        else:
+            text = analysis.text
+            console.print(f"analysis: {write_analysis(analysis, directory, ollama_model)}")
+    if html:
+        from fitbench.report.html import write_html
+
+        console.print(f"html: {write_html(directory, html, text)}")
+    if xlsx:
+        from fitbench.report.excel import write_xlsx
+
+        console.print(f"xlsx: {write_xlsx(directory, xlsx)}")
+
+
+def compare(args: argparse.Namespace, cli_options: dict[str, Any]) -> int:
+    """Compare sweep B with sweep A configuration by configuration: the change of the mean time with a
+    bootstrap confidence interval, tokens/s and peak memory; with --fail-on, exit 1 when a change
+    crosses the gate, for CI."""
+    from fitbench.report.compare import compare_sweeps
+    from fitbench.report.html import write_comparison_html
+
+    comparison = compare_sweeps(args.a, args.b, fail_on=args.fail_on)
+    for side, sweep in (("A", comparison.a), ("B", comparison.b)):
+        for warning in sweep.warnings:
+            _warn(f"{side}: {warning}")
+    for line in comparison.lines():
+        console.print(escape(line), soft_wrap=True)
+    if args.html:
+        console.print(f"html: {write_comparison_html(comparison, args.html)}")
+    return 1 if comparison.failed else 0
 
 
 # ---- entry point ----------------------------------------------------------------------------
@@ -709,6 +772,7 @@ COMMANDS: dict[str, tuple[Command, str]] = {
     "plan": (plan, "predict per-GPU memory and choose precision, sharding and batch (no GPU needed)"),
     "calibrate": (calibrate, "measure this GPU's constant overheads for the planner"),
     "report": (report, "show a results directory again, as a table or Markdown"),
+    "compare": (compare, "compare two results directories; --fail-on gates on a regression"),
     "env": (env, "versions, GPUs, peak FLOP/s; --measure stores this machine's ceilings"),
 }
 
@@ -796,6 +860,16 @@ def build_parser() -> argparse.ArgumentParser:
             sub.add_argument("--markdown", action="store_true", help="print a Markdown table with provenance")
             sub.add_argument("--csv", action="store_true",
                              help="also write DIR/results.csv from the rows, as `fitbench run` writes it")
+            sub.add_argument("--html", metavar="FILE", help="write a self-contained HTML report with plots")
+            sub.add_argument("--xlsx", metavar="FILE", help="write an Excel workbook: a sheet per mode, provenance, samples")
+            _add_analysis_options(sub)
+        elif name == "compare":
+            sub.add_argument("a", metavar="A", help="the --out directory of the run compared against (before)")
+            sub.add_argument("b", metavar="B", help="the --out directory of the run compared (after)")
+            sub.add_argument("--fail-on", dest="fail_on", metavar="FIGURE:PERCENT",
+                             help="exit 1 when a configuration got worse by more than PERCENT: mean:5%% (the mean time, "
+                                  "slower beyond its noise), memory:5%% (peak memory); or is no longer ok")
+            sub.add_argument("--html", metavar="FILE", help="write the comparison as a self-contained HTML page")
         elif name == "env":
             sub.add_argument("--json", action="store_true", help="machine-readable output")
             sub.add_argument("--measure", action="store_true",
@@ -814,7 +888,7 @@ def main(argv: list[str] | None = None) -> int:
     _one_spelling(parser, argv)
     options = {key: value for key, value in vars(args).items()
                if key not in ("command", "function", "resume", "extend", "config", "json", "sources", "measure",
-                               "argv", "directory", "markdown", "csv")}
+                               "argv", "directory", "markdown", "csv", "html", "xlsx", "a", "b", "fail_on")}
     if args.command != "run":
         options = {}
     try:

@@ -219,7 +219,7 @@ def _memory_change(row_a: dict[str, Any], row_b: dict[str, Any], gate: Gate | No
 def compare_sweeps(a: str | Path, b: str | Path, fail_on: str | None = None) -> Comparison:
     """Sweep B against sweep A (their directories), gated by ``fail_on`` (``mean:5%``) when given."""
     gate = parse_fail_on(fail_on) if fail_on is not None else None
-    first, second = read_sweep(a, "A"), read_sweep(b, "B")
+    first, second = read_sweep(a, "compare A"), read_sweep(b, "compare B")
     rows_a = {row["key"]: row for row in first.rows}
     rows_b = {row["key"]: row for row in second.rows}
     comparison = Comparison(first, second, [], gate=gate,

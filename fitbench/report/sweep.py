@@ -38,22 +38,22 @@ class SweepRows:
         return path if path.exists() or path.with_name(path.name + ".gz").exists() else None
 
 
-def read_sweep(directory: str | Path, option: str = "DIR") -> SweepRows:
+def read_sweep(directory: str | Path, option: str = "report DIR") -> SweepRows:
     """The rows of ``directory``; a UserError naming ``option`` when it is no sweep's directory (no
     ``results.jsonl``) or holds no row at all."""
     path = Path(directory)
     if not str(directory).strip():
-        raise UserError(f"report: {option} was given an empty path; pass the --out directory of a `fitbench run`.")
+        raise UserError(f"{option}: was given an empty path; pass the --out directory of a `fitbench run`.")
     if path.is_file():
-        raise UserError(f"report: {excerpt(str(directory), 200)} ({option}) is a file; pass the --out directory of "
+        raise UserError(f"{option}: {excerpt(str(directory), 200)} is a file; pass the --out directory of "
                         f"a `fitbench run` (it holds {RESULTS_FILE}).")
     if not (path / RESULTS_FILE).is_file():
-        raise UserError(f"report: {excerpt(str(directory), 200)} ({option}) has no {RESULTS_FILE}, so it is not a "
+        raise UserError(f"{option}: {excerpt(str(directory), 200)} has no {RESULTS_FILE}, so it is not a "
                         f"sweep's directory; pass the --out directory of a `fitbench run`.")
     warnings: list[str] = []
     rows = list(ResultStore(path, on_bad_line=warnings.append).rows())
     if not rows:
-        raise UserError(f"report: {excerpt(str(directory), 200)}/{RESULTS_FILE} ({option}) holds no readable row"
+        raise UserError(f"{option}: {excerpt(str(directory), 200)}/{RESULTS_FILE} holds no readable row"
                         + (f" ({warnings[0]})" if warnings else "") + "; pass the directory of a sweep that "
                         "finished at least one configuration.")
     return SweepRows(path, rows, warnings, _saved_command(path / SWEEP_FILE))
