@@ -13,6 +13,7 @@ from typing import Annotated, Any, Callable, Literal
 import yaml
 from pydantic import BaseModel, ConfigDict, Field, StrictBool, ValidationError, field_validator, model_validator
 
+from fitbench.endpoints import http_url_problem
 from fitbench.errors import UserError, excerpt
 from fitbench.models.architecture import Architecture, backend_error, default_backend
 from fitbench.models.registry import resolve
@@ -106,6 +107,18 @@ class SweepConfig(BaseModel):
     tp: int | None = Field(None, validation_alias="tensor_parallel_size",
                            description=f"the tensor-parallel degree, 1 to {RANKS_MAX}, inside each FSDP group "
                                        f"(--strategy fsdp) or pipeline stage (--strategy pipeline); it divides --gpus")
+
+    ollama_url: str | None = Field(None, description="an http(s) URL of an Ollama server, e.g. http://localhost:11434")
+    ollama_model: str | None = Field(None, min_length=1, description="the model it runs for the analysis, e.g. "
+                                                                     "gpt-oss-20b")
+
+    @field_validator("ollama_url")
+    @classmethod
+    def _ollama_url(cls, value: str | None) -> str | None:
+        problem = None if value is None else http_url_problem(value)
+        if problem:
+            raise ValueError(f"{problem}; give the address of an Ollama server, like http://localhost:11434")
+        return value
 
     @field_validator("models", "mode", "precision", "batch_size", "seq_len", "fallback", mode="before")
     @classmethod

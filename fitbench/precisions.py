@@ -171,6 +171,14 @@ def peak_kind(precision: str, mode: str) -> str:
     return training
 
 
+def quantization_library(precision: str) -> str | None:
+    """The library whose tensors hold ``precision``'s quantized weights (``fitbench.run.quantize``):
+    bitsandbytes for LLM.int8, nf4 and fp4, torchao for the others; None for a floating-point one."""
+    if precision not in QUANTIZED_PRECISIONS:
+        return None
+    return "bitsandbytes" if precision in ADAPTER_BASES else "torchao"
+
+
 def weight_only(precision: str) -> bool:
     """Whether ``precision`` quantizes the weights alone: stored small, dequantized for matmuls that run
     in bf16 (the table above), so what it buys is the bytes a decode step reads, which its kernels must
@@ -346,9 +354,9 @@ def tensor_parallel_problem(precision: str, mode: str, backend: str = "native",
         return (f"fp8 training's float8 matmuls take tensor-parallel shards only through torchao's own float8 "
                 f"styles, which fitbench does not apply: {way_out}")
     if precision in QUANTIZED_PRECISIONS:
-        library = "bitsandbytes" if precision in ADAPTER_BASES else "torchao"
         return (f"{precision} weights cannot be sharded by tensor parallelism: DTensor cuts a weight into shards "
-                f"by views and splits, which {library}'s {precision} tensors do not implement: {way_out}")
+                f"by views and splits, which {quantization_library(precision)}'s {precision} tensors do not "
+                f"implement: {way_out}")
     return None
 
 

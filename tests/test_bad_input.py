@@ -140,6 +140,7 @@ BAD_YAML = [
     ("models: {sizes: [tiny], quantization: {priority_order: [16bit]}}\n",
      ["models.quantization.priority_order: ", "16bit"]),
     ("models: [tiny]\nbatch_size: [" + ", ".join(["-1"] * 5000) + "]\n", ["batch_size", "positive"]),
+    ("models: [tiny]\nollama_url: localhost:11434\nollama_model: m\n", ["ollama_url", "http://localhost:11434"]),
 ]
 
 

@@ -45,9 +45,12 @@ def imports() -> dict[str, set[str]]:
 @pytest.mark.parametrize("floor, above", [("plan", {"run", "launch", "config", "sweep", "cli"}),
                                           ("run", {"plan", "launch", "config", "sweep", "cli"}),
                                           ("spec", {"plan", "run", "launch", "config", "sweep", "cli"}),
-                                          ("monitor", {"plan", "run", "launch", "config", "sweep", "cli"}),
+                                          ("monitor", {"plan", "run", "launch", "config", "sweep", "cli",
+                                                       "report"}),
                                           ("results", {"plan", "run", "launch", "config", "sweep", "cli",
-                                                       "monitor", "models"})])
+                                                       "monitor", "models", "report"}),
+                                          ("report", {"plan", "run", "launch", "config", "sweep", "cli",
+                                                      "models"})])
 def test_a_floor_imports_nothing_above_it(floor, above):
     assert not imports().get(floor, set()) & above
 

@@ -11,7 +11,7 @@ import sys
 from rich.markup import escape
 
 from fitbench import __version__
-from fitbench.cli import calibrate, env, models, plan, report, run
+from fitbench.cli import calibrate, compare, env, models, plan, report, run
 from fitbench.cli.command import Command
 from fitbench.cli.console import errors
 from fitbench.cli.parser import Parser, one_spelling
@@ -20,7 +20,8 @@ from fitbench.results.store import DISK_ERRORS
 
 # In the order ``fitbench --help`` lists them; ``fitbench`` alone is ``fitbench run``.
 COMMANDS: dict[str, Command] = {command.name: command for command in (
-    run.COMMAND, models.COMMAND, plan.COMMAND, calibrate.COMMAND, report.COMMAND, env.COMMAND)}
+    run.COMMAND, models.COMMAND, plan.COMMAND, calibrate.COMMAND, report.COMMAND, compare.COMMAND,
+    env.COMMAND)}
 
 
 def build_parser() -> argparse.ArgumentParser:

@@ -104,6 +104,7 @@ def sweep_options(parser: argparse.ArgumentParser) -> None:
         help="with --resume: add the models, modes, precisions, batch sizes and sequence lengths given to the "
              "saved sweep (it becomes their product; what it had stays in it)")
     add("--config", metavar="FILE", default=None, help="YAML file with any of these options as keys")
+    analysis_options(S)(parser)
 
 
 def plan_options(parser: argparse.ArgumentParser) -> None:
@@ -163,6 +164,38 @@ def results_directory(parser: argparse.ArgumentParser) -> None:
     add("directory", metavar="DIR", help="the --out directory of a fitbench run")
     add("--markdown", action="store_true", help="print a Markdown table with provenance")
     add("--csv", action="store_true", help="also write DIR/results.csv from the rows, as `fitbench run` writes it")
+
+
+def analysis_options(default=None) -> OptionGroup:
+    """``--ollama-url`` and ``--ollama-model``: a written analysis of the rows by a model an Ollama server
+    runs (``fitbench.report.analysis``); ``default`` is ``SUPPRESS`` where a YAML file may give them."""
+    def group(parser: argparse.ArgumentParser) -> None:
+        parser.add_argument("--ollama-url", dest="ollama_url", default=default, metavar="URL",
+                            help="an Ollama server that writes a short analysis of the rows into analysis.md and the "
+                                 "HTML report, e.g. http://localhost:11434 (default with --ollama-model)")
+        parser.add_argument("--ollama-model", dest="ollama_model", default=default, metavar="MODEL",
+                            help="the model it runs, e.g. gpt-oss-20b; a server or model that does not answer is a "
+                                 "warning, and the report is written without an analysis")
+
+    return group
+
+
+def report_documents(parser: argparse.ArgumentParser) -> None:
+    """The files ``fitbench report`` writes beside showing the rows."""
+    parser.add_argument("--html", metavar="FILE", help="write a self-contained HTML report with plots")
+    parser.add_argument("--xlsx", metavar="FILE", help="write an Excel workbook: a sheet per mode, provenance, samples")
+    analysis_options()(parser)
+
+
+def two_sweeps(parser: argparse.ArgumentParser) -> None:
+    """The two results directories ``fitbench compare`` compares, and its gate."""
+    add = parser.add_argument
+    add("a", metavar="A", help="the --out directory of the run compared against (before)")
+    add("b", metavar="B", help="the --out directory of the run compared (after)")
+    add("--fail-on", dest="fail_on", metavar="FIGURE:PERCENT",
+        help="exit 1 when a configuration got worse by more than PERCENT: mean:5%% (the mean time, "
+             "slower beyond its noise), memory:5%% (peak memory); or is no longer ok")
+    add("--html", metavar="FILE", help="write the comparison as a self-contained HTML page")
 
 
 def measure_ceilings(parser: argparse.ArgumentParser) -> None:

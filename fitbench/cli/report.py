@@ -7,7 +7,8 @@ import sys
 
 from fitbench.cli.command import Command
 from fitbench.cli.console import console, warn
-from fitbench.cli.options import results_directory
+from fitbench.cli.documents import write_documents
+from fitbench.cli.options import report_documents, results_directory
 from fitbench.errors import UserError, excerpt
 
 
@@ -34,7 +35,9 @@ def report(args: argparse.Namespace) -> int:
         console.print(results_table(rows, title=f"fitbench results: {args.directory}"))
     if args.csv:
         print(f"table: {write_csv(rows, store.directory)}", file=sys.stderr if args.markdown else sys.stdout)
+    write_documents(args.directory, rows, args.html, args.xlsx, args.ollama_url, args.ollama_model)
     return 0
 
 
-COMMAND = Command("report", "show a results directory again, as a table or Markdown", report, (results_directory,))
+COMMAND = Command("report", "show a results directory again, as a table or Markdown", report,
+                  (results_directory, report_documents))

@@ -13,6 +13,7 @@ from rich.markup import escape
 from fitbench import __version__
 from fitbench.cli.command import Command
 from fitbench.cli.console import console, warn
+from fitbench.cli.documents import write_documents
 from fitbench.cli.options import sweep_options
 from fitbench.errors import UserError, excerpt
 
@@ -66,7 +67,7 @@ def run(args: argparse.Namespace) -> int:
     with ProgressDisplay(len(jobs), store) as display:
         run_sweep(jobs, store, launcher=LocalLauncher(), display=display, command=command,
                   calibration=calibration)
-    return _summary(store, out, {job.spec.key for job in jobs})
+    return _summary(store, out, {job.spec.key for job in jobs}, config)
 
 
 def sweep_config(args: argparse.Namespace):
@@ -97,6 +98,8 @@ def sweep_config(args: argparse.Namespace):
     config = merge_sources(saved, file_options, cli_options)
     if args.resume:
         config = resumed_config(saved, config, extend=args.extend)
+    if config.ollama_url and not config.ollama_model:
+        raise UserError("ollama-model: --ollama-url needs --ollama-model, the model that writes the analysis.")
     out = args.resume or config.out or str(Path("fitbench-results") / datetime.now(timezone.utc).strftime("%Y%m%d-%H%M%S"))
     return config, out
 
@@ -116,9 +119,9 @@ def _start_sweep(store, out: str, config, device: str, args: argparse.Namespace)
     return command
 
 
-def _summary(store, out: str, keys: set[str]) -> int:
-    """The rows of ``keys`` in ``store`` (the directory ``out``) as a table, where they are, and the exit
-    status: 1 when one did not finish ok."""
+def _summary(store, out: str, keys: set[str], config) -> int:
+    """The rows of ``keys`` in ``store`` (the directory ``out``) as a table, where they are, the analysis
+    ``config`` asks for, and the exit status: 1 when one did not finish ok."""
     from fitbench.results.report import results_table, write_csv
 
     rows = [row for row in store.rows() if row.get("key") in keys]
@@ -126,6 +129,7 @@ def _summary(store, out: str, keys: set[str]) -> int:
     csv_path = write_csv(list(store.rows()), out)
     console.print(f"rows: {store.path}  table: {csv_path}")
     store.unlock()
+    write_documents(out, rows, ollama_url=config.ollama_url, ollama_model=config.ollama_model)
     failed = [row for row in rows if row["status"] != "ok"]
     if failed:
         listed = "; ".join(f"{escape(row.get('label') or row['key'])}: {escape(row['status'])}" for row in failed)

@@ -1,0 +1,33 @@
+"""``fitbench compare``: two results directories, configuration by configuration, with a gate for CI."""
+
+from __future__ import annotations
+
+import argparse
+
+from rich.markup import escape
+
+from fitbench.cli.command import Command
+from fitbench.cli.console import console, warn
+from fitbench.cli.options import two_sweeps
+
+
+def compare(args: argparse.Namespace) -> int:
+    """Compare sweep B with sweep A configuration by configuration: the change of the mean time with a
+    bootstrap confidence interval, tokens/s and peak memory; with --fail-on, exit 1 when a change
+    crosses the gate, for CI."""
+    from fitbench.report.compare import compare_sweeps
+    from fitbench.report.html import write_comparison_html
+
+    comparison = compare_sweeps(args.a, args.b, fail_on=args.fail_on)
+    for side, sweep in (("A", comparison.a), ("B", comparison.b)):
+        for warning in sweep.warnings:
+            warn(f"{side}: {warning}")
+    for line in comparison.lines():
+        console.print(escape(line), soft_wrap=True)
+    if args.html:
+        console.print(f"html: {write_comparison_html(comparison, args.html)}")
+    return 1 if comparison.failed else 0
+
+
+COMMAND = Command("compare", "compare two results directories; --fail-on gates on a regression", compare,
+                  (two_sweeps,))

@@ -1,0 +1,108 @@
+"""The columns of a row in the HTML table and the workbook: a header with its unit and the value,
+a plain number in that unit (or text), None where the row has none.
+
+The figures are ``fitbench.results.report.headline``'s (the median step time, or per-token decode
+latency in ``infer``; tokens/s; MFU; the measured and predicted peak and their error), scaled to the
+unit in the header: GB are 1e9 bytes, % are 100 x a fraction. The measured peak is the largest GPU's
+(``headline`` gives the first GPU's; every rank's is in the memory plot and the row). Quantization
+columns: the method is the precision of a quantized row, the library holds its tensors
+(``fitbench.precisions.quantization_library``), weights vs bf16 is the bytes the built weights took
+over those of the same model in bf16 (``weights.relative_to_bf16``), and the quality figures are
+``fitbench.run.quality``'s against the bf16 model.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any, Callable
+
+from fitbench.precisions import quantization_library
+from fitbench.report.figures import GB, gpu_peak, layout_label, world_size
+from fitbench.results.report import headline
+
+Value = float | int | str | None
+
+
+@dataclass(frozen=True)
+class Column:
+    header: str
+    value: Callable[[dict[str, Any], dict[str, Any]], Value]  # (row, its headline) -> value
+    in_html: bool = True  # the HTML table shows the figures people compare; the workbook every column
+
+
+def _scaled(value: float | None, scale: float) -> float | None:
+    return None if value is None else value * scale
+
+
+def largest_peak(row: dict[str, Any]) -> float | None:
+    peaks = [peak for gpu in (row.get("memory") or {}).get("gpus") or [] if (peak := gpu_peak(gpu))]
+    if peaks:
+        return max(peaks) / GB
+    host = (row.get("memory") or {}).get("host_peak_rss")
+    return None if host is None else host / GB
+
+
+def _quality(row: dict[str, Any], *path: str) -> Any:
+    value: Any = row.get("quality") or {}
+    for step in path:
+        value = value.get(step) if isinstance(value, dict) else None
+    return value if isinstance(value, (int, float)) and not isinstance(value, bool) else None
+
+
+def _last_line(text: str | None) -> str | None:
+    lines = (text or "").strip().splitlines()
+    return lines[-1][:300] if lines else None
+
+
+COLUMNS = (
+    Column("key", lambda row, head: row["key"], in_html=False),
+    Column("configuration", lambda row, head: row["label"]),
+    Column("model", lambda row, head: row["spec"]["model"]),
+    Column("mode", lambda row, head: row["spec"]["mode"]),
+    Column("precision", lambda row, head: row["spec"]["precision"]),
+    Column("layout", lambda row, head: layout_label(row)),
+    Column("GPUs", lambda row, head: world_size(row)),
+    Column("batch", lambda row, head: row["spec"]["batch_size"]),
+    Column("sequence (tokens)", lambda row, head: row["spec"]["seq_len"]),
+    Column("new tokens", lambda row, head: row["spec"].get("new_tokens") if row["spec"]["mode"] == "infer" else None,
+           in_html=False),
+    Column("parameters", lambda row, head: row.get("params")),
+    Column("status", lambda row, head: row["status"]),
+    Column("median time (s, per step or decoded token)", lambda row, head: head["time"]),
+    Column("CV (%)", lambda row, head: head["cv"]),
+    Column("tokens/s", lambda row, head: head["tokens_per_s"]),
+    Column("MFU (%)", lambda row, head: _scaled(head["mfu"], 100)),
+    Column("decode bandwidth roofline (%)", lambda row, head: head["roofline"]),
+    Column("measured peak, largest GPU (GB)", lambda row, head: largest_peak(row)),
+    Column("predicted peak per GPU (GB)", lambda row, head: _scaled(head["predicted_peak"], 1 / GB)),
+    Column("prediction error (%)", lambda row, head: head["prediction_error"]),
+    Column("forecast time (s)", lambda row, head: head["forecast_time"]),
+    Column("forecast error (%)", lambda row, head: head["forecast_error"]),
+    Column("roofline time (s)", lambda row, head: head["roofline_time"], in_html=False),
+    Column("quantization method", lambda row, head: row["spec"]["precision"]
+           if quantization_library(row["spec"]["precision"]) else None, in_html=False),
+    Column("quantization library", lambda row, head: quantization_library(row["spec"]["precision"]), in_html=False),
+    Column("weights vs bf16 (ratio)", lambda row, head: (row.get("weights") or {}).get("relative_to_bf16")),
+    Column("weight bytes (GB)", lambda row, head: _scaled((row.get("weights") or {}).get("bytes"), 1 / GB),
+           in_html=False),
+    Column("matmul error, mean (%)", lambda row, head: _scaled(_quality(row, "matmul_error", "mean"), 100),
+           in_html=False),
+    Column("matmul error, worst (%)", lambda row, head: _scaled(_quality(row, "matmul_error", "worst"), 100),
+           in_html=False),
+    Column("top-1 agreement with bf16 (%)", lambda row, head: _scaled(_quality(row, "top1_agreement"), 100),
+           in_html=False),
+    Column("KL divergence from bf16 (nats)", lambda row, head: _quality(row, "kl_divergence"), in_html=False),
+    Column("perplexity, bf16", lambda row, head: _quality(row, "perplexity", "bf16"), in_html=False),
+    Column("perplexity, quantized", lambda row, head: _quality(row, "perplexity", "quantized"), in_html=False),
+    Column("error", lambda row, head: _last_line(row.get("error"))),
+)
+
+
+def row_values(row: dict[str, Any], html: bool = False) -> list[Value]:
+    """``row``'s values in ``COLUMNS`` order (only the HTML table's with ``html``)."""
+    head = headline(row)
+    return [column.value(row, head) for column in COLUMNS if column.in_html or not html]
+
+
+def headers(html: bool = False) -> list[str]:
+    return [column.header for column in COLUMNS if column.in_html or not html]

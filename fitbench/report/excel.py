@@ -1,0 +1,69 @@
+"""A sweep as an Excel workbook (openpyxl): one sheet per mode with every column of
+``fitbench.report.columns`` (the quantization ones included), a sheet of provenance, one of every
+raw sample, and one of warnings when lines of the results were damaged.
+
+Numbers are stored as numbers in the unit their header names, never as formatted text, so a
+spreadsheet computes with them; the header row is frozen and each column is as wide as its longest
+value (up to ``WIDTH_MAX`` characters). Samples are ``timing.samples``: per row and figure (step,
+token_latency, time_to_first_token, end_to_end, ...), one line per sample, in seconds.
+"""
+
+from __future__ import annotations
+
+import io
+from pathlib import Path
+from typing import Any
+
+from openpyxl import Workbook
+from openpyxl.styles import Font
+from openpyxl.utils import get_column_letter
+from openpyxl.worksheet.worksheet import Worksheet
+
+from fitbench.report.columns import headers, row_values
+from fitbench.report.output import write_output
+from fitbench.report.provenance import provenance
+from fitbench.report.sweep import read_sweep
+
+WIDTH_MAX = 60
+SAMPLE_HEADERS = ["key", "configuration", "figure", "sample", "seconds"]
+
+
+def _sheet(sheet: Worksheet, header: list[str], rows: list[list[Any]]) -> None:
+    sheet.append(header)
+    for row in rows:
+        sheet.append(row)
+    for cell in sheet[1]:
+        cell.font = Font(bold=True)
+    sheet.freeze_panes = "A2"
+    for index, name in enumerate(header, start=1):
+        longest = max([len(name)] + [len(f"{row[index - 1]:,.4g}" if isinstance(row[index - 1], float)
+                                         else str(row[index - 1] or "")) for row in rows])
+        sheet.column_dimensions[get_column_letter(index)].width = min(WIDTH_MAX, longest + 2)
+
+
+def sample_rows(rows: list[dict[str, Any]]) -> list[list[Any]]:
+    """Every raw sample of every row: (key, configuration, figure, index from 1, seconds)."""
+    lines = []
+    for row in rows:
+        for figure, values in ((row.get("timing") or {}).get("samples") or {}).items():
+            if isinstance(values, list):
+                lines += [[row["key"], row["label"], figure, index, value]
+                          for index, value in enumerate(values, start=1)]
+    return lines
+
+
+def write_xlsx(rows_dir: str | Path, path: str | Path) -> Path:
+    """The workbook of the sweep in ``rows_dir`` written to ``path``; bad input is a ``UserError``."""
+    sweep = read_sweep(rows_dir)
+    book = Workbook()
+    _sheet(book.active, ["what", "value"], [list(line) for line in provenance(sweep)])
+    book.active.title = "provenance"
+    for mode in dict.fromkeys(row["spec"]["mode"] for row in sweep.rows):
+        _sheet(book.create_sheet(mode), headers(), [row_values(row) for row in sweep.rows
+                                                    if row["spec"]["mode"] == mode])
+    _sheet(book.create_sheet("samples"), SAMPLE_HEADERS, sample_rows(sweep.rows))
+    if sweep.warnings:
+        _sheet(book.create_sheet("warnings"), ["damaged line"], [[warning] for warning in sweep.warnings])
+    buffer = io.BytesIO()
+    book.save(buffer)
+    return write_output(path, buffer.getvalue(), "--xlsx")

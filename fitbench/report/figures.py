@@ -1,0 +1,300 @@
+"""The plots of the HTML report, as plotly figures made from a sweep's rows.
+
+Each function returns a figure, or None when the sweep holds nothing it could plot (no row of
+several GPUs, no fallback, no decode), so the page has no empty plot. Every figure is a function of
+the rows alone; what a figure shows is said in ``FIGURES``, beside it on the page:
+
+- size: tokens/s and MFU (``headline``) against the parameter count, one line per mode, precision
+  and layout;
+- memory: the measured peak of every GPU of every row (NVML's per-process figure, else the
+  allocator's reserved peak: ``gpu_peak``) against the planner's prediction per GPU, with the line
+  where they are equal; and the planner's terms of one row, chosen in the figure;
+- timeline: the parent's NVML samples (``fitbench.monitor.nvml``) of one row's GPUs: memory used,
+  utilization and power against seconds since the first sample, the measured window shaded where
+  the row records it (``gpu_monitor.window``), else the process's start and end marked;
+- decode: decode tokens/s against the batch, with the bandwidth roofline the row computed
+  (``decode_roofline_tokens_per_s``: the tokens/s at which a step reads its bytes at the datasheet's
+  bandwidth);
+- ladder: each attempt of each row that fell back, coloured by how it ended, its change and error
+  in its hover text;
+- scaling: tokens/s per GPU (the row's tokens/s over its layout's world size) against the GPU
+  count, one line per model, mode and precision, each layout a marker.
+"""
+
+from __future__ import annotations
+
+from collections import defaultdict
+from dataclasses import dataclass
+from datetime import datetime
+from typing import Any, Callable
+
+import plotly.graph_objects as go
+from plotly.subplots import make_subplots
+
+from fitbench.monitor.nvml import read_timeline
+from fitbench.report.sweep import SweepRows
+from fitbench.results.report import headline
+from fitbench.spec import Layout
+
+GB = 1e9
+# A timeline of a long run holds tens of thousands of samples per GPU; every k-th is drawn, so a page
+# stays a few MB: at most this many points per GPU and figure.
+TIMELINE_POINTS = 1500
+STATUS_COLOURS = {"ok": "#2a9d3a", "oom": "#d62728", "refused": "#7f7f7f"}
+
+
+def layout_label(row: dict[str, Any]) -> str:
+    """The row's layout as ``fitbench.spec.Layout`` names it, ``one device`` for a single process."""
+    return Layout.model_validate(row["spec"].get("layout") or {}).label or "one device"
+
+
+def world_size(row: dict[str, Any]) -> int:
+    return Layout.model_validate(row["spec"].get("layout") or {}).world_size
+
+
+def gpu_peak(gpu: dict[str, Any]) -> float | None:
+    """One GPU's measured peak: NVML's per-process figure, else the allocator's reserved peak."""
+    value = gpu.get("nvml_peak_used") or gpu.get("peak_reserved")
+    return float(value) if value else None
+
+
+def _ok(sweep: SweepRows) -> list[dict[str, Any]]:
+    return [row for row in sweep.rows if row["status"] == "ok"]
+
+
+def _grouped(rows: list[dict[str, Any]], key: Callable[[dict[str, Any]], str]) -> dict[str, list[dict[str, Any]]]:
+    groups: dict[str, list[dict[str, Any]]] = defaultdict(list)
+    for row in rows:
+        groups[key(row)].append(row)
+    return dict(sorted(groups.items()))
+
+
+def _figure(fig: go.Figure, height: int = 420) -> go.Figure:
+    fig.update_layout(height=height, margin=dict(l=60, r=20, t=40, b=50), template="plotly_white",
+                      legend=dict(font=dict(size=11)))
+    return fig
+
+
+def size_figure(sweep: SweepRows) -> go.Figure | None:
+    rows = [row for row in _ok(sweep) if row.get("params") and headline(row)["tokens_per_s"]]
+    if not rows:
+        return None
+    fig = make_subplots(rows=1, cols=2, subplot_titles=("tokens/s", "MFU (%)"))
+    groups = _grouped(rows, lambda row: f"{row['spec']['mode']} {row['spec']['precision']}, {layout_label(row)}")
+    for index, (name, group) in enumerate(groups.items()):
+        group = sorted(group, key=lambda row: row["params"])
+        heads = [headline(row) for row in group]
+        params = [row["params"] for row in group]
+        labels = [row["label"] for row in group]
+        colour = _COLOURS[index % len(_COLOURS)]
+        fig.add_trace(go.Scatter(x=params, y=[h["tokens_per_s"] for h in heads], name=name, text=labels,
+                                 mode="lines+markers", legendgroup=name, line=dict(color=colour)), 1, 1)
+        fig.add_trace(go.Scatter(x=params, y=[100 * h["mfu"] if h["mfu"] is not None else None for h in heads],
+                                 name=name, text=labels, mode="lines+markers", legendgroup=name, showlegend=False,
+                                 line=dict(color=colour)), 1, 2)
+    fig.update_xaxes(type="log", title_text="parameters")
+    fig.update_yaxes(type="log", row=1, col=1)
+    return _figure(fig)
+
+
+def memory_figure(sweep: SweepRows) -> go.Figure | None:
+    points = []
+    for row in sweep.rows:
+        predicted = (row.get("prediction") or {}).get("predicted_peak_bytes")
+        for index, gpu in enumerate((row.get("memory") or {}).get("gpus") or []):
+            if predicted and gpu_peak(gpu):
+                points.append((predicted / GB, gpu_peak(gpu) / GB, f"{row['label']}, rank {gpu.get('rank', index)}"))
+    if not points:
+        return None
+    fig = go.Figure()
+    fig.add_trace(go.Scatter(x=[p[0] for p in points], y=[p[1] for p in points], text=[p[2] for p in points],
+                             mode="markers", name="one GPU of a row", marker=dict(size=9)))
+    top = max(max(p[0], p[1]) for p in points) * 1.05
+    fig.add_trace(go.Scatter(x=[0, top], y=[0, top], mode="lines", name="measured = predicted",
+                             line=dict(dash="dash", color="#888")))
+    fig.update_xaxes(title_text="predicted peak per GPU (GB)")
+    fig.update_yaxes(title_text="measured peak (GB)")
+    return _figure(fig)
+
+
+def _chooser(fig: go.Figure, names: list[str], traces_per_choice: list[int],
+             shapes: list[list[dict]] | None = None) -> None:
+    """A drop-down over ``names`` that shows the traces of one choice (the first shown at first)."""
+    buttons, start = [], 0
+    total = sum(traces_per_choice)
+    for choice, (name, count) in enumerate(zip(names, traces_per_choice)):
+        visible = [start <= trace < start + count for trace in range(total)]
+        layout = {"shapes": shapes[choice]} if shapes is not None else {}
+        buttons.append(dict(label=name[:60], method="update", args=[{"visible": visible}, layout]))
+        start += count
+    for trace, visible in zip(fig.data, buttons[0]["args"][0]["visible"]):
+        trace.visible = visible
+    if shapes is not None:
+        fig.update_layout(shapes=shapes[0])
+    fig.update_layout(updatemenus=[dict(buttons=buttons, x=0, xanchor="left", y=1.18, yanchor="top")])
+
+
+def terms_figure(sweep: SweepRows) -> go.Figure | None:
+    rows = [row for row in sweep.rows if (row.get("prediction") or {}).get("terms")]
+    if not rows:
+        return None
+    fig = go.Figure()
+    for row in rows:
+        terms = [term for term in row["prediction"]["terms"] if term.get("bytes")]
+        fig.add_trace(go.Bar(x=[term["bytes"] / GB for term in terms], y=[term["name"] for term in terms],
+                             orientation="h", name=row["label"],
+                             marker=dict(color=["#1f77b4" if term.get("at_peak", True) else "#c7c7c7"
+                                                for term in terms])))
+    _chooser(fig, [row["label"] for row in rows], [1] * len(rows))
+    fig.update_xaxes(title_text="GB per GPU (grey: not alive at the peak)")
+    fig.update_yaxes(autorange="reversed")
+    return _figure(fig, height=max(420, 22 * max(len(row["prediction"]["terms"]) for row in rows)))
+
+
+def timeline_figure(sweep: SweepRows) -> go.Figure | None:
+    chosen = [(row, path) for row in sweep.rows if (path := sweep.timeline(row)) is not None]
+    timelines = []
+    for row, path in chosen:
+        timeline = read_timeline(path)
+        if timeline.samples:
+            timelines.append((row, timeline))
+    if not timelines:
+        return None
+    fig = make_subplots(rows=3, cols=1, shared_xaxes=True, vertical_spacing=0.06,
+                        subplot_titles=("memory used (GB)", "utilization (%)", "power (W)"))
+    counts, shapes = [], []
+    for row, timeline in timelines:
+        start = timeline.samples[0].t
+        by_gpu: dict[int, list] = defaultdict(list)
+        for sample in timeline.samples:
+            by_gpu[sample.gpu].append(sample)
+        for gpu, samples in sorted(by_gpu.items()):
+            samples = samples[::max(1, len(samples) // TIMELINE_POINTS)]
+            seconds = [sample.t - start for sample in samples]
+            for panel, (column, scale) in enumerate((("memory_used_bytes", 1 / GB), ("utilization_percent", 1),
+                                                     ("power_w", 1)), start=1):
+                values = [None if getattr(s, column) is None else getattr(s, column) * scale for s in samples]
+                fig.add_trace(go.Scatter(x=seconds, y=values, mode="lines", name=f"GPU {gpu}", legendgroup=f"{gpu}",
+                                         showlegend=panel == 1, line=dict(color=_COLOURS[gpu % len(_COLOURS)])),
+                              panel, 1)
+        counts.append(3 * len(by_gpu))
+        shapes.append(_marks(row, timeline, start))
+    _chooser(fig, [row["label"] for row, _ in timelines], counts, shapes)
+    fig.update_xaxes(title_text="seconds since the first sample", row=3, col=1)
+    return _figure(fig, height=640)
+
+
+def _marks(row: dict[str, Any], timeline, start: float) -> list[dict]:
+    """The measured window shaded where the row records it, else the process's start and end as lines."""
+    every_panel = dict(xref="x", yref="paper", y0=0, y1=1)
+    window = (row.get("gpu_monitor") or {}).get("window")
+    if window:
+        return [dict(type="rect", x0=window[0] - start, x1=window[1] - start, fillcolor="#ffd54f", opacity=0.25,
+                     line=dict(width=0), **every_panel)]
+    header = timeline.header or {}
+    marks = []
+    if isinstance(header.get("started_unix_s"), (int, float)) and isinstance(header.get("started_monotonic_s"),
+                                                                             (int, float)):
+        offset = header["started_monotonic_s"] - header["started_unix_s"] - start
+        for field in ("started_at", "finished_at"):
+            if row.get(field):
+                try:
+                    moment = datetime.fromisoformat(row[field]).timestamp() + offset
+                except ValueError:
+                    continue
+                marks.append(dict(type="line", x0=moment, x1=moment, line=dict(dash="dot", color="#555"),
+                                  **every_panel))
+    return marks
+
+
+def decode_figure(sweep: SweepRows) -> go.Figure | None:
+    rows = [row for row in _ok(sweep) if row["spec"]["mode"] == "infer"
+            and (row.get("throughput") or {}).get("decode_tokens_per_s")]
+    if not rows:
+        return None
+    fig = go.Figure()
+    groups = _grouped(rows, lambda row: f"{row['spec']['model']} {row['spec']['precision']}, {layout_label(row)}")
+    for index, (name, group) in enumerate(groups.items()):
+        group = sorted(group, key=lambda row: row["spec"]["batch_size"])
+        batches = [row["spec"]["batch_size"] for row in group]
+        colour = _COLOURS[index % len(_COLOURS)]
+        fig.add_trace(go.Scatter(x=batches, y=[row["throughput"]["decode_tokens_per_s"] for row in group],
+                                 mode="lines+markers", name=name, text=[row["label"] for row in group],
+                                 line=dict(color=colour)))
+        roofline = [row["throughput"].get("decode_roofline_tokens_per_s") for row in group]
+        if any(roofline):
+            fig.add_trace(go.Scatter(x=batches, y=roofline, mode="lines+markers", name=f"{name}: bandwidth roofline",
+                                     line=dict(color=colour, dash="dash"), marker=dict(symbol="line-ew-open", size=14)))
+    fig.update_xaxes(type="log", title_text="batch (sequences)")
+    fig.update_yaxes(type="log", title_text="decode tokens/s")
+    return _figure(fig)
+
+
+def ladder_figure(sweep: SweepRows) -> go.Figure | None:
+    rows = [row for row in sweep.rows if len(row.get("attempts") or []) > 1]
+    if not rows:
+        return None
+    fig = go.Figure()
+    for status in sorted({attempt.get("status") or "?" for row in rows for attempt in row["attempts"]}):
+        points = [(number, row["label"], f"{attempt.get('change')}: {(attempt.get('error') or status)[:200]}")
+                  for row in rows for number, attempt in enumerate(row["attempts"], start=1)
+                  if (attempt.get("status") or "?") == status]
+        fig.add_trace(go.Scatter(x=[p[0] for p in points], y=[p[1] for p in points], text=[p[2] for p in points],
+                                 mode="markers", name=status, hovertemplate="%{y}<br>attempt %{x}: %{text}",
+                                 marker=dict(size=14, symbol="square", color=STATUS_COLOURS.get(status, "#ff7f0e"))))
+    fig.update_xaxes(title_text="attempt", dtick=1)
+    return _figure(fig, height=max(300, 40 * len(rows) + 120))
+
+
+def scaling_figure(sweep: SweepRows) -> go.Figure | None:
+    rows = [row for row in _ok(sweep) if headline(row)["tokens_per_s"]]
+    if not any(world_size(row) > 1 for row in rows):
+        return None
+    fig = go.Figure()
+    groups = _grouped(rows, lambda row: f"{row['spec']['model']} {row['spec']['mode']} {row['spec']['precision']}")
+    symbols = {}
+    for index, (name, group) in enumerate(groups.items()):
+        group = sorted(group, key=world_size)
+        fig.add_trace(go.Scatter(
+            x=[world_size(row) for row in group], y=[headline(row)["tokens_per_s"] / world_size(row) for row in group],
+            mode="lines+markers", name=name, text=[f"{row['label']} ({layout_label(row)})" for row in group],
+            marker=dict(size=11, symbol=[symbols.setdefault(layout_label(row), _SYMBOLS[len(symbols) % len(_SYMBOLS)])
+                                         for row in group]),
+            line=dict(color=_COLOURS[index % len(_COLOURS)])))
+    fig.update_xaxes(title_text="GPUs", dtick=1)
+    fig.update_yaxes(title_text="tokens/s per GPU", rangemode="tozero")
+    return _figure(fig)
+
+
+_COLOURS = ("#1f77b4", "#ff7f0e", "#2ca02c", "#d62728", "#9467bd", "#8c564b", "#e377c2", "#7f7f7f", "#bcbd22",
+            "#17becf")
+_SYMBOLS = ("circle", "square", "diamond", "triangle-up", "x", "star")
+
+
+@dataclass(frozen=True)
+class Plot:
+    """One plot of the page: its anchor, title, what it shows, and the function that makes it."""
+
+    name: str
+    title: str
+    caption: str
+    make: Callable[[SweepRows], go.Figure | None]
+
+
+FIGURES = (
+    Plot("size", "Throughput against model size", "tokens/s and MFU per row, one line per mode, precision and "
+         "layout; MFU against the datasheet's dense peak.", size_figure),
+    Plot("memory", "Predicted against measured peak memory", "every GPU of every row: the measured peak (NVML per "
+         "process, else the allocator's reserved peak) against the planner's prediction per GPU.", memory_figure),
+    Plot("terms", "The planner's memory terms", "one row's predicted peak per GPU term by term; choose the row "
+         "above the plot.", terms_figure),
+    Plot("timeline", "GPU timelines", "the parent's NVML samples of one row's GPUs (choose the row above the plot); "
+         "the measured window is shaded where the row records it, else dotted lines mark the process's start "
+         "and end.", timeline_figure),
+    Plot("decode", "Decode throughput against batch", "decode tokens/s per batch, dashed: the bandwidth roofline "
+         "(the tokens/s at which each step reads its bytes at the datasheet's memory bandwidth).", decode_figure),
+    Plot("ladder", "The fallback ladder", "each attempt of the rows that fell back, coloured by how it ended; the "
+         "change and the error are in its hover text.", ladder_figure),
+    Plot("scaling", "Scaling over GPUs", "tokens/s per GPU against the GPU count (weak scaling: each data-parallel "
+         "rank keeps its batch), one line per model, mode and precision, one marker per layout.", scaling_figure),
+)

@@ -1,0 +1,153 @@
+"""A sweep as one self-contained HTML page: provenance, warnings, the written analysis, a sortable
+table of the rows and the plots of ``fitbench.report.figures``.
+
+Nothing is fetched when the page is viewed: the styles, the table's sorting script and plotly's
+script are inline (plotly once, before the first plot), so the file can be mailed or archived and
+opens offline. A comparison of two sweeps (``fitbench.report.compare``) renders on the same page.
+"""
+
+from __future__ import annotations
+
+import html
+from pathlib import Path
+from typing import Any
+
+from fitbench.report.columns import headers, row_values
+from fitbench.report.compare import Comparison
+from fitbench.report.figures import FIGURES
+from fitbench.report.output import write_output
+from fitbench.report.provenance import provenance
+from fitbench.report.sweep import SweepRows, read_sweep
+
+STYLE = """
+body { font-family: system-ui, sans-serif; margin: 1.5em auto; max-width: 1400px; color: #222; padding: 0 1em; }
+h1 { font-size: 1.5em; } h2 { font-size: 1.2em; margin-top: 1.6em; border-bottom: 1px solid #ddd; }
+table { border-collapse: collapse; font-size: 0.85em; }
+th, td { padding: 3px 8px; border-bottom: 1px solid #eee; text-align: right; white-space: nowrap; }
+td.text, th.text { text-align: left; }
+table.sortable th { cursor: pointer; background: #f4f4f4; position: sticky; top: 0; }
+table.sortable th[aria-sort=ascending]::after { content: " \\25B2"; }
+table.sortable th[aria-sort=descending]::after { content: " \\25BC"; }
+.scroll { overflow-x: auto; max-height: 80vh; }
+.warning { color: #8a4b00; } .slower { color: #b00020; } .faster { color: #1b7d2e; }
+.analysis { white-space: pre-wrap; background: #f8f8f8; padding: 0.8em; border-left: 3px solid #888; }
+.caption { color: #555; font-size: 0.9em; }
+"""
+
+# Sorts a table by the clicked column: numbers (a cell's data-sort) as numbers, blanks last.
+SORT_SCRIPT = """
+document.querySelectorAll("table.sortable").forEach(function (table) {
+  table.querySelectorAll("th").forEach(function (th, column) {
+    th.addEventListener("click", function () {
+      var ascending = th.getAttribute("aria-sort") !== "ascending";
+      table.querySelectorAll("th").forEach(function (other) { other.removeAttribute("aria-sort"); });
+      th.setAttribute("aria-sort", ascending ? "ascending" : "descending");
+      var body = table.tBodies[0];
+      var rows = Array.prototype.slice.call(body.rows);
+      function key(row) {
+        var cell = row.cells[column];
+        var text = cell.hasAttribute("data-sort") ? cell.getAttribute("data-sort") : cell.textContent;
+        var number = parseFloat(text);
+        return text === "" ? null : (isNaN(number) || !cell.hasAttribute("data-sort") ? text : number);
+      }
+      rows.sort(function (a, b) {
+        var x = key(a), y = key(b);
+        if (x === null || y === null) { return x === y ? 0 : (x === null ? 1 : -1); }
+        var order = typeof x === "number" && typeof y === "number" ? x - y : String(x).localeCompare(String(y));
+        return ascending ? order : -order;
+      });
+      rows.forEach(function (row) { body.appendChild(row); });
+    });
+  });
+});
+"""
+
+
+def _cell(value: Any) -> str:
+    """A table cell: numbers shown to four significant figures and sorted by their full value."""
+    if value is None:
+        return '<td data-sort=""></td>'
+    if isinstance(value, (int, float)) and not isinstance(value, bool):
+        shown = f"{value:,}" if isinstance(value, int) else f"{value:,.4g}"
+        return f'<td data-sort="{value!r}">{shown}</td>'
+    return f'<td class="text">{html.escape(str(value))}</td>'
+
+
+def table(header: list[str], rows: list[list[Any]], text_columns: int = 0) -> str:
+    """A sortable table; ``rows`` of plain values (``_cell``)."""
+    head = "".join(f'<th class="text">{html.escape(name)}</th>' if index < text_columns
+                   else f"<th>{html.escape(name)}</th>" for index, name in enumerate(header))
+    body = "\n".join("<tr>" + "".join(_cell(value) for value in row) + "</tr>" for row in rows)
+    return (f'<div class="scroll"><table class="sortable"><thead><tr>{head}</tr></thead>'
+            f"<tbody>\n{body}\n</tbody></table></div>")
+
+
+def _facts(lines: list[tuple[str, str]]) -> str:
+    return "<table>" + "".join(f'<tr><th class="text">{html.escape(name)}</th><td class="text">'
+                               f"{html.escape(value)}</td></tr>" for name, value in lines) + "</table>"
+
+
+def page(title: str, sections: list[str]) -> str:
+    return (f'<!DOCTYPE html>\n<html lang="en"><head><meta charset="utf-8"><title>{html.escape(title)}</title>'
+            f'<meta name="viewport" content="width=device-width, initial-scale=1">'
+            f"<style>{STYLE}</style></head>\n<body><h1>{html.escape(title)}</h1>\n" + "\n".join(sections)
+            + f"\n<script>{SORT_SCRIPT}</script></body></html>\n")
+
+
+def _warnings(warnings: list[str]) -> str:
+    if not warnings:
+        return ""
+    items = "".join(f"<li>{html.escape(warning)}</li>" for warning in warnings)
+    return (f'<section id="warnings"><h2>Warnings</h2><p class="warning">Lines of the results that were not '
+            f"clean rows: skipped, or read with the fields named left blank.</p><ul class=\"warning\">{items}</ul>"
+            f"</section>")
+
+
+def plots(sweep: SweepRows) -> list[str]:
+    """One section per figure that has something to show; plotly's script inline before the first."""
+    sections, script = [], True
+    for plot in FIGURES:
+        figure = plot.make(sweep)
+        if figure is None:
+            continue
+        body = figure.to_html(full_html=False, include_plotlyjs=script, div_id=f"plot-{plot.name}",
+                              config={"displaylogo": False, "responsive": True})
+        script = False
+        sections.append(f'<section class="figure" id="figure-{plot.name}"><h2>{html.escape(plot.title)}</h2>'
+                        f'<p class="caption">{html.escape(plot.caption)}</p>{body}</section>')
+    return sections
+
+
+def write_html(rows_dir: str | Path, path: str | Path, analysis: str | None = None) -> Path:
+    """The report of the sweep in ``rows_dir`` written to ``path``; ``analysis`` (text) is shown under
+    the provenance. Returns the path written; bad input is a ``UserError``."""
+    sweep = read_sweep(rows_dir)
+    sections = [f'<section id="provenance"><h2>Provenance</h2>{_facts(provenance(sweep))}</section>',
+                _warnings(sweep.warnings)]
+    if analysis:
+        sections.append(f'<section id="analysis"><h2>Analysis</h2><div class="analysis">{html.escape(analysis)}'
+                        f"</div></section>")
+    sections.append(f'<section id="rows"><h2>Rows</h2><p class="caption">Click a header to sort. Every field and '
+                    f"raw sample is in results.jsonl.</p>{table(headers(html=True), [row_values(row, html=True) for row in sweep.rows], text_columns=5)}"
+                    f"</section>")
+    sections += plots(sweep)
+    return write_output(path, page(f"fitbench report: {sweep.directory}", sections), "--html")
+
+
+def write_comparison_html(comparison: Comparison, path: str | Path) -> Path:
+    """``comparison`` as a page: both sweeps' provenance, the verdict and the table of changes."""
+    changed = [(row, change) for row in comparison.rows for change in row.changes]
+    rows = [[row.label, change.figure, change.before, change.after, change.percent, change.low_percent,
+             change.high_percent, change.verdict] for row, change in changed]
+    only = "".join(f"<li>only in {html.escape(side)}: {html.escape(label)}</li>"
+                   for side, labels in (("A", comparison.only_a), ("B", comparison.only_b)) for label in labels)
+    sections = [f'<section id="verdict"><h2>Verdict</h2><p class="{"slower" if comparison.failed else "faster"}">'
+                f"{html.escape(comparison.summary())}</p>{f'<ul>{only}</ul>' if only else ''}</section>",
+                f'<section id="changes"><h2>Changes, B against A</h2><p class="caption">{html.escape(comparison.method)}'
+                f"</p>{table(['configuration', 'figure', 'A', 'B', 'change (%)', 'CI low (%)', 'CI high (%)', 'verdict'], rows, text_columns=2)}"
+                f"</section>"]
+    for side, sweep in (("A", comparison.a), ("B", comparison.b)):
+        sections.append(f"<section><h2>Provenance of {side}</h2>{_facts(provenance(sweep))}</section>"
+                        + _warnings(sweep.warnings))
+    return write_output(path, page(f"fitbench compare: {comparison.a.directory} -> {comparison.b.directory}",
+                                   sections), "--html")

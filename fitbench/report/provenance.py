@@ -1,0 +1,42 @@
+"""Where a sweep's rows came from, as (what, value) lines every report shows first: the devices,
+the versions, the commands, when it ran, the calibration the planner used, the directory."""
+
+from __future__ import annotations
+
+from collections import Counter
+from typing import Any
+
+from fitbench.report.sweep import SweepRows
+
+
+def _joined(values: list[Any]) -> str:
+    return "; ".join(dict.fromkeys(str(value) for value in values if value)) or "-"
+
+
+def provenance(sweep: SweepRows) -> list[tuple[str, str]]:
+    rows = sweep.rows
+    environments = [row["environment"] for row in rows if row.get("environment")]
+    devices = []
+    for env in environments:
+        names = Counter(gpu.get("name") for gpu in env.get("gpus") or [] if gpu.get("name"))
+        devices.append(", ".join(f"{count} x {name}" for name, count in names.items())
+                       or f"CPU: {env.get('cpu_model') or 'unknown'}")
+
+    def versions(env: dict[str, Any]) -> str:
+        return (f"torch {env.get('torch')} (CUDA {env.get('torch_cuda')}), transformers {env.get('transformers')}, "
+                f"driver {env.get('driver')}, Python {env.get('python')}")
+
+    started = sorted(row["started_at"] for row in rows if row.get("started_at"))
+    finished = sorted(row["finished_at"] for row in rows if row.get("finished_at"))
+    return [
+        ("devices", _joined(devices)),
+        ("versions", _joined([versions(env) for env in environments])),
+        ("fitbench", _joined([f"{env.get('fitbench_version')} (commit {env.get('git_commit') or 'none'}"
+                              f"{', with changes' if env.get('git_dirty') else ''})" for env in environments])),
+        ("commands", _joined([sweep.command] + [row.get("command") for row in rows])),
+        ("ran", f"{started[0]} to {finished[-1]}" if started and finished else "-"),
+        ("host", _joined([env.get("hostname") for env in environments])),
+        ("calibration", _joined([row.get("calibration") for row in rows])),
+        ("rows", f"{len(rows)} from {sweep.directory}" + (f"; {len(sweep.warnings)} damaged line(s), see the "
+                                                           f"warnings" if sweep.warnings else "")),
+    ]

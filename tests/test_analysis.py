@@ -1,0 +1,112 @@
+"""The analysis through Ollama, against servers written here that speak Ollama's ``/api/chat`` on
+the loopback address only: one that answers (streamed or not, as the request asks), one too slow,
+one that fails, one without the model; and none at all. Only a malformed URL is bad input."""
+
+import json
+import threading
+import time
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+
+import pytest
+
+from fitbench.errors import UserError
+from fitbench.report.analysis import analyse, prompt, write_analysis
+from fitbench.report.sweep import read_sweep
+
+COMMITTED = "benchmarks/results/2026-11-27-h100x4-replicas/default"
+ANSWER = ["The 1B and 3B models fit on one H100 each. ", "Decode is bandwidth-bound; ", "try a larger batch."]
+
+
+def serve(behaviour: str):
+    """A loopback server answering POST /api/chat as ``behaviour`` says; (server, requests received)."""
+    received = []
+
+    class Handler(BaseHTTPRequestHandler):
+        def log_message(self, *args):
+            pass
+
+        def do_POST(self):
+            body = json.loads(self.rfile.read(int(self.headers["Content-Length"])))
+            received.append((self.path, body))
+            if behaviour == "slow":
+                time.sleep(3)
+            if behaviour == "failing":
+                return self._send(500, {"error": "the runner crashed"})
+            if behaviour == "missing":
+                return self._send(404, {"error": f"model '{body['model']}' not found"})
+            done = {"model": body["model"], "created_at": "2026-11-27T00:00:00Z", "done": True}
+            if not body.get("stream", True):
+                return self._send(200, {**done, "message": {"role": "assistant", "content": "".join(ANSWER)}})
+            self.send_response(200)
+            self.send_header("Content-Type", "application/x-ndjson")
+            self.end_headers()
+            for part in ANSWER:
+                line = {**done, "done": False, "message": {"role": "assistant", "content": part}}
+                self.wfile.write(json.dumps(line).encode() + b"\n")
+                self.wfile.flush()
+            self.wfile.write(json.dumps({**done, "message": {"role": "assistant", "content": ""}}).encode() + b"\n")
+
+        def _send(self, status, value):
+            data = json.dumps(value).encode()
+            self.send_response(status)
+            self.send_header("Content-Type", "application/json")
+            self.send_header("Content-Length", str(len(data)))
+            self.end_headers()
+            self.wfile.write(data)
+
+    server = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
+    threading.Thread(target=server.serve_forever, daemon=True).start()
+    return server, received
+
+
+@pytest.fixture
+def rows(monkeypatch):
+    for name in ("HTTP_PROXY", "HTTPS_PROXY", "ALL_PROXY", "http_proxy", "https_proxy", "all_proxy"):
+        monkeypatch.delenv(name, raising=False)
+    return read_sweep(COMMITTED).rows
+
+
+@pytest.mark.parametrize("stream", [True, False])
+def test_the_analysis_is_the_models_answer_streamed_or_not(rows, stream, tmp_path):
+    server, received = serve("answering")
+    try:
+        analysis = analyse(rows, f"http://127.0.0.1:{server.server_port}", "gpt-oss-20b", timeout=10, stream=stream)
+    finally:
+        server.shutdown()
+    assert analysis.text == "".join(ANSWER).strip() and analysis.warning is None
+    path, body = received[0]
+    assert path == "/api/chat" and body["model"] == "gpt-oss-20b" and body["stream"] is stream
+    question = body["messages"][-1]["content"]
+    assert question == prompt(rows)
+    assert all(row["label"] in question for row in rows)  # every row, as one line each
+    written = write_analysis(analysis, tmp_path, "gpt-oss-20b")
+    assert written.read_text() == f"# Analysis by gpt-oss-20b\n\n{analysis.text}\n"
+
+
+@pytest.mark.parametrize("behaviour, says", [("slow", "did not answer within 1 s"),
+                                             ("failing", "refused the request (500: the runner crashed)"),
+                                             ("missing", "ollama pull nope")])
+def test_a_slow_failing_or_modelless_server_is_a_warning(rows, behaviour, says, tmp_path):
+    server, _ = serve(behaviour)
+    try:
+        analysis = analyse(rows, f"http://127.0.0.1:{server.server_port}", "nope", timeout=1)
+    finally:
+        server.shutdown()
+    assert analysis.text is None and says in analysis.warning
+    assert write_analysis(analysis, tmp_path, "nope") is None and not list(tmp_path.iterdir())
+
+
+def test_no_server_is_a_warning(rows):
+    server, _ = serve("answering")
+    port = server.server_port
+    server.shutdown()
+    server.server_close()  # the port is closed now: nothing listens there
+    analysis = analyse(rows, f"http://127.0.0.1:{port}", "gpt-oss-20b", timeout=2)
+    assert analysis.text is None and "cannot be reached" in analysis.warning
+
+
+@pytest.mark.parametrize("url", ["localhost:11434", "ftp://127.0.0.1:11434", "http://", "http://127.0.0.1:99999",
+                                 "http://bad host", ""])
+def test_a_malformed_url_is_bad_input(rows, url):
+    with pytest.raises(UserError, match="ollama-url: .*http://localhost:11434"):
+        analyse(rows, url, "gpt-oss-20b")
