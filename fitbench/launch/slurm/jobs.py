@@ -22,7 +22,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Literal
 
-from fitbench.errors import UserError, excerpt
+from fitbench.errors import UserError, excerpt_words
 
 State = Literal["PENDING", "RUNNING", "COMPLETED", "TIMEOUT", "NODE_FAIL", "OUT_OF_MEMORY", "CANCELLED",
                 "PREEMPTED", "FAILED"]
@@ -79,8 +79,8 @@ def submit(script: Path, *, cwd: Path | None = None) -> str:
     allow) is the user's input: ``UserError`` with sbatch's own words."""
     done = _run(["sbatch", "--parsable", str(script)], cwd=cwd)
     if done.returncode != 0:
-        said = " ".join(done.stderr.split()) or f"exit status {done.returncode}"
-        raise UserError(f"sbatch refused the job of {excerpt(str(script), 200)}: {excerpt(said, 400)}. Check its "
+        said = excerpt_words(" ".join(done.stderr.split()) or f"exit status {done.returncode}")
+        raise UserError(f"sbatch refused the job of {script}: {said}. Check its "
                         f"#SBATCH lines against what `sinfo` lists (partitions, their time limits) and your "
                         f"accounts, then fix the option it names.")
     # --parsable: "ID" or "ID;CLUSTER"
