@@ -103,14 +103,17 @@ def test_ranks_of_one_node_start_under_torchrun_standalone():
                                        "--max-restarts=0 -m w a")
 
 
-def test_several_nodes_start_one_torchrun_agent_per_node_meeting_on_the_first_host():
+def test_several_nodes_start_one_torchrun_agent_per_node_meeting_on_the_first_host(tmp_path):
     options = SlurmOptions(nodes=2, gpus_per_node=8, cpus_per_task=32)
-    lines = batch_script(options, ScriptJob("job", "%j.out", python="/opt/my env/python"), ["-m", "w", "a b"]).splitlines()
-    assert lines[-3] == 'rendezvous_host=$(scontrol show hostnames "$SLURM_JOB_NODELIST" | head -n 1)'
-    assert lines[-2].startswith("rendezvous_port=$('/opt/my env/python' -c ")
-    launch = shlex.split(lines[-1])
+    script = batch_script(options, ScriptJob("job", "%j.out", python=sys.executable), ["-m", "w", "a b"])
+    lines = script.splitlines()
+    assert 'rendezvous_host=$(scontrol show hostnames "$SLURM_JOB_NODELIST" | sed -n 1p)' in lines
+    port = next(line for line in lines if line.startswith("rendezvous_port="))
+    found = subprocess.run(["bash", "-c", f"{port}; echo $rendezvous_port"], capture_output=True, text=True, timeout=60)
+    assert 0 < int(found.stdout) < 65536
+    launch = shlex.split(script[script.index("exec "):].replace("\\\n", ""))
     assert launch[:6] == ["exec", "srun", "--nodes=2", "--ntasks=2", "--ntasks-per-node=1", "--cpus-per-task=32"]
-    assert launch[6:] == ["/opt/my env/python", "-m", "torch.distributed.run", "--nnodes=2", "--nproc-per-node=8",
+    assert launch[6:] == [sys.executable, "-m", "torch.distributed.run", "--nnodes=2", "--nproc-per-node=8",
                           "--rdzv-backend=c10d", "--max-restarts=0", "--rdzv-endpoint=$rendezvous_host:$rendezvous_port",
                           "--rdzv-id=$SLURM_JOB_ID", "-m", "w", "a b"]
 

@@ -31,6 +31,8 @@ from fitbench.errors import UserError
 from fitbench.launch.slurm.options import SlurmOptions
 
 TORCHRUN = ("-m", "torch.distributed.run")
+# a long command goes on over lines, one part of it per line
+CONTINUED = " \\\n      "
 # a port the kernel hands out as free on the first node, printed by the job's own Python
 FREE_PORT = 'import socket; s = socket.socket(); s.bind(("", 0)); print(s.getsockname()[1])'
 
@@ -66,7 +68,8 @@ def rendezvous_lines(options: SlurmOptions, job: ScriptJob) -> list[str]:
     """The lines that find the rendezvous endpoint of a job of several nodes (none for one node)."""
     if options.nodes == 1:
         return []
-    return ['rendezvous_host=$(scontrol show hostnames "$SLURM_JOB_NODELIST" | head -n 1)',
+    # sed reads the whole list: head would leave scontrol writing into a closed pipe, which pipefail ends
+    return ['rendezvous_host=$(scontrol show hostnames "$SLURM_JOB_NODELIST" | sed -n 1p)',
             f"rendezvous_port=$({shlex.join([job.python, '-c', FREE_PORT])})"]
 
 
@@ -79,12 +82,13 @@ def launch_command(options: SlurmOptions, job: ScriptJob, arguments: Sequence[st
         return shlex.join([job.python, *TORCHRUN, "--standalone", f"--nproc-per-node={ranks}", "--max-restarts=0",
                            *arguments])
     srun = ["srun", f"--nodes={nodes}", f"--ntasks={nodes}", "--ntasks-per-node=1"]
-    # srun does not take the job's --cpus-per-task from sbatch in SLURM 22.05 to 23.02 (its release notes)
+    # "The number of cpus per task specified for salloc or sbatch is not automatically inherited by
+    # srun" (srun's manual page, --cpus-per-task, SLURM 22.05)
     if options.cpus_per_task is not None:
         srun.append(f"--cpus-per-task={options.cpus_per_task}")
-    return (shlex.join([*srun, job.python, *TORCHRUN, *agent_options(nodes, ranks)])
-            + ' --rdzv-endpoint="$rendezvous_host:$rendezvous_port" --rdzv-id="$SLURM_JOB_ID" '
-            + shlex.join(arguments))
+    return CONTINUED.join([shlex.join(srun), shlex.join([job.python, *TORCHRUN, *agent_options(nodes, ranks)]),
+                           '--rdzv-endpoint="$rendezvous_host:$rendezvous_port" --rdzv-id="$SLURM_JOB_ID"',
+                           shlex.join(arguments)])
 
 
 def agent_options(nodes: int, ranks: int) -> list[str]:
