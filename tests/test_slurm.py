@@ -5,7 +5,6 @@ meet at a c10d rendezvous and all-reduce over gloo. Skipped where SLURM is not i
 
 import json
 import os
-import sys
 import time
 import uuid
 from pathlib import Path
@@ -16,6 +15,7 @@ from fitbench.errors import UserError
 from fitbench.launch.slurm.jobs import JobStatus, cancel, statuses, submit
 from fitbench.launch.slurm.options import SlurmOptions
 from fitbench.launch.slurm.script import ScriptJob, array_script, batch_script
+from slurm_cluster import NODES
 
 pytestmark = pytest.mark.slow
 ALLREDUCE_JOB = Path(__file__).resolve().parent / "allreduce_job.py"
@@ -126,7 +126,7 @@ def test_a_job_cancelled_while_it_runs_reads_cancelled_and_leaves_nothing_runnin
     assert not marked(mark)
 
 
-def test_two_nodes_start_one_torchrun_agent_each_and_their_ranks_all_reduce(tmp_path, slurm_cluster):
+def test_two_nodes_start_one_torchrun_agent_each_and_their_ranks_all_reduce(tmp_path):
     out = tmp_path / "allreduce.json"
     options = SlurmOptions(nodes=2, time="5")
     job = ScriptJob("allreduce", str(tmp_path / "%j.out"), ranks_per_node=1)
@@ -135,8 +135,6 @@ def test_two_nodes_start_one_torchrun_agent_each_and_their_ranks_all_reduce(tmp_
     assert status.state == "COMPLETED", (tmp_path / f"{job_id}.out").read_text()
     result = json.loads(out.read_text())
     assert result["sum"] == 1 + 2 and result["world_size"] == 2
-    from slurm_cluster import NODES
-
     assert sorted(rank["slurm_node"] for rank in result["ranks"]) == sorted(NODES)
     assert sorted(rank["node_rank"] for rank in result["ranks"]) == [0, 1]
 
