@@ -145,8 +145,9 @@ def test_a_partition_the_cluster_lacks_is_sbatchs_refusal_as_a_user_error(tmp_pa
         submit_script(script, tmp_path)
 
 
-def test_a_job_slurm_does_not_know_has_no_status():
+def test_a_job_slurm_does_not_know_has_no_status_and_hides_none_asked_with_it(overdue_job):
     assert statuses(["99999999"]) == {}
+    assert list(statuses([overdue_job, "99999999"])) == [overdue_job]
 
 
 def test_a_job_past_its_time_limit_reads_timeout_with_slurms_reason(overdue_job):

@@ -10,7 +10,7 @@ import sys
 import pytest
 
 from fitbench.errors import UserError
-from fitbench.launch.slurm.jobs import parse_states
+from fitbench.launch.slurm.jobs import parse_states, submit
 from fitbench.launch.slurm.options import SlurmOptions
 from fitbench.launch.slurm.script import ScriptJob, array_script, batch_script
 
@@ -144,3 +144,10 @@ def test_squeue_and_sacct_lines_become_states_with_slurms_reason():
                       "51": ("OUT_OF_MEMORY", None), "52": ("NODE_FAIL", None), "53": ("PREEMPTED", None),
                       "54": ("NODE_FAIL", None), "55": ("FAILED", None)}
     assert parse_states(SACCT)["50"].slurm_state == "CANCELLED"
+
+
+def test_without_sbatch_on_path_submitting_is_one_paragraph_saying_where_to_run(tmp_path, monkeypatch):
+    monkeypatch.setenv("PATH", str(tmp_path))
+    with pytest.raises(UserError) as error:
+        submit(tmp_path / "job.sh")
+    assert str(error.value).startswith("launcher: sbatch is not on PATH") and "\n" not in str(error.value)
