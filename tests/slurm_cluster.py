@@ -149,8 +149,10 @@ class SlurmCluster:
         self._wait(self._idle, "every node to be idle")
 
     def _start(self, *argv: str) -> None:
-        self.daemons.append(subprocess.Popen(argv, stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL,
-                                             stderr=subprocess.DEVNULL, env={**os.environ, **self.environment}))
+        # what a daemon prints before its log file is open (a configuration it cannot read) joins the logs
+        with (self.directory / "log" / f"{argv[0]}-{len(self.daemons)}-output.log").open("w") as output:
+            self.daemons.append(subprocess.Popen(argv, stdin=subprocess.DEVNULL, stdout=output, stderr=output,
+                                                 env={**os.environ, **self.environment}))
 
     def _idle(self) -> bool:
         try:
