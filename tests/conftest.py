@@ -125,3 +125,18 @@ def tiny_sweep(tmp_path_factory) -> PipedSweep:
     finally:
         parent.kill()
     return PipedSweep(args, out, lines, rest, stderr)
+
+
+@pytest.fixture(scope="session")
+def slurm_cluster():
+    """A real SLURM cluster of two CPU nodes on this host (tests/slurm_cluster.py), for the session; the
+    tests that need it skip where SLURM and munge are not installed."""
+    from slurm_cluster import missing_programs, start_cluster, stop_cluster
+
+    missing = missing_programs()
+    if missing:
+        pytest.skip(f"SLURM is not installed here: no {', '.join(missing)} on PATH (Debian: apt-get install "
+                    f"slurm-wlm munge)")
+    cluster = start_cluster()
+    yield cluster
+    stop_cluster(cluster)

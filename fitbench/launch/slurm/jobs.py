@@ -1,0 +1,148 @@
+"""Submitted jobs: submission through ``sbatch --parsable``, state through ``squeue`` and ``sacct``,
+cancellation through ``scancel``.
+
+A job's state is one of ``STATES``, SLURM's own names for where a job stands (``squeue``'s manual,
+"JOB STATE CODES"); SLURM's other, passing states count as the one a row would show for them
+(``STATE_OF``: a job still completing holds its nodes, RUNNING; a requeued one waits, PENDING; a
+boot failure is its node's, NODE_FAIL; a deadline passed is a time limit, TIMEOUT). Each state comes
+with SLURM's reason (``squeue``'s ``%r``: why a job waits or ended, ``TimeLimit``, ``Priority``), or
+None where SLURM gives none.
+
+``squeue`` answers for jobs that slurmctld still holds: pending and running ones, and finished
+ones for ``MinJobAge`` seconds (300 by default). ``sacct`` answers for older ones where the cluster
+keeps accounting (slurmdbd); where it does not, such a job has no known state.
+"""
+
+from __future__ import annotations
+
+import shutil
+import subprocess
+from collections.abc import Iterable
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Literal
+
+from fitbench.errors import UserError, excerpt_words
+
+State = Literal["PENDING", "RUNNING", "COMPLETED", "TIMEOUT", "NODE_FAIL", "OUT_OF_MEMORY", "CANCELLED",
+                "PREEMPTED", "FAILED"]
+STATES: tuple[State, ...] = ("PENDING", "RUNNING", "COMPLETED", "TIMEOUT", "NODE_FAIL", "OUT_OF_MEMORY",
+                             "CANCELLED", "PREEMPTED", "FAILED")
+STATE_OF: dict[str, State] = {
+    **{state: state for state in STATES},
+    "CONFIGURING": "RUNNING", "COMPLETING": "RUNNING", "STAGE_OUT": "RUNNING", "SIGNALING": "RUNNING",
+    "RESIZING": "RUNNING", "SUSPENDED": "RUNNING", "STOPPED": "RUNNING",
+    "REQUEUED": "PENDING", "REQUEUE_FED": "PENDING", "REQUEUE_HOLD": "PENDING", "RESV_DEL_HOLD": "PENDING",
+    "BOOT_FAIL": "NODE_FAIL", "DEADLINE": "TIMEOUT", "SPECIAL_EXIT": "FAILED", "REVOKED": "FAILED",
+}
+FINISHED: frozenset[State] = frozenset(STATES) - {"PENDING", "RUNNING"}
+COMMAND_TIMEOUT_S = 60.0
+# sacct's answer where the cluster keeps no accounting
+NO_ACCOUNTING = "accounting storage is disabled"
+
+
+class SlurmCommandError(RuntimeError):
+    """A SLURM command failed for a reason of the cluster's (not of the user's input): its message
+    is the command and what it printed."""
+
+
+@dataclass(frozen=True)
+class JobStatus:
+    """Where one job (or one task of an array, ``123_4``) stands: ``state`` one of ``STATES``,
+    ``slurm_state`` as SLURM wrote it, ``reason`` SLURM's why, None where it gives none."""
+
+    job_id: str
+    state: State
+    slurm_state: str
+    reason: str | None
+
+    @property
+    def finished(self) -> bool:
+        return self.state in FINISHED
+
+
+def _run(argv: list[str], *, cwd: Path | None = None) -> subprocess.CompletedProcess:
+    if shutil.which(argv[0]) is None:
+        raise UserError(f"launcher: {argv[0]} is not on PATH, and the slurm launcher submits and follows jobs "
+                        f"with SLURM's commands (sbatch, squeue, sacct, scancel). Run fitbench on a login node "
+                        f"of the cluster, or add SLURM's client commands to PATH.")
+    try:
+        return subprocess.run(argv, capture_output=True, text=True, cwd=cwd, stdin=subprocess.DEVNULL,
+                              timeout=COMMAND_TIMEOUT_S)
+    except subprocess.TimeoutExpired as expired:
+        raise SlurmCommandError(f"{' '.join(argv)} did not answer within {COMMAND_TIMEOUT_S:.0f} s") from expired
+
+
+def submit(script: Path, *, cwd: Path | None = None) -> str:
+    """Submit the batch script at ``script`` from ``cwd``; its job id (an array's id for an array).
+    A script that sbatch refuses (an unknown partition or account, a limit the partition does not
+    allow) is the user's input: ``UserError`` with sbatch's own words."""
+    done = _run(["sbatch", "--parsable", str(script)], cwd=cwd)
+    if done.returncode != 0:
+        said = excerpt_words(" ".join(done.stderr.split()) or f"exit status {done.returncode}")
+        raise UserError(f"sbatch refused the job of {script}: {said}. Check its "
+                        f"#SBATCH lines against what `sinfo` lists (partitions, their time limits) and your "
+                        f"accounts, then fix the option it names.")
+    # --parsable: "ID" or "ID;CLUSTER"
+    return done.stdout.strip().split(";")[0]
+
+
+def parse_states(text: str) -> dict[str, JobStatus]:
+    """Lines of ``ID|STATE|REASON`` (as ``squeue``'s ``%i|%T|%r`` and sacct's ``--parsable2`` write them)
+    -> status per id. sacct's job steps (``123.batch``, ``123.0``) are left out, its ``CANCELLED by
+    UID`` is CANCELLED, and a state SLURM adds that ``STATE_OF`` does not know counts as FAILED."""
+    statuses = {}
+    for line in text.splitlines():
+        fields = line.strip().split("|")
+        if len(fields) < 3 or "." in fields[0] or not fields[1].split():
+            continue
+        job_id, slurm_state, reason = fields[0], fields[1].split()[0], fields[2].strip()
+        statuses[job_id] = JobStatus(job_id, STATE_OF.get(slurm_state, "FAILED"), slurm_state,
+                                     None if reason in ("", "None") else reason)
+    return statuses
+
+
+def statuses(job_ids: Iterable[str]) -> dict[str, JobStatus]:
+    """The status of each job in ``job_ids`` that SLURM still knows; an array's id stands for every
+    task of it, each under its own id (``123_0``, ``123_1``)."""
+    wanted = sorted(set(job_ids))
+    if not wanted:
+        return {}
+    found = _squeue(wanted)
+    missing = [job_id for job_id in wanted if not any(_of_job(key, job_id) for key in found)]
+    return {**found, **_sacct(missing)} if missing else found
+
+
+def _of_job(key: str, job_id: str) -> bool:
+    return key == job_id or key.startswith(job_id + "_")
+
+
+def _squeue(job_ids: list[str]) -> dict[str, JobStatus]:
+    done = _run(["squeue", "--noheader", "--array", "--states=all", f"--jobs={','.join(job_ids)}",
+                 "--format=%i|%T|%r"])
+    if done.returncode == 0:
+        return parse_states(done.stdout)
+    # squeue refuses the whole list when one id is unknown to slurmctld (finished past MinJobAge)
+    if "Invalid job id" in done.stderr:
+        return {} if len(job_ids) == 1 else {key: status for job_id in job_ids
+                                            for key, status in _squeue([job_id]).items()}
+    raise SlurmCommandError(f"squeue exited {done.returncode}: {' '.join(done.stderr.split())}")
+
+
+def _sacct(job_ids: list[str]) -> dict[str, JobStatus]:
+    done = _run(["sacct", "--noheader", "--parsable2", f"--jobs={','.join(job_ids)}", "--format=JobID,State,Reason"])
+    if NO_ACCOUNTING in done.stderr + done.stdout:
+        return {}
+    if done.returncode != 0:
+        raise SlurmCommandError(f"sacct exited {done.returncode}: {' '.join(done.stderr.split())}")
+    return parse_states(done.stdout)
+
+
+def cancel(job_ids: Iterable[str]) -> None:
+    """Cancel the jobs (an array's id cancels every task of it); a job already finished is left as it is."""
+    wanted = sorted(set(job_ids))
+    if not wanted:
+        return
+    done = _run(["scancel", *wanted])
+    if done.returncode != 0 and "already completing or completed" not in done.stderr:
+        raise SlurmCommandError(f"scancel exited {done.returncode}: {' '.join(done.stderr.split())}")

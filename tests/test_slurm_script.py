@@ -1,0 +1,153 @@
+"""SLURM jobs without a cluster: options checked as sbatch would take them, batch scripts that quote
+every word of input, and SLURM's states read into fitbench's. The scripts run here under bash, as
+the batch host would run them (their #SBATCH lines are comments to bash)."""
+
+import json
+import shlex
+import subprocess
+import sys
+
+import pytest
+
+from fitbench.errors import UserError
+from fitbench.launch.slurm.jobs import parse_states, submit
+from fitbench.launch.slurm.options import SlurmOptions
+from fitbench.launch.slurm.script import ScriptJob, array_script, batch_script
+
+ECHO_ARGV = ["-c", "import json, sys; print(json.dumps(sys.argv[1:]))"]
+HOSTILE = ["it's", '"quoted"', "$(touch pwned)", "`touch pwned`", "a;b", "${HOME}", "two words", "*", ""]
+
+
+@pytest.mark.parametrize("time", ["90", "0:30", "24:00:00", "100:00:00", "1-12", "2-00:30", "1-00:00:00",
+                                  "UNLIMITED", "infinite"])
+def test_time_limits_in_sbatchs_formats_are_taken(time):
+    assert SlurmOptions(time=time).time == time
+
+
+@pytest.mark.parametrize("time", ["1h", "24:00:00:00", "1:60", "1:00:60", "1-24", "1-", "-5", "", "1.5", "1:2:3:4",
+                                  "1-2-3", "24:00:00\n#SBATCH --x"])
+def test_a_time_limit_in_another_format_names_the_field_and_the_formats(time):
+    with pytest.raises(UserError) as error:
+        SlurmOptions(time=time)
+    message = str(error.value)
+    assert message.startswith("time: ") and "days-hours:minutes:seconds" in message and "\n" not in message
+
+
+@pytest.mark.parametrize("field, value, start", [
+    ("nodes", 0, "nodes: 0 is not a positive whole number"), ("nodes", -2, "nodes: "), ("nodes", True, "nodes: "),
+    ("gpus_per_node", 0, "gpus_per_node: "), ("cpus_per_task", 1.5, "cpus_per_task: "),
+    ("mem", "256 GB", "mem: "), ("mem", "1.5G", "mem: "), ("partition", "large gpu", "partition: "),
+    ("account", "a'b", "account: "),
+    ("sbatch_args", ("qos=high",), "sbatch_args: 'qos=high' is not an sbatch option"),
+    ("sbatch_args", ("--time=1:00:00",), "sbatch_args: '--time=1:00:00' sets sbatch's --time"),
+    ("sbatch_args", ("-pdebug",), "sbatch_args: '-pdebug' sets sbatch's --partition"),
+    ("sbatch_args", ("--array=0-3",), "sbatch_args: '--array=0-3' sets sbatch's --array"),
+])
+def test_bad_options_are_one_paragraph_naming_the_field(field, value, start):
+    with pytest.raises(UserError) as error:
+        SlurmOptions(**{field: value})
+    assert str(error.value).startswith(start) and "\n" not in str(error.value)
+
+
+def test_options_that_sbatch_takes_are_kept():
+    options = SlurmOptions(partition="large_gpu", account="proj-1", time="1-00:00:00", nodes=2, gpus_per_node=4,
+                           cpus_per_task=16, mem="256G", sbatch_args=("--qos=high", "--constraint=a100|h100"))
+    assert options.nodes == 2 and options.sbatch_args[1] == "--constraint=a100|h100"
+
+
+def run_script(script: str, tmp_path, **environment) -> list[str]:
+    """Run a rendered script under bash in ``tmp_path``; the words its program received."""
+    path = tmp_path / "job.sh"
+    path.write_text(script)
+    done = subprocess.run(["bash", str(path)], cwd=tmp_path, capture_output=True, text=True, timeout=60,
+                          env={"PATH": "/usr/bin:/bin", **environment})
+    assert done.returncode == 0, done.stderr
+    return json.loads(done.stdout)
+
+
+def test_a_one_rank_script_passes_every_word_to_its_program_as_written(tmp_path):
+    job = ScriptJob(name="fitbench $(touch pwned)", output=str(tmp_path / "it's %j.out"))
+    script = batch_script(SlurmOptions(sbatch_args=("--comment=a b $(touch pwned)",)), job, [*ECHO_ARGV, *HOSTILE])
+    assert run_script(script, tmp_path) == HOSTILE
+    assert not (tmp_path / "pwned").exists()
+    assert "#SBATCH '--comment=a b $(touch pwned)'" in script.splitlines()
+
+
+def test_an_array_task_runs_its_own_configuration(tmp_path):
+    tasks = [[*ECHO_ARGV, "first"], [*ECHO_ARGV, *HOSTILE], [*ECHO_ARGV, "third"]]
+    script = array_script(SlurmOptions(time="10"), ScriptJob(name="sweep", output="%A_%a.out"), tasks, limit=2)
+    assert "#SBATCH --array=0-2%2" in script.splitlines()
+    assert run_script(script, tmp_path, SLURM_ARRAY_TASK_ID="1") == HOSTILE
+    assert run_script(script, tmp_path, SLURM_ARRAY_TASK_ID="2") == ["third"]
+
+
+def test_an_array_limit_below_one_is_refused():
+    with pytest.raises(UserError, match="^array limit: 0 tasks at once"):
+        array_script(SlurmOptions(), ScriptJob(name="sweep", output="%A_%a.out"), [ECHO_ARGV], limit=0)
+
+
+def test_sbatch_lines_come_from_the_options():
+    options = SlurmOptions(partition="large_gpu", account="proj", time="24:00:00", nodes=1, gpus_per_node=4,
+                           cpus_per_task=8, mem="256G")
+    lines = [line for line in batch_script(options, ScriptJob("job", "%j.out"), ["x.py"]).splitlines()
+             if line.startswith("#SBATCH")]
+    assert lines == ["#SBATCH --job-name=job", "#SBATCH --output=%j.out", "#SBATCH --nodes=1",
+                     "#SBATCH --ntasks-per-node=1", "#SBATCH --partition=large_gpu", "#SBATCH --account=proj",
+                     "#SBATCH --time=24:00:00", "#SBATCH --gpus-per-node=4", "#SBATCH --cpus-per-task=8",
+                     "#SBATCH --mem=256G"]
+
+
+def test_ranks_of_one_node_start_under_torchrun_standalone():
+    script = batch_script(SlurmOptions(gpus_per_node=4), ScriptJob("job", "%j.out", python="py"), ["-m", "w", "a"])
+    assert script.splitlines()[-1] == ("exec py -m torch.distributed.run --standalone --nproc-per-node=4 "
+                                       "--max-restarts=0 -m w a")
+
+
+def test_several_nodes_start_one_torchrun_agent_per_node_meeting_on_the_first_host(tmp_path):
+    options = SlurmOptions(nodes=2, gpus_per_node=8, cpus_per_task=32)
+    script = batch_script(options, ScriptJob("job", "%j.out", python=sys.executable), ["-m", "w", "a b"])
+    lines = script.splitlines()
+    assert 'rendezvous_host=$(scontrol show hostnames "$SLURM_JOB_NODELIST" | sed -n 1p)' in lines
+    port = next(line for line in lines if line.startswith("rendezvous_port="))
+    found = subprocess.run(["bash", "-c", f"{port}; echo $rendezvous_port"], capture_output=True, text=True, timeout=60)
+    assert 0 < int(found.stdout) < 65536
+    launch = shlex.split(script[script.index("exec "):].replace("\\\n", ""))
+    assert launch[:6] == ["exec", "srun", "--nodes=2", "--ntasks=2", "--ntasks-per-node=1", "--cpus-per-task=32"]
+    assert launch[6:] == [sys.executable, "-m", "torch.distributed.run", "--nnodes=2", "--nproc-per-node=8",
+                          "--rdzv-backend=c10d", "--max-restarts=0", "--rdzv-endpoint=$rendezvous_host:$rendezvous_port",
+                          "--rdzv-id=$SLURM_JOB_ID", "-m", "w", "a b"]
+
+
+SQUEUE = """\
+41|COMPLETED|None
+42_0|RUNNING|None
+42_1|PENDING|JobArrayTaskLimit
+43|TIMEOUT|TimeLimit
+44|COMPLETING|None
+"""
+SACCT = """\
+50|CANCELLED by 0|None
+50.batch|CANCELLED|
+51|OUT_OF_MEMORY|None
+51.0|OUT_OF_MEMORY|
+52|NODE_FAIL|None
+53|PREEMPTED|None
+54|BOOT_FAIL|None
+55|SOMETHING_NEW|None
+"""
+
+
+def test_squeue_and_sacct_lines_become_states_with_slurms_reason():
+    states = {job: (status.state, status.reason) for job, status in parse_states(SQUEUE + SACCT).items()}
+    assert states == {"41": ("COMPLETED", None), "42_0": ("RUNNING", None), "42_1": ("PENDING", "JobArrayTaskLimit"),
+                      "43": ("TIMEOUT", "TimeLimit"), "44": ("RUNNING", None), "50": ("CANCELLED", None),
+                      "51": ("OUT_OF_MEMORY", None), "52": ("NODE_FAIL", None), "53": ("PREEMPTED", None),
+                      "54": ("NODE_FAIL", None), "55": ("FAILED", None)}
+    assert parse_states(SACCT)["50"].slurm_state == "CANCELLED"
+
+
+def test_without_sbatch_on_path_submitting_is_one_paragraph_saying_where_to_run(tmp_path, monkeypatch):
+    monkeypatch.setenv("PATH", str(tmp_path))
+    with pytest.raises(UserError) as error:
+        submit(tmp_path / "job.sh")
+    assert str(error.value).startswith("launcher: sbatch is not on PATH") and "\n" not in str(error.value)
