@@ -6,6 +6,7 @@ import json
 import re
 import shutil
 import subprocess
+import sys
 from pathlib import Path
 
 import openpyxl
@@ -240,3 +241,24 @@ def test_damaged_rows_are_warned_about_and_shown_in_the_documents(tmp_path, caps
     warnings = [line[0] for line in openpyxl.load_workbook(tmp_path / "d.xlsx")["warnings"].iter_rows(
         min_row=2, values_only=True)]
     assert len(warnings) == 2 and "line 3" in warnings[1]
+
+
+def test_a_missing_report_library_is_one_paragraph_naming_the_extra(monkeypatch):
+    from fitbench.cli.documents import report_module
+    from fitbench.errors import UserError
+
+    monkeypatch.setitem(sys.modules, "openpyxl", None)  # import openpyxl now fails as if not installed
+    monkeypatch.delitem(sys.modules, "fitbench.report.excel", raising=False)
+    with pytest.raises(UserError, match=r"^xlsx: needs openpyxl, .*pip install 'fitbench\[report\]'"):
+        report_module("excel", "xlsx")
+
+
+def test_showing_rows_without_documents_imports_no_report_library():
+    """`fitbench report DIR` (and a run's summary) without --html, --xlsx or --ollama-*: nothing of
+    fitbench.report is imported, so a fitbench without the report extra shows its rows."""
+    directory = RESULTS / "2026-11-27-h100x4-replicas/1b-tp4"
+    code = ("import sys; from fitbench.cli import main; status = main(['report', sys.argv[1]]); "
+            "loaded = [m for m in sys.modules if m.startswith(('fitbench.report', 'plotly', 'openpyxl', 'ollama'))]; "
+            "print(loaded); sys.exit(status or bool(loaded))")
+    done = subprocess.run([sys.executable, "-c", code, str(directory)], capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0, done.stdout[-2000:] + done.stderr[-2000:]

@@ -1072,7 +1072,7 @@ def test_gpu_target_from_the_command_line(gpu, gpu_memory, gpus, expected):
     (["plan", "--models", "7B", "--gpu-memory", "80GB", "--batch-size", "many"], "--batch-size: expected a positive"),
     (["plan", "--models", "7B", "--gpu-memory", "80GB", "--seq-len", "x"], "--seq-len/--context-length: expected a whole number, got 'x'"),
     (["plan", "--models", "no-such-model", "--gpu-memory", "80GB"], "models: unknown model 'no-such-model'"),
-    (["plan", "--models", "7B", "--gpus", "2"], "gpu-memory: with --gpus"),
+    (["plan", "--models", "7B", "--gpus", "2"], "gpu-memory: no GPU is visible here, so with --gpus"),
     (["plan", "--models", "7B", "--gpus", "-1", "--gpu-memory", "80GB"], "gpus: must be a number of GPUs from 1"),
     (["plan", "--models", "7B", "--gpu-memory", "80GB", "--mode", "bogus"], "invalid choice: 'bogus'"),
     (["plan", "--gpu-memory", "80GB"], "--models"),

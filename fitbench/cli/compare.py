@@ -8,6 +8,7 @@ from rich.markup import escape
 
 from fitbench.cli.command import Command
 from fitbench.cli.console import console, warn
+from fitbench.cli.documents import report_module
 from fitbench.cli.options import two_sweeps
 
 
@@ -15,17 +16,14 @@ def compare(args: argparse.Namespace) -> int:
     """Compare sweep B with sweep A configuration by configuration: the change of the mean time with a
     bootstrap confidence interval, tokens/s and peak memory; with --fail-on, exit 1 when a change
     crosses the gate, for CI."""
-    from fitbench.report.compare import compare_sweeps
-    from fitbench.report.html import write_comparison_html
-
-    comparison = compare_sweeps(args.a, args.b, fail_on=args.fail_on)
+    comparison = report_module("compare", "compare").compare_sweeps(args.a, args.b, fail_on=args.fail_on)
     for side, sweep in (("A", comparison.a), ("B", comparison.b)):
         for warning in sweep.warnings:
             warn(f"{side}: {warning}")
     for line in comparison.lines():
         console.print(escape(line), soft_wrap=True)
     if args.html:
-        console.print(f"html: {write_comparison_html(comparison, args.html)}")
+        console.print(f"html: {report_module('html', 'html').write_comparison_html(comparison, args.html)}")
     return 1 if comparison.failed else 0
 
 

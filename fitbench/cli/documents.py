@@ -13,29 +13,39 @@ from fitbench.errors import UserError
 DEFAULT_OLLAMA_URL = "http://localhost:11434"
 
 
+def report_module(name: str, option: str):
+    """``fitbench.report.<name>``, whose libraries come with the ``report`` extra: one paragraph naming
+    ``option`` and the install command where they are missing, not a traceback."""
+    import importlib
+
+    try:
+        return importlib.import_module(f"fitbench.report.{name}")
+    except ModuleNotFoundError as missing:
+        if missing.name and missing.name.startswith("fitbench"):
+            raise
+        raise UserError(f"{option}: needs {missing.name}, which comes with fitbench's report extra; install it "
+                        f"with pip install 'fitbench[report]' (or pip install {missing.name}).") from None
+
+
 def write_documents(directory: str, rows: list[dict[str, Any]], html: str | None = None, xlsx: str | None = None,
                     ollama_url: str | None = None, ollama_model: str | None = None) -> None:
-    """The analysis, HTML report and workbook of the sweep in ``directory`` that the options ask for."""
-    from fitbench.report.analysis import analyse, check_url, write_analysis
-
+    """The analysis, HTML report and workbook of the sweep in ``directory`` that the options ask for;
+    nothing, and no import of ``fitbench.report`` (the ``report`` extra's libraries), where none is."""
     text = None
     if ollama_url is not None or ollama_model is not None:
         if not ollama_model:
             raise UserError("ollama-model: --ollama-url needs --ollama-model, the model that writes the analysis "
                             "(e.g. gpt-oss-20b).")
-        url = check_url(ollama_url if ollama_url is not None else DEFAULT_OLLAMA_URL)
+        analysis_module = report_module("analysis", "ollama-url")
+        url = analysis_module.check_url(ollama_url if ollama_url is not None else DEFAULT_OLLAMA_URL)
         console.print(f"asking {escape(ollama_model)} at {escape(url)} for an analysis ...")
-        analysis = analyse(rows, url, ollama_model)
+        analysis = analysis_module.analyse(rows, url, ollama_model)
         if analysis.warning:
             warn(analysis.warning)
         else:
             text = analysis.text
-            console.print(f"analysis: {write_analysis(analysis, directory, ollama_model)}")
+            console.print(f"analysis: {analysis_module.write_analysis(analysis, directory, ollama_model)}")
     if html:
-        from fitbench.report.html import write_html
-
-        console.print(f"html: {write_html(directory, html, text)}")
+        console.print(f"html: {report_module('html', 'html').write_html(directory, html, text)}")
     if xlsx:
-        from fitbench.report.excel import write_xlsx
-
-        console.print(f"xlsx: {write_xlsx(directory, xlsx)}")
+        console.print(f"xlsx: {report_module('excel', 'xlsx').write_xlsx(directory, xlsx)}")

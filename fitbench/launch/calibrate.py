@@ -42,9 +42,9 @@ def measure_calibration(device: str, scratch: Path) -> Calibration:
         spec = RunSpec(model="tiny", backend="native", mode=mode, precision=precision, batch_size=batch,
                        seq_len=seq_len, new_tokens=8, device=device, warmup_steps=2, measure_steps=3)
         row = run_one(Assignment(spec=spec), scratch / f"{mode}.log", timeout=600, on_event=lambda event: None)
-        if row["status"] != "ok":
-            raise RuntimeError(f"calibration run {spec.label} ended {row['status']}: {row.get('error')}")
-        gpu = row["memory"]["gpus"][0]
+        if row.status != "ok":
+            raise RuntimeError(f"calibration run {spec.label} ended {row.status}: {row.error}")
+        gpu = row.memory["gpus"][0]
         if not gpu.get("nvml_peak_used"):
             raise RuntimeError("NVML is unavailable, so the CUDA context cannot be measured")
         tensors = trace_peak(resolve("tiny"), mode, precision, batch, seq_len, new_tokens=8, device="cuda").peak_bytes

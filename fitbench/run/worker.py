@@ -218,6 +218,10 @@ def measure(assignment: Assignment, device: torch.device, scratch: Path, rank: R
             lm.enable_activation_checkpointing()
         if spec.compile:
             lm.compile()
+    if parallel is not None and device.type == "cuda":
+        # Sharding frees what each rank held of the whole model (FSDP shards a model built whole): holes
+        # of the build's sizes that the steps would otherwise keep mapped beside their own pools.
+        torch.cuda.empty_cache()
 
     device_name = torch.cuda.get_device_name(device) if device.type == "cuda" else hardware.cpu_device_name()
     kind = peak_kind(spec.precision, spec.mode)
