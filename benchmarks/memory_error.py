@@ -1,6 +1,6 @@
 """Predicted vs measured per-GPU peak of every row in a results directory, with the error figures.
 
-Usage: python benchmarks/memory_error.py OUT_DIR [--markdown FILE]
+Usage: python benchmarks/memory_error.py OUT_DIR [--markdown FILE] [--min-gpus N]
 
 OUT_DIR is one sweep's directory or holds several (the validation scripts give each run its own
 numbered directory); every ``results.jsonl`` under it is read.
@@ -22,6 +22,7 @@ from pathlib import Path
 
 from fitbench.results.report import headline
 from fitbench.results.store import ResultStore
+from fitbench.spec import RunSpec
 from fitbench.units import format_bytes
 
 
@@ -29,12 +30,15 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("directory")
     parser.add_argument("--markdown", help="also write the table and figures to this file")
+    parser.add_argument("--min-gpus", type=int, default=1, metavar="N",
+                        help="only rows whose layout spans at least N GPUs (2: the several-GPU rows)")
     args = parser.parse_args()
     lines = ["| configuration | status | predicted | measured | error | peak moment | planner chose |",
              "|---|---|---|---|---|---|---|"]
     errors, picked_oom, ttft = [], [], []
     sweeps = sorted({path.parent for path in Path(args.directory).rglob("results.jsonl")}, key=str)
-    rows = [row for sweep in sweeps for row in ResultStore(sweep).rows()]
+    rows = [row for sweep in sweeps for row in ResultStore(sweep).rows()
+            if RunSpec.model_validate(row["spec"]).layout.world_size >= args.min_gpus]
     for row in rows:
         samples = ((row.get("timing") or {}).get("samples") or {}).get("time_to_first_token")
         if row["status"] == "ok" and samples:

@@ -9,7 +9,14 @@ negative where the step took longer than forecast.
 Ceilings: the row's measured matmul peak where it recorded one (``measured_peak_flops``), else the
 model's table of measured ceilings (``MEASURED_CEILINGS``).
 
-Usage: python benchmarks/speed_error.py RESULT_DIRS... [--markdown FILE]
+Rows that measure no configuration's speed are listed apart, not counted: those measured while the
+allocator's history was recorded (``fitbench.run.snapshot``: the row's warning, or the sweep directory
+holding the snapshot's ``allocator-streams-rank*.json``), and steps at the GPU's capacity (the caching
+allocator retried inside them, or, in rows older than its counter, the NVML peak within
+``AT_CAPACITY`` of the GPU's memory), which the planner keeps configurations off
+(``fitbench.plan.planner.RETRY_MARGIN``).
+
+Usage: python benchmarks/speed_error.py RESULT_DIRS... [--markdown FILE] [--min-gpus N]
 
 Each directory is one sweep's or holds several; every ``results.jsonl`` under it is read. Per directory
 and over all of them: the median and the worst |error|, and the median per mode (train, which counts
@@ -26,7 +33,11 @@ from pathlib import Path
 from fitbench.models.registry import resolve
 from fitbench.plan.forecast import ceilings, forecast_spec, step_run
 from fitbench.results.store import ResultStore
+from fitbench.run.snapshot import RECORDING_WARNING
 from fitbench.spec import RunSpec
+
+# The share of a GPU's memory past which a row's steps ran at its capacity.
+AT_CAPACITY = 0.99
 
 MODES = {"train": "train", "forward-backward": "train", "forward": "forward", "infer": "infer"}
 # The native decoder fused its q/k/v and gate/up projections at this commit (5a8984c); rows measured
@@ -38,6 +49,20 @@ FUSED_SINCE = "2026-11-24T05:50:32+00:00"
 # forecast counts with its figures of that engine.
 FUNCTIONS_SINCE = "2026-11-24T09:59:00+00:00"
 FUSED_LOSS_SINCE = "2026-11-24T10:09:12+00:00"
+
+
+def not_a_speed(row: dict, sweep: Path) -> str | None:
+    """Why ``row`` (of the sweep directory ``sweep``) measures no configuration's speed, or None."""
+    if RECORDING_WARNING in (row.get("warnings") or []) or any(sweep.glob("allocator-streams-rank*.json")):
+        return "measured while the allocator's history was recorded"
+    if row.get("allocator_retries") is not None:  # counted: that settles it
+        retried = (row["allocator_retries"].get("num_alloc_retries") or 0) > 0
+        return "steps at the GPU's capacity: the allocator retried" if retried else None
+    gpus = (row.get("memory") or {}).get("gpus") or []
+    total = ((row.get("environment") or {}).get("gpus") or [{}])[0].get("total_memory")
+    if gpus and total and max(gpu.get("nvml_peak_used") or 0 for gpu in gpus) >= AT_CAPACITY * total:
+        return "steps at the GPU's capacity: its whole memory in use"
+    return None
 
 
 def row_error(row: dict) -> tuple[float, float] | None:
@@ -73,17 +98,26 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("directories", nargs="+", type=Path)
     parser.add_argument("--markdown", type=Path, help="also write the tables and figures to this file")
+    parser.add_argument("--min-gpus", type=int, default=1, metavar="N",
+                        help="only rows whose layout spans at least N GPUs (2: the several-GPU rows)")
     args = parser.parse_args()
     lines = ["| directory | configuration | mode | measured | forecast | error |", "|---|---|---|---|---|---|"]
     by_directory: dict[str, list[float]] = {}
     by_mode: dict[str, list[float]] = {}
     worst: tuple[float, str] = (0.0, "-")
+    apart = ["| directory | configuration | left out: why |", "|---|---|---|"]
     for directory in args.directories:
         errors = by_directory.setdefault(str(directory), [])
         for sweep in sorted({path.parent for path in directory.rglob("results.jsonl")}, key=str):
             for row in ResultStore(sweep).rows():
+                if RunSpec.model_validate(row["spec"]).layout.world_size < args.min_gpus:
+                    continue
                 pair = row_error(row)
                 if pair is None:
+                    continue
+                reason = not_a_speed(row, sweep)
+                if reason:
+                    apart.append(f"| {sweep} | {row['label']} | {reason} |")
                     continue
                 measured, forecast = pair
                 error = (forecast - measured) / measured
@@ -99,6 +133,8 @@ def main() -> None:
     lines += [f"| {directory} | {summary(errors)} |" for directory, errors in by_directory.items()]
     lines += [f"| mode {mode} | {summary(errors)} |" for mode, errors in sorted(by_mode.items())]
     lines += [f"| **all** | {summary(every)} |", "", f"- worst: {worst[1]}"]
+    if len(apart) > 2:
+        lines += ["", "Rows that measure no configuration's speed:", "", *apart]
     text = "\n".join(lines) + "\n"
     print(text)
     if args.markdown:

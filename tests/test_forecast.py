@@ -625,6 +625,20 @@ def test_fsdp_host_time_per_layer_is_what_the_default_jobs_fsdp_rows_measured(mo
     assert statistics.mean(solved) == pytest.approx(value, rel=0.03), solved
 
 
+def test_fsdp_host_time_per_layer_over_a_2d_mesh_is_the_median_of_the_fsdp_tp_rows(monkeypatch):
+    """The three committed FSDP x TP training rows on 4 H100s, each solved for the host time per sharded
+    layer at which its forecast equals its measured step: the constant is their median, and they
+    agree within 15%."""
+    value = forecast.FSDP_TP_HOST_S_PER_LAYER
+    monkeypatch.setattr(forecast, "FSDP_TP_HOST_S_PER_LAYER", value)
+    rows = [measured_row("2026-11-27-h100x4-vs-one-gpu/13b-fsdp2-tp2"),
+            measured_row("2026-11-27-h100x4-auto-vs-best/13b-train/fsdp-4-tp2"),
+            measured_row("2026-11-27-h100x4-auto-vs-best/30b-train/fsdp-4-tp2-checkpointed")]
+    solved = [solve(constant("FSDP_TP_HOST_S_PER_LAYER"), row, 0.0, 0.1) for row in rows]
+    assert max(solved) / min(solved) < 1.15, solved
+    assert statistics.median(solved) == pytest.approx(value, rel=0.03), solved
+
+
 def test_the_overlap_exponent_is_what_the_rows_with_close_clocks_measured(monkeypatch):
     """Solved from each training row of the validation matrices whose two clocks come within 10% of each
     other, p is about OVERLAP_EXPONENT: their median within 20%, p inside their range."""
@@ -688,3 +702,21 @@ def test_the_error_script_recomputes_every_row_and_summarises_per_directory(caps
     assert f"| {row['label']} | infer | {1e3 * measured:.2f} ms | {1e3 * forecast_s:.2f} ms | " \
            f"{(forecast_s - measured) / measured:+.1%} |" in out
     assert "(5 rows)" in out and "| mode infer |" in out and "- worst: " in out
+
+
+def test_rows_that_measure_no_speed_are_left_out_of_the_forecast_error(tmp_path):
+    """speed_error.py leaves out a row recorded under the allocator's history (its warning, or a snapshot
+    summary in its sweep directory) and a step at the GPU's capacity (retries counted, or, before the
+    counter, an NVML peak at the GPU's memory); a counted zero keeps a row in however full the GPU."""
+    from fitbench.run.snapshot import RECORDING_WARNING
+
+    not_a_speed = error_script().not_a_speed
+    full = {"memory": {"gpus": [{"nvml_peak_used": 84.9e9}]}, "environment": {"gpus": [{"total_memory": 85.0e9}]}}
+    assert not_a_speed({"warnings": [RECORDING_WARNING]}, tmp_path).startswith("measured while")
+    assert not_a_speed(full, tmp_path).startswith("steps at the GPU's capacity")
+    assert not_a_speed({**full, "allocator_retries": {"num_alloc_retries": 0}}, tmp_path) is None
+    assert not_a_speed({"allocator_retries": {"num_alloc_retries": 3}}, tmp_path).endswith("the allocator retried")
+    half = {"memory": {"gpus": [{"nvml_peak_used": 40e9}]}, "environment": {"gpus": [{"total_memory": 85.0e9}]}}
+    assert not_a_speed(half, tmp_path) is None
+    (tmp_path / "allocator-streams-rank0.json").write_text("{}")
+    assert not_a_speed(half, tmp_path).startswith("measured while")

@@ -217,6 +217,12 @@ CHECKPOINT_HOST_S = 1.42e-3
 # 123.3 ms; 3B, 28 layers, 217.0 ms), each solved for the value at which its forecast is its measured
 # step; their mean.
 FSDP_HOST_S_PER_LAYER = 5.58e-3
+# The same over a 2-D mesh (FSDP x TP: each layer's shards are DTensors sharded on both dimensions,
+# gathered and reduced through DTensor): the median of the three committed FSDP x TP training rows on
+# 4 H100s, each solved for the value at which its forecast is its measured step
+# (2026-11-27-h100x4-vs-one-gpu/13b-fsdp2-tp2; 2026-11-27-h100x4-auto-vs-best/13b-train/fsdp-4-tp2 and
+# 30b-train/fsdp-4-tp2-checkpointed).
+FSDP_TP_HOST_S_PER_LAYER = 14.6e-3
 # A forward step runs one of a training step's three gathered passes (forward; backward's gather and
 # reduce-scatter): its share of the per-layer host time, counted in proportion.
 FSDP_FORWARD_SHARE = 1 / 3
@@ -553,19 +559,20 @@ def _pass_time(arch: Architecture, mode: str, precision: str, batch: int, seq_le
     host_s = ops * _host_op_s(run.backend, tp, "training" if training else "inference") + optimizer_s
     host_s += share * L * CHECKPOINT_HOST_S if recompute and not run.compiled else 0.0
     if parallelism.shards > 1:  # FSDP2's hooks, copies into and out of its buffers, DTensor's optimizer step
-        host_s += round(share * L) * FSDP_HOST_S_PER_LAYER * (1 if training else FSDP_FORWARD_SHARE)
+        per_layer = FSDP_TP_HOST_S_PER_LAYER if tp > 1 else FSDP_HOST_S_PER_LAYER
+        host_s += round(share * L) * per_layer * (1 if training else FSDP_FORWARD_SHARE)
     busy = side_by_side(device_s, host_s)
 
     directions = 2 if training else 1
     activation = n * h * widths.compute
     communication_s = tensor_parallel_pass_s(activation, round(share * L), directions, tp, links)
-    microbatches = parallelism.microbatches_of(batch)
+    microbatches = parallelism.microbatches_of(batch) if training else 1
     communication_s += pipeline_sends_s(activation / microbatches, stages, directions, links)
     communication_s += offloaded_bytes / OFFLOAD_STREAM_BANDWIDTH
     if parallelism.offload:  # FSDP's shards cross the host link before each gather, its gradients after
         shards = (1 if not training else 3) * widths.weights * arch.total_params / parallelism.layout.data_parallel
         communication_s += shards / HOST_LINK_BANDWIDTH.get(gpu_name, PCIE_BANDWIDTH)
-    step_s = busy / (1 - bubble_fraction(stages, microbatches))
+    step_s = busy / (1 - (bubble_fraction(stages, microbatches) if training else 0.0))
     exposed_s = communication_s
     if parallelism.layout.data_parallel > 1:
         fsdp = parallelism.shards > 1

@@ -45,7 +45,9 @@ GPUs, else the interconnect's defaults), so counting messages matters where they
   1F1B); each stage boundary sends one microbatch's activations forward and their gradient back
   (``B / m x T x h x c`` bytes each way), and the sends of one microbatch through all the
   boundaries are on the critical path (the pipeline's fill and drain), a send each, the rest
-  overlapping with compute. Decoding crosses the stages one after another, each step sending ``B x h x c`` bytes
+  overlapping with compute. A forward step passes its whole batch from stage to stage and has no
+  backward pass to drain: back to back, stage s runs step k while stage s + 1 runs step k - 1, so a
+  step lasts the largest stage's time, without a bubble. Decoding crosses the stages one after another, each step sending ``B x h x c`` bytes
   over every boundary, so stages add no speed to one sequence: the whole model's weights are read
   per step, at the tensor-parallel degree's rate;
 - offload: the offloaded layers' weights cross the host link (PCIe) once per forward pass (each
@@ -161,12 +163,13 @@ def estimate_step_time(arch: Architecture, mode: str, precision: str, batch: int
         activation = n * arch.hidden_size * widths.compute
         layers = round(share * arch.num_layers)
         communication_s = tensor_parallel_pass_s(activation, layers, directions, tp, links)
-        microbatches = parallelism.microbatches_of(batch)
+        training = mode != "forward"
+        microbatches = parallelism.microbatches_of(batch) if training else 1
         communication_s += pipeline_sends_s(activation / microbatches, stages, directions, links)
         if parallelism.offload:
             offloaded_bytes += (1 if mode == "forward" else 3) * widths.weights * arch.total_params / g
         communication_s += offloaded_bytes / HOST_LINK_BANDWIDTH.get(gpu_name, PCIE_BANDWIDTH)
-        step_s = max(compute_s, memory_s) / (1 - bubble_fraction(stages, microbatches))
+        step_s = max(compute_s, memory_s) / (1 - (bubble_fraction(stages, microbatches) if training else 0.0))
         exposed_s = communication_s  # tensor parallel's, the stages' and the host link's: nothing to hide behind
         if g > 1:
             gradient_bytes = 4 * adapter_params(arch) if adapters else widths.weights * arch.total_params

@@ -34,14 +34,25 @@ def snapshot_path(directory: str, key: str, rank: int) -> Path:
     return Path(directory) / f"{key}-rank{rank}.pickle"
 
 
+# The warning a row measured while the allocator's history was recorded carries: its times are not a
+# configuration's (``benchmarks/speed_error.py`` leaves such rows out).
+RECORDING_WARNING = ("the allocator's history was recorded (FITBENCH_MEMORY_SNAPSHOT), which slows the steps: "
+                     "read this row for memory, not time")
+
+
+def recording(device: torch.device) -> bool:
+    """Whether ``recorded`` records on ``device``: a GPU, with ``FITBENCH_MEMORY_SNAPSHOT`` set."""
+    return bool(os.environ.get(SNAPSHOT_VARIABLE)) and device.type == "cuda"
+
+
 @contextmanager
 def recorded(device: torch.device, key: str, rank: int) -> Iterator[None]:
     """Record the allocator's events inside the block when ``FITBENCH_MEMORY_SNAPSHOT`` names a
     directory and the device is a GPU; write the snapshot there after it, also when the block fails."""
-    directory = os.environ.get(SNAPSHOT_VARIABLE)
-    if not directory or device.type != "cuda":
+    if not recording(device):
         yield
         return
+    directory = os.environ[SNAPSHOT_VARIABLE]
     torch.cuda.memory._record_memory_history(max_entries=MAX_EVENTS, stacks="python")
     try:
         yield

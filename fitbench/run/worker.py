@@ -53,7 +53,7 @@ from fitbench.run.phases import PhaseLog, rank_result_path
 from fitbench.run.ranks import Rank, gather_json, process_group
 from fitbench.run.retries import RetryCounter, retries_warning
 from fitbench.run.sanity import Verdict, non_finite_figures, non_finite_steps, read, warmup_warning
-from fitbench.run.snapshot import recorded
+from fitbench.run.snapshot import RECORDING_WARNING, recorded, recording
 from fitbench.run.tensor_parallel import build_layout, data_parallel_rank, parallelize_layout
 from fitbench.run.timing import DeviceClock, first_call_seconds, run_stages, time_steps
 from fitbench.run.trackers import NvmlSampler, memory_report
@@ -262,6 +262,8 @@ def measure(assignment: Assignment, device: torch.device, scratch: Path, rank: R
             and spec.cuda_graphs:
         warnings.append(f"decoded without CUDA graphs, so kernel launches are in the decode time: "
                         f"{decoding['reason']}")
+    if recording(device):
+        warnings.append(RECORDING_WARNING)
     if peak is None and device.type == "cuda":
         warnings.append(f"no datasheet peak for {device_name!r}: MFU left empty (fitbench env --measure "
                         f"gives a measured one)")
