@@ -65,14 +65,16 @@ def moments_of(estimate: MemoryEstimate) -> dict[str, float]:
     return {moment: estimate.total_at(moment) for moment in estimate.moments}
 
 
-def hand_norm(n: int, precision: str) -> int:
+def hand_norm(n: int, precision: str, dtensor: bool = False) -> int:
     """What one RMSNorm saves for n tokens: its input (the residual stream's width) and 1/rms; the
-    backward pass recomputes the normalized input, and the matmuls after it save its output."""
-    if precision in ("fp32", "bf16"):
-        return 4 * n * H + 4 * n
-    if precision == "bf16-pure":
-        return 2 * n * H + 4 * n
-    raise ValueError(precision)
+    backward pass recomputes the normalized input, and the matmuls after it save its output. On a
+    DTensor (tensor-parallel training) its plain expressions run instead: an fp32 input (the input
+    itself in fp32, else its fp32 copy), 1/rms and the normalized input, in fp32 where the residual is."""
+    if precision not in ("fp32", "bf16", "bf16-pure"):
+        raise ValueError(precision)
+    if dtensor:
+        return 4 * n * H + (4 if precision in ("fp32", "bf16") else 2) * n * H + 4 * n
+    return (4 if precision in ("fp32", "bf16") else 2) * n * H + 4 * n
 
 
 def hand_saved_per_layer(n: int, precision: str, tp: int = 1) -> float:
@@ -95,7 +97,7 @@ def hand_saved_per_layer(n: int, precision: str, tp: int = 1) -> float:
         swiglu = 3 * 2 * n * F
     else:
         raise ValueError(precision)
-    return 2 * hand_norm(n, precision) + qkv_inputs + attention / tp + mlp_inputs + swiglu / tp
+    return 2 * hand_norm(n, precision, dtensor=tp > 1) + qkv_inputs + attention / tp + mlp_inputs + swiglu / tp
 
 
 def hand_final(n: int, precision: str) -> int:

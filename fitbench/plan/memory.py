@@ -39,7 +39,8 @@ shards:
   holds 1/t of every layer matrix (``tp_layer_matrices``); k, v and the KV cache whole on every rank
   where the kv heads do not divide by t (``kv_heads_split``); the embedding and the output projection
   split over the vocabulary, the norms replicated; inside a layer the per-head and MLP intermediates
-  are 1/t, the residual stream and the norms whole (no sequence parallelism); the logits gathered
+  are 1/t, the residual stream and the norms whole (no sequence parallelism), a training step's norms
+  saving what transformers' norm saves (they run on DTensors, ``saved_per_layer``); the logits gathered
   whole (B, T, V) on each rank before the loss or the next token;
 - pipeline parallelism (p stages): stage i holds the layers ``fitbench.spec.pipeline_stages`` gives
   it (``Stage``), the first also the embedding, the last the final norm, the output projection and
@@ -485,7 +486,10 @@ def saved_per_layer(arch: Architecture, tokens: int, widths: Widths, tp: int = 1
         attention = (6 * c * n * h + 4 * n * heads) / tp
         mlp = 5 * c * n * f / tp + gpt2_gelu_upcast_bytes(arch, n, widths, tp)
         return 2 * r * n * h + 4 * r * n + 2 * c * n * h + attention + mlp
-    norm = norm_saved_bytes(n, h, widths, frozen_norms, backend)
+    # Under tensor parallelism a training step's activations are DTensors, for which the native norm runs
+    # its plain expressions, not its Function (``fitbench.models.layer_ops.eager_training``): it saves
+    # what transformers' norm saves.
+    norm = norm_saved_bytes(n, h, widths, frozen_norms, "hf" if tp > 1 else backend)
     casts = widths.autocast and backend == "hf"
     attention_inputs = 3 * c * n * h if casts else c * n * h
     expanded = backend == "native" and c == 4 and k != h
