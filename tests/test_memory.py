@@ -704,9 +704,9 @@ def test_tensor_parallelism_replicates_kv_heads_it_cannot_split():
 
 @pytest.mark.parametrize("precision", PRECISIONS)
 def test_pipeline_stages_hold_their_layers_and_their_edges(precision):
-    # 2 layers on 2 stages, 2 microbatches of 2 sequences under 1F1B: the first stage holds both
-    # microbatches' activations of its layer and the embedding; the last one microbatch's, the final
-    # norm, the output projection and the loss
+    # 2 layers on 2 stages, 2 microbatches of 2 sequences under GPipe: each stage holds both
+    # microbatches' activations of its layer; the first the embedding, the last the final norm, the
+    # output projection and the loss
     assert L == 2
     w = WIDTHS[precision]["w"]
     single = terms_of(estimate_memory(ARCH, "train", precision, 4, 64))
@@ -714,7 +714,9 @@ def test_pipeline_stages_hold_their_layers_and_their_edges(precision):
     first, last = (terms_of(estimate_memory(ARCH, "train", precision, 4, 64, parallelism=pipeline, stage=i))
                    for i in (0, 1))
     assert first["activations"] == single["activations"] / 2 == 2 * hand_saved_per_layer(2 * 64, precision)
-    assert last["activations"] == hand_saved_per_layer(2 * 64, precision)
+    assert last["activations"] == 2 * hand_saved_per_layer(2 * 64, precision)
+    assert first["other microbatches' activations"] == last["other microbatches' activations"] == \
+        hand_saved_per_layer(2 * 64, precision)
     assert first["weights"] == w * (LAYER_PARAMS + V * H)
     assert last["weights"] == w * (LAYER_PARAMS + H + V * H)
     assert "loss chain" not in first and "input embedding gradient" in first

@@ -1659,13 +1659,16 @@ def test_pipeline_bubble_by_hand():
 
 
 def test_pipeline_training_holds_the_microbatches_in_flight():
-    # 1F1B: stage i of p holds min(m, p - i) microbatches' activations
+    # GPipe: every stage runs all m forwards first, so each holds m microbatches' activations of its 8
+    # layers, and m - 1 of them while the first microbatch's backward forms the gradients
     arch = resolve("7B")
     pipeline = Parallelism(layout=Layout(pp=4), microbatches=8)
     estimates = stage_estimates(arch, "train", "bf16-pure", 8, 512, parallelism=pipeline)
-    per_microbatch = terms_of(estimate_memory(arch, "train", "bf16-pure", 1, 512))["activations"] / arch.num_layers
-    for i, estimate in enumerate(estimates):
-        assert terms_of(estimate)["activations"] == pytest.approx(8 * (4 - i) * per_microbatch, rel=1e-12)
+    per_layer = terms_of(estimate_memory(arch, "train", "bf16-pure", 1, 512))["activations"] / arch.num_layers
+    for estimate in estimates:
+        terms = terms_of(estimate)
+        assert terms["activations"] == pytest.approx(8 * 8 * per_layer, rel=1e-12)
+        assert terms["other microbatches' activations"] == pytest.approx(7 * 8 * per_layer, rel=1e-12)
     assert "loss chain" in terms_of(estimates[-1]) and "loss chain" not in terms_of(estimates[0])
 
 

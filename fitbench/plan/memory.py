@@ -45,7 +45,9 @@ shards:
 - pipeline parallelism (p stages): stage i holds the layers ``fitbench.spec.pipeline_stages`` gives
   it (``Stage``), the first also the embedding, the last the final norm, the output projection and
   the logits and loss; generation caches each stage's own layers; a training step runs m microbatches
-  (by default p) under 1F1B, stage i holding the activations of min(m, p - i) of them. Stages differ,
+  (by default p) under GPipe (``fitbench.run.pipeline``), every stage holding the activations of all m
+  at the end of the forwards, and m - 1 of them while the first microbatch's backward forms the
+  gradients. Stages differ,
   so each is estimated (``stage_estimates``) and the largest stands for the layout, named.
 
 Data parallelism (``_training``'s ``ddp`` and ``fsdp``, per rank,
@@ -278,15 +280,6 @@ class Parallelism:
     def microbatches_of(self, batch: int) -> int:
         """The microbatches a step of ``batch`` sequences makes: no more than its sequences."""
         return min(self.schedule_microbatches, batch)
-
-
-def microbatches_in_flight(stage: Stage, microbatches: int) -> int:
-    """Microbatches whose activations ``stage`` holds at once under 1F1B (torch's ``Schedule1F1B``):
-    stage i runs ``p - i`` forwards before its first backward, and never more than there are
-    microbatches. 1F1B is what is modelled because it is the schedule that bounds memory by the
-    stage count, not the microbatch count (GPipe holds all m; with the default m = p the two agree
-    on the first stage, which holds the most)."""
-    return min(microbatches, stage.count - stage.index)
 
 
 def pipeline_stage_list(arch: Architecture, stages: int) -> tuple[Stage, ...]:
@@ -637,8 +630,8 @@ def estimate_memory(arch: Architecture, mode: str, precision: str, batch: int, s
     the final norm, output projection and logits on the last): ``stage`` (an index) estimates that
     stage's GPUs; by default the estimate is that of the stage with the largest peak, which its
     ``stage`` names (``stage_estimates`` gives them all). A training step's pipeline runs
-    ``parallelism.microbatches_of(batch)`` microbatches of ``ceil(batch / m)`` sequences under 1F1B
-    (``Stage.in_flight``)."""
+    ``parallelism.microbatches_of(batch)`` microbatches of ``ceil(batch / m)`` sequences under GPipe,
+    every stage running all m forwards before the first backward."""
     backend = backend or default_backend(arch)
     if resident_layers is not None:
         return _offloaded(arch, mode, precision, batch, seq_len, new_tokens, resident_layers, parallelism, backend)
@@ -660,7 +653,7 @@ def estimate_memory(arch: Architecture, mode: str, precision: str, batch: int, s
     in_flight = 1
     if training and parallelism.stages > 1:
         microbatches = parallelism.microbatches_of(batch)
-        in_flight, batch = microbatches_in_flight(where, microbatches), -(-batch // microbatches)
+        in_flight, batch = microbatches, -(-batch // microbatches)
     if training and precision in QUANTIZED and precision not in ADAPTER_BASES:
         raise ValueError(f"{precision} weights have no backward pass: no training memory model")
     if precision in QUANTIZED:
@@ -714,7 +707,7 @@ def stage_estimates(arch: Architecture, mode: str, precision: str, batch: int, s
     result = []
     microbatches = parallelism.microbatches_of(batch)
     for stage in pipeline_stage_list(arch, parallelism.stages):
-        shape = (len(stage.layers), stage.first, stage.last, microbatches_in_flight(stage, microbatches))
+        shape = (len(stage.layers), stage.first, stage.last)
         if shape not in estimates:
             estimates[shape] = estimate_memory(arch, mode, precision, batch, seq_len, parallelism=parallelism,
                                                stage=stage.index, **options)
@@ -854,10 +847,10 @@ def _training(arch, mode, widths, batch, seq_len, recompute, terms, local_params
     base keep one GPU's terms, their few gradients in a bucket or a shard changing little.
 
     ``stage``: a pipeline stage, ``batch`` one microbatch of it and ``in_flight`` the microbatches
-    whose activations it holds at once (``Stage.in_flight``): the embedding's terms are the first
+    whose activations it holds at once (GPipe: all of them): the embedding's terms are the first
     stage's, the final norm's, the output projection's and the loss's the last's (one microbatch's
-    logits at a time: under 1F1B the last stage runs each microbatch's backward right after its
-    forward). Under tensor parallelism the output projection and the embedding are split over the
+    logits at a time: the loss is formed in each microbatch's forward, its chain freed once reduced
+    to the loss). Under tensor parallelism the output projection and the embedding are split over the
     vocabulary and the logits gathered whole on each rank, so the loss chain is one GPU's."""
     n, V, h = batch * seq_len, arch.vocab_size, arch.hidden_size
     c, r, w = widths.compute, widths.residual, widths.weights
@@ -897,6 +890,11 @@ def _training(arch, mode, widths, batch, seq_len, recompute, terms, local_params
         first = inductor.first_layer_saving(arch, n, c, r) if compiled and layers == arch.num_layers else 0.0
         activations = Term("activations", one_layer * saved - first, f"{held} x {one_layer:,.0f} B saved "
                            f"per layer" + (f", less {first:,.0f} B in the first" if first else ""), at(START))
+    if in_flight > 1:  # GPipe: the first microbatch's backward forms every gradient beside the others' activations
+        per_microbatch = (inputs if recompute else one_layer) * layers
+        terms.append(Term("other microbatches' activations", per_microbatch * (in_flight - 1),
+                          f"{in_flight - 1} microbatches x {per_microbatch:,.0f} B: GPipe runs every forward before "
+                          f"the first backward, so the others' activations wait while its gradients form", at(FIRST)))
     if layout.offload and not frozen:
         state = Term("optimizer state", 0.0, f"AdamW's moments of the shards, {2 * w * local_params:,.0f} B in host "
                      f"memory (CPU offload), where the optimizer steps")
