@@ -863,3 +863,15 @@ def test_trace_checkpointing_lowers_the_peak(traced):
     # keeps one fp32 input per layer, so it frees more than 15 per layer
     arch, (_, _, _, batch, seq_len, _) = resolve("small"), CHECKPOINTING[0]
     assert full - checkpointed > 15 * arch.num_layers * batch * seq_len * arch.hidden_size * 2
+
+
+def test_tensor_parallel_logits_are_gathered_and_reordered_beside_the_ranks_slice():
+    # forward, 4 x 64 rows: the rank's slice (V / 2), the gather's rank-major buffer and its copy in
+    # vocabulary order (V each); one row of a decode needs no copy
+    single = terms_of(estimate_memory(ARCH, "forward", "bf16-pure", 4, 64))
+    split = terms_of(estimate_memory(ARCH, "forward", "bf16-pure", 4, 64, parallelism=Parallelism("tp", 2)))
+    assert split["output projection"] - single["output projection"] == 2 * 4 * 64 * V * (2 + 1 / 2 - 1)
+    one = terms_of(estimate_memory(ARCH, "infer", "bf16-pure", 1, 64, new_tokens=8))
+    one_split = terms_of(estimate_memory(ARCH, "infer", "bf16-pure", 1, 64, new_tokens=8,
+                                         parallelism=Parallelism("tp", 2)))
+    assert one_split["output projection"] - one["output projection"] == 2 * 1 * V * (1 + 1 / 2 - 1)

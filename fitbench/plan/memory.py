@@ -1150,7 +1150,9 @@ def _inference(arch, mode, widths, batch, seq_len, new_tokens, terms, tp, stage=
     projection's moment. Tensor parallelism (degree ``tp``) splits the layers' intermediates, the
     kv heads where they divide by it (``kv_heads_split``; else each rank caches all of them) and the
     output projection over the vocabulary; the logits are gathered whole on each rank, beside the
-    rank's own slice of them, so the output moment holds c rows V (1 + 1 / tp)."""
+    rank's own slice of them, and for more than one row copied from the gather's rank-major buffer
+    into vocabulary order (``fitbench.run.tensor_parallel``), so the output moment holds
+    c rows V (2 + 1 / tp) (c V (1 + 1 / tp) for one row)."""
     n, V, h = batch * seq_len, arch.vocab_size, arch.hidden_size
     c, r = widths.compute, widths.residual
     stage = stage or Stage(0, 1, range(arch.num_layers))
@@ -1207,8 +1209,12 @@ def _inference(arch, mode, widths, batch, seq_len, new_tokens, terms, tp, stage=
     reserve = prefill_reserve_term(arch, precision, n, c, tp)
     if reserve is not None:
         terms.append(reserve)
-    logits = c * rows * V * (1 + 1 / tp if tp > 1 else 1)
-    gathered = f" ({tp} slices gathered whole beside this rank's)" if tp > 1 else ""
+    # Under tensor parallelism the gather's buffer is rank-major, (tp, rows, V / tp): putting the
+    # vocabulary back in order copies it, a second whole logits tensor, wherever rows > 1.
+    reordered = tp > 1 and rows > 1
+    logits = c * rows * V * ((2 if reordered else 1) + 1 / tp if tp > 1 else 1)
+    gathered = (f" ({tp} slices gathered whole beside this rank's" + (", and their copy in vocabulary order)"
+                                                                     if reordered else ")")) if tp > 1 else ""
     if compiled:
         terms.append(Term("MLP temporaries", inductor.prefill_transient_bytes(arch, n, c, r, widths.autocast, tp),
                           "r n h + c n h + 2 c n f (+ c h f under autocast) + 8 n: one fused MLP's "
