@@ -7,10 +7,12 @@ measured again.
 
 Error = (predicted - measured) / measured, measured = NVML's per-process peak (the largest over a
 row's GPUs where it ran on several), as in memory_error.py; the plan is for the row's GPU count.
-The calibration is the one the rows were measured with (a calibration.json of fitbench's cache, given
-by --calibration; the GPU's entry is taken from it by the rows' device name and torch version).
+The calibration is the one the rows were measured with: a calibration.json of fitbench's cache, given
+by --calibration (the GPU's entry is taken from it by the rows' device name and torch version), or
+else each row's own, read back from its prediction's terms (its CUDA context and workspaces; NCCL's
+buffers per communicator as the default has them).
 
-Usage: python benchmarks/repredict.py RESULTS_DIR --calibration FILE [--markdown FILE]
+Usage: python benchmarks/repredict.py RESULTS_DIR [--calibration FILE] [--markdown FILE] [--min-gpus N]
 """
 
 from __future__ import annotations
@@ -18,22 +20,35 @@ from __future__ import annotations
 import argparse
 import json
 import statistics
+from dataclasses import replace
 from pathlib import Path
 
 from fitbench.models.registry import resolve
-from fitbench.plan.calibration import Calibration
+from fitbench.plan.calibration import DEFAULT, Calibration
 from fitbench.plan.planner import GpuTarget, predict_spec
 from fitbench.results.store import ResultStore
 from fitbench.spec import RunSpec
 
 
+def calibration_of(prediction: dict) -> Calibration:
+    """The calibration a row's prediction used, read back from its terms: its CUDA context and
+    workspaces stand for every kind of step (only the row's own is read again)."""
+    terms = {term["name"]: term["bytes"] for term in prediction["terms"]}
+    context, workspace = terms.get("CUDA context", DEFAULT.cuda_context_training), terms.get("workspaces", 0.0)
+    return replace(DEFAULT, cuda_context_training=context, cuda_context_inference=context, cuda_context_eager=context,
+                   workspace_training=workspace, workspace_inference=workspace, workspace_eager=workspace,
+                   source="read back from the row's prediction")
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("directory", type=Path)
-    parser.add_argument("--calibration", type=Path, required=True)
+    parser.add_argument("--calibration", type=Path)
     parser.add_argument("--markdown", type=Path)
+    parser.add_argument("--min-gpus", type=int, default=1, metavar="N",
+                        help="only rows whose layout spans at least N GPUs (2: the several-GPU rows)")
     args = parser.parse_args()
-    stored = json.loads(args.calibration.read_text())
+    stored = json.loads(args.calibration.read_text()) if args.calibration else None
     lines = ["| configuration | measured | predicted then | predicted now | error then | error now | peak moment now |",
              "|---|---|---|---|---|---|---|"]
     errors = []
@@ -44,8 +59,11 @@ def main() -> None:
                 continue
             environment = row["environment"]
             gpu = environment["gpus"][0]
-            calibration = Calibration(**stored[f"{gpu['name']}|torch {environment['torch']}"])
             spec = RunSpec.model_validate(row["spec"])
+            if spec.layout.world_size < args.min_gpus:
+                continue
+            calibration = (Calibration(**stored[f"{gpu['name']}|torch {environment['torch']}"]) if stored
+                           else calibration_of(row["prediction"]))
             target = GpuTarget(gpu["name"], spec.layout.world_size, gpu["total_memory"], described=False)
             _, prediction = predict_spec(resolve(spec.model), spec, target, calibration, choose_precision=False,
                                          choose_recompute=False, runnable=(spec.precision,))
