@@ -77,3 +77,10 @@ def test_a_configuration_over_two_nodes_is_one_row_with_every_ranks_node(tmp_pat
     assert row["status"] == "ok" and row["ranks"] == 2
     assert sorted(rank["node"] for rank in row["placement"]) == sorted(NODES)
     assert all(rank["device"] and rank["host_peak_rss"] for rank in row["placement"])
+
+
+def test_a_partition_the_cluster_lacks_is_one_paragraph_before_anything_is_written(tmp_path, capsys):
+    code, _, stderr = cli(["run", *TINY, "--partition", "nosuch", "--out", str(tmp_path / "out")], capsys)
+    assert code == 2 and len(stderr.strip().splitlines()) == 1, stderr
+    assert "partition: the cluster has no partition 'nosuch'; it has debug" in stderr
+    assert not (tmp_path / "out").exists()
