@@ -154,6 +154,12 @@ def plan_options(parser: argparse.ArgumentParser) -> None:
     add("--gpus", type=int, default=None, help="how many GPUs to plan for (default: those detected)")
     add("--gpu-memory", dest="gpu_memory", default=None, metavar="SIZE", help="memory per GPU, e.g. 80GB or 79.2GiB")
     add("--gpu", default=None, metavar="NAME", help="a named GPU, e.g. H100-80GB, A100-40GB, L40S (sets memory and speed)")
+    add("--gpus-per-node", dest="gpus_per_node", type=int, default=None, metavar="N",
+        help="GPUs of one node of a cluster: tensor parallelism stays inside a node, pipeline stages and data "
+             "parallelism cross nodes; --requirements then answers in nodes, and the plan prints its #SBATCH lines "
+             "(default 8)")
+    add("--nodes", type=int, default=None, metavar="N",
+        help="with --gpus-per-node: plan for N nodes, N x --gpus-per-node GPUs (instead of --gpus)")
     add("--trace", action="store_true", help="also trace the chosen plan on fake tensors (exact tensor peak)")
     add("--requirements", action="store_true", help="table of the fewest GPUs each model x precision needs")
     add("--json", action="store_true", help="machine-readable output, sizes in bytes")
