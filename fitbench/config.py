@@ -108,6 +108,25 @@ class SweepConfig(BaseModel):
                            description=f"the tensor-parallel degree, 1 to {RANKS_MAX}, inside each FSDP group "
                                        f"(--strategy fsdp) or pipeline stage (--strategy pipeline); it divides --gpus")
 
+    launcher: Literal["local", "slurm"] = Field(
+        "local", description="local (each configuration a process of this machine) or slurm (each a SLURM job, a "
+                             "sweep one job array)")
+    partition: str | None = Field(None, min_length=1, description="a SLURM partition's name (slurm launcher)")
+    account: str | None = Field(None, min_length=1, description="a SLURM account's name (slurm launcher)")
+    time: str | None = Field(None, min_length=1, description="a job's time limit as sbatch takes it: 90, 24:00:00, "
+                                                             "1-12 (slurm launcher)")
+    nodes: int | None = Field(None, description=f"nodes of each configuration's job, 1 to {RANKS_MAX} (slurm "
+                                                f"launcher); its ranks (--gpus) spread evenly over them")
+    gpus_per_node: int | None = Field(None, description=f"GPUs asked of each node, 1 to {RANKS_MAX} (slurm launcher)")
+    cpus_per_task: int | None = Field(None, description=f"CPUs asked for each node's task, 1 to {RANKS_MAX} (slurm "
+                                                        f"launcher)")
+    mem: str | None = Field(None, min_length=1, description="memory per node as sbatch takes it: 256G (slurm "
+                                                            "launcher)")
+    sbatch_args: list[str] | None = Field(None, min_length=1, description="further sbatch options, each one word: "
+                                                                          "--qos=high (slurm launcher)")
+    max_concurrent: int | None = Field(None, description=f"jobs of the sweep's array running at once, 1 to "
+                                                         f"{COUNT_MAX:,} (slurm launcher; default: all)")
+
     ollama_url: str | None = Field(None, description="an http(s) URL of an Ollama server, e.g. http://localhost:11434")
     ollama_model: str | None = Field(None, min_length=1, description="the model it runs for the analysis, e.g. "
                                                                      "gpt-oss-20b")
@@ -145,10 +164,20 @@ class SweepConfig(BaseModel):
     def _gpus(cls, value: Any) -> Any:
         return _whole_number(value, 1, RANKS_MAX)
 
-    @field_validator("microbatches", mode="before")
+    @field_validator("microbatches", "max_concurrent", mode="before")
     @classmethod
-    def _microbatches(cls, value: Any) -> Any:
+    def _optional_count(cls, value: Any) -> Any:
         return value if value is None else _whole_number(value, 1, COUNT_MAX)
+
+    @field_validator("nodes", "gpus_per_node", "cpus_per_task", mode="before")
+    @classmethod
+    def _slurm_counts(cls, value: Any) -> Any:
+        return value if value is None else _whole_number(value, 1, RANKS_MAX)
+
+    @field_validator("sbatch_args", mode="before")
+    @classmethod
+    def _sbatch_args(cls, value: Any) -> Any:
+        return _as_list(value)
 
     @field_validator("tp", mode="before")
     @classmethod

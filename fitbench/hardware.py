@@ -456,6 +456,8 @@ def environment() -> dict:
         "cpu_affinity_count": None if affinity is None else len(affinity),
         "host_memory_bytes": psutil.virtual_memory().total,
         "hostname": socket.gethostname(),
+        # the node's name where SLURM started this process (a node may be named apart from its host)
+        "slurm_node": os.environ.get("SLURMD_NODENAME"),
         "platform": platform.platform(),
         "time_utc": _utc_now(),
     }

@@ -248,17 +248,62 @@ def plan_sweep(config, out: str, out_option: str = "--out", say: Callable[[str],
     and its ranks, the configurations (``fitbench.config.expand``), the results directory ``out``
     (``check_output_directory``; ``out_option`` names it in an error), the target and its calibration
     (``run_target``, telling ``say`` if it calibrates), and the planned jobs, those this device cannot
-    run refused."""
+    run refused. Under the slurm launcher the devices are the cluster's nodes', not this machine's:
+    the jobs are left unplanned here, and each is planned on its node
+    (``fitbench.cli.allocation``)."""
     from fitbench.config import expand
     from fitbench.plan.calibration import TENSORS_ONLY
 
+    if config.launcher == "slurm":
+        device = cluster_device(config)
+        if device != "cpu" and not config.models:
+            raise UserError("models: the default models depend on the GPU's memory, and the slurm launcher does not "
+                            "see the nodes' GPUs from here; name them with --models.")
+        specs = expand(config, device=device, default_models=default_models("cpu"))
+        check_output_directory(out, out_option)
+        return PlannedSweep(device, plan_jobs(specs, config, None, None), TENSORS_ONLY)
     device = resolve_device(config.device)
-    check_ranks(device, config.gpus)
+    check_ranks(device, config.gpus // (config.nodes or 1))
     specs = expand(config, device=device, default_models=default_models(device))
     check_output_directory(out, out_option)
     target, calibration = run_target(device, say=say, ranks=config.gpus)
     jobs = refuse_unrunnable(plan_jobs(specs, config, target, calibration), device)
     return PlannedSweep(device, jobs, calibration.source if calibration else TENSORS_ONLY)
+
+
+def cluster_device(config) -> str:
+    """The device of a sweep's SLURM jobs: the one named, else a GPU where GPUs are asked of each node
+    (``--gpus-per-node``), else cpu. Nothing is asked of this machine's devices."""
+    if config.device != "auto":
+        return "cuda:0" if config.device == "cuda" else config.device
+    return "cuda:0" if config.gpus_per_node else "cpu"
+
+
+SLURM_FIELDS = ("partition", "account", "time", "nodes", "gpus_per_node", "cpus_per_task", "mem", "sbatch_args",
+                "max_concurrent")
+
+
+def slurm_options(config):
+    """The sweep's SLURM options (``fitbench.launch.slurm.options.SlurmOptions``, checked), None under the
+    local launcher; a UserError for one given without ``--launcher slurm``, or ranks that do not
+    spread evenly over the nodes."""
+    from fitbench.launch.slurm.options import SlurmOptions
+
+    if config.launcher != "slurm":
+        given = [field for field in SLURM_FIELDS if getattr(config, field) is not None]
+        if given:
+            option = "--" + given[0].replace("_", "-").removesuffix("s" if given[0] == "sbatch_args" else "")
+            raise UserError(f"{given[0]}: {option} asks SLURM for a job's resources, and the sweep runs on this "
+                            f"machine (--launcher local, the default). Add --launcher slurm to run it as SLURM "
+                            f"jobs, or leave {option} out.")
+        return None
+    nodes = config.nodes or 1
+    if config.gpus % nodes:
+        raise UserError(f"nodes: --gpus {config.gpus} ranks do not spread evenly over --nodes {nodes}; give --gpus a "
+                        f"multiple of {nodes} (ranks per node x nodes), or fewer --nodes.")
+    return SlurmOptions(partition=config.partition, account=config.account, time=config.time, nodes=nodes,
+                        gpus_per_node=config.gpus_per_node, cpus_per_task=config.cpus_per_task, mem=config.mem,
+                        sbatch_args=tuple(config.sbatch_args or ()))
 
 
 # Bounds of what a plan can describe: beyond them a number is a typo, and sizes stop being finite floats.

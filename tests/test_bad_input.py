@@ -772,3 +772,33 @@ def test_a_results_line_too_long_to_be_a_row_is_skipped_unread(tmp_path, capsys)
     assert code == 0 and "Traceback" not in stderr
     assert "line 2 is longer than" in stderr and "line 4 is longer than" in stderr
     assert stdout.count("refused") == 2
+
+
+@pytest.mark.parametrize("argv, fields", [
+    (["--nodes", "2"], ["nodes:", "--nodes", "--launcher slurm"]),
+    (["--partition", "gpu"], ["partition:", "--launcher slurm"]),
+    (["--launcher", "slurm", "--time", "1:2:3:4"], ["time:", "'1:2:3:4'", "24:00:00"]),
+    (["--launcher", "slurm", "--time", "25:61"], ["time:", "'25:61'"]),
+    (["--launcher", "slurm", "--mem", "lots"], ["mem:", "256G"]),
+    (["--launcher", "slurm", "--gpus", "3", "--nodes", "2"], ["nodes:", "--gpus 3", "--nodes 2"]),
+    (["--launcher", "slurm", "--sbatch-arg=--nodes=3"], ["sbatch_args:", "--nodes"]),
+    (["--dry-run"], ["dry-run:", "--launcher slurm"]),
+])
+def test_bad_cluster_options(argv, fields, tmp_path, capsys):
+    code, _, stderr = cli(["run", "--models", "tiny", "--device", "cpu", *argv, "--dry-run", "--out",
+                           str(tmp_path / "out")], capsys)
+    check_user_error(code, stderr, *fields)
+    assert not (tmp_path / "out").exists()
+
+
+def test_no_sbatch_on_path_is_one_paragraph_and_a_dry_run_needs_none(tmp_path, capsys, monkeypatch):
+    monkeypatch.setenv("PATH", str(tmp_path / "empty"))
+    code, _, stderr = cli(["run", "--models", "tiny", "--device", "cpu", "--launcher", "slurm", "--out",
+                           str(tmp_path / "out")], capsys)
+    check_user_error(code, stderr, "sbatch is not on PATH", "--dry-run")
+    assert not (tmp_path / "out").exists()
+    code, printed, stderr = cli(["run", "--models", "tiny", "--device", "cpu", "--launcher", "slurm", "--partition",
+                                 "debug", "--dry-run", "--out", str(tmp_path / "out")], capsys)
+    assert code == 0, stderr
+    assert "#SBATCH --partition=debug" in printed and "nothing was submitted" in printed
+    assert not (tmp_path / "out" / "slurm.json").exists()

@@ -552,3 +552,16 @@ def test_help(tmp_path, capsys):
 
     code, stdout, _ = cli(["--version"], capsys)
     assert code == 0 and "fitbench" in stdout
+
+
+def test_plan_for_nodes_answers_in_nodes_and_prints_its_sbatch_lines(capsys):
+    code, printed, errors = cli(["plan", "--models", "llama-2-70b", "--mode", "infer", "--gpu", "H100-80GB",
+                                 "--gpus-per-node", "2", "--requirements"], capsys)
+    assert code == 0, errors
+    assert "min nodes" in printed and "#SBATCH --gpus-per-node=2" in printed and "#SBATCH --nodes=" in printed
+    code, printed, errors = cli(["plan", "--models", "llama-2-70b", "--mode", "infer", "--gpu", "H100-80GB",
+                                 "--gpus-per-node", "4", "--nodes", "2"], capsys)
+    assert code == 0, errors
+    assert "on 8 x" in printed and "#SBATCH --nodes=" in printed
+    code, _, errors = cli(["plan", "--models", "7B", "--gpu", "H100-80GB", "--nodes", "2"], capsys)
+    assert code == 2 and "--gpus-per-node" in errors

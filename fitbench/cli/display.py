@@ -67,6 +67,30 @@ class ProgressDisplay(SweepDisplay):
         self.progress.advance(self.sweep_task)
 
 
+class ClusterDisplay(SweepDisplay):
+    """A sweep of SLURM jobs writing to ``store``: a line per job submitted, per change of its state
+    (with its progress while it runs), and per row."""
+
+    def __init__(self, store: ResultStore):
+        self.store = store
+
+    def submitted(self, job: Job, job_id: str) -> None:
+        console.print(f"submitted {escape(job.spec.label)}: SLURM job {escape(job_id)}", soft_wrap=True)
+
+    def job_state(self, job: Job, job_id: str, state: str, reason: str | None, progress: Event | None) -> None:
+        why = f" ({reason})" if reason else ""
+        step = ""
+        if progress:
+            step = f": {progress.get('phase', '')}" + (f" {progress['step']}/{progress['of']}"
+                                                        if "of" in progress and "step" in progress else "")
+        console.print(f"{state.lower()} {escape(job.spec.label)} [{escape(job_id)}]{escape(why)}{escape(step)}",
+                      soft_wrap=True)
+
+    def finished(self, row: dict[str, Any]) -> None:
+        console.print(describe_row(row), soft_wrap=True)
+        write_csv(list(self.store.rows()), self.store.directory)
+
+
 def _label(row: dict[str, Any]) -> str:
     """The configuration as asked for, and what finally ran when a fallback or the batch search changed it."""
     from fitbench.spec import RunSpec

@@ -105,6 +105,35 @@ def sweep_options(parser: argparse.ArgumentParser) -> None:
              "saved sweep (it becomes their product; what it had stays in it)")
     add("--config", metavar="FILE", default=None, help="YAML file with any of these options as keys")
     analysis_options(S)(parser)
+    cluster_options(parser)
+
+
+def cluster_options(parser: argparse.ArgumentParser) -> None:
+    """Running the sweep as SLURM jobs (``fitbench.launch.slurm``); each option but --dry-run is also a
+    YAML key."""
+    S = argparse.SUPPRESS
+    group = parser.add_argument_group("SLURM clusters (docs/clusters.md)")
+    add = group.add_argument
+    add("--launcher", choices=("local", "slurm"), default=S,
+        help="local: each configuration a process of this machine (default); slurm: each a SLURM job that runs "
+             "its whole life (batch search, fallbacks) in its allocation, a sweep of several one job array")
+    add("--partition", default=S, help="the partition to submit to (default: the cluster's)")
+    add("--account", default=S, help="the account charged (default: yours)")
+    add("--time", default=S, metavar="LIMIT",
+        help="each job's time limit as sbatch takes it: 90 (minutes), 24:00:00, 1-12 (days-hours)")
+    add("--nodes", type=int, default=S, metavar="N",
+        help="nodes of each configuration's job: one torchrun agent per node started by srun; --gpus N ranks "
+             "spread evenly over them (default 1)")
+    add("--gpus-per-node", dest="gpus_per_node", type=int, default=S, metavar="N", help="GPUs asked of each node")
+    add("--cpus-per-task", dest="cpus_per_task", type=int, default=S, metavar="N",
+        help="CPUs asked for each node's task")
+    add("--mem", default=S, metavar="SIZE", help="memory per node as sbatch takes it: 256G; 0 is all of it")
+    add("--sbatch-arg", dest="sbatch_args", action="append", default=S, metavar="OPTION",
+        help="a further sbatch option, one word, repeatable: --sbatch-arg=--qos=high")
+    add("--max-concurrent", dest="max_concurrent", type=int, default=S, metavar="N",
+        help="jobs of the sweep's array running at once (default: all)")
+    add("--dry-run", dest="dry_run", action="store_true",
+        help="print the batch scripts that would be submitted, and submit nothing")
 
 
 def plan_options(parser: argparse.ArgumentParser) -> None:
@@ -125,6 +154,12 @@ def plan_options(parser: argparse.ArgumentParser) -> None:
     add("--gpus", type=int, default=None, help="how many GPUs to plan for (default: those detected)")
     add("--gpu-memory", dest="gpu_memory", default=None, metavar="SIZE", help="memory per GPU, e.g. 80GB or 79.2GiB")
     add("--gpu", default=None, metavar="NAME", help="a named GPU, e.g. H100-80GB, A100-40GB, L40S (sets memory and speed)")
+    add("--gpus-per-node", dest="gpus_per_node", type=int, default=None, metavar="N",
+        help="GPUs of one node of a cluster: tensor parallelism stays inside a node, pipeline stages and data "
+             "parallelism cross nodes; --requirements then answers in nodes, and the plan prints its #SBATCH lines "
+             "(default 8)")
+    add("--nodes", type=int, default=None, metavar="N",
+        help="with --gpus-per-node: plan for N nodes, N x --gpus-per-node GPUs (instead of --gpus)")
     add("--trace", action="store_true", help="also trace the chosen plan on fake tensors (exact tensor peak)")
     add("--requirements", action="store_true", help="table of the fewest GPUs each model x precision needs")
     add("--json", action="store_true", help="machine-readable output, sizes in bytes")

@@ -95,7 +95,7 @@ def plan(args: argparse.Namespace) -> int:
         if mode in TRAINING_MODES and args.precision and all(training_problem(p) for p in args.precision):
             raise UserError(f"precision: {training_problem(args.precision[0])}; or use --mode infer or forward with "
                             f"{args.precision[0]}.")
-    target = gpu_target(gpu=args.gpu, gpu_memory=args.gpu_memory, gpus=args.gpus)
+    target = _cluster_target(args, gpu_target)
     calibration = load_calibration(target.name)
     architectures = {name: resolve(name) for name in args.models}
     for name, arch in architectures.items():
@@ -124,7 +124,45 @@ def plan(args: argparse.Namespace) -> int:
     else:
         for result, trace in results:
             _plan_text(result, trace)
+            if args.gpus_per_node and result.chosen is not None:
+                console.print("\n".join(sbatch_lines_for(result.model, result.chosen.candidate.gpus,
+                                                          args.gpus_per_node)) + "\n", markup=False, highlight=False)
     return 0
+
+
+def _cluster_target(args, gpu_target):
+    """The GPUs to plan for, with ``--gpus-per-node`` the size of a node and ``--nodes`` their count."""
+    from dataclasses import replace
+
+    if args.nodes is not None and args.gpus_per_node is None:
+        raise UserError("nodes: --nodes counts nodes of --gpus-per-node GPUs; give --gpus-per-node too, or plan for "
+                        "--gpus N.")
+    if args.nodes is not None and args.gpus is not None:
+        raise UserError(f"--nodes and --gpus contradict: --nodes {args.nodes} plans for {args.nodes} x "
+                        f"--gpus-per-node GPUs; give one of them.")
+    for option, value in (("--gpus-per-node", args.gpus_per_node), ("--nodes", args.nodes)):
+        if value is not None and value < 1:
+            raise UserError(f"{option[2:]}: {option} must be 1 or more, got {value}.")
+    gpus = args.nodes * args.gpus_per_node if args.nodes else args.gpus
+    target = gpu_target(gpu=args.gpu, gpu_memory=args.gpu_memory, gpus=gpus)
+    return replace(target, node_gpus=args.gpus_per_node) if args.gpus_per_node else target
+
+
+def nodes_for(gpus: int, gpus_per_node: int) -> int:
+    """Nodes of ``gpus_per_node`` GPUs that hold ``gpus`` GPUs."""
+    return -(-gpus // gpus_per_node)
+
+
+def sbatch_lines_for(model: str, gpus: int, gpus_per_node: int) -> list[str]:
+    """The ``#SBATCH`` lines of a job of ``gpus`` GPUs on nodes of ``gpus_per_node``, as the slurm
+    launcher writes them (``fitbench.launch.slurm.script.sbatch_lines``)."""
+    from fitbench.launch.slurm.options import SlurmOptions
+    from fitbench.launch.slurm.script import ScriptJob, sbatch_lines
+
+    nodes = nodes_for(gpus, gpus_per_node)
+    options = SlurmOptions(nodes=nodes, gpus_per_node=min(gpus, gpus_per_node))
+    return [f"# {model}: {gpus} GPU(s) over {nodes} node(s)",
+            *sbatch_lines(options, ScriptJob(f"fitbench-{model}", "fitbench-%j.out"))]
 
 
 def _requirements(args, target, calibration, seq_len, new_tokens, batch, fewest_gpus) -> int:
@@ -138,7 +176,8 @@ def _requirements(args, target, calibration, seq_len, new_tokens, batch, fewest_
         for mode in args.mode:
             for precision in args.precision or DEFAULT_LADDER[mode]:
                 need = fewest_gpus(arch, mode, precision, target.memory, seq_len=seq_len, new_tokens=new_tokens,
-                                   batch_size=(batch or [1])[0], calibration=calibration, gpu_name=target.name)
+                                   batch_size=(batch or [1])[0], calibration=calibration, gpu_name=target.name,
+                                   node_gpus=target.node_gpus)
                 stage = need.memory.stage if need else None
                 rows.append({"model": name, "mode": mode, "precision": precision,
                              "min_gpus": need.candidate.gpus if need else None,
@@ -146,20 +185,29 @@ def _requirements(args, target, calibration, seq_len, new_tokens, batch, fewest_
                              "layout": need.candidate.layout.model_dump() if need else None,
                              "peak_per_gpu_bytes": need.predicted_peak if need else None,
                              "peak_stage": stage.label if stage else None})
+                if args.gpus_per_node and need:
+                    rows[-1].update(min_nodes=nodes_for(need.candidate.gpus, args.gpus_per_node),
+                                    sbatch=sbatch_lines_for(name, need.candidate.gpus, args.gpus_per_node)[1:])
     if args.json:
         print(json.dumps(rows, indent=2))
         return 0
     table = Table(title=f"GPUs of {format_bytes(target.memory)} needed (batch {(batch or [1])[0]}, seq {seq_len})",
                   title_justify="left")
-    for column in ("model", "mode", "precision", "min GPUs", "how", "peak per GPU"):
+    nodes = ["min nodes"] if args.gpus_per_node else []
+    for column in ("model", "mode", "precision", *nodes, "min GPUs", "how", "peak per GPU"):
         table.add_column(column)
     for row in rows:
         peak = format_bytes(row["peak_per_gpu_bytes"]) if row["peak_per_gpu_bytes"] else "-"
         if row["peak_stage"]:
             peak += f" ({row['peak_stage'].split(' (')[0]})"
-        table.add_row(row["model"], row["mode"], row["precision"], str(row["min_gpus"] or "-"), escape(row["how"]),
-                      peak)
+        counted = [f"{row['min_nodes']} x {args.gpus_per_node}" if row.get("min_nodes") else "-"] if nodes else []
+        table.add_row(row["model"], row["mode"], row["precision"], *counted, str(row["min_gpus"] or "-"),
+                      escape(row["how"]), peak)
     console.print(table)
+    for row in rows:
+        if row.get("sbatch"):
+            console.print("\n".join([f"# {row['model']} {row['mode']} {row['precision']}: {row['min_gpus']} GPU(s)",
+                                     *row["sbatch"]]), markup=False, highlight=False)
     return 0
 
 

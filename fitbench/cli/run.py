@@ -42,7 +42,7 @@ flight says interrupted, --resume runs it again).
 
 
 # What the parsed arguments hold beside the sweep's options (``sweep_options``, each a key of SweepConfig).
-NOT_SWEEP_OPTIONS = ("command", "function", "argv", "resume", "extend", "config")
+NOT_SWEEP_OPTIONS = ("command", "function", "argv", "resume", "extend", "config", "dry_run")
 
 
 def run(args: argparse.Namespace) -> int:
@@ -53,21 +53,63 @@ def run(args: argparse.Namespace) -> int:
 
     from fitbench.cli.display import ProgressDisplay
 
+    from fitbench.sweep import slurm_options
+
     config, out = sweep_config(args)
+    options = slurm_options(config)
+    if args.dry_run and options is None:
+        raise UserError("dry-run: --dry-run prints the batch scripts of SLURM jobs; give it with --launcher slurm.")
+    if options is not None and not args.dry_run:
+        from fitbench.launch.slurm.jobs import check_partition, require_command
+
+        for name in ("sbatch", "squeue", "sinfo"):
+            require_command(name)
+        if options.partition is not None:
+            check_partition(options.partition)
     device, jobs, calibration = plan_sweep(config, out, "--resume" if args.resume else "--out",
                                            say=lambda text: console.print(escape(text)))
 
     store = ResultStore(out, on_bad_line=warn)
     store.lock()  # until this run returns; a failed run's lock goes with its store, or with the process
     command = _start_sweep(store, out, config.model_copy(update={"out": out}), device, args)
+    if args.dry_run:
+        return _dry_run(jobs, store, options, config, out)
     done = store.finished_keys()
     console.print(f"fitbench {__version__}: {len(jobs)} configuration(s) on {device}"
                   + (f", {sum(job.spec.key in done for job in jobs)} already finished" if done else "")
-                  + f"; results in {out}/")
-    with ProgressDisplay(len(jobs), store) as display:
-        run_sweep(jobs, store, launcher=LocalLauncher(), display=display, command=command,
-                  calibration=calibration)
+                  + (" as SLURM jobs" if options else "") + f"; results in {out}/")
+    if options is not None:
+        from fitbench.cli.display import ClusterDisplay
+        from fitbench.launch.slurm.sweep import run_on_slurm
+
+        run_on_slurm(jobs, store, options, max_concurrent=config.max_concurrent, command=command,
+                     display=ClusterDisplay(store))
+    else:
+        with ProgressDisplay(len(jobs), store) as display:
+            run_sweep(jobs, store, launcher=LocalLauncher(), display=display, command=command,
+                      calibration=calibration)
     return _summary(store, out, {job.spec.key for job in jobs}, config)
+
+
+def _dry_run(jobs, store, options, config, out: str) -> int:
+    """Write and print the batch script of the sweep's configurations without a row; submit nothing."""
+    from fitbench.launch.slurm.sweep import scripts, write_script
+
+    done = store.finished_keys()
+    if all(job.spec.key in done for job in jobs):
+        console.print(f"every configuration of {out} has its row; nothing to submit.")
+        store.unlock()
+        return 0
+    script = scripts([job for job in jobs if job.spec.key not in done], options, store, config.max_concurrent)
+    write_script(script)
+    console.print(f"# {script.path}: {len(script.keys)} configuration(s); nothing was submitted", markup=False,
+                  highlight=False)
+    console.print(script.text, markup=False, highlight=False, end="", soft_wrap=True)
+    console.print(f"# submit it with `fitbench run --resume {out}` (which follows the jobs and collects their rows), "
+                  f"or edit it and `sbatch` it yourself; the rows go to {out}/rows/", markup=False, highlight=False,
+                  soft_wrap=True)
+    store.unlock()
+    return 0
 
 
 def sweep_config(args: argparse.Namespace):

@@ -65,3 +65,10 @@ class SweepDisplay:
 
     def skipped(self, job: Job) -> None:
         """``job`` already has a row (a resumed sweep) and does not run."""
+
+    def submitted(self, job: Job, job_id: str) -> None:
+        """``job`` was submitted to a cluster's scheduler as job ``job_id``."""
+
+    def job_state(self, job: Job, job_id: str, state: str, reason: str | None, progress: Event | None) -> None:
+        """The scheduler's job ``job_id`` of ``job`` is now in ``state`` (``PENDING``, ``RUNNING``) for
+        ``reason`` (the scheduler's, None where it gives none), its latest progress event ``progress``."""

@@ -53,7 +53,7 @@ from pydantic import ValidationError
 
 from fitbench import hardware
 from fitbench.host import HostMemory, host_memory, oom_kills
-from fitbench.launch.commands import worker_command
+from fitbench.launch.commands import WorkerCommand, worker_command
 from fitbench.launch.job import Job
 from fitbench.launch.launcher import Attempt, Event, Launcher, SweepDisplay
 from fitbench.models.registry import resolve
@@ -115,25 +115,31 @@ def worker_environment() -> dict[str, str]:
 
 
 def run_one(assignment: Assignment, log_path: Path, timeout: float, on_event: Callable[[Event], None], *,
-            limit: str | None = None, artifacts: Path | None = None) -> Row:
+            limit: str | None = None, artifacts: Path | None = None, worker: WorkerCommand | None = None,
+            scratch_in: Path | None = None) -> Row:
     """Run the assignment's configuration in a child process (a torchrun job for several ranks) for at
     most ``timeout`` seconds (``limit`` names that bound in a timeout's error); return the row that
     describes what happened. However this ends (the worker's exit, the timeout, an exception such as
     an interruption), nothing the worker started outlives it and its scratch directory is removed.
-    On GPUs, the parent samples every GPU of the job (``fitbench.monitor.nvml``) into ``artifacts``
-    (the attempt's directory; the log's own when None), and the row gets the summary per GPU."""
+    On GPUs, the parent samples every GPU of the job on this node (``fitbench.monitor.nvml``) into
+    ``artifacts`` (the attempt's directory; the log's own when None), and the row gets the summary per
+    GPU. ``worker``: the command that starts the ranks (default ``worker_command``, on this machine);
+    ``scratch_in``: where the scratch directory goes (default the system's temporary directory), a
+    directory every node sees for ranks on several."""
     spec = assignment.spec
     log_path.parent.mkdir(parents=True, exist_ok=True)
     started, started_at = time.monotonic(), _now()
     token = secrets.token_hex(8)
     kills_before, budget = oom_kills(), _host_budget(spec)
-    with tempfile.TemporaryDirectory(prefix="fitbench-", ignore_cleanup_errors=True) as scratch:
+    if scratch_in is not None:
+        scratch_in.mkdir(parents=True, exist_ok=True)
+    with tempfile.TemporaryDirectory(prefix="fitbench-", dir=scratch_in, ignore_cleanup_errors=True) as scratch:
         spec_path, result_path = Path(scratch) / "spec.json", Path(scratch) / "result.json"
         spec_path.write_text(assignment.model_dump_json())
         monitor = _monitor(spec, artifacts or log_path.parent)
         with log_path.open("w") as log, monitor or nullcontext():
             process = subprocess.Popen(
-                worker_command(spec.layout, spec.backend).command(spec_path, result_path),
+                (worker or worker_command(spec.layout, spec.backend)).command(spec_path, result_path),
                 stdout=subprocess.PIPE, stderr=log, stdin=subprocess.DEVNULL, start_new_session=True,
                 env={**worker_environment(), TOKEN_VARIABLE: token, PARENT_VARIABLE: str(os.getpid())},
             )
@@ -480,6 +486,16 @@ def run_sweep(jobs: list[Job], store: ResultStore, *, launcher: Launcher, displa
     return rows
 
 
+def sweep_row(job: Job, row: dict[str, Any], command: str, calibration: str | None) -> dict[str, Any]:
+    """``row``, what ``job`` ran to, as the sweep keeps it: with the planner's prediction for the
+    configuration that finally ran, the ``command`` and the ``calibration`` (its source)."""
+    prediction = job.prediction_for(RunSpec.model_validate(row["spec"]))
+    # the planner's warnings about the configuration that ran join the worker's
+    warned = [*(row.get("warnings") or []), *((prediction or {}).get("warnings") or [])]
+    return Row.model_validate({**row, "command": command, "calibration": calibration, "prediction": prediction,
+                               "warnings": warned or None}).as_dict()
+
+
 def _one_of_sweep(job: Job, store: ResultStore, launcher: Launcher, display: SweepDisplay, command: str,
                   calibration: str | None) -> dict[str, Any]:
     """Run one job of ``run_sweep`` and append its row; an interruption appends an ``interrupted`` row
@@ -494,11 +510,7 @@ def _one_of_sweep(job: Job, store: ResultStore, launcher: Launcher, display: Swe
                          params=resolve(spec.model).total_params, started_at=started_at,
                          finished_at=_now(), command=command).as_dict())
         raise
-    prediction = job.prediction_for(RunSpec.model_validate(row["spec"]))
-    # the planner's warnings about the configuration that ran join the worker's
-    warned = [*(row.get("warnings") or []), *((prediction or {}).get("warnings") or [])]
-    row = Row.model_validate({**row, "command": command, "calibration": calibration, "prediction": prediction,
-                              "warnings": warned or None}).as_dict()
+    row = sweep_row(job, row, command, calibration)
     store.append(row)
     display.finished(row)
     return row

@@ -33,9 +33,17 @@ SCHEMA_VERSION = 1
 # timeout, from a worker: a rank of its job waited in a collective past the process group's timeout.
 WorkerStatus = Literal["ok", "invalid", "oom", "error", "refused", "timeout"]
 # What a worker's result may say, then what only the launcher can: the process died without one
-# (crashed), outlived its --timeout, or the sweep was stopped while it ran (interrupted).
-Status = Literal["ok", "invalid", "oom", "error", "refused", "timeout", "crashed", "interrupted"]
+# (crashed), outlived its --timeout, or the sweep was stopped while it ran (interrupted); then what
+# only a cluster's scheduler can say of a job that ended without a row of its own: a person or an
+# administrator cancelled it (cancelled), a job of higher priority took its nodes (preempted), or a
+# node of it failed (node_failed). SLURM's TIMEOUT and OUT_OF_MEMORY are timeout and oom, as on one
+# machine (fitbench.launch.slurm.states).
+Status = Literal["ok", "invalid", "oom", "error", "refused", "timeout", "crashed", "interrupted", "cancelled",
+                 "preempted", "node_failed"]
 WORKER_STATUSES: tuple[str, ...] = get_args(WorkerStatus)
+# The statuses of a configuration that the sweep, not the configuration, stopped: ``--resume`` runs it
+# again, and its new row replaces the old (fitbench.results.store).
+RERUN_STATUSES = frozenset({"interrupted", "cancelled", "preempted", "node_failed"})
 Fields = dict[str, Any]
 
 
@@ -77,6 +85,8 @@ class Measurement(_Written):
     # a torchrun job's (fitbench.run.aggregate)
     ranks: int | None = None
     layout: Fields | None = None
+    # where each rank of a torchrun job ran: its node, device and memory (fitbench.run.aggregate)
+    placement: list[Fields] | None = None
 
 
 class Row(Measurement):
@@ -107,6 +117,8 @@ class Row(Measurement):
     command: str | None = None
     calibration: str | None = None
     prediction: Fields | None = None
+    # a SLURM job's: its id, its state and SLURM's reason (fitbench.launch.slurm.states)
+    slurm: Fields | None = None
 
     def model_post_init(self, context: Any) -> None:
         self.model_fields_set.add("schema_version")  # written in every row, given or not

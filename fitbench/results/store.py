@@ -2,9 +2,15 @@
 
 Killing a sweep loses only the run in flight. ``finished_keys`` lets ``--resume`` skip every
 configuration that already has a row, whatever its status: an out-of-memory or a crash is a
-finished measurement too. Delete a row to run it again. The one exception is ``interrupted``: the
+finished measurement too. Delete a row to run it again. The exceptions are the statuses of
+``RERUN_STATUSES`` (``interrupted``; a SLURM job ``cancelled``, ``preempted`` or ``node_failed``): the
 sweep, not the configuration, was stopped, so ``--resume`` runs it again, and its later row
 replaces it in ``rows``.
+
+Rows come from two kinds of writer, never two on one file: the sweep's own process appends to
+``results.jsonl``; a SLURM job writes its configuration's row alone to ``rows/<key>.json``
+(``write_job_row``), whole, through a rename. ``rows`` merges both: a job's file comes after the
+lines, so it replaces a line of its key that says the job was stopped.
 
 The file outlives the code that wrote it and the people who edit it: a line that is not a row (cut
 short by a kill, not JSON, not UTF-8, not an object with a ``key``, a ``status`` and a ``spec``) is
@@ -30,13 +36,13 @@ from typing import Any, Callable, Iterator
 
 from fitbench.errors import UserError, excerpt
 from fitbench.jsonfile import parse_json, read_json
-from fitbench.results.row import SCHEMA_VERSION, version
+from fitbench.results.row import RERUN_STATUSES, SCHEMA_VERSION, version
 from fitbench.results.schema import check_row
 
 RESULTS_FILE = "results.jsonl"
+JOB_ROWS = "rows"
 SWEEP_FILE = "sweep.json"
 LOCK_FILE = "fitbench.lock"
-INTERRUPTED = "interrupted"
 SWEEP_MAX_BYTES = 10_000_000
 # A row is kilobytes (its raw samples included); a line far longer is not one, and is not read whole.
 ROW_MAX_BYTES = 16_000_000
@@ -80,6 +86,7 @@ class ResultStore:
         self.path = self.directory / RESULTS_FILE
         self.on_bad_line = on_bad_line
         self._reported: set[int] = set()
+        self._reported_files: set[str] = set()
         self._lock = None  # the open lock file while this process holds the directory
 
     def append(self, row: dict[str, Any]) -> None:
@@ -108,16 +115,51 @@ class ResultStore:
                          f"before are intact; make room and `fitbench run --resume {self.directory}` finishes the "
                          f"sweep.")
 
+    def write_job_row(self, row: dict[str, Any]) -> Path:
+        """Write ``row``, a SLURM job's, to ``rows/<key>.json``, whole or not at all; its path."""
+        directory = self.directory / JOB_ROWS
+        directory.mkdir(parents=True, exist_ok=True)
+        path = directory / f"{row['key']}.json"
+        tmp = path.with_suffix(f".tmp{os.getpid()}")
+        try:
+            with tmp.open("wb") as handle:
+                handle.write(json.dumps(row, default=str).encode())
+                handle.flush()
+                os.fsync(handle.fileno())
+        except OSError as error:
+            tmp.unlink(missing_ok=True)
+            raise self._write_error(error, "a row") from None
+        os.replace(tmp, path)
+        return path
+
     def rows(self) -> Iterator[dict[str, Any]]:
-        """Every complete row but an ``interrupted`` one that a later row of its key replaced; any
-        other line is skipped, damaged fields are left out (see the module's docstring)."""
-        rows = list(self._lines())
+        """Every complete row, those of ``results.jsonl`` then the jobs' files, but one of
+        ``RERUN_STATUSES`` that a later row of its key replaced; any other line is skipped, damaged
+        fields are left out (see the module's docstring)."""
+        rows = [*self._lines(), *self._job_rows()]
         later = {}
         for index, row in enumerate(rows):
             later[row.get("key")] = index
         for index, row in enumerate(rows):
-            if row.get("status") != INTERRUPTED or later[row.get("key")] == index:
+            if row.get("status") not in RERUN_STATUSES or later[row.get("key")] == index:
                 yield row
+
+    def _job_rows(self) -> Iterator[dict[str, Any]]:
+        directory = self.directory / JOB_ROWS
+        if not directory.is_dir():
+            return
+        for path in sorted(directory.glob("*.json")):
+            try:
+                line = path.read_bytes()
+            except OSError:
+                continue
+            row, problem = _row_problem(line)
+            if row is not None:
+                yield row
+            if problem and str(path) not in self._reported_files:
+                self._reported_files.add(str(path))
+                if self.on_bad_line:
+                    self.on_bad_line(f"{path} {problem}" + ("; skipped" if row is None else ""))
 
     def _lines(self) -> Iterator[dict[str, Any]]:
         if not self.path.exists():
@@ -148,7 +190,7 @@ class ResultStore:
                              f"{unreported[-1]}; skipped or shown with fields blank")
 
     def finished_keys(self) -> set[str]:
-        return {row["key"] for row in self.rows() if row.get("status") != INTERRUPTED}
+        return {row["key"] for row in self.rows() if row.get("status") not in RERUN_STATUSES}
 
     def lock(self) -> None:
         """Hold the directory's lock until ``unlock`` or this process's exit; a UserError naming the

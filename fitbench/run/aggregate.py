@@ -10,6 +10,8 @@
 - **generation** (every rank takes part in each prefill and decode step): the latencies and rates are
   the job's, timed on rank 0; the prefill's MFU divides its FLOP/s by the peak of every GPU of the job;
 - **memory**: listed per GPU, each with its rank; the host's peak RSS is the largest rank's;
+- **placement**: each rank's node (SLURM's name for it where SLURM started the job, else the
+  hostname), device and memory, in rank order, so a job of several nodes says where every rank ran;
 - **allocator retries** (``fitbench.run.retries``): summed over the ranks, each rank's kept; a step of
   the job retried where any of its ranks did, and took the slowest rank's time (``_allocator_retries``);
 - **losses**: rank 0's (each data-parallel rank's loss is that of its own batch);
@@ -50,6 +52,7 @@ def combine(payloads: list[dict[str, Any]], layout: Layout) -> dict[str, Any]:
         rank, payload = failed
         row.update(status=payload.get("status"), error=f"rank {rank}: {payload.get('error')}")
     row["memory"] = _memory(payloads)
+    row["placement"] = [_placement(rank, payload) for rank, payload in enumerate(payloads)]
     steps = [p.get("timing", {}).get("step") for p in payloads]
     if all(steps):
         slowest = max(range(len(steps)), key=lambda rank: steps[rank]["median"])
@@ -109,6 +112,14 @@ def _memory(payloads: list[dict[str, Any]]) -> dict[str, Any]:
     return {**payloads[0].get("memory", {}), "gpus": gpus,
             "host_peak_rss": max((value for value in rss if value is not None), default=None),
             "host_peak_rss_per_rank": rss}
+
+
+def _placement(rank: int, payload: dict[str, Any]) -> dict[str, Any]:
+    environment, memory = payload.get("environment") or {}, payload.get("memory") or {}
+    return {"rank": rank, "node": environment.get("slurm_node") or environment.get("hostname"),
+            "hostname": environment.get("hostname"), "device": payload.get("device_name"),
+            "host_peak_rss": memory.get("host_peak_rss"),
+            "gpu_peak_reserved": [gpu.get("peak_reserved") for gpu in memory.get("gpus", [])]}
 
 
 # A generation's rates, which sum over replicas; the other throughput figures are each replica's own GPU's.

@@ -61,11 +61,29 @@ class JobStatus:
         return self.state in FINISHED
 
 
-def _run(argv: list[str], *, cwd: Path | None = None) -> subprocess.CompletedProcess:
-    if shutil.which(argv[0]) is None:
-        raise UserError(f"launcher: {argv[0]} is not on PATH, and the slurm launcher submits and follows jobs "
+def require_command(name: str) -> None:
+    """A ``UserError`` unless SLURM's command ``name`` is on PATH."""
+    if shutil.which(name) is None:
+        raise UserError(f"launcher: {name} is not on PATH, and the slurm launcher submits and follows jobs "
                         f"with SLURM's commands (sbatch, squeue, sacct, scancel). Run fitbench on a login node "
-                        f"of the cluster, or add SLURM's client commands to PATH.")
+                        f"of the cluster, or add SLURM's client commands to PATH; --dry-run prints the batch "
+                        f"scripts without them.")
+
+
+def check_partition(name: str) -> None:
+    """A ``UserError`` unless the cluster has a partition ``name`` (as ``sinfo`` lists them)."""
+    done = _run(["sinfo", "--noheader", "--format=%R"])
+    if done.returncode != 0:
+        raise SlurmCommandError(f"sinfo exited {done.returncode}: {' '.join(done.stderr.split())}")
+    known = sorted(set(done.stdout.split()))
+    if name not in known:
+        raise UserError(f"partition: the cluster has no partition {name!r}; it has {', '.join(known) or 'none'} "
+                        f"(`sinfo` lists them). Give one of those to --partition, or leave it out for the "
+                        f"cluster's default.")
+
+
+def _run(argv: list[str], *, cwd: Path | None = None) -> subprocess.CompletedProcess:
+    require_command(argv[0])
     try:
         return subprocess.run(argv, capture_output=True, text=True, cwd=cwd, stdin=subprocess.DEVNULL,
                               timeout=COMMAND_TIMEOUT_S)

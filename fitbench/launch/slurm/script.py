@@ -16,6 +16,9 @@ How a job's ranks start, by its size (``ranks_per_node`` is ``gpus_per_node`` wh
   batch script runs on that first node. ``--rdzv-id`` is the job's id, so two jobs never meet.
   Source: PyTorch's torchrun documentation, "Multi-node multi-worker" and "Rendezvous".
 
+A fitbench job runs its program once, on the job's first node, and the program starts the job's
+ranks itself, attempt by attempt (``ScriptJob.driver``: ``fitbench.launch.slurm.nodes``).
+
 An array gives each configuration one task: ``--array=0-(n-1)%limit`` runs at most ``limit`` of
 them at once, and a ``case`` on ``$SLURM_ARRAY_TASK_ID`` picks the task's command.
 """
@@ -41,12 +44,14 @@ FREE_PORT = 'import socket; s = socket.socket(); s.bind(("", 0)); print(s.getsoc
 class ScriptJob:
     """What the script runs and where it writes: ``arguments`` follow the Python interpreter in each
     rank (``-m fitbench.run.worker ASSIGNMENT RESULT``, or a script and its arguments); ``output``
-    is sbatch's ``--output`` pattern (``%j`` the job id; in an array ``%A`` its id, ``%a`` the task's)."""
+    is sbatch's ``--output`` pattern (``%j`` the job id; in an array ``%A`` its id, ``%a`` the task's);
+    ``driver``: the program runs once, on the job's first node, and starts the ranks itself."""
 
     name: str
     output: str
     ranks_per_node: int | None = None
     python: str = sys.executable
+    driver: bool = False
 
 
 def sbatch_lines(options: SlurmOptions, job: ScriptJob) -> list[str]:
@@ -66,7 +71,7 @@ def ranks_per_node(options: SlurmOptions, job: ScriptJob) -> int:
 
 def rendezvous_lines(options: SlurmOptions, job: ScriptJob) -> list[str]:
     """The lines that find the rendezvous endpoint of a job of several nodes (none for one node)."""
-    if options.nodes == 1:
+    if options.nodes == 1 or job.driver:
         return []
     # sed reads the whole list: head would leave scontrol writing into a closed pipe, which pipefail ends
     return ['rendezvous_host=$(scontrol show hostnames "$SLURM_JOB_NODELIST" | sed -n 1p)',
@@ -76,7 +81,7 @@ def rendezvous_lines(options: SlurmOptions, job: ScriptJob) -> list[str]:
 def launch_command(options: SlurmOptions, job: ScriptJob, arguments: Sequence[str]) -> str:
     """The shell command that starts every rank of one configuration inside the allocation."""
     ranks, nodes = ranks_per_node(options, job), options.nodes
-    if nodes == 1 and ranks == 1:
+    if job.driver or (nodes == 1 and ranks == 1):
         return shlex.join([job.python, *arguments])
     if nodes == 1:
         return shlex.join([job.python, *TORCHRUN, "--standalone", f"--nproc-per-node={ranks}", "--max-restarts=0",

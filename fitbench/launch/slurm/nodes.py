@@ -1,0 +1,80 @@
+"""The launcher inside a SLURM allocation of several nodes: each attempt's ranks start on every node.
+
+An attempt runs as one job step: ``srun`` starts one task per node, each a torchrun agent
+(``fitbench.launch.slurm.script.agent_options``) with ``--nproc-per-node`` ranks, meeting at a c10d
+rendezvous on the allocation's first node (the first host of ``scontrol show hostnames
+$SLURM_JOB_NODELIST``, where the job's own process runs) on a port free there when the attempt
+starts; ``--rdzv-id`` is new per attempt, so two attempts never meet. Source: PyTorch's torchrun
+documentation, "Multi-node multi-worker" and "Rendezvous".
+
+The ranks of other nodes cannot see this node's processes: they run without
+``FITBENCH_PARENT_PID`` (``fitbench.processes.tie_to_parent``) and end with their agent, which
+``srun`` ends when the attempt's step ends. The attempt's scratch directory (the assignment, the
+ranks' results and phase files) lies in the sweep's directory, which every node of a cluster sees.
+"""
+
+from __future__ import annotations
+
+import os
+import secrets
+import socket
+import subprocess
+import sys
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Callable
+
+from fitbench.launch.launcher import Attempt, Event
+from fitbench.launch.local import run_one
+from fitbench.launch.slurm.script import agent_options
+from fitbench.processes import PARENT_VARIABLE
+from fitbench.results.row import Row
+
+
+@dataclass(frozen=True)
+class AgentsOnNodes:
+    """The worker as ``nodes`` torchrun agents of ``ranks_per_node`` ranks each, one per node, started
+    by ``srun``, meeting at ``endpoint`` (host:port) under ``rendezvous_id``."""
+
+    nodes: int
+    ranks_per_node: int
+    endpoint: str
+    rendezvous_id: str
+    cpus_per_task: int | None = None
+
+    def command(self, assignment: Path, result: Path) -> list[str]:
+        srun = ["srun", f"--nodes={self.nodes}", f"--ntasks={self.nodes}", "--ntasks-per-node=1"]
+        if self.cpus_per_task is not None:
+            srun.append(f"--cpus-per-task={self.cpus_per_task}")
+        return [*srun, "env", "-u", PARENT_VARIABLE, sys.executable, "-m", "torch.distributed.run",
+                *agent_options(self.nodes, self.ranks_per_node), f"--rdzv-endpoint={self.endpoint}",
+                f"--rdzv-id={self.rendezvous_id}", "-m", "fitbench.run.worker", str(assignment), str(result)]
+
+
+@dataclass(frozen=True)
+class NodesLauncher:
+    """Each attempt as one job step over the allocation's ``nodes`` nodes, ``ranks_per_node`` ranks each."""
+
+    nodes: int
+    ranks_per_node: int
+    cpus_per_task: int | None = None
+
+    def run(self, attempt: Attempt, on_event: Callable[[Event], None]) -> Row:
+        agents = AgentsOnNodes(self.nodes, self.ranks_per_node, f"{first_host()}:{free_port()}",
+                               f"{os.environ.get('SLURM_JOB_ID', 'job')}-{secrets.token_hex(4)}", self.cpus_per_task)
+        return run_one(attempt.assignment, attempt.log, attempt.timeout, on_event, limit=attempt.limit,
+                       artifacts=attempt.artifacts, worker=agents, scratch_in=attempt.artifacts)
+
+
+def first_host() -> str:
+    """The first host of the allocation, where the job's own process runs."""
+    done = subprocess.run(["scontrol", "show", "hostnames", os.environ["SLURM_JOB_NODELIST"]], capture_output=True,
+                          text=True, check=True, stdin=subprocess.DEVNULL, timeout=60)
+    return done.stdout.split()[0]
+
+
+def free_port() -> int:
+    """A port the kernel hands out as free on this node."""
+    with socket.socket() as probe:
+        probe.bind(("", 0))
+        return probe.getsockname()[1]

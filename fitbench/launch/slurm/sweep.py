@@ -1,0 +1,193 @@
+"""A sweep as SLURM jobs, from the sweep's own process: its batch scripts, their submission, and
+following the jobs until each configuration has a row.
+
+Each configuration is one job that runs its whole life (batch search, fallback ladder) inside its
+allocation: the job's program is ``python -m fitbench.cli.allocation DIR KEY``, which plans the
+configuration on the node and writes its row to ``DIR/rows/<key>.json`` (``fitbench.results.store``).
+A sweep of one configuration is one job; of several, one job array (``--max-concurrent`` at once).
+
+What was submitted is kept in ``DIR/slurm.json`` (``SUBMITTED_FILE``: the job id of each
+configuration's latest job), written by the sweep's process alone. The process may exit at any time:
+the jobs go on, and ``fitbench run --resume DIR`` (``run_on_slurm`` again) follows those still
+pending or running, writes the rows of those that ended without one (``fitbench.launch.slurm.states``),
+and submits only the configurations that have no row, or one that ``--resume`` runs again.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import time
+from dataclasses import dataclass
+from datetime import datetime, timezone
+from pathlib import Path
+from typing import Any
+
+from fitbench.jsonfile import read_json
+from fitbench.launch.job import Job
+from fitbench.launch.launcher import SweepDisplay
+from fitbench.launch.slurm.jobs import JobStatus, statuses, submit
+from fitbench.launch.slurm.options import SlurmOptions
+from fitbench.launch.slurm.script import ScriptJob, array_script, batch_script
+from fitbench.launch.slurm.states import gone, stopped_row
+from fitbench.results.store import JOB_ROWS, ResultStore
+
+SUBMITTED_FILE = "slurm.json"
+SCRIPTS = "slurm"
+PROGRESS = "progress"
+ALLOCATION_PROGRAM = ("-m", "fitbench.cli.allocation")
+POLL_S = 1.0
+
+
+@dataclass(frozen=True)
+class Script:
+    """A batch script of the sweep: its text, where it is written, and the configurations it runs,
+    in the order of its array's tasks."""
+
+    path: Path
+    text: str
+    keys: tuple[str, ...]
+
+
+def scripts(jobs: list[Job], options: SlurmOptions, store: ResultStore, max_concurrent: int | None) -> Script:
+    """The batch script that runs ``jobs`` (one job, or one array for several) in ``store``'s directory."""
+    directory = store.directory.resolve()
+    logs = directory / "logs"
+    name = f"fitbench-{directory.name}"
+    tasks = [[*ALLOCATION_PROGRAM, str(directory), job.spec.key] for job in jobs]
+    stamp = datetime.now(timezone.utc).strftime("%Y%m%d-%H%M%S")
+    keys = tuple(job.spec.key for job in jobs)
+    if len(jobs) == 1:
+        text = batch_script(options, ScriptJob(name, str(logs / "slurm-%j.out"), driver=True), tasks[0])
+    else:
+        text = array_script(options, ScriptJob(name, str(logs / "slurm-%A_%a.out"), driver=True), tasks,
+                            limit=min(max_concurrent or len(jobs), len(jobs)))
+    # which configuration each task runs, for the person who reads the script
+    named = "".join(f"# {index}: {' '.join(job.spec.label.split())} ({job.spec.key})\n" for index, job in enumerate(jobs))
+    text = text.replace("set -euo pipefail\n", "set -euo pipefail\n" + named, 1)
+    return Script(directory / SCRIPTS / f"{stamp}-{len(jobs)}.sh", text, keys)
+
+
+def write_script(script: Script) -> None:
+    script.path.parent.mkdir(parents=True, exist_ok=True)
+    (script.path.parent.parent / "logs").mkdir(parents=True, exist_ok=True)
+    script.path.write_text(script.text)
+
+
+def output_file(store: ResultStore, job_id: str) -> Path:
+    """The output of job ``job_id`` (``123``, or an array's task ``123_4``)."""
+    return store.directory.resolve() / "logs" / f"slurm-{job_id}.out"
+
+
+def submitted(store: ResultStore) -> dict[str, str]:
+    """Each configuration's latest job id, by key, as ``SUBMITTED_FILE`` keeps them."""
+    path = store.directory / SUBMITTED_FILE
+    if not path.is_file():
+        return {}
+    saved = read_json(path, limit=100_000_000, field="resume",
+                      fix=f"{SUBMITTED_FILE} is damaged; delete it, and `fitbench run --resume` submits again "
+                          f"what has no row")
+    jobs = saved.get("jobs") if isinstance(saved, dict) else None
+    return {str(key): str(value) for key, value in jobs.items()} if isinstance(jobs, dict) else {}
+
+
+def _save_submitted(store: ResultStore, jobs: dict[str, str]) -> None:
+    tmp = store.directory / (SUBMITTED_FILE + ".tmp")
+    tmp.write_text(json.dumps({"jobs": jobs}, indent=1))
+    os.replace(tmp, store.directory / SUBMITTED_FILE)
+
+
+def run_on_slurm(jobs: list[Job], store: ResultStore, options: SlurmOptions, *, max_concurrent: int | None,
+                 command: str, display: SweepDisplay = SweepDisplay()) -> None:
+    """Bring every job of ``jobs`` to a row in ``store``: follow those already submitted, write the rows
+    of those that ended without one, submit the rest, and follow every job until it has its row."""
+    known = submitted(store)
+    finished = store.finished_keys()
+    wanted = [job for job in jobs if job.spec.key not in finished]
+    for job in jobs:
+        if job.spec.key in finished:
+            display.skipped(job)
+    found = statuses([known[job.spec.key] for job in wanted if job.spec.key in known])
+    recorded = {(row.get("slurm") or {}).get("job_id") for row in store.rows()}
+    to_submit = []
+    for job in wanted:
+        status = found.get(known.get(job.spec.key, ""))
+        if status is None:
+            to_submit.append(job)
+        elif status.finished:
+            if status.job_id not in recorded and not _job_row(store, job).exists():
+                _record_stopped(store, job, status, command, display)
+            if job.spec.key not in store.finished_keys():
+                to_submit.append(job)
+    if to_submit:
+        script = scripts(to_submit, options, store, max_concurrent)
+        write_script(script)
+        job_id = submit(script.path, cwd=store.directory)
+        ids = [job_id] if len(to_submit) == 1 else [f"{job_id}_{index}" for index in range(len(to_submit))]
+        known.update(zip(script.keys, ids))
+        _save_submitted(store, known)
+        for index, job in enumerate(to_submit):
+            display.submitted(job, ids[index])
+    _follow([job for job in wanted if job.spec.key not in store.finished_keys()], store, known, command, display)
+
+
+def _job_row(store: ResultStore, job: Job) -> Path:
+    return store.directory / JOB_ROWS / f"{job.spec.key}.json"
+
+
+def _record_stopped(store: ResultStore, job: Job, status: JobStatus, command: str, display: SweepDisplay) -> None:
+    row = stopped_row(job, status, output_file(store, status.job_id), command=command,
+                      finished_at=datetime.now(timezone.utc).isoformat(timespec="seconds"))
+    store.append(row)
+    display.finished(row)
+
+
+def _follow(jobs: list[Job], store: ResultStore, known: dict[str, str], command: str, display: SweepDisplay) -> None:
+    """Poll the jobs of ``jobs`` every ``POLL_S`` until each has a row: tell ``display`` each change of
+    state (with the configuration's progress while it runs), and write the row of one that ended
+    without its own."""
+    waiting = {job.spec.key: job for job in jobs}
+    shown: dict[str, tuple[str, str | None, Any]] = {}
+    unknown: set[str] = set()
+    while waiting:
+        found = statuses([known[key] for key in waiting])
+        for key, job in list(waiting.items()):
+            if _job_row(store, job).exists():
+                row = next((row for row in store.rows() if row.get("key") == key), None)
+                if row is not None:
+                    display.finished(row)
+                del waiting[key]
+                continue
+            status = found.get(known[key])
+            if status is None and key not in unknown:
+                unknown.add(key)  # asked once more before it counts as gone
+                continue
+            status = status or gone(known[key])
+            unknown.discard(key)
+            if status.finished:
+                time.sleep(POLL_S)  # a row written as the job ended is read before one is made for it
+                if not _job_row(store, job).exists():
+                    _record_stopped(store, job, status, command, display)
+                    del waiting[key]
+                continue
+            progress = _progress(store, key) if status.state == "RUNNING" else None
+            now = (status.state, status.reason, progress)
+            if shown.get(key) != now:
+                shown[key] = now
+                display.job_state(job, status.job_id, status.state, status.reason, progress)
+        if waiting:
+            time.sleep(POLL_S)
+
+
+def progress_file(directory: Path, key: str) -> Path:
+    """Where the job of configuration ``key`` keeps its latest progress event."""
+    return directory / PROGRESS / f"{key}.json"
+
+
+def _progress(store: ResultStore, key: str) -> dict[str, Any] | None:
+    try:
+        event = json.loads(progress_file(store.directory, key).read_text())
+    except (OSError, ValueError):
+        return None
+    return event if isinstance(event, dict) else None
+

@@ -1,0 +1,86 @@
+"""``fitbench run --launcher slurm`` on a real cluster (tests/slurm_cluster.py): a sweep as a job array
+whose parent is killed and one of whose jobs is cancelled, then ``--resume``; a configuration over two
+nodes. Skipped where SLURM is not installed."""
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+from conftest import cli
+from fitbench.launch.slurm.jobs import cancel, statuses
+from fitbench.results.store import ResultStore
+from slurm_cluster import NODES
+
+pytestmark = pytest.mark.slow
+ROOT = Path(__file__).resolve().parents[1]
+TINY = ["--models", "tiny", "--mode", "forward", "--seq-len", "8", "--warmup-steps", "0", "--measure-steps", "1",
+        "--device", "cpu", "--launcher", "slurm", "--time", "10"]
+
+
+@pytest.fixture(autouse=True)
+def on_the_cluster(slurm_cluster, monkeypatch):
+    for name, value in slurm_cluster.environment.items():
+        monkeypatch.setenv(name, value)
+    monkeypatch.setenv("PYTHONPATH", os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")]))
+    monkeypatch.delenv("FITBENCH_INJECT", raising=False)
+
+
+def wait_for(ready, what: str, within: float = 120):
+    deadline = time.monotonic() + within
+    while not (found := ready()):
+        assert time.monotonic() < deadline, f"waiting for {what}"
+        time.sleep(0.3)
+    return found
+
+
+def test_an_interrupted_array_ends_after_resume_with_every_configuration_once(tmp_path, capsys):
+    out = tmp_path / "sweep"
+    args = ["run", *TINY, "--batch-size", "1", "2", "3", "--max-concurrent", "2", "--out", str(out)]
+    parent = subprocess.Popen([sys.executable, "-m", "fitbench", *args], cwd=tmp_path, stdout=subprocess.DEVNULL,
+                              stderr=subprocess.DEVNULL)
+    try:
+        submitted = wait_for(lambda: (out / "slurm.json").exists() and json.loads((out / "slurm.json").read_text()),
+                             "the array's submission")["jobs"]
+    finally:
+        parent.send_signal(signal.SIGKILL)
+        parent.wait()
+    assert len(submitted) == 3
+    last = sorted(submitted.values())[-1]  # held by --max-concurrent 2 while the first two run
+    cancel([last])
+    # a task cancelled before it started leaves no record; one that had started reads CANCELLED
+    wait_for(lambda: last not in statuses([last]) or statuses([last])[last].finished, "the cancellation")
+
+    code, printed, errors = cli(["run", "--resume", str(out)], capsys)
+    assert code == 0, printed + errors
+    rows = list(ResultStore(out).rows())
+    assert sorted(row["key"] for row in rows) == sorted(submitted)
+    assert {row["status"] for row in rows} == {"ok"}
+    resubmitted = json.loads((out / "slurm.json").read_text())["jobs"]
+    changed = [key for key in submitted if resubmitted[key] != submitted[key]]
+    assert len(changed) == 1 and submitted[changed[0]] == last
+    assert sorted(path.stem for path in (out / "rows").glob("*.json")) == sorted(submitted)
+
+
+def test_a_configuration_over_two_nodes_is_one_row_with_every_ranks_node(tmp_path, capsys):
+    out = tmp_path / "nodes"
+    code, printed, errors = cli(["run", *TINY, "--batch-size", "2", "--gpus", "2", "--strategy", "ddp",
+                                 "--mode", "train", "--nodes", "2", "--out", str(out)], capsys)
+    rows = list(ResultStore(out).rows())
+    assert code == 0, printed + errors + json.dumps(rows)[:3000]
+    [row] = rows
+    assert row["status"] == "ok" and row["ranks"] == 2
+    assert sorted(rank["node"] for rank in row["placement"]) == sorted(NODES)
+    assert all(rank["device"] and rank["host_peak_rss"] for rank in row["placement"])
+
+
+def test_a_partition_the_cluster_lacks_is_one_paragraph_before_anything_is_written(tmp_path, capsys):
+    code, _, stderr = cli(["run", *TINY, "--partition", "nosuch", "--out", str(tmp_path / "out")], capsys)
+    assert code == 2 and len(stderr.strip().splitlines()) == 1, stderr
+    assert "partition: the cluster has no partition 'nosuch'; it has debug" in stderr
+    assert not (tmp_path / "out").exists()
