@@ -143,6 +143,7 @@ def slurm_cluster():
 
 
 def pytest_collection_modifyitems(config, items):
-    """The SLURM tests mostly wait on slurmctld's clock (it enforces time limits every 30 s): their file
-    goes first, so that its waiting overlaps the rest of the suite instead of ending it."""
-    items.sort(key=lambda item: item.path.name != "test_slurm.py")
+    """The tests against a SLURM cluster mostly wait on slurmctld's clock (it enforces time limits every
+    30 s, polls its jobs): their files go first, so that their waiting overlaps the rest of the suite
+    instead of ending it."""
+    items.sort(key=lambda item: item.path.name not in ("test_slurm.py", "test_slurm_sweep.py"))
