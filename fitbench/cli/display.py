@@ -14,6 +14,7 @@ from fitbench.cli.console import console
 from fitbench.launch.job import Job
 from fitbench.launch.launcher import Event, SweepDisplay
 from fitbench.results.report import write_csv
+from fitbench.results.row import Row
 from fitbench.results.store import ResultStore
 from fitbench.results.terminal import EtaColumn, SweepClock
 
@@ -54,42 +55,43 @@ class ProgressDisplay(SweepDisplay):
             self.progress.update(self.run_task, description=f"{label}: {phase}", total=None)
 
     def finished(self, row: dict[str, Any]) -> None:
-        self.clock.finish(measured=row["status"] != "refused")
+        typed = Row.model_validate(row)
+        self.clock.finish(measured=typed.status != "refused")
         if console.is_terminal:
-            self.progress.console.print(describe_row(row))
+            self.progress.console.print(describe_row(typed))
         else:
-            console.print(f"{escape(f'[{self.clock.summary()}]')} {describe_row(row)}", soft_wrap=True)
+            console.print(f"{escape(f'[{self.clock.summary()}]')} {describe_row(typed)}", soft_wrap=True)
         self.progress.advance(self.sweep_task)
-        write_csv(list(self.store.rows()), self.store.directory)
+        write_csv(list(self.store.typed_rows()), self.store.directory)
 
     def skipped(self, job: Job) -> None:
         self.clock.skip()
         self.progress.advance(self.sweep_task)
 
 
-def _label(row: dict[str, Any]) -> str:
+def _label(row: Row) -> str:
     """The configuration as asked for, and what finally ran when a fallback or the batch search changed it."""
     from fitbench.spec import RunSpec
 
-    ran = RunSpec.model_validate(row["spec"]).label if "spec" in row else row["label"]
-    return row["label"] if ran == row["label"] else f"{row['label']} (ran as {ran})"
+    ran = RunSpec.model_validate(row.spec).label
+    return row.label if ran == row.label else f"{row.label} (ran as {ran})"
 
 
-def describe_row(row: dict[str, Any]) -> str:
+def describe_row(row: Row) -> str:
     """A finished row in one line: its status, what ran, and its headline figures or its error's first line."""
     from fitbench.results.report import headline, quality_summary
     from fitbench.units import format_bytes, format_seconds
 
-    if row["status"] != "ok":
-        first_line = (row.get("error") or "").strip().splitlines()[:1]
-        return f"[red]{row['status']}[/red] {escape(_label(row))}: {escape(first_line[0]) if first_line else ''}"
+    if row.status != "ok":
+        first_line = (row.error or "").strip().splitlines()[:1]
+        return f"[red]{row.status}[/red] {escape(_label(row))}: {escape(first_line[0]) if first_line else ''}"
     head = headline(row)
-    per = "/token" if row["spec"]["mode"] == "infer" else "/step"
-    warn = f" [yellow]({escape('; '.join(row['warnings']))})[/yellow]" if row.get("warnings") else ""
-    quality = row.get("quality")
-    cost = (f", weights {100 * row['weights']['relative_to_bf16']:.0f}% of bf16; {escape(quality_summary(quality))}"
+    per = "/token" if row.spec["mode"] == "infer" else "/step"
+    warn = f" [yellow]({escape('; '.join(row.warnings))})[/yellow]" if row.warnings else ""
+    quality = row.quality
+    cost = (f", weights {100 * row.weights['relative_to_bf16']:.0f}% of bf16; {escape(quality_summary(quality))}"
             if quality else "")
-    offload = row.get("offload")
+    offload = row.offload
     if offload:
         layers = offload["resident_layers"] + offload["offloaded_layers"]
         where = "host memory" if offload["tier"] == "cpu" else "disk"

@@ -3,12 +3,11 @@ Excel workbook (``fitbench.report``), written by ``fitbench run`` and ``fitbench
 
 from __future__ import annotations
 
-from typing import Any
-
 from rich.markup import escape
 
 from fitbench.cli.console import console, warn
 from fitbench.errors import UserError
+from fitbench.results.row import Row
 
 DEFAULT_OLLAMA_URL = "http://localhost:11434"
 
@@ -27,7 +26,7 @@ def report_module(name: str, option: str):
                         f"with pip install 'fitbench[report]' (or pip install {missing.name}).") from None
 
 
-def write_documents(directory: str, rows: list[dict[str, Any]], html: str | None = None, xlsx: str | None = None,
+def write_documents(directory: str, rows: list[Row], html: str | None = None, xlsx: str | None = None,
                     ollama_url: str | None = None, ollama_model: str | None = None) -> None:
     """The analysis, HTML report and workbook of the sweep in ``directory`` that the options ask for;
     nothing, and no import of ``fitbench.report`` (the ``report`` extra's libraries), where none is."""

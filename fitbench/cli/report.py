@@ -28,7 +28,7 @@ def report(args: argparse.Namespace) -> int:
     if not store.path.exists():
         raise UserError(f"report: {args.directory} has no {store.path.name}. Pass the --out directory of a "
                         f"`fitbench run`.")
-    rows = list(store.rows())
+    rows = list(store.typed_rows())
     if args.markdown:
         print(markdown_report(rows), end="")
     else:

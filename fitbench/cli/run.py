@@ -124,15 +124,15 @@ def _summary(store, out: str, keys: set[str], config) -> int:
     ``config`` asks for, and the exit status: 1 when one did not finish ok."""
     from fitbench.results.report import results_table, write_csv
 
-    rows = [row for row in store.rows() if row.get("key") in keys]
+    rows = [row for row in store.typed_rows() if row.key in keys]
     console.print(results_table(rows))
-    csv_path = write_csv(list(store.rows()), out)
+    csv_path = write_csv(list(store.typed_rows()), out)
     console.print(f"rows: {store.path}  table: {csv_path}")
     store.unlock()
     write_documents(out, rows, ollama_url=config.ollama_url, ollama_model=config.ollama_model)
-    failed = [row for row in rows if row["status"] != "ok"]
+    failed = [row for row in rows if row.status != "ok"]
     if failed:
-        listed = "; ".join(f"{escape(row.get('label') or row['key'])}: {escape(row['status'])}" for row in failed)
+        listed = "; ".join(f"{escape(row.label)}: {escape(row.status)}" for row in failed)
         console.print(f"{len(failed)} of {len(rows)} configuration(s) did not finish or gave invalid numbers "
                       f"({listed}); their rows say why (status, error) and the logs are in {out}/logs/.")
         return 1
