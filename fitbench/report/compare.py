@@ -41,6 +41,7 @@ from fitbench.report.columns import largest_peak
 from fitbench.report.sweep import SweepRows, read_sweep
 from fitbench.results.report import headline
 from fitbench.results.row import Row
+from fitbench.results.terminal import NO_STEPS, Steps
 
 RESAMPLES = 2000
 SEED = 0
@@ -216,8 +217,9 @@ def _memory_change(row_a: Row, row_b: Row, gate: Gate | None) -> Change | None:
     return Change("peak memory (GB)", before, after, percent, verdict=verdict, crosses=crosses)
 
 
-def compare_sweeps(a: str | Path, b: str | Path, fail_on: str | None = None) -> Comparison:
-    """Sweep B against sweep A (their directories), gated by ``fail_on`` (``mean:5%``) when given."""
+def compare_sweeps(a: str | Path, b: str | Path, fail_on: str | None = None, steps: Steps = NO_STEPS) -> Comparison:
+    """Sweep B against sweep A (their directories), gated by ``fail_on`` (``mean:5%``) when given;
+    each configuration in both is a step of ``steps``."""
     gate = parse_fail_on(fail_on) if fail_on is not None else None
     first, second = read_sweep(a, "compare A"), read_sweep(b, "compare B")
     rows_a = {row.key: row for row in first.rows}
@@ -225,17 +227,22 @@ def compare_sweeps(a: str | Path, b: str | Path, fail_on: str | None = None) -> 
     comparison = Comparison(first, second, [], gate=gate,
                             only_a=[rows_a[key].label for key in rows_a if key not in rows_b],
                             only_b=[rows_b[key].label for key in rows_b if key not in rows_a])
+    steps.begin("configurations compared", sum(key in rows_b for key in rows_a))
     for key, row_a in rows_a.items():
-        row_b = rows_b.get(key)
-        if row_b is None:
-            continue
-        if row_a.status != "ok" or row_b.status != "ok":
-            comparison.not_comparable.append(f"{row_a.label}: {row_a.status} -> {row_b.status}")
-            if row_a.status == "ok":
-                comparison.regressed.append(row_a.label)
-            continue
-        time = _time_change(row_a, row_b, gate)
-        changes = [time, _rate_change(row_a, row_b, time)]
-        memory = _memory_change(row_a, row_b, gate)
-        comparison.rows.append(ConfigurationChange(key, row_a.label, changes + ([memory] if memory else [])))
+        if key in rows_b:
+            _compare_one(comparison, key, row_a, rows_b[key])
+            steps.advance()
     return comparison
+
+
+def _compare_one(comparison: Comparison, key: str, row_a: Row, row_b: Row) -> None:
+    """The changes of one configuration in both sweeps, or why it cannot be compared, added to ``comparison``."""
+    if row_a.status != "ok" or row_b.status != "ok":
+        comparison.not_comparable.append(f"{row_a.label}: {row_a.status} -> {row_b.status}")
+        if row_a.status == "ok":
+            comparison.regressed.append(row_a.label)
+        return
+    time = _time_change(row_a, row_b, comparison.gate)
+    changes = [time, _rate_change(row_a, row_b, time)]
+    memory = _memory_change(row_a, row_b, comparison.gate)
+    comparison.rows.append(ConfigurationChange(key, row_a.label, changes + ([memory] if memory else [])))
