@@ -10,11 +10,11 @@ The file outlives the code that wrote it and the people who edit it: a line that
 short by a kill, not JSON, not UTF-8, not an object with a ``key``, a ``status`` and a ``spec``) is
 skipped, and a row with damaged fields is read with them blank (``fitbench.results.schema``, then
 ``fitbench.results.row.typed_row`` for the fields no report reads); either is reported once through
-``on_bad_line``, with its line number and the fields, and everything else
-still reads. Rows of every schema version read (``fitbench.results.row``): those from before
+``on_bad_line``, with its line number and the fields, and everything else still reads. Rows of every schema version read (``fitbench.results.row``): those from before
 versions as version 0, and one from a newer fitbench for the fields this one knows, reported the
 same way. ``rows`` gives each row as the dict it was written as (its damaged fields dropped);
-``typed_rows`` gives the same rows as ``Row``, which the renderers read. A write that fails (a full disk) leaves the file as it was before the write began.
+``typed_rows`` gives the same rows as ``Row``, which the renderers read. A write that fails (a full
+disk) leaves the file as it was before the write began.
 
 One sweep at a time per directory: ``lock`` takes an exclusive ``flock`` on ``fitbench.lock``,
 which holds the holder's PID. The kernel releases it when the holder exits, however it exits, so
