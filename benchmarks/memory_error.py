@@ -37,20 +37,20 @@ def main() -> None:
              "|---|---|---|---|---|---|---|"]
     errors, picked_oom, ttft = [], [], []
     sweeps = sorted({path.parent for path in Path(args.directory).rglob("results.jsonl")}, key=str)
-    rows = [row for sweep in sweeps for row in ResultStore(sweep).rows()
-            if RunSpec.model_validate(row["spec"]).layout.world_size >= args.min_gpus]
+    rows = [row for sweep in sweeps for row in ResultStore(sweep).typed_rows()
+            if RunSpec.model_validate(row.spec).layout.world_size >= args.min_gpus]
     for row in rows:
-        samples = ((row.get("timing") or {}).get("samples") or {}).get("time_to_first_token")
-        if row["status"] == "ok" and samples:
-            ttft.append((row["label"], samples[0] / statistics.median(samples) - 1))
-        head, prediction = headline(row), row.get("prediction") or {}
+        samples = ((row.timing or {}).get("samples") or {}).get("time_to_first_token")
+        if row.status == "ok" and samples:
+            ttft.append((row.label, samples[0] / statistics.median(samples) - 1))
+        head, prediction = headline(row), row.prediction or {}
         chosen = ", ".join(prediction.get("chosen_by_planner", [])) or "-"
         error = head["prediction_error"]
-        if error is not None and row["status"] == "ok":
+        if error is not None and row.status == "ok":
             errors.append(error)
-        if chosen != "-" and row["status"] == "oom":
-            picked_oom.append(row["label"])
-        lines.append(f"| {row['label']} | {row['status']} | {format_bytes(head['predicted_peak'])} "
+        if chosen != "-" and row.status == "oom":
+            picked_oom.append(row.label)
+        lines.append(f"| {row.label} | {row.status} | {format_bytes(head['predicted_peak'])} "
                      f"| {format_bytes(head['measured_peak'])} | "
                      f"{'-' if error is None else f'{error:+.1f}%'} | {prediction.get('peak_moment', '-')} | {chosen} |")
     absolute = [abs(e) for e in errors]

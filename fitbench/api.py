@@ -67,4 +67,4 @@ def load(directory: str | Path) -> list[Row]:
     store = ResultStore(directory)
     if not store.path.exists():
         raise UserError(f"load: {directory} has no {store.path.name}. Pass the --out directory of a `fitbench run`.")
-    return [Row.model_validate(row) for row in store.rows()]
+    return list(store.typed_rows())

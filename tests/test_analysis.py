@@ -78,7 +78,7 @@ def test_the_analysis_is_the_models_answer_streamed_or_not(rows, stream, tmp_pat
     assert path == "/api/chat" and body["model"] == "gpt-oss-20b" and body["stream"] is stream
     question = body["messages"][-1]["content"]
     assert question == prompt(rows)
-    assert all(row["label"] in question for row in rows)  # every row, as one line each
+    assert all(row.label in question for row in rows)  # every row, as one line each
     written = write_analysis(analysis, tmp_path, "gpt-oss-20b")
     assert written.read_text() == f"# Analysis by gpt-oss-20b\n\n{analysis.text}\n"
 

@@ -112,19 +112,19 @@ def test_the_workbook_holds_every_row_and_every_sample(tmp_path):
                 "top-1 agreement with bf16 (%)"} <= set(header)
         for line in sheet.iter_rows(min_row=2, values_only=True):
             values = dict(zip(header, line))
-            row = next(row for row in sweep.rows if row["key"] == values["key"])
+            row = next(row for row in sweep.rows if row.key == values["key"])
             keys.append(values["key"])
             assert values["mode"] == mode and values["tokens/s"] == pytest.approx(
-                row["throughput"]["tokens_per_s" if mode == "train" else "decode_tokens_per_s"])
+                row.throughput["tokens_per_s" if mode == "train" else "decode_tokens_per_s"])
             assert isinstance(values["parameters"], int) and isinstance(values["median time (s, per step or decoded "
                                                                                "token)"], float)
-    assert sorted(keys) == sorted(row["key"] for row in sweep.rows)
+    assert sorted(keys) == sorted(row.key for row in sweep.rows)
     samples = [list(line) for line in book["samples"].iter_rows(min_row=2, values_only=True)]
     expected = sample_rows(sweep.rows)
     assert [line[:4] for line in samples] == [line[:4] for line in expected]
     # Excel keeps 15 significant digits of a number (openpyxl writes them so)
     assert [line[4] for line in samples] == pytest.approx([line[4] for line in expected], rel=1e-14)
-    assert len(samples) == sum(len(values) for row in sweep.rows for values in row["timing"]["samples"].values())
+    assert len(samples) == sum(len(values) for row in sweep.rows for values in row.timing["samples"].values())
 
 
 def test_the_bootstrap_interval_recomputed_by_hand():
@@ -168,7 +168,7 @@ def test_an_injected_ten_percent_slowdown_fails_the_gate(tmp_path, capsys):
     comparison = compare_sweeps(a, b, fail_on="mean:5%")
     time, rate, memory = comparison.rows[0].changes
     row = read_sweep(a).rows[0]
-    samples = row["timing"]["samples"]["step"]
+    samples = row.timing["samples"]["step"]
     assert time.before == pytest.approx(sum(samples) / len(samples)) and time.percent == pytest.approx(10.0)
     assert time.low_percent > 5  # the whole interval is slower
     assert rate.low_percent == pytest.approx(100 * (1 / (1 + time.high_percent / 100) - 1))

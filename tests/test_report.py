@@ -15,6 +15,7 @@ from rich.cells import cell_len
 from rich.console import Console
 
 from fitbench.results.report import results_table, short_names, table_cells, write_csv
+from fitbench.results.row import typed_row
 from fitbench.results.schema import check_row
 from fitbench.results.store import ResultStore
 from fitbench.results.terminal import EtaColumn, SweepClock
@@ -32,9 +33,14 @@ def committed_rows() -> list[dict]:
     return rows
 
 
+def typed(rows: list[dict]) -> list:
+    """Rows built here as dicts, typed as the store types what it reads (the renderers read ``Row``)."""
+    return [typed_row(row)[0] for row in rows]
+
+
 def render(rows: list[dict], width: int) -> str:
     console = Console(width=width, file=io.StringIO(), color_system=None)
-    console.print(results_table(rows))
+    console.print(results_table(typed(rows)))
     return console.file.getvalue()
 
 
@@ -172,7 +178,7 @@ def test_the_table_shows_short_model_names():
 
 def test_csv_keeps_nested_fields_as_json(tmp_path):
     rows = committed_rows()
-    table = pd.read_csv(write_csv(rows, tmp_path))
+    table = pd.read_csv(write_csv(typed(rows), tmp_path))
     checked = 0
     for field in ("memory.gpus", "environment.gpus", "warnings", "prediction.terms", "attempts"):
         assert field in table.columns
@@ -200,9 +206,9 @@ def test_report_writes_the_csv_again_from_the_rows(tmp_path, capsys):
     assert not (folder / "results.csv").exists()
     assert main(["report", str(folder), "--csv"]) == 0
     assert f"table: {folder / 'results.csv'}" in capsys.readouterr().out
-    rows = list(ResultStore(folder).rows())
+    rows = list(ResultStore(folder).typed_rows())
     table = pd.read_csv(folder / "results.csv")
-    assert list(table["key"]) == [row["key"] for row in rows] and len(rows) >= 1
+    assert list(table["key"]) == [row.key for row in rows] and len(rows) >= 1
     assert table.equals(pd.read_csv(write_csv(rows, tmp_path)))
 
     # with --markdown on stdout, the path goes to stderr so the Markdown stays whole
@@ -402,7 +408,8 @@ def test_every_field_damaged_is_skipped_or_shown_blank_with_a_warning(tiny_sweep
 
     def shown(row: dict) -> tuple[str, list]:
         """All the Markdown report and the terminal table show of ``row``."""
-        return markdown_report([row]), table_cells(row, row["spec"]["model"])
+        row = typed_row(row)[0]
+        return markdown_report([row]), table_cells(row, row.spec["model"])
 
     lines = [line for line in range(1, len(cases) + 1) if line not in skipped]
     for line, read_row, (row, path, damage) in zip(lines, rows, read):
@@ -425,7 +432,7 @@ def test_every_field_damaged_is_skipped_or_shown_blank_with_a_warning(tiny_sweep
     blanked = [read_row for line, read_row in zip(lines, rows) if line in warnings]
     text = render(blanked, 80)
     assert len(blanked) > 200 and "…" not in text and max(cell_len(line) for line in text.splitlines()) <= 80
-    assert len(pd.read_csv(write_csv(rows, tmp_path))) == len(rows)
+    assert len(pd.read_csv(write_csv(typed(rows), tmp_path))) == len(rows)
 
     capsys.readouterr()
     # the table itself was rendered above; these are the commands around it

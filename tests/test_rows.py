@@ -81,3 +81,22 @@ def test_a_worker_result_off_the_schema_is_a_protocol_error(tmp_path):
     path.write_text(json.dumps({"status": "ok", "loss": [1.5, float("nan")]}))
     payload, problem = _read_result(path)
     assert problem is None and payload["loss"][0] == 1.5  # a NaN loss is a finding, not a broken file
+
+
+def test_a_row_the_type_does_not_fit_is_typed_with_what_it_left_out_named():
+    """The renderers read ``Row``; a row read from a file is typed whatever it holds: an unknown
+    status is kept as written, a field of the wrong kind or a field never declared is left out, and
+    each is named (the store's warning quotes them); a null is blank without a word."""
+    from fitbench.results.row import typed_row
+
+    base = committed_rows()[0]
+    row, problems = typed_row({**base, "status": "preempted", "exit_code": "none", "attempts": ["text"],
+                               "loss": [1.0, None], "colour": "red"})
+    assert row.status == "preempted" and row.exit_code is None and row.attempts is None and row.loss == [1.0]
+    assert row.spec == base["spec"] and row.timing == base.get("timing")
+    assert [problem.split(" is ")[0] for problem in problems] == ["`status`", "`exit_code`", "`attempts[0]`",
+                                                                  "`colour`"]
+    newer, problems = typed_row({**base, "schema_version": SCHEMA_VERSION + 1, "colour": "red"})
+    assert not problems and newer.schema_version == SCHEMA_VERSION + 1  # the store says the row is newer
+    old, problems = typed_row({key: value for key, value in base.items() if key not in ("schema_version", "label")})
+    assert not problems and old.schema_version == 0 and old.label == base["key"]

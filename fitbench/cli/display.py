@@ -1,19 +1,24 @@
-"""What ``fitbench run`` shows while its sweep goes: a live progress bar in a terminal, one line per
-configuration elsewhere (a live display outside a terminal shows nothing until the end), and each
-finished row in a sentence; results.csv is rewritten after each row."""
+"""What the long commands show while they work. ``fitbench run``: a live progress bar in a terminal,
+one line per configuration elsewhere (a live display outside a terminal shows nothing until the end),
+and each finished row in a sentence; results.csv is rewritten after each row. ``fitbench report`` and
+``fitbench compare``: their stages as a bar on standard error, in a terminal only. ``--quiet`` shows
+none of it. The time left is ``fitbench.results.terminal.SweepClock``'s."""
 
 from __future__ import annotations
 
-from typing import Any
+import time
+from typing import Any, Callable
 
+from rich.console import Console
 from rich.markup import escape
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, SpinnerColumn, TextColumn, TimeElapsedColumn
 from rich.table import Column
 
-from fitbench.cli.console import console
+from fitbench.cli.console import console, errors
 from fitbench.launch.job import Job
 from fitbench.launch.launcher import Event, SweepDisplay
 from fitbench.results.report import write_csv
+from fitbench.results.row import Row
 from fitbench.results.store import ResultStore
 from fitbench.results.terminal import EtaColumn, SweepClock
 
@@ -21,14 +26,15 @@ from fitbench.results.terminal import EtaColumn, SweepClock
 class ProgressDisplay(SweepDisplay):
     """The sweep of ``total`` configurations writing to ``store``; used as a context manager around it."""
 
-    def __init__(self, total: int, store: ResultStore):
+    def __init__(self, total: int, store: ResultStore, quiet: bool = False):
         self.store = store
+        self.quiet = quiet
         self.clock = SweepClock(total)
         figure = Column(no_wrap=True)  # at 80 columns the label wraps; counts and times stay whole
         self.progress = Progress(SpinnerColumn(), TextColumn("{task.description}"), BarColumn(bar_width=20),
                                  MofNCompleteColumn(table_column=figure), TimeElapsedColumn(table_column=figure),
                                  EtaColumn(self.clock), console=console, transient=True,
-                                 disable=not console.is_terminal)
+                                 disable=quiet or not console.is_terminal)
         self.sweep_task = self.progress.add_task("sweep", total=total, eta=True)
         self.run_task = self.progress.add_task("", total=None)
 
@@ -54,13 +60,16 @@ class ProgressDisplay(SweepDisplay):
             self.progress.update(self.run_task, description=f"{label}: {phase}", total=None)
 
     def finished(self, row: dict[str, Any]) -> None:
-        self.clock.finish(measured=row["status"] != "refused")
-        if console.is_terminal:
-            self.progress.console.print(describe_row(row))
+        typed = Row.model_validate(row)
+        self.clock.finish(measured=typed.status != "refused")
+        if self.quiet:
+            pass
+        elif console.is_terminal:
+            self.progress.console.print(describe_row(typed))
         else:
-            console.print(f"{escape(f'[{self.clock.summary()}]')} {describe_row(row)}", soft_wrap=True)
+            console.print(f"{escape(f'[{self.clock.summary()}]')} {describe_row(typed)}", soft_wrap=True)
         self.progress.advance(self.sweep_task)
-        write_csv(list(self.store.rows()), self.store.directory)
+        write_csv(list(self.store.typed_rows()), self.store.directory)
 
     def skipped(self, job: Job) -> None:
         self.clock.skip()
@@ -87,33 +96,67 @@ class ClusterDisplay(SweepDisplay):
                       soft_wrap=True)
 
     def finished(self, row: dict[str, Any]) -> None:
-        console.print(describe_row(row), soft_wrap=True)
-        write_csv(list(self.store.rows()), self.store.directory)
+        console.print(describe_row(Row.model_validate(row)), soft_wrap=True)
+        write_csv(list(self.store.typed_rows()), self.store.directory)
 
 
-def _label(row: dict[str, Any]) -> str:
+class StepsDisplay:
+    """The stages of a report or a comparison (``fitbench.results.terminal.Steps``) as a bar with the
+    count, the elapsed time and the time left, on ``console`` (standard error: standard output may be
+    a report piped on) and only where it is a terminal; ``quiet`` shows nothing. Each stage's time
+    left is ``SweepClock``'s, every step of it counting as one configuration. A context manager."""
+
+    def __init__(self, quiet: bool = False, console: Console = errors, now: Callable[[], float] = time.monotonic):
+        self._now = now
+        self.clock = SweepClock(0, now)
+        self.eta = EtaColumn(self.clock)
+        figure = Column(no_wrap=True)
+        self.progress = Progress(TextColumn("{task.description}"), BarColumn(bar_width=20),
+                                 MofNCompleteColumn(table_column=figure), TimeElapsedColumn(table_column=figure),
+                                 self.eta, console=console, transient=True, disable=quiet or not console.is_terminal)
+        self.task = self.progress.add_task("", total=None, eta=True, visible=False)
+
+    def __enter__(self) -> StepsDisplay:
+        self.progress.__enter__()
+        return self
+
+    def __exit__(self, *exception) -> None:
+        self.progress.__exit__(*exception)
+
+    def begin(self, what: str, total: int) -> None:
+        self.clock = self.eta.clock = SweepClock(total, self._now)
+        self.clock.start()
+        self.progress.reset(self.task, description=escape(what), total=total, completed=0, visible=True)
+
+    def advance(self) -> None:
+        self.clock.finish()
+        self.clock.start()
+        self.progress.advance(self.task)
+
+
+def _label(row: Row) -> str:
     """The configuration as asked for, and what finally ran when a fallback or the batch search changed it."""
     from fitbench.spec import RunSpec
 
-    ran = RunSpec.model_validate(row["spec"]).label if "spec" in row else row["label"]
-    return row["label"] if ran == row["label"] else f"{row['label']} (ran as {ran})"
+    ran = RunSpec.model_validate(row.spec).label
+    return row.label if ran == row.label else f"{row.label} (ran as {ran})"
 
 
-def describe_row(row: dict[str, Any]) -> str:
+def describe_row(row: Row) -> str:
     """A finished row in one line: its status, what ran, and its headline figures or its error's first line."""
     from fitbench.results.report import headline, quality_summary
     from fitbench.units import format_bytes, format_seconds
 
-    if row["status"] != "ok":
-        first_line = (row.get("error") or "").strip().splitlines()[:1]
-        return f"[red]{row['status']}[/red] {escape(_label(row))}: {escape(first_line[0]) if first_line else ''}"
+    if row.status != "ok":
+        first_line = (row.error or "").strip().splitlines()[:1]
+        return f"[red]{row.status}[/red] {escape(_label(row))}: {escape(first_line[0]) if first_line else ''}"
     head = headline(row)
-    per = "/token" if row["spec"]["mode"] == "infer" else "/step"
-    warn = f" [yellow]({escape('; '.join(row['warnings']))})[/yellow]" if row.get("warnings") else ""
-    quality = row.get("quality")
-    cost = (f", weights {100 * row['weights']['relative_to_bf16']:.0f}% of bf16; {escape(quality_summary(quality))}"
+    per = "/token" if row.spec["mode"] == "infer" else "/step"
+    warn = f" [yellow]({escape('; '.join(row.warnings))})[/yellow]" if row.warnings else ""
+    quality = row.quality
+    cost = (f", weights {100 * row.weights['relative_to_bf16']:.0f}% of bf16; {escape(quality_summary(quality))}"
             if quality else "")
-    offload = row.get("offload")
+    offload = row.offload
     if offload:
         layers = offload["resident_layers"] + offload["offloaded_layers"]
         where = "host memory" if offload["tier"] == "cpu" else "disk"

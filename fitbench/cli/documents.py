@@ -3,12 +3,12 @@ Excel workbook (``fitbench.report``), written by ``fitbench run`` and ``fitbench
 
 from __future__ import annotations
 
-from typing import Any
-
 from rich.markup import escape
 
 from fitbench.cli.console import console, warn
 from fitbench.errors import UserError
+from fitbench.results.row import Row
+from fitbench.results.terminal import NO_STEPS, Steps
 
 DEFAULT_OLLAMA_URL = "http://localhost:11434"
 
@@ -27,10 +27,11 @@ def report_module(name: str, option: str):
                         f"with pip install 'fitbench[report]' (or pip install {missing.name}).") from None
 
 
-def write_documents(directory: str, rows: list[dict[str, Any]], html: str | None = None, xlsx: str | None = None,
-                    ollama_url: str | None = None, ollama_model: str | None = None) -> None:
-    """The analysis, HTML report and workbook of the sweep in ``directory`` that the options ask for;
-    nothing, and no import of ``fitbench.report`` (the ``report`` extra's libraries), where none is."""
+def write_documents(directory: str, rows: list[Row], html: str | None = None, xlsx: str | None = None,
+                    ollama_url: str | None = None, ollama_model: str | None = None, steps: Steps = NO_STEPS) -> None:
+    """The analysis, HTML report and workbook of the sweep in ``directory`` that the options ask for,
+    telling their stages to ``steps``; nothing, and no import of ``fitbench.report`` (the ``report``
+    extra's libraries), where none is."""
     text = None
     if ollama_url is not None or ollama_model is not None:
         if not ollama_model:
@@ -46,6 +47,6 @@ def write_documents(directory: str, rows: list[dict[str, Any]], html: str | None
             text = analysis.text
             console.print(f"analysis: {analysis_module.write_analysis(analysis, directory, ollama_model)}")
     if html:
-        console.print(f"html: {report_module('html', 'html').write_html(directory, html, text)}")
+        console.print(f"html: {report_module('html', 'html').write_html(directory, html, text, steps)}")
     if xlsx:
-        console.print(f"xlsx: {report_module('excel', 'xlsx').write_xlsx(directory, xlsx)}")
+        console.print(f"xlsx: {report_module('excel', 'xlsx').write_xlsx(directory, xlsx, steps)}")

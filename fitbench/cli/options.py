@@ -173,6 +173,14 @@ def json_output(help: str) -> OptionGroup:
     return group
 
 
+def quiet_option(help: str) -> OptionGroup:
+    """``--quiet``: no progress display, and only what the command's ``help`` names (for scripts and logs)."""
+    def group(parser: argparse.ArgumentParser) -> None:
+        parser.add_argument("--quiet", "-q", action="store_true", help=help)
+
+    return group
+
+
 def device_option(help: str) -> OptionGroup:
     """``--device``: the device a command measures, the first GPU by default."""
     def group(parser: argparse.ArgumentParser) -> None:

@@ -7,8 +7,9 @@ import sys
 
 from fitbench.cli.command import Command
 from fitbench.cli.console import console, warn
+from fitbench.cli.display import StepsDisplay
 from fitbench.cli.documents import write_documents
-from fitbench.cli.options import report_documents, results_directory
+from fitbench.cli.options import quiet_option, report_documents, results_directory
 from fitbench.errors import UserError, excerpt
 
 
@@ -28,16 +29,19 @@ def report(args: argparse.Namespace) -> int:
     if not store.path.exists():
         raise UserError(f"report: {args.directory} has no {store.path.name}. Pass the --out directory of a "
                         f"`fitbench run`.")
-    rows = list(store.rows())
+    rows = list(store.typed_rows())
     if args.markdown:
         print(markdown_report(rows), end="")
-    else:
+    elif not args.quiet:
         console.print(results_table(rows, title=f"fitbench results: {args.directory}"))
     if args.csv:
         print(f"table: {write_csv(rows, store.directory)}", file=sys.stderr if args.markdown else sys.stdout)
-    write_documents(args.directory, rows, args.html, args.xlsx, args.ollama_url, args.ollama_model)
+    with StepsDisplay(args.quiet) as steps:
+        write_documents(args.directory, rows, args.html, args.xlsx, args.ollama_url, args.ollama_model, steps)
     return 0
 
 
 COMMAND = Command("report", "show a results directory again, as a table or Markdown", report,
-                  (results_directory, report_documents))
+                  (results_directory, report_documents,
+                   quiet_option("no progress and no table (--markdown still prints): only the files written "
+                                "and warnings")))

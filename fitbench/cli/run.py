@@ -14,7 +14,7 @@ from fitbench import __version__
 from fitbench.cli.command import Command
 from fitbench.cli.console import console, warn
 from fitbench.cli.documents import write_documents
-from fitbench.cli.options import sweep_options
+from fitbench.cli.options import quiet_option, sweep_options
 from fitbench.errors import UserError, excerpt
 
 RUN_EXAMPLES = """\
@@ -42,7 +42,7 @@ flight says interrupted, --resume runs it again).
 
 
 # What the parsed arguments hold beside the sweep's options (``sweep_options``, each a key of SweepConfig).
-NOT_SWEEP_OPTIONS = ("command", "function", "argv", "resume", "extend", "config", "dry_run")
+NOT_SWEEP_OPTIONS = ("command", "function", "argv", "resume", "extend", "config", "dry_run", "quiet")
 
 
 def run(args: argparse.Namespace) -> int:
@@ -66,8 +66,12 @@ def run(args: argparse.Namespace) -> int:
             require_command(name)
         if options.partition is not None:
             check_partition(options.partition)
-    device, jobs, calibration = plan_sweep(config, out, "--resume" if args.resume else "--out",
-                                           say=lambda text: console.print(escape(text)))
+
+    def say(text: str) -> None:
+        if not args.quiet:
+            console.print(escape(text))
+
+    device, jobs, calibration = plan_sweep(config, out, "--resume" if args.resume else "--out", say=say)
 
     store = ResultStore(out, on_bad_line=warn)
     store.lock()  # until this run returns; a failed run's lock goes with its store, or with the process
@@ -75,9 +79,10 @@ def run(args: argparse.Namespace) -> int:
     if args.dry_run:
         return _dry_run(jobs, store, options, config, out)
     done = store.finished_keys()
-    console.print(f"fitbench {__version__}: {len(jobs)} configuration(s) on {device}"
-                  + (f", {sum(job.spec.key in done for job in jobs)} already finished" if done else "")
-                  + (" as SLURM jobs" if options else "") + f"; results in {out}/")
+    if not args.quiet:
+        console.print(f"fitbench {__version__}: {len(jobs)} configuration(s) on {device}"
+                      + (f", {sum(job.spec.key in done for job in jobs)} already finished" if done else "")
+                      + (" as SLURM jobs" if options else "") + f"; results in {out}/")
     if options is not None:
         from fitbench.cli.display import ClusterDisplay
         from fitbench.launch.slurm.sweep import run_on_slurm
@@ -85,10 +90,10 @@ def run(args: argparse.Namespace) -> int:
         run_on_slurm(jobs, store, options, max_concurrent=config.max_concurrent, command=command,
                      display=ClusterDisplay(store))
     else:
-        with ProgressDisplay(len(jobs), store) as display:
+        with ProgressDisplay(len(jobs), store, quiet=args.quiet) as display:
             run_sweep(jobs, store, launcher=LocalLauncher(), display=display, command=command,
                       calibration=calibration)
-    return _summary(store, out, {job.spec.key for job in jobs}, config)
+    return _summary(store, out, {job.spec.key for job in jobs}, config, args.quiet)
 
 
 def _dry_run(jobs, store, options, config, out: str) -> int:
@@ -161,25 +166,27 @@ def _start_sweep(store, out: str, config, device: str, args: argparse.Namespace)
     return command
 
 
-def _summary(store, out: str, keys: set[str], config) -> int:
-    """The rows of ``keys`` in ``store`` (the directory ``out``) as a table, where they are, the analysis
-    ``config`` asks for, and the exit status: 1 when one did not finish ok."""
+def _summary(store, out: str, keys: set[str], config, quiet: bool = False) -> int:
+    """The rows of ``keys`` in ``store`` (the directory ``out``) as a table (not when ``quiet``), where
+    they are, the analysis ``config`` asks for, and the exit status: 1 when one did not finish ok."""
     from fitbench.results.report import results_table, write_csv
 
-    rows = [row for row in store.rows() if row.get("key") in keys]
-    console.print(results_table(rows))
-    csv_path = write_csv(list(store.rows()), out)
+    rows = [row for row in store.typed_rows() if row.key in keys]
+    if not quiet:
+        console.print(results_table(rows))
+    csv_path = write_csv(list(store.typed_rows()), out)
     console.print(f"rows: {store.path}  table: {csv_path}")
     store.unlock()
     write_documents(out, rows, ollama_url=config.ollama_url, ollama_model=config.ollama_model)
-    failed = [row for row in rows if row["status"] != "ok"]
+    failed = [row for row in rows if row.status != "ok"]
     if failed:
-        listed = "; ".join(f"{escape(row.get('label') or row['key'])}: {escape(row['status'])}" for row in failed)
+        listed = "; ".join(f"{escape(row.label)}: {escape(row.status)}" for row in failed)
         console.print(f"{len(failed)} of {len(rows)} configuration(s) did not finish or gave invalid numbers "
                       f"({listed}); their rows say why (status, error) and the logs are in {out}/logs/.")
         return 1
     return 0
 
 
-COMMAND = Command("run", "benchmark models: train, forward, forward-backward, infer", run, (sweep_options,),
-                  RUN_EXAMPLES)
+COMMAND = Command("run", "benchmark models: train, forward, forward-backward, infer", run,
+                  (sweep_options, quiet_option("no progress and no table: only where the rows are, the "
+                                               "configurations that did not finish ok, and warnings")), RUN_EXAMPLES)

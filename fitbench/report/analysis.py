@@ -16,7 +16,6 @@ from __future__ import annotations
 import time
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
 
 import httpx
 import ollama
@@ -27,6 +26,7 @@ from fitbench.errors import UserError
 from fitbench.report.output import write_output
 from fitbench.results.report import headline
 from fitbench.units import format_bytes, format_seconds
+from fitbench.results.row import Row
 
 ANALYSIS_FILE = "analysis.md"
 DEFAULT_TIMEOUT_S = 120.0
@@ -58,28 +58,28 @@ def _percent(value: float | None) -> str:
     return "-" if value is None else f"{100 * value:.1f}%"
 
 
-def prompt(rows: list[dict[str, Any]]) -> str:
+def prompt(rows: list[Row]) -> str:
     """The rows as compact lines, then the planner's notes."""
     lines = ["configuration | status | time (median) | tokens/s | MFU | decode % of bandwidth roofline | "
              "measured peak per GPU | predicted peak | error"]
     notes = []
     for row in rows:
         head = headline(row)
-        error = (row.get("error") or "").strip().splitlines()
+        error = (row.error or "").strip().splitlines()
         lines.append(" | ".join([
-            row["label"], row["status"], format_seconds(head["time"]),
+            row.label, row.status, format_seconds(head["time"]),
             "-" if head["tokens_per_s"] is None else f"{head['tokens_per_s']:,.0f}", _percent(head["mfu"]),
             "-" if head["roofline"] is None else f"{head['roofline']:.0f}%", format_bytes(head["measured_peak"]),
             format_bytes(head["predicted_peak"]), error[-1][:200] if error else "-"]))
-        prediction = row.get("prediction") or {}
+        prediction = row.prediction or {}
         for rejected in (prediction.get("rejected") or [])[:NOTES_PER_ROW]:
-            notes.append(f"- {row['label']}: rejected {rejected}")
+            notes.append(f"- {row.label}: rejected {rejected}")
         if prediction.get("chosen_by_planner"):
-            notes.append(f"- {row['label']}: the planner chose its {', '.join(map(str, prediction['chosen_by_planner']))}")
+            notes.append(f"- {row.label}: the planner chose its {', '.join(map(str, prediction['chosen_by_planner']))}")
     return "\n".join(lines) + ("\n\nPlanner's notes:\n" + "\n".join(notes) if notes else "")
 
 
-def analyse(rows: list[dict[str, Any]], url: str, model: str, timeout: float = DEFAULT_TIMEOUT_S,
+def analyse(rows: list[Row], url: str, model: str, timeout: float = DEFAULT_TIMEOUT_S,
             stream: bool = True) -> Analysis:
     """The analysis of ``rows`` by ``model`` on the Ollama server at ``url`` (the module's docstring)."""
     url = check_url(url)

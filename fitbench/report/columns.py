@@ -19,6 +19,7 @@ from typing import Any, Callable
 from fitbench.precisions import quantization_library
 from fitbench.report.figures import GB, gpu_peak, layout_label, world_size
 from fitbench.results.report import headline
+from fitbench.results.row import Row
 
 Value = float | int | str | None
 
@@ -26,7 +27,7 @@ Value = float | int | str | None
 @dataclass(frozen=True)
 class Column:
     header: str
-    value: Callable[[dict[str, Any], dict[str, Any]], Value]  # (row, its headline) -> value
+    value: Callable[[Row, dict[str, Any]], Value]  # (row, its headline) -> value
     in_html: bool = True  # the HTML table shows the figures people compare; the workbook every column
 
 
@@ -34,16 +35,16 @@ def _scaled(value: float | None, scale: float) -> float | None:
     return None if value is None else value * scale
 
 
-def largest_peak(row: dict[str, Any]) -> float | None:
-    peaks = [peak for gpu in (row.get("memory") or {}).get("gpus") or [] if (peak := gpu_peak(gpu))]
+def largest_peak(row: Row) -> float | None:
+    peaks = [peak for gpu in (row.memory or {}).get("gpus") or [] if (peak := gpu_peak(gpu))]
     if peaks:
         return max(peaks) / GB
-    host = (row.get("memory") or {}).get("host_peak_rss")
+    host = (row.memory or {}).get("host_peak_rss")
     return None if host is None else host / GB
 
 
-def _quality(row: dict[str, Any], *path: str) -> Any:
-    value: Any = row.get("quality") or {}
+def _quality(row: Row, *path: str) -> Any:
+    value: Any = row.quality or {}
     for step in path:
         value = value.get(step) if isinstance(value, dict) else None
     return value if isinstance(value, (int, float)) and not isinstance(value, bool) else None
@@ -55,19 +56,19 @@ def _last_line(text: str | None) -> str | None:
 
 
 COLUMNS = (
-    Column("key", lambda row, head: row["key"], in_html=False),
-    Column("configuration", lambda row, head: row["label"]),
-    Column("model", lambda row, head: row["spec"]["model"]),
-    Column("mode", lambda row, head: row["spec"]["mode"]),
-    Column("precision", lambda row, head: row["spec"]["precision"]),
+    Column("key", lambda row, head: row.key, in_html=False),
+    Column("configuration", lambda row, head: row.label),
+    Column("model", lambda row, head: row.spec["model"]),
+    Column("mode", lambda row, head: row.spec["mode"]),
+    Column("precision", lambda row, head: row.spec["precision"]),
     Column("layout", lambda row, head: layout_label(row)),
     Column("GPUs", lambda row, head: world_size(row)),
-    Column("batch", lambda row, head: row["spec"]["batch_size"]),
-    Column("sequence (tokens)", lambda row, head: row["spec"]["seq_len"]),
-    Column("new tokens", lambda row, head: row["spec"].get("new_tokens") if row["spec"]["mode"] == "infer" else None,
+    Column("batch", lambda row, head: row.spec["batch_size"]),
+    Column("sequence (tokens)", lambda row, head: row.spec["seq_len"]),
+    Column("new tokens", lambda row, head: row.spec.get("new_tokens") if row.spec["mode"] == "infer" else None,
            in_html=False),
-    Column("parameters", lambda row, head: row.get("params")),
-    Column("status", lambda row, head: row["status"]),
+    Column("parameters", lambda row, head: row.params),
+    Column("status", lambda row, head: row.status),
     Column("median time (s, per step or decoded token)", lambda row, head: head["time"]),
     Column("CV (%)", lambda row, head: head["cv"]),
     Column("tokens/s", lambda row, head: head["tokens_per_s"]),
@@ -79,11 +80,11 @@ COLUMNS = (
     Column("forecast time (s)", lambda row, head: head["forecast_time"]),
     Column("forecast error (%)", lambda row, head: head["forecast_error"]),
     Column("roofline time (s)", lambda row, head: head["roofline_time"], in_html=False),
-    Column("quantization method", lambda row, head: row["spec"]["precision"]
-           if quantization_library(row["spec"]["precision"]) else None, in_html=False),
-    Column("quantization library", lambda row, head: quantization_library(row["spec"]["precision"]), in_html=False),
-    Column("weights vs bf16 (ratio)", lambda row, head: (row.get("weights") or {}).get("relative_to_bf16")),
-    Column("weight bytes (GB)", lambda row, head: _scaled((row.get("weights") or {}).get("bytes"), 1 / GB),
+    Column("quantization method", lambda row, head: row.spec["precision"]
+           if quantization_library(row.spec["precision"]) else None, in_html=False),
+    Column("quantization library", lambda row, head: quantization_library(row.spec["precision"]), in_html=False),
+    Column("weights vs bf16 (ratio)", lambda row, head: (row.weights or {}).get("relative_to_bf16")),
+    Column("weight bytes (GB)", lambda row, head: _scaled((row.weights or {}).get("bytes"), 1 / GB),
            in_html=False),
     Column("matmul error, mean (%)", lambda row, head: _scaled(_quality(row, "matmul_error", "mean"), 100),
            in_html=False),
@@ -94,11 +95,11 @@ COLUMNS = (
     Column("KL divergence from bf16 (nats)", lambda row, head: _quality(row, "kl_divergence"), in_html=False),
     Column("perplexity, bf16", lambda row, head: _quality(row, "perplexity", "bf16"), in_html=False),
     Column("perplexity, quantized", lambda row, head: _quality(row, "perplexity", "quantized"), in_html=False),
-    Column("error", lambda row, head: _last_line(row.get("error"))),
+    Column("error", lambda row, head: _last_line(row.error)),
 )
 
 
-def row_values(row: dict[str, Any], html: bool = False) -> list[Value]:
+def row_values(row: Row, html: bool = False) -> list[Value]:
     """``row``'s values in ``COLUMNS`` order (only the HTML table's with ``html``)."""
     head = headline(row)
     return [column.value(row, head) for column in COLUMNS if column.in_html or not html]

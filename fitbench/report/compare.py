@@ -33,7 +33,6 @@ from __future__ import annotations
 import re
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
 
 import numpy as np
 
@@ -41,6 +40,8 @@ from fitbench.errors import UserError, excerpt
 from fitbench.report.columns import largest_peak
 from fitbench.report.sweep import SweepRows, read_sweep
 from fitbench.results.report import headline
+from fitbench.results.row import Row
+from fitbench.results.terminal import NO_STEPS, Steps
 
 RESAMPLES = 2000
 SEED = 0
@@ -148,10 +149,10 @@ def _figure(value: float | None) -> str:
     return "-" if value is None else f"{value:,.4g}"
 
 
-def time_samples(row: dict[str, Any]) -> list[float]:
+def time_samples(row: Row) -> list[float]:
     """The raw samples of the row's headline time: step times, or per-token latencies in infer."""
-    samples = (row.get("timing") or {}).get("samples") or {}
-    values = samples.get("token_latency" if row["spec"]["mode"] == "infer" else "step") or []
+    samples = (row.timing or {}).get("samples") or {}
+    values = samples.get("token_latency" if row.spec["mode"] == "infer" else "step") or []
     return [float(value) for value in values if isinstance(value, (int, float)) and not isinstance(value, bool)]
 
 
@@ -177,7 +178,7 @@ def _percent(before: float | None, after: float | None) -> float | None:
     return 100 * (after / before - 1) if before and after is not None else None
 
 
-def _time_change(row_a: dict[str, Any], row_b: dict[str, Any], gate: Gate | None) -> Change:
+def _time_change(row_a: Row, row_b: Row, gate: Gate | None) -> Change:
     a, b = time_samples(row_a), time_samples(row_b)
     threshold = gate.percent if gate and gate.figure == "mean" else None
     if len(a) >= 2 and len(b) >= 2:
@@ -187,8 +188,8 @@ def _time_change(row_a: dict[str, Any], row_b: dict[str, Any], gate: Gate | None
         verdict = "slower" if low > 0 else "faster" if high < 0 else "within noise"
         crosses = threshold is not None and verdict == "slower" and percent > threshold
         return Change("time (s)", before, after, percent, low, high, verdict, crosses)
-    name = "token_latency" if row_a["spec"]["mode"] == "infer" else "step"
-    before, after = (((row.get("timing") or {}).get(name) or {}).get("mean") for row in (row_a, row_b))
+    name = "token_latency" if row_a.spec["mode"] == "infer" else "step"
+    before, after = (((row.timing or {}).get(name) or {}).get("mean") for row in (row_a, row_b))
     percent = _percent(before, after)
     crosses = threshold is not None and percent is not None and percent > threshold
     return Change("time (s)", before, after, percent, crosses=crosses)
@@ -199,13 +200,13 @@ def _inverse(percent: float | None) -> float | None:
     return None if percent is None or percent <= -100 else 100 * (1 / (1 + percent / 100) - 1)
 
 
-def _rate_change(row_a: dict[str, Any], row_b: dict[str, Any], time: Change) -> Change:
+def _rate_change(row_a: Row, row_b: Row, time: Change) -> Change:
     before, after = headline(row_a)["tokens_per_s"], headline(row_b)["tokens_per_s"]
     return Change("tokens/s", before, after, _percent(before, after), _inverse(time.high_percent),
                   _inverse(time.low_percent), time.verdict)
 
 
-def _memory_change(row_a: dict[str, Any], row_b: dict[str, Any], gate: Gate | None) -> Change | None:
+def _memory_change(row_a: Row, row_b: Row, gate: Gate | None) -> Change | None:
     before, after = largest_peak(row_a), largest_peak(row_b)
     percent = _percent(before, after)
     if percent is None:
@@ -216,26 +217,32 @@ def _memory_change(row_a: dict[str, Any], row_b: dict[str, Any], gate: Gate | No
     return Change("peak memory (GB)", before, after, percent, verdict=verdict, crosses=crosses)
 
 
-def compare_sweeps(a: str | Path, b: str | Path, fail_on: str | None = None) -> Comparison:
-    """Sweep B against sweep A (their directories), gated by ``fail_on`` (``mean:5%``) when given."""
+def compare_sweeps(a: str | Path, b: str | Path, fail_on: str | None = None, steps: Steps = NO_STEPS) -> Comparison:
+    """Sweep B against sweep A (their directories), gated by ``fail_on`` (``mean:5%``) when given;
+    each configuration in both is a step of ``steps``."""
     gate = parse_fail_on(fail_on) if fail_on is not None else None
     first, second = read_sweep(a, "compare A"), read_sweep(b, "compare B")
-    rows_a = {row["key"]: row for row in first.rows}
-    rows_b = {row["key"]: row for row in second.rows}
+    rows_a = {row.key: row for row in first.rows}
+    rows_b = {row.key: row for row in second.rows}
     comparison = Comparison(first, second, [], gate=gate,
-                            only_a=[rows_a[key]["label"] for key in rows_a if key not in rows_b],
-                            only_b=[rows_b[key]["label"] for key in rows_b if key not in rows_a])
+                            only_a=[rows_a[key].label for key in rows_a if key not in rows_b],
+                            only_b=[rows_b[key].label for key in rows_b if key not in rows_a])
+    steps.begin("configurations compared", sum(key in rows_b for key in rows_a))
     for key, row_a in rows_a.items():
-        row_b = rows_b.get(key)
-        if row_b is None:
-            continue
-        if row_a["status"] != "ok" or row_b["status"] != "ok":
-            comparison.not_comparable.append(f"{row_a['label']}: {row_a['status']} -> {row_b['status']}")
-            if row_a["status"] == "ok":
-                comparison.regressed.append(row_a["label"])
-            continue
-        time = _time_change(row_a, row_b, gate)
-        changes = [time, _rate_change(row_a, row_b, time)]
-        memory = _memory_change(row_a, row_b, gate)
-        comparison.rows.append(ConfigurationChange(key, row_a["label"], changes + ([memory] if memory else [])))
+        if key in rows_b:
+            _compare_one(comparison, key, row_a, rows_b[key])
+            steps.advance()
     return comparison
+
+
+def _compare_one(comparison: Comparison, key: str, row_a: Row, row_b: Row) -> None:
+    """The changes of one configuration in both sweeps, or why it cannot be compared, added to ``comparison``."""
+    if row_a.status != "ok" or row_b.status != "ok":
+        comparison.not_comparable.append(f"{row_a.label}: {row_a.status} -> {row_b.status}")
+        if row_a.status == "ok":
+            comparison.regressed.append(row_a.label)
+        return
+    time = _time_change(row_a, row_b, comparison.gate)
+    changes = [time, _rate_change(row_a, row_b, time)]
+    memory = _memory_change(row_a, row_b, comparison.gate)
+    comparison.rows.append(ConfigurationChange(key, row_a.label, changes + ([memory] if memory else [])))

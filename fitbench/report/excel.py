@@ -23,6 +23,8 @@ from fitbench.report.columns import headers, row_values
 from fitbench.report.output import write_output
 from fitbench.report.provenance import provenance
 from fitbench.report.sweep import read_sweep
+from fitbench.results.terminal import NO_STEPS, Steps
+from fitbench.results.row import Row
 
 WIDTH_MAX = 60
 SAMPLE_HEADERS = ["key", "configuration", "figure", "sample", "seconds"]
@@ -41,27 +43,32 @@ def _sheet(sheet: Worksheet, header: list[str], rows: list[list[Any]]) -> None:
         sheet.column_dimensions[get_column_letter(index)].width = min(WIDTH_MAX, longest + 2)
 
 
-def sample_rows(rows: list[dict[str, Any]]) -> list[list[Any]]:
+def sample_rows(rows: list[Row]) -> list[list[Any]]:
     """Every raw sample of every row: (key, configuration, figure, index from 1, seconds)."""
     lines = []
     for row in rows:
-        for figure, values in ((row.get("timing") or {}).get("samples") or {}).items():
+        for figure, values in ((row.timing or {}).get("samples") or {}).items():
             if isinstance(values, list):
-                lines += [[row["key"], row["label"], figure, index, value]
+                lines += [[row.key, row.label, figure, index, value]
                           for index, value in enumerate(values, start=1)]
     return lines
 
 
-def write_xlsx(rows_dir: str | Path, path: str | Path) -> Path:
-    """The workbook of the sweep in ``rows_dir`` written to ``path``; bad input is a ``UserError``."""
+def write_xlsx(rows_dir: str | Path, path: str | Path, steps: Steps = NO_STEPS) -> Path:
+    """The workbook of the sweep in ``rows_dir`` written to ``path``, each sheet of rows a step of
+    ``steps``; bad input is a ``UserError``."""
     sweep = read_sweep(rows_dir)
     book = Workbook()
     _sheet(book.active, ["what", "value"], [list(line) for line in provenance(sweep)])
     book.active.title = "provenance"
-    for mode in dict.fromkeys(row["spec"]["mode"] for row in sweep.rows):
+    modes = list(dict.fromkeys(row.spec["mode"] for row in sweep.rows))
+    steps.begin("workbook sheets", len(modes) + 1)
+    for mode in modes:
         _sheet(book.create_sheet(mode), headers(), [row_values(row) for row in sweep.rows
-                                                    if row["spec"]["mode"] == mode])
+                                                    if row.spec["mode"] == mode])
+        steps.advance()
     _sheet(book.create_sheet("samples"), SAMPLE_HEADERS, sample_rows(sweep.rows))
+    steps.advance()
     if sweep.warnings:
         _sheet(book.create_sheet("warnings"), ["damaged line"], [[warning] for warning in sweep.warnings])
     buffer = io.BytesIO()

@@ -35,6 +35,7 @@ from fitbench.monitor.nvml import read_timeline
 from fitbench.report.sweep import SweepRows
 from fitbench.results.report import headline
 from fitbench.spec import Layout
+from fitbench.results.row import Row
 
 GB = 1e9
 # A timeline of a long run holds tens of thousands of samples per GPU; every k-th is drawn, so a page
@@ -43,13 +44,13 @@ TIMELINE_POINTS = 1500
 STATUS_COLOURS = {"ok": "#2a9d3a", "oom": "#d62728", "refused": "#7f7f7f"}
 
 
-def layout_label(row: dict[str, Any]) -> str:
+def layout_label(row: Row) -> str:
     """The row's layout as ``fitbench.spec.Layout`` names it, ``one device`` for a single process."""
-    return Layout.model_validate(row["spec"].get("layout") or {}).label or "one device"
+    return Layout.model_validate(row.spec.get("layout") or {}).label or "one device"
 
 
-def world_size(row: dict[str, Any]) -> int:
-    return Layout.model_validate(row["spec"].get("layout") or {}).world_size
+def world_size(row: Row) -> int:
+    return Layout.model_validate(row.spec.get("layout") or {}).world_size
 
 
 def gpu_peak(gpu: dict[str, Any]) -> float | None:
@@ -58,12 +59,12 @@ def gpu_peak(gpu: dict[str, Any]) -> float | None:
     return float(value) if value else None
 
 
-def _ok(sweep: SweepRows) -> list[dict[str, Any]]:
-    return [row for row in sweep.rows if row["status"] == "ok"]
+def _ok(sweep: SweepRows) -> list[Row]:
+    return [row for row in sweep.rows if row.status == "ok"]
 
 
-def _grouped(rows: list[dict[str, Any]], key: Callable[[dict[str, Any]], str]) -> dict[str, list[dict[str, Any]]]:
-    groups: dict[str, list[dict[str, Any]]] = defaultdict(list)
+def _grouped(rows: list[Row], key: Callable[[Row], str]) -> dict[str, list[Row]]:
+    groups: dict[str, list[Row]] = defaultdict(list)
     for row in rows:
         groups[key(row)].append(row)
     return dict(sorted(groups.items()))
@@ -76,16 +77,16 @@ def _figure(fig: go.Figure, height: int = 420) -> go.Figure:
 
 
 def size_figure(sweep: SweepRows) -> go.Figure | None:
-    rows = [row for row in _ok(sweep) if row.get("params") and headline(row)["tokens_per_s"]]
+    rows = [row for row in _ok(sweep) if row.params and headline(row)["tokens_per_s"]]
     if not rows:
         return None
     fig = make_subplots(rows=1, cols=2, subplot_titles=("tokens/s", "MFU (%)"))
-    groups = _grouped(rows, lambda row: f"{row['spec']['mode']} {row['spec']['precision']}, {layout_label(row)}")
+    groups = _grouped(rows, lambda row: f"{row.spec['mode']} {row.spec['precision']}, {layout_label(row)}")
     for index, (name, group) in enumerate(groups.items()):
-        group = sorted(group, key=lambda row: row["params"])
+        group = sorted(group, key=lambda row: row.params)
         heads = [headline(row) for row in group]
-        params = [row["params"] for row in group]
-        labels = [row["label"] for row in group]
+        params = [row.params for row in group]
+        labels = [row.label for row in group]
         colour = _COLOURS[index % len(_COLOURS)]
         fig.add_trace(go.Scatter(x=params, y=[h["tokens_per_s"] for h in heads], name=name, text=labels,
                                  mode="lines+markers", legendgroup=name, line=dict(color=colour)), 1, 1)
@@ -100,10 +101,10 @@ def size_figure(sweep: SweepRows) -> go.Figure | None:
 def memory_figure(sweep: SweepRows) -> go.Figure | None:
     points = []
     for row in sweep.rows:
-        predicted = (row.get("prediction") or {}).get("predicted_peak_bytes")
-        for index, gpu in enumerate((row.get("memory") or {}).get("gpus") or []):
+        predicted = (row.prediction or {}).get("predicted_peak_bytes")
+        for index, gpu in enumerate((row.memory or {}).get("gpus") or []):
             if predicted and gpu_peak(gpu):
-                points.append((predicted / GB, gpu_peak(gpu) / GB, f"{row['label']}, rank {gpu.get('rank', index)}"))
+                points.append((predicted / GB, gpu_peak(gpu) / GB, f"{row.label}, rank {gpu.get('rank', index)}"))
     if not points:
         return None
     fig = go.Figure()
@@ -135,20 +136,20 @@ def _chooser(fig: go.Figure, names: list[str], traces_per_choice: list[int],
 
 
 def terms_figure(sweep: SweepRows) -> go.Figure | None:
-    rows = [row for row in sweep.rows if (row.get("prediction") or {}).get("terms")]
+    rows = [row for row in sweep.rows if (row.prediction or {}).get("terms")]
     if not rows:
         return None
     fig = go.Figure()
     for row in rows:
-        terms = [term for term in row["prediction"]["terms"] if term.get("bytes")]
+        terms = [term for term in row.prediction["terms"] if term.get("bytes")]
         fig.add_trace(go.Bar(x=[term["bytes"] / GB for term in terms], y=[term["name"] for term in terms],
-                             orientation="h", name=row["label"],
+                             orientation="h", name=row.label,
                              marker=dict(color=["#1f77b4" if term.get("at_peak", True) else "#c7c7c7"
                                                 for term in terms])))
-    _chooser(fig, [row["label"] for row in rows], [1] * len(rows))
+    _chooser(fig, [row.label for row in rows], [1] * len(rows))
     fig.update_xaxes(title_text="GB per GPU (grey: not alive at the peak)")
     fig.update_yaxes(autorange="reversed")
-    return _figure(fig, height=max(420, 22 * max(len(row["prediction"]["terms"]) for row in rows)))
+    return _figure(fig, height=max(420, 22 * max(len(row.prediction["terms"]) for row in rows)))
 
 
 def timeline_figure(sweep: SweepRows) -> go.Figure | None:
@@ -179,15 +180,15 @@ def timeline_figure(sweep: SweepRows) -> go.Figure | None:
                               panel, 1)
         counts.append(3 * len(by_gpu))
         shapes.append(_marks(row, timeline, start))
-    _chooser(fig, [row["label"] for row, _ in timelines], counts, shapes)
+    _chooser(fig, [row.label for row, _ in timelines], counts, shapes)
     fig.update_xaxes(title_text="seconds since the first sample", row=3, col=1)
     return _figure(fig, height=640)
 
 
-def _marks(row: dict[str, Any], timeline, start: float) -> list[dict]:
+def _marks(row: Row, timeline, start: float) -> list[dict]:
     """The measured window shaded where the row records it, else the process's start and end as lines."""
     every_panel = dict(xref="x", yref="paper", y0=0, y1=1)
-    window = (row.get("gpu_monitor") or {}).get("window")
+    window = (row.gpu_monitor or {}).get("window")
     if window:
         return [dict(type="rect", x0=window[0] - start, x1=window[1] - start, fillcolor="#ffd54f", opacity=0.25,
                      line=dict(width=0), **every_panel)]
@@ -197,9 +198,9 @@ def _marks(row: dict[str, Any], timeline, start: float) -> list[dict]:
                                                                              (int, float)):
         offset = header["started_monotonic_s"] - header["started_unix_s"] - start
         for field in ("started_at", "finished_at"):
-            if row.get(field):
+            if getattr(row, field):
                 try:
-                    moment = datetime.fromisoformat(row[field]).timestamp() + offset
+                    moment = datetime.fromisoformat(getattr(row, field)).timestamp() + offset
                 except ValueError:
                     continue
                 marks.append(dict(type="line", x0=moment, x1=moment, line=dict(dash="dot", color="#555"),
@@ -208,20 +209,20 @@ def _marks(row: dict[str, Any], timeline, start: float) -> list[dict]:
 
 
 def decode_figure(sweep: SweepRows) -> go.Figure | None:
-    rows = [row for row in _ok(sweep) if row["spec"]["mode"] == "infer"
-            and (row.get("throughput") or {}).get("decode_tokens_per_s")]
+    rows = [row for row in _ok(sweep) if row.spec["mode"] == "infer"
+            and (row.throughput or {}).get("decode_tokens_per_s")]
     if not rows:
         return None
     fig = go.Figure()
-    groups = _grouped(rows, lambda row: f"{row['spec']['model']} {row['spec']['precision']}, {layout_label(row)}")
+    groups = _grouped(rows, lambda row: f"{row.spec['model']} {row.spec['precision']}, {layout_label(row)}")
     for index, (name, group) in enumerate(groups.items()):
-        group = sorted(group, key=lambda row: row["spec"]["batch_size"])
-        batches = [row["spec"]["batch_size"] for row in group]
+        group = sorted(group, key=lambda row: row.spec["batch_size"])
+        batches = [row.spec["batch_size"] for row in group]
         colour = _COLOURS[index % len(_COLOURS)]
-        fig.add_trace(go.Scatter(x=batches, y=[row["throughput"]["decode_tokens_per_s"] for row in group],
-                                 mode="lines+markers", name=name, text=[row["label"] for row in group],
+        fig.add_trace(go.Scatter(x=batches, y=[row.throughput["decode_tokens_per_s"] for row in group],
+                                 mode="lines+markers", name=name, text=[row.label for row in group],
                                  line=dict(color=colour)))
-        roofline = [row["throughput"].get("decode_roofline_tokens_per_s") for row in group]
+        roofline = [row.throughput.get("decode_roofline_tokens_per_s") for row in group]
         if any(roofline):
             fig.add_trace(go.Scatter(x=batches, y=roofline, mode="lines+markers", name=f"{name}: bandwidth roofline",
                                      line=dict(color=colour, dash="dash"), marker=dict(symbol="line-ew-open", size=14)))
@@ -231,13 +232,13 @@ def decode_figure(sweep: SweepRows) -> go.Figure | None:
 
 
 def ladder_figure(sweep: SweepRows) -> go.Figure | None:
-    rows = [row for row in sweep.rows if len(row.get("attempts") or []) > 1]
+    rows = [row for row in sweep.rows if len(row.attempts or []) > 1]
     if not rows:
         return None
     fig = go.Figure()
-    for status in sorted({attempt.get("status") or "?" for row in rows for attempt in row["attempts"]}):
-        points = [(number, row["label"], f"{attempt.get('change')}: {(attempt.get('error') or status)[:200]}")
-                  for row in rows for number, attempt in enumerate(row["attempts"], start=1)
+    for status in sorted({attempt.get("status") or "?" for row in rows for attempt in row.attempts}):
+        points = [(number, row.label, f"{attempt.get('change')}: {(attempt.get('error') or status)[:200]}")
+                  for row in rows for number, attempt in enumerate(row.attempts, start=1)
                   if (attempt.get("status") or "?") == status]
         fig.add_trace(go.Scatter(x=[p[0] for p in points], y=[p[1] for p in points], text=[p[2] for p in points],
                                  mode="markers", name=status, hovertemplate="%{y}<br>attempt %{x}: %{text}",
@@ -251,13 +252,13 @@ def scaling_figure(sweep: SweepRows) -> go.Figure | None:
     if not any(world_size(row) > 1 for row in rows):
         return None
     fig = go.Figure()
-    groups = _grouped(rows, lambda row: f"{row['spec']['model']} {row['spec']['mode']} {row['spec']['precision']}")
+    groups = _grouped(rows, lambda row: f"{row.spec['model']} {row.spec['mode']} {row.spec['precision']}")
     symbols = {}
     for index, (name, group) in enumerate(groups.items()):
         group = sorted(group, key=world_size)
         fig.add_trace(go.Scatter(
             x=[world_size(row) for row in group], y=[headline(row)["tokens_per_s"] / world_size(row) for row in group],
-            mode="lines+markers", name=name, text=[f"{row['label']} ({layout_label(row)})" for row in group],
+            mode="lines+markers", name=name, text=[f"{row.label} ({layout_label(row)})" for row in group],
             marker=dict(size=11, symbol=[symbols.setdefault(layout_label(row), _SYMBOLS[len(symbols) % len(_SYMBOLS)])
                                          for row in group]),
             line=dict(color=_COLOURS[index % len(_COLOURS)])))

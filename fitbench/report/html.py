@@ -18,6 +18,7 @@ from fitbench.report.figures import FIGURES
 from fitbench.report.output import write_output
 from fitbench.report.provenance import provenance
 from fitbench.report.sweep import SweepRows, read_sweep
+from fitbench.results.terminal import NO_STEPS, Steps
 
 STYLE = """
 body { font-family: system-ui, sans-serif; margin: 1.5em auto; max-width: 1400px; color: #222; padding: 0 1em; }
@@ -103,11 +104,14 @@ def _warnings(warnings: list[str]) -> str:
             f"</section>")
 
 
-def plots(sweep: SweepRows) -> list[str]:
-    """One section per figure that has something to show; plotly's script inline before the first."""
+def plots(sweep: SweepRows, steps: Steps = NO_STEPS) -> list[str]:
+    """One section per figure that has something to show; plotly's script inline before the first.
+    Each figure is a step of ``steps``."""
     sections, script = [], True
+    steps.begin("plots", len(FIGURES))
     for plot in FIGURES:
         figure = plot.make(sweep)
+        steps.advance()
         if figure is None:
             continue
         body = figure.to_html(full_html=False, include_plotlyjs=script, div_id=f"plot-{plot.name}",
@@ -118,7 +122,7 @@ def plots(sweep: SweepRows) -> list[str]:
     return sections
 
 
-def write_html(rows_dir: str | Path, path: str | Path, analysis: str | None = None) -> Path:
+def write_html(rows_dir: str | Path, path: str | Path, analysis: str | None = None, steps: Steps = NO_STEPS) -> Path:
     """The report of the sweep in ``rows_dir`` written to ``path``; ``analysis`` (text) is shown under
     the provenance. Returns the path written; bad input is a ``UserError``."""
     sweep = read_sweep(rows_dir)
@@ -130,7 +134,7 @@ def write_html(rows_dir: str | Path, path: str | Path, analysis: str | None = No
     sections.append(f'<section id="rows"><h2>Rows</h2><p class="caption">Click a header to sort. Every field and '
                     f"raw sample is in results.jsonl.</p>{table(headers(html=True), [row_values(row, html=True) for row in sweep.rows], text_columns=5)}"
                     f"</section>")
-    sections += plots(sweep)
+    sections += plots(sweep, steps)
     return write_output(path, page(f"fitbench report: {sweep.directory}", sections), "--html")
 
 

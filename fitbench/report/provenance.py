@@ -7,6 +7,7 @@ from collections import Counter
 from typing import Any
 
 from fitbench.report.sweep import SweepRows
+from fitbench.results.row import Row
 
 
 def _joined(values: list[Any]) -> str:
@@ -15,7 +16,7 @@ def _joined(values: list[Any]) -> str:
 
 def provenance(sweep: SweepRows) -> list[tuple[str, str]]:
     rows = sweep.rows
-    environments = [row["environment"] for row in rows if row.get("environment")]
+    environments = [row.environment for row in rows if row.environment]
     devices = []
     for env in environments:
         names = Counter(gpu.get("name") for gpu in env.get("gpus") or [] if gpu.get("name"))
@@ -26,17 +27,17 @@ def provenance(sweep: SweepRows) -> list[tuple[str, str]]:
         return (f"torch {env.get('torch')} (CUDA {env.get('torch_cuda')}), transformers {env.get('transformers')}, "
                 f"driver {env.get('driver')}, Python {env.get('python')}")
 
-    started = sorted(row["started_at"] for row in rows if row.get("started_at"))
-    finished = sorted(row["finished_at"] for row in rows if row.get("finished_at"))
+    started = sorted(row.started_at for row in rows if row.started_at)
+    finished = sorted(row.finished_at for row in rows if row.finished_at)
     return [
         ("devices", _joined(devices)),
         ("versions", _joined([versions(env) for env in environments])),
         ("fitbench", _joined([f"{env.get('fitbench_version')} (commit {env.get('git_commit') or 'none'}"
                               f"{', with changes' if env.get('git_dirty') else ''})" for env in environments])),
-        ("commands", _joined([sweep.command] + [row.get("command") for row in rows])),
+        ("commands", _joined([sweep.command] + [row.command for row in rows])),
         ("ran", f"{started[0]} to {finished[-1]}" if started and finished else "-"),
         ("host", _joined([env.get("hostname") for env in environments])),
-        ("calibration", _joined([row.get("calibration") for row in rows])),
+        ("calibration", _joined([row.calibration for row in rows])),
         ("rows", f"{len(rows)} from {sweep.directory}" + (f"; {len(sweep.warnings)} damaged line(s), see the "
                                                            f"warnings" if sweep.warnings else "")),
     ]

@@ -10,11 +10,11 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
 
 from fitbench.errors import UserError, excerpt
 from fitbench.jsonfile import parse_json
 from fitbench.results.store import RESULTS_FILE, SWEEP_FILE, SWEEP_MAX_BYTES, ResultStore
+from fitbench.results.row import Row
 
 
 @dataclass
@@ -22,15 +22,15 @@ class SweepRows:
     """The rows of one sweep directory, the warnings reading them gave, and its saved command."""
 
     directory: Path
-    rows: list[dict[str, Any]]
+    rows: list[Row]
     warnings: list[str] = field(default_factory=list)
     command: str | None = None
 
-    def timeline(self, row: dict[str, Any]) -> Path | None:
+    def timeline(self, row: Row) -> Path | None:
         """The NVML timeline the row names (``gpu_monitor.timeline``), found in this directory by its
         place under ``artifacts/<key>/<attempt>/`` (the row holds the path it was written at, which a
         moved or committed folder no longer has), plain or gzipped; None when there is none."""
-        written = (row.get("gpu_monitor") or {}).get("timeline")
+        written = (row.gpu_monitor or {}).get("timeline")
         parts = Path(written).parts if isinstance(written, str) else ()
         if "artifacts" not in parts:
             return None
@@ -51,7 +51,7 @@ def read_sweep(directory: str | Path, option: str = "report DIR") -> SweepRows:
         raise UserError(f"{option}: {excerpt(str(directory), 200)} has no {RESULTS_FILE}, so it is not a "
                         f"sweep's directory; pass the --out directory of a `fitbench run`.")
     warnings: list[str] = []
-    rows = list(ResultStore(path, on_bad_line=warnings.append).rows())
+    rows = list(ResultStore(path, on_bad_line=warnings.append).typed_rows())
     if not rows:
         raise UserError(f"{option}: {excerpt(str(directory), 200)}/{RESULTS_FILE} holds no readable row"
                         + (f" ({warnings[0]})" if warnings else "") + "; pass the directory of a sweep that "

@@ -1,4 +1,5 @@
-"""Result rows as a terminal table and as CSV.
+"""Result rows (``fitbench.results.row.Row``, read through ``fitbench.results.store``) as a terminal
+table, CSV and Markdown.
 
 Rows keep raw samples; this module only chooses what to show. Per metric:
 training-style modes show the median step time and tokens/s of the step; ``infer`` shows the
@@ -24,21 +25,22 @@ from rich.console import Console, ConsoleOptions, RenderResult
 from rich.table import Table
 from rich.text import Text
 
+from fitbench.results.row import Row
 from fitbench.units import format_bytes, format_count, format_seconds
 
 CSV_FILE = "results.csv"
 
 
-def headline(row: dict[str, Any]) -> dict[str, Any]:
+def headline(row: Row) -> dict[str, Any]:
     """The few numbers a person compares first, whatever the mode."""
-    spec, timing, throughput = row["spec"], row.get("timing") or {}, row.get("throughput") or {}
+    spec, timing, throughput = row.spec, row.timing or {}, row.throughput or {}
     infer = spec["mode"] == "infer"
     time_stats = (timing.get("token_latency") if infer else timing.get("step")) or {}
     memory = ", ".join(_memory_parts(row))
     measured_peak = measured_gpu_peak(row)
-    predicted = (row.get("prediction") or {}).get("predicted_peak_bytes")
+    predicted = (row.prediction or {}).get("predicted_peak_bytes")
     error = 100 * (predicted - measured_peak) / measured_peak if predicted and measured_peak else None
-    forecast = (row.get("prediction") or {}).get("step_time_forecast_s")
+    forecast = (row.prediction or {}).get("step_time_forecast_s")
     measured_time = time_stats.get("median")
     mfu = throughput.get("prefill_mfu" if infer else "mfu")
     if mfu is None:
@@ -50,7 +52,7 @@ def headline(row: dict[str, Any]) -> dict[str, Any]:
         "mfu": mfu,
         "roofline": throughput.get("decode_roofline_percent"),
         "memory": memory,
-        "roofline_time": (row.get("prediction") or {}).get("step_time_estimate_s"),
+        "roofline_time": (row.prediction or {}).get("step_time_estimate_s"),
         "measured_peak": measured_peak,
         "predicted_peak": predicted,
         "prediction_error": error,
@@ -59,17 +61,17 @@ def headline(row: dict[str, Any]) -> dict[str, Any]:
     }
 
 
-def measured_gpu_peak(row: dict[str, Any]) -> float | None:
+def measured_gpu_peak(row: Row) -> float | None:
     """What the GPU gave the process at its peak: NVML's per-process figure (allocator reserved plus
     CUDA context), or, without NVML, the reserved peak plus the context the prediction assumed."""
-    gpus = (row.get("memory") or {}).get("gpus") or []
+    gpus = (row.memory or {}).get("gpus") or []
     if not gpus:
         return None
     if gpus[0].get("nvml_peak_used"):
         return float(gpus[0]["nvml_peak_used"])
     if gpus[0].get("peak_reserved") is None:
         return None
-    terms = (row.get("prediction") or {}).get("terms") or []
+    terms = (row.prediction or {}).get("terms") or []
     context = next((t.get("bytes") or 0 for t in terms if t.get("name") == "CUDA context"), 0)
     return float(gpus[0]["peak_reserved"]) + context
 
@@ -133,7 +135,7 @@ class _Column:
     the columns (0 first) for which are left out when even stacked cells do not fit."""
 
     header: tuple[str, ...]
-    cell: Callable[[dict[str, Any], dict[str, Any]], tuple[str, ...]]
+    cell: Callable[[Row, dict[str, Any]], tuple[str, ...]]
     keep: int
     justify: str = "right"
     words: bool = False  # text that may wrap at a narrow width; figures never do
@@ -144,14 +146,14 @@ class _Column:
         return " ".join(self.header)
 
 
-def _time_cell(row: dict[str, Any], head: dict[str, Any]) -> tuple[str, ...]:
+def _time_cell(row: Row, head: dict[str, Any]) -> tuple[str, ...]:
     if head["time"] is None:
         return ("-",)
     return (format_seconds(head["time"]),) + ((f"± {head['cv']:.1f}%",) if head["cv"] is not None else ())
 
 
-def _memory_parts(row: dict[str, Any]) -> tuple[str, ...]:
-    memory = row.get("memory") or {}
+def _memory_parts(row: Row) -> tuple[str, ...]:
+    memory = row.memory or {}
     gpus = memory.get("gpus") or []
     if gpus:
         return tuple(format_bytes(g.get("nvml_peak_used") or g.get("peak_reserved")) for g in gpus)
@@ -160,14 +162,14 @@ def _memory_parts(row: dict[str, Any]) -> tuple[str, ...]:
     return ()
 
 
-def _prediction_cell(row: dict[str, Any], head: dict[str, Any]) -> tuple[str, ...]:
+def _prediction_cell(row: Row, head: dict[str, Any]) -> tuple[str, ...]:
     if head["predicted_peak"] is None:
         return ("-",)
     error = (f"({head['prediction_error']:+.1f}%)",) if head["prediction_error"] is not None else ()
     return (format_bytes(head["predicted_peak"]),) + error
 
 
-def _forecast_cell(row: dict[str, Any], head: dict[str, Any]) -> tuple[str, ...]:
+def _forecast_cell(row: Row, head: dict[str, Any]) -> tuple[str, ...]:
     if head["forecast_time"] is None:
         return ("-",)
     error = (f"({head['forecast_error']:+.1f}%)",) if head["forecast_error"] is not None else ()
@@ -206,16 +208,16 @@ def _hyphenated(name: str) -> tuple[str, ...]:
 
 _COMMON = {
     "model": _Column(("model",), lambda row, head: _hyphenated(head["model"]), 0, "left", words=True, separator=""),
-    "params": _Column(("params",), lambda row, head: (format_count(row.get("params")),), 8),
-    "precision": _Column(("precision",), lambda row, head: _hyphenated(row["spec"]["precision"]), 2, "left",
+    "params": _Column(("params",), lambda row, head: (format_count(row.params),), 8),
+    "precision": _Column(("precision",), lambda row, head: _hyphenated(row.spec["precision"]), 2, "left",
                          separator=""),
-    "shape": _Column(("batch×seq",), lambda row, head: (_shape(row["spec"]),), 4),
+    "shape": _Column(("batch×seq",), lambda row, head: (_shape(row.spec),), 4),
     "tokens/s": _Column(("tokens/s",), lambda row, head: (_rate(head["tokens_per_s"]),), 2),
     "memory": _Column(("peak", "memory"), lambda row, head: _memory_parts(row) or ("-",), 3, separator=", "),
     "predicted": _Column(("predicted", "(error)"), _prediction_cell, 6),
     "forecast": _Column(("forecast",), _forecast_cell, 7),
     "roofline": _Column(("roofline",), lambda row, head: (format_seconds(head["roofline_time"]),), 9),
-    "status": _Column(("status",), lambda row, head: (row["status"],), 0, "left", words=True),
+    "status": _Column(("status",), lambda row, head: (row.status,), 0, "left", words=True),
 }
 # What a person compares first differs per mode: a training step's time, tokens/s and MFU; a decode
 # step's latency, decode tokens/s and how close it comes to the bandwidth roofline.
@@ -240,15 +242,15 @@ class ResultsTable:
     stacked under it where not, and columns left out, named under the table, when even that is too
     wide. A figure is shown whole or not at all; rich would otherwise cut it ("64… ms ± 93…")."""
 
-    def __init__(self, rows: Iterable[dict[str, Any]], title: str = "fitbench results"):
+    def __init__(self, rows: Iterable[Row], title: str = "fitbench results"):
         self.rows = list(rows)
         self.title = title
 
     def __rich_console__(self, console: Console, options: ConsoleOptions) -> RenderResult:
-        names = short_names(row["spec"]["model"] for row in self.rows)
-        by_mode: dict[str, list[dict[str, Any]]] = {}
+        names = short_names(row.spec["model"] for row in self.rows)
+        by_mode: dict[str, list[Row]] = {}
         for row in self.rows:
-            by_mode.setdefault(row["spec"]["mode"], []).append(row)
+            by_mode.setdefault(row.spec["mode"], []).append(row)
         if not by_mode:
             yield Text(f"{self.title}: no rows")
         for index, (mode, rows) in enumerate(by_mode.items()):
@@ -256,9 +258,9 @@ class ResultsTable:
                 yield Text()
             yield self._table(mode, rows, names, options.max_width)
 
-    def _table(self, mode: str, rows: list[dict[str, Any]], names: dict[str, str], width: int) -> Table:
+    def _table(self, mode: str, rows: list[Row], names: dict[str, str], width: int) -> Table:
         columns = list(_INFER_COLUMNS if mode == "infer" else _TRAINING_COLUMNS)
-        cells = [table_cells(row, names[row["spec"]["model"]]) for row in rows]
+        cells = [table_cells(row, names[row.spec["model"]]) for row in rows]
         words_cap = max(10, min(MODEL_NAME_CAP, width // 4))
         shown, stacked, widths = _layout(columns, cells, width, words_cap)
         table = Table(title=f"{self.title} · {mode}", title_justify="left", box=box.SIMPLE_HEAD,
@@ -271,7 +273,7 @@ class ResultsTable:
         # a row taller than a figure and its spread reads as one row only with room between rows
         table.leading = int(any(len(row_cells[c]) > 2 for row_cells in cells for c in stacked))
         for row, row_cells in zip(rows, cells):
-            status_style = "" if row["status"] == "ok" else "red"
+            status_style = "" if row.status == "ok" else "red"
             table.add_row(*(Text(("\n" if c in stacked else columns[c].separator).join(row_cells[c]),
                                  style=status_style if columns[c].name == "status" else "") for c in shown))
         left_out = [columns[c].name for c in range(len(columns)) if c not in shown]
@@ -282,10 +284,10 @@ class ResultsTable:
         return table
 
 
-def table_cells(row: dict[str, Any], model: str) -> list[tuple[str, ...]]:
+def table_cells(row: Row, model: str) -> list[tuple[str, ...]]:
     """The cells of ``row`` in its mode's table, each a few parts, with ``model`` for its name."""
     head = {**headline(row), "model": model}
-    return [column.cell(row, head) for column in (_INFER_COLUMNS if row["spec"]["mode"] == "infer"
+    return [column.cell(row, head) for column in (_INFER_COLUMNS if row.spec["mode"] == "infer"
                                                   else _TRAINING_COLUMNS)]
 
 
@@ -336,20 +338,20 @@ def _width(column: _Column, cells: list[tuple[str, ...]], stacked: bool, words_c
     return natural
 
 
-def results_table(rows: Iterable[dict[str, Any]], title: str = "fitbench results") -> ResultsTable:
+def results_table(rows: Iterable[Row], title: str = "fitbench results") -> ResultsTable:
     return ResultsTable(rows, title)
 
 
-def flat_frame(rows: Iterable[dict[str, Any]]) -> pd.DataFrame:
+def flat_frame(rows: Iterable[Row]) -> pd.DataFrame:
     """One column per field (``spec.model``, ``throughput.mfu``...); what stays nested (the list
     ``memory.gpus``, an empty dict) is a JSON cell, which any CSV reader's user can parse back, as a
     Python repr is not. Raw samples stay in the JSONL only."""
     trimmed = []
     for row in rows:
-        row = dict(row)
-        if isinstance(row.get("timing"), dict):
-            row["timing"] = {k: v for k, v in row["timing"].items() if k != "samples"}
-        trimmed.append(row)
+        fields = row.as_dict()
+        if isinstance(fields.get("timing"), dict):
+            fields["timing"] = {k: v for k, v in fields["timing"].items() if k != "samples"}
+        trimmed.append(fields)
     frame = pd.json_normalize(trimmed, sep=".")
     return frame.map(_json_cell)
 
@@ -358,7 +360,7 @@ def _json_cell(value: Any) -> Any:
     return json.dumps(value, default=str) if isinstance(value, (dict, list, tuple)) else value
 
 
-def write_csv(rows: Iterable[dict[str, Any]], directory: str | Path) -> Path:
+def write_csv(rows: Iterable[Row], directory: str | Path) -> Path:
     path = Path(directory) / CSV_FILE
     flat_frame(rows).to_csv(path, index=False)
     return path
@@ -368,13 +370,13 @@ def _percent(value: float | None, scale: float = 100.0) -> str:
     return f"{scale * value:.1f}%" if value is not None else "-"
 
 
-def markdown_report(rows: list[dict[str, Any]]) -> str:
+def markdown_report(rows: list[Row]) -> str:
     """A Markdown table of the rows, with the command and environment they came from."""
     if not rows:
         return "(no results)\n"
     lines = []
-    env = next((row["environment"] for row in rows if row.get("environment")), {})
-    commands = sorted({row["command"] for row in rows if row.get("command")})
+    env = next((row.environment for row in rows if row.environment), {})
+    commands = sorted({row.command for row in rows if row.command})
     lines.append(f"Command: `{'`, `'.join(commands)}`  " if commands else "Command: -  ")
     if env:
         gpus = ", ".join(g["name"] for g in env.get("gpus") or [] if g.get("name")) or env.get("cpu_model") or "cpu"
@@ -389,7 +391,7 @@ def markdown_report(rows: list[dict[str, Any]]) -> str:
     lines.append("| " + " | ".join(columns) + " |")
     lines.append("|" + "---|" * len(columns))
     for row in rows:
-        spec, head, throughput = row["spec"], headline(row), row.get("throughput") or {}
+        spec, head, throughput = row.spec, headline(row), row.throughput or {}
         infer = spec["mode"] == "infer"
         shape = f"{spec['batch_size']}×{spec['seq_len']}" + (_new_tokens(spec) if infer else "")
         if spec.get("activation_checkpointing"):
@@ -399,19 +401,19 @@ def markdown_report(rows: list[dict[str, Any]]) -> str:
             + (f" ± {head['cv']:.1f}%" if head["cv"] is not None else ""))
         mfu = throughput.get("prefill_mfu" if infer else "mfu")
         cells = (
-            spec["model"], format_count(row.get("params")), spec["mode"], spec["precision"], shape, timing,
+            spec["model"], format_count(row.params), spec["mode"], spec["precision"], shape, timing,
             format_seconds(head["roofline_time"]),
             f"{head['tokens_per_s']:,.0f}" if head["tokens_per_s"] else "-",
             _percent(mfu) + (" (prefill)" if infer and mfu else ""),
             _percent(throughput.get("prefill_mfu_measured_peak" if infer else "mfu_measured_peak")),
             _percent(throughput.get("decode_roofline_percent"), 1.0),
-            _percent((row.get("weights") or {}).get("relative_to_bf16")),
-            quality_summary(row.get("quality")),
+            _percent((row.weights or {}).get("relative_to_bf16")),
+            quality_summary(row.quality),
             format_bytes(head["measured_peak"]), format_bytes(head["predicted_peak"]),
             f"{head['prediction_error']:+.1f}%" if head["prediction_error"] is not None else "-",
             format_seconds(head["forecast_time"]),
             f"{head['forecast_error']:+.1f}%" if head["forecast_error"] is not None else "-",
-            row["status"],
+            row.status,
         )
         lines.append("| " + " | ".join(cells) + " |")
     return "\n".join(lines) + "\n"

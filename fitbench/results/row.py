@@ -26,7 +26,9 @@ from __future__ import annotations
 
 from typing import Any, Literal, get_args
 
-from pydantic import BaseModel, ConfigDict
+from pydantic import BaseModel, ConfigDict, ValidationError
+
+from fitbench.errors import excerpt
 
 SCHEMA_VERSION = 1
 
@@ -128,3 +130,53 @@ def version(row: dict[str, Any]) -> int:
     """The schema version ``row`` was written in: 0 for a row from before versions (it has none)."""
     value = row.get("schema_version")
     return value if isinstance(value, int) and not isinstance(value, bool) else 0
+
+
+def typed_row(fields: dict[str, Any]) -> tuple[Row, list[str]]:
+    """The ``Row`` of a row read from a file, whose identity has been checked
+    (``fitbench.results.schema.check_row``: ``key``, ``status`` and ``spec``), and what of it was left
+    out, each as "`field` is value, why". Nothing makes it fail:
+
+    - a field of the wrong kind is left out (the whole top-level field, named by the part at fault);
+      null is blank without a word, as in ``check_row`` (a null item of a list is left out of it);
+    - a field this fitbench does not declare is left out, named only in a row of this version or
+      older (the store already says a newer row is read for the fields this version knows);
+    - a status this fitbench does not know is kept as written, and named;
+    - a missing ``label`` is the ``key``; a missing ``schema_version`` stays 0 (``version``).
+    """
+    given = dict(fields)
+    given.setdefault("label", given["key"])
+    given["schema_version"] = version(given)
+    status = given["status"]
+    if status not in get_args(Status):
+        given["status"] = "error"  # validated as a known one, put back as written below
+    problems = [] if status in get_args(Status) else [f"`status` is {excerpt(status, 24)}, which this fitbench "
+                                                      f"does not know"]
+    while True:
+        try:
+            row = Row.model_validate(given)
+            break
+        except ValidationError as error:
+            faulty = {problem["loc"][0] for problem in error.errors()} & (given.keys() - {"key", "spec"})
+            if not faulty:
+                raise  # no identity: check_row's to refuse first
+            for problem in error.errors():
+                field = problem["loc"][0]
+                if field not in faulty:
+                    continue
+                faulty.discard(field)  # one note per field; the next pass sees what is left
+                if problem["input"] is None and len(problem["loc"]) == 2:
+                    given[field] = [item for item in given[field] if item is not None]
+                    continue
+                if problem["type"] == "extra_forbidden":
+                    if version(given) <= SCHEMA_VERSION:
+                        problems.append(f"`{field}` is a field this fitbench does not know")
+                elif problem["input"] is not None:
+                    where = "".join(f"[{part}]" if isinstance(part, int) else f".{part}" for part in problem["loc"])
+                    problems.append(f"`{where.lstrip('.')}` is {excerpt(problem['input'], 24)}, "
+                                    f"{problem['msg'][0].lower()}{problem['msg'][1:]}")
+                del given[field]
+            given.setdefault("label", given["key"])
+    if row.status != status:
+        row = row.model_copy(update={"status": status})
+    return row, problems

@@ -14,11 +14,13 @@ lines, so it replaces a line of its key that says the job was stopped.
 
 The file outlives the code that wrote it and the people who edit it: a line that is not a row (cut
 short by a kill, not JSON, not UTF-8, not an object with a ``key``, a ``status`` and a ``spec``) is
-skipped, and a row with damaged fields is read with them blank (``fitbench.results.schema``); either
-is reported once through ``on_bad_line``, with its line number and the fields, and everything else
-still reads. Rows of every schema version read (``fitbench.results.row``): those from before
-versions as version 0, and one from a newer fitbench for the fields this one knows, reported the
-same way. A write that fails (a full disk) leaves the file as it was before the write began.
+skipped, and a row with damaged fields is read with them blank (``fitbench.results.schema``, then
+``fitbench.results.row.typed_row`` for the fields no report reads); either is reported once through
+``on_bad_line``, with its line number and the fields, and everything else still reads. Rows of
+every schema version read (``fitbench.results.row``): those from before versions as version 0, and
+one from a newer fitbench for the fields this one knows, reported the same way. ``rows`` gives each row as the dict it was written as (its damaged fields dropped);
+``typed_rows`` gives the same rows as ``Row``, which the renderers read. A write that fails (a full
+disk) leaves the file as it was before the write began.
 
 One sweep at a time per directory: ``lock`` takes an exclusive ``flock`` on ``fitbench.lock``,
 which holds the holder's PID. The kernel releases it when the holder exits, however it exits, so
@@ -36,7 +38,7 @@ from typing import Any, Callable, Iterator
 
 from fitbench.errors import UserError, excerpt
 from fitbench.jsonfile import parse_json, read_json
-from fitbench.results.row import RERUN_STATUSES, SCHEMA_VERSION, version
+from fitbench.results.row import RERUN_STATUSES, SCHEMA_VERSION, Row, typed_row, version
 from fitbench.results.schema import check_row
 
 RESULTS_FILE = "results.jsonl"
@@ -52,21 +54,27 @@ DISK_ERRORS = {errno.ENOSPC, errno.EFBIG, errno.EDQUOT, errno.EROFS}
 WARNINGS_MAX = 10
 
 
-def _row_problem(line: bytes) -> tuple[dict[str, Any] | None, str]:
-    """The row on ``line`` (its damaged fields dropped: ``fitbench.results.schema``) and what was
-    dropped, or None and why it is not a row."""
+# A row as read: the fields written (those a report reads checked) and the same row typed.
+Read = tuple[dict[str, Any], Row]
+
+
+def _row_problem(line: bytes) -> tuple[Read | None, str]:
+    """The row on ``line`` (its damaged fields dropped: ``fitbench.results.schema``, then
+    ``typed_row``) and what was dropped, or None and why it is not a row."""
     value, problem = parse_json(line)
     if problem:
         return None, problem
     row, problem, dropped = check_row(value)
     if problem:
         return None, problem
+    typed, left_out = typed_row(row)
+    dropped += left_out
     shown = "; ".join(dropped[:3]) + (f"; and {len(dropped) - 3} more" if len(dropped) > 3 else "")
     problems = [f"has {shown}; shown blank"] if dropped else []
     if version(row) > SCHEMA_VERSION:
         problems.insert(0, f"has schema version {version(row)}, newer than this fitbench's {SCHEMA_VERSION}: read "
                            f"for the fields this version knows (a newer fitbench reads them all)")
-    return row, "; ".join(problems)
+    return (row, typed), "; ".join(problems)
 
 
 def _bounded_lines(handle) -> Iterator[bytes]:
@@ -136,15 +144,22 @@ class ResultStore:
         """Every complete row, those of ``results.jsonl`` then the jobs' files, but one of
         ``RERUN_STATUSES`` that a later row of its key replaced; any other line is skipped, damaged
         fields are left out (see the module's docstring)."""
+        return (fields for fields, _ in self._read())
+
+    def typed_rows(self) -> Iterator[Row]:
+        """The rows of ``rows``, typed."""
+        return (typed for _, typed in self._read())
+
+    def _read(self) -> Iterator[Read]:
         rows = [*self._lines(), *self._job_rows()]
         later = {}
-        for index, row in enumerate(rows):
-            later[row.get("key")] = index
-        for index, row in enumerate(rows):
-            if row.get("status") not in RERUN_STATUSES or later[row.get("key")] == index:
-                yield row
+        for index, (_, row) in enumerate(rows):
+            later[row.key] = index
+        for index, (fields, row) in enumerate(rows):
+            if row.status not in RERUN_STATUSES or later[row.key] == index:
+                yield fields, row
 
-    def _job_rows(self) -> Iterator[dict[str, Any]]:
+    def _job_rows(self) -> Iterator[Read]:
         directory = self.directory / JOB_ROWS
         if not directory.is_dir():
             return
@@ -161,7 +176,7 @@ class ResultStore:
                 if self.on_bad_line:
                     self.on_bad_line(f"{path} {problem}" + ("; skipped" if row is None else ""))
 
-    def _lines(self) -> Iterator[dict[str, Any]]:
+    def _lines(self) -> Iterator[Read]:
         if not self.path.exists():
             return
         try:

@@ -1,14 +1,15 @@
-"""How far a sweep has come, for the live display and for logs.
+"""How far a sweep (or any long command) has come, for the live display and for logs.
 
 A sweep of large models runs for hours, often with its output in a log file rather than a
 terminal; either way a person wants how many configurations are done, for how long it has run,
-and about how long is left.
+and about how long is left. The report of a large sweep and a comparison take minutes; they tell
+their steps through ``Steps`` and are timed by the same ``SweepClock``.
 """
 
 from __future__ import annotations
 
 import time
-from typing import Callable
+from typing import Callable, Protocol
 
 from rich.progress import ProgressColumn, Task
 from rich.table import Column
@@ -83,3 +84,24 @@ class EtaColumn(ProgressColumn):
 
     def render(self, task: Task) -> Text:
         return Text(self.clock.eta() if task.fields.get("eta") else "", style="progress.remaining")
+
+
+class Steps(Protocol):
+    """What a long computation tells as it goes (``fitbench.report``): a stage of ``total`` equal
+    steps begins (``begin``), and each step ends (``advance``). A display shows the stage's progress
+    and its time left (``SweepClock``); ``NO_STEPS`` shows nothing."""
+
+    def begin(self, what: str, total: int) -> None: ...
+
+    def advance(self) -> None: ...
+
+
+class _NoSteps:
+    def begin(self, what: str, total: int) -> None:
+        pass
+
+    def advance(self) -> None:
+        pass
+
+
+NO_STEPS: Steps = _NoSteps()
