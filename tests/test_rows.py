@@ -90,9 +90,9 @@ def test_a_row_the_type_does_not_fit_is_typed_with_what_it_left_out_named():
     from fitbench.results.row import typed_row
 
     base = committed_rows()[0]
-    row, problems = typed_row({**base, "status": "preempted", "exit_code": "none", "attempts": ["text"],
+    row, problems = typed_row({**base, "status": "paused", "exit_code": "none", "attempts": ["text"],
                                "loss": [1.0, None], "colour": "red"})
-    assert row.status == "preempted" and row.exit_code is None and row.attempts is None and row.loss == [1.0]
+    assert row.status == "paused" and row.exit_code is None and row.attempts is None and row.loss == [1.0]
     assert row.spec == base["spec"] and row.timing == base.get("timing")
     assert [problem.split(" is ")[0] for problem in problems] == ["`status`", "`exit_code`", "`attempts[0]`",
                                                                   "`colour`"]
