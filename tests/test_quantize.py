@@ -29,7 +29,7 @@ from fitbench.models.hf import build_hf
 from fitbench.models.native import build_native, init_random_weights, meta_model
 from fitbench.models.registry import resolve
 from fitbench.plan.memory import estimate_memory
-from fitbench.precisions import hardware_problem
+from fitbench.precisions import entry
 from fitbench.results.store import ResultStore
 from fitbench.run import worker
 from fitbench.run.loops import random_tokens
@@ -547,21 +547,21 @@ def test_worker_reports_a_checkpoint_and_its_perplexity(backend, tmp_path, tiny_
 
 def test_hardware_problem_messages():
     for precision in ("fp8", "fp8-block"):
-        message = hardware_problem(precision, "cpu", None)
+        message = entry(precision).hardware_problem("cpu", None)
         assert message and precision in message and "compute capability 8.9" in message and "CPU" in message
-    message = hardware_problem("int4", "cpu", None)
+    message = entry("int4").hardware_problem("cpu", None)
     assert message and "CUDA GPUs" in message
     for precision in CPU_PRECISIONS + ("fp4", "bf16", "fp32"):
-        assert hardware_problem(precision, "cpu", None) is None
+        assert entry(precision).hardware_problem("cpu", None) is None
 
     for precision in ("fp8", "fp8-block"):
-        message = hardware_problem(precision, "cuda", (8, 0))
+        message = entry(precision).hardware_problem("cuda", (8, 0))
         assert message and "8.0" in message and "8.9" in message
-        assert "8.6" in hardware_problem(precision, "cuda", (8, 6))
-        assert hardware_problem(precision, "cuda", (8, 9)) is None
-        assert hardware_problem(precision, "cuda", (9, 0)) is None
-        assert hardware_problem(precision, "cuda", (10, 0)) is None
-    assert hardware_problem("int4", "cuda", (8, 0)) is None
+        assert "8.6" in entry(precision).hardware_problem("cuda", (8, 6))
+        assert entry(precision).hardware_problem("cuda", (8, 9)) is None
+        assert entry(precision).hardware_problem("cuda", (9, 0)) is None
+        assert entry(precision).hardware_problem("cuda", (10, 0)) is None
+    assert entry("int4").hardware_problem("cuda", (8, 0)) is None
 
 
 def test_hardware_refusals_by_spec_key():
@@ -628,16 +628,15 @@ def test_cli_refuses_training_int4(tmp_path, capsys, monkeypatch):
 def test_int8_weight_only_is_an_inference_precision_beside_llm_int8():
     from fitbench.plan.memory import Parallelism
     from fitbench.plan.speed import estimate_step_time
-    from fitbench.precisions import (data_parallel_problem, graph_problem, peak_kind, pipeline_problem,
-                                     tensor_parallel_problem, training_problem)
+    from fitbench.precisions.layouts import data_parallel_problem, pipeline_problem, tensor_parallel_problem
 
-    assert training_problem("int8-weight-only") and "fp8" in training_problem("int8-weight-only")
+    assert entry("int8-weight-only").training_problem and "fp8" in entry("int8-weight-only").training_problem
     assert "torchao" in tensor_parallel_problem("int8-weight-only", "infer")
     assert "torchao" in data_parallel_problem("fsdp", "int8-weight-only", "forward")
     assert pipeline_problem("int8-weight-only", "infer") is None
-    assert graph_problem("int8-weight-only") is None and graph_problem("int8") is not None
-    assert peak_kind("int8-weight-only", "infer") == "bf16"
-    assert hardware_problem("int8-weight-only", "cpu", None) is None
+    assert entry("int8-weight-only").graph_problem is None and entry("int8").graph_problem is not None
+    assert entry("int8-weight-only").peak_kind("infer") == "bf16"
+    assert entry("int8-weight-only").hardware_problem("cpu", None) is None
 
     # int8-dynamic's storage, read once in the roofline (an eager step's bf16 copy is the forecast's)
     arch, gpu = resolve("7B"), "NVIDIA H200"
@@ -653,19 +652,18 @@ def test_int8_weight_only_is_an_inference_precision_beside_llm_int8():
 def test_fp8_weight_only_is_an_inference_precision_that_needs_no_float8_tensor_cores():
     from fitbench.plan.memory import Parallelism
     from fitbench.plan.speed import estimate_step_time
-    from fitbench.precisions import (data_parallel_problem, graph_problem, peak_kind, pipeline_problem,
-                                     tensor_parallel_problem, training_problem)
+    from fitbench.precisions.layouts import data_parallel_problem, pipeline_problem, tensor_parallel_problem
 
-    assert training_problem("fp8-weight-only") and "fp8" in training_problem("fp8-weight-only")
+    assert entry("fp8-weight-only").training_problem and "fp8" in entry("fp8-weight-only").training_problem
     assert "torchao" in tensor_parallel_problem("fp8-weight-only", "infer")
     assert "torchao" in data_parallel_problem("fsdp", "fp8-weight-only", "forward")
     assert "torchao" in data_parallel_problem("ddp", "fp8-weight-only", "forward")
     assert pipeline_problem("fp8-weight-only", "infer") is None
-    assert graph_problem("fp8-weight-only") is None
-    assert peak_kind("fp8-weight-only", "infer") == "bf16"
+    assert entry("fp8-weight-only").graph_problem is None
+    assert entry("fp8-weight-only").peak_kind("infer") == "bf16"
     for device, capability in (("cpu", None), ("cuda", (8, 0)), ("cuda", (9, 0))):
-        assert hardware_problem("fp8-weight-only", device, capability) is None
-    assert hardware_problem("fp8", "cuda", (8, 0)) is not None
+        assert entry("fp8-weight-only").hardware_problem(device, capability) is None
+    assert entry("fp8").hardware_problem("cuda", (8, 0)) is not None
 
     # fp8's storage, read once in the roofline (an eager step's fp32 and bf16 copies are the forecast's)
     arch, gpu = resolve("7B"), "NVIDIA H200"
@@ -676,3 +674,17 @@ def test_fp8_weight_only_is_an_inference_precision_that_needs_no_float8_tensor_c
 
     assert decode("fp8-weight-only").memory_s == pytest.approx(decode("fp8").memory_s)
     assert decode("fp8-weight-only").memory_s < decode("bf16-pure").memory_s
+
+
+def test_every_quantized_entry_is_served_by_its_librarys_converter():
+    """A quantized entry names its library; that library's converter (``fitbench.run.quantize``) has its
+    layer or config, and serves no name the registry lacks."""
+    from fitbench.precisions import ENTRIES
+    from fitbench.run.quantize import CONVERTERS, bitsandbytes, torchao
+
+    served = {"bitsandbytes": set(bitsandbytes.LAYERS), "torchao": set(torchao.CONFIGS)}
+    assert set(served) == set(CONVERTERS)
+    quantized = {name for name, precision in ENTRIES.items() if precision.quantized}
+    for name in quantized:
+        assert name in served[ENTRIES[name].library], name
+    assert set().union(*served.values()) == quantized
