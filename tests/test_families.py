@@ -58,6 +58,8 @@ def storage_rule(precision: str, rows: int, columns: int) -> float:
         return elements / 2 + 4 * elements / 128  # bf16 scale and zero point per group of 128
     if precision == "fp8-block":
         return elements + 4 * math.ceil(rows / 128) * math.ceil(columns / 128)
+    if precision == "int8-dynamic-int4":
+        return elements + 3 * elements / 32  # int4 held in int8; bf16 scale and int8 zero point per group of 32
     raise ValueError(precision)
 
 

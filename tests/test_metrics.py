@@ -389,7 +389,8 @@ def test_the_worker_divides_int8_by_the_int8_peak(tmp_path):
 
 INFERENCE_KIND = {"fp32": "fp32", "tf32": "tf32", "bf16": "bf16", "fp16": "fp16", "bf16-pure": "bf16",
                   "int8": "int8", "int8-dynamic": "int8", "fp8": "fp8", "fp8-block": "fp8",
-                  "int4": "bf16", "int8-weight-only": "bf16", "fp8-weight-only": "bf16", "nf4": "bf16", "fp4": "bf16"}
+                  "int4": "bf16", "int8-weight-only": "bf16", "fp8-weight-only": "bf16", "nf4": "bf16", "fp4": "bf16",
+                  "int8-dynamic-int4": "bf16"}
 TRAINING_KIND = {"fp32": "fp32", "tf32": "tf32", "bf16": "bf16", "fp16": "fp16", "bf16-pure": "bf16",
                  "fp8": "fp8", "int8": "bf16", "nf4": "bf16", "fp4": "bf16"}
 

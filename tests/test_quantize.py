@@ -29,7 +29,7 @@ from fitbench.models.hf import build_hf
 from fitbench.models.native import build_native, init_random_weights, meta_model
 from fitbench.models.registry import resolve
 from fitbench.plan.memory import estimate_memory
-from fitbench.precisions import entry
+from fitbench.precisions import DEFAULT_LADDER, entry
 from fitbench.results.store import ResultStore
 from fitbench.run import worker
 from fitbench.run.loops import random_tokens
@@ -688,3 +688,59 @@ def test_every_quantized_entry_is_served_by_its_librarys_converter():
     for name in quantized:
         assert name in served[ENTRIES[name].library], name
     assert set().union(*served.values()) == quantized
+
+
+def test_int4_weights_with_int8_dynamic_activations_convert_on_a_cpu_as_their_entry_says():
+    """int8-dynamic-int4 (torchao's Int8DynamicActivationIntxWeightConfig, int4 weights): converted on a CPU,
+    its storage is the entry's, its matmul near bf16's; one token through the largest matrix of tiny writes
+    the three dequantized bf16 copies the eager decode format reads back (each written once and read once)
+    and holds two at once, the memory planner's term."""
+    from fitbench.plan.forecast import decode_format
+
+    arch = resolve("tiny")
+    rows, columns = arch.ffn_size, arch.hidden_size
+    torch.manual_seed(0)
+    linear = nn.Sequential(nn.Linear(columns, rows, bias=False, dtype=torch.bfloat16))
+    model = copy.deepcopy(linear)
+    quantize_linears(model, "int8-dynamic-int4", CPU)
+    q = model[0].weight
+    assert q.qdata.dtype == torch.int8 and int(q.qdata.min()) >= -8 and int(q.qdata.max()) <= 7
+    stored = sum(t.untyped_storage().nbytes() for t in (q.qdata, q.scale, q.zero_point))
+    assert stored == entry("int8-dynamic-int4").storage.matrix_bytes(rows, columns)
+    x = torch.randn(1, columns, dtype=torch.bfloat16)
+    with torch.no_grad():
+        assert 0 < relative_error(model(x), linear(x)) < 0.15  # 16 levels per group of 32, as nf4's 64
+        with CopiesMade() as copies:
+            model(x)
+    elements = rows * columns
+    copied = decode_format("int8-dynamic-int4", "eager", 1).dequantized * elements
+    assert copied <= 2 * copies.written < copied + 64 * rows  # and a few tensors of one row: input copies, output
+    terms = {term.name: term.bytes for term in estimate_memory(arch, "infer", "int8-dynamic-int4", BATCH, SEQ,
+                                                               new_tokens=NEW).terms}
+    assert copies.peak == pytest.approx(terms["dequantized weight"], rel=0.02)
+
+
+def test_int4_weights_with_int8_dynamic_activations_plan_and_refuse_as_torchao_inference_tensors():
+    """Planned on an H100 for inference, its 7B weights above int8-dynamic's (int4 held in int8); refused for training and every
+    sharding layout (a torchao inference tensor), runnable on any device, decoded in a CUDA graph."""
+    from fitbench.plan.memory import Parallelism
+    from fitbench.plan.speed import estimate_step_time
+    from fitbench.precisions.layouts import data_parallel_problem, offload_problem, tensor_parallel_problem
+
+    facts = entry("int8-dynamic-int4")
+    assert facts.library == "torchao" and facts.weight_only and facts.peak_kind("infer") == "bf16"
+    assert facts.training_problem and "no backward pass" in facts.training_problem
+    assert "torchao" in tensor_parallel_problem("int8-dynamic-int4", "infer")
+    assert "torchao" in data_parallel_problem("ddp", "int8-dynamic-int4", "forward")
+    assert offload_problem("infer", "int8-dynamic-int4", "native", False)
+    assert facts.graph_problem is None and "int8-dynamic-int4" not in DEFAULT_LADDER["infer"]
+    for device, capability in (("cpu", None), ("cuda", (8, 0)), ("cuda", (9, 0))):
+        assert facts.hardware_problem(device, capability) is None
+    arch = resolve("7B")
+    weights = {p: {t.name: t.bytes for t in estimate_memory(arch, "infer", p, 1, 512, new_tokens=32).terms}["weights"]
+               for p in ("int8-dynamic-int4", "int8-dynamic", "int4", "bf16-pure")}
+    # int4 values held in int8, with a scale and a zero point per group of 32: more than int8's per row
+    assert weights["int4"] < weights["int8-dynamic"] < weights["int8-dynamic-int4"] < weights["bf16-pure"]
+    step = estimate_step_time(arch, "infer", "int8-dynamic-int4", 1, 128, new_tokens=16, parallelism=Parallelism(),
+                              gpu_name="NVIDIA H100 80GB HBM3")
+    assert step.tokens_per_s > 0

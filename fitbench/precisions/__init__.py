@@ -242,6 +242,28 @@ _ENTRIES = (
         decode=DecodeFormats(eager=DecodeFormat(1.0, 7.3, 0, "as fp8: Llama-2-7B batch 1 on an H100 10.75 ms "
                                                              "against fp8's 10.35 (2026-11-22-h100-quantized-decode)")),
         device=_float8_cores("fp8-block")),
+    # torchao 0.18's Int8DynamicActivationIntxWeightConfig with int4 weights (its "8da4w"), read in
+    # quantize_/workflows/intx/intx_unpacked_to_int8_tensor.py, not run on a GPU: ``IntxUnpackedToInt8Tensor``
+    # keeps the int4 values in int8 (1 B per element), a bf16 scale and an int8 zero point per group of 32
+    # (checked by converting on a CPU). Its matmul quantizes the input per token to int8 and dequantizes it
+    # again, dequantizes the weight to bf16 (``dequantize_affine``: cast, minus the zero point, times the
+    # scale, two bf16 copies alive at once) and calls ``F.linear``: plain PyTorch operators, on any device,
+    # none of them syncing with the host or changing shape with the data. Counted from that code, not timed
+    # or measured: the build's quantize_affine holds two bf16 copies of the matrix (4 B); an eager decode
+    # step writes and reads the weight's three copies (2 + 2 + 2 + 2 + 2 + 2 B) in 3 kernels, and about 22
+    # more quantize and dequantize each input. The input's own quantize-dequantize copies at prefill are not
+    # in the memory model.
+    _quantized(
+        "int8-dynamic-int4", "torchao int4 weights held in int8, groups of 32, activations int8 per token, "
+        "quantized and dequantized; bf16 matmuls on the dequantized weight", library="torchao", training=None,
+        peak_kinds=("bf16", None),
+        storage=StorageFormat(8, 2 + 1, 32, "torchao int4 weights unpacked to int8, a bf16 scale and an int8 zero "
+                                            "point per group of 32"),
+        build_temporary_bytes=2 + 2,
+        decode=DecodeFormats(eager=DecodeFormat(1.0, 3 + 22, 2 + 2 + 2 + 2 + 2 + 2, "torchao 0.18's "
+                                                "IntxUnpackedToInt8Tensor matmul, counted from the code, not timed")),
+        dequantized=DequantizedCopy(2 + 2, "torchao dequantizes the int8-held int4 weight to bf16 at every matmul, "
+                                           "two bf16 copies at once")),
 )
 ENTRIES: dict[str, Precision] = {precision.name: precision for precision in _ENTRIES}
 PRECISIONS: tuple[str, ...] = tuple(ENTRIES)

@@ -8,7 +8,9 @@ fp8 training's float8 linears (``float8_training``).
 - ``fp8``: float8 e4m3, per-row scales, dynamic activations; fp8 matmuls (compute capability >= 8.9);
 - ``fp8-weight-only``: float8 e4m3, per-row scales, activations left bf16; the weight cast to fp32,
   scaled and cast to bf16 for the matmul;
-- ``fp8-block``: float8 e4m3, 128 x 128 weight blocks, 1 x 128 activation blocks; fp8 matmuls (>= 8.9).
+- ``fp8-block``: float8 e4m3, 128 x 128 weight blocks, 1 x 128 activation blocks; fp8 matmuls (>= 8.9);
+- ``int8-dynamic-int4``: int4 weights held in int8, groups of 32, activations int8 per token, quantized
+  and dequantized; bf16 matmuls on the dequantized weight (any device).
 """
 
 from __future__ import annotations
@@ -33,6 +35,10 @@ CONFIGS: dict[str, Callable] = {
     "fp8-weight-only": lambda q, g: q.Float8WeightOnlyConfig(granularity=g.PerRow()),
     "fp8-block": lambda q, g: q.Float8DynamicActivationFloat8WeightConfig(
         granularity=[g.PerBlock([1, 128]), g.PerBlock([128, 128])]),
+    # int4 weights, one scale and zero point per group of 32 (torchao's default group), activations int8
+    # per token, asymmetric (the config's defaults)
+    "int8-dynamic-int4": lambda q, g: q.Int8DynamicActivationIntxWeightConfig(weight_dtype=torch.int4,
+                                                                               weight_granularity=g.PerGroup(32)),
 }
 
 
