@@ -29,7 +29,7 @@ from torch.profiler import ProfilerActivity, profile
 
 from fitbench.models.backends import NativeLM, load_model
 from fitbench.models.registry import resolve
-from fitbench.precisions import graph_problem, policy
+from fitbench.precisions import entry, policy
 from fitbench.run.loops import random_tokens
 from fitbench.run.quantize import build_quantized_native
 from fitbench.run.worker import weight_storage_bytes
@@ -45,7 +45,7 @@ def build(model: str, precision: str, device: torch.device) -> NativeLM:
     else:
         probe = random_tokens(arch.vocab_size, 1, 64, device, 1)
         module, _ = build_quantized_native(arch, device, precision, probe)
-        lm = NativeLM(module, cache_dtype=torch.bfloat16, cuda_graphs=True, graph_problem=graph_problem(precision))
+        lm = NativeLM(module, cache_dtype=torch.bfloat16, cuda_graphs=True, graph_problem=entry(precision).graph_problem)
     lm.compile_decode = True
     return lm
 

@@ -17,8 +17,8 @@ from fitbench.endpoints import http_url_problem
 from fitbench.errors import UserError, excerpt
 from fitbench.models.architecture import Architecture, backend_error, default_backend
 from fitbench.models.registry import resolve
-from fitbench.plan.planner import DEFAULT_LADDER
-from fitbench.precisions import PRECISIONS, TRAINING_MODES, offload_problem, training_problem, trains_every_weight
+from fitbench.precisions import DEFAULT_LADDER, PRECISIONS, TRAINING_MODES, entry
+from fitbench.precisions.layouts import offload_problem
 from fitbench.spec import Layout, Mode, Precision, RunSpec, microbatch_problem
 
 BackendChoice = Literal["auto", "native", "hf"]
@@ -234,7 +234,7 @@ def fallback_ladder(config: SweepConfig, mode: str) -> list[str]:
     only rungs that train every weight: ``trains_every_weight``), else the default for the mode."""
     ladder = list(dict.fromkeys(config.fallback or DEFAULT_LADDER[mode]))  # a repeated rung counts once
     if mode in TRAINING_MODES:
-        ladder = [p for p in ladder if trains_every_weight(p)]
+        ladder = [p for p in ladder if entry(p).trains_every_weight]
     return ladder or DEFAULT_LADDER[mode]
 
 
@@ -285,8 +285,8 @@ def expand(config: SweepConfig, *, device: str, default_models: list[str]) -> li
             default_batch, default_seq = _default_shapes(mode, device_type)
             first_rung = fallback_ladder(config, mode)[0] if config.fallback else default_precision(mode, device_type)
             for precision in config.precision or [first_rung]:
-                if mode in TRAINING_MODES and training_problem(precision):
-                    raise UserError(f"precision: {training_problem(precision)}; or use --mode infer or forward "
+                if mode in TRAINING_MODES and entry(precision).training_problem:
+                    raise UserError(f"precision: {entry(precision).training_problem}; or use --mode infer or forward "
                                     f"with {precision}.")
                 layout = _layout(config, mode, precision, backend, arch)
                 problem = offload_problem(mode, precision, backend, config.compile,

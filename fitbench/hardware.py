@@ -58,8 +58,6 @@ import fitbench
 if TYPE_CHECKING:
     import torch
 
-PRECISION_KINDS = ("fp32", "tf32", "bf16", "fp16", "fp8", "int8")
-
 _TERA = 1e12
 _GIGA = 1e9
 _MIB = 1024**2

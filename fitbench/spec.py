@@ -14,14 +14,13 @@ from typing import Any, Literal, Protocol, get_args
 
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
-from fitbench.precisions import (DDP_OFFLOAD, TRAINING_MODES, data_parallel_problem, offload_problem,
-                                 pipeline_problem, tensor_parallel_heads_problem, tensor_parallel_problem)
+from fitbench.precisions import PRECISIONS, TRAINING_MODES
+from fitbench.precisions.layouts import (DDP_OFFLOAD, data_parallel_problem, offload_problem, pipeline_problem,
+                                         tensor_parallel_heads_problem, tensor_parallel_problem)
 
 Mode = Literal["train", "forward", "forward-backward", "infer"]
 MODES: tuple[str, ...] = get_args(Mode)
-Precision = Literal["fp32", "tf32", "bf16", "fp16", "bf16-pure",
-                    "int8", "nf4", "fp4", "int8-dynamic", "int8-weight-only", "int4", "fp8",
-                    "fp8-weight-only", "fp8-block"]
+Precision = Literal[PRECISIONS]  # the registry's names (``fitbench.precisions``)
 
 # Strategy names the CLI and the planner use, and the degree of a Layout each sets.
 STRATEGY_DEGREES = {"ddp": "dp_replicate", "fsdp": "dp_shard", "tp": "tp", "pipeline": "pp", "replicas": "replicas"}
@@ -130,7 +129,7 @@ class Layout(BaseModel):
         user, and the planner records them beside the layouts it passes over.
 
         - replicas: alone, for inference and forward (a training step's gradients need DDP or FSDP);
-        - DDP and FSDP: as ``fitbench.precisions.data_parallel_problem`` says, DDP beside no tensor
+        - DDP and FSDP: as ``fitbench.precisions.layouts.data_parallel_problem`` says, DDP beside no tensor
           parallelism (FSDP is the data-parallel dimension of a 2-D mesh), neither beside stages;
         - tensor parallelism: whole heads per rank (``tensor_parallel_heads_problem``), the precisions
           and backends ``tensor_parallel_problem`` allows, the hf backend's plans alone, and inside

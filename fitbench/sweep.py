@@ -86,7 +86,7 @@ def hardware_refusals(specs: list, device: str) -> dict[str, str]:
     """Configurations this device cannot run (fp8 below compute capability 8.9, int4 without a GPU;
     on a CPU, one predicted to need more than the host memory available), by spec key, with the
     reason; they are recorded, not launched."""
-    from fitbench.precisions import hardware_problem
+    from fitbench.precisions import entry
     from fitbench.inject import injected_memory_limit
 
     device_type, capability = device.partition(":")[0], None
@@ -96,7 +96,7 @@ def hardware_refusals(specs: list, device: str) -> dict[str, str]:
         capability = torch.cuda.get_device_capability(torch.device(device))
     refusals = {}
     for spec in specs:
-        problem = hardware_problem(spec.precision, device_type, capability)
+        problem = entry(spec.precision).hardware_problem(device_type, capability)
         if problem:
             refusals[spec.key] = f"refused before launch: {problem}"
     if device_type == "cpu" and injected_memory_limit() is None:  # a mem-limit is planned as a GPU (run_target)

@@ -13,17 +13,16 @@ from fitbench.models.hf import build_hf, hf_config
 from fitbench.models.native import meta_model
 from fitbench.models.presets import PRESETS
 from fitbench.models.registry import resolve
-from fitbench.plan.memory import (QUANTIZED, TRAINING_MODES, Parallelism, Widths, estimate_memory,
-                                  gpt2_gelu_upcast_bytes)
-from fitbench.plan.planner import DEFAULT_LADDER, Candidate, GpuTarget, assess
+from fitbench.plan.memory import TRAINING_MODES, Parallelism, Widths, estimate_memory, gpt2_gelu_upcast_bytes
+from fitbench.plan.planner import Candidate, GpuTarget, assess
 from fitbench.spec import Layout
 from fitbench.run.trace import trace_peak
-from fitbench.precisions import training_problem
+from fitbench.precisions import DEFAULT_LADDER, QUANTIZED_PRECISIONS, entry
 from fitbench.run.quantize import quantize_linears
 from fitbench.run.worker import weight_storage_bytes
 
 FLOAT_WIDTHS = {"fp32": 4, "bf16": 4, "bf16-pure": 2}  # bytes per stored weight
-PRECISIONS = (*FLOAT_WIDTHS, *QUANTIZED)
+PRECISIONS = (*FLOAT_WIDTHS, *QUANTIZED_PRECISIONS)
 CPU = torch.device("cpu")
 
 
@@ -59,6 +58,8 @@ def storage_rule(precision: str, rows: int, columns: int) -> float:
         return elements / 2 + 4 * elements / 128  # bf16 scale and zero point per group of 128
     if precision == "fp8-block":
         return elements + 4 * math.ceil(rows / 128) * math.ceil(columns / 128)
+    if precision == "int8-dynamic-int4":
+        return elements + 3 * elements / 32  # int4 held in int8; bf16 scale and int8 zero point per group of 32
     raise ValueError(precision)
 
 
@@ -160,7 +161,7 @@ def test_adapters_go_on_every_layer_matrix(family):
 def planner_cases():
     for mode in ("train", "forward-backward", "forward", "infer"):
         for precision in PRECISIONS:
-            if not (mode in TRAINING_MODES and training_problem(precision)):
+            if not (mode in TRAINING_MODES and entry(precision).training_problem):
                 yield mode, precision
 
 

@@ -24,10 +24,11 @@ from fitbench.models.registry import resolve
 from fitbench.plan.calibration import DEFAULT
 from fitbench.plan.forecast import (Ceilings, StepRun, ceilings, decode_format, forecast_spec, forecast_step_time,
                                     layer_traffic, side_by_side, step_run)
-from fitbench.plan.memory import QUANTIZED, Parallelism, Widths
+from fitbench.plan.memory import Parallelism, Widths
 from fitbench.plan.planner import GpuTarget, predict_spec
 from fitbench.plan.collectives import BusBandwidth
-from fitbench.precisions import policy
+from fitbench import precisions
+from fitbench.precisions import DENSE, entry, policy
 from fitbench.run.cross_entropy import cross_entropy
 from fitbench.run.loops import make_step, random_tokens
 from fitbench.spec import Layout, RunSpec
@@ -282,11 +283,10 @@ def test_a_quantized_decode_step_reads_its_format_and_launches_its_kernels(preci
     got = forecast_step_time(arch, "infer", precision, batch, prompt, new_tokens=new, parallelism=Parallelism(),
                              gpu_name=H200, ceiling=ROUND, run=StepRun(decode="graph"))
     fmt = decode_format(precision, "graph", batch)
-    assert fmt == (forecast.FOUR_BIT_DEQUANTIZED if precision == "nf4" else forecast.DECODE_FORMATS[(precision,
-                                                                                                     "eager")])
+    assert fmt == (entry(precision).decode.eager_more_tokens or entry(precision).decode.eager)
     L, h, V = arch.num_layers, arch.hidden_size, arch.vocab_size
     weights = arch.layer_matmul_weights * L
-    stored = sum(QUANTIZED[precision].matrix_bytes(m.rows, m.columns) for m in arch.layer_matrices) * L
+    stored = sum(entry(precision).storage.matrix_bytes(m.rows, m.columns) for m in arch.layer_matrices) * L
     plain = 2 * (arch.total_params - weights - (V - batch) * h)  # norms, the output projection, 4 embedding rows
     cache = arch.kv_cache_bytes_per_token(2) * batch * (prompt + new)
     memory = ((stored + fmt.dequantized * weights) / fmt.efficiency + plain + cache) / 2e12
@@ -297,17 +297,16 @@ def test_a_quantized_decode_step_reads_its_format_and_launches_its_kernels(preci
     compiled = forecast_step_time(arch, "infer", precision, batch, prompt, new_tokens=new, parallelism=Parallelism(),
                                   gpu_name=H200, ceiling=ROUND, run=StepRun(decode="compiled"))
     fmt = decode_format(precision, "compiled", batch)
-    assert fmt == forecast.DECODE_FORMATS.get((precision, "compiled, more tokens"),
-                                              forecast.DECODE_FORMATS.get((precision, "compiled"), forecast.DENSE))
+    assert fmt == (entry(precision).decode.compiled_more_tokens or entry(precision).decode.compiled)
     assert compiled.seconds == pytest.approx(
         (stored / fmt.efficiency + plain + cache) / 2e12
         + ((forecast.COMPILED_LAYER_KERNELS + 7 * fmt.extra_kernels) * L + 12) * forecast.KERNEL_S)
 
 
 def test_bitsandbytes_four_bit_decodes_one_token_in_its_gemv_kernel():
-    assert decode_format("nf4", "graph", 1) is forecast.FOUR_BIT_GEMV
-    assert decode_format("fp4", "eager", 8) is forecast.FOUR_BIT_DEQUANTIZED
-    assert decode_format("bf16-pure", "graph", 8) is forecast.DENSE
+    assert decode_format("nf4", "graph", 1) is entry("nf4").decode.eager
+    assert decode_format("fp4", "eager", 8) is entry("fp4").decode.eager_more_tokens
+    assert decode_format("bf16-pure", "graph", 8) is DENSE
 
 
 def test_fp8_weight_only_past_one_token_is_its_batch_1_rate_times_its_kernels_slowdown():
@@ -326,7 +325,7 @@ def test_compiled_int4_and_int8_weight_only_read_slower_past_one_token_and_fp8_d
         one, more = (decode_format(precision, "compiled", tokens) for tokens in (1, 8))
         assert more.efficiency < one.efficiency / 2
     assert decode_format("fp8", "compiled", 1) is decode_format("fp8", "compiled", 32)
-    assert decode_format("bf16-pure", "compiled", 8) is forecast.DENSE
+    assert decode_format("bf16-pure", "compiled", 8) is DENSE
 
 
 def test_a_training_step_by_hand():
@@ -516,9 +515,16 @@ def solve(set_value, row: dict, low: float, high: float) -> float:
 
 
 def constant(name: str, key=None, field: str | None = None):
-    """A setter of ``forecast.NAME`` (``[key]``, ``.field``) for ``solve``."""
+    """A setter of ``forecast.NAME`` (``[key]``, ``.field``) for ``solve``; ``decode``: the ``field`` of a
+    precision entry's decode format, ``key`` = (precision, which of its ``DecodeFormats``)."""
     def set_value(value: float) -> None:
-        if key is None and field is None:
+        if name == "decode":
+            precision, step = key
+            facts = precisions.ENTRIES[precision]
+            fmt = dataclasses.replace(getattr(facts.decode, step), **{field: value})
+            precisions.ENTRIES[precision] = dataclasses.replace(
+                facts, decode=dataclasses.replace(facts.decode, **{step: fmt}))
+        elif key is None and field is None:
             setattr(forecast, name, value)
         elif field is None:
             getattr(forecast, name)[key] = value
@@ -546,33 +552,33 @@ SOURCES = [  # constant, (key), (field), its row, a range holding it
     ("DTENSOR_HOST_OP_S", "inference", None, ("2026-11-24-h200x2-model-parallel/13b-hf-tp-transformers-5.17", {}),
      1e-6, 1e-3),
     ("OFFLOAD_STREAM_BANDWIDTH", None, None, ("2026-11-22-h100-offload", {}), 1e9, 1e11),
-    ("DECODE_FORMATS", ("int4", "eager"), "efficiency", ("2026-11-24-h200-decode-formats", {"precision": "int4"}),
+    ("decode", ("int4", "eager"), "efficiency", ("2026-11-24-h200-decode-formats", {"precision": "int4"}),
      0.1, 3.0),
-    ("DECODE_FORMATS", ("fp8", "eager"), "extra_kernels", ("2026-11-24-h200-decode-formats", {"precision": "fp8"}),
+    ("decode", ("fp8", "eager"), "extra_kernels", ("2026-11-24-h200-decode-formats", {"precision": "fp8"}),
      0, 30),
-    ("DECODE_FORMATS", ("int8-weight-only", "eager"), "efficiency",
+    ("decode", ("int8-weight-only", "eager"), "efficiency",
      ("2026-11-24-h200-decode-formats", {"precision": "int8-weight-only"}), 0.1, 2.0),
-    ("DECODE_FORMATS", ("int8", "eager"), "extra_kernels",
+    ("decode", ("int8", "eager"), "extra_kernels",
      ("2026-11-24-h200-validation/matrix2-inference/4", {"precision": "int8"}), 0, 100),
-    ("DECODE_FORMATS", ("int8-dynamic", "eager"), "extra_kernels", ("2026-11-23-h200-packed-build/heldout/5", {}),
+    ("decode", ("int8-dynamic", "eager"), "extra_kernels", ("2026-11-23-h200-packed-build/heldout/5", {}),
      0, 300),
-    ("DECODE_FORMATS", ("int4", "compiled"), "efficiency",
+    ("decode", ("int4", "compiled"), "efficiency",
      ("2026-11-24-h200-regional-compile/int4", {"precision": "int4"}), 0.1, 3.0),
-    ("DECODE_FORMATS", ("int4", "compiled, more tokens"), "efficiency",
+    ("decode", ("int4", "compiled_more_tokens"), "efficiency",
      ("2026-11-24-h200-engine-profiles/decode-formats-1B", {"precision": "int4", "batch_size": 8}), 0.01, 3.0),
-    ("DECODE_FORMATS", ("int8-weight-only", "compiled"), "efficiency",
+    ("decode", ("int8-weight-only", "compiled"), "efficiency",
      ("2026-11-24-h200-regional-compile/int8wo", {"precision": "int8-weight-only"}), 0.1, 3.0),
-    ("DECODE_FORMATS", ("int8-weight-only", "compiled, more tokens"), "efficiency",
+    ("decode", ("int8-weight-only", "compiled_more_tokens"), "efficiency",
      ("2026-11-24-h200-engine-profiles/decode-formats-1B", {"precision": "int8-weight-only", "batch_size": 8}),
      0.001, 3.0),
-    ("DECODE_FORMATS", ("fp8", "compiled"), "efficiency",
+    ("decode", ("fp8", "compiled"), "efficiency",
      ("2026-11-24-h200-regional-compile/fp8", {"precision": "fp8"}), 0.1, 3.0),
-    ("DECODE_FORMATS", ("fp8", "compiled"), "extra_kernels",
+    ("decode", ("fp8", "compiled"), "extra_kernels",
      ("2026-11-24-h200-engine-profiles/decode-formats-1B", {"precision": "fp8", "batch_size": 1}), 0, 30),
-    ("DECODE_FORMATS", ("fp8-weight-only", "compiled"), "efficiency",
+    ("decode", ("fp8-weight-only", "compiled"), "efficiency",
      ("2026-11-24-h200-engine-profiles/fp8-weight-only", {"precision": "fp8-weight-only"}), 0.1, 3.0),
-    ("FOUR_BIT_GEMV", None, "efficiency", ("2026-11-22-h100-quantized-decode/decode", {"precision": "nf4"}), 0.1, 2.0),
-    ("FOUR_BIT_DEQUANTIZED", None, "extra_kernels",
+    ("decode", ("nf4", "eager"), "efficiency", ("2026-11-22-h100-quantized-decode/decode", {"precision": "nf4"}), 0.1, 2.0),
+    ("decode", ("nf4", "eager_more_tokens"), "extra_kernels",
      ("2026-11-24-h200-validation/matrix2-inference/4", {"precision": "nf4"}), 0, 30),
     ("FP8_TRAINING_OPS", None, None, ("2026-11-22-h100-quantized-training/7b-train", {"precision": "fp8"}), 0, 300),
 ]
@@ -582,12 +588,15 @@ SOURCES = [  # constant, (key), (field), its row, a range holding it
                          ids=[f"{s[0]}{'' if s[1] is None else f'[{s[1]}]'}{'' if s[2] is None else f'.{s[2]}'}"
                               for s in SOURCES])
 def test_each_constant_is_what_its_row_measured(name, key, field, source, low, high, monkeypatch):
-    for kept in ("HOST_OP_S", "DTENSOR_HOST_OP_S", "DECODE_FORMATS"):  # restored after the test
+    for kept in ("HOST_OP_S", "DTENSOR_HOST_OP_S"):  # restored after the test
         monkeypatch.setattr(forecast, kept, dict(getattr(forecast, kept)))
-    value = getattr(forecast, name) if key is None else getattr(forecast, name)[key]
-    value = getattr(value, field) if field else value
-    for attribute in ("FOUR_BIT_GEMV", "FOUR_BIT_DEQUANTIZED", name):
-        monkeypatch.setattr(forecast, attribute, getattr(forecast, attribute))
+    monkeypatch.setattr(precisions, "ENTRIES", dict(precisions.ENTRIES))
+    if name == "decode":
+        value = getattr(getattr(precisions.ENTRIES[key[0]].decode, key[1]), field)
+    else:
+        value = getattr(forecast, name) if key is None else getattr(forecast, name)[key]
+        value = getattr(value, field) if field else value
+        monkeypatch.setattr(forecast, name, getattr(forecast, name))
     directory, fields = source
     solved = solve(constant(name, key, field), measured_row(directory, **fields), low, high)
     assert solved == pytest.approx(value, rel=0.03, abs=0.1 if field == "extra_kernels" else 0)

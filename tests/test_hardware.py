@@ -6,7 +6,6 @@ import torch
 
 from fitbench.hardware import (
     GPU_SPECS,
-    PRECISION_KINDS,
     Ceilings,
     ceilings_path,
     cpu_device_name,
@@ -20,6 +19,7 @@ from fitbench.hardware import (
     peak_flops,
     save_ceilings,
 )
+from fitbench.precisions.entry import PEAK_KINDS
 
 REQUIRED_NAMES = [
     "NVIDIA H100 80GB HBM3",
@@ -67,7 +67,7 @@ def test_table_is_keyed_by_name_and_uses_known_kinds():
     for key, spec in GPU_SPECS.items():
         assert key == spec.name
         assert spec.tflops, key
-        assert set(spec.tflops) <= set(PRECISION_KINDS), key
+        assert set(spec.tflops) <= set(PEAK_KINDS), key
         assert all(value > 0 for value in spec.tflops.values()), key
         assert spec.bandwidth_gbs > 0 and spec.memory_gb > 0, key
         assert spec.source.strip(), key

@@ -12,7 +12,8 @@ import torch
 
 import hf_tensor_parallel_job as job
 from fitbench.models.backends import load_model
-from fitbench.precisions import policy, tensor_parallel_heads_problem, tensor_parallel_problem
+from fitbench.precisions import policy
+from fitbench.precisions.layouts import tensor_parallel_heads_problem, tensor_parallel_problem
 from fitbench.run.cross_entropy import chunked_cross_entropy
 from fitbench.run.loops import make_step, random_tokens
 from test_parallel import torchrun
@@ -211,7 +212,7 @@ def test_the_hf_backends_stages_launch_as_one_process_and_the_natives_as_torchru
 
 
 def test_the_hf_backends_stages_run_inference_in_floating_point_only():
-    from fitbench.precisions import pipeline_problem
+    from fitbench.precisions.layouts import pipeline_problem
 
     for mode in ("infer", "forward"):
         assert pipeline_problem("bf16-pure", mode, "hf") is None

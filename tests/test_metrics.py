@@ -1,6 +1,6 @@
 """What a row says about a generation: the time to first token (``fitbench.run.loops.generate``), the
 prefill FLOPs and the bytes a decode step reads (``fitbench.run.metrics``, ``fitbench.run.worker``,
-``CausalLM.kv_bytes_read``), and the peak MFU divides by (``fitbench.precisions.peak_kind``).
+``CausalLM.kv_bytes_read``), and the peak MFU divides by (the precision entry's ``peak_kind``).
 
 Expected values are worked out here from the models' published shapes, never read back from the
 code under test.
@@ -26,7 +26,7 @@ from fitbench.plan.memory import Parallelism
 from fitbench.run import worker
 from fitbench.run.loops import generate, random_tokens, read_generation
 from fitbench.run.metrics import inference_metrics
-from fitbench.precisions import PRECISIONS, peak_kind, policy
+from fitbench.precisions import PRECISIONS, entry, policy
 from fitbench.run.quantize import quantize_linears
 from fitbench.run.timing import DeviceClock, run_stages
 from fitbench.stats import SampleStats
@@ -389,7 +389,8 @@ def test_the_worker_divides_int8_by_the_int8_peak(tmp_path):
 
 INFERENCE_KIND = {"fp32": "fp32", "tf32": "tf32", "bf16": "bf16", "fp16": "fp16", "bf16-pure": "bf16",
                   "int8": "int8", "int8-dynamic": "int8", "fp8": "fp8", "fp8-block": "fp8",
-                  "int4": "bf16", "int8-weight-only": "bf16", "fp8-weight-only": "bf16", "nf4": "bf16", "fp4": "bf16"}
+                  "int4": "bf16", "int8-weight-only": "bf16", "fp8-weight-only": "bf16", "nf4": "bf16", "fp4": "bf16",
+                  "int8-dynamic-int4": "bf16"}
 TRAINING_KIND = {"fp32": "fp32", "tf32": "tf32", "bf16": "bf16", "fp16": "fp16", "bf16-pure": "bf16",
                  "fp8": "fp8", "int8": "bf16", "nf4": "bf16", "fp4": "bf16"}
 
@@ -397,13 +398,13 @@ TRAINING_KIND = {"fp32": "fp32", "tf32": "tf32", "bf16": "bf16", "fp16": "fp16",
 @pytest.mark.parametrize("precision", PRECISIONS)
 def test_peak_kind_of_every_precision_and_mode(precision):
     for mode in ("forward", "infer"):
-        assert peak_kind(precision, mode) == INFERENCE_KIND[precision]
+        assert entry(precision).peak_kind(mode) == INFERENCE_KIND[precision]
     for mode in ("train", "forward-backward"):
         if precision in TRAINING_KIND:
-            assert peak_kind(precision, mode) == TRAINING_KIND[precision]
+            assert entry(precision).peak_kind(mode) == TRAINING_KIND[precision]
         else:
             with pytest.raises(ValueError, match="no backward pass"):
-                peak_kind(precision, mode)
+                entry(precision).peak_kind(mode)
 
 
 def test_the_planner_divides_by_the_same_peak():

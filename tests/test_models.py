@@ -14,7 +14,7 @@ from fitbench.models.hf import build_hf, hf_config
 from fitbench.models.native import (DecoderConfig, FusedLinear, build_native, checkpoint_tensors,
                                     rope_inverse_frequencies)
 from fitbench.models.registry import resolve
-from fitbench.precisions import graph_problem, policy
+from fitbench.precisions import entry, policy
 from fitbench.run.loops import make_step, random_tokens
 from fitbench.run import worker
 
@@ -475,12 +475,12 @@ def test_weights_no_graph_can_hold_decode_eagerly_from_the_start_and_say_why():
     tokens = torch.randint(0, arch.vocab_size, (1, 10), generator=torch.Generator().manual_seed(7))
     calls = []
     lm = NativeLM(native, torch.float32, cuda_graphs=True, capture=eager_capture(calls),
-                  graph_problem=graph_problem("int8"))
+                  graph_problem=entry("int8").graph_problem)
     assert not lm.capture_pending
     generation_logits(lm, tokens, 6, 10)
     assert calls == []  # never attempted: a failed capture leaves a side stream's workspace behind
-    assert lm.decoding == {"cuda_graphs": False, "reason": graph_problem("int8")}
-    assert "argwhere" in graph_problem("int8") and graph_problem("nf4") is None
+    assert lm.decoding == {"cuda_graphs": False, "reason": entry("int8").graph_problem}
+    assert "argwhere" in entry("int8").graph_problem and entry("nf4").graph_problem is None
 
 
 def test_autocast_decoding_is_captured_and_matches_eager():
@@ -665,11 +665,10 @@ def test_cuda_graph_replays_match_eager_decoding():
 def test_cuda_graph_decoding_in_every_inference_precision(precision):
     """Replays give what the same static step gives launched eagerly; a precision whose kernels cannot
     be captured decodes eagerly and says why."""
-    from fitbench.precisions import hardware_problem
     from fitbench.run.quantize import build_quantized_native
 
     device = torch.device("cuda")
-    problem = hardware_problem(precision, device.type, torch.cuda.get_device_capability(device))
+    problem = entry(precision).hardware_problem(device.type, torch.cuda.get_device_capability(device))
     if problem:
         pytest.skip(problem)
     arch = resolve("tiny")

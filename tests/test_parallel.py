@@ -22,7 +22,8 @@ import torch.distributed as dist
 import data_parallel_job as job
 from fitbench.models.backends import load_model
 from fitbench.models.registry import resolve
-from fitbench.precisions import PRECISIONS, data_parallel_problem, policy
+from fitbench.precisions import PRECISIONS, policy
+from fitbench.precisions.layouts import data_parallel_problem
 from fitbench.run.loops import make_step, random_tokens
 from fitbench.run.parallel import data_seed, mixed_precision, parallelize
 from fitbench.run.ranks import Rank, RankEnvironmentError, gather_json, process_group

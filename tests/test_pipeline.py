@@ -22,7 +22,8 @@ import pipeline_job as job
 from fitbench.models.backends import NativeLM, load_model
 from fitbench.models.native import build_native
 from fitbench.models.registry import resolve
-from fitbench.precisions import pipeline_problem, policy
+from fitbench.precisions import policy
+from fitbench.precisions.layouts import pipeline_problem
 from fitbench.run.aggregate import combine
 from fitbench.run.loops import make_step, random_tokens
 from fitbench.run.pipeline import build_stage

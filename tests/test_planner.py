@@ -49,7 +49,7 @@ from fitbench.plan.planner import (
 )
 from fitbench.plan.collectives import NVLINK_LATENCY_S, BusBandwidth, bus_bandwidth
 from fitbench.plan.speed import bubble_fraction, estimate_step_time
-from fitbench.precisions import ADAPTER_BASES, PRECISIONS, training_problem
+from fitbench.precisions import ADAPTERS, PRECISIONS, entry
 from conftest import cli
 
 # ---- datasheet figures and published shapes ---------------------------------------------------
@@ -1681,11 +1681,11 @@ def test_every_term_is_non_negative_in_every_layout(mode):
     layouts = EVERY_LAYOUT + ((Layout(dp_shard=2, tp=2), Layout(dp_replicate=2, tp=2)) if training else ())
     for arch in PRESETS:
         for precision in PRECISIONS:
-            if training and training_problem(precision):
+            if training and entry(precision).training_problem:
                 continue
             for layout in layouts:
                 if layout.pp > arch.num_layers or arch.num_heads % layout.tp or (
-                        layout.dp_shard > 1 and precision in ADAPTER_BASES):
+                        layout.dp_shard > 1 and entry(precision).training == ADAPTERS):
                     continue
                 for estimate in stage_estimates(arch, mode, precision, 2, 64, new_tokens=8,
                                                 parallelism=Parallelism(layout=layout)):

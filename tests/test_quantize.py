@@ -29,7 +29,7 @@ from fitbench.models.hf import build_hf
 from fitbench.models.native import build_native, init_random_weights, meta_model
 from fitbench.models.registry import resolve
 from fitbench.plan.memory import estimate_memory
-from fitbench.precisions import hardware_problem
+from fitbench.precisions import DEFAULT_LADDER, entry
 from fitbench.results.store import ResultStore
 from fitbench.run import worker
 from fitbench.run.loops import random_tokens
@@ -547,21 +547,21 @@ def test_worker_reports_a_checkpoint_and_its_perplexity(backend, tmp_path, tiny_
 
 def test_hardware_problem_messages():
     for precision in ("fp8", "fp8-block"):
-        message = hardware_problem(precision, "cpu", None)
+        message = entry(precision).hardware_problem("cpu", None)
         assert message and precision in message and "compute capability 8.9" in message and "CPU" in message
-    message = hardware_problem("int4", "cpu", None)
+    message = entry("int4").hardware_problem("cpu", None)
     assert message and "CUDA GPUs" in message
     for precision in CPU_PRECISIONS + ("fp4", "bf16", "fp32"):
-        assert hardware_problem(precision, "cpu", None) is None
+        assert entry(precision).hardware_problem("cpu", None) is None
 
     for precision in ("fp8", "fp8-block"):
-        message = hardware_problem(precision, "cuda", (8, 0))
+        message = entry(precision).hardware_problem("cuda", (8, 0))
         assert message and "8.0" in message and "8.9" in message
-        assert "8.6" in hardware_problem(precision, "cuda", (8, 6))
-        assert hardware_problem(precision, "cuda", (8, 9)) is None
-        assert hardware_problem(precision, "cuda", (9, 0)) is None
-        assert hardware_problem(precision, "cuda", (10, 0)) is None
-    assert hardware_problem("int4", "cuda", (8, 0)) is None
+        assert "8.6" in entry(precision).hardware_problem("cuda", (8, 6))
+        assert entry(precision).hardware_problem("cuda", (8, 9)) is None
+        assert entry(precision).hardware_problem("cuda", (9, 0)) is None
+        assert entry(precision).hardware_problem("cuda", (10, 0)) is None
+    assert entry("int4").hardware_problem("cuda", (8, 0)) is None
 
 
 def test_hardware_refusals_by_spec_key():
@@ -628,16 +628,15 @@ def test_cli_refuses_training_int4(tmp_path, capsys, monkeypatch):
 def test_int8_weight_only_is_an_inference_precision_beside_llm_int8():
     from fitbench.plan.memory import Parallelism
     from fitbench.plan.speed import estimate_step_time
-    from fitbench.precisions import (data_parallel_problem, graph_problem, peak_kind, pipeline_problem,
-                                     tensor_parallel_problem, training_problem)
+    from fitbench.precisions.layouts import data_parallel_problem, pipeline_problem, tensor_parallel_problem
 
-    assert training_problem("int8-weight-only") and "fp8" in training_problem("int8-weight-only")
+    assert entry("int8-weight-only").training_problem and "fp8" in entry("int8-weight-only").training_problem
     assert "torchao" in tensor_parallel_problem("int8-weight-only", "infer")
     assert "torchao" in data_parallel_problem("fsdp", "int8-weight-only", "forward")
     assert pipeline_problem("int8-weight-only", "infer") is None
-    assert graph_problem("int8-weight-only") is None and graph_problem("int8") is not None
-    assert peak_kind("int8-weight-only", "infer") == "bf16"
-    assert hardware_problem("int8-weight-only", "cpu", None) is None
+    assert entry("int8-weight-only").graph_problem is None and entry("int8").graph_problem is not None
+    assert entry("int8-weight-only").peak_kind("infer") == "bf16"
+    assert entry("int8-weight-only").hardware_problem("cpu", None) is None
 
     # int8-dynamic's storage, read once in the roofline (an eager step's bf16 copy is the forecast's)
     arch, gpu = resolve("7B"), "NVIDIA H200"
@@ -653,19 +652,18 @@ def test_int8_weight_only_is_an_inference_precision_beside_llm_int8():
 def test_fp8_weight_only_is_an_inference_precision_that_needs_no_float8_tensor_cores():
     from fitbench.plan.memory import Parallelism
     from fitbench.plan.speed import estimate_step_time
-    from fitbench.precisions import (data_parallel_problem, graph_problem, peak_kind, pipeline_problem,
-                                     tensor_parallel_problem, training_problem)
+    from fitbench.precisions.layouts import data_parallel_problem, pipeline_problem, tensor_parallel_problem
 
-    assert training_problem("fp8-weight-only") and "fp8" in training_problem("fp8-weight-only")
+    assert entry("fp8-weight-only").training_problem and "fp8" in entry("fp8-weight-only").training_problem
     assert "torchao" in tensor_parallel_problem("fp8-weight-only", "infer")
     assert "torchao" in data_parallel_problem("fsdp", "fp8-weight-only", "forward")
     assert "torchao" in data_parallel_problem("ddp", "fp8-weight-only", "forward")
     assert pipeline_problem("fp8-weight-only", "infer") is None
-    assert graph_problem("fp8-weight-only") is None
-    assert peak_kind("fp8-weight-only", "infer") == "bf16"
+    assert entry("fp8-weight-only").graph_problem is None
+    assert entry("fp8-weight-only").peak_kind("infer") == "bf16"
     for device, capability in (("cpu", None), ("cuda", (8, 0)), ("cuda", (9, 0))):
-        assert hardware_problem("fp8-weight-only", device, capability) is None
-    assert hardware_problem("fp8", "cuda", (8, 0)) is not None
+        assert entry("fp8-weight-only").hardware_problem(device, capability) is None
+    assert entry("fp8").hardware_problem("cuda", (8, 0)) is not None
 
     # fp8's storage, read once in the roofline (an eager step's fp32 and bf16 copies are the forecast's)
     arch, gpu = resolve("7B"), "NVIDIA H200"
@@ -676,3 +674,73 @@ def test_fp8_weight_only_is_an_inference_precision_that_needs_no_float8_tensor_c
 
     assert decode("fp8-weight-only").memory_s == pytest.approx(decode("fp8").memory_s)
     assert decode("fp8-weight-only").memory_s < decode("bf16-pure").memory_s
+
+
+def test_every_quantized_entry_is_served_by_its_librarys_converter():
+    """A quantized entry names its library; that library's converter (``fitbench.run.quantize``) has its
+    layer or config, and serves no name the registry lacks."""
+    from fitbench.precisions import ENTRIES
+    from fitbench.run.quantize import CONVERTERS, bitsandbytes, torchao
+
+    served = {"bitsandbytes": set(bitsandbytes.LAYERS), "torchao": set(torchao.CONFIGS)}
+    assert set(served) == set(CONVERTERS)
+    quantized = {name for name, precision in ENTRIES.items() if precision.quantized}
+    for name in quantized:
+        assert name in served[ENTRIES[name].library], name
+    assert set().union(*served.values()) == quantized
+
+
+def test_int4_weights_with_int8_dynamic_activations_convert_on_a_cpu_as_their_entry_says():
+    """int8-dynamic-int4 (torchao's Int8DynamicActivationIntxWeightConfig, int4 weights): converted on a CPU,
+    its storage is the entry's, its matmul near bf16's; one token through the largest matrix of tiny writes
+    the three dequantized bf16 copies the eager decode format reads back (each written once and read once)
+    and holds two at once, the memory planner's term."""
+    from fitbench.plan.forecast import decode_format
+
+    arch = resolve("tiny")
+    rows, columns = arch.ffn_size, arch.hidden_size
+    torch.manual_seed(0)
+    linear = nn.Sequential(nn.Linear(columns, rows, bias=False, dtype=torch.bfloat16))
+    model = copy.deepcopy(linear)
+    quantize_linears(model, "int8-dynamic-int4", CPU)
+    q = model[0].weight
+    assert q.qdata.dtype == torch.int8 and int(q.qdata.min()) >= -8 and int(q.qdata.max()) <= 7
+    stored = sum(t.untyped_storage().nbytes() for t in (q.qdata, q.scale, q.zero_point))
+    assert stored == entry("int8-dynamic-int4").storage.matrix_bytes(rows, columns)
+    x = torch.randn(1, columns, dtype=torch.bfloat16)
+    with torch.no_grad():
+        assert 0 < relative_error(model(x), linear(x)) < 0.15  # 16 levels per group of 32, as nf4's 64
+        with CopiesMade() as copies:
+            model(x)
+    elements = rows * columns
+    copied = decode_format("int8-dynamic-int4", "eager", 1).dequantized * elements
+    assert copied <= 2 * copies.written < copied + 64 * rows  # and a few tensors of one row: input copies, output
+    terms = {term.name: term.bytes for term in estimate_memory(arch, "infer", "int8-dynamic-int4", BATCH, SEQ,
+                                                               new_tokens=NEW).terms}
+    assert copies.peak == pytest.approx(terms["dequantized weight"], rel=0.02)
+
+
+def test_int4_weights_with_int8_dynamic_activations_plan_and_refuse_as_torchao_inference_tensors():
+    """Planned on an H100 for inference, its 7B weights above int8-dynamic's (int4 held in int8); refused for training and every
+    sharding layout (a torchao inference tensor), runnable on any device, decoded in a CUDA graph."""
+    from fitbench.plan.memory import Parallelism
+    from fitbench.plan.speed import estimate_step_time
+    from fitbench.precisions.layouts import data_parallel_problem, offload_problem, tensor_parallel_problem
+
+    facts = entry("int8-dynamic-int4")
+    assert facts.library == "torchao" and facts.weight_only and facts.peak_kind("infer") == "bf16"
+    assert facts.training_problem and "no backward pass" in facts.training_problem
+    assert "torchao" in tensor_parallel_problem("int8-dynamic-int4", "infer")
+    assert "torchao" in data_parallel_problem("ddp", "int8-dynamic-int4", "forward")
+    assert offload_problem("infer", "int8-dynamic-int4", "native", False)
+    assert facts.graph_problem is None and "int8-dynamic-int4" not in DEFAULT_LADDER["infer"]
+    for device, capability in (("cpu", None), ("cuda", (8, 0)), ("cuda", (9, 0))):
+        assert facts.hardware_problem(device, capability) is None
+    arch = resolve("7B")
+    weights = {p: {t.name: t.bytes for t in estimate_memory(arch, "infer", p, 1, 512, new_tokens=32).terms}["weights"]
+               for p in ("int8-dynamic-int4", "int8-dynamic", "int4", "bf16-pure")}
+    # int4 values held in int8, with a scale and a zero point per group of 32: more than int8's per row
+    assert weights["int4"] < weights["int8-dynamic"] < weights["int8-dynamic-int4"] < weights["bf16-pure"]
+    step = estimate_step_time(arch, "infer", "int8-dynamic-int4", 1, 128, new_tokens=16, parallelism=Parallelism(),
+                              gpu_name="NVIDIA H100 80GB HBM3")
+    assert step.tokens_per_s > 0

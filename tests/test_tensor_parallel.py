@@ -13,7 +13,8 @@ import torch
 import tensor_parallel_job as job
 from fitbench.models.backends import NativeLM, load_model
 from fitbench.models.graphs import Replay
-from fitbench.precisions import PRECISIONS, QUANTIZED_PRECISIONS, policy, tensor_parallel_problem
+from fitbench.precisions import PRECISIONS, QUANTIZED_PRECISIONS, policy
+from fitbench.precisions.layouts import tensor_parallel_problem
 from fitbench.run.cross_entropy import chunked_cross_entropy
 from fitbench.run.loops import make_step, random_tokens
 from fitbench.run.parallel import data_seed

@@ -83,7 +83,7 @@ def plan(args: argparse.Namespace) -> int:
     from fitbench.plan.calibration import load_calibration
     from fitbench.plan.planner import fewest_gpus
     from fitbench.plan.planner import plan as make_plan
-    from fitbench.precisions import TRAINING_MODES, training_problem
+    from fitbench.precisions import TRAINING_MODES, entry
 
     shapes = merge_sources({}, {}, {"batch_size": args.batch_size, "seq_len": [args.seq_len],
                                     "new_tokens": args.new_tokens, "models": args.models})
@@ -92,8 +92,8 @@ def plan(args: argparse.Namespace) -> int:
     batch = None if shapes.batch_size == ["auto"] else shapes.batch_size
     seq_len, new_tokens = args.seq_len, args.new_tokens
     for mode in args.mode:  # as `run` refuses them: no precision of the ladder can train
-        if mode in TRAINING_MODES and args.precision and all(training_problem(p) for p in args.precision):
-            raise UserError(f"precision: {training_problem(args.precision[0])}; or use --mode infer or forward with "
+        if mode in TRAINING_MODES and args.precision and all(entry(p).training_problem for p in args.precision):
+            raise UserError(f"precision: {entry(args.precision[0]).training_problem}; or use --mode infer or forward with "
                             f"{args.precision[0]}.")
     target = _cluster_target(args, gpu_target)
     calibration = load_calibration(target.name)
@@ -167,7 +167,7 @@ def sbatch_lines_for(model: str, gpus: int, gpus_per_node: int) -> list[str]:
 
 def _requirements(args, target, calibration, seq_len, new_tokens, batch, fewest_gpus) -> int:
     from fitbench.models.registry import resolve
-    from fitbench.plan.planner import DEFAULT_LADDER
+    from fitbench.precisions import DEFAULT_LADDER
     from fitbench.units import format_bytes
 
     rows = []

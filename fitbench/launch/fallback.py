@@ -19,7 +19,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any, Callable
 
-from fitbench.precisions import QUANTIZED_PRECISIONS, TRAINING_MODES, offload_problem, trains_every_weight
+from fitbench.precisions import QUANTIZED_PRECISIONS, TRAINING_MODES, entry
+from fitbench.precisions.layouts import offload_problem
 from fitbench.search import largest
 from fitbench.spec import Layout, RunSpec
 
@@ -52,7 +53,7 @@ def next_attempt(spec: RunSpec, policy: FallbackPolicy) -> tuple[RunSpec, str] |
     ladder, checkpointing, the batch and offload are exhausted.
 
     Rungs are skipped where they would change the workload or cannot run: in training, those that do
-    not train every weight (``trains_every_weight``); in an offloaded run, quantized ones. Offload
+    not train every weight (``Precision.trains_every_weight``); in an offloaded run, quantized ones. Offload
     comes last, at batch 1 of the last rung, for infer and forward, and uses the ladder's first
     floating-point rung (``bf16-pure`` when it has none). Offload lifts the GPU-memory limit on the weights, the one reason the ladder was walked
     down, so the attempt goes back to the most preferred precision that can stream; quantized rungs
@@ -62,7 +63,7 @@ def next_attempt(spec: RunSpec, policy: FallbackPolicy) -> tuple[RunSpec, str] |
     if not policy.enabled:
         return None
     if spec.mode in TRAINING_MODES:
-        ladder = [p for p in policy.ladder if trains_every_weight(p)]
+        ladder = [p for p in policy.ladder if entry(p).trains_every_weight]
     else:
         ladder = [p for p in policy.ladder if not (spec.offload and p in QUANTIZED_PRECISIONS)]
     if spec.precision in ladder and ladder.index(spec.precision) + 1 < len(ladder):
@@ -111,7 +112,7 @@ def next_rung(spec: RunSpec, policy: FallbackPolicy, *, strategy: str, gpus: int
     run under FSDP's CPU offload keeps it)."""
     if not policy.enabled:
         return None
-    full_training = spec.mode in TRAINING_MODES and trains_every_weight(spec.precision)
+    full_training = spec.mode in TRAINING_MODES and entry(spec.precision).trains_every_weight
     if full_training and strategy in DATA_PARALLEL and gpus_at_hand > 1 and (strategy != "fsdp" or gpus < gpus_at_hand):
         before = "1 GPU" if gpus == 1 else f"{strategy} x {gpus}"
         return Rung(spec, "fsdp", gpus_at_hand, f"{before} -> fsdp x {gpus_at_hand}")

@@ -88,7 +88,7 @@ class NativeLM(CausalLM):
 
     ``capture`` turns the step into a replayable one; the default, CUDA graphs, needs a GPU, and
     any other is taken to work where the model is. ``graph_problem`` says why this model's step can
-    never be captured (``fitbench.precisions.graph_problem``): it then decodes eagerly from the start.
+    never be captured (the precision's entry, ``fitbench.precisions``): it then decodes eagerly from the start.
 
     ``compile_decode``: the captured step and the prefill run through compiled regions
     (``compile_regions``), one compiled decoder layer serving every layer; ``compiler`` compiles

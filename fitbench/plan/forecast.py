@@ -39,7 +39,7 @@ Training and forward passes (``_pass_time``), per data-parallel rank, n = B x T 
   and pass.
 
 A decode step (``_decode_time``), for the whole batch: the weights it reads, each quantized format at
-its own width and read efficiency (``DECODE_FORMATS``), the KV cache it attends over, over the copy
+its own width and read efficiency (its entry's ``decode``, ``fitbench.precisions``), the KV cache it attends over, over the copy
 bandwidth, plus its kernels: ``KERNEL_S`` each where a CUDA graph replays them (the eager step, or the
 step ``torch.compile``d, ``COMPILED_LAYER_KERNELS`` per layer), or launched one by one by the host
 without a graph, ``HOST_OP_S`` each, its two clocks side by side.
@@ -61,12 +61,11 @@ from dataclasses import dataclass
 from fitbench import hardware
 from fitbench.loss import loss_chunk_rows
 from fitbench.models.architecture import Architecture
-from fitbench.plan.memory import (ADAPTER_BASES, QUANTIZED, Parallelism, Widths, adapter_params, kv_bytes_read_per_position,
-                                  kv_heads_split)
+from fitbench.plan.memory import Parallelism, Widths, adapter_params, kv_bytes_read_per_position, kv_heads_split
 from fitbench.plan.collectives import PCIE_BANDWIDTH, BusBandwidth, bus_bandwidth
 from fitbench.plan.speed import (HOST_LINK_BANDWIDTH, _data_parallel_step, bubble_fraction, pipeline_sends_s,
                                  tensor_parallel_decode_s, tensor_parallel_pass_s)
-from fitbench.precisions import graph_problem, peak_kind
+from fitbench.precisions import ADAPTERS, FLOAT8, DecodeFormat, entry
 from fitbench.spec import pipeline_stages
 
 # ---- ceilings --------------------------------------------------------------------------------
@@ -239,83 +238,6 @@ COMPILED_LAYER_KERNELS = 15
 # 50.2 GB a token, 7.34 s).
 OFFLOAD_STREAM_BANDWIDTH = 6.9e9
 
-@dataclass(frozen=True)
-class DecodeFormat:
-    """How a decode step's matmuls read one weight format: ``efficiency``, the share of the copy
-    bandwidth its kernels reach reading the weights; ``extra_kernels``, kernels each matmul launches
-    beyond one (activation quantization, a dequantized copy, scaling); ``dequantized``, bytes per weight
-    of a 16-bit copy written and read again at every matmul; ``source``, the row it comes from."""
-
-    efficiency: float = 1.0
-    extra_kernels: float = 0.0
-    dequantized: float = 0.0
-    source: str = "dense: the weights read once at the copy bandwidth"
-
-
-DENSE = DecodeFormat()
-# Per (precision, how the step runs): "eager" is the eager step, replayed from a CUDA graph or launched
-# without one; "compiled", below, the compiled step's, which is the dense step's for a format not
-# timed compiled. Each value is solved, as the constants above, from its source row (H200, torch 2.11,
-# torchao 0.18, bitsandbytes 0.50).
-DECODE_FORMATS: dict[tuple[str, str], DecodeFormat] = {
-    # tinygemm reads the packed int4 weights and their group scales at 60% of the copy bandwidth
-    ("int4", "eager"): DecodeFormat(0.6, 0, 0, "Llama-2-7B int4, batch 1 (2026-11-24-h200-decode-formats): 5.53 ms"),
-    # each float8 matmul first quantizes its activations (absolute value, maximum, scale, cast) and
-    # scales its output: 7.3 kernels more per matmul
-    ("fp8", "eager"): DecodeFormat(1.0, 7.3, 0, "Llama-2-7B fp8, batch 1 (2026-11-24-h200-decode-formats): 10.09 ms"),
-    ("fp8-block", "eager"): DecodeFormat(1.0, 7.3, 0, "as fp8: Llama-2-7B batch 1 on an H100 10.75 ms against fp8's "
-                                                      "10.35 (2026-11-22-h100-quantized-decode)"),
-    # Eagerly, torchao 0.18's weight-only tensors dequantize the whole weight at each call and multiply by
-    # the copy. Int8Tensor runs ``torch.mm(x, qdata.t().to(bf16))`` then scales the output per row
-    # (quantize_/workflows/int8/int8_tensor.py, the weight-only branch): a 2 B copy written and read, at
-    # 40% of the copy bandwidth. Float8Tensor multiplies by ``weight.dequantize()`` (quantize_/workflows/
-    # float8/float8_tensor.py): an fp32 copy written (4 B), read and scaled into another (4 + 4 B), read
-    # and cast to bf16 (4 + 2 B), which the matmul reads (2 B): 20 B in three kernels; counted from the
-    # code, its rate not timed (the dense one).
-    ("int8-weight-only", "eager"): DecodeFormat(0.4, 2, 2 + 2, "Llama-2-7B int8-weight-only, batch 1 "
-                                                               "(2026-11-24-h200-decode-formats): 24.5 ms"),
-    ("fp8-weight-only", "eager"): DecodeFormat(1.0, 3, 4 + 4 + 4 + 4 + 2 + 2, "torchao 0.18's Float8Tensor "
-                                                                              "weight-only matmul, not timed"),
-    # LLM.int8 decodes without a graph: each matmul quantizes its input, looks for outlier columns
-    # (which synchronizes) and runs an int8 and a 16-bit matmul, 24 operators more, host-bound
-    ("int8", "eager"): DecodeFormat(1.0, 24, 0, "7B int8, 4 x 512 (2026-11-24-h200-validation/matrix2-inference/4): "
-                                                "95.7 ms"),
-    # torchao's int8 dynamic quantization, without a graph: 80 operators' worth per matmul
-    ("int8-dynamic", "eager"): DecodeFormat(1.0, 80, 0, "3B int8-dynamic, 2 x 2048 "
-                                                        "(2026-11-23-h200-packed-build/heldout/5): 239 ms"),
-    # Compiled (a decoder layer compiled by inductor, the step in a CUDA graph), for one token per step
-    # and, where it differs, for more ("compiled, more tokens"): inductor fuses the dequantization and
-    # the activation quantization into their neighbours, so a format is its matmul kernels' read rate,
-    # which changes past one token. Kernel by kernel at the 7B MLP's shapes (``benchmarks/
-    # decode_kernels.py``, 2026-11-24-h200-engine-profiles): tinygemm's int4 reads 1.5 TB/s at batch 1,
-    # 0.7 at 8 and 0.23 at 32 (slower than bf16 from batch 8); torchao's int8 weight-only under inductor
-    # 1.7 TB/s at batch 1 and 0.05 at 8; the fp8 matmul (cuBLAS's 128 x 128 tiles) 1.8 TB/s at any batch.
-    ("int4", "compiled"): DecodeFormat(0.48, 0, 0, "Llama-2-7B int4, batch 1 (2026-11-24-h200-regional-compile/int4): "
-                                                   "3.17 ms"),
-    ("int4", "compiled, more tokens"): DecodeFormat(
-        0.16, 0, 0, "1B int4, batch 8 (2026-11-24-h200-engine-profiles/decode-formats-1B): 1.50 ms"),
-    ("int8-weight-only", "compiled"): DecodeFormat(0.84, 0, 0, "Llama-2-7B int8-weight-only, batch 1 "
-                                                               "(2026-11-24-h200-regional-compile/int8wo): 3.30 ms"),
-    ("int8-weight-only", "compiled, more tokens"): DecodeFormat(
-        0.0096, 0, 0, "1B int8-weight-only, batch 8 (2026-11-24-h200-engine-profiles/decode-formats-1B): 24.9 ms"),
-    ("fp8-weight-only", "compiled"): DecodeFormat(0.84, 0, 0, "Llama-2-7B fp8-weight-only, batch 1 "
-                                                              "(2026-11-24-h200-engine-profiles/fp8-weight-only): "
-                                                              "3.30 ms"),
-    # no row past batch 1: the batch-1 rate times its kernels' slowdown from batch 1 to 8, 708 / 2,523 GB/s
-    ("fp8-weight-only", "compiled, more tokens"): DecodeFormat(
-        0.24, 0, 0, "0.84 x 708 / 2523 (2026-11-24-h200-engine-profiles/kernels/fp8-wo.log)"),
-    # two rows, two terms: a step of small matmuls (1B) is slower in fp8 than in bf16, so besides the
-    # read rate each fp8 matmul costs three kernels' time (its activation's scale and cast, and the
-    # fp8 kernel's own start, which at one row of activations does not shrink with the matrix)
-    ("fp8", "compiled"): DecodeFormat(0.92, 3, 0, "Llama-2-7B fp8, batch 1 (2026-11-24-h200-regional-compile/fp8): "
-                                                  "4.97 ms; 1B fp8, batch 1 (2026-11-24-h200-engine-profiles/"
-                                                  "decode-formats-1B): 1.87 ms"),
-}
-# bitsandbytes 4-bit: one token per step reads the packed weights in its gemv kernel, at 45% of the
-# copy bandwidth; more tokens dequantize each weight to a bf16 copy and multiply by it.
-FOUR_BIT_GEMV = DecodeFormat(0.45, 0, 0, "Llama-2-7B nf4, batch 1, H100 (2026-11-22-h100-quantized-decode): 6.63 ms")
-FOUR_BIT_DEQUANTIZED = DecodeFormat(1.0, 2.4, 4, "7B nf4, 4 x 512 (2026-11-24-h200-validation/matrix2-inference/4): "
-                                                 "12.7 ms")
 # Training: operators each matmul adds to its layer's forward (the backward adds BACKWARD_OPS per
 # operator): LoRA's adapters beside a frozen quantized base, two casts, two matmuls, a scale and an add
 # (``fitbench.run.adapters``), with the base format's own (LLM.int8's as in decoding); and torchao's
@@ -359,12 +281,7 @@ class Forecast:
 
 def decode_format(precision: str, decode: str, tokens: int) -> DecodeFormat:
     """The weight format's decode terms for a step of ``tokens`` tokens that runs as ``decode`` says."""
-    step = "compiled" if decode == "compiled" else "eager"
-    if precision in ("nf4", "fp4") and step == "eager":
-        return FOUR_BIT_GEMV if tokens == 1 else FOUR_BIT_DEQUANTIZED
-    if step == "compiled" and tokens > 1 and (precision, "compiled, more tokens") in DECODE_FORMATS:
-        return DECODE_FORMATS[(precision, "compiled, more tokens")]
-    return DECODE_FORMATS.get((precision, step), DENSE)
+    return entry(precision).decode.at(decode, tokens)
 
 
 def layer_traffic(arch: Architecture, widths: Widths) -> float:
@@ -414,7 +331,7 @@ def layer_ops(arch: Architecture, backend: str, fused: bool = True) -> int:
 def fused_build(precision: str, parallelism: Parallelism, run: StepRun) -> bool:
     """Whether the native decoder runs with fused projections: not quantized, on one rank's layers whole
     (``fitbench.models.native``)."""
-    return run.fused and precision not in QUANTIZED and parallelism.tensor == 1 and parallelism.stages == 1
+    return run.fused and not entry(precision).quantized and parallelism.tensor == 1 and parallelism.stages == 1
 
 
 def forecast_step_time(arch: Architecture, mode: str, precision: str, batch: int, seq_len: int, *,
@@ -441,15 +358,15 @@ def _decode_time(arch: Architecture, precision: str, batch: int, seq_len: int, n
     fmt = decode_format(precision, decode, batch)
     matmuls = len(arch.layer_matrices)
     layer_weights = arch.layer_matmul_weights * arch.num_layers
-    if precision in QUANTIZED:
-        stored = sum(QUANTIZED[precision].matrix_bytes(m.rows, m.columns) for m in arch.layer_matrices)
+    if entry(precision).quantized:
+        stored = sum(entry(precision).storage.matrix_bytes(m.rows, m.columns) for m in arch.layer_matrices)
         quantized = stored * arch.num_layers
     else:
         quantized = widths.weights * layer_weights
     # Everything else the step reads: the other parameters at their width, less the lookup tables'
     # rows no token uses (a tied output projection reads its whole table); under autocast each matmul
     # weight's 16-bit copy, written and read.
-    plain_width = 2 if precision in QUANTIZED else widths.weights
+    plain_width = 2 if entry(precision).quantized else widths.weights
     h = arch.hidden_size
     unread = (0 if arch.tie_embeddings else (arch.vocab_size - batch) * h)
     unread += arch.position_params - h if arch.position_params else 0
@@ -460,7 +377,7 @@ def _decode_time(arch: Architecture, precision: str, batch: int, seq_len: int, n
     positions = seq_len + new_tokens if decode != "eager" else seq_len + new_tokens / 2
     cache = kv_bytes_read_per_position(arch, widths, run.backend) * batch * positions / kv_heads_split(arch, tp)
     memory_s = weights_s / tp + cache / ceiling.bandwidth
-    matmul_s = 2 * batch * arch.matmul_params / (tp * ceiling.peak(gpu_name, peak_kind(precision, "infer"))
+    matmul_s = 2 * batch * arch.matmul_params / (tp * ceiling.peak(gpu_name, entry(precision).peak_kind("infer"))
                                                  * MATMUL_EFFICIENCY)
     per_layer = COMPILED_LAYER_KERNELS if decode == "compiled" else \
         layer_ops(arch, run.backend, fused_build(precision, parallelism, run))
@@ -491,14 +408,14 @@ def _pass_time(arch: Architecture, mode: str, precision: str, batch: int, seq_le
     n = batch * seq_len
     L, h, V = arch.num_layers, arch.hidden_size, arch.vocab_size
     share = max(len(layers) for layers in pipeline_stages(L, stages)) / L
-    adapters = training and precision in ADAPTER_BASES
-    float8 = training and precision == "fp8"
+    adapters = training and entry(precision).training == ADAPTERS
+    float8 = training and entry(precision).training == FLOAT8
     matmul_params = arch.matmul_params
     # forward 2 N per token; the backward's two matmuls 4 N, the frozen base's weight gradient (2 N) not
     # formed under adapters, which train fully (6 A); checkpointing repeats the layers' forward
     passes = (3 if training else 1) - (1 if adapters else 0) + (1 if recompute else 0)
     matmul_flops = 2 * n * matmul_params * passes + (6 * n * adapter_params(arch) if adapters else 0)
-    kind = peak_kind(precision, "train" if training else "forward")
+    kind = entry(precision).peak_kind("train" if training else "forward")
     cuda_cores = kind == "fp32"
     peak = ceiling.peak(gpu_name, kind) * (1.0 if cuda_cores else MATMUL_EFFICIENCY)
     matmul_s = matmul_flops * share / (peak * tp)
@@ -525,8 +442,8 @@ def _pass_time(arch: Architecture, mode: str, precision: str, batch: int, seq_le
     weights = 0.0
     if widths.autocast:  # 16-bit copies of the matmul weights, per forward; the gradients' fp32 accumulation
         weights += 6 * matmul_params * ((1 if recompute else 0) + 1) + (6 * matmul_params if training else 0)
-    if precision in QUANTIZED:  # the frozen matmuls read, and where the format does, dequantized to a copy
-        stored = sum(QUANTIZED[precision].matrix_bytes(m.rows, m.columns) for m in arch.layer_matrices) * L
+    if entry(precision).quantized:  # the frozen matmuls read, and where the format does, dequantized to a copy
+        stored = sum(entry(precision).storage.matrix_bytes(m.rows, m.columns) for m in arch.layer_matrices) * L
         copies = decode_format(precision, "eager", n).dequantized * arch.layer_matmul_weights * L
         weights += (stored + copies) * (passes if training else 1)
     if float8:  # dynamic scaling: each cast to float8 reads its input twice (maximum, cast) and writes a byte
@@ -576,7 +493,7 @@ def _pass_time(arch: Architecture, mode: str, precision: str, batch: int, seq_le
     exposed_s = communication_s
     if parallelism.layout.data_parallel > 1:
         fsdp = parallelism.shards > 1
-        gathered = (widths.compute if fsdp and precision not in QUANTIZED else widths.weights) * arch.total_params
+        gathered = (widths.compute if fsdp and not entry(precision).quantized else widths.weights) * arch.total_params
         gradient_bytes = 4 * adapter_params(arch) if adapters else widths.weights * arch.total_params
         collectives_s, step_s = _data_parallel_step(arch, mode, parallelism, links, step_s, 3 if training else 1,
                                                     gathered / tp, gradient_bytes / tp, widths, adapters)
@@ -633,7 +550,7 @@ def decode_kind(backend: str, layout, precision: str, *, offloaded: bool = False
     layers eagerly: ``fitbench.run.pipeline``); else the compiled step in a graph (under tensor
     parallelism too, its collectives inside the graph) unless ``compile_decode`` is off. ``layout``: a
     ``fitbench.spec.Layout``."""
-    if backend == "hf" or offloaded or compiled or not cuda_graphs or graph_problem(precision) or layout.pp > 1:
+    if backend == "hf" or offloaded or compiled or not cuda_graphs or entry(precision).graph_problem or layout.pp > 1:
         return "eager"
     return "compiled" if compile_decode else "graph"
 

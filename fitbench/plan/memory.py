@@ -114,66 +114,8 @@ from fitbench.models.architecture import Architecture, default_backend
 from fitbench.models.hf_cache import CacheLayout, cache_layout
 from fitbench.plan import compiled as inductor
 from fitbench.plan.outliers import outlier_columns
-from fitbench.precisions import ADAPTER_BASES, ADAPTER_RANK, TRAINING_MODES
+from fitbench.precisions import ADAPTER_RANK, ADAPTERS, FLOAT8, TRAINING_MODES, StorageFormat, entry
 from fitbench.spec import Layout, Stage
-
-@dataclass(frozen=True)
-class QuantizedFormat:
-    """Storage of one quantized weight matrix: ``bits`` per element, plus one scale of
-    ``scale_bytes`` per group: a row (``group = 0``), or a block of ``group`` elements."""
-
-    bits: int
-    scale_bytes: float
-    group: int
-    source: str
-
-    def matrix_bytes(self, rows: int, columns: int) -> float:
-        scales = rows if self.group == 0 else rows * columns / self.group
-        return rows * columns * self.bits / 8 + scales * self.scale_bytes
-
-
-# While a model is quantized layer by layer, the layer being quantized exists in bf16 beside the
-# quantizer's temporaries for one matrix: bytes per element of the layer's largest matrix, the peak of
-# allocations during the build beyond the built model and one layer in bf16. Measured on one H200
-# with benchmarks/build_gap.py (benchmarks/results/2026-11-23-h200-quantized-inference): Llama-2-7B
-# (11008 x 4096), and llama-3.1-8b (14336 x 4096) for fp8, where three fp32 copies of the matrix
-# being cast were alive at the peak (10.6 B, the larger of the two). LLM.int8 casts to fp16 and
-# rounds (2.2 B); bitsandbytes' 4-bit packs in place of the input (0.3 B); torchao's int8 and int4
-# hold an fp32 copy and its scaled copy in part (2.2 B, 5.7 B); float8 per 128 x 128 block 11.2 B.
-# int8-weight-only quantizes its weights with the very call int8-dynamic does (torchao's
-# ``Int8Tensor.from_hp``, per row): the same 2.2 B, not measured apart; fp8-weight-only with the call
-# fp8 does (``Float8Tensor.from_hp``, e4m3 per row, the same kernel choice): fp8's 10.6 B.
-BUILD_TEMPORARY_BYTES = {"int8": 2.2, "nf4": 0.35, "fp4": 0.35, "int8-dynamic": 2.2, "int8-weight-only": 2.2,
-                         "int4": 5.7, "fp8": 10.6, "fp8-weight-only": 10.6, "fp8-block": 11.2}
-
-# Every matrix of ``Architecture.layer_matrices`` is quantized (``fitbench.run.quantize``: each
-# nn.Linear of the layers, GPT-2's Conv1D turned into one first); biases, embeddings, position
-# tables, the output projection and norms stay bf16.
-QUANTIZED: dict[str, QuantizedFormat] = {
-    "int8": QuantizedFormat(8, 4, 0, "bitsandbytes LLM.int8: int8 weights, one fp32 absmax per output row"),
-    # Double quantization (bitsandbytes' default): each block's absmax in 8 bits, plus one fp32
-    # scale per 256 blocks.
-    "nf4": QuantizedFormat(4, 1 + 4 / 256, 64, "bitsandbytes 4-bit: an 8-bit absmax per block of 64, "
-                                               "double-quantized"),
-    "fp4": QuantizedFormat(4, 1 + 4 / 256, 64, "bitsandbytes 4-bit: an 8-bit absmax per block of 64, "
-                                               "double-quantized"),
-    "int8-dynamic": QuantizedFormat(8, 5, 0, "torchao int8 weights, an fp32 scale and an int8 zero point per "
-                                             "output row"),
-    # torchao 0.18's Int8WeightOnlyConfig (PerRow, symmetric): ``Int8Tensor.from_hp`` keeps qdata
-    # (rows x columns int8), an fp32 scale and an int8 zero point (all zeros, symmetric, but stored) per
-    # output row: rows x columns + 5 rows bytes (torchao/quantization/quantize_/workflows/int8/int8_tensor.py).
-    "int8-weight-only": QuantizedFormat(8, 5, 0, "torchao int8 weight-only: int8 weights, an fp32 scale and an "
-                                                 "int8 zero point per output row"),
-    "int4": QuantizedFormat(4, 4, 128, "torchao int4 tinygemm: bf16 scale and zero point per group of 128"),
-    "fp8": QuantizedFormat(8, 4, 0, "torchao float8 row-wise: one fp32 scale per output row"),
-    # torchao 0.18's Float8WeightOnlyConfig (PerRow): the ``Float8Tensor`` fp8 builds, without activation
-    # quantization: qdata (rows x columns e4m3) and an fp32 scale of shape (rows, 1).
-    "fp8-weight-only": QuantizedFormat(8, 4, 0, "torchao float8 weight-only: e4m3 weights, one fp32 scale per "
-                                                "output row"),
-    "fp8-block": QuantizedFormat(8, 4, 128 * 128, "float8 with one fp32 scale per 128 x 128 block"),
-}
-
-
 
 # LLM.int8 keeps, for the backward pass, each matmul's input columns holding an outlier (|x| > 6)
 # in fp16 (bitsandbytes' MatMul8bitLt, ``subA``): a data-dependent amount. With fitbench's random
@@ -210,19 +152,15 @@ class Widths:
 
     @classmethod
     def of(cls, precision: str, parallelism: Parallelism | None = None) -> Widths:
-        """``precision``'s widths; under FSDP (``parallelism``), a mixed precision's: 16-bit gathered
-        weights and inputs, so 16-bit activations and no autocast, beside its fp32 shards."""
-        if parallelism is not None and parallelism.shards > 1 and precision in ("bf16", "fp16"):
-            return cls(4, 2, 2, False)
-        if precision in QUANTIZED:
-            return cls(2, 2, 2, False)  # weights outside the layers' matmuls stay bf16
-        if precision in ("fp32", "tf32"):
-            return cls(4, 4, 4, False)
-        if precision in ("bf16", "fp16"):
-            return cls(4, 2, 4, True)
-        if precision == "bf16-pure":
-            return cls(2, 2, 2, False)
-        raise ValueError(f"no memory model for precision {precision!r}")
+        """``precision``'s widths, from its policy's dtypes: the weights' as built (a quantized model's
+        weights outside the layers' matmuls stay bf16), the activations' and a residual stream as wide as
+        the weights; under FSDP (``parallelism``), a mixed precision's: 16-bit gathered weights and
+        inputs, so 16-bit activations and no autocast, beside its fp32 shards."""
+        policy = entry(precision).policy
+        mixed = policy.autocast_dtype_name is not None
+        if parallelism is not None and parallelism.shards > 1 and mixed:
+            return cls(policy.weight_bytes, policy.compute_bytes, policy.compute_bytes, False)
+        return cls(policy.weight_bytes, policy.compute_bytes, policy.weight_bytes, mixed)
 
 
 @dataclass(frozen=True)
@@ -385,7 +323,7 @@ def layer_matrices(arch: Architecture) -> list[tuple[int, int]]:
     return [(matrix.rows, matrix.columns) for matrix in arch.layer_matrices]
 
 
-def quantized_layer_bytes(arch: Architecture, fmt: QuantizedFormat) -> float:
+def quantized_layer_bytes(arch: Architecture, fmt: StorageFormat) -> float:
     return sum(fmt.matrix_bytes(rows, columns) for rows, columns in layer_matrices(arch))
 
 
@@ -647,24 +585,25 @@ def estimate_memory(arch: Architecture, mode: str, precision: str, batch: int, s
     layers = len(where.layers)
     local_params = layers * rank_layer_params(arch, tp) + rank_edge_params(arch, tp, where)
     training = mode in TRAINING_MODES
-    if training and precision == "fp8":
+    facts = entry(precision)
+    if training and facts.training == FLOAT8:
         return _float8_training(arch, mode, batch, seq_len, activation_checkpointing, parallelism, backend, compiled,
                                 where)
     in_flight = 1
     if training and parallelism.stages > 1:
         microbatches = parallelism.microbatches_of(batch)
         in_flight, batch = microbatches, -(-batch // microbatches)
-    if training and precision in QUANTIZED and precision not in ADAPTER_BASES:
+    if training and facts.quantized and facts.training != ADAPTERS:
         raise ValueError(f"{precision} weights have no backward pass: no training memory model")
-    if precision in QUANTIZED:
-        fmt = QUANTIZED[precision]
+    if facts.quantized:
+        fmt = facts.storage
         shares = tp_layer_matrices(arch, tp)
         quantized = sum(fmt.matrix_bytes(rows, columns) for rows, columns, _ in shares) * layers
         plain = widths.weights * (local_params - sum(rows * columns for rows, columns, _ in shares) * layers)
         weights = quantized + plain
         terms = [Term("weights", weights, f"{fmt.source}: {quantized:,.0f} B in the layers' "
                                           f"matrices, {plain:,.0f} B in bf16 elsewhere"), rotary_term(arch, backend)]
-        per_element = BUILD_TEMPORARY_BYTES[precision]
+        per_element = facts.build_temporary_bytes
         if backend == "hf":
             # transformers' model is built whole in bf16, runs the quality reference, then is quantized in place
             terms.append(Term("bf16 model before quantizing", 2 * local_params - weights,
@@ -694,8 +633,8 @@ def estimate_memory(arch: Architecture, mode: str, precision: str, batch: int, s
         return _with_stage(_training(arch, mode, widths, batch, seq_len, activation_checkpointing, terms,
                                      local_params / shards, layers, tp, backend=backend, compiled=compiled,
                                      layout=parallelism, stage=where, in_flight=in_flight), where)
-    return _with_stage(_inference(arch, mode, widths, batch, seq_len, new_tokens, terms, tp, where, backend=backend,
-                                  compiled=compiled), where)
+    return _with_stage(_inference(arch, mode, widths, batch, seq_len, new_tokens, terms, tp, where,
+                                  precision=precision, backend=backend, compiled=compiled), where)
 
 
 def stage_estimates(arch: Architecture, mode: str, precision: str, batch: int, seq_len: int, *,
@@ -732,7 +671,7 @@ def _offloaded(arch, mode, precision, batch, seq_len, new_tokens, resident, para
       empty, so there the prediction is one layer high;
     - the KV cache of all L layers and the temporaries, as without offload.
     """
-    if mode in TRAINING_MODES or precision in QUANTIZED or parallelism.gpus > 1:
+    if mode in TRAINING_MODES or entry(precision).quantized or parallelism.gpus > 1:
         raise ValueError(f"offload models inference with floating-point weights on one GPU, not {mode} "
                          f"{precision} over {parallelism.gpus} GPU(s)")
     if not 0 <= resident <= arch.num_layers:
@@ -745,7 +684,7 @@ def _offloaded(arch, mode, precision, batch, seq_len, new_tokens, resident, para
     if resident < L:
         terms.append(Term("offloaded layer in flight", w * per_layer, f"{w:g} B x {per_layer:,} parameters: one "
                           f"offloaded layer, copied in for its forward"))
-    return _inference(arch, mode, widths, batch, seq_len, new_tokens, terms, 1, backend=backend)
+    return _inference(arch, mode, widths, batch, seq_len, new_tokens, terms, 1, precision=precision, backend=backend)
 
 
 def offloaded_weights(arch: Architecture, precision: str, resident_layers: int) -> float:
@@ -825,7 +764,7 @@ def _adapter_training(arch, mode, precision, widths, batch, seq_len, recompute, 
     matmuls = len(arch.layer_matrices)
     added = [Term("adapter activations", extra_saved, f"{widths.compute} B x n x r per matmul, {matmuls} per layer",
                   frozenset({START}))]
-    if precision == "int8":
+    if entry(precision).outlier_columns:
         inputs = sum(columns for _, columns in layer_matrices(arch)) * INT8_OUTLIER_COLUMNS
         added.append(Term("LLM.int8 outlier columns", 2 * n * inputs * saving_layers / tp,
                           f"2 B x n x {INT8_OUTLIER_COLUMNS:g} of each matmul's input columns, {matmuls} per layer "
@@ -1066,8 +1005,6 @@ def int8_outlier_terms(arch: Architecture, tokens: int, widths: Widths, tp: int 
                  "(8 h k): blocks that change size from layer to layer (measured)", frozenset({OUTLIERS}))]
 
 
-# Precisions whose matmuls quantize their input on the fly (torchao's dynamic activation scaling).
-ACTIVATION_QUANTIZED = ("fp8", "int8-dynamic")
 # Bytes per element of a matmul's input while torchao quantizes it: three fp32 copies (the input
 # upcast, its scaled and its clamped values) and the 8-bit result. Traced on an H200 at 3B fp8
 # 4 x 1024 (``benchmarks/results/2026-11-23-h200-packed-build/anatomy``): three 134.2 MB fp32 blocks
@@ -1087,14 +1024,6 @@ def activation_quantization_term(arch: Architecture, tokens: int, compute: float
                 frozenset({MLP}))
 
 
-# torchao 0.18's float8 weight-only matmul (``Float8Tensor`` without activation quantization) multiplies its
-# input by ``weight.dequantize()``: the e4m3 matrix cast to an fp32 copy, that copy times the row scales
-# (another fp32 copy), the product cast to bf16, all three alive as the last is made, whatever the tokens:
-# 4 + 4 + 2 B per element of the matrix (quantize_/workflows/float8/float8_tensor.py, ``_float8_addmm_impl``;
-# ``_dequantize_affine_float8``).
-FLOAT8_DEQUANTIZED_BYTES = 10
-
-
 # LLM.int8 at the MLP, per element of n x f beyond the three 16-bit intermediates the MLP temporaries
 # count: the up projection's int32 product (4 B) and one more 16-bit copy (2 B). Traced on an H200 at
 # 1B int8 8 x 256 (``benchmarks/results/2026-11-23-h200-packed-build/anatomy/1B-int8-8x256.json``):
@@ -1102,35 +1031,28 @@ FLOAT8_DEQUANTIZED_BYTES = 10
 INT8_PRODUCT_BYTES = 6
 
 
-def prefill_reserve_term(arch: Architecture, precision: str | None, tokens: int, compute: float,
-                         tp: int) -> Term | None:
+def prefill_reserve_term(arch: Architecture, precision: str, tokens: int, tp: int) -> Term | None:
     """The caching allocator's reserve at a quantized model's prefill MLP: one more block of the
     MLP's largest temporary. The holes one layer's MLP leaves are split by the next layer's smaller
     blocks before its MLP needs them again, so the allocator maps the largest temporary anew. Traced on
     an H200 at 3B fp8 4 x 1024 (``benchmarks/results/2026-11-23-h200-packed-build/anatomy``): the three
     134 MB fp32 temporaries of the down projection's input each mapped pages twice, 187 MB reserved
     beyond the allocations at the peak; 3B nf4 8 x 512: 226 MB, where the product of the MLP (67 MB) is
-    the largest; 1B int8 8 x 256: 60 MB. The largest temporary: the fp32 copy of the down projection's
-    input (4 B x n x f) where activations are quantized (fp8, int8-dynamic); the up projection's int32
-    product (4 B x n x f) for LLM.int8 (its outlier columns have their own, ``int8_outlier_terms``); the
-    MLP's product (c x n x f) for bitsandbytes' 4-bit weights. torchao's int4 and fp8-block were not
-    traced and get none."""
-    if tokens <= 1:
+    the largest; 1B int8 8 x 256: 60 MB. The largest temporary (the entry's ``prefill_reserve``): the
+    fp32 copy of the down projection's input (4 B x n x f) where activations are quantized (fp8,
+    int8-dynamic); the up projection's int32 product (4 B x n x f) for LLM.int8 (its outlier columns have
+    their own, ``int8_outlier_terms``); the MLP's product (c x n x f) for bitsandbytes' 4-bit weights.
+    torchao's int4 and fp8-block were not traced and get none."""
+    reserve = entry(precision).prefill_reserve
+    if tokens <= 1 or reserve is None:
         return None
-    if precision in ACTIVATION_QUANTIZED:
-        per_element, what = 4, "the fp32 copy of the down projection's input"
-    elif precision == "int8":
-        per_element, what = 4, "the up projection's int32 product"
-    elif precision in ("nf4", "fp4"):
-        per_element, what = compute, "the MLP's product"
-    else:
-        return None
+    per_element, what = reserve.bytes, reserve.what
     return Term("allocator reserve at the MLP", per_element * tokens * arch.ffn_size / tp,
                 f"{per_element:g} B x {tokens:,} tokens x {arch.ffn_size:,}: {what} mapped once more, the holes "
                 f"of the previous layer split by smaller blocks (traced)", frozenset({MLP}))
 
 
-def _inference(arch, mode, widths, batch, seq_len, new_tokens, terms, tp, stage=None, precision=None,
+def _inference(arch, mode, widths, batch, seq_len, new_tokens, terms, tp, stage=None, *, precision,
                backend="native", compiled=False):
     """Without autograd, a layer's temporaries die with it. Two moments can peak: the widest MLP,
     where silu(gate), up and their product (3 c n f) live beside the layer's input, the residual
@@ -1141,10 +1063,10 @@ def _inference(arch, mode, widths, batch, seq_len, new_tokens, terms, tp, stage=
     Quantized weights (``precision``) add the moment of the build (``quantizer temporaries``), when no
     step has run and no KV cache exists yet; so does tensor parallelism of other weights, whose
     ranks draw each whole weight into one scratch buffer and keep their shards
-    (``fitbench.run.tensor_parallel``): the shards and the largest whole weight; 4-bit weights are dequantized to bf16 for each prefill
-    matmul (2 B x the largest matrix, at the MLP), float8 weight-only ones for every matmul, through fp32
-    (``FLOAT8_DEQUANTIZED_BYTES``); LLM.int8 adds the moment of its outlier columns
-    (``int8_outlier_terms``).
+    (``fitbench.run.tensor_parallel``): the shards and the largest whole weight; a weight some formats
+    dequantize for a prefill matmul (the entry's ``dequantized``: 4-bit weights to bf16, 2 B x the largest
+    matrix, at the MLP; float8 weight-only ones for every matmul, through fp32); LLM.int8 adds the moment
+    of its outlier columns (``int8_outlier_terms``).
 
     A pipeline ``stage`` holds the KV cache of its own layers, and only the last stage the output
     projection's moment. Tensor parallelism (degree ``tp``) splits the layers' intermediates, the
@@ -1158,8 +1080,9 @@ def _inference(arch, mode, widths, batch, seq_len, new_tokens, terms, tp, stage=
     stage = stage or Stage(0, 1, range(arch.num_layers))
     layers = len(stage.layers)
     rows = batch if mode == "infer" else n  # infer computes logits for the last position only
-    moments = (MLP,) + ((OUTPUT,) if stage.last else ()) + ((OUTLIERS,) if precision == "int8" else ())
-    sharded_build = tp > 1 and precision not in QUANTIZED
+    facts = entry(precision)
+    moments = (MLP,) + ((OUTPUT,) if stage.last else ()) + ((OUTLIERS,) if facts.outlier_columns else ())
+    sharded_build = tp > 1 and not facts.quantized
     if sharded_build and backend == "hf":
         # transformers' tensor-parallel plan shards a model built whole on each rank, a weight at a time
         whole = widths.weights * arch.total_params
@@ -1180,7 +1103,7 @@ def _inference(arch, mode, widths, batch, seq_len, new_tokens, terms, tp, stage=
         kept = f": {hf_cache(arch, widths).formula}" if backend == "hf" else ""
         terms.append(Term("KV cache", cache, f"2 x {layers} layers x {per_token:g} B x {batch} x "
                           f"{seq_len + new_tokens} tokens{kept}",
-                          frozenset(moments) if precision in QUANTIZED or sharded_build else None))
+                          frozenset(moments) if facts.quantized or sharded_build else None))
     elif backend == "hf":
         # transformers' models grow a DynamicCache in a forward pass too (``use_cache`` is on by default)
         cache = kv_cache_bytes(arch, batch, seq_len, widths, kv_heads_split(arch, tp), backend) * layers / arch.num_layers
@@ -1188,25 +1111,20 @@ def _inference(arch, mode, widths, batch, seq_len, new_tokens, terms, tp, stage=
         terms.append(Term("KV cache", cache, f"{layers} layers of the forward pass's {batch} x {seq_len} tokens, "
                           f"which transformers caches unasked: keys {layout.key_bytes} B and values "
                           f"{layout.value_bytes} B ({layout.source}, read by running it)",
-                          frozenset(moments) if precision in QUANTIZED or sharded_build else None))
-    if precision == "int8":
+                          frozenset(moments) if facts.quantized or sharded_build else None))
+    if facts.outlier_columns:
         terms += int8_outlier_terms(arch, n, widths, tp)
-    if precision in ("nf4", "fp4"):
-        dequantized = 2 * largest_layer_matrix(arch) / tp
-        terms.append(Term("dequantized weight", dequantized, "2 B x the largest matrix: bitsandbytes dequantizes a "
-                          "4-bit weight to bf16 for a matmul of more than one token", frozenset({MLP})))
-    if precision == "fp8-weight-only":
-        dequantized = FLOAT8_DEQUANTIZED_BYTES * largest_layer_matrix(arch) / tp
-        terms.append(Term("dequantized weight", dequantized, f"{FLOAT8_DEQUANTIZED_BYTES} B x the largest matrix: "
-                          f"torchao casts a float8 weight to fp32, scales it and casts it to bf16 at every matmul",
-                          frozenset({MLP})))
-    if precision in ACTIVATION_QUANTIZED and n > 1:
+    if facts.dequantized is not None:
+        copy = facts.dequantized
+        terms.append(Term("dequantized weight", copy.bytes * largest_layer_matrix(arch) / tp,
+                          f"{copy.bytes:g} B x the largest matrix: {copy.why}", frozenset({MLP})))
+    if facts.activation_scaling and n > 1:
         terms.append(activation_quantization_term(arch, n, c, tp))
-    if precision == "int8" and n > 1:
+    if facts.outlier_columns and n > 1:
         terms.append(Term("LLM.int8 product", INT8_PRODUCT_BYTES * n * arch.ffn_size / tp,
                           f"{INT8_PRODUCT_BYTES} B x {n:,} tokens x {arch.ffn_size:,}: the up projection's int32 "
                           f"product and one more 16-bit copy beside the MLP's temporaries (traced)", frozenset({MLP})))
-    reserve = prefill_reserve_term(arch, precision, n, c, tp)
+    reserve = prefill_reserve_term(arch, precision, n, tp)
     if reserve is not None:
         terms.append(reserve)
     # Under tensor parallelism the gather's buffer is rank-major, (tp, rows, V / tp): putting the
@@ -1232,5 +1150,5 @@ def _inference(arch, mode, widths, batch, seq_len, new_tokens, terms, tp, stage=
         formula += ", and the output projection's 16-bit copy"
     if stage.last:
         terms.append(Term("output projection", head, formula, frozenset({OUTPUT})))
-    return MemoryEstimate(tuple(terms), moments + ((BUILD,) if precision in QUANTIZED else ())
+    return MemoryEstimate(tuple(terms), moments + ((BUILD,) if facts.quantized else ())
                           + ((SHARDS,) if sharded_build else ()))

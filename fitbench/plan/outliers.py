@@ -30,7 +30,7 @@ from functools import lru_cache
 
 from fitbench.models.architecture import Architecture
 
-THRESHOLD = 6.0  # bitsandbytes' Linear8bitLt threshold, as fitbench.run.quantize builds it
+THRESHOLD = 6.0  # bitsandbytes' Linear8bitLt threshold, as fitbench.run.quantize.bitsandbytes builds it
 INIT_STD = 0.02  # fitbench.models.native.init_random_weights; transformers' initializer_range
 QUADRATURE_POINTS = 2000  # midpoints over g in [-10 s, 10 s]: the sum is stable to 1e-6 at 1000
 

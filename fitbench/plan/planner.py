@@ -35,10 +35,11 @@ from fitbench.plan.calibration import DEFAULT, PAGE, TENSORS_ONLY, Calibration
 from fitbench.plan.collectives import bus_bandwidth
 from fitbench.plan.forecast import (Ceilings, StepRun, ceilings, decode_kind, forecast_spec, forecast_step_time,
                                    step_run)
-from fitbench.plan.memory import (QUANTIZED, TRAINING_MODES, MemoryEstimate, Parallelism, Term, Widths, estimate_memory,
+from fitbench.plan.memory import (TRAINING_MODES, MemoryEstimate, Parallelism, Term, Widths, estimate_memory,
                                   offloaded_weights, rank_edge_params, saved_per_layer, stage_estimates)
 from fitbench.plan.speed import StepTime, estimate_step_time
-from fitbench.precisions import graph_problem, offload_problem, training_problem, trains_every_weight, weight_only
+from fitbench.precisions import DEFAULT_LADDER, entry
+from fitbench.precisions.layouts import offload_problem
 from fitbench.search import largest
 from fitbench.spec import Layout, Stage
 from fitbench.units import format_bytes
@@ -53,19 +54,6 @@ GPU_ALIASES = {
 }
 DEFAULT_SPEED_GPU = "NVIDIA H100 80GB HBM3"
 
-# The precisions a run falls back through and the planner chooses from, by mode, unless --fallback names
-# others (``fitbench.config.fallback_ladder``).
-# int8-weight-only is not a default rung: it stores what int8 stores (1 B per weight and 4 or 5 B per
-# row), so beside int8 it is a retry that fits nothing more, and in int8's place it would trade
-# LLM.int8's outlier handling, what keeps large checkpoints near bf16 quality, for decode speed that
-# an out-of-memory retry does not ask for. A user's --fallback may name it. fp8-weight-only is not one
-# for the same reasons: it stores 1 B per weight and 4 B per row too.
-DEFAULT_LADDER = {
-    "train": ["bf16", "bf16-pure"],
-    "forward-backward": ["bf16", "bf16-pure"],
-    "forward": ["bf16-pure", "int8", "nf4"],
-    "infer": ["bf16-pure", "int8", "nf4"],
-}
 MAX_AUTO_BATCH = 1 << 16
 # The share of a GPU's memory that automatic choices keep free beyond a predicted peak: within it the
 # CUDA caching allocator's retries start (frees and cudaMalloc inside a step, ``fitbench.run.retries``).
@@ -207,7 +195,7 @@ LATE_BACKWARD = ("recompute of the last layer", "backward of the first layer", "
 def decodes_through_graph(candidate: Candidate) -> bool:
     """Whether a generation of ``candidate`` replays its decode steps from a CUDA graph; offloaded
     layers stream in through hooks a graph cannot hold."""
-    return graph_problem(candidate.precision) is None and candidate.resident_layers is None
+    return entry(candidate.precision).graph_problem is None and candidate.resident_layers is None
 
 
 def overhead_terms(arch: Architecture, mode: str, candidate: Candidate, memory: MemoryEstimate, moment: str,
@@ -280,7 +268,7 @@ def assess(arch: Architecture, mode: str, candidate: Candidate, target: GpuTarge
         return Assessment(candidate, None, (), 0.0, False, problem, None)
 
     if mode in TRAINING_MODES:
-        problem = training_problem(candidate.precision)
+        problem = entry(candidate.precision).training_problem
         if problem:
             return Assessment(candidate, None, (), 0.0, False, f"{candidate.label}: {problem}", None)
     memory = estimate_memory(arch, mode, candidate.precision, candidate.batch_size, seq_len, new_tokens=new_tokens,
@@ -599,7 +587,7 @@ def predict_spec(arch: Architecture, spec, target: GpuTarget, calibration: Calib
     ladder = ([p for p in ladder or DEFAULT_LADDER[spec.mode] if p in runnable] if choose_precision
               else [spec.precision])
     if spec.offload:
-        ladder = [p for p in ladder if p not in QUANTIZED]
+        ladder = [p for p in ladder if not entry(p).quantized]
     recompute = [False, True] if choose_recompute and spec.mode in TRAINING_MODES else [spec.activation_checkpointing]
 
     def resident(precision: str) -> int | None:
@@ -656,11 +644,11 @@ def predict_spec(arch: Architecture, spec, target: GpuTarget, calibration: Calib
 
 def slower_than_bf16(arch: Architecture, spec, target: GpuTarget, calibration: Calibration | None,
                      chosen: Assessment, forecast: float | None) -> list[str]:
-    """A warning for the row when ``spec`` decodes in a weight-only format (``weight_only``) that the
+    """A warning for the row when ``spec`` decodes in a weight-only format (the entry's ``weight_only``) that the
     forecast puts slower than bf16 weights at the same batch and layout: its kernels read fewer bytes
     but, past batch 1, some run far below the bandwidth that bf16's matmuls reach (the forecast's
-    ``DECODE_FORMATS``); nothing where there is no forecast."""
-    if spec.mode != "infer" or not weight_only(spec.precision) or forecast is None:
+    its entry's ``decode``); nothing where there is no forecast."""
+    if spec.mode != "infer" or not entry(spec.precision).weight_only or forecast is None:
         return []
     bf16 = _forecast(arch, spec.model_copy(update={"precision": "bf16-pure"}), target, calibration, chosen)
     if forecast <= bf16:
@@ -770,7 +758,7 @@ def alternatives(arch: Architecture, spec, target: GpuTarget, calibration: Calib
         if fits:
             found.append(Alternative("with activation checkpointing", fits))
     for precision in DEFAULT_LADDER[mode]:
-        if precision == spec.precision or (training and not trains_every_weight(precision)):
+        if precision == spec.precision or (training and not entry(precision).trains_every_weight):
             continue
         fits = first_fitting([single(precision, ac) for ac in recompute])
         if fits:
@@ -783,12 +771,12 @@ def alternatives(arch: Architecture, spec, target: GpuTarget, calibration: Calib
                 fits = first_fitting([single(spec.precision, ac, smaller)])
                 found.append(Alternative(f"at batch {smaller}{with_recompute(fits.candidate)}", fits))
                 break
-    if training and spec.precision not in QUANTIZED:
+    if training and not entry(spec.precision).quantized:
         fits = first_fitting([single(ADAPTER_BASE, ac) for ac in recompute])
         if fits:
             found.append(Alternative(f"as {ADAPTER_BASE} adapters (QLoRA) {here}{with_recompute(fits.candidate)}",
                                      fits))
-    precision = spec.precision if spec.precision not in QUANTIZED else "bf16-pure"
+    precision = spec.precision if not entry(spec.precision).quantized else "bf16-pure"
     if layout.world_size == 1 and not spec.offload and offload_problem(mode, precision, spec.backend,
                                                                        spec.compile) is None:
         split = offload_split(arch, mode, precision, batch, seq_len, new_tokens=new_tokens, budget=target.memory,

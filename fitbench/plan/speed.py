@@ -69,9 +69,8 @@ from dataclasses import dataclass
 from fitbench import hardware
 from fitbench.models.architecture import Architecture
 from fitbench.plan.collectives import PCIE_BANDWIDTH, BusBandwidth, bus_bandwidth
-from fitbench.plan.memory import (ADAPTER_BASES, QUANTIZED, Parallelism, Widths, adapter_params, layer_matmul_params,
-                                  quantized_layer_bytes)
-from fitbench.precisions import peak_kind
+from fitbench.plan.memory import Parallelism, Widths, adapter_params, layer_matmul_params, quantized_layer_bytes
+from fitbench.precisions import ADAPTERS, entry
 from fitbench.spec import pipeline_stages
 
 # Host-to-GPU bandwidth per direction, bytes/s: PCIe Gen5 x16 on Hopper ("PCIe Gen5: 128 GB/s", both
@@ -103,8 +102,8 @@ class StepTime:
 
 
 def _weight_bytes(arch: Architecture, precision: str) -> float:
-    if precision in QUANTIZED:
-        layers = quantized_layer_bytes(arch, QUANTIZED[precision]) * arch.num_layers
+    if entry(precision).quantized:
+        layers = quantized_layer_bytes(arch, entry(precision).storage) * arch.num_layers
         return layers + 2 * (arch.total_params - layer_matmul_params(arch) * arch.num_layers)
     return Widths.of(precision).weights * arch.total_params
 
@@ -118,7 +117,7 @@ def estimate_step_time(arch: Architecture, mode: str, precision: str, batch: int
     preallocated KV cache, as a GPU run's CUDA graph does; offloaded layers decode eagerly, over the
     positions so far. ``links``: the collectives' bandwidths and latencies (``bus_bandwidth``; by
     default the interconnect's)."""
-    peak = hardware.peak_flops(gpu_name, peak_kind(precision, mode)) or hardware.peak_flops(gpu_name, "bf16")
+    peak = hardware.peak_flops(gpu_name, entry(precision).peak_kind(mode)) or hardware.peak_flops(gpu_name, "bf16")
     bandwidth = hardware.peak_bandwidth(gpu_name)
     if not peak or not bandwidth:
         raise ValueError(f"no datasheet figures for {gpu_name!r}")
@@ -146,7 +145,7 @@ def estimate_step_time(arch: Architecture, mode: str, precision: str, batch: int
         # Recomputing activations repeats the forward pass: 4 forward-passes' worth instead of 3.
         passes = 1 if mode == "forward" else (4 if activation_checkpointing else 3)
         per_token = arch.forward_flops_per_token(seq_len) * passes
-        adapters = mode != "forward" and precision in ADAPTER_BASES
+        adapters = mode != "forward" and entry(precision).training == ADAPTERS
         if adapters:  # no weight gradients for the frozen base: 2 N fewer per token
             per_token += arch.adapter_train_flops_per_token(seq_len, adapter_params(arch)) - \
                 arch.train_flops_per_token(seq_len)
@@ -156,7 +155,7 @@ def estimate_step_time(arch: Architecture, mode: str, precision: str, batch: int
         # Every FSDP rank reads the whole gathered model (16-bit under its mixed precision); its
         # optimizer touches only its shard.
         fsdp = parallelism.shards > 1
-        gathered = weight_bytes if precision in QUANTIZED or not fsdp else widths.compute * arch.total_params
+        gathered = weight_bytes if entry(precision).quantized or not fsdp else widths.compute * arch.total_params
         shards = parallelism.shards
         memory_s = (reads * gathered + optimizer_bytes / shards) * share / (bandwidth * tp)
         directions = 1 if mode == "forward" else 2
@@ -263,9 +262,9 @@ def _decode_weight_bytes(arch: Architecture, precision: str, batch: int) -> floa
     norms) are re-cast every step, a 16-bit copy written and read beside the fp32 read. Quantized
     matrices are read once as stored: the least a step moves, what a compiled step (the default) reads,
     inductor fusing the dequantization into the matmul; an eager step's dequantized copies are the
-    speed forecast's (``fitbench.plan.forecast.DecodeFormat.dequantized``)."""
+    speed forecast's (``fitbench.precisions.DecodeFormat.dequantized``)."""
     widths = Widths.of(precision)
-    table_width = 2 if precision in QUANTIZED else widths.weights  # quantization leaves the tables bf16
+    table_width = 2 if entry(precision).quantized else widths.weights  # quantization leaves the tables bf16
     token_table = 0 if arch.tie_embeddings else arch.vocab_size * arch.hidden_size
     position_table = arch.embedding_params - arch.vocab_size * arch.hidden_size
     rows = (0 if arch.tie_embeddings else batch) + (1 if position_table else 0)

@@ -6,7 +6,7 @@ latency in ``infer``; tokens/s; MFU; the measured and predicted peak and their e
 unit in the header: GB are 1e9 bytes, % are 100 x a fraction. The measured peak is the largest GPU's
 (``headline`` gives the first GPU's; every rank's is in the memory plot and the row). Quantization
 columns: the method is the precision of a quantized row, the library holds its tensors
-(``fitbench.precisions.quantization_library``), weights vs bf16 is the bytes the built weights took
+(``fitbench.precisions``, the entry's ``library``), weights vs bf16 is the bytes the built weights took
 over those of the same model in bf16 (``weights.relative_to_bf16``), and the quality figures are
 ``fitbench.run.quality``'s against the bf16 model.
 """
@@ -16,7 +16,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any, Callable
 
-from fitbench.precisions import quantization_library
+from fitbench.precisions import entry
 from fitbench.report.figures import GB, gpu_peak, layout_label, world_size
 from fitbench.results.report import headline
 from fitbench.results.row import Row
@@ -81,8 +81,8 @@ COLUMNS = (
     Column("forecast error (%)", lambda row, head: head["forecast_error"]),
     Column("roofline time (s)", lambda row, head: head["roofline_time"], in_html=False),
     Column("quantization method", lambda row, head: row.spec["precision"]
-           if quantization_library(row.spec["precision"]) else None, in_html=False),
-    Column("quantization library", lambda row, head: quantization_library(row.spec["precision"]), in_html=False),
+           if entry(row.spec["precision"]).library else None, in_html=False),
+    Column("quantization library", lambda row, head: entry(row.spec["precision"]).library, in_html=False),
     Column("weights vs bf16 (ratio)", lambda row, head: (row.weights or {}).get("relative_to_bf16")),
     Column("weight bytes (GB)", lambda row, head: _scaled((row.weights or {}).get("bytes"), 1 / GB),
            in_html=False),

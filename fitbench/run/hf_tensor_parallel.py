@@ -30,7 +30,8 @@ from typing import Any
 from torch import nn
 
 from fitbench.models.backends import CausalLM
-from fitbench.precisions import PrecisionPolicy, tensor_parallel_problem
+from fitbench.precisions import PrecisionPolicy
+from fitbench.precisions.layouts import tensor_parallel_problem
 from fitbench.run.parallel import broadcast_weights
 from fitbench.run.ranks import Rank
 from fitbench.spec import Layout, LayoutError

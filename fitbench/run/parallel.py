@@ -32,7 +32,8 @@ from torch import nn
 
 from fitbench.models.backends import CausalLM
 from fitbench.models.native import NativeCausalLM
-from fitbench.precisions import DATA_PARALLEL_STRATEGIES, PrecisionPolicy, data_parallel_problem
+from fitbench.precisions import PrecisionPolicy
+from fitbench.precisions.layouts import DATA_PARALLEL_STRATEGIES, data_parallel_problem
 from fitbench.run.ranks import Rank
 
 STRATEGIES = DATA_PARALLEL_STRATEGIES

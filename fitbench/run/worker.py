@@ -33,8 +33,7 @@ from fitbench.models.backends import DECODE_TUNING, CausalLM, NativeLM, load_mod
 from fitbench.models.hf import has_weights
 from fitbench.models.offload import Offload, OffloadCapacityError, build_offloaded
 from fitbench.models.registry import is_local_model, resolve
-from fitbench.precisions import (ADAPTER_ALPHA, ADAPTER_RANK, TRAINING_MODES, graph_problem, hardware_problem,
-                                 peak_kind, training_problem)
+from fitbench.precisions import ADAPTER_ALPHA, ADAPTER_RANK, FLOAT8, TRAINING_MODES, entry
 from fitbench.precisions import policy as precision_policy
 from fitbench.processes import end_own_tree, rank_token, tie_to_parent
 from fitbench.results.row import Measurement
@@ -47,7 +46,8 @@ from fitbench.run.metrics import inference_metrics, step_metrics
 from fitbench.run.parallel import data_seed, parallelize
 from fitbench.run.pipeline import PipelineLM, build_pipelined
 from fitbench.run.quality import Quality
-from fitbench.run.quantize import build_quantized_native, float8_training, quantize_built
+from fitbench.run.quantize import build_quantized_native, quantize_built
+from fitbench.run.quantize.torchao import float8_training
 from fitbench.inject import injected, injected_memory_limit, injected_value
 from fitbench.run.phases import PhaseLog, rank_result_path
 from fitbench.run.ranks import Rank, gather_json, process_group
@@ -224,7 +224,7 @@ def measure(assignment: Assignment, device: torch.device, scratch: Path, rank: R
         torch.cuda.empty_cache()
 
     device_name = torch.cuda.get_device_name(device) if device.type == "cuda" else hardware.cpu_device_name()
-    kind = peak_kind(spec.precision, spec.mode)
+    kind = entry(spec.precision).peak_kind(spec.mode)
     peak = hardware.peak_flops(device_name, kind) if device.type == "cuda" else None
     ceilings = hardware.load_ceilings(device_name)
     measured_peak = ceilings.matmul_flops.get(kind) if ceilings else None
@@ -338,8 +338,8 @@ def build(assignment: Assignment, arch, policy, device: torch.device, scratch: P
         module, _ = build_staged(arch, devices, policy.weight_dtype, weights_dir=model_path)
         return Built(StagedHuggingFaceLM(module, policy.compute_dtype == policy.weight_dtype, devices))
     if spec.layout.pp > 1:
-        problem = hardware_problem(spec.precision, device.type, torch.cuda.get_device_capability(device)
-                                   if device.type == "cuda" else None) if policy.quantized else None
+        problem = entry(spec.precision).hardware_problem(device.type, torch.cuda.get_device_capability(device)
+                                                         if device.type == "cuda" else None)
         if problem:
             raise RefusedError(problem)
         probe = random_tokens(arch.vocab_size, 1, min(spec.seq_len, PROBE_TOKENS), device, spec.seed + 1)
@@ -356,13 +356,14 @@ def build(assignment: Assignment, arch, policy, device: torch.device, scratch: P
         lm = load_model(arch, spec.backend, device, policy.weight_dtype, model_path=model_path,
                         compute_dtype=policy.compute_dtype, cuda_graphs=spec.cuda_graphs)
         return Built(decoding_as_asked(lm, spec))
-    problem = hardware_problem(spec.precision, device.type,
-                               torch.cuda.get_device_capability(device) if device.type == "cuda" else None)
+    precision = entry(spec.precision)
+    problem = precision.hardware_problem(device.type,
+                                         torch.cuda.get_device_capability(device) if device.type == "cuda" else None)
     training = spec.mode in TRAINING_MODES
-    problem = problem or (training_problem(spec.precision) if training else None)
+    problem = problem or (precision.training_problem if training else None)
     if problem:
         raise RefusedError(problem)
-    if training and spec.precision == "fp8":
+    if training and precision.training == FLOAT8:
         lm = load_model(arch, spec.backend, device, torch.bfloat16, model_path=model_path, fused=False)
         converted = float8_training(lm.module)
         return Built(lm, training={"method": f"every weight, bf16 with AdamW in bf16; {converted} matmuls in float8 "
@@ -372,10 +373,10 @@ def build(assignment: Assignment, arch, policy, device: torch.device, scratch: P
     if spec.backend == "native" and model_path is None:
         module, quality = build_quantized_native(arch, device, spec.precision, probe)
         lm = NativeLM(module, cache_dtype=torch.bfloat16, cuda_graphs=spec.cuda_graphs,
-                      graph_problem=graph_problem(spec.precision))
+                      graph_problem=precision.graph_problem)
     else:
         lm = load_model(arch, spec.backend, device, torch.bfloat16, model_path=model_path,
-                        cuda_graphs=spec.cuda_graphs, graph_problem=graph_problem(spec.precision), fused=False)
+                        cuda_graphs=spec.cuda_graphs, graph_problem=precision.graph_problem, fused=False)
         quality = quantize_built(lm, arch, spec.precision, device, probe, checkpoint=checkpoint_directory(spec))
     decoding_as_asked(lm, spec)  # quantized too: inductor fuses the dequantization into the matmul's loads
     if not training:

@@ -1,17 +1,9 @@
-"""Quantized weights for the decoder layers' matmuls, through bitsandbytes and torchao.
+"""Quantized weights for the decoder layers' matmuls, each precision converted by its entry's library
+(``fitbench.precisions``): one converter per library, ``fitbench.run.quantize.bitsandbytes`` and
+``fitbench.run.quantize.torchao``. What each precision stores and computes is its entry's ``summary``.
 
-| precision      | library      | weights                                    | compute |
-|----------------|--------------|--------------------------------------------|---------|
-| ``int8``       | bitsandbytes | LLM.int8 (Dettmers et al. 2022), row absmax | bf16 + int8 matmul, outliers in 16 bits |
-| ``nf4``/``fp4``| bitsandbytes | 4-bit, absmax per block of 64               | bf16 |
-| ``int8-dynamic``| torchao     | int8 per row, activations int8 per token   | int8 |
-| ``int8-weight-only``| torchao | int8 per row, activations left bf16        | bf16 (the weight cast to bf16 for the matmul) |
-| ``int4``       | torchao      | int4 weight-only, groups of 128, tinygemm  | bf16 (GPU only) |
-| ``fp8``        | torchao      | float8 e4m3, per-row scales, dynamic activations | fp8 (compute capability >= 8.9) |
-| ``fp8-weight-only``| torchao  | float8 e4m3, per-row scales, activations left bf16 | bf16 (the weight cast to fp32, scaled, cast to bf16 for the matmul) |
-| ``fp8-block``  | torchao      | float8 e4m3, 128 x 128 weight blocks, 1 x 128 activation blocks | fp8 (>= 8.9) |
-
-Embeddings, norms and the output projection stay bf16, as transformers' integrations keep them.
+Embeddings, norms and the output projection stay bf16, as transformers' integrations keep them
+(``fitbench.run.quantize.linears``).
 
 A large model is quantized as it is built, one layer at a time (``build_quantized_native``), so the
 full bf16 model never exists: the peak is the quantized layers so far plus one layer in bf16. Each
@@ -34,86 +26,19 @@ from torch import nn
 from fitbench.models.architecture import Architecture
 from fitbench.models.native import (NativeCausalLM, empty_on, init_random_weights, materialize, meta_model,
                                    replay_random_weights)
+from fitbench.precisions import entry
 from fitbench.run.packing import Packer, packed_bytes
 from fitbench.run.quality import (REFERENCE_TEXT_NAME, NoTokenizer, Perplexity, Quality, kl_divergence, matmul_errors,
                                   perplexity, recorded_matmuls, summarise, tokenize_reference_text, top1_agreement)
+from fitbench.run.quantize import bitsandbytes, torchao
+from fitbench.run.quantize.linears import quantizable, quantizable_linears, to_plain_linears
 
-BITSANDBYTES = ("int8", "nf4", "fp4")
 # What one pipeline stage's quantized build hands the next: the probe's bf16 and quantized hidden
 # states (1, T, C) and the matmul errors so far.
 Carried = tuple[torch.Tensor, torch.Tensor, dict[str, float]]
-TORCHAO = ("int8-dynamic", "int8-weight-only", "int4", "fp8", "fp8-weight-only", "fp8-block")
-
-
-def _quantizable(module: nn.Module, name: str) -> bool:
-    return isinstance(module, nn.Linear) and not name.endswith("lm_head")
-
-
-def _plain_linear(module: nn.Module) -> nn.Linear | None:
-    """The nn.Linear computing what a transformers matmul module computes, sharing its parameters,
-    or None for anything else. GPT-2's ``Conv1D`` stores W as (in, out) for ``x W + b``: the Linear
-    holds W^T. Falcon's ``FalconLinear`` is an nn.Linear whose forward, ``x @ W.T``, transposes the
-    weight itself, which torchao's quantized weights do not implement; as a plain Linear it calls
-    ``F.linear``, as the quantizers expect."""
-    is_conv1d = type(module).__name__ == "Conv1D" and type(module).__module__.startswith("transformers.")
-    is_subclass = (isinstance(module, nn.Linear) and type(module) is not nn.Linear
-                   and type(module).__module__.startswith("transformers."))
-    if not (is_conv1d or is_subclass):
-        return None
-    weight = module.weight.data.t().contiguous() if is_conv1d else module.weight.data
-    rows, columns = weight.shape
-    linear = nn.Linear(columns, rows, bias=module.bias is not None, device="meta")
-    linear.weight = nn.Parameter(weight, requires_grad=module.weight.requires_grad)
-    if module.bias is not None:
-        linear.bias = module.bias
-    return linear
-
-
-def _to_plain_linears(module: nn.Module) -> None:
-    """Replace transformers' own matmul modules by nn.Linear, so that every family's matmuls are
-    quantized alike."""
-    for parent in list(module.modules()):
-        for name, child in list(parent.named_children()):
-            linear = _plain_linear(child)
-            if linear is not None:
-                setattr(parent, name, linear)
-
-
-def _bitsandbytes_linear(linear: nn.Linear, precision: str, device: torch.device) -> nn.Module:
-    import bitsandbytes as bnb
-
-    bias = linear.bias is not None
-    if precision == "int8":
-        layer = bnb.nn.Linear8bitLt(linear.in_features, linear.out_features, bias=bias, has_fp16_weights=False,
-                                    threshold=6.0, device="meta")
-        weight = bnb.nn.Int8Params(linear.weight.data, requires_grad=False, has_fp16_weights=False)
-        layer.weight = weight._quantize(device)
-    else:
-        layer = bnb.nn.Linear4bit(linear.in_features, linear.out_features, bias=bias, compute_dtype=torch.bfloat16,
-                                  quant_type=precision, device="meta")
-        layer.weight = bnb.nn.Params4bit(linear.weight.data, requires_grad=False, quant_type=precision).to(device)
-    if bias:
-        layer.bias = nn.Parameter(linear.bias.data, requires_grad=False)
-    return layer
-
-
-def _torchao_config(precision: str):
-    from torchao.quantization import (Float8DynamicActivationFloat8WeightConfig, Float8WeightOnlyConfig,
-                                      Int4WeightOnlyConfig, Int8DynamicActivationInt8WeightConfig,
-                                      Int8WeightOnlyConfig)
-    from torchao.quantization.granularity import PerBlock, PerRow
-
-    if precision == "int8-dynamic":
-        return Int8DynamicActivationInt8WeightConfig()
-    if precision == "int8-weight-only":
-        return Int8WeightOnlyConfig()  # symmetric, one scale per output row (torchao's default, PerRow)
-    if precision == "int4":
-        return Int4WeightOnlyConfig(group_size=128, int4_packing_format="tile_packed_to_4d")
-    if precision == "fp8":
-        return Float8DynamicActivationFloat8WeightConfig(granularity=PerRow())
-    if precision == "fp8-weight-only":
-        return Float8WeightOnlyConfig(granularity=PerRow())  # e4m3, one fp32 scale per output row
-    return Float8DynamicActivationFloat8WeightConfig(granularity=[PerBlock([1, 128]), PerBlock([128, 128])])
+# The converter of each library an entry may name: a function of the precision and the device giving what
+# turns one plain matmul into its quantized module.
+CONVERTERS = {"bitsandbytes": bitsandbytes.converter, "torchao": torchao.converter}
 
 
 @torch.no_grad()
@@ -123,48 +48,15 @@ def quantize_linears(module: nn.Module, precision: str, device: torch.device,
     one at a time, the largest first, handing each quantized matmul to ``each``. Largest first: the
     range a matrix and its temporaries leave free is then long enough for every later one's, so the
     allocator need not map more for them."""
-    _to_plain_linears(module)
+    to_plain_linears(module)
     targets = [(parent, name, child.weight.numel()) for parent_name, parent in module.named_modules()
-               for name, child in parent.named_children() if _quantizable(child, f"{parent_name}.{name}")]
+               for name, child in parent.named_children() if quantizable(child, f"{parent_name}.{name}")]
     targets.sort(key=lambda target: -target[2])
-    if precision not in BITSANDBYTES:
-        from torchao.quantization import quantize_
-
-        config = _torchao_config(precision)
+    convert = CONVERTERS[entry(precision).library](precision, device)
     for parent, name, _ in targets:
-        if precision in BITSANDBYTES:
-            setattr(parent, name, _bitsandbytes_linear(getattr(parent, name), precision, device))
-        else:
-            quantize_(getattr(parent, name), config)
+        setattr(parent, name, convert(getattr(parent, name)))
         if each is not None:
             each(getattr(parent, name))
-
-
-def float8_training(module: nn.Module) -> int:
-    """Convert the decoder layers' matmuls to torchao's float8 training linears (row-wise scales: each
-    step casts weights, activations and gradients to float8 e4m3 with one scale per row, and the
-    backward pass casts again along the other axis); returns how many were converted. The output
-    projection stays bf16, and a matmul whose sides are not multiples of 16 (the float8 kernel's
-    tile) too."""
-    from torchao.float8 import Float8LinearConfig, convert_to_float8_training
-
-    converted = []
-
-    def convertible(linear: nn.Module, fqn: str) -> bool:
-        ok = (_quantizable(linear, fqn) and linear.in_features % 16 == 0 and linear.out_features % 16 == 0)
-        if ok:
-            converted.append(fqn)
-        return ok
-
-    convert_to_float8_training(module, config=Float8LinearConfig.from_recipe_name("rowwise"),
-                               module_filter_fn=convertible)
-    return len(converted)
-
-
-def quantizable_linears(module: nn.Module, prefix: str = "") -> dict[str, nn.Module]:
-    """The matmuls ``quantize_linears`` replaces or converts, by their names in the model."""
-    return {f"{prefix}{name}": child for name, child in module.named_modules()
-            if _quantizable(child, f"{prefix}{name}")}
 
 
 @torch.no_grad()
