@@ -169,20 +169,15 @@ class SweepConfig(BaseModel):
     def _optional_count(cls, value: Any) -> Any:
         return value if value is None else _whole_number(value, 1, COUNT_MAX)
 
-    @field_validator("nodes", "gpus_per_node", "cpus_per_task", mode="before")
+    @field_validator("tp", "nodes", "gpus_per_node", "cpus_per_task", mode="before")
     @classmethod
-    def _slurm_counts(cls, value: Any) -> Any:
+    def _optional_rank_count(cls, value: Any) -> Any:
         return value if value is None else _whole_number(value, 1, RANKS_MAX)
 
     @field_validator("sbatch_args", mode="before")
     @classmethod
     def _sbatch_args(cls, value: Any) -> Any:
         return _as_list(value)
-
-    @field_validator("tp", mode="before")
-    @classmethod
-    def _tp(cls, value: Any) -> Any:
-        return value if value is None else _whole_number(value, 1, RANKS_MAX)
 
     @field_validator("seed", mode="before")
     @classmethod
