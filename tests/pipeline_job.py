@@ -8,7 +8,8 @@ CPU, gloo).
 The job trains it for ``STEPS`` steps of ``BATCH`` x ``SEQ_LEN`` tokens in ``MICROBATCHES``
 microbatches, starts over from the same seed for one forward step, then greedily generates
 ``NEW_TOKENS`` tokens after a prompt of ``PROMPT`` tokens, twice (the second generation reuses the
-cache), and once more as the worker times it (``PipelineLM.generator``). OUT_DIR/ranks.json gets
+cache), the same twice through each stage's static decode step (``fitbench.run.stage_graph``, replayed
+by a stand-in for a CUDA graph), and once more as the worker times it (``PipelineLM.generator``). OUT_DIR/ranks.json gets
 every rank's stage and parameter count, the losses, the forward step's logits sum, the tokens and
 the timed generation's sums and seconds; OUT_DIR/logits.pt the last stage's logits of every
 generated token. Then, for each of ``QUANTIZED`` (those that run on a CPU), the stages are built
@@ -25,6 +26,7 @@ from pathlib import Path
 import torch
 from torch.distributed.elastic.multiprocessing.errors import record
 
+from fitbench.models.graphs import Replay
 from fitbench.models.registry import resolve
 from fitbench.precisions import policy
 from fitbench.run.loops import random_tokens
@@ -53,11 +55,14 @@ def quantized_stage(rank: Rank, precision: str):
     return build_pipelined(spec, ARCH, policy(precision), rank, probe())
 
 
-def stage(rank: Rank):
+def stage(rank: Rank, graphed: bool = False):
+    """This rank's stage; ``graphed``: decoding through the stage's static step, "captured" by a
+    replay that runs it (a CPU has no CUDA graphs; the step, its buffers and the sends are the same)."""
     torch.manual_seed(SEED)
     stage = Stage.of(ARCH.num_layers, rank.rank, rank.world_size)
     weights = policy(PRECISION).weight_dtype
-    return PipelineLM(build_stage(ARCH, stage, rank.device, weights), stage, rank, weights, weights)
+    graphs = {"cuda_graphs": True, "capture": Replay} if graphed else {}
+    return PipelineLM(build_stage(ARCH, stage, rank.device, weights), stage, rank, weights, weights, **graphs)
 
 
 def generate(lm, prompt: torch.Tensor) -> tuple[list[list[int]], list[torch.Tensor]]:
@@ -93,11 +98,14 @@ def main(argv: list[str]) -> None:
         forward = lm.make_step("forward", precision, tokens, MICROBATCHES)()
         prompt = random_tokens(ARCH.vocab_size, 2, PROMPT, rank.device, SEED + 1)
         generations = [generate(lm, prompt) for _ in range(GENERATIONS)]
+        graphed = stage(rank, graphed=True)
+        graphed_generations = [generate(graphed, prompt) for _ in range(GENERATIONS)]
         clock = DeviceClock(rank.device)
         marks, sums = lm.generator(prompt, NEW_TOKENS, precision, clock, rank.device)()
         timed = read_generation(marks, clock)
         if lm.stage.last:
             torch.save([torch.stack(logits) for _, logits in generations], out / "logits.pt")
+            torch.save([torch.stack(logits) for _, logits in graphed_generations], out / "graphed_logits.pt")
         quantized = {}
         for name in QUANTIZED:
             lm, quality = quantized_stage(rank, name)
@@ -112,6 +120,8 @@ def main(argv: list[str]) -> None:
                                   "meta_params": on_meta, "losses": losses,
                                   "forward_sum": forward.item() if forward is not None else None,
                                   "tokens": [tokens for tokens, _ in generations],
+                                  "graphed_tokens": [tokens for tokens, _ in graphed_generations],
+                                  "graphed_decoding": graphed.decoding,
                                   "timed": {"sums": [value.item() for value in sums],
                                             "time_to_first_token": timed.time_to_first_token,
                                             "token_latencies": timed.token_latencies}})

@@ -441,9 +441,10 @@ def test_how_a_step_runs_follows_the_spec_and_the_rows_decoding():
     assert step_run(spec(cuda_graphs=False)).decode == "eager"
     assert step_run(spec(precision="int8")).decode == "eager"  # LLM.int8's kernels cannot be captured
     assert step_run(spec(backend="hf")).decode == "eager"
-    # tensor-parallel ranks compile their step as one GPU does; stages decode eagerly
+    # tensor-parallel ranks and pipeline stages compile their step as one GPU does
     assert step_run(spec(layout=Layout(tp=2))).decode == "compiled"
-    assert step_run(spec(layout=Layout(pp=2))).decode == "eager"
+    assert step_run(spec(layout=Layout(pp=2))).decode == "compiled"
+    assert step_run(spec(layout=Layout(pp=2), backend="hf")).decode == "eager"
     assert step_run(spec(layout=Layout(replicas=2))).decode == "compiled"  # each replica is one GPU's run
     assert step_run(spec(), {"cuda_graphs": True, "compiled": False}).decode == "graph"
     assert step_run(spec(), {"cuda_graphs": False, "reason": "x"}).decode == "eager"

@@ -185,6 +185,13 @@ def test_pipelined_forward_prefill_and_decode_equal_one_process(pipelined):
         assert ranks[0]["tokens"][generation] == ranks[-1]["tokens"][generation] == expected_tokens
         assert ranks[1]["tokens"][generation] == []  # a stage between needs no token
         torch.testing.assert_close(logits[generation], expected, rtol=1e-5, atol=1e-5)
+    # each stage's static step, one capture per rank serving both generations (the same cache)
+    graphed = torch.load(pipelined[2] / "graphed_logits.pt")
+    for generation in range(job.GENERATIONS):
+        assert ranks[0]["graphed_tokens"][generation] == ranks[-1]["graphed_tokens"][generation] == expected_tokens
+        torch.testing.assert_close(graphed[generation], expected, rtol=1e-5, atol=1e-5)
+    for rank in ranks:
+        assert rank["graphed_decoding"]["cuda_graphs"] is True and len(rank["graphed_decoding"]["captures"]) == 1
     # as the worker times it: the last stage's sums are of the first and last tokens' logits
     timed = ranks[-1]["timed"]
     for value, logits_of in zip(timed["sums"], (expected[0], expected[-1])):

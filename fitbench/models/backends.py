@@ -173,7 +173,7 @@ class NativeLM(CausalLM):
     def _compile_failed(self, error: BaseException) -> None:
         self.regions = None
         self.graph = None  # it may replay the compiled step: the next decode captures the eager one
-        self.compiled = {"compiled": False, "compile_fallback": _summary(error)}
+        self.compiled = {"compiled": False, "compile_fallback": error_summary(error)}
 
     def decode(self, tokens: torch.Tensor) -> torch.Tensor:
         if self.position >= self.cache.max_len:
@@ -215,7 +215,7 @@ class NativeLM(CausalLM):
         try:
             self.graph = GraphedDecode(self.module, self.cache, self.position, self.capture, step)
         except Exception as error:  # some quantized kernels synchronize or have data-dependent shapes
-            self.eager_reason = f"capture failed, decoding eagerly: {_summary(error)}"
+            self.eager_reason = f"capture failed, decoding eagerly: {error_summary(error)}"
             return
         self.captures.append({"generation": self.generations, "seconds": time.perf_counter() - started,
                               "pool_bytes": self.graph.replay.pool_bytes})
@@ -324,7 +324,7 @@ def compile_regions(compiler: Compiler | None = None, decode_options: dict[str, 
                    head=CompiledRegion(EAGER.head, compiler or inductor()))
 
 
-def _summary(error: BaseException) -> str:
+def error_summary(error: BaseException) -> str:
     """The exception's type and first line, after the one it interrupted if any: a failed capture
     raises again when torch ends it, and the first error is the cause."""
     chain = [error] if error.__context__ is None else [error.__context__, error]

@@ -349,6 +349,10 @@ def forecast_step_time(arch: Architecture, mode: str, precision: str, batch: int
                       activation_checkpointing, offloaded_bytes, links)
 
 
+# A token id as the last stage sends it back to the first: one int64 per sequence.
+TOKEN_BYTES = 8
+
+
 def _decode_time(arch: Architecture, precision: str, batch: int, seq_len: int, new_tokens: int,
                  parallelism: Parallelism, gpu_name: str, ceiling: Ceilings, run: StepRun,
                  offloaded_bytes: float, links: BusBandwidth) -> Forecast:
@@ -391,6 +395,8 @@ def _decode_time(arch: Architecture, precision: str, batch: int, seq_len: int, n
         _host_op_s(run.backend, tp, "inference")
     communication_s = tensor_parallel_decode_s(arch, batch, widths.compute, tp, links)
     communication_s += pipeline_sends_s(batch * arch.hidden_size * widths.compute, stages, 1, links)
+    if stages > 1:  # the chosen token's way back from the last stage to the first
+        communication_s += links.send_recv_s(batch * TOKEN_BYTES, messages=1)
     communication_s += offloaded_bytes / OFFLOAD_STREAM_BANDWIDTH
     seconds = side_by_side(device_s, host_s) + communication_s
     terms = {"matmuls": matmul_s, "memory": memory_s, "kernels": kernels_s}
@@ -537,20 +543,19 @@ def step_run(spec, decoding: dict | None = None) -> StepRun:
     if decoding is not None:
         decode = "eager" if not decoding.get("cuda_graphs") else "compiled" if decoding.get("compiled") else "graph"
     else:
-        decode = decode_kind(spec.backend, spec.layout, spec.precision, offloaded=spec.offload,
+        decode = decode_kind(spec.backend, spec.precision, offloaded=spec.offload,
                              compiled=spec.compile, cuda_graphs=spec.cuda_graphs, compile_decode=spec.compile_decode)
     return StepRun(spec.backend, spec.compile, decode)
 
 
-def decode_kind(backend: str, layout, precision: str, *, offloaded: bool = False, compiled: bool = False,
+def decode_kind(backend: str, precision: str, *, offloaded: bool = False, compiled: bool = False,
                 cuda_graphs: bool = True, compile_decode: bool = True) -> str:
     """How a generation's decode steps run on a GPU: transformers' models eagerly, and the native
-    decoder eagerly when offloaded, under ``--compile``, without CUDA graphs, where the precision's
-    kernels cannot be captured (``graph_problem``) or over pipeline stages (each stage decodes its
-    layers eagerly: ``fitbench.run.pipeline``); else the compiled step in a graph (under tensor
-    parallelism too, its collectives inside the graph) unless ``compile_decode`` is off. ``layout``: a
-    ``fitbench.spec.Layout``."""
-    if backend == "hf" or offloaded or compiled or not cuda_graphs or entry(precision).graph_problem or layout.pp > 1:
+    decoder eagerly when offloaded, under ``--compile``, without CUDA graphs or where the precision's
+    kernels cannot be captured (``graph_problem``); else the compiled step in a graph (under tensor
+    parallelism too, its collectives inside the graph; over pipeline stages each stage's step, the
+    sends between stages outside: ``fitbench.run.stage_graph``) unless ``compile_decode`` is off."""
+    if backend == "hf" or offloaded or compiled or not cuda_graphs or entry(precision).graph_problem:
         return "eager"
     return "compiled" if compile_decode else "graph"
 

@@ -383,7 +383,7 @@ def forecast_tokens_per_s(arch: Architecture, mode: str, candidate: Candidate, t
     name = target.speed_name
     offloaded = candidate.resident_layers is not None
     run = StepRun(backend, candidate.compiled,
-                  decode_kind(backend, candidate.layout, candidate.precision, offloaded=offloaded,
+                  decode_kind(backend, candidate.precision, offloaded=offloaded,
                               compiled=candidate.compiled, cuda_graphs=cuda_graphs, compile_decode=compile_decode))
     forecast = forecast_step_time(
         arch, mode, candidate.precision, candidate.batch_size, seq_len, new_tokens=new_tokens,

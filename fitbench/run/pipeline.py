@@ -36,6 +36,8 @@ after another.
 from __future__ import annotations
 
 import dataclasses
+import functools
+import time
 from typing import Any, Callable
 
 import torch
@@ -44,17 +46,19 @@ from torch import nn
 from torch.utils.checkpoint import checkpoint
 
 from fitbench.models.architecture import Architecture
-from fitbench.models.backends import CausalLM
+from fitbench.models.backends import CausalLM, compile_regions, error_summary
+from fitbench.models.graphs import Capture, capture_cuda_graph
 from fitbench.models.hf import has_weights
 from fitbench.models.native import (KVCache, NativeCausalLM, ShardWriter, empty_on, materialize, meta_model,
                                     replay_random_weights)
 from fitbench.models.registry import is_local_model
-from fitbench.precisions import TRAINING_MODES, PrecisionPolicy
+from fitbench.precisions import TRAINING_MODES, PrecisionPolicy, entry
 from fitbench.run.cross_entropy import cross_entropy
 from fitbench.run.loops import LEARNING_RATE
 from fitbench.run.quality import Quality
 from fitbench.run.quantize import Carried, build_quantized_native
 from fitbench.run.ranks import Rank
+from fitbench.run.stage_graph import GraphedStage, stage_decode_step
 from fitbench.run.timing import DeviceClock
 from fitbench.run.tensor_parallel import build_tensor_parallel, device_mesh, tensor_mesh
 from fitbench.spec import RunSpec, Stage, microbatch_problem
@@ -158,10 +162,17 @@ class PipelineLM(CausalLM):
     at once. ``hidden_dtype``: the dtype of the hidden states between stages (the weights' dtype,
     which the residual stream keeps under autocast too). ``tp``: the tensor-parallel ranks of each
     stage (module docstring), ``stage_group`` the process group of this rank's pipeline, one rank per
-    stage (None: every rank of the job)."""
+    stage (None: every rank of the job).
+
+    Decoding: with ``cuda_graphs`` on a GPU, the first decode of a cache captures the stage's step
+    (``fitbench.run.stage_graph``), through compiled regions where ``compile_decode`` asks, and every
+    later token replays it between the receive and the send; ``capture`` and ``graph_problem`` as
+    ``fitbench.models.backends.NativeLM`` takes them. Where no graph can be had, the stage decodes
+    eagerly and ``decoding`` says why."""
 
     def __init__(self, module: NativeCausalLM, stage: Stage, rank: Rank, cache_dtype: torch.dtype,
-                 hidden_dtype: torch.dtype, tp: int = 1, stage_group=None, tensor_parallel: dict | None = None):
+                 hidden_dtype: torch.dtype, tp: int = 1, stage_group=None, tensor_parallel: dict | None = None,
+                 cuda_graphs: bool = False, graph_problem: str | None = None, capture: Capture | None = None):
         self.module = module
         self.stage = stage
         self.rank = rank
@@ -172,6 +183,19 @@ class PipelineLM(CausalLM):
         self.tensor_parallel = tensor_parallel
         self.cache: KVCache | None = None
         self.position = 0
+        self.graph: GraphedStage | None = None
+        self.capture = capture or capture_cuda_graph
+        self.captures: list[dict[str, Any]] = []
+        self.compile_decode = False
+        self.decode_options: dict[str, Any] = {}
+        self.compiled: dict[str, Any] = {}
+        self.eager_reason: str | None = None
+        if not cuda_graphs:
+            self.eager_reason = "turned off (--no-cuda-graphs)"
+        elif capture is None and self.device.type != "cuda":
+            self.eager_reason = f"CUDA graphs need a GPU; this run is on {self.device.type}"
+        elif graph_problem:
+            self.eager_reason = graph_problem
         # the first and last stages' copies of a tied embedding sum their gradients in a group of their
         # own (training, which runs without tensor parallelism); every rank takes part in making a
         # group, whichever ranks it holds
@@ -224,6 +248,11 @@ class PipelineLM(CausalLM):
     def compile(self) -> None:
         for i in self.stage.layers:
             self.module.model.layers[i].compile()
+        self.decode_eagerly("--compile: decoding runs through the compiled layers, eagerly")
+
+    def decode_eagerly(self, reason: str) -> None:
+        """Never capture: something about this run keeps its step out of a graph."""
+        self.eager_reason = self.eager_reason or reason
 
     # -- point to point
 
@@ -265,28 +294,89 @@ class PipelineLM(CausalLM):
     def prefill(self, tokens: torch.Tensor, max_len: int) -> torch.Tensor:
         B, T = tokens.shape
         if self.cache is None or (self.cache.batch, self.cache.max_len) != (B, max_len):
-            self.cache = None
+            self.cache = self.graph = None  # the graph writes into the old cache
             config = dataclasses.replace(self.module.config, n_layers=len(self.stage.layers))
             kv_heads = self.module.model.layers[self.stage.layers[0]].self_attn.n_kv_heads
             self.cache = KVCache(config, B, max_len, self.cache_dtype, self.device, kv_heads)
         self.position = T
+        if self.graph is not None:
+            self.graph.start(T)
         return self._pass_on(tokens, 0, last_only=True)
 
     def decode(self, tokens: torch.Tensor) -> torch.Tensor:
+        """As ``CausalLM.decode``, the stage's part: the last stage's logits (B, 1, V), the hidden states
+        sent on the others."""
         if self.position >= self.cache.max_len:
             raise IndexError(f"the KV cache holds {self.cache.max_len} positions; decoding position {self.position}")
-        out = self._pass_on(tokens, self.position, last_only=False)
+        if self.capture_pending:
+            self._capture(tokens.shape[0])
+        if self.graph is None:
+            out = self._pass_on(tokens, self.position, last_only=False)
+        else:
+            if self.stage.first:
+                self.graph.inputs.copy_(tokens)
+            else:
+                dist.recv(self.graph.inputs, src=self.previous)
+            out = self.graph()
+            if not self.stage.last:
+                dist.send(out, dst=self.next)
         self.position += 1
         return out
 
     @property
+    def capture_pending(self) -> bool:
+        return self.eager_reason is None and self.graph is None
+
+    def _step(self) -> Callable[..., torch.Tensor]:
+        """The step to capture, through compiled regions where ``compile_decode`` asks and they compile
+        (once here, timed apart: ``compiled["compile_s"]``); else the eager step, and why."""
+        step = functools.partial(stage_decode_step, self.module, self.stage, hidden_dtype=self.hidden_dtype)
+        if not self.compile_decode:
+            return step
+        inputs = self._inputs(self.cache.batch)
+        position = torch.full((1,), self.position, dtype=torch.long, device=self.device)
+        started = time.perf_counter()
+        try:
+            regions = compile_regions(decode_options=self.decode_options)
+            with torch._dynamo.config.patch(fail_on_recompile_limit_hit=True):
+                step(inputs, self.cache, position, regions=regions)
+            if self.device.type == "cuda":
+                torch.cuda.synchronize(self.device)
+        except Exception as error:  # no C++ compiler, no Triton, an operation inductor cannot lower
+            self.compiled = {"compiled": False, "compile_fallback": error_summary(error)}
+            return step
+        self.compiled = {"compiled": True, "compile_s": time.perf_counter() - started}
+        return functools.partial(step, regions=regions)
+
+    def _inputs(self, batch: int) -> torch.Tensor:
+        """A buffer of what the stage's step reads: token ids (B, 1), or hidden states (B, 1, C)."""
+        if self.stage.first:
+            return torch.zeros((batch, 1), dtype=torch.long, device=self.device)
+        return torch.zeros((batch, 1, self.module.config.dim), dtype=self.hidden_dtype, device=self.device)
+
+    def _capture(self, batch: int) -> None:
+        step = self._step()
+        started = time.perf_counter()
+        try:
+            self.graph = GraphedStage(step, self._inputs(batch), self.cache, self.position, self.capture)
+        except Exception as error:  # some quantized kernels synchronize or have data-dependent shapes
+            self.eager_reason = f"capture failed, decoding eagerly: {error_summary(error)}"
+            return
+        self.captures.append({"seconds": time.perf_counter() - started, "pool_bytes": self.graph.replay.pool_bytes})
+
+    @property
     def decoding(self) -> dict[str, Any]:
-        return {"cuda_graphs": False,
-                "reason": "pipeline stages decode eagerly, one point-to-point send per stage and token"}
+        if self.eager_reason is not None:
+            return {"cuda_graphs": False, "reason": self.eager_reason}
+        compiled = self.compiled or {"compiled": False, "compile_fallback": "turned off (--no-compile-decode)"}
+        return {"cuda_graphs": True, "captures": list(self.captures), **compiled,
+                "between_stages": "one point-to-point send per stage and token, outside the graphs"}
 
     def kv_bytes_read(self, position: int) -> int:
-        """This stage's layers' keys and values up to ``position``: eager decoding reads no more."""
-        return (position + 1) * self.cache.slot_bytes
+        """This stage's layers' keys and values: the graph's step attends over every slot of the cache
+        (those after the position masked), eager decoding over positions 0..``position``."""
+        slots = self.cache.max_len if self.graph is not None else position + 1
+        return slots * self.cache.slot_bytes
 
     def summed_over_stages(self, *values: float) -> list[float]:
         """Each of ``values`` summed over the stages of this rank's pipeline (a collective of the job)."""
@@ -386,16 +476,18 @@ def build_pipelined(spec: RunSpec, arch: Architecture, policy: PrecisionPolicy, 
         raise ValueError(problem)
     tp = spec.layout.tp
     stages = spec.layout.pp
+    graphs = {"cuda_graphs": spec.cuda_graphs, "graph_problem": entry(spec.precision).graph_problem}
     stage = Stage.of(arch.num_layers, rank.rank // tp, stages)
     if tp > 1:
         mesh = device_mesh(spec.layout, rank.device.type)
         module, applied = build_tensor_parallel(arch, stage, tensor_mesh(mesh), rank.device, policy.weight_dtype,
                                                 inference=True)
         return PipelineLM(module, stage, rank, cache_dtype=policy.compute_dtype, hidden_dtype=policy.weight_dtype,
-                          tp=tp, stage_group=mesh["pp"].get_group(), tensor_parallel=applied), None
+                          tp=tp, stage_group=mesh["pp"].get_group(), tensor_parallel=applied, **graphs), None
     if not policy.quantized:
         module = build_stage(arch, stage, rank.device, policy.weight_dtype)
-        return PipelineLM(module, stage, rank, cache_dtype=policy.compute_dtype, hidden_dtype=policy.weight_dtype), None
+        return PipelineLM(module, stage, rank, cache_dtype=policy.compute_dtype, hidden_dtype=policy.weight_dtype,
+                          **graphs), None
     shape = (probe.shape[0], probe.shape[1], arch.hidden_size)
 
     def receive() -> Carried:
@@ -414,4 +506,4 @@ def build_pipelined(spec: RunSpec, arch: Architecture, policy: PrecisionPolicy, 
 
     module, quality = build_quantized_native(arch, rank.device, spec.precision, probe, stage.layers, receive, send)
     _prune(module, stage)
-    return PipelineLM(module, stage, rank, cache_dtype=torch.bfloat16, hidden_dtype=torch.bfloat16), quality
+    return PipelineLM(module, stage, rank, cache_dtype=torch.bfloat16, hidden_dtype=torch.bfloat16, **graphs), quality

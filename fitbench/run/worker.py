@@ -319,8 +319,9 @@ def offload_row(offload: Offload, timing: dict, mode: str) -> dict:
 
 
 def decoding_as_asked(lm, spec: RunSpec):
-    """``lm`` compiling its decode step, and tuning it, as ``spec`` asks, where it is the native backend's."""
-    if isinstance(lm, NativeLM):
+    """``lm`` compiling its decode step, and tuning it, as ``spec`` asks, where it is the native backend's
+    (one model or a pipeline stage)."""
+    if isinstance(lm, (NativeLM, PipelineLM)):
         lm.compile_decode = spec.compile_decode
         lm.decode_options = DECODE_TUNING if spec.decode_tuning else {}
     return lm
@@ -343,7 +344,8 @@ def build(assignment: Assignment, arch, policy, device: torch.device, scratch: P
         if problem:
             raise RefusedError(problem)
         probe = random_tokens(arch.vocab_size, 1, min(spec.seq_len, PROBE_TOKENS), device, spec.seed + 1)
-        return Built(*build_pipelined(spec, arch, policy, rank, probe if policy.quantized else None))
+        lm, quality = build_pipelined(spec, arch, policy, rank, probe if policy.quantized else None)
+        return Built(decoding_as_asked(lm, spec), quality)
     if spec.layout.tp > 1 and spec.backend == "native":
         if model_path is not None and has_weights(model_path):
             raise ValueError(f"tensor-parallel ranks draw random weights shard by shard; {model_path} holds a "
