@@ -9,6 +9,8 @@
 # 5. the hf backend: Falcon-40B over stages, 13B under transformers' TP plan; with 4 GPUs or more,
 #    FSDP x TP training and TP x pipeline inference.
 # Usage: benchmarks/model_parallel.sh OUT_DIR [GPUS]   (then: python benchmarks/memory_error.py OUT_DIR)
+# ONLY="5 6 12" runs only the runs of those numbers (each run's directory is its number, counted in the
+# order below), where a device's time is short; a directory already holding rows is not run again.
 set -euo pipefail
 out=${1:?usage: benchmarks/model_parallel.sh OUT_DIR [GPUS]}
 gpus=${2:-2}
@@ -17,7 +19,12 @@ steps=(--warmup-steps 2 --measure-steps 5 --timeout 900)
 
 # each run its own directory (a directory holds one sweep)
 n=0
-run() { n=$((n + 1)); $fitbench run "$@" "${steps[@]}" --out "$out/$n" || true; }
+run() {
+  n=$((n + 1))
+  [ -n "${ONLY:-}" ] && [[ " $ONLY " != *" $n "* ]] && return 0
+  [ -s "$out/$n/results.jsonl" ] && return 0
+  $fitbench run "$@" "${steps[@]}" --out "$out/$n" || true
+}
 
 infer=(--mode infer --seq-len 512 --new-tokens 32)
 run --models llama-2-70b --precision bf16-pure --batch-size 1 8 "${infer[@]}" --gpus "$gpus" --strategy tp

@@ -27,7 +27,7 @@ from fitbench.launch.calibrate import fit_collective, measure_bus_bandwidth, wit
 from fitbench.models.architecture import default_backend
 from fitbench.models.presets import PRESETS
 from fitbench.models.registry import resolve
-from fitbench.plan.calibration import (DEFAULT, TENSORS_ONLY, Calibration, calibration_path, ensure_calibration,
+from fitbench.plan.calibration import (DEFAULT, NCCL_TENSOR_PARALLEL_GENERATION, TENSORS_ONLY, Calibration, calibration_path, ensure_calibration,
                                       load_calibration, save_calibration)
 from fitbench.plan.memory import Parallelism, estimate_memory, stage_estimates
 from fitbench.plan.planner import (
@@ -686,6 +686,17 @@ def test_nccl_buffers_only_with_several_gpus():
         terms = overhead_terms(arch, "train", candidate, memory, memory.peak_moment, 128, DEFAULT)
         nccl = [t.bytes for t in terms if t.name == "NCCL buffers"]
         assert nccl == ([] if gpus == 1 else [DEFAULT.nccl_per_communicator])
+    # a generation's tensor-parallel communicator holds the figure measured for it; FSDP x TP's two hold
+    # one figure each, and a generation over stages of TP 2 the stages' and the tensor-parallel one
+    for mode, candidate, expected in (
+            ("infer", Candidate("bf16", "tp", 2, False, 2), NCCL_TENSOR_PARALLEL_GENERATION),
+            ("train", Candidate("bf16", "fsdp+tp", 4, False, 2, layout=Layout(dp_shard=2, tp=2)),
+             2 * DEFAULT.nccl_per_communicator),
+            ("infer", Candidate("bf16", "tp+pipeline", 4, False, 2, layout=Layout(tp=2, pp=2)),
+             DEFAULT.nccl_per_communicator + NCCL_TENSOR_PARALLEL_GENERATION)):
+        memory = estimate_memory(arch, mode, "bf16", 2, 128, parallelism=candidate.parallelism)
+        terms = overhead_terms(arch, mode, candidate, memory, memory.peak_moment, 128, DEFAULT)
+        assert [t.bytes for t in terms if t.name == "NCCL buffers"] == [expected]
 
 
 # ---- 8. predict_spec, as `fitbench run` uses it on a GPU ----------------------------------------

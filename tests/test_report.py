@@ -14,8 +14,8 @@ import pytest
 from rich.cells import cell_len
 from rich.console import Console
 
-from fitbench.results.report import results_table, short_names, table_cells, write_csv
-from fitbench.results.row import typed_row
+from fitbench.results.report import headline, results_table, short_names, table_cells, write_csv
+from fitbench.results.row import Row, typed_row
 from fitbench.results.schema import check_row
 from fitbench.results.store import ResultStore
 from fitbench.results.terminal import EtaColumn, SweepClock
@@ -276,6 +276,23 @@ def test_memory_of_several_gpus_is_one_figure_per_gpu():
         check_table([row, base], width)
     # where the table has room for every column inline, the figures share one line
     assert ", ".join(format_bytes(g["nvml_peak_used"]) for g in gpus) in check_table([row, base], 200)
+
+
+def test_the_memory_error_is_against_the_gpu_that_needed_most():
+    """The planner predicts the per-GPU peak of the rank that needs most, so the error is against the
+    largest measured figure, whichever rank it was (here the third), with or without NVML."""
+    base = next(Row.model_validate(row) for row in committed_rows()
+                if row["spec"]["mode"] == "train" and row["status"] == "ok" and row.get("prediction"))
+    predicted = base.prediction["predicted_peak_bytes"]
+    figures = [0.90 * predicted, 0.95 * predicted, 0.98 * predicted, 0.92 * predicted]
+    gpus = [{"index": i, "rank": i, "nvml_peak_used": figure, "peak_reserved": figure - 1e9}
+            for i, figure in enumerate(figures)]
+    row = base.model_copy(update={"memory": {**base.memory, "gpus": gpus}})
+    assert headline(row)["measured_peak"] == 0.98 * predicted
+    assert math.isclose(headline(row)["prediction_error"], 100 * (1 / 0.98 - 1))
+    context = next(t["bytes"] for t in base.prediction["terms"] if t["name"] == "CUDA context")
+    without_nvml = row.model_copy(update={"memory": {"gpus": [{**g, "nvml_peak_used": None} for g in gpus]}})
+    assert headline(without_nvml)["measured_peak"] == 0.98 * predicted - 1e9 + context
 
 
 def test_the_forecast_and_its_signed_error_stand_beside_the_memory_prediction():

@@ -56,6 +56,12 @@ from fitbench.plan.memory import TRAINING_MODES
 MIB = 1024**2
 PAGE = 2 * MIB
 NCCL_PER_COMMUNICATOR = 887e6  # the module docstring's measurement
+# A tensor-parallel generation's communicator holds less: NVML's peak minus the allocator's reserved
+# peak, less the CUDA context, on the rank that held most, over the 22 tensor-parallel generation rows
+# of 4 H100s (1B to Llama-2-70B, batch 1 and 16, TP 2 and 4: 0.32 to 0.87 GB, median 0.72; the
+# benchmarks/results/2026-11-27-h100x4-* folders): their upper quartile, so that the term falls short
+# in one row in four, by at most 0.06 GB. Its all-reduces are of a few rows, with no gradient buckets.
+NCCL_TENSOR_PARALLEL_GENERATION = 812e6
 
 
 @dataclass(frozen=True)

@@ -31,7 +31,7 @@ from dataclasses import dataclass, field, replace
 from fitbench import hardware
 from fitbench.models.architecture import Architecture, default_backend
 from fitbench.plan import compiled as inductor
-from fitbench.plan.calibration import DEFAULT, PAGE, TENSORS_ONLY, Calibration
+from fitbench.plan.calibration import DEFAULT, NCCL_TENSOR_PARALLEL_GENERATION, PAGE, TENSORS_ONLY, Calibration
 from fitbench.plan.collectives import bus_bandwidth
 from fitbench.plan.forecast import (Ceilings, StepRun, ceilings, decode_kind, forecast_spec, forecast_step_time,
                                    step_run)
@@ -235,10 +235,14 @@ def overhead_terms(arch: Architecture, mode: str, candidate: Candidate, memory: 
     layout = candidate.layout
     # the hf backend's pipeline stages are one process driving a GPU each: no communicator between them
     stages = layout.pp if (backend or default_backend(arch)) == "native" else 1
-    communicators = sum(1 for degree in (layout.dp_replicate, layout.dp_shard, layout.tp, stages) if degree > 1)
+    degrees = {"data": layout.dp_replicate, "shard": layout.dp_shard, "tensor": layout.tp, "stage": stages}
+    communicators = [name for name, degree in degrees.items() if degree > 1]
     if communicators:
-        terms.append(Term("NCCL buffers", communicators * calibration.nccl_per_communicator,
-                          f"{communicators} communicator(s): one per parallel dimension of {layout.label}"))
+        held = [NCCL_TENSOR_PARALLEL_GENERATION if name == "tensor" and mode == "infer"
+                else calibration.nccl_per_communicator for name in communicators]
+        terms.append(Term("NCCL buffers", sum(held),
+                          f"{len(communicators)} communicator(s): one per parallel dimension of {layout.label} "
+                          f"(a tensor-parallel generation's holds less: NCCL_TENSOR_PARALLEL_GENERATION)"))
     widths = Widths.of(candidate.precision)
     if mode == "infer" and graph and widths.autocast:
         terms.append(autocast_graph_pool(arch, candidate.batch_size, widths))

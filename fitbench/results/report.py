@@ -62,18 +62,18 @@ def headline(row: Row) -> dict[str, Any]:
 
 
 def measured_gpu_peak(row: Row) -> float | None:
-    """What the GPU gave the process at its peak: NVML's per-process figure (allocator reserved plus
-    CUDA context), or, without NVML, the reserved peak plus the context the prediction assumed."""
-    gpus = (row.memory or {}).get("gpus") or []
-    if not gpus:
-        return None
-    if gpus[0].get("nvml_peak_used"):
-        return float(gpus[0]["nvml_peak_used"])
-    if gpus[0].get("peak_reserved") is None:
-        return None
+    """What the GPU that needed most gave its process at the peak, max over the row's GPUs of NVML's
+    per-process figure (allocator reserved plus CUDA context), or, without NVML, of the reserved
+    peak plus the context the prediction assumed. The largest, because the planner's per-GPU
+    prediction is that of the rank that needs most (a pipeline's fullest stage; the rank that gathers
+    the job), the one that decides whether a configuration fits."""
     terms = (row.prediction or {}).get("terms") or []
     context = next((t.get("bytes") or 0 for t in terms if t.get("name") == "CUDA context"), 0)
-    return float(gpus[0]["peak_reserved"]) + context
+    peaks = [float(gpu["nvml_peak_used"]) if gpu.get("nvml_peak_used")
+             else float(gpu["peak_reserved"]) + context if gpu.get("peak_reserved") is not None else None
+             for gpu in (row.memory or {}).get("gpus") or []]
+    known = [peak for peak in peaks if peak is not None]
+    return max(known) if known else None
 
 
 def quality_summary(quality: dict[str, Any] | None) -> str:
