@@ -13,13 +13,13 @@ from typing import Annotated, Any, Callable, Literal
 import yaml
 from pydantic import BaseModel, ConfigDict, Field, StrictBool, ValidationError, field_validator, model_validator
 
-from fitbench.endpoints import http_url_problem
-from fitbench.errors import UserError, excerpt
 from fitbench.models.architecture import Architecture, backend_error, default_backend
 from fitbench.models.registry import resolve
 from fitbench.precisions import DEFAULT_LADDER, PRECISIONS, TRAINING_MODES, entry
 from fitbench.precisions.layouts import offload_problem
 from fitbench.spec import Layout, Mode, Precision, RunSpec, microbatch_problem
+from fitbench.util.endpoints import http_url_problem
+from fitbench.util.errors import UserError, excerpt
 
 BackendChoice = Literal["auto", "native", "hf"]
 

@@ -54,6 +54,7 @@ from typing import TYPE_CHECKING
 import psutil
 
 import fitbench
+from fitbench.util.cache import cache_directory
 
 if TYPE_CHECKING:
     import torch
@@ -614,15 +615,6 @@ def measure_ceilings(
         measured_at=_utc_now(),
         method=method,
     )
-
-
-def cache_directory() -> pathlib.Path:
-    """fitbench's cache: $FITBENCH_CACHE_DIR, else $XDG_CACHE_HOME/fitbench, else ~/.cache/fitbench."""
-    override = os.environ.get("FITBENCH_CACHE_DIR")
-    if override:
-        return pathlib.Path(override)
-    xdg_cache = os.environ.get("XDG_CACHE_HOME")
-    return (pathlib.Path(xdg_cache) if xdg_cache else pathlib.Path.home() / ".cache") / "fitbench"
 
 
 def ceilings_path() -> pathlib.Path:

@@ -14,13 +14,13 @@ from dataclasses import replace
 from pathlib import Path
 from typing import Any, Callable, NamedTuple
 
-from fitbench.errors import UserError, excerpt
 from fitbench.launch.fallback import FallbackPolicy
 from fitbench.launch.job import Job
 from fitbench.plan.calibration import Calibration
 from fitbench.plan.planner import GpuTarget
 from fitbench.precisions import PRECISIONS
 from fitbench.spec import RunSpec
+from fitbench.util.errors import UserError, excerpt
 
 
 def resolve_device(requested: str) -> str:
@@ -87,7 +87,7 @@ def hardware_refusals(specs: list, device: str) -> dict[str, str]:
     on a CPU, one predicted to need more than the host memory available), by spec key, with the
     reason; they are recorded, not launched."""
     from fitbench.precisions import entry
-    from fitbench.inject import injected_memory_limit
+    from fitbench.util.inject import injected_memory_limit
 
     device_type, capability = device.partition(":")[0], None
     if device_type == "cuda":
@@ -107,13 +107,13 @@ def hardware_refusals(specs: list, device: str) -> dict[str, str]:
 def ram_refusals(specs: list) -> dict[str, str]:
     """CPU configurations whose predicted peak (the planner's tensors: weights, gradients, optimizer
     state, activations, KV cache; offloaded layers go to disk) exceeds the host memory available
-    (``fitbench.host``), by spec key, with the reason; a job of several ranks needs each rank's peak
+    (``fitbench.util.host``), by spec key, with the reason; a job of several ranks needs each rank's peak
     once per rank. FSDP's CPU offload moves nothing off a CPU: its state is counted where it is."""
-    from fitbench.host import host_memory
     from fitbench.models.registry import resolve
     from fitbench.plan.memory import Parallelism, estimate_memory
     from fitbench.plan.planner import offload_split
-    from fitbench.units import format_bytes
+    from fitbench.util.host import host_memory
+    from fitbench.util.units import format_bytes
 
     memory = host_memory()
     refusals = {}
@@ -147,7 +147,7 @@ def run_target(device: str, measure: Callable[[], Any] | None = None, say: Calla
     mem-limit, which makes the CPU a GPU of that size, tensors only (calibration None); else
     (None, None): nothing is planned. A job of ``ranks`` ranks plans for that many GPUs of this kind."""
     from fitbench.plan.planner import GpuTarget
-    from fitbench.inject import injected_memory_limit
+    from fitbench.util.inject import injected_memory_limit
 
     limit = injected_memory_limit()
     if device == "cpu":
@@ -317,7 +317,7 @@ def gpu_target(*, gpu: str | None = None, gpu_memory: str | None = None, gpus: i
     ``gpus``: how many), else those detected here. Bad values are a UserError naming the option."""
     from fitbench import hardware
     from fitbench.plan.planner import GPU_ALIASES
-    from fitbench.units import parse_bytes
+    from fitbench.util.units import parse_bytes
 
     for option, value in (("--gpu", gpu), ("--gpu-memory", gpu_memory)):
         if value is not None and not value.strip():

@@ -50,7 +50,10 @@ def imports() -> dict[str, set[str]]:
                                           ("results", {"plan", "run", "launch", "config", "sweep", "cli",
                                                        "monitor", "models", "report"}),
                                           ("report", {"plan", "run", "launch", "config", "sweep", "cli",
-                                                      "models"})])
+                                                      "models"}),
+                                          ("util", {"plan", "run", "launch", "config", "sweep", "cli",
+                                                    "monitor", "models", "report", "results", "spec",
+                                                    "precisions", "hardware"})])
 def test_a_floor_imports_nothing_above_it(floor, above):
     assert not imports().get(floor, set()) & above
 

@@ -181,9 +181,9 @@ def test_a_recomputed_layer_launches_its_forward_again():
 
 
 def test_the_edges_and_each_loss_chunk_launch_their_operators(monkeypatch):
-    import fitbench.loss
+    import fitbench.models.loss
 
-    monkeypatch.setattr(fitbench.loss, "LOSS_CHUNK_BYTES", 4 * TINY.vocab_size * 8)  # 8 rows a chunk
+    monkeypatch.setattr(fitbench.models.loss, "LOSS_CHUNK_BYTES", 4 * TINY.vocab_size * 8)  # 8 rows a chunk
     uncached = count_step.__wrapped__  # chunks of 8 rows are this test's alone
     few, many = (uncached(1, "bf16-pure", "train", tokens=tokens) for tokens in (16, 32))
     layer, _ = per_layer(lambda layers: uncached(layers, "bf16-pure", "train", tokens=16))

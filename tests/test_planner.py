@@ -19,14 +19,14 @@ import pytest
 import torch
 
 from fitbench import hardware
-from fitbench.sweep import gpu_target
-from fitbench.sweep import run_target
-from fitbench.spec import Layout, RunSpec
-from fitbench.errors import UserError
 from fitbench.launch.calibrate import fit_collective, measure_bus_bandwidth, with_bus_bandwidth
 from fitbench.models.architecture import default_backend
 from fitbench.models.presets import PRESETS
 from fitbench.models.registry import resolve
+from fitbench.spec import Layout, RunSpec
+from fitbench.sweep import gpu_target
+from fitbench.sweep import run_target
+from fitbench.util.errors import UserError
 from fitbench.plan.calibration import (DEFAULT, TENSORS_ONLY, Calibration, calibration_path, ensure_calibration,
                                       load_calibration, save_calibration)
 from fitbench.plan.memory import Parallelism, estimate_memory, stage_estimates

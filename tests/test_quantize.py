@@ -21,10 +21,7 @@ from torch.utils._pytree import tree_leaves
 from fitbench.models.backends import HuggingFaceLM, load_model
 
 from fitbench.cli import main
-from fitbench.sweep import hardware_refusals
 from fitbench.config import SweepConfig, expand
-from fitbench.spec import Assignment, RunSpec
-from fitbench.errors import UserError
 from fitbench.models.hf import build_hf
 from fitbench.models.native import build_native, init_random_weights, meta_model
 from fitbench.models.registry import resolve
@@ -33,6 +30,9 @@ from fitbench.precisions import DEFAULT_LADDER, entry
 from fitbench.results.store import ResultStore
 from fitbench.run import worker
 from fitbench.run.loops import random_tokens
+from fitbench.spec import Assignment, RunSpec
+from fitbench.sweep import hardware_refusals
+from fitbench.util.errors import UserError
 from fitbench.run.quality import (MatmulError, kl_divergence, matmul_errors, recorded_matmuls, reference_text,
                                   summarise, top1_agreement)
 from fitbench.run.quantize import build_quantized_native, quantize_built, quantize_linears

@@ -12,9 +12,9 @@ from __future__ import annotations
 import argparse
 
 from fitbench.cli.command import OptionGroup
-from fitbench.errors import excerpt
 from fitbench.precisions import PRECISIONS
 from fitbench.spec import MODES
+from fitbench.util.errors import excerpt
 
 
 def sweep_options(parser: argparse.ArgumentParser) -> None:

@@ -19,9 +19,9 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any, Callable
 
+from fitbench.plan.search import largest
 from fitbench.precisions import QUANTIZED_PRECISIONS, TRAINING_MODES, entry
 from fitbench.precisions.layouts import offload_problem
-from fitbench.search import largest
 from fitbench.spec import Layout, RunSpec
 
 OFFLOAD_PRECISION = "bf16-pure"  # when the ladder has no floating-point rung

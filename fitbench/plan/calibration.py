@@ -52,6 +52,7 @@ from typing import Callable
 
 from fitbench.hardware import torch_version
 from fitbench.plan.memory import TRAINING_MODES
+from fitbench.util.cache import cache_directory
 
 MIB = 1024**2
 PAGE = 2 * MIB
@@ -118,9 +119,7 @@ TENSORS_ONLY = "none: on a CPU the prediction is the tensors alone (no CUDA cont
 
 
 def calibration_path() -> Path:
-    from fitbench.hardware import ceilings_path
-
-    return ceilings_path().with_name("calibration.json")
+    return cache_directory() / "calibration.json"
 
 
 def _key(gpu_name: str, torch_version: str) -> str:

@@ -59,10 +59,10 @@ import math
 from dataclasses import dataclass
 
 from fitbench import hardware
-from fitbench.loss import loss_chunk_rows
 from fitbench.models.architecture import Architecture
-from fitbench.plan.memory import Parallelism, Widths, adapter_params, kv_bytes_read_per_position, kv_heads_split
+from fitbench.models.loss import loss_chunk_rows
 from fitbench.plan.collectives import PCIE_BANDWIDTH, BusBandwidth, bus_bandwidth
+from fitbench.plan.memory import Parallelism, Widths, adapter_params, kv_bytes_read_per_position, kv_heads_split
 from fitbench.plan.speed import (HOST_LINK_BANDWIDTH, _data_parallel_step, bubble_fraction, pipeline_sends_s,
                                  tensor_parallel_decode_s, tensor_parallel_pass_s)
 from fitbench.precisions import ADAPTERS, FLOAT8, DecodeFormat, entry
@@ -152,7 +152,7 @@ FUNCTIONS_RECOMPUTED_TRAFFIC = 0.85
 # bf16 autocast 82, unfused 96 and 100 against 46), its recomputation FUNCTIONS_RECOMPUTED_OPS (29
 # against 43). Outside the layers: embedding, final norm, output projection and the logits' reduction;
 # in training also the optimizer's and the gradients' bookkeeping (EDGE_OPS); and each chunk of the loss
-# (``fitbench.loss``): the fused loss's maximum, shifted exponential, sum, gradient written over the
+# (``fitbench.models.loss``): the fused loss's maximum, shifted exponential, sum, gradient written over the
 # logits and its scaling in backward (LOSS_CHUNK_OPS); the out-of-place loss of DTensor logits and of
 # steps measured before the fused loss: upcast, cross-entropy, sum and their backward
 # (CHUNKED_LOSS_CHUNK_OPS, with CHUNKED_LOSS_EDGE_OPS at the edges). All counted by tests/test_forecast.py.

@@ -37,12 +37,12 @@ from fitbench.plan.forecast import (Ceilings, StepRun, ceilings, decode_kind, fo
                                    step_run)
 from fitbench.plan.memory import (TRAINING_MODES, MemoryEstimate, Parallelism, Term, Widths, estimate_memory,
                                   offloaded_weights, rank_edge_params, saved_per_layer, stage_estimates)
+from fitbench.plan.search import largest
 from fitbench.plan.speed import StepTime, estimate_step_time
 from fitbench.precisions import DEFAULT_LADDER, entry
 from fitbench.precisions.layouts import offload_problem
-from fitbench.search import largest
 from fitbench.spec import Layout, Stage
-from fitbench.units import format_bytes
+from fitbench.util.units import format_bytes
 
 # Names people type for --gpu, to the exact device names of the peak table.
 GPU_ALIASES = {

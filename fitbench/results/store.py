@@ -36,10 +36,10 @@ import os
 from pathlib import Path
 from typing import Any, Callable, Iterator
 
-from fitbench.errors import UserError, excerpt
-from fitbench.jsonfile import parse_json, read_json
 from fitbench.results.row import RERUN_STATUSES, SCHEMA_VERSION, Row, typed_row, version
 from fitbench.results.schema import check_row
+from fitbench.util.errors import UserError, excerpt
+from fitbench.util.jsonfile import parse_json, read_json
 
 RESULTS_FILE = "results.jsonl"
 JOB_ROWS = "rows"

@@ -26,7 +26,7 @@
 from __future__ import annotations
 
 from fitbench.models.architecture import Architecture
-from fitbench.stats import SampleStats
+from fitbench.util.stats import SampleStats
 
 
 def utilization(achieved_flops: float, peak: float | None) -> float | None:

@@ -8,7 +8,7 @@ keeps them in the run's log). The result file is written only at the end; a work
 leaves none, and the parent records the death. Disk offload writes its layers into RESULT.json's
 directory, which the parent makes for the run and removes after it, however the run ends.
 
-Fault injection for tests: ``fitbench.inject``.
+Fault injection for tests: ``fitbench.util.inject``.
 """
 
 from __future__ import annotations
@@ -35,7 +35,6 @@ from fitbench.models.offload import Offload, OffloadCapacityError, build_offload
 from fitbench.models.registry import is_local_model, resolve
 from fitbench.precisions import ADAPTER_ALPHA, ADAPTER_RANK, FLOAT8, TRAINING_MODES, entry
 from fitbench.precisions import policy as precision_policy
-from fitbench.processes import end_own_tree, rank_token, tie_to_parent
 from fitbench.results.row import Measurement
 from fitbench.run.adapters import add_adapters
 from fitbench.run.aggregate import combine
@@ -44,12 +43,11 @@ from fitbench.run.hf_tensor_parallel import parallelize_hf_layout
 from fitbench.run.loops import generate, make_step, random_tokens, read_generation
 from fitbench.run.metrics import inference_metrics, step_metrics
 from fitbench.run.parallel import data_seed, parallelize
+from fitbench.run.phases import PhaseLog, rank_result_path
 from fitbench.run.pipeline import PipelineLM, build_pipelined
 from fitbench.run.quality import Quality
 from fitbench.run.quantize import build_quantized_native, quantize_built
 from fitbench.run.quantize.torchao import float8_training
-from fitbench.inject import injected, injected_memory_limit, injected_value
-from fitbench.run.phases import PhaseLog, rank_result_path
 from fitbench.run.ranks import Rank, gather_json, process_group
 from fitbench.run.retries import RetryCounter, retries_warning
 from fitbench.run.sanity import Verdict, non_finite_figures, non_finite_steps, read, warmup_warning
@@ -58,7 +56,9 @@ from fitbench.run.tensor_parallel import build_layout, data_parallel_rank, paral
 from fitbench.run.timing import DeviceClock, first_call_seconds, run_stages, time_steps
 from fitbench.run.trackers import NvmlSampler, memory_report
 from fitbench.spec import Assignment, RunSpec
-from fitbench.stats import SampleStats
+from fitbench.util.inject import injected, injected_memory_limit, injected_value
+from fitbench.util.processes import end_own_tree, rank_token, tie_to_parent
+from fitbench.util.stats import SampleStats
 
 EXIT_OK, EXIT_FAILED = 0, 3
 PROBE_TOKENS = 64  # the sequence on which quantized weights are compared with bf16

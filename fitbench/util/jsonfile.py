@@ -8,7 +8,7 @@ import json
 from pathlib import Path
 from typing import Any
 
-from fitbench.errors import UserError
+from fitbench.util.errors import UserError
 
 
 def parse_json(raw: bytes) -> tuple[Any, str | None]:
