@@ -50,7 +50,7 @@ from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 from typing import Callable
 
-from fitbench.hardware import torch_version
+from fitbench.hardware.environment import torch_version
 from fitbench.plan.memory import TRAINING_MODES
 from fitbench.util.cache import cache_directory
 

@@ -28,7 +28,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field, replace
 
-from fitbench import hardware
+from fitbench.hardware.ceilings import load_ceilings
+from fitbench.hardware.datasheet import gpu_spec
 from fitbench.models.architecture import Architecture, default_backend
 from fitbench.plan import compiled as inductor
 from fitbench.plan.calibration import DEFAULT, PAGE, TENSORS_ONLY, Calibration
@@ -85,7 +86,7 @@ class GpuTarget:
     @property
     def speed_name(self) -> str:
         """Whose datasheet figures the speed model uses."""
-        return self.name if self.name and hardware.gpu_spec(self.name) else DEFAULT_SPEED_GPU
+        return self.name if self.name and gpu_spec(self.name) else DEFAULT_SPEED_GPU
 
 
 @dataclass(frozen=True)
@@ -388,7 +389,7 @@ def forecast_tokens_per_s(arch: Architecture, mode: str, candidate: Candidate, t
     forecast = forecast_step_time(
         arch, mode, candidate.precision, candidate.batch_size, seq_len, new_tokens=new_tokens,
         parallelism=candidate.parallelism, gpu_name=name,
-        ceiling=ceiling or ceilings(name, hardware.load_ceilings(name)),
+        ceiling=ceiling or ceilings(name, load_ceilings(name)),
         run=run, activation_checkpointing=candidate.activation_checkpointing,
         offloaded_bytes=offloaded_weights(arch, candidate.precision, candidate.resident_layers) if offloaded else 0.0,
         links=bus_bandwidth(name, calibration))
@@ -403,7 +404,7 @@ def fastest_first(arch: Architecture, mode: str, assessed: list[Assessment], tar
     if not assessed:
         return []
     name = target.speed_name
-    ceiling = ceilings(name, hardware.load_ceilings(name))
+    ceiling = ceilings(name, load_ceilings(name))
     forecast = [replace(a, forecast_tokens_per_s=forecast_tokens_per_s(
         arch, mode, a.candidate, target, seq_len=seq_len, new_tokens=new_tokens, calibration=calibration,
         backend=backend, ceiling=ceiling, **run)) for a in assessed]
@@ -665,7 +666,7 @@ def _forecast(arch: Architecture, spec, target: GpuTarget, calibration: Calibrat
     name = target.speed_name
     resident = chosen.candidate.resident_layers
     offloaded = offloaded_weights(arch, spec.precision, resident) if resident is not None else 0.0
-    return forecast_spec(arch, spec, name, ceilings(name, hardware.load_ceilings(name)), run=step_run(spec),
+    return forecast_spec(arch, spec, name, ceilings(name, load_ceilings(name)), run=step_run(spec),
                          offloaded_bytes=offloaded, links=bus_bandwidth(name, calibration)).seconds
 
 

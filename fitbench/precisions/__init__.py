@@ -42,7 +42,7 @@ def _quantized(name: str, summary: str, **facts) -> Precision:
     return Precision(name, summary, PrecisionPolicy(name, "bfloat16", None, False, False, quantized=True), **facts)
 
 
-# The tensor-core kinds (``peak_kinds``, a column of ``fitbench.hardware``'s peak table) that do the bulk of
+# The tensor-core kinds (``peak_kinds``, a column of ``fitbench.hardware.datasheet``'s peak table) that do the bulk of
 # the FLOPs, for inference (forward, infer) and for training (train, forward-backward):
 #
 # - int8 (bitsandbytes LLM.int8): int8 x int8 matmuls (cuBLASLt igemm) for every column but the few

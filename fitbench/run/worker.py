@@ -28,7 +28,10 @@ from typing import Any, Callable
 
 import torch
 
-from fitbench import hardware
+from fitbench.hardware.ceilings import load_ceilings
+from fitbench.hardware.datasheet import peak_bandwidth, peak_flops
+from fitbench.hardware.devices import cpu_device_name
+from fitbench.hardware.environment import environment
 from fitbench.models.backends import DECODE_TUNING, CausalLM, NativeLM, load_model
 from fitbench.models.hf import has_weights
 from fitbench.models.offload import Offload, OffloadCapacityError, build_offloaded
@@ -223,13 +226,13 @@ def measure(assignment: Assignment, device: torch.device, scratch: Path, rank: R
         # of the build's sizes that the steps would otherwise keep mapped beside their own pools.
         torch.cuda.empty_cache()
 
-    device_name = torch.cuda.get_device_name(device) if device.type == "cuda" else hardware.cpu_device_name()
+    device_name = torch.cuda.get_device_name(device) if device.type == "cuda" else cpu_device_name()
     kind = entry(spec.precision).peak_kind(spec.mode)
-    peak = hardware.peak_flops(device_name, kind) if device.type == "cuda" else None
-    ceilings = hardware.load_ceilings(device_name)
+    peak = peak_flops(device_name, kind) if device.type == "cuda" else None
+    ceilings = load_ceilings(device_name)
     measured_peak = ceilings.matmul_flops.get(kind) if ceilings else None
     peaks = Peaks(flops=peak, measured_flops=measured_peak,
-                  bandwidth=hardware.peak_bandwidth(device_name) if device.type == "cuda" else None)
+                  bandwidth=peak_bandwidth(device_name) if device.type == "cuda" else None)
 
     measure_mode = _measure_generation if spec.mode == "infer" else _measure_steps
     replicas = spec.layout.replicas > 1
@@ -276,7 +279,7 @@ def measure(assignment: Assignment, device: torch.device, scratch: Path, rank: R
         device_name=device_name, build_s=build_s, compile_s=compile_s, warnings=warnings,
         peak_flops=peak, measured_peak_flops=measured_peak, peak_kind=kind,
         peak_source="datasheet (dense)" if peak else None,
-        timing=timing, throughput=throughput, decode=decoding, environment=hardware.environment(),
+        timing=timing, throughput=throughput, decode=decoding, environment=environment(),
         quality=quality, training=built.training,
         **({"loss": verdict.loss} if verdict.loss is not None else {}),
         weights={"bytes": weight_bytes, "bf16_bytes": 2 * arch.total_params,
