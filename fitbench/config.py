@@ -16,7 +16,6 @@ from pydantic import BaseModel, ConfigDict, Field, StrictBool, ValidationError, 
 from fitbench.models.architecture import Architecture, backend_error, default_backend
 from fitbench.models.registry import resolve
 from fitbench.precisions import DEFAULT_LADDER, PRECISIONS, TRAINING_MODES, entry
-from fitbench.precisions.layouts import offload_problem
 from fitbench.spec import Layout, Mode, Precision, RunSpec, microbatch_problem
 from fitbench.util.endpoints import http_url_problem
 from fitbench.util.errors import UserError, excerpt
@@ -284,8 +283,7 @@ def expand(config: SweepConfig, *, device: str, default_models: list[str]) -> li
                     raise UserError(f"precision: {entry(precision).training_problem}; or use --mode infer or forward "
                                     f"with {precision}.")
                 layout = _layout(config, mode, precision, backend, arch)
-                problem = offload_problem(mode, precision, backend, config.compile,
-                                          layout.strategy) if config.offload else None
+                problem = layout.offload_problem(mode, precision, backend, config.compile) if config.offload else None
                 if problem:
                     raise UserError(f"offload: {problem}.")
                 for batch in config.batch_size or [default_batch]:

@@ -41,7 +41,6 @@ from fitbench.plan.memory import (TRAINING_MODES, MemoryEstimate, Parallelism, T
 from fitbench.plan.search import largest
 from fitbench.plan.speed import StepTime, estimate_step_time
 from fitbench.precisions import DEFAULT_LADDER, entry
-from fitbench.precisions.layouts import offload_problem
 from fitbench.spec import Layout, Stage
 from fitbench.util.units import format_bytes
 
@@ -778,8 +777,8 @@ def alternatives(arch: Architecture, spec, target: GpuTarget, calibration: Calib
             found.append(Alternative(f"as {ADAPTER_BASE} adapters (QLoRA) {here}{with_recompute(fits.candidate)}",
                                      fits))
     precision = spec.precision if not entry(spec.precision).quantized else "bf16-pure"
-    if layout.world_size == 1 and not spec.offload and offload_problem(mode, precision, spec.backend,
-                                                                       spec.compile) is None:
+    if layout.world_size == 1 and not spec.offload and layout.offload_problem(mode, precision, spec.backend,
+                                                                              spec.compile) is None:
         split = offload_split(arch, mode, precision, batch, seq_len, new_tokens=new_tokens, budget=target.memory,
                               calibration=calibration, backend=spec.backend)
         fits = first_fitting([Candidate(precision, "single", 1, False, batch, split.resident_layers)])

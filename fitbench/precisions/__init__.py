@@ -12,7 +12,7 @@ Each entry holds, with the source of every number: its policy (dtypes, autocast)
 storage bytes per matrix, its build temporaries, its decode terms, the tensor cores its MFU divides by,
 how it trains or why it does not, what the device must offer, why a decode step cannot be captured in
 a CUDA graph, and whether it is a rung of a default fallback ladder. What a precision can do in a layout
-(offload, data, tensor and pipeline parallelism) is ``fitbench.precisions.layouts``'s to say, from
+(offload, data, tensor and pipeline parallelism) is ``fitbench.spec.Layout``'s to say, from
 these entries. Other code looks an entry up by its exact name (``entry``) and asks it.
 """
 

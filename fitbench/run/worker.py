@@ -202,18 +202,18 @@ def measure(assignment: Assignment, device: torch.device, scratch: Path, rank: R
     if spec.layout.tp > 1 and spec.layout.pp == 1:
         if spec.backend == "hf":
             phases.enter(f"applying {spec.layout.strategy}, which broadcasts rank 0's weights", collective=True)
-            parallel = parallelize_hf_layout(lm, spec.layout, policy, spec.mode, rank, arch.family,
+            parallel = parallelize_hf_layout(lm, spec.layout, rank,
                                              activation_checkpointing=spec.activation_checkpointing,
                                              compile=spec.compile)
         else:
             phases.enter(f"applying {spec.layout.strategy}", collective=True)
-            parallel = parallelize_layout(lm, spec.layout, policy, spec.mode, rank, built.mesh, built.parallel,
+            parallel = parallelize_layout(lm, spec.layout, policy, rank, built.mesh, built.parallel,
                                           activation_checkpointing=spec.activation_checkpointing,
                                           compile=spec.compile, offload=spec.fsdp_offload)
         weight_bytes, weight_method = weight_storage_bytes(lm.module), "parameter storage of this rank's shards"
     elif spec.layout.dp_replicate > 1 or spec.layout.dp_shard > 1:
         phases.enter(f"applying {spec.layout.strategy}, which broadcasts rank 0's weights", collective=True)
-        parallel = parallelize(lm, spec.layout.strategy, policy, spec.mode, rank,
+        parallel = parallelize(lm, spec.layout.strategy, policy, rank,
                                activation_checkpointing=spec.activation_checkpointing, compile=spec.compile,
                                offload=spec.fsdp_offload)
     else:
@@ -331,8 +331,13 @@ def decoding_as_asked(lm, spec: RunSpec):
 
 def build(assignment: Assignment, arch, policy, device: torch.device, scratch: Path,
           rank: Rank | None = None) -> Built:
-    """The model of the assignment, or with pipeline stages this ``rank``'s stage of it."""
+    """The model of the assignment, or with pipeline stages this ``rank``'s stage of it. A layout that
+    does not compose (an assignment not made by the sweep, which refuses it first) is refused before
+    anything is built."""
     spec = assignment.spec
+    problem = spec.layout.problem(arch, spec.mode, spec.precision, spec.backend, spec.offload)
+    if problem:
+        raise RefusedError(problem)
     model_path = spec.model if is_local_model(spec.model) else None
     if spec.layer_offload:
         return build_offload(assignment, arch, policy, device, scratch, model_path)
