@@ -205,7 +205,7 @@ class ResultStore:
                              f"{unreported[-1]}; skipped or shown with fields blank")
 
     def finished_keys(self) -> set[str]:
-        return {row["key"] for row in self.rows() if row.get("status") not in RERUN_STATUSES}
+        return {row.key for row in self.typed_rows() if row.status not in RERUN_STATUSES}
 
     def lock(self) -> None:
         """Hold the directory's lock until ``unlock`` or this process's exit; a UserError naming the
