@@ -13,10 +13,11 @@ rank holds the whole model until the plan shards it, unlike the native decoder's
 only their shards (``fitbench.run.tensor_parallel``). The job's logits are then one process's with
 the same weights.
 
-What the plan does not do, fitbench refuses before launch (``fitbench.spec.Layout.problem``): families without a plan (Falcon,
-GPT-2), which run over pipeline stages instead; kv heads that do not divide by the degree (the plan
-cuts k and v column-wise, by whole heads only when they divide); quantized weights. There is no
-sequence parallelism: the plan has no style for the norms, which stay replicated.
+What the plan does not do, fitbench refuses before launch (``fitbench.spec.Layout.problem``):
+families without a plan (Falcon, GPT-2), which run over pipeline stages instead; kv heads that do not
+divide by the degree (the plan cuts k and v column-wise, by whole heads only when they divide);
+quantized weights. There is no sequence parallelism: the plan has no style for the norms, which stay
+replicated.
 
 The KV cache needs nothing of its own: transformers' ``StaticCache`` and ``DynamicCache`` take their
 shapes from the first keys they are given, this rank's ``n_kv_heads / tp`` heads.
