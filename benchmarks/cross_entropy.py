@@ -4,7 +4,7 @@ the whole fp32 loss (``F.cross_entropy(logits.float(), targets)``).
 
 ``head``: the output projection and its loss alone, forward and backward, over (n, h) bf16 inputs and
 a (V, h) bf16 weight: the median time of the pair from CUDA events, and the peak of allocated memory
-beyond the operands and their gradients, against ``fitbench.loss.loss_chain_bytes`` (the fused loss's
+beyond the operands and their gradients, against ``fitbench.models.loss.loss_chain_bytes`` (the fused loss's
 chain), the logits' own c n V, and the old chain, 4 n V + max(c n V + 4 r V, 8 r V).
 
 ``step``: one training step of a native preset through fitbench's own loop (``make_step``, eager, with
@@ -28,8 +28,8 @@ os.environ.setdefault("PYTORCH_CUDA_ALLOC_CONF", "expandable_segments:True")
 import torch  # noqa: E402  (after the allocator's settings)
 import torch.nn.functional as F  # noqa: E402
 
-from fitbench.loss import loss_chain_bytes, loss_chunk_rows  # noqa: E402
 from fitbench.models.backends import load_model  # noqa: E402
+from fitbench.models.loss import loss_chain_bytes, loss_chunk_rows  # noqa: E402
 from fitbench.models.registry import resolve  # noqa: E402
 from fitbench.plan.memory import estimate_memory  # noqa: E402
 from fitbench.precisions import policy  # noqa: E402

@@ -23,7 +23,7 @@ from pathlib import Path
 from fitbench.results.report import headline
 from fitbench.results.store import ResultStore
 from fitbench.spec import RunSpec
-from fitbench.units import format_bytes
+from fitbench.util.units import format_bytes
 
 
 def main() -> None:

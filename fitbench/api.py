@@ -1,7 +1,7 @@
 """fitbench from Python: ``fitbench.plan``, ``fitbench.run`` and ``fitbench.load``, the commands
 ``fitbench plan``, ``fitbench run`` and ``fitbench report`` without a terminal. Options keep their
 command-line meaning, spelled as Python names (``--batch-size`` is ``batch_size``); bad input raises
-``fitbench.errors.UserError`` with the paragraph the command would print.
+``fitbench.util.errors.UserError`` with the paragraph the command would print.
 """
 
 from __future__ import annotations
@@ -61,8 +61,8 @@ def run(models: list[str], *, out: str | Path | None = None, **options: Any) -> 
 
 def load(directory: str | Path) -> list[Row]:
     """The rows of a results directory (the ``--out`` of a ``fitbench run``, or ``out`` of ``run``)."""
-    from fitbench.errors import UserError
     from fitbench.results.store import ResultStore
+    from fitbench.util.errors import UserError
 
     store = ResultStore(directory)
     if not store.path.exists():

@@ -13,13 +13,13 @@ from typing import Annotated, Any, Callable, Literal
 import yaml
 from pydantic import BaseModel, ConfigDict, Field, StrictBool, ValidationError, field_validator, model_validator
 
-from fitbench.endpoints import http_url_problem
-from fitbench.errors import UserError, excerpt
 from fitbench.models.architecture import Architecture, backend_error, default_backend
 from fitbench.models.registry import resolve
 from fitbench.precisions import DEFAULT_LADDER, PRECISIONS, TRAINING_MODES, entry
-from fitbench.precisions.layouts import offload_problem
 from fitbench.spec import Layout, Mode, Precision, RunSpec, microbatch_problem
+from fitbench.util.endpoints import http_url_problem
+from fitbench.util.errors import UserError, excerpt
+from fitbench.util.jsonfile import read_bounded
 
 BackendChoice = Literal["auto", "native", "hf"]
 
@@ -284,8 +284,7 @@ def expand(config: SweepConfig, *, device: str, default_models: list[str]) -> li
                     raise UserError(f"precision: {entry(precision).training_problem}; or use --mode infer or forward "
                                     f"with {precision}.")
                 layout = _layout(config, mode, precision, backend, arch)
-                problem = offload_problem(mode, precision, backend, config.compile,
-                                          layout.strategy) if config.offload else None
+                problem = layout.offload_problem(mode, precision, backend, config.compile) if config.offload else None
                 if problem:
                     raise UserError(f"offload: {problem}.")
                 for batch in config.batch_size or [default_batch]:
@@ -478,14 +477,8 @@ def _contradictions(source: dict[str, Any], name: Callable[[str], str]) -> None:
 
 
 def _read_yaml(path: str | Path) -> Any:
-    try:
-        with open(path, "rb") as handle:
-            raw = handle.read(YAML_MAX_BYTES + 1)
-    except OSError as error:
-        raise UserError(f"config: cannot read {path}: {error.strerror}. Pass an existing YAML file to --config.") from None
-    if len(raw) > YAML_MAX_BYTES:
-        raise UserError(f"config: {path} is larger than {YAML_MAX_BYTES:,} bytes; a sweep's YAML file is a few "
-                        f"lines of options. Pass the right file to --config.")
+    raw = read_bounded(path, limit=YAML_MAX_BYTES, field="config",
+                       fix="A sweep's YAML file is a few lines of options: pass an existing one to --config.")
     try:
         text = raw.decode("utf-8")
     except UnicodeDecodeError as error:

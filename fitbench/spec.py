@@ -1,6 +1,10 @@
 """One configuration (``RunSpec``), how it spreads over GPUs (``Layout``), and what a worker is told
 beside it (``Assignment``).
 
+``Layout`` is the one place that says what composes and why not: offload, data, tensor and pipeline
+parallelism against a precision (read from its registry entry), a backend and a model's shape. The
+sweep's validation, the planner, the fallback ladder and the worker all ask it.
+
 Plain data that validates and never acts: the planner reads it, the launcher writes it to a file,
 the worker reads it back. Nothing here touches a device.
 """
@@ -14,9 +18,7 @@ from typing import Any, Literal, Protocol, get_args
 
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
-from fitbench.precisions import PRECISIONS, TRAINING_MODES
-from fitbench.precisions.layouts import (DDP_OFFLOAD, data_parallel_problem, offload_problem, pipeline_problem,
-                                         tensor_parallel_heads_problem, tensor_parallel_problem)
+from fitbench.precisions import EVERY_WEIGHT, FLOAT8, PRECISIONS, TRAINING_MODES, entry
 
 Mode = Literal["train", "forward", "forward-backward", "infer"]
 MODES: tuple[str, ...] = get_args(Mode)
@@ -120,6 +122,34 @@ class Layout(BaseModel):
             raise LayoutError(f"unknown strategy {strategy!r}; known: single, {', '.join(STRATEGY_DEGREES)}")
         return cls.for_world(gpus, **{STRATEGY_DEGREES[strategy]: -1})
 
+    def offload_problem(self, mode: str, precision: str, backend: str, compile: bool) -> str | None:
+        """Why ``--offload`` cannot run ``precision`` in ``mode`` on ``backend`` (compiled when ``compile``)
+        under this layout, in one sentence with the way out; None when it can. What offload is depends on
+        the layout: on one device, decoder layers kept in host memory and streamed in for their forward
+        (infer and forward); under FSDP, FSDP's CPU offload of the shards, their gradients and the
+        optimizer state (``problem`` says in which modes FSDP runs); DDP has none."""
+        strategy = self.strategy
+        if strategy == "ddp":
+            return _DDP_OFFLOAD
+        if strategy == "fsdp":
+            return None
+        if strategy != "single":
+            return f"{strategy} has no offload in fitbench: use --strategy fsdp --offload, or drop --offload"
+        if mode not in ("infer", "forward"):
+            return (f"layers stream in for inference only (--mode infer or forward); {mode} needs every weight "
+                    f"with its gradient and optimizer state at each step, which FSDP can keep in host memory "
+                    f"across several GPUs: --gpus 2 or more with --strategy fsdp (or auto)")
+        if entry(precision).quantized:
+            return (f"layers stream in as floating-point weights; {precision} layers keep quantization state that "
+                    f"accelerate's hooks do not move: use bf16-pure")
+        if backend != "native":
+            return ("fitbench builds its own decoder layer by layer to offload it: use --backend native (Llama-style "
+                    "models)")
+        if compile:
+            return ("torch.compile stops at accelerate's hooks around every offloaded layer, breaking the graph at "
+                    "each: drop --compile")
+        return None
+
     def problem(self, model: ModelShape, mode: str, precision: str, backend: str,
                 offload: bool = False) -> str | None:
         """Why fitbench cannot run ``precision`` in ``mode`` on ``backend``'s build of ``model`` under this
@@ -129,12 +159,12 @@ class Layout(BaseModel):
         user, and the planner records them beside the layouts it passes over.
 
         - replicas: alone, for inference and forward (a training step's gradients need DDP or FSDP);
-        - DDP and FSDP: as ``fitbench.precisions.layouts.data_parallel_problem`` says, DDP beside no tensor
+        - DDP and FSDP: as ``_data_parallel_problem`` says, DDP beside no tensor
           parallelism (FSDP is the data-parallel dimension of a 2-D mesh), neither beside stages;
-        - tensor parallelism: whole heads per rank (``tensor_parallel_heads_problem``), the precisions
-          and backends ``tensor_parallel_problem`` allows, the hf backend's plans alone, and inside
+        - tensor parallelism: whole heads per rank (``_tensor_parallel_heads_problem``), the precisions
+          and backends ``_tensor_parallel_problem`` allows, the hf backend's plans alone, and inside
           pipeline stages for inference and forward only;
-        - pipeline stages: at least one layer each, as ``pipeline_problem`` allows;
+        - pipeline stages: at least one layer each, as ``_pipeline_problem`` allows;
         - offload: one device's layers, or FSDP's shards alone, in host memory.
         One process on one device has no rule here (offload's are ``offload_problem``'s)."""
         reason = self._reason(model, mode, precision, backend, offload)
@@ -152,17 +182,17 @@ class Layout(BaseModel):
                         f"or replicas with --mode infer or forward")
         if offload and self.strategy not in ("single", "fsdp"):
             if self.dp_replicate > 1:
-                return DDP_OFFLOAD
+                return _DDP_OFFLOAD
             return ("--offload keeps one GPU's decoder layers, or FSDP's shards, in host memory, beside no tensor "
                     "parallelism, pipeline stages or replicas: drop --offload, or give --strategy fsdp --offload")
         for degree, strategy in ((self.dp_replicate, "ddp"), (self.dp_shard, "fsdp")):
             if degree > 1:
-                problem = data_parallel_problem(strategy, precision, mode, backend, offload)
+                problem = _data_parallel_problem(strategy, precision, mode, backend, offload)
                 if problem:
                     return problem
         if self.tp > 1:
-            problem = (tensor_parallel_heads_problem(model.num_heads, model.num_kv_heads, self.tp, backend)
-                       or tensor_parallel_problem(precision, mode, backend, model.family))
+            problem = (_tensor_parallel_heads_problem(model.num_heads, model.num_kv_heads, self.tp, backend)
+                       or _tensor_parallel_problem(precision, mode, backend, model.family))
             if problem:
                 return problem
             if backend != "native" and self.world_size > self.tp:
@@ -175,7 +205,7 @@ class Layout(BaseModel):
             if self.pp > model.num_layers:
                 return (f"{self.pp} pipeline stages for the model's {model.num_layers} decoder layers leave a stage "
                         f"without one: use at most {model.num_layers} stages")
-            problem = pipeline_problem(precision, mode, backend)
+            problem = _pipeline_problem(precision, mode, backend)
             if problem:
                 return problem
             if self.data_parallel > 1:
@@ -184,6 +214,122 @@ class Layout(BaseModel):
                 return (f"tensor parallelism inside pipeline stages runs infer and forward, not {mode}: for training "
                         f"give --strategy fsdp --tp {self.tp} (FSDP x TP), or --strategy pipeline without --tp")
         return None
+
+
+# ---- what a precision can do in a layout: the rules ``Layout`` asks, read from the precision's entry ----
+
+_DDP_OFFLOAD = ("--offload and --strategy ddp do not combine: DDP keeps a whole replica of the weights, gradients and "
+               "optimizer state on every GPU and has no CPU offload; keeping them in host memory is FSDP's: use "
+               "--strategy fsdp --offload, or drop --offload")
+
+
+def _pipeline_problem(precision: str, mode: str, backend: str) -> str | None:
+    """Why pipeline stages cannot run this configuration, in one sentence with the way out; None
+    when they can. The native decoder's stages are ranks of a torchrun job (``fitbench.run.pipeline``)
+    and train too; the hf backend's are one process's devices under accelerate's device map
+    (``fitbench.run.hf_pipeline``), for inference and forward in the floating-point precisions."""
+    if backend != "native":
+        if mode in TRAINING_MODES:
+            return (f"the {backend} backend's pipeline stages run one after another in one process, for inference: "
+                    f"train Llama-style models as stages with --backend native, or run {mode} on one GPU")
+        if entry(precision).quantized:
+            return (f"the {backend} backend's pipeline stages hold floating-point weights; {precision} layers are "
+                    f"quantized on one device: use bf16-pure over stages, or --backend native for quantized stages")
+        return None
+    if mode not in TRAINING_MODES:
+        return None
+    if entry(precision).policy.scale_loss:
+        return (f"{precision} training scales its loss with one GradScaler over every gradient, which pipeline stages "
+                "split between ranks: use --precision bf16 or bf16-pure")
+    if entry(precision).training != EVERY_WEIGHT:
+        return (f"pipeline stages train every weight in a floating-point precision, not {precision}'s adapters or "
+                f"float8 linears: train with bf16 or bf16-pure, or run {precision} in infer or forward")
+    return None
+
+
+def _data_parallel_problem(strategy: str, precision: str, mode: str, backend: str, offload: bool) -> str | None:
+    """Why ``strategy`` (``ddp`` or ``fsdp``) cannot run ``precision`` in ``mode`` with ``backend`` (and
+    FSDP's CPU offload when ``offload``), in one sentence with the way out; None when it can.
+
+    What composes: fp32, tf32, bf16, fp16 and bf16-pure under both, in train, forward-backward and
+    forward; fp8 training under both (torchao's float8 linears keep plain bf16 weights, and with
+    row-wise scales FSDP gathers them in bf16 and each rank casts its own); adapters on an int8,
+    nf4 or fp4 base under DDP (a frozen replica per rank, the fp32 adapters' gradients averaged)."""
+    name = strategy.upper()
+    if backend != "native":
+        return (f"{name} is applied to fitbench's native decoder, layer by layer, and the {backend} backend's "
+                f"models are not: use --backend native (Llama-style models) or run on one GPU")
+    if mode == "infer" and strategy == "ddp":
+        return ("generation has no gradients for DDP to average, so N GPUs would run N independent copies that "
+                "one GPU's figures already describe: run infer on one GPU")
+    if mode == "infer":
+        return ("FSDP gathers a layer's weights around its forward call, and decoding runs the KV-cache step and "
+                "CUDA graphs outside those calls: run infer on one GPU, with --offload for a model that does not fit")
+    if offload and strategy == "ddp":
+        return _DDP_OFFLOAD
+    # torchao's inference tensors: subclasses that implement the quantized matmul and little else
+    # (measured on torch 2.13 / torchao 0.18: DDP's start-up broadcast stops at aten.view, FSDP's
+    # sharding at aten.split); fp8 training's float8 linears keep plain bf16 weights instead.
+    facts = entry(precision)
+    if facts.library == "torchao" and not (facts.training == FLOAT8 and mode in TRAINING_MODES):
+        return (f"{precision} weights are torchao tensor subclasses that implement the quantized matmul and little "
+                f"else, so {name} can neither {'broadcast' if strategy == 'ddp' else 'shard'} them: run {precision} "
+                f"on one GPU, or use bf16 across GPUs")
+    if facts.library == "bitsandbytes" and strategy == "fsdp":
+        return (f"bitsandbytes keeps each {precision} weight's scales beside its data, and the flat shards FSDP "
+                f"cuts from a weight carry none: use --strategy ddp, or bf16 or fp8 under FSDP")
+    return None
+
+
+# The families whose transformers models carry a tensor-parallel plan (a ``base_model_tp_plan`` in
+# their config, transformers 5.x): Llama, Mistral and Qwen2, fitbench's "llama" family. Falcon and
+# GPT-2 have none.
+_HF_TENSOR_PARALLEL_FAMILIES = ("llama",)
+
+
+def _tensor_parallel_problem(precision: str, mode: str, backend: str, family: str | None) -> str | None:
+    """Why tensor parallelism cannot run ``precision`` in ``mode`` with ``backend`` on a model of
+    ``family``, in one sentence with the way out; None when it can: the floating-point precisions, in
+    every mode, on the native decoder (``fitbench.run.tensor_parallel``) and on transformers' models
+    of the families with a tensor-parallel plan (``fitbench.run.hf_tensor_parallel``).
+
+    Quantized weights are refused: DTensor shards a weight by viewing and splitting it, which
+    torchao's inference tensors do not implement (the same stops DDP's broadcast and FSDP's sharding of
+    them), and a bitsandbytes weight carries its scales and block state beside its data, which a shard of
+    it would not. fp8 training would need torchao's own float8 tensor-parallel styles. Pipeline stages split a model by layers
+    and leave each layer's weights whole. The hf backend's answer depends on the model's ``family``;
+    without one it is refused."""
+    if backend != "native" and family not in _HF_TENSOR_PARALLEL_FAMILIES:
+        whose = f"{family} models" if family else "a model of unnamed family"
+        return (f"transformers has no tensor-parallel plan for {whose}: split the model over GPUs by layers with "
+                f"--strategy pipeline (--mode infer or forward)")
+    way_out = "split the model over GPUs by layers with --strategy pipeline, or use bf16 under --strategy tp"
+    facts = entry(precision)
+    if facts.training == FLOAT8 and mode in TRAINING_MODES:
+        return (f"{precision} training's float8 matmuls take tensor-parallel shards only through torchao's own float8 "
+                f"styles, which fitbench does not apply: {way_out}")
+    if facts.quantized:
+        return (f"{precision} weights cannot be sharded by tensor parallelism: DTensor cuts a weight into shards "
+                f"by views and splits, which {facts.library}'s {precision} tensors do not "
+                f"implement: {way_out}")
+    return None
+
+
+def _tensor_parallel_heads_problem(heads: int, kv_heads: int, degree: int, backend: str) -> str | None:
+    """Why tensor parallelism of ``degree`` cannot split a model of ``heads`` query and ``kv_heads`` kv
+    heads, in one sentence with the way out; None when it can. A head's dot products stay on one rank,
+    so the query heads must divide by the degree. The native decoder replicates kv heads that do not
+    divide; transformers' plans cut the k and v projections column-wise, which splits whole kv heads
+    only when they divide too."""
+    if heads % degree:
+        return (f"tensor parallelism splits whole attention heads, and {degree} ranks do not divide the model's "
+                f"{heads} heads: use a tensor-parallel degree that divides {heads} (--gpus under --strategy tp, --tp "
+                f"beside --strategy fsdp or pipeline), or --strategy pipeline alone")
+    if backend != "native" and kv_heads % degree:
+        return (f"transformers' tensor-parallel plan splits the k and v projections by whole kv heads, and "
+                f"{degree} ranks do not divide the model's {kv_heads}: use --gpus that divides {kv_heads}, "
+                f"--backend native (which replicates the kv heads), or --strategy pipeline")
+    return None
 
 
 def pipeline_stages(n_layers: int, stages: int) -> tuple[range, ...]:
@@ -287,8 +433,8 @@ class RunSpec(BaseModel):
 
     @model_validator(mode="after")
     def _offload_applies(self) -> RunSpec:
-        problem = offload_problem(self.mode, self.precision, self.backend, self.compile,
-                                  self.layout.strategy) if self.offload else None
+        problem = (self.layout.offload_problem(self.mode, self.precision, self.backend, self.compile)
+                   if self.offload else None)
         if problem:
             raise ValueError(problem)
         return self

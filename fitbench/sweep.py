@@ -14,20 +14,20 @@ from dataclasses import replace
 from pathlib import Path
 from typing import Any, Callable, NamedTuple
 
-from fitbench.errors import UserError, excerpt
 from fitbench.launch.fallback import FallbackPolicy
 from fitbench.launch.job import Job
 from fitbench.plan.calibration import Calibration
 from fitbench.plan.planner import GpuTarget
 from fitbench.precisions import PRECISIONS
 from fitbench.spec import RunSpec
+from fitbench.util.errors import UserError, excerpt
 
 
 def resolve_device(requested: str) -> str:
     """'auto' -> the first GPU if torch sees one, else cpu; a GPU that is not there is a UserError.
-    ``cpu``, and ``auto`` on a machine without a GPU's device file (``hardware.no_gpu_device``), ask
+    ``cpu``, and ``auto`` on a machine without a GPU's device file (``fitbench.hardware.devices.no_gpu_device``), ask
     nothing of torch (nor import it)."""
-    from fitbench.hardware import no_gpu_device
+    from fitbench.hardware.devices import no_gpu_device
 
     if requested == "cpu" or (requested == "auto" and no_gpu_device()):
         return "cpu"
@@ -87,7 +87,7 @@ def hardware_refusals(specs: list, device: str) -> dict[str, str]:
     on a CPU, one predicted to need more than the host memory available), by spec key, with the
     reason; they are recorded, not launched."""
     from fitbench.precisions import entry
-    from fitbench.inject import injected_memory_limit
+    from fitbench.util.inject import injected_memory_limit
 
     device_type, capability = device.partition(":")[0], None
     if device_type == "cuda":
@@ -107,13 +107,13 @@ def hardware_refusals(specs: list, device: str) -> dict[str, str]:
 def ram_refusals(specs: list) -> dict[str, str]:
     """CPU configurations whose predicted peak (the planner's tensors: weights, gradients, optimizer
     state, activations, KV cache; offloaded layers go to disk) exceeds the host memory available
-    (``fitbench.host``), by spec key, with the reason; a job of several ranks needs each rank's peak
+    (``fitbench.util.host``), by spec key, with the reason; a job of several ranks needs each rank's peak
     once per rank. FSDP's CPU offload moves nothing off a CPU: its state is counted where it is."""
-    from fitbench.host import host_memory
     from fitbench.models.registry import resolve
     from fitbench.plan.memory import Parallelism, estimate_memory
     from fitbench.plan.planner import offload_split
-    from fitbench.units import format_bytes
+    from fitbench.util.host import host_memory
+    from fitbench.util.units import format_bytes
 
     memory = host_memory()
     refusals = {}
@@ -147,7 +147,7 @@ def run_target(device: str, measure: Callable[[], Any] | None = None, say: Calla
     mem-limit, which makes the CPU a GPU of that size, tensors only (calibration None); else
     (None, None): nothing is planned. A job of ``ranks`` ranks plans for that many GPUs of this kind."""
     from fitbench.plan.planner import GpuTarget
-    from fitbench.inject import injected_memory_limit
+    from fitbench.util.inject import injected_memory_limit
 
     limit = injected_memory_limit()
     if device == "cpu":
@@ -315,9 +315,10 @@ GPUS_MAX = 65536
 def gpu_target(*, gpu: str | None = None, gpu_memory: str | None = None, gpus: int | None = None) -> GpuTarget:
     """The GPUs to plan for: described (``gpu``: a known GPU's name; ``gpu_memory``: a size such as 80GB;
     ``gpus``: how many), else those detected here. Bad values are a UserError naming the option."""
-    from fitbench import hardware
+    from fitbench.hardware import devices
+    from fitbench.hardware.datasheet import gpu_spec
     from fitbench.plan.planner import GPU_ALIASES
-    from fitbench.units import parse_bytes
+    from fitbench.util.units import parse_bytes
 
     for option, value in (("--gpu", gpu), ("--gpu-memory", gpu_memory)):
         if value is not None and not value.strip():
@@ -331,7 +332,7 @@ def gpu_target(*, gpu: str | None = None, gpu_memory: str | None = None, gpus: i
     name = None
     if gpu:
         name = GPU_ALIASES.get(gpu.upper(), gpu)
-        if hardware.gpu_spec(name) is None:
+        if gpu_spec(name) is None:
             raise UserError(f"gpu: {excerpt(gpu)} is not a known GPU. Known: {', '.join(GPU_ALIASES)} (or an exact "
                             f"device name such as 'NVIDIA H100 80GB HBM3'); or describe it with --gpu-memory.")
     memory, source = None, None
@@ -346,7 +347,7 @@ def gpu_target(*, gpu: str | None = None, gpu_memory: str | None = None, gpus: i
                             f"{GPU_MEMORY_MIN / 1e9:.0f} GB to {GPU_MEMORY_MAX / 1e12:.0f} TB with its unit, like 80GB "
                             f"or 79.2GiB (a bare number is bytes).")
     if name is None and memory is None:
-        detected = hardware.detect_gpus()  # only then: detecting imports torch, seconds a described GPU never needs
+        detected = devices.detect_gpus()  # only then: detecting imports torch, seconds a described GPU never needs
         if not detected and gpus is None:
             raise UserError("gpus: no GPU is visible here; describe the hardware to plan for, e.g. "
                             "--gpus 4 --gpu-memory 80GB, or --gpu H100-80GB.")
@@ -360,7 +361,7 @@ def gpu_target(*, gpu: str | None = None, gpu_memory: str | None = None, gpus: i
         return GpuTarget(detected[0].name, count, float(detected[0].total_memory), described=False,
                          memory_source="torch.cuda.get_device_properties().total_memory")
     if memory is None:
-        spec = hardware.gpu_spec(name)
+        spec = gpu_spec(name)
         memory, source = spec.total_memory, spec.total_memory_source
     return GpuTarget(name, 1 if gpus is None else gpus, memory, described=True, memory_source=source)
 

@@ -45,6 +45,16 @@ def cli(argv: list[str], capsys) -> tuple[int, str, str]:
     return code, captured.out, captured.err
 
 
+@dataclass(frozen=True)
+class Shape:
+    """A model as a layout's rules read it (``fitbench.spec.ModelShape``): heads, kv heads, layers, family."""
+
+    num_heads: int = 8
+    num_kv_heads: int = 4
+    num_layers: int = 8
+    family: str | None = "llama"
+
+
 def write_tiny_checkpoint(directory, fill: float | None = None, tokenizer: bool = True, seed: int = 0):
     """``tiny`` as a transformers-layout checkpoint in ``directory``: config.json, model.safetensors with
     the native model's bf16 weights (random from ``seed``, or every element ``fill``) and, with

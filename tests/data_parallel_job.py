@@ -39,7 +39,7 @@ def train(rank: Rank, strategy: str, options: dict, fail: bool) -> tuple[list[fl
     arch, precision = resolve("tiny"), policy(PRECISION)
     torch.manual_seed(SEED + rank.rank)  # a different seed per rank: the weights must come from rank 0
     lm = load_model(arch, "native", rank.device, precision.weight_dtype)
-    applied = parallelize(lm, strategy, precision, "train", rank, **options)
+    applied = parallelize(lm, strategy, precision, rank, **options)
     tokens = random_tokens(arch.vocab_size, BATCH, SEQ_LEN + 1, rank.device, data_seed(SEED, rank.rank))
     step = make_step("train", lm, precision, tokens, rank.device)
     losses = []

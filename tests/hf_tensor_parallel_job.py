@@ -49,7 +49,7 @@ def built(rank: Rank, mode: str) -> HuggingFaceLM:
     own weights would show."""
     torch.manual_seed(SEED if rank.main else SEED + 1 + rank.rank)
     lm = load_model(ARCH, "hf", rank.device, policy(PRECISION).weight_dtype)
-    parallelize_hf_layout(lm, LAYOUT, policy(PRECISION), mode, rank, ARCH.family)
+    parallelize_hf_layout(lm, LAYOUT, rank)
     return lm
 
 

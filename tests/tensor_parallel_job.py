@@ -164,7 +164,7 @@ def fsdp_tp_losses(rank: Rank) -> tuple[list[float], dict]:
     arch, precision = resolve("tiny"), policy(PRECISION)
     torch.manual_seed(SEED)
     lm, mesh, applied = build_layout(arch, LAYOUT, precision, "train", SEQ_LEN, rank)
-    applied = parallelize_layout(lm, LAYOUT, precision, "train", rank, mesh, applied)
+    applied = parallelize_layout(lm, LAYOUT, precision, rank, mesh, applied)
     tokens = random_tokens(arch.vocab_size, BATCH, SEQ_LEN + 1, rank.device,
                            data_seed(SEED, data_parallel_rank(LAYOUT, rank.rank)))
     step = make_step("train", lm, precision, tokens, rank.device)

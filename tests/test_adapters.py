@@ -10,17 +10,17 @@ import torch
 import torch.nn.functional as F
 
 from fitbench.config import SweepConfig, expand, fallback_ladder
-from fitbench.spec import RunSpec
-from fitbench.errors import UserError
 from fitbench.launch.fallback import FallbackPolicy, next_attempt
 from fitbench.models.registry import resolve
 from fitbench.plan.memory import INT8_OUTLIER_COLUMNS, adapter_params, estimate_memory
-from fitbench.precisions import ADAPTER_RANK
 from fitbench.plan.planner import Candidate, GpuTarget, assess
+from fitbench.precisions import ADAPTER_RANK
 from fitbench.run import worker
 from fitbench.run.adapters import LowRankAdapted, add_adapters
 from fitbench.run.loops import random_tokens
 from fitbench.run.quantize import build_quantized_native
+from fitbench.spec import RunSpec
+from fitbench.util.errors import UserError
 from test_quantize import run_worker
 
 CPU = torch.device("cpu")

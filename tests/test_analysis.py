@@ -9,9 +9,9 @@ from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 
 import pytest
 
-from fitbench.errors import UserError
 from fitbench.report.analysis import analyse, prompt, write_analysis
 from fitbench.report.sweep import read_sweep
+from fitbench.util.errors import UserError
 
 COMMITTED = "benchmarks/results/2026-11-27-h100x4-replicas/default"
 ANSWER = ["The 1B and 3B models fit on one H100 each. ", "Decode is bandwidth-bound; ", "try a larger batch."]

@@ -4,8 +4,8 @@ do and return typed results, and the planner's and the worker's packages stay im
 import pytest
 
 import fitbench
-from fitbench.errors import UserError
 from fitbench.results.row import Row
+from fitbench.util.errors import UserError
 
 
 def test_plan_chooses_as_the_command_does():

@@ -14,8 +14,8 @@ from pathlib import Path
 import pytest
 
 from fitbench.config import load_yaml
-from fitbench.errors import UserError
 from fitbench.results.store import ROW_MAX_BYTES, ResultStore
+from fitbench.util.errors import UserError
 from conftest import cli
 
 MESSAGE_MAX = 700  # characters: a message quotes input, it never echoes it

@@ -16,12 +16,12 @@ import torch
 from transformers import LlamaConfig
 
 from fitbench.config import SweepConfig, expand, load_yaml, merge_sources
-from fitbench.spec import Assignment, RunSpec
-from fitbench.errors import UserError
 from fitbench.models.presets import PRESETS
 from fitbench.models.registry import resolve
 from fitbench.plan.calibration import TENSORS_ONLY
 from fitbench.results.store import ResultStore
+from fitbench.spec import Assignment, RunSpec
+from fitbench.util.errors import UserError
 from conftest import cli
 
 SMALL_SHAPES = ["--batch-size", "1", "--seq-len", "16", "--new-tokens", "4", "--warmup-steps", "1",

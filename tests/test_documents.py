@@ -18,7 +18,7 @@ from fitbench.report.excel import sample_rows, write_xlsx
 from fitbench.report.figures import FIGURES
 from fitbench.report.html import write_html
 from fitbench.report.sweep import read_sweep
-from fitbench.stats import quantile
+from fitbench.util.stats import quantile
 
 RESULTS = Path(__file__).resolve().parents[1] / "benchmarks" / "results"
 GPU_SWEEP = RESULTS / "2026-11-27-h100x4-replicas" / "default"  # 4 x H100: train and decode, NVML timelines
@@ -245,7 +245,7 @@ def test_damaged_rows_are_warned_about_and_shown_in_the_documents(tmp_path, caps
 
 def test_a_missing_report_library_is_one_paragraph_naming_the_extra(monkeypatch):
     from fitbench.cli.documents import report_module
-    from fitbench.errors import UserError
+    from fitbench.util.errors import UserError
 
     monkeypatch.setitem(sys.modules, "openpyxl", None)  # import openpyxl now fails as if not installed
     monkeypatch.delitem(sys.modules, "fitbench.report.excel", raising=False)

@@ -438,7 +438,7 @@ def test_quantization_switched_off_means_no_fallback(tmp_path, switch):
 
 
 def test_unknown_priority_is_a_user_error(tmp_path):
-    from fitbench.errors import UserError
+    from fitbench.util.errors import UserError
 
     data = load_yaml(write_yaml(tmp_path / "c.yaml", {"priority_order": ["16bit"]}))
     with pytest.raises(UserError, match="priority_order: .*got '16bit'.* Fix the `priority_order` key of"):

@@ -50,7 +50,13 @@ def imports() -> dict[str, set[str]]:
                                           ("results", {"plan", "run", "launch", "config", "sweep", "cli",
                                                        "monitor", "models", "report"}),
                                           ("report", {"plan", "run", "launch", "config", "sweep", "cli",
-                                                      "models"})])
+                                                      "models"}),
+                                          ("hardware", {"plan", "run", "launch", "config", "sweep", "cli",
+                                                        "monitor", "models", "report", "results", "spec",
+                                                        "precisions"}),
+                                          ("util", {"plan", "run", "launch", "config", "sweep", "cli",
+                                                    "monitor", "models", "report", "results", "spec",
+                                                    "precisions", "hardware"})])
 def test_a_floor_imports_nothing_above_it(floor, above):
     assert not imports().get(floor, set()) & above
 
@@ -70,7 +76,7 @@ def test_no_two_parts_import_each_other():
 PARENT_WITHOUT_TORCH = """
 import sys
 from fitbench.cli import main
-from fitbench.hardware import no_gpu_device
+from fitbench.hardware.devices import no_gpu_device
 
 # the default device asks torch only where a GPU could be there
 device = [] if no_gpu_device() else ["--device", "cpu"]

@@ -17,7 +17,8 @@ from torch.utils._pytree import tree_flatten
 
 import fitbench.plan.collectives as collectives
 import fitbench.plan.forecast as forecast
-from fitbench import hardware
+from fitbench.hardware import ceilings as hardware_ceilings, datasheet
+from fitbench.hardware.environment import torch_version
 from fitbench.models.backends import NativeLM, load_model
 from fitbench.models.native import DecoderConfig, NativeCausalLM
 from fitbench.models.registry import resolve
@@ -181,9 +182,9 @@ def test_a_recomputed_layer_launches_its_forward_again():
 
 
 def test_the_edges_and_each_loss_chunk_launch_their_operators(monkeypatch):
-    import fitbench.loss
+    import fitbench.models.loss
 
-    monkeypatch.setattr(fitbench.loss, "LOSS_CHUNK_BYTES", 4 * TINY.vocab_size * 8)  # 8 rows a chunk
+    monkeypatch.setattr(fitbench.models.loss, "LOSS_CHUNK_BYTES", 4 * TINY.vocab_size * 8)  # 8 rows a chunk
     uncached = count_step.__wrapped__  # chunks of 8 rows are this test's alone
     few, many = (uncached(1, "bf16-pure", "train", tokens=tokens) for tokens in (16, 32))
     layer, _ = per_layer(lambda layers: uncached(layers, "bf16-pure", "train", tokens=16))
@@ -386,7 +387,7 @@ def test_fp32_matmuls_run_at_the_cuda_cores_ceiling():
     arch = resolve("small")
     got = forecast_step_time(arch, "forward", "fp32", 8, 512, new_tokens=1, parallelism=Parallelism(),
                              gpu_name=H100, ceiling=ROUND)
-    fp32 = 500e12 * hardware.peak_flops(H100, "fp32") / hardware.peak_flops(H100, "bf16")
+    fp32 = 500e12 * datasheet.peak_flops(H100, "fp32") / datasheet.peak_flops(H100, "bf16")
     assert got.terms["matmuls"] == pytest.approx(2 * 8 * 512 * arch.matmul_params / fp32)
 
 
@@ -420,13 +421,13 @@ def test_offloaded_layers_stream_at_the_hooks_rate():
 
 
 def test_ceilings_come_from_a_measurement_here_then_the_table_then_the_scaled_datasheet():
-    measured = hardware.Ceilings(device_name=H200, torch_version="2.11", matmul_flops={"bf16": 700e12},
+    measured = hardware_ceilings.Ceilings(device_name=H200, torch_version="2.11", matmul_flops={"bf16": 700e12},
                                  bandwidth=4.0e12, measured_at="now", method="test")
     assert (ceilings(H200, measured).matmul, ceilings(H200, measured).bandwidth) == (700e12, 4.0e12)
     assert ceilings(H200).bandwidth == forecast.MEASURED_CEILINGS[H200][1]
     a100 = "NVIDIA A100-SXM4-80GB"
-    assert ceilings(a100).matmul == pytest.approx(hardware.peak_flops(a100, "bf16") * 785.7 / 989.4)
-    assert ceilings(a100).bandwidth == pytest.approx(hardware.peak_bandwidth(a100) * 3.0 / 3.35)
+    assert ceilings(a100).matmul == pytest.approx(datasheet.peak_flops(a100, "bf16") * 785.7 / 989.4)
+    assert ceilings(a100).bandwidth == pytest.approx(datasheet.peak_bandwidth(a100) * 3.0 / 3.35)
     assert ROUND.peak(H100, "fp8") == pytest.approx(1000e12, rel=1e-3)
 
 
@@ -472,7 +473,7 @@ def test_the_planner_forecasts_at_the_ceilings_measured_here(tmp_path, monkeypat
                             runnable=("bf16-pure",))[1]["step_time_forecast_s"]
 
     table = planned()
-    hardware.save_ceilings(hardware.Ceilings(device_name=H200, torch_version=hardware.torch_version(),
+    hardware_ceilings.save_ceilings(hardware_ceilings.Ceilings(device_name=H200, torch_version=torch_version(),
                                              matmul_flops={"bf16": 785.7e12}, bandwidth=2.1e12, measured_at="now",
                                              method="test"))
     assert planned() > table * 1.3  # half the bandwidth: the weights take twice as long

@@ -4,21 +4,10 @@ import math
 import pytest
 import torch
 
-from fitbench.hardware import (
-    GPU_SPECS,
-    Ceilings,
-    ceilings_path,
-    cpu_device_name,
-    detect_gpus,
-    driver_version,
-    environment,
-    gpu_spec,
-    load_ceilings,
-    measure_ceilings,
-    peak_bandwidth,
-    peak_flops,
-    save_ceilings,
-)
+from fitbench.hardware.ceilings import Ceilings, ceilings_path, load_ceilings, measure_ceilings, save_ceilings
+from fitbench.hardware.datasheet import GPU_SPECS, gpu_spec, peak_bandwidth, peak_flops
+from fitbench.hardware.devices import cpu_device_name, detect_gpus, driver_version
+from fitbench.hardware.environment import environment
 from fitbench.precisions.entry import PEAK_KINDS
 
 REQUIRED_NAMES = [
@@ -245,7 +234,7 @@ def test_no_gpu_device_file_means_torch_sees_no_gpu():
     """Where no GPU device file exists, the answer given without torch is torch's own."""
     import torch
 
-    from fitbench.hardware import no_gpu_device
+    from fitbench.hardware.devices import no_gpu_device
     from fitbench.sweep import resolve_device
 
     if no_gpu_device():

@@ -11,11 +11,12 @@ import pytest
 import torch
 
 import hf_tensor_parallel_job as job
+from conftest import Shape
 from fitbench.models.backends import load_model
 from fitbench.precisions import policy
-from fitbench.precisions.layouts import tensor_parallel_heads_problem, tensor_parallel_problem
 from fitbench.run.cross_entropy import chunked_cross_entropy
 from fitbench.run.loops import make_step, random_tokens
+from fitbench.spec import Layout
 from test_parallel import torchrun
 from test_tensor_parallel import RELATIVE, close  # the same sums in another order (measured: under 1e-6)
 
@@ -24,6 +25,16 @@ CPU = torch.device("cpu")
 
 
 # ---- what is refused before launch -------------------------------------------------------------------
+
+def tensor_parallel_problem(precision: str, mode: str, backend: str, family: str | None = None) -> str | None:
+    """What ``Layout`` says of tensor parallelism over two ranks on a model of ``family``."""
+    return Layout(tp=2).problem(Shape(family=family), mode, precision, backend)
+
+
+def heads_problem(heads: int, kv_heads: int, degree: int, backend: str) -> str | None:
+    """What ``Layout`` says of tensor parallelism of ``degree`` on a model of these heads."""
+    return Layout(tp=degree).problem(Shape(heads, kv_heads), "infer", "bf16", backend)
+
 
 @pytest.mark.parametrize("family", ["falcon", "gpt2"])
 def test_families_without_a_transformers_plan_are_refused_with_pipeline_stages_as_the_way_out(family):
@@ -40,11 +51,11 @@ def test_llama_family_models_run_under_transformers_plan_in_every_mode():
 
 
 def test_the_plan_needs_kv_heads_that_divide_by_the_degree_where_the_native_decoder_replicates_them():
-    assert tensor_parallel_heads_problem(8, 4, 2, "hf") is None
-    problem = tensor_parallel_heads_problem(8, 1, 2, "hf")
+    assert heads_problem(8, 4, 2, "hf") is None
+    problem = heads_problem(8, 1, 2, "hf")
     assert "1" in problem and "--backend native" in problem
-    assert tensor_parallel_heads_problem(8, 1, 2, "native") is None
-    assert "do not divide the model's 8" in tensor_parallel_heads_problem(8, 4, 3, "hf")
+    assert heads_problem(8, 1, 2, "native") is None
+    assert "do not divide the model's 8" in heads_problem(8, 4, 3, "hf")
 
 
 # ---- one torchrun job of two ranks against one process --------------------------------------------------
@@ -203,7 +214,6 @@ def test_a_model_over_stages_in_one_process_generates_the_plain_models_tokens(na
 
 def test_the_hf_backends_stages_launch_as_one_process_and_the_natives_as_torchrun():
     from fitbench.launch.commands import LocalProcess, Torchrun, worker_command
-    from fitbench.spec import Layout
 
     layout = Layout.of_strategy("pipeline", 2)
     assert worker_command(layout, "hf") == LocalProcess()
@@ -212,12 +222,13 @@ def test_the_hf_backends_stages_launch_as_one_process_and_the_natives_as_torchru
 
 
 def test_the_hf_backends_stages_run_inference_in_floating_point_only():
-    from fitbench.precisions.layouts import pipeline_problem
+    def pipeline_problem(precision: str, mode: str) -> str | None:
+        return Layout(pp=2).problem(Shape(), mode, precision, "hf")
 
     for mode in ("infer", "forward"):
-        assert pipeline_problem("bf16-pure", mode, "hf") is None
-    assert "--backend native" in pipeline_problem("bf16", "train", "hf")
-    assert "bf16-pure over stages" in pipeline_problem("nf4", "infer", "hf")
+        assert pipeline_problem("bf16-pure", mode) is None
+    assert "--backend native" in pipeline_problem("bf16", "train")
+    assert "bf16-pure over stages" in pipeline_problem("nf4", "infer")
 
 
 @slow

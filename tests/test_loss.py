@@ -1,6 +1,6 @@
 """The training loss (``fitbench.run.cross_entropy``): the fused loss's value and gradients against
 the whole fp32 cross-entropy, where it writes over the logits and where it must not, a model's
-gradients through it against the out-of-place loss's, and what it holds (``fitbench.loss``), traced
+gradients through it against the out-of-place loss's, and what it holds (``fitbench.models.loss``), traced
 and recomputed by hand."""
 
 import weakref
@@ -10,9 +10,9 @@ import torch
 import torch.nn.functional as F
 from torch._subclasses.fake_tensor import FakeTensorMode
 
-from fitbench import loss as loss_rule
-from fitbench.loss import loss_chain_bytes, loss_chunk_rows
+from fitbench.models import loss as loss_rule
 from fitbench.models.backends import load_model
+from fitbench.models.loss import loss_chain_bytes, loss_chunk_rows
 from fitbench.models.registry import resolve
 from fitbench.precisions import policy
 from fitbench.run.cross_entropy import chunked_cross_entropy, cross_entropy

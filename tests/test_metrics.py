@@ -15,7 +15,6 @@ import pytest
 import torch
 from torch import nn
 
-from fitbench.spec import Assignment, RunSpec
 from fitbench.models.backends import HuggingFaceLM, NativeLM, load_model
 from fitbench.models.graphs import Replay
 from fitbench.models.hf import build_hf
@@ -23,13 +22,14 @@ from fitbench.models.native import build_native, meta_model
 from fitbench.models.registry import resolve
 from fitbench.plan import speed
 from fitbench.plan.memory import Parallelism
+from fitbench.precisions import PRECISIONS, entry, policy
 from fitbench.run import worker
 from fitbench.run.loops import generate, random_tokens, read_generation
 from fitbench.run.metrics import inference_metrics
-from fitbench.precisions import PRECISIONS, entry, policy
 from fitbench.run.quantize import quantize_linears
 from fitbench.run.timing import DeviceClock, run_stages
-from fitbench.stats import SampleStats
+from fitbench.spec import Assignment, RunSpec
+from fitbench.util.stats import SampleStats
 
 CPU = torch.device("cpu")
 

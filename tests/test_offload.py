@@ -13,8 +13,6 @@ from pydantic import ValidationError
 
 from fitbench.cli import build_parser
 from fitbench.config import SweepConfig, expand, load_yaml, merge_sources
-from fitbench.spec import RunSpec
-from fitbench.errors import UserError
 from fitbench.models.backends import NativeLM
 from fitbench.models.native import build_native, meta_model
 from fitbench.models.offload import OffloadCapacityError, build_offloaded, capacity_problem, place_layers
@@ -23,6 +21,8 @@ from fitbench.plan.calibration import DEFAULT
 from fitbench.plan.memory import estimate_memory
 from fitbench.plan.planner import offload_split
 from fitbench.run import worker
+from fitbench.spec import RunSpec
+from fitbench.util.errors import UserError
 
 TINY = resolve("tiny")  # 4 layers, tied embeddings, grouped-query attention
 CPU = torch.device("cpu")

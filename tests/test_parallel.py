@@ -22,11 +22,13 @@ import torch.distributed as dist
 import data_parallel_job as job
 from fitbench.models.backends import load_model
 from fitbench.models.registry import resolve
+from conftest import Shape
 from fitbench.precisions import PRECISIONS, policy
-from fitbench.precisions.layouts import data_parallel_problem
 from fitbench.run.loops import make_step, random_tokens
-from fitbench.run.parallel import data_seed, mixed_precision, parallelize
+from fitbench.run.parallel import data_seed, mixed_precision
 from fitbench.run.ranks import Rank, RankEnvironmentError, gather_json, process_group
+from fitbench.run.worker import RefusedError, build
+from fitbench.spec import Assignment, Layout, RunSpec
 
 REPO = Path(__file__).resolve().parents[1]
 WORLD = 2
@@ -91,6 +93,12 @@ def test_the_process_group_is_destroyed_however_the_block_ends(monkeypatch):
 
 # ---- what composes ----------------------------------------------------------------------------------
 
+def data_parallel_problem(strategy: str, precision: str, mode: str, backend: str = "native",
+                          offload: bool = False) -> str | None:
+    """What ``Layout`` says of ``strategy`` over two ranks."""
+    return Layout.of_strategy(strategy, WORLD).problem(Shape(), mode, precision, backend, offload)
+
+
 @pytest.mark.parametrize("strategy", ["ddp", "fsdp"])
 @pytest.mark.parametrize("precision", ["fp32", "tf32", "bf16", "fp16", "bf16-pure"])
 @pytest.mark.parametrize("mode", ["train", "forward-backward", "forward"])
@@ -125,12 +133,11 @@ def test_what_does_not_compose_says_why_in_one_sentence(strategy, precision, mod
     assert problem.count(". ") == 0 and not problem.endswith(".")  # one sentence, the caller ends it
 
 
-def test_every_precision_has_an_answer_and_a_wrong_strategy_is_a_bug():
+def test_every_precision_has_an_answer():
     for precision in PRECISIONS:
         for mode in ("train", "forward"):
-            data_parallel_problem("fsdp", precision, mode)
-    with pytest.raises(ValueError, match="tp"):
-        data_parallel_problem("tp", "bf16", "train")
+            for strategy in ("ddp", "fsdp"):
+                data_parallel_problem(strategy, precision, mode)
 
 
 def test_fsdp_gathers_16_bit_weights_and_reduces_in_fp32_only_under_autocast():
@@ -141,13 +148,12 @@ def test_fsdp_gathers_16_bit_weights_and_reduces_in_fp32_only_under_autocast():
         assert (mixed_precision(policy(name)).param_dtype, mixed_precision(policy(name)).reduce_dtype) == (None, None)
 
 
-def test_parallelize_refuses_before_it_touches_the_model():
-    lm = load_model(resolve("tiny"), "native", "cpu", torch.float32)
-    module = lm.module
-    with pytest.raises(ValueError, match="independent copies"):
-        parallelize(lm, "ddp", policy("fp32"), "infer", Rank.from_environment("cpu", environ={}),
-                    activation_checkpointing=True)
-    assert lm.module is module and not module.activation_checkpointing
+def test_the_worker_refuses_a_layout_that_does_not_compose_before_it_builds(tmp_path):
+    spec = RunSpec(model="tiny", backend="native", mode="infer", precision="fp32", batch_size=1, seq_len=8,
+                   new_tokens=1, device="cpu", warmup_steps=0, measure_steps=1, layout=Layout(dp_replicate=WORLD))
+    with pytest.raises(RefusedError, match="ddp x 2: generation has no gradients"):
+        build(Assignment(spec=spec), resolve("tiny"), policy("fp32"), torch.device("cpu"), tmp_path)
+    assert not any(tmp_path.iterdir())
 
 
 def test_rank_0_draws_the_single_process_batch_and_each_rank_its_own():

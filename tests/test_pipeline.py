@@ -19,11 +19,11 @@ import pytest
 import torch
 
 import pipeline_job as job
+from conftest import Shape
 from fitbench.models.backends import NativeLM, load_model
 from fitbench.models.native import build_native
 from fitbench.models.registry import resolve
 from fitbench.precisions import policy
-from fitbench.precisions.layouts import pipeline_problem
 from fitbench.run.aggregate import combine
 from fitbench.run.loops import make_step, random_tokens
 from fitbench.run.pipeline import build_stage
@@ -61,6 +61,11 @@ def test_each_stage_holds_its_own_modules_with_the_single_process_weights(layers
         held |= set(parameters)
         assert torch.equal(model.rope_cos, whole.rope_cos)
     assert held == set(expected)  # every weight on some stage
+
+
+def pipeline_problem(precision: str, mode: str, backend: str = "native") -> str | None:
+    """What ``Layout`` says of two pipeline stages."""
+    return Layout(pp=2).problem(Shape(), mode, precision, backend)
 
 
 def test_a_batch_must_split_into_the_microbatches_and_the_hf_backend_trains_no_stages():

@@ -18,17 +18,18 @@ from pathlib import Path
 import pytest
 import torch
 
-from fitbench import hardware
-from fitbench.sweep import gpu_target
-from fitbench.sweep import run_target
-from fitbench.spec import Layout, RunSpec
-from fitbench.errors import UserError
+from fitbench.hardware import devices
+from fitbench.hardware.datasheet import gpu_spec
 from fitbench.launch.calibrate import fit_collective, measure_bus_bandwidth, with_bus_bandwidth
 from fitbench.models.architecture import default_backend
 from fitbench.models.presets import PRESETS
 from fitbench.models.registry import resolve
-from fitbench.plan.calibration import (DEFAULT, NCCL_TENSOR_PARALLEL_GENERATION, TENSORS_ONLY, Calibration, calibration_path, ensure_calibration,
-                                      load_calibration, save_calibration)
+from fitbench.spec import Layout, RunSpec
+from fitbench.sweep import gpu_target
+from fitbench.sweep import run_target
+from fitbench.util.errors import UserError
+from fitbench.plan.calibration import (DEFAULT, NCCL_TENSOR_PARALLEL_GENERATION, TENSORS_ONLY, Calibration,
+                                      calibration_path, ensure_calibration, load_calibration, save_calibration)
 from fitbench.plan.memory import Parallelism, estimate_memory, stage_estimates
 from fitbench.plan.planner import (
     GPU_ALIASES,
@@ -1053,8 +1054,8 @@ def test_trace_prints_the_traced_peak(capsys):
 
 
 def test_plan_on_detected_gpus(capsys, monkeypatch):
-    detected = [hardware.GpuInfo(i, H100, 85_520_809_984, (9, 0)) for i in range(2)]
-    monkeypatch.setattr(hardware, "detect_gpus", lambda: detected)
+    detected = [devices.GpuInfo(i, H100, 85_520_809_984, (9, 0)) for i in range(2)]
+    monkeypatch.setattr(devices, "detect_gpus", lambda: detected)
     code, out, err = cli(["plan", "--models", "7B", "--mode", "infer", "--json"], capsys)
     assert code == 0, err
     assert json.loads(out)["hardware"] == {"name": H100, "count": 2, "memory": 85_520_809_984.0, "described": False,
@@ -1089,7 +1090,7 @@ def test_gpu_target_from_the_command_line(gpu, gpu_memory, gpus, expected):
     (["plan", "--gpu-memory", "80GB"], "--models"),
 ])
 def test_bad_plan_input_is_one_paragraph_and_exit_2(argv, field, capsys, monkeypatch):
-    monkeypatch.setattr(hardware, "detect_gpus", lambda: [])
+    monkeypatch.setattr(devices, "detect_gpus", lambda: [])
     code, out, err = cli(argv, capsys)
     assert code == UserError.exit_code == 2
     assert out == ""
@@ -1478,7 +1479,7 @@ def test_named_gpus_plan_with_what_the_device_gives_a_process():
     # (whole MiB for printouts in MiB) and within a few percent of the datasheet's round GB: the driver
     # keeps some back, and the datasheets' GB are sometimes GiB.
     for alias, name in GPU_ALIASES.items():
-        spec = hardware.gpu_spec(name)
+        spec = gpu_spec(name)
         target = gpu_target(gpu=alias, gpu_memory=None, gpus=None)
         assert target.memory == spec.total_memory and target.memory_source == spec.total_memory_source
         if spec.total_memory_source.startswith("the datasheet"):

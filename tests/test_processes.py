@@ -18,11 +18,11 @@ from pathlib import Path
 import pytest
 
 from fitbench.cli import main
-from fitbench.spec import Assignment, RunSpec
-from fitbench.host import host_memory, memory_cgroups, oom_kills
 from fitbench.launch.local import MAX_LINE_BYTES
 from fitbench.results.store import ResultStore
 from fitbench.run import worker
+from fitbench.spec import Assignment, RunSpec
+from fitbench.util.host import host_memory, memory_cgroups, oom_kills
 from conftest import cli
 
 SHAPES = ["--mode", "forward", "--batch-size", "1", "--seq-len", "16", "--warmup-steps", "1", "--measure-steps", "1"]

@@ -18,13 +18,11 @@ from torch import nn
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_leaves
 
+from conftest import Shape
 from fitbench.models.backends import HuggingFaceLM, load_model
 
 from fitbench.cli import main
-from fitbench.sweep import hardware_refusals
 from fitbench.config import SweepConfig, expand
-from fitbench.spec import Assignment, RunSpec
-from fitbench.errors import UserError
 from fitbench.models.hf import build_hf
 from fitbench.models.native import build_native, init_random_weights, meta_model
 from fitbench.models.registry import resolve
@@ -33,6 +31,9 @@ from fitbench.precisions import DEFAULT_LADDER, entry
 from fitbench.results.store import ResultStore
 from fitbench.run import worker
 from fitbench.run.loops import random_tokens
+from fitbench.spec import Assignment, Layout, RunSpec
+from fitbench.sweep import hardware_refusals
+from fitbench.util.errors import UserError
 from fitbench.run.quality import (MatmulError, kl_divergence, matmul_errors, recorded_matmuls, reference_text,
                                   summarise, top1_agreement)
 from fitbench.run.quantize import build_quantized_native, quantize_built, quantize_linears
@@ -628,12 +629,10 @@ def test_cli_refuses_training_int4(tmp_path, capsys, monkeypatch):
 def test_int8_weight_only_is_an_inference_precision_beside_llm_int8():
     from fitbench.plan.memory import Parallelism
     from fitbench.plan.speed import estimate_step_time
-    from fitbench.precisions.layouts import data_parallel_problem, pipeline_problem, tensor_parallel_problem
-
     assert entry("int8-weight-only").training_problem and "fp8" in entry("int8-weight-only").training_problem
-    assert "torchao" in tensor_parallel_problem("int8-weight-only", "infer")
-    assert "torchao" in data_parallel_problem("fsdp", "int8-weight-only", "forward")
-    assert pipeline_problem("int8-weight-only", "infer") is None
+    assert "torchao" in Layout(tp=2).problem(Shape(), "infer", "int8-weight-only", "native")
+    assert "torchao" in Layout(dp_shard=2).problem(Shape(), "forward", "int8-weight-only", "native")
+    assert Layout(pp=2).problem(Shape(), "infer", "int8-weight-only", "native") is None
     assert entry("int8-weight-only").graph_problem is None and entry("int8").graph_problem is not None
     assert entry("int8-weight-only").peak_kind("infer") == "bf16"
     assert entry("int8-weight-only").hardware_problem("cpu", None) is None
@@ -652,13 +651,11 @@ def test_int8_weight_only_is_an_inference_precision_beside_llm_int8():
 def test_fp8_weight_only_is_an_inference_precision_that_needs_no_float8_tensor_cores():
     from fitbench.plan.memory import Parallelism
     from fitbench.plan.speed import estimate_step_time
-    from fitbench.precisions.layouts import data_parallel_problem, pipeline_problem, tensor_parallel_problem
-
     assert entry("fp8-weight-only").training_problem and "fp8" in entry("fp8-weight-only").training_problem
-    assert "torchao" in tensor_parallel_problem("fp8-weight-only", "infer")
-    assert "torchao" in data_parallel_problem("fsdp", "fp8-weight-only", "forward")
-    assert "torchao" in data_parallel_problem("ddp", "fp8-weight-only", "forward")
-    assert pipeline_problem("fp8-weight-only", "infer") is None
+    assert "torchao" in Layout(tp=2).problem(Shape(), "infer", "fp8-weight-only", "native")
+    assert "torchao" in Layout(dp_shard=2).problem(Shape(), "forward", "fp8-weight-only", "native")
+    assert "torchao" in Layout(dp_replicate=2).problem(Shape(), "forward", "fp8-weight-only", "native")
+    assert Layout(pp=2).problem(Shape(), "infer", "fp8-weight-only", "native") is None
     assert entry("fp8-weight-only").graph_problem is None
     assert entry("fp8-weight-only").peak_kind("infer") == "bf16"
     for device, capability in (("cpu", None), ("cuda", (8, 0)), ("cuda", (9, 0))):
@@ -725,14 +722,12 @@ def test_int4_weights_with_int8_dynamic_activations_plan_and_refuse_as_torchao_i
     sharding layout (a torchao inference tensor), runnable on any device, decoded in a CUDA graph."""
     from fitbench.plan.memory import Parallelism
     from fitbench.plan.speed import estimate_step_time
-    from fitbench.precisions.layouts import data_parallel_problem, offload_problem, tensor_parallel_problem
-
     facts = entry("int8-dynamic-int4")
     assert facts.library == "torchao" and facts.weight_only and facts.peak_kind("infer") == "bf16"
     assert facts.training_problem and "no backward pass" in facts.training_problem
-    assert "torchao" in tensor_parallel_problem("int8-dynamic-int4", "infer")
-    assert "torchao" in data_parallel_problem("ddp", "int8-dynamic-int4", "forward")
-    assert offload_problem("infer", "int8-dynamic-int4", "native", False)
+    assert "torchao" in Layout(tp=2).problem(Shape(), "infer", "int8-dynamic-int4", "native")
+    assert "torchao" in Layout(dp_replicate=2).problem(Shape(), "forward", "int8-dynamic-int4", "native")
+    assert Layout().offload_problem("infer", "int8-dynamic-int4", "native", False)
     assert facts.graph_problem is None and "int8-dynamic-int4" not in DEFAULT_LADDER["infer"]
     for device, capability in (("cpu", None), ("cuda", (8, 0)), ("cuda", (9, 0))):
         assert facts.hardware_problem(device, capability) is None

@@ -18,9 +18,9 @@ import pytest
 
 from conftest import cli
 from fitbench.config import SweepConfig, expand
-from fitbench.errors import UserError
 from fitbench.run.aggregate import combine
 from fitbench.spec import Layout, LayoutError, RunSpec, pipeline_stages
+from fitbench.util.errors import UserError
 
 MARK = "FITBENCH_TEST_MARK"
 SHAPE = ["--models", "tiny", "--device", "cpu", "--gpus", "2", "--mode", "train", "--batch-size", "2",

@@ -7,11 +7,11 @@ import pytest
 import torch
 from transformers import AutoConfig, AutoModelForCausalLM, GPT2Config, LlamaConfig, Qwen2Config
 
-from fitbench.errors import UserError
 from fitbench.models.hf import hf_config
 from fitbench.models.native import DecoderConfig, NativeCausalLM
 from fitbench.models.presets import CS336_SIZES, PRESETS, SIZE_LADDER
 from fitbench.models.registry import architecture_from_hf_config, closest_names, preset_names, resolve
+from fitbench.util.errors import UserError
 
 
 def count(module: torch.nn.Module) -> int:

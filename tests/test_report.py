@@ -19,7 +19,7 @@ from fitbench.results.row import Row, typed_row
 from fitbench.results.schema import check_row
 from fitbench.results.store import ResultStore
 from fitbench.results.terminal import EtaColumn, SweepClock
-from fitbench.units import format_bytes, format_count, format_seconds
+from fitbench.util.units import format_bytes, format_count, format_seconds
 
 ROOT = Path(__file__).parent.parent
 WIDTHS = (60, 80, 160)

@@ -1,10 +1,10 @@
-"""``fitbench.search.largest`` against a scan, from every first guess, with and without a limit."""
+"""``fitbench.plan.search.largest`` against a scan, from every first guess, with and without a limit."""
 
 import math
 
 import pytest
 
-from fitbench.search import largest
+from fitbench.plan.search import largest
 
 
 @pytest.mark.parametrize("limit", [None, 1, 7, 64])

@@ -11,10 +11,10 @@ from pathlib import Path
 
 import pytest
 
-from fitbench.errors import UserError
 from fitbench.launch.slurm.jobs import JobStatus, cancel, statuses, submit
 from fitbench.launch.slurm.options import SlurmOptions
 from fitbench.launch.slurm.script import ScriptJob, array_script, batch_script
+from fitbench.util.errors import UserError
 from slurm_cluster import NODES
 
 pytestmark = pytest.mark.slow

@@ -9,10 +9,10 @@ import sys
 
 import pytest
 
-from fitbench.errors import UserError
 from fitbench.launch.slurm.jobs import parse_states, submit
 from fitbench.launch.slurm.options import SlurmOptions
 from fitbench.launch.slurm.script import ScriptJob, array_script, batch_script
+from fitbench.util.errors import UserError
 
 ECHO_ARGV = ["-c", "import json, sys; print(json.dumps(sys.argv[1:]))"]
 HOSTILE = ["it's", '"quoted"', "$(touch pwned)", "`touch pwned`", "a;b", "${HOME}", "two words", "*", ""]

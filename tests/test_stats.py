@@ -4,7 +4,7 @@ import statistics
 
 import pytest
 
-from fitbench.stats import NOISY_CV_PERCENT, SampleStats, quantile
+from fitbench.util.stats import NOISY_CV_PERCENT, SampleStats, quantile
 
 
 def test_small_sample_with_one_outlier():

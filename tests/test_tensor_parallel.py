@@ -11,10 +11,10 @@ import pytest
 import torch
 
 import tensor_parallel_job as job
+from conftest import Shape
 from fitbench.models.backends import NativeLM, load_model
 from fitbench.models.graphs import Replay
 from fitbench.precisions import PRECISIONS, QUANTIZED_PRECISIONS, policy
-from fitbench.precisions.layouts import tensor_parallel_problem
 from fitbench.run.cross_entropy import chunked_cross_entropy
 from fitbench.run.loops import make_step, random_tokens
 from fitbench.run.parallel import data_seed
@@ -44,6 +44,11 @@ def test_kv_heads_shard_when_the_degree_divides_them_and_are_kept_per_rank_other
 def test_query_heads_that_do_not_divide_by_the_degree_are_a_layout_error():
     with pytest.raises(LayoutError, match="8 query heads do not divide by 3.*pipeline"):
         split_heads(8, 4, 3, 0)
+
+
+def tensor_parallel_problem(precision: str, mode: str, backend: str = "native", family: str = "llama") -> str | None:
+    """What ``Layout`` says of tensor parallelism over two ranks."""
+    return Layout(tp=2).problem(Shape(family=family), mode, precision, backend)
 
 
 @pytest.mark.parametrize("precision", QUANTIZED_PRECISIONS)

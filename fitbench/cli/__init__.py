@@ -15,8 +15,8 @@ from fitbench.cli import calibrate, compare, env, models, plan, report, run
 from fitbench.cli.command import Command
 from fitbench.cli.console import errors
 from fitbench.cli.parser import Parser, one_spelling
-from fitbench.errors import UserError
 from fitbench.results.store import DISK_ERRORS
+from fitbench.util.errors import UserError
 
 # In the order ``fitbench --help`` lists them; ``fitbench`` alone is ``fitbench run``.
 COMMANDS: dict[str, Command] = {command.name: command for command in (

@@ -17,13 +17,13 @@ import os
 import sys
 
 from fitbench.config import SweepConfig, saved_options
-from fitbench.errors import UserError
 from fitbench.launch.launcher import Event
 from fitbench.launch.local import LocalLauncher, sweep_row
 from fitbench.launch.slurm.nodes import NodesLauncher
 from fitbench.launch.slurm.sweep import progress_file
 from fitbench.results.store import SWEEP_FILE, ResultStore
 from fitbench.sweep import plan_sweep
+from fitbench.util.errors import UserError
 
 
 def run_configuration(directory: str, key: str) -> int:

@@ -10,7 +10,7 @@ from pathlib import Path
 from fitbench.cli.command import Command
 from fitbench.cli.console import console
 from fitbench.cli.options import bus_gpus, device_option
-from fitbench.errors import UserError, excerpt
+from fitbench.util.errors import UserError, excerpt
 
 
 def calibrate(args: argparse.Namespace) -> int:

@@ -145,7 +145,7 @@ def _label(row: Row) -> str:
 def describe_row(row: Row) -> str:
     """A finished row in one line: its status, what ran, and its headline figures or its error's first line."""
     from fitbench.results.report import headline, quality_summary
-    from fitbench.units import format_bytes, format_seconds
+    from fitbench.util.units import format_bytes, format_seconds
 
     if row.status != "ok":
         first_line = (row.error or "").strip().splitlines()[:1]

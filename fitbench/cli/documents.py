@@ -6,9 +6,9 @@ from __future__ import annotations
 from rich.markup import escape
 
 from fitbench.cli.console import console, warn
-from fitbench.errors import UserError
 from fitbench.results.row import Row
 from fitbench.results.terminal import NO_STEPS, Steps
+from fitbench.util.errors import UserError
 
 DEFAULT_OLLAMA_URL = "http://localhost:11434"
 

@@ -12,21 +12,24 @@ from fitbench.cli.options import device_option, json_output, measure_ceilings
 
 def env(args: argparse.Namespace) -> int:
     """Show versions, GPUs with their datasheet peaks, and the stored measured ceilings."""
-    from fitbench import hardware
+    from fitbench.hardware import ceilings
+    from fitbench.hardware.datasheet import gpu_spec
+    from fitbench.hardware.devices import cpu_device_name
+    from fitbench.hardware.environment import environment
 
     if args.measure:
         from fitbench.sweep import resolve_device
 
         device = resolve_device(args.device)
         console.print(f"measuring matmul and copy ceilings on {device} ...")
-        ceilings = hardware.measure_ceilings(device)
-        path = hardware.save_ceilings(ceilings)
+        measured = ceilings.measure_ceilings(device)
+        path = ceilings.save_ceilings(measured)
         console.print(f"stored in {path}")
-    info = hardware.environment()
-    device_names = [gpu["name"] for gpu in info["gpus"]] or [hardware.cpu_device_name()]
-    info["datasheet_peaks"] = {name: (hardware.gpu_spec(name).__dict__ if hardware.gpu_spec(name) else None)
+    info = environment()
+    device_names = [gpu["name"] for gpu in info["gpus"]] or [cpu_device_name()]
+    info["datasheet_peaks"] = {name: (gpu_spec(name).__dict__ if gpu_spec(name) else None)
                                for name in device_names}
-    info["measured_ceilings"] = {name: (c.__dict__ if (c := hardware.load_ceilings(name)) else None)
+    info["measured_ceilings"] = {name: (c.__dict__ if (c := ceilings.load_ceilings(name)) else None)
                                  for name in device_names}
     if args.json:
         print(json.dumps(info, indent=2, default=str))

@@ -15,7 +15,7 @@ from fitbench.cli.options import json_output, preset_sources
 def models(args: argparse.Namespace) -> int:
     """List every preset with its exact parameter counts and shape."""
     from fitbench.models.presets import PRESETS
-    from fitbench.units import format_count
+    from fitbench.util.units import format_count
 
     summaries = [arch.summary() for arch in PRESETS]
     if args.json:

@@ -12,9 +12,31 @@ from __future__ import annotations
 import argparse
 
 from fitbench.cli.command import OptionGroup
-from fitbench.errors import excerpt
-from fitbench.precisions import PRECISIONS
+from fitbench.precisions import ADAPTERS, DEFAULT_LADDER, FLOAT8, PRECISIONS, QUANTIZED_PRECISIONS, entry
 from fitbench.spec import MODES
+from fitbench.util.errors import excerpt
+
+
+def default_ladders() -> str:
+    """The default fallback ladder of each mode (``DEFAULT_LADDER``), the modes that share one named
+    together: ``train and forward-backward bf16 bf16-pure; forward and infer bf16-pure int8 nf4``."""
+    modes_of: dict[tuple[str, ...], list[str]] = {}
+    for mode, ladder in DEFAULT_LADDER.items():
+        modes_of.setdefault(tuple(ladder), []).append(mode)
+    return "; ".join(f"{' and '.join(modes)} {' '.join(ladder)}" for ladder, modes in modes_of.items())
+
+
+
+def quantized_precisions() -> str:
+    """The quantized precisions by library and how each trains, from the registry (``fitbench.precisions``)."""
+    by_library: dict[str, list[str]] = {}
+    for name in QUANTIZED_PRECISIONS:
+        by_library.setdefault(entry(name).library, []).append(name)
+    libraries = "; ".join(f"{', '.join(names)} ({library})" for library, names in by_library.items())
+    float8, adapters = ([name for name in PRECISIONS if entry(name).training == way] for way in (FLOAT8, ADAPTERS))
+    return (f"quantized weights: {libraries}. Training: float8 matmuls over every weight for {', '.join(float8)}; "
+            f"low-rank adapters on the frozen quantized base (QLoRA) for {', '.join(adapters)}; none for the other "
+            f"quantized ones")
 
 
 def sweep_options(parser: argparse.ArgumentParser) -> None:
@@ -29,19 +51,15 @@ def sweep_options(parser: argparse.ArgumentParser) -> None:
     add("--pass-type", dest="pass_type", choices=("forward", "backward"), default=S,
         help="CS336 spelling: forward = --mode forward, backward = --mode forward-backward")
     add("--precision", nargs="+", choices=PRECISIONS, default=S, metavar="PRECISION",
-        help="fp32, tf32, bf16/fp16 (autocast over fp32 weights), bf16-pure (bf16 weights and optimizer); "
-             "quantized weights: int8 (LLM.int8), nf4, fp4 (bitsandbytes), int8-dynamic, int8-weight-only, int4, "
-             "fp8, fp8-weight-only, fp8-block (torchao). Training: fp8 trains every weight with float8 matmuls; "
-             "int8, nf4 and fp4 train low-rank adapters on the frozen quantized base (QLoRA); the other torchao "
-             "ones do not train")
+        help=f"fp32, tf32, bf16/fp16 (autocast over fp32 weights), bf16-pure (bf16 weights and optimizer); "
+             f"{quantized_precisions()}")
     add("--batch-size", dest="batch_size", nargs="+", type=batch_size, default=S, metavar="N",
         help="sequences per step, or auto: the largest that runs, from the planner's prediction verified by "
              "probe runs (reported as max_batch)")
     add("--fallback", nargs="+", choices=PRECISIONS, default=S, metavar="PRECISION",
         help="on out-of-memory, retry with the next of these precisions, then activation checkpointing, then half "
-             "the batch, and last, for infer and forward, with offload in the first floating-point one (default "
-             "per mode: train bf16 bf16-pure; infer and forward bf16-pure int8 nf4); also the ladder the planner "
-             "picks the first fitting precision from")
+             f"the batch, and last, for infer and forward, with offload in the first floating-point one (default "
+             f"per mode: {default_ladders()}); also the ladder the planner picks the first fitting precision from")
     add("--no-fallback", dest="no_fallback", action="store_true", default=S,
         help="record an out-of-memory as it is, without retrying")
     add("--offload", action="store_true", default=S,
@@ -142,8 +160,7 @@ def plan_options(parser: argparse.ArgumentParser) -> None:
     add("--models", nargs="+", required=True, metavar="MODEL", help="presets, local directories or hub ids")
     add("--mode", "--modes", dest="mode", nargs="+", choices=MODES, default=["train"], help="default: train")
     add("--precision", nargs="+", choices=PRECISIONS, default=None, metavar="PRECISION",
-        help="the precision ladder, in order of preference (default per mode: train bf16 bf16-pure; "
-             "infer and forward bf16-pure int8 nf4)")
+        help=f"the precision ladder, in order of preference (default per mode: {default_ladders()})")
     add("--batch-size", dest="batch_size", nargs="+", type=batch_size, default=[1], metavar="N",
         help="batch sizes, or auto for the largest predicted to fit (default 1)")
     add("--seq-len", "--context-length", dest="seq_len", type=int, default=512, metavar="T", help="default 512")

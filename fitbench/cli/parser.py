@@ -6,7 +6,7 @@ from __future__ import annotations
 import argparse
 import re
 
-from fitbench.errors import UserError, excerpt, excerpt_words
+from fitbench.util.errors import UserError, excerpt, excerpt_words
 
 # A value that starts with a minus: argparse takes only -5 and -2.5 for values, and calls -inf, -1e3 or
 # -80GB an unknown option, so the option's own check (and its message) never sees them. No fitbench

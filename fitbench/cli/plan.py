@@ -11,7 +11,7 @@ from rich.table import Table
 from fitbench.cli.command import Command
 from fitbench.cli.console import console
 from fitbench.cli.options import plan_options
-from fitbench.errors import UserError
+from fitbench.util.errors import UserError
 
 PLAN_EXAMPLES = """\
 examples:
@@ -24,7 +24,7 @@ Without --gpus/--gpu-memory/--gpu the GPUs of this machine are used.
 
 
 def _plan_text(result, trace) -> None:
-    from fitbench.units import format_bytes
+    from fitbench.util.units import format_bytes
 
     target = result.target
     where = f"{target.count} x {format_bytes(target.memory)}" + (f" {target.name}" if target.name else "")
@@ -168,7 +168,7 @@ def sbatch_lines_for(model: str, gpus: int, gpus_per_node: int) -> list[str]:
 def _requirements(args, target, calibration, seq_len, new_tokens, batch, fewest_gpus) -> int:
     from fitbench.models.registry import resolve
     from fitbench.precisions import DEFAULT_LADDER
-    from fitbench.units import format_bytes
+    from fitbench.util.units import format_bytes
 
     rows = []
     for name in args.models:

@@ -10,7 +10,7 @@ from fitbench.cli.console import console, warn
 from fitbench.cli.display import StepsDisplay
 from fitbench.cli.documents import write_documents
 from fitbench.cli.options import quiet_option, report_documents, results_directory
-from fitbench.errors import UserError, excerpt
+from fitbench.util.errors import UserError, excerpt
 
 
 def report(args: argparse.Namespace) -> int:

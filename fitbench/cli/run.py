@@ -15,7 +15,7 @@ from fitbench.cli.command import Command
 from fitbench.cli.console import console, warn
 from fitbench.cli.documents import write_documents
 from fitbench.cli.options import quiet_option, sweep_options
-from fitbench.errors import UserError, excerpt
+from fitbench.util.errors import UserError, excerpt
 
 RUN_EXAMPLES = """\
 examples:

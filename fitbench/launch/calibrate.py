@@ -19,9 +19,9 @@ from fitbench.launch.local import run_one
 from fitbench.models.registry import resolve
 from fitbench.plan.calibration import DEFAULT, Calibration
 from fitbench.plan.collectives import BusBandwidth
-from fitbench.processes import PARENT_VARIABLE, TOKEN_VARIABLE, kill_tree
 from fitbench.run.trace import trace_peak
 from fitbench.spec import Assignment, RunSpec
+from fitbench.util.processes import PARENT_VARIABLE, TOKEN_VARIABLE, kill_tree
 
 KIB, MIB = 1024, 1024**2
 # Per backend, the small message (latency) and the large one (bandwidth): size, warm-up and timed

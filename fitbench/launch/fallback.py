@@ -19,9 +19,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any, Callable
 
+from fitbench.plan.search import largest
 from fitbench.precisions import QUANTIZED_PRECISIONS, TRAINING_MODES, entry
-from fitbench.precisions.layouts import offload_problem
-from fitbench.search import largest
 from fitbench.spec import Layout, RunSpec
 
 OFFLOAD_PRECISION = "bf16-pure"  # when the ladder has no floating-point rung
@@ -75,7 +74,7 @@ def next_attempt(spec: RunSpec, policy: FallbackPolicy) -> tuple[RunSpec, str] |
         half = spec.batch_size // 2
         return spec.model_copy(update={"batch_size": half}), f"batch {spec.batch_size} -> {half}"
     precision = next((p for p in policy.ladder if p not in QUANTIZED_PRECISIONS), OFFLOAD_PRECISION)
-    if spec.offload or offload_problem(spec.mode, precision, spec.backend, spec.compile):
+    if spec.offload or Layout().offload_problem(spec.mode, precision, spec.backend, spec.compile):
         return None
     change = "offload on" + (f", precision {spec.precision} -> {precision}" if precision != spec.precision else "")
     return spec.model_copy(update={"offload": True, "precision": precision}), change

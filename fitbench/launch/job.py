@@ -18,8 +18,8 @@ from datetime import datetime, timezone
 from pathlib import Path
 from typing import Any, Callable
 
-from fitbench.host import host_memory
-from fitbench.inject import injected_memory_limit
+from fitbench.util.host import host_memory
+from fitbench.util.inject import injected_memory_limit
 from fitbench.launch.fallback import (RAN_TO_THE_END, FallbackPolicy, largest_batch, run_with_fallback,
                                      search_max_batch)
 from fitbench.launch.launcher import Attempt, Event, Launcher

@@ -8,7 +8,7 @@ into a result row:
   (``fitbench.run.sanity``): a finished, failed row, whose memory held, so no fallback follows;
 - ``oom``: the worker caught an out-of-memory (a GPU's, or a CPU allocator's), or the kernel killed
   it for lack of host memory: SIGKILL, not sent by fitbench, with the kernel's OOM-kill count
-  risen meanwhile (``fitbench.host``) or the worker's peak resident memory at ``OOM_RSS_SHARE``
+  risen meanwhile (``fitbench.util.host``) or the worker's peak resident memory at ``OOM_RSS_SHARE``
   of the host memory available when it started (on a CPU, FITBENCH_INJECT's mem-limit stands for
   that); the fallback ladder starts from it;
 - ``error``: the worker caught another exception and said so, or its result file is damaged
@@ -26,7 +26,7 @@ whether it wrote a result of its own, and its error names the ranks that did not
 stopped outside any collective while the others waited in one until a timeout is the rank that
 hung, and is named first.
 
-Nothing a worker starts outlives it, whatever ends it (``fitbench.processes``), and each run's
+Nothing a worker starts outlives it, whatever ends it (``fitbench.util.processes``), and each run's
 scratch directory, with any layers offloaded to disk, is removed.
 """
 
@@ -51,18 +51,18 @@ from typing import Any, Callable
 
 from pydantic import ValidationError
 
-from fitbench import hardware
-from fitbench.host import HostMemory, host_memory, oom_kills
 from fitbench.launch.commands import WorkerCommand, worker_command
 from fitbench.launch.job import Job
 from fitbench.launch.launcher import Attempt, Event, Launcher, SweepDisplay
 from fitbench.models.registry import resolve
 from fitbench.monitor.nvml import GpuMonitor, job_gpus
-from fitbench.processes import PARENT_VARIABLE, TOKEN_VARIABLE, kill_tree
 from fitbench.results.row import WORKER_STATUSES, Measurement, Row
 from fitbench.results.store import ResultStore
 from fitbench.run.phases import rank_phase_path, rank_result_path, read_phase
 from fitbench.spec import Assignment, RunSpec
+from fitbench.util.cache import cache_directory
+from fitbench.util.host import HostMemory, host_memory, oom_kills
+from fitbench.util.processes import PARENT_VARIABLE, TOKEN_VARIABLE, kill_tree
 
 ERROR_TAIL_LINES = 15
 OOM_RSS_SHARE = 0.9
@@ -99,7 +99,7 @@ def worker_environment() -> dict[str, str]:
     its worker ran with (``fitbench.run.trackers``).
 
     Triton's compiled kernels and autotuning results are kept in fitbench's cache
-    (``hardware.cache_directory()/triton``) unless the user chose a Triton cache: torchao's
+    (``cache_directory()/triton``) unless the user chose a Triton cache: torchao's
     fp8-block matmul autotunes 48 configurations at each new (N, K, M bucket), about 20 s each on an
     H200, and Triton keeps no autotuning result by default, so every run of a configuration paid it
     again; its second run now reads what its first chose."""
@@ -109,7 +109,7 @@ def worker_environment() -> dict[str, str]:
             environment.pop(name, None)
         environment["PYTORCH_CUDA_ALLOC_CONF"] = "expandable_segments:True"
     if not environment.get("TRITON_CACHE_DIR", "").strip():
-        environment["TRITON_CACHE_DIR"] = str(hardware.cache_directory() / "triton")
+        environment["TRITON_CACHE_DIR"] = str(cache_directory() / "triton")
         environment.setdefault("TRITON_CACHE_AUTOTUNING", "1")
     return environment
 
@@ -206,7 +206,7 @@ class LocalLauncher:
 def _host_budget(spec: RunSpec) -> HostMemory:
     """The host memory a worker may take: FITBENCH_INJECT's mem-limit for a CPU worker (the budget the
     planner and the worker use there), else what the host has available."""
-    from fitbench.inject import injected_memory_limit
+    from fitbench.util.inject import injected_memory_limit
 
     limit = injected_memory_limit() if spec.device == "cpu" else None
     return HostMemory(limit, "FITBENCH_INJECT mem-limit") if limit else host_memory()

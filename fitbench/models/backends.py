@@ -23,11 +23,11 @@ from typing import Any, Callable
 import torch
 from torch import nn
 
-from fitbench.inject import injected
 from fitbench.models.architecture import BACKENDS, Architecture, Backend, backend_error, default_backend
 from fitbench.models.graphs import Capture, GraphedDecode, capture_cuda_graph
 from fitbench.models.hf import build_hf, has_weights, hf_config
 from fitbench.models.native import EAGER, KVCache, NativeCausalLM, Regions, build_native, checkpoint_tensors
+from fitbench.util.inject import injected
 
 class CausalLM:
     """A model ready to run: ``module`` for training, and the three calls the loops need."""

@@ -24,8 +24,8 @@ from dataclasses import dataclass
 from functools import lru_cache
 from importlib.metadata import version
 
-from fitbench.hardware import cache_directory
 from fitbench.models.architecture import Architecture
+from fitbench.util.cache import cache_directory
 
 PROMPT, HEADS = 3, 4
 

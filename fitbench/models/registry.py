@@ -7,10 +7,10 @@ import math
 from pathlib import Path
 from typing import Any
 
-from fitbench.errors import UserError, excerpt
-from fitbench.jsonfile import read_json
 from fitbench.models.architecture import Architecture
 from fitbench.models.presets import PRESETS
+from fitbench.util.errors import UserError, excerpt
+from fitbench.util.jsonfile import read_json
 
 _BY_NAME: dict[str, Architecture] = {arch.name: arch for arch in PRESETS}
 

@@ -84,7 +84,7 @@ from itertools import pairwise
 from pathlib import Path
 from typing import IO, Any
 
-from fitbench.stats import SampleStats
+from fitbench.util.stats import SampleStats
 
 INTERVAL_S = 0.1
 TIMELINE_NAME = "nvml.jsonl"

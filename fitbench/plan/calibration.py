@@ -50,8 +50,9 @@ from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 from typing import Callable
 
-from fitbench.hardware import torch_version
+from fitbench.hardware.environment import torch_version
 from fitbench.plan.memory import TRAINING_MODES
+from fitbench.util.cache import cache_directory
 
 MIB = 1024**2
 PAGE = 2 * MIB
@@ -124,9 +125,7 @@ TENSORS_ONLY = "none: on a CPU the prediction is the tensors alone (no CUDA cont
 
 
 def calibration_path() -> Path:
-    from fitbench.hardware import ceilings_path
-
-    return ceilings_path().with_name("calibration.json")
+    return cache_directory() / "calibration.json"
 
 
 def _key(gpu_name: str, torch_version: str) -> str:

@@ -58,11 +58,12 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 
-from fitbench import hardware
-from fitbench.loss import loss_chunk_rows
+from fitbench.hardware.ceilings import Ceilings as MeasuredCeilings
+from fitbench.hardware.datasheet import peak_bandwidth, peak_flops
 from fitbench.models.architecture import Architecture
-from fitbench.plan.memory import Parallelism, Widths, adapter_params, kv_bytes_read_per_position, kv_heads_split
+from fitbench.models.loss import loss_chunk_rows
 from fitbench.plan.collectives import PCIE_BANDWIDTH, BusBandwidth, bus_bandwidth
+from fitbench.plan.memory import Parallelism, Widths, adapter_params, kv_bytes_read_per_position, kv_heads_split
 from fitbench.plan.speed import (HOST_LINK_BANDWIDTH, _data_parallel_step, bubble_fraction, pipeline_sends_s,
                                  tensor_parallel_decode_s, tensor_parallel_pass_s)
 from fitbench.precisions import ADAPTERS, FLOAT8, DecodeFormat, entry
@@ -70,13 +71,13 @@ from fitbench.spec import pipeline_stages
 
 # ---- ceilings --------------------------------------------------------------------------------
 
-# What ``fitbench env --measure`` (``hardware.measure_ceilings``) found: a bf16 8192^3 matmul, FLOP/s,
-# and a 1 GiB device-to-device copy, bytes read and written per second.
+# What ``fitbench env --measure`` (``fitbench.hardware.ceilings.measure_ceilings``) found: a bf16 8192^3
+# matmul, FLOP/s, and a 1 GiB device-to-device copy, bytes read and written per second.
 MEASURED_CEILINGS = {
     # benchmarks/results/2026-11-22-h100-core/README.md: 785.7 TFLOP/s; "the measured copy reached 3.0 TB/s"
     "NVIDIA H100 80GB HBM3": (785.7e12, 3.0e12, "measured on an H100 SXM (benchmarks/results/2026-11-22-h100-core)"),
     # Copy: 4.2 TB/s, benchmarks/results/2026-11-24-h200-compiled-decode/README.md. The matmul is the
-    # H100's: the same GH100 processor at the same clocks (``hardware``: Hopper SXM compute).
+    # H100's: the same GH100 processor at the same clocks (``fitbench.hardware.datasheet``: Hopper SXM compute).
     "NVIDIA H200": (785.7e12, 4.2e12, "copy measured on an H200 (benchmarks/results/2026-11-24-h200-compiled-"
                                       "decode), matmul the H100 SXM's (same processor and clocks)"),
 }
@@ -96,24 +97,25 @@ class Ceilings:
     source: str
 
     def peak(self, gpu_name: str, kind: str) -> float:
-        """FLOP/s of ``kind`` (a column of ``hardware``'s peak table): the measured bf16 figure scaled
-        by the datasheet's ratio of the two kinds (fp8 twice bf16, fp32 without TF32 about 1/15)."""
-        bf16 = hardware.peak_flops(gpu_name, "bf16")
-        other = hardware.peak_flops(gpu_name, kind)
+        """FLOP/s of ``kind`` (a column of ``fitbench.hardware.datasheet``'s peak table): the measured bf16
+        figure scaled by the datasheet's ratio of the two kinds (fp8 twice bf16, fp32 without TF32 about
+        1/15)."""
+        bf16 = peak_flops(gpu_name, "bf16")
+        other = peak_flops(gpu_name, kind)
         return self.matmul * other / bf16 if bf16 and other else self.matmul
 
 
-def ceilings(gpu_name: str, measured: hardware.Ceilings | None = None) -> Ceilings:
-    """The ceilings of ``gpu_name``: ``measured`` (``hardware.load_ceilings``, what ``fitbench env
-    --measure`` cached on this machine) where given, else ``MEASURED_CEILINGS``, else the datasheet
-    scaled as on the H100."""
+def ceilings(gpu_name: str, measured: MeasuredCeilings | None = None) -> Ceilings:
+    """The ceilings of ``gpu_name``: ``measured`` (``fitbench.hardware.ceilings.load_ceilings``, what
+    ``fitbench env --measure`` cached on this machine) where given, else ``MEASURED_CEILINGS``, else the
+    datasheet scaled as on the H100."""
     if measured is not None and "bf16" in measured.matmul_flops:
         return Ceilings(measured.matmul_flops["bf16"], measured.bandwidth,
                         f"measured here at {measured.measured_at} ({measured.method})")
     if gpu_name in MEASURED_CEILINGS:
         matmul, bandwidth, source = MEASURED_CEILINGS[gpu_name]
         return Ceilings(matmul, bandwidth, source)
-    matmul, bandwidth = hardware.peak_flops(gpu_name, "bf16"), hardware.peak_bandwidth(gpu_name)
+    matmul, bandwidth = peak_flops(gpu_name, "bf16"), peak_bandwidth(gpu_name)
     if not matmul or not bandwidth:
         raise ValueError(f"no datasheet figures for {gpu_name!r}")
     return Ceilings(matmul * MATMUL_OF_DATASHEET, bandwidth * COPY_OF_DATASHEET,
@@ -152,7 +154,7 @@ FUNCTIONS_RECOMPUTED_TRAFFIC = 0.85
 # bf16 autocast 82, unfused 96 and 100 against 46), its recomputation FUNCTIONS_RECOMPUTED_OPS (29
 # against 43). Outside the layers: embedding, final norm, output projection and the logits' reduction;
 # in training also the optimizer's and the gradients' bookkeeping (EDGE_OPS); and each chunk of the loss
-# (``fitbench.loss``): the fused loss's maximum, shifted exponential, sum, gradient written over the
+# (``fitbench.models.loss``): the fused loss's maximum, shifted exponential, sum, gradient written over the
 # logits and its scaling in backward (LOSS_CHUNK_OPS); the out-of-place loss of DTensor logits and of
 # steps measured before the fused loss: upcast, cross-entropy, sum and their backward
 # (CHUNKED_LOSS_CHUNK_OPS, with CHUNKED_LOSS_EDGE_OPS at the edges). All counted by tests/test_forecast.py.

@@ -109,9 +109,9 @@ from __future__ import annotations
 
 from dataclasses import dataclass, replace
 
-from fitbench.loss import loss_chain_bytes, loss_chunk_rows
 from fitbench.models.architecture import Architecture, default_backend
 from fitbench.models.hf_cache import CacheLayout, cache_layout
+from fitbench.models.loss import loss_chain_bytes, loss_chunk_rows
 from fitbench.plan import compiled as inductor
 from fitbench.plan.outliers import outlier_columns
 from fitbench.precisions import ADAPTER_RANK, ADAPTERS, FLOAT8, TRAINING_MODES, StorageFormat, entry

@@ -28,7 +28,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field, replace
 
-from fitbench import hardware
+from fitbench.hardware.ceilings import load_ceilings
+from fitbench.hardware.datasheet import gpu_spec
 from fitbench.models.architecture import Architecture, default_backend
 from fitbench.plan import compiled as inductor
 from fitbench.plan.calibration import DEFAULT, NCCL_TENSOR_PARALLEL_GENERATION, PAGE, TENSORS_ONLY, Calibration
@@ -37,12 +38,11 @@ from fitbench.plan.forecast import (Ceilings, StepRun, ceilings, decode_kind, fo
                                    step_run)
 from fitbench.plan.memory import (TRAINING_MODES, MemoryEstimate, Parallelism, Term, Widths, estimate_memory,
                                   offloaded_weights, rank_edge_params, saved_per_layer, stage_estimates)
+from fitbench.plan.search import largest
 from fitbench.plan.speed import StepTime, estimate_step_time
 from fitbench.precisions import DEFAULT_LADDER, entry
-from fitbench.precisions.layouts import offload_problem
-from fitbench.search import largest
 from fitbench.spec import Layout, Stage
-from fitbench.units import format_bytes
+from fitbench.util.units import format_bytes
 
 # Names people type for --gpu, to the exact device names of the peak table.
 GPU_ALIASES = {
@@ -85,7 +85,7 @@ class GpuTarget:
     @property
     def speed_name(self) -> str:
         """Whose datasheet figures the speed model uses."""
-        return self.name if self.name and hardware.gpu_spec(self.name) else DEFAULT_SPEED_GPU
+        return self.name if self.name and gpu_spec(self.name) else DEFAULT_SPEED_GPU
 
 
 @dataclass(frozen=True)
@@ -392,7 +392,7 @@ def forecast_tokens_per_s(arch: Architecture, mode: str, candidate: Candidate, t
     forecast = forecast_step_time(
         arch, mode, candidate.precision, candidate.batch_size, seq_len, new_tokens=new_tokens,
         parallelism=candidate.parallelism, gpu_name=name,
-        ceiling=ceiling or ceilings(name, hardware.load_ceilings(name)),
+        ceiling=ceiling or ceilings(name, load_ceilings(name)),
         run=run, activation_checkpointing=candidate.activation_checkpointing,
         offloaded_bytes=offloaded_weights(arch, candidate.precision, candidate.resident_layers) if offloaded else 0.0,
         links=bus_bandwidth(name, calibration))
@@ -407,7 +407,7 @@ def fastest_first(arch: Architecture, mode: str, assessed: list[Assessment], tar
     if not assessed:
         return []
     name = target.speed_name
-    ceiling = ceilings(name, hardware.load_ceilings(name))
+    ceiling = ceilings(name, load_ceilings(name))
     forecast = [replace(a, forecast_tokens_per_s=forecast_tokens_per_s(
         arch, mode, a.candidate, target, seq_len=seq_len, new_tokens=new_tokens, calibration=calibration,
         backend=backend, ceiling=ceiling, **run)) for a in assessed]
@@ -669,7 +669,7 @@ def _forecast(arch: Architecture, spec, target: GpuTarget, calibration: Calibrat
     name = target.speed_name
     resident = chosen.candidate.resident_layers
     offloaded = offloaded_weights(arch, spec.precision, resident) if resident is not None else 0.0
-    return forecast_spec(arch, spec, name, ceilings(name, hardware.load_ceilings(name)), run=step_run(spec),
+    return forecast_spec(arch, spec, name, ceilings(name, load_ceilings(name)), run=step_run(spec),
                          offloaded_bytes=offloaded, links=bus_bandwidth(name, calibration)).seconds
 
 
@@ -781,8 +781,8 @@ def alternatives(arch: Architecture, spec, target: GpuTarget, calibration: Calib
             found.append(Alternative(f"as {ADAPTER_BASE} adapters (QLoRA) {here}{with_recompute(fits.candidate)}",
                                      fits))
     precision = spec.precision if not entry(spec.precision).quantized else "bf16-pure"
-    if layout.world_size == 1 and not spec.offload and offload_problem(mode, precision, spec.backend,
-                                                                       spec.compile) is None:
+    if layout.world_size == 1 and not spec.offload and layout.offload_problem(mode, precision, spec.backend,
+                                                                              spec.compile) is None:
         split = offload_split(arch, mode, precision, batch, seq_len, new_tokens=new_tokens, budget=target.memory,
                               calibration=calibration, backend=spec.backend)
         fits = first_fitting([Candidate(precision, "single", 1, False, batch, split.resident_layers)])

@@ -66,7 +66,7 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 
-from fitbench import hardware
+from fitbench.hardware.datasheet import peak_bandwidth, peak_flops
 from fitbench.models.architecture import Architecture
 from fitbench.plan.collectives import PCIE_BANDWIDTH, BusBandwidth, bus_bandwidth
 from fitbench.plan.memory import Parallelism, Widths, adapter_params, layer_matmul_params, quantized_layer_bytes
@@ -117,8 +117,8 @@ def estimate_step_time(arch: Architecture, mode: str, precision: str, batch: int
     preallocated KV cache, as a GPU run's CUDA graph does; offloaded layers decode eagerly, over the
     positions so far. ``links``: the collectives' bandwidths and latencies (``bus_bandwidth``; by
     default the interconnect's)."""
-    peak = hardware.peak_flops(gpu_name, entry(precision).peak_kind(mode)) or hardware.peak_flops(gpu_name, "bf16")
-    bandwidth = hardware.peak_bandwidth(gpu_name)
+    peak = peak_flops(gpu_name, entry(precision).peak_kind(mode)) or peak_flops(gpu_name, "bf16")
+    bandwidth = peak_bandwidth(gpu_name)
     if not peak or not bandwidth:
         raise ValueError(f"no datasheet figures for {gpu_name!r}")
     links = links or bus_bandwidth(gpu_name)

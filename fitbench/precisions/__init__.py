@@ -12,7 +12,7 @@ Each entry holds, with the source of every number: its policy (dtypes, autocast)
 storage bytes per matrix, its build temporaries, its decode terms, the tensor cores its MFU divides by,
 how it trains or why it does not, what the device must offer, why a decode step cannot be captured in
 a CUDA graph, and whether it is a rung of a default fallback ladder. What a precision can do in a layout
-(offload, data, tensor and pipeline parallelism) is ``fitbench.precisions.layouts``'s to say, from
+(offload, data, tensor and pipeline parallelism) is ``fitbench.spec.Layout``'s to say, from
 these entries. Other code looks an entry up by its exact name (``entry``) and asks it.
 """
 
@@ -42,7 +42,7 @@ def _quantized(name: str, summary: str, **facts) -> Precision:
     return Precision(name, summary, PrecisionPolicy(name, "bfloat16", None, False, False, quantized=True), **facts)
 
 
-# The tensor-core kinds (``peak_kinds``, a column of ``fitbench.hardware``'s peak table) that do the bulk of
+# The tensor-core kinds (``peak_kinds``, a column of ``fitbench.hardware.datasheet``'s peak table) that do the bulk of
 # the FLOPs, for inference (forward, infer) and for training (train, forward-backward):
 #
 # - int8 (bitsandbytes LLM.int8): int8 x int8 matmuls (cuBLASLt igemm) for every column but the few

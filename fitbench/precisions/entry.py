@@ -18,7 +18,7 @@ if TYPE_CHECKING:
     import torch
 
 TRAINING_MODES = ("train", "forward-backward")
-# The tensor-core kinds of the peak tables (``fitbench.hardware``): the kinds a precision's MFU may divide by.
+# The tensor-core kinds of the peak tables (``fitbench.hardware.datasheet``): the kinds a precision's MFU may divide by.
 PEAK_KINDS = ("fp32", "tf32", "bf16", "fp16", "fp8", "int8")
 DTYPE_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2}  # torch attributes, bytes per element
 

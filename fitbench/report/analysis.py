@@ -8,7 +8,7 @@ fits, each row's bottleneck and what to try next. It goes through the official `
 a model it does not have, an answer later than ``timeout`` seconds (for the whole answer: each read
 waits at most that long, and a streamed answer is cut when the total passes it) or any other failure
 of the exchange leaves ``Analysis.text`` None and says why in ``Analysis.warning``; the report is
-written without it. Only a URL that is no URL (``fitbench.endpoints``) is bad input.
+written without it. Only a URL that is no URL (``fitbench.util.endpoints``) is bad input.
 """
 
 from __future__ import annotations
@@ -21,12 +21,12 @@ import httpx
 import ollama
 import pydantic
 
-from fitbench.endpoints import http_url_problem
-from fitbench.errors import UserError
 from fitbench.report.output import write_output
 from fitbench.results.report import headline
-from fitbench.units import format_bytes, format_seconds
 from fitbench.results.row import Row
+from fitbench.util.endpoints import http_url_problem
+from fitbench.util.errors import UserError
+from fitbench.util.units import format_bytes, format_seconds
 
 ANALYSIS_FILE = "analysis.md"
 DEFAULT_TIMEOUT_S = 120.0

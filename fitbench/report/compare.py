@@ -9,7 +9,7 @@ each configuration ok on both sides, B against A:
   Its 95% confidence interval is a **percentile bootstrap** (Efron and Tibshirani, *An Introduction
   to the Bootstrap*, 1993, ch. 13): ``RESAMPLES`` times, draw n_A samples from A and n_B from B with
   replacement and take ``100 (mean(B*) / mean(A*) - 1)``; the interval is the 2.5% and 97.5%
-  quantiles of those (linear interpolation, as ``fitbench.stats``). A bootstrap rather than Welch's
+  quantiles of those (linear interpolation, as ``fitbench.util.stats``). A bootstrap rather than Welch's
   t-interval: step times are skewed (a slow first step, an allocator retry), which the bootstrap
   does not assume away. The generator is seeded (``SEED``), so a comparison gives the same interval
   every time. The change is **slower** when the whole interval is above 0, **faster** when it is
@@ -36,12 +36,12 @@ from pathlib import Path
 
 import numpy as np
 
-from fitbench.errors import UserError, excerpt
 from fitbench.report.columns import largest_peak
 from fitbench.report.sweep import SweepRows, read_sweep
 from fitbench.results.report import headline
 from fitbench.results.row import Row
 from fitbench.results.terminal import NO_STEPS, Steps
+from fitbench.util.errors import UserError, excerpt
 
 RESAMPLES = 2000
 SEED = 0

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from fitbench.errors import UserError, excerpt
+from fitbench.util.errors import UserError, excerpt
 
 
 def write_output(path: str | Path, data: str | bytes, option: str) -> Path:

@@ -11,10 +11,10 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from fitbench.errors import UserError, excerpt
-from fitbench.jsonfile import parse_json
-from fitbench.results.store import RESULTS_FILE, SWEEP_FILE, SWEEP_MAX_BYTES, ResultStore
 from fitbench.results.row import Row
+from fitbench.results.store import RESULTS_FILE, SWEEP_FILE, SWEEP_MAX_BYTES, ResultStore
+from fitbench.util.errors import UserError, excerpt
+from fitbench.util.jsonfile import parse_json
 
 
 @dataclass

@@ -26,7 +26,7 @@ from rich.table import Table
 from rich.text import Text
 
 from fitbench.results.row import Row
-from fitbench.units import format_bytes, format_count, format_seconds
+from fitbench.util.units import format_bytes, format_count, format_seconds
 
 CSV_FILE = "results.csv"
 

@@ -28,7 +28,7 @@ from typing import Any, Literal, get_args
 
 from pydantic import BaseModel, ConfigDict, ValidationError
 
-from fitbench.errors import excerpt
+from fitbench.util.errors import excerpt
 
 SCHEMA_VERSION = 1
 

@@ -14,7 +14,7 @@ from __future__ import annotations
 import math
 from typing import Any
 
-from fitbench.errors import excerpt
+from fitbench.util.errors import excerpt
 
 # A kind is float (a finite number, int or float), int (a whole number), str, bool, a dict of the
 # fields of an object, a one-item list (every item of that kind), or a tuple of alternatives.

@@ -36,10 +36,10 @@ import os
 from pathlib import Path
 from typing import Any, Callable, Iterator
 
-from fitbench.errors import UserError, excerpt
-from fitbench.jsonfile import parse_json, read_json
 from fitbench.results.row import RERUN_STATUSES, SCHEMA_VERSION, Row, typed_row, version
 from fitbench.results.schema import check_row
+from fitbench.util.errors import UserError, excerpt
+from fitbench.util.jsonfile import parse_json, read_json
 
 RESULTS_FILE = "results.jsonl"
 JOB_ROWS = "rows"
@@ -205,7 +205,7 @@ class ResultStore:
                              f"{unreported[-1]}; skipped or shown with fields blank")
 
     def finished_keys(self) -> set[str]:
-        return {row["key"] for row in self.rows() if row.get("status") not in RERUN_STATUSES}
+        return {row.key for row in self.typed_rows() if row.status not in RERUN_STATUSES}
 
     def lock(self) -> None:
         """Hold the directory's lock until ``unlock`` or this process's exit; a UserError naming the

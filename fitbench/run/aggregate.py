@@ -34,7 +34,7 @@ from typing import Any
 from fitbench.results.row import Measurement
 from fitbench.run.retries import WARNING_START, retries_warning
 from fitbench.spec import Layout
-from fitbench.stats import SampleStats
+from fitbench.util.stats import SampleStats
 
 
 def combine(payloads: list[dict[str, Any]], layout: Layout) -> dict[str, Any]:

@@ -5,7 +5,7 @@ Each rank joins the process group through a file in the measurement's scratch di
 to find or collide); for each message size it times back-to-back all-reduces of one fp32 tensor and
 all-gathers into one of the same size after a warm-up, and rank 0 writes the slowest rank's mean
 seconds per operation, per size, to a JSON file. Fitting latency and bus bandwidth to them is the
-caller's. A rank dies with its parent (``fitbench.processes.tie_to_parent``).
+caller's. A rank dies with its parent (``fitbench.util.processes.tie_to_parent``).
 """
 
 from __future__ import annotations
@@ -19,7 +19,7 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
-from fitbench.processes import tie_to_parent
+from fitbench.util.processes import tie_to_parent
 
 # torch 2.13 deprecates all_gather_into_tensor for all_gather_single, which torch 2.11 lacks.
 all_gather = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor

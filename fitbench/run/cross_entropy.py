@@ -1,5 +1,5 @@
 """The training loss: mean cross-entropy of (n, V) logits in the compute dtype against (n,) targets,
-with fp32 arithmetic, never an fp32 copy of the whole logits (``fitbench.loss`` says what each way
+with fp32 arithmetic, never an fp32 copy of the whole logits (``fitbench.models.loss`` says what each way
 holds, for the memory model).
 
 ``cross_entropy`` is what the loops call. Where it may, it takes the fused loss
@@ -26,7 +26,7 @@ import torch
 import torch.nn.functional as F
 from torch.autograd.function import once_differentiable
 
-from fitbench.loss import FP16_GRADIENT_SCALE, loss_chunk_rows
+from fitbench.models.loss import FP16_GRADIENT_SCALE, loss_chunk_rows
 
 
 def cross_entropy(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:

@@ -12,8 +12,8 @@ it to move its inputs there; the model's own hook brings the logits back to the 
 A token passes the stages one after another, each device idle while the others work: the job's
 latency is one device's for the whole model plus a copy of the hidden states at each boundary, and
 its gain is memory, every device holding about 1 / N of the weights and of the KV cache. Training is
-refused (``fitbench.precisions.layouts.pipeline_problem``): the stages would run the backward one after
-another too, with none of a pipeline schedule's overlap.
+refused (``fitbench.spec.Layout.problem``): the stages would run the backward one after another
+too, with none of a pipeline schedule's overlap.
 """
 
 from __future__ import annotations

@@ -13,11 +13,11 @@ rank holds the whole model until the plan shards it, unlike the native decoder's
 only their shards (``fitbench.run.tensor_parallel``). The job's logits are then one process's with
 the same weights.
 
-What the plan does not do, fitbench refuses before launch (``fitbench.precisions``,
-``tensor_parallel_problem`` and ``tensor_parallel_heads_problem``): families without a plan (Falcon,
-GPT-2), which run over pipeline stages instead; kv heads that do not divide by the degree (the plan
-cuts k and v column-wise, by whole heads only when they divide); quantized weights. There is no
-sequence parallelism: the plan has no style for the norms, which stay replicated.
+What the plan does not do, fitbench refuses before launch (``fitbench.spec.Layout.problem``):
+families without a plan (Falcon, GPT-2), which run over pipeline stages instead; kv heads that do not
+divide by the degree (the plan cuts k and v column-wise, by whole heads only when they divide);
+quantized weights. There is no sequence parallelism: the plan has no style for the norms, which stay
+replicated.
 
 The KV cache needs nothing of its own: transformers' ``StaticCache`` and ``DynamicCache`` take their
 shapes from the first keys they are given, this rank's ``n_kv_heads / tp`` heads.
@@ -30,8 +30,6 @@ from typing import Any
 from torch import nn
 
 from fitbench.models.backends import CausalLM
-from fitbench.precisions import PrecisionPolicy
-from fitbench.precisions.layouts import tensor_parallel_problem
 from fitbench.run.parallel import broadcast_weights
 from fitbench.run.ranks import Rank
 from fitbench.spec import Layout, LayoutError
@@ -80,14 +78,11 @@ def parallelize_hf_tensor(model: nn.Module, tp: int, device_type: str) -> dict[s
             "plan": "transformers' base_model_tp_plan"}
 
 
-def parallelize_hf_layout(lm: CausalLM, layout: Layout, policy: PrecisionPolicy, mode: str, rank: Rank,
-                          family: str, *, activation_checkpointing: bool = False,
+def parallelize_hf_layout(lm: CausalLM, layout: Layout, rank: Rank, *, activation_checkpointing: bool = False,
                           compile: bool = False) -> dict[str, Any]:
     """Apply ``layout``, tensor parallelism over every rank of the job, to the transformers model of
-    ``lm`` (fitbench's ``family``), then activation checkpointing and compile; return what was applied."""
-    problem = tensor_parallel_problem(policy.name, mode, "hf", family)
-    if problem:
-        raise ValueError(problem)
+    ``lm`` (of a family with a plan: ``fitbench.spec.Layout.problem``), then activation checkpointing and
+    compile; return what was applied."""
     if layout.tp != layout.world_size:
         raise LayoutError(f"the hf backend's tensor parallelism runs alone over every rank; {layout.label} also "
                           f"asks for data parallelism or pipeline stages")

@@ -5,7 +5,7 @@
   training step (forward + backward) and ``2 N + 4 L H Q T`` for a forward pass, N the matmul
   parameters, L layers, H heads, Q head dim, T the context. No causal halving. The peak is the
   datasheet's dense figure for the tensor-core kind that does most of the FLOPs
-  (the precision entry's ``peak_kind``, ``fitbench.hardware``), and, when ``fitbench env --measure``
+  (the precision entry's ``peak_kind``, ``fitbench.hardware.datasheet``), and, when ``fitbench env --measure``
   has stored one for this device, also the measured matmul ceiling.
 - **Prefill** of a prompt of T tokens, per sequence: ``T (2 (N - V h) + 4 L H Q T) + 2 V h`` FLOPs
   (``Architecture.prefill_flops``): the output projection (V h, tied or not) runs for the last
@@ -26,7 +26,7 @@
 from __future__ import annotations
 
 from fitbench.models.architecture import Architecture
-from fitbench.stats import SampleStats
+from fitbench.util.stats import SampleStats
 
 
 def utilization(achieved_flops: float, peak: float | None) -> float | None:

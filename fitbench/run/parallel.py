@@ -33,10 +33,7 @@ from torch import nn
 from fitbench.models.backends import CausalLM
 from fitbench.models.native import NativeCausalLM
 from fitbench.precisions import PrecisionPolicy
-from fitbench.precisions.layouts import DATA_PARALLEL_STRATEGIES, data_parallel_problem
 from fitbench.run.ranks import Rank
-
-STRATEGIES = DATA_PARALLEL_STRATEGIES
 
 
 def data_seed(seed: int, rank: int) -> int:
@@ -64,7 +61,7 @@ def mixed_precision(policy: PrecisionPolicy):
     return MixedPrecisionPolicy(param_dtype=policy.autocast_dtype, reduce_dtype=torch.float32)
 
 
-def parallelize(lm: CausalLM, strategy: str, policy: PrecisionPolicy, mode: str, rank: Rank, *,
+def parallelize(lm: CausalLM, strategy: str, policy: PrecisionPolicy, rank: Rank, *,
                 activation_checkpointing: bool = False, compile: bool = False,
                 offload: bool = False, mesh=None) -> dict[str, Any]:
     """Apply activation checkpointing, per-layer compile and ``strategy`` to ``lm`` in place (DDP
@@ -84,10 +81,6 @@ def parallelize(lm: CausalLM, strategy: str, policy: PrecisionPolicy, mode: str,
     ``mesh`` (FSDP): the 1-D mesh to shard over, a dimension of a larger one whose other dimensions
     already laid the weights out (``fitbench.run.tensor_parallel``, which broadcast them first);
     by default every rank of the job, after rank 0's weights are broadcast."""
-    backend = "native" if isinstance(lm.module, NativeCausalLM) else "hf"
-    problem = data_parallel_problem(strategy, policy.name, mode, backend, offload)
-    if problem:
-        raise ValueError(problem)
     model: NativeCausalLM = lm.module
     if activation_checkpointing:
         lm.enable_activation_checkpointing()

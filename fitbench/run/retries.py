@@ -8,7 +8,7 @@ the GPU's capacity. The counter is read around each measured call, outside its t
 says how many retries its measured steps made and how long the steps that made them took.
 
 A CPU has no caching allocator and no such counter: there ``RetryCounter.of`` is None and the row has
-no ``allocator_retries``. FITBENCH_INJECT's ``alloc-retries:<n>`` (``fitbench.inject``) adds n retries to
+no ``allocator_retries``. FITBENCH_INJECT's ``alloc-retries:<n>`` (``fitbench.util.inject``) adds n retries to
 each measured call, on any device, for tests of what the row and the terminal make of them.
 """
 
@@ -17,7 +17,7 @@ from __future__ import annotations
 import contextlib
 from typing import TYPE_CHECKING, Any, Callable, Iterator
 
-from fitbench.inject import injected_value
+from fitbench.util.inject import injected_value
 
 if TYPE_CHECKING:
     import torch

@@ -349,7 +349,7 @@ def _sum_gradients(tensor: torch.Tensor, mesh) -> torch.Tensor:
     return DTensor.from_local(tensor, mesh, [Replicate()], run_check=False).to_local(grad_placements=[Partial()])
 
 
-def parallelize_layout(lm: CausalLM, layout: Layout, policy: PrecisionPolicy, mode: str, rank: Rank, mesh,
+def parallelize_layout(lm: CausalLM, layout: Layout, policy: PrecisionPolicy, rank: Rank, mesh,
                        applied: dict[str, Any], *, activation_checkpointing: bool = False, compile: bool = False,
                        offload: bool = False) -> dict[str, Any]:
     """The rest of ``layout`` on ``lm``, whose tensor parallelism ``build_tensor_parallel`` applied
@@ -358,7 +358,7 @@ def parallelize_layout(lm: CausalLM, layout: Layout, policy: PrecisionPolicy, mo
     return what was applied, for the result row."""
     applied = {"strategy": layout.strategy, "world_size": rank.world_size, **applied}
     if layout.dp_shard > 1:
-        return {**parallelize(lm, "fsdp", policy, mode, rank, activation_checkpointing=activation_checkpointing,
+        return {**parallelize(lm, "fsdp", policy, rank, activation_checkpointing=activation_checkpointing,
                               compile=compile, offload=offload, mesh=mesh["dp_shard"]), **applied}
     if activation_checkpointing:
         lm.enable_activation_checkpointing()

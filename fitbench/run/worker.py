@@ -8,7 +8,7 @@ keeps them in the run's log). The result file is written only at the end; a work
 leaves none, and the parent records the death. Disk offload writes its layers into RESULT.json's
 directory, which the parent makes for the run and removes after it, however the run ends.
 
-Fault injection for tests: ``fitbench.inject``.
+Fault injection for tests: ``fitbench.util.inject``.
 """
 
 from __future__ import annotations
@@ -28,14 +28,16 @@ from typing import Any, Callable
 
 import torch
 
-from fitbench import hardware
+from fitbench.hardware.ceilings import load_ceilings
+from fitbench.hardware.datasheet import peak_bandwidth, peak_flops
+from fitbench.hardware.devices import cpu_device_name
+from fitbench.hardware.environment import environment
 from fitbench.models.backends import DECODE_TUNING, CausalLM, NativeLM, load_model
 from fitbench.models.hf import has_weights
 from fitbench.models.offload import Offload, OffloadCapacityError, build_offloaded
 from fitbench.models.registry import is_local_model, resolve
 from fitbench.precisions import ADAPTER_ALPHA, ADAPTER_RANK, FLOAT8, TRAINING_MODES, entry
 from fitbench.precisions import policy as precision_policy
-from fitbench.processes import end_own_tree, rank_token, tie_to_parent
 from fitbench.results.row import Measurement
 from fitbench.run.adapters import add_adapters
 from fitbench.run.aggregate import combine
@@ -44,12 +46,11 @@ from fitbench.run.hf_tensor_parallel import parallelize_hf_layout
 from fitbench.run.loops import generate, make_step, random_tokens, read_generation
 from fitbench.run.metrics import inference_metrics, step_metrics
 from fitbench.run.parallel import data_seed, parallelize
+from fitbench.run.phases import PhaseLog, rank_result_path
 from fitbench.run.pipeline import PipelineLM, build_pipelined
 from fitbench.run.quality import Quality
 from fitbench.run.quantize import build_quantized_native, quantize_built
 from fitbench.run.quantize.torchao import float8_training
-from fitbench.inject import injected, injected_memory_limit, injected_value
-from fitbench.run.phases import PhaseLog, rank_result_path
 from fitbench.run.ranks import Rank, gather_json, process_group
 from fitbench.run.retries import RetryCounter, retries_warning
 from fitbench.run.sanity import Verdict, non_finite_figures, non_finite_steps, read, warmup_warning
@@ -58,7 +59,9 @@ from fitbench.run.tensor_parallel import build_layout, data_parallel_rank, paral
 from fitbench.run.timing import DeviceClock, first_call_seconds, run_stages, time_steps
 from fitbench.run.trackers import NvmlSampler, memory_report
 from fitbench.spec import Assignment, RunSpec
-from fitbench.stats import SampleStats
+from fitbench.util.inject import injected, injected_memory_limit, injected_value
+from fitbench.util.processes import end_own_tree, rank_token, tie_to_parent
+from fitbench.util.stats import SampleStats
 
 EXIT_OK, EXIT_FAILED = 0, 3
 PROBE_TOKENS = 64  # the sequence on which quantized weights are compared with bf16
@@ -199,18 +202,18 @@ def measure(assignment: Assignment, device: torch.device, scratch: Path, rank: R
     if spec.layout.tp > 1 and spec.layout.pp == 1:
         if spec.backend == "hf":
             phases.enter(f"applying {spec.layout.strategy}, which broadcasts rank 0's weights", collective=True)
-            parallel = parallelize_hf_layout(lm, spec.layout, policy, spec.mode, rank, arch.family,
+            parallel = parallelize_hf_layout(lm, spec.layout, rank,
                                              activation_checkpointing=spec.activation_checkpointing,
                                              compile=spec.compile)
         else:
             phases.enter(f"applying {spec.layout.strategy}", collective=True)
-            parallel = parallelize_layout(lm, spec.layout, policy, spec.mode, rank, built.mesh, built.parallel,
+            parallel = parallelize_layout(lm, spec.layout, policy, rank, built.mesh, built.parallel,
                                           activation_checkpointing=spec.activation_checkpointing,
                                           compile=spec.compile, offload=spec.fsdp_offload)
         weight_bytes, weight_method = weight_storage_bytes(lm.module), "parameter storage of this rank's shards"
     elif spec.layout.dp_replicate > 1 or spec.layout.dp_shard > 1:
         phases.enter(f"applying {spec.layout.strategy}, which broadcasts rank 0's weights", collective=True)
-        parallel = parallelize(lm, spec.layout.strategy, policy, spec.mode, rank,
+        parallel = parallelize(lm, spec.layout.strategy, policy, rank,
                                activation_checkpointing=spec.activation_checkpointing, compile=spec.compile,
                                offload=spec.fsdp_offload)
     else:
@@ -223,13 +226,13 @@ def measure(assignment: Assignment, device: torch.device, scratch: Path, rank: R
         # of the build's sizes that the steps would otherwise keep mapped beside their own pools.
         torch.cuda.empty_cache()
 
-    device_name = torch.cuda.get_device_name(device) if device.type == "cuda" else hardware.cpu_device_name()
+    device_name = torch.cuda.get_device_name(device) if device.type == "cuda" else cpu_device_name()
     kind = entry(spec.precision).peak_kind(spec.mode)
-    peak = hardware.peak_flops(device_name, kind) if device.type == "cuda" else None
-    ceilings = hardware.load_ceilings(device_name)
+    peak = peak_flops(device_name, kind) if device.type == "cuda" else None
+    ceilings = load_ceilings(device_name)
     measured_peak = ceilings.matmul_flops.get(kind) if ceilings else None
     peaks = Peaks(flops=peak, measured_flops=measured_peak,
-                  bandwidth=hardware.peak_bandwidth(device_name) if device.type == "cuda" else None)
+                  bandwidth=peak_bandwidth(device_name) if device.type == "cuda" else None)
 
     measure_mode = _measure_generation if spec.mode == "infer" else _measure_steps
     replicas = spec.layout.replicas > 1
@@ -276,7 +279,7 @@ def measure(assignment: Assignment, device: torch.device, scratch: Path, rank: R
         device_name=device_name, build_s=build_s, compile_s=compile_s, warnings=warnings,
         peak_flops=peak, measured_peak_flops=measured_peak, peak_kind=kind,
         peak_source="datasheet (dense)" if peak else None,
-        timing=timing, throughput=throughput, decode=decoding, environment=hardware.environment(),
+        timing=timing, throughput=throughput, decode=decoding, environment=environment(),
         quality=quality, training=built.training,
         **({"loss": verdict.loss} if verdict.loss is not None else {}),
         weights={"bytes": weight_bytes, "bf16_bytes": 2 * arch.total_params,
@@ -329,8 +332,13 @@ def decoding_as_asked(lm, spec: RunSpec):
 
 def build(assignment: Assignment, arch, policy, device: torch.device, scratch: Path,
           rank: Rank | None = None) -> Built:
-    """The model of the assignment, or with pipeline stages this ``rank``'s stage of it."""
+    """The model of the assignment, or with pipeline stages this ``rank``'s stage of it. A layout that
+    does not compose (an assignment not made by the sweep, which refuses it first) is refused before
+    anything is built."""
     spec = assignment.spec
+    problem = spec.layout.problem(arch, spec.mode, spec.precision, spec.backend, spec.offload)
+    if problem:
+        raise RefusedError(problem)
     model_path = spec.model if is_local_model(spec.model) else None
     if spec.layer_offload:
         return build_offload(assignment, arch, policy, device, scratch, model_path)

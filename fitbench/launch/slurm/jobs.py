@@ -22,7 +22,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Literal
 
-from fitbench.errors import UserError, excerpt_words
+from fitbench.util.errors import UserError, excerpt_words
 
 State = Literal["PENDING", "RUNNING", "COMPLETED", "TIMEOUT", "NODE_FAIL", "OUT_OF_MEMORY", "CANCELLED",
                 "PREEMPTED", "FAILED"]

@@ -8,7 +8,7 @@ starts; ``--rdzv-id`` is new per attempt, so two attempts never meet. Source: Py
 documentation, "Multi-node multi-worker" and "Rendezvous".
 
 The ranks of other nodes cannot see this node's processes: they run without
-``FITBENCH_PARENT_PID`` (``fitbench.processes.tie_to_parent``) and end with their agent, which
+``FITBENCH_PARENT_PID`` (``fitbench.util.processes.tie_to_parent``) and end with their agent, which
 ``srun`` ends when the attempt's step ends. The attempt's scratch directory (the assignment, the
 ranks' results and phase files) lies in the sweep's directory, which every node of a cluster sees.
 """
@@ -27,8 +27,8 @@ from typing import Callable
 from fitbench.launch.launcher import Attempt, Event
 from fitbench.launch.local import run_one
 from fitbench.launch.slurm.script import agent_options
-from fitbench.processes import PARENT_VARIABLE
 from fitbench.results.row import Row
+from fitbench.util.processes import PARENT_VARIABLE
 
 
 @dataclass(frozen=True)

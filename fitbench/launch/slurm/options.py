@@ -13,7 +13,7 @@ from __future__ import annotations
 import re
 from dataclasses import dataclass
 
-from fitbench.errors import UserError, excerpt
+from fitbench.util.errors import UserError, excerpt
 
 TIME_FORMATS = ("minutes", "minutes:seconds", "hours:minutes:seconds", "days-hours", "days-hours:minutes",
                 "days-hours:minutes:seconds")

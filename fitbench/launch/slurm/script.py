@@ -30,8 +30,8 @@ import sys
 from collections.abc import Sequence
 from dataclasses import dataclass
 
-from fitbench.errors import UserError
 from fitbench.launch.slurm.options import SlurmOptions
+from fitbench.util.errors import UserError
 
 TORCHRUN = ("-m", "torch.distributed.run")
 # a long command goes on over lines, one part of it per line

@@ -23,7 +23,6 @@ from datetime import datetime, timezone
 from pathlib import Path
 from typing import Any
 
-from fitbench.jsonfile import read_json
 from fitbench.launch.job import Job
 from fitbench.launch.launcher import SweepDisplay
 from fitbench.launch.slurm.jobs import JobStatus, statuses, submit
@@ -31,6 +30,7 @@ from fitbench.launch.slurm.options import SlurmOptions
 from fitbench.launch.slurm.script import ScriptJob, array_script, batch_script
 from fitbench.launch.slurm.states import gone, stopped_row
 from fitbench.results.store import JOB_ROWS, ResultStore
+from fitbench.util.jsonfile import read_json
 
 SUBMITTED_FILE = "slurm.json"
 SCRIPTS = "slurm"

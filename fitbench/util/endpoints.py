@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from urllib.parse import urlsplit
 
-from fitbench.errors import excerpt
+from fitbench.util.errors import excerpt
 
 
 def http_url_problem(text: object) -> str | None:

@@ -21,6 +21,7 @@ import signal
 import sys
 import threading
 import time
+from collections.abc import Iterator
 from pathlib import Path
 
 TOKEN_VARIABLE = "FITBENCH_RUN_TOKEN"
@@ -31,24 +32,26 @@ PR_SET_PDEATHSIG = 1
 PR_SET_CHILD_SUBREAPER = 36
 
 
-def _parents() -> dict[int, int]:
-    """PID -> parent PID of every process ``/proc`` shows (empty where there is no ``/proc``)."""
-    parents = {}
+def _proc_files(name: str) -> Iterator[tuple[int, bytes]]:
+    """(PID, contents of ``/proc/<PID>/<name>``) of every process whose file this user can read;
+    nothing where there is no ``/proc``."""
     try:
         entries = os.listdir("/proc")
     except OSError:
-        return parents
+        return
     for entry in entries:
         if not entry.isdigit():
             continue
         try:
-            stat = Path(f"/proc/{entry}/stat").read_bytes()
+            yield int(entry), Path(f"/proc/{entry}/{name}").read_bytes()
         except OSError:
-            continue
-        # the command name, in parentheses, may itself hold spaces and parentheses
-        fields = stat[stat.rfind(b")") + 2:].split()
-        parents[int(entry)] = int(fields[1])
-    return parents
+            continue  # the process ended meanwhile, or is another user's
+
+
+def _parents() -> dict[int, int]:
+    """PID -> parent PID of every process ``/proc`` shows (empty where there is no ``/proc``)."""
+    # the command name, in parentheses, may itself hold spaces and parentheses
+    return {pid: int(stat[stat.rfind(b")") + 2:].split()[1]) for pid, stat in _proc_files("stat")}
 
 
 def descendants(roots: set[int]) -> set[int]:
@@ -70,21 +73,8 @@ def carrying(token: str) -> set[int]:
     (``token.rank1``: ``rank_token``) (those of other users are unreadable, and not ours)."""
     needle = f"{TOKEN_VARIABLE}={token}".encode()
     derived = needle + b"."
-    found = set()
-    try:
-        entries = os.listdir("/proc")
-    except OSError:
-        return found
-    for entry in entries:
-        if not entry.isdigit():
-            continue
-        try:
-            environment = Path(f"/proc/{entry}/environ").read_bytes()
-        except OSError:
-            continue
-        if any(variable == needle or variable.startswith(derived) for variable in environment.split(b"\0")):
-            found.add(int(entry))
-    return found
+    return {pid for pid, environment in _proc_files("environ")
+            if any(variable == needle or variable.startswith(derived) for variable in environment.split(b"\0"))}
 
 
 def _signal(pid: int, signum: int) -> None:
