@@ -994,7 +994,7 @@ def test_plan_command_json_has_sizes_in_bytes(capsys):
     # Default prompt 512 + 128 new tokens, the cache split over 4 ranks.
     assert terms["KV cache"] == kv_bytes_per_token(LLAMA2_70B) * (512 + 128) / 4 == 52_428_800
     overheads = {t["name"]: t["bytes"] for t in chosen["overheads"]}
-    assert overheads["CUDA context"] == 797e6 and overheads["NCCL buffers"] == 887e6
+    assert overheads["CUDA context"] == 797e6 and overheads["NCCL buffers"] == NCCL_TENSOR_PARALLEL_GENERATION
     assert result["feasible"][0]["label"] == chosen["label"]
     assert all(f["fits"] and f["predicted_peak_bytes"] <= 80e9 for f in result["feasible"])
     assert result["rejected"]
