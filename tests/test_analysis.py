@@ -6,9 +6,11 @@ import json
 import threading
 import time
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from pathlib import Path
 
 import pytest
 
+from conftest import cli
 from fitbench.errors import UserError
 from fitbench.report.analysis import analyse, prompt, write_analysis
 from fitbench.report.sweep import read_sweep
@@ -55,6 +57,7 @@ def serve(behaviour: str):
             self.wfile.write(data)
 
     server = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
+    server.handle_error = lambda request, address: None  # a client that gave up on a slow answer closed its end
     threading.Thread(target=server.serve_forever, daemon=True).start()
     return server, received
 
@@ -110,3 +113,19 @@ def test_no_server_is_a_warning(rows):
 def test_a_malformed_url_is_bad_input(rows, url):
     with pytest.raises(UserError, match="ollama-url: .*http://localhost:11434"):
         analyse(rows, url, "gpt-oss-20b")
+
+
+def test_the_analysis_of_several_directories_goes_beside_the_page(rows, tmp_path, capsys):
+    weak = Path("benchmarks/results/2026-11-27-h100x4-vs-one-gpu/weak/1")
+    other = Path("benchmarks/results/2026-11-24-h200x2-data-parallel/weak-1")  # the same configuration
+    server, received = serve("answering")
+    try:
+        code, out, err = cli(["report", str(weak), str(other), "--html", str(tmp_path / "r.html"), "--ollama-url",
+                              f"http://127.0.0.1:{server.server_port}", "--ollama-model", "m"], capsys)
+    finally:
+        server.shutdown()
+    assert code == 0, err
+    assert (tmp_path / "analysis.md").read_text() == f"# Analysis by m\n\n{''.join(ANSWER).strip()}\n"
+    question = received[0][1]["messages"][-1]["content"]
+    assert "8x2048 [native] [1] | ok" in question and "8x2048 [native] [weak-1] | ok" in question
+    assert 'id="analysis"' in (tmp_path / "r.html").read_text()

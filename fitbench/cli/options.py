@@ -202,10 +202,12 @@ def bus_gpus(parser: argparse.ArgumentParser) -> None:
 
 
 def results_directory(parser: argparse.ArgumentParser) -> None:
-    """A results directory to show, and how."""
+    """The results directories to show, and how."""
     add = parser.add_argument
-    add("directory", metavar="DIR", help="the --out directory of a fitbench run")
-    add("--markdown", action="store_true", help="print a Markdown table with provenance")
+    add("directories", metavar="DIR", nargs="+",
+        help="the --out directory of a fitbench run; several are read together (the HTML page and the workbook "
+             "hold the rows of all, each directory's provenance apart)")
+    add("--markdown", action="store_true", help="print a Markdown table with provenance (one per DIR)")
     add("--csv", action="store_true", help="also write DIR/results.csv from the rows, as `fitbench run` writes it")
 
 
