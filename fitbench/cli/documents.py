@@ -30,7 +30,8 @@ def report_module(name: str, option: str):
 
 
 def write_documents(sources: dict[str, list[Row]], html: str | None = None, xlsx: str | None = None,
-                    ollama_url: str | None = None, ollama_model: str | None = None, steps: Steps = NO_STEPS) -> None:
+                    ollama_url: str | None = None, ollama_model: str | None = None,
+                    ollama_timeout: float | None = None, steps: Steps = NO_STEPS) -> None:
     """The analysis, HTML report and workbook that the options ask for, of the sweeps in ``sources``
     (each directory and the rows read from it: the analysis reads these), telling their stages to
     ``steps``; nothing, and no import of ``fitbench.report`` (the ``report`` extra's libraries), where
@@ -46,8 +47,9 @@ def write_documents(sources: dict[str, list[Row]], html: str | None = None, xlsx
         sweep_module = report_module("sweep", "ollama-url")
         sweeps = sweep_module.Sweeps([sweep_module.SweepRows(Path(directory), rows)
                                       for directory, rows in sources.items()])
+        timeout = analysis_module.DEFAULT_TIMEOUT_S if ollama_timeout is None else ollama_timeout
         console.print(f"asking {escape(ollama_model)} at {escape(url)} for an analysis ...")
-        analysis = analysis_module.analyse(sweeps.rows, url, ollama_model, label=sweeps.label)
+        analysis = analysis_module.analyse(sweeps.rows, url, ollama_model, timeout, label=sweeps.label)
         if analysis.warning:
             warn(analysis.warning)
         else:

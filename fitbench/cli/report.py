@@ -61,7 +61,8 @@ def report(args: argparse.Namespace) -> int:
         if args.csv:
             print(f"table: {write_csv(rows, directory)}", file=sys.stderr if args.markdown else sys.stdout)
     with StepsDisplay(args.quiet) as steps:
-        write_documents(sources, args.html, args.xlsx, args.ollama_url, args.ollama_model, steps)
+        write_documents(sources, args.html, args.xlsx, args.ollama_url, args.ollama_model, args.ollama_timeout,
+                        steps)
     return 0
 
 
