@@ -5,6 +5,7 @@ share a scaling line, and bad input among the directories is one paragraph. The 
 directories in Chromium is tested in ``test_documents.py``."""
 
 import json
+import re
 import shutil
 
 import openpyxl
@@ -108,3 +109,12 @@ def test_damaged_rows_of_one_directory_are_warned_about_by_its_name(tmp_path, ca
     assert code == 0 and f"{damaged / 'results.jsonl'}: line 2 is not valid JSON" in err
     page = (tmp_path / "d.html").read_text()
     assert "line 2 is not valid JSON" in page and "is in 2 directories (1, damaged)" in page
+
+
+def test_the_results_page_names_every_option_of_report(capsys):
+    code, out, err = cli(["report", "--help"], capsys)
+    options = set(re.findall(r"(?<![\w-])--[a-z][a-z-]*", out)) - {"--help", "--out"}
+    assert code == 0 and {"--html", "--xlsx", "--ollama-timeout", "--quiet"} <= options
+    page = (RESULTS.parents[1] / "docs" / "results.md").read_text()
+    assert "fitbench report DIR [DIR ...]" in page and "DIR [DIR ...]" in out
+    assert [option for option in sorted(options) if f"`{option}" not in page and f" {option}" not in page] == []
