@@ -96,14 +96,16 @@ def page(title: str, sections: list[str]) -> str:
             + f"\n<script>{SORT_SCRIPT}</script></body></html>\n")
 
 
-def _warnings(warnings: list[str]) -> str:
+def _warnings(warnings: list[str], several: bool = False) -> str:
+    """The warnings of reading the rows; with ``several`` directories, the configurations in more than one too."""
     if not warnings:
         return ""
     items = "".join(f"<li>{html.escape(warning)}</li>" for warning in warnings)
+    repeated = (", and configurations found in more than one directory (each row kept, labelled by its "
+                "directory)") if several else ""
     return (f'<section id="warnings"><h2>Warnings</h2><p class="warning">Lines of the results that were not '
-            f"clean rows (skipped, or read with the fields named left blank), and configurations found in more "
-            f"than one directory (each row kept, labelled by its directory).</p><ul class=\"warning\">{items}</ul>"
-            f"</section>")
+            f"clean rows (skipped, or read with the fields named left blank){repeated}.</p>"
+            f'<ul class="warning">{items}</ul></section>')
 
 
 def _provenance(sweeps: Sweeps) -> str:
@@ -146,7 +148,7 @@ def write_html(directories: str | Path | Iterable[str | Path], path: str | Path,
     ``analysis`` (text) is shown under the provenance. Returns the path written; bad input is a
     ``UserError``."""
     sweeps = read_sweeps(directories)
-    sections = [_provenance(sweeps), _warnings(sweeps.warnings)]
+    sections = [_provenance(sweeps), _warnings(sweeps.warnings, sweeps.several)]
     if analysis:
         sections.append(f'<section id="analysis"><h2>Analysis</h2><div class="analysis">{html.escape(analysis)}'
                         f"</div></section>")
