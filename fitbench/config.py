@@ -130,6 +130,9 @@ class SweepConfig(BaseModel):
     ollama_url: str | None = Field(None, description="an http(s) URL of an Ollama server, e.g. http://localhost:11434")
     ollama_model: str | None = Field(None, min_length=1, description="the model it runs for the analysis, e.g. "
                                                                      "gpt-oss-20b")
+    ollama_timeout: float | None = Field(None, gt=0, allow_inf_nan=False,
+                                         description="a finite, positive number of seconds the server has for the "
+                                                     "whole analysis (left out: 120)")
 
     @field_validator("ollama_url")
     @classmethod
@@ -184,7 +187,7 @@ class SweepConfig(BaseModel):
     def _seed(cls, value: Any) -> Any:
         return _whole_number(value, 0, SEED_MAX)
 
-    @field_validator("timeout", mode="before")
+    @field_validator("timeout", "ollama_timeout", mode="before")
     @classmethod
     def _seconds(cls, value: Any) -> Any:
         # YAML's true and "10" are not durations; pydantic would read them as 1.0 and 10.0.

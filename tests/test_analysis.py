@@ -1,15 +1,22 @@
 """The analysis through Ollama, against servers written here that speak Ollama's ``/api/chat`` on
-the loopback address only: one that answers (streamed or not, as the request asks), one too slow,
-one that fails, one without the model; and none at all. Only a malformed URL is bad input."""
+the loopback address only: one that answers (streamed or not, as the request asks), one too slow
+(for the timeout of ``analyse``, of ``--ollama-timeout`` on report and run, and of ``ollama_timeout``
+in a sweep's file), one that fails, one without the model; and none at all. Only a malformed URL or
+timeout is bad input."""
 
 import json
+import shutil
 import threading
 import time
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from pathlib import Path
 
 import pytest
+from pydantic import ValidationError
 
-from fitbench.report.analysis import analyse, prompt, write_analysis
+from conftest import cli
+from fitbench.config import SweepConfig, load_yaml
+from fitbench.report.analysis import DEFAULT_TIMEOUT_S, analyse, prompt, write_analysis
 from fitbench.report.sweep import read_sweep
 from fitbench.util.errors import UserError
 
@@ -55,6 +62,7 @@ def serve(behaviour: str):
             self.wfile.write(data)
 
     server = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
+    server.handle_error = lambda request, address: None  # a client that gave up on a slow answer closed its end
     threading.Thread(target=server.serve_forever, daemon=True).start()
     return server, received
 
@@ -110,3 +118,78 @@ def test_no_server_is_a_warning(rows):
 def test_a_malformed_url_is_bad_input(rows, url):
     with pytest.raises(UserError, match="ollama-url: .*http://localhost:11434"):
         analyse(rows, url, "gpt-oss-20b")
+
+
+def test_a_timeout_on_the_command_line_is_a_warning_and_the_report_is_written(rows, tmp_path, capsys):
+    directory = tmp_path / "sweep"
+    shutil.copytree(COMMITTED, directory)
+    server, received = serve("slow")
+    try:
+        code, out, err = cli(["report", str(directory), "--html", str(tmp_path / "r.html"), "--ollama-url",
+                              f"http://127.0.0.1:{server.server_port}", "--ollama-model", "m", "--ollama-timeout",
+                              "1"], capsys)
+    finally:
+        server.shutdown()
+    assert code == 0 and "did not answer within 1 s; the report is written without its analysis" in err
+    assert len(received) == 1 and 'id="analysis"' not in (tmp_path / "r.html").read_text()
+    assert not (directory / "analysis.md").exists()
+
+
+def test_the_analysis_of_several_directories_goes_beside_the_page(rows, tmp_path, capsys):
+    weak = Path("benchmarks/results/2026-11-27-h100x4-vs-one-gpu/weak/1")
+    other = Path("benchmarks/results/2026-11-24-h200x2-data-parallel/weak-1")  # the same configuration
+    server, received = serve("answering")
+    try:
+        code, out, err = cli(["report", str(weak), str(other), "--html", str(tmp_path / "r.html"), "--ollama-url",
+                              f"http://127.0.0.1:{server.server_port}", "--ollama-model", "m", "--ollama-timeout",
+                              "30"], capsys)
+    finally:
+        server.shutdown()
+    assert code == 0, err
+    assert (tmp_path / "analysis.md").read_text() == f"# Analysis by m\n\n{''.join(ANSWER).strip()}\n"
+    question = received[0][1]["messages"][-1]["content"]
+    assert "8x2048 [native] [1] | ok" in question and "8x2048 [native] [weak-1] | ok" in question
+    assert 'id="analysis"' in (tmp_path / "r.html").read_text()
+
+
+@pytest.mark.parametrize("command", ["report", "run"])
+def test_the_help_gives_the_analysis_default_timeout(command, capsys):
+    code, out, err = cli([command, "--help"], capsys)
+    assert code == 0 and f"--ollama-timeout SECONDS how long the server has for the whole analysis; past it, a " \
+                         f"warning, and the report is written without it (default {DEFAULT_TIMEOUT_S:g})" in " ".join(
+                             out.split())
+
+
+@pytest.mark.parametrize("value", ["0", "-1", "inf", "nan", "soon"])
+def test_a_timeout_that_is_no_duration_is_bad_input(value, capsys):
+    code, out, err = cli(["report", COMMITTED, "--ollama-model", "m", "--ollama-timeout", value], capsys)
+    assert code == 2 and err.count("\n") == 1 and "--ollama-timeout" in err and "seconds" in err
+
+
+@pytest.mark.parametrize("text, accepted", [("ollama_timeout: 2.5", 2.5), ("ollama_timeout: 0", None),
+                                            ("ollama_timeout: '10'", None), ("ollama_timeout: .inf", None), ("", None)])
+def test_the_timeout_in_a_sweeps_file(text, accepted, tmp_path):
+    (tmp_path / "sweep.yaml").write_text(f"models: [tiny]\n{text}\n")
+    options = load_yaml(str(tmp_path / "sweep.yaml"))
+    if accepted is None and text:
+        with pytest.raises(ValidationError, match="ollama_timeout"):
+            SweepConfig.model_validate(options)
+    else:
+        assert SweepConfig.model_validate(options).ollama_timeout == accepted
+
+
+@pytest.mark.slow
+def test_a_run_whose_analysis_times_out_still_writes_its_rows(rows, tmp_path, capsys):
+    """The YAML file's timeout reaches the analysis after a real (tiny, CPU) sweep."""
+    server, _ = serve("slow")
+    config = tmp_path / "sweep.yaml"
+    config.write_text(f"ollama_url: http://127.0.0.1:{server.server_port}\nollama_model: m\nollama_timeout: 1\n")
+    try:
+        code, out, err = cli(["run", "--config", str(config), "--models", "tiny", "--mode", "forward", "--device",
+                              "cpu", "--batch-size", "1", "--seq-len", "8", "--warmup-steps", "0", "--measure-steps",
+                              "1", "--out", str(tmp_path / "out")], capsys)
+    finally:
+        server.shutdown()
+    assert code == 0, err
+    assert "did not answer within 1 s" in err
+    assert (tmp_path / "out" / "results.csv").exists() and not (tmp_path / "out" / "analysis.md").exists()

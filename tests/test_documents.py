@@ -1,5 +1,6 @@
-"""The documents made from rows (``fitbench.report``): the HTML page loaded in headless Chromium, the
-Excel workbook read back with openpyxl, ``compare`` and its gate, and bad input to each."""
+"""The documents made from rows (``fitbench.report``): the HTML page of one sweep and of several
+loaded in headless Chromium, the Excel workbook read back with openpyxl, ``compare`` and its gate,
+and bad input to each."""
 
 import html
 import json
@@ -17,11 +18,20 @@ from fitbench.report.compare import bootstrap_interval, compare_sweeps, parse_fa
 from fitbench.report.excel import sample_rows, write_xlsx
 from fitbench.report.figures import FIGURES
 from fitbench.report.html import write_html
-from fitbench.report.sweep import read_sweep
+from fitbench.report.sweep import read_sweep, read_sweeps
 from fitbench.util.stats import quantile
 
 RESULTS = Path(__file__).resolve().parents[1] / "benchmarks" / "results"
 GPU_SWEEP = RESULTS / "2026-11-27-h100x4-replicas" / "default"  # 4 x H100: train and decode, NVML timelines
+# A report over committed GPU sweeps split across folders: 1B training over 1, 2 and 4 H100s and
+# 13B decode over 1, 2 and 4 (one folder per run), the same 1B training over 1 and 2 H200s (whose
+# keys repeat the H100 ones), the 4-GPU default job, and a row that fell back (its ladder).
+ONE_TO_FOUR = RESULTS / "2026-11-27-h100x4-vs-one-gpu"
+TWO_H200 = RESULTS / "2026-11-24-h200x2-data-parallel"
+SEVERAL = [ONE_TO_FOUR / "weak" / name for name in ("1", "ddp-2", "ddp-4", "fsdp-2", "fsdp-4")] + [
+    ONE_TO_FOUR / "decode" / name for name in ("1", "tp-2", "tp-4")] + [
+    TWO_H200 / name for name in ("weak-1", "weak-ddp", "weak-fsdp")] + [
+    GPU_SWEEP, RESULTS / "2026-11-22-h100-offload"]
 SAME_TWICE = [(RESULTS / "2026-11-24-h200x2-data-parallel" / name, RESULTS / "2026-11-24-h200x2-data-parallel"
                / "planner-after" / name) for name in ("8b-fsdp", "20b-fsdp", "30b-planned")]
 
@@ -70,12 +80,12 @@ def browse(page: Path, tmp_path: Path) -> dict:
     return json.loads(html.unescape(found.group(1)))
 
 
-def check_page(directory: Path, page: Path, tmp_path: Path) -> dict:
-    sweep = read_sweep(directory)
+def check_page(directories: Path | list[Path], page: Path, tmp_path: Path) -> dict:
+    sweeps = read_sweeps(directories)
     seen = browse(page, tmp_path)
     assert seen["errors"] == []
-    assert seen["rows"] == len(sweep.rows)
-    expected = {f"plot-{plot.name}" for plot in FIGURES if plot.make(sweep) is not None}
+    assert seen["rows"] == len(sweeps.rows)
+    expected = {f"plot-{plot.name}" for plot in FIGURES if plot.make(sweeps) is not None}
     assert {plot["id"] for plot in seen["plots"]} == expected
     for plot in seen["plots"]:
         assert plot["traces"] > 0 and plot["marks"] > 0 and plot["width"] > 300 and plot["height"] > 200, plot
@@ -83,13 +93,15 @@ def check_page(directory: Path, page: Path, tmp_path: Path) -> dict:
 
 
 @pytest.mark.slow
-def test_the_report_of_a_gpu_sweep_loads_in_chromium_with_every_plot_drawn(tmp_path):
-    page = write_html(GPU_SWEEP, tmp_path / "gpu.html")
-    text = page.read_text()
+def test_the_report_of_gpu_sweeps_in_several_folders_loads_in_chromium_with_every_plot_drawn(tmp_path, capsys):
+    code, out, err = cli(["report", *map(str, SEVERAL), "--html", str(tmp_path / "gpu.html"), "--quiet"], capsys)
+    assert code == 0, err
+    text = (tmp_path / "gpu.html").read_text()
     assert "<script src=" not in text and "<link " not in text  # nothing fetched when viewed
     assert "4 x NVIDIA H100 80GB HBM3" in text and "fitbench run --gpus 4" in text  # provenance
-    plots = check_page(GPU_SWEEP, page, tmp_path)
-    assert {"plot-size", "plot-memory", "plot-terms", "plot-timeline", "plot-decode", "plot-scaling"} <= plots
+    assert text.count("<details>") == len(SEVERAL)  # one provenance per directory
+    plots = check_page(SEVERAL, tmp_path / "gpu.html", tmp_path)
+    assert plots == {f"plot-{plot.name}" for plot in FIGURES}  # each plot of the issue, with data
 
 
 @pytest.mark.slow
@@ -100,7 +112,7 @@ def test_the_report_of_a_cpu_sweep_loads_in_chromium(tiny_sweep, tmp_path, capsy
 
 
 def test_the_workbook_holds_every_row_and_every_sample(tmp_path):
-    sweep = read_sweep(GPU_SWEEP)
+    sweep = read_sweeps(GPU_SWEEP)
     book = openpyxl.load_workbook(write_xlsx(GPU_SWEEP, tmp_path / "gpu.xlsx"))
     assert book.sheetnames == ["provenance", "train", "infer", "samples"]
     keys = []
@@ -120,7 +132,7 @@ def test_the_workbook_holds_every_row_and_every_sample(tmp_path):
                                                                                "token)"], float)
     assert sorted(keys) == sorted(row.key for row in sweep.rows)
     samples = [list(line) for line in book["samples"].iter_rows(min_row=2, values_only=True)]
-    expected = sample_rows(sweep.rows)
+    expected = sample_rows(sweep)
     assert [line[:4] for line in samples] == [line[:4] for line in expected]
     # Excel keeps 15 significant digits of a number (openpyxl writes them so)
     assert [line[4] for line in samples] == pytest.approx([line[4] for line in expected], rel=1e-14)

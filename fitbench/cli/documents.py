@@ -3,6 +3,8 @@ Excel workbook (``fitbench.report``), written by ``fitbench run`` and ``fitbench
 
 from __future__ import annotations
 
+from pathlib import Path
+
 from rich.markup import escape
 
 from fitbench.cli.console import console, warn
@@ -27,11 +29,14 @@ def report_module(name: str, option: str):
                         f"with pip install 'fitbench[report]' (or pip install {missing.name}).") from None
 
 
-def write_documents(directory: str, rows: list[Row], html: str | None = None, xlsx: str | None = None,
-                    ollama_url: str | None = None, ollama_model: str | None = None, steps: Steps = NO_STEPS) -> None:
-    """The analysis, HTML report and workbook of the sweep in ``directory`` that the options ask for,
-    telling their stages to ``steps``; nothing, and no import of ``fitbench.report`` (the ``report``
-    extra's libraries), where none is."""
+def write_documents(sources: dict[str, list[Row]], html: str | None = None, xlsx: str | None = None,
+                    ollama_url: str | None = None, ollama_model: str | None = None,
+                    ollama_timeout: float | None = None, steps: Steps = NO_STEPS) -> None:
+    """The analysis, HTML report and workbook that the options ask for, of the sweeps in ``sources``
+    (each directory and the rows read from it: the analysis reads these), telling their stages to
+    ``steps``; nothing, and no import of ``fitbench.report`` (the ``report`` extra's libraries), where
+    none is. ``analysis.md`` goes into the directory, or, for several, beside the HTML page or the
+    workbook (the working directory without either)."""
     text = None
     if ollama_url is not None or ollama_model is not None:
         if not ollama_model:
@@ -39,14 +44,19 @@ def write_documents(directory: str, rows: list[Row], html: str | None = None, xl
                             "(e.g. gpt-oss-20b).")
         analysis_module = report_module("analysis", "ollama-url")
         url = analysis_module.check_url(ollama_url if ollama_url is not None else DEFAULT_OLLAMA_URL)
+        sweep_module = report_module("sweep", "ollama-url")
+        sweeps = sweep_module.Sweeps([sweep_module.SweepRows(Path(directory), rows)
+                                      for directory, rows in sources.items()])
+        timeout = analysis_module.DEFAULT_TIMEOUT_S if ollama_timeout is None else ollama_timeout
         console.print(f"asking {escape(ollama_model)} at {escape(url)} for an analysis ...")
-        analysis = analysis_module.analyse(rows, url, ollama_model)
+        analysis = analysis_module.analyse(sweeps.rows, url, ollama_model, timeout, label=sweeps.label)
         if analysis.warning:
             warn(analysis.warning)
         else:
             text = analysis.text
-            console.print(f"analysis: {analysis_module.write_analysis(analysis, directory, ollama_model)}")
+            place = Path(next(iter(sources))) if len(sources) == 1 else Path(html or xlsx or ".").parent
+            console.print(f"analysis: {analysis_module.write_analysis(analysis, place, ollama_model)}")
     if html:
-        console.print(f"html: {report_module('html', 'html').write_html(directory, html, text, steps)}")
+        console.print(f"html: {report_module('html', 'html').write_html(list(sources), html, text, steps)}")
     if xlsx:
-        console.print(f"xlsx: {report_module('excel', 'xlsx').write_xlsx(directory, xlsx, steps)}")
+        console.print(f"xlsx: {report_module('excel', 'xlsx').write_xlsx(list(sources), xlsx, steps)}")

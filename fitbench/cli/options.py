@@ -219,16 +219,19 @@ def bus_gpus(parser: argparse.ArgumentParser) -> None:
 
 
 def results_directory(parser: argparse.ArgumentParser) -> None:
-    """A results directory to show, and how."""
+    """The results directories to show, and how."""
     add = parser.add_argument
-    add("directory", metavar="DIR", help="the --out directory of a fitbench run")
-    add("--markdown", action="store_true", help="print a Markdown table with provenance")
+    add("directories", metavar="DIR", nargs="+",
+        help="the --out directory of a fitbench run; several are read together (the HTML page and the workbook "
+             "hold the rows of all, each directory's provenance apart)")
+    add("--markdown", action="store_true", help="print a Markdown table with provenance (one per DIR)")
     add("--csv", action="store_true", help="also write DIR/results.csv from the rows, as `fitbench run` writes it")
 
 
 def analysis_options(default=None) -> OptionGroup:
-    """``--ollama-url`` and ``--ollama-model``: a written analysis of the rows by a model an Ollama server
-    runs (``fitbench.report.analysis``); ``default`` is ``SUPPRESS`` where a YAML file may give them."""
+    """``--ollama-url``, ``--ollama-model`` and ``--ollama-timeout``: a written analysis of the rows by a
+    model an Ollama server runs (``fitbench.report.analysis``); ``default`` is ``SUPPRESS`` where a YAML
+    file may give them (the file's values are checked by ``fitbench.config.SweepConfig``)."""
     def group(parser: argparse.ArgumentParser) -> None:
         parser.add_argument("--ollama-url", dest="ollama_url", default=default, metavar="URL",
                             help="an Ollama server that writes a short analysis of the rows into analysis.md and the "
@@ -236,6 +239,10 @@ def analysis_options(default=None) -> OptionGroup:
         parser.add_argument("--ollama-model", dest="ollama_model", default=default, metavar="MODEL",
                             help="the model it runs, e.g. gpt-oss-20b; a server or model that does not answer is a "
                                  "warning, and the report is written without an analysis")
+        parser.add_argument("--ollama-timeout", dest="ollama_timeout", type=seconds, default=default,
+                            metavar="SECONDS",
+                            help="how long the server has for the whole analysis; past it, a warning, and the report "
+                                 "is written without it (default 120)")
 
     return group
 
@@ -262,6 +269,17 @@ def measure_ceilings(parser: argparse.ArgumentParser) -> None:
     """``--measure``: measure this machine's ceilings before showing them."""
     parser.add_argument("--measure", action="store_true",
                         help="measure the matmul and copy ceilings of the device and store them for MFU")
+
+
+def seconds(text: str) -> float:
+    """A positive, finite number of seconds."""
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a number of seconds, got {excerpt(text)}") from None
+    if not 0 < value < float("inf"):
+        raise argparse.ArgumentTypeError(f"expected a positive, finite number of seconds, got {excerpt(text)}")
+    return value
 
 
 def batch_size(text: str) -> int | str:

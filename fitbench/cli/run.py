@@ -177,7 +177,8 @@ def _summary(store, out: str, keys: set[str], config, quiet: bool = False) -> in
     csv_path = write_csv(list(store.typed_rows()), out)
     console.print(f"rows: {store.path}  table: {csv_path}")
     store.unlock()
-    write_documents(out, rows, ollama_url=config.ollama_url, ollama_model=config.ollama_model)
+    write_documents({out: rows}, ollama_url=config.ollama_url, ollama_model=config.ollama_model,
+                    ollama_timeout=config.ollama_timeout)
     failed = [row for row in rows if row.status != "ok"]
     if failed:
         listed = "; ".join(f"{escape(row.label)}: {escape(row.status)}" for row in failed)

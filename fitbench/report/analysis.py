@@ -16,6 +16,7 @@ from __future__ import annotations
 import time
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Callable
 
 import httpx
 import ollama
@@ -58,8 +59,9 @@ def _percent(value: float | None) -> str:
     return "-" if value is None else f"{100 * value:.1f}%"
 
 
-def prompt(rows: list[Row]) -> str:
-    """The rows as compact lines, then the planner's notes."""
+def prompt(rows: list[Row], label: Callable[[Row], str] = lambda row: row.label) -> str:
+    """The rows as compact lines, each named by ``label`` (a report of several directories adds a
+    repeated configuration's directory), then the planner's notes."""
     lines = ["configuration | status | time (median) | tokens/s | MFU | decode % of bandwidth roofline | "
              "measured peak per GPU | predicted peak | error"]
     notes = []
@@ -67,24 +69,25 @@ def prompt(rows: list[Row]) -> str:
         head = headline(row)
         error = (row.error or "").strip().splitlines()
         lines.append(" | ".join([
-            row.label, row.status, format_seconds(head["time"]),
+            label(row), row.status, format_seconds(head["time"]),
             "-" if head["tokens_per_s"] is None else f"{head['tokens_per_s']:,.0f}", _percent(head["mfu"]),
             "-" if head["roofline"] is None else f"{head['roofline']:.0f}%", format_bytes(head["measured_peak"]),
             format_bytes(head["predicted_peak"]), error[-1][:200] if error else "-"]))
         prediction = row.prediction or {}
         for rejected in (prediction.get("rejected") or [])[:NOTES_PER_ROW]:
-            notes.append(f"- {row.label}: rejected {rejected}")
+            notes.append(f"- {label(row)}: rejected {rejected}")
         if prediction.get("chosen_by_planner"):
-            notes.append(f"- {row.label}: the planner chose its {', '.join(map(str, prediction['chosen_by_planner']))}")
+            notes.append(f"- {label(row)}: the planner chose its {', '.join(map(str, prediction['chosen_by_planner']))}")
     return "\n".join(lines) + ("\n\nPlanner's notes:\n" + "\n".join(notes) if notes else "")
 
 
-def analyse(rows: list[Row], url: str, model: str, timeout: float = DEFAULT_TIMEOUT_S,
-            stream: bool = True) -> Analysis:
-    """The analysis of ``rows`` by ``model`` on the Ollama server at ``url`` (the module's docstring)."""
+def analyse(rows: list[Row], url: str, model: str, timeout: float = DEFAULT_TIMEOUT_S, stream: bool = True,
+            label: Callable[[Row], str] = lambda row: row.label) -> Analysis:
+    """The analysis of ``rows`` (each named by ``label``) by ``model`` on the Ollama server at ``url``
+    (the module's docstring)."""
     url = check_url(url)
     where = f"the Ollama server at {url} (model {model})"
-    messages = [{"role": "system", "content": SYSTEM}, {"role": "user", "content": prompt(rows)}]
+    messages = [{"role": "system", "content": SYSTEM}, {"role": "user", "content": prompt(rows, label)}]
     client = ollama.Client(host=url, timeout=timeout)
     started = time.monotonic()
     try:

@@ -18,6 +18,7 @@ from typing import Any, Callable
 
 from fitbench.precisions import entry
 from fitbench.report.figures import GB, gpu_peak, layout_label, world_size
+from fitbench.report.sweep import Sweeps
 from fitbench.results.report import headline
 from fitbench.results.row import Row
 
@@ -99,11 +100,20 @@ COLUMNS = (
 )
 
 
-def row_values(row: Row, html: bool = False) -> list[Value]:
-    """``row``'s values in ``COLUMNS`` order (only the HTML table's with ``html``)."""
+def row_values(row: Row, html: bool = False, directory: str | None = None) -> list[Value]:
+    """``row``'s values in ``COLUMNS`` order (only the HTML table's with ``html``), after the name of
+    the directory it was read from where one is given (a report of several sweeps)."""
     head = headline(row)
-    return [column.value(row, head) for column in COLUMNS if column.in_html or not html]
+    return ([directory] if directory is not None else []) + [column.value(row, head) for column in COLUMNS
+                                                              if column.in_html or not html]
 
 
-def headers(html: bool = False) -> list[str]:
-    return [column.header for column in COLUMNS if column.in_html or not html]
+def headers(html: bool = False, directory: bool = False) -> list[str]:
+    return (["directory"] if directory else []) + [column.header for column in COLUMNS if column.in_html or not html]
+
+
+def rows_table(sweeps: Sweeps, rows: list[Row], html: bool = False) -> tuple[list[str], list[list[Value]]]:
+    """The header and values of ``rows`` of ``sweeps``, with the directory of each first where the
+    report reads several."""
+    return headers(html, sweeps.several), [row_values(row, html, sweeps.name(row) if sweeps.several else None)
+                                           for row in rows]

@@ -1,6 +1,6 @@
-"""The plots of the HTML report, as plotly figures made from a sweep's rows.
+"""The plots of the HTML report, as plotly figures made from a report's rows.
 
-Each function returns a figure, or None when the sweep holds nothing it could plot (no row of
+Each function returns a figure, or None when the rows hold nothing it could plot (no row of
 several GPUs, no fallback, no decode), so the page has no empty plot. Every figure is a function of
 the rows alone; what a figure shows is said in ``FIGURES``, beside it on the page:
 
@@ -18,7 +18,18 @@ the rows alone; what a figure shows is said in ``FIGURES``, beside it on the pag
 - ladder: each attempt of each row that fell back, coloured by how it ended, its change and error
   in its hover text;
 - scaling: tokens/s per GPU (the row's tokens/s over its layout's world size) against the GPU
-  count, one line per model, mode and precision, each layout a marker.
+  count, one line per device, configuration (``configuration``: the row apart from its layout) and
+  strategy (``fitbench.spec.Layout.strategy``), each line starting from the configuration's one-GPU
+  rows where there are some, on a log axis so configurations of any speed share it. Flat is perfect
+  weak scaling where each rank keeps its batch (ddp, fsdp, replicas); under tp and pipeline the
+  batch is the job's, so the line shows strong scaling;
+- layouts: for each configuration run in more than one layout on one kind of device, one bar per
+  row: the job's tokens/s (all its GPUs) as a percentage of the configuration's fastest row, so
+  configurations of any speed share the axis; the figures themselves are on the bar.
+
+The rows of a report may come from several sweep directories and devices (``fitbench.report.sweep``):
+no line or bar group joins rows of two kinds of device (``device``), and where the rows plotted ran on
+more than one, each name starts with its device.
 """
 
 from __future__ import annotations
@@ -32,7 +43,7 @@ import plotly.graph_objects as go
 from plotly.subplots import make_subplots
 
 from fitbench.monitor.nvml import read_timeline
-from fitbench.report.sweep import SweepRows
+from fitbench.report.sweep import Sweeps
 from fitbench.results.report import headline
 from fitbench.spec import Layout
 from fitbench.results.row import Row
@@ -53,14 +64,39 @@ def world_size(row: Row) -> int:
     return Layout.model_validate(row.spec.get("layout") or {}).world_size
 
 
+def configuration(row: Row) -> str:
+    """What the row runs apart from its layout: its label (``fitbench.spec.RunSpec.label``) without
+    the layout's part, so the rows of one configuration over 1, 2 and 4 GPUs share it."""
+    if world_size(row) == 1:
+        return row.label
+    return row.label.replace(f" {layout_label(row)} ", " ", 1)
+
+
+def device(row: Row) -> str:
+    """The kind of device the row ran on: its GPUs' names (NVML's, without the vendor's prefix), the
+    CPU, or ``unknown device`` for a row without an environment (one refused before it ran)."""
+    environment = row.environment or {}
+    names = sorted({str(gpu["name"]).removeprefix("NVIDIA ") for gpu in environment.get("gpus") or []
+                    if gpu.get("name")})
+    if names:
+        return " + ".join(names)
+    return "CPU" if environment else "unknown device"
+
+
+def _on_device(rows: list[Row]) -> Callable[[Row], str]:
+    """A group name's prefix: the row's device where ``rows`` ran on more than one kind, else nothing."""
+    several = len({device(row) for row in rows}) > 1
+    return lambda row: f"{device(row)}: " if several else ""
+
+
 def gpu_peak(gpu: dict[str, Any]) -> float | None:
     """One GPU's measured peak: NVML's per-process figure, else the allocator's reserved peak."""
     value = gpu.get("nvml_peak_used") or gpu.get("peak_reserved")
     return float(value) if value else None
 
 
-def _ok(sweep: SweepRows) -> list[Row]:
-    return [row for row in sweep.rows if row.status == "ok"]
+def _ok(sweeps: Sweeps) -> list[Row]:
+    return [row for row in sweeps.rows if row.status == "ok"]
 
 
 def _grouped(rows: list[Row], key: Callable[[Row], str]) -> dict[str, list[Row]]:
@@ -76,17 +112,18 @@ def _figure(fig: go.Figure, height: int = 420) -> go.Figure:
     return fig
 
 
-def size_figure(sweep: SweepRows) -> go.Figure | None:
-    rows = [row for row in _ok(sweep) if row.params and headline(row)["tokens_per_s"]]
+def size_figure(sweeps: Sweeps) -> go.Figure | None:
+    rows = [row for row in _ok(sweeps) if row.params and headline(row)["tokens_per_s"]]
     if not rows:
         return None
     fig = make_subplots(rows=1, cols=2, subplot_titles=("tokens/s", "MFU (%)"))
-    groups = _grouped(rows, lambda row: f"{row.spec['mode']} {row.spec['precision']}, {layout_label(row)}")
+    on = _on_device(rows)
+    groups = _grouped(rows, lambda row: f"{on(row)}{row.spec['mode']} {row.spec['precision']}, {layout_label(row)}")
     for index, (name, group) in enumerate(groups.items()):
         group = sorted(group, key=lambda row: row.params)
         heads = [headline(row) for row in group]
         params = [row.params for row in group]
-        labels = [row.label for row in group]
+        labels = [sweeps.label(row) for row in group]
         colour = _COLOURS[index % len(_COLOURS)]
         fig.add_trace(go.Scatter(x=params, y=[h["tokens_per_s"] for h in heads], name=name, text=labels,
                                  mode="lines+markers", legendgroup=name, line=dict(color=colour)), 1, 1)
@@ -98,13 +135,14 @@ def size_figure(sweep: SweepRows) -> go.Figure | None:
     return _figure(fig)
 
 
-def memory_figure(sweep: SweepRows) -> go.Figure | None:
+def memory_figure(sweeps: Sweeps) -> go.Figure | None:
     points = []
-    for row in sweep.rows:
+    for row in sweeps.rows:
         predicted = (row.prediction or {}).get("predicted_peak_bytes")
         for index, gpu in enumerate((row.memory or {}).get("gpus") or []):
             if predicted and gpu_peak(gpu):
-                points.append((predicted / GB, gpu_peak(gpu) / GB, f"{row.label}, rank {gpu.get('rank', index)}"))
+                points.append((predicted / GB, gpu_peak(gpu) / GB,
+                               f"{sweeps.label(row)}, rank {gpu.get('rank', index)}"))
     if not points:
         return None
     fig = go.Figure()
@@ -135,25 +173,25 @@ def _chooser(fig: go.Figure, names: list[str], traces_per_choice: list[int],
     fig.update_layout(updatemenus=[dict(buttons=buttons, x=0, xanchor="left", y=1.18, yanchor="top")])
 
 
-def terms_figure(sweep: SweepRows) -> go.Figure | None:
-    rows = [row for row in sweep.rows if (row.prediction or {}).get("terms")]
+def terms_figure(sweeps: Sweeps) -> go.Figure | None:
+    rows = [row for row in sweeps.rows if (row.prediction or {}).get("terms")]
     if not rows:
         return None
     fig = go.Figure()
     for row in rows:
         terms = [term for term in row.prediction["terms"] if term.get("bytes")]
         fig.add_trace(go.Bar(x=[term["bytes"] / GB for term in terms], y=[term["name"] for term in terms],
-                             orientation="h", name=row.label,
+                             orientation="h", name=sweeps.label(row),
                              marker=dict(color=["#1f77b4" if term.get("at_peak", True) else "#c7c7c7"
                                                 for term in terms])))
-    _chooser(fig, [row.label for row in rows], [1] * len(rows))
+    _chooser(fig, [sweeps.label(row) for row in rows], [1] * len(rows))
     fig.update_xaxes(title_text="GB per GPU (grey: not alive at the peak)")
     fig.update_yaxes(autorange="reversed")
     return _figure(fig, height=max(420, 22 * max(len(row.prediction["terms"]) for row in rows)))
 
 
-def timeline_figure(sweep: SweepRows) -> go.Figure | None:
-    chosen = [(row, path) for row in sweep.rows if (path := sweep.timeline(row)) is not None]
+def timeline_figure(sweeps: Sweeps) -> go.Figure | None:
+    chosen = [(row, path) for row in sweeps.rows if (path := sweeps.timeline(row)) is not None]
     timelines = []
     for row, path in chosen:
         timeline = read_timeline(path)
@@ -180,7 +218,7 @@ def timeline_figure(sweep: SweepRows) -> go.Figure | None:
                               panel, 1)
         counts.append(3 * len(by_gpu))
         shapes.append(_marks(row, timeline, start))
-    _chooser(fig, [row.label for row, _ in timelines], counts, shapes)
+    _chooser(fig, [sweeps.label(row) for row, _ in timelines], counts, shapes)
     fig.update_xaxes(title_text="seconds since the first sample", row=3, col=1)
     return _figure(fig, height=640)
 
@@ -208,19 +246,20 @@ def _marks(row: Row, timeline, start: float) -> list[dict]:
     return marks
 
 
-def decode_figure(sweep: SweepRows) -> go.Figure | None:
-    rows = [row for row in _ok(sweep) if row.spec["mode"] == "infer"
+def decode_figure(sweeps: Sweeps) -> go.Figure | None:
+    rows = [row for row in _ok(sweeps) if row.spec["mode"] == "infer"
             and (row.throughput or {}).get("decode_tokens_per_s")]
     if not rows:
         return None
     fig = go.Figure()
-    groups = _grouped(rows, lambda row: f"{row.spec['model']} {row.spec['precision']}, {layout_label(row)}")
+    on = _on_device(rows)
+    groups = _grouped(rows, lambda row: f"{on(row)}{row.spec['model']} {row.spec['precision']}, {layout_label(row)}")
     for index, (name, group) in enumerate(groups.items()):
         group = sorted(group, key=lambda row: row.spec["batch_size"])
         batches = [row.spec["batch_size"] for row in group]
         colour = _COLOURS[index % len(_COLOURS)]
         fig.add_trace(go.Scatter(x=batches, y=[row.throughput["decode_tokens_per_s"] for row in group],
-                                 mode="lines+markers", name=name, text=[row.label for row in group],
+                                 mode="lines+markers", name=name, text=[sweeps.label(row) for row in group],
                                  line=dict(color=colour)))
         roofline = [row.throughput.get("decode_roofline_tokens_per_s") for row in group]
         if any(roofline):
@@ -231,13 +270,13 @@ def decode_figure(sweep: SweepRows) -> go.Figure | None:
     return _figure(fig)
 
 
-def ladder_figure(sweep: SweepRows) -> go.Figure | None:
-    rows = [row for row in sweep.rows if len(row.attempts or []) > 1]
+def ladder_figure(sweeps: Sweeps) -> go.Figure | None:
+    rows = [row for row in sweeps.rows if len(row.attempts or []) > 1]
     if not rows:
         return None
     fig = go.Figure()
     for status in sorted({attempt.get("status") or "?" for row in rows for attempt in row.attempts}):
-        points = [(number, row.label, f"{attempt.get('change')}: {(attempt.get('error') or status)[:200]}")
+        points = [(number, sweeps.label(row), f"{attempt.get('change')}: {(attempt.get('error') or status)[:200]}")
                   for row in rows for number, attempt in enumerate(row.attempts, start=1)
                   if (attempt.get("status") or "?") == status]
         fig.add_trace(go.Scatter(x=[p[0] for p in points], y=[p[1] for p in points], text=[p[2] for p in points],
@@ -247,29 +286,80 @@ def ladder_figure(sweep: SweepRows) -> go.Figure | None:
     return _figure(fig, height=max(300, 40 * len(rows) + 120))
 
 
-def scaling_figure(sweep: SweepRows) -> go.Figure | None:
-    rows = [row for row in _ok(sweep) if headline(row)["tokens_per_s"]]
+def _rated(sweeps: Sweeps) -> list[Row]:
+    return [row for row in _ok(sweeps) if headline(row)["tokens_per_s"]]
+
+
+def _per_gpu(row: Row) -> float:
+    return headline(row)["tokens_per_s"] / world_size(row)
+
+
+def _source(sweeps: Sweeps, row: Row) -> str:
+    """A row's hover text: its label, layout and, in a report of several directories, its directory."""
+    return f"{sweeps.label(row)} ({layout_label(row)})" + (f", from {sweeps.name(row)}" if sweeps.several else "")
+
+
+def scaling_figure(sweeps: Sweeps) -> go.Figure | None:
+    rows = _rated(sweeps)
     if not any(world_size(row) > 1 for row in rows):
         return None
     fig = go.Figure()
-    groups = _grouped(rows, lambda row: f"{row.spec['model']} {row.spec['mode']} {row.spec['precision']}")
-    symbols = {}
+    on = _on_device(rows)
+    groups = _grouped(rows, lambda row: f"{on(row)}{configuration(row)}")
+    strategies: dict[str, int] = {}
     for index, (name, group) in enumerate(groups.items()):
-        group = sorted(group, key=world_size)
-        fig.add_trace(go.Scatter(
-            x=[world_size(row) for row in group], y=[headline(row)["tokens_per_s"] / world_size(row) for row in group],
-            mode="lines+markers", name=name, text=[f"{row.label} ({layout_label(row)})" for row in group],
-            marker=dict(size=11, symbol=[symbols.setdefault(layout_label(row), _SYMBOLS[len(symbols) % len(_SYMBOLS)])
-                                         for row in group]),
-            line=dict(color=_COLOURS[index % len(_COLOURS)])))
+        one_gpu = [row for row in group if world_size(row) == 1]
+        spread = _grouped([row for row in group if world_size(row) > 1],
+                          lambda row: Layout.model_validate(row.spec.get("layout") or {}).strategy)
+        for strategy, several in spread.items():
+            line = sorted(one_gpu + several, key=world_size)
+            style = strategies.setdefault(strategy, len(strategies))
+            fig.add_trace(go.Scatter(
+                x=[world_size(row) for row in line], y=[_per_gpu(row) for row in line], mode="lines+markers",
+                name=f"{name}: {strategy}", text=[_source(sweeps, row) for row in line],
+                marker=dict(size=11, symbol=_SYMBOLS[style % len(_SYMBOLS)]),
+                line=dict(color=_COLOURS[index % len(_COLOURS)], dash=_DASHES[style % len(_DASHES)])))
     fig.update_xaxes(title_text="GPUs", dtick=1)
-    fig.update_yaxes(title_text="tokens/s per GPU", rangemode="tozero")
+    fig.update_yaxes(title_text="tokens/s per GPU", type="log")
     return _figure(fig)
+
+
+def layouts_figure(sweeps: Sweeps) -> go.Figure | None:
+    rows = _rated(sweeps)
+    on = _on_device(rows)
+    groups = {name: group for name, group in _grouped(rows, lambda row: f"{on(row)}{configuration(row)}").items()
+              if len({layout_label(row) for row in group}) > 1}
+    if not groups:
+        return None
+    fig = go.Figure()
+    for index, (name, group) in enumerate(groups.items()):
+        group = sorted(group, key=lambda row: (world_size(row), layout_label(row)))
+        bars = _distinct([layout_label(row) + (f" [{sweeps.name(row)}]" if sweeps.several else "") for row in group])
+        best = max(headline(row)["tokens_per_s"] for row in group)
+        fig.add_trace(go.Bar(
+            y=[[name] * len(group), bars], x=[100 * headline(row)["tokens_per_s"] / best for row in group],
+            orientation="h", name=name, textposition="auto", hovertext=[_source(sweeps, row) for row in group],
+            text=[f"{headline(row)['tokens_per_s']:,.0f} tokens/s, {_per_gpu(row):,.0f} per GPU" for row in group],
+            marker=dict(color=_COLOURS[index % len(_COLOURS)])))
+    fig.update_xaxes(title_text="tokens/s of the job, % of the configuration's fastest layout", range=[0, 100])
+    fig.update_yaxes(autorange="reversed")
+    return _figure(fig, height=max(300, 30 * sum(len(group) for group in groups.values()) + 120))
+
+
+def _distinct(names: list[str]) -> list[str]:
+    """``names`` with a repeated one numbered (``tp x 2 (2)``), so no two bars of a group share a place."""
+    seen: dict[str, int] = defaultdict(int)
+    shown = []
+    for name in names:
+        seen[name] += 1
+        shown.append(name if seen[name] == 1 else f"{name} ({seen[name]})")
+    return shown
 
 
 _COLOURS = ("#1f77b4", "#ff7f0e", "#2ca02c", "#d62728", "#9467bd", "#8c564b", "#e377c2", "#7f7f7f", "#bcbd22",
             "#17becf")
 _SYMBOLS = ("circle", "square", "diamond", "triangle-up", "x", "star")
+_DASHES = ("solid", "dash", "dot", "dashdot", "longdash", "longdashdot")
 
 
 @dataclass(frozen=True)
@@ -279,7 +369,7 @@ class Plot:
     name: str
     title: str
     caption: str
-    make: Callable[[SweepRows], go.Figure | None]
+    make: Callable[[Sweeps], go.Figure | None]
 
 
 FIGURES = (
@@ -296,6 +386,11 @@ FIGURES = (
          "(the tokens/s at which each step reads its bytes at the datasheet's memory bandwidth).", decode_figure),
     Plot("ladder", "The fallback ladder", "each attempt of the rows that fell back, coloured by how it ended; the "
          "change and the error are in its hover text.", ladder_figure),
-    Plot("scaling", "Scaling over GPUs", "tokens/s per GPU against the GPU count (weak scaling: each data-parallel "
-         "rank keeps its batch), one line per model, mode and precision, one marker per layout.", scaling_figure),
+    Plot("scaling", "Scaling over GPUs", "tokens/s per GPU against the GPU count, one line per device, "
+         "configuration and strategy, from the configuration's one-GPU rows where there are some. Under ddp, fsdp "
+         "and replicas each rank keeps its batch (weak scaling: flat is perfect); under tp and pipeline the batch "
+         "is the job's (strong scaling). Log axis.", scaling_figure),
+    Plot("layouts", "The layouts compared", "each configuration run in more than one layout on one kind of device: "
+         "the job's tokens/s per layout as a percentage of the fastest; its tokens/s and tokens/s per GPU on the "
+         "bar.", layouts_figure),
 )

@@ -1,5 +1,6 @@
-"""A sweep as one self-contained HTML page: provenance, warnings, the written analysis, a sortable
-table of the rows and the plots of ``fitbench.report.figures``.
+"""One or several sweeps as one self-contained HTML page: provenance (per directory), warnings, the
+written analysis, a sortable table of the rows (with the directory of each where there are
+several) and the plots of ``fitbench.report.figures``.
 
 Nothing is fetched when the page is viewed: the styles, the table's sorting script and plotly's
 script are inline (plotly once, before the first plot), so the file can be mailed or archived and
@@ -10,14 +11,14 @@ from __future__ import annotations
 
 import html
 from pathlib import Path
-from typing import Any
+from typing import Any, Iterable
 
-from fitbench.report.columns import headers, row_values
+from fitbench.report.columns import rows_table
 from fitbench.report.compare import Comparison
 from fitbench.report.figures import FIGURES
 from fitbench.report.output import write_output
 from fitbench.report.provenance import provenance
-from fitbench.report.sweep import SweepRows, read_sweep
+from fitbench.report.sweep import Sweeps, read_sweeps
 from fitbench.results.terminal import NO_STEPS, Steps
 
 STYLE = """
@@ -95,22 +96,41 @@ def page(title: str, sections: list[str]) -> str:
             + f"\n<script>{SORT_SCRIPT}</script></body></html>\n")
 
 
-def _warnings(warnings: list[str]) -> str:
+def _warnings(warnings: list[str], several: bool = False) -> str:
+    """The warnings of reading the rows; with ``several`` directories, the configurations in more than one too."""
     if not warnings:
         return ""
     items = "".join(f"<li>{html.escape(warning)}</li>" for warning in warnings)
+    repeated = (", and configurations found in more than one directory (each row kept, labelled by its "
+                "directory)") if several else ""
     return (f'<section id="warnings"><h2>Warnings</h2><p class="warning">Lines of the results that were not '
-            f"clean rows: skipped, or read with the fields named left blank.</p><ul class=\"warning\">{items}</ul>"
-            f"</section>")
+            f"clean rows (skipped, or read with the fields named left blank){repeated}.</p>"
+            f'<ul class="warning">{items}</ul></section>')
 
 
-def plots(sweep: SweepRows, steps: Steps = NO_STEPS) -> list[str]:
+def _provenance(sweeps: Sweeps) -> str:
+    """One table of provenance; for several directories, one each under its name, folded to a line
+    (its devices and rows) so the plots stay near the top of the page."""
+    if not sweeps.several:
+        return f'<section id="provenance"><h2>Provenance</h2>{_facts(provenance(sweeps.sweeps[0]))}</section>'
+    parts = []
+    for name, sweep in zip(sweeps.names, sweeps.sweeps):
+        facts = provenance(sweep)
+        summary = dict(facts)
+        parts.append(f"<details><summary>{html.escape(name)}: {html.escape(summary['devices'])}; "
+                     f"{len(sweep.rows)} row(s)</summary>{_facts(facts)}</details>")
+    return (f'<section id="provenance"><h2>Provenance</h2><p class="caption">{len(sweeps.sweeps)} sweep '
+            f"directories, each as it was read; open one for its versions, commands and dates.</p>"
+            f"{''.join(parts)}</section>")
+
+
+def plots(sweeps: Sweeps, steps: Steps = NO_STEPS) -> list[str]:
     """One section per figure that has something to show; plotly's script inline before the first.
     Each figure is a step of ``steps``."""
     sections, script = [], True
     steps.begin("plots", len(FIGURES))
     for plot in FIGURES:
-        figure = plot.make(sweep)
+        figure = plot.make(sweeps)
         steps.advance()
         if figure is None:
             continue
@@ -122,20 +142,23 @@ def plots(sweep: SweepRows, steps: Steps = NO_STEPS) -> list[str]:
     return sections
 
 
-def write_html(rows_dir: str | Path, path: str | Path, analysis: str | None = None, steps: Steps = NO_STEPS) -> Path:
-    """The report of the sweep in ``rows_dir`` written to ``path``; ``analysis`` (text) is shown under
-    the provenance. Returns the path written; bad input is a ``UserError``."""
-    sweep = read_sweep(rows_dir)
-    sections = [f'<section id="provenance"><h2>Provenance</h2>{_facts(provenance(sweep))}</section>',
-                _warnings(sweep.warnings)]
+def write_html(directories: str | Path | Iterable[str | Path], path: str | Path, analysis: str | None = None,
+               steps: Steps = NO_STEPS) -> Path:
+    """The report of the sweep in ``directories`` (one, or several read together) written to ``path``;
+    ``analysis`` (text) is shown under the provenance. Returns the path written; bad input is a
+    ``UserError``."""
+    sweeps = read_sweeps(directories)
+    sections = [_provenance(sweeps), _warnings(sweeps.warnings, sweeps.several)]
     if analysis:
         sections.append(f'<section id="analysis"><h2>Analysis</h2><div class="analysis">{html.escape(analysis)}'
                         f"</div></section>")
+    header, values = rows_table(sweeps, sweeps.rows, html=True)
     sections.append(f'<section id="rows"><h2>Rows</h2><p class="caption">Click a header to sort. Every field and '
-                    f"raw sample is in results.jsonl.</p>{table(headers(html=True), [row_values(row, html=True) for row in sweep.rows], text_columns=5)}"
-                    f"</section>")
-    sections += plots(sweep, steps)
-    return write_output(path, page(f"fitbench report: {sweep.directory}", sections), "--html")
+                    f"raw sample is in each directory's results.jsonl.</p>"
+                    f"{table(header, values, text_columns=5 + int(sweeps.several))}</section>")
+    sections += plots(sweeps, steps)
+    title = ", ".join(sweeps.names) if sweeps.several else str(sweeps.sweeps[0].directory)
+    return write_output(path, page(f"fitbench report: {title}", sections), "--html")
 
 
 def write_comparison_html(comparison: Comparison, path: str | Path) -> Path:
