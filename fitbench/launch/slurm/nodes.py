@@ -43,12 +43,18 @@ class AgentsOnNodes:
     cpus_per_task: int | None = None
 
     def command(self, assignment: Path, result: Path) -> list[str]:
-        srun = ["srun", f"--nodes={self.nodes}", f"--ntasks={self.nodes}", "--ntasks-per-node=1"]
-        if self.cpus_per_task is not None:
-            srun.append(f"--cpus-per-task={self.cpus_per_task}")
-        return [*srun, "env", "-u", PARENT_VARIABLE, sys.executable, "-m", "torch.distributed.run",
+        return [*srun_tasks(self.nodes, self.cpus_per_task), sys.executable, "-m", "torch.distributed.run",
                 *agent_options(self.nodes, self.ranks_per_node), f"--rdzv-endpoint={self.endpoint}",
                 f"--rdzv-id={self.rendezvous_id}", "-m", "fitbench.run.worker", str(assignment), str(result)]
+
+
+def srun_tasks(nodes: int, cpus_per_task: int | None = None) -> list[str]:
+    """The start of a command that ``srun`` runs as one task on each of ``nodes`` nodes, without
+    ``FITBENCH_PARENT_PID``, whose process other nodes cannot see."""
+    srun = ["srun", f"--nodes={nodes}", f"--ntasks={nodes}", "--ntasks-per-node=1"]
+    if cpus_per_task is not None:
+        srun.append(f"--cpus-per-task={cpus_per_task}")
+    return [*srun, "env", "-u", PARENT_VARIABLE]
 
 
 @dataclass(frozen=True)
