@@ -274,14 +274,15 @@ def plan_sweep(config, out: str, out_option: str = "--out", say: Callable[[str],
 
 
 def cluster_target(target: GpuTarget, config) -> GpuTarget:
-    """``target`` as the sweep's jobs take it: ``--gpus`` over ``--nodes`` (one node by default) and,
-    between nodes, ``--inter-node-bandwidth`` where given."""
+    """``target`` as the sweep's jobs take it: ``--gpus`` spread over ``--nodes`` where there are several
+    (the target's node size otherwise, which alternatives of more GPUs keep) and, between nodes,
+    ``--inter-node-bandwidth`` where given."""
     from dataclasses import replace
 
     from fitbench.plan.nodes import parse_inter_node_bandwidth
 
     bandwidth = config.inter_node_bandwidth
-    return replace(target, node_gpus=config.gpus // (config.nodes or 1),
+    return replace(target, node_gpus=config.gpus // config.nodes if (config.nodes or 1) > 1 else target.node_gpus,
                    inter_node_bandwidth=parse_inter_node_bandwidth(bandwidth) if bandwidth else None)
 
 

@@ -4,11 +4,12 @@ fill whole nodes, and the ranking that keeps the heavy traffic inside nodes."""
 
 import json
 import socket
+from dataclasses import replace
 
 import pytest
 
 from conftest import cli
-from fitbench.launch.calibrate import RING_FACTOR, measure_across_nodes, with_inter_node
+from fitbench.launch.calibrate import COLLECTIVE_RUNS, measure_across_nodes, with_inter_node
 from fitbench.models.registry import resolve
 from fitbench.plan.calibration import DEFAULT, load_calibration, save_calibration
 from fitbench.plan.collectives import BusBandwidth, bus_bandwidth
@@ -165,11 +166,23 @@ def test_two_agents_of_two_nodes_measure_the_link_between_them(tmp_path):
     for level in (inside, between):
         assert min(level.all_reduce, level.all_gather, level.all_reduce_latency, level.all_gather_latency) > 0
     assert "between 2 nodes" in between.source and "inside a node" in inside.source
-    # the fit passes through both timed messages: the large one's time is its latency plus its ring bytes
-    large = 4 * 1024**2
-    assert between.all_reduce_s(large, 2) > between.all_reduce_latency + RING_FACTOR["all_reduce"](2) * large / (
-        2 * between.all_reduce)
+    # the fitted line grows with the message from its latency: the large message's bytes add to the small one's
+    small, large = (size for size, _, _ in COLLECTIVE_RUNS["gloo"])
+    for level in (inside, between):
+        assert level.all_reduce_s(large, 2) > level.all_reduce_s(small, 2) > level.all_reduce_latency
     save_calibration(H100, with_inter_node(DEFAULT, between))
     loaded = load_calibration(H100)
     assert inter_node_link(H100, loaded) == between
     assert bus_bandwidth(H100, loaded) == bus_bandwidth(H100)  # the level inside a node is not replaced
+
+
+def test_a_sweep_plans_its_jobs_over_its_nodes_with_the_link_it_names():
+    from fitbench.config import SweepConfig
+    from fitbench.sweep import cluster_target
+
+    target = GpuTarget(H100, 16, 80e9, described=False)
+    over_two = cluster_target(target, SweepConfig(models=["tiny"], gpus=16, nodes=2, launcher="slurm",
+                                                  inter_node_bandwidth="hdr"))
+    assert (over_two.node_gpus, over_two.inter_node_bandwidth) == (8, 25e9)
+    here = cluster_target(replace(target, count=1), SweepConfig(models=["tiny"]))
+    assert (here.node_gpus, here.inter_node_bandwidth) == (target.node_gpus, None)
