@@ -15,6 +15,7 @@ from pydantic import BaseModel, ConfigDict, Field, StrictBool, ValidationError, 
 
 from fitbench.models.architecture import Architecture, backend_error, default_backend
 from fitbench.models.registry import resolve
+from fitbench.plan.nodes import parse_inter_node_bandwidth
 from fitbench.precisions import DEFAULT_LADDER, PRECISIONS, TRAINING_MODES, entry
 from fitbench.spec import Layout, Mode, Precision, RunSpec, microbatch_problem
 from fitbench.util.endpoints import http_url_problem
@@ -126,6 +127,10 @@ class SweepConfig(BaseModel):
                                                                           "--qos=high (slurm launcher)")
     max_concurrent: int | None = Field(None, description=f"jobs of the sweep's array running at once, 1 to "
                                                          f"{COUNT_MAX:,} (slurm launcher; default: all)")
+    inter_node_bandwidth: str | None = Field(
+        None, description="bandwidth between nodes per GPU, which the planner gives collectives that cross nodes: "
+                          "a fabric (ndr, hdr, 100gbe) or a figure with its unit, 400Gb/s or 50GB/s (default: "
+                          "fitbench calibrate's over nodes, else the GPU's fabric)")
 
     ollama_url: str | None = Field(None, description="an http(s) URL of an Ollama server, e.g. http://localhost:11434")
     ollama_model: str | None = Field(None, min_length=1, description="the model it runs for the analysis, e.g. "
@@ -176,6 +181,13 @@ class SweepConfig(BaseModel):
     @classmethod
     def _optional_rank_count(cls, value: Any) -> Any:
         return value if value is None else _whole_number(value, 1, RANKS_MAX)
+
+    @field_validator("inter_node_bandwidth")
+    @classmethod
+    def _inter_node_bandwidth(cls, value: str | None) -> str | None:
+        if value is not None:
+            parse_inter_node_bandwidth(value)
+        return value
 
     @field_validator("sbatch_args", mode="before")
     @classmethod

@@ -267,8 +267,23 @@ def plan_sweep(config, out: str, out_option: str = "--out", say: Callable[[str],
     specs = expand(config, device=device, default_models=default_models(device))
     check_output_directory(out, out_option)
     target, calibration = run_target(device, say=say, ranks=config.gpus)
+    if target is not None:
+        target = cluster_target(target, config)
     jobs = refuse_unrunnable(plan_jobs(specs, config, target, calibration), device)
     return PlannedSweep(device, jobs, calibration.source if calibration else TENSORS_ONLY)
+
+
+def cluster_target(target: GpuTarget, config) -> GpuTarget:
+    """``target`` as the sweep's jobs take it: ``--gpus`` spread over ``--nodes`` where there are several
+    (the target's node size otherwise, which alternatives of more GPUs keep) and, between nodes,
+    ``--inter-node-bandwidth`` where given."""
+    from dataclasses import replace
+
+    from fitbench.plan.nodes import parse_inter_node_bandwidth
+
+    bandwidth = config.inter_node_bandwidth
+    return replace(target, node_gpus=config.gpus // config.nodes if (config.nodes or 1) > 1 else target.node_gpus,
+                   inter_node_bandwidth=parse_inter_node_bandwidth(bandwidth) if bandwidth else None)
 
 
 def cluster_device(config) -> str:
@@ -386,8 +401,13 @@ def bus_figures(bus) -> str:
 def _collectives_figures(c) -> str:
     from fitbench.plan.collectives import BusBandwidth
 
-    if c.all_reduce_bus_bandwidth is None:
-        return ""
-    bus = BusBandwidth(c.all_reduce_bus_bandwidth, c.all_gather_bus_bandwidth, c.collectives_source,
-                       c.all_reduce_latency_s or 0.0, c.all_gather_latency_s or 0.0)
-    return f"; {bus_figures(bus)}"
+    figures = ""
+    if c.all_reduce_bus_bandwidth is not None:
+        figures += "; " + bus_figures(BusBandwidth(c.all_reduce_bus_bandwidth, c.all_gather_bus_bandwidth,
+                                                   c.collectives_source, c.all_reduce_latency_s or 0.0,
+                                                   c.all_gather_latency_s or 0.0))
+    if c.inter_node_all_reduce_bus_bandwidth is not None:
+        figures += "; between nodes, " + bus_figures(BusBandwidth(
+            c.inter_node_all_reduce_bus_bandwidth, c.inter_node_all_gather_bus_bandwidth, c.inter_node_source,
+            c.inter_node_all_reduce_latency_s or 0.0, c.inter_node_all_gather_latency_s or 0.0))
+    return figures

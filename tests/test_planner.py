@@ -978,7 +978,7 @@ def test_plan_command_json_has_sizes_in_bytes(capsys):
     result = json.loads(out)
     assert {"chosen", "rejected", "feasible", "hardware", "calibration"} <= set(result)
     assert result["hardware"] == {"name": None, "count": 4, "memory": 80e9, "described": True,
-                                  "memory_source": "--gpu-memory", "node_gpus": 8}
+                                  "memory_source": "--gpu-memory", "node_gpus": 8, "inter_node_bandwidth": None}
     chosen = result["chosen"]
     assert chosen["candidate"] == {"precision": "bf16-pure", "strategy": "tp", "gpus": 4,
                                    "activation_checkpointing": False, "batch_size": 1, "resident_layers": None,
@@ -1060,7 +1060,7 @@ def test_plan_on_detected_gpus(capsys, monkeypatch):
     assert code == 0, err
     assert json.loads(out)["hardware"] == {"name": H100, "count": 2, "memory": 85_520_809_984.0, "described": False,
                                            "memory_source": "torch.cuda.get_device_properties().total_memory",
-                                           "node_gpus": 8}
+                                           "node_gpus": 8, "inter_node_bandwidth": None}
 
 
 @pytest.mark.parametrize("gpu, gpu_memory, gpus, expected", [

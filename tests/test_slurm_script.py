@@ -151,3 +151,29 @@ def test_without_sbatch_on_path_submitting_is_one_paragraph_saying_where_to_run(
     with pytest.raises(UserError) as error:
         submit(tmp_path / "job.sh")
     assert str(error.value).startswith("launcher: sbatch is not on PATH") and "\n" not in str(error.value)
+
+
+def test_each_node_runs_its_agent_inside_its_gpu_sampler(tmp_path):
+    from pathlib import Path
+
+    from fitbench.launch.slurm.nodes import AgentsOnNodes
+
+    command = AgentsOnNodes(2, 4, "node1:29500", "job-1", tmp_path, 4).command(Path("a.json"), Path("r.json"))
+    sampler = command.index("fitbench.launch.slurm.sampler")
+    assert command[0] == "srun" and command[sampler + 1:sampler + 4] == [str(tmp_path), "4", "--"]
+    assert command.index("torch.distributed.run") > sampler and command[-3:] == ["fitbench.run.worker", "a.json",
+                                                                                  "r.json"]
+
+
+def test_a_nodes_sampler_passes_its_agents_status_and_leaves_a_summary_with_or_without_nvml(tmp_path, monkeypatch):
+    from fitbench.launch.slurm.sampler import merge_nodes, sample_while
+
+    for node, status in (("n1", 0), ("n2", 3)):
+        monkeypatch.setenv("SLURMD_NODENAME", node)
+        assert sample_while(tmp_path, 0, [sys.executable, "-c", f"raise SystemExit({status})"]) == status
+        summary = json.loads((tmp_path / f"nvml-{node}.json").read_text())
+        assert summary["node"] == node and summary["gpus"] == [] and not summary["available"] and summary["reason"]
+    merged = merge_nodes(tmp_path, ["n2", "n1", "n3"])  # n3 named, its sampler gone before its summary
+    assert [node["node"] for node in merged["nodes"]] == ["n2", "n1", "n3"]
+    assert not merged["available"] and merged["gpus"] == [] and merged["energy_j"] is None
+    assert "n3: no summary" in merged["reason"]

@@ -77,6 +77,14 @@ def test_a_configuration_over_two_nodes_is_one_row_with_every_ranks_node(tmp_pat
     assert row["status"] == "ok" and row["ranks"] == 2
     assert sorted(rank["node"] for rank in row["placement"]) == sorted(NODES)
     assert all(rank["device"] and rank["host_peak_rss"] for rank in row["placement"])
+    # every node sampled its GPUs beside its agent, and the row merges the nodes' summaries in SLURM's order; a
+    # CPU job's nodes have none to sample, and say why (no NVML here, or no GPU named)
+    monitor = row["gpu_monitor"]
+    assert [node["node"] for node in monitor["nodes"]] == sorted(NODES) and monitor["gpus"] == []
+    assert not monitor["available"] and all(node["reason"] for node in monitor["nodes"])
+    for node in NODES:
+        [summary] = (out / "artifacts").glob(f"**/nvml-{node}.json")
+        assert json.loads(summary.read_text())["node"] == node
 
 
 def test_a_partition_the_cluster_lacks_is_one_paragraph_before_anything_is_written(tmp_path, capsys):

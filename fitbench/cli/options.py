@@ -150,6 +150,10 @@ def cluster_options(parser: argparse.ArgumentParser) -> None:
         help="a further sbatch option, one word, repeatable: --sbatch-arg=--qos=high")
     add("--max-concurrent", dest="max_concurrent", type=int, default=S, metavar="N",
         help="jobs of the sweep's array running at once (default: all)")
+    add("--inter-node-bandwidth", dest="inter_node_bandwidth", default=S, metavar="RATE",
+        help="bandwidth between nodes per GPU, for the planner's collectives that cross nodes: a fabric (ndr, hdr, "
+             "100gbe) or a figure with its unit, 400Gb/s or 50GB/s (default: fitbench calibrate's over nodes, else "
+             "ndr; hdr for A100)")
     add("--dry-run", dest="dry_run", action="store_true",
         help="print the batch scripts that would be submitted, and submit nothing")
 
@@ -177,6 +181,10 @@ def plan_options(parser: argparse.ArgumentParser) -> None:
              "(default 8)")
     add("--nodes", type=int, default=None, metavar="N",
         help="with --gpus-per-node: plan for N nodes, N x --gpus-per-node GPUs (instead of --gpus)")
+    add("--inter-node-bandwidth", dest="inter_node_bandwidth", default=None, metavar="RATE",
+        help="bandwidth between nodes per GPU, for collectives that cross nodes: a fabric (ndr, hdr, 100gbe) or "
+             "a figure with its unit, 400Gb/s or 50GB/s (default: what fitbench calibrate measured over nodes, "
+             "else ndr; hdr for A100)")
     add("--trace", action="store_true", help="also trace the chosen plan on fake tensors (exact tensor peak)")
     add("--requirements", action="store_true", help="table of the fewest GPUs each model x precision needs")
     add("--json", action="store_true", help="machine-readable output, sizes in bytes")
@@ -212,10 +220,13 @@ def preset_sources(parser: argparse.ArgumentParser) -> None:
 
 
 def bus_gpus(parser: argparse.ArgumentParser) -> None:
-    """``--gpus`` of calibrate: the GPUs whose collectives it measures."""
+    """``--gpus`` and ``--nodes`` of calibrate: the GPUs whose collectives it measures."""
     parser.add_argument("--gpus", type=int, default=None,
                         help="GPUs for the all-reduce's and all-gather's bus bandwidth and latency (default: all "
-                             "visible; on --device cpu, that many processes over gloo)")
+                             "visible; on --device cpu, that many processes over gloo); with --nodes, per node")
+    parser.add_argument("--nodes", type=int, default=None, metavar="N",
+                        help="inside a SLURM allocation of N nodes: also measure them between nodes, one torchrun "
+                             "agent per node started by srun (default: this node only)")
 
 
 def results_directory(parser: argparse.ArgumentParser) -> None:

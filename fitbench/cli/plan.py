@@ -32,6 +32,8 @@ def _plan_text(result, trace) -> None:
                   f" ({'described' if target.described else 'detected'}); overheads: {escape(result.calibration)}")
     if target.memory_source:
         console.print(f"memory per GPU: {escape(target.memory_source)}")
+    if result.inter_node_link:
+        console.print(f"nodes of {target.node_gpus} GPUs; between nodes: {escape(result.inter_node_link)}")
     chosen = result.chosen
     if chosen is None and not result.rejected:
         console.print("[red]nothing to plan[/red]: no layout of these GPUs uses only the strategies named by "
@@ -143,8 +145,16 @@ def _cluster_target(args, gpu_target):
     for option, value in (("--gpus-per-node", args.gpus_per_node), ("--nodes", args.nodes)):
         if value is not None and value < 1:
             raise UserError(f"{option[2:]}: {option} must be 1 or more, got {value}.")
+    bandwidth = None
+    if args.inter_node_bandwidth is not None:
+        from fitbench.plan.nodes import parse_inter_node_bandwidth
+
+        try:
+            bandwidth = parse_inter_node_bandwidth(args.inter_node_bandwidth)
+        except ValueError as error:
+            raise UserError(f"inter-node-bandwidth: {error}.") from None
     gpus = args.nodes * args.gpus_per_node if args.nodes else args.gpus
-    target = gpu_target(gpu=args.gpu, gpu_memory=args.gpu_memory, gpus=gpus)
+    target = replace(gpu_target(gpu=args.gpu, gpu_memory=args.gpu_memory, gpus=gpus), inter_node_bandwidth=bandwidth)
     return replace(target, node_gpus=args.gpus_per_node) if args.gpus_per_node else target
 
 
@@ -154,14 +164,15 @@ def nodes_for(gpus: int, gpus_per_node: int) -> int:
 
 
 def sbatch_lines_for(model: str, gpus: int, gpus_per_node: int) -> list[str]:
-    """The ``#SBATCH`` lines of a job of ``gpus`` GPUs on nodes of ``gpus_per_node``, as the slurm
-    launcher writes them (``fitbench.launch.slurm.script.sbatch_lines``)."""
+    """The ``#SBATCH`` lines of a job of ``gpus`` GPUs on nodes of ``gpus_per_node``, the same count
+    used on each (the planner plans only such counts: ``fitbench.plan.nodes.placement_problem``), as the
+    slurm launcher writes them (``fitbench.launch.slurm.script.sbatch_lines``)."""
     from fitbench.launch.slurm.options import SlurmOptions
     from fitbench.launch.slurm.script import ScriptJob, sbatch_lines
 
     nodes = nodes_for(gpus, gpus_per_node)
-    options = SlurmOptions(nodes=nodes, gpus_per_node=min(gpus, gpus_per_node))
-    return [f"# {model}: {gpus} GPU(s) over {nodes} node(s)",
+    options = SlurmOptions(nodes=nodes, gpus_per_node=gpus // nodes)
+    return [f"# {model}: {gpus} GPU(s) over {nodes} node(s), {gpus // nodes} of {gpus_per_node} on each",
             *sbatch_lines(options, ScriptJob(f"fitbench-{model}", "fitbench-%j.out"))]
 
 
@@ -177,7 +188,7 @@ def _requirements(args, target, calibration, seq_len, new_tokens, batch, fewest_
             for precision in args.precision or DEFAULT_LADDER[mode]:
                 need = fewest_gpus(arch, mode, precision, target.memory, seq_len=seq_len, new_tokens=new_tokens,
                                    batch_size=(batch or [1])[0], calibration=calibration, gpu_name=target.name,
-                                   node_gpus=target.node_gpus)
+                                   node_gpus=target.node_gpus, inter_node_bandwidth=target.inter_node_bandwidth)
                 stage = need.memory.stage if need else None
                 rows.append({"model": name, "mode": mode, "precision": precision,
                              "min_gpus": need.candidate.gpus if need else None,
@@ -186,21 +197,23 @@ def _requirements(args, target, calibration, seq_len, new_tokens, batch, fewest_
                              "peak_per_gpu_bytes": need.predicted_peak if need else None,
                              "peak_stage": stage.label if stage else None})
                 if args.gpus_per_node and need:
-                    rows[-1].update(min_nodes=nodes_for(need.candidate.gpus, args.gpus_per_node),
+                    nodes = nodes_for(need.candidate.gpus, args.gpus_per_node)
+                    rows[-1].update(min_nodes=nodes, gpus_per_node_used=need.candidate.gpus // nodes,
                                     sbatch=sbatch_lines_for(name, need.candidate.gpus, args.gpus_per_node)[1:])
     if args.json:
         print(json.dumps(rows, indent=2))
         return 0
     table = Table(title=f"GPUs of {format_bytes(target.memory)} needed (batch {(batch or [1])[0]}, seq {seq_len})",
                   title_justify="left")
-    nodes = ["min nodes"] if args.gpus_per_node else []
+    nodes = ["min nodes", "GPUs used per node"] if args.gpus_per_node else []
     for column in ("model", "mode", "precision", *nodes, "min GPUs", "how", "peak per GPU"):
         table.add_column(column)
     for row in rows:
         peak = format_bytes(row["peak_per_gpu_bytes"]) if row["peak_per_gpu_bytes"] else "-"
         if row["peak_stage"]:
             peak += f" ({row['peak_stage'].split(' (')[0]})"
-        counted = [f"{row['min_nodes']} x {args.gpus_per_node}" if row.get("min_nodes") else "-"] if nodes else []
+        counted = ([str(row["min_nodes"]), f"{row['gpus_per_node_used']} of {args.gpus_per_node}"]
+                   if row.get("min_nodes") else ["-", "-"]) if nodes else []
         table.add_row(row["model"], row["mode"], row["precision"], *counted, str(row["min_gpus"] or "-"),
                       escape(row["how"]), peak)
     console.print(table)

@@ -1,6 +1,7 @@
 """Measuring a calibration (``fitbench.plan.calibration``) on the GPU at hand: ``tiny`` through the
 real worker in each kind of step, and its tensors traced on fake ones; on several GPUs, the bus
-bandwidth and the latency of all-reduce and all-gather."""
+bandwidth and the latency of all-reduce and all-gather; over several nodes, the same inside a node
+and between nodes."""
 
 from __future__ import annotations
 
@@ -12,13 +13,16 @@ import sys
 import time
 from dataclasses import replace
 from pathlib import Path
+from typing import Callable
 
 import torch
 
 from fitbench.launch.local import run_one
+from fitbench.launch.slurm.script import TORCHRUN, agent_options
 from fitbench.models.registry import resolve
 from fitbench.plan.calibration import DEFAULT, Calibration
 from fitbench.plan.collectives import BusBandwidth
+from fitbench.run.collectives import RESULT_PREFIX
 from fitbench.run.trace import trace_peak
 from fitbench.spec import Assignment, RunSpec
 from fitbench.util.processes import PARENT_VARIABLE, TOKEN_VARIABLE, kill_tree
@@ -98,16 +102,79 @@ def measure_bus_bandwidth(ranks: int, device: str, scratch: Path, timeout_s: flo
         tail = " | ".join(logs[rank].read_text(errors="replace").strip().splitlines()[-3:])
         raise RuntimeError(f"rank {rank} of the bus-bandwidth measurement ended with exit status {code}: {tail}")
     timed = json.loads((scratch / "collectives.json").read_text())
-    small, large = timed["runs"]
     g = timed["world"]
-    fitted = {name: fit_collective(small["message_bytes"], small[f"{name}_s"], large["message_bytes"],
-                                   large[f"{name}_s"], RING_FACTOR[name](g)) for name in RING_FACTOR}
     what = f"{g} x {torch.cuda.get_device_name(0)}" if backend == "nccl" else f"{g} CPU processes"
+    return fit_level(timed["runs"], g, f"on {what} with {backend}")
+
+
+def fit_level(runs: list[dict], ranks: int, where: str) -> BusBandwidth:
+    """The latency and bus bandwidth of all-reduce and all-gather over groups of ``ranks`` from the small
+    and the large message's times (``fit_collective``); ``where`` says what was measured."""
+    small, large = runs
+    fitted = {name: fit_collective(small["message_bytes"], small[f"{name}_s"], large["message_bytes"],
+                                   large[f"{name}_s"], RING_FACTOR[name](ranks)) for name in RING_FACTOR}
     measured_at = time.strftime('%Y-%m-%dT%H:%M:%SZ', time.gmtime())
     return BusBandwidth(fitted["all_reduce"][1], fitted["all_gather"][1],
-                        f"measured on {what} with {backend}, {small['message_bytes'] / KIB:.0f} KiB and "
+                        f"measured {where}, {small['message_bytes'] / KIB:.0f} KiB and "
                         f"{large['message_bytes'] / MIB:.0f} MiB messages, torch {torch.__version__} at {measured_at}",
                         fitted["all_reduce"][0], fitted["all_gather"][0])
+
+
+def measure_across_nodes(nodes: int, ranks_per_node: int, device: str, scratch: Path, *, endpoint: str,
+                         agents: Callable[[list[str]], list[list[str]]],
+                         timeout_s: float = 300.0) -> tuple[BusBandwidth | None, BusBandwidth]:
+    """All-reduce and all-gather bus bandwidth and latency inside a node and between nodes, over
+    ``nodes`` torchrun agents of ``ranks_per_node`` ranks each (one per GPU with NCCL, ``device`` cuda;
+    CPU processes over gloo, ``device`` cpu) meeting at a c10d rendezvous at ``endpoint`` (host:port).
+    ``agents`` turns one agent's command into the commands that start them all: under SLURM one
+    ``srun`` of a task per node (``fitbench.launch.slurm.nodes.srun_agents``); on one host, the command
+    once per agent. Each level is timed on its own (``fitbench.run.collectives``) and fitted as on one
+    node (``fit_level``): the level inside a node over its ``ranks_per_node`` ranks (None for one rank a
+    node), the level between nodes over ``nodes`` ranks, one per node. Every agent has ended when this
+    returns, by itself or killed at ``timeout_s`` or on the first that fails."""
+    backend = "nccl" if device.startswith("cuda") else "gloo"
+    sizes, warmups, iterations = zip(*COLLECTIVE_RUNS[backend])
+    agent = [sys.executable, *TORCHRUN, *agent_options(nodes, ranks_per_node), f"--rdzv-endpoint={endpoint}",
+             f"--rdzv-id=calibrate-{secrets.token_hex(4)}", "-m", "fitbench.run.collectives", "--backend", backend,
+             "--scratch", str(scratch), "--timeout", str(timeout_s), "--message-bytes", *map(str, sizes),
+             "--warmup", *map(str, warmups), "--iterations", *map(str, iterations)]
+    token = secrets.token_hex(8)
+    environment = {**os.environ, TOKEN_VARIABLE: token, PARENT_VARIABLE: str(os.getpid())}
+    commands = agents(agent)
+    logs = [scratch / f"agent{index}.log" for index in range(len(commands))]
+    outputs = [scratch / f"agent{index}.out" for index in range(len(commands))]
+    processes = []
+    try:
+        for command, log, output in zip(commands, logs, outputs):
+            with log.open("w") as stderr, output.open("w") as stdout:
+                processes.append(subprocess.Popen(command, stdin=subprocess.DEVNULL, stdout=stdout, stderr=stderr,
+                                                  env=environment, start_new_session=True))
+        deadline = time.monotonic() + timeout_s
+        while any(p.poll() is None for p in processes) and all(p.returncode in (None, 0) for p in processes):
+            if time.monotonic() >= deadline:
+                raise RuntimeError(f"the measurement over {nodes} nodes did not end in {timeout_s:.0f} s")
+            time.sleep(0.1)
+    finally:
+        for process in processes:
+            kill_tree(process.pid, token)
+            process.wait()
+    failed = [(index, p.returncode) for index, p in enumerate(processes) if p.returncode != 0]
+    if failed:
+        index, code = failed[0]
+        tail = " | ".join(logs[index].read_text(errors="replace").strip().splitlines()[-3:])
+        raise RuntimeError(f"agent {index} of the measurement over {nodes} nodes ended with exit status {code}: {tail}")
+    lines = [line for output in outputs for line in output.read_text(errors="replace").splitlines()
+             if line.startswith(RESULT_PREFIX)]
+    if not lines:
+        raise RuntimeError(f"the measurement over {nodes} nodes ended without rank 0's times on its output")
+    timed = json.loads(lines[0][len(RESULT_PREFIX):])
+    gpu = torch.cuda.get_device_name(0) if backend == "nccl" else "CPU process"
+    intra = timed["levels"]["intra"]
+    inside = fit_level(intra, ranks_per_node, f"inside a node, {ranks_per_node} x {gpu} with {backend}") \
+        if intra else None
+    between = fit_level(timed["levels"]["inter"], nodes,
+                        f"between {nodes} nodes, one {gpu} each, {ranks_per_node} such groups at once, with {backend}")
+    return inside, between
 
 
 def fit_collective(small_bytes: float, small_s: float, large_bytes: float, large_s: float,
@@ -132,3 +199,11 @@ def with_bus_bandwidth(calibration: Calibration, bus: BusBandwidth) -> Calibrati
     return replace(calibration, all_reduce_bus_bandwidth=bus.all_reduce, all_gather_bus_bandwidth=bus.all_gather,
                    all_reduce_latency_s=bus.all_reduce_latency, all_gather_latency_s=bus.all_gather_latency,
                    collectives_source=bus.source)
+
+
+def with_inter_node(calibration: Calibration, link: BusBandwidth) -> Calibration:
+    """``calibration`` with ``link``, measured between nodes (``measure_across_nodes``), as its inter-node figures."""
+    return replace(calibration, inter_node_all_reduce_bus_bandwidth=link.all_reduce,
+                   inter_node_all_gather_bus_bandwidth=link.all_gather,
+                   inter_node_all_reduce_latency_s=link.all_reduce_latency,
+                   inter_node_all_gather_latency_s=link.all_gather_latency, inter_node_source=link.source)

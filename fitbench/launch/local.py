@@ -116,7 +116,7 @@ def worker_environment() -> dict[str, str]:
 
 def run_one(assignment: Assignment, log_path: Path, timeout: float, on_event: Callable[[Event], None], *,
             limit: str | None = None, artifacts: Path | None = None, worker: WorkerCommand | None = None,
-            scratch_in: Path | None = None) -> Row:
+            scratch_in: Path | None = None, sample: bool = True) -> Row:
     """Run the assignment's configuration in a child process (a torchrun job for several ranks) for at
     most ``timeout`` seconds (``limit`` names that bound in a timeout's error); return the row that
     describes what happened. However this ends (the worker's exit, the timeout, an exception such as
@@ -125,7 +125,8 @@ def run_one(assignment: Assignment, log_path: Path, timeout: float, on_event: Ca
     ``artifacts`` (the attempt's directory; the log's own when None), and the row gets the summary per
     GPU. ``worker``: the command that starts the ranks (default ``worker_command``, on this machine);
     ``scratch_in``: where the scratch directory goes (default the system's temporary directory), a
-    directory every node sees for ranks on several."""
+    directory every node sees for ranks on several; ``sample`` False: the ranks' GPUs are sampled
+    where they run, not here (``fitbench.launch.slurm.sampler``)."""
     spec = assignment.spec
     log_path.parent.mkdir(parents=True, exist_ok=True)
     started, started_at = time.monotonic(), _now()
@@ -136,7 +137,7 @@ def run_one(assignment: Assignment, log_path: Path, timeout: float, on_event: Ca
     with tempfile.TemporaryDirectory(prefix="fitbench-", dir=scratch_in, ignore_cleanup_errors=True) as scratch:
         spec_path, result_path = Path(scratch) / "spec.json", Path(scratch) / "result.json"
         spec_path.write_text(assignment.model_dump_json())
-        monitor = _monitor(spec, artifacts or log_path.parent)
+        monitor = _monitor(spec, artifacts or log_path.parent) if sample else None
         with log_path.open("w") as log, monitor or nullcontext():
             process = subprocess.Popen(
                 (worker or worker_command(spec.layout, spec.backend)).command(spec_path, result_path),

@@ -39,7 +39,10 @@ graphs, ``benchmarks/results/2026-11-22-h100-ladder-infer``):
   ``fitbench.plan.collectives``): ``fitbench calibrate`` measures them where several GPUs are visible,
   one process per GPU over NCCL (``fitbench.launch.calibrate.measure_bus_bandwidth``). Without a
   measurement the speed model takes the datasheet's link bandwidth in one direction and the
-  interconnect's default latency.
+  interconnect's default latency. Run over several nodes (``fitbench calibrate --nodes N`` in a
+  SLURM allocation), it measures the same between nodes (``inter_node_*``,
+  ``fitbench.launch.calibrate.measure_across_nodes``); without that, ``fitbench.plan.nodes``'s
+  defaults per fabric apply.
 """
 
 from __future__ import annotations
@@ -85,6 +88,13 @@ class Calibration:
     # Seconds per message, fitted beside the bus bandwidths; None in calibrations stored before them.
     all_reduce_latency_s: float | None = None
     all_gather_latency_s: float | None = None
+    # The same between nodes, one GPU's peers on the other nodes (``fitbench.plan.nodes``); None where
+    # no job over several nodes was measured.
+    inter_node_all_reduce_bus_bandwidth: float | None = None
+    inter_node_all_gather_bus_bandwidth: float | None = None
+    inter_node_all_reduce_latency_s: float | None = None
+    inter_node_all_gather_latency_s: float | None = None
+    inter_node_source: str | None = None
 
     def context(self, mode: str, decode_graph: bool = True) -> float:
         return _by_step(mode, decode_graph, self.cuda_context_training, self.cuda_context_inference,

@@ -46,8 +46,9 @@ without a graph, ``HOST_OP_S`` each, its two clocks side by side.
 
 Communication is the roofline's (``fitbench.plan.speed``): data-parallel collectives overlapped with
 the step's busy time, tensor parallelism's all-reduces and the pipeline's sends exposed, each message
-its latency plus its bytes over the bus bandwidth (``fitbench.plan.collectives``), the pipeline's
-bubble; the host link for offloaded layers.
+its latency plus its bytes over the bus bandwidth (``fitbench.plan.collectives``; over several nodes,
+the groups that cross them in two levels, ``fitbench.plan.nodes``), the pipeline's bubble; the host
+link for offloaded layers.
 
 Every constant below names the measured row it comes from; ``benchmarks/speed_error.py`` recomputes
 the forecast of every committed row and its error against the measured step.
@@ -64,6 +65,7 @@ from fitbench.models.architecture import Architecture
 from fitbench.models.loss import loss_chunk_rows
 from fitbench.plan.collectives import PCIE_BANDWIDTH, BusBandwidth, bus_bandwidth
 from fitbench.plan.memory import Parallelism, Widths, adapter_params, kv_bytes_read_per_position, kv_heads_split
+from fitbench.plan.nodes import LayoutLinks, Nodes, layout_links
 from fitbench.plan.speed import (HOST_LINK_BANDWIDTH, _data_parallel_step, bubble_fraction, pipeline_sends_s,
                                  tensor_parallel_decode_s, tensor_parallel_pass_s)
 from fitbench.precisions import ADAPTERS, FLOAT8, DecodeFormat, entry
@@ -339,11 +341,13 @@ def fused_build(precision: str, parallelism: Parallelism, run: StepRun) -> bool:
 def forecast_step_time(arch: Architecture, mode: str, precision: str, batch: int, seq_len: int, *,
                        new_tokens: int, parallelism: Parallelism, gpu_name: str, ceiling: Ceilings,
                        run: StepRun = StepRun(), activation_checkpointing: bool = False,
-                       offloaded_bytes: float = 0.0, links: BusBandwidth | None = None) -> Forecast:
+                       offloaded_bytes: float = 0.0, links: BusBandwidth | None = None,
+                       nodes: Nodes | None = None) -> Forecast:
     """The forecast time of one step (one decode step in infer) of the configuration, run as ``run``
     says, on ``gpu_name`` with ``ceiling``; ``offloaded_bytes`` of weights cross the host link each
-    forward pass (decoding then runs eagerly); ``links``: the collectives' constants."""
-    links = links or bus_bandwidth(gpu_name)
+    forward pass (decoding then runs eagerly); ``links``: the collectives' constants inside a node,
+    ``nodes``: the job's nodes where it spans several (``fitbench.plan.nodes``)."""
+    links = layout_links(parallelism.layout, links or bus_bandwidth(gpu_name), nodes)
     if mode == "infer":
         return _decode_time(arch, precision, batch, seq_len, new_tokens, parallelism, gpu_name, ceiling, run,
                             offloaded_bytes, links)
@@ -357,7 +361,7 @@ TOKEN_BYTES = 8
 
 def _decode_time(arch: Architecture, precision: str, batch: int, seq_len: int, new_tokens: int,
                  parallelism: Parallelism, gpu_name: str, ceiling: Ceilings, run: StepRun,
-                 offloaded_bytes: float, links: BusBandwidth) -> Forecast:
+                 offloaded_bytes: float, links: LayoutLinks) -> Forecast:
     tp, stages = parallelism.tensor, parallelism.stages
     widths = Widths.of(precision)
     decode = "eager" if run.backend == "hf" or offloaded_bytes else run.decode
@@ -395,10 +399,11 @@ def _decode_time(arch: Architecture, precision: str, batch: int, seq_len: int, n
     # its own layers, transformers' stages are one process.
     host_s = 0.0 if decode != "eager" else kernels / (stages if run.backend == "native" else 1) * \
         _host_op_s(run.backend, tp, "inference")
-    communication_s = tensor_parallel_decode_s(arch, batch, widths.compute, tp, links)
+    communication_s = tensor_parallel_decode_s(arch, batch, widths.compute, tp, links.tensor)
     communication_s += pipeline_sends_s(batch * arch.hidden_size * widths.compute, stages, 1, links)
-    if stages > 1:  # the chosen token's way back from the last stage to the first
-        communication_s += links.send_recv_s(batch * TOKEN_BYTES, messages=1)
+    if stages > 1:  # the chosen token's way back from the last stage to the first, across nodes where they are
+        way_back = links.inter if links.boundaries_across else links.intra
+        communication_s += way_back.send_recv_s(batch * TOKEN_BYTES, messages=1)
     communication_s += offloaded_bytes / OFFLOAD_STREAM_BANDWIDTH
     seconds = side_by_side(device_s, host_s) + communication_s
     terms = {"matmuls": matmul_s, "memory": memory_s, "kernels": kernels_s}
@@ -408,7 +413,7 @@ def _decode_time(arch: Architecture, precision: str, batch: int, seq_len: int, n
 
 def _pass_time(arch: Architecture, mode: str, precision: str, batch: int, seq_len: int, parallelism: Parallelism,
                gpu_name: str, ceiling: Ceilings, run: StepRun, recompute: bool, offloaded_bytes: float,
-               links: BusBandwidth) -> Forecast:
+               links: LayoutLinks) -> Forecast:
     training = mode != "forward"
     recompute = recompute and training
     tp, stages = parallelism.tensor, parallelism.stages
@@ -490,7 +495,7 @@ def _pass_time(arch: Architecture, mode: str, precision: str, batch: int, seq_le
 
     directions = 2 if training else 1
     activation = n * h * widths.compute
-    communication_s = tensor_parallel_pass_s(activation, round(share * L), directions, tp, links)
+    communication_s = tensor_parallel_pass_s(activation, round(share * L), directions, tp, links.tensor)
     microbatches = parallelism.microbatches_of(batch) if training else 1
     communication_s += pipeline_sends_s(activation / microbatches, stages, directions, links)
     communication_s += offloaded_bytes / OFFLOAD_STREAM_BANDWIDTH
@@ -503,7 +508,7 @@ def _pass_time(arch: Architecture, mode: str, precision: str, batch: int, seq_le
         fsdp = parallelism.shards > 1
         gathered = (widths.compute if fsdp and not entry(precision).quantized else widths.weights) * arch.total_params
         gradient_bytes = 4 * adapter_params(arch) if adapters else widths.weights * arch.total_params
-        collectives_s, step_s = _data_parallel_step(arch, mode, parallelism, links, step_s, 3 if training else 1,
+        collectives_s, step_s = _data_parallel_step(arch, mode, parallelism, links.data, step_s, 3 if training else 1,
                                                     gathered / tp, gradient_bytes / tp, widths, adapters)
         communication_s += collectives_s
     seconds = step_s + exposed_s
@@ -563,10 +568,11 @@ def decode_kind(backend: str, precision: str, *, offloaded: bool = False, compil
 
 
 def forecast_spec(arch: Architecture, spec, gpu_name: str, ceiling: Ceilings, *, run: StepRun,
-                  offloaded_bytes: float = 0.0, links: BusBandwidth | None = None) -> Forecast:
+                  offloaded_bytes: float = 0.0, links: BusBandwidth | None = None,
+                  nodes: Nodes | None = None) -> Forecast:
     """``forecast_step_time`` of a ``fitbench.spec.RunSpec`` on its layout."""
     parallelism = Parallelism(layout=spec.layout, offload=spec.fsdp_offload, microbatches=spec.microbatches)
     return forecast_step_time(arch, spec.mode, spec.precision, spec.batch_size, spec.seq_len,
                               new_tokens=spec.new_tokens, parallelism=parallelism, gpu_name=gpu_name,
                               ceiling=ceiling, run=run, activation_checkpointing=spec.activation_checkpointing,
-                              offloaded_bytes=offloaded_bytes, links=links)
+                              offloaded_bytes=offloaded_bytes, links=links, nodes=nodes)

@@ -38,6 +38,7 @@ from fitbench.plan.forecast import (Ceilings, StepRun, ceilings, decode_kind, fo
                                    step_run)
 from fitbench.plan.memory import (TRAINING_MODES, MemoryEstimate, Parallelism, Term, Widths, estimate_memory,
                                   offloaded_weights, rank_edge_params, saved_per_layer, stage_estimates)
+from fitbench.plan.nodes import Nodes, inter_node_link, job_nodes, placement_problem
 from fitbench.plan.search import largest
 from fitbench.plan.speed import StepTime, estimate_step_time
 from fitbench.precisions import DEFAULT_LADDER, entry
@@ -79,13 +80,21 @@ class GpuTarget:
     memory: float  # bytes per GPU
     described: bool
     memory_source: str | None = None  # where ``memory`` comes from
-    # GPUs of one node: tensor parallelism stays inside one (its all-reduces need NVLink's bandwidth)
+    # GPUs of one node: tensor parallelism stays inside one (its all-reduces need NVLink's bandwidth);
+    # a job of more GPUs spans nodes (``fitbench.plan.nodes``)
     node_gpus: int = 8
+    # bytes/s per GPU between nodes (``--inter-node-bandwidth``); None: calibrated, else the fabric's default
+    inter_node_bandwidth: float | None = None
 
     @property
     def speed_name(self) -> str:
         """Whose datasheet figures the speed model uses."""
         return self.name if self.name and gpu_spec(self.name) else DEFAULT_SPEED_GPU
+
+    def nodes(self, gpus: int, calibration: Calibration | None) -> Nodes | None:
+        """The nodes a job of ``gpus`` of these GPUs spans and the link between them; None on one node."""
+        return job_nodes(gpus, self.node_gpus, inter_node_link(self.speed_name, calibration,
+                                                               self.inter_node_bandwidth))
 
 
 @dataclass(frozen=True)
@@ -172,6 +181,7 @@ class Plan:
     rejected: tuple[Assessment, ...]
     calibration: str
     notes: tuple[str, ...] = field(default_factory=tuple)
+    inter_node_link: str | None = None  # where the plan spans nodes: the link between them, and its source
 
     def as_dict(self) -> dict:
         return {
@@ -183,6 +193,7 @@ class Plan:
             "feasible": [a.as_dict() for a in self.feasible],
             "rejected": [a.as_dict() for a in self.rejected],
             "notes": list(self.notes),
+            "inter_node_link": self.inter_node_link,
         }
 
 
@@ -300,7 +311,8 @@ def assess(arch: Architecture, mode: str, candidate: Candidate, target: GpuTarge
                                activation_checkpointing=candidate.activation_checkpointing,
                                offloaded_bytes=offloaded_weights(arch, candidate.precision, candidate.resident_layers)
                                if candidate.resident_layers is not None else 0.0,
-                               links=bus_bandwidth(target.speed_name, calibration))
+                               links=bus_bandwidth(target.speed_name, calibration),
+                               nodes=target.nodes(candidate.gpus, calibration))
     clear = fits and peak <= (1 - retry_margin(calibration)) * target.memory
     return Assessment(candidate, memory, overheads, peak, fits, reason, speed, moment, clear=clear)
 
@@ -332,15 +344,16 @@ def _data_parallel_why(candidate: Candidate, memory: MemoryEstimate) -> str:
 def _layout_problem(arch: Architecture, mode: str, candidate: Candidate, target: GpuTarget,
                     backend: str) -> str | None:
     """Why ``candidate`` cannot run on ``target`` whatever its memory: more GPUs than there are,
-    offloaded layers over several, tensor parallelism wider than a node, or what its layout does not
-    compose with (``Layout.problem``)."""
+    offloaded layers over several, tensor parallelism wider than a node or across nodes, ranks that do
+    not spread evenly over nodes (``fitbench.plan.nodes.placement_problem``), or what its layout does
+    not compose with (``Layout.problem``)."""
     if candidate.gpus > target.count:
         return f"{candidate.label} needs {candidate.gpus} GPUs; {target.count} available"
     if candidate.resident_layers is not None and candidate.gpus > 1:
         return f"{candidate.label}: offload keeps the layers that do not fit on one GPU in host memory"
-    if candidate.layout.tp > target.node_gpus:
-        return (f"{candidate.label}: tensor parallel {candidate.layout.tp} spans more than the {target.node_gpus} "
-                f"GPUs of one node")
+    placement = placement_problem(candidate.layout, target.node_gpus)
+    if placement:
+        return f"{candidate.label}: {placement}"
     problem = candidate.layout.problem(arch, mode, candidate.precision, backend, candidate.cpu_offload)
     return f"{candidate.label}: the run cannot launch {problem}" if problem else None
 
@@ -395,7 +408,7 @@ def forecast_tokens_per_s(arch: Architecture, mode: str, candidate: Candidate, t
         ceiling=ceiling or ceilings(name, load_ceilings(name)),
         run=run, activation_checkpointing=candidate.activation_checkpointing,
         offloaded_bytes=offloaded_weights(arch, candidate.precision, candidate.resident_layers) if offloaded else 0.0,
-        links=bus_bandwidth(name, calibration))
+        links=bus_bandwidth(name, calibration), nodes=target.nodes(candidate.gpus, calibration))
     tokens = candidate.batch_size * (1 if mode == "infer" else seq_len) * candidate.layout.data_parallel
     return tokens / forecast.seconds
 
@@ -527,20 +540,36 @@ def plan(arch: Architecture, mode: str, target: GpuTarget, *, seq_len: int, new_
                      f"the caching allocator's retries slow every step, and nothing else fits clear of it")
     if target.speed_name != target.name:
         notes.append(f"speed estimates use {target.speed_name} figures; name the GPU with --gpu for others")
-    return Plan(arch.name, mode, target, chosen, tuple(fitting), tuple(rejected), calibration.source, tuple(notes))
+    nodes = target.nodes(target.count, calibration)
+    return Plan(arch.name, mode, target, chosen, tuple(fitting), tuple(rejected), calibration.source, tuple(notes),
+                nodes.link.source if nodes else None)
+
+
+def node_counts(node_gpus: int, max_gpus: int) -> list[int]:
+    """The GPU counts that fill whole nodes of ``node_gpus`` alike, fewest nodes first, then fewest
+    GPUs: 1 to ``node_gpus`` on one node, then on n nodes each n x k with k GPUs on every node
+    (k > (n - 1) / n x ``node_gpus``, or fewer nodes would hold them), up to ``max_gpus``."""
+    counts = []
+    for nodes in range(1, max_gpus // node_gpus + 2):
+        counts += [nodes * k for k in range(1, node_gpus + 1)
+                   if (nodes - 1) * node_gpus < nodes * k <= max_gpus]
+    return counts
 
 
 def fewest_gpus(arch: Architecture, mode: str, precision: str, gpu_memory: float, *, seq_len: int,
                 new_tokens: int, batch_size: int = 1, max_gpus: int = 64, calibration: Calibration = DEFAULT,
-                backend: str | None = None, gpu_name: str | None = None, node_gpus: int = 8) -> Assessment | None:
-    """The fewest GPUs of ``gpu_memory`` bytes (any count, not only powers of two) that run this at
-    ``batch_size``, and the layout that does it: of the layouts of that count (``layouts_for``) that
-    the run can launch (``Layout.problem``) and that fit, the fastest forecast (``fastest_first``) of
-    those clear of ``RETRY_MARGIN`` where any is; in training with activation checkpointing only where
+                backend: str | None = None, gpu_name: str | None = None, node_gpus: int = 8,
+                inter_node_bandwidth: float | None = None) -> Assessment | None:
+    """The fewest nodes of ``node_gpus`` GPUs of ``gpu_memory`` bytes, and on them the fewest GPUs (the
+    same count on every node: ``node_counts``), that run this at ``batch_size``, and the layout that
+    does it: of the layouts of that count (``layouts_for``) that the run can launch (``Layout.problem``,
+    tensor parallelism inside a node) and that fit, the fastest forecast (``fastest_first``) of those
+    clear of ``RETRY_MARGIN`` where any is; in training with activation checkpointing only where
     nothing fits without it. None if more than ``max_gpus`` would be needed. ``gpu_name``: whose speed
     figures rank the layouts (by default ``DEFAULT_SPEED_GPU``'s)."""
-    target = GpuTarget(gpu_name, max_gpus, gpu_memory, described=True, node_gpus=node_gpus)
-    for gpus in range(1, max_gpus + 1):
+    target = GpuTarget(gpu_name, max_gpus, gpu_memory, described=True, node_gpus=node_gpus,
+                       inter_node_bandwidth=inter_node_bandwidth)
+    for gpus in node_counts(node_gpus, max_gpus):
         layouts = layouts_for(arch, mode, gpus, node_gpus)
         for recompute in ([False, True] if mode in TRAINING_MODES else [False]):
             fitting = [assessed for assessed in (
@@ -670,7 +699,8 @@ def _forecast(arch: Architecture, spec, target: GpuTarget, calibration: Calibrat
     resident = chosen.candidate.resident_layers
     offloaded = offloaded_weights(arch, spec.precision, resident) if resident is not None else 0.0
     return forecast_spec(arch, spec, name, ceilings(name, load_ceilings(name)), run=step_run(spec),
-                         offloaded_bytes=offloaded, links=bus_bandwidth(name, calibration)).seconds
+                         offloaded_bytes=offloaded, links=bus_bandwidth(name, calibration),
+                         nodes=target.nodes(spec.layout.world_size, calibration)).seconds
 
 
 def _stage_predictions(arch: Architecture, mode: str, chosen: Assessment, seq_len: int, new_tokens: int,
@@ -724,7 +754,8 @@ def alternatives(arch: Architecture, spec, target: GpuTarget, calibration: Calib
     - training: low-rank adapters on an nf4 base (QLoRA) on these GPUs;
     - inference on one GPU: ``--offload`` with the layers ``offload_split`` finds room for, in a
       floating-point precision (the spec's, else bf16-pure);
-    - the fewest GPUs of this kind (any count up to ``max_gpus``) on which a layout that divides the
+    - the fewest GPUs of this kind (on the fewest nodes, the same count on each: ``node_counts``, up to
+      ``max_gpus``) on which a layout that divides the
       memory (``layouts_for``: FSDP, tensor parallel, pipeline stages and their combinations; not DDP
       or replicas, which replicate it) fits, the fastest forecast among those (``fastest_first``).
 
@@ -790,7 +821,7 @@ def alternatives(arch: Architecture, spec, target: GpuTarget, calibration: Calib
             found.append(Alternative(f"with --offload in {precision} ({split.resident_layers} of {arch.num_layers} "
                                      f"layers on the GPU)", fits))
     many = replace(target, count=max_gpus)
-    for gpus in range(2, max_gpus + 1):
+    for gpus in node_counts(target.node_gpus, max_gpus)[1:]:
         layouts = [Candidate.of_layout(spec.precision, other, ac, batch, compiled=spec.compile)
                    for other in layouts_for(arch, mode, gpus, target.node_gpus)
                    if other.dp_replicate == 1 and other.replicas == 1 for ac in recompute]

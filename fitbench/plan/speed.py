@@ -8,7 +8,9 @@ roofline):
 
 Each collective message costs a latency plus its ring traffic over the bus bandwidth
 (``fitbench.plan.collectives``: nccl-tests' definitions; measured by ``fitbench calibrate`` on several
-GPUs, else the interconnect's defaults), so counting messages matters where they are small.
+GPUs, else the interconnect's defaults), so counting messages matters where they are small. A job
+over several nodes keeps tensor parallelism inside each; data-parallel groups and pipeline
+boundaries that cross nodes take the link between them (``fitbench.plan.nodes``).
 
 - training step: ``6 N + 12 L H Q T`` FLOPs per token (PaLM), ``8 N + 16 L H Q T`` with activation
   checkpointing, which runs the forward pass twice; memory traffic of reading the weights
@@ -70,6 +72,7 @@ from fitbench.hardware.datasheet import peak_bandwidth, peak_flops
 from fitbench.models.architecture import Architecture
 from fitbench.plan.collectives import PCIE_BANDWIDTH, BusBandwidth, bus_bandwidth
 from fitbench.plan.memory import Parallelism, Widths, adapter_params, layer_matmul_params, quantized_layer_bytes
+from fitbench.plan.nodes import AcrossNodes, LayoutLinks, Nodes, layout_links
 from fitbench.precisions import ADAPTERS, entry
 from fitbench.spec import pipeline_stages
 
@@ -111,17 +114,19 @@ def _weight_bytes(arch: Architecture, precision: str) -> float:
 def estimate_step_time(arch: Architecture, mode: str, precision: str, batch: int, seq_len: int, *,
                        new_tokens: int, parallelism: Parallelism, gpu_name: str,
                        activation_checkpointing: bool = False, offloaded_bytes: float = 0.0,
-                       whole_cache: bool = True, links: BusBandwidth | None = None) -> StepTime:
+                       whole_cache: bool = True, links: BusBandwidth | None = None,
+                       nodes: Nodes | None = None) -> StepTime:
     """The roofline time of one step (one decode step in infer); ``offloaded_bytes`` of weights
     cross the host link each forward pass. ``whole_cache``: decoding attends over every slot of the
     preallocated KV cache, as a GPU run's CUDA graph does; offloaded layers decode eagerly, over the
-    positions so far. ``links``: the collectives' bandwidths and latencies (``bus_bandwidth``; by
-    default the interconnect's)."""
+    positions so far. ``links``: the collectives' bandwidths and latencies inside a node
+    (``bus_bandwidth``; by default the interconnect's); ``nodes``: the job's nodes and the link between
+    them, where it spans several (``fitbench.plan.nodes``)."""
     peak = peak_flops(gpu_name, entry(precision).peak_kind(mode)) or peak_flops(gpu_name, "bf16")
     bandwidth = peak_bandwidth(gpu_name)
     if not peak or not bandwidth:
         raise ValueError(f"no datasheet figures for {gpu_name!r}")
-    links = links or bus_bandwidth(gpu_name)
+    paths = layout_links(parallelism.layout, links or bus_bandwidth(gpu_name), nodes)
     tp, stages = parallelism.tensor, parallelism.stages
     data_parallel = parallelism.layout.data_parallel
     g = data_parallel  # the ranks the data-parallel collectives span
@@ -136,8 +141,8 @@ def estimate_step_time(arch: Architecture, mode: str, precision: str, batch: int
         cache = arch.kv_cache_bytes_per_token(widths.compute) * batch * positions
         memory_s = (_decode_weight_bytes(arch, precision, batch) + cache) / (tp * bandwidth)  # stages in turn
         compute_s = 2 * batch * arch.matmul_params / (peak * tp)
-        communication_s = tensor_parallel_decode_s(arch, batch, widths.compute, tp, links)
-        communication_s += pipeline_sends_s(batch * arch.hidden_size * widths.compute, stages, 1, links)
+        communication_s = tensor_parallel_decode_s(arch, batch, widths.compute, tp, paths.tensor)
+        communication_s += pipeline_sends_s(batch * arch.hidden_size * widths.compute, stages, 1, paths)
         communication_s += offloaded_bytes / HOST_LINK_BANDWIDTH.get(gpu_name, PCIE_BANDWIDTH)
         seconds = max(compute_s, memory_s) + communication_s
         tokens_per_s = batch * data_parallel / seconds
@@ -161,10 +166,10 @@ def estimate_step_time(arch: Architecture, mode: str, precision: str, batch: int
         directions = 1 if mode == "forward" else 2
         activation = n * arch.hidden_size * widths.compute
         layers = round(share * arch.num_layers)
-        communication_s = tensor_parallel_pass_s(activation, layers, directions, tp, links)
+        communication_s = tensor_parallel_pass_s(activation, layers, directions, tp, paths.tensor)
         training = mode != "forward"
         microbatches = parallelism.microbatches_of(batch) if training else 1
-        communication_s += pipeline_sends_s(activation / microbatches, stages, directions, links)
+        communication_s += pipeline_sends_s(activation / microbatches, stages, directions, paths)
         if parallelism.offload:
             offloaded_bytes += (1 if mode == "forward" else 3) * widths.weights * arch.total_params / g
         communication_s += offloaded_bytes / HOST_LINK_BANDWIDTH.get(gpu_name, PCIE_BANDWIDTH)
@@ -173,8 +178,8 @@ def estimate_step_time(arch: Architecture, mode: str, precision: str, batch: int
         if g > 1:
             gradient_bytes = 4 * adapter_params(arch) if adapters else widths.weights * arch.total_params
             # under FSDP x TP each rank gathers, and reduces, its tensor-parallel share
-            collectives_s, step_s = _data_parallel_step(arch, mode, parallelism, links, step_s, passes, gathered / tp,
-                                                        gradient_bytes / tp, widths, adapters)
+            collectives_s, step_s = _data_parallel_step(arch, mode, parallelism, paths.data, step_s, passes,
+                                                        gathered / tp, gradient_bytes / tp, widths, adapters)
             communication_s += collectives_s
         seconds = step_s + exposed_s
         tokens_per_s = n * data_parallel / seconds
@@ -207,11 +212,11 @@ def tensor_parallel_pass_s(activation: float, layers: int, directions: int, tp: 
     return links.all_reduce_s(messages * activation, tp, messages=messages)
 
 
-def pipeline_sends_s(size: float, stages: int, directions: int, links: BusBandwidth) -> float:
+def pipeline_sends_s(size: float, stages: int, directions: int, paths: LayoutLinks) -> float:
     """The sends on a pipeline's critical path: one microbatch's activations, ``size`` bytes, through
-    each of the ``stages - 1`` boundaries, and in training (``directions`` 2) its gradient back."""
-    messages = directions * (stages - 1)
-    return links.send_recv_s(messages * size, messages=messages)
+    each of the ``stages - 1`` boundaries, and in training (``directions`` 2) its gradient back, those
+    between nodes over the link between them (``LayoutLinks.sends_s``)."""
+    return paths.sends_s(size, stages, directions)
 
 
 def bubble_fraction(stages: int, microbatches: int) -> float:
@@ -220,8 +225,8 @@ def bubble_fraction(stages: int, microbatches: int) -> float:
     return (stages - 1) / (microbatches + stages - 1)
 
 
-def _data_parallel_step(arch: Architecture, mode: str, parallelism: Parallelism, links: BusBandwidth, busy: float,
-                        passes: int, gathered: float, gradient_bytes: float, widths: Widths,
+def _data_parallel_step(arch: Architecture, mode: str, parallelism: Parallelism, links: BusBandwidth | AcrossNodes,
+                        busy: float, passes: int, gathered: float, gradient_bytes: float, widths: Widths,
                         adapters: bool) -> tuple[float, float]:
     """The collectives' time and the step's under DDP or FSDP (the module docstring): ``busy`` the
     step's compute-or-memory time, a ``1 / passes`` share of it the forward pass; ``gathered`` the

@@ -1,6 +1,8 @@
 """The launcher inside a SLURM allocation of several nodes: each attempt's ranks start on every node.
 
-An attempt runs as one job step: ``srun`` starts one task per node, each a torchrun agent
+An attempt runs as one job step: ``srun`` starts one task per node, each a torchrun agent inside the
+node's GPU sampler (``fitbench.launch.slurm.sampler``, which writes the node's NVML timeline beside
+the attempt's artifacts and the row merges)
 (``fitbench.launch.slurm.script.agent_options``) with ``--nproc-per-node`` ranks, meeting at a c10d
 rendezvous on the allocation's first node (the first host of ``scontrol show hostnames
 $SLURM_JOB_NODELIST``, where the job's own process runs) on a port free there when the attempt
@@ -26,6 +28,7 @@ from typing import Callable
 
 from fitbench.launch.launcher import Attempt, Event
 from fitbench.launch.local import run_one
+from fitbench.launch.slurm.sampler import merge_nodes
 from fitbench.launch.slurm.script import agent_options
 from fitbench.results.row import Row
 from fitbench.util.processes import PARENT_VARIABLE
@@ -34,21 +37,31 @@ from fitbench.util.processes import PARENT_VARIABLE
 @dataclass(frozen=True)
 class AgentsOnNodes:
     """The worker as ``nodes`` torchrun agents of ``ranks_per_node`` ranks each, one per node, started
-    by ``srun``, meeting at ``endpoint`` (host:port) under ``rendezvous_id``."""
+    by ``srun``, meeting at ``endpoint`` (host:port) under ``rendezvous_id``; each node's first
+    ``sampled_gpus`` GPUs sampled into ``samples`` while its agent runs."""
 
     nodes: int
     ranks_per_node: int
     endpoint: str
     rendezvous_id: str
+    samples: Path
+    sampled_gpus: int
     cpus_per_task: int | None = None
 
     def command(self, assignment: Path, result: Path) -> list[str]:
-        srun = ["srun", f"--nodes={self.nodes}", f"--ntasks={self.nodes}", "--ntasks-per-node=1"]
-        if self.cpus_per_task is not None:
-            srun.append(f"--cpus-per-task={self.cpus_per_task}")
-        return [*srun, "env", "-u", PARENT_VARIABLE, sys.executable, "-m", "torch.distributed.run",
+        return [*srun_tasks(self.nodes, self.cpus_per_task), sys.executable, "-m", "fitbench.launch.slurm.sampler",
+                str(self.samples), str(self.sampled_gpus), "--", sys.executable, "-m", "torch.distributed.run",
                 *agent_options(self.nodes, self.ranks_per_node), f"--rdzv-endpoint={self.endpoint}",
                 f"--rdzv-id={self.rendezvous_id}", "-m", "fitbench.run.worker", str(assignment), str(result)]
+
+
+def srun_tasks(nodes: int, cpus_per_task: int | None = None) -> list[str]:
+    """The start of a command that ``srun`` runs as one task on each of ``nodes`` nodes, without
+    ``FITBENCH_PARENT_PID``, whose process other nodes cannot see."""
+    srun = ["srun", f"--nodes={nodes}", f"--ntasks={nodes}", "--ntasks-per-node=1"]
+    if cpus_per_task is not None:
+        srun.append(f"--cpus-per-task={cpus_per_task}")
+    return [*srun, "env", "-u", PARENT_VARIABLE]
 
 
 @dataclass(frozen=True)
@@ -60,17 +73,25 @@ class NodesLauncher:
     cpus_per_task: int | None = None
 
     def run(self, attempt: Attempt, on_event: Callable[[Event], None]) -> Row:
+        gpus = self.ranks_per_node if attempt.assignment.spec.device.startswith("cuda") else 0
         agents = AgentsOnNodes(self.nodes, self.ranks_per_node, f"{first_host()}:{free_port()}",
-                               f"{os.environ.get('SLURM_JOB_ID', 'job')}-{secrets.token_hex(4)}", self.cpus_per_task)
-        return run_one(attempt.assignment, attempt.log, attempt.timeout, on_event, limit=attempt.limit,
-                       artifacts=attempt.artifacts, worker=agents, scratch_in=attempt.artifacts)
+                               f"{os.environ.get('SLURM_JOB_ID', 'job')}-{secrets.token_hex(4)}", attempt.artifacts,
+                               gpus, self.cpus_per_task)
+        row = run_one(attempt.assignment, attempt.log, attempt.timeout, on_event, limit=attempt.limit,
+                      artifacts=attempt.artifacts, worker=agents, scratch_in=attempt.artifacts, sample=False)
+        return row.model_copy(update={"gpu_monitor": merge_nodes(attempt.artifacts, allocation_hosts())})
+
+
+def allocation_hosts() -> list[str]:
+    """The allocation's nodes in SLURM's order, the first where the job's own process runs."""
+    done = subprocess.run(["scontrol", "show", "hostnames", os.environ["SLURM_JOB_NODELIST"]], capture_output=True,
+                          text=True, check=True, stdin=subprocess.DEVNULL, timeout=60)
+    return done.stdout.split()
 
 
 def first_host() -> str:
     """The first host of the allocation, where the job's own process runs."""
-    done = subprocess.run(["scontrol", "show", "hostnames", os.environ["SLURM_JOB_NODELIST"]], capture_output=True,
-                          text=True, check=True, stdin=subprocess.DEVNULL, timeout=60)
-    return done.stdout.split()[0]
+    return allocation_hosts()[0]
 
 
 def free_port() -> int:
