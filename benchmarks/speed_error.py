@@ -9,7 +9,8 @@ negative where the step took longer than forecast.
 Ceilings: the row's measured matmul peak where it recorded one (``measured_peak_flops``), else the
 model's table of measured ceilings (``MEASURED_CEILINGS``).
 
-Rows that measure no configuration's speed are listed apart, not counted: those measured while the
+Rows that measure no configuration's speed are listed apart, not counted: pipelined generations
+decoded eagerly before stages captured their steps (``PIPELINE_GRAPHS_SINCE``), those measured while the
 allocator's history was recorded (``fitbench.run.snapshot``: the row's warning, or the sweep directory
 holding the snapshot's ``allocator-streams-rank*.json``), and steps at the GPU's capacity (the caching
 allocator retried inside them, or, in rows older than its counter, the NVML peak within
@@ -49,10 +50,21 @@ FUSED_SINCE = "2026-11-24T05:50:32+00:00"
 # forecast counts with its figures of that engine.
 FUNCTIONS_SINCE = "2026-11-24T09:59:00+00:00"
 FUSED_LOSS_SINCE = "2026-11-24T10:09:12+00:00"
+# Native pipeline stages decode through CUDA graphs of each stage's step from this commit on (b894232);
+# rows started before decoded eagerly, a path a run takes now only when asked (--no-cuda-graphs). They
+# are listed apart: what they measured is not what the same configuration does now (Llama-2-70B over
+# 2 stages x TP 2 took 67.7 ms a token eagerly and 30.7 ms graphed,
+# benchmarks/results/2026-11-27-h100x4-model-parallel/12).
+PIPELINE_GRAPHS_SINCE = "2026-11-27T09:56:27+00:00"
 
 
 def not_a_speed(row: dict, sweep: Path) -> str | None:
     """Why ``row`` (of the sweep directory ``sweep``) measures no configuration's speed, or None."""
+    spec = row.get("spec") or {}
+    if (spec.get("mode") == "infer" and spec.get("backend") == "native" and (spec.get("layout") or {}).get("pp", 1) > 1
+            and not (row.get("decode") or {}).get("cuda_graphs") and spec.get("cuda_graphs", True)
+            and row.get("started_at", "") < PIPELINE_GRAPHS_SINCE):
+        return "decoded by eager pipeline stages, which CUDA graphs of each stage's step have replaced"
     if RECORDING_WARNING in (row.get("warnings") or []) or any(sweep.glob("allocator-streams-rank*.json")):
         return "measured while the allocator's history was recorded"
     if row.get("allocator_retries") is not None:  # counted: that settles it

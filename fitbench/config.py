@@ -16,7 +16,7 @@ from pydantic import BaseModel, ConfigDict, Field, StrictBool, ValidationError, 
 from fitbench.models.architecture import Architecture, backend_error, default_backend
 from fitbench.models.registry import resolve
 from fitbench.plan.nodes import parse_inter_node_bandwidth
-from fitbench.precisions import DEFAULT_LADDER, PRECISIONS, TRAINING_MODES, entry
+from fitbench.precisions import ALIASES, DEFAULT_LADDER, PRECISIONS, TRAINING_MODES, entry
 from fitbench.spec import Layout, Mode, Precision, RunSpec, microbatch_problem
 from fitbench.util.endpoints import http_url_problem
 from fitbench.util.errors import UserError, excerpt
@@ -234,10 +234,6 @@ class SweepConfig(BaseModel):
 
 # Other names of fields: (alias, field), the alias as the seeds' configs spell it.
 FIELD_ALIASES = (("context_length", "seq_len"), ("samples", "measure_steps"), ("tensor_parallel_size", "tp"))
-
-# The seeds' config.yaml says priority_order: ["none", "fp16", "8bit", "4bit"].
-SEED_PRECISIONS = {"none": "fp32", "fp16": "bf16-pure", "8bit": "int8", "4bit": "nf4"}
-
 
 def fallback_ladder(config: SweepConfig, mode: str) -> list[str]:
     """The precisions a configuration of ``mode`` may fall back through: the user's ladder (for training,
@@ -569,7 +565,7 @@ def load_yaml(path: str | Path) -> Source:
             raise UserError(f"config: in {path}, `{keys.get('fallback', 'priority_order')}` is empty; list the "
                             f"precisions to fall back through, e.g. [fp16, 8bit, 4bit], or leave the key out.")
         if "fallback" not in data:
-            data["fallback"] = [SEED_PRECISIONS.get(str(p).lower(), p) for p in _as_list(order)]
+            data["fallback"] = [ALIASES.get(str(p).lower(), p) for p in _as_list(order)]
             keys.setdefault("fallback", "priority_order")
     return Source(data, kind="file", name=str(path), keys=keys)
 

@@ -446,7 +446,7 @@ def _pass_time(arch: Architecture, mode: str, precision: str, batch: int, seq_le
     else:
         backward, recomputed = BACKWARD_TRAFFIC.get(widths_key, 2.0), 1.0
     traffic_passes = (1 + backward + (recomputed if recompute else 0)) if training else 1
-    layers = n * L * layer_traffic(arch, widths) * traffic_passes / tp
+    layers = n * share * L * layer_traffic(arch, widths) * traffic_passes / tp  # a stage's layers alone
     if run.compiled:
         layers *= COMPILED_TRAFFIC
     loss = n * loss_traffic(V, widths.compute, training, fused_loss) / tp

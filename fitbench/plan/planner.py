@@ -41,7 +41,7 @@ from fitbench.plan.memory import (TRAINING_MODES, MemoryEstimate, Parallelism, T
 from fitbench.plan.nodes import Nodes, inter_node_link, job_nodes, placement_problem
 from fitbench.plan.search import largest
 from fitbench.plan.speed import StepTime, estimate_step_time
-from fitbench.precisions import DEFAULT_LADDER, entry
+from fitbench.precisions import ADAPTER_BASE, DEFAULT_LADDER, entry
 from fitbench.spec import Layout, Stage
 from fitbench.util.units import format_bytes
 
@@ -720,7 +720,6 @@ def _stage_predictions(arch: Architecture, mode: str, chosen: Assessment, seq_le
 
 
 STRATEGY_NAMES = {"fsdp": "FSDP", "tp": "tensor parallel", "pipeline": "pipeline stages"}
-ADAPTER_BASE = "nf4"  # QLoRA's base (Dettmers et al. 2023)
 
 
 @dataclass(frozen=True)

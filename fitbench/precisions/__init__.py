@@ -281,6 +281,15 @@ DEFAULT_LADDER: dict[str, list[str]] = {mode: [name for name, precision in ENTRI
                                         for mode in ("train", "forward-backward", "forward", "infer")}
 
 
+# The base a model is quantized to for training low-rank adapters when its weights do not fit (QLoRA:
+# 4-bit NormalFloat, Dettmers et al. 2023), which the planner proposes as an alternative.
+ADAPTER_BASE = "nf4"
+
+# Other names of precisions, as the users' configs spell them (priority_order: ["none", "fp16", "8bit",
+# "4bit"]): no quantization is full precision, fp16 a 16-bit model, 8bit LLM.int8, 4bit NF4.
+ALIASES = {"none": "fp32", "fp16": "bf16-pure", "8bit": "int8", "4bit": "nf4"}
+
+
 def entry(name: str) -> Precision:
     """The entry of the precision called ``name``."""
     try:
@@ -294,6 +303,6 @@ def policy(name: str) -> PrecisionPolicy:
     return entry(name).policy
 
 
-__all__ = ["ADAPTERS", "ADAPTER_ALPHA", "ADAPTER_RANK", "DEFAULT_LADDER", "DENSE", "ENTRIES", "EVERY_WEIGHT",
+__all__ = ["ADAPTERS", "ADAPTER_ALPHA", "ADAPTER_BASE", "ADAPTER_RANK", "ALIASES", "DEFAULT_LADDER", "DENSE", "ENTRIES", "EVERY_WEIGHT",
            "FLOAT8", "PRECISIONS", "QUANTIZED_PRECISIONS", "TRAINING_MODES", "DecodeFormat", "Precision",
            "PrecisionPolicy", "entry", "policy"]
