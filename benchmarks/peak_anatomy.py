@@ -27,8 +27,8 @@ os.environ.setdefault("PYTORCH_CUDA_ALLOC_CONF", "expandable_segments:True")
 
 import torch  # noqa: E402  (after the allocator's settings)
 
-from fitbench.spec import Assignment, RunSpec  # noqa: E402
 from fitbench.run import worker  # noqa: E402
+from fitbench.spec import Assignment, RunSpec  # noqa: E402
 
 TRACE_ENTRIES = 4_000_000
 SEGMENT_GROWS, SEGMENT_SHRINKS = ("segment_alloc", "segment_map"), ("segment_free", "segment_unmap")

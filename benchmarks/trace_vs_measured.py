@@ -13,8 +13,8 @@ import sys
 
 from fitbench.models.registry import resolve
 from fitbench.plan.memory import estimate_memory
-from fitbench.run.trace import trace_peak
 from fitbench.results.store import ResultStore
+from fitbench.run.trace import trace_peak
 
 
 def main(directory: str) -> None:

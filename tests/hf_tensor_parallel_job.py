@@ -22,8 +22,8 @@ from torch.distributed.elastic.multiprocessing.errors import record
 from fitbench.models.backends import HuggingFaceLM, load_model
 from fitbench.models.registry import resolve
 from fitbench.precisions import policy
-from fitbench.run.hf_tensor_parallel import parallelize_hf_layout
 from fitbench.run.cross_entropy import cross_entropy
+from fitbench.run.hf_tensor_parallel import parallelize_hf_layout
 from fitbench.run.loops import make_step, random_tokens
 from fitbench.run.ranks import Rank, gather_json, process_group
 from fitbench.spec import Layout

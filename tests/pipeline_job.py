@@ -30,8 +30,8 @@ from fitbench.models.graphs import Replay
 from fitbench.models.registry import resolve
 from fitbench.precisions import policy
 from fitbench.run.loops import random_tokens
-from fitbench.run.pipeline import PipelineLM, build_pipelined, build_stage
 from fitbench.run.loops import read_generation
+from fitbench.run.pipeline import PipelineLM, build_pipelined, build_stage
 from fitbench.run.ranks import Rank, gather_json, process_group
 from fitbench.run.timing import DeviceClock
 from fitbench.spec import Layout, RunSpec, Stage

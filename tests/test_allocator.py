@@ -7,8 +7,8 @@ import torch.nn.functional as F
 
 from fitbench.models.registry import resolve
 from fitbench.run import trace
-from fitbench.run.allocator import LARGE_PAGE, SMALL_PAGE, Allocator, rounded
 from fitbench.run import loops
+from fitbench.run.allocator import LARGE_PAGE, SMALL_PAGE, Allocator, rounded
 from fitbench.run.cross_entropy import chunked_cross_entropy
 
 MiB = 2**20

@@ -12,7 +12,6 @@ import dataclasses
 import pytest
 import torch
 
-from fitbench.spec import RunSpec
 from fitbench.models.native import build_native
 from fitbench.models.registry import resolve
 from fitbench.plan import compiled
@@ -20,6 +19,7 @@ from fitbench.plan.calibration import DEFAULT
 from fitbench.plan.memory import END, MLP, OUTPUT, START, estimate_memory
 from fitbench.plan.planner import Candidate, GpuTarget, predict_spec
 from fitbench.precisions import PRECISIONS as RUNNABLE, policy
+from fitbench.spec import RunSpec
 
 # Two layers: the first (which saves a 16-bit tensor in place of an fp32 one) and one like every
 # later layer. Widths all differ, and none equals the batch or the token count, so a saved tensor's

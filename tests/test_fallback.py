@@ -18,14 +18,14 @@ import pandas as pd
 import pytest
 import yaml
 
-from fitbench.launch.job import predicted_max_batch
 from fitbench.config import SweepConfig, fallback_ladder, load_yaml, merge_sources
-from fitbench.spec import RunSpec
 from fitbench.launch.fallback import FallbackPolicy, Rung, largest_batch, next_attempt, next_rung, search_max_batch
+from fitbench.launch.job import predicted_max_batch
 from fitbench.launch.orders import assign
 from fitbench.models.registry import resolve
 from fitbench.plan.memory import estimate_memory
 from fitbench.results.store import ResultStore
+from fitbench.spec import RunSpec
 from conftest import cli
 
 TINY = ["--models", "tiny", "--device", "cpu", "--seq-len", "16", "--new-tokens", "4", "--warmup-steps", "1",

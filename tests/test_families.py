@@ -15,11 +15,11 @@ from fitbench.models.presets import PRESETS
 from fitbench.models.registry import resolve
 from fitbench.plan.memory import TRAINING_MODES, Parallelism, Widths, estimate_memory, gpt2_gelu_upcast_bytes
 from fitbench.plan.planner import Candidate, GpuTarget, assess
-from fitbench.spec import Layout
-from fitbench.run.trace import trace_peak
 from fitbench.precisions import DEFAULT_LADDER, QUANTIZED_PRECISIONS, entry
 from fitbench.run.quantize import quantize_linears
+from fitbench.run.trace import trace_peak
 from fitbench.run.worker import weight_storage_bytes
+from fitbench.spec import Layout
 
 FLOAT_WIDTHS = {"fp32": 4, "bf16": 4, "bf16-pure": 2}  # bytes per stored weight
 PRECISIONS = (*FLOAT_WIDTHS, *QUANTIZED_PRECISIONS)
@@ -324,8 +324,8 @@ def test_hf_kv_cache_term_is_the_cache_transformers_keeps(family, precision):
     rotary families' keys are fp32 and their values what the installed ``DynamicCache`` keeps of bf16
     values beside fp32 keys; GPT-2's both bf16."""
     from fitbench.models.backends import load_model
-    from fitbench.run.loops import generate
     from fitbench.precisions import policy
+    from fitbench.run.loops import generate
     from fitbench.run.timing import DeviceClock
     from test_metrics import dynamic_cache_value_bytes
 

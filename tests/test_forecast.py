@@ -17,18 +17,18 @@ from torch.utils._pytree import tree_flatten
 
 import fitbench.plan.collectives as collectives
 import fitbench.plan.forecast as forecast
+from fitbench import precisions
 from fitbench.hardware import ceilings as hardware_ceilings, datasheet
 from fitbench.hardware.environment import torch_version
 from fitbench.models.backends import NativeLM, load_model
 from fitbench.models.native import DecoderConfig, NativeCausalLM
 from fitbench.models.registry import resolve
 from fitbench.plan.calibration import DEFAULT
+from fitbench.plan.collectives import BusBandwidth
 from fitbench.plan.forecast import (Ceilings, StepRun, ceilings, decode_format, forecast_spec, forecast_step_time,
                                     layer_traffic, side_by_side, step_run)
 from fitbench.plan.memory import Parallelism, Widths
 from fitbench.plan.planner import GpuTarget, predict_spec
-from fitbench.plan.collectives import BusBandwidth
-from fitbench import precisions
 from fitbench.precisions import DENSE, entry, policy
 from fitbench.run.cross_entropy import cross_entropy
 from fitbench.run.loops import make_step, random_tokens

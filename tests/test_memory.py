@@ -780,17 +780,19 @@ def test_as_dict_is_json_and_sums_to_the_peak(mode, precision, checkpointing, pa
 # ---- against the trace ---------------------------------------------------------------------------
 
 # A trace costs CPU per operator, whatever the shapes: small (12 layers) is traced at one shape, where
-# its activations outweigh its weights; tiny at two, where either does.
+# its activations outweigh its weights, in the modes whose steps differ (forward-backward is a training
+# step without the optimizer's state, traced for tiny); tiny at two shapes, where either outweighs.
 SHAPES = {"tiny": [(1, 64), (4, 256)], "small": [(4, 512)]}
+MODES = {"tiny": ("train", "forward-backward", "forward", "infer"), "small": ("train", "forward", "infer")}
 # (model, mode, precision, batch, seq_len, checkpointing) of the traces test_trace_grows_with_the_batch
 # and test_trace_checkpointing_lowers_the_peak compare
-GROWTH = [("tiny", "train", precision, batch, 128, False) for precision in PRECISIONS for batch in (1, 2, 4, 8)]
+GROWTH = [("tiny", "train", precision, batch, 128, False) for precision in PRECISIONS for batch in (1, 2, 4)]
 CHECKPOINTING = [("small", "train", "bf16", 4, 512, checkpointing) for checkpointing in (False, True)]
 
 
 def trace_cases():
     for model, shapes in SHAPES.items():
-        for mode in ("train", "forward-backward", "forward", "infer"):
+        for mode in MODES[model]:
             for precision in PRECISIONS:
                 for checkpointing in ((False, True) if mode in ("train", "forward-backward") else (False,)):
                     for batch, seq_len in shapes:
@@ -847,7 +849,7 @@ def test_trace_is_deterministic():
 @pytest.mark.parametrize("precision", PRECISIONS)
 def test_trace_grows_with_the_batch(traced, precision):
     arch = resolve("tiny")
-    for batch in (1, 2, 4):
+    for batch in (1, 2):
         smaller = traced["tiny", "train", precision, batch, 128, False]
         larger = traced["tiny", "train", precision, 2 * batch, 128, False]
         assert larger > smaller, batch

@@ -6,7 +6,6 @@ import pytest
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
-from fitbench.spec import Assignment, RunSpec
 from fitbench.models.architecture import Architecture
 from fitbench.models.backends import HuggingFaceLM, NativeLM, load_model
 from fitbench.models.graphs import Replay
@@ -15,8 +14,9 @@ from fitbench.models.native import (DecoderConfig, FusedLinear, build_native, ch
                                     rope_inverse_frequencies)
 from fitbench.models.registry import resolve
 from fitbench.precisions import entry, policy
-from fitbench.run.loops import make_step, random_tokens
 from fitbench.run import worker
+from fitbench.run.loops import make_step, random_tokens
+from fitbench.spec import Assignment, RunSpec
 
 MODES = ("train", "forward", "forward-backward", "infer")
 BATCH, SEQ, NEW = 2, 16, 4

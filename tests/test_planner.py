@@ -24,12 +24,9 @@ from fitbench.launch.calibrate import fit_collective, measure_bus_bandwidth, wit
 from fitbench.models.architecture import default_backend
 from fitbench.models.presets import PRESETS
 from fitbench.models.registry import resolve
-from fitbench.spec import Layout, RunSpec
-from fitbench.sweep import gpu_target
-from fitbench.sweep import run_target
-from fitbench.util.errors import UserError
 from fitbench.plan.calibration import (DEFAULT, NCCL_TENSOR_PARALLEL_GENERATION, TENSORS_ONLY, Calibration,
                                       calibration_path, ensure_calibration, load_calibration, save_calibration)
+from fitbench.plan.collectives import NVLINK_LATENCY_S, BusBandwidth, bus_bandwidth
 from fitbench.plan.memory import Parallelism, estimate_memory, stage_estimates
 from fitbench.plan.planner import (
     GPU_ALIASES,
@@ -48,9 +45,12 @@ from fitbench.plan.planner import (
     predict_spec,
     refusal,
 )
-from fitbench.plan.collectives import NVLINK_LATENCY_S, BusBandwidth, bus_bandwidth
 from fitbench.plan.speed import bubble_fraction, estimate_step_time
 from fitbench.precisions import ADAPTERS, PRECISIONS, entry
+from fitbench.spec import Layout, RunSpec
+from fitbench.sweep import gpu_target
+from fitbench.sweep import run_target
+from fitbench.util.errors import UserError
 from conftest import cli
 
 # ---- datasheet figures and published shapes ---------------------------------------------------

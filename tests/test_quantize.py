@@ -31,12 +31,12 @@ from fitbench.precisions import DEFAULT_LADDER, entry
 from fitbench.results.store import ResultStore
 from fitbench.run import worker
 from fitbench.run.loops import random_tokens
-from fitbench.spec import Assignment, Layout, RunSpec
-from fitbench.sweep import hardware_refusals
-from fitbench.util.errors import UserError
 from fitbench.run.quality import (MatmulError, kl_divergence, matmul_errors, recorded_matmuls, reference_text,
                                   summarise, top1_agreement)
 from fitbench.run.quantize import build_quantized_native, quantize_built, quantize_linears
+from fitbench.spec import Assignment, Layout, RunSpec
+from fitbench.sweep import hardware_refusals
+from fitbench.util.errors import UserError
 
 CPU = torch.device("cpu")
 BATCH, SEQ, NEW = 1, 16, 4

@@ -8,10 +8,10 @@ from pathlib import Path
 
 import pytest
 
-from fitbench.spec import Assignment, RunSpec
 from fitbench.models.registry import resolve
 from fitbench.run import worker
 from fitbench.run.sanity import non_finite_figures, non_finite_steps
+from fitbench.spec import Assignment, RunSpec
 
 SHAPES = dict(batch_size=1, seq_len=16, new_tokens=4, device="cpu", warmup_steps=1, measure_steps=2)
 

@@ -32,10 +32,10 @@ def test_a_guess_that_is_the_answer_takes_two_tests():
 
 @pytest.mark.parametrize("strategy", ["ddp", "fsdp"])
 def test_the_largest_batch_of_a_job_of_ranks_is_planned_per_rank_under_its_strategy(strategy, monkeypatch):
+    from fitbench.launch.job import predicted_max_batch
     from fitbench.models.registry import resolve
     from fitbench.plan.memory import Parallelism, estimate_memory
     from fitbench.spec import Layout, RunSpec
-    from fitbench.launch.job import predicted_max_batch
 
     fields = dict(model="small", backend="native", mode="train", precision="fp32", batch_size=1, seq_len=128,
                   new_tokens=4, warmup_steps=1, measure_steps=2, device="cpu", auto_batch=True)

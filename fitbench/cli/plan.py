@@ -80,12 +80,12 @@ def _plan_text(result, trace) -> None:
 def plan(args: argparse.Namespace) -> int:
     """Predict per-GPU memory term by term and choose how to run each model; no GPU needed."""
     from fitbench.config import check_context, merge_sources
-    from fitbench.sweep import gpu_target
     from fitbench.models.registry import resolve
     from fitbench.plan.calibration import load_calibration
     from fitbench.plan.planner import fewest_gpus
     from fitbench.plan.planner import plan as make_plan
     from fitbench.precisions import TRAINING_MODES, entry
+    from fitbench.sweep import gpu_target
 
     shapes = merge_sources({}, {}, {"batch_size": args.batch_size, "seq_len": [args.seq_len],
                                     "new_tokens": args.new_tokens, "models": args.models})

@@ -73,38 +73,46 @@ def measure_bus_bandwidth(ranks: int, device: str, scratch: Path, timeout_s: flo
     itself or killed at ``timeout_s`` or on the first that fails."""
     backend = "nccl" if device.startswith("cuda") else "gloo"
     sizes, warmups, iterations = zip(*COLLECTIVE_RUNS[backend])
+    commands = [[sys.executable, "-m", "fitbench.run.collectives", "--rank", str(rank), "--world", str(ranks),
+                 "--backend", backend, "--scratch", str(scratch), "--timeout", str(timeout_s),
+                 "--message-bytes", *map(str, sizes), "--warmup", *map(str, warmups),
+                 "--iterations", *map(str, iterations)] for rank in range(ranks)]
+    _run_together(commands, [scratch / f"rank{rank}.log" for rank in range(ranks)], None, timeout_s,
+                  f"the bus-bandwidth measurement over {ranks} ranks", "rank")
+    timed = json.loads((scratch / "collectives.json").read_text())
+    g = timed["world"]
+    what = f"{g} x {torch.cuda.get_device_name(0)}" if backend == "nccl" else f"{g} CPU processes"
+    return fit_level(timed["runs"], g, f"on {what} with {backend}")
+
+
+def _run_together(commands: list[list[str]], logs: list[Path], outputs: list[Path] | None, timeout_s: float,
+                  what: str, one: str) -> None:
+    """Start every command at once (each its own session, its standard error into its log, its standard
+    output into its file of ``outputs`` or nowhere) and wait for all: until each has ended, one has
+    failed or ``timeout_s`` has passed; then end every one left (``kill_tree``). Raises, naming ``what``
+    and the first that failed (``one`` and its index) with its log's last lines, unless all ended with 0."""
     token = secrets.token_hex(8)
     environment = {**os.environ, TOKEN_VARIABLE: token, PARENT_VARIABLE: str(os.getpid())}
-    logs = [scratch / f"rank{rank}.log" for rank in range(ranks)]
     processes = []
     try:
-        for rank, log in enumerate(logs):
-            with log.open("w") as stderr:
-                processes.append(subprocess.Popen(
-                    [sys.executable, "-m", "fitbench.run.collectives", "--rank", str(rank), "--world", str(ranks),
-                     "--backend", backend, "--scratch", str(scratch), "--timeout", str(timeout_s),
-                     "--message-bytes", *map(str, sizes), "--warmup", *map(str, warmups),
-                     "--iterations", *map(str, iterations)],
-                    stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL, stderr=stderr, env=environment,
-                    start_new_session=True))
+        for index, (command, log) in enumerate(zip(commands, logs)):
+            with log.open("w") as stderr, (outputs[index].open("w") if outputs else open(os.devnull, "w")) as stdout:
+                processes.append(subprocess.Popen(command, stdin=subprocess.DEVNULL, stdout=stdout, stderr=stderr,
+                                                  env=environment, start_new_session=True))
         deadline = time.monotonic() + timeout_s
         while any(p.poll() is None for p in processes) and all(p.returncode in (None, 0) for p in processes):
             if time.monotonic() >= deadline:
-                raise RuntimeError(f"the bus-bandwidth measurement over {ranks} ranks did not end in {timeout_s:.0f} s")
+                raise RuntimeError(f"{what} did not end in {timeout_s:.0f} s")
             time.sleep(0.1)
     finally:
         for process in processes:
             kill_tree(process.pid, token)
             process.wait()
-    failed = [(rank, p.returncode) for rank, p in enumerate(processes) if p.returncode != 0]
+    failed = [(index, p.returncode) for index, p in enumerate(processes) if p.returncode != 0]
     if failed:
-        rank, code = failed[0]
-        tail = " | ".join(logs[rank].read_text(errors="replace").strip().splitlines()[-3:])
-        raise RuntimeError(f"rank {rank} of the bus-bandwidth measurement ended with exit status {code}: {tail}")
-    timed = json.loads((scratch / "collectives.json").read_text())
-    g = timed["world"]
-    what = f"{g} x {torch.cuda.get_device_name(0)}" if backend == "nccl" else f"{g} CPU processes"
-    return fit_level(timed["runs"], g, f"on {what} with {backend}")
+        index, code = failed[0]
+        tail = " | ".join(logs[index].read_text(errors="replace").strip().splitlines()[-3:])
+        raise RuntimeError(f"{one} {index} of {what} ended with exit status {code}: {tail}")
 
 
 def fit_level(runs: list[dict], ranks: int, where: str) -> BusBandwidth:
@@ -138,31 +146,10 @@ def measure_across_nodes(nodes: int, ranks_per_node: int, device: str, scratch: 
              f"--rdzv-id=calibrate-{secrets.token_hex(4)}", "-m", "fitbench.run.collectives", "--backend", backend,
              "--scratch", str(scratch), "--timeout", str(timeout_s), "--message-bytes", *map(str, sizes),
              "--warmup", *map(str, warmups), "--iterations", *map(str, iterations)]
-    token = secrets.token_hex(8)
-    environment = {**os.environ, TOKEN_VARIABLE: token, PARENT_VARIABLE: str(os.getpid())}
     commands = agents(agent)
-    logs = [scratch / f"agent{index}.log" for index in range(len(commands))]
     outputs = [scratch / f"agent{index}.out" for index in range(len(commands))]
-    processes = []
-    try:
-        for command, log, output in zip(commands, logs, outputs):
-            with log.open("w") as stderr, output.open("w") as stdout:
-                processes.append(subprocess.Popen(command, stdin=subprocess.DEVNULL, stdout=stdout, stderr=stderr,
-                                                  env=environment, start_new_session=True))
-        deadline = time.monotonic() + timeout_s
-        while any(p.poll() is None for p in processes) and all(p.returncode in (None, 0) for p in processes):
-            if time.monotonic() >= deadline:
-                raise RuntimeError(f"the measurement over {nodes} nodes did not end in {timeout_s:.0f} s")
-            time.sleep(0.1)
-    finally:
-        for process in processes:
-            kill_tree(process.pid, token)
-            process.wait()
-    failed = [(index, p.returncode) for index, p in enumerate(processes) if p.returncode != 0]
-    if failed:
-        index, code = failed[0]
-        tail = " | ".join(logs[index].read_text(errors="replace").strip().splitlines()[-3:])
-        raise RuntimeError(f"agent {index} of the measurement over {nodes} nodes ended with exit status {code}: {tail}")
+    _run_together(commands, [scratch / f"agent{index}.log" for index in range(len(commands))], outputs, timeout_s,
+                  f"the measurement over {nodes} nodes", "agent")
     lines = [line for output in outputs for line in output.read_text(errors="replace").splitlines()
              if line.startswith(RESULT_PREFIX)]
     if not lines:

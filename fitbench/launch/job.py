@@ -18,8 +18,6 @@ from datetime import datetime, timezone
 from pathlib import Path
 from typing import Any, Callable
 
-from fitbench.util.host import host_memory
-from fitbench.util.inject import injected_memory_limit
 from fitbench.launch.fallback import (RAN_TO_THE_END, FallbackPolicy, largest_batch, run_with_fallback,
                                      search_max_batch)
 from fitbench.launch.launcher import Attempt, Event, Launcher
@@ -31,6 +29,8 @@ from fitbench.plan.planner import RETRY_MARGIN, Candidate, GpuTarget, assess, pr
 from fitbench.precisions import PRECISIONS
 from fitbench.results.row import Row
 from fitbench.spec import Assignment, RunSpec
+from fitbench.util.host import host_memory
+from fitbench.util.inject import injected_memory_limit
 
 
 @dataclass(frozen=True)

@@ -45,8 +45,8 @@ from plotly.subplots import make_subplots
 from fitbench.monitor.nvml import read_timeline
 from fitbench.report.sweep import Sweeps
 from fitbench.results.report import headline
-from fitbench.spec import Layout
 from fitbench.results.row import Row
+from fitbench.spec import Layout
 
 GB = 1e9
 # A timeline of a long run holds tens of thousands of samples per GPU; every k-th is drawn, so a page

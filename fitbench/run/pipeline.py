@@ -59,8 +59,8 @@ from fitbench.run.quality import Quality
 from fitbench.run.quantize import Carried, build_quantized_native
 from fitbench.run.ranks import Rank
 from fitbench.run.stage_graph import GraphedStage, stage_decode_step
-from fitbench.run.timing import DeviceClock
 from fitbench.run.tensor_parallel import build_tensor_parallel, device_mesh, tensor_mesh
+from fitbench.run.timing import DeviceClock
 from fitbench.spec import RunSpec, Stage, microbatch_problem
 
 

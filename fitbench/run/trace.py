@@ -32,9 +32,9 @@ from fitbench.models.architecture import backend_error
 from fitbench.models.backends import CausalLM, HuggingFaceLM, NativeLM
 from fitbench.models.hf import hf_config
 from fitbench.models.native import meta_model
+from fitbench.precisions import policy as precision_policy
 from fitbench.run.allocator import Allocator
 from fitbench.run.loops import generate, make_step
-from fitbench.precisions import policy as precision_policy
 from fitbench.run.timing import DeviceClock
 
 TRAINING_STEPS = 2
