@@ -786,7 +786,7 @@ SHAPES = {"tiny": [(1, 64), (4, 256)], "small": [(4, 512)]}
 MODES = {"tiny": ("train", "forward-backward", "forward", "infer"), "small": ("train", "forward", "infer")}
 # (model, mode, precision, batch, seq_len, checkpointing) of the traces test_trace_grows_with_the_batch
 # and test_trace_checkpointing_lowers_the_peak compare
-GROWTH = [("tiny", "train", precision, batch, 128, False) for precision in PRECISIONS for batch in (1, 2, 4)]
+GROWTH = [("tiny", "train", precision, batch, 64, False) for precision in PRECISIONS for batch in (1, 2, 4)]
 CHECKPOINTING = [("small", "train", "bf16", 4, 512, checkpointing) for checkpointing in (False, True)]
 
 
@@ -850,11 +850,11 @@ def test_trace_is_deterministic():
 def test_trace_grows_with_the_batch(traced, precision):
     arch = resolve("tiny")
     for batch in (1, 2):
-        smaller = traced["tiny", "train", precision, batch, 128, False]
-        larger = traced["tiny", "train", precision, 2 * batch, 128, False]
+        smaller = traced["tiny", "train", precision, batch, 64, False]
+        larger = traced["tiny", "train", precision, 2 * batch, 64, False]
         assert larger > smaller, batch
     # the weights alone are a floor
-    assert traced["tiny", "train", precision, 1, 128, False] > WIDTHS[precision]["w"] * arch.total_params
+    assert traced["tiny", "train", precision, 1, 64, False] > WIDTHS[precision]["w"] * arch.total_params
 
 
 def test_trace_checkpointing_lowers_the_peak(traced):
