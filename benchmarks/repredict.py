@@ -12,6 +12,11 @@ by --calibration (the GPU's entry is taken from it by the rows' device name and 
 else each row's own, read back from its prediction's terms (its CUDA context and workspaces; NCCL's
 buffers per communicator as the default has them).
 
+Rows measured before a change to what the worker holds are listed apart, not counted (``superseded``):
+FSDP rows from before the worker returned the cached blocks of the model built whole once the layout is
+applied (``EMPTY_CACHE_SINCE``; benchmarks/results/2026-11-27-h100x4-fsdp-memory measured the same
+configurations again).
+
 Usage: python benchmarks/repredict.py RESULTS_DIR [--calibration FILE] [--markdown FILE] [--min-gpus N]
 """
 
@@ -40,6 +45,18 @@ def calibration_of(prediction: dict) -> Calibration:
                    source="read back from the row's prediction")
 
 
+# The worker calls torch.cuda.empty_cache() once a parallel layout is applied from this commit on
+# (4f1bbca): before, a sharded run's steps started beside the cached blocks of the whole model.
+EMPTY_CACHE_SINCE = "2026-11-27T07:50:03+00:00"
+
+
+def superseded(row: dict, spec: RunSpec) -> str | None:
+    """Why ``row`` measured a worker that no longer runs, or None."""
+    if spec.layout.dp_shard > 1 and row.get("started_at", "") < EMPTY_CACHE_SINCE:
+        return "FSDP before the worker returned the build's cached blocks"
+    return None
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("directory", type=Path)
@@ -51,7 +68,7 @@ def main() -> None:
     stored = json.loads(args.calibration.read_text()) if args.calibration else None
     lines = ["| configuration | measured | predicted then | predicted now | error then | error now | peak moment now |",
              "|---|---|---|---|---|---|---|"]
-    errors = []
+    errors, apart = [], []
     for sweep in sorted({path.parent for path in args.directory.rglob("results.jsonl")}, key=str):
         for row in ResultStore(sweep).rows():
             gpus = (row.get("memory") or {}).get("gpus") or []
@@ -61,6 +78,10 @@ def main() -> None:
             gpu = environment["gpus"][0]
             spec = RunSpec.model_validate(row["spec"])
             if spec.layout.world_size < args.min_gpus:
+                continue
+            reason = superseded(row, spec)
+            if reason:
+                apart.append(f"| {row['label']} | {sweep} | {reason} |")
                 continue
             calibration = (Calibration(**stored[f"{gpu['name']}|torch {environment['torch']}"]) if stored
                            else calibration_of(row["prediction"]))
@@ -76,6 +97,8 @@ def main() -> None:
               f"- median |error| now: {statistics.median(abs(e) for e in errors):.2%}",
               f"- worst |error| now: {max(abs(e) for e in errors):.2%}",
               f"- largest under-prediction now: {min(errors):+.2%}"]
+    if apart:
+        lines += ["", "Listed apart, not counted:", "", "| configuration | directory | why |", "|---|---|---|", *apart]
     text = "\n".join(lines)
     print(text)
     if args.markdown:
