@@ -43,6 +43,7 @@ from fitbench.run.adapters import add_adapters
 from fitbench.run.aggregate import combine
 from fitbench.run.hf_pipeline import StagedHuggingFaceLM, build_staged, stage_devices
 from fitbench.run.hf_tensor_parallel import parallelize_hf_layout
+from fitbench.run.host_speed import host_launch_seconds
 from fitbench.run.loops import generate, make_step, random_tokens, read_generation
 from fitbench.run.metrics import inference_metrics, step_metrics
 from fitbench.run.parallel import data_seed, parallelize
@@ -234,6 +235,7 @@ def measure(assignment: Assignment, device: torch.device, scratch: Path, rank: R
     peaks = Peaks(flops=peak, measured_flops=measured_peak,
                   bandwidth=peak_bandwidth(device_name) if device.type == "cuda" else None)
 
+    host_launch_s = host_launch_seconds(device)
     measure_mode = _measure_generation if spec.mode == "infer" else _measure_steps
     replicas = spec.layout.replicas > 1
     phases.enter("running its steps" + (", each with collectives every rank joins" if parallel else ""),
@@ -279,7 +281,8 @@ def measure(assignment: Assignment, device: torch.device, scratch: Path, rank: R
         device_name=device_name, build_s=build_s, compile_s=compile_s, warnings=warnings,
         peak_flops=peak, measured_peak_flops=measured_peak, peak_kind=kind,
         peak_source="datasheet (dense)" if peak else None,
-        timing=timing, throughput=throughput, decode=decoding, environment=environment(),
+        timing=timing, throughput=throughput, decode=decoding,
+        environment={**environment(), "host_launch_s": host_launch_s},
         quality=quality, training=built.training,
         **({"loss": verdict.loss} if verdict.loss is not None else {}),
         weights={"bytes": weight_bytes, "bf16_bytes": 2 * arch.total_params,
