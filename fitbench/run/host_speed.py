@@ -20,8 +20,8 @@ import time
 
 import torch
 
-OPS = 2000
-REPEATS = 5
+OPS = 1000
+REPEATS = 3
 
 
 def host_launch_seconds(device: torch.device, ops: int = OPS, repeats: int = REPEATS) -> float:
