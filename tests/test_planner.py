@@ -31,6 +31,7 @@ from fitbench.plan.memory import Parallelism, estimate_memory, stage_estimates
 from fitbench.plan.planner import (
     GPU_ALIASES,
     MAX_AUTO_BATCH,
+    MOST_GPUS,
     RETRY_MARGIN,
     Candidate,
     GpuTarget,
@@ -44,6 +45,7 @@ from fitbench.plan.planner import (
     plan,
     predict_spec,
     refusal,
+    unsplittable,
 )
 from fitbench.plan.speed import bubble_fraction, estimate_step_time
 from fitbench.precisions import ADAPTERS, PRECISIONS, entry
@@ -1836,3 +1838,18 @@ def test_a_weight_only_format_slower_than_bf16_at_the_batch_asked_warns_in_the_r
     assert warned[1] == []
     [warning] = warned[8]
     assert f"{precision} is forecast slower than bf16-pure at batch 8" in warning and "--precision bf16-pure" in warning
+
+
+def test_a_model_no_layout_splits_says_why_instead_of_a_gpu_count(capsys):
+    """Falcon has no tensor-parallel plan in transformers, and transformers' pipeline stages hold no
+    quantized weights: quantized, no layout divides its weights, which --requirements says with the
+    pipeline's reason; in bf16 the stages do, and a Llama splits in any precision."""
+    falcon = resolve("falcon-180b")
+    reason = unsplittable(falcon, "infer", "nf4", 8)
+    assert reason is not None and "floating-point weights" in reason
+    assert unsplittable(falcon, "infer", "bf16-pure", 8) is None
+    assert unsplittable(resolve("7B"), "infer", "nf4", 8) is None
+    code, out, _ = cli(["plan", "--requirements", "--gpu", "H100-80GB", "--models", "falcon-180b", "--mode", "infer",
+                        "--precision", "nf4", "--json"], capsys)
+    (row,) = json.loads(out)
+    assert code == 0 and row["min_gpus"] is None and row["how"] == unsplittable(falcon, "infer", "nf4", MOST_GPUS)

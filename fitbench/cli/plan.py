@@ -178,6 +178,7 @@ def sbatch_lines_for(model: str, gpus: int, gpus_per_node: int) -> list[str]:
 
 def _requirements(args, target, calibration, seq_len, new_tokens, batch, fewest_gpus) -> int:
     from fitbench.models.registry import resolve
+    from fitbench.plan.planner import MOST_GPUS, unsplittable
     from fitbench.precisions import DEFAULT_LADDER
     from fitbench.util.units import format_bytes
 
@@ -192,7 +193,9 @@ def _requirements(args, target, calibration, seq_len, new_tokens, batch, fewest_
                 stage = need.memory.stage if need else None
                 rows.append({"model": name, "mode": mode, "precision": precision,
                              "min_gpus": need.candidate.gpus if need else None,
-                             "how": need.candidate.label if need else "more than 64",
+                             "how": need.candidate.label if need else
+                             (unsplittable(arch, mode, precision, MOST_GPUS, target.node_gpus) or
+                              f"more than {MOST_GPUS}"),
                              "layout": need.candidate.layout.model_dump() if need else None,
                              "peak_per_gpu_bytes": need.predicted_peak if need else None,
                              "peak_stage": stage.label if stage else None})

@@ -45,6 +45,9 @@ from fitbench.precisions import ADAPTER_BASE, DEFAULT_LADDER, entry
 from fitbench.spec import Layout, Stage
 from fitbench.util.units import format_bytes
 
+# The most GPUs a search for the fewest (``fewest_gpus``) looks at.
+MOST_GPUS = 64
+
 # Names people type for --gpu, to the exact device names of the peak table.
 GPU_ALIASES = {
     "H100-80GB": "NVIDIA H100 80GB HBM3", "H100": "NVIDIA H100 80GB HBM3", "H100-SXM": "NVIDIA H100 80GB HBM3",
@@ -557,7 +560,7 @@ def node_counts(node_gpus: int, max_gpus: int) -> list[int]:
 
 
 def fewest_gpus(arch: Architecture, mode: str, precision: str, gpu_memory: float, *, seq_len: int,
-                new_tokens: int, batch_size: int = 1, max_gpus: int = 64, calibration: Calibration = DEFAULT,
+                new_tokens: int, batch_size: int = 1, max_gpus: int = MOST_GPUS, calibration: Calibration = DEFAULT,
                 backend: str | None = None, gpu_name: str | None = None, node_gpus: int = 8,
                 inter_node_bandwidth: float | None = None) -> Assessment | None:
     """The fewest nodes of ``node_gpus`` GPUs of ``gpu_memory`` bytes, and on them the fewest GPUs (the
@@ -583,8 +586,22 @@ def fewest_gpus(arch: Architecture, mode: str, precision: str, gpu_memory: float
     return None
 
 
+def unsplittable(arch: Architecture, mode: str, precision: str, gpus: int, node_gpus: int = 8,
+                 backend: str | None = None) -> str | None:
+    """Why no layout of ``gpus`` GPUs splits this model at all, whatever its memory: every layout that
+    would divide its weights (tensor parallelism, pipeline stages, FSDP) refused (``Layout.problem``);
+    the pipeline's reason, else the first. None where one of them can launch."""
+    backend = backend or default_backend(arch)
+    splits = [layout for layout in layouts_for(arch, mode, gpus, node_gpus)
+              if layout.tp > 1 or layout.pp > 1 or layout.dp_shard > 1]
+    problems = [(layout, layout.problem(arch, mode, precision, backend)) for layout in splits]
+    if not problems or any(problem is None for _, problem in problems):
+        return None
+    return next((problem for layout, problem in problems if layout.pp > 1 and layout.tp == 1), problems[0][1])
+
+
 def minimum_gpus(arch: Architecture, mode: str, precision: str, gpu_memory: float, *, seq_len: int,
-                 new_tokens: int, batch_size: int = 1, max_gpus: int = 64,
+                 new_tokens: int, batch_size: int = 1, max_gpus: int = MOST_GPUS,
                  calibration: Calibration = DEFAULT, backend: str | None = None) -> tuple[int, str] | None:
     """The fewest GPUs of ``gpu_memory`` bytes that run this at ``batch_size``, and how (the label of
     ``fewest_gpus``'s choice); None if more than ``max_gpus`` would be needed."""
@@ -742,7 +759,7 @@ class Alternative:
 
 
 def alternatives(arch: Architecture, spec, target: GpuTarget, calibration: Calibration | None, *,
-                 max_gpus: int = 64) -> list[Alternative]:
+                 max_gpus: int = MOST_GPUS) -> list[Alternative]:
     """What would make ``spec`` (one ``fitbench run`` configuration, predicted not to fit on its GPUs of
     ``target``: one, or its layout's) fit, each change alone, where it applies, in this order:
 
