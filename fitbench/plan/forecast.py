@@ -66,7 +66,7 @@ from fitbench.models.loss import loss_chunk_rows
 from fitbench.plan.collectives import PCIE_BANDWIDTH, BusBandwidth, bus_bandwidth
 from fitbench.plan.memory import Parallelism, Widths, adapter_params, kv_bytes_read_per_position, kv_heads_split
 from fitbench.plan.nodes import LayoutLinks, Nodes, layout_links
-from fitbench.plan.speed import (HOST_LINK_BANDWIDTH, _data_parallel_step, bubble_fraction, pipeline_sends_s,
+from fitbench.plan.speed import (HOST_LINK_BANDWIDTH, _data_parallel_step, bubble_fraction,
                                  tensor_parallel_decode_s, tensor_parallel_pass_s)
 from fitbench.precisions import ADAPTERS, FLOAT8, DecodeFormat, entry
 from fitbench.spec import pipeline_stages
@@ -400,7 +400,7 @@ def _decode_time(arch: Architecture, precision: str, batch: int, seq_len: int, n
     host_s = 0.0 if decode != "eager" else kernels / (stages if run.backend == "native" else 1) * \
         _host_op_s(run.backend, tp, "inference")
     communication_s = tensor_parallel_decode_s(arch, batch, widths.compute, tp, links.tensor)
-    communication_s += pipeline_sends_s(batch * arch.hidden_size * widths.compute, stages, 1, links)
+    communication_s += links.sends_s(batch * arch.hidden_size * widths.compute, stages, 1)
     if stages > 1:  # the chosen token's way back from the last stage to the first, across nodes where they are
         way_back = links.inter if links.boundaries_across else links.intra
         communication_s += way_back.send_recv_s(batch * TOKEN_BYTES, messages=1)
@@ -497,7 +497,7 @@ def _pass_time(arch: Architecture, mode: str, precision: str, batch: int, seq_le
     activation = n * h * widths.compute
     communication_s = tensor_parallel_pass_s(activation, round(share * L), directions, tp, links.tensor)
     microbatches = parallelism.microbatches_of(batch) if training else 1
-    communication_s += pipeline_sends_s(activation / microbatches, stages, directions, links)
+    communication_s += links.sends_s(activation / microbatches, stages, directions)
     communication_s += offloaded_bytes / OFFLOAD_STREAM_BANDWIDTH
     if parallelism.offload:  # FSDP's shards cross the host link before each gather, its gradients after
         shards = (1 if not training else 3) * widths.weights * arch.total_params / parallelism.layout.data_parallel

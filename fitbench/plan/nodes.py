@@ -157,15 +157,19 @@ class AcrossNodes:
 
 @dataclass(frozen=True)
 class LayoutLinks:
-    """The links each dimension of a layout's collectives travel: ``tensor`` (inside a node), ``data``
-    (a ``BusBandwidth`` inside one node, ``AcrossNodes`` over several) and the pipeline's stage
+    """The links each dimension of a layout's collectives travel: ``tensor`` (always inside a node),
+    ``data`` (a ``BusBandwidth`` inside one node, ``AcrossNodes`` over several) and the pipeline's stage
     boundaries, ``boundaries_across`` of them between nodes over ``inter``, the rest over ``intra``."""
 
     intra: BusBandwidth
-    tensor: BusBandwidth
     data: BusBandwidth | AcrossNodes
     inter: BusBandwidth | None = None
     boundaries_across: int = 0
+
+    @property
+    def tensor(self) -> BusBandwidth:
+        """Tensor parallelism's link: a tensor-parallel group stays inside a node (``placement_problem``)."""
+        return self.intra
 
     def sends_s(self, size: float, stages: int, directions: int) -> float:
         """The sends on a pipeline's critical path: one microbatch's activations, ``size`` bytes, through
@@ -181,7 +185,7 @@ def layout_links(layout: Layout, intra: BusBandwidth, nodes: Nodes | None) -> La
     """Which link each of ``layout``'s collectives takes on ``nodes`` (None: one node, every one over
     ``intra``): the outer dimension spans the nodes, ``k / tp`` of its ranks on each."""
     if nodes is None:
-        return LayoutLinks(intra, intra, intra)
+        return LayoutLinks(intra, intra)
     per_node = nodes.ranks // layout.tp
-    return LayoutLinks(intra, intra, AcrossNodes(intra, nodes.link, per_node, nodes.count), nodes.link,
+    return LayoutLinks(intra, AcrossNodes(intra, nodes.link, per_node, nodes.count), nodes.link,
                        nodes.count - 1 if layout.pp > 1 else 0)

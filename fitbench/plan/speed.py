@@ -142,7 +142,7 @@ def estimate_step_time(arch: Architecture, mode: str, precision: str, batch: int
         memory_s = (_decode_weight_bytes(arch, precision, batch) + cache) / (tp * bandwidth)  # stages in turn
         compute_s = 2 * batch * arch.matmul_params / (peak * tp)
         communication_s = tensor_parallel_decode_s(arch, batch, widths.compute, tp, paths.tensor)
-        communication_s += pipeline_sends_s(batch * arch.hidden_size * widths.compute, stages, 1, paths)
+        communication_s += paths.sends_s(batch * arch.hidden_size * widths.compute, stages, 1)
         communication_s += offloaded_bytes / HOST_LINK_BANDWIDTH.get(gpu_name, PCIE_BANDWIDTH)
         seconds = max(compute_s, memory_s) + communication_s
         tokens_per_s = batch * data_parallel / seconds
@@ -169,7 +169,7 @@ def estimate_step_time(arch: Architecture, mode: str, precision: str, batch: int
         communication_s = tensor_parallel_pass_s(activation, layers, directions, tp, paths.tensor)
         training = mode != "forward"
         microbatches = parallelism.microbatches_of(batch) if training else 1
-        communication_s += pipeline_sends_s(activation / microbatches, stages, directions, paths)
+        communication_s += paths.sends_s(activation / microbatches, stages, directions)
         if parallelism.offload:
             offloaded_bytes += (1 if mode == "forward" else 3) * widths.weights * arch.total_params / g
         communication_s += offloaded_bytes / HOST_LINK_BANDWIDTH.get(gpu_name, PCIE_BANDWIDTH)
@@ -210,13 +210,6 @@ def tensor_parallel_pass_s(activation: float, layers: int, directions: int, tp: 
     (B x T x h x c); nothing on one rank."""
     messages = directions * 2 * layers
     return links.all_reduce_s(messages * activation, tp, messages=messages)
-
-
-def pipeline_sends_s(size: float, stages: int, directions: int, paths: LayoutLinks) -> float:
-    """The sends on a pipeline's critical path: one microbatch's activations, ``size`` bytes, through
-    each of the ``stages - 1`` boundaries, and in training (``directions`` 2) its gradient back, those
-    between nodes over the link between them (``LayoutLinks.sends_s``)."""
-    return paths.sends_s(size, stages, directions)
 
 
 def bubble_fraction(stages: int, microbatches: int) -> float:
