@@ -56,6 +56,9 @@ FUSED_LOSS_SINCE = "2026-11-24T10:09:12+00:00"
 # 2 stages x TP 2 took 67.7 ms a token eagerly and 30.7 ms graphed,
 # benchmarks/results/2026-11-27-h100x4-model-parallel/12).
 PIPELINE_GRAPHS_SINCE = "2026-11-27T09:56:27+00:00"
+# Tensor-parallel generations and forward passes stack their local shards' projections from this commit
+# on; rows started before ran q, k, v and gate, up as their own matmuls.
+TP_FUSED_SINCE = "2026-11-27T13:30:00+00:00"
 
 
 def not_a_speed(row: dict, sweep: Path) -> str | None:
@@ -92,8 +95,10 @@ def row_error(row: dict) -> tuple[float, float] | None:
     # rows of generations older than the field decoded eagerly: CUDA graphs came with it
     decoding = row.get("decode") or ({"cuda_graphs": False} if spec.mode == "infer" else None)
     started = row.get("started_at", FUSED_LOSS_SINCE)
+    # the row says how its small all-reduces went; rows older than the record went through NCCL
+    one_shot = str((row.get("parallel") or {}).get("small_all_reduces", "")).startswith("symmetric memory")
     run = replace(step_run(spec, decoding), fused=started >= FUSED_SINCE, functions=started >= FUNCTIONS_SINCE,
-                  fused_loss=started >= FUSED_LOSS_SINCE)
+                  fused_loss=started >= FUSED_LOSS_SINCE, tp_fused=started >= TP_FUSED_SINCE, one_shot=one_shot)
     forecast = forecast_spec(resolve(spec.model), spec, gpu, ceiling, run=run,
                              offloaded_bytes=offload.get("offloaded_bytes") or 0.0)
     return measured, forecast.seconds

@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # Several GPUs against one, side by side in one command on one host, bf16:
-# 1. decode at batch 1, 13B (512-token prompt, 64 new tokens): one GPU, then TP 2 and TP GPUS; with
-#    GPUS 4, Llama-2-70B under TP 4 (its bandwidth roofline is the reference: it does not fit one GPU);
+# 1. decode at batch 1, 13B (512-token prompt, 64 new tokens): one GPU, then TP 2 and TP GPUS, and TP GPUS
+#    with --no-symmetric-memory (NCCL's all-reduces); with GPUS 4, Llama-2-70B under TP 4 both ways (its
+#    bandwidth roofline is the reference: it does not fit one GPU);
 # 2. weak scaling of training, the 1B preset at 8 x 2048 tokens per GPU (3 warm-up, 10 measured steps):
 #    one GPU, then DDP and FSDP over 2 and GPUS;
 # then summary.md: each row's tokens/s against its one-GPU baseline (decode: the ratio of tokens/s;
@@ -22,9 +23,13 @@ if [ "$part" != weak ]; then
   for n in 2 "$gpus"; do
     [ -d "$out/decode/tp-$n" ] || run "decode/tp-$n" "${decode[@]}" --gpus "$n" --strategy tp
   done
+  # the same, each layer's all-reduces through NCCL instead of symmetric memory
+  run "decode/tp-$gpus-nccl" "${decode[@]}" --gpus "$gpus" --strategy tp --no-symmetric-memory
   if [ "$gpus" -ge 4 ]; then
-    run decode-70b/tp-4 --models llama-2-70b --mode infer --precision bf16-pure --batch-size 1 --seq-len 512 \
-        --new-tokens 64 --warmup-steps 2 --measure-steps 5 --gpus 4 --strategy tp
+    decode70=(--models llama-2-70b --mode infer --precision bf16-pure --batch-size 1 --seq-len 512 --new-tokens 64
+              --warmup-steps 2 --measure-steps 5 --gpus 4 --strategy tp)
+    run decode-70b/tp-4 "${decode70[@]}"
+    run decode-70b/tp-4-nccl "${decode70[@]}" --no-symmetric-memory
   fi
 fi
 

@@ -87,6 +87,8 @@ class SweepConfig(BaseModel):
                                                          "decode step and prefill with inductor before capturing")
     decode_tuning: StrictBool = Field(False, description="true or false: the compiled decode step's layer is tuned "
                                                          "by inductor's coordinate descent")
+    symmetric_memory: StrictBool = Field(True, description="true or false: tensor-parallel generation on GPUs sums "
+                                                           "its small all-reduces through symmetric memory")
     activation_checkpointing: StrictBool | None = Field(None, description="true or false; left out, the planner "
                                                                           "decides (on a GPU)")
     warmup_steps: int = Field(5, ge=0)
@@ -313,7 +315,7 @@ def expand(config: SweepConfig, *, device: str, default_models: list[str]) -> li
                             batch_size=1 if batch == "auto" else batch, auto_batch=batch == "auto",
                             seq_len=seq_len, new_tokens=new_tokens, compile=config.compile,
                             cuda_graphs=config.cuda_graphs, compile_decode=config.compile_decode,
-                            decode_tuning=config.decode_tuning,
+                            decode_tuning=config.decode_tuning, symmetric_memory=config.symmetric_memory,
                             activation_checkpointing=bool(config.activation_checkpointing)
                             and mode in TRAINING_MODES, offload=config.offload, device=device,
                             warmup_steps=config.warmup_steps, measure_steps=config.measure_steps, seed=config.seed,

@@ -28,6 +28,13 @@ Precision = Literal[PRECISIONS]  # the registry's names (``fitbench.precisions``
 STRATEGY_DEGREES = {"ddp": "dp_replicate", "fsdp": "dp_shard", "tp": "tp", "pipeline": "pp", "replicas": "replicas"}
 
 
+# The largest all-reduce a tensor-parallel generation sums through symmetric memory's one-shot kernel
+# (``RunSpec.symmetric_memory``; inductor's default threshold, ``torch._inductor.config._collective``): a
+# decode step's at batch 8 of an 8,192-wide model is 128 KiB, a prefill's megabytes. One-shot has each
+# rank read every peer's whole buffer, which beyond some hundred kB costs more than NCCL's ring saves.
+ONE_SHOT_BYTES = 128 * 1024
+
+
 class LayoutError(ValueError):
     """Degrees that do not make the world size."""
 
@@ -422,6 +429,7 @@ class RunSpec(BaseModel):
     cuda_graphs: bool = True  # native infer on a GPU decodes through a CUDA graph
     compile_decode: bool = True  # ... of the decode step compiled by inductor (fitbench.models.backends)
     decode_tuning: bool = False  # ... its layer's kernels tuned by inductor's coordinate descent
+    symmetric_memory: bool = True  # ... under TP, its small all-reduces one-shot through symmetric memory
     # On one device, decoder layers that do not fit stay in a slower tier (host memory beside a GPU,
     # disk beside the CPU) and stream in for their forward (fitbench.models.offload); under FSDP, the
     # shards, their gradients and the optimizer state live in host memory (FSDP's CPU offload).
@@ -463,6 +471,8 @@ class RunSpec(BaseModel):
             fields.pop("compile_decode")
         if not self.tuned_decode:
             fields.pop("decode_tuning")
+        if self.symmetric_memory or not self.one_shot_applies:
+            fields.pop("symmetric_memory")
         if not self.offload:
             fields.pop("offload")
         if self.layout.world_size == 1:
@@ -490,14 +500,22 @@ class RunSpec(BaseModel):
         return self.decode_tuning and self.compile_decode and self.mode == "infer" and self.backend == "native"
 
     @property
+    def one_shot_applies(self) -> bool:
+        """Where ``symmetric_memory`` changes what runs: a compiled native generation under tensor
+        parallelism (``fitbench.run.tensor_parallel.one_shot_small_all_reduces``), on GPUs."""
+        return (self.compile_decode and self.mode == "infer" and self.backend == "native" and self.layout.tp > 1
+                and self.device != "cpu")
+
+    @property
     def label(self) -> str:
         batch = "auto" if self.auto_batch else self.batch_size
         shape = f"{batch}x{self.seq_len}" + (f"+{self.new_tokens}" if self.mode == "infer" else "")
         recompute = " recompute" if self.activation_checkpointing else ""
         eager = " no-cuda-graphs" if self.graphs_off else (" decode-tuning" if self.tuned_decode else "")
         offload = " offload" if self.offload else ""
+        nccl = " no-symmetric-memory" if not self.symmetric_memory and self.one_shot_applies else ""
         layout = f" {self.layout.label}" if self.layout.world_size > 1 else ""
-        return (f"{self.model} {self.mode} {self.precision} {shape}{recompute}{eager}{offload}{layout} "
+        return (f"{self.model} {self.mode} {self.precision} {shape}{recompute}{eager}{offload}{nccl}{layout} "
                 f"[{self.backend}]")
 
 

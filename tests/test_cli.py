@@ -20,7 +20,7 @@ from fitbench.models.presets import PRESETS
 from fitbench.models.registry import resolve
 from fitbench.plan.calibration import TENSORS_ONLY
 from fitbench.results.store import ResultStore
-from fitbench.spec import Assignment, RunSpec
+from fitbench.spec import Assignment, Layout, RunSpec
 from fitbench.util.errors import UserError
 from conftest import cli
 
@@ -240,6 +240,27 @@ def test_decode_tuning_option_file_key_label_and_worker(tmp_path):
     tiny = specs[0].model_copy(update={"batch_size": 1, "seq_len": 8, "new_tokens": 2})
     built = worker.build(Assignment(spec=tiny), resolve("tiny"), policy(tiny.precision), torch.device("cpu"), tmp_path)
     assert built.lm.decode_options == DECODE_TUNING
+
+
+def test_symmetric_memory_option_file_key_and_label(tmp_path):
+    from fitbench.cli import build_parser
+
+    assert build_parser().parse_args(["run", "--no-symmetric-memory"]).symmetric_memory is False
+    assert SweepConfig().symmetric_memory is True
+    config = tmp_path / "config.yaml"
+    config.write_text("models: [tiny]\nsymmetric-memory: false\n")
+    assert merge_sources({}, load_yaml(config), {}).symmetric_memory is False
+    fields = dict(model="7B", backend="native", precision="bf16-pure", batch_size=1, seq_len=128, new_tokens=128,
+                  device="cuda:0", warmup_steps=5, measure_steps=10)
+    tp = RunSpec(mode="infer", layout=Layout(tp=2), **fields)
+    nccl = tp.model_copy(update={"symmetric_memory": False})
+    assert nccl.key != tp.key and nccl.label == "7B infer bf16-pure 1x128+128 no-symmetric-memory tp x 2 [native]"
+    assert tp.label == "7B infer bf16-pure 1x128+128 tp x 2 [native]"
+    # where no tensor-parallel compiled generation runs on GPUs, the choice changes nothing
+    for same in (RunSpec(mode="infer", **fields), tp.model_copy(update={"compile_decode": False}),
+                 tp.model_copy(update={"device": "cpu"}), RunSpec(mode="train", layout=Layout(tp=2), **fields)):
+        assert same.model_copy(update={"symmetric_memory": False}).key == same.key
+        assert "symmetric" not in same.model_copy(update={"symmetric_memory": False}).label
 
 
 def test_injected_crash_is_recorded_and_the_sweep_goes_on(tmp_path, capsys, monkeypatch):

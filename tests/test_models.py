@@ -608,6 +608,27 @@ def test_one_compiled_layer_serves_every_layer_and_each_shape_compiles_once(fres
     assert not list(layer_decode.named_parameters()) and not list(layer_decode.named_buffers())
 
 
+def test_a_graphed_prefill_is_captured_at_its_shapes_second_call_and_reads_each_new_prompt(fresh_dynamo):
+    arch = VARIANTS["llama-gqa"]
+    native = random_native(arch)
+    calls, graphs = [], []
+    lm = NativeLM(native, torch.float32, cuda_graphs=True, capture=eager_capture(calls), compile_decode=True,
+                  compiler=counting_compiler(graphs))
+    lm.graph_prefill = True
+    eager = NativeLM(native, torch.float32)
+    for seed, captures in ((1, 1), (2, 2), (3, 2)):  # compiled; then the prefill captured; then replayed
+        tokens = torch.randint(0, arch.vocab_size, (2, 12), generator=torch.Generator().manual_seed(seed))
+        assert_same_generations(generation_logits(lm, tokens, 6, 12), generation_logits(eager, tokens, 6, 12))
+        assert len(calls) == captures  # the decode step's, once per cache, and the prefill's
+    assert [capture.get("prefill") for capture in lm.decoding["captures"]] == [None, [2, 6, 12]]
+    assert lm.decoding["prefill"] == "CUDA graph per prompt shape"
+    # a new cache (another batch) drops the graphs that wrote the old one
+    tokens = torch.randint(0, arch.vocab_size, (1, 12), generator=torch.Generator().manual_seed(4))
+    for _ in range(2):
+        assert_same_generations(generation_logits(lm, tokens, 6, 12), generation_logits(eager, tokens, 6, 12))
+    assert list(lm.prefill_graphs) == [(1, 6, 12)]
+
+
 def test_past_dynamos_recompile_limit_generation_runs_eagerly_and_says_so(fresh_dynamo):
     arch = VARIANTS["llama-tied"]
     native = random_native(arch)

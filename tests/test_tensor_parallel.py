@@ -103,10 +103,11 @@ def ranks(tmp_path_factory) -> list[dict]:
     return rows
 
 
-def reference(arch) -> NativeLM:
+def reference(arch, fused: bool = False) -> NativeLM:
+    """One process's model of the job's seed: unfused, the layout tensor-parallel training keeps, so that
+    gradients compare by projection; ``fused``, as one GPU generates and as a TP generation stacks its shards."""
     torch.manual_seed(job.SEED)
-    # unfused, the layout tensor parallelism keeps, so that gradients compare by projection
-    return load_model(arch, "native", "cpu", torch.float32, fused=False)
+    return load_model(arch, "native", "cpu", torch.float32, fused=fused)
 
 
 def single_process_training_pass(arch) -> dict:
@@ -221,9 +222,10 @@ ONCE_PER_CALL = 12
 def test_tensor_parallel_generation_runs_one_process_ops_and_two_all_reduces_per_layer(ranks, call):
     """Megatron's split and nothing heavier: a rank's prefill and decode step (the one a CUDA graph
     captures) run plain operators on local tensors, one process's operators with an all-reduce after
-    the attention's and the MLP's row-wise matmuls, one for the embedding and one gather of the logits."""
+    the attention's and the MLP's row-wise matmuls, one for the embedding and one gather of the logits;
+    q, k, v and gate, up stacked into one matmul each, as the fused one-process model runs them."""
     arch = job.VARIANTS["tiny"]
-    one = Counter(job.dispatched(reference(arch), torch.device("cpu"))[call])
+    one = Counter(job.dispatched(reference(arch, fused=True), torch.device("cpu"))[call])
     for row in ranks:
         counts = Counter(row["dispatched"][call])
         collectives = Counter({op: n for op, n in counts.items() if "c10d" in op})

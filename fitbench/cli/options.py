@@ -86,6 +86,10 @@ def sweep_options(parser: argparse.ArgumentParser) -> None:
     add("--decode-tuning", dest="decode_tuning", action="store_true", default=S,
         help="with --compile-decode: tune the decode step's layer with inductor's coordinate descent (its "
              "compile only; a longer compile)")
+    add("--symmetric-memory", dest="symmetric_memory", action=argparse.BooleanOptionalAction, default=S,
+        help="infer under tensor parallelism on GPUs with --compile-decode: sum each layer's small all-reduces "
+             "(up to 128 KiB: a decode step's) with symmetric memory's one-shot kernel, each rank reading its "
+             "peers' partial sums over NVLink (default); --no-symmetric-memory keeps NCCL's")
     add("--activation-checkpointing", dest="activation_checkpointing", action="store_true", default=S,
         help="recompute each layer's activations in the backward pass (train, forward-backward)")
     add("--warmup-steps", dest="warmup_steps", type=int, default=S, metavar="N", help="untimed steps first (default 5)")

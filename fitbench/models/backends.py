@@ -24,7 +24,7 @@ import torch
 from torch import nn
 
 from fitbench.models.architecture import BACKENDS, Architecture, Backend, backend_error, default_backend
-from fitbench.models.graphs import Capture, GraphedDecode, capture_cuda_graph
+from fitbench.models.graphs import Capture, GraphedDecode, Replay, capture_cuda_graph
 from fitbench.models.hf import build_hf, has_weights, hf_config
 from fitbench.models.native import EAGER, KVCache, NativeCausalLM, Regions, build_native, checkpoint_tensors
 from fitbench.util.inject import injected
@@ -113,6 +113,9 @@ class NativeLM(CausalLM):
         self.graph: GraphedDecode | None = None
         self.capture = capture or capture_cuda_graph
         self.captures: list[dict[str, Any]] = []
+        self.graph_prefill = False
+        self.prefill_graphs: dict[tuple[int, int, int], tuple[Replay, torch.Tensor]] = {}
+        self.prefill_graph_problem: str | None = None
         device = module.rope_cos.device
         self.eager_reason: str | None = None
         if not cuda_graphs:
@@ -129,6 +132,7 @@ class NativeLM(CausalLM):
         B, T = tokens.shape
         if self.cache is None or (self.cache.batch, self.cache.max_len) != (B, max_len):
             self.graph = None  # it writes into the old cache
+            self.prefill_graphs = {}  # so do these
             self.cache = None  # free the previous generation's cache before allocating the next
             self.cache = self.module.new_cache(B, max_len, self.cache_dtype)
         # A reused cache still holds the last generation's keys after position T: eager decoding
@@ -141,6 +145,9 @@ class NativeLM(CausalLM):
         def run(regions: Regions | None) -> torch.Tensor:
             return self.module(tokens, cache=self.cache, start=0, last_only=True, regions=regions)[:, -1]
 
+        if self._compiling() and (B, T, max_len) in self.prefill_shapes and self.graph_prefill \
+                and self.prefill_graph_problem is None:
+            return self._graphed_prefill(tokens, max_len)
         if not self._compiling() or (B, T, max_len) in self.prefill_shapes:
             return run(self.regions if self._compiling() else None)
         self.prefill_shapes.add((B, T, max_len))
@@ -149,6 +156,32 @@ class NativeLM(CausalLM):
         if self._compiling():
             self.compiled.setdefault("prefill_first_call_s", []).append(time.perf_counter() - started)
         return logits
+
+    def _graphed_prefill(self, tokens: torch.Tensor, max_len: int) -> torch.Tensor:
+        """The prefill of a prompt shape compiled before, replayed from a CUDA graph captured at its
+        second call (``graph_prefill``): a prefill through compiled regions still launches every
+        layer's kernels and collectives from the host, which under tensor parallelism, with a quarter
+        of each matmul per GPU and two collectives per layer, takes longer than the GPU's work. The
+        graph reads the prompt from a buffer of its own and writes the cache it was captured with;
+        its pool keeps a prefill's temporaries (one layer's at a time) for as long as the cache lives.
+        Where the capture fails, prefills run as before and ``decoding`` says why."""
+        shape = (*tokens.shape, max_len)
+        if shape not in self.prefill_graphs:
+            prompt = tokens.clone()
+            started = time.perf_counter()
+            try:
+                replay = self.capture(lambda: self.module(prompt, cache=self.cache, start=0, last_only=True,
+                                                          regions=self.regions)[:, -1])
+            except Exception as error:
+                self.prefill_graph_problem = f"capture failed, prefilling through the compiled regions: " \
+                                             f"{error_summary(error)}"
+                return self.module(tokens, cache=self.cache, start=0, last_only=True, regions=self.regions)[:, -1]
+            self.prefill_graphs[shape] = (replay, prompt)
+            self.captures.append({"generation": self.generations, "prefill": list(shape),
+                                  "seconds": time.perf_counter() - started, "pool_bytes": replay.pool_bytes})
+        replay, prompt = self.prefill_graphs[shape]
+        prompt.copy_(tokens)
+        return replay.run()
 
     def _compiling(self) -> bool:
         """Whether generation runs through compiled regions: asked for, a graph to capture, nothing failed."""
@@ -233,7 +266,10 @@ class NativeLM(CausalLM):
                         "compiled_graphs": sum(region["graphs"] for region in regions.values())}
         else:
             compiled = self.compiled
-        return {"cuda_graphs": True, "captures": list(self.captures), **compiled}
+        prefill = {}
+        if self.graph_prefill and self._compiling():
+            prefill = {"prefill": self.prefill_graph_problem or "CUDA graph per prompt shape"}
+        return {"cuda_graphs": True, "captures": list(self.captures), **prefill, **compiled}
 
     def kv_bytes_read(self, position: int) -> int:
         """The graph's ``decode_step`` attends over every slot of the preallocated cache (``max_len``,

@@ -19,8 +19,9 @@ one ``gate_up_proj`` (``FusedLinear``): one matmul reads the input once and laun
 three or two did, which is what a decode step at batch 1 and a short training step both pay for. The
 fused weights are the unfused ones stacked by rows, drawn part by part in the unfused order, so a
 fused model holds the weights of the unfused one of the same seed, and a transformers checkpoint loads
-into each part (``checkpoint_tensors``). Tensor parallelism, pipeline stages and quantized builds keep
-the unfused layout: their plans and quantizers name q, k, v, gate and up.
+into each part (``checkpoint_tensors``). Tensor-parallel training, pipeline stages and quantized builds
+keep the unfused layout: their plans and quantizers name q, k, v, gate and up (a tensor-parallel
+generation stacks its local shards after the build: ``fitbench.run.tensor_parallel``).
 
 In eager training (autograd recording, no ``torch.compile``) RMSNorm, the rotary positions and
 SwiGLU run as the autograd Functions of ``fitbench.models.layer_ops``, which save less and launch

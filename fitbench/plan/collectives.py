@@ -49,6 +49,11 @@ PCIE_BANDWIDTH = 32e9
 # 6 steps of an all-reduce of 4 ranks.
 NVLINK_LATENCY_S = 18e-6
 PCIE_LATENCY_S = NVLINK_LATENCY_S + 6 * 0.4e-6
+# Seconds per symmetric-memory one-shot all-reduce of a decode step (``fitbench.spec.ONE_SHOT_BYTES`` or
+# less) over NVLink: 80 in a row captured in a CUDA graph, 10.0 us each on 4 H100s and 8.8 on 2 at
+# 10 kB (``benchmarks/tp_allreduce.py``, ``benchmarks/results/2026-11-27-h100x4-tp-decode-profile``),
+# where NCCL's took 21.7 and 15.5.
+ONE_SHOT_LATENCY_S = 10e-6
 
 
 @dataclass(frozen=True)

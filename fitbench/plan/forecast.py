@@ -68,7 +68,7 @@ from fitbench.plan.memory import Parallelism, Widths, adapter_params, kv_bytes_r
 from fitbench.plan.nodes import LayoutLinks, Nodes, layout_links
 from fitbench.plan.speed import (HOST_LINK_BANDWIDTH, _data_parallel_step, bubble_fraction,
                                  tensor_parallel_decode_s, tensor_parallel_pass_s)
-from fitbench.precisions import ADAPTERS, FLOAT8, DecodeFormat, entry
+from fitbench.precisions import ADAPTERS, FLOAT8, TRAINING_MODES, DecodeFormat, entry
 from fitbench.spec import pipeline_stages
 
 # ---- ceilings --------------------------------------------------------------------------------
@@ -260,16 +260,21 @@ class StepRun:
     """How the step runs, as far as its speed goes: the ``backend`` (native or hf); ``compiled``, the
     model ``torch.compile``d (``--compile``); for generation ``decode``: "graph" (the eager step
     replayed from a CUDA graph), "compiled" (the compiled step in a graph) or "eager" (no graph); and
-    ``fused``, False for steps measured before the native decoder fused its projections;
+    ``fused``, False for steps measured before the native decoder fused its projections, and
+    ``tp_fused`` before a tensor-parallel generation or forward pass stacked its local shards;
     ``functions``, False for training steps measured before its autograd Functions, and ``fused_loss``
-    before the fused cross-entropy (``benchmarks/speed_error.py`` tells them by their start)."""
+    before the fused cross-entropy (``benchmarks/speed_error.py`` tells them by their start);
+    ``one_shot``: a tensor-parallel decode step's per-layer all-reduces summed through symmetric memory
+    (``fitbench.spec.RunSpec.symmetric_memory``)."""
 
     backend: str = "native"
     compiled: bool = False
     decode: str = "graph"
     fused: bool = True  # the native decoder's fused projections, where its build has them (``fused_build``)
+    tp_fused: bool = True
     functions: bool = True
     fused_loss: bool = True
+    one_shot: bool = False
 
 
 @dataclass(frozen=True)
@@ -332,10 +337,15 @@ def layer_ops(arch: Architecture, backend: str, fused: bool = True) -> int:
     return LAYER_OPS.get(arch.family, LAYER_OPS["llama"])
 
 
-def fused_build(precision: str, parallelism: Parallelism, run: StepRun) -> bool:
+def fused_build(precision: str, parallelism: Parallelism, run: StepRun, mode: str) -> bool:
     """Whether the native decoder runs with fused projections: not quantized, on one rank's layers whole
-    (``fitbench.models.native``)."""
-    return run.fused and not entry(precision).quantized and parallelism.tensor == 1 and parallelism.stages == 1
+    (``fitbench.models.native``), or a tensor-parallel generation or forward pass without FSDP, which
+    stacks its local shards (``fitbench.run.tensor_parallel.fuse_local_projections``); not over stages."""
+    if not run.fused or entry(precision).quantized or parallelism.stages > 1:
+        return False
+    if parallelism.tensor == 1:
+        return True
+    return run.tp_fused and mode not in TRAINING_MODES and parallelism.layout.dp_shard == 1
 
 
 def forecast_step_time(arch: Architecture, mode: str, precision: str, batch: int, seq_len: int, *,
@@ -390,7 +400,7 @@ def _decode_time(arch: Architecture, precision: str, batch: int, seq_len: int, n
     matmul_s = 2 * batch * arch.matmul_params / (tp * ceiling.peak(gpu_name, entry(precision).peak_kind("infer"))
                                                  * MATMUL_EFFICIENCY)
     per_layer = COMPILED_LAYER_KERNELS if decode == "compiled" else \
-        layer_ops(arch, run.backend, fused_build(precision, parallelism, run))
+        layer_ops(arch, run.backend, fused_build(precision, parallelism, run, "infer"))
     per_layer += matmuls * fmt.extra_kernels
     kernels = per_layer * arch.num_layers + EDGE_OPS["forward"]
     kernels_s = kernels * KERNEL_S
@@ -399,7 +409,7 @@ def _decode_time(arch: Architecture, precision: str, batch: int, seq_len: int, n
     # its own layers, transformers' stages are one process.
     host_s = 0.0 if decode != "eager" else kernels / (stages if run.backend == "native" else 1) * \
         _host_op_s(run.backend, tp, "inference")
-    communication_s = tensor_parallel_decode_s(arch, batch, widths.compute, tp, links.tensor)
+    communication_s = tensor_parallel_decode_s(arch, batch, widths.compute, tp, links.tensor, one_shot=run.one_shot)
     communication_s += links.sends_s(batch * arch.hidden_size * widths.compute, stages, 1)
     if stages > 1:  # the chosen token's way back from the last stage to the first, across nodes where they are
         way_back = links.inter if links.boundaries_across else links.intra
@@ -466,7 +476,7 @@ def _pass_time(arch: Architecture, mode: str, precision: str, batch: int, seq_le
     memory_s = (layers + loss + share * weights / tp) / ceiling.bandwidth
     optimizer_s = share * optimizer / ceiling.bandwidth
 
-    fused = run.backend == "native" and fused_build(precision, parallelism, run)
+    fused = run.backend == "native" and fused_build(precision, parallelism, run, mode)
     matmuls = 4 if fused and arch.family == "llama" else len(arch.layer_matrices)
     forward_ops = layer_ops(arch, run.backend, fused)
     if widths.autocast and not functions:  # each matmul's input cast to 16 bits
@@ -552,7 +562,8 @@ def step_run(spec, decoding: dict | None = None) -> StepRun:
     else:
         decode = decode_kind(spec.backend, spec.precision, offloaded=spec.offload,
                              compiled=spec.compile, cuda_graphs=spec.cuda_graphs, compile_decode=spec.compile_decode)
-    return StepRun(spec.backend, spec.compile, decode)
+    one_shot = spec.symmetric_memory and spec.one_shot_applies and decode == "compiled"
+    return StepRun(spec.backend, spec.compile, decode, one_shot=one_shot)
 
 
 def decode_kind(backend: str, precision: str, *, offloaded: bool = False, compiled: bool = False,

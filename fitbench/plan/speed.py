@@ -70,11 +70,11 @@ from dataclasses import dataclass
 
 from fitbench.hardware.datasheet import peak_bandwidth, peak_flops
 from fitbench.models.architecture import Architecture
-from fitbench.plan.collectives import PCIE_BANDWIDTH, BusBandwidth, bus_bandwidth
+from fitbench.plan.collectives import ONE_SHOT_LATENCY_S, PCIE_BANDWIDTH, BusBandwidth, bus_bandwidth
 from fitbench.plan.memory import Parallelism, Widths, adapter_params, layer_matmul_params, quantized_layer_bytes
 from fitbench.plan.nodes import AcrossNodes, LayoutLinks, Nodes, layout_links
 from fitbench.precisions import ADAPTERS, entry
-from fitbench.spec import pipeline_stages
+from fitbench.spec import ONE_SHOT_BYTES, pipeline_stages
 
 # Host-to-GPU bandwidth per direction, bytes/s: PCIe Gen5 x16 on Hopper ("PCIe Gen5: 128 GB/s", both
 # directions, NVIDIA H100 and H200 datasheets); other GPUs PCIe Gen4 x16 (A100 datasheet: 64 GB/s).
@@ -189,19 +189,25 @@ def estimate_step_time(arch: Architecture, mode: str, precision: str, batch: int
 
 
 def tensor_parallel_decode_s(arch: Architecture, batch: int, compute_width: int, tp: int,
-                             links: BusBandwidth) -> float:
+                             links: BusBandwidth, one_shot: bool = False) -> float:
     """One decode step's tensor-parallel collectives over ``tp`` ranks (``fitbench.run.tensor_parallel``):
     2 L + 1 all-reduces of the batch's activations, B x h x c bytes each (two per layer, after the
     row-wise attention output and MLP down projections, and the embedding's, each rank holding a slice of
     the vocabulary's rows), and the all-gather of the logits, B x V x c bytes, each rank computing its
     columns of them. At batch 1 each message is a few kB: their latency, not their bytes, sets the
-    time (``fitbench.plan.collectives``)."""
+    time (``fitbench.plan.collectives``). ``one_shot``: the layers' 2 L, where each is at most
+    ``ONE_SHOT_BYTES``, go through symmetric memory, each ``ONE_SHOT_LATENCY_S`` plus its peers' g - 1
+    partial sums read over the link; the embedding's stays NCCL's."""
     if tp <= 1:
         return 0.0
     all_reduces = 2 * arch.num_layers + 1
     activation = batch * arch.hidden_size * compute_width
-    return (links.all_reduce_s(all_reduces * activation, tp, messages=all_reduces)
-            + links.all_gather_s(batch * arch.vocab_size * compute_width, tp))
+    gather_s = links.all_gather_s(batch * arch.vocab_size * compute_width, tp)
+    if one_shot and activation <= ONE_SHOT_BYTES:
+        layers = 2 * arch.num_layers
+        return layers * (ONE_SHOT_LATENCY_S + (tp - 1) * activation / links.all_reduce) + \
+            links.all_reduce_s(activation, tp) + gather_s
+    return links.all_reduce_s(all_reduces * activation, tp, messages=all_reduces) + gather_s
 
 
 def tensor_parallel_pass_s(activation: float, layers: int, directions: int, tp: int, links: BusBandwidth) -> float:

@@ -59,7 +59,7 @@ from fitbench.run.quality import Quality
 from fitbench.run.quantize import Carried, build_quantized_native
 from fitbench.run.ranks import Rank
 from fitbench.run.stage_graph import GraphedStage, stage_decode_step
-from fitbench.run.tensor_parallel import build_tensor_parallel, device_mesh, tensor_mesh
+from fitbench.run.tensor_parallel import build_tensor_parallel, device_mesh, small_all_reduces, tensor_mesh
 from fitbench.run.timing import DeviceClock
 from fitbench.spec import RunSpec, Stage, microbatch_problem
 
@@ -482,6 +482,7 @@ def build_pipelined(spec: RunSpec, arch: Architecture, policy: PrecisionPolicy, 
         mesh = device_mesh(spec.layout, rank.device.type)
         module, applied = build_tensor_parallel(arch, stage, tensor_mesh(mesh), rank.device, policy.weight_dtype,
                                                 inference=True)
+        applied |= small_all_reduces(spec, tensor_mesh(mesh).get_group(), rank.device)
         return PipelineLM(module, stage, rank, cache_dtype=policy.compute_dtype, hidden_dtype=policy.weight_dtype,
                           tp=tp, stage_group=mesh["pp"].get_group(), tensor_parallel=applied, **graphs), None
     if not policy.quantized:

@@ -53,6 +53,7 @@ so ``fitbench.models.graphs`` captures it under TP as on one GPU.
 
 from __future__ import annotations
 
+import warnings
 from typing import Any, Callable
 
 import torch
@@ -61,12 +62,12 @@ import torch.nn.functional as F
 from torch import nn
 
 from fitbench.models.backends import CausalLM, NativeLM
-from fitbench.models.native import NativeCausalLM
+from fitbench.models.native import DecoderLayer, FusedLinear, NativeCausalLM
 from fitbench.precisions import TRAINING_MODES, PrecisionPolicy
 from fitbench.run.collectives import all_gather
 from fitbench.run.parallel import parallelize
 from fitbench.run.ranks import Rank
-from fitbench.spec import Layout, LayoutError, Stage
+from fitbench.spec import ONE_SHOT_BYTES, Layout, LayoutError, Stage
 
 
 def device_mesh(layout: Layout, device_type: str):
@@ -240,6 +241,7 @@ def build_tensor_parallel(arch, stage: Stage, mesh, device: torch.device | str, 
     model = build_stage(arch, stage, device, dtype, shard=shard)
     if inference:
         localize(model)
+        fuse_local_projections(model, kv_sharded=applied["kv_heads"] == "sharded")
     return model, {**applied, "initial_weights": "drawn on every rank from the seed, each keeping its shards"}
 
 
@@ -259,6 +261,67 @@ def localize(model: nn.Module) -> None:
                 if id(parameter) not in local:
                     local[id(parameter)] = nn.Parameter(parameter.to_local(), requires_grad=parameter.requires_grad)
                 setattr(module, name, local[id(parameter)])
+
+
+def small_all_reduces(spec, group, device: torch.device) -> dict[str, str]:
+    """How a tensor-parallel generation of ``spec`` sums its small all-reduces over ``group``: through
+    symmetric memory (``one_shot_small_all_reduces``, set up here) where the spec asks for it and it
+    applies (``RunSpec.one_shot_applies``) on GPUs, else NCCL's; for the row's parallel record."""
+    if device.type == "cuda" and spec.symmetric_memory and spec.one_shot_applies:
+        one_shot_small_all_reduces(group)
+        return {"small_all_reduces": f"symmetric memory, one-shot (up to {ONE_SHOT_BYTES // 1024} KiB)"}
+    return {"small_all_reduces": "NCCL"} if device.type == "cuda" else {}
+
+
+def one_shot_small_all_reduces(group) -> None:
+    """Have inductor sum the small all-reduces of ``group`` that it compiles (the per-layer sums of a
+    decode step: batch x hidden x 2 bytes, 10 kB for the 13B preset at batch 1) with PyTorch's
+    symmetric-memory one-shot all-reduce instead of NCCL's: the matmul writes its partial sum into a
+    buffer every rank of the group maps, and one kernel on each rank reads its peers' buffers over
+    NVLink and adds them, with no ring and no protocol handshake, the latency that sets a TP decode
+    step's speed at batch 1. Inductor's rule (``torch._inductor.config._collective``): a sum of at
+    most ``one_shot_all_reduce_threshold_bytes`` (128 KiB) whose input it allocates, in a group that
+    has symmetric memory; larger ones (a prefill's) stay NCCL's. Needs GPUs of one node with
+    peer-to-peer access; the setting is the process's, which runs one configuration."""
+    import torch._inductor.config as inductor_config
+    from torch.distributed import _symmetric_memory as symmetric_memory
+
+    with warnings.catch_warnings():  # deprecated, yet inductor's rule still asks whether the group has it
+        warnings.simplefilter("ignore", FutureWarning)
+        symmetric_memory.enable_symm_mem_for_group(group.group_name)
+    inductor_config._collective.auto_select = True
+    inductor_config._collective.one_shot_all_reduce_threshold_bytes = ONE_SHOT_BYTES
+
+
+@torch.no_grad()
+def fuse_local_projections(model: NativeCausalLM, kv_sharded: bool) -> None:
+    """Stack each layer's column-wise shards by rows into one matmul, as the fused one-GPU model holds
+    them (``fitbench.models.native.FusedLinear``): q, k and v into ``qkv_proj`` where the kv heads are
+    sharded (replicated ones keep their own projections, whose outputs are cut to the rank's heads),
+    gate and up into ``gate_up_proj``. A decode step at batch 1 then reads its input once and launches
+    one matrix-vector kernel where three or two did, each on a wider matrix (at TP 4 the 13B preset's
+    q, k and v shards are 1,280 rows each; stacked, 3,840), which runs nearer the copy bandwidth. The
+    stacked weight is made before its parts are dropped: one layer's projections more, for a moment,
+    than the shards (less than the whole weight of scratch the build held before)."""
+    for layer in model.model.layers:
+        if not isinstance(layer, DecoderLayer):  # another pipeline stage's layer
+            continue
+        attention, mlp = layer.self_attn, layer.mlp
+        groups = [(mlp, "gate_up_proj", ("gate_proj", "up_proj"))]
+        if kv_sharded:
+            groups.append((attention, "qkv_proj", ("q_proj", "k_proj", "v_proj")))
+        for owner, fused_name, parts in groups:
+            projections = [getattr(owner, name) for name in parts]
+            weight = projections[0].weight
+            has_bias = projections[0].bias is not None
+            with torch.device("meta"):
+                fused = FusedLinear(weight.shape[1], parts, tuple(p.weight.shape[0] for p in projections), has_bias)
+            fused.weight = nn.Parameter(torch.cat([p.weight for p in projections]), requires_grad=weight.requires_grad)
+            if has_bias:
+                fused.bias = nn.Parameter(torch.cat([p.bias for p in projections]), requires_grad=weight.requires_grad)
+            for name in parts:
+                delattr(owner, name)
+            setattr(owner, fused_name, fused)
 
 
 def _cut(module: nn.Module, mesh, dim: int) -> None:

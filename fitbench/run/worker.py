@@ -56,7 +56,8 @@ from fitbench.run.ranks import Rank, gather_json, process_group
 from fitbench.run.retries import RetryCounter, retries_warning
 from fitbench.run.sanity import Verdict, non_finite_figures, non_finite_steps, read, warmup_warning
 from fitbench.run.snapshot import RECORDING_WARNING, recorded, recording
-from fitbench.run.tensor_parallel import build_layout, data_parallel_rank, parallelize_layout
+from fitbench.run.tensor_parallel import (build_layout, data_parallel_rank, parallelize_layout, small_all_reduces,
+                                          tensor_mesh)
 from fitbench.run.timing import DeviceClock, first_call_seconds, run_stages, time_steps
 from fitbench.run.trackers import NvmlSampler, memory_report
 from fitbench.spec import Assignment, RunSpec
@@ -363,7 +364,10 @@ def build(assignment: Assignment, arch, policy, device: torch.device, scratch: P
                              f"checkpoint, which they do not load: run it without --strategy tp")
         lm, mesh, applied = build_layout(arch, spec.layout, policy, spec.mode, spec.seq_len, rank,
                                          cuda_graphs=spec.cuda_graphs)
-        # generation compiles its step as on one GPU: the all-reduces trace into the layer's graph
+        applied |= small_all_reduces(spec, tensor_mesh(mesh).get_group(), rank.device)
+        # generation compiles its step as on one GPU: the all-reduces trace into the layer's graph; the
+        # prefill, whose host launches outlast a quarter of its GPU work, replays a graph too
+        lm.graph_prefill = True
         return Built(decoding_as_asked(lm, spec), mesh=mesh, parallel=applied)
     if not policy.quantized:
         lm = load_model(arch, spec.backend, device, policy.weight_dtype, model_path=model_path,
@@ -677,10 +681,11 @@ def main(argv: list[str]) -> int:
         _memory(device, sampler, payload, indices)
         phases.enter("gathering every rank's result", collective=True)
         payloads = gather_json(rank, payload)
-    if not rank.main:
-        return EXIT_OK
-    result = combine(payloads, assignment.spec.layout)
-    _write(result_path, result)
+        if not rank.main:
+            return EXIT_OK
+        # on disk before the process group's teardown, which waits on every rank's communicators
+        result = combine(payloads, assignment.spec.layout)
+        _write(result_path, result)
     return EXIT_OK if result["status"] == "ok" else EXIT_FAILED
 
 
