@@ -58,7 +58,7 @@ FUSED_LOSS_SINCE = "2026-11-24T10:09:12+00:00"
 PIPELINE_GRAPHS_SINCE = "2026-11-27T09:56:27+00:00"
 # Tensor-parallel generations and forward passes stack their local shards' projections from this commit
 # on; rows started before ran q, k, v and gate, up as their own matmuls.
-TP_FUSED_SINCE = "2026-11-27T13:30:00+00:00"
+TP_FUSED_SINCE = "2026-11-27T13:03:36+00:00"
 
 
 def not_a_speed(row: dict, sweep: Path) -> str | None:
