@@ -16,7 +16,7 @@ from pydantic import BaseModel, ConfigDict, Field, StrictBool, ValidationError, 
 from fitbench.models.architecture import Architecture, backend_error, default_backend
 from fitbench.models.registry import resolve
 from fitbench.plan.nodes import parse_inter_node_bandwidth
-from fitbench.precisions import ALIASES, DEFAULT_LADDER, PRECISIONS, TRAINING_MODES, entry
+from fitbench.precisions import ALIASES, DEFAULT_LADDER, PRECISIONS, TRAINING_MODES, default_precision, entry
 from fitbench.spec import Layout, Mode, Precision, RunSpec, microbatch_problem
 from fitbench.util.endpoints import http_url_problem
 from fitbench.util.errors import UserError, excerpt
@@ -250,13 +250,6 @@ def _default_shapes(mode: str, device_type: str) -> tuple[int, int]:
     if mode == "infer" or device_type == "cpu":
         return 1, 128
     return 4, 512
-
-
-def default_precision(mode: str, device_type: str) -> str:
-    """fp32 on a CPU; on a GPU bf16 autocast for training-style modes and bf16 weights for inference."""
-    if device_type == "cpu":
-        return "fp32"
-    return "bf16-pure" if mode == "infer" else "bf16"
 
 
 def check_context(arch, mode: str, seq_len: int, new_tokens: int) -> None:
