@@ -16,8 +16,8 @@ from pydantic import BaseModel, ConfigDict, Field, StrictBool, ValidationError, 
 from fitbench.models.architecture import Architecture, backend_error, default_backend
 from fitbench.models.registry import resolve
 from fitbench.plan.nodes import parse_inter_node_bandwidth
-from fitbench.precisions import ALIASES, DEFAULT_LADDER, PRECISIONS, TRAINING_MODES, entry
-from fitbench.spec import Layout, Mode, Precision, RunSpec, microbatch_problem
+from fitbench.precisions import ALIASES, DEFAULT_LADDER, PRECISIONS, TRAINING_MODES, default_precision, entry
+from fitbench.spec import STRATEGY_DEGREES, Layout, Mode, Precision, RunSpec, microbatch_problem
 from fitbench.util.endpoints import http_url_problem
 from fitbench.util.errors import UserError, excerpt
 from fitbench.util.jsonfile import read_bounded
@@ -254,13 +254,6 @@ def _default_shapes(mode: str, device_type: str) -> tuple[int, int]:
     return 4, 512
 
 
-def default_precision(mode: str, device_type: str) -> str:
-    """fp32 on a CPU; on a GPU bf16 autocast for training-style modes and bf16 weights for inference."""
-    if device_type == "cpu":
-        return "fp32"
-    return "bf16-pure" if mode == "infer" else "bf16"
-
-
 def check_context(arch, mode: str, seq_len: int, new_tokens: int) -> None:
     """A UserError when the tokens of a step (the prompt and the generated ones in infer) exceed the model's
     context; ``run`` and ``plan`` both ask here."""
@@ -360,10 +353,11 @@ def _layout(config: SweepConfig, mode: str, precision: str, backend: str, arch: 
 def _tensor_parallel_layout(config: SweepConfig, mode: str, precision: str, backend: str,
                             arch: Architecture) -> Layout:
     """The layout of ``--tp N`` with ``--gpus`` and ``--strategy``: N tensor-parallel ranks inside each
-    FSDP group (training modes and forward; generation, which has no data parallelism, on N ranks
-    alone), each pipeline stage (inference and forward) or over every rank (``tp``). The options' own
-    arithmetic is checked here, what the layout composes with by ``Layout.problem``; raises UserError
-    naming the options and the fix for every combination that does not run."""
+    group of the strategy named (FSDP in training modes and forward; generation, which has no data
+    parallelism, on N ranks alone), each pipeline stage, or over every rank (``tp``). The options' own
+    arithmetic is checked here (and ``auto``, which names no layout to go inside), what the layout composes
+    with by ``Layout.problem``; raises UserError naming the options and the fix for every combination
+    that does not run."""
     tp, gpus, strategy = config.tp, config.gpus, config.strategy
     if gpus == 1:
         raise UserError(f"tp: --tp {tp} splits each layer over {tp} of a job's ranks, and --gpus is 1; give "
@@ -371,19 +365,17 @@ def _tensor_parallel_layout(config: SweepConfig, mode: str, precision: str, back
     if gpus % tp:
         raise UserError(f"tp: --tp {tp} does not divide --gpus {gpus}; give a --tp that divides {gpus} (the ranks "
                         f"left over make the FSDP groups or pipeline stages), or --gpus a multiple of {tp}.")
-    if strategy in ("auto", "ddp", "replicas"):
+    if strategy == "auto":
         raise UserError(f"tp: --tp {tp} combines with --strategy fsdp (training), pipeline (infer, forward) or "
-                        f"tp, not --strategy {strategy}; name one of those, or leave --tp out.")
+                        f"tp, not --strategy auto; name one of those, or leave --tp out.")
     if strategy == "tp" and tp != gpus:
         raise UserError(f"tp: --strategy tp spreads each layer over every rank, so --tp {tp} must equal --gpus "
                         f"{gpus}; leave --tp out, or give --strategy fsdp or pipeline for {gpus // tp} groups of "
                         f"{tp}.")
     if strategy == "tp" or (strategy == "fsdp" and mode == "infer"):
         layout = Layout(tp=tp)
-    elif strategy == "fsdp":
-        layout = Layout(dp_shard=gpus // tp, tp=tp)
     else:
-        layout = Layout(pp=gpus // tp, tp=tp)
+        layout = Layout.for_world(gpus, tp=tp, **{STRATEGY_DEGREES[strategy]: -1})
     problem = layout.problem(arch, mode, precision, backend, config.offload)
     if problem:
         raise UserError(f"tp: {mode} {precision} with --tp {tp} and --strategy {strategy}: {problem}; or leave --tp "

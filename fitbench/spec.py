@@ -18,7 +18,7 @@ from typing import Any, Literal, Protocol, get_args
 
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
-from fitbench.precisions import EVERY_WEIGHT, FLOAT8, PRECISIONS, TRAINING_MODES, entry
+from fitbench.precisions import EVERY_WEIGHT, FLOAT8, PRECISIONS, TRAINING_MODES, UNQUANTIZED_BASE, entry
 
 Mode = Literal["train", "forward", "forward-backward", "infer"]
 MODES: tuple[str, ...] = get_args(Mode)
@@ -148,7 +148,7 @@ class Layout(BaseModel):
                     f"across several GPUs: --gpus 2 or more with --strategy fsdp (or auto)")
         if entry(precision).quantized:
             return (f"layers stream in as floating-point weights; {precision} layers keep quantization state that "
-                    f"accelerate's hooks do not move: use bf16-pure")
+                    f"accelerate's hooks do not move: use {UNQUANTIZED_BASE}")
         if backend != "native":
             return ("fitbench builds its own decoder layer by layer to offload it: use --backend native (Llama-style "
                     "models)")
@@ -241,7 +241,8 @@ def _pipeline_problem(precision: str, mode: str, backend: str) -> str | None:
                     f"train Llama-style models as stages with --backend native, or run {mode} on one GPU")
         if entry(precision).quantized:
             return (f"the {backend} backend's pipeline stages hold floating-point weights; {precision} layers are "
-                    f"quantized on one device: use bf16-pure over stages, or --backend native for quantized stages")
+                    f"quantized on one device: use {UNQUANTIZED_BASE} over stages, or --backend native for quantized "
+                    f"stages")
         return None
     if mode not in TRAINING_MODES:
         return None

@@ -18,7 +18,7 @@ from fitbench.launch.fallback import FallbackPolicy
 from fitbench.launch.job import Job
 from fitbench.plan.calibration import Calibration
 from fitbench.plan.planner import GpuTarget
-from fitbench.precisions import PRECISIONS
+from fitbench.precisions import DEFAULT_LADDER, PRECISIONS
 from fitbench.spec import RunSpec
 from fitbench.util.errors import UserError, excerpt
 
@@ -131,10 +131,13 @@ def ram_refusals(specs: list) -> dict[str, str]:
         if peak > memory.available:
             offload = " or, for infer and forward, --offload (layers that do not fit go to disk)" \
                 if spec.mode in ("infer", "forward") and not spec.offload else ""
+            ladder = DEFAULT_LADDER[spec.mode]
+            lower = ladder[ladder.index(spec.precision) + 1:] if spec.precision in ladder else ladder
+            precision = f", a lower precision ({', '.join(lower)})" if lower else ""
             refusals[spec.key] = (
                 f"refused before launch: {spec.label} is predicted to need {format_bytes(peak)} of host memory; "
                 f"{format_bytes(memory.available)} is available ({memory.source}). Run a smaller model, batch "
-                f"or --seq-len, a lower precision (bf16-pure, int8, nf4){offload}, or on a machine with more memory.")
+                f"or --seq-len{precision}{offload}, or on a machine with more memory.")
     return refusals
 
 

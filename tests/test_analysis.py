@@ -17,7 +17,7 @@ from pydantic import ValidationError
 from conftest import cli
 from fitbench.config import SweepConfig, load_yaml
 from fitbench.report.analysis import DEFAULT_TIMEOUT_S, analyse, prompt, write_analysis
-from fitbench.report.sweep import read_sweep
+from fitbench.results.directories import read_sweep
 from fitbench.util.errors import UserError
 
 COMMITTED = "benchmarks/results/2026-11-27-h100x4-replicas/default"

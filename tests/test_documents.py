@@ -18,7 +18,7 @@ from fitbench.report.compare import bootstrap_interval, compare_sweeps, parse_fa
 from fitbench.report.excel import sample_rows, write_xlsx
 from fitbench.report.figures import FIGURES
 from fitbench.report.html import write_html
-from fitbench.report.sweep import read_sweep, read_sweeps
+from fitbench.results.directories import read_sweep, read_sweeps
 from fitbench.util.stats import quantile
 
 RESULTS = Path(__file__).resolve().parents[1] / "benchmarks" / "results"
@@ -113,7 +113,7 @@ def test_the_report_of_a_cpu_sweep_loads_in_chromium(tiny_sweep, tmp_path, capsy
 
 def test_the_workbook_holds_every_row_and_every_sample(tmp_path):
     sweep = read_sweeps(GPU_SWEEP)
-    book = openpyxl.load_workbook(write_xlsx(GPU_SWEEP, tmp_path / "gpu.xlsx"))
+    book = openpyxl.load_workbook(write_xlsx(sweep, tmp_path / "gpu.xlsx"))
     assert book.sheetnames == ["provenance", "train", "infer", "samples"]
     keys = []
     for mode in ("train", "infer"):

@@ -1,4 +1,4 @@
-"""A report over several sweep directories (``fitbench report DIR [DIR ...]``, ``fitbench.report.sweep.Sweeps``):
+"""A report over several sweep directories (``fitbench report DIR [DIR ...]``, ``fitbench.results.directories.Sweeps``):
 each row keeps its directory (its provenance, its NVML timeline, its name in the table), a
 configuration found in two directories is kept twice and labelled, rows of two kinds of GPU never
 share a scaling line, and bad input among the directories is one paragraph. The page of several
@@ -14,7 +14,7 @@ import pytest
 from conftest import cli
 from fitbench.report.excel import write_xlsx
 from fitbench.report.figures import device, layouts_figure, scaling_figure
-from fitbench.report.sweep import read_sweep, read_sweeps
+from fitbench.results.directories import read_sweep, read_sweeps
 from fitbench.results.report import headline
 from test_documents import GPU_SWEEP, ONE_TO_FOUR, RESULTS, TWO_H200, _one_paragraph
 
@@ -43,7 +43,7 @@ def test_a_configuration_in_two_directories_is_kept_in_both_and_labelled(tmp_pat
     assert (sweeps.label(h100), sweeps.label(h200)) == (f"{h100.label} [1]", f"{h200.label} [weak-1]")
     assert sweeps.warnings == [f"'{h100.label}' is in 2 directories (1, weak-1); each row is kept, labelled by its "
                                f"directory"]
-    book = openpyxl.load_workbook(write_xlsx([H100_ONE, H200_ONE], tmp_path / "two.xlsx"))
+    book = openpyxl.load_workbook(write_xlsx(read_sweeps([H100_ONE, H200_ONE]), tmp_path / "two.xlsx"))
     lines = list(book["train"].iter_rows(values_only=True))
     assert lines[0][:2] == ("directory", "key") and [line[:2] for line in lines[1:]] == [("1", h100.key),
                                                                                       ("weak-1", h200.key)]

@@ -355,8 +355,9 @@ def test_the_seeds_tensor_parallel_size_is_tp_in_yaml(tmp_path):
 @pytest.mark.parametrize("options, says", [
     (["--gpus", "4", "--strategy", "pipeline", "--tp", "2", "--mode", "train"], "--strategy fsdp --tp 2"),
     (["--gpus", "3", "--strategy", "fsdp", "--tp", "2"], "--tp 2 does not divide --gpus 3"),
-    (["--gpus", "4", "--strategy", "ddp", "--tp", "2"], "not --strategy ddp"),
-    (["--gpus", "4", "--strategy", "replicas", "--tp", "2", "--mode", "infer"], "not --strategy replicas"),
+    (["--gpus", "4", "--strategy", "ddp", "--tp", "2"], "FSDP shards the data-parallel dimension"),
+    (["--gpus", "4", "--strategy", "replicas", "--tp", "2", "--mode", "infer"], "give --strategy replicas alone"),
+    (["--gpus", "4", "--strategy", "auto", "--tp", "2"], "not --strategy auto"),
     (["--tp", "2"], "--gpus is 1"),
     (["--gpus", "4", "--strategy", "tp", "--tp", "2"], "must equal --gpus 4"),
     (["--gpus", "4", "--strategy", "pipeline", "--tp", "2", "--mode", "infer", "--precision", "nf4"],

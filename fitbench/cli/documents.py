@@ -4,13 +4,16 @@ Excel workbook (``fitbench.report``), written by ``fitbench run`` and ``fitbench
 from __future__ import annotations
 
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 from rich.markup import escape
 
 from fitbench.cli.console import console, warn
-from fitbench.results.row import Row
 from fitbench.results.terminal import NO_STEPS, Steps
 from fitbench.util.errors import UserError
+
+if TYPE_CHECKING:
+    from fitbench.results.directories import Sweeps
 
 DEFAULT_OLLAMA_URL = "http://localhost:11434"
 
@@ -29,14 +32,14 @@ def report_module(name: str, option: str):
                         f"with pip install 'fitbench[report]' (or pip install {missing.name}).") from None
 
 
-def write_documents(sources: dict[str, list[Row]], html: str | None = None, xlsx: str | None = None,
+def write_documents(sweeps: Sweeps, html: str | None = None, xlsx: str | None = None,
                     ollama_url: str | None = None, ollama_model: str | None = None,
                     ollama_timeout: float | None = None, steps: Steps = NO_STEPS) -> None:
-    """The analysis, HTML report and workbook that the options ask for, of the sweeps in ``sources``
-    (each directory and the rows read from it: the analysis reads these), telling their stages to
-    ``steps``; nothing, and no import of ``fitbench.report`` (the ``report`` extra's libraries), where
-    none is. ``analysis.md`` goes into the directory, or, for several, beside the HTML page or the
-    workbook (the working directory without either)."""
+    """The analysis, HTML report and workbook that the options ask for, of ``sweeps`` (the rows of each
+    directory, as ``fitbench.results.directories`` read them), telling their stages to ``steps``;
+    nothing, and no import of ``fitbench.report`` (the ``report`` extra's libraries), where none is. A
+    page or a workbook needs a row in each directory. ``analysis.md`` goes into the directory, or, for
+    several, beside the HTML page or the workbook (the working directory without either)."""
     text = None
     if ollama_url is not None or ollama_model is not None:
         if not ollama_model:
@@ -44,9 +47,6 @@ def write_documents(sources: dict[str, list[Row]], html: str | None = None, xlsx
                             "(e.g. gpt-oss-20b).")
         analysis_module = report_module("analysis", "ollama-url")
         url = analysis_module.check_url(ollama_url if ollama_url is not None else DEFAULT_OLLAMA_URL)
-        sweep_module = report_module("sweep", "ollama-url")
-        sweeps = sweep_module.Sweeps([sweep_module.SweepRows(Path(directory), rows)
-                                      for directory, rows in sources.items()])
         timeout = analysis_module.DEFAULT_TIMEOUT_S if ollama_timeout is None else ollama_timeout
         console.print(f"asking {escape(ollama_model)} at {escape(url)} for an analysis ...")
         analysis = analysis_module.analyse(sweeps.rows, url, ollama_model, timeout, label=sweeps.label)
@@ -54,9 +54,12 @@ def write_documents(sources: dict[str, list[Row]], html: str | None = None, xlsx
             warn(analysis.warning)
         else:
             text = analysis.text
-            place = Path(next(iter(sources))) if len(sources) == 1 else Path(html or xlsx or ".").parent
+            place = sweeps.sweeps[0].directory if not sweeps.several else Path(html or xlsx or ".").parent
             console.print(f"analysis: {analysis_module.write_analysis(analysis, place, ollama_model)}")
+    if html or xlsx:
+        for sweep in sweeps.sweeps:
+            sweep.require_rows("report")
     if html:
-        console.print(f"html: {report_module('html', 'html').write_html(list(sources), html, text, steps)}")
+        console.print(f"html: {report_module('html', 'html').write_html(sweeps, html, text, steps)}")
     if xlsx:
-        console.print(f"xlsx: {report_module('excel', 'xlsx').write_xlsx(list(sources), xlsx, steps)}")
+        console.print(f"xlsx: {report_module('excel', 'xlsx').write_xlsx(sweeps, xlsx, steps)}")

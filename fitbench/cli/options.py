@@ -26,6 +26,20 @@ def default_ladders() -> str:
     return "; ".join(f"{' and '.join(modes)} {' '.join(ladder)}" for ladder, modes in modes_of.items())
 
 
+def floating_precisions() -> str:
+    """The floating-point precisions grouped by their weights' dtype and autocast, from the registry
+    (``fitbench.precisions``): ``fp32, tf32 (float32 weights and optimizer state); bf16, fp16 (autocast over
+    float32 weights); ...``."""
+    by_policy: dict[str, list[str]] = {}
+    for name in PRECISIONS:
+        policy = entry(name).policy
+        if policy.quantized:
+            continue
+        what = (f"autocast over {policy.weight_dtype_name} weights" if policy.autocast_dtype_name else
+                f"{policy.weight_dtype_name} weights and optimizer state")
+        by_policy.setdefault(what, []).append(name)
+    return "; ".join(f"{', '.join(names)} ({what})" for what, names in by_policy.items())
+
 
 def quantized_precisions() -> str:
     """The quantized precisions by library and how each trains, from the registry (``fitbench.precisions``)."""
@@ -51,8 +65,7 @@ def sweep_options(parser: argparse.ArgumentParser) -> None:
     add("--pass-type", dest="pass_type", choices=("forward", "backward"), default=S,
         help="CS336 spelling: forward = --mode forward, backward = --mode forward-backward")
     add("--precision", nargs="+", choices=PRECISIONS, default=S, metavar="PRECISION",
-        help=f"fp32, tf32, bf16/fp16 (autocast over fp32 weights), bf16-pure (bf16 weights and optimizer); "
-             f"{quantized_precisions()}")
+        help=f"{floating_precisions()}; {quantized_precisions()}")
     add("--batch-size", dest="batch_size", nargs="+", type=batch_size, default=S, metavar="N",
         help="sequences per step, or auto: the largest that runs, from the planner's prediction verified by "
              "probe runs (reported as max_batch)")

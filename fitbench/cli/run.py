@@ -169,6 +169,7 @@ def _start_sweep(store, out: str, config, device: str, args: argparse.Namespace)
 def _summary(store, out: str, keys: set[str], config, quiet: bool = False) -> int:
     """The rows of ``keys`` in ``store`` (the directory ``out``) as a table (not when ``quiet``), where
     they are, the analysis ``config`` asks for, and the exit status: 1 when one did not finish ok."""
+    from fitbench.results.directories import SweepRows, Sweeps
     from fitbench.results.report import results_table, write_csv
 
     rows = [row for row in store.typed_rows() if row.key in keys]
@@ -177,8 +178,8 @@ def _summary(store, out: str, keys: set[str], config, quiet: bool = False) -> in
     csv_path = write_csv(list(store.typed_rows()), out)
     console.print(f"rows: {store.path}  table: {csv_path}")
     store.unlock()
-    write_documents({out: rows}, ollama_url=config.ollama_url, ollama_model=config.ollama_model,
-                    ollama_timeout=config.ollama_timeout)
+    write_documents(Sweeps([SweepRows(Path(out), rows)]), ollama_url=config.ollama_url,
+                    ollama_model=config.ollama_model, ollama_timeout=config.ollama_timeout)
     failed = [row for row in rows if row.status != "ok"]
     if failed:
         listed = "; ".join(f"{escape(row.label)}: {escape(row.status)}" for row in failed)

@@ -22,6 +22,7 @@ from fitbench.launch.slurm.script import TORCHRUN, agent_options
 from fitbench.models.registry import resolve
 from fitbench.plan.calibration import DEFAULT, Calibration
 from fitbench.plan.collectives import BusBandwidth
+from fitbench.precisions import DEFAULT_LADDER
 from fitbench.run.collectives import RESULT_PREFIX
 from fitbench.run.trace import trace_peak
 from fitbench.spec import Assignment, RunSpec
@@ -38,11 +39,12 @@ RING_FACTOR = {"all_reduce": lambda g: 2 * (g - 1) / g, "all_gather": lambda g: 
 
 
 def measure_calibration(device: str, scratch: Path) -> Calibration:
-    """Run ``tiny`` training, generating and a forward pass on ``device`` through the real worker and read off the
-    context (NVML minus reserved) and the workspaces (allocated peak minus the traced tensor peak)."""
+    """Run ``tiny`` training, generating and a forward pass on ``device`` through the real worker, each in the
+    first precision of its mode's default ladder (``DEFAULT_LADDER``: what the planner tries first), and read off
+    the context (NVML minus reserved) and the workspaces (allocated peak minus the traced tensor peak)."""
     found = {}
-    for mode, precision, batch, seq_len in (("train", "bf16", 4, 256), ("infer", "bf16-pure", 4, 256),
-                                            ("forward", "bf16-pure", 4, 256)):
+    for mode in ("train", "infer", "forward"):
+        precision, batch, seq_len = DEFAULT_LADDER[mode][0], 4, 256
         spec = RunSpec(model="tiny", backend="native", mode=mode, precision=precision, batch_size=batch,
                        seq_len=seq_len, new_tokens=8, device=device, warmup_steps=2, measure_steps=3)
         row = run_one(Assignment(spec=spec), scratch / f"{mode}.log", timeout=600, on_event=lambda event: None)

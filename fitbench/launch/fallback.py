@@ -20,10 +20,9 @@ from dataclasses import dataclass
 from typing import Any, Callable
 
 from fitbench.plan.search import largest
-from fitbench.precisions import QUANTIZED_PRECISIONS, TRAINING_MODES, entry
+from fitbench.precisions import QUANTIZED_PRECISIONS, TRAINING_MODES, UNQUANTIZED_BASE, entry
 from fitbench.spec import Layout, RunSpec
 
-OFFLOAD_PRECISION = "bf16-pure"  # when the ladder has no floating-point rung
 # Statuses of a run whose memory held to its end: ``invalid`` (non-finite numbers, fitbench.run.sanity)
 # is a failed row, but no out-of-memory: no rung of the ladder would change it, and its batch fits.
 RAN_TO_THE_END = ("ok", "invalid")
@@ -54,10 +53,11 @@ def next_attempt(spec: RunSpec, policy: FallbackPolicy) -> tuple[RunSpec, str] |
     Rungs are skipped where they would change the workload or cannot run: in training, those that do
     not train every weight (``Precision.trains_every_weight``); in an offloaded run, quantized ones. Offload
     comes last, at batch 1 of the last rung, for infer and forward, and uses the ladder's first
-    floating-point rung (``bf16-pure`` when it has none). Offload lifts the GPU-memory limit on the weights, the one reason the ladder was walked
-    down, so the attempt goes back to the most preferred precision that can stream; quantized rungs
-    cannot: bitsandbytes and torchao weights carry quantization state (row scales, 4-bit block
-    states, tensor subclasses) that accelerate's hooks do not move with the weight.
+    floating-point rung (the registry's ``UNQUANTIZED_BASE`` when it has none). Offload lifts the
+    GPU-memory limit on the weights, the one reason the ladder was walked down, so the attempt goes
+    back to the most preferred precision that can stream; quantized rungs cannot: bitsandbytes and
+    torchao weights carry quantization state (row scales, 4-bit block states, tensor subclasses) that
+    accelerate's hooks do not move with the weight.
     """
     if not policy.enabled:
         return None
@@ -73,7 +73,7 @@ def next_attempt(spec: RunSpec, policy: FallbackPolicy) -> tuple[RunSpec, str] |
     if spec.batch_size > 1:
         half = spec.batch_size // 2
         return spec.model_copy(update={"batch_size": half}), f"batch {spec.batch_size} -> {half}"
-    precision = next((p for p in policy.ladder if p not in QUANTIZED_PRECISIONS), OFFLOAD_PRECISION)
+    precision = next((p for p in policy.ladder if p not in QUANTIZED_PRECISIONS), UNQUANTIZED_BASE)
     if spec.offload or Layout().offload_problem(spec.mode, precision, spec.backend, spec.compile):
         return None
     change = "offload on" + (f", precision {spec.precision} -> {precision}" if precision != spec.precision else "")

@@ -114,7 +114,7 @@ from fitbench.models.hf_cache import CacheLayout, cache_layout
 from fitbench.models.loss import loss_chain_bytes, loss_chunk_rows
 from fitbench.plan import compiled as inductor
 from fitbench.plan.outliers import outlier_columns
-from fitbench.precisions import ADAPTER_RANK, ADAPTERS, FLOAT8, TRAINING_MODES, StorageFormat, entry
+from fitbench.precisions import ADAPTER_RANK, ADAPTERS, FLOAT8, TRAINING_MODES, UNQUANTIZED_BASE, StorageFormat, entry
 from fitbench.spec import Layout, Stage
 
 # LLM.int8 keeps, for the backward pass, each matmul's input columns holding an outlier (|x| > 6)
@@ -726,12 +726,12 @@ START, RECOMPUTE, FIRST, END = ("start of the backward pass", "recompute of the 
 
 
 def _float8_training(arch, mode, batch, seq_len, recompute, parallelism, backend, compiled=False, stage=None):
-    """fp8 training (torchao float8, row-wise): bf16 weights, gradients and AdamW state as in
-    bf16-pure, and each converted matmul saves its bf16 input and weight, as a bf16 matmul does;
+    """fp8 training (torchao float8, row-wise): bf16 weights, gradients and AdamW state as in the
+    unquantized base (``UNQUANTIZED_BASE``, bf16-pure), and each converted matmul saves its bf16 input and weight, as a bf16 matmul does;
     the float8 copies live only inside a matmul. The largest bound them: the MLP matrix's weight
     cast twice (along rows for the forward, along columns for the backward) and the n x f
     operands of the down projection's backward (its input and incoming gradient) in float8."""
-    estimate = estimate_memory(arch, mode, "bf16-pure", batch, seq_len, activation_checkpointing=recompute,
+    estimate = estimate_memory(arch, mode, UNQUANTIZED_BASE, batch, seq_len, activation_checkpointing=recompute,
                                parallelism=parallelism, backend=backend, compiled=compiled,
                                stage=stage.index if stage else None)
     if parallelism.stages > 1:  # one microbatch in a matmul at a time

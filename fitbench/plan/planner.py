@@ -41,7 +41,7 @@ from fitbench.plan.memory import (TRAINING_MODES, MemoryEstimate, Parallelism, T
 from fitbench.plan.nodes import Nodes, inter_node_link, job_nodes, placement_problem
 from fitbench.plan.search import largest
 from fitbench.plan.speed import StepTime, estimate_step_time
-from fitbench.precisions import ADAPTER_BASE, DEFAULT_LADDER, entry
+from fitbench.precisions import ADAPTER_BASE, DEFAULT_LADDER, UNQUANTIZED_BASE, entry
 from fitbench.spec import Layout, Stage
 from fitbench.util.units import format_bytes
 
@@ -700,12 +700,12 @@ def slower_than_bf16(arch: Architecture, spec, target: GpuTarget, calibration: C
     its entry's ``decode``); nothing where there is no forecast."""
     if spec.mode != "infer" or not entry(spec.precision).weight_only or forecast is None:
         return []
-    bf16 = _forecast(arch, spec.model_copy(update={"precision": "bf16-pure"}), target, calibration, chosen)
-    if forecast <= bf16:
+    base = _forecast(arch, spec.model_copy(update={"precision": UNQUANTIZED_BASE}), target, calibration, chosen)
+    if forecast <= base:
         return []
-    return [f"{spec.precision} is forecast slower than bf16-pure at batch {spec.batch_size}: {forecast * 1e3:.2f} "
-            f"against {bf16 * 1e3:.2f} ms per decode step; its kernels pay off at batch 1, so decode this batch "
-            f"with --precision bf16-pure, or this precision at a smaller batch"]
+    return [f"{spec.precision} is forecast slower than {UNQUANTIZED_BASE} at batch {spec.batch_size}: "
+            f"{forecast * 1e3:.2f} against {base * 1e3:.2f} ms per decode step; its kernels pay off at batch 1, so "
+            f"decode this batch with --precision {UNQUANTIZED_BASE}, or this precision at a smaller batch"]
 
 
 def _forecast(arch: Architecture, spec, target: GpuTarget, calibration: Calibration | None,
@@ -769,7 +769,7 @@ def alternatives(arch: Architecture, spec, target: GpuTarget, calibration: Calib
     - the largest smaller batch that fits (not for ``--batch-size auto``, which tried batch 1);
     - training: low-rank adapters on an nf4 base (QLoRA) on these GPUs;
     - inference on one GPU: ``--offload`` with the layers ``offload_split`` finds room for, in a
-      floating-point precision (the spec's, else bf16-pure);
+      floating-point precision (the spec's, else ``UNQUANTIZED_BASE``);
     - the fewest GPUs of this kind (on the fewest nodes, the same count on each: ``node_counts``, up to
       ``max_gpus``) on which a layout that divides the
       memory (``layouts_for``: FSDP, tensor parallel, pipeline stages and their combinations; not DDP
@@ -827,7 +827,7 @@ def alternatives(arch: Architecture, spec, target: GpuTarget, calibration: Calib
         if fits:
             found.append(Alternative(f"as {ADAPTER_BASE} adapters (QLoRA) {here}{with_recompute(fits.candidate)}",
                                      fits))
-    precision = spec.precision if not entry(spec.precision).quantized else "bf16-pure"
+    precision = spec.precision if not entry(spec.precision).quantized else UNQUANTIZED_BASE
     if layout.world_size == 1 and not spec.offload and layout.offload_problem(mode, precision, spec.backend,
                                                                               spec.compile) is None:
         split = offload_split(arch, mode, precision, batch, seq_len, new_tokens=new_tokens, budget=target.memory,

@@ -11,7 +11,10 @@
 Each entry holds, with the source of every number: its policy (dtypes, autocast), its library and
 storage bytes per matrix, its build temporaries, its decode terms, the tensor cores its MFU divides by,
 how it trains or why it does not, what the device must offer, why a decode step cannot be captured in
-a CUDA graph, and whether it is a rung of a default fallback ladder. What a precision can do in a layout
+a CUDA graph, and whether it is a rung of a default fallback ladder. Beside the entries, the registry's
+choices among them: the precision of a run that names none (``default_precision``), the default fallback
+ladders (``DEFAULT_LADDER``), the floating-point base of the quantized ones (``UNQUANTIZED_BASE``) and the
+base of adapter training (``ADAPTER_BASE``). What a precision can do in a layout
 (offload, data, tensor and pipeline parallelism) is ``fitbench.spec.Layout``'s to say, from
 these entries. Other code looks an entry up by its exact name (``entry``) and asks it.
 """
@@ -281,6 +284,20 @@ DEFAULT_LADDER: dict[str, list[str]] = {mode: [name for name, precision in ENTRI
                                         for mode in ("train", "forward-backward", "forward", "infer")}
 
 
+# The precision of a run that names none (no --precision, no --fallback; ``fitbench.config.expand``), by
+# device type and mode: fp32 on a CPU; on a GPU bf16 autocast over fp32 weights for the training-style modes and
+# forward, and bf16 weights for inference.
+DEFAULT_PRECISION = {"cpu": {"train": "fp32", "forward-backward": "fp32", "forward": "fp32", "infer": "fp32"},
+                     "cuda": {"train": "bf16", "forward-backward": "bf16", "forward": "bf16", "infer": "bf16-pure"}}
+
+# The floating-point precision a quantized entry starts from: the model built with bf16 weights and
+# activations and no autocast (every quantized entry's policy, ``_quantized``), whose decoder-layer matmuls
+# the converter then quantizes. A run goes in it where quantized weights cannot: offloaded layers stream
+# in as floating-point weights (``fitbench.spec.Layout.offload_problem``), and fp8 training keeps its
+# weights, gradients and AdamW state with float8 casts inside the matmuls. The planner weighs a weight-only
+# format's decode step against it.
+UNQUANTIZED_BASE = "bf16-pure"
+
 # The base a model is quantized to for training low-rank adapters when its weights do not fit (QLoRA:
 # 4-bit NormalFloat, Dettmers et al. 2023), which the planner proposes as an alternative.
 ADAPTER_BASE = "nf4"
@@ -298,11 +315,17 @@ def entry(name: str) -> Precision:
         raise ValueError(f"unknown precision {name!r}; expected one of {', '.join(PRECISIONS)}") from None
 
 
+def default_precision(mode: str, device_type: str) -> str:
+    """The precision of a ``mode`` run on a device of ``device_type`` (``cpu``, ``cuda``) that names none
+    (``DEFAULT_PRECISION``; any device but the CPU as a GPU)."""
+    return DEFAULT_PRECISION["cpu" if device_type == "cpu" else "cuda"][mode]
+
+
 def policy(name: str) -> PrecisionPolicy:
     """How ``name`` runs inside a worker."""
     return entry(name).policy
 
 
-__all__ = ["ADAPTERS", "ADAPTER_ALPHA", "ADAPTER_BASE", "ADAPTER_RANK", "ALIASES", "DEFAULT_LADDER", "DENSE", "ENTRIES", "EVERY_WEIGHT",
-           "FLOAT8", "PRECISIONS", "QUANTIZED_PRECISIONS", "TRAINING_MODES", "DecodeFormat", "Precision",
-           "PrecisionPolicy", "entry", "policy"]
+__all__ = ["ADAPTERS", "ADAPTER_ALPHA", "ADAPTER_BASE", "ADAPTER_RANK", "ALIASES", "DEFAULT_LADDER", "DEFAULT_PRECISION",
+           "DENSE", "ENTRIES", "EVERY_WEIGHT", "FLOAT8", "PRECISIONS", "QUANTIZED_PRECISIONS", "TRAINING_MODES",
+           "UNQUANTIZED_BASE", "DecodeFormat", "Precision", "PrecisionPolicy", "default_precision", "entry", "policy"]

@@ -18,7 +18,7 @@ from typing import Any, Callable
 
 from fitbench.precisions import entry
 from fitbench.report.figures import GB, gpu_peak, layout_label, world_size
-from fitbench.report.sweep import Sweeps
+from fitbench.results.directories import Sweeps
 from fitbench.results.report import headline
 from fitbench.results.row import Row
 

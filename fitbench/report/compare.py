@@ -37,7 +37,7 @@ from pathlib import Path
 import numpy as np
 
 from fitbench.report.columns import largest_peak
-from fitbench.report.sweep import SweepRows, read_sweep
+from fitbench.results.directories import SweepRows, read_sweep
 from fitbench.results.report import headline
 from fitbench.results.row import Row
 from fitbench.results.terminal import NO_STEPS, Steps
@@ -221,7 +221,8 @@ def compare_sweeps(a: str | Path, b: str | Path, fail_on: str | None = None, ste
     """Sweep B against sweep A (their directories), gated by ``fail_on`` (``mean:5%``) when given;
     each configuration in both is a step of ``steps``."""
     gate = parse_fail_on(fail_on) if fail_on is not None else None
-    first, second = read_sweep(a, "compare A"), read_sweep(b, "compare B")
+    first, second = (read_sweep(directory, side).require_rows(side)
+                     for directory, side in ((a, "compare A"), (b, "compare B")))
     rows_a = {row.key: row for row in first.rows}
     rows_b = {row.key: row for row in second.rows}
     comparison = Comparison(first, second, [], gate=gate,

@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import io
 from pathlib import Path
-from typing import Any, Iterable
+from typing import Any
 
 from openpyxl import Workbook
 from openpyxl.styles import Font
@@ -24,7 +24,7 @@ from openpyxl.worksheet.worksheet import Worksheet
 from fitbench.report.columns import rows_table
 from fitbench.report.output import write_output
 from fitbench.report.provenance import provenance
-from fitbench.report.sweep import Sweeps, read_sweeps
+from fitbench.results.directories import Sweeps
 from fitbench.results.terminal import NO_STEPS, Steps
 
 WIDTH_MAX = 60
@@ -64,10 +64,10 @@ def _provenance(sweeps: Sweeps) -> tuple[list[str], list[list[str]]]:
                                             for line in provenance(sweep)]
 
 
-def write_xlsx(directories: str | Path | Iterable[str | Path], path: str | Path, steps: Steps = NO_STEPS) -> Path:
-    """The workbook of the sweep in ``directories`` (one, or several read together) written to
-    ``path``, each sheet of rows a step of ``steps``; bad input is a ``UserError``."""
-    sweeps = read_sweeps(directories)
+def write_xlsx(sweeps: Sweeps, path: str | Path, steps: Steps = NO_STEPS) -> Path:
+    """The workbook of ``sweeps`` (one directory's rows, or several read together:
+    ``fitbench.results.directories.read_sweeps``) written to ``path``, each sheet of rows a step of
+    ``steps``; bad input is a ``UserError``."""
     book = Workbook()
     _sheet(book.active, *_provenance(sweeps))
     book.active.title = "provenance"

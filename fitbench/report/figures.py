@@ -27,7 +27,7 @@ the rows alone; what a figure shows is said in ``FIGURES``, beside it on the pag
   row: the job's tokens/s (all its GPUs) as a percentage of the configuration's fastest row, so
   configurations of any speed share the axis; the figures themselves are on the bar.
 
-The rows of a report may come from several sweep directories and devices (``fitbench.report.sweep``):
+The rows of a report may come from several sweep directories and devices (``fitbench.results.directories``):
 no line or bar group joins rows of two kinds of device (``device``), and where the rows plotted ran on
 more than one, each name starts with its device.
 """
@@ -43,7 +43,7 @@ import plotly.graph_objects as go
 from plotly.subplots import make_subplots
 
 from fitbench.monitor.nvml import read_timeline
-from fitbench.report.sweep import Sweeps
+from fitbench.results.directories import Sweeps
 from fitbench.results.report import headline
 from fitbench.results.row import Row
 from fitbench.spec import Layout

@@ -11,14 +11,14 @@ from __future__ import annotations
 
 import html
 from pathlib import Path
-from typing import Any, Iterable
+from typing import Any
 
 from fitbench.report.columns import rows_table
 from fitbench.report.compare import Comparison
 from fitbench.report.figures import FIGURES
 from fitbench.report.output import write_output
 from fitbench.report.provenance import provenance
-from fitbench.report.sweep import Sweeps, read_sweeps
+from fitbench.results.directories import Sweeps
 from fitbench.results.terminal import NO_STEPS, Steps
 
 STYLE = """
@@ -142,12 +142,10 @@ def plots(sweeps: Sweeps, steps: Steps = NO_STEPS) -> list[str]:
     return sections
 
 
-def write_html(directories: str | Path | Iterable[str | Path], path: str | Path, analysis: str | None = None,
-               steps: Steps = NO_STEPS) -> Path:
-    """The report of the sweep in ``directories`` (one, or several read together) written to ``path``;
-    ``analysis`` (text) is shown under the provenance. Returns the path written; bad input is a
-    ``UserError``."""
-    sweeps = read_sweeps(directories)
+def write_html(sweeps: Sweeps, path: str | Path, analysis: str | None = None, steps: Steps = NO_STEPS) -> Path:
+    """The report of ``sweeps`` (one directory's rows, or several read together:
+    ``fitbench.results.directories.read_sweeps``) written to ``path``; ``analysis`` (text) is shown under
+    the provenance. Returns the path written; bad input is a ``UserError``."""
     sections = [_provenance(sweeps), _warnings(sweeps.warnings, sweeps.several)]
     if analysis:
         sections.append(f'<section id="analysis"><h2>Analysis</h2><div class="analysis">{html.escape(analysis)}'

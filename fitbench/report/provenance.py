@@ -6,7 +6,7 @@ from __future__ import annotations
 from collections import Counter
 from typing import Any
 
-from fitbench.report.sweep import SweepRows
+from fitbench.results.directories import SweepRows
 from fitbench.results.row import Row
 
 

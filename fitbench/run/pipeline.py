@@ -492,7 +492,8 @@ def build_pipelined(spec: RunSpec, arch: Architecture, policy: PrecisionPolicy, 
     shape = (probe.shape[0], probe.shape[1], arch.hidden_size)
 
     def receive() -> Carried:
-        reference, quantized = (torch.empty(shape, dtype=torch.bfloat16, device=rank.device) for _ in range(2))
+        reference, quantized = (torch.empty(shape, dtype=policy.compute_dtype, device=rank.device)
+                                for _ in range(2))
         dist.recv(reference, src=rank.rank - 1)
         dist.recv(quantized, src=rank.rank - 1)
         errors: list = [None]
@@ -501,10 +502,11 @@ def build_pipelined(spec: RunSpec, arch: Architecture, policy: PrecisionPolicy, 
 
     def send(carried: Carried) -> None:
         reference, quantized, errors = carried
-        dist.send(reference.to(torch.bfloat16).contiguous(), dst=rank.rank + 1)
-        dist.send(quantized.to(torch.bfloat16).contiguous(), dst=rank.rank + 1)
+        dist.send(reference.to(policy.compute_dtype).contiguous(), dst=rank.rank + 1)
+        dist.send(quantized.to(policy.compute_dtype).contiguous(), dst=rank.rank + 1)
         dist.send_object_list([errors], dst=rank.rank + 1)
 
     module, quality = build_quantized_native(arch, rank.device, spec.precision, probe, stage.layers, receive, send)
     _prune(module, stage)
-    return PipelineLM(module, stage, rank, cache_dtype=torch.bfloat16, hidden_dtype=torch.bfloat16, **graphs), quality
+    return PipelineLM(module, stage, rank, cache_dtype=policy.compute_dtype, hidden_dtype=policy.weight_dtype,
+                      **graphs), quality

@@ -381,7 +381,7 @@ def build(assignment: Assignment, arch, policy, device: torch.device, scratch: P
     if problem:
         raise RefusedError(problem)
     if training and precision.training == FLOAT8:
-        lm = load_model(arch, spec.backend, device, torch.bfloat16, model_path=model_path, fused=False)
+        lm = load_model(arch, spec.backend, device, policy.weight_dtype, model_path=model_path, fused=False)
         converted = float8_training(lm.module)
         return Built(lm, training={"method": f"every weight, bf16 with AdamW in bf16; {converted} matmuls in float8 "
                                              f"(torchao float8 training, row-wise scales)",
@@ -389,10 +389,10 @@ def build(assignment: Assignment, arch, policy, device: torch.device, scratch: P
     probe = random_tokens(arch.vocab_size, 1, min(spec.seq_len, PROBE_TOKENS), device, spec.seed + 1)
     if spec.backend == "native" and model_path is None:
         module, quality = build_quantized_native(arch, device, spec.precision, probe)
-        lm = NativeLM(module, cache_dtype=torch.bfloat16, cuda_graphs=spec.cuda_graphs,
+        lm = NativeLM(module, cache_dtype=policy.compute_dtype, cuda_graphs=spec.cuda_graphs,
                       graph_problem=precision.graph_problem)
     else:
-        lm = load_model(arch, spec.backend, device, torch.bfloat16, model_path=model_path,
+        lm = load_model(arch, spec.backend, device, policy.weight_dtype, model_path=model_path,
                         cuda_graphs=spec.cuda_graphs, graph_problem=precision.graph_problem, fused=False)
         quality = quantize_built(lm, arch, spec.precision, device, probe, checkpoint=checkpoint_directory(spec))
     decoding_as_asked(lm, spec)  # quantized too: inductor fuses the dequantization into the matmul's loads

@@ -1,5 +1,6 @@
-"""The sweep directories a report reads: each one's rows, what was wrong with the lines that were
-not clean rows, and where the rows came from.
+"""The results directories a report reads: each one's rows, what was wrong with the lines that were
+not clean rows, and the command the sweep was started with. ``fitbench report`` and ``fitbench compare``
+read each directory here once and pass the rows on to every table and document.
 
 Rows are read through ``fitbench.results.store`` and nothing else: a damaged line is skipped and a
 damaged field shown blank there, and each is kept here as a warning, which every report prints
@@ -18,7 +19,7 @@ from __future__ import annotations
 from collections import defaultdict
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Iterable
+from typing import Callable, Iterable
 
 from fitbench.results.report import short_names
 from fitbench.results.row import Row
@@ -47,25 +48,47 @@ class SweepRows:
         path = self.directory.joinpath(*parts[len(parts) - parts[::-1].index("artifacts") - 1:])
         return path if path.exists() or path.with_name(path.name + ".gz").exists() else None
 
+    def require_rows(self, option: str) -> SweepRows:
+        """This sweep, where it holds a row; a UserError naming ``option`` where it holds none (what
+        a comparison or a document cannot be made of)."""
+        if not self.rows:
+            raise UserError(f"{option}: {excerpt(str(self.directory), 200)}/{RESULTS_FILE} holds no readable row"
+                            + (f" ({self.warnings[0]})" if self.warnings else "") + "; pass the directory of a "
+                            "sweep that finished at least one configuration.")
+        return self
 
-def read_sweep(directory: str | Path, option: str = "report DIR") -> SweepRows:
-    """The rows of ``directory``; a UserError naming ``option`` when it is no sweep's directory (no
-    ``results.jsonl``) or holds no row at all."""
-    path = Path(directory)
+
+def read_sweep(directory: str | Path, option: str = "report",
+               on_warning: Callable[[str], None] | None = None) -> SweepRows:
+    """The rows of ``directory``, each damaged line a warning, also told to ``on_warning`` as it is read;
+    a UserError naming ``option`` when it is no sweep's directory (``_sweep_directory``)."""
+    return _read(_sweep_directory(directory, option), on_warning)
+
+
+def _sweep_directory(directory: str | Path, option: str) -> Path:
+    """``directory`` as a path, where it holds a sweep's ``results.jsonl``; a UserError naming ``option``
+    when it is empty, a file, or holds none."""
     if not str(directory).strip():
-        raise UserError(f"{option}: was given an empty path; pass the --out directory of a `fitbench run`.")
+        raise UserError(f"{option}: a directory was given as an empty path; pass the --out directory of a "
+                        f"`fitbench run`.")
+    path = Path(directory)
     if path.is_file():
-        raise UserError(f"{option}: {excerpt(str(directory), 200)} is a file; pass the --out directory of "
-                        f"a `fitbench run` (it holds {RESULTS_FILE}).")
-    if not (path / RESULTS_FILE).is_file():
-        raise UserError(f"{option}: {excerpt(str(directory), 200)} has no {RESULTS_FILE}, so it is not a "
-                        f"sweep's directory; pass the --out directory of a `fitbench run`.")
+        raise UserError(f"{option}: {excerpt(str(directory), 200)} is a file; pass the --out directory of a "
+                        f"`fitbench run` (it holds {RESULTS_FILE}).")
+    if not (path / RESULTS_FILE).exists():  # one that cannot be read is the store's to say why
+        raise UserError(f"{option}: {directory} has no {RESULTS_FILE}. Pass the --out directory of a `fitbench run`.")
+    return path
+
+
+def _read(path: Path, on_warning: Callable[[str], None] | None) -> SweepRows:
     warnings: list[str] = []
-    rows = list(ResultStore(path, on_bad_line=warnings.append).typed_rows())
-    if not rows:
-        raise UserError(f"{option}: {excerpt(str(directory), 200)}/{RESULTS_FILE} holds no readable row"
-                        + (f" ({warnings[0]})" if warnings else "") + "; pass the directory of a sweep that "
-                        "finished at least one configuration.")
+
+    def warned(warning: str) -> None:
+        warnings.append(warning)
+        if on_warning is not None:
+            on_warning(warning)
+
+    rows = list(ResultStore(path, on_bad_line=warned).typed_rows())
     return SweepRows(path, rows, warnings, _saved_command(path / SWEEP_FILE))
 
 
@@ -132,18 +155,21 @@ class Sweeps:
         return [warning for sweep in self.sweeps for warning in sweep.warnings] + repeated
 
 
-def read_sweeps(directories: str | Path | Iterable[str | Path], option: str = "report DIR") -> Sweeps:
-    """The rows of each of ``directories`` (one or several), each read by ``read_sweep``; a UserError
-    naming ``option`` when none is given or one is given twice."""
+def read_sweeps(directories: str | Path | Iterable[str | Path], option: str = "report",
+                on_warning: Callable[[str], None] | None = None) -> Sweeps:
+    """The rows of each of ``directories`` (one or several, in the order given), each read by
+    ``read_sweep``; a UserError naming ``option`` when none is given or one is given twice."""
     given = [directories] if isinstance(directories, (str, Path)) else list(directories)
     if not given:
         raise UserError(f"{option}: was given no directory; pass the --out directory of a `fitbench run`.")
     sweeps: list[SweepRows] = []
+    seen: dict[Path, str | Path] = {}
     for directory in given:
-        sweep = read_sweep(directory, option)
-        twice = next((earlier for earlier in sweeps if earlier.directory.resolve() == sweep.directory.resolve()), None)
-        if twice is not None:
+        path = _sweep_directory(directory, option)
+        place = path.resolve()
+        if place in seen:
             raise UserError(f"{option}: {excerpt(str(directory), 200)} is given twice (as "
-                            f"{excerpt(str(twice.directory), 200)} too); give each sweep's directory once.")
-        sweeps.append(sweep)
+                            f"{excerpt(str(seen[place]), 200)} too); give each sweep's directory once.")
+        seen[place] = directory
+        sweeps.append(_read(path, on_warning))
     return Sweeps(sweeps)
