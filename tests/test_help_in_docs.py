@@ -18,7 +18,8 @@ PAGES = [*sorted((ROOT / "docs").glob("*.md")), ROOT / "README.md"]
 OPTION = re.compile(r"(?<![\w-])--[a-z][a-z0-9-]*")
 # Options the docs name that are not fitbench's: the program each belongs to.
 OTHER_PROGRAMS = {"--qos": "sbatch", "--array": "sbatch", "--standalone": "torchrun",
-                  "--min-gpus": "benchmarks/memory_error.py and the other error scripts"}
+                  "--min-gpus": "benchmarks/memory_error.py and the other error scripts",
+                  "--one-shot": "benchmarks/tp_decode_profile.py"}
 # The pages' tables of options: (command, its argument group's title or None for all its options, page, heading).
 TABLES = [("plan", None, "docs/planning.md", "## The options of `fitbench plan`"),
           ("run", "SLURM clusters (docs/clusters.md)", "docs/clusters.md", "## Options")]
