@@ -171,13 +171,22 @@ class Layout(BaseModel):
         - tensor parallelism: whole heads per rank (``_tensor_parallel_heads_problem``), the precisions
           and backends ``_tensor_parallel_problem`` allows, the hf backend's plans alone, and inside
           pipeline stages for inference and forward only;
-        - pipeline stages: at least one layer each, as ``_pipeline_problem`` allows;
+        - pipeline stages: at least one layer each, beside no data parallelism, as ``_pipeline_problem``
+          allows;
         - offload: one device's layers, or FSDP's shards alone, in host memory.
         One process on one device has no rule here (offload's are ``offload_problem``'s)."""
         reason = self._reason(model, mode, precision, backend, offload)
         return None if reason is None else f"{self.label}: {reason}"
 
-    def _reason(self, model: ModelShape, mode: str, precision: str, backend: str, offload: bool) -> str | None:
+    def composes(self, mode: str) -> bool:
+        """Whether the degrees go together in ``mode`` for some model, precision and backend: the rules of
+        ``problem`` that read the degrees and the mode alone (``_degrees_reason``); what the planner's
+        enumeration of layouts keeps (``fitbench.plan.planner.layouts_for``)."""
+        return self._degrees_reason(mode) is None
+
+    def _degrees_reason(self, mode: str) -> str | None:
+        """Replicas alone and not in training, pipeline stages beside no data parallelism, tensor
+        parallelism inside stages not in training."""
         training = mode in TRAINING_MODES
         if self.replicas > 1:
             if self.world_size > self.replicas:
@@ -187,6 +196,18 @@ class Layout(BaseModel):
                 return (f"replicas are independent copies that exchange nothing, and {mode} needs its gradients "
                         f"averaged or sharded: use --strategy ddp or fsdp (or auto) to train over several GPUs, "
                         f"or replicas with --mode infer or forward")
+        if self.pp > 1:
+            if self.data_parallel > 1:
+                return "pipeline stages run beside no data parallelism: give --strategy pipeline alone"
+            if self.tp > 1 and training:
+                return (f"tensor parallelism inside pipeline stages runs infer and forward, not {mode}: for training "
+                        f"give --strategy fsdp --tp {self.tp} (FSDP x TP), or --strategy pipeline without --tp")
+        return None
+
+    def _reason(self, model: ModelShape, mode: str, precision: str, backend: str, offload: bool) -> str | None:
+        reason = self._degrees_reason(mode)
+        if reason:
+            return reason
         if offload and self.strategy not in ("single", "fsdp"):
             if self.dp_replicate > 1:
                 return _DDP_OFFLOAD
@@ -212,14 +233,7 @@ class Layout(BaseModel):
             if self.pp > model.num_layers:
                 return (f"{self.pp} pipeline stages for the model's {model.num_layers} decoder layers leave a stage "
                         f"without one: use at most {model.num_layers} stages")
-            problem = _pipeline_problem(precision, mode, backend)
-            if problem:
-                return problem
-            if self.data_parallel > 1:
-                return "pipeline stages run beside no data parallelism: give --strategy pipeline alone"
-            if self.tp > 1 and training:
-                return (f"tensor parallelism inside pipeline stages runs infer and forward, not {mode}: for training "
-                        f"give --strategy fsdp --tp {self.tp} (FSDP x TP), or --strategy pipeline without --tp")
+            return _pipeline_problem(precision, mode, backend)
         return None
 
 

@@ -366,22 +366,21 @@ def layouts_for(arch: Architecture, mode: str, gpus: int, node_gpus: int = 8) ->
     GPU count and fits in one node (``node_gpus``; those that do not divide the heads are listed too,
     to be rejected with their reason), every pipeline degree that divides what is left, up to the
     layer count (stages of unequal size where the layers require: ``fitbench.spec.pipeline_stages``),
-    and in training data parallelism for the rest, replicated (DDP) or sharded (FSDP), beside
-    tensor parallelism (FSDP x TP) but not beside pipeline stages. Inference and forward have
-    ``gpus`` replicas instead: generation has no gradients to average, and independent copies, each
-    with its own batch, add their throughputs."""
-    training = mode in TRAINING_MODES
+    and in training data parallelism for the rest, replicated (DDP) or sharded (FSDP); and ``gpus``
+    replicas. Of those, the ones whose degrees compose in ``mode`` (``Layout.composes``): replicas
+    for inference and forward, whose independent copies, each with its own batch, add their
+    throughputs; data parallelism for training, beside no pipeline stages."""
     found = []
     for tp in (d for d in range(1, min(gpus, node_gpus) + 1) if gpus % d == 0):
         for pp in (d for d in range(1, min(gpus // tp, arch.num_layers) + 1) if (gpus // tp) % d == 0):
             dp = gpus // (tp * pp)
             if dp == 1:
                 found.append(Layout(tp=tp, pp=pp))
-            elif training and pp == 1:
-                found += [Layout(dp_replicate=dp, tp=tp), Layout(dp_shard=dp, tp=tp)]
-    if not training and gpus > 1:
+            elif mode in TRAINING_MODES:  # generation under DDP or FSDP runs on one GPU (fitbench.config)
+                found += [Layout(dp_replicate=dp, tp=tp, pp=pp), Layout(dp_shard=dp, tp=tp, pp=pp)]
+    if gpus > 1:
         found.append(Layout(replicas=gpus))
-    return found
+    return [layout for layout in found if layout.composes(mode)]
 
 
 def forecast_tokens_per_s(arch: Architecture, mode: str, candidate: Candidate, target: GpuTarget, *, seq_len: int,
