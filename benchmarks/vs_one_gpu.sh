@@ -3,14 +3,16 @@
 # 1. decode at batch 1, 13B (512-token prompt, 64 new tokens): one GPU, then TP 2 and TP GPUS, and TP GPUS
 #    with --no-symmetric-memory (NCCL's all-reduces); with GPUS 4, Llama-2-70B under TP 4 both ways (its
 #    bandwidth roofline is the reference: it does not fit one GPU);
-# 2. weak scaling of training, the 1B preset at 8 x 2048 tokens per GPU (3 warm-up, 10 measured steps):
+# 2. sharded training over GPUS: 13B and 30B as the planner picks them, eager and with --compile, and 13B
+#    as FSDP x TP 2, eager and compiled (their MFU is the figure: none fits one GPU);
+# 3. weak scaling of training, the 1B preset at 8 x 2048 tokens per GPU (3 warm-up, 10 measured steps):
 #    one GPU, then DDP and FSDP over 2 and GPUS;
 # then summary.md: each row's tokens/s against its one-GPU baseline (decode: the ratio of tokens/s;
 # training: tokens/s per GPU over the one GPU's tokens/s, the weak-scaling efficiency).
-# Usage: benchmarks/vs_one_gpu.sh OUT_DIR GPUS [decode|weak|all]   (GPUS 2 or 4; all by default)
+# Usage: benchmarks/vs_one_gpu.sh OUT_DIR GPUS [decode|sharded|weak|all]   (GPUS 2 or 4; all by default)
 set -euo pipefail
 out=${1:?usage: benchmarks/vs_one_gpu.sh OUT_DIR GPUS}
-gpus=${2:?usage: benchmarks/vs_one_gpu.sh OUT_DIR GPUS [decode|weak|all]}
+gpus=${2:?usage: benchmarks/vs_one_gpu.sh OUT_DIR GPUS [decode|sharded|weak|all]}
 part=${3:-all}
 fitbench=${FITBENCH:-fitbench}
 # a directory holds one sweep: each run its own
@@ -18,7 +20,7 @@ run() { local dir=$1; shift; $fitbench run "$@" --out "$out/$dir" || true; }
 
 decode=(--models 13B --mode infer --precision bf16-pure --batch-size 1 --seq-len 512 --new-tokens 64
         --warmup-steps 2 --measure-steps 5)
-if [ "$part" != weak ]; then
+if [ "$part" = all ] || [ "$part" = decode ]; then
   run decode/1 "${decode[@]}"
   for n in 2 "$gpus"; do
     [ -d "$out/decode/tp-$n" ] || run "decode/tp-$n" "${decode[@]}" --gpus "$n" --strategy tp
@@ -33,7 +35,20 @@ if [ "$part" != weak ]; then
   fi
 fi
 
-if [ "$part" != decode ]; then
+if [ "$part" = all ] || [ "$part" = sharded ]; then
+  # the layout, precision, batch and checkpointing the planner picks over GPUS (auto_vs_best.sh's cases),
+  # eager and under --compile; then 13B as FSDP x TP 2, eager and compiled
+  sharded=(--mode train --seq-len 2048 --warmup-steps 3 --measure-steps 10 --gpus "$gpus" --timeout 1200)
+  for model in 13B 30B; do
+    run "sharded/$model" --models "$model" "${sharded[@]}"
+    run "sharded/$model-compile" --models "$model" "${sharded[@]}" --compile
+  done
+  fsdp_tp=(--models 13B --precision bf16 --batch-size 2 "${sharded[@]}" --strategy fsdp --tp 2)
+  run sharded/13B-fsdp-tp2 "${fsdp_tp[@]}"
+  run sharded/13B-fsdp-tp2-compile "${fsdp_tp[@]}" --compile
+fi
+
+if [ "$part" = all ] || [ "$part" = weak ]; then
   weak=(--models 1B --mode train --precision bf16 --batch-size 8 --seq-len 2048 --warmup-steps 3 --measure-steps 10)
   run weak/1 "${weak[@]}"
   for n in 2 "$gpus"; do
@@ -56,7 +71,7 @@ def row(directory):
 
 print("| run | layout | tokens/s | per GPU | against one GPU | MFU |\n|---|---|---|---|---|---|")
 for part, key, per_gpu in (("decode", "decode_tokens_per_s", False), ("decode-70b", "decode_tokens_per_s", False),
-                           ("weak", "tokens_per_s", True)):
+                           ("sharded", "tokens_per_s", True), ("weak", "tokens_per_s", True)):
     base = row(f"{part}/1")
     for directory in sorted(p.parent.relative_to(out) for p in (out / part).glob("*/results.jsonl")):
         r = row(directory)
