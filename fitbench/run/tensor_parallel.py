@@ -44,7 +44,9 @@ several times one process's host time, the same ops and collectives aside). So i
 shards as plain local tensors (``localize`` after the build) and runs one process's operators on
 them: an all-reduce in place after each row-wise matmul (``_sum_partial_output``), the embedding's
 lookup of its own rows (``VocabShardEmbedding``) and the logits' all-gather (``_gather_vocabulary``),
-nothing else per layer.
+nothing else per layer; each layer's column-wise shards stacked into one matmul as the one-GPU model
+fuses them (``fuse_local_projections``), and on GPUs the decode step's small all-reduces summed through
+symmetric memory (``small_all_reduces``).
 
 The decode step stays one static-shaped function of device tensors (``NativeCausalLM.decode_step``):
 its collectives are NCCL calls on the current stream, which a CUDA graph captures with the kernels,
