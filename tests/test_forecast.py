@@ -731,3 +731,25 @@ def test_rows_that_measure_no_speed_are_left_out_of_the_forecast_error(tmp_path)
     assert not_a_speed(half, tmp_path) is None
     (tmp_path / "allocator-streams-rank0.json").write_text("{}")
     assert not_a_speed(half, tmp_path).startswith("measured while")
+
+
+def test_a_one_shot_decode_step_pays_the_one_shot_latency_per_layer_sum_and_nccls_for_the_embedding():
+    """tensor_parallel_decode_s with symmetric memory, by hand for the 13B preset at batch 1 over 4 ranks:
+    2 L sums of B h c bytes at ONE_SHOT_LATENCY_S plus (g - 1) of them read over the link each, the
+    embedding's sum and the logits' gather as NCCL's; at batch 64 (1.3 MB a sum, past ONE_SHOT_BYTES),
+    all NCCL's, as without it."""
+    from fitbench.plan.speed import tensor_parallel_decode_s
+    from fitbench.spec import ONE_SHOT_BYTES
+
+    arch, g = resolve("13B"), 4
+    links = BusBandwidth(300e9, 350e9, "test", 20e-6, 15e-6)
+    size = 1 * arch.hidden_size * 2
+    gather = 15e-6 + (g - 1) / g * arch.vocab_size * 2 / 350e9
+    nccl_sum = 20e-6 + 2 * (g - 1) / g * size / 300e9
+    one_shot = 2 * arch.num_layers * (collectives.ONE_SHOT_LATENCY_S + (g - 1) * size / 300e9) + nccl_sum + gather
+    assert tensor_parallel_decode_s(arch, 1, 2, g, links, one_shot=True) == pytest.approx(one_shot)
+    nccl = (2 * arch.num_layers + 1) * 20e-6 + 2 * (g - 1) / g * (2 * arch.num_layers + 1) * size / 300e9 + gather
+    assert tensor_parallel_decode_s(arch, 1, 2, g, links) == pytest.approx(nccl)
+    assert 64 * arch.hidden_size * 2 > ONE_SHOT_BYTES
+    assert tensor_parallel_decode_s(arch, 64, 2, g, links, one_shot=True) == \
+        pytest.approx(tensor_parallel_decode_s(arch, 64, 2, g, links))

@@ -386,7 +386,7 @@ def layouts_for(arch: Architecture, mode: str, gpus: int, node_gpus: int = 8) ->
 def forecast_tokens_per_s(arch: Architecture, mode: str, candidate: Candidate, target: GpuTarget, *, seq_len: int,
                           new_tokens: int, calibration: Calibration | None, backend: str | None = None,
                           ceiling: Ceilings | None = None, cuda_graphs: bool = True,
-                          compile_decode: bool = True) -> float:
+                          compile_decode: bool = True, symmetric_memory: bool = True) -> float:
     """The throughput the forecast (``fitbench.plan.forecast``) expects of ``candidate`` on ``target``'s
     GPUs, over every GPU its layout uses, what automatic choices rank layouts by:
 
@@ -395,15 +395,18 @@ def forecast_tokens_per_s(arch: Architecture, mode: str, candidate: Candidate, t
     with a step's tokens B x T (one decode step's B in infer) and the data-parallel ranks those that
     take their own batch (DDP, FSDP, replicas; tensor-parallel and pipeline ranks share one), so N
     replicas forecast N times one GPU, and one GPU counts as itself beside N. A generation decodes as
-    the run would (``decode_kind``: ``cuda_graphs`` and ``compile_decode`` as the run asks); the
+    the run would (``decode_kind``: ``cuda_graphs`` and ``compile_decode`` as the run asks; a compiled
+    tensor-parallel step sums its layers' all-reduces through symmetric memory unless
+    ``symmetric_memory`` is off: ``fitbench.spec.RunSpec.one_shot_applies``); the
     collectives at ``calibration``'s bus bandwidth (else the datasheet's); ``ceiling`` by default
     the GPU's (``ceilings``)."""
     backend = backend or default_backend(arch)
     name = target.speed_name
     offloaded = candidate.resident_layers is not None
-    run = StepRun(backend, candidate.compiled,
-                  decode_kind(backend, candidate.precision, offloaded=offloaded,
-                              compiled=candidate.compiled, cuda_graphs=cuda_graphs, compile_decode=compile_decode))
+    decode = decode_kind(backend, candidate.precision, offloaded=offloaded, compiled=candidate.compiled,
+                         cuda_graphs=cuda_graphs, compile_decode=compile_decode)
+    one_shot = symmetric_memory and decode == "compiled" and backend == "native" and candidate.layout.tp > 1
+    run = StepRun(backend, candidate.compiled, decode, one_shot=one_shot)
     forecast = forecast_step_time(
         arch, mode, candidate.precision, candidate.batch_size, seq_len, new_tokens=new_tokens,
         parallelism=candidate.parallelism, gpu_name=name,
@@ -661,7 +664,7 @@ def predict_spec(arch: Architecture, spec, target: GpuTarget, calibration: Calib
     estimated = [a for a in options if a.memory is not None] or options
     chosen = (fastest_first(arch, spec.mode, first, target, seq_len=spec.seq_len, new_tokens=spec.new_tokens,
                             calibration=calibration, backend=spec.backend, cuda_graphs=spec.cuda_graphs,
-                            compile_decode=spec.compile_decode)[0] if first
+                            compile_decode=spec.compile_decode, symmetric_memory=spec.symmetric_memory)[0] if first
               else min(estimated, key=lambda a: a.predicted_peak))
     candidate = chosen.candidate
     planned = spec.model_copy(update={"precision": candidate.precision, "layout": candidate.layout,
