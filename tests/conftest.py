@@ -152,6 +152,39 @@ def slurm_cluster():
     stop_cluster(cluster)
 
 
+@pytest.fixture(scope="session")
+def slurm_overdue_job(slurm_cluster, tmp_path_factory) -> str:
+    """The id of a job of ``slurm_cluster`` that outlives its time limit: one minute, SLURM's smallest,
+    which slurmctld enforces at its check every 30 s, so the job ends 60 to 90 s after it starts."""
+    from fitbench.launch.slurm.jobs import submit
+    from fitbench.launch.slurm.options import SlurmOptions
+    from fitbench.launch.slurm.script import ScriptJob, batch_script
+
+    directory = tmp_path_factory.mktemp("overdue")
+    script = directory / "overdue.sh"
+    script.write_text(batch_script(SlurmOptions(time="1"), ScriptJob("overdue", str(directory / "%j.out")),
+                                   ["-c", "import time; time.sleep(300)"]))
+    with pytest.MonkeyPatch.context() as patch:
+        for name, value in slurm_cluster.environment.items():
+            patch.setenv(name, value)
+        return submit(script, cwd=directory)
+
+
+@pytest.fixture(scope="session", autouse=True)
+def overdue_from_the_start(request):
+    """Where the session is to run a test of ``slurm_overdue_job``, the cluster starts and the job is
+    submitted before the session's first test (about a second: the daemons are idle otherwise), so
+    that its minute and a half passes while other files run instead of holding up its test. Each test
+    process of ``-n auto`` does this for itself: none knows which files it will be given."""
+    from slurm_cluster import missing_programs
+
+    if not missing_programs() and any("slurm_overdue_job" in item.fixturenames for item in request.session.items):
+        try:
+            request.getfixturevalue("slurm_overdue_job")
+        except Exception:
+            pass  # a cluster that fails to start fails the tests that use it (pytest keeps the error), not all
+
+
 def pytest_collection_modifyitems(config, items):
     """The tests against a SLURM cluster mostly wait on slurmctld's clock (it enforces time limits every
     30 s, polls its jobs): their files go first, so that their waiting overlaps the rest of the suite

@@ -22,9 +22,7 @@ ALLREDUCE_JOB = Path(__file__).resolve().parent / "allreduce_job.py"
 MARK = "FITBENCH_TEST_MARK"
 POLL_S = 0.3
 SLEEP = ["-c", "import time; print('started', flush=True); time.sleep(300)"]
-# A one-minute limit is SLURM's smallest; slurmctld checks limits every 30 s, so the job ends 60 to 90 s
-# after it starts.
-OVERDUE_LIMIT = "1"
+# slurm_overdue_job (conftest), submitted as the session starts, ends 60 to 90 s after it starts
 OVERDUE_WITHIN_S = 150
 
 
@@ -35,15 +33,6 @@ def on_the_cluster(slurm_cluster):
         for name, value in slurm_cluster.environment.items():
             patch.setenv(name, value)
         yield slurm_cluster
-
-
-@pytest.fixture(scope="module", autouse=True)
-def overdue_job(on_the_cluster, tmp_path_factory) -> str:
-    """A job that outlives its one-minute limit, submitted as the module starts so that its minute passes
-    while the other tests run."""
-    directory = tmp_path_factory.mktemp("overdue")
-    return submit_script(batch_script(SlurmOptions(time=OVERDUE_LIMIT), ScriptJob("overdue", str(directory / "%j.out")),
-                                      SLEEP), directory)
 
 
 def submit_script(script: str, directory: Path) -> str:
@@ -145,11 +134,11 @@ def test_a_partition_the_cluster_lacks_is_sbatchs_refusal_as_a_user_error(tmp_pa
         submit_script(script, tmp_path)
 
 
-def test_a_job_slurm_does_not_know_has_no_status_and_hides_none_asked_with_it(overdue_job):
+def test_a_job_slurm_does_not_know_has_no_status_and_hides_none_asked_with_it(slurm_overdue_job):
     assert statuses(["99999999"]) == {}
-    assert list(statuses([overdue_job, "99999999"])) == [overdue_job]
+    assert list(statuses([slurm_overdue_job, "99999999"])) == [slurm_overdue_job]
 
 
-def test_a_job_past_its_time_limit_reads_timeout_with_slurms_reason(overdue_job):
-    status = wait_until(overdue_job, finished, within=OVERDUE_WITHIN_S)[overdue_job]
+def test_a_job_past_its_time_limit_reads_timeout_with_slurms_reason(slurm_overdue_job):
+    status = wait_until(slurm_overdue_job, finished, within=OVERDUE_WITHIN_S)[slurm_overdue_job]
     assert (status.state, status.reason) == ("TIMEOUT", "TimeLimit")
