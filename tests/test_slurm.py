@@ -1,7 +1,8 @@
 """SLURM jobs on a real cluster (tests/slurm_cluster.py: munged, slurmctld and two slurmd of CPU
 nodes on this host): a job of one configuration, a job array under a concurrency limit, a job
-cancelled while it runs, a job past its time limit, and a job of two nodes whose torchrun agents
-meet at a c10d rendezvous and all-reduce over gloo. Skipped where SLURM is not installed."""
+cancelled while it runs, and a job of two nodes whose torchrun agents meet at a c10d rendezvous and
+all-reduce over gloo (a job past its time limit: tests/test_slurm_time_limit.py). Skipped where SLURM
+is not installed."""
 
 import json
 import os
@@ -22,8 +23,6 @@ ALLREDUCE_JOB = Path(__file__).resolve().parent / "allreduce_job.py"
 MARK = "FITBENCH_TEST_MARK"
 POLL_S = 0.3
 SLEEP = ["-c", "import time; print('started', flush=True); time.sleep(300)"]
-# slurm_overdue_job (conftest), submitted as the session starts, ends 60 to 90 s after it starts
-OVERDUE_WITHIN_S = 150
 
 
 @pytest.fixture(scope="module", autouse=True)
@@ -133,12 +132,3 @@ def test_a_partition_the_cluster_lacks_is_sbatchs_refusal_as_a_user_error(tmp_pa
     with pytest.raises(UserError, match="^sbatch refused the job of .*nvalid partition"):
         submit_script(script, tmp_path)
 
-
-def test_a_job_slurm_does_not_know_has_no_status_and_hides_none_asked_with_it(slurm_overdue_job):
-    assert statuses(["99999999"]) == {}
-    assert list(statuses([slurm_overdue_job, "99999999"])) == [slurm_overdue_job]
-
-
-def test_a_job_past_its_time_limit_reads_timeout_with_slurms_reason(slurm_overdue_job):
-    status = wait_until(slurm_overdue_job, finished, within=OVERDUE_WITHIN_S)[slurm_overdue_job]
-    assert (status.state, status.reason) == ("TIMEOUT", "TimeLimit")
