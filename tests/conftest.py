@@ -185,8 +185,24 @@ def overdue_from_the_start(request):
             pass  # a cluster that fails to start fails the tests that use it (pytest keeps the error), not all
 
 
+# The files that keep a test process longest, in the order the test processes take them: each takes
+# the next file as it finishes one (``--no-loadscope-reorder`` keeps this order, where xdist would hand
+# out the files with the most tests first). The fallback sweeps first, and beside them the SLURM files,
+# which mostly wait on slurmctld while the sweeps' processes use both cores; then the others longest
+# first (the CPU seconds of every process a file starts, 48 s for test_tensor_parallel.py down to 8 s
+# for test_planner.py, measured one file at a time on 2 cores), so that the long files overlap each
+# other and the short ones fill in at the end. The files not named take a few seconds each.
+FIRST = [
+    "test_fallback.py", "test_slurm.py", "test_slurm_sweep.py", "test_tensor_parallel.py", "test_ranks_cli.py",
+    "test_memory.py", "test_pipeline.py", "test_cli.py", "test_parallel.py", "test_quantize.py", "test_families.py",
+    "test_report.py", "test_hf_parallel.py", "test_documents.py", "test_processes.py", "test_models.py",
+    "test_nodes.py", "test_retries.py", "test_sanity.py", "test_compiled.py", "test_planner.py",
+]
+# The last file: its job, submitted as the session started (``overdue_from_the_start``), has ended by then.
+LAST = "test_slurm_time_limit.py"
+
+
 def pytest_collection_modifyitems(config, items):
-    """The tests against a SLURM cluster mostly wait on slurmctld's clock (it enforces time limits every
-    30 s, polls its jobs): their files go first, so that their waiting overlaps the rest of the suite
-    instead of ending it."""
-    items.sort(key=lambda item: item.path.name not in ("test_slurm.py", "test_slurm_sweep.py"))
+    """The files in the order above: FIRST, the others in their own order, then LAST."""
+    rank = {name: index for index, name in enumerate(FIRST)}
+    items.sort(key=lambda item: len(FIRST) + 1 if item.path.name == LAST else rank.get(item.path.name, len(FIRST)))
