@@ -1,9 +1,11 @@
 import compileall
+import fcntl
+import json
 import os
 import signal
 import subprocess
 import sys
-from dataclasses import dataclass
+from dataclasses import asdict, dataclass
 from pathlib import Path
 
 import pytest
@@ -111,10 +113,29 @@ class PipedSweep:
 @pytest.fixture(scope="session")
 def tiny_sweep(tmp_path_factory) -> PipedSweep:
     """``fitbench run`` of tiny, train then infer, as a real process with its output piped (as in CI
-    logs), read line by line while it runs. Several modules check what it wrote."""
+    logs), read line by line while it runs. Several modules check what it wrote, in both test processes
+    of ``-n auto``: the first to need it runs it, in the run's directory above both, and the other reads
+    what it recorded there (waiting on the lock while it runs)."""
+    if "PYTEST_XDIST_WORKER" not in os.environ:
+        return run_tiny_sweep(tmp_path_factory.mktemp("tiny-sweep"))
+    shared = tmp_path_factory.getbasetemp().parent
+    with (shared / "tiny-sweep.lock").open("w") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        record = shared / "tiny-sweep.json"
+        if record.exists():
+            fields = json.loads(record.read_text())
+            return PipedSweep(fields["args"], Path(fields["out"]), [tuple(line) for line in fields["lines"]],
+                              fields["rest"], fields["stderr"])
+        directory = shared / f"tiny-sweep-{os.environ['PYTEST_XDIST_WORKER']}"
+        directory.mkdir()
+        sweep = run_tiny_sweep(directory)
+        record.write_text(json.dumps({**asdict(sweep), "out": str(sweep.out)}))
+        return sweep
+
+
+def run_tiny_sweep(tmp_path: Path) -> PipedSweep:
     from fitbench.results.store import ResultStore
 
-    tmp_path = tmp_path_factory.mktemp("tiny-sweep")
     out = tmp_path / "out"
     args = ["run", "--models", "tiny", "--mode", "train", "infer", "--batch-size", "1", "--seq-len", "16",
             "--new-tokens", "4", "--warmup-steps", "1", "--measure-steps", "2", "--out", str(out)]
