@@ -1,9 +1,11 @@
 import compileall
+import fcntl
+import json
 import os
 import signal
 import subprocess
 import sys
-from dataclasses import dataclass
+from dataclasses import asdict, dataclass
 from pathlib import Path
 
 import pytest
@@ -111,10 +113,29 @@ class PipedSweep:
 @pytest.fixture(scope="session")
 def tiny_sweep(tmp_path_factory) -> PipedSweep:
     """``fitbench run`` of tiny, train then infer, as a real process with its output piped (as in CI
-    logs), read line by line while it runs. Several modules check what it wrote."""
+    logs), read line by line while it runs. Several modules check what it wrote, in both test processes
+    of ``-n auto``: the first to need it runs it, in the run's directory above both, and the other reads
+    what it recorded there (waiting on the lock while it runs)."""
+    if "PYTEST_XDIST_WORKER" not in os.environ:
+        return run_tiny_sweep(tmp_path_factory.mktemp("tiny-sweep"))
+    shared = tmp_path_factory.getbasetemp().parent
+    with (shared / "tiny-sweep.lock").open("w") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        record = shared / "tiny-sweep.json"
+        if record.exists():
+            fields = json.loads(record.read_text())
+            return PipedSweep(fields["args"], Path(fields["out"]), [tuple(line) for line in fields["lines"]],
+                              fields["rest"], fields["stderr"])
+        directory = shared / f"tiny-sweep-{os.environ['PYTEST_XDIST_WORKER']}"
+        directory.mkdir()
+        sweep = run_tiny_sweep(directory)
+        record.write_text(json.dumps({**asdict(sweep), "out": str(sweep.out)}))
+        return sweep
+
+
+def run_tiny_sweep(tmp_path: Path) -> PipedSweep:
     from fitbench.results.store import ResultStore
 
-    tmp_path = tmp_path_factory.mktemp("tiny-sweep")
     out = tmp_path / "out"
     args = ["run", "--models", "tiny", "--mode", "train", "infer", "--batch-size", "1", "--seq-len", "16",
             "--new-tokens", "4", "--warmup-steps", "1", "--measure-steps", "2", "--out", str(out)]
@@ -152,8 +173,57 @@ def slurm_cluster():
     stop_cluster(cluster)
 
 
+@pytest.fixture(scope="session")
+def slurm_overdue_job(slurm_cluster, tmp_path_factory) -> str:
+    """The id of a job of ``slurm_cluster`` that outlives its time limit: one minute, SLURM's smallest,
+    which slurmctld enforces at its check every 30 s, so the job ends 60 to 90 s after it starts."""
+    from fitbench.launch.slurm.jobs import submit
+    from fitbench.launch.slurm.options import SlurmOptions
+    from fitbench.launch.slurm.script import ScriptJob, batch_script
+
+    directory = tmp_path_factory.mktemp("overdue")
+    script = directory / "overdue.sh"
+    script.write_text(batch_script(SlurmOptions(time="1"), ScriptJob("overdue", str(directory / "%j.out")),
+                                   ["-c", "import time; time.sleep(300)"]))
+    with pytest.MonkeyPatch.context() as patch:
+        for name, value in slurm_cluster.environment.items():
+            patch.setenv(name, value)
+        return submit(script, cwd=directory)
+
+
+@pytest.fixture(scope="session", autouse=True)
+def overdue_from_the_start(request):
+    """Where the session is to run a test of ``slurm_overdue_job``, the cluster starts and the job is
+    submitted before the session's first test (about a second: the daemons are idle otherwise), so
+    that its minute and a half passes while other files run instead of holding up its test. Each test
+    process of ``-n auto`` does this for itself: none knows which files it will be given."""
+    from slurm_cluster import missing_programs
+
+    if not missing_programs() and any("slurm_overdue_job" in item.fixturenames for item in request.session.items):
+        try:
+            request.getfixturevalue("slurm_overdue_job")
+        except Exception:
+            pass  # a cluster that fails to start fails the tests that use it (pytest keeps the error), not all
+
+
+# The files that keep a test process longest, in the order the test processes take them: each takes
+# the next file as it finishes one (``--no-loadscope-reorder`` keeps this order, where xdist would hand
+# out the files with the most tests first). The fallback sweeps first, and beside them the SLURM files,
+# which mostly wait on slurmctld while the sweeps' processes use both cores; then the others longest
+# first (the CPU seconds of every process a file starts, 48 s for test_tensor_parallel.py down to 8 s
+# for test_planner.py, measured one file at a time on 2 cores), so that the long files overlap each
+# other and the short ones fill in at the end. The files not named take a few seconds each.
+FIRST = [
+    "test_fallback.py", "test_slurm.py", "test_slurm_sweep.py", "test_tensor_parallel.py", "test_ranks_cli.py",
+    "test_memory.py", "test_pipeline.py", "test_cli.py", "test_parallel.py", "test_quantize.py", "test_families.py",
+    "test_report.py", "test_hf_parallel.py", "test_documents.py", "test_processes.py", "test_models.py",
+    "test_nodes.py", "test_retries.py", "test_sanity.py", "test_compiled.py", "test_planner.py",
+]
+# The last file: its job, submitted as the session started (``overdue_from_the_start``), has ended by then.
+LAST = "test_slurm_time_limit.py"
+
+
 def pytest_collection_modifyitems(config, items):
-    """The tests against a SLURM cluster mostly wait on slurmctld's clock (it enforces time limits every
-    30 s, polls its jobs): their files go first, so that their waiting overlaps the rest of the suite
-    instead of ending it."""
-    items.sort(key=lambda item: item.path.name not in ("test_slurm.py", "test_slurm_sweep.py"))
+    """The files in the order above: FIRST, the others in their own order, then LAST."""
+    rank = {name: index for index, name in enumerate(FIRST)}
+    items.sort(key=lambda item: len(FIRST) + 1 if item.path.name == LAST else rank.get(item.path.name, len(FIRST)))

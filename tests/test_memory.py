@@ -3,9 +3,6 @@ fake-tensor trace of the real loops (``fitbench.run.trace``)."""
 
 import dataclasses
 import json
-import multiprocessing
-import multiprocessing.pool
-import os
 
 import pytest
 import torch
@@ -800,31 +797,17 @@ def trace_cases():
                         yield pytest.param(model, mode, precision, batch, seq_len, checkpointing, id=case_id)
 
 
-def start_traces() -> dict[tuple, multiprocessing.pool.AsyncResult]:
-    """Trace every configuration the tests below compare with (keyed as GROWTH), the largest first, in
-    the background: a process per core (at most four) at the lowest priority. The traces are minutes
-    of CPU one after another; started with this module's first test, they use what its other tests
-    (and the suite's other test process) leave of the machine's cores."""
-    cases = {tuple(case.values) for case in trace_cases()} | set(GROWTH) | set(CHECKPOINTING)
-    largest_first = sorted(cases, key=lambda case: (case[0] == "small", case[3] * case[4], case[5]), reverse=True)
-    # daemonic workers: a session that never asks for the traces ends without waiting for them
-    pool = multiprocessing.get_context("spawn").Pool(min(4, len(os.sched_getaffinity(0))), os.nice, (19,))
-    return {(model, mode, precision, batch, seq_len, checkpointing): pool.apply_async(
-        trace_peak, (resolve(model), mode, precision, batch, seq_len),
-        {"new_tokens": NEW_TOKENS, "activation_checkpointing": checkpointing})
-        for model, mode, precision, batch, seq_len, checkpointing in largest_first}
-
-
-@pytest.fixture(scope="module", autouse=True)
-def traces() -> dict[tuple, multiprocessing.pool.AsyncResult]:
-    """``start_traces``, as this module's first test starts."""
-    return start_traces()
-
-
 @pytest.fixture(scope="module")
-def traced(traces) -> dict[tuple, int]:
-    """The traced peak of each configuration of ``traces``."""
-    return {case: result.get(timeout=1800).peak_bytes for case, result in traces.items()}
+def traced() -> dict[tuple, int]:
+    """The traced peak of every configuration the tests below compare with (keyed as GROWTH), traced in
+    this process: about half a minute of CPU in all. Every core is already busy with a test process, so
+    traces in processes of their own would only add their imports of torch, and at a low priority
+    would wait for the other test processes to end."""
+    cases = {tuple(case.values) for case in trace_cases()} | set(GROWTH) | set(CHECKPOINTING)
+    return {(model, mode, precision, batch, seq_len, checkpointing): trace_peak(
+        resolve(model), mode, precision, batch, seq_len, new_tokens=NEW_TOKENS,
+        activation_checkpointing=checkpointing).peak_bytes
+        for model, mode, precision, batch, seq_len, checkpointing in sorted(cases)}
 
 
 @pytest.mark.parametrize("model, mode, precision, batch, seq_len, checkpointing", list(trace_cases()))

@@ -1,7 +1,8 @@
 """SLURM jobs on a real cluster (tests/slurm_cluster.py: munged, slurmctld and two slurmd of CPU
 nodes on this host): a job of one configuration, a job array under a concurrency limit, a job
-cancelled while it runs, a job past its time limit, and a job of two nodes whose torchrun agents
-meet at a c10d rendezvous and all-reduce over gloo. Skipped where SLURM is not installed."""
+cancelled while it runs, and a job of two nodes whose torchrun agents meet at a c10d rendezvous and
+all-reduce over gloo (a job past its time limit: tests/test_slurm_time_limit.py). Skipped where SLURM
+is not installed."""
 
 import json
 import os
@@ -22,10 +23,6 @@ ALLREDUCE_JOB = Path(__file__).resolve().parent / "allreduce_job.py"
 MARK = "FITBENCH_TEST_MARK"
 POLL_S = 0.3
 SLEEP = ["-c", "import time; print('started', flush=True); time.sleep(300)"]
-# A one-minute limit is SLURM's smallest; slurmctld checks limits every 30 s, so the job ends 60 to 90 s
-# after it starts.
-OVERDUE_LIMIT = "1"
-OVERDUE_WITHIN_S = 150
 
 
 @pytest.fixture(scope="module", autouse=True)
@@ -35,15 +32,6 @@ def on_the_cluster(slurm_cluster):
         for name, value in slurm_cluster.environment.items():
             patch.setenv(name, value)
         yield slurm_cluster
-
-
-@pytest.fixture(scope="module", autouse=True)
-def overdue_job(on_the_cluster, tmp_path_factory) -> str:
-    """A job that outlives its one-minute limit, submitted as the module starts so that its minute passes
-    while the other tests run."""
-    directory = tmp_path_factory.mktemp("overdue")
-    return submit_script(batch_script(SlurmOptions(time=OVERDUE_LIMIT), ScriptJob("overdue", str(directory / "%j.out")),
-                                      SLEEP), directory)
 
 
 def submit_script(script: str, directory: Path) -> str:
@@ -144,12 +132,3 @@ def test_a_partition_the_cluster_lacks_is_sbatchs_refusal_as_a_user_error(tmp_pa
     with pytest.raises(UserError, match="^sbatch refused the job of .*nvalid partition"):
         submit_script(script, tmp_path)
 
-
-def test_a_job_slurm_does_not_know_has_no_status_and_hides_none_asked_with_it(overdue_job):
-    assert statuses(["99999999"]) == {}
-    assert list(statuses([overdue_job, "99999999"])) == [overdue_job]
-
-
-def test_a_job_past_its_time_limit_reads_timeout_with_slurms_reason(overdue_job):
-    status = wait_until(overdue_job, finished, within=OVERDUE_WITHIN_S)[overdue_job]
-    assert (status.state, status.reason) == ("TIMEOUT", "TimeLimit")
