@@ -19,7 +19,7 @@ from fitbench.run.cross_entropy import chunked_cross_entropy
 from fitbench.run.loops import make_step, random_tokens
 from fitbench.run.parallel import data_seed
 from fitbench.run.tensor_parallel import data_parallel_rank, kv_heads_of_rank, split_heads
-from fitbench.spec import Layout, LayoutError
+from fitbench.spec import Layout, LayoutError, RunSpec
 from test_parallel import torchrun
 
 slow = pytest.mark.slow
@@ -437,3 +437,15 @@ def test_tensor_parallel_decoding_is_captured_in_a_cuda_graph_on_two_gpus(tmp_pa
     assert row["decode"]["cuda_graphs"] is True, row["decode"]
     assert [capture["generation"] for capture in row["decode"]["captures"]] == [1]
     assert sorted(gpu["rank"] for gpu in row["memory"]["gpus"]) == [0, 1]
+
+
+def test_small_all_reduces_stay_nccls_where_the_group_spans_nodes_or_runs_on_cpus(monkeypatch):
+    """Symmetric memory maps the group's GPUs into each other: a group larger than a node's ranks keeps
+    NCCL's sums (checked before any GPU is asked about peer access), and CPU ranks record nothing."""
+    from fitbench.run.tensor_parallel import _peers_mapped, small_all_reduces
+
+    monkeypatch.setenv("LOCAL_WORLD_SIZE", "2")
+    assert not _peers_mapped(torch.device("cuda", 0), 4)
+    spec = RunSpec(model="7B", backend="native", mode="infer", precision="bf16-pure", batch_size=1, seq_len=8,
+                   new_tokens=2, device="cpu", warmup_steps=0, measure_steps=1, layout=Layout(tp=2))
+    assert small_all_reduces(spec, None, torch.device("cpu")) == {}

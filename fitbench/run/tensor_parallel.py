@@ -55,6 +55,7 @@ so ``fitbench.models.graphs`` captures it under TP as on one GPU.
 
 from __future__ import annotations
 
+import os
 import warnings
 from typing import Any, Callable
 
@@ -268,11 +269,28 @@ def localize(model: nn.Module) -> None:
 def small_all_reduces(spec, group, device: torch.device) -> dict[str, str]:
     """How a tensor-parallel generation of ``spec`` sums its small all-reduces over ``group``: through
     symmetric memory (``one_shot_small_all_reduces``, set up here) where the spec asks for it and it
-    applies (``RunSpec.one_shot_applies``) on GPUs, else NCCL's; for the row's parallel record."""
-    if device.type == "cuda" and spec.symmetric_memory and spec.one_shot_applies:
-        one_shot_small_all_reduces(group)
-        return {"small_all_reduces": f"symmetric memory, one-shot (up to {ONE_SHOT_BYTES // 1024} KiB)"}
-    return {"small_all_reduces": "NCCL"} if device.type == "cuda" else {}
+    applies (``RunSpec.one_shot_applies``) on GPUs that map each other's memory, else NCCL's; for the
+    row's parallel record."""
+    if device.type != "cuda":
+        return {}
+    if not (spec.symmetric_memory and spec.one_shot_applies):
+        return {"small_all_reduces": "NCCL"}
+    if not _peers_mapped(device, dist.get_world_size(group)):
+        return {"small_all_reduces": "NCCL: symmetric memory needs the group's GPUs on one node, each with "
+                                     "peer access to the others"}
+    one_shot_small_all_reduces(group)
+    return {"small_all_reduces": f"symmetric memory, one-shot (up to {ONE_SHOT_BYTES // 1024} KiB)"}
+
+
+def _peers_mapped(device: torch.device, ranks: int) -> bool:
+    """Whether a group of ``ranks`` consecutive ranks lies on this node (torchrun's LOCAL_WORLD_SIZE a
+    multiple of it) and this GPU has peer access to every other GPU of the node."""
+    local = int(os.environ.get("LOCAL_WORLD_SIZE", "1"))
+    if local % ranks:
+        return False
+    index = torch.cuda.current_device() if device.index is None else device.index
+    return all(torch.cuda.can_device_access_peer(index, other)
+               for other in range(torch.cuda.device_count()) if other != index)
 
 
 def one_shot_small_all_reduces(group) -> None:
