@@ -141,7 +141,7 @@ def test_a_rank_that_fails_names_itself_and_one_that_hangs_is_named(jobs):
     assert second.startswith("rank 1: waited in a collective (applying ddp") and "8 s timeout" in second
     assert [(rank["rank"], rank["in_collective"], rank["status"]) for rank in row["rank_phases"]] == \
         [(0, False, None), (1, True, "timeout")]
-    assert row["wall_s"] < 40
+    assert row["wall_s"] < 60  # ended by the collective's 8 s timeout, not by the sweep's --timeout 60
     assert not hung.left and not hung.scratch
 
 
