@@ -629,6 +629,29 @@ def test_a_graphed_prefill_is_captured_at_its_shapes_second_call_and_reads_each_
     assert list(lm.prefill_graphs) == [(1, 6, 12)]
 
 
+def test_a_prefill_whose_capture_fails_runs_through_the_compiled_regions_and_says_why(fresh_dynamo):
+    arch = VARIANTS["llama-gqa"]
+    native = random_native(arch)
+    calls, attempts = [], []
+
+    def decode_only(step):  # the decode step's capture (the first) works; the prefill's fails
+        attempts.append(step)
+        if calls:
+            raise RuntimeError("CUDA error: operation not permitted when stream is capturing")
+        return eager_capture(calls)(step)
+
+    lm = NativeLM(native, torch.float32, cuda_graphs=True, capture=decode_only, compile_decode=True,
+                  compiler=counting_compiler([]))
+    lm.graph_prefill = True
+    eager = NativeLM(native, torch.float32)
+    for seed in (1, 2, 3):
+        tokens = torch.randint(0, arch.vocab_size, (2, 12), generator=torch.Generator().manual_seed(seed))
+        assert_same_generations(generation_logits(lm, tokens, 6, 12), generation_logits(eager, tokens, 6, 12))
+    assert lm.decoding["prefill"] == ("capture failed, prefilling through the compiled regions: RuntimeError: "
+                                      "CUDA error: operation not permitted when stream is capturing")
+    assert not lm.prefill_graphs and len(attempts) == 2  # the prefill's capture not tried again
+
+
 def test_past_dynamos_recompile_limit_generation_runs_eagerly_and_says_so(fresh_dynamo):
     arch = VARIANTS["llama-tied"]
     native = random_native(arch)

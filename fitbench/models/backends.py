@@ -147,7 +147,7 @@ class NativeLM(CausalLM):
 
         if self._compiling() and (B, T, max_len) in self.prefill_shapes and self.graph_prefill \
                 and self.prefill_graph_problem is None:
-            return self._graphed_prefill(tokens, max_len)
+            return self._graphed_prefill(tokens, max_len, run)
         if not self._compiling() or (B, T, max_len) in self.prefill_shapes:
             return run(self.regions if self._compiling() else None)
         self.prefill_shapes.add((B, T, max_len))
@@ -157,14 +157,16 @@ class NativeLM(CausalLM):
             self.compiled.setdefault("prefill_first_call_s", []).append(time.perf_counter() - started)
         return logits
 
-    def _graphed_prefill(self, tokens: torch.Tensor, max_len: int) -> torch.Tensor:
+    def _graphed_prefill(self, tokens: torch.Tensor, max_len: int,
+                         run: Callable[[Regions | None], torch.Tensor]) -> torch.Tensor:
         """The prefill of a prompt shape compiled before, replayed from a CUDA graph captured at its
         second call (``graph_prefill``): a prefill through compiled regions still launches every
         layer's kernels and collectives from the host, which under tensor parallelism, with a quarter
         of each matmul per GPU and two collectives per layer, takes longer than the GPU's work. The
         graph reads the prompt from a buffer of its own and writes the cache it was captured with;
         its pool keeps a prefill's temporaries (one layer's at a time) for as long as the cache lives.
-        Where the capture fails, prefills run as before and ``decoding`` says why."""
+        Where the capture fails, prefills run as before (``run`` through the compiled regions) and
+        ``decoding`` says why."""
         shape = (*tokens.shape, max_len)
         if shape not in self.prefill_graphs:
             prompt = tokens.clone()
@@ -175,7 +177,7 @@ class NativeLM(CausalLM):
             except Exception as error:
                 self.prefill_graph_problem = f"capture failed, prefilling through the compiled regions: " \
                                              f"{error_summary(error)}"
-                return self.module(tokens, cache=self.cache, start=0, last_only=True, regions=self.regions)[:, -1]
+                return run(self.regions)
             self.prefill_graphs[shape] = (replay, prompt)
             self.captures.append({"generation": self.generations, "prefill": list(shape),
                                   "seconds": time.perf_counter() - started, "pool_bytes": replay.pool_bytes})
