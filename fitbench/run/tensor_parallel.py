@@ -70,7 +70,7 @@ from fitbench.precisions import TRAINING_MODES, PrecisionPolicy
 from fitbench.run.collectives import all_gather
 from fitbench.run.parallel import parallelize
 from fitbench.run.ranks import Rank
-from fitbench.spec import ONE_SHOT_BYTES, Layout, LayoutError, Stage
+from fitbench.spec import ONE_SHOT_BYTES, Layout, LayoutError, RunSpec, Stage
 
 
 def device_mesh(layout: Layout, device_type: str):
@@ -266,7 +266,7 @@ def localize(model: nn.Module) -> None:
                 setattr(module, name, local[id(parameter)])
 
 
-def small_all_reduces(spec, group, device: torch.device) -> dict[str, str]:
+def small_all_reduces(spec: RunSpec, group, device: torch.device) -> dict[str, str]:
     """How a tensor-parallel generation of ``spec`` sums its small all-reduces over ``group``: through
     symmetric memory (``one_shot_small_all_reduces``, set up here) where the spec asks for it and it
     applies (``RunSpec.one_shot_applies``) on GPUs that map each other's memory, else NCCL's; for the
