@@ -1,8 +1,8 @@
 #!/usr/bin/env bash
 # Several GPUs against one, side by side in one command on one host, bf16:
 # 1. decode at batch 1, 13B (512-token prompt, 64 new tokens): one GPU, then TP 2 and TP GPUS, and TP GPUS
-#    with --no-symmetric-memory (NCCL's all-reduces); with GPUS 4, Llama-2-70B under TP 4 both ways (its
-#    bandwidth roofline is the reference: it does not fit one GPU);
+#    with --no-symmetric-memory (NCCL's all-reduces); with GPUS 4, Llama-2-70B under TP 4 both ways and as
+#    2 pipeline stages x TP 2 (its bandwidth roofline is the reference: it does not fit one GPU);
 # 2. sharded training over GPUS: 13B and 30B as the planner picks them, eager and with --compile, and 13B
 #    as FSDP x TP 2, eager and compiled (their MFU is the figure: none fits one GPU);
 # 3. weak scaling of training, the 1B preset at 8 x 2048 tokens per GPU (3 warm-up, 10 measured steps):
@@ -15,15 +15,20 @@ out=${1:?usage: benchmarks/vs_one_gpu.sh OUT_DIR GPUS}
 gpus=${2:?usage: benchmarks/vs_one_gpu.sh OUT_DIR GPUS [decode|sharded|weak|all]}
 part=${3:-all}
 fitbench=${FITBENCH:-fitbench}
-# a directory holds one sweep: each run its own
-run() { local dir=$1; shift; $fitbench run "$@" --out "$out/$dir" || true; }
+# a directory holds one sweep: each run its own; one that already holds a row is not run again, so a call
+# cut short by a time limit is continued by the same command
+run() {
+  local dir=$1; shift
+  [ -s "$out/$dir/results.jsonl" ] && return 0
+  $fitbench run "$@" --out "$out/$dir" || true
+}
 
 decode=(--models 13B --mode infer --precision bf16-pure --batch-size 1 --seq-len 512 --new-tokens 64
         --warmup-steps 2 --measure-steps 5)
 if [ "$part" = all ] || [ "$part" = decode ]; then
   run decode/1 "${decode[@]}"
   for n in 2 "$gpus"; do
-    [ -d "$out/decode/tp-$n" ] || run "decode/tp-$n" "${decode[@]}" --gpus "$n" --strategy tp
+    run "decode/tp-$n" "${decode[@]}" --gpus "$n" --strategy tp
   done
   # the same, each layer's all-reduces through NCCL instead of symmetric memory
   run "decode/tp-$gpus-nccl" "${decode[@]}" --gpus "$gpus" --strategy tp --no-symmetric-memory
@@ -32,6 +37,8 @@ if [ "$part" = all ] || [ "$part" = decode ]; then
               --warmup-steps 2 --measure-steps 5 --gpus 4 --strategy tp)
     run decode-70b/tp-4 "${decode70[@]}"
     run decode-70b/tp-4-nccl "${decode70[@]}" --no-symmetric-memory
+    # two pipeline stages of TP 2 each, every stage's decode step captured
+    run decode-70b/pipeline-2-tp2 "${decode70[@]/%tp/pipeline}" --tp 2
   fi
 fi
 
@@ -53,7 +60,7 @@ if [ "$part" = all ] || [ "$part" = weak ]; then
   run weak/1 "${weak[@]}"
   for n in 2 "$gpus"; do
     for strategy in ddp fsdp; do
-      [ -d "$out/weak/$strategy-$n" ] || run "weak/$strategy-$n" "${weak[@]}" --gpus "$n" --strategy "$strategy"
+      run "weak/$strategy-$n" "${weak[@]}" --gpus "$n" --strategy "$strategy"
     done
   done
 fi
