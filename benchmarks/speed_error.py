@@ -98,7 +98,8 @@ def row_error(row: dict) -> tuple[float, float] | None:
     # the row says how its small all-reduces went; rows older than the record went through NCCL
     one_shot = str((row.get("parallel") or {}).get("small_all_reduces", "")).startswith("symmetric memory")
     run = replace(step_run(spec, decoding), fused=started >= FUSED_SINCE, functions=started >= FUNCTIONS_SINCE,
-                  fused_loss=started >= FUSED_LOSS_SINCE, tp_fused=started >= TP_FUSED_SINCE, one_shot=one_shot)
+                  fused_loss=started >= FUSED_LOSS_SINCE, tp_fused=started >= TP_FUSED_SINCE, one_shot=one_shot,
+                  transformers=row["environment"].get("transformers") or "0")
     forecast = forecast_spec(resolve(spec.model), spec, gpu, ceiling, run=run,
                              offloaded_bytes=offload.get("offloaded_bytes") or 0.0)
     return measured, forecast.seconds

@@ -266,6 +266,50 @@ def test_an_eager_decode_step_runs_its_host_and_device_side_by_side():
     assert hf.host_s == pytest.approx(launches * forecast.HF_HOST_OP_S)  # transformers decodes eagerly
 
 
+def test_transformers_stages_add_host_time_per_layer_and_newer_versions_run_the_clocks_one_after_the_other():
+    """A decode step of transformers' layers over 2 stages: its operators' host time as on one GPU plus
+    HF_STAGED_LAYER_HOST_S per layer (accelerate's hooks); under a transformers version from
+    HF_SERIAL_DECODE_SINCE on, the step lasts device + host, else the two side by side."""
+    arch = resolve("7B")
+    staged = Parallelism(layout=Layout(pp=2))
+    old, new = (forecast_step_time(arch, "infer", "bf16-pure", 1, 128, new_tokens=128, parallelism=staged,
+                                   gpu_name=H100, ceiling=ROUND, run=StepRun("hf", transformers=version))
+                for version in ("5.17.0", "5.24.0"))
+    launches = 43 * 32 + 12
+    assert old.host_s == pytest.approx(launches * 17.0e-6 + 32 * 374e-6)
+    assert new.host_s == old.host_s and new.device_s == old.device_s
+    assert old.seconds - old.communication_s == pytest.approx(side_by_side(old.device_s, old.host_s))
+    assert new.seconds - new.communication_s == pytest.approx(old.device_s + old.host_s)
+    one = forecast_step_time(arch, "infer", "bf16-pure", 1, 128, new_tokens=128, parallelism=Parallelism(),
+                             gpu_name=H100, ceiling=ROUND, run=StepRun("hf", transformers="5.17.0"))
+    assert one.host_s == pytest.approx(launches * 17.0e-6)  # one GPU: no hooks
+    assert [forecast.hf_serial_decode(v) for v in ("4.57.1", "5.17.0", "5.23.2", "5.24.0", "5.30.0.dev0", "6.0")] \
+        == [False, False, False, True, True, True]
+
+
+def test_the_staged_transformers_host_time_is_the_median_of_the_pipelined_rows(monkeypatch):
+    """Each committed pipelined decode row of transformers 5.17 (which overlaps host and device) solved
+    for the host time per layer at which its forecast equals its measured step: the constant is their
+    median, each inside 100 to 600 us; the 5.24 row, its clocks one after the other, solves within 10% of
+    the 5.17 row of the same machine and configuration."""
+    monkeypatch.setattr(forecast, "HF_STAGED_LAYER_HOST_S", forecast.HF_STAGED_LAYER_HOST_S)
+    solved = {}
+    for directory in ("2026-11-24-h200x2-model-parallel", "2026-11-27-h100x4-hf-versions",
+                      "2026-11-27-h100x4-model-parallel"):
+        for path in sorted((RESULTS / directory).rglob("results.jsonl")):
+            for row in map(json.loads, path.read_text().splitlines()):
+                spec = row["spec"]
+                if row["status"] == "ok" and spec["backend"] == "hf" and spec["layout"]["pp"] > 1:
+                    key = (str(path.parent.relative_to(RESULTS)), spec["batch_size"])
+                    solved[key] = solve(constant("HF_STAGED_LAYER_HOST_S"), row, 0.0, 5e-3)
+    version_517 = [value for (where, _), value in solved.items() if "hf-5.24" not in where]
+    assert len(version_517) == 5
+    assert all(100e-6 < value < 600e-6 for value in version_517), solved
+    assert statistics.median(version_517) == pytest.approx(374e-6, rel=0.03)
+    same_machine = solved[("2026-11-27-h100x4-hf-versions/hf-5.17/1", 1)]
+    assert solved[("2026-11-27-h100x4-hf-versions/hf-5.24/1", 1)] == pytest.approx(same_machine, rel=0.1)
+
+
 def test_a_compiled_decode_step_replays_fewer_kernels():
     arch = resolve("7B")
     graphed, compiled = (forecast_step_time(arch, "infer", "bf16-pure", 1, 512, new_tokens=128,

@@ -42,7 +42,9 @@ A decode step (``_decode_time``), for the whole batch: the weights it reads, eac
 its own width and read efficiency (its entry's ``decode``, ``fitbench.precisions``), the KV cache it attends over, over the copy
 bandwidth, plus its kernels: ``KERNEL_S`` each where a CUDA graph replays them (the eager step, or the
 step ``torch.compile``d, ``COMPILED_LAYER_KERNELS`` per layer), or launched one by one by the host
-without a graph, ``HOST_OP_S`` each, its two clocks side by side.
+without a graph, ``HOST_OP_S`` each, its two clocks side by side (one after the other under the
+transformers versions that serialize them, ``HF_SERIAL_DECODE_SINCE``); transformers' layers over
+pipeline stages add accelerate's hooks, ``HF_STAGED_LAYER_HOST_S`` of host time per layer.
 
 Communication is the roofline's (``fitbench.plan.speed``): data-parallel collectives overlapped with
 the step's busy time, tensor parallelism's all-reduces and the pipeline's sends exposed, each message
@@ -56,6 +58,7 @@ the forecast of every committed row and its error against the measured step.
 
 from __future__ import annotations
 
+import importlib.metadata
 import math
 from dataclasses import dataclass
 
@@ -209,6 +212,28 @@ HF_HOST_OP_S = 17.0e-6
 # 4 x 1024 (2026-11-24-h200x2-model-parallel/13b-train-tp, 928 ms); transformers' 13B decoding over 2
 # H200s (2026-11-24-h200x2-model-parallel/13b-hf-tp-transformers-5.17, 61.5 ms).
 DTENSOR_HOST_OP_S = {"training": 123e-6, "inference": 35e-6}
+# transformers' models over pipeline stages (``fitbench.run.hf_pipeline``) run in one process, each
+# decoder layer behind accelerate's ``AlignDevicesHook``: before each layer's forward the hook walks its
+# arguments and moves each tensor to the layer's device (a no-op ``.to`` call on all but the first
+# layer of a stage), and that process launches every stage's operators, each on a device other than
+# the current one but for the first stage's. Host seconds per decoder layer and forward pass beyond
+# its operators: the median of the values at which each committed pipelined decode row of transformers
+# that overlaps host and device (5.17) is forecast as measured, one value for all of them
+# (tests/test_forecast.py solves them again): Falcon-40B over 2 H200s, batch 1 and 8
+# (2026-11-24-h200x2-model-parallel/falcon40-hf-pp: 195 and 189 us), over 2 and 4 H100s
+# (2026-11-27-h100x4-hf-versions/hf-5.17/1: 374 us; 2026-11-27-h100x4-model-parallel/9, batch 1 and 8:
+# 470 and 416 us). The spread is the hosts' (the one-GPU Falcon-40B row on an H200,
+# 2026-11-24-h200-validation/matrix2-inference/1, is forecast within 7% without the term). The same
+# configuration under transformers 5.24 on the same machine (hf-5.24/1), its clocks one after the
+# other (``HF_SERIAL_DECODE_SINCE``), solves to 351 us.
+HF_STAGED_LAYER_HOST_S = 374e-6
+# From this transformers version on, a decode step's host and device work run one after the other, not
+# side by side: the same machine and configurations under 5.17 and 5.24
+# (2026-11-27-h100x4-hf-versions, one command), where 5.24's decode steps last the sum of 5.17's two
+# clocks (Qwen2.5-7B 41.7 ms against 22.3 ms device and 20.7 host; GPT-2 XL 24.3 against 4.6 and 19.8)
+# while its forward passes, whose device clock dominates, keep 5.17's time. Versions between the two
+# were not measured; the first measured to serialize is the bound.
+HF_SERIAL_DECODE_SINCE = (5, 24)
 # A checkpointed layer's host time beyond its operators (the recomputation's Python frames and
 # saved-tensor hooks): CS336 small, bf16, 4 x 512, checkpointed, H200
 # (2026-11-24-h200-validation/matrix1-training/1, 56.6 ms).
@@ -265,7 +290,8 @@ class StepRun:
     ``functions``, False for training steps measured before its autograd Functions, and ``fused_loss``
     before the fused cross-entropy (``benchmarks/speed_error.py`` tells them by their start);
     ``one_shot``: a tensor-parallel decode step's per-layer all-reduces summed through symmetric memory
-    (``fitbench.spec.RunSpec.symmetric_memory``)."""
+    (``fitbench.spec.RunSpec.symmetric_memory``); ``transformers``: the version the hf backend runs
+    (``hf_serial_decode``), None for the one installed here."""
 
     backend: str = "native"
     compiled: bool = False
@@ -275,6 +301,7 @@ class StepRun:
     functions: bool = True
     fused_loss: bool = True
     one_shot: bool = False
+    transformers: str | None = None  # the hf backend's transformers version; None: the installed one
 
 
 @dataclass(frozen=True)
@@ -409,13 +436,16 @@ def _decode_time(arch: Architecture, precision: str, batch: int, seq_len: int, n
     # its own layers, transformers' stages are one process.
     host_s = 0.0 if decode != "eager" else kernels / (stages if run.backend == "native" else 1) * \
         _host_op_s(run.backend, tp, "inference")
+    if run.backend == "hf" and stages > 1:  # accelerate's hooks, one process over every stage's device
+        host_s += arch.num_layers * HF_STAGED_LAYER_HOST_S
     communication_s = tensor_parallel_decode_s(arch, batch, widths.compute, tp, links.tensor, one_shot=run.one_shot)
     communication_s += links.sends_s(batch * arch.hidden_size * widths.compute, stages, 1)
     if stages > 1:  # the chosen token's way back from the last stage to the first, across nodes where they are
         way_back = links.inter if links.boundaries_across else links.intra
         communication_s += way_back.send_recv_s(batch * TOKEN_BYTES, messages=1)
     communication_s += offloaded_bytes / OFFLOAD_STREAM_BANDWIDTH
-    seconds = side_by_side(device_s, host_s) + communication_s
+    serial = run.backend == "hf" and hf_serial_decode(run.transformers)
+    seconds = (device_s + host_s if serial else side_by_side(device_s, host_s)) + communication_s
     terms = {"matmuls": matmul_s, "memory": memory_s, "kernels": kernels_s}
     return Forecast(seconds, device_s, host_s, communication_s, _bound(device_s, host_s, communication_s), terms,
                     kernels)
@@ -536,6 +566,21 @@ def side_by_side(device_s: float, host_s: float) -> float:
     where one dominates, more where they are close (``OVERLAP_EXPONENT``)."""
     p = OVERLAP_EXPONENT
     return (device_s ** p + host_s ** p) ** (1 / p)
+
+
+def hf_serial_decode(version: str | None) -> bool:
+    """Whether transformers at ``version`` (None: the installed one; none installed: False) runs a decode
+    step's host and device work one after the other (``HF_SERIAL_DECODE_SINCE``)."""
+    if version is None:
+        try:
+            version = importlib.metadata.version("transformers")
+        except importlib.metadata.PackageNotFoundError:
+            return False
+    release = []
+    for part in version.split(".")[:2]:
+        digits = "".join(c for c in part if c.isdigit()) or "0"
+        release.append(int(digits))
+    return tuple(release) >= HF_SERIAL_DECODE_SINCE
 
 
 def _host_op_s(backend: str, tp: int, kind: str) -> float:
