@@ -15,7 +15,8 @@ buffers per communicator as the default has them).
 Rows measured before a change to what the worker holds are listed apart, not counted (``superseded``):
 FSDP rows from before the worker returned the cached blocks of the model built whole once the layout is
 applied (``EMPTY_CACHE_SINCE``; benchmarks/results/2026-11-27-h100x4-fsdp-memory measured the same
-configurations again).
+configurations again); training rows from before the fused cross-entropy and the native decoder's own
+autograd Functions (``FUSED_TRAINING_SINCE``).
 
 Usage: python benchmarks/repredict.py RESULTS_DIR [--calibration FILE] [--markdown FILE] [--min-gpus N]
 """
@@ -31,6 +32,7 @@ from pathlib import Path
 from fitbench.models.registry import resolve
 from fitbench.plan.calibration import DEFAULT, Calibration
 from fitbench.plan.planner import GpuTarget, predict_spec
+from fitbench.precisions import TRAINING_MODES
 from fitbench.results.store import ResultStore
 from fitbench.spec import RunSpec
 
@@ -49,11 +51,23 @@ def calibration_of(prediction: dict) -> Calibration:
 # (4f1bbca): before, a sharded run's steps started beside the cached blocks of the whole model.
 EMPTY_CACHE_SINCE = "2026-11-27T07:50:03+00:00"
 
+# From 5e2c62b (2026-11-24T09:31:43) the training loss writes the logits' gradient over the logits, so no
+# fp32 copy of them is kept, and from ebb9493, on the same branch (its rows in
+# benchmarks/results/2026-11-24-h200-eager-ops were measured from 09:59 on, before it was committed), the
+# native decoder's eager layers save what the compiled model saves. The rows before held more: the 1B
+# preset, bf16, 8 x 2048 on one H200 measured 52.85 GB before and 38.95 GB after (2026-11-24-h200x2-data-
+# parallel/weak-1 against 2026-11-24-h200-engine/vs-transformers/train/1B-native), and the same under DDP
+# over 2 GPUs 62.04 GB before and 48.15 GB after (2026-11-27-h100x4-vs-one-gpu/weak/ddp-2): DDP's own
+# 9.2 GB is the same in both.
+FUSED_TRAINING_SINCE = "2026-11-24T09:31:43+00:00"
+
 
 def superseded(row: dict, spec: RunSpec) -> str | None:
     """Why ``row`` measured a worker that no longer runs, or None."""
     if spec.layout.dp_shard > 1 and row.get("started_at", "") < EMPTY_CACHE_SINCE:
         return "FSDP before the worker returned the build's cached blocks"
+    if spec.mode in TRAINING_MODES and row.get("started_at", "") < FUSED_TRAINING_SINCE:
+        return "training before the fused cross-entropy and the native layers' own autograd Functions"
     return None
 
 

@@ -723,6 +723,46 @@ def test_pipeline_stages_hold_their_layers_and_their_edges(precision):
         estimate_memory(ARCH, "train", precision, 4, 64, parallelism=pipeline, stage=i).peak_bytes for i in (0, 1))
 
 
+@pytest.mark.parametrize("precision", PRECISIONS)
+def test_gpipe_second_microbatch_by_hand(precision):
+    # 2 layers on 2 stages, 2 microbatches of 2 x 64 tokens, checkpointed. At the second microbatch's
+    # backward every gradient is the first's, the input embedding's included; the schedule keeps the
+    # other microbatch's output (hidden states, or on the last stage its logits); the first stage keeps
+    # a receive buffer per microbatch for its output's gradient; and the layer in backward forms a new
+    # gradient of its largest matrix (H x F) beside the one it is added to.
+    widths = WIDTHS[precision]
+    w, c, r = widths["w"], widths["c"], widths["r"]
+    n = 2 * 64
+    pipeline = Parallelism("pipeline", 2)
+    first, last = (estimate_memory(ARCH, "train", precision, 4, 64, parallelism=pipeline, stage=i,
+                                   activation_checkpointing=True) for i in (0, 1))
+    LATER = "backward of the second microbatch"
+    assert LATER in first.moments and LATER in last.moments
+    one, inputs = hand_saved_per_layer(n, precision), r * n * H
+    casts = c * LAYER_MATMUL if widths["autocast"] else 0
+    new_gradient = (c + (w if widths["autocast"] else 0)) * H * F
+    mlp_backward = r * n * H + 2 * c * n * F
+    layer = one + casts + mlp_backward + new_gradient
+    local_first = LAYER_PARAMS + V * H
+    outputs_first = r * n * H
+    buffers = 2 * r * n * H
+    assert terms_of(first)["outputs awaiting their backward"] == outputs_first
+    assert terms_of(first)["gradient receive buffers"] == buffers
+    assert terms_of(first)["second microbatch in backward"] == layer
+    assert first.total_at(LATER) == (w * local_first + ROTARY + 2 * w * local_first + w * local_first
+                                     + inputs + outputs_first + buffers + layer)
+    local_last = LAYER_PARAMS + H + V * H
+    head = c * (n * H + V * H)
+    assert terms_of(last)["outputs awaiting their backward"] == c * n * V
+    assert "gradient receive buffers" not in terms_of(last)
+    assert terms_of(last)["second microbatch in backward"] == max(layer, head)
+    assert last.total_at(LATER) == (4 * w * local_last + ROTARY + inputs + c * n * V + max(layer, head))
+    # one microbatch: no GPipe terms, no such moment
+    single = estimate_memory(ARCH, "train", precision, 1, 64, parallelism=pipeline, stage=0,
+                             activation_checkpointing=True)
+    assert LATER not in single.moments and "gradient receive buffers" not in terms_of(single)
+
+
 def test_uneven_pipeline_stages():
     # 5 layers on 2 stages: 3 and 2 (spec.pipeline_stages gives the odd layer to the first here)
     arch = dataclasses.replace(ARCH, num_layers=5)

@@ -47,7 +47,9 @@ shards:
   the logits and loss; generation caches each stage's own layers; a training step runs m microbatches
   (by default p) under GPipe (``fitbench.run.pipeline``), every stage holding the activations of all m
   at the end of the forwards, and m - 1 of them while the first microbatch's backward forms the
-  gradients. Stages differ,
+  gradients; at the second microbatch's backward every gradient exists already beside the m - 1
+  waiting, with the outputs the schedule keeps and the gradients' receive buffers (``gpipe_terms``).
+  Stages differ,
   so each is estimated (``stage_estimates``) and the largest stands for the layout, named.
 
 Data parallelism (``_training``'s ``ddp`` and ``fsdp``, per rank,
@@ -723,6 +725,8 @@ def autocast_copies(arch: Architecture, widths: Widths, saved_layers: float, tp:
 
 START, RECOMPUTE, FIRST, END = ("start of the backward pass", "recompute of the last layer",
                                 "backward of the first layer", "end of the backward pass")
+# GPipe with two microbatches or more: the second microbatch's backward, beside the first one's gradients
+LATER = "backward of the second microbatch"
 
 
 def _float8_training(arch, mode, batch, seq_len, recompute, parallelism, backend, compiled=False, stage=None):
@@ -801,6 +805,8 @@ def _training(arch, mode, widths, batch, seq_len, recompute, terms, local_params
     # The output projection's share on this rank, where this stage holds it.
     output = V * h / tp if has_head else 0.0
     moments = (START, RECOMPUTE, FIRST, END) if recompute else (START, FIRST, END)
+    later = (LATER,) if in_flight > 1 else ()  # GPipe's second microbatch: the first one's gradients exist
+    moments += later
     rows = min(loss_chunk_rows(V), n)
     head_backward = (output_backward_bytes(n, h, V, widths, 0.0 if frozen else output) - loss_chain_bytes(n, V, c)
                      if has_head else 0.0)
@@ -833,7 +839,9 @@ def _training(arch, mode, widths, batch, seq_len, recompute, terms, local_params
         per_microbatch = (inputs if recompute else one_layer) * layers
         terms.append(Term("other microbatches' activations", per_microbatch * (in_flight - 1),
                           f"{in_flight - 1} microbatches x {per_microbatch:,.0f} B: GPipe runs every forward before "
-                          f"the first backward, so the others' activations wait while its gradients form", at(FIRST)))
+                          f"the first backward, so the others' activations wait while its gradients form (and, "
+                          f"at the second's backward, its own and the later ones')", at(FIRST, *later)))
+        terms += gpipe_terms(arch, n, widths, tp, stage, in_flight, one_layer if recompute else 0.0, frozen)
     if layout.offload and not frozen:
         state = Term("optimizer state", 0.0, f"AdamW's moments of the shards, {2 * w * local_params:,.0f} B in host "
                      f"memory (CPU offload), where the optimizer steps")
@@ -848,11 +856,12 @@ def _training(arch, mode, widths, batch, seq_len, recompute, terms, local_params
         state = Term("optimizer state", 2 * w * local_params if mode == "train" else 0.0,
                      "AdamW first and second moments, 2 x weight bytes")
         gradients = Term("gradients", w * (local_params - embedding_grad), f"{w:g} B x {local_params:,.0f} parameters"
-                         + (", less the input embedding's" if embedding_grad else ""), at(FIRST, END))
+                         + (", less the input embedding's" if embedding_grad else ""), at(FIRST, END, *later))
     else:
         state = Term("optimizer state", 8 * trainable if mode == "train" else 0.0,
                      "AdamW first and second moments of the adapters, 2 x 4 B")
-        gradients = Term("gradients", 4 * trainable, f"4 B x {trainable:,.0f} adapter parameters", at(FIRST, END))
+        gradients = Term("gradients", 4 * trainable, f"4 B x {trainable:,.0f} adapter parameters",
+                         at(FIRST, END, *later))
     terms = [*terms, state, gradients, activations]
     if widths.autocast and not sharded:
         # Recomputed layers save no copy, but eager autocast caches each weight's copy until its region
@@ -916,7 +925,8 @@ def _training(arch, mode, widths, batch, seq_len, recompute, terms, local_params
                           "bucket", at(FIRST)))
     if embedding_grad:
         terms.append(Term("input embedding gradient", w * embedding_grad, f"w x V h / {tp}, formed by the last "
-                          "backward operator" + (", before DDP copies it into its bucket" if ddp else ""), at(END)))
+                          "backward operator" + (", before DDP copies it into its bucket" if ddp else "")
+                          + (" (under GPipe, the first microbatch's)" if later else ""), at(END, *later)))
     accumulator = inductor.embedding_gradient_accumulator(arch, w) / tp if compiled and not frozen and \
         has_embedding else 0.0
     if accumulator:
@@ -926,6 +936,55 @@ def _training(arch, mode, widths, batch, seq_len, recompute, terms, local_params
         terms.append(Term("tied embedding gradients", 2 * w * V * h, "the input embedding's gradient and its sum "
                           "with the output projection's, 2 x V h x weight bytes", at(END)))
     return MemoryEstimate(tuple(terms), moments)
+
+
+def gpipe_terms(arch: Architecture, tokens: int, widths: Widths, tp: int, stage: Stage, microbatches: int,
+                recomputed: float, frozen: bool = False) -> list[Term]:
+    """What a stage of GPipe (``torch.distributed.pipelining.ScheduleGPipe``, m >= 2 microbatches of n
+    tokens each) holds beyond one microbatch's step, per rank (torch 2.11 to 2.13,
+    ``torch/distributed/pipelining/stage.py``):
+
+    - the stage's output of every microbatch whose backward has not run, kept by the schedule for it
+      (``fwd_cache``): m - 1 of them at the first microbatch's backward and at the second's start; on
+      the last stage the logits, c n V / tp x tp = c n V each (the fused loss wrote their gradient over
+      them), elsewhere the hidden states, r n h each;
+    - a receive buffer per microbatch for the gradient of the stage's output, on every stage but the
+      last, allocated at the first step and kept: m r n h (the forward's buffers are the next
+      layer's inputs, counted with the activations);
+    - at the second microbatch's backward (``LATER``) every gradient exists already, the first
+      microbatch's (the gradients term, the input embedding's on the first stage included), and each
+      new one is formed beside the one it is added to: the layer in backward (its recomputed
+      activations ``recomputed`` under checkpointing, the weight copies under autocast and its MLP's
+      backward, ``mlp_backward_bytes``) with the largest parameter's new gradient (c, then cast to w
+      under autocast), or on the last stage the output projection's backward where larger, its input's
+      gradient and its weight's new gradient, c (n h + V h / tp).
+
+    Measured on 4 x H100 (13B, bf16-pure, 4 x 1024, checkpointed, 4 stages of 10 layers,
+    ``benchmarks/results/2026-11-27-h100x4-model-parallel/8``): allocated peaks 0.72, 0.41, 0.41 and
+    0.61 GB above the first microbatch's backward as planned before, for the first, middle and last
+    stages; these terms add 0.78, 0.45, 0.45 and 0.58 GB there."""
+    n, h, V = tokens, arch.hidden_size, arch.vocab_size
+    c, r, w = widths.compute, widths.residual, widths.weights
+    output = c * n * V if stage.last else r * n * h
+    terms = [Term("outputs awaiting their backward", (microbatches - 1) * output,
+                  f"{microbatches - 1} x " + (f"c n V = {c} x {n:,} x {V:,}" if stage.last else
+                                              f"r n h = {r} x {n:,} x {h:,}")
+                  + ": the stage's outputs the schedule keeps for the microbatches not yet backward",
+                  frozenset({START, RECOMPUTE, FIRST, LATER}))]
+    if not stage.last:
+        terms.append(Term("gradient receive buffers", microbatches * r * n * h,
+                          f"m r n h = {microbatches} x {r} x {n:,} x {h:,}: one buffer per microbatch for the "
+                          f"gradient of the stage's output, kept from the first step on"))
+    new_gradient = 0.0 if frozen else (c + (w if widths.autocast else 0)) * largest_layer_matrix(arch) / tp
+    casts = c * layer_matmul_params(arch) / tp if widths.autocast else 0.0
+    layer = recomputed + casts + mlp_backward_bytes(arch, n, widths, tp) + new_gradient
+    head = c * (n * h + (0 if frozen else V * h / tp)) if stage.last else 0.0
+    terms.append(Term("second microbatch in backward", max(layer, head),
+                      f"max(layer, head) = max({layer:,.0f}, {head:,.0f}) B: a layer's backward (recomputed "
+                      f"activations, weight copies, its MLP's gradients and the largest parameter's new gradient "
+                      f"before it is added to the first microbatch's) or the output projection's (its input's "
+                      f"gradient and its weight's new one)", frozenset({LATER})))
+    return terms
 
 
 def fsdp_in_flight(arch: Architecture, c: float, rd: float, g: int, tp: int = 1) -> list[Term]:

@@ -200,7 +200,8 @@ class Plan:
         }
 
 
-LATE_BACKWARD = ("recompute of the last layer", "backward of the first layer", "end of the backward pass")
+LATE_BACKWARD = ("recompute of the last layer", "backward of the first layer", "end of the backward pass",
+                 "backward of the second microbatch")
 
 
 # Decoding stays eager with LLM.int8, whose outlier search synchronizes (``fitbench.models.backends``).
