@@ -3,7 +3,8 @@
 # 1B and 7B generating at batch 1 and 16, 13B and 30B training, Llama-2-70B generating at batch 1, a 13B
 # forward pass. Per case: `fitbench plan --json` lists the choice and every layout it finds fitting; the
 # choice runs with the strategy left to the planner (`--gpus GPUS`), each alternative with its explicit
-# --strategy/--tp/--gpus (and --activation-checkpointing where the plan has it), each into its own
+# --strategy/--tp/--gpus (and --activation-checkpointing, or --checkpointed-layers N for the first N layers,
+# where the plan has it), each into its own
 # directory; then summary.md: per case the chosen layout and its tokens/s, the best measured layout and
 # its tokens/s, their ratio and whether the choice is within 10% of the best.
 # Usage: benchmarks/auto_vs_best.sh OUT_DIR [GPUS] [run|dry-run|summary]   (GPUS 4 by default)
@@ -62,15 +63,23 @@ def name_and_options(candidate):
     else:
         options += ["--strategy", strategy]
         name = f"{strategy}-{candidate['gpus']}"
+    options += checkpointing(candidate)
     if ckpt:
-        options.append("--activation-checkpointing")
-        name += "-checkpointed"
+        layers = candidate.get("checkpointed_layers")
+        name += "-checkpointed" + (f"-{layers}" if layers else "")
     return name, options
+
+def checkpointing(candidate):
+    """The run options of the candidate's activation checkpointing: every layer, or the first N of each stage."""
+    if not candidate["activation_checkpointing"]:
+        return []
+    layers = candidate.get("checkpointed_layers")  # absent from plans made before it existed: every layer
+    return ["--checkpointed-layers", str(layers)] if layers else ["--activation-checkpointing"]
 
 if plan["chosen"] is None:
     sys.exit(0)
 chosen = plan["chosen"]["candidate"]
-choice_options = ["--gpus", gpus] + (["--activation-checkpointing"] if chosen["activation_checkpointing"] else [])
+choice_options = ["--gpus", gpus] + checkpointing(chosen)
 print("choice", *choice_options)
 alternatives = [a["candidate"] for a in plan["feasible"] if a["candidate"] != chosen]
 print("#", len(alternatives), "alternatives listed")

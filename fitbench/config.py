@@ -17,7 +17,7 @@ from fitbench.models.architecture import Architecture, backend_error, default_ba
 from fitbench.models.registry import resolve
 from fitbench.plan.nodes import parse_inter_node_bandwidth
 from fitbench.precisions import ALIASES, DEFAULT_LADDER, PRECISIONS, TRAINING_MODES, default_precision, entry
-from fitbench.spec import STRATEGY_DEGREES, Layout, Mode, Precision, RunSpec, microbatch_problem
+from fitbench.spec import STRATEGY_DEGREES, Layout, Mode, Precision, RunSpec, microbatch_problem, pipeline_stages
 from fitbench.util.endpoints import http_url_problem
 from fitbench.util.errors import UserError, excerpt
 from fitbench.util.jsonfile import read_bounded
@@ -91,6 +91,11 @@ class SweepConfig(BaseModel):
                                                            "its small all-reduces through symmetric memory")
     activation_checkpointing: StrictBool | None = Field(None, description="true or false; left out, the planner "
                                                                           "decides (on a GPU)")
+    checkpointed_layers: int | None = Field(
+        None, description=f"a whole number of decoder layers, 1 to {COUNT_MAX:,}: activation checkpointing for the "
+                          f"first N layers of each pipeline stage (of the model without stages), the others keeping "
+                          f"their activations; it implies activation_checkpointing (to checkpoint none, leave both "
+                          f"out or set activation_checkpointing false)")
     warmup_steps: int = Field(5, ge=0)
     measure_steps: int = Field(10, gt=0, validation_alias="samples")
     device: str = "auto"
@@ -174,7 +179,7 @@ class SweepConfig(BaseModel):
     def _gpus(cls, value: Any) -> Any:
         return _whole_number(value, 1, RANKS_MAX)
 
-    @field_validator("microbatches", "max_concurrent", mode="before")
+    @field_validator("microbatches", "max_concurrent", "checkpointed_layers", mode="before")
     @classmethod
     def _optional_count(cls, value: Any) -> Any:
         return value if value is None else _whole_number(value, 1, COUNT_MAX)
@@ -275,6 +280,10 @@ def expand(config: SweepConfig, *, device: str, default_models: list[str]) -> li
     if config.microbatches is not None and (config.strategy != "pipeline" or config.gpus == 1):
         raise UserError("microbatches: they split the batch of a pipelined training step; give them with "
                         "--strategy pipeline and --gpus 2 or more, or leave --microbatches out.")
+    if config.checkpointed_layers is not None and config.activation_checkpointing is False:
+        raise UserError(f"checkpointed_layers: --checkpointed-layers {config.checkpointed_layers} recomputes that many "
+                        f"layers, and activation_checkpointing is false; leave out one of the two (without "
+                        f"checkpointing, leave out --checkpointed-layers).")
     specs = []
     for model in config.models or default_models:
         arch = resolve(model)
@@ -282,6 +291,10 @@ def expand(config: SweepConfig, *, device: str, default_models: list[str]) -> li
         problem = backend_error(arch, backend)
         if problem:
             raise UserError(f"backend: {problem}.")
+        if config.checkpointed_layers is not None and backend != "native" and set(modes) & set(TRAINING_MODES):
+            raise UserError(f"checkpointed_layers: the {backend} backend checkpoints every layer of "
+                            f"{excerpt(model)} (transformers' gradient checkpointing) or none; give --backend "
+                            f"native (Llama-style models) for some of them, or --activation-checkpointing alone.")
         for mode in modes:
             default_batch, default_seq = _default_shapes(mode, device_type)
             first_rung = fallback_ladder(config, mode)[0] if config.fallback else default_precision(mode, device_type)
@@ -303,18 +316,30 @@ def expand(config: SweepConfig, *, device: str, default_models: list[str]) -> li
                             raise UserError(f"microbatches: {problem} (--microbatches, --batch-size).")
                     for seq_len in config.seq_len or [default_seq]:
                         check_context(arch, mode, seq_len, new_tokens)
+                        checkpointing = (config.activation_checkpointing or config.checkpointed_layers is not None) \
+                            and mode in TRAINING_MODES
                         specs.append(RunSpec(
                             model=model, backend=backend, mode=mode, precision=precision,
                             batch_size=1 if batch == "auto" else batch, auto_batch=batch == "auto",
                             seq_len=seq_len, new_tokens=new_tokens, compile=config.compile,
                             cuda_graphs=config.cuda_graphs, compile_decode=config.compile_decode,
                             decode_tuning=config.decode_tuning, symmetric_memory=config.symmetric_memory,
-                            activation_checkpointing=bool(config.activation_checkpointing)
-                            and mode in TRAINING_MODES, offload=config.offload, device=device,
+                            activation_checkpointing=checkpointing,
+                            checkpointed_layers=_checkpointed_layers(config, arch, layout) if checkpointing else None,
+                            offload=config.offload, device=device,
                             warmup_steps=config.warmup_steps, measure_steps=config.measure_steps, seed=config.seed,
                             layout=layout, microbatches=config.microbatches if layout.pp > 1 else None,
                         ))
     return specs
+
+
+def _checkpointed_layers(config: SweepConfig, arch: Architecture, layout: Layout) -> int | None:
+    """``checkpointed_layers`` as the spec keeps it: None (every layer) where the count covers each
+    pipeline stage's layers, so that one configuration has one key and one label."""
+    count = config.checkpointed_layers
+    if count is None or count >= max(len(layers) for layers in pipeline_stages(arch.num_layers, layout.pp)):
+        return None
+    return count
 
 
 def _layout(config: SweepConfig, mode: str, precision: str, backend: str, arch: Architecture) -> Layout:

@@ -374,6 +374,24 @@ def pipeline_stages(n_layers: int, stages: int) -> tuple[range, ...]:
     return tuple(range(start, start + count) for start, count in zip(starts, counts))
 
 
+def checkpointed_count(layers: int, checkpointed_layers: int | None) -> int:
+    """How many of a stage's ``layers`` decoder layers recompute their activations under activation
+    checkpointing of ``checkpointed_layers`` per stage (None: every layer): the first
+    min(N, layers) of them."""
+    return layers if checkpointed_layers is None else min(checkpointed_layers, layers)
+
+
+def recompute_label(activation_checkpointing: bool, checkpointed_layers: int | None, stages: int = 1) -> str:
+    """What a row's label says of checkpointing: `` recompute`` (every layer), `` recompute 12 layers``
+    (the first 12), `` recompute 12 layers per stage`` under a pipeline; nothing without it."""
+    if not activation_checkpointing:
+        return ""
+    if checkpointed_layers is None:
+        return " recompute"
+    plural = "s" if checkpointed_layers != 1 else ""
+    return f" recompute {checkpointed_layers} layer{plural}" + (" per stage" if stages > 1 else "")
+
+
 def microbatch_problem(batch_size: int, microbatches: int) -> str | None:
     """Why a pipelined training step cannot cut ``batch_size`` sequences into ``microbatches``; None when it can."""
     if batch_size % microbatches:
@@ -436,6 +454,10 @@ class RunSpec(BaseModel):
     new_tokens: int = Field(gt=0)
     compile: bool = False
     activation_checkpointing: bool = False
+    # With activation checkpointing: the first N decoder layers of each pipeline stage (of the model,
+    # without stages) recompute their activations in the backward pass, the others keep them; None:
+    # every layer (``checkpointed_count``).
+    checkpointed_layers: int | None = Field(None, gt=0)
     device: str
     warmup_steps: int = Field(ge=0)
     measure_steps: int = Field(gt=0)
@@ -453,6 +475,13 @@ class RunSpec(BaseModel):
     layout: Layout = Layout()
     # Microbatches of a pipelined training step; None: one per pipeline stage.
     microbatches: int | None = Field(None, gt=0)
+
+    @model_validator(mode="after")
+    def _checkpointed_layers_need_checkpointing(self) -> RunSpec:
+        if self.checkpointed_layers is not None and not self.activation_checkpointing:
+            raise ValueError(f"checkpointed_layers {self.checkpointed_layers} counts the layers that activation "
+                             f"checkpointing recomputes, and activation_checkpointing is off")
+        return self
 
     @model_validator(mode="after")
     def _offload_applies(self) -> RunSpec:
@@ -475,7 +504,8 @@ class RunSpec(BaseModel):
     @property
     def key(self) -> str:
         """Identity of the configuration: the same key means the same measurement. ``cuda_graphs``,
-        ``offload``, ``layout`` (its ``replicas`` degree) and ``microbatches``, added later, count only
+        ``offload``, ``layout`` (its ``replicas`` degree), ``microbatches`` and ``checkpointed_layers``, added
+        later, count only
         when they change what runs, so earlier results keep their keys."""
         fields = self.model_dump()
         if self.mode != "infer":
@@ -496,6 +526,8 @@ class RunSpec(BaseModel):
             fields["layout"].pop("replicas")
         if self.microbatches is None:
             fields.pop("microbatches")
+        if self.checkpointed_layers is None:
+            fields.pop("checkpointed_layers")
         digest = hashlib.sha1(json.dumps(fields, sort_keys=True).encode()).hexdigest()
         return digest[:12]
 
@@ -525,7 +557,7 @@ class RunSpec(BaseModel):
     def label(self) -> str:
         batch = "auto" if self.auto_batch else self.batch_size
         shape = f"{batch}x{self.seq_len}" + (f"+{self.new_tokens}" if self.mode == "infer" else "")
-        recompute = " recompute" if self.activation_checkpointing else ""
+        recompute = recompute_label(self.activation_checkpointing, self.checkpointed_layers, self.layout.pp)
         eager = " no-cuda-graphs" if self.graphs_off else (" decode-tuning" if self.tuned_decode else "")
         offload = " offload" if self.offload else ""
         nccl = " no-symmetric-memory" if not self.symmetric_memory and self.one_shot_applies else ""

@@ -126,6 +126,7 @@ def ram_refusals(specs: list) -> dict[str, str]:
         parallelism = Parallelism(layout=spec.layout, microbatches=spec.microbatches)
         peak = ranks * estimate_memory(arch, spec.mode, spec.precision, spec.batch_size, spec.seq_len,
                                        new_tokens=spec.new_tokens, activation_checkpointing=spec.activation_checkpointing,
+                                       checkpointed_layers=spec.checkpointed_layers,
                                        resident_layers=resident, backend=spec.backend, compiled=spec.compile,
                                        parallelism=parallelism).peak_bytes
         if peak > memory.available:
@@ -181,6 +182,12 @@ def run_target(device: str, measure: Callable[[], Any] | None = None, say: Calla
     return GpuTarget(properties.name, ranks, memory, described=False, memory_source=source), calibration
 
 
+def choose_recompute(config) -> bool:
+    """Whether the planner decides activation checkpointing: neither ``--activation-checkpointing`` nor
+    ``--checkpointed-layers`` was given (either one decides it)."""
+    return config.activation_checkpointing is None and config.checkpointed_layers is None
+
+
 def plan_jobs(specs: list[RunSpec], config, target: GpuTarget | None, calibration: Calibration | None) -> list[Job]:
     """A job per configuration, planned before it runs with the model of its backend on the GPU of
     ``target`` (``run_target``; None: nothing is planned): the planner picks the precision, activation
@@ -202,7 +209,7 @@ def plan_jobs(specs: list[RunSpec], config, target: GpuTarget | None, calibratio
             continue
         arch = resolve(spec.model)
         spec, prediction = predict_spec(arch, spec, target, calibration, choose_precision=config.precision is None,
-                                        choose_recompute=config.activation_checkpointing is None,
+                                        choose_recompute=choose_recompute(config),
                                         runnable=PRECISIONS, choose_strategy=config.strategy == "auto",
                                         gpus=None if spec.offload else config.gpus, ladder=ladder)
         reason = None
@@ -210,7 +217,7 @@ def plan_jobs(specs: list[RunSpec], config, target: GpuTarget | None, calibratio
             found = alternatives(arch, spec, target, calibration)
             prediction["alternatives"] = [alternative.as_dict() for alternative in found]
             reason = refusal(arch, spec, prediction, target, found)
-        chosen = planner_choices(spec.mode, config.precision is None, config.activation_checkpointing is None)
+        chosen = planner_choices(spec.mode, config.precision is None, choose_recompute(config))
         jobs.append(Job(spec, config.timeout, policy, target, calibration, prediction, reason, tuple(chosen)))
     return jobs
 

@@ -31,6 +31,7 @@ CONFIGURATIONS = [
     ("fsdp", "fsdp", {}),
     ("ddp+checkpointing", "ddp", {"activation_checkpointing": True}),
     ("fsdp+checkpointing+offload", "fsdp", {"activation_checkpointing": True, "offload": True}),
+    ("fsdp+2-checkpointed-layers", "fsdp", {"activation_checkpointing": True, "checkpointed_layers": 2}),
 ]
 TIMEOUT = timedelta(seconds=10)
 

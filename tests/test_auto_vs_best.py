@@ -8,6 +8,8 @@ import subprocess
 import sys
 from pathlib import Path
 
+from fitbench.cli import build_parser
+
 ROOT = Path(__file__).parent.parent
 CASES = {"1b-infer-b1", "1b-infer-b16", "7b-infer-b1", "7b-infer-b16", "13b-train", "30b-train", "70b-infer-b1",
          "13b-forward"}
@@ -34,8 +36,17 @@ def test_the_dry_run_prints_the_choice_and_every_fitting_layout(tmp_path):
         strategies = {(r[r.index("--strategy") + 1] if "--strategy" in r else "single",
                        r[r.index("--gpus") + 1] if "--gpus" in r else "1",
                        r[r.index("--tp") + 1] if "--tp" in r else None,
-                       "--activation-checkpointing" in r) for r in runs if r is not choice[0]}
+                       "--activation-checkpointing" in r or "--checkpointed-layers" in r)
+                      for r in runs if r is not choice[0]}
         assert len(strategies) == len(runs) - 1, case  # no layout twice
+        # a plan's partial checkpointing runs as --checkpointed-layers N, every layer as --activation-checkpointing
+        layers = sorted(str(a["candidate"]["checkpointed_layers"]) for a in plan["feasible"]
+                        if a["candidate"]["checkpointed_layers"] is not None)
+        assert sorted(r[r.index("--checkpointed-layers") + 1] for r in runs if "--checkpointed-layers" in r) == layers
+        everything = sum(a["candidate"]["activation_checkpointing"] for a in plan["feasible"]) - len(layers)
+        assert sum("--activation-checkpointing" in r for r in runs) == everything, case
+        for run in runs:
+            build_parser().parse_args(run[run.index("run"):])  # options fitbench run takes
     seventy = [c for c in commands if "/70b-infer-b1/" in c]
     assert any(c.endswith("/choice") for c in seventy) and any(c.endswith("/pipeline-2") for c in seventy)
     assert not any(c.endswith("/single-1") for c in seventy)  # 140 GB of weights fit no single 80 GB GPU

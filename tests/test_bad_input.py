@@ -802,3 +802,37 @@ def test_no_sbatch_on_path_is_one_paragraph_and_a_dry_run_needs_none(tmp_path, c
     assert code == 0, stderr
     assert "#SBATCH --partition=debug" in printed and "nothing was submitted" in printed
     assert not (tmp_path / "out" / "slurm.json").exists()
+
+
+# ---- activation checkpointing of some layers --------------------------------------------------------
+
+
+@pytest.mark.parametrize("argv, fields", [
+    (["--checkpointed-layers", "0"], ["checkpointed_layers", "--checkpointed-layers", "positive", "leave both out"]),
+    (["--checkpointed-layers", "-3"], ["checkpointed_layers", "--checkpointed-layers", "positive"]),
+    (["--checkpointed-layers", "2.5"], ["--checkpointed-layers", "2.5"]),
+    (["--checkpointed-layers", str(2**40)], ["checkpointed_layers", "at most"]),
+    (["--checkpointed-layers", "2", "--backend", "hf"], ["checkpointed_layers", "hf backend", "--backend native",
+                                                         "--activation-checkpointing alone"]),
+])
+def test_bad_checkpointed_layers(argv, fields, tmp_path, capsys):
+    code, stdout, stderr = cli(["run", "--models", "tiny", "--mode", "train", "--device", "cpu", *argv,
+                                "--out", str(tmp_path / "out")], capsys)
+    check_user_error(code, stderr, *fields)
+    assert stdout == "" and not (tmp_path / "out").exists()
+
+
+@pytest.mark.parametrize("text, argv, fields", [
+    ("checkpointed_layers: true\n", [], ["checkpointed_layers", "bool", "`checkpointed_layers` key of"]),
+    ("checkpointed_layers: '4'\n", [], ["checkpointed_layers", "text"]),
+    ("activation_checkpointing: false\ncheckpointed_layers: 2\n", [], ["checkpointed_layers",
+                                                                       "activation_checkpointing is false"]),
+    ("activation_checkpointing: false\n", ["--checkpointed-layers", "2"], ["checkpointed_layers",
+                                                                           "leave out one of the two"]),
+])
+def test_bad_checkpointed_layers_in_yaml(text, argv, fields, tmp_path, capsys):
+    config = tmp_path / "config.yaml"
+    config.write_text("models: [tiny]\nmode: train\ndevice: cpu\n" + text)
+    code, _, stderr = cli(["run", "--config", str(config), *argv, "--out", str(tmp_path / "out")], capsys)
+    check_user_error(code, stderr, *fields)
+    assert not (tmp_path / "out").exists()

@@ -586,3 +586,36 @@ def test_plan_for_nodes_answers_in_nodes_and_prints_its_sbatch_lines(capsys):
     assert "on 8 x" in printed and "#SBATCH --nodes=" in printed
     code, _, errors = cli(["plan", "--models", "7B", "--gpu", "H100-80GB", "--nodes", "2"], capsys)
     assert code == 2 and "--gpus-per-node" in errors
+
+
+@pytest.mark.parametrize("options, mode, expected, label", [
+    ({"checkpointed_layers": 2}, "train", (True, 2), " recompute 2 layers [native]"),
+    ({"checkpointed_layers": 2, "activation_checkpointing": True}, "train", (True, 2), " recompute 2 layers"),
+    ({"checkpointed_layers": 4}, "train", (True, None), " recompute [native]"),  # tiny's 4 layers: every one
+    ({"checkpointed_layers": 40}, "forward-backward", (True, None), " recompute [native]"),
+    ({"activation_checkpointing": True}, "train", (True, None), " recompute [native]"),
+    ({"checkpointed_layers": 2}, "infer", (False, None), "+32 [native]"),
+    ({"checkpointed_layers": 1, "gpus": 2, "strategy": "pipeline", "batch_size": [2]}, "train", (True, 1),
+     " recompute 1 layer per stage pipeline x 2"),
+    ({"checkpointed_layers": 2, "gpus": 2, "strategy": "pipeline", "batch_size": [2]}, "train", (True, None),
+     " recompute pipeline x 2"),
+])
+def test_checkpointed_layers_expand_into_the_spec(options, mode, expected, label):
+    """--checkpointed-layers N implies checkpointing in the training modes, counts per pipeline stage,
+    and a count that covers every stage's layers is every layer: one configuration, one key and label."""
+    [spec] = expand(SweepConfig(models=["tiny"], mode=[mode], **options), device="cpu", default_models=[])
+    assert (spec.activation_checkpointing, spec.checkpointed_layers) == expected
+    assert label in spec.label
+    every = spec.model_copy(update={"checkpointed_layers": None})
+    assert (spec.key == every.key) == (spec.checkpointed_layers is None)
+
+
+def test_a_spec_counts_checkpointed_layers_only_with_checkpointing():
+    fields = dict(model="tiny", backend="native", mode="train", precision="fp32", batch_size=1, seq_len=8,
+                  new_tokens=2, device="cpu", warmup_steps=0, measure_steps=1)
+    with pytest.raises(ValueError, match="activation_checkpointing is off"):
+        RunSpec(**fields, checkpointed_layers=2)
+    with pytest.raises(ValueError):
+        RunSpec(**fields, activation_checkpointing=True, checkpointed_layers=0)
+    assert RunSpec(**fields, activation_checkpointing=True).key == \
+        RunSpec(**fields, activation_checkpointing=True, checkpointed_layers=None).key

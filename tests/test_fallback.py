@@ -149,6 +149,17 @@ def test_training_with_checkpointing_already_on_goes_to_the_batch():
     assert [change for _, change in steps] == ["batch 3 -> 1"]
 
 
+def test_training_with_some_layers_checkpointed_checkpoints_every_layer_before_the_batch():
+    start = spec(mode="train", precision="bf16-pure", batch_size=4, activation_checkpointing=True,
+                 checkpointed_layers=3)
+    steps = walk(start, TRAIN_LADDER)
+    assert [change for _, change in steps] == [
+        "activation checkpointing of 3 layers -> every layer", "batch 4 -> 2", "batch 2 -> 1"]
+    assert [(s.activation_checkpointing, s.checkpointed_layers, s.batch_size) for s, _ in steps] == [
+        (True, None, 4), (True, None, 2), (True, None, 1)]
+    assert steps[0][0].key != start.key and "recompute 3 layers" in start.label
+
+
 def test_offload_at_batch_one_is_the_end():
     assert next_attempt(spec(precision="bf16-pure", batch_size=1, offload=True), INFER_LADDER) is None
     assert next_attempt(spec(mode="forward", precision="bf16-pure", offload=True), INFER_LADDER) is None

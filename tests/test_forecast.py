@@ -797,3 +797,50 @@ def test_a_one_shot_decode_step_pays_the_one_shot_latency_per_layer_sum_and_nccl
     assert 64 * arch.hidden_size * 2 > ONE_SHOT_BYTES
     assert tensor_parallel_decode_s(arch, 64, 2, g, links, one_shot=True) == \
         pytest.approx(tensor_parallel_decode_s(arch, 64, 2, g, links))
+
+
+# ---- activation checkpointing of some layers -----------------------------------------------------
+
+@pytest.mark.parametrize("precision", ["bf16-pure", "bf16"])
+@pytest.mark.parametrize("checkpointed", [1, 10, 24, 31])
+def test_recomputing_some_layers_costs_their_share_of_every_layers_recomputation(precision, checkpointed):
+    """With the first C of L layers checkpointed every part of the recomputation (matmuls, attention,
+    elementwise traffic, autocast copies, operators, the host's checkpoint time) is C / L of what
+    checkpointing every layer adds; the matmul term by hand: 2 n N (3 + C / L) FLOPs at the measured
+    peak times MATMUL_EFFICIENCY."""
+    from fitbench.plan.memory import Parallelism
+    from fitbench.plan.speed import recomputed_share
+
+    arch = resolve("7B")
+    ceiling = forecast.ceilings(H100)
+    n, L = 2 * 1024, arch.num_layers
+
+    def step(**options) -> forecast.Forecast:
+        return forecast.forecast_step_time(arch, "train", precision, 2, 1024, new_tokens=0, parallelism=Parallelism(),
+                                           gpu_name=H100, ceiling=ceiling, **options)
+
+    none, every = step(), step(activation_checkpointing=True)
+    some = step(activation_checkpointing=True, checkpointed_layers=checkpointed)
+    share = checkpointed / L
+    assert recomputed_share(L, 1, checkpointed) == share
+    for term in ("matmuls", "attention", "memory", "kernels"):
+        assert some.terms[term] == pytest.approx(none.terms[term] + share * (every.terms[term] - none.terms[term]),
+                                                 rel=1e-12), term
+    assert some.host_s == pytest.approx(none.host_s + share * (every.host_s - none.host_s), rel=1e-12)
+    assert some.launches == pytest.approx(none.launches + share * (every.launches - none.launches), rel=1e-12)
+    peak = ceiling.peak(H100, "bf16") * forecast.MATMUL_EFFICIENCY
+    assert some.terms["matmuls"] == pytest.approx(2 * n * arch.matmul_params * (3 + share) / peak, rel=1e-12)
+    assert none.seconds < some.seconds < every.seconds
+    # a count at or above the layers is every layer
+    assert step(activation_checkpointing=True, checkpointed_layers=L).seconds == every.seconds
+
+
+def test_the_busiest_pipeline_stage_sets_the_recomputed_share():
+    """Per stage: 40 layers over 3 stages are 13, 14 and 13 (``pipeline_stages``); 5 per stage is 5 / 14 of
+    the busiest stage's layers, 20 per stage all of them."""
+    from fitbench.plan.speed import recomputed_share
+
+    assert recomputed_share(40, 3, 5) == 5 / 14
+    assert recomputed_share(40, 3, 20) == 1.0
+    assert recomputed_share(40, 3, None) == 1.0
+    assert recomputed_share(40, 1, 5) == 5 / 40

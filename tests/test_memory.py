@@ -415,6 +415,75 @@ def test_checkpointed_activations_keep_layer_inputs(precision):
     assert by_name["recomputed last layer"].moments == frozenset({RECOMPUTE})
 
 
+@pytest.mark.parametrize("precision", PRECISIONS)
+@pytest.mark.parametrize("batch, seq_len", [(1, 1), (2, 16), (8, 64), (256, 256)])
+def test_partial_checkpointing_moments_by_hand(precision, batch, seq_len):
+    """--checkpointed-layers 1 of ARCH's 2 layers: the first layer keeps its input (r n H), the second its
+    saved activations. At the start of the backward pass both are held; at the recompute of the first
+    layer the second's activations are freed and its gradients (w x LAYER_PARAMS) formed beside the
+    output projection's, the recomputed layer's activations, its SwiGLU's gradients and the gradient
+    flowing in. The first layer's backward and the end are full checkpointing's."""
+    wd = WIDTHS[precision]
+    w, c, r, autocast = wd["w"], wd["c"], wd["r"], wd["autocast"]
+    n = batch * seq_len
+    always = w * PARAMS + ROTARY + 2 * w * PARAMS
+    one_layer = hand_saved_per_layer(n, precision)
+    layer_casts = c * LAYER_MATMUL if autocast else 0
+    casts = c * (L * LAYER_MATMUL + V * H) if autocast else 0
+    loss = hand_loss(n, precision) + hand_output_backward(n, precision)
+    full = hand_training_moments("train", precision, batch, seq_len, checkpointing=True)
+    expected = {
+        START: always + one_layer + r * n * H + casts + hand_final(n, precision) + loss,
+        RECOMPUTE: always + r * n * H + one_layer + layer_casts + 2 * c * n * F + w * V * H + w * LAYER_PARAMS
+        + r * n * H,
+        FIRST: full[FIRST],
+        END: full[END],
+    }
+    estimate = estimate_memory(ARCH, "train", precision, batch, seq_len, activation_checkpointing=True,
+                               checkpointed_layers=1)
+    assert_moments(estimate, expected)
+    # a count at or above the layers is every layer
+    every = estimate_memory(ARCH, "train", precision, batch, seq_len, activation_checkpointing=True,
+                            checkpointed_layers=L)
+    assert moments_of(every) == pytest.approx(full, rel=1e-12)
+    # the count means nothing without checkpointing
+    assert moments_of(estimate_memory(ARCH, "train", precision, batch, seq_len, checkpointed_layers=1)) == \
+        pytest.approx(hand_training_moments("train", precision, batch, seq_len), rel=1e-12)
+
+
+def test_partial_checkpointing_peak_falls_from_none_to_every_layer():
+    """Each layer more recomputed trades one layer's saved activations for its input: the peak falls
+    with the count, from no checkpointing's to every layer's, where a layer's backward sets it."""
+    arch = resolve("small")
+    peaks = [estimate_memory(arch, "train", "bf16", 4, 512).peak_bytes]
+    peaks += [estimate_memory(arch, "train", "bf16", 4, 512, activation_checkpointing=True,
+                              checkpointed_layers=count).peak_bytes for count in range(1, arch.num_layers + 1)]
+    every = estimate_memory(arch, "train", "bf16", 4, 512, activation_checkpointing=True).peak_bytes
+    assert all(a >= b for a, b in zip(peaks, peaks[1:]))
+    assert peaks[0] > peaks[1] and peaks[-1] == every < peaks[0]
+
+
+@pytest.mark.parametrize("stages, checkpointed", [(2, 3), (4, 1)])
+def test_partial_checkpointing_counts_per_pipeline_stage(stages, checkpointed):
+    """Under a pipeline the count is per stage: each stage's first N layers keep only their input, so
+    every stage's activations at the loss hold N inputs and (its layers - N) layers' saved tensors, for
+    each microbatch in flight."""
+    from fitbench.spec import Layout
+
+    arch = resolve("small")
+    parallelism = Parallelism(layout=Layout(pp=stages))
+    batch, seq_len = 4, 128
+    m = parallelism.microbatches_of(batch)
+    n = -(-batch // m) * seq_len
+    for estimate in stage_estimates(arch, "train", "bf16-pure", batch, seq_len, parallelism=parallelism,
+                                    activation_checkpointing=True, checkpointed_layers=checkpointed):
+        layers = len(estimate.stage.layers)
+        one = estimate_memory(arch, "train", "bf16-pure", batch // m, seq_len).terms
+        per_layer = dict((t.name, t.bytes) for t in one)["activations"] / arch.num_layers
+        expected = m * (checkpointed * 2 * n * arch.hidden_size + (layers - checkpointed) * per_layer)
+        assert terms_of(estimate)["activations"] == pytest.approx(expected, rel=1e-9)
+
+
 # ---- moments and the peak ------------------------------------------------------------------------
 
 @pytest.mark.parametrize("mode", ["train", "forward-backward"])
@@ -860,6 +929,20 @@ def test_analytic_peak_matches_the_trace(traced, model, mode, precision, batch, 
     assert abs(error) <= TRACE_TOLERANCE, (
         f"analytic {estimate.peak_bytes:,.0f} B vs traced {actual:,} B ({error:+.2%}), "
         f"moment {estimate.peak_moment!r}; moments: {moments}")
+
+
+@pytest.mark.parametrize("model, precision, batch, seq_len, checkpointed", [
+    ("tiny", "bf16", 4, 256, 1), ("tiny", "fp32", 1, 64, 1), ("small", "bf16-pure", 4, 512, 5),
+    ("small", "bf16", 4, 512, 11)])
+def test_partial_checkpointing_matches_the_trace(model, precision, batch, seq_len, checkpointed):
+    """The first N layers checkpointed in the real loop, traced on fake tensors, against the analytic peak."""
+    arch = resolve(model)
+    actual = trace_peak(arch, "train", precision, batch, seq_len, activation_checkpointing=True,
+                        checkpointed_layers=checkpointed).peak_bytes
+    estimate = estimate_memory(arch, "train", precision, batch, seq_len, activation_checkpointing=True,
+                               checkpointed_layers=checkpointed)
+    error = (estimate.peak_bytes - actual) / actual
+    assert abs(error) <= TRACE_TOLERANCE, (estimate.peak_moment, moments_of(estimate), actual)
 
 
 def test_trace_is_deterministic():

@@ -813,3 +813,44 @@ def test_checkpoint_missing_tensors_is_an_error(tmp_path):
     native = build_native(arch, "cpu", torch.float32)
     with pytest.raises(ValueError, match="lacks"):
         load_checkpoint(native, tmp_path, "cpu")
+
+
+# ---- activation checkpointing of some layers ------------------------------------------------------
+
+def checkpointed_gradients(lm, tokens, monkeypatch) -> tuple[dict[str, torch.Tensor], list[int]]:
+    """Every weight's gradient of one forward and backward pass of ``lm`` on ``tokens``, and the
+    positions of the layers that ran under ``checkpoint``."""
+    import fitbench.models.native as native
+
+    positions, layers = [], list(lm.module.model.layers)
+
+    def counted(layer, *args, **kwargs):
+        positions.append(layers.index(layer))
+        return torch.utils.checkpoint.checkpoint(layer, *args, **kwargs)
+
+    monkeypatch.setattr(native, "checkpoint", counted)
+    lm.module.zero_grad(set_to_none=True)
+    logits = lm.module(tokens[:, :-1])
+    torch.nn.functional.cross_entropy(logits.flatten(0, 1), tokens[:, 1:].flatten()).backward()
+    return {name: p.grad.clone() for name, p in lm.module.named_parameters()}, positions
+
+
+@pytest.mark.parametrize("count", [1, 3, 4, 9])
+def test_checkpointing_some_layers_gives_the_gradients_of_none(count, monkeypatch):
+    """--checkpointed-layers N recomputes the first N layers (all of them when N is at least the layer
+    count) and changes no gradient: recomputation runs the same kernels on the same inputs."""
+    arch = resolve("tiny")
+    torch.manual_seed(0)
+    lm = load_model(arch, "native", "cpu", torch.float32)
+    tokens = random_tokens(arch.vocab_size, 2, 33, torch.device("cpu"), 1)
+    reference, none = checkpointed_gradients(lm, tokens, monkeypatch)
+    assert none == []
+    lm.enable_activation_checkpointing(count)
+    actual, positions = checkpointed_gradients(lm, tokens, monkeypatch)
+    assert positions == list(range(min(count, arch.num_layers)))
+    assert actual.keys() == reference.keys()
+    for name, tensor in actual.items():
+        torch.testing.assert_close(tensor, reference[name], atol=0, rtol=0, msg=name)
+    lm.enable_activation_checkpointing()  # every layer
+    _, positions = checkpointed_gradients(lm, tokens, monkeypatch)
+    assert positions == list(range(arch.num_layers))

@@ -257,6 +257,7 @@ def test_each_rank_reports_what_was_applied(trained):
             applied = row["applied"]
             assert (applied["strategy"], applied["world_size"]) == (strategy, WORLD)
             assert applied["activation_checkpointing"] == options.get("activation_checkpointing", False)
+            assert applied["checkpointed_layers"] == options.get("checkpointed_layers")
             if strategy == "fsdp":
                 assert applied["fsdp_units"] == resolve("tiny").num_layers + 1
                 assert applied["offload"] == options.get("offload", False)

@@ -278,3 +278,35 @@ def test_quantized_stages_generate_as_the_single_process_quantized_model(pipelin
     assert got["quality"]["matmul_error"] == pytest.approx(expected_quality["matmul_error"], rel=1e-4)
     for name in ("top1_agreement", "kl_divergence", "probe_tokens"):
         assert got["quality"][name] == pytest.approx(expected_quality[name], rel=1e-4), name
+
+
+@pytest.mark.parametrize("checkpointed, recomputed", [(None, [3, 4, 5]), (1, [3]), (2, [3, 4]), (7, [3, 4, 5])])
+def test_a_stage_checkpoints_its_own_first_layers(checkpointed, recomputed, monkeypatch):
+    """--checkpointed-layers counts per stage: the second of two stages of 6 layers (3-5) recomputes its
+    first N, every one of them when N is None or at least its 3, and its gradients are those without."""
+    import fitbench.run.pipeline as pipeline
+
+    arch = dataclasses.replace(resolve("tiny"), num_layers=6)
+    stage = Stage.of(6, 1, 2)
+    torch.manual_seed(5)
+    model = build_stage(arch, stage, "cpu", torch.float32)
+    hidden = torch.randn(2, 16, arch.hidden_size, generator=torch.Generator().manual_seed(3))
+    ran = []
+
+    def counted(layer, *args, **kwargs):
+        ran.append(list(model.model.layers).index(layer))
+        return torch.utils.checkpoint.checkpoint(layer, *args, **kwargs)
+
+    monkeypatch.setattr(pipeline, "checkpoint", counted)
+
+    def gradients() -> dict[str, torch.Tensor]:
+        model.zero_grad(set_to_none=True)
+        pipeline.stage_forward(model, stage, hidden).float().square().mean().backward()
+        return {name: p.grad.clone() for name, p in model.named_parameters() if p.grad is not None}
+
+    reference = gradients()
+    model.activation_checkpointing, model.checkpointed_layers = True, checkpointed
+    actual = gradients()
+    assert ran == recomputed
+    for name, tensor in actual.items():
+        torch.testing.assert_close(tensor, reference[name], atol=0, rtol=0, msg=name)

@@ -984,7 +984,7 @@ def test_plan_command_json_has_sizes_in_bytes(capsys):
     chosen = result["chosen"]
     assert chosen["candidate"] == {"precision": "bf16-pure", "strategy": "tp", "gpus": 4,
                                    "activation_checkpointing": False, "batch_size": 1, "resident_layers": None,
-                                   "compiled": False, "cpu_offload": False,
+                                   "compiled": False, "cpu_offload": False, "checkpointed_layers": None,
                                    "layout": {"dp_replicate": 1, "dp_shard": 1, "tp": 4, "pp": 1, "replicas": 1}}
     # every layer matrix in quarters (8 kv heads split 4 ways), the embedding and the output projection
     # over the vocabulary; the norms whole on each rank
@@ -1365,7 +1365,10 @@ def test_training_alternatives_checkpointing_and_a_smaller_batch():
     arch = resolve("7B")
     spec = run_spec("7B", "train", "bf16-pure", 8, 2048)
     changes = by_change(alternatives(arch, spec, TARGET_80, DEFAULT))
-    assert changes["with activation checkpointing"].candidate.activation_checkpointing
+    (checkpointed,) = [name for name in changes if name.startswith("with activation checkpointing")]
+    assert changes[checkpointed].candidate.activation_checkpointing  # of the fewest layers that fit
+    assert checkpointed == f"with activation checkpointing of {changes[checkpointed].candidate.checkpointed_layers} " \
+                           f"layers"
     (smaller,) = [name for name in changes if name.startswith("at batch ")]
     assert changes[smaller].candidate.batch_size < 8 and not changes[smaller].candidate.activation_checkpointing
     assert "in bf16" not in changes  # 16 B per parameter, 107.8 GB
@@ -1853,3 +1856,84 @@ def test_a_model_no_layout_splits_says_why_instead_of_a_gpu_count(capsys):
                         "--precision", "nf4", "--json"], capsys)
     (row,) = json.loads(out)
     assert code == 0 and row["min_gpus"] is None and row["how"] == unsplittable(falcon, "infer", "nf4", MOST_GPUS)
+
+
+# ---- activation checkpointing of the fewest layers that fit ----------------------------------------
+
+def test_plan_checkpoints_the_fewest_layers_that_fit_clear_of_the_margin():
+    """13B training, bf16-pure, 8 x 2048 on 4 described H100s: without checkpointing FSDP x 4 does not fit,
+    with every layer it is clear of the retry margin with room to spare, so the plan checkpoints the
+    fewest layers clear of it: one fewer is not, and the forecast is faster than every layer's."""
+    from fitbench.plan.planner import Assessment, fastest_first, fewest_checkpointed
+
+    arch, target = resolve("13B"), gpu_target(gpu="H100-80GB", gpus=4)
+    result = plan(arch, "train", target, seq_len=2048, new_tokens=1, batch_sizes=[8], precisions=["bf16-pure"])
+    chosen = result.chosen
+    count = chosen.candidate.checkpointed_layers
+    assert chosen.candidate.layout == Layout(dp_shard=4) and chosen.candidate.activation_checkpointing
+    assert count is not None and 1 <= count < arch.num_layers and chosen.clear
+    assert f"recompute {count} layers" in chosen.candidate.label
+
+    def assessed(**changes) -> Assessment:
+        return assess(arch, "train", replace(chosen.candidate, **changes), target, seq_len=2048, new_tokens=1)
+
+    assert not assessed(checkpointed_layers=count - 1).clear
+    assert not assessed(activation_checkpointing=False, checkpointed_layers=None).fits
+    every = assessed(checkpointed_layers=None)
+    assert every.clear and every.predicted_peak < chosen.predicted_peak
+    faster = {a.candidate.checkpointed_layers: a.forecast_tokens_per_s for a in result.feasible
+              if a.candidate.layout == Layout(dp_shard=4)}
+    assert faster[count] > fastest_first(arch, "train", [every], target, seq_len=2048, new_tokens=1,
+                                         calibration=DEFAULT)[0].forecast_tokens_per_s
+    # the search itself: as few as stay clear; without checkpointing clear already, every layer is kept
+    assert fewest_checkpointed(arch, "train", every, target, seq_len=2048, new_tokens=1,
+                               calibration=DEFAULT).candidate.checkpointed_layers == count
+    small = assess(arch, "train", replace(every.candidate, batch_size=1), target, seq_len=512, new_tokens=1)
+    without = assess(arch, "train", replace(small.candidate, activation_checkpointing=False), target, seq_len=512,
+                     new_tokens=1)
+    assert without.clear and fewest_checkpointed(arch, "train", small, target, seq_len=512, new_tokens=1,
+                                                 calibration=DEFAULT, without=without) is small
+    # the JSON carries the count, as benchmarks/auto_vs_best.sh reads it
+    assert chosen.as_dict()["candidate"]["checkpointed_layers"] == count
+
+
+def test_run_planning_checkpoints_the_fewest_layers_unless_told():
+    """`fitbench run` leaving checkpointing open gets the fewest layers that fit; --activation-checkpointing
+    keeps every layer, --checkpointed-layers N its N."""
+    target = gpu_target(gpu="H100-80GB", gpus=4)
+    spec = RunSpec(model="13B", backend="native", mode="train", precision="bf16-pure", batch_size=8, seq_len=2048,
+                   new_tokens=8, device="cuda:0", warmup_steps=1, measure_steps=1, layout=Layout(dp_shard=4))
+    planned, prediction = predict_spec(resolve("13B"), spec, target, DEFAULT, choose_precision=False,
+                                       choose_recompute=True, runnable=PRECISIONS)
+    assert planned.activation_checkpointing and 1 <= planned.checkpointed_layers < 40
+    assert prediction["fits"] and not prediction["within_retry_margin"]
+    assert f"recompute {planned.checkpointed_layers} layers" in planned.label
+    told = spec.model_copy(update={"activation_checkpointing": True})
+    planned, _ = predict_spec(resolve("13B"), told, target, DEFAULT, choose_precision=False, choose_recompute=False,
+                              runnable=PRECISIONS)
+    assert planned.activation_checkpointing and planned.checkpointed_layers is None
+    told = spec.model_copy(update={"activation_checkpointing": True, "checkpointed_layers": 30})
+    planned, prediction = predict_spec(resolve("13B"), told, target, DEFAULT, choose_precision=False,
+                                       choose_recompute=False, runnable=PRECISIONS)
+    assert planned.checkpointed_layers == 30 and "recompute 30 layers" in planned.label
+
+
+def test_a_refusal_offers_checkpointing_of_the_fewest_layers_that_fit():
+    """13B at 8 x 2048 under FSDP x 4 without checkpointing does not fit: the first alternative is
+    checkpointing of the fewest layers that fit, not of every layer; a spec that checkpoints too few
+    layers is offered every layer."""
+    arch, target = resolve("13B"), gpu_target(gpu="H100-80GB", gpus=4)
+    spec = RunSpec(model="13B", backend="native", mode="train", precision="bf16-pure", batch_size=8, seq_len=2048,
+                   new_tokens=8, device="cuda:0", warmup_steps=1, measure_steps=1, layout=Layout(dp_shard=4))
+    found = alternatives(arch, spec, target, DEFAULT)
+    first = found[0]
+    layers = first.assessment.candidate.checkpointed_layers
+    assert first.change == f"with activation checkpointing of {layers} layers" and 1 <= layers < 40
+    assert first.assessment.fits
+    few = spec.model_copy(update={"activation_checkpointing": True, "checkpointed_layers": 2})
+    _, prediction = predict_spec(arch, few, target, DEFAULT, choose_precision=False, choose_recompute=False,
+                                 runnable=PRECISIONS)
+    assert not prediction["fits"]
+    found = alternatives(arch, few, target, DEFAULT)
+    assert found[0].change == "with activation checkpointing of every layer"
+    assert "with activation checkpointing of 2 layers" in refusal(arch, few, prediction, target, found)

@@ -104,7 +104,14 @@ def sweep_options(parser: argparse.ArgumentParser) -> None:
              "(up to 128 KiB: a decode step's) with symmetric memory's one-shot kernel, each rank reading its "
              "peers' partial sums over NVLink (default); --no-symmetric-memory keeps NCCL's")
     add("--activation-checkpointing", dest="activation_checkpointing", action="store_true", default=S,
-        help="recompute each layer's activations in the backward pass (train, forward-backward)")
+        help="recompute each decoder layer's activations in the backward pass instead of keeping them "
+             "(train, forward-backward): every layer, or those --checkpointed-layers names. Left out with "
+             "--checkpointed-layers too, on a GPU the planner decides, and picks the fewest layers that fit")
+    add("--checkpointed-layers", dest="checkpointed_layers", type=int, default=S, metavar="N",
+        help="activation checkpointing for the first N decoder layers of each pipeline stage (of the model "
+             "without stages); the other layers keep their activations, trading memory for about N/layers of "
+             "the recomputation's cost. Implies --activation-checkpointing; N at or above a stage's layers is "
+             "every layer. The native backend")
     add("--warmup-steps", dest="warmup_steps", type=int, default=S, metavar="N", help="untimed steps first (default 5)")
     add("--measure-steps", "--samples", dest="measure_steps", type=int, default=S, metavar="N",
         help="timed steps (generations in infer), default 10")

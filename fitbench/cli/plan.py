@@ -118,6 +118,7 @@ def plan(args: argparse.Namespace) -> int:
                 chosen = result.chosen.candidate
                 trace = trace_peak(arch, mode, chosen.precision, chosen.batch_size, seq_len, new_tokens=new_tokens,
                                    activation_checkpointing=chosen.activation_checkpointing,
+                                   checkpointed_layers=chosen.checkpointed_layers,
                                    backend=default_backend(arch))
             results.append((result, trace))
             outputs.append({**result.as_dict(), "trace": trace.__dict__ if trace else None})

@@ -48,7 +48,8 @@ class FallbackPolicy:
 
 def next_attempt(spec: RunSpec, policy: FallbackPolicy) -> tuple[RunSpec, str] | None:
     """The configuration to try after ``spec`` ran out of memory, and what changed; None when the
-    ladder, checkpointing, the batch and offload are exhausted.
+    ladder, checkpointing, the batch and offload are exhausted. Checkpointing is one rung: on for every
+    layer, or from some layers (``checkpointed_layers``) to every layer.
 
     Rungs are skipped where they would change the workload or cannot run: in training, those that do
     not train every weight (``Precision.trains_every_weight``); in an offloaded run, quantized ones. Offload
@@ -70,6 +71,10 @@ def next_attempt(spec: RunSpec, policy: FallbackPolicy) -> tuple[RunSpec, str] |
         return spec.model_copy(update={"precision": precision}), f"precision {spec.precision} -> {precision}"
     if spec.mode in TRAINING_MODES and not spec.activation_checkpointing:
         return spec.model_copy(update={"activation_checkpointing": True}), "activation checkpointing on"
+    if spec.mode in TRAINING_MODES and spec.checkpointed_layers is not None:
+        # the layers that kept their activations recompute them too: the most checkpointing saves
+        return (spec.model_copy(update={"checkpointed_layers": None}),
+                f"activation checkpointing of {spec.checkpointed_layers} layers -> every layer")
     if spec.batch_size > 1:
         half = spec.batch_size // 2
         return spec.model_copy(update={"batch_size": half}), f"batch {spec.batch_size} -> {half}"

@@ -149,6 +149,7 @@ def predicted_max_batch(spec: RunSpec, device: str) -> int:
         def peak(batch: int) -> float:
             return estimate_memory(arch, spec.mode, spec.precision, batch, spec.seq_len, new_tokens=spec.new_tokens,
                                    activation_checkpointing=spec.activation_checkpointing,
+                                   checkpointed_layers=spec.checkpointed_layers,
                                    parallelism=Parallelism(layout=spec.layout, offload=spec.fsdp_offload,
                                                                microbatches=spec.microbatches),
                                    resident_layers=resident, backend=spec.backend,
@@ -164,7 +165,8 @@ def predicted_max_batch(spec: RunSpec, device: str) -> int:
         def peak(batch: int) -> float:
             candidate = Candidate.of_layout(spec.precision, spec.layout, spec.activation_checkpointing, batch,
                                             resident_layers=resident, compiled=spec.compile,
-                                            cpu_offload=spec.fsdp_offload)
+                                            cpu_offload=spec.fsdp_offload,
+                                            checkpointed_layers=spec.checkpointed_layers)
             return assess(arch, spec.mode, candidate, target, seq_len=spec.seq_len, new_tokens=spec.new_tokens,
                           calibration=calibration, backend=spec.backend).predicted_peak
     if device == "cpu":

@@ -36,6 +36,7 @@ def assign(spec: RunSpec, target: GpuTarget | None, calibration: Calibration | N
     layout = spec.layout
     parallelism = Parallelism(layout=layout, offload=spec.fsdp_offload, microbatches=spec.microbatches)
     peak = estimate_memory(arch, spec.mode, spec.precision, spec.batch_size, spec.seq_len, new_tokens=spec.new_tokens,
-                           activation_checkpointing=spec.activation_checkpointing, resident_layers=resident,
+                           activation_checkpointing=spec.activation_checkpointing,
+                           checkpointed_layers=spec.checkpointed_layers, resident_layers=resident,
                            backend=spec.backend, compiled=spec.compile, parallelism=parallelism).peak_bytes
     return Assignment(spec=spec, offload_layer_memory=layer_memory, predicted_peak_bytes=peak)

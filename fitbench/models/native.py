@@ -358,9 +358,11 @@ class NativeCausalLM(nn.Module):
         self.lm_head = nn.Linear(config.dim, config.vocab_size, bias=False)
         if config.tie_embeddings:
             self.lm_head.weight = self.model.embed_tokens.weight
-        # Full activation checkpointing: each layer keeps only its input and recomputes the rest
-        # during the backward pass (Chen et al. 2016).
+        # Activation checkpointing (Chen et al. 2016): a checkpointed layer keeps only its input and
+        # recomputes the rest during the backward pass. ``checkpointed_layers`` None: every layer; N: the
+        # first N (``checkpoints``).
         self.activation_checkpointing = False
+        self.checkpointed_layers: int | None = None
         self.register_buffer("rope_cos", torch.empty(config.max_seq_len, config.head_dim), persistent=False)
         self.register_buffer("rope_sin", torch.empty(config.max_seq_len, config.head_dim), persistent=False)
 
@@ -375,10 +377,10 @@ class NativeCausalLM(nn.Module):
         # cast once here rather than in every layer: the rotation is applied in q's dtype
         dtype = output_dtype(x)
         cos, sin = self.rope_cos[start:start + T].to(dtype), self.rope_sin[start:start + T].to(dtype)
-        recompute = self.activation_checkpointing and torch.is_grad_enabled()
+        recompute = torch.is_grad_enabled()
         layer_caches = cache.layers() if cache is not None else [None] * len(self.model.layers)
-        for layer, layer_cache in zip(self.model.layers, layer_caches):
-            if recompute:
+        for position, (layer, layer_cache) in enumerate(zip(self.model.layers, layer_caches)):
+            if recompute and self.checkpoints(position):
                 x = checkpoint(layer, x, cos, sin, layer_cache, start, use_reentrant=False)
             else:
                 x = regions.layer(layer, x, cos, sin, layer_cache, start)
@@ -388,6 +390,15 @@ class NativeCausalLM(nn.Module):
         # In the decode step's strides, size-1 dimensions included, which compiled code is guarded on
         # (``contiguous`` keeps a view's): one compiled head serves the prefill and the step.
         return regions.head(self, x[:, -1:, :].clone(memory_format=torch.contiguous_format))  # (B, 1, V)
+
+    def checkpoints(self, position: int) -> bool:
+        """Whether the layer at ``position`` among those this model (or its pipeline stage) runs, counted
+        from 0, recomputes its activations: the first ``checkpointed_layers`` do. The first rather than
+        the last: the backward pass reaches them last, once the kept layers' activations are freed, so
+        recomputing one never stands beside the kept activations; and under a pipeline a stage's first
+        layers hold theirs longest."""
+        return self.activation_checkpointing and (self.checkpointed_layers is None
+                                                  or position < self.checkpointed_layers)
 
     def decode_step(self, tokens: torch.Tensor, cache: KVCache, position: torch.Tensor,
                     regions: Regions | None = None) -> torch.Tensor:

@@ -16,7 +16,10 @@ Training and forward passes (``_pass_time``), per data-parallel rank, n = B x T 
 
 - matmuls: the FLOPs of ``Architecture.forward_flops_per_token`` without its attention part, three
   passes for a training step (forward, and the backward's two matmuls), one more forward under
-  activation checkpointing, the adapters' training in place of the frozen base's weight gradients;
+  activation checkpointing of every layer, the share R of one where only the first C layers of each
+  stage recompute (``recomputed_share``: R = C / layers of the busiest stage, as Megatron-LM's
+  block-wise recomputation costs), the adapters' training in place of the frozen base's weight
+  gradients;
   at the measured matmul peak of the precision's tensor-core kind times ``MATMUL_EFFICIENCY``;
   fp32 without TF32 runs on CUDA cores, at its own ceiling;
 - attention: causal flash attention, ``2 L H D T`` FLOPs per token forward (half of PaLM's 4 L H Q T,
@@ -33,7 +36,10 @@ Training and forward passes (``_pass_time``), per data-parallel rank, n = B x T 
 - the host: ``layer_ops`` operators per layer (counted in fitbench's own step), the loss' chunks, the
   edges. The fused AdamW update is a handful of launches whose device time the host waits out at the
   end of the step, so it adds to the host's clock. A checkpointed layer costs ``CHECKPOINT_HOST_S``
-  of host time beyond its operators (the recomputation's Python frames and saved-tensor hooks);
+  of host time beyond its operators (the recomputation's Python frames and saved-tensor hooks).
+  Everything the recomputation adds (its matmuls, attention's forward, its elementwise traffic, its
+  autocast copies, its operators and that host time) scales with R: a training step's recomputation
+  costs R of what checkpointing every layer costs;
 - ``torch.compile`` (``compiled``): inductor fuses the elementwise operators into a few kernels
   (``COMPILED_TRAFFIC`` of the eager traffic stays) and launches ``COMPILED_LAYER_KERNELS`` per layer
   and pass.
@@ -69,7 +75,7 @@ from fitbench.models.loss import loss_chunk_rows
 from fitbench.plan.collectives import PCIE_BANDWIDTH, BusBandwidth, bus_bandwidth
 from fitbench.plan.memory import Parallelism, Widths, adapter_params, kv_bytes_read_per_position, kv_heads_split
 from fitbench.plan.nodes import LayoutLinks, Nodes, layout_links
-from fitbench.plan.speed import (HOST_LINK_BANDWIDTH, _data_parallel_step, bubble_fraction,
+from fitbench.plan.speed import (HOST_LINK_BANDWIDTH, _data_parallel_step, bubble_fraction, recomputed_share,
                                  tensor_parallel_decode_s, tensor_parallel_pass_s)
 from fitbench.precisions import ADAPTERS, FLOAT8, TRAINING_MODES, DecodeFormat, entry
 from fitbench.spec import pipeline_stages
@@ -378,18 +384,22 @@ def fused_build(precision: str, parallelism: Parallelism, run: StepRun, mode: st
 def forecast_step_time(arch: Architecture, mode: str, precision: str, batch: int, seq_len: int, *,
                        new_tokens: int, parallelism: Parallelism, gpu_name: str, ceiling: Ceilings,
                        run: StepRun = StepRun(), activation_checkpointing: bool = False,
-                       offloaded_bytes: float = 0.0, links: BusBandwidth | None = None,
-                       nodes: Nodes | None = None) -> Forecast:
+                       checkpointed_layers: int | None = None, offloaded_bytes: float = 0.0,
+                       links: BusBandwidth | None = None, nodes: Nodes | None = None) -> Forecast:
     """The forecast time of one step (one decode step in infer) of the configuration, run as ``run``
-    says, on ``gpu_name`` with ``ceiling``; ``offloaded_bytes`` of weights cross the host link each
+    says, on ``gpu_name`` with ``ceiling``; with ``activation_checkpointing``, the first
+    ``checkpointed_layers`` layers of each stage recompute (every layer when None); ``offloaded_bytes``
+    of weights cross the host link each
     forward pass (decoding then runs eagerly); ``links``: the collectives' constants inside a node,
     ``nodes``: the job's nodes where it spans several (``fitbench.plan.nodes``)."""
     links = layout_links(parallelism.layout, links or bus_bandwidth(gpu_name), nodes)
     if mode == "infer":
         return _decode_time(arch, precision, batch, seq_len, new_tokens, parallelism, gpu_name, ceiling, run,
                             offloaded_bytes, links)
+    recomputed = recomputed_share(arch.num_layers, parallelism.stages, checkpointed_layers) \
+        if activation_checkpointing else 0.0
     return _pass_time(arch, mode, precision, batch, seq_len, parallelism, gpu_name, ceiling, run,
-                      activation_checkpointing, offloaded_bytes, links)
+                      recomputed, offloaded_bytes, links)
 
 
 # A token id as the last stage sends it back to the first: one int64 per sequence.
@@ -452,10 +462,11 @@ def _decode_time(arch: Architecture, precision: str, batch: int, seq_len: int, n
 
 
 def _pass_time(arch: Architecture, mode: str, precision: str, batch: int, seq_len: int, parallelism: Parallelism,
-               gpu_name: str, ceiling: Ceilings, run: StepRun, recompute: bool, offloaded_bytes: float,
+               gpu_name: str, ceiling: Ceilings, run: StepRun, recomputed: float, offloaded_bytes: float,
                links: LayoutLinks) -> Forecast:
+    """``recomputed``: the share of the layers whose forward a training step repeats (``recomputed_share``)."""
     training = mode != "forward"
-    recompute = recompute and training
+    recomputed = recomputed if training else 0.0
     tp, stages = parallelism.tensor, parallelism.stages
     widths = Widths.of(precision, parallelism)
     n = batch * seq_len
@@ -465,14 +476,14 @@ def _pass_time(arch: Architecture, mode: str, precision: str, batch: int, seq_le
     float8 = training and entry(precision).training == FLOAT8
     matmul_params = arch.matmul_params
     # forward 2 N per token; the backward's two matmuls 4 N, the frozen base's weight gradient (2 N) not
-    # formed under adapters, which train fully (6 A); checkpointing repeats the layers' forward
-    passes = (3 if training else 1) - (1 if adapters else 0) + (1 if recompute else 0)
+    # formed under adapters, which train fully (6 A); checkpointing repeats the layers' forward, R of it
+    passes = (3 if training else 1) - (1 if adapters else 0) + recomputed
     matmul_flops = 2 * n * matmul_params * passes + (6 * n * adapter_params(arch) if adapters else 0)
     kind = entry(precision).peak_kind("train" if training else "forward")
     cuda_cores = kind == "fp32"
     peak = ceiling.peak(gpu_name, kind) * (1.0 if cuda_cores else MATMUL_EFFICIENCY)
     matmul_s = matmul_flops * share / (peak * tp)
-    attention_passes = (1 + 2.5 + (1 if recompute else 0)) if training else 1
+    attention_passes = (1 + 2.5 + recomputed) if training else 1
     attention_flops = 2 * L * arch.num_heads * arch.head_dim * seq_len * n * attention_passes
     attention_s = attention_flops * share / (ceiling.peak(gpu_name, "bf16") * ATTENTION_EFFICIENCY * tp)
 
@@ -482,10 +493,10 @@ def _pass_time(arch: Architecture, mode: str, precision: str, batch: int, seq_le
     fused_loss = training and run.fused_loss and tp == 1
     widths_key = (widths.residual, widths.compute)
     if functions:
-        backward, recomputed = FUNCTIONS_BACKWARD_TRAFFIC.get(widths_key, 1.0), FUNCTIONS_RECOMPUTED_TRAFFIC
+        backward, recomputed_traffic = FUNCTIONS_BACKWARD_TRAFFIC.get(widths_key, 1.0), FUNCTIONS_RECOMPUTED_TRAFFIC
     else:
-        backward, recomputed = BACKWARD_TRAFFIC.get(widths_key, 2.0), 1.0
-    traffic_passes = (1 + backward + (recomputed if recompute else 0)) if training else 1
+        backward, recomputed_traffic = BACKWARD_TRAFFIC.get(widths_key, 2.0), 1.0
+    traffic_passes = (1 + backward + recomputed_traffic * recomputed) if training else 1
     layers = n * share * L * layer_traffic(arch, widths) * traffic_passes / tp  # a stage's layers alone
     if run.compiled:
         layers *= COMPILED_TRAFFIC
@@ -494,7 +505,7 @@ def _pass_time(arch: Architecture, mode: str, precision: str, batch: int, seq_le
     optimizer = 7 * trainable / (parallelism.shards * tp) if mode == "train" else 0.0
     weights = 0.0
     if widths.autocast:  # 16-bit copies of the matmul weights, per forward; the gradients' fp32 accumulation
-        weights += 6 * matmul_params * ((1 if recompute else 0) + 1) + (6 * matmul_params if training else 0)
+        weights += 6 * matmul_params * (recomputed + 1) + (6 * matmul_params if training else 0)
     if entry(precision).quantized:  # the frozen matmuls read, and where the format does, dequantized to a copy
         stored = sum(entry(precision).storage.matrix_bytes(m.rows, m.columns) for m in arch.layer_matrices) * L
         copies = decode_format(precision, "eager", n).dequantized * arch.layer_matmul_weights * L
@@ -518,16 +529,16 @@ def _pass_time(arch: Architecture, mode: str, precision: str, batch: int, seq_le
     if float8 and not run.compiled:
         forward_ops += matmuls * FP8_TRAINING_OPS
     if functions:
-        per_layer = forward_ops * (1 + FUNCTIONS_BACKWARD_OPS + (FUNCTIONS_RECOMPUTED_OPS if recompute else 0))
+        per_layer = forward_ops * (1 + FUNCTIONS_BACKWARD_OPS + FUNCTIONS_RECOMPUTED_OPS * recomputed)
     else:
-        per_layer = forward_ops * ((1 + BACKWARD_OPS + (1 if recompute else 0)) if training else 1)
+        per_layer = forward_ops * ((1 + BACKWARD_OPS + recomputed) if training else 1)
     chunks = math.ceil(n / loss_chunk_rows(V)) if training else 0
     edges = EDGE_OPS["forward"] if not training else EDGE_OPS["training"] if fused_loss else CHUNKED_LOSS_EDGE_OPS
     ops = share * L * per_layer + edges + chunks * (LOSS_CHUNK_OPS if fused_loss else CHUNKED_LOSS_CHUNK_OPS)
     kernels_s = ops * KERNEL_S
     device_s = matmul_s + attention_s + memory_s + optimizer_s + kernels_s
     host_s = ops * _host_op_s(run.backend, tp, "training" if training else "inference") + optimizer_s
-    host_s += share * L * CHECKPOINT_HOST_S if recompute and not run.compiled else 0.0
+    host_s += share * L * recomputed * CHECKPOINT_HOST_S if not run.compiled else 0.0
     if parallelism.shards > 1:  # FSDP2's hooks, copies into and out of its buffers, DTensor's optimizer step
         per_layer = FSDP_TP_HOST_S_PER_LAYER if tp > 1 else FSDP_HOST_S_PER_LAYER
         host_s += round(share * L) * per_layer * (1 if training else FSDP_FORWARD_SHARE)
@@ -631,4 +642,5 @@ def forecast_spec(arch: Architecture, spec, gpu_name: str, ceiling: Ceilings, *,
     return forecast_step_time(arch, spec.mode, spec.precision, spec.batch_size, spec.seq_len,
                               new_tokens=spec.new_tokens, parallelism=parallelism, gpu_name=gpu_name,
                               ceiling=ceiling, run=run, activation_checkpointing=spec.activation_checkpointing,
+                              checkpointed_layers=spec.checkpointed_layers,
                               offloaded_bytes=offloaded_bytes, links=links, nodes=nodes)

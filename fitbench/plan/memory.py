@@ -117,7 +117,7 @@ from fitbench.models.loss import loss_chain_bytes, loss_chunk_rows
 from fitbench.plan import compiled as inductor
 from fitbench.plan.outliers import outlier_columns
 from fitbench.precisions import ADAPTER_RANK, ADAPTERS, FLOAT8, TRAINING_MODES, UNQUANTIZED_BASE, StorageFormat, entry
-from fitbench.spec import Layout, Stage
+from fitbench.spec import Layout, Stage, checkpointed_count
 
 # LLM.int8 keeps, for the backward pass, each matmul's input columns holding an outlier (|x| > 6)
 # in fp16 (bitsandbytes' MatMul8bitLt, ``subA``): a data-dependent amount. With fitbench's random
@@ -486,7 +486,7 @@ def output_backward_bytes(tokens: int, hidden: int, vocab: int, widths: Widths, 
 
 
 def recompute_per_layer(arch: Architecture, tokens: int, widths: Widths) -> float:
-    """With full activation checkpointing a layer keeps only its input (r n h)."""
+    """A checkpointed layer keeps only its input (r n h)."""
     return widths.residual * tokens * arch.hidden_size
 
 
@@ -556,13 +556,16 @@ def prefill_transient_bytes(arch: Architecture, tokens: int, widths: Widths, tp:
 
 def estimate_memory(arch: Architecture, mode: str, precision: str, batch: int, seq_len: int, *,
                     new_tokens: int = 0, activation_checkpointing: bool = False,
+                    checkpointed_layers: int | None = None,
                     parallelism: Parallelism = Parallelism(), resident_layers: int | None = None,
                     backend: str | None = None, compiled: bool = False, stage: int | None = None) -> MemoryEstimate:
     """Peak bytes on one GPU for this configuration, as terms (``at_peak`` marks those that
     coexist at the peak moment). ``resident_layers`` (infer and forward, floating-point weights,
     one GPU) keeps that many decoder layers on the GPU and offloads the rest (``offloaded_weights``).
     ``backend`` (native or hf; by default the family's, ``fitbench.models.backends.default_backend``)
-    is the model the run builds. ``compiled``: the native model under ``torch.compile``
+    is the model the run builds. ``checkpointed_layers``: with ``activation_checkpointing``, the first N
+    decoder layers of each stage recompute, the others keep their activations (every layer when None;
+    ``fitbench.spec.checkpointed_count``; ``_training`` gives the terms). ``compiled``: the native model under ``torch.compile``
     (``fitbench.plan.compiled``); quantized weights (adapters, inference) keep the eager model's terms,
     an upper bound: their kernels break the graph.
 
@@ -577,7 +580,8 @@ def estimate_memory(arch: Architecture, mode: str, precision: str, batch: int, s
         return _offloaded(arch, mode, precision, batch, seq_len, new_tokens, resident_layers, parallelism, backend)
     if parallelism.stages > 1 and stage is None:
         return max(stage_estimates(arch, mode, precision, batch, seq_len, new_tokens=new_tokens,
-                                   activation_checkpointing=activation_checkpointing, parallelism=parallelism,
+                                   activation_checkpointing=activation_checkpointing,
+                                   checkpointed_layers=checkpointed_layers, parallelism=parallelism,
                                    backend=backend, compiled=compiled), key=lambda estimate: estimate.peak_bytes)
     where = pipeline_stage_list(arch, parallelism.stages)[stage or 0]
     # Only the native decoder's compiled graph has been read; the hf backend keeps the eager terms.
@@ -587,10 +591,12 @@ def estimate_memory(arch: Architecture, mode: str, precision: str, batch: int, s
     layers = len(where.layers)
     local_params = layers * rank_layer_params(arch, tp) + rank_edge_params(arch, tp, where)
     training = mode in TRAINING_MODES
+    # the stage's layers that recompute: the first ``checkpointed`` (0 without checkpointing)
+    checkpointed = checkpointed_count(layers, checkpointed_layers) if activation_checkpointing and training else 0
     facts = entry(precision)
     if training and facts.training == FLOAT8:
-        return _float8_training(arch, mode, batch, seq_len, activation_checkpointing, parallelism, backend, compiled,
-                                where)
+        return _float8_training(arch, mode, batch, seq_len, activation_checkpointing, checkpointed_layers,
+                                parallelism, backend, compiled, where)
     in_flight = 1
     if training and parallelism.stages > 1:
         microbatches = parallelism.microbatches_of(batch)
@@ -620,7 +626,7 @@ def estimate_memory(arch: Architecture, mode: str, precision: str, batch: int, s
                               f"one layer in bf16 while it is quantized, and {per_element:g} B x its largest matrix "
                               f"(measured)", frozenset({BUILD})))
         if training:
-            return _adapter_training(arch, mode, precision, widths, batch, seq_len, activation_checkpointing, terms,
+            return _adapter_training(arch, mode, precision, widths, batch, seq_len, checkpointed, terms,
                                      layers, tp, backend, where, in_flight)
         return _with_stage(_inference(arch, mode, widths, batch, seq_len, new_tokens, terms, tp, where,
                                       precision=precision, backend=backend), where)
@@ -632,7 +638,7 @@ def estimate_memory(arch: Architecture, mode: str, precision: str, batch: int, s
              rotary_term(arch, backend)]
     if training:
         widths = Widths.of(precision, parallelism)
-        return _with_stage(_training(arch, mode, widths, batch, seq_len, activation_checkpointing, terms,
+        return _with_stage(_training(arch, mode, widths, batch, seq_len, checkpointed, terms,
                                      local_params / shards, layers, tp, backend=backend, compiled=compiled,
                                      layout=parallelism, stage=where, in_flight=in_flight), where)
     return _with_stage(_inference(arch, mode, widths, batch, seq_len, new_tokens, terms, tp, where,
@@ -723,19 +729,23 @@ def autocast_copies(arch: Architecture, widths: Widths, saved_layers: float, tp:
     return widths.compute * params, f"{widths.compute} B x {params:,.0f} matmul parameters saved by autograd"
 
 
+# RECOMPUTE: of the last layer that recomputes (the last of a stage under full checkpointing, the
+# last of the first N under ``checkpointed_layers`` N).
 START, RECOMPUTE, FIRST, END = ("start of the backward pass", "recompute of the last layer",
                                 "backward of the first layer", "end of the backward pass")
 # GPipe with two microbatches or more: the second microbatch's backward, beside the first one's gradients
 LATER = "backward of the second microbatch"
 
 
-def _float8_training(arch, mode, batch, seq_len, recompute, parallelism, backend, compiled=False, stage=None):
+def _float8_training(arch, mode, batch, seq_len, recompute, checkpointed_layers, parallelism, backend,
+                     compiled=False, stage=None):
     """fp8 training (torchao float8, row-wise): bf16 weights, gradients and AdamW state as in the
     unquantized base (``UNQUANTIZED_BASE``, bf16-pure), and each converted matmul saves its bf16 input and weight, as a bf16 matmul does;
     the float8 copies live only inside a matmul. The largest bound them: the MLP matrix's weight
     cast twice (along rows for the forward, along columns for the backward) and the n x f
     operands of the down projection's backward (its input and incoming gradient) in float8."""
     estimate = estimate_memory(arch, mode, UNQUANTIZED_BASE, batch, seq_len, activation_checkpointing=recompute,
+                               checkpointed_layers=checkpointed_layers,
                                parallelism=parallelism, backend=backend, compiled=compiled,
                                stage=stage.index if stage else None)
     if parallelism.stages > 1:  # one microbatch in a matmul at a time
@@ -748,7 +758,7 @@ def _float8_training(arch, mode, batch, seq_len, recompute, parallelism, backend
     return MemoryEstimate(terms, estimate.moments, estimate.stage)
 
 
-def _adapter_training(arch, mode, precision, widths, batch, seq_len, recompute, terms, layers, tp, backend,
+def _adapter_training(arch, mode, precision, widths, batch, seq_len, checkpointed, terms, layers, tp, backend,
                       stage, in_flight=1):
     """Adapters on a frozen quantized base (``fitbench.run.adapters``): the base weights are in
     ``terms``; the adapters' fp32 weights, gradients and AdamW state are 16 B per adapter parameter.
@@ -761,9 +771,9 @@ def _adapter_training(arch, mode, precision, widths, batch, seq_len, recompute, 
     n = batch * seq_len
     A = adapter_params(arch) * layers / arch.num_layers / tp
     terms = [*terms, Term("adapters", 4 * A, f"4 B x {A:,.0f} fp32 adapter parameters (rank {ADAPTER_RANK})")]
-    estimate = _training(arch, mode, widths, batch, seq_len, recompute, terms, 0.0, layers, tp, trainable=A,
+    estimate = _training(arch, mode, widths, batch, seq_len, checkpointed, terms, 0.0, layers, tp, trainable=A,
                          backend=backend, stage=stage, in_flight=in_flight)
-    saving_layers = 0 if recompute else layers * in_flight
+    saving_layers = (layers - checkpointed) * in_flight  # the layers that keep their activations
     extra_saved = widths.compute * n * ADAPTER_RANK * len(layer_matrices(arch)) * saving_layers
     matmuls = len(arch.layer_matrices)
     added = [Term("adapter activations", extra_saved, f"{widths.compute} B x n x r per matmul, {matmuls} per layer",
@@ -776,15 +786,30 @@ def _adapter_training(arch, mode, precision, widths, batch, seq_len, recompute, 
     largest = largest_layer_matrix(arch)
     added.append(Term("dequantized weight in backward", 2 * largest / tp, "2 B x the largest matrix: the frozen "
                       "matmul's weight in bf16 for its input's gradient",
-                      frozenset({FIRST, RECOMPUTE} if recompute else {FIRST})))
+                      frozenset({FIRST, RECOMPUTE} if checkpointed else {FIRST})))
     return _with_stage(MemoryEstimate(estimate.terms + tuple(added), estimate.moments + (BUILD,)), stage)
 
 
-def _training(arch, mode, widths, batch, seq_len, recompute, terms, local_params, layers, tp,
+def _training(arch, mode, widths, batch, seq_len, checkpointed, terms, local_params, layers, tp,
               trainable: float | None = None, backend: str = "native", compiled: bool = False,
               layout: Parallelism = Parallelism(), stage: Stage | None = None, in_flight: int = 1):
     """A training step's terms. ``trainable``: adapter parameters (fp32) when the weights are a frozen
     base; then gradients and optimizer state are the adapters', and no weight gradient forms.
+
+    ``checkpointed``: the first C of the stage's ``layers`` recompute their activations (activation
+    checkpointing), the other K = layers - C keep them (C = 0: none; C = layers: every layer). With
+    ``one`` a kept layer's saved bytes (``saved_per_layer``) and ``r n h`` a checkpointed layer's
+    input (``recompute_per_layer``), per microbatch:
+
+    - start of the backward pass: K one + C r n h (every layer's, as Megatron-LM's block-wise
+      recomputation and Korthikanti et al. 2022, "Reducing Activation Recomputation in Large
+      Transformer Models", count them);
+    - the recompute of the last checkpointed layer (layer C - 1): the backward pass reaches it after
+      the K kept layers, whose activations are freed by then and whose gradients are formed (w K p on
+      one GPU; DDP's buckets and FSDP's reduce-scatter pool hold them at every moment, and FSDP also
+      holds the last kept layer's reduce-scatter input, rd p); so C r n h, one layer recomputed, the
+      gradient flowing in, and those gradients. Recomputing the first C rather than the last keeps the
+      recomputed layer from standing beside the kept activations.
     ``compiled``: layers, the final norm and the embedding's gradient as ``fitbench.plan.compiled`` has them.
     ``layout``: DDP's buckets and FSDP's units in flight (the module docstring); adapters on a frozen
     base keep one GPU's terms, their few gradients in a bucket or a shard changing little.
@@ -804,6 +829,9 @@ def _training(arch, mode, widths, batch, seq_len, recompute, terms, local_params
     ddp = layout.replicas > 1 and layout.shards == 1 and not frozen
     # The output projection's share on this rank, where this stage holds it.
     output = V * h / tp if has_head else 0.0
+    recompute = checkpointed > 0
+    kept = layers - checkpointed
+    every = recompute and kept == 0  # every layer of the stage recomputes
     moments = (START, RECOMPUTE, FIRST, END) if recompute else (START, FIRST, END)
     later = (LATER,) if in_flight > 1 else ()  # GPipe's second microbatch: the first one's gradients exist
     moments += later
@@ -826,17 +854,30 @@ def _training(arch, mode, widths, batch, seq_len, recompute, terms, local_params
     embedding_grad = 0.0 if tied_here or sharded or frozen or not has_embedding else V * h / tp
     saved = layers * in_flight
     held = f"{layers:g} layers x {in_flight} microbatches in flight" if in_flight > 1 else f"{layers:g} layers"
-    if recompute:
-        inputs = recompute_per_layer(arch, n, widths)
+    inputs = recompute_per_layer(arch, n, widths)
+    # one microbatch's activations at the start of the backward pass
+    per_microbatch = inputs * checkpointed + one_layer * kept
+    at_recompute: list[Term] = []
+    if every:
         activations = Term("activations", inputs * saved, f"{held} x {inputs:,.0f} B: each layer's "
                            f"input, kept for recomputation", at(START, RECOMPUTE))
+    elif recompute:
+        microbatches = f"{in_flight} microbatches x " if in_flight > 1 else ""
+        activations = Term("activations", per_microbatch * in_flight, f"{microbatches}({kept} layers x "
+                           f"{one_layer:,.0f} B saved per layer + {checkpointed} checkpointed layers x {inputs:,.0f} "
+                           f"B: each one's input, kept for recomputation)", at(START))
+        # this microbatch's kept layers are through their backward; the others' wait (GPipe)
+        at_recompute.append(Term(
+            "activations at the recompute", inputs * checkpointed * in_flight + one_layer * kept * (in_flight - 1),
+            f"the {checkpointed} checkpointed layers' inputs"
+            + (f" of {in_flight} microbatches, the {kept} kept layers' activations of the other {in_flight - 1}"
+               if in_flight > 1 else ", the kept layers' activations freed by their backward"), at(RECOMPUTE)))
     else:
         # compiled, the first layer saves a 16-bit tensor in place of an fp32 one (on the first stage)
         first = inductor.first_layer_saving(arch, n, c, r) if compiled and layers == arch.num_layers else 0.0
         activations = Term("activations", one_layer * saved - first, f"{held} x {one_layer:,.0f} B saved "
                            f"per layer" + (f", less {first:,.0f} B in the first" if first else ""), at(START))
     if in_flight > 1:  # GPipe: the first microbatch's backward forms every gradient beside the others' activations
-        per_microbatch = (inputs if recompute else one_layer) * layers
         terms.append(Term("other microbatches' activations", per_microbatch * (in_flight - 1),
                           f"{in_flight - 1} microbatches x {per_microbatch:,.0f} B: GPipe runs every forward before "
                           f"the first backward, so the others' activations wait while its gradients form (and, "
@@ -862,13 +903,16 @@ def _training(arch, mode, widths, batch, seq_len, recompute, terms, local_params
                      "AdamW first and second moments of the adapters, 2 x 4 B")
         gradients = Term("gradients", 4 * trainable, f"4 B x {trainable:,.0f} adapter parameters",
                          at(FIRST, END, *later))
-    terms = [*terms, state, gradients, activations]
+    terms = [*terms, state, gradients, activations, *at_recompute]
     if widths.autocast and not sharded:
         # Recomputed layers save no copy, but eager autocast caches each weight's copy until its region
         # closes, after the loss: at the loss every copy is alive either way. A compiled graph casts
         # inside itself, past the cache.
-        if recompute and compiled:
+        if every and compiled:
             casts, formula = c * output, f"{c} B x V h / {tp}: the output projection's copy, saved by autograd"
+        elif recompute and compiled:
+            casts, formula = autocast_copies(arch, widths, kept, tp, output)
+            formula += f": the {kept} kept layers' and the output projection's"
         else:
             casts, formula = autocast_copies(arch, widths, layers, tp, output)
             if recompute:
@@ -876,7 +920,7 @@ def _training(arch, mode, widths, batch, seq_len, recompute, terms, local_params
         terms.append(Term("autocast weight copies", casts, formula, at(START)))
     if has_head:
         terms += [
-            Term("final norm and output input", inductor.final_saved_bytes(arch, n, c, r, recompute) if compiled
+            Term("final norm and output input", inductor.final_saved_bytes(arch, n, c, r, every) if compiled
                  else final_saved_bytes(arch, n, widths, frozen_norm=frozen, backend=backend),
                  "saved by the final norm and the output projection", at(START)),
             Term("loss chain", loss_chain_bytes(n, V, c), f"the {c} B logits, overwritten by their gradient, and one "
@@ -888,10 +932,18 @@ def _training(arch, mode, widths, batch, seq_len, recompute, terms, local_params
                               "beside the logits'", at(START)))
     if recompute:
         output_grad = 0.0 if frozen or sharded else w * output  # FSDP: one of the root's gradients
-        terms.append(Term("recomputed last layer", one_layer + one_layer_casts + widest + output_grad + r * n * h,
+        # the kept layers' gradients, formed before the recompute (DDP's buckets and FSDP's pool hold them already)
+        kept_grads = 0.0 if frozen or sharded or ddp else w * kept * rank_layer_params(arch, tp)
+        terms.append(Term("recomputed last layer", one_layer + one_layer_casts + widest + output_grad + kept_grads
+                          + r * n * h,
                           "one layer's activations (and weight copies) recomputed, with the output projection's "
-                          "gradient and the gradient flowing into the layer"
+                          "gradient" + (f", the {kept} kept layers' gradients" if kept_grads else "")
+                          + " and the gradient flowing into the layer"
                           + (", and its SwiGLU's gradients" if widest else ""), at(RECOMPUTE)))
+        if sharded and kept:
+            p = rank_layer_params(arch, tp)
+            terms.append(Term("FSDP reduce-scatter input", w * p, f"rd p = {w:g} B x {p:,}: the last kept layer's "
+                              f"reduce-scatter input, held until the recomputed layer's is issued", at(RECOMPUTE)))
     if compiled:  # the layer as inductor's partition saves it; its backward's own tensors are not modelled
         terms.append(Term("first layer in backward", one_layer + one_layer_casts,
                           "one layer's saved activations (and weight copies) while the last gradients form", at(FIRST)))

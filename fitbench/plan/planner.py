@@ -42,7 +42,7 @@ from fitbench.plan.nodes import Nodes, inter_node_link, job_nodes, placement_pro
 from fitbench.plan.search import largest
 from fitbench.plan.speed import StepTime, estimate_step_time
 from fitbench.precisions import ADAPTER_BASE, DEFAULT_LADDER, UNQUANTIZED_BASE, entry
-from fitbench.spec import Layout, Stage
+from fitbench.spec import Layout, Stage, pipeline_stages, recompute_label
 from fitbench.util.units import format_bytes
 
 # The most GPUs a search for the fewest (``fewest_gpus``) looks at.
@@ -110,6 +110,9 @@ class Candidate:
     resident_layers: int | None = None  # offload: decoder layers kept on the GPU, the rest in host memory
     compiled: bool = False  # torch.compile (``fitbench.plan.compiled``)
     cpu_offload: bool = False  # FSDP's: shards, gradients and optimizer state in host memory
+    # With activation checkpointing: the first N decoder layers of each stage recompute, None every layer
+    # (``fitbench.spec.RunSpec.checkpointed_layers``; ``fewest_checkpointed`` finds the fewest that fit)
+    checkpointed_layers: int | None = None
     # The run's layout (``fitbench.spec.Layout``): the object the worker is given. Built from
     # ``strategy`` and ``gpus`` unless given (``of_layout``) and they agree with it.
     layout: Layout | None = None
@@ -135,7 +138,8 @@ class Candidate:
     @property
     def label(self) -> str:
         layout = "1 GPU" if self.gpus == 1 else self.layout.label
-        recompute = ", recompute" if self.activation_checkpointing else ""
+        recompute = ("," + recompute_label(self.activation_checkpointing, self.checkpointed_layers, self.layout.pp)
+                     if self.activation_checkpointing else "")
         offload = f", offload ({self.resident_layers} layers on the GPU)" if self.resident_layers is not None else ""
         offload += ", CPU offload" if self.cpu_offload else ""
         compiled = ", compiled" if self.compiled else ""
@@ -292,6 +296,7 @@ def assess(arch: Architecture, mode: str, candidate: Candidate, target: GpuTarge
             return Assessment(candidate, None, (), 0.0, False, f"{candidate.label}: {problem}", None)
     memory = estimate_memory(arch, mode, candidate.precision, candidate.batch_size, seq_len, new_tokens=new_tokens,
                              activation_checkpointing=candidate.activation_checkpointing,
+                             checkpointed_layers=candidate.checkpointed_layers,
                              parallelism=candidate.parallelism, resident_layers=candidate.resident_layers,
                              backend=backend, compiled=candidate.compiled)
 
@@ -313,6 +318,7 @@ def assess(arch: Architecture, mode: str, candidate: Candidate, target: GpuTarge
     speed = estimate_step_time(arch, mode, candidate.precision, candidate.batch_size, seq_len, new_tokens=new_tokens,
                                parallelism=candidate.parallelism, gpu_name=target.speed_name,
                                activation_checkpointing=candidate.activation_checkpointing,
+                               checkpointed_layers=candidate.checkpointed_layers,
                                offloaded_bytes=offloaded_weights(arch, candidate.precision, candidate.resident_layers)
                                if candidate.resident_layers is not None else 0.0,
                                links=bus_bandwidth(target.speed_name, calibration),
@@ -413,6 +419,7 @@ def forecast_tokens_per_s(arch: Architecture, mode: str, candidate: Candidate, t
         parallelism=candidate.parallelism, gpu_name=name,
         ceiling=ceiling or ceilings(name, load_ceilings(name)),
         run=run, activation_checkpointing=candidate.activation_checkpointing,
+        checkpointed_layers=candidate.checkpointed_layers,
         offloaded_bytes=offloaded_weights(arch, candidate.precision, candidate.resident_layers) if offloaded else 0.0,
         links=bus_bandwidth(name, calibration), nodes=target.nodes(candidate.gpus, calibration))
     tokens = candidate.batch_size * (1 if mode == "infer" else seq_len) * candidate.layout.data_parallel
@@ -455,6 +462,46 @@ def largest_fitting_batch(arch, mode, candidate: Candidate, target, *, seq_len, 
 
     found = largest(lambda batch: assessed(batch).clear, limit=MAX_AUTO_BATCH) if clear else 0
     return found or largest(lambda batch: assessed(batch).fits, limit=MAX_AUTO_BATCH)
+
+
+def fewest_checkpointed(arch: Architecture, mode: str, every: Assessment, target: GpuTarget, *, seq_len: int,
+                        new_tokens: int, calibration: Calibration | None, backend: str | None = None,
+                        without: Assessment | None = None) -> Assessment:
+    """``every``, a training candidate with every decoder layer checkpointed, assessed, with as few
+    checkpointed layers per stage (``Candidate.checkpointed_layers``, the first C of each) as keep it
+    as good: clear of ``RETRY_MARGIN`` where ``every`` is, else fitting. ``every`` itself where it does
+    not fit, where no fewer layers do, or where ``without`` (the same candidate without checkpointing)
+    is already as good, so that checkpointing buys nothing.
+
+    C runs from 1 to the busiest stage's layers (``fitbench.spec.pipeline_stages``; that many is every
+    layer), and the predicted tensor peak falls as C grows (each layer more recomputed trades its saved
+    activations for its input: ``fitbench.plan.memory._training``), so the fewest is found by
+    bisection, about log2(layers) assessments. Near every layer the overheads can break the order (the
+    fragmentation counted late in the backward pass stands beside every layer's recompute, not beside
+    the start of it), so the count found is one whose own assessment is good, the fewest up to that. Fewer recomputed layers cost less time
+    (``fitbench.plan.forecast``: the recomputation scales with C / layers): the fewest is the fastest."""
+    candidate = every.candidate
+    if mode not in TRAINING_MODES or not candidate.activation_checkpointing or not every.fits:
+        return every
+    good = (lambda a: a.clear) if every.clear else (lambda a: a.fits)
+    if without is not None and good(without):
+        return every
+    layers = max(len(stage) for stage in pipeline_stages(arch.num_layers, candidate.layout.pp))
+    assessed: dict[int, Assessment] = {}
+
+    def enough(count: int) -> bool:
+        assessed[count] = assess(arch, mode, replace(candidate, checkpointed_layers=count), target, seq_len=seq_len,
+                                 new_tokens=new_tokens, calibration=calibration, backend=backend)
+        return good(assessed[count])
+
+    low, high = 1, layers  # every layer (high) is good
+    while low < high:
+        middle = (low + high) // 2
+        if enough(middle):
+            high = middle
+        else:
+            low = middle + 1
+    return assessed[low] if low < layers else every
 
 
 @dataclass(frozen=True)
@@ -503,12 +550,15 @@ def plan(arch: Architecture, mode: str, target: GpuTarget, *, seq_len: int, new_
          batch_sizes: list[int] | None, precisions: list[str] | None = None,
          strategies: list[str] | None = None, checkpointing: list[bool] | None = None,
          calibration: Calibration = DEFAULT, backend: str | None = None) -> Plan:
-    """``batch_sizes`` None means auto: each layout gets the largest batch predicted to fit; ``backend``
+    """``batch_sizes`` None means auto: each layout gets the largest batch predicted to fit (with
+    checkpointing, of every layer: the batch is what it grows); ``backend``
     as in ``assess``, clear of ``RETRY_MARGIN`` where one is. The layouts are ``layouts_for`` each count
     of ``gpu_counts``, those that use only ``strategies`` where given (a combined layout, e.g. tp x
     pipeline, needs both named). The chosen one is, on the first rung of the ladder with any fit, the
     fastest forecast among those that fit (``fastest_first``), those clear of ``RETRY_MARGIN`` first
-    where any is; layouts the run cannot launch are rejected with the reason."""
+    where any is; layouts the run cannot launch are rejected with the reason. At a given batch, a
+    checkpointed candidate keeps the fewest checkpointed layers that leave it as clear of the margin
+    (``fewest_checkpointed``) where it is not so without checkpointing."""
     ladder = precisions or DEFAULT_LADDER[mode]
     recompute_options = checkpointing if checkpointing is not None else (
         [False, True] if mode in TRAINING_MODES else [False])
@@ -518,6 +568,7 @@ def plan(arch: Architecture, mode: str, target: GpuTarget, *, seq_len: int, new_
             for layout in layouts_for(arch, mode, gpus, target.node_gpus):
                 if strategies and not set(layout.strategy.split("+")) <= set(strategies):
                     continue
+                without: dict[int, Assessment] = {}  # by batch: this layout without checkpointing
                 for recompute in recompute_options:
                     base = Candidate.of_layout(precision, layout, recompute, 1)
                     if batch_sizes is None:
@@ -528,9 +579,15 @@ def plan(arch: Architecture, mode: str, target: GpuTarget, *, seq_len: int, new_
                     else:
                         sizes = batch_sizes
                     for batch in sizes:
-                        assessments.append(assess(arch, mode, replace(base, batch_size=batch), target,
-                                                  seq_len=seq_len, new_tokens=new_tokens, calibration=calibration,
-                                                  backend=backend))
+                        assessed = assess(arch, mode, replace(base, batch_size=batch), target, seq_len=seq_len,
+                                          new_tokens=new_tokens, calibration=calibration, backend=backend)
+                        if recompute and batch_sizes is not None:
+                            assessed = fewest_checkpointed(arch, mode, assessed, target, seq_len=seq_len,
+                                                           new_tokens=new_tokens, calibration=calibration,
+                                                           backend=backend, without=without.get(batch))
+                        else:
+                            without[batch] = assessed
+                        assessments.append(assessed)
     fitting = fastest_first(arch, mode, [a for a in assessments if a.fits], target, seq_len=seq_len,
                             new_tokens=new_tokens, calibration=calibration, backend=backend)
     # stable sorts: fastest first within a rung, the rungs in order, those clear of the margin first
@@ -571,14 +628,16 @@ def fewest_gpus(arch: Architecture, mode: str, precision: str, gpu_memory: float
     does it: of the layouts of that count (``layouts_for``) that the run can launch (``Layout.problem``,
     tensor parallelism inside a node) and that fit, the fastest forecast (``fastest_first``) of those
     clear of ``RETRY_MARGIN`` where any is; in training with activation checkpointing only where
-    nothing fits without it. None if more than ``max_gpus`` would be needed. ``gpu_name``: whose speed
+    nothing fits without it, and then of the fewest layers that do (``fewest_checkpointed``). None if more than ``max_gpus`` would be needed. ``gpu_name``: whose speed
     figures rank the layouts (by default ``DEFAULT_SPEED_GPU``'s)."""
     target = GpuTarget(gpu_name, max_gpus, gpu_memory, described=True, node_gpus=node_gpus,
                        inter_node_bandwidth=inter_node_bandwidth)
     for gpus in node_counts(node_gpus, max_gpus):
         layouts = layouts_for(arch, mode, gpus, node_gpus)
         for recompute in ([False, True] if mode in TRAINING_MODES else [False]):
-            fitting = [assessed for assessed in (
+            fitting = [fewest_checkpointed(arch, mode, assessed, target, seq_len=seq_len, new_tokens=new_tokens,
+                                           calibration=calibration, backend=backend)
+                       for assessed in (
                 assess(arch, mode, Candidate.of_layout(precision, layout, recompute, batch_size), target,
                        seq_len=seq_len, new_tokens=new_tokens, calibration=calibration, backend=backend)
                 for layout in layouts) if assessed.fits]
@@ -652,13 +711,24 @@ def predict_spec(arch: Architecture, spec, target: GpuTarget, calibration: Calib
     ranks = gpus if choose_strategy and gpus else spec.layout.world_size
     layouts = ([Layout(), *layouts_for(arch, spec.mode, ranks, target.node_gpus)] if choose_strategy and ranks > 1
                else [spec.layout])
-    groups = [[assess(arch, spec.mode, Candidate.of_layout(precision, layout, ac, spec.batch_size,
-                                                           resident_layers=resident(precision), compiled=spec.compile,
-                                                           cpu_offload=spec.offload and layout.world_size > 1),
-                      target, seq_len=spec.seq_len, new_tokens=spec.new_tokens, calibration=calibration,
-                      backend=spec.backend)
-               for layout in layouts for ac in recompute]
-              for precision in ladder]
+    def options_of(precision: str, layout: Layout) -> list[Assessment]:
+        """The layout with checkpointing and without, as chosen or given; a chosen one of the fewest layers
+        that leave it as clear of the margin (``fewest_checkpointed``)."""
+        found: list[Assessment] = []
+        for ac in recompute:
+            candidate = Candidate.of_layout(precision, layout, ac, spec.batch_size, resident_layers=resident(precision),
+                                            compiled=spec.compile, cpu_offload=spec.offload and layout.world_size > 1,
+                                            checkpointed_layers=spec.checkpointed_layers if ac else None)
+            assessed = assess(arch, spec.mode, candidate, target, seq_len=spec.seq_len, new_tokens=spec.new_tokens,
+                              calibration=calibration, backend=spec.backend)
+            if ac and choose_recompute:
+                assessed = fewest_checkpointed(arch, spec.mode, assessed, target, seq_len=spec.seq_len,
+                                               new_tokens=spec.new_tokens, calibration=calibration,
+                                               backend=spec.backend, without=found[0] if found else None)
+            found.append(assessed)
+        return found
+
+    groups = [[option for layout in layouts for option in options_of(precision, layout)] for precision in ladder]
     options = [option for group in groups for option in group]
     first = (next((clear for group in groups if (clear := [a for a in group if a.clear])), None)
              or next((fitting for group in groups if (fitting := [a for a in group if a.fits])), None))
@@ -669,7 +739,9 @@ def predict_spec(arch: Architecture, spec, target: GpuTarget, calibration: Calib
               else min(estimated, key=lambda a: a.predicted_peak))
     candidate = chosen.candidate
     planned = spec.model_copy(update={"precision": candidate.precision, "layout": candidate.layout,
-                                      "activation_checkpointing": candidate.activation_checkpointing})
+                                      "activation_checkpointing": candidate.activation_checkpointing,
+                                      "checkpointed_layers": candidate.checkpointed_layers
+                                      if candidate.activation_checkpointing else None})
     forecast = (_forecast(arch, planned, target, calibration, chosen)
                 if chosen.speed and calibration is not None else None)
     return planned, {
@@ -734,6 +806,7 @@ def _stage_predictions(arch: Architecture, mode: str, chosen: Assessment, seq_le
     overheads = sum(t.bytes for t in chosen.overheads)
     stages = stage_estimates(arch, mode, candidate.precision, candidate.batch_size, seq_len, new_tokens=new_tokens,
                              activation_checkpointing=candidate.activation_checkpointing,
+                             checkpointed_layers=candidate.checkpointed_layers,
                              parallelism=candidate.parallelism, backend=backend, compiled=candidate.compiled)
     return {"peak_stage": chosen.memory.stage.label,
             "stage_predicted_peak_bytes": [estimate.peak_bytes + overheads for estimate in stages]}
@@ -766,7 +839,8 @@ def alternatives(arch: Architecture, spec, target: GpuTarget, calibration: Calib
     """What would make ``spec`` (one ``fitbench run`` configuration, predicted not to fit on its GPUs of
     ``target``: one, or its layout's) fit, each change alone, where it applies, in this order:
 
-    - activation checkpointing, in training that has it off;
+    - activation checkpointing, in training that has it off (of the fewest layers that fit:
+      ``fewest_checkpointed``), or of every layer where it checkpoints some;
     - another precision of the mode's ladder (``DEFAULT_LADDER``; in training, those that train every
       weight), with checkpointing where only that fits;
     - the largest smaller batch that fits (not for ``--batch-size auto``, which tried batch 1);
@@ -798,9 +872,12 @@ def alternatives(arch: Architecture, spec, target: GpuTarget, calibration: Calib
         return None
 
     def single(precision: str, ac: bool, batch_size: int = batch) -> Candidate:
-        """The spec with these changes, on its own layout."""
+        """The spec with these changes, on its own layout (checkpointing the spec's layers where it has
+        checkpointing, every layer where it is turned on here)."""
         return Candidate.of_layout(precision, layout, ac, batch_size, compiled=spec.compile,
-                                   cpu_offload=spec.fsdp_offload)
+                                   cpu_offload=spec.fsdp_offload,
+                                   checkpointed_layers=spec.checkpointed_layers if ac and spec.activation_checkpointing
+                                   else None)
 
     def with_recompute(candidate: Candidate) -> str:
         return " with activation checkpointing" if candidate.activation_checkpointing and \
@@ -809,8 +886,16 @@ def alternatives(arch: Architecture, spec, target: GpuTarget, calibration: Calib
     found: list[Alternative] = []
     if training and not spec.activation_checkpointing:
         fits = first_fitting([single(spec.precision, True)])
+        if fits:  # of the fewest layers that fit
+            fits = fewest_checkpointed(arch, mode, fits, one, seq_len=seq_len, new_tokens=new_tokens,
+                                       calibration=calibration, backend=spec.backend)
+            layers = fits.candidate.checkpointed_layers
+            found.append(Alternative("with activation checkpointing" + (f" of {layers} layers" if layers else ""),
+                                     fits))
+    if training and spec.checkpointed_layers is not None:
+        fits = first_fitting([replace(single(spec.precision, True), checkpointed_layers=None)])
         if fits:
-            found.append(Alternative("with activation checkpointing", fits))
+            found.append(Alternative("with activation checkpointing of every layer", fits))
     for precision in DEFAULT_LADDER[mode]:
         if precision == spec.precision or (training and not entry(precision).trains_every_weight):
             continue
@@ -869,7 +954,9 @@ def refusal(arch: Architecture, spec, prediction: dict, target: GpuTarget,
     fits on 2 GPUs with FSDP at 131.0 GB each, or as nf4 adapters (QLoRA) on this GPU at 41.0 GB", or
     "65B train in bf16 at batch 4 x 512 tokens under the layout tp x 4 is predicted to need 97.0 GB
     per GPU, on 4 GPUs of 85.0 GB each"."""
-    recompute = " with activation checkpointing" if spec.activation_checkpointing else ""
+    recompute = (" with activation checkpointing" + (f" of {spec.checkpointed_layers} layers"
+                                                     if spec.checkpointed_layers else "")
+                 if spec.activation_checkpointing else "")
     offload = " with --offload" if spec.offload else ""
     what = f"{spec.model} {spec.mode} in {spec.precision}{recompute}{offload} at batch {spec.batch_size}"
     need = format_bytes(prediction["predicted_peak_bytes"])

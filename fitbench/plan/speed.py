@@ -74,7 +74,7 @@ from fitbench.plan.collectives import ONE_SHOT_LATENCY_S, PCIE_BANDWIDTH, BusBan
 from fitbench.plan.memory import Parallelism, Widths, adapter_params, layer_matmul_params, quantized_layer_bytes
 from fitbench.plan.nodes import AcrossNodes, LayoutLinks, Nodes, layout_links
 from fitbench.precisions import ADAPTERS, entry
-from fitbench.spec import ONE_SHOT_BYTES, pipeline_stages
+from fitbench.spec import ONE_SHOT_BYTES, checkpointed_count, pipeline_stages
 
 # Host-to-GPU bandwidth per direction, bytes/s: PCIe Gen5 x16 on Hopper ("PCIe Gen5: 128 GB/s", both
 # directions, NVIDIA H100 and H200 datasheets); other GPUs PCIe Gen4 x16 (A100 datasheet: 64 GB/s).
@@ -111,13 +111,23 @@ def _weight_bytes(arch: Architecture, precision: str) -> float:
     return Widths.of(precision).weights * arch.total_params
 
 
+def recomputed_share(n_layers: int, stages: int, checkpointed_layers: int | None) -> float:
+    """The share of the busiest pipeline stage's layers (the whole model's without stages) that
+    recompute their forward under activation checkpointing of ``checkpointed_layers`` per stage
+    (``fitbench.spec.checkpointed_count``; every layer when None): C / layers, 1 for every layer. The
+    recomputation costs that share of one forward pass of the layers."""
+    busiest = max(len(layers) for layers in pipeline_stages(n_layers, stages))
+    return checkpointed_count(busiest, checkpointed_layers) / busiest
+
+
 def estimate_step_time(arch: Architecture, mode: str, precision: str, batch: int, seq_len: int, *,
                        new_tokens: int, parallelism: Parallelism, gpu_name: str,
-                       activation_checkpointing: bool = False, offloaded_bytes: float = 0.0,
-                       whole_cache: bool = True, links: BusBandwidth | None = None,
+                       activation_checkpointing: bool = False, checkpointed_layers: int | None = None,
+                       offloaded_bytes: float = 0.0, whole_cache: bool = True, links: BusBandwidth | None = None,
                        nodes: Nodes | None = None) -> StepTime:
     """The roofline time of one step (one decode step in infer); ``offloaded_bytes`` of weights
-    cross the host link each forward pass. ``whole_cache``: decoding attends over every slot of the
+    cross the host link each forward pass; with ``activation_checkpointing``, ``checkpointed_layers``
+    of each stage recompute (every layer when None: ``recomputed_share``). ``whole_cache``: decoding attends over every slot of the
     preallocated KV cache, as a GPU run's CUDA graph does; offloaded layers decode eagerly, over the
     positions so far. ``links``: the collectives' bandwidths and latencies inside a node
     (``bus_bandwidth``; by default the interconnect's); ``nodes``: the job's nodes and the link between
@@ -147,8 +157,11 @@ def estimate_step_time(arch: Architecture, mode: str, precision: str, batch: int
         seconds = max(compute_s, memory_s) + communication_s
         tokens_per_s = batch * data_parallel / seconds
     else:
-        # Recomputing activations repeats the forward pass: 4 forward-passes' worth instead of 3.
-        passes = 1 if mode == "forward" else (4 if activation_checkpointing else 3)
+        # Recomputing activations repeats the forward pass: 4 forward-passes' worth instead of 3 where every
+        # layer recomputes, 3 + C / layers where the first C of each stage do.
+        recomputed = recomputed_share(arch.num_layers, stages, checkpointed_layers) if activation_checkpointing \
+            else 0.0
+        passes = 1 if mode == "forward" else 3 + recomputed
         per_token = arch.forward_flops_per_token(seq_len) * passes
         adapters = mode != "forward" and entry(precision).training == ADAPTERS
         if adapters:  # no weight gradients for the frozen base: 2 N fewer per token

@@ -178,7 +178,15 @@ def _forecast_cell(row: Row, head: dict[str, Any]) -> tuple[str, ...]:
 
 def _shape(spec: dict[str, Any]) -> str:
     shape = f"{spec['batch_size']}×{spec['seq_len']}" + (_new_tokens(spec) if spec["mode"] == "infer" else "")
-    return shape + (" rc" if spec.get("activation_checkpointing") else "") + (" off" if spec.get("offload") else "")
+    return shape + _recompute(spec, " rc") + (" off" if spec.get("offload") else "")
+
+
+def _recompute(spec: dict[str, Any], word: str) -> str:
+    """``word`` where every layer recomputes, ``word`` and the count where the first N do (per stage)."""
+    if not spec.get("activation_checkpointing"):
+        return ""
+    layers = spec.get("checkpointed_layers")
+    return word + (f" {layers}" if layers else "")
 
 
 def _new_tokens(spec: dict[str, Any]) -> str:
@@ -394,8 +402,7 @@ def markdown_report(rows: list[Row]) -> str:
         spec, head, throughput = row.spec, headline(row), row.throughput or {}
         infer = spec["mode"] == "infer"
         shape = f"{spec['batch_size']}×{spec['seq_len']}" + (_new_tokens(spec) if infer else "")
-        if spec.get("activation_checkpointing"):
-            shape += " recompute"
+        shape += _recompute(spec, " recompute")
         timing = "-" if head["time"] is None else (
             format_seconds(head["time"]) + ("/token" if infer else "")
             + (f" ± {head['cv']:.1f}%" if head["cv"] is not None else ""))

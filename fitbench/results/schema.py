@@ -38,7 +38,7 @@ READ: dict[str, Kind] = {
     "command": str,
     "params": float,
     "warnings": [str],
-    "spec": {"new_tokens": int, "activation_checkpointing": bool, "offload": bool},
+    "spec": {"new_tokens": int, "activation_checkpointing": bool, "checkpointed_layers": int, "offload": bool},
     "timing": {"step": _STATISTICS, "token_latency": _STATISTICS},
     "throughput": {name: float for name in _THROUGHPUT},
     "prediction": {"predicted_peak_bytes": float, "step_time_estimate_s": float, "step_time_forecast_s": float,

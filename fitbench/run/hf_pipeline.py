@@ -116,7 +116,7 @@ class StagedHuggingFaceLM(HuggingFaceLM):
                                  for run in pipeline_stages(len(layers), len(self.devices))],
                 "initial_weights": "drawn as one process draws them, each stage on its device"}
 
-    def enable_activation_checkpointing(self) -> None:
+    def enable_activation_checkpointing(self, layers: int | None = None) -> None:
         raise ValueError("pipeline stages of the hf backend run inference only")
 
 

@@ -62,9 +62,10 @@ def mixed_precision(policy: PrecisionPolicy):
 
 
 def parallelize(lm: CausalLM, strategy: str, policy: PrecisionPolicy, rank: Rank, *,
-                activation_checkpointing: bool = False, compile: bool = False,
-                offload: bool = False, mesh=None) -> dict[str, Any]:
-    """Apply activation checkpointing, per-layer compile and ``strategy`` to ``lm`` in place (DDP
+                activation_checkpointing: bool = False, checkpointed_layers: int | None = None,
+                compile: bool = False, offload: bool = False, mesh=None) -> dict[str, Any]:
+    """Apply activation checkpointing (of the first ``checkpointed_layers`` decoder layers, every one when
+    None), per-layer compile and ``strategy`` to ``lm`` in place (DDP
     replaces ``lm.module`` by its wrapper); return what was applied, for the result row. Call it
     inside ``fitbench.run.ranks.process_group``, after the build and before the optimizer exists
     (``fitbench.run.loops.make_step``), on every rank.
@@ -83,14 +84,16 @@ def parallelize(lm: CausalLM, strategy: str, policy: PrecisionPolicy, rank: Rank
     by default every rank of the job, after rank 0's weights are broadcast."""
     model: NativeCausalLM = lm.module
     if activation_checkpointing:
-        lm.enable_activation_checkpointing()
+        lm.enable_activation_checkpointing(checkpointed_layers)
     if compile:
         # per layer, not the whole model: the graph of a layer is the same for every layer, and DDP's
         # and FSDP's communication stays between compiled regions
         for layer in model.model.layers:
             layer.compile()
     applied: dict[str, Any] = {"strategy": strategy, "world_size": rank.world_size,
-                               "activation_checkpointing": activation_checkpointing, "compile_per_layer": compile,
+                               "activation_checkpointing": activation_checkpointing,
+                               "checkpointed_layers": checkpointed_layers if activation_checkpointing else None,
+                               "compile_per_layer": compile,
                                "initial_weights": "rank 0's, broadcast"}
     if strategy == "ddp":
         lm.module = wrap_ddp(model, rank)

@@ -130,12 +130,13 @@ def stage_forward(model: NativeCausalLM, stage: Stage, x: torch.Tensor, cache: K
     cos, sin = model.rope_cos[start:start + T], model.rope_sin[start:start + T]
     if stage.first:
         x = model.model.embed_tokens(x)  # (B, T, C)
-    recompute = model.activation_checkpointing and torch.is_grad_enabled()
+    recompute = torch.is_grad_enabled()
     layer_caches = cache.layers() if cache is not None else [None] * len(stage.layers)
-    for i, layer_cache in zip(stage.layers, layer_caches):
+    for position, (i, layer_cache) in enumerate(zip(stage.layers, layer_caches)):
         layer = model.model.layers[i]
-        x = checkpoint(layer, x, cos, sin, layer_cache, start, use_reentrant=False) if recompute else \
-            layer(x, cos, sin, layer_cache, start)
+        # the stage's first checkpointed_layers recompute: counted within the stage (NativeCausalLM.checkpoints)
+        x = checkpoint(layer, x, cos, sin, layer_cache, start, use_reentrant=False) \
+            if recompute and model.checkpoints(position) else layer(x, cos, sin, layer_cache, start)
     if not stage.last:
         return x
     x = model.model.norm(x)
@@ -242,8 +243,9 @@ class PipelineLM(CausalLM):
         raise NotImplementedError("a pipeline stage holds part of the model: its logits exist on the last stage "
                                   "of a pipelined forward (forward_pass)")
 
-    def enable_activation_checkpointing(self) -> None:
+    def enable_activation_checkpointing(self, layers: int | None = None) -> None:
         self.module.activation_checkpointing = True
+        self.module.checkpointed_layers = layers
 
     def compile(self) -> None:
         for i in self.stage.layers:

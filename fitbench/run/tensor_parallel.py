@@ -433,7 +433,8 @@ def _sum_gradients(tensor: torch.Tensor, mesh) -> torch.Tensor:
 
 
 def parallelize_layout(lm: CausalLM, layout: Layout, policy: PrecisionPolicy, rank: Rank, mesh,
-                       applied: dict[str, Any], *, activation_checkpointing: bool = False, compile: bool = False,
+                       applied: dict[str, Any], *, activation_checkpointing: bool = False,
+                       checkpointed_layers: int | None = None, compile: bool = False,
                        offload: bool = False) -> dict[str, Any]:
     """The rest of ``layout`` on ``lm``, whose tensor parallelism ``build_tensor_parallel`` applied
     (``applied``) over ``mesh`` (``device_mesh``), in torchtitan's order: activation checkpointing,
@@ -442,12 +443,14 @@ def parallelize_layout(lm: CausalLM, layout: Layout, policy: PrecisionPolicy, ra
     applied = {"strategy": layout.strategy, "world_size": rank.world_size, **applied}
     if layout.dp_shard > 1:
         return {**parallelize(lm, "fsdp", policy, rank, activation_checkpointing=activation_checkpointing,
+                              checkpointed_layers=checkpointed_layers,
                               compile=compile, offload=offload, mesh=mesh["dp_shard"]), **applied}
     if activation_checkpointing:
-        lm.enable_activation_checkpointing()
+        lm.enable_activation_checkpointing(checkpointed_layers)
     if compile:
         lm.compile()
-    return {**applied, "activation_checkpointing": activation_checkpointing, "compile": compile}
+    return {**applied, "activation_checkpointing": activation_checkpointing,
+            "checkpointed_layers": checkpointed_layers if activation_checkpointing else None, "compile": compile}
 
 
 def build_layout(arch, layout: Layout, policy: PrecisionPolicy, mode: str, seq_len: int, rank: Rank, *,

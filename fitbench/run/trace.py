@@ -90,8 +90,10 @@ class TracedPeak:
 
 def trace_peak(arch: Architecture, mode: str, precision: str, batch: int, seq_len: int, *,
                new_tokens: int = DECODE_STEPS + 1, activation_checkpointing: bool = False,
-               device: str | None = None, backend: str = "native", fused: bool = False) -> TracedPeak:
+               checkpointed_layers: int | None = None, device: str | None = None, backend: str = "native",
+               fused: bool = False) -> TracedPeak:
     """Peak live bytes of ``mode`` for ``arch`` on ``backend`` (native or hf), traced with fake tensors;
+    ``checkpointed_layers``: with checkpointing, the first N layers' (every layer's when None);
     ``fused``: the native model with its fused projections, as a run on one GPU builds it."""
     from torch._subclasses.fake_tensor import FakeTensorMode
 
@@ -104,7 +106,7 @@ def trace_peak(arch: Architecture, mode: str, precision: str, batch: int, seq_le
 
     module = _meta_module(arch, backend, policy.weight_dtype, fused)
     with FakeTensorMode(allow_non_fake_inputs=True):
-        lm = _fake_model(arch, module, backend, policy, target, activation_checkpointing)
+        lm = _fake_model(arch, module, backend, policy, target, activation_checkpointing, checkpointed_layers)
         tracker = LiveStorage()
         for tensor in [*lm.module.parameters(), *lm.module.buffers()]:
             tracker.adopt(tensor)
@@ -131,7 +133,7 @@ def _meta_module(arch: Architecture, backend: str, dtype: torch.dtype, fused: bo
 
 
 def _fake_model(arch: Architecture, module: nn.Module, backend: str, policy, target: torch.device,
-                activation_checkpointing: bool) -> CausalLM:
+                activation_checkpointing: bool, checkpointed_layers: int | None = None) -> CausalLM:
     """The meta ``module`` given fake storage, wrapped as ``fitbench.models.backends.load_model``
     wraps it (called inside ``FakeTensorMode``)."""
     if backend == "native":
@@ -153,5 +155,5 @@ def _fake_model(arch: Architecture, module: nn.Module, backend: str, policy, tar
         module.tie_weights()
         lm = HuggingFaceLM(module, static_cache=policy.compute_dtype == policy.weight_dtype)
     if activation_checkpointing:
-        lm.enable_activation_checkpointing()
+        lm.enable_activation_checkpointing(checkpointed_layers)
     return lm

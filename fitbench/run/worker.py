@@ -211,16 +211,18 @@ def measure(assignment: Assignment, device: torch.device, scratch: Path, rank: R
             phases.enter(f"applying {spec.layout.strategy}", collective=True)
             parallel = parallelize_layout(lm, spec.layout, policy, rank, built.mesh, built.parallel,
                                           activation_checkpointing=spec.activation_checkpointing,
+                                          checkpointed_layers=spec.checkpointed_layers,
                                           compile=spec.compile, offload=spec.fsdp_offload)
         weight_bytes, weight_method = weight_storage_bytes(lm.module), "parameter storage of this rank's shards"
     elif spec.layout.dp_replicate > 1 or spec.layout.dp_shard > 1:
         phases.enter(f"applying {spec.layout.strategy}, which broadcasts rank 0's weights", collective=True)
         parallel = parallelize(lm, spec.layout.strategy, policy, rank,
-                               activation_checkpointing=spec.activation_checkpointing, compile=spec.compile,
+                               activation_checkpointing=spec.activation_checkpointing,
+                               checkpointed_layers=spec.checkpointed_layers, compile=spec.compile,
                                offload=spec.fsdp_offload)
     else:
         if spec.activation_checkpointing:
-            lm.enable_activation_checkpointing()
+            lm.enable_activation_checkpointing(spec.checkpointed_layers)
         if spec.compile:
             lm.compile()
     if parallel is not None and device.type == "cuda":
