@@ -15,12 +15,13 @@ out=${1:?usage: benchmarks/vs_one_gpu.sh OUT_DIR GPUS}
 gpus=${2:?usage: benchmarks/vs_one_gpu.sh OUT_DIR GPUS [decode|sharded|weak|all]}
 part=${3:-all}
 fitbench=${FITBENCH:-fitbench}
-# a directory holds one sweep: each run its own; one that already holds a row is not run again, so a call
-# cut short by a time limit is continued by the same command
+# a directory holds one sweep: each run its own; one that already holds a row is not run again and one
+# begun without finishing is resumed, so a call cut short by a time limit is continued by the same command
 run() {
   local dir=$1; shift
   [ -s "$out/$dir/results.jsonl" ] && return 0
-  $fitbench run "$@" --out "$out/$dir" || true
+  if [ -f "$out/$dir/sweep.json" ]; then $fitbench run --resume "$out/$dir" || true
+  else $fitbench run "$@" --out "$out/$dir" || true; fi
 }
 
 decode=(--models 13B --mode infer --precision bf16-pure --batch-size 1 --seq-len 512 --new-tokens 64
