@@ -455,6 +455,29 @@ def test_tensor_parallel_decoding_pays_two_all_reduces_a_layer():
     assert two.terms["memory"] == pytest.approx(one.terms["memory"] / 2)
 
 
+def test_a_tensor_parallel_forward_runs_the_residual_stream_whole_on_every_rank():
+    """tiny, bf16-pure forward, 4 x 128 over TP 2, by hand: each rank moves half of the heads' and the
+    MLP's elementwise bytes and all of the norms' and residual adds' (no sequence parallelism outside
+    training), writes and sums the whole logits, and the logits are all-gathered."""
+    arch = resolve("tiny")
+    n, T = 4 * 128, 128
+    links = BusBandwidth(100e9, 100e9, "test", 15e-6, 25e-6)
+    got = forecast_step_time(arch, "forward", "bf16-pure", 4, T, new_tokens=1, parallelism=Parallelism("tp", 2),
+                             gpu_name=H100, ceiling=ROUND, links=links)
+    L, h, f, V = arch.num_layers, arch.hidden_size, arch.ffn_size, arch.vocab_size
+    k = arch.num_kv_heads * arch.head_dim
+    residual = 2 * 42 * h + 2 * 6 * h  # two bf16 norms, two residual adds
+    split = 20 * (h + k) + 4 * (h + k) + 10 * f  # rotary, attention's tensors, SwiGLU
+    assert forecast.residual_stream_traffic(arch, Widths.of("bf16-pure")) == residual
+    assert got.terms["memory"] == pytest.approx((n * L * (residual + split / 2) + n * 2 * 2 * V) / 2e12)
+    all_reduces = 2 * L * (15e-6 + 2 * (2 - 1) / 2 * n * h * 2 / 100e9)
+    logits = 25e-6 + (2 - 1) / 2 * n * V * 2 / 100e9
+    assert got.communication_s == pytest.approx(all_reduces + logits)
+    # training splits the residual stream along the sequence too
+    assert forecast.sequence_parallel("native", True, T, 2) and not forecast.sequence_parallel("native", False, T, 2)
+    assert not forecast.sequence_parallel("hf", True, T, 2) and not forecast.sequence_parallel("native", True, 127, 2)
+
+
 def test_offloaded_layers_stream_at_the_hooks_rate():
     arch = resolve("65B")
     offloaded = 50e9
