@@ -259,7 +259,11 @@ FSDP_HOST_S_PER_LAYER = 5.58e-3
 # gathered and reduced through DTensor): the median of the three committed FSDP x TP training rows on
 # 4 H100s, each solved for the value at which its forecast is its measured step
 # (2026-11-27-h100x4-vs-one-gpu/13b-fsdp2-tp2; 2026-11-27-h100x4-auto-vs-best/13b-train/fsdp-4-tp2 and
-# 30b-train/fsdp-4-tp2-checkpointed).
+# 30b-train/fsdp-4-tp2-checkpointed). Eager steps only: under ``torch.compile`` each layer is a compiled
+# region that runs on the DTensors' local shards, its kernels launched at a plain operator's rate
+# (HOST_OP_S), and what stays eager per layer is FSDP2's own (FSDP_HOST_S_PER_LAYER): 13B FSDP 2 x TP 2
+# compiled on 4 H100s (2026-11-27-h100x4-vs-one-gpu-2/sharded/13B-fsdp-tp2-compile) took 480 ms, where
+# DTensor's eager host time would put it at 843 ms.
 FSDP_TP_HOST_S_PER_LAYER = 14.6e-3
 # A forward step runs one of a training step's three gathered passes (forward; backward's gather and
 # reduce-scatter): its share of the per-layer host time, counted in proportion.
@@ -564,10 +568,12 @@ def _pass_time(arch: Architecture, mode: str, precision: str, batch: int, seq_le
     ops = share * L * per_layer + edges + chunks * (LOSS_CHUNK_OPS if fused_loss else CHUNKED_LOSS_CHUNK_OPS)
     kernels_s = ops * KERNEL_S
     device_s = matmul_s + attention_s + memory_s + optimizer_s + kernels_s
-    host_s = ops * _host_op_s(run.backend, tp, "training" if training else "inference") + optimizer_s
+    # a compiled region runs on the DTensors' local shards: its kernels launch at a plain operator's rate
+    host_s = ops * _host_op_s(run.backend, 1 if run.compiled else tp, "training" if training else "inference") \
+        + optimizer_s
     host_s += share * L * recomputed * CHECKPOINT_HOST_S if not run.compiled else 0.0
     if parallelism.shards > 1:  # FSDP2's hooks, copies into and out of its buffers, DTensor's optimizer step
-        per_layer = FSDP_TP_HOST_S_PER_LAYER if tp > 1 else FSDP_HOST_S_PER_LAYER
+        per_layer = FSDP_TP_HOST_S_PER_LAYER if tp > 1 and not run.compiled else FSDP_HOST_S_PER_LAYER
         host_s += round(share * L) * per_layer * (1 if training else FSDP_FORWARD_SHARE)
     busy = side_by_side(device_s, host_s)
 
