@@ -478,6 +478,21 @@ def test_a_tensor_parallel_forward_runs_the_residual_stream_whole_on_every_rank(
     assert not forecast.sequence_parallel("hf", True, T, 2) and not forecast.sequence_parallel("native", True, 127, 2)
 
 
+def test_a_compiled_fsdp_tp_step_launches_its_kernels_at_a_plain_operators_rate():
+    """13B, bf16-pure, 2 x 2048 over FSDP 2 x TP 2: eagerly every operator goes through DTensor and each
+    layer costs FSDP x TP's host time; compiled, the regions run on local shards, so their kernels cost
+    a plain operator's host time and each layer FSDP2's own."""
+    arch = resolve("13B")
+    parallelism = Parallelism(layout=Layout(dp_shard=2, tp=2))
+    eager, compiled = (forecast_step_time(arch, "train", "bf16-pure", 2, 2048, new_tokens=1, parallelism=parallelism,
+                                          gpu_name=H100, ceiling=ROUND, run=StepRun(compiled=c)) for c in (False, True))
+    optimizer = compiled.terms["optimizer"]
+    assert eager.host_s == pytest.approx(eager.launches * forecast.DTENSOR_HOST_OP_S["training"] + optimizer
+                                         + arch.num_layers * forecast.FSDP_TP_HOST_S_PER_LAYER)
+    assert compiled.host_s == pytest.approx(compiled.launches * forecast.HOST_OP_S["training"] + optimizer
+                                            + arch.num_layers * forecast.FSDP_HOST_S_PER_LAYER)
+
+
 def test_offloaded_layers_stream_at_the_hooks_rate():
     arch = resolve("65B")
     offloaded = 50e9
@@ -867,3 +882,23 @@ def test_the_busiest_pipeline_stage_sets_the_recomputed_share():
     assert recomputed_share(40, 3, 20) == 1.0
     assert recomputed_share(40, 3, None) == 1.0
     assert recomputed_share(40, 1, 5) == 5 / 40
+
+
+def test_speed_error_takes_a_calibrations_bandwidths_for_the_rows_of_its_machine():
+    """The 4 x H100 host's calibration (305 and 250 GB/s) applies to a row of that GPU, torch and GPU
+    count, with the interconnect's in-step latency; a row of 2 GPUs or another torch keeps the defaults."""
+    script = error_script()
+    stored = json.loads((RESULTS / "2026-11-27-h100x4-tp-steps/calibration.json").read_text())
+    calibrations = {key: dataclasses.replace(DEFAULT, **fields) for key, fields in stored.items()}
+    row = measured_row("2026-11-27-h100x4-tp-steps/13b-forward-tp4")
+    calibration = script.calibration_for(row, calibrations)
+    assert calibration.all_reduce_bus_bandwidth == pytest.approx(305.4e9, rel=1e-3)
+    two = dict(row, environment=dict(row["environment"], gpus=row["environment"]["gpus"][:2]))
+    other = dict(row, environment=dict(row["environment"], torch="2.10.0"))
+    assert script.calibration_for(two, calibrations) is None and script.calibration_for(other, calibrations) is None
+    # its bandwidths lengthen the row's 80 all-reduces of 8 x 1024 x 5120 bf16 activations and the logits' gather
+    measured, default = script.row_error(row)
+    _, calibrated = script.row_error(row, calibrations)
+    activation, logits = 8 * 1024 * 5120 * 2, 8 * 1024 * 32000 * 2
+    longer = 80 * 1.5 * activation * (1 / 305.4238e9 - 1 / 450e9) + 0.75 * logits * (1 / 249.924e9 - 1 / 450e9)
+    assert calibrated - default == pytest.approx(longer, rel=1e-3)
