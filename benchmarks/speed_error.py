@@ -17,7 +17,13 @@ allocator retried inside them, or, in rows older than its counter, the NVML peak
 ``AT_CAPACITY`` of the GPU's memory), which the planner keeps configurations off
 (``fitbench.plan.planner.RETRY_MARGIN``).
 
-Usage: python benchmarks/speed_error.py RESULT_DIRS... [--markdown FILE] [--min-gpus N]
+Collectives: the interconnect's defaults (``fitbench.plan.collectives``); with --calibration FILE (a
+calibration.json of ``fitbench calibrate --gpus N``), the bus bandwidths it measured for the rows of its
+GPU name and torch version on a machine of as many GPUs (``calibration_for``), the in-step latencies
+staying the defaults: calibrate times its small messages from back-to-back eager calls, whose host
+launch sets their pace, while a decode step's collectives replay inside a CUDA graph.
+
+Usage: python benchmarks/speed_error.py RESULT_DIRS... [--markdown FILE] [--min-gpus N] [--calibration FILE]
 
 Each directory is one sweep's or holds several; every ``results.jsonl`` under it is read. Per directory
 and over all of them: the median and the worst |error|, and the median per mode (train, which counts
@@ -27,11 +33,14 @@ forward-backward, forward, infer).
 from __future__ import annotations
 
 import argparse
+import json
 import statistics
 from dataclasses import replace
 from pathlib import Path
 
 from fitbench.models.registry import resolve
+from fitbench.plan.calibration import Calibration
+from fitbench.plan.collectives import bus_bandwidth
 from fitbench.plan.forecast import ceilings, forecast_spec, step_run
 from fitbench.results.store import ResultStore
 from fitbench.run.snapshot import RECORDING_WARNING
@@ -80,8 +89,10 @@ def not_a_speed(row: dict, sweep: Path) -> str | None:
     return None
 
 
-def row_error(row: dict) -> tuple[float, float] | None:
-    """(measured, forecast) seconds of one measured row, or None where it has no measured step."""
+def row_error(row: dict, calibrations: dict[str, Calibration] | None = None) -> tuple[float, float] | None:
+    """(measured, forecast) seconds of one measured row, or None where it has no measured step;
+    ``calibrations`` (a calibration.json's entries, ``calibration_for``) give the collectives' constants
+    of the rows they hold an entry for."""
     timing = row.get("timing") or {}
     spec = RunSpec.model_validate(row["spec"])
     measured = (timing.get("token_latency" if spec.mode == "infer" else "step") or {}).get("median")
@@ -100,9 +111,27 @@ def row_error(row: dict) -> tuple[float, float] | None:
     run = replace(step_run(spec, decoding), fused=started >= FUSED_SINCE, functions=started >= FUNCTIONS_SINCE,
                   fused_loss=started >= FUSED_LOSS_SINCE, tp_fused=started >= TP_FUSED_SINCE, one_shot=one_shot,
                   transformers=row["environment"].get("transformers") or "0")
+    calibration = calibration_for(row, calibrations or {})
+    links = None
+    if calibration is not None:  # its bandwidths; the in-step latencies stay the interconnect's (module docstring)
+        default = bus_bandwidth(gpu)
+        links = replace(bus_bandwidth(gpu, calibration), all_reduce_latency=default.all_reduce_latency,
+                        all_gather_latency=default.all_gather_latency)
     forecast = forecast_spec(resolve(spec.model), spec, gpu, ceiling, run=run,
-                             offloaded_bytes=offload.get("offloaded_bytes") or 0.0)
+                             offloaded_bytes=offload.get("offloaded_bytes") or 0.0, links=links)
     return measured, forecast.seconds
+
+
+def calibration_for(row: dict, calibrations: dict[str, Calibration]) -> Calibration | None:
+    """The entry of ``calibrations`` (keyed as fitbench's calibration.json, "GPU name|torch version") of
+    the row's GPU and torch, where it measured the collectives over as many GPUs as the row's machine
+    has; else None (the forecast's defaults)."""
+    environment = row.get("environment") or {}
+    gpus = environment.get("gpus") or [{}]
+    calibration = calibrations.get(f"{gpus[0].get('name')}|torch {environment.get('torch')}")
+    if calibration is None or not calibration.all_reduce_bus_bandwidth:
+        return None
+    return calibration if f"on {len(gpus)} x " in (calibration.collectives_source or "") else None
 
 
 def summary(errors: list[float]) -> str:
@@ -118,7 +147,12 @@ def main() -> None:
     parser.add_argument("--markdown", type=Path, help="also write the tables and figures to this file")
     parser.add_argument("--min-gpus", type=int, default=1, metavar="N",
                         help="only rows whose layout spans at least N GPUs (2: the several-GPU rows)")
+    parser.add_argument("--calibration", type=Path, metavar="FILE",
+                        help="a calibration.json (fitbench calibrate --gpus N): its collectives' bandwidths and "
+                             "latencies for the rows of its GPU and torch on a machine of as many GPUs")
     args = parser.parse_args()
+    calibrations = ({key: Calibration(**fields) for key, fields in json.loads(args.calibration.read_text()).items()}
+                    if args.calibration else {})
     lines = ["| directory | configuration | mode | measured | forecast | error |", "|---|---|---|---|---|---|"]
     by_directory: dict[str, list[float]] = {}
     by_mode: dict[str, list[float]] = {}
@@ -130,7 +164,7 @@ def main() -> None:
             for row in ResultStore(sweep).rows():
                 if RunSpec.model_validate(row["spec"]).layout.world_size < args.min_gpus:
                     continue
-                pair = row_error(row)
+                pair = row_error(row, calibrations)
                 if pair is None:
                     continue
                 reason = not_a_speed(row, sweep)

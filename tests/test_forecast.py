@@ -455,6 +455,44 @@ def test_tensor_parallel_decoding_pays_two_all_reduces_a_layer():
     assert two.terms["memory"] == pytest.approx(one.terms["memory"] / 2)
 
 
+def test_a_tensor_parallel_forward_runs_the_residual_stream_whole_on_every_rank():
+    """tiny, bf16-pure forward, 4 x 128 over TP 2, by hand: each rank moves half of the heads' and the
+    MLP's elementwise bytes and all of the norms' and residual adds' (no sequence parallelism outside
+    training), writes and sums the whole logits, and the logits are all-gathered."""
+    arch = resolve("tiny")
+    n, T = 4 * 128, 128
+    links = BusBandwidth(100e9, 100e9, "test", 15e-6, 25e-6)
+    got = forecast_step_time(arch, "forward", "bf16-pure", 4, T, new_tokens=1, parallelism=Parallelism("tp", 2),
+                             gpu_name=H100, ceiling=ROUND, links=links)
+    L, h, f, V = arch.num_layers, arch.hidden_size, arch.ffn_size, arch.vocab_size
+    k = arch.num_kv_heads * arch.head_dim
+    residual = 2 * 42 * h + 2 * 6 * h  # two bf16 norms, two residual adds
+    split = 20 * (h + k) + 4 * (h + k) + 10 * f  # rotary, attention's tensors, SwiGLU
+    assert forecast.residual_stream_traffic(arch, Widths.of("bf16-pure")) == residual
+    assert got.terms["memory"] == pytest.approx((n * L * (residual + split / 2) + n * 2 * 2 * V) / 2e12)
+    all_reduces = 2 * L * (15e-6 + 2 * (2 - 1) / 2 * n * h * 2 / 100e9)
+    logits = 25e-6 + (2 - 1) / 2 * n * V * 2 / 100e9
+    assert got.communication_s == pytest.approx(all_reduces + logits)
+    # training splits the residual stream along the sequence too
+    assert forecast.sequence_parallel("native", True, T, 2) and not forecast.sequence_parallel("native", False, T, 2)
+    assert not forecast.sequence_parallel("hf", True, T, 2) and not forecast.sequence_parallel("native", True, 127, 2)
+
+
+def test_a_compiled_fsdp_tp_step_launches_its_kernels_at_a_plain_operators_rate():
+    """13B, bf16-pure, 2 x 2048 over FSDP 2 x TP 2: eagerly every operator goes through DTensor and each
+    layer costs FSDP x TP's host time; compiled, the regions run on local shards, so their kernels cost
+    a plain operator's host time and each layer FSDP2's own."""
+    arch = resolve("13B")
+    parallelism = Parallelism(layout=Layout(dp_shard=2, tp=2))
+    eager, compiled = (forecast_step_time(arch, "train", "bf16-pure", 2, 2048, new_tokens=1, parallelism=parallelism,
+                                          gpu_name=H100, ceiling=ROUND, run=StepRun(compiled=c)) for c in (False, True))
+    optimizer = compiled.terms["optimizer"]
+    assert eager.host_s == pytest.approx(eager.launches * forecast.DTENSOR_HOST_OP_S["training"] + optimizer
+                                         + arch.num_layers * forecast.FSDP_TP_HOST_S_PER_LAYER)
+    assert compiled.host_s == pytest.approx(compiled.launches * forecast.HOST_OP_S["training"] + optimizer
+                                            + arch.num_layers * forecast.FSDP_HOST_S_PER_LAYER)
+
+
 def test_offloaded_layers_stream_at_the_hooks_rate():
     arch = resolve("65B")
     offloaded = 50e9
@@ -844,3 +882,23 @@ def test_the_busiest_pipeline_stage_sets_the_recomputed_share():
     assert recomputed_share(40, 3, 20) == 1.0
     assert recomputed_share(40, 3, None) == 1.0
     assert recomputed_share(40, 1, 5) == 5 / 40
+
+
+def test_speed_error_takes_a_calibrations_bandwidths_for_the_rows_of_its_machine():
+    """The 4 x H100 host's calibration (305 and 250 GB/s) applies to a row of that GPU, torch and GPU
+    count, with the interconnect's in-step latency; a row of 2 GPUs or another torch keeps the defaults."""
+    script = error_script()
+    stored = json.loads((RESULTS / "2026-11-27-h100x4-tp-steps/calibration.json").read_text())
+    calibrations = {key: dataclasses.replace(DEFAULT, **fields) for key, fields in stored.items()}
+    row = measured_row("2026-11-27-h100x4-tp-steps/13b-forward-tp4")
+    calibration = script.calibration_for(row, calibrations)
+    assert calibration.all_reduce_bus_bandwidth == pytest.approx(305.4e9, rel=1e-3)
+    two = dict(row, environment=dict(row["environment"], gpus=row["environment"]["gpus"][:2]))
+    other = dict(row, environment=dict(row["environment"], torch="2.10.0"))
+    assert script.calibration_for(two, calibrations) is None and script.calibration_for(other, calibrations) is None
+    # its bandwidths lengthen the row's 80 all-reduces of 8 x 1024 x 5120 bf16 activations and the logits' gather
+    measured, default = script.row_error(row)
+    _, calibrated = script.row_error(row, calibrations)
+    activation, logits = 8 * 1024 * 5120 * 2, 8 * 1024 * 32000 * 2
+    longer = 80 * 1.5 * activation * (1 / 305.4238e9 - 1 / 450e9) + 0.75 * logits * (1 / 249.924e9 - 1 / 450e9)
+    assert calibrated - default == pytest.approx(longer, rel=1e-3)

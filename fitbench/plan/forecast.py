@@ -32,7 +32,11 @@ Training and forward passes (``_pass_time``), per data-parallel rank, n = B x T 
   ``FUNCTIONS_BACKWARD_TRAFFIC``), the loss over the logits (``loss_traffic``, the fused loss's or the
   out-of-place one's),
   per parameter AdamW's read-modify-write and autocast's 16-bit copies of the weights, a quantized
-  base's weights (and their dequantized copies), float8 training's dynamic casts;
+  base's weights (and their dequantized copies), float8 training's dynamic casts; over tensor
+  parallelism each rank moves 1 / tp of the heads' and the MLP's bytes and the residual stream's
+  (norms, residual adds: ``residual_stream_traffic``) whole, 1 / tp of it only where sequence
+  parallelism splits it (``sequence_parallel``), and the loss (or a forward's sum) over the whole logits,
+  which are all-gathered onto every rank;
 - the host: ``layer_ops`` operators per layer (counted in fitbench's own step), the loss' chunks, the
   edges. The fused AdamW update is a handful of launches whose device time the host waits out at the
   end of the step, so it adds to the host's clock. A checkpointed layer costs ``CHECKPOINT_HOST_S``
@@ -255,7 +259,11 @@ FSDP_HOST_S_PER_LAYER = 5.58e-3
 # gathered and reduced through DTensor): the median of the three committed FSDP x TP training rows on
 # 4 H100s, each solved for the value at which its forecast is its measured step
 # (2026-11-27-h100x4-vs-one-gpu/13b-fsdp2-tp2; 2026-11-27-h100x4-auto-vs-best/13b-train/fsdp-4-tp2 and
-# 30b-train/fsdp-4-tp2-checkpointed).
+# 30b-train/fsdp-4-tp2-checkpointed). Eager steps only: under ``torch.compile`` each layer is a compiled
+# region that runs on the DTensors' local shards, its kernels launched at a plain operator's rate
+# (HOST_OP_S), and what stays eager per layer is FSDP2's own (FSDP_HOST_S_PER_LAYER): 13B FSDP 2 x TP 2
+# compiled on 4 H100s (2026-11-27-h100x4-vs-one-gpu-2/sharded/13B-fsdp-tp2-compile) took 480 ms, where
+# DTensor's eager host time would put it at 843 ms.
 FSDP_TP_HOST_S_PER_LAYER = 14.6e-3
 # A forward step runs one of a training step's three gathered passes (forward; backward's gather and
 # reduce-scatter): its share of the per-layer host time, counted in proportion.
@@ -340,12 +348,28 @@ def layer_traffic(arch: Architecture, widths: Widths) -> float:
       expansion's copies, 8 (h + k));
     - two residual adds, (2 r + c) h each;
     - SwiGLU: silu of the gate and its product with up, 5 c f."""
-    h, f, c, r = arch.hidden_size, arch.ffn_size, widths.compute, widths.residual
+    h, f, c = arch.hidden_size, arch.ffn_size, widths.compute
     k = arch.num_kv_heads * arch.head_dim
-    norm = (0 if r == 4 else 2 * (r + 4) + 4 + r) * h + 20 * h + 2 * r * h + (6 * h if widths.autocast else 0)
     expanded = c == 4 and k != h
     attention = 2 * c * (h + (h if expanded else k)) + (8 * (h + k) if expanded else 0)
-    return 2 * norm + 10 * c * (h + k) + attention + 2 * (2 * r + c) * h + 5 * c * f
+    return residual_stream_traffic(arch, widths) + 10 * c * (h + k) + attention + 5 * c * f
+
+
+def residual_stream_traffic(arch: Architecture, widths: Widths) -> float:
+    """The part of ``layer_traffic`` on the residual stream, whole hidden vectors: the two RMSNorms and
+    the two residual adds. Tensor parallelism splits heads and the MLP's width, not these: every rank
+    runs them on the whole activation (``fitbench.run.tensor_parallel``: "the norms replicated"), unless
+    sequence parallelism gives each rank 1 / tp of the sequence (``sequence_parallel``)."""
+    h, c, r = arch.hidden_size, widths.compute, widths.residual
+    norm = (0 if r == 4 else 2 * (r + 4) + 4 + r) * h + 20 * h + 2 * r * h + (6 * h if widths.autocast else 0)
+    return 2 * norm + 2 * (2 * r + c) * h
+
+
+def sequence_parallel(backend: str, training: bool, seq_len: int, tp: int) -> bool:
+    """Whether a tensor-parallel step splits the residual stream along the sequence: the native decoder's
+    training where the sequence divides by the degree (``fitbench.run.tensor_parallel.build_layout``);
+    its forward passes and generation, and transformers' tensor parallelism, keep it whole on every rank."""
+    return tp > 1 and backend == "native" and training and seq_len % tp == 0
 
 
 def loss_traffic(vocab: int, compute: int, training: bool, fused: bool = True) -> float:
@@ -497,10 +521,17 @@ def _pass_time(arch: Architecture, mode: str, precision: str, batch: int, seq_le
     else:
         backward, recomputed_traffic = BACKWARD_TRAFFIC.get(widths_key, 2.0), 1.0
     traffic_passes = (1 + backward + recomputed_traffic * recomputed) if training else 1
-    layers = n * share * L * layer_traffic(arch, widths) * traffic_passes / tp  # a stage's layers alone
+    # a stage's layers alone; each tensor-parallel rank runs 1 / tp of the heads and the MLP, and the
+    # residual stream whole unless sequence parallelism splits it
+    residual = residual_stream_traffic(arch, widths)
+    split = tp if sequence_parallel(run.backend, training, seq_len, tp) else 1
+    per_rank = (layer_traffic(arch, widths) - residual) / tp + residual / split
+    layers = n * share * L * per_rank * traffic_passes
     if run.compiled:
         layers *= COMPILED_TRAFFIC
-    loss = n * loss_traffic(V, widths.compute, training, fused_loss) / tp
+    # the logits are gathered whole on every tensor-parallel rank, which runs the loss (or the forward's
+    # sum) over all of them
+    loss = n * loss_traffic(V, widths.compute, training, fused_loss)
     trainable = 4 * adapter_params(arch) if adapters else widths.weights * arch.total_params
     optimizer = 7 * trainable / (parallelism.shards * tp) if mode == "train" else 0.0
     weights = 0.0
@@ -537,16 +568,19 @@ def _pass_time(arch: Architecture, mode: str, precision: str, batch: int, seq_le
     ops = share * L * per_layer + edges + chunks * (LOSS_CHUNK_OPS if fused_loss else CHUNKED_LOSS_CHUNK_OPS)
     kernels_s = ops * KERNEL_S
     device_s = matmul_s + attention_s + memory_s + optimizer_s + kernels_s
-    host_s = ops * _host_op_s(run.backend, tp, "training" if training else "inference") + optimizer_s
+    # a compiled region runs on the DTensors' local shards: its kernels launch at a plain operator's rate
+    host_s = ops * _host_op_s(run.backend, 1 if run.compiled else tp, "training" if training else "inference") \
+        + optimizer_s
     host_s += share * L * recomputed * CHECKPOINT_HOST_S if not run.compiled else 0.0
     if parallelism.shards > 1:  # FSDP2's hooks, copies into and out of its buffers, DTensor's optimizer step
-        per_layer = FSDP_TP_HOST_S_PER_LAYER if tp > 1 else FSDP_HOST_S_PER_LAYER
+        per_layer = FSDP_TP_HOST_S_PER_LAYER if tp > 1 and not run.compiled else FSDP_HOST_S_PER_LAYER
         host_s += round(share * L) * per_layer * (1 if training else FSDP_FORWARD_SHARE)
     busy = side_by_side(device_s, host_s)
 
     directions = 2 if training else 1
     activation = n * h * widths.compute
     communication_s = tensor_parallel_pass_s(activation, round(share * L), directions, tp, links.tensor)
+    communication_s += links.tensor.all_gather_s(n * V * widths.compute, tp)  # the logits, gathered whole
     microbatches = parallelism.microbatches_of(batch) if training else 1
     communication_s += links.sends_s(activation / microbatches, stages, directions)
     communication_s += offloaded_bytes / OFFLOAD_STREAM_BANDWIDTH
