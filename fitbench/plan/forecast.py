@@ -218,10 +218,15 @@ HOST_OP_S = {"training": 17.1e-6, "inference": 14.0e-6}
 # (2026-11-24-h200-validation/matrix2-inference/2): 19.76 ms over 48 x 24 + 12 operators.
 HF_HOST_OP_S = 17.0e-6
 # Operators dispatched through DTensor (fitbench's tensor-parallel training, transformers' tensor
-# parallelism) propagate their sharding on the host first: 13B training over 2 H200s, checkpointed,
-# 4 x 1024 (2026-11-24-h200x2-model-parallel/13b-train-tp, 928 ms); transformers' 13B decoding over 2
-# H200s (2026-11-24-h200x2-model-parallel/13b-hf-tp-transformers-5.17, 61.5 ms).
-DTENSOR_HOST_OP_S = {"training": 123e-6, "inference": 35e-6}
+# parallelism) propagate their sharding on the host first. Host seconds per such operator, solved from
+# each committed eager row of pure TP (each row's value at which its forecast is its measured step),
+# differ by host: training 123 us on the 2 x H200 host (2026-11-24-h200x2-model-parallel/13b-train-tp),
+# 158 to 194 us on the 4 x H100 host (2026-11-27-h100x4-model-parallel/7, 2026-11-27-h100x4-tp-steps/
+# 13b-train-tp4, 2026-11-27-h100x4-vs-one-gpu-2/sharded/30B); inference 35 us and 48 us
+# (2026-11-24-h200x2-model-parallel/13b-hf-tp-transformers-5.17, 2026-11-27-h100x4-model-parallel/10).
+# A plan does not know its host's speed, so each constant is the geometric mean of the fastest and the
+# slowest host's values, sqrt(min x max): the forecast errs by the same ratio on both.
+DTENSOR_HOST_OP_S = {"training": 154e-6, "inference": 40.9e-6}
 # transformers' models over pipeline stages (``fitbench.run.hf_pipeline``) run in one process, each
 # decoder layer behind accelerate's ``AlignDevicesHook``: before each layer's forward the hook walks its
 # arguments and moves each tensor to the layer's device (a no-op ``.to`` call on all but the first
@@ -256,15 +261,16 @@ CHECKPOINT_HOST_S = 1.42e-3
 # step; their mean.
 FSDP_HOST_S_PER_LAYER = 5.58e-3
 # The same over a 2-D mesh (FSDP x TP: each layer's shards are DTensors sharded on both dimensions,
-# gathered and reduced through DTensor): the median of the three committed FSDP x TP training rows on
-# 4 H100s, each solved for the value at which its forecast is its measured step
-# (2026-11-27-h100x4-vs-one-gpu/13b-fsdp2-tp2; 2026-11-27-h100x4-auto-vs-best/13b-train/fsdp-4-tp2 and
-# 30b-train/fsdp-4-tp2-checkpointed). Eager steps only: under ``torch.compile`` each layer is a compiled
+# gathered and reduced through DTensor), beyond DTensor's per-operator time: the median of the committed
+# eager FSDP x TP training rows on 4 H100s, each solved for the value at which its forecast is its
+# measured step (2026-11-27-h100x4-vs-one-gpu/13b-fsdp2-tp2, 2026-11-27-h100x4-vs-one-gpu-2/sharded/
+# 13B-fsdp-tp2, 2026-11-27-h100x4-model-parallel/11, 2026-11-27-h100x4-auto-vs-best/13b-train/fsdp-4-tp2
+# and 30b-train/fsdp-4-tp2-checkpointed). Eager steps only: under ``torch.compile`` each layer is a compiled
 # region that runs on the DTensors' local shards, its kernels launched at a plain operator's rate
 # (HOST_OP_S), and what stays eager per layer is FSDP2's own (FSDP_HOST_S_PER_LAYER): 13B FSDP 2 x TP 2
 # compiled on 4 H100s (2026-11-27-h100x4-vs-one-gpu-2/sharded/13B-fsdp-tp2-compile) took 480 ms, where
 # DTensor's eager host time would put it at 843 ms.
-FSDP_TP_HOST_S_PER_LAYER = 14.6e-3
+FSDP_TP_HOST_S_PER_LAYER = 10.0e-3
 # A forward step runs one of a training step's three gathered passes (forward; backward's gather and
 # reduce-scatter): its share of the per-layer host time, counted in proportion.
 FSDP_FORWARD_SHARE = 1 / 3
