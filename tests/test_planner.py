@@ -209,13 +209,27 @@ def test_70b_on_two_80gb_gpus_tp2_fits_and_beats_pipeline2():
     assert tp2.speed.seconds == pytest.approx(tp2_seconds, rel=1e-9)
     assert pipeline2.speed.seconds == pytest.approx(pipeline2_seconds, rel=1e-9)
     assert tp2_seconds < pipeline2_seconds
-    # 71 GB of 80 is within the allocator-retry margin: the ladder's next rung, clear of it, comes first,
-    # and tp 2 only where the ladder has nothing else, with a note saying so
-    assert tp2.fits and not tp2.clear and tp2.predicted_peak > (1 - RETRY_MARGIN) * 80e9
+    # 71 GB of 80 is clear of the allocator-retry margin (9.2%): the first rung's fastest layout is chosen
+    assert tp2.clear and tp2.predicted_peak <= (1 - RETRY_MARGIN) * 80e9
+    assert result.chosen.candidate == tp2.candidate
+
+
+def test_70b_within_the_retry_margin_takes_the_next_rung_clear_of_it():
+    """On two GPUs of 77 GB, bf16-pure's 71 GB (tp 2) and 70.8 GB (two stages) fit but lie within
+    RETRY_MARGIN of the memory: the ladder's next rung, clear of it, comes first, and tp 2 only where the
+    ladder has nothing else, with a note saying so."""
+    def infer(**kwargs):
+        return plan(resolve("llama-2-70b"), "infer", GpuTarget(H100, 2, 77e9, described=True), seq_len=128,
+                    new_tokens=128, batch_sizes=[1], **kwargs)
+    result = infer()
+    by_layout = {(a.candidate.precision, a.candidate.strategy, a.candidate.gpus): a for a in result.feasible}
+    tp2 = by_layout[("bf16-pure", "tp", 2)]
+    assert tp2.fits and not tp2.clear and tp2.predicted_peak > (1 - RETRY_MARGIN) * 77e9
     assert result.chosen.clear and result.chosen.candidate.precision != "bf16-pure"
-    bf16_only = infer_70b(2, precisions=["bf16-pure"])
+    bf16_only = infer(precisions=["bf16-pure"])
     assert bf16_only.chosen.candidate == tp2.candidate
-    assert any("within 12.5% of the GPU's memory" in note for note in bf16_only.notes)
+    assert any(f"within {RETRY_MARGIN:.1%} of the GPU's memory" in note for note in bf16_only.notes)
+    assert f"{RETRY_MARGIN:.1%}" == "9.2%"
 
 
 # ---- 2. the precision ladder ---------------------------------------------------------------------
