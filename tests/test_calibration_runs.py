@@ -1,35 +1,30 @@
-"""The calibration's overheads from several runs of one kind of step: the largest context, since a
-sampled NVML peak can only read short of it."""
+"""The calibration's overheads from a row's memory report: the context the larger of its sampled NVML
+peak less the reserved peak and its reading as the step ended, since a sampled peak can only read short."""
 
 import pytest
 
-from fitbench.launch.calibrate import CALIBRATION_RUNS, overheads_of_runs
+from fitbench.launch.calibrate import overheads
 
 MB = 1e6
 
 
-def gpu(nvml: float, reserved: float, allocated: float) -> dict:
-    return {"nvml_peak_used": nvml, "peak_reserved": reserved, "peak_allocated": allocated}
+def gpu(nvml: float, reserved: float, allocated: float, context_end: float | None = None) -> dict:
+    return {"nvml_peak_used": nvml, "peak_reserved": reserved, "peak_allocated": allocated,
+            "nvml_context_end": context_end}
 
 
-def test_largest_context_over_runs_by_hand():
-    # the 1B generation's ranks on one host: 3035 - 2240 = 795 MB, and one rank's sample short at 2972 MB
-    runs = [gpu(2972 * MB, 2240 * MB, 2181 * MB), gpu(3035 * MB, 2240 * MB, 2181 * MB),
-            gpu(3014 * MB, 2240 * MB, 2181 * MB)]
-    context, workspace = overheads_of_runs(runs, tensors=2114 * MB)
+def test_a_sampled_peak_that_read_short_gives_way_to_the_end_reading():
+    # the 1B generation's rank whose sample read 2972 MB beside 2240 MB reserved: 732 MB; at the end, 795 MB
+    context, workspace = overheads(gpu(2972 * MB, 2240 * MB, 2181 * MB, context_end=795 * MB), tensors=2114 * MB)
     assert context == pytest.approx(795 * MB)
     assert workspace == pytest.approx(67 * MB)  # 2181 - 2114
 
 
-def test_one_short_run_alone_reads_short():
-    context, _ = overheads_of_runs([gpu(2972 * MB, 2240 * MB, 2181 * MB)], tensors=0.0)
+def test_the_larger_reading_wins_either_way():
+    context, _ = overheads(gpu(3035 * MB, 2240 * MB, 2181 * MB, context_end=780 * MB), tensors=0.0)
+    assert context == pytest.approx(795 * MB)  # 3035 - 2240
+
+
+def test_rows_without_the_end_reading_use_the_sampled_peak():
+    context, _ = overheads(gpu(2972 * MB, 2240 * MB, 2181 * MB), tensors=0.0)
     assert context == pytest.approx(732 * MB)
-
-
-def test_no_runs_is_an_error():
-    with pytest.raises(ValueError):
-        overheads_of_runs([], tensors=0.0)
-
-
-def test_several_runs_by_default():
-    assert CALIBRATION_RUNS >= 3

@@ -34,38 +34,27 @@ KIB, MIB = 1024, 1024**2
 # 10 kB for the 13B, 16 kB for Llama-2-70B); NCCL's bus bandwidth on NVLink levels off from a few
 # hundred MB (nccl-tests' curves). gloo on a CPU only has to exercise the code path.
 COLLECTIVE_RUNS = {"nccl": ((16 * KIB, 20, 200), (256 * MIB, 5, 20)), "gloo": ((16 * KIB, 5, 20), (4 * MIB, 2, 5))}
-# Runs of each kind of step a calibration measures, its overheads the largest of them
-# (``overheads_of_runs``): one run's context read short 3 times in 16 (the ranks of the 1B and 3B
-# generations at 1 x 128 + 128 over 4 replicas in benchmarks/results/2026-11-27-h100x4-default-job and
-# 2026-11-27-h100x4-replicas/default), so three runs all short about one time in 150.
-CALIBRATION_RUNS = 3
-
 # Bytes each rank moves per byte of the message (nccl-tests' bus bandwidth factors, over g ranks).
 RING_FACTOR = {"all_reduce": lambda g: 2 * (g - 1) / g, "all_gather": lambda g: (g - 1) / g}
 
 
-def measure_calibration(device: str, scratch: Path, runs: int = CALIBRATION_RUNS) -> Calibration:
+def measure_calibration(device: str, scratch: Path) -> Calibration:
     """Run ``tiny`` training, generating and a forward pass on ``device`` through the real worker, each in the
-    first precision of its mode's default ladder (``DEFAULT_LADDER``: what the planner tries first) and each
-    ``runs`` times in a fresh process, and read off the context (NVML minus reserved) and the workspaces
-    (allocated peak minus the traced tensor peak): the largest over the runs (``overheads_of_runs``)."""
+    first precision of its mode's default ladder (``DEFAULT_LADDER``: what the planner tries first) and in a
+    fresh process, and read off the context and the workspaces (``overheads``)."""
     found = {}
     for mode in ("train", "infer", "forward"):
         precision, batch, seq_len = DEFAULT_LADDER[mode][0], 4, 256
         spec = RunSpec(model="tiny", backend="native", mode=mode, precision=precision, batch_size=batch,
                        seq_len=seq_len, new_tokens=8, device=device, warmup_steps=2, measure_steps=3)
-        gpus = []
-        for attempt in range(runs):
-            row = run_one(Assignment(spec=spec), scratch / f"{mode}-{attempt}.log", timeout=600,
-                          on_event=lambda event: None)
-            if row.status != "ok":
-                raise RuntimeError(f"calibration run {spec.label} ended {row.status}: {row.error}")
-            gpu = row.memory["gpus"][0]
-            if not gpu.get("nvml_peak_used"):
-                raise RuntimeError("NVML is unavailable, so the CUDA context cannot be measured")
-            gpus.append(gpu)
+        row = run_one(Assignment(spec=spec), scratch / f"{mode}.log", timeout=600, on_event=lambda event: None)
+        if row.status != "ok":
+            raise RuntimeError(f"calibration run {spec.label} ended {row.status}: {row.error}")
+        gpu = row.memory["gpus"][0]
+        if not gpu.get("nvml_peak_used"):
+            raise RuntimeError("NVML is unavailable, so the CUDA context cannot be measured")
         tensors = trace_peak(resolve("tiny"), mode, precision, batch, seq_len, new_tokens=8, device="cuda").peak_bytes
-        found[mode] = overheads_of_runs(gpus, tensors)
+        found[mode] = overheads(gpu, tensors)
     measured_at = time.strftime('%Y-%m-%dT%H:%M:%SZ', time.gmtime())
     return Calibration(
         cuda_context_training=float(found["train"][0]), cuda_context_inference=float(found["infer"][0]),
@@ -73,29 +62,29 @@ def measure_calibration(device: str, scratch: Path, runs: int = CALIBRATION_RUNS
         cuda_context_eager=float(found["forward"][0]), workspace_eager=float(found["forward"][1]),
         nccl_per_communicator=DEFAULT.nccl_per_communicator,
         source=f"measured on {torch.cuda.get_device_name(torch.device(device))} with torch {torch.__version__} "
-               f"at {measured_at}, the largest of {runs} runs of each step",
+               f"at {measured_at}",
         measured_at=measured_at,
     )
 
 
-def overheads_of_runs(gpus: list[dict], tensors: float) -> tuple[float, float]:
-    """The CUDA context and the workspaces of one kind of step from the memory reports (``memory.gpus[0]``
-    of its rows) of several runs of it, and its traced tensor peak: the largest context,
-    max(``nvml_peak_used`` - ``peak_reserved``), and the largest workspaces, max(``peak_allocated``) -
-    ``tensors``.
+def overheads(gpu: dict, tensors: float) -> tuple[float, float]:
+    """The CUDA context and the workspaces of one kind of step from its row's memory report
+    (``memory.gpus[0]``) and its traced tensor peak: the context the larger of
+    ``nvml_peak_used`` - ``peak_reserved`` and ``nvml_context_end`` (the process's NVML figure less
+    what the allocator reserved, read together as the step ended: ``fitbench.run.trackers``), the
+    workspaces ``peak_allocated`` - ``tensors``.
 
-    The largest, not one run's: NVML's figure is sampled (``fitbench.run.trackers``, every 50 ms), so a run
-    whose sample missed the moment its reserved peak stood beside the whole context reads less than the
-    context, never more: each run's difference is a lower bound. Measured on one host of 4 H100s (torch
-    2.11): generating read 734 MB in one calibration and 795 MB in the next
-    (``benchmarks/results/2026-11-27-h100x4-vs-one-gpu-2/run.log``, ``2026-11-27-h100x4-tp-steps/
-    calibrate.log``), and within one job the same 1B generation on four GPUs read 795 MB on three ranks and
-    732 MB on the fourth (``benchmarks/results/2026-11-27-h100x4-default-job``)."""
-    if not gpus:
-        raise ValueError("no runs to read the overheads from")
-    context = max(gpu["nvml_peak_used"] - gpu["peak_reserved"] for gpu in gpus)
-    workspace = max(gpu["peak_allocated"] for gpu in gpus) - tensors
-    return float(context), float(workspace)
+    Both readings of the context are needed: NVML's peak is sampled (every 50 ms), so the first reads
+    short where no sample caught the reserved peak beside the whole context (on one host of 4 H100s,
+    torch 2.11: generating read 734 MB in one calibration and 795 MB in the next,
+    ``benchmarks/results/2026-11-27-h100x4-vs-one-gpu-2/run.log`` and ``2026-11-27-h100x4-tp-steps/
+    calibrate.log``; one rank of four read 732 MB where the others read 795 MB in
+    ``benchmarks/results/2026-11-27-h100x4-default-job``), while the kernels a process loads only add to
+    its context, so the reading at the end holds all of them."""
+    context = gpu["nvml_peak_used"] - gpu["peak_reserved"]
+    if gpu.get("nvml_context_end") is not None:
+        context = max(context, gpu["nvml_context_end"])
+    return float(context), float(gpu["peak_allocated"] - tensors)
 
 
 def measure_bus_bandwidth(ranks: int, device: str, scratch: Path, timeout_s: float = 300.0) -> BusBandwidth:

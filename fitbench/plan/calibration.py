@@ -17,7 +17,7 @@ graphs, ``benchmarks/results/2026-11-22-h100-ladder-infer``):
   kernels, has a larger one: 795 MB training; 797 MB generating through the decode graph, whose
   capture loads more kernels; 721 MB for a forward pass or eager decoding.
   NVML's figure is sampled, so one run's difference can read short, never long: a calibration
-  takes the largest of several runs of each kind of step (``fitbench.launch.calibrate.overheads_of_runs``).
+  also reads it as the step ends (``fitbench.launch.calibrate.overheads``).
 - **workspaces**: what the allocator holds beyond the step's tensors: cuBLAS's workspace of
   32 MiB per handle and stream on Hopper, one for the forward stream and one for the autograd
   engine's in training, or for the stream the decode graph is captured on in inference: 64 MiB

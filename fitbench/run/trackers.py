@@ -36,6 +36,9 @@ class NvmlSampler:
     device_indices: list[int]
     peaks: dict[int, int] = field(default_factory=dict)
     method: str = "unavailable"
+    # per device index, read at ``stop``: the process's NVML figure less what the allocator holds then,
+    # the CUDA context at the end (its loaded kernels only grow it)
+    context_end: dict[int, int] = field(default_factory=dict)
 
     def __post_init__(self) -> None:
         self._stop = threading.Event()
@@ -79,6 +82,9 @@ class NvmlSampler:
             self._stop.set()
             self._thread.join()
             self.sample()
+            for index in self._handles:
+                torch.cuda.synchronize(index)
+                self.context_end[index] = self._process_bytes(index) - torch.cuda.memory_reserved(index)
         return dict(self.peaks)
 
 
@@ -136,6 +142,7 @@ def memory_report(device: torch.device, sampler: NvmlSampler | None, indices: li
         nvml = sampler.stop() if sampler else {}
         for index, peaks in torch_peaks(indices).items():
             gpus.append({"index": index, **peaks, "nvml_peak_used": nvml.get(index),
+                         "nvml_context_end": sampler.context_end.get(index) if sampler else None,
                          "allocator": allocator_report(index)})
     return {
         "gpus": gpus,
