@@ -8,9 +8,10 @@ measured again.
 Error = (predicted - measured) / measured, measured = NVML's per-process peak (the largest over a
 row's GPUs where it ran on several), as in memory_error.py; the plan is for the row's GPU count.
 The calibration is the one the rows were measured with: a calibration.json of fitbench's cache, given
-by --calibration (the GPU's entry is taken from it by the rows' device name and torch version), or
-else each row's own, read back from its prediction's terms (its CUDA context and workspaces; NCCL's
-buffers per communicator as the default has them).
+by --calibration (the GPU's entry is taken from it by the rows' device name and torch version; rows of
+a GPU and torch it has no entry for keep their own), or else each row's own, read back from its
+prediction's terms (its CUDA context and workspaces; NCCL's buffers per communicator as the default has
+them).
 
 Rows measured before a change to what the worker holds are listed apart, not counted (``superseded``):
 FSDP rows from before the worker returned the cached blocks of the model built whole once the layout is
@@ -97,8 +98,8 @@ def main() -> None:
             if reason:
                 apart.append(f"| {row['label']} | {sweep} | {reason} |")
                 continue
-            calibration = (Calibration(**stored[f"{gpu['name']}|torch {environment['torch']}"]) if stored
-                           else calibration_of(row["prediction"]))
+            entry = (stored or {}).get(f"{gpu['name']}|torch {environment['torch']}")
+            calibration = Calibration(**entry) if entry else calibration_of(row["prediction"])
             target = GpuTarget(gpu["name"], spec.layout.world_size, gpu["total_memory"], described=False)
             _, prediction = predict_spec(resolve(spec.model), spec, target, calibration, choose_precision=False,
                                          choose_recompute=False, runnable=(spec.precision,))
