@@ -16,7 +16,7 @@ from fitbench.models.native import build_native
 from fitbench.models.registry import resolve
 from fitbench.plan import compiled
 from fitbench.plan.calibration import DEFAULT
-from fitbench.plan.memory import END, MLP, OUTPUT, START, estimate_memory
+from fitbench.plan.memory import END, FIRST, MLP, OUTPUT, START, Parallelism, estimate_memory
 from fitbench.plan.planner import Candidate, GpuTarget, predict_spec
 from fitbench.precisions import PRECISIONS as RUNNABLE, policy
 from fitbench.spec import RunSpec
@@ -218,3 +218,31 @@ def test_other_families_keep_the_eager_model_when_compiled(mode):
     llama = resolve("tiny")
     assert estimate_memory(llama, mode, "bf16", 2, 256, compiled=True).peak_bytes \
         < estimate_memory(llama, mode, "bf16", 2, 256).peak_bytes
+
+
+def test_compiled_next_layer_recomputed_ahead_by_hand():
+    """Checkpointed layers compiled as one graph: the next layer's recomputed activations beside the
+    first layer's backward, less one layer's gradients (``compiled.recompute_ahead_bytes``)."""
+    # n = 10 tokens in bf16-pure (c = r = w = 2): 2 r n h + 2 c n h + 2 c n h + 2 c n k + 4 n H + 3 c n f + 8 n
+    one = 4 * 10 * 64 + 4 * 10 * 64 + 4 * 10 * 64 + 4 * 10 * 32 + 4 * 10 * 4 + 6 * 10 * 176 + 8 * 10
+    assert compiled.saved_per_layer(ARCH, 10, 2, 2) == one == 19_760
+    assert compiled.recompute_ahead_bytes(ARCH, 10, 2, 2, 2 * 1_000) == one - 2_000
+    assert compiled.recompute_ahead_bytes(ARCH, 10, 2, 2, 10 ** 9) == 0  # never negative
+    # in the estimate: at the first layer's backward, with w p the layer's own parameters
+    p = LAYER_MATMUL + 2 * H  # the matrices and the two norms
+    terms = {t.name: t for t in estimate_memory(ARCH, "train", "bf16-pure", B, T, activation_checkpointing=True,
+                                                compiled=True).terms}
+    ahead = terms["next layer recomputed ahead"]
+    assert ahead.bytes == compiled.saved_per_layer(ARCH, N, 2, 2) - 2 * p
+    assert ahead.moments == frozenset({FIRST})
+
+
+@pytest.mark.parametrize("options", [dict(compiled=False), dict(checkpointed_layers=1),
+                                     dict(activation_checkpointing=False),
+                                     dict(parallelism=Parallelism("fsdp", 2))])
+def test_compiled_next_layer_recomputed_ahead_only_in_one_graph_of_checkpointed_layers(options):
+    """Not eager, not with one checkpointed layer (no next one), not without checkpointing (nothing
+    recomputed), not under FSDP (each layer a graph of its own)."""
+    kwargs = dict(activation_checkpointing=True, compiled=True) | options
+    names = {t.name for t in estimate_memory(ARCH, "train", "bf16-pure", B, T, **kwargs).terms}
+    assert "next layer recomputed ahead" not in names

@@ -50,6 +50,18 @@ after attention (r n h), the projection's normalized input (c n h), the gate and
 ids (8 n). The output projection holds its normalized input (c n h), the logits and, under
 autocast, its cast weight. (Read from inductor's generated code on the CPU.)
 
+Checkpointed layers, compiled as one graph (one GPU, tensor parallelism; under FSDP each layer is a
+graph of its own): inductor schedules the backward graph's nodes for its estimate of the peak
+(``torch._inductor.memory.reorder_for_peak_memory``, on by default), and the recompute of the next
+checkpointed layer, which needs only that layer's saved input, runs before the layer at work has
+formed its gradients. So where the backward pass reaches the first layers, two layers' recomputed
+activations coexist, less the gradients of one layer not yet formed (``recompute_ahead_bytes``).
+Traced on the CPU with torch 2.13 (bf16-pure, 2 x 256 tokens, h 256, f 704, the allocator's events
+through the profiler): the peak holds 17 n h c and 6 n f c at a layer's attention backward, where the
+memory model without this term is 2.53 MB short of 11.69 MB; with it, within 1.2% of the traced peak
+at three layers or four, 512 or 1,024 tokens, f 704 or 1,408; without inductor's reordering the peak
+is 1.56 MB lower.
+
 The partition was read on the CPU. On a GPU the graph differs only in the attention operator (flash
 or memory-efficient attention instead of the CPU flash kernel), which saves the same q, k, v,
 output and log-sum-exp; the partitioner's choices come from its bans (not recomputable, needed by
@@ -87,6 +99,15 @@ def final_saved_bytes(arch: Architecture, tokens: int, compute: int, residual: i
     the final norm's 1/rms (4 n) and the output projection's input (c n h)."""
     n, h = tokens, arch.hidden_size
     return (0 if recompute else residual * n * h) + 4 * n + compute * n * h
+
+
+def recompute_ahead_bytes(arch: Architecture, tokens: int, compute: int, residual: int, layer_gradients: float,
+                          tp: int = 1) -> float:
+    """saved_per_layer - w p: the next checkpointed layer's recomputed activations, which inductor's
+    schedule of one backward graph runs before the layer at work has formed its gradients
+    (``layer_gradients``, w p: one layer's on this rank, which the memory model counts as formed
+    already; module docstring)."""
+    return max(0.0, saved_per_layer(arch, tokens, compute, residual, tp) - layer_gradients)
 
 
 def embedding_gradient_accumulator(arch: Architecture, weights: float) -> float:

@@ -947,6 +947,13 @@ def _training(arch, mode, widths, batch, seq_len, checkpointed, terms, local_par
     if compiled:  # the layer as inductor's partition saves it; its backward's own tensors are not modelled
         terms.append(Term("first layer in backward", one_layer + one_layer_casts,
                           "one layer's saved activations (and weight copies) while the last gradients form", at(FIRST)))
+        if checkpointed >= 2 and not layout.shards > 1 and not frozen:
+            # one graph for every layer (FSDP compiles each layer alone): the next layer's recompute runs early
+            p = rank_layer_params(arch, tp)
+            ahead = inductor.recompute_ahead_bytes(arch, n, c, r, w * p, tp)
+            terms.append(Term("next layer recomputed ahead", ahead, f"saved per layer - w p = {one_layer:,.0f} - "
+                              f"{w:g} x {p:,} B: inductor's schedule recomputes the next "
+                              f"checkpointed layer before this one's gradients are formed", at(FIRST)))
     else:
         # The first layer's gradients its MLP's backward has not formed yet are counted with the others
         # (FSDP's unsharded ones in the compute width), though they take nothing yet; DDP's buckets do
