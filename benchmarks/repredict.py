@@ -31,7 +31,7 @@ from dataclasses import replace
 from pathlib import Path
 
 from fitbench.models.registry import resolve
-from fitbench.plan.calibration import DEFAULT, Calibration
+from fitbench.plan.calibration import DEFAULT, Calibration, calibration_key
 from fitbench.plan.planner import GpuTarget, predict_spec
 from fitbench.precisions import TRAINING_MODES
 from fitbench.results.store import ResultStore
@@ -98,7 +98,7 @@ def main() -> None:
             if reason:
                 apart.append(f"| {row['label']} | {sweep} | {reason} |")
                 continue
-            entry = (stored or {}).get(f"{gpu['name']}|torch {environment['torch']}")
+            entry = (stored or {}).get(calibration_key(gpu["name"], environment["torch"]))
             calibration = Calibration(**entry) if entry else calibration_of(row["prediction"])
             target = GpuTarget(gpu["name"], spec.layout.world_size, gpu["total_memory"], described=False)
             _, prediction = predict_spec(resolve(spec.model), spec, target, calibration, choose_precision=False,

@@ -39,7 +39,7 @@ from dataclasses import replace
 from pathlib import Path
 
 from fitbench.models.registry import resolve
-from fitbench.plan.calibration import Calibration
+from fitbench.plan.calibration import Calibration, calibration_key
 from fitbench.plan.collectives import bus_bandwidth
 from fitbench.plan.forecast import ceilings, forecast_spec, step_run
 from fitbench.results.store import ResultStore
@@ -128,7 +128,7 @@ def calibration_for(row: dict, calibrations: dict[str, Calibration]) -> Calibrat
     has; else None (the forecast's defaults)."""
     environment = row.get("environment") or {}
     gpus = environment.get("gpus") or [{}]
-    calibration = calibrations.get(f"{gpus[0].get('name')}|torch {environment.get('torch')}")
+    calibration = calibrations.get(calibration_key(gpus[0].get("name"), environment.get("torch")))
     if calibration is None or not calibration.all_reduce_bus_bandwidth:
         return None
     return calibration if f"on {len(gpus)} x " in (calibration.collectives_source or "") else None

@@ -4,6 +4,7 @@ file says where it came from."""
 from __future__ import annotations
 
 import dataclasses
+import functools
 import importlib.metadata
 import os
 import pathlib
@@ -19,7 +20,9 @@ import fitbench
 from fitbench.hardware.devices import cpu_model, detect_gpus, driver_version
 
 
-def _package_version(distribution: str) -> str | None:
+@functools.cache
+def package_version(distribution: str) -> str | None:
+    """The installed ``distribution``'s version from its metadata; None where it is not installed."""
     try:
         return importlib.metadata.version(distribution)
     except importlib.metadata.PackageNotFoundError:
@@ -31,7 +34,7 @@ def torch_version() -> str:
     (the same string for a wheel) while torch is not imported yet, so that asking imports nothing."""
     if "torch" in sys.modules:
         return sys.modules["torch"].__version__
-    version = _package_version("torch")
+    version = package_version("torch")
     if version is None:
         import torch
 
@@ -96,8 +99,8 @@ def environment() -> dict:
         "git_dirty": git_dirty,
         "python": platform.python_version(),
         "torch": torch.__version__,
-        "transformers": _package_version("transformers"),
-        "accelerate": _package_version("accelerate"),
+        "transformers": package_version("transformers"),
+        "accelerate": package_version("accelerate"),
         "torch_cuda": torch.version.cuda,
         "cudnn": _cudnn_version(),
         "driver": driver_version(),

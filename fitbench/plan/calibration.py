@@ -140,7 +140,8 @@ def calibration_path() -> Path:
     return cache_directory() / "calibration.json"
 
 
-def _key(gpu_name: str, torch_version: str) -> str:
+def calibration_key(gpu_name: str, torch_version: str) -> str:
+    """A calibration's key in calibration.json: the GPU's name and the torch version it was measured with."""
     return f"{gpu_name}|torch {torch_version}"
 
 
@@ -201,7 +202,7 @@ def save_calibration(gpu_name: str, calibration: Calibration) -> Path:
         stored = {}
     if not isinstance(stored, dict):
         stored = {}
-    stored[_key(gpu_name, torch_version())] = asdict(calibration)
+    stored[calibration_key(gpu_name, torch_version())] = asdict(calibration)
     tmp = path.with_suffix(".tmp")
     tmp.write_text(json.dumps(stored, indent=2))
     os.replace(tmp, path)

@@ -68,12 +68,12 @@ the forecast of every committed row and its error against the measured step.
 
 from __future__ import annotations
 
-import importlib.metadata
 import math
 from dataclasses import dataclass
 
 from fitbench.hardware.ceilings import Ceilings as MeasuredCeilings
 from fitbench.hardware.datasheet import peak_bandwidth, peak_flops
+from fitbench.hardware.environment import package_version
 from fitbench.models.architecture import Architecture
 from fitbench.models.loss import loss_chunk_rows
 from fitbench.plan.collectives import PCIE_BANDWIDTH, BusBandwidth, bus_bandwidth
@@ -622,11 +622,9 @@ def side_by_side(device_s: float, host_s: float) -> float:
 def hf_serial_decode(version: str | None) -> bool:
     """Whether transformers at ``version`` (None: the installed one; none installed: False) runs a decode
     step's host and device work one after the other (``HF_SERIAL_DECODE_SINCE``)."""
+    version = version or package_version("transformers")
     if version is None:
-        try:
-            version = importlib.metadata.version("transformers")
-        except importlib.metadata.PackageNotFoundError:
-            return False
+        return False
     release = []
     for part in version.split(".")[:2]:
         digits = "".join(c for c in part if c.isdigit()) or "0"

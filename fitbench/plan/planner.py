@@ -488,8 +488,9 @@ def fewest_checkpointed(arch: Architecture, mode: str, every: Assessment, target
     activations for its input: ``fitbench.plan.memory._training``), so the fewest is found by
     bisection, about log2(layers) assessments. Near every layer the overheads can break the order (the
     fragmentation counted late in the backward pass stands beside every layer's recompute, not beside
-    the start of it), so the count found is one whose own assessment is good, the fewest up to that. Fewer recomputed layers cost less time
-    (``fitbench.plan.forecast``: the recomputation scales with C / layers): the fewest is the fastest."""
+    the start of it), so the count found is one whose own assessment is good, the fewest up to that.
+    Fewer recomputed layers cost less time (``fitbench.plan.forecast``: the recomputation scales with
+    C / layers): the fewest is the fastest."""
     candidate = every.candidate
     if mode not in TRAINING_MODES or not candidate.activation_checkpointing or not every.fits:
         return every
@@ -638,8 +639,9 @@ def fewest_gpus(arch: Architecture, mode: str, precision: str, gpu_memory: float
     does it: of the layouts of that count (``layouts_for``) that the run can launch (``Layout.problem``,
     tensor parallelism inside a node) and that fit, the fastest forecast (``fastest_first``) of those
     clear of ``RETRY_MARGIN`` where any is; in training with activation checkpointing only where
-    nothing fits without it, and then of the fewest layers that do (``fewest_checkpointed``). None if more than ``max_gpus`` would be needed. ``gpu_name``: whose speed
-    figures rank the layouts (by default ``DEFAULT_SPEED_GPU``'s)."""
+    nothing fits without it, and then of the fewest layers that do (``fewest_checkpointed``). None if
+    more than ``max_gpus`` would be needed. ``gpu_name``: whose speed figures rank the layouts (by default
+    ``DEFAULT_SPEED_GPU``'s)."""
     target = GpuTarget(gpu_name, max_gpus, gpu_memory, described=True, node_gpus=node_gpus,
                        inter_node_bandwidth=inter_node_bandwidth)
     for gpus in node_counts(node_gpus, max_gpus):
