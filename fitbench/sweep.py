@@ -66,20 +66,31 @@ def check_ranks(device: str, ranks: int) -> None:
                         f"{visible} or fewer, or run on --device cpu ({ranks} CPU processes).")
 
 
-def default_models(device: str) -> list[str]:
-    """The main job's models. CPU: ``tiny`` and ``small``. GPU: the ladder's sizes whose mixed-precision
-    training state (16 bytes per parameter: fp32 weights and gradients, AdamW's two moments) takes at
-    most 70% of the GPU, leaving the rest for activations; at most three sizes."""
+def default_models(device: str, gpus: int = 1) -> list[str]:
+    """The main job's models: ``tiny`` and ``small`` on a CPU; on GPUs, ``default_gpu_models`` for the
+    device's memory and the job's ``gpus``."""
     if device == "cpu":
         return ["tiny", "small"]
     import torch
 
+    return default_gpu_models(torch.cuda.get_device_properties(torch.device(device)).total_memory, gpus)
+
+
+def default_gpu_models(memory: int, gpus: int) -> list[str]:
+    """The main job's models on ``gpus`` GPUs of ``memory`` bytes each. A ladder size fits a share of
+    memory when its mixed-precision training state (16 bytes per parameter: fp32 weights and gradients,
+    AdamW's two moments) takes at most 70% of it, leaving the rest for activations. On one GPU, the
+    two largest sizes that fit it; on several, the largest that fits one GPU and the largest that fits
+    all of them together (sharded): what one GPU holds beside what the job's GPUs hold. ``tiny`` where
+    none fits."""
     from fitbench.models.presets import SIZE_LADDER
     from fitbench.models.registry import resolve
 
-    memory = torch.cuda.get_device_properties(torch.device(device)).total_memory
-    fitting = [name for name in SIZE_LADDER if 16 * resolve(name).total_params <= 0.7 * memory]
-    return fitting[:3] or ["tiny"]
+    def fitting(share: int) -> list[str]:
+        return [name for name in SIZE_LADDER if 16 * resolve(name).total_params <= 0.7 * memory * share]
+
+    chosen = fitting(1)[-2:] if gpus == 1 else [*fitting(1)[-1:], *fitting(gpus)[-1:]]
+    return list(dict.fromkeys(chosen)) or ["tiny"]
 
 
 def hardware_refusals(specs: list, device: str) -> dict[str, str]:
@@ -274,7 +285,7 @@ def plan_sweep(config, out: str, out_option: str = "--out", say: Callable[[str],
         return PlannedSweep(device, plan_jobs(specs, config, None, None), TENSORS_ONLY)
     device = resolve_device(config.device)
     check_ranks(device, config.gpus // (config.nodes or 1))
-    specs = expand(config, device=device, default_models=default_models(device))
+    specs = expand(config, device=device, default_models=default_models(device, config.gpus))
     check_output_directory(out, out_option)
     target, calibration = run_target(device, say=say, ranks=config.gpus)
     if target is not None:

@@ -1951,3 +1951,32 @@ def test_a_refusal_offers_checkpointing_of_the_fewest_layers_that_fit():
     found = alternatives(arch, few, target, DEFAULT)
     assert found[0].change == "with activation checkpointing of every layer"
     assert "with activation checkpointing of 2 layers" in refusal(arch, few, prediction, target, found)
+
+
+@pytest.mark.parametrize("memory_gb, gpus", [(85.0, 1), (85.0, 4), (143.7, 4), (24.0, 1), (24.0, 2), (8.0, 1)])
+def test_default_gpu_models_are_the_largest_that_fit_one_gpu_and_all_of_them(memory_gb, gpus):
+    from fitbench.models.presets import SIZE_LADDER
+    from fitbench.sweep import default_gpu_models
+
+    memory = int(memory_gb * 1e9)
+    # a size fits `share` GPUs when 16 bytes per parameter are at most 70% of their memory together
+    fits = {name: [share for share in (1, gpus) if 16 * resolve(name).total_params <= 0.7 * memory * share]
+            for name in SIZE_LADDER}
+    one_gpu = [name for name in SIZE_LADDER if 1 in fits[name]]
+    all_gpus = [name for name in SIZE_LADDER if gpus in fits[name]]
+    models = default_gpu_models(memory, gpus)
+    if not one_gpu and not all_gpus:
+        assert models == ["tiny"]
+    elif gpus == 1:
+        assert models == one_gpu[-2:]
+    else:
+        assert models[-1] == all_gpus[-1] and (not one_gpu or models[0] == one_gpu[-1])
+        assert len(models) == len(set(models)) <= 2
+
+
+def test_default_job_on_four_80_gb_gpus_trains_what_one_holds_and_what_four_hold():
+    from fitbench.sweep import default_gpu_models
+
+    # 0.7 x 85 GB = 59.5 GB: 3B (16 x 3.21e9 = 51.4 GB) fits one GPU, 7B (107.8 GB) does not;
+    # 0.7 x 4 x 85 GB = 238 GB: 15B (16 x 14.64e9 = 234.3 GB) fits the four, 20B (318.4 GB) does not
+    assert default_gpu_models(int(85e9), 4) == ["3B", "15B"]
