@@ -80,17 +80,13 @@ def default_gpu_models(memory: int, gpus: int) -> list[str]:
     """The main job's models on ``gpus`` GPUs of ``memory`` bytes each. A ladder size fits a share of
     memory when its mixed-precision training state (16 bytes per parameter: fp32 weights and gradients,
     AdamW's two moments) takes at most 70% of it, leaving the rest for activations. On one GPU, the
-    two largest sizes that fit it; on several, the largest that fits one GPU and the largest that fits
-    all of them together (sharded): what one GPU holds beside what the job's GPUs hold. ``tiny`` where
-    none fits."""
+    two largest sizes that fit it; on several, the largest that fits all of them together (sharded),
+    alone: the job then runs in about the time one GPU's takes. ``tiny`` where none fits."""
     from fitbench.models.presets import SIZE_LADDER
     from fitbench.models.registry import resolve
 
-    def fitting(share: int) -> list[str]:
-        return [name for name in SIZE_LADDER if 16 * resolve(name).total_params <= 0.7 * memory * share]
-
-    chosen = fitting(1)[-2:] if gpus == 1 else [*fitting(1)[-1:], *fitting(gpus)[-1:]]
-    return list(dict.fromkeys(chosen)) or ["tiny"]
+    fitting = [name for name in SIZE_LADDER if 16 * resolve(name).total_params <= 0.7 * memory * gpus]
+    return fitting[-2 if gpus == 1 else -1:] or ["tiny"]
 
 
 def hardware_refusals(specs: list, device: str) -> dict[str, str]:

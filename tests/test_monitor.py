@@ -90,6 +90,10 @@ def test_visible_devices_as_cuda_reads_them():
     assert job_gpus(2, {}) == ["0", "1"]
     assert job_gpus(2, {"CUDA_VISIBLE_DEVICES": "3,1,0"}) == ["3", "1"]
     assert job_gpus(4, {"CUDA_VISIBLE_DEVICES": "5"}) == ["5"]
+    # a one-GPU job on cuda:1 is watched on the second visible GPU, not the first
+    assert job_gpus(1, {}, first=1) == ["1"]
+    assert job_gpus(1, {"CUDA_VISIBLE_DEVICES": "3,1,0"}, first=1) == ["1"]
+    assert job_gpus(2, {"CUDA_VISIBLE_DEVICES": "3,1"}, first=1) == ["1"]
 
 
 # ---------------------------------------------------------------------------------------------

@@ -1954,29 +1954,21 @@ def test_a_refusal_offers_checkpointing_of_the_fewest_layers_that_fit():
 
 
 @pytest.mark.parametrize("memory_gb, gpus", [(85.0, 1), (85.0, 4), (143.7, 4), (24.0, 1), (24.0, 2), (8.0, 1)])
-def test_default_gpu_models_are_the_largest_that_fit_one_gpu_and_all_of_them(memory_gb, gpus):
+def test_default_gpu_models_are_the_largest_that_fit_the_job_gpus(memory_gb, gpus):
     from fitbench.models.presets import SIZE_LADDER
     from fitbench.sweep import default_gpu_models
 
     memory = int(memory_gb * 1e9)
-    # a size fits `share` GPUs when 16 bytes per parameter are at most 70% of their memory together
-    fits = {name: [share for share in (1, gpus) if 16 * resolve(name).total_params <= 0.7 * memory * share]
-            for name in SIZE_LADDER}
-    one_gpu = [name for name in SIZE_LADDER if 1 in fits[name]]
-    all_gpus = [name for name in SIZE_LADDER if gpus in fits[name]]
-    models = default_gpu_models(memory, gpus)
-    if not one_gpu and not all_gpus:
-        assert models == ["tiny"]
-    elif gpus == 1:
-        assert models == one_gpu[-2:]
-    else:
-        assert models[-1] == all_gpus[-1] and (not one_gpu or models[0] == one_gpu[-1])
-        assert len(models) == len(set(models)) <= 2
+    # a size fits when 16 bytes per parameter are at most 70% of the job's GPUs' memory together
+    fitting = [name for name in SIZE_LADDER if 16 * resolve(name).total_params <= 0.7 * memory * gpus]
+    expected = (fitting[-2:] if gpus == 1 else fitting[-1:]) or ["tiny"]
+    assert default_gpu_models(memory, gpus) == expected
 
 
-def test_default_job_on_four_80_gb_gpus_trains_what_one_holds_and_what_four_hold():
+def test_default_job_on_four_80_gb_gpus_trains_the_largest_preset_the_four_hold():
     from fitbench.sweep import default_gpu_models
 
-    # 0.7 x 85 GB = 59.5 GB: 3B (16 x 3.21e9 = 51.4 GB) fits one GPU, 7B (107.8 GB) does not;
-    # 0.7 x 4 x 85 GB = 238 GB: 15B (16 x 14.64e9 = 234.3 GB) fits the four, 20B (318.4 GB) does not
-    assert default_gpu_models(int(85e9), 4) == ["3B", "15B"]
+    # 0.7 x 4 x 85 GB = 238 GB: 15B (16 x 14.64e9 = 234.3 GB) fits the four, 20B (318.4 GB) does not;
+    # on one of them (59.5 GB): 1B (16.6 GB) and 3B (51.4 GB), not 7B (107.8 GB)
+    assert default_gpu_models(int(85e9), 4) == ["15B"]
+    assert default_gpu_models(int(85e9), 1) == ["1B", "3B"]

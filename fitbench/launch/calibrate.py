@@ -11,6 +11,7 @@ import secrets
 import subprocess
 import sys
 import time
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import replace
 from pathlib import Path
 from typing import Callable
@@ -38,23 +39,35 @@ COLLECTIVE_RUNS = {"nccl": ((16 * KIB, 20, 200), (256 * MIB, 5, 20)), "gloo": ((
 RING_FACTOR = {"all_reduce": lambda g: 2 * (g - 1) / g, "all_gather": lambda g: (g - 1) / g}
 
 
+CALIBRATED_MODES = ("train", "infer", "forward")
+
+
 def measure_calibration(device: str, scratch: Path) -> Calibration:
     """Run ``tiny`` training, generating and a forward pass on ``device`` through the real worker, each in the
     first precision of its mode's default ladder (``DEFAULT_LADDER``: what the planner tries first) and in a
-    fresh process, and read off the context and the workspaces (``overheads``)."""
+    fresh process, and read off the context and the workspaces (``overheads``). Where this machine has a
+    GPU of the same kind for each mode from ``device`` on (``calibration_devices``), the three run at once,
+    one per GPU: the figures are the GPU kind's, and the first run's wait shrinks to one run's."""
+    devices = calibration_devices(device)
+
+    def run_mode(mode: str, on: str):
+        spec = RunSpec(model="tiny", backend="native", mode=mode, precision=DEFAULT_LADDER[mode][0],
+                       batch_size=4, seq_len=256, new_tokens=8, device=on, warmup_steps=2, measure_steps=3)
+        return spec, run_one(Assignment(spec=spec), scratch / f"{mode}.log", timeout=600,
+                             on_event=lambda event: None)
+
+    with ThreadPoolExecutor(max_workers=len(set(devices))) as pool:
+        runs = list(pool.map(run_mode, CALIBRATED_MODES, devices))
     found = {}
-    for mode in ("train", "infer", "forward"):
-        precision, batch, seq_len = DEFAULT_LADDER[mode][0], 4, 256
-        spec = RunSpec(model="tiny", backend="native", mode=mode, precision=precision, batch_size=batch,
-                       seq_len=seq_len, new_tokens=8, device=device, warmup_steps=2, measure_steps=3)
-        row = run_one(Assignment(spec=spec), scratch / f"{mode}.log", timeout=600, on_event=lambda event: None)
+    for spec, row in runs:
         if row.status != "ok":
             raise RuntimeError(f"calibration run {spec.label} ended {row.status}: {row.error}")
         gpu = row.memory["gpus"][0]
         if not gpu.get("nvml_peak_used"):
             raise RuntimeError("NVML is unavailable, so the CUDA context cannot be measured")
-        tensors = trace_peak(resolve("tiny"), mode, precision, batch, seq_len, new_tokens=8, device="cuda").peak_bytes
-        found[mode] = overheads(gpu, tensors)
+        tensors = trace_peak(resolve("tiny"), spec.mode, spec.precision, spec.batch_size, spec.seq_len,
+                             new_tokens=spec.new_tokens, device="cuda").peak_bytes
+        found[spec.mode] = overheads(gpu, tensors)
     measured_at = time.strftime('%Y-%m-%dT%H:%M:%SZ', time.gmtime())
     return Calibration(
         cuda_context_training=float(found["train"][0]), cuda_context_inference=float(found["infer"][0]),
@@ -65,6 +78,17 @@ def measure_calibration(device: str, scratch: Path) -> Calibration:
                f"at {measured_at}",
         measured_at=measured_at,
     )
+
+
+def calibration_devices(device: str) -> list[str]:
+    """The GPU each of ``CALIBRATED_MODES`` runs on: ``cuda:i``, ``cuda:i+1``, ... from ``device``'s index i
+    where the machine shows that many GPUs of ``device``'s name, else ``device`` for all, one after
+    another (two on one GPU would read each other's memory)."""
+    index = int(device.partition(":")[2] or 0)
+    wanted = range(index, index + len(CALIBRATED_MODES))
+    if wanted.stop <= torch.cuda.device_count() and len({torch.cuda.get_device_name(i) for i in wanted}) == 1:
+        return [f"cuda:{i}" for i in wanted]
+    return [device] * len(CALIBRATED_MODES)
 
 
 def overheads(gpu: dict, tensors: float) -> tuple[float, float]:

@@ -268,11 +268,13 @@ def _reap(process: subprocess.Popen) -> int:
 
 
 def _monitor(spec: RunSpec, directory: Path) -> GpuMonitor | None:
-    """The sampler of the job's GPUs, rank k's GPU k-th; none for a CPU job."""
+    """The sampler of the job's GPUs, rank k's GPU k-th from the spec's device (``cuda:N``: the N-th
+    visible one); none for a CPU job."""
     if not spec.device.startswith("cuda"):
         return None
     directory.mkdir(parents=True, exist_ok=True)
-    return GpuMonitor(job_gpus(spec.layout.world_size), directory)
+    first = int(spec.device.partition(":")[2] or 0)
+    return GpuMonitor(job_gpus(spec.layout.world_size, first=first), directory)
 
 
 def _first_failed_rank(result_path: Path, ranks: int) -> tuple[dict[str, Any] | None, str | None]:

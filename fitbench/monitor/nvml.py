@@ -165,13 +165,15 @@ def visible_devices(value: str | None) -> list[str] | None:
     return entries
 
 
-def job_gpus(count: int, environ: Mapping[str, str] | None = None) -> list[str]:
-    """The GPUs a job of ``count`` ranks on this host uses, rank k's first: the first ``count``
-    entries of ``CUDA_VISIBLE_DEVICES``, or indices 0..count-1 where it is unset. Shorter than
-    ``count`` where fewer are visible (the job will fail on its own; the monitor watches those)."""
+def job_gpus(count: int, environ: Mapping[str, str] | None = None, first: int = 0) -> list[str]:
+    """The GPUs a job of ``count`` ranks on this host uses, rank k's first, from the ``first`` visible
+    one (``cuda:first``, a one-GPU job's device): ``count`` entries of ``CUDA_VISIBLE_DEVICES`` from
+    there, or indices first..first+count-1 where it is unset. Shorter than ``count`` where fewer are
+    visible (the job will fail on its own; the monitor watches those)."""
     environ = os.environ if environ is None else environ
     visible = visible_devices(environ.get("CUDA_VISIBLE_DEVICES"))
-    return [str(index) for index in range(count)] if visible is None else visible[:count]
+    return ([str(index) for index in range(first, first + count)] if visible is None
+            else visible[first:first + count])
 
 
 def _text(value: str | bytes) -> str:
