@@ -106,8 +106,9 @@ def parallelize(lm: CausalLM, strategy: str, policy: PrecisionPolicy, rank: Rank
             "param_dtype": _dtype_name(mp.param_dtype), "reduce_dtype": _dtype_name(mp.reduce_dtype)}
 
 
-def wrap_ddp(model: nn.Module, rank: Rank) -> nn.Module:
-    """``model`` under DDP:
+def wrap_ddp(model: nn.Module, rank: Rank, **options: Any) -> nn.Module:
+    """``model`` under DDP (``options``: ``DistributedDataParallel``'s keyword arguments, over the ones
+    below; ``benchmarks/ddp_overlap.py`` times such variants against this construction):
 
     - ``gradient_as_bucket_view``: the gradients are views into the all-reduce buckets, so no second
       copy of every gradient exists (the buckets are the gradients);
@@ -126,7 +127,8 @@ def wrap_ddp(model: nn.Module, rank: Rank) -> nn.Module:
                       if "forward_sync_buffers" in inspect.signature(DistributedDataParallel).parameters
                       else {"broadcast_buffers": False})
     return DistributedDataParallel(model, device_ids=[rank.local_rank] if rank.device.type == "cuda" else None,
-                                   gradient_as_bucket_view=True, static_graph=True, **no_buffer_sync)
+                                   **{"gradient_as_bucket_view": True, "static_graph": True, **no_buffer_sync,
+                                      **options})
 
 
 @torch.no_grad()

@@ -1,0 +1,338 @@
+"""DDP's weak scaling against one GPU, for several ways of building DDP, side by side in one torchrun job.
+
+Each variant (``VARIANTS``) builds the model afresh from one seed on every rank, wraps it (or not), and
+times fitbench's own training step (``fitbench.run.loops.make_step``: gradients set to None, forward,
+fp32 loss, backward, fused AdamW) on a batch of each rank's own (``data_seed``): ``--warmup`` untimed
+steps, then ``--steps`` timed ones between two barriers (``fitbench.run.timing.time_steps``: CUDA events
+on a GPU, wall time on CPU). The variant, its optimizer and its gradients are freed before the next is
+built, so one variant at a time holds memory.
+
+- ``one-gpu``: no DDP; every rank trains its own model at once, the one-GPU baseline on the same GPUs;
+- ``current``: ``fitbench.run.parallel.wrap_ddp``, as ``fitbench run --strategy ddp`` builds it;
+- ``bucket-100``, ``bucket-400``: buckets of 100 or 400 MiB instead of 25 (the first one too, where
+  25 MiB's default makes it 1 MiB): fewer all-reduces, and a larger last one after the backward pass;
+- ``no-static-graph``: ``static_graph=False``;
+- ``bf16-compress``: ``default_hooks.bf16_compress_hook``: each bucket is cast to bf16, all-reduced
+  (half the bytes) and cast back into the fp32 gradients;
+- ``batched-grad-copy``: ``batched_grad_copy=True`` (torch 2.13): with gradients set to None each step,
+  DDP copies every gradient into its bucket (dividing by the world size); this copies a bucket's
+  gradients in one ``_foreach_copy_`` and divides once;
+- ``high-priority-stream``, ``nccl-8-ctas`` (NCCL only): the all-reduces on a communicator of their own
+  (``new_group`` with ``ProcessGroupNCCL.Options``), whose stream has high priority, or whose
+  collectives run on at most 8 CTAs (SMs) instead of NCCL's choice, leaving more SMs to the backward pass.
+
+Definitions:
+
+- a variant's step time: the median over the timed steps of the slowest rank's time of each step (under
+  DDP the ranks wait for one another in the all-reduces, so they agree within noise); for ``one-gpu``,
+  rank 0's median, the slowest rank's median beside it;
+- tokens/s per GPU = batch x seq_len / step time;
+- weak-scaling efficiency = tokens/s per GPU under a variant / tokens/s of ``one-gpu`` (rank 0) with
+  the same per-GPU batch, i.e. one-gpu's step time / the variant's;
+- peak memory: the allocator's largest allocated and reserved bytes per rank over the variant's build
+  and steps;
+- ``profile`` (on a GPU, one more step of ``one-gpu`` and of ``current`` under ``torch.profiler``, per
+  rank): the kernels' summed time, NCCL's (which includes waiting for the other ranks) and the rest
+  ("compute"), and the exposed communication: from the end of the last compute kernel before the last
+  NCCL kernel ends, to that end; the optimizer waits for it, so nothing else runs then. Compute time
+  above one-gpu's is the reducer's copies plus kernels slowed by the all-reduces beside them.
+
+OUT.json is written after every variant, so a job cut short keeps what it measured.
+
+Usage (one node, N GPUs):
+    torchrun --standalone --nproc-per-node N benchmarks/ddp_overlap.py OUT.json [--model 1B --batch-size 8
+        --seq-len 2048 --precision bf16 --steps 10 --warmup 3]
+NCCL reads its NCCL_* variables when a communicator is created, so a setting of them is a second job,
+its variants timed again under it, e.g. ``NCCL_MAX_NCHANNELS=8 torchrun ...``; OUT.json records the
+NCCL_* and TORCH_NCCL_* variables set. On CPU ranks (gloo) the script runs to be checked, with the
+NCCL-only variants skipped: ``torchrun --nproc-per-node 2 benchmarks/ddp_overlap.py OUT.json --model
+tiny --batch-size 2 --seq-len 32 --steps 2 --warmup 1``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import gc
+import inspect
+import json
+import os
+import statistics
+import sys
+from dataclasses import dataclass
+from datetime import timedelta
+from pathlib import Path
+from typing import Callable
+
+import torch
+import torch.distributed as dist
+from torch.distributed.elastic.multiprocessing.errors import record
+
+from fitbench.hardware.environment import environment
+from fitbench.models.backends import CausalLM, load_model
+from fitbench.models.registry import resolve
+from fitbench.precisions import policy
+from fitbench.run.loops import make_step, random_tokens
+from fitbench.run.parallel import data_seed, wrap_ddp
+from fitbench.run.ranks import Rank, gather_json, process_group
+from fitbench.run.timing import DeviceClock, time_steps
+
+SEED = 0
+# a collective that waits this long has lost a rank: the job ends instead of hanging
+TIMEOUT = timedelta(minutes=3)
+GIB = 1024**3
+
+
+@dataclass(frozen=True)
+class Variant:
+    """A way to train: ``wrap`` replaces ``lm.module`` by its wrapper and returns what to release after
+    (a process group of its own), ``unsupported`` says why this job cannot run it, else None."""
+
+    name: str
+    wrap: Callable[[CausalLM, Rank], Callable[[], None] | None]
+    unsupported: Callable[[Rank], str | None] = lambda rank: None
+    profiled: bool = False
+
+
+def ddp(**options) -> Callable[[CausalLM, Rank], None]:
+    def wrap(lm: CausalLM, rank: Rank) -> None:
+        lm.module = wrap_ddp(lm.module, rank, **options)
+    return wrap
+
+
+def bf16_compressed(lm: CausalLM, rank: Rank) -> None:
+    from torch.distributed.algorithms.ddp_comm_hooks.default_hooks import bf16_compress_hook
+
+    lm.module = wrap_ddp(lm.module, rank)
+    lm.module.register_comm_hook(None, bf16_compress_hook)  # None: the default process group
+
+
+def own_communicator(high_priority: bool = False, max_ctas: int | None = None):
+    """DDP over a new NCCL communicator of every rank, built with these options."""
+    def wrap(lm: CausalLM, rank: Rank) -> Callable[[], None]:
+        options = dist.ProcessGroupNCCL.Options(is_high_priority_stream=high_priority)
+        if max_ctas is not None:
+            options.config.max_ctas = max_ctas
+        group = dist.new_group(backend="nccl", pg_options=options)
+        lm.module = wrap_ddp(lm.module, rank, process_group=group)
+        return lambda: dist.destroy_process_group(group)
+    return wrap
+
+
+def nccl_only(rank: Rank) -> str | None:
+    return None if rank.device.type == "cuda" else "an NCCL communicator's option; these ranks use gloo"
+
+
+def needs_batched_grad_copy(rank: Rank) -> str | None:
+    from torch.nn.parallel import DistributedDataParallel
+
+    if "batched_grad_copy" in inspect.signature(DistributedDataParallel).parameters:
+        return None
+    return f"DistributedDataParallel of torch {torch.__version__} has no batched_grad_copy (2.13 added it)"
+
+
+BASELINE = "one-gpu"
+VARIANTS = (
+    Variant(BASELINE, lambda lm, rank: None, profiled=True),
+    Variant("current", ddp(), profiled=True),
+    Variant("bucket-100", ddp(bucket_cap_mb=100)),
+    Variant("bucket-400", ddp(bucket_cap_mb=400)),
+    Variant("no-static-graph", ddp(static_graph=False)),
+    Variant("bf16-compress", bf16_compressed),
+    Variant("batched-grad-copy", ddp(batched_grad_copy=True), needs_batched_grad_copy),
+    Variant("high-priority-stream", own_communicator(high_priority=True), nccl_only),
+    Variant("nccl-8-ctas", own_communicator(max_ctas=8), nccl_only),
+)
+
+
+def measure(variant: Variant, args: argparse.Namespace, rank: Rank) -> dict:
+    """This rank's timings of ``variant``: its step seconds, last loss, peak memory, its buckets and profile."""
+    device, cuda = rank.device, rank.device.type == "cuda"
+    arch, rules = resolve(args.model), policy(args.precision)
+    if cuda:
+        torch.cuda.reset_peak_memory_stats(device)
+    torch.manual_seed(SEED)
+    lm = load_model(arch, "native", device, rules.weight_dtype, compute_dtype=rules.compute_dtype)
+    release = variant.wrap(lm, rank)
+    try:
+        tokens = random_tokens(arch.vocab_size, args.batch_size, args.seq_len + 1, device, data_seed(SEED, rank.rank))
+        step = make_step("train", lm, rules, tokens, device)
+        seconds, losses = time_steps(step, DeviceClock(device), warmup=args.warmup, repeats=args.steps,
+                                     barrier=dist.barrier)
+        row = {"seconds": seconds, "loss": losses[-1].item(), "buckets_bytes": bucket_sizes(lm.module)}
+        if cuda:
+            row["peak_allocated_gib"] = torch.cuda.max_memory_allocated(device) / GIB
+            row["peak_reserved_gib"] = torch.cuda.max_memory_reserved(device) / GIB
+            if variant.profiled:
+                row["profile"] = profile_one_step(step)
+        dist.barrier()
+        return row
+    finally:
+        if release:
+            lm.module = None  # the wrapper, and its reducer, before their process group
+            gc.collect()
+            release()
+
+
+def bucket_sizes(module: torch.nn.Module) -> list[int] | None:
+    """DDP's buckets in bytes from its logging data (which ``static_graph``'s documentation reads): as
+    rebuilt in the order the gradients became ready, the last holding the embedding's, once the first
+    steps have recorded that order (two with ``static_graph``, one without), else as first built;
+    None without DDP."""
+    if not hasattr(module, "_get_ddp_logging_data"):
+        return None
+    logged = module._get_ddp_logging_data()
+    text = logged.get("rebuilt_bucket_sizes") or logged.get("bucket_sizes") or ""
+    return [int(size) for size in str(text).split(",") if size.strip()]
+
+
+def profile_one_step(step: Callable[[], torch.Tensor]) -> dict:
+    """One more step under ``torch.profiler``, summed by ``communication_summary``. The step runs whatever
+    the profiler does, since every rank's all-reduces wait for it; a profiler that fails says why."""
+    from torch.autograd import DeviceType
+    from torch.profiler import ProfilerActivity, profile
+
+    profiler = profile(activities=[ProfilerActivity.CUDA])
+    try:
+        profiler.start()
+    except Exception as error:  # the profiler is a diagnosis: the timings stand without it
+        step()
+        torch.cuda.synchronize()
+        return {"error": described(error)}
+    step()
+    torch.cuda.synchronize()
+    try:
+        profiler.stop()
+        kernels = [(event.name, event.time_range.start, event.time_range.end) for event in profiler.events()
+                   if event.device_type == DeviceType.CUDA]
+        return communication_summary(kernels)
+    except Exception as error:
+        return {"error": described(error)}
+
+
+def communication_summary(kernels: list[tuple[str, float, float]]) -> dict:
+    """Of one step's kernels, (name, start, end) in microseconds: the summed milliseconds of NCCL's and of
+    the others ("compute"), and the exposed communication, from the end of the last compute kernel
+    that ends before the last NCCL kernel does, to that end (0 without NCCL kernels)."""
+    nccl = [kernel for kernel in kernels if "nccl" in kernel[0].lower()]
+    compute = [kernel for kernel in kernels if "nccl" not in kernel[0].lower()]
+    exposed = 0.0
+    if nccl and compute:
+        last = max(end for _, _, end in nccl)
+        before = [end for _, _, end in compute if end <= last]
+        exposed = (last - max(before)) / 1e3 if before else 0.0
+    by_name: dict[str, list[float]] = {}
+    for name, start, end in kernels:
+        by_name.setdefault(name, []).append((end - start) / 1e3)
+    top = sorted(by_name.items(), key=lambda item: -sum(item[1]))[:12]
+    return {"nccl_ms": sum(end - start for _, start, end in nccl) / 1e3, "nccl_kernels": len(nccl),
+            "compute_ms": sum(end - start for _, start, end in compute) / 1e3, "compute_kernels": len(compute),
+            "exposed_communication_ms": exposed,
+            "top": [{"name": name[:120], "ms": sum(times), "calls": len(times)} for name, times in top]}
+
+
+def summarize(variant: str, ranks: list[dict], args: argparse.Namespace, baseline: float | None) -> dict:
+    """Rank 0's row of a variant from every rank's (the module docstring's definitions); ``baseline``:
+    one-gpu's step seconds (None where it failed)."""
+    row = {"variant": variant}
+    if any("skipped" in rank or "error" in rank for rank in ranks):
+        return {**row, **{key: rank[key] for rank in ranks for key in ("skipped", "error") if key in rank}}
+    samples = [rank["seconds"] for rank in ranks]
+    if variant == BASELINE:
+        step = baseline = statistics.median(samples[0])
+        row["slowest_rank_step_s"] = max(statistics.median(seconds) for seconds in samples)
+    else:
+        step = statistics.median(max(seconds) for seconds in zip(*samples))
+    tokens = args.batch_size * args.seq_len
+    row.update({"step_s": step, "tokens_per_s_per_gpu": tokens / step,
+                "efficiency": baseline / step if baseline else None,
+                "loss": [rank["loss"] for rank in ranks], "rank_step_s": samples,
+                "buckets_bytes": ranks[0]["buckets_bytes"]})
+    for key in ("peak_allocated_gib", "peak_reserved_gib", "profile"):
+        if key in ranks[0]:
+            row[key] = [rank[key] for rank in ranks]
+    return row
+
+
+def described(error: Exception) -> str:
+    return f"{type(error).__name__}: {error}"[:300]
+
+
+def provenance(args: argparse.Namespace, rank: Rank) -> dict:
+    cuda = rank.device.type == "cuda"
+    return {**environment(), "world_size": rank.world_size, "backend": dist.get_backend(),
+            "device": torch.cuda.get_device_name(rank.device) if cuda else "cpu",
+            "nccl": ".".join(map(str, torch.cuda.nccl.version())) if cuda else None,
+            "nccl_environment": {name: value for name, value in sorted(os.environ.items())
+                                 if name.startswith(("NCCL_", "TORCH_NCCL_"))},
+            "command": " ".join(["torchrun", "--standalone", "--nproc-per-node", str(rank.world_size), *sys.argv]),
+            "model": args.model, "batch_size": args.batch_size, "seq_len": args.seq_len,
+            "precision": args.precision, "steps": args.steps, "warmup": args.warmup}
+
+
+TABLE_HEADER = ("| variant | step ms | tokens/s per GPU | efficiency | buckets (last MiB) | peak alloc. GiB | "
+                "exposed comm. ms (rank 0) |\n|---|---|---|---|---|---|---|")
+
+
+def table_line(row: dict) -> str:
+    """A variant's line of the markdown table printed as the job goes (peak memory: the largest rank's)."""
+    if "step_s" not in row:
+        return f"| {row['variant']} | {row.get('skipped') or row.get('error')} | | | | | |"
+    peak = f"{max(row['peak_allocated_gib']):.1f}" if "peak_allocated_gib" in row else "-"
+    profile = row.get("profile", [{}])[0]
+    exposed = f"{profile['exposed_communication_ms']:.1f}" if "exposed_communication_ms" in profile else "-"
+    sizes = row["buckets_bytes"]
+    buckets = f"{len(sizes)} ({sizes[-1] / 2**20:.0f})" if sizes else "-"
+    return (f"| {row['variant']} | {row['step_s'] * 1e3:.1f} | {row['tokens_per_s_per_gpu']:,.0f} | "
+            f"{row['efficiency'] or float('nan'):.3f} | {buckets} | {peak} | {exposed} |")
+
+
+def run(args: argparse.Namespace, rank: Rank) -> None:
+    result = {"environment": provenance(args, rank) if rank.main else None, "variants": []}
+    baseline = None
+    if rank.main:
+        print(TABLE_HEADER, flush=True)
+    for variant in VARIANTS:
+        reason = variant.unsupported(rank)
+        if reason:
+            row = {"skipped": reason}
+        else:
+            try:
+                row = measure(variant, args, rank)
+            except Exception as error:  # a variant every rank fails (an option this torch lacks) ends only itself
+                row = {"error": described(error)}
+        gc.collect()
+        if rank.device.type == "cuda":
+            torch.cuda.empty_cache()
+        ranks = gather_json(rank, row)
+        if rank.main:
+            summary = summarize(variant.name, ranks, args, baseline)
+            if variant.name == BASELINE:
+                baseline = summary.get("step_s")
+            result["variants"].append(summary)
+            args.out.write_text(json.dumps(result, indent=1) + "\n")
+            print(table_line(summary), flush=True)
+
+
+@record
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("out", type=Path)
+    parser.add_argument("--model", default="1B")
+    parser.add_argument("--batch-size", type=int, default=8)
+    parser.add_argument("--seq-len", type=int, default=2048)
+    parser.add_argument("--precision", default="bf16")
+    parser.add_argument("--steps", type=int, default=10)
+    parser.add_argument("--warmup", type=int, default=3,
+                        help="untimed steps; at least 3 for DDP's steady state: under static_graph the first "
+                             "backward pass reduces every gradient at its end, the second records the order "
+                             "they come in, and the third step's forward pass rebuilds the buckets in it"),
+    args = parser.parse_args()
+    rank = Rank.from_environment("cuda" if torch.cuda.is_available() else "cpu")
+    if not rank.launched:
+        parser.error("start it with torchrun (Usage in the module docstring)")
+    with process_group(rank, TIMEOUT):
+        run(args, rank)
+
+
+if __name__ == "__main__":
+    main()
