@@ -19,7 +19,10 @@ built, so one variant at a time holds memory.
   gradients in one ``_foreach_copy_`` and divides once;
 - ``high-priority-stream``, ``nccl-8-ctas`` (NCCL only): the all-reduces on a communicator of their own
   (``new_group`` with ``ProcessGroupNCCL.Options``), whose stream has high priority, or whose
-  collectives run on at most 8 CTAs (SMs) instead of NCCL's choice, leaving more SMs to the backward pass.
+  collectives run on at most 8 CTAs (SMs) instead of NCCL's choice, leaving more SMs to the backward pass;
+- ``sm-carveout-8``, ``sm-carveout-16``, ``sm-carveout-8-bucket-400`` (NCCL only): the all-reduces on at
+  most 8 or 16 CTAs and cuBLAS's matmuls told to leave as many SMs free, so that neither waits for SMs
+  the other holds (the last with 400 MiB buckets).
 
 Definitions:
 
@@ -31,7 +34,7 @@ Definitions:
   the same per-GPU batch, i.e. one-gpu's step time / the variant's;
 - peak memory: the allocator's largest allocated and reserved bytes per rank over the variant's build
   and steps;
-- ``profile`` (on a GPU, one more step of ``one-gpu`` and of ``current`` under ``torch.profiler``, per
+- ``profile`` (on a GPU, one more step of ``one-gpu``, ``current`` and ``sm-carveout-8`` under ``torch.profiler``, per
   rank): the kernels' summed time, NCCL's (which includes waiting for the other ranks) and the rest
   ("compute"), and the exposed communication: from the end of the last compute kernel before the last
   NCCL kernel ends, to that end; the optimizer waits for it, so nothing else runs then. Compute time
@@ -106,15 +109,33 @@ def bf16_compressed(lm: CausalLM, rank: Rank) -> None:
     lm.module.register_comm_hook(None, bf16_compress_hook)  # None: the default process group
 
 
-def own_communicator(high_priority: bool = False, max_ctas: int | None = None):
-    """DDP over a new NCCL communicator of every rank, built with these options."""
+def own_communicator(high_priority: bool = False, max_ctas: int | None = None, **ddp_options):
+    """DDP (with ``ddp_options`` over ``wrap_ddp``'s) over a new NCCL communicator of every rank, built
+    with these options."""
     def wrap(lm: CausalLM, rank: Rank) -> Callable[[], None]:
         options = dist.ProcessGroupNCCL.Options(is_high_priority_stream=high_priority)
         if max_ctas is not None:
             options.config.max_ctas = max_ctas
         group = dist.new_group(backend="nccl", pg_options=options)
-        lm.module = wrap_ddp(lm.module, rank, process_group=group)
+        lm.module = wrap_ddp(lm.module, rank, process_group=group, **ddp_options)
         return lambda: dist.destroy_process_group(group)
+    return wrap
+
+
+def sm_carveout(sms: int, bucket_cap_mb: float | None = None):
+    """DDP over a communicator whose collectives run on at most ``sms`` CTAs, with cuBLAS's matmuls told to
+    leave ``sms`` SMs free (``torch._C._set_sm_carveout_experimental``), so the two need not wait for
+    each other's SMs; the carve-out is lifted on release."""
+    communicator = own_communicator(max_ctas=sms, **({"bucket_cap_mb": bucket_cap_mb} if bucket_cap_mb else {}))
+
+    def wrap(lm: CausalLM, rank: Rank) -> Callable[[], None]:
+        release = communicator(lm, rank)
+        torch._C._set_sm_carveout_experimental(sms)
+
+        def undo() -> None:
+            torch._C._set_sm_carveout_experimental(None)
+            release()
+        return undo
     return wrap
 
 
@@ -141,6 +162,9 @@ VARIANTS = (
     Variant("batched-grad-copy", ddp(batched_grad_copy=True), needs_batched_grad_copy),
     Variant("high-priority-stream", own_communicator(high_priority=True), nccl_only),
     Variant("nccl-8-ctas", own_communicator(max_ctas=8), nccl_only),
+    Variant("sm-carveout-8", sm_carveout(8), nccl_only, profiled=True),
+    Variant("sm-carveout-16", sm_carveout(16), nccl_only),
+    Variant("sm-carveout-8-bucket-400", sm_carveout(8, bucket_cap_mb=400), nccl_only),
 )
 
 
@@ -291,7 +315,7 @@ def run(args: argparse.Namespace, rank: Rank) -> None:
     baseline = None
     if rank.main:
         print(TABLE_HEADER, flush=True)
-    for variant in VARIANTS:
+    for variant in [v for v in VARIANTS if not args.variants or v.name in args.variants]:
         reason = variant.unsupported(rank)
         if reason:
             row = {"skipped": reason}
@@ -318,6 +342,8 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("out", type=Path)
     parser.add_argument("--model", default="1B")
+    parser.add_argument("--variants", nargs="+", choices=[variant.name for variant in VARIANTS],
+                        help="only these (the baseline first); default every one")
     parser.add_argument("--batch-size", type=int, default=8)
     parser.add_argument("--seq-len", type=int, default=2048)
     parser.add_argument("--precision", default="bf16")
