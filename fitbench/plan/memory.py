@@ -89,8 +89,8 @@ output projection):
   Cached pools (``Term.cached``): the caching allocator keeps a pool per CUDA stream, and the most a
   stream ever held stays mapped. FSDP allocates the all-gather outputs and inputs on its copy-in
   stream, whose pool stays at max(2 c p, (1 + 1/g) c E) (two layers' outputs, or the root's output
-  and input), and the reduce-scatter outputs, of which the sharded gradients are views, on its
-  reduce-scatter stream: w P / g stays mapped while the gradients are None, the start of the backward
+  and input; 2 c p + c E where the root's output is smaller than a layer's, ``copy_in_pool``), and
+  the reduce-scatter outputs, of which the sharded gradients are views, on its reduce-scatter stream: w P / g stays mapped while the gradients are None, the start of the backward
   pass included. Read from the allocator's snapshots on 2 x H200, torch 2.11
   (``benchmarks/allocator_streams.py``, ``benchmarks/results/2026-11-24-h200x2-data-parallel``): the
   20B preset in bf16-pure, 1 x 2048: the compute stream's most 87.5 GiB, the copy-in stream's 1.46
@@ -1047,6 +1047,15 @@ def gpipe_terms(arch: Architecture, tokens: int, widths: Widths, tp: int, stage:
     return terms
 
 
+def copy_in_pool(layer: float, root: float, g: int) -> float:
+    """Bytes FSDP's copy-in stream keeps mapped, from ``layer`` = c p and ``root`` = c E, the gathered
+    bytes of a decoder layer and of the root, over g shards (``fsdp_in_flight``): 2 c p + c E where the
+    root's all-gather output is smaller than a layer's, else max(2 c p, (1 + 1/g) c E)."""
+    if root < layer:
+        return 2 * layer + root
+    return max(2 * layer, (1 + 1 / g) * root)
+
+
 def fsdp_in_flight(arch: Architecture, c: float, rd: float, g: int, tp: int = 1) -> list[Term]:
     """FSDP2's unsharded units beside the shards (the module docstring): c the gathered (compute)
     dtype's width, rd the reduce dtype's, which is the sharded parameters' own (fp32 under
@@ -1056,23 +1065,30 @@ def fsdp_in_flight(arch: Architecture, c: float, rd: float, g: int, tp: int = 1)
     An all-gather's flat input and output are allocated on FSDP's copy-in stream and the parameters
     are copied out of it into their own storage on the compute stream. The caching allocator keeps a
     pool per stream, so the copy-in stream's pool stays mapped at its largest from the first step on:
-    two layers' outputs, or the root's output with its input, max(2 c p, (1 + 1/g) c E) (read from the
-    allocator's snapshots on 2 x H200, torch 2.11, ``benchmarks/allocator_streams.py``: 1.46 GiB for
-    the 20B preset in bf16-pure, 2 c p; 2.94 GiB for llama-3.1-8b in bf16, (1 + 1/2) c E)."""
+    two layers' outputs, or the root's output with its input, max(2 c p, (1 + 1/g) c E); where the
+    root's output is smaller than a layer's (c E < c p), the block it leaves is never large enough for
+    a layer's output, and the two layers' outputs are mapped beside it: 2 c p + c E (``copy_in_pool``).
+    Read from the allocator's snapshots, torch 2.11 (``benchmarks/allocator_streams.py``): on
+    2 x H200, 1.46 GiB for the 20B preset in bf16-pure, 2 c p (c E = 1.007 c p), and 2.94 GiB for
+    llama-3.1-8b in bf16, (1 + 1/2) c E; on 4 x H200 and 4 x H100, 2.79 GiB for the 30B preset in
+    bf16-pure, 2 c p + c E (c E = 0.80 c p)."""
     whole = Stage(0, 1, range(arch.num_layers))
     p, V, h = rank_layer_params(arch, tp), arch.vocab_size, arch.hidden_size // tp
     E = rank_edge_params(arch, tp, whole)
     head = V * h + arch.final_norm_params
     G = E + (V * h if arch.tie_embeddings else 0)
-    pool = max(2 * c * p, (1 + 1 / g) * c * E)
+    pool = copy_in_pool(c * p, c * E, g)
     return [
         Term("FSDP root gathered", c * E, f"c E = {c:g} B x {E:,} parameters of the root (embeddings, final norm, "
              f"output projection), not resharded after forward"),
         Term("FSDP layers gathered", 2 * c * p, f"2 c p = 2 x {c:g} B x {p:,}: the layer at work, copied out of "
              f"its all-gather, and an all-gather output", frozenset({START, RECOMPUTE, FIRST})),
-        Term("FSDP all-gather pool", pool - c * p, f"max(2 c p, (1 + 1/g) c E) - c p = max(2 x {c * p:,.0f}, "
-             f"{1 + 1 / g:g} x {c * E:,.0f}) - {c * p:,.0f} B: the copy-in stream's pool (two layers' all-gather "
-             f"outputs, or the root's output and input) beyond the output in use", cached=True),
+        Term("FSDP all-gather pool", pool - c * p,
+             (f"2 c p + c E - c p = {c * p:,.0f} + {c * E:,.0f} B: the copy-in stream's pool (two layers' all-gather "
+              f"outputs beside the root's, too small to hold one) beyond the output in use") if E < p else
+             (f"max(2 c p, (1 + 1/g) c E) - c p = max(2 x {c * p:,.0f}, {1 + 1 / g:g} x {c * E:,.0f}) - "
+              f"{c * p:,.0f} B: the copy-in stream's pool (two layers' all-gather outputs, or the root's output "
+              f"and input) beyond the output in use"), cached=True),
         Term("FSDP layer gradients", (c + rd) * p, f"(c + rd) p = ({c:g} + {rd:g}) B x {p:,}: a layer's unsharded "
              f"gradients beside the previous layer's reduce-scatter input", frozenset({FIRST})),
         Term("FSDP root gradients", c * head, f"c (V h + norm) = {c:g} B x {head:,}: the output projection's and "
