@@ -1972,3 +1972,30 @@ def test_default_job_on_four_80_gb_gpus_trains_the_largest_preset_the_four_hold(
     # on one of them (59.5 GB): 1B (16.6 GB) and 3B (51.4 GB), not 7B (107.8 GB)
     assert default_gpu_models(int(85e9), 4) == ["15B"]
     assert default_gpu_models(int(85e9), 1) == ["1B", "3B"]
+
+
+def test_a_later_precision_forecast_twice_as_fast_is_named_in_the_row():
+    """30B training over 4 H200s: bf16 (fp32 master weights), the ladder's first precision, fits only as
+    TP x 4, host-bound eagerly; bf16-pure fits FSDP x 4, forecast several times faster. The planner keeps
+    the user's first precision and the row names the faster one with the ratio of the two forecasts;
+    with the precision given, or where the later one is not twice as fast (13B on 4 H100s), nothing."""
+    from fitbench.plan.calibration import DEFAULT
+    from fitbench.plan.planner import FASTER_PRECISION_RATIO, GpuTarget, predict_spec
+    from fitbench.precisions import PRECISIONS
+
+    def plan(model: str, memory: float, gpu: str, choose_precision: bool = True):
+        spec = RunSpec(model=model, backend="native", mode="train", precision="bf16", batch_size=4, seq_len=512,
+                       new_tokens=1, device="cuda", warmup_steps=1, measure_steps=1, layout=Layout(dp_shard=4))
+        return predict_spec(resolve(model), spec, GpuTarget(gpu, 4, memory, described=False), DEFAULT,
+                            choose_precision=choose_precision, choose_recompute=True, runnable=PRECISIONS,
+                            choose_strategy=True, gpus=4)
+
+    planned, prediction = plan("30B", 150.1e9, "NVIDIA H200")
+    [warning] = [w for w in prediction["warnings"] if "is forecast" in w]
+    assert planned.precision == "bf16" and warning.startswith("bf16-pure, ") and "--precision bf16-pure" in warning
+    figures = re.search(r"\(([\d,]+) against ([\d,]+) tokens/s", warning).groups()
+    faster, chosen = (float(figure.replace(",", "")) for figure in figures)
+    assert faster >= FASTER_PRECISION_RATIO * chosen and f"{faster / chosen:.1f}x" in warning
+    assert not [w for w in plan("30B", 150.1e9, "NVIDIA H200", choose_precision=False)[1]["warnings"]
+                if "is forecast" in w]
+    assert not [w for w in plan("13B", 85.0e9, "NVIDIA H100 80GB HBM3")[1]["warnings"] if "is forecast" in w]
