@@ -22,7 +22,9 @@ built, so one variant at a time holds memory.
   collectives run on at most 8 CTAs (SMs) instead of NCCL's choice, leaving more SMs to the backward pass;
 - ``sm-carveout-8``, ``sm-carveout-16``, ``sm-carveout-8-bucket-400`` (NCCL only): the all-reduces on at
   most 8 or 16 CTAs and cuBLAS's matmuls told to leave as many SMs free, so that neither waits for SMs
-  the other holds (the last with 400 MiB buckets).
+  the other holds (the last with 400 MiB buckets); PyTorch passes the carve-out to cuBLASLt only;
+- ``cublaslt``, ``sm-carveout-8-cublaslt``, ``sm-carveout-16-cublaslt`` (NCCL only): the matmuls through
+  cuBLASLt (``torch.backends.cuda.preferred_blas_library``), alone and with the carve-outs above.
 
 Definitions:
 
@@ -122,21 +124,38 @@ def own_communicator(high_priority: bool = False, max_ctas: int | None = None, *
     return wrap
 
 
-def sm_carveout(sms: int, bucket_cap_mb: float | None = None):
+def sm_carveout(sms: int, bucket_cap_mb: float | None = None, cublaslt: bool = False):
     """DDP over a communicator whose collectives run on at most ``sms`` CTAs, with cuBLAS's matmuls told to
     leave ``sms`` SMs free (``torch._C._set_sm_carveout_experimental``), so the two need not wait for
-    each other's SMs; the carve-out is lifted on release."""
+    each other's SMs; the carve-out is lifted on release. PyTorch sets the carve-out on cuBLASLt's
+    matmuls only (``CUBLASLT_MATMUL_DESC_SM_COUNT_TARGET``): a plain matmul goes through cuBLAS unless
+    cuBLASLt is the preferred library, which ``cublaslt`` makes it for the variant."""
     communicator = own_communicator(max_ctas=sms, **({"bucket_cap_mb": bucket_cap_mb} if bucket_cap_mb else {}))
 
     def wrap(lm: CausalLM, rank: Rank) -> Callable[[], None]:
         release = communicator(lm, rank)
         torch._C._set_sm_carveout_experimental(sms)
+        undo_library = preferred_cublaslt() if cublaslt else (lambda: None)
 
         def undo() -> None:
             torch._C._set_sm_carveout_experimental(None)
+            undo_library()
             release()
         return undo
     return wrap
+
+
+def preferred_cublaslt() -> Callable[[], None]:
+    """Make cuBLASLt the preferred BLAS library; returns what restores the one before."""
+    before = torch.backends.cuda.preferred_blas_library()
+    torch.backends.cuda.preferred_blas_library("cublaslt")
+    return lambda: torch.backends.cuda.preferred_blas_library(before)
+
+
+def ddp_on_cublaslt(lm: CausalLM, rank: Rank) -> Callable[[], None]:
+    """DDP as ``current``, its matmuls through cuBLASLt: the library alone, without a carve-out."""
+    lm.module = wrap_ddp(lm.module, rank)
+    return preferred_cublaslt()
 
 
 def nccl_only(rank: Rank) -> str | None:
@@ -165,6 +184,9 @@ VARIANTS = (
     Variant("sm-carveout-8", sm_carveout(8), nccl_only, profiled=True),
     Variant("sm-carveout-16", sm_carveout(16), nccl_only),
     Variant("sm-carveout-8-bucket-400", sm_carveout(8, bucket_cap_mb=400), nccl_only),
+    Variant("cublaslt", ddp_on_cublaslt, nccl_only),
+    Variant("sm-carveout-8-cublaslt", sm_carveout(8, cublaslt=True), nccl_only, profiled=True),
+    Variant("sm-carveout-16-cublaslt", sm_carveout(16, cublaslt=True), nccl_only),
 )
 
 
