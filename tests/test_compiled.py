@@ -3,8 +3,9 @@ native model, and by hand.
 
 The partition is the one inductor makes: ``torch.compile`` with a backend built on AOTAutograd,
 inductor's own partition function (its joint-graph passes, then the min-cut partitioner) and its
-decomposition table, on the CPU; instead of generating kernels, the backend reads the forward
-graph's outputs: the logits, then every tensor saved for the backward pass.
+decomposition table, on the CPU; instead of generating kernels, the backend runs the forward graph
+and reads its outputs: the logits, then every tensor saved for the backward pass, each counted by
+the storage it keeps alive (a saved view keeps all of its base).
 """
 
 import dataclasses
@@ -42,65 +43,84 @@ class Saved:
     weight_copies: int  # the 16-bit weights autocast casts, saved for the backward's input gradients
 
 
-def partition(precision: str, checkpointing: bool) -> Saved:
-    """Compile the native model as ``--compile`` does, run one training step on the CPU, and sum the
-    bytes of what the forward graph saves. Parameters and buffers saved are already alive and cost
-    nothing; random-number-generator states (kept for checkpointed regions, 16 bytes on a GPU) and
-    the rotary tables' rows cast for the prompt (T x head dim) do not grow with the tokens."""
+def recording_backend(calls: list):
+    """A ``torch.compile`` backend that partitions as inductor does and appends, for each run of a
+    forward graph, its saved outputs that are not graph inputs: (shape, dtype, storage address, storage
+    bytes)."""
     from torch._dynamo.backends.common import aot_autograd
     from torch._functorch.aot_autograd import make_boxed_func
     from torch._inductor.compile_fx import partition_fn
     from torch._inductor.decomposition import select_decomp_table
 
-    graphs = []
-
     def forward_compiler(graph, inputs):
-        graphs.append(graph)
-        return make_boxed_func(graph)
+        placeholders = {node for node in graph.graph.nodes if node.op == "placeholder"}
+        [output] = [node for node in graph.graph.nodes if node.op == "output"]
+        saved = [node not in placeholders for node in output.args[0]]
+        run = make_boxed_func(graph)
 
-    def backward_compiler(graph, inputs):
-        return make_boxed_func(graph)
+        def recorded(args):
+            outputs = run(args)
+            # the first output is the graph's own (the logits, or a layer's output), the rest is saved
+            calls.append([(tuple(out.shape), out.dtype, out.untyped_storage().data_ptr(),
+                           out.untyped_storage().nbytes())
+                          for out, keep in zip(outputs[1:], saved[1:]) if keep and isinstance(out, torch.Tensor)])
+            return outputs
 
-    backend = aot_autograd(fw_compiler=forward_compiler, bw_compiler=backward_compiler, partition_fn=partition_fn,
-                           decompositions=select_decomp_table())
-    run = policy(precision)
-    torch._dynamo.reset()
-    torch.manual_seed(0)
-    model = build_native(ARCH, "cpu", run.weight_dtype)
-    model.activation_checkpointing = checkpointing
-    model.compile(backend=backend)
-    # The first call partitions the joint graph; the backward graph is compiled only if a backward runs.
-    with run.autocast("cpu"):
-        model(torch.randint(0, V, (B, T)))
-    [graph] = graphs
-    inputs = {node for node in graph.graph.nodes if node.op == "placeholder"}
-    [output] = [node for node in graph.graph.nodes if node.op == "output"]
+        recorded._boxed_call = True
+        return recorded
+
+    return aot_autograd(fw_compiler=forward_compiler, bw_compiler=lambda graph, inputs: make_boxed_func(graph),
+                        partition_fn=partition_fn, decompositions=select_decomp_table())
+
+
+def saved_of(call: list, autocast: bool) -> Saved:
+    """Bytes of one forward run's saved storages, each once. Random-number-generator states (kept for
+    checkpointed regions, 16 bytes on a GPU) and the rotary tables' rows cast for the prompt (T x head
+    dim) do not grow with the tokens."""
     activations = weight_copies = 0
-    for node in output.args[0][1:]:  # the logits first, then what the backward needs
-        value = node.meta["val"]
-        if node in inputs or value.dtype == torch.uint8 or tuple(value.shape) == (T, D):
+    for shape, dtype, address, size in {address: (shape, dtype, address, size)
+                                        for shape, dtype, address, size in call}.values():
+        if dtype == torch.uint8 or shape == (T, D):
             continue
-        size = value.numel() * value.element_size()
-        if value.shape[0] in (B, N):
+        if shape[0] in (B, N):
             activations += size
         else:
-            assert value.dim() == 2 and run.autocast_dtype is not None, (node, tuple(value.shape))
+            assert len(shape) == 2 and autocast, shape
             weight_copies += size
     return Saved(activations, weight_copies)
 
 
-CASES = [pytest.param(precision, checkpointing, id=f"{precision}-{'ckpt' if checkpointing else 'full'}")
-         for precision in WIDTHS for checkpointing in (False, True)]
+def partition(precision: str, checkpointing: bool, fused: bool = False) -> Saved:
+    """Compile the native model (``fused``: with its fused projections, as the run builds it on one GPU)
+    as ``--compile`` does on one GPU, run one forward pass on the CPU, and sum the storages the forward
+    graph saves. Parameters and buffers saved are already alive and cost nothing."""
+    calls: list = []
+    run = policy(precision)
+    torch._dynamo.reset()
+    torch.manual_seed(0)
+    model = build_native(ARCH, "cpu", run.weight_dtype, fused=fused)
+    model.activation_checkpointing = checkpointing
+    model.compile(backend=recording_backend(calls))
+    with run.autocast("cpu"):
+        model(torch.randint(0, V, (B, T)))
+    [call] = calls
+    return saved_of(call, run.autocast_dtype is not None)
 
 
-@pytest.mark.parametrize("precision, checkpointing", CASES)
-def test_compiled_saved_bytes_match_the_partition(precision, checkpointing):
+CASES = [pytest.param(precision, checkpointing, fused,
+                      id=f"{precision}-{'ckpt' if checkpointing else 'full'}{'-fused' if fused else ''}")
+         for precision in WIDTHS for checkpointing in (False, True) for fused in (False, True)
+         if not (checkpointing and fused and precision != "bf16")]
+
+
+@pytest.mark.parametrize("precision, checkpointing, fused", CASES)
+def test_compiled_saved_bytes_match_the_partition(precision, checkpointing, fused):
     c, r, _, autocast = WIDTHS[precision]
-    saved = partition(precision, checkpointing)
+    saved = partition(precision, checkpointing, fused)
     if checkpointing:
         layers = L * r * N * H  # each layer's input
     else:
-        layers = L * compiled.saved_per_layer(ARCH, N, c, r) - compiled.first_layer_saving(ARCH, N, c, r)
+        layers = L * compiled.saved_per_layer(ARCH, N, c, r, fused=fused) - compiled.first_layer_saving(ARCH, N, c, r)
     assert saved.activations == layers + compiled.final_saved_bytes(ARCH, N, c, r, checkpointing)
     # autocast's copies, as eager saves them: every layer's and the output projection's, or with
     # checkpointing only the output projection's (the layers' are cast again in the recompute)
@@ -108,7 +128,8 @@ def test_compiled_saved_bytes_match_the_partition(precision, checkpointing):
     assert saved.weight_copies == copies
     # and the memory model's terms say the same
     terms = {t.name: t.bytes for t in estimate_memory(ARCH, "train", precision, B, T,
-                                                      activation_checkpointing=checkpointing, compiled=True).terms}
+                                                      activation_checkpointing=checkpointing, compiled=True,
+                                                      fused=fused).terms}
     assert terms["activations"] + terms["final norm and output input"] == saved.activations
     assert terms.get("autocast weight copies", 0) == saved.weight_copies
 
@@ -128,21 +149,71 @@ def test_compiled_saved_per_layer_by_hand():
     assert compiled.final_saved_bytes(ARCH, 10, 2, 4, recompute=True) == 40 + 1_280
 
 
+def test_compiled_fused_projection_rest_by_hand():
+    # n = 10 tokens: the fused q, k, v output holds 10 x (64 + 2 x 32) elements; attention's saved v is
+    # 10 x 32 of them, so c x 10 x (64 + 32) more stay alive
+    assert compiled.fused_projection_rest(ARCH, 10, 2) == 2 * 10 * 96 == 1_920
+    assert compiled.saved_per_layer(ARCH, 10, 2, 4, fused=True) == 22_320 + 1_920
+    # fp32 expands the grouped k and v into copies: v is no view, nothing more is kept
+    assert compiled.fused_projection_rest(ARCH, 10, 4) == 0
+    assert compiled.saved_per_layer(ARCH, 10, 4, 4, fused=True) == compiled.saved_per_layer(ARCH, 10, 4, 4)
+    # without grouped heads (k = h, as the 30B preset) fp32 keeps the view too: 4 x 10 x (64 + 64)
+    ungrouped = dataclasses.replace(ARCH, num_kv_heads=HEADS)
+    assert compiled.fused_projection_rest(ungrouped, 10, 4) == 5_120
+    # the 30B preset, 4 x 2048 tokens in bf16: 2 x 8192 x (6656 + 6656) = 4 n h bytes a layer
+    assert compiled.fused_projection_rest(resolve("30B"), 4 * 2048, 2) == 4 * 8192 * 6656 == 218_103_808
+
+
+@pytest.mark.parametrize("fused", [False, True])
+def test_compiled_per_layer_saved_bytes_match_the_partition(fused):
+    """Compiled per decoder layer, as ``fitbench.run.parallel`` compiles under DDP and FSDP (after
+    checkpointing, here of the first layer), bf16-pure as FSDP computes: the layer that keeps its
+    activations saves a compiled layer's tensors, its input among them, a graph input of its own
+    graph; the checkpointed layer's graph saves the same, which the checkpoint drops."""
+    calls: list = []
+    torch._dynamo.reset()
+    torch.manual_seed(0)
+    model = build_native(ARCH, "cpu", torch.bfloat16, fused=fused)
+    model.activation_checkpointing, model.checkpointed_layers = True, 1
+    backend = recording_backend(calls)
+    for layer in model.model.layers:
+        layer.compile(backend=backend)
+    x = torch.randint(0, V, (B, T))
+    model(x)
+    assert len(calls) == L
+    saved = saved_of(calls[-1], autocast=False)
+    # the kept layer's input is a graph input: the checkpointed layer's output, alive anyway (r n h)
+    assert saved.activations + 2 * N * H == compiled.saved_per_layer(ARCH, N, 2, 2, fused=fused)
+    assert saved.weight_copies == 0
+    # and the memory model says so for FSDP (one kept layer, one checkpointed)
+    def activations(**fused_or_not) -> float:
+        return {t.name: t.bytes for t in estimate_memory(
+            ARCH, "train", "bf16-pure", B, T, activation_checkpointing=True, checkpointed_layers=1,
+            parallelism=Parallelism("fsdp", 2), compiled=True, **fused_or_not).terms}["activations"]
+
+    assert activations(fused=fused) == 2 * N * H + compiled.saved_per_layer(ARCH, N, 2, 2, fused=fused)
+    assert activations() == activations(fused=True)  # the run builds FSDP's model fused
+
+
 @pytest.mark.parametrize("precision", list(WIDTHS))
 @pytest.mark.parametrize("checkpointing", [False, True])
 def test_compiled_training_saves_what_eager_saves_but_at_the_first_and_last_layers(precision, checkpointing):
     """The eager layers' own operators save what the partition keeps (``fitbench.models.layer_ops``);
     compiled, the first layer keeps a 16-bit tensor for an fp32 one, and under checkpointing the last
     layer's output is recomputed with it, and the layers' 16-bit weight copies are cast inside the
-    graph, where autocast's cache, which holds them in eager checkpointed training, does not reach."""
+    graph, where autocast's cache, which holds them in eager checkpointed training, does not reach.
+    Built fused, as on one GPU, each layer that keeps its activations also keeps the fused q, k, v
+    projection's output whole (``compiled.fused_projection_rest``: none in fp32, whose v is a copy)."""
     c, r, _, autocast = WIDTHS[precision]
     arch, n, h = resolve("1B"), 4 * 2048, 2048
     eager = estimate_memory(arch, "train", precision, 4, 2048, activation_checkpointing=checkpointing)
     fused = estimate_memory(arch, "train", precision, 4, 2048, activation_checkpointing=checkpointing,
                             compiled=True)
     layer_copies = c * arch.num_layers * arch.layer_matmul_weights if autocast else 0
-    expected = r * n * h + layer_copies if checkpointing else (r - c) * n * h
+    rest = arch.num_layers * compiled.fused_projection_rest(arch, n, c)
+    expected = r * n * h + layer_copies if checkpointing else (r - c) * n * h - rest
     assert eager.total_at(START) - fused.total_at(START) == expected
+    assert (rest == 0) == (c == 4)
     eager_terms, fused_terms = ({t.name: t.bytes for t in e.terms} for e in (eager, fused))
     # what autograd keeps outside the compiled module, and the model's state, do not change
     for name in ("weights", "optimizer state", "gradients", "loss chain"):
@@ -181,13 +252,21 @@ def test_compiled_inference_temporaries_by_hand(precision):
 
 def test_compiled_worked_example_1b():
     """1B, bf16 autocast, 4 x 2048 tokens: 16 layers of 16 n h + 4 n k + 4 n H + 6 n f + 8 n bytes,
-    less 2 n h in the first; eager saves the 16 layers whole."""
+    less 2 n h in the first, and built fused (one GPU) the rest of each layer's q, k, v output,
+    2 n (h + k); eager saves the 16 layers, and none of that output."""
     n, h, k, f, heads, layers = 4 * 2048, 2048, 512, 8192, 32, 16
     eager = layers * (16 * n * h + 4 * n * k + 4 * n * heads + 6 * n * f + 8 * n)
-    fused = eager - 2 * n * h
+    apart = eager - 2 * n * h
+    fused = apart + layers * 2 * n * (h + k)
     arch = resolve("1B")
-    terms = {t.name: t.bytes for t in estimate_memory(arch, "train", "bf16", 4, 2048, compiled=True).terms}
-    assert terms["activations"] == fused == 10_990_125_056
+
+    def activations(**options) -> float:
+        terms = estimate_memory(arch, "train", "bf16", 4, 2048, **options).terms
+        return {t.name: t.bytes for t in terms}["activations"]
+
+    assert activations(compiled=True) == fused == 11_661_213_696
+    assert activations(compiled=True, fused=False) == apart == 10_990_125_056
+    assert activations() == activations(fused=False) == eager
     assert {t.name: t.bytes for t in estimate_memory(arch, "train", "bf16", 4, 2048).terms}["activations"] == eager
 
 
@@ -204,7 +283,9 @@ def test_predict_spec_predicts_the_compiled_model():
     assert fused["tensor_peak_bytes"] == estimate_memory(resolve("1B"), "train", "bf16", 4, 2048,
                                                          compiled=True).peak_bytes
     assert eager["tensor_peak_bytes"] == estimate_memory(resolve("1B"), "train", "bf16", 4, 2048).peak_bytes
-    assert eager["tensor_peak_bytes"] - fused["tensor_peak_bytes"] == 2 * 4 * 2048 * 2048  # the first layer's
+    # the first layer's fp32 residual, less each layer's fused q, k, v output
+    rest = compiled.fused_projection_rest(resolve("1B"), 4 * 2048, 2)
+    assert eager["tensor_peak_bytes"] - fused["tensor_peak_bytes"] == 2 * 4 * 2048 * 2048 - 16 * rest
     assert Candidate("bf16", "single", 1, False, 4, compiled=True).label == "bf16, 1 GPU, compiled, batch 4"
 
 
@@ -215,8 +296,8 @@ def test_other_families_keep_the_eager_model_when_compiled(mode):
     gpt2 = resolve("gpt2")
     eager = estimate_memory(gpt2, mode, "bf16", 2, 256)
     assert estimate_memory(gpt2, mode, "bf16", 2, 256, compiled=True).as_dict() == eager.as_dict()
-    llama = resolve("tiny")
-    assert estimate_memory(llama, mode, "bf16", 2, 256, compiled=True).peak_bytes \
+    llama = resolve("tiny")  # compiled with its projections apart, it holds less than eager
+    assert estimate_memory(llama, mode, "bf16", 2, 256, compiled=True, fused=False).peak_bytes \
         < estimate_memory(llama, mode, "bf16", 2, 256).peak_bytes
 
 
@@ -233,7 +314,7 @@ def test_compiled_next_layer_recomputed_ahead_by_hand():
     terms = {t.name: t for t in estimate_memory(ARCH, "train", "bf16-pure", B, T, activation_checkpointing=True,
                                                 compiled=True).terms}
     ahead = terms["next layer recomputed ahead"]
-    assert ahead.bytes == compiled.saved_per_layer(ARCH, N, 2, 2) - 2 * p
+    assert ahead.bytes == compiled.saved_per_layer(ARCH, N, 2, 2, fused=True) - 2 * p  # one GPU: fused
     assert ahead.moments == frozenset({FIRST})
 
 
