@@ -174,7 +174,7 @@ def run_target(device: str, measure: Callable[[], Any] | None = None, say: Calla
 
     def measure_here():
         with tempfile.TemporaryDirectory(prefix="fitbench-calibrate-") as scratch:
-            return measure_calibration(device, Path(scratch))
+            return measure_calibration(device, Path(scratch), gpus=ranks)
 
     try:
         calibration, stored_in = ensure_calibration(properties.name, measure or measure_here)

@@ -60,7 +60,7 @@ def calibrate(args: argparse.Namespace) -> int:
             console.print(f"{bus_figures(bus)}; nothing stored: the planner plans GPUs")
             return 0
         console.print(f"calibrating {device}: tiny training, generating and in a forward pass, in fresh processes ...")
-        calibration = measure_calibration(device, Path(scratch))
+        calibration = measure_calibration(device, Path(scratch), gpus=gpus)
         if across is not None:
             inside, between = across
             calibration = with_inter_node(with_bus_bandwidth(calibration, inside) if inside else calibration, between)

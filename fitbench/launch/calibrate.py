@@ -42,13 +42,14 @@ RING_FACTOR = {"all_reduce": lambda g: 2 * (g - 1) / g, "all_gather": lambda g: 
 CALIBRATED_MODES = ("train", "infer", "forward")
 
 
-def measure_calibration(device: str, scratch: Path) -> Calibration:
+def measure_calibration(device: str, scratch: Path, gpus: int = 1) -> Calibration:
     """Run ``tiny`` training, generating and a forward pass on ``device`` through the real worker, each in the
     first precision of its mode's default ladder (``DEFAULT_LADDER``: what the planner tries first) and in a
-    fresh process, and read off the context and the workspaces (``overheads``). Where this machine has a
-    GPU of the same kind for each mode from ``device`` on (``calibration_devices``), the three run at once,
-    one per GPU: the figures are the GPU kind's, and the first run's wait shrinks to one run's."""
-    devices = calibration_devices(device)
+    fresh process, and read off the context and the workspaces (``overheads``). Where the job's own
+    ``gpus`` (``device`` and the next ones) give each mode a GPU of the same kind (``calibration_devices``),
+    the three run at once, one per GPU: the figures are the GPU kind's, and the first run's wait shrinks
+    to one run's. GPUs outside the job are never used: another user's work there would disturb both."""
+    devices = calibration_devices(device, gpus)
 
     def run_mode(mode: str, on: str):
         spec = RunSpec(model="tiny", backend="native", mode=mode, precision=DEFAULT_LADDER[mode][0],
@@ -80,13 +81,14 @@ def measure_calibration(device: str, scratch: Path) -> Calibration:
     )
 
 
-def calibration_devices(device: str) -> list[str]:
+def calibration_devices(device: str, gpus: int) -> list[str]:
     """The GPU each of ``CALIBRATED_MODES`` runs on: ``cuda:i``, ``cuda:i+1``, ... from ``device``'s index i
-    where the machine shows that many GPUs of ``device``'s name, else ``device`` for all, one after
-    another (two on one GPU would read each other's memory)."""
+    where the job's ``gpus`` from there are that many, all of ``device``'s name, else ``device`` for all,
+    one after another (two on one GPU would read each other's memory)."""
     index = int(device.partition(":")[2] or 0)
     wanted = range(index, index + len(CALIBRATED_MODES))
-    if wanted.stop <= torch.cuda.device_count() and len({torch.cuda.get_device_name(i) for i in wanted}) == 1:
+    if len(wanted) <= gpus and wanted.stop <= torch.cuda.device_count() and \
+            len({torch.cuda.get_device_name(i) for i in wanted}) == 1:
         return [f"cuda:{i}" for i in wanted]
     return [device] * len(CALIBRATED_MODES)
 
