@@ -66,25 +66,28 @@ def check_ranks(device: str, ranks: int) -> None:
                         f"{visible} or fewer, or run on --device cpu ({ranks} CPU processes).")
 
 
-def default_models(device: str, gpus: int = 1) -> list[str]:
+def default_models(device: str, gpus: int = 1, strategy: str = "auto") -> list[str]:
     """The main job's models: ``tiny`` and ``small`` on a CPU; on GPUs, ``default_gpu_models`` for the
-    device's memory and the job's ``gpus``."""
+    device's memory, the job's ``gpus`` and its ``strategy``."""
     if device == "cpu":
         return ["tiny", "small"]
     import torch
 
-    return default_gpu_models(torch.cuda.get_device_properties(torch.device(device)).total_memory, gpus)
+    memory = torch.cuda.get_device_properties(torch.device(device)).total_memory
+    return default_gpu_models(memory, gpus, strategy)
 
 
-def default_gpu_models(memory: int, gpus: int) -> list[str]:
+def default_gpu_models(memory: int, gpus: int, strategy: str = "auto") -> list[str]:
     """The main job's models on ``gpus`` GPUs of ``memory`` bytes each. A ladder size fits a share of
     memory when its mixed-precision training state (16 bytes per parameter: fp32 weights and gradients,
     AdamW's two moments) takes at most 70% of it, leaving the rest for activations. On one GPU, the
     two largest sizes that fit it; on several, the largest that fits all of them together (sharded),
-    alone: the job then runs in about the time one GPU's takes. ``tiny`` where none fits."""
+    alone: the job then runs in about the time one GPU's takes. A ``strategy`` that holds the whole
+    model on each GPU (DDP, replicas) has one GPU's. ``tiny`` where none fits."""
     from fitbench.models.presets import SIZE_LADDER
     from fitbench.models.registry import resolve
 
+    gpus = 1 if strategy in ("ddp", "replicas") else gpus
     fitting = [name for name in SIZE_LADDER if 16 * resolve(name).total_params <= 0.7 * memory * gpus]
     return fitting[-2 if gpus == 1 else -1:] or ["tiny"]
 
@@ -281,7 +284,7 @@ def plan_sweep(config, out: str, out_option: str = "--out", say: Callable[[str],
         return PlannedSweep(device, plan_jobs(specs, config, None, None), TENSORS_ONLY)
     device = resolve_device(config.device)
     check_ranks(device, config.gpus // (config.nodes or 1))
-    specs = expand(config, device=device, default_models=default_models(device, config.gpus))
+    specs = expand(config, device=device, default_models=default_models(device, config.gpus, config.strategy))
     check_output_directory(out, out_option)
     target, calibration = run_target(device, say=say, ranks=config.gpus)
     if target is not None:

@@ -1972,6 +1972,9 @@ def test_default_job_on_four_80_gb_gpus_trains_the_largest_preset_the_four_hold(
     # on one of them (59.5 GB): 1B (16.6 GB) and 3B (51.4 GB), not 7B (107.8 GB)
     assert default_gpu_models(int(85e9), 4) == ["15B"]
     assert default_gpu_models(int(85e9), 1) == ["1B", "3B"]
+    # DDP and replicas hold the whole model on each GPU: one GPU's models; sharding strategies the four's
+    assert default_gpu_models(int(85e9), 4, "ddp") == default_gpu_models(int(85e9), 4, "replicas") == ["1B", "3B"]
+    assert default_gpu_models(int(85e9), 4, "fsdp") == default_gpu_models(int(85e9), 4, "tp") == ["15B"]
 
 
 def test_a_later_precision_forecast_twice_as_fast_is_named_in_the_row():

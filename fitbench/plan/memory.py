@@ -91,11 +91,11 @@ output projection):
   stream, whose pool stays at max(2 c p, (1 + 1/g) c E) (two layers' outputs, or the root's output
   and input; 2 c p + c E where the root's output is smaller than a layer's, ``copy_in_pool``), and
   the reduce-scatter outputs, of which the sharded gradients are views, on its reduce-scatter
-  stream: w P / g stays mapped while the gradients are None, the start of the backward pass included. Read from the allocator's snapshots on 2 x H200, torch 2.11
-  (``benchmarks/allocator_streams.py``, ``benchmarks/results/2026-11-24-h200x2-data-parallel``): the
-  20B preset in bf16-pure, 1 x 2048: the compute stream's most 87.5 GiB, the copy-in stream's 1.46
-  GiB (2 c p), the reduce-scatter stream's 18.5 GiB (the sharded gradients); 116.2 GB reserved
-  against 95.1 GB allocated.
+  stream: w P / g stays mapped while the gradients are None, the start of the backward pass included.
+  Read from the allocator's snapshots on 2 x H200, torch 2.11 (``benchmarks/allocator_streams.py``,
+  ``benchmarks/results/2026-11-24-h200x2-data-parallel``): the 20B preset in bf16-pure, 1 x 2048: the
+  compute stream's most 87.5 GiB, the copy-in stream's 1.46 GiB (2 c p), the reduce-scatter stream's
+  18.5 GiB (the sharded gradients); 116.2 GB reserved against 95.1 GB allocated.
 - FSDP2 with CPU offload (``CPUOffloadPolicy``, ``--offload``): the shards, their gradients and
   AdamW's state live in host memory, where the optimizer steps; the GPU holds what is in flight
   as above, and the shards passing through it (``fsdp_offload_staging``).

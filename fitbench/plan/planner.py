@@ -747,7 +747,8 @@ def predict_spec(arch: Architecture, spec, target: GpuTarget, calibration: Calib
     first = (next((clear for group in groups if (clear := [a for a in group if a.clear])), None)
              or next((fitting for group in groups if (fitting := [a for a in group if a.fits])), None))
     estimated = [a for a in options if a.memory is not None] or options
-    run = dict(cuda_graphs=spec.cuda_graphs, compile_decode=spec.compile_decode, symmetric_memory=spec.symmetric_memory)
+    run = dict(cuda_graphs=spec.cuda_graphs, compile_decode=spec.compile_decode,
+               symmetric_memory=spec.symmetric_memory)
 
     def ranked(assessed: list[Assessment]) -> list[Assessment]:
         return fastest_first(arch, spec.mode, assessed, target, seq_len=spec.seq_len, new_tokens=spec.new_tokens,
@@ -755,7 +756,8 @@ def predict_spec(arch: Architecture, spec, target: GpuTarget, calibration: Calib
 
     chosen = ranked(first)[0] if first else min(estimated, key=lambda a: a.predicted_peak)
     # the ladder's later precisions, each at its fastest layout clear of the margin: what the warning weighs
-    at = next((i for i, group in enumerate(groups) if chosen.candidate in [a.candidate for a in group]), len(groups))
+    at = next((i for i, group in enumerate(groups) if chosen.candidate in [a.candidate for a in group]),
+              len(groups))
     later = [a for group in groups[at + 1:] for a in group if a.clear] \
         if first and choose_precision and calibration is not None else []
     candidate = chosen.candidate
