@@ -60,7 +60,7 @@ def sweep_options(parser: argparse.ArgumentParser) -> None:
     add("--models", nargs="+", default=S, metavar="MODEL",
         help="presets (see `fitbench models`), local directories with a config.json, or hub ids. Default: "
              "tiny and small on a CPU; on one GPU the two largest sizes that train on it; on --gpus N the largest "
-             "that trains on all N")
+             "that trains on all N (one GPU's under --strategy ddp or replicas)")
     add("--mode", "--modes", dest="mode", nargs="+", choices=MODES, default=S, metavar="MODE",
         help="what a step does: train (forward, backward, AdamW), forward, forward-backward, infer "
              "(prefill + decode with a KV cache). Default: train infer")
