@@ -3,8 +3,8 @@
 # 1. decode at batch 1, 13B (512-token prompt, 64 new tokens): one GPU, then TP 2 and TP GPUS, and TP GPUS
 #    with --no-symmetric-memory (NCCL's all-reduces); with GPUS 4, Llama-2-70B under TP 4 both ways and as
 #    2 pipeline stages x TP 2 (its bandwidth roofline is the reference: it does not fit one GPU);
-# 2. sharded training over GPUS: 13B and 30B as the planner picks them, eager and with --compile, and 13B
-#    as FSDP x TP 2, eager and compiled (their MFU is the figure: none fits one GPU);
+# 2. sharded training over GPUS: 13B and 30B as the planner picks them, eager and with --compile, 30B under
+#    FSDP in bf16-pure, and 13B as FSDP x TP 2, eager and compiled (their MFU is the figure: none fits one GPU);
 # 3. weak scaling of training, the 1B preset at 8 x 2048 tokens per GPU (3 warm-up, 10 measured steps):
 #    one GPU, then DDP and FSDP over 2 and GPUS;
 # then summary.md: each row's tokens/s against its one-GPU baseline (decode: the ratio of tokens/s;
@@ -51,6 +51,9 @@ if [ "$part" = all ] || [ "$part" = sharded ]; then
     run "sharded/$model" --models "$model" "${sharded[@]}"
     run "sharded/$model-compile" --models "$model" "${sharded[@]}" --compile
   done
+  # 30B under FSDP in bf16-pure, checkpointing as the planner picks it: where bf16 with fp32 master weights
+  # fits only as TP (4 x H200), the planner keeps bf16, and this row is the FSDP figure
+  run sharded/30B-fsdp --models 30B "${sharded[@]}" --precision bf16-pure --strategy fsdp
   fsdp_tp=(--models 13B --precision bf16 --batch-size 2 "${sharded[@]}" --strategy fsdp --tp 2)
   run sharded/13B-fsdp-tp2 "${fsdp_tp[@]}"
   run sharded/13B-fsdp-tp2-compile "${fsdp_tp[@]}" --compile
