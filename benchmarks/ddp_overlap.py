@@ -36,11 +36,14 @@ Definitions:
   the same per-GPU batch, i.e. one-gpu's step time / the variant's;
 - peak memory: the allocator's largest allocated and reserved bytes per rank over the variant's build
   and steps;
-- ``profile`` (on a GPU, one more step of ``one-gpu``, ``current`` and ``sm-carveout-8`` under ``torch.profiler``, per
-  rank): the kernels' summed time, NCCL's (which includes waiting for the other ranks) and the rest
-  ("compute"), and the exposed communication: from the end of the last compute kernel before the last
-  NCCL kernel ends, to that end; the optimizer waits for it, so nothing else runs then. Compute time
-  above one-gpu's is the reducer's copies plus kernels slowed by the all-reduces beside them.
+- power and SM clock (on a GPU): NVML's time-weighted means per rank over the warm-up and timed steps
+  (``power_and_clock``);
+- ``profile`` (on a GPU, one more step of ``one-gpu``, ``current``, ``sm-carveout-8`` and
+  ``sm-carveout-8-cublaslt`` under ``torch.profiler``, per rank): the kernels' summed time, NCCL's
+  (which includes waiting for the other ranks) and the rest ("compute"), and the exposed communication:
+  from the end of the last compute kernel before the last NCCL kernel ends, to that end; the optimizer
+  waits for it, so nothing else runs then. Compute time above one-gpu's is the reducer's copies plus
+  kernels slowed by the all-reduces beside them.
 
 OUT.json is written after every variant, so a job cut short keeps what it measured.
 
@@ -63,6 +66,7 @@ import json
 import os
 import statistics
 import sys
+import tempfile
 from dataclasses import dataclass
 from datetime import timedelta
 from pathlib import Path
@@ -75,6 +79,7 @@ from torch.distributed.elastic.multiprocessing.errors import record
 from fitbench.hardware.environment import environment
 from fitbench.models.backends import CausalLM, load_model
 from fitbench.models.registry import resolve
+from fitbench.monitor.nvml import GpuMonitor, job_gpus
 from fitbench.precisions import policy
 from fitbench.run.loops import make_step, random_tokens
 from fitbench.run.parallel import data_seed, wrap_ddp
@@ -202,9 +207,12 @@ def measure(variant: Variant, args: argparse.Namespace, rank: Rank) -> dict:
     try:
         tokens = random_tokens(arch.vocab_size, args.batch_size, args.seq_len + 1, device, data_seed(SEED, rank.rank))
         step = make_step("train", lm, rules, tokens, device)
-        seconds, losses = time_steps(step, DeviceClock(device), warmup=args.warmup, repeats=args.steps,
-                                     barrier=dist.barrier)
-        row = {"seconds": seconds, "loss": losses[-1].item(), "buckets_bytes": bucket_sizes(lm.module)}
+        with tempfile.TemporaryDirectory() as timeline, GpuMonitor(
+                job_gpus(1, first=rank.local_rank) if cuda else [], timeline) as monitor:
+            seconds, losses = time_steps(step, DeviceClock(device), warmup=args.warmup, repeats=args.steps,
+                                         barrier=dist.barrier)
+        row = {"seconds": seconds, "loss": losses[-1].item(), "buckets_bytes": bucket_sizes(lm.module),
+               **power_and_clock(monitor)}
         if cuda:
             row["peak_allocated_gib"] = torch.cuda.max_memory_allocated(device) / GIB
             row["peak_reserved_gib"] = torch.cuda.max_memory_reserved(device) / GIB
@@ -217,6 +225,15 @@ def measure(variant: Variant, args: argparse.Namespace, rank: Rank) -> dict:
             lm.module = None  # the wrapper, and its reducer, before their process group
             gc.collect()
             release()
+
+
+def power_and_clock(monitor: GpuMonitor) -> dict:
+    """This rank's GPU over the warm-up and timed steps: its mean power (W) and SM clock (MHz), time-weighted
+    over NVML's samples (``fitbench.monitor.nvml``); None where NVML has none (a CPU rank). A GPU at its
+    power limit lowers its clock: work beside the matmuls (the all-reduces) then slows them."""
+    gpus = monitor.summary()["gpus"]
+    figures = gpus[0] if gpus else {}
+    return {"power_w": figures.get("mean_power_w"), "sm_clock_mhz": figures.get("mean_sm_clock_mhz")}
 
 
 def bucket_sizes(module: torch.nn.Module) -> list[int] | None:
@@ -293,7 +310,7 @@ def summarize(variant: str, ranks: list[dict], args: argparse.Namespace, baselin
                 "efficiency": baseline / step if baseline else None,
                 "loss": [rank["loss"] for rank in ranks], "rank_step_s": samples,
                 "buckets_bytes": ranks[0]["buckets_bytes"]})
-    for key in ("peak_allocated_gib", "peak_reserved_gib", "profile"):
+    for key in ("peak_allocated_gib", "peak_reserved_gib", "profile", "power_w", "sm_clock_mhz"):
         if key in ranks[0]:
             row[key] = [rank[key] for rank in ranks]
     return row
@@ -316,20 +333,22 @@ def provenance(args: argparse.Namespace, rank: Rank) -> dict:
 
 
 TABLE_HEADER = ("| variant | step ms | tokens/s per GPU | efficiency | buckets (last MiB) | peak alloc. GiB | "
-                "exposed comm. ms (rank 0) |\n|---|---|---|---|---|---|---|")
+                "exposed comm. ms (rank 0) | W, MHz (rank 0) |\n|---|---|---|---|---|---|---|---|")
 
 
 def table_line(row: dict) -> str:
     """A variant's line of the markdown table printed as the job goes (peak memory: the largest rank's)."""
     if "step_s" not in row:
-        return f"| {row['variant']} | {row.get('skipped') or row.get('error')} | | | | | |"
+        return f"| {row['variant']} | {row.get('skipped') or row.get('error')} | | | | | | |"
     peak = f"{max(row['peak_allocated_gib']):.1f}" if "peak_allocated_gib" in row else "-"
     profile = row.get("profile", [{}])[0]
     exposed = f"{profile['exposed_communication_ms']:.1f}" if "exposed_communication_ms" in profile else "-"
     sizes = row["buckets_bytes"]
     buckets = f"{len(sizes)} ({sizes[-1] / 2**20:.0f})" if sizes else "-"
+    power, clock = row["power_w"][0], row["sm_clock_mhz"][0]
+    nvml = f"{power:.0f}, {clock:.0f}" if power is not None and clock is not None else "-"
     return (f"| {row['variant']} | {row['step_s'] * 1e3:.1f} | {row['tokens_per_s_per_gpu']:,.0f} | "
-            f"{row['efficiency'] or float('nan'):.3f} | {buckets} | {peak} | {exposed} |")
+            f"{row['efficiency'] or float('nan'):.3f} | {buckets} | {peak} | {exposed} | {nvml} |")
 
 
 def run(args: argparse.Namespace, rank: Rank) -> None:

@@ -69,4 +69,5 @@ def test_every_variant_is_timed_against_one_gpu_on_cpu_ranks(tmp_path):
         assert math.isclose(row["tokens_per_s_per_gpu"], BATCH * SEQ_LEN / row["step_s"])
         assert math.isclose(row["efficiency"], row["tokens_per_s_per_gpu"] / one_gpu["tokens_per_s_per_gpu"])
         assert all(math.isfinite(loss) for loss in row["loss"])
+        assert row["power_w"] == row["sm_clock_mhz"] == [None] * WORLD  # CPU ranks: no NVML figures
     assert one_gpu["buckets_bytes"] is None
