@@ -54,7 +54,8 @@ def measure_calibration(device: str, scratch: Path, gpus: int = 1) -> Calibratio
     def run_mode(mode: str, on: str):
         spec = RunSpec(model="tiny", backend="native", mode=mode, precision=DEFAULT_LADDER[mode][0],
                        batch_size=4, seq_len=256, new_tokens=8, device=on, warmup_steps=2, measure_steps=3)
-        return spec, run_one(Assignment(spec=spec), scratch / f"{mode}.log", timeout=600,
+        # each run's log and NVML timeline in a directory of its own: the three may run at once
+        return spec, run_one(Assignment(spec=spec), scratch / mode / f"{mode}.log", timeout=600,
                              on_event=lambda event: None)
 
     with ThreadPoolExecutor(max_workers=len(set(devices))) as pool:
