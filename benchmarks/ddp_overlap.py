@@ -1,4 +1,5 @@
-"""DDP's weak scaling against one GPU, for several ways of building DDP, side by side in one torchrun job.
+"""Data parallelism's weak scaling against one GPU, DDP built several ways and FSDP, side by side in one
+torchrun job.
 
 Each variant (``VARIANTS``) builds the model afresh from one seed on every rank, wraps it (or not), and
 times fitbench's own training step (``fitbench.run.loops.make_step``: gradients set to None, forward,
@@ -24,7 +25,9 @@ built, so one variant at a time holds memory.
   most 8 or 16 CTAs and cuBLAS's matmuls told to leave as many SMs free, so that neither waits for SMs
   the other holds (the last with 400 MiB buckets); PyTorch passes the carve-out to cuBLASLt only;
 - ``cublaslt``, ``sm-carveout-8-cublaslt``, ``sm-carveout-16-cublaslt`` (NCCL only): the matmuls through
-  cuBLASLt (``torch.backends.cuda.preferred_blas_library``), alone and with the carve-outs above.
+  cuBLASLt (``torch.backends.cuda.preferred_blas_library``), alone and with the carve-outs above;
+- ``fsdp``: FSDP2 as fitbench builds it, for its step against one GPU's and its kernels beside its
+  collectives (``--variants fsdp`` alone for a model one GPU cannot train).
 
 Definitions:
 
@@ -49,7 +52,9 @@ OUT.json is written after every variant, so a job cut short keeps what it measur
 
 Usage (one node, N GPUs):
     torchrun --standalone --nproc-per-node N benchmarks/ddp_overlap.py OUT.json [--model 1B --batch-size 8
-        --seq-len 2048 --precision bf16 --steps 10 --warmup 3]
+        --seq-len 2048 --precision bf16 --steps 10 --warmup 3] [--variants NAME ...]
+FSDP alone on a model one GPU cannot train: ``... OUT.json --model 30B --batch-size 4 --seq-len 512
+--precision bf16-pure --variants fsdp``.
 NCCL reads its NCCL_* variables when a communicator is created, so a setting of them is a second job,
 its variants timed again under it, e.g. ``NCCL_MAX_NCHANNELS=8 torchrun ...``; OUT.json records the
 NCCL_* and TORCH_NCCL_* variables set. On CPU ranks (gloo) the script runs to be checked, with the
@@ -80,9 +85,9 @@ from fitbench.hardware.environment import environment
 from fitbench.models.backends import CausalLM, load_model
 from fitbench.models.registry import resolve
 from fitbench.monitor.nvml import GpuMonitor, job_gpus
-from fitbench.precisions import policy
+from fitbench.precisions import PrecisionPolicy, policy
 from fitbench.run.loops import make_step, random_tokens
-from fitbench.run.parallel import data_seed, wrap_ddp
+from fitbench.run.parallel import data_seed, parallelize, wrap_ddp
 from fitbench.run.ranks import Rank, gather_json, process_group
 from fitbench.run.timing import DeviceClock, time_steps
 
@@ -98,18 +103,18 @@ class Variant:
     (a process group of its own), ``unsupported`` says why this job cannot run it, else None."""
 
     name: str
-    wrap: Callable[[CausalLM, Rank], Callable[[], None] | None]
+    wrap: Callable[[CausalLM, Rank, PrecisionPolicy], Callable[[], None] | None]
     unsupported: Callable[[Rank], str | None] = lambda rank: None
     profiled: bool = False
 
 
 def ddp(**options) -> Callable[[CausalLM, Rank], None]:
-    def wrap(lm: CausalLM, rank: Rank) -> None:
+    def wrap(lm: CausalLM, rank: Rank, rules: PrecisionPolicy) -> None:
         lm.module = wrap_ddp(lm.module, rank, **options)
     return wrap
 
 
-def bf16_compressed(lm: CausalLM, rank: Rank) -> None:
+def bf16_compressed(lm: CausalLM, rank: Rank, rules: PrecisionPolicy) -> None:
     from torch.distributed.algorithms.ddp_comm_hooks.default_hooks import bf16_compress_hook
 
     lm.module = wrap_ddp(lm.module, rank)
@@ -119,7 +124,7 @@ def bf16_compressed(lm: CausalLM, rank: Rank) -> None:
 def own_communicator(high_priority: bool = False, max_ctas: int | None = None, **ddp_options):
     """DDP (with ``ddp_options`` over ``wrap_ddp``'s) over a new NCCL communicator of every rank, built
     with these options."""
-    def wrap(lm: CausalLM, rank: Rank) -> Callable[[], None]:
+    def wrap(lm: CausalLM, rank: Rank, rules: PrecisionPolicy) -> Callable[[], None]:
         options = dist.ProcessGroupNCCL.Options(is_high_priority_stream=high_priority)
         if max_ctas is not None:
             options.config.max_ctas = max_ctas
@@ -137,8 +142,8 @@ def sm_carveout(sms: int, bucket_cap_mb: float | None = None, cublaslt: bool = F
     cuBLASLt is the preferred library, which ``cublaslt`` makes it for the variant."""
     communicator = own_communicator(max_ctas=sms, **({"bucket_cap_mb": bucket_cap_mb} if bucket_cap_mb else {}))
 
-    def wrap(lm: CausalLM, rank: Rank) -> Callable[[], None]:
-        release = communicator(lm, rank)
+    def wrap(lm: CausalLM, rank: Rank, rules: PrecisionPolicy) -> Callable[[], None]:
+        release = communicator(lm, rank, rules)
         torch._C._set_sm_carveout_experimental(sms)
         undo_library = preferred_cublaslt() if cublaslt else (lambda: None)
 
@@ -157,10 +162,16 @@ def preferred_cublaslt() -> Callable[[], None]:
     return lambda: torch.backends.cuda.preferred_blas_library(before)
 
 
-def ddp_on_cublaslt(lm: CausalLM, rank: Rank) -> Callable[[], None]:
+def ddp_on_cublaslt(lm: CausalLM, rank: Rank, rules: PrecisionPolicy) -> Callable[[], None]:
     """DDP as ``current``, its matmuls through cuBLASLt: the library alone, without a carve-out."""
     lm.module = wrap_ddp(lm.module, rank)
     return preferred_cublaslt()
+
+
+def fsdp(lm: CausalLM, rank: Rank, rules: PrecisionPolicy) -> None:
+    """FSDP2 as ``fitbench run --strategy fsdp`` builds it (``fitbench.run.parallel.parallelize``): each
+    decoder layer and the root sharded over every rank, gathered in the compute dtype."""
+    parallelize(lm, "fsdp", rules, rank)
 
 
 def nccl_only(rank: Rank) -> str | None:
@@ -177,7 +188,7 @@ def needs_batched_grad_copy(rank: Rank) -> str | None:
 
 BASELINE = "one-gpu"
 VARIANTS = (
-    Variant(BASELINE, lambda lm, rank: None, profiled=True),
+    Variant(BASELINE, lambda lm, rank, rules: None, profiled=True),
     Variant("current", ddp(), profiled=True),
     Variant("bucket-100", ddp(bucket_cap_mb=100)),
     Variant("bucket-400", ddp(bucket_cap_mb=400)),
@@ -192,6 +203,7 @@ VARIANTS = (
     Variant("cublaslt", ddp_on_cublaslt, nccl_only),
     Variant("sm-carveout-8-cublaslt", sm_carveout(8, cublaslt=True), nccl_only, profiled=True),
     Variant("sm-carveout-16-cublaslt", sm_carveout(16, cublaslt=True), nccl_only),
+    Variant("fsdp", fsdp, profiled=True),
 )
 
 
@@ -203,7 +215,7 @@ def measure(variant: Variant, args: argparse.Namespace, rank: Rank) -> dict:
         torch.cuda.reset_peak_memory_stats(device)
     torch.manual_seed(SEED)
     lm = load_model(arch, "native", device, rules.weight_dtype, compute_dtype=rules.compute_dtype)
-    release = variant.wrap(lm, rank)
+    release = variant.wrap(lm, rank, rules)
     try:
         tokens = random_tokens(arch.vocab_size, args.batch_size, args.seq_len + 1, device, data_seed(SEED, rank.rank))
         step = make_step("train", lm, rules, tokens, device)
