@@ -17,7 +17,8 @@ Rows measured before a change to what the worker holds are listed apart, not cou
 FSDP rows from before the worker returned the cached blocks of the model built whole once the layout is
 applied (``EMPTY_CACHE_SINCE``; benchmarks/results/2026-11-27-h100x4-fsdp-memory measured the same
 configurations again); training rows from before the fused cross-entropy and the native decoder's own
-autograd Functions (``FUSED_TRAINING_SINCE``).
+autograd Functions (``FUSED_TRAINING_SINCE``); compiled training rows of a fused build from before
+attention copied v out of the fused projection (``COMPILED_V_COPY_SINCE``).
 
 Usage: python benchmarks/repredict.py RESULTS_DIR [--calibration FILE] [--markdown FILE] [--min-gpus N]
 """
@@ -33,7 +34,7 @@ from pathlib import Path
 from fitbench.models.registry import resolve
 from fitbench.plan.calibration import DEFAULT, Calibration, calibration_key
 from fitbench.plan.planner import GpuTarget, predict_spec
-from fitbench.precisions import TRAINING_MODES
+from fitbench.precisions import FLOAT8, TRAINING_MODES, entry
 from fitbench.results.store import ResultStore
 from fitbench.spec import RunSpec
 
@@ -62,6 +63,12 @@ EMPTY_CACHE_SINCE = "2026-11-27T07:50:03+00:00"
 # 9.2 GB is the same in both.
 FUSED_TRAINING_SINCE = "2026-11-24T09:31:43+00:00"
 
+# From this commit on, compiled attention copies v out of the fused q, k, v projection (one GPU, DDP, FSDP);
+# before, it saved v as a view, which kept the whole output alive: c n (h + k) more per layer that kept its
+# activations (fitbench.plan.compiled). The 30B preset's compiled FSDP row of
+# benchmarks/results/2026-11-27-h200x4-largest held 7.63 GB more than its eager one, that to the byte.
+COMPILED_V_COPY_SINCE = "2026-11-27T18:55:00+00:00"
+
 
 def superseded(row: dict, spec: RunSpec) -> str | None:
     """Why ``row`` measured a worker that no longer runs, or None."""
@@ -69,6 +76,12 @@ def superseded(row: dict, spec: RunSpec) -> str | None:
         return "FSDP before the worker returned the build's cached blocks"
     if spec.mode in TRAINING_MODES and row.get("started_at", "") < FUSED_TRAINING_SINCE:
         return "training before the fused cross-entropy and the native layers' own autograd Functions"
+    fused = (spec.backend == "native" and spec.layout.tp == 1 and spec.layout.pp == 1
+             and not entry(spec.precision).quantized and entry(spec.precision).training != FLOAT8)
+    kept = not spec.activation_checkpointing or spec.checkpointed_layers is not None  # a layer kept its activations
+    if spec.compile and spec.mode in TRAINING_MODES and fused and kept and \
+            row.get("started_at", "") < COMPILED_V_COPY_SINCE:
+        return "compiled training before attention copied v out of the fused q, k, v projection"
     return None
 
 

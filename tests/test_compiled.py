@@ -120,7 +120,8 @@ def test_compiled_saved_bytes_match_the_partition(precision, checkpointing, fuse
     if checkpointing:
         layers = L * r * N * H  # each layer's input
     else:
-        layers = L * compiled.saved_per_layer(ARCH, N, c, r, fused=fused) - compiled.first_layer_saving(ARCH, N, c, r)
+        # built fused or apart, a layer saves the same: the fused q, k, v output is freed once v is copied
+        layers = L * compiled.saved_per_layer(ARCH, N, c, r) - compiled.first_layer_saving(ARCH, N, c, r)
     assert saved.activations == layers + compiled.final_saved_bytes(ARCH, N, c, r, checkpointing)
     # autocast's copies, as eager saves them: every layer's and the output projection's, or with
     # checkpointing only the output projection's (the layers' are cast again in the recompute)
@@ -128,8 +129,7 @@ def test_compiled_saved_bytes_match_the_partition(precision, checkpointing, fuse
     assert saved.weight_copies == copies
     # and the memory model's terms say the same
     terms = {t.name: t.bytes for t in estimate_memory(ARCH, "train", precision, B, T,
-                                                      activation_checkpointing=checkpointing, compiled=True,
-                                                      fused=fused).terms}
+                                                      activation_checkpointing=checkpointing, compiled=True).terms}
     assert terms["activations"] + terms["final norm and output input"] == saved.activations
     assert terms.get("autocast weight copies", 0) == saved.weight_copies
 
@@ -147,21 +147,6 @@ def test_compiled_saved_per_layer_by_hand():
     # after the last layer: its output (4 x 10 x 64), 1/rms (4 x 10), the projection's input (2 x 10 x 64)
     assert compiled.final_saved_bytes(ARCH, 10, 2, 4, recompute=False) == 2_560 + 40 + 1_280
     assert compiled.final_saved_bytes(ARCH, 10, 2, 4, recompute=True) == 40 + 1_280
-
-
-def test_compiled_fused_projection_rest_by_hand():
-    # n = 10 tokens: the fused q, k, v output holds 10 x (64 + 2 x 32) elements; attention's saved v is
-    # 10 x 32 of them, so c x 10 x (64 + 32) more stay alive
-    assert compiled.fused_projection_rest(ARCH, 10, 2) == 2 * 10 * 96 == 1_920
-    assert compiled.saved_per_layer(ARCH, 10, 2, 4, fused=True) == 22_320 + 1_920
-    # fp32 expands the grouped k and v into copies: v is no view, nothing more is kept
-    assert compiled.fused_projection_rest(ARCH, 10, 4) == 0
-    assert compiled.saved_per_layer(ARCH, 10, 4, 4, fused=True) == compiled.saved_per_layer(ARCH, 10, 4, 4)
-    # without grouped heads (k = h, as the 30B preset) fp32 keeps the view too: 4 x 10 x (64 + 64)
-    ungrouped = dataclasses.replace(ARCH, num_kv_heads=HEADS)
-    assert compiled.fused_projection_rest(ungrouped, 10, 4) == 5_120
-    # the 30B preset, 4 x 2048 tokens in bf16: 2 x 8192 x (6656 + 6656) = 4 n h bytes a layer
-    assert compiled.fused_projection_rest(resolve("30B"), 4 * 2048, 2) == 4 * 8192 * 6656 == 218_103_808
 
 
 @pytest.mark.parametrize("fused", [False, True])
@@ -182,17 +167,15 @@ def test_compiled_per_layer_saved_bytes_match_the_partition(fused):
     model(x)
     assert len(calls) == L
     saved = saved_of(calls[-1], autocast=False)
-    # the kept layer's input is a graph input: the checkpointed layer's output, alive anyway (r n h)
-    assert saved.activations + 2 * N * H == compiled.saved_per_layer(ARCH, N, 2, 2, fused=fused)
+    # the kept layer's input is a graph input: the checkpointed layer's output, alive anyway (r n h);
+    # built fused or apart, the same (v is copied out of the fused q, k, v output)
+    assert saved.activations + 2 * N * H == compiled.saved_per_layer(ARCH, N, 2, 2)
     assert saved.weight_copies == 0
     # and the memory model says so for FSDP (one kept layer, one checkpointed)
-    def activations(**fused_or_not) -> float:
-        return {t.name: t.bytes for t in estimate_memory(
-            ARCH, "train", "bf16-pure", B, T, activation_checkpointing=True, checkpointed_layers=1,
-            parallelism=Parallelism("fsdp", 2), compiled=True, **fused_or_not).terms}["activations"]
-
-    assert activations(fused=fused) == 2 * N * H + compiled.saved_per_layer(ARCH, N, 2, 2, fused=fused)
-    assert activations() == activations(fused=True)  # the run builds FSDP's model fused
+    activations = {t.name: t.bytes for t in estimate_memory(
+        ARCH, "train", "bf16-pure", B, T, activation_checkpointing=True, checkpointed_layers=1,
+        parallelism=Parallelism("fsdp", 2), compiled=True).terms}["activations"]
+    assert activations == 2 * N * H + compiled.saved_per_layer(ARCH, N, 2, 2)
 
 
 @pytest.mark.parametrize("precision", list(WIDTHS))
@@ -201,19 +184,15 @@ def test_compiled_training_saves_what_eager_saves_but_at_the_first_and_last_laye
     """The eager layers' own operators save what the partition keeps (``fitbench.models.layer_ops``);
     compiled, the first layer keeps a 16-bit tensor for an fp32 one, and under checkpointing the last
     layer's output is recomputed with it, and the layers' 16-bit weight copies are cast inside the
-    graph, where autocast's cache, which holds them in eager checkpointed training, does not reach.
-    Built fused, as on one GPU, each layer that keeps its activations also keeps the fused q, k, v
-    projection's output whole (``compiled.fused_projection_rest``: none in fp32, whose v is a copy)."""
+    graph, where autocast's cache, which holds them in eager checkpointed training, does not reach."""
     c, r, _, autocast = WIDTHS[precision]
     arch, n, h = resolve("1B"), 4 * 2048, 2048
     eager = estimate_memory(arch, "train", precision, 4, 2048, activation_checkpointing=checkpointing)
     fused = estimate_memory(arch, "train", precision, 4, 2048, activation_checkpointing=checkpointing,
                             compiled=True)
     layer_copies = c * arch.num_layers * arch.layer_matmul_weights if autocast else 0
-    rest = arch.num_layers * compiled.fused_projection_rest(arch, n, c)
-    expected = r * n * h + layer_copies if checkpointing else (r - c) * n * h - rest
+    expected = r * n * h + layer_copies if checkpointing else (r - c) * n * h
     assert eager.total_at(START) - fused.total_at(START) == expected
-    assert (rest == 0) == (c == 4)
     eager_terms, fused_terms = ({t.name: t.bytes for t in e.terms} for e in (eager, fused))
     # what autograd keeps outside the compiled module, and the model's state, do not change
     for name in ("weights", "optimizer state", "gradients", "loss chain"):
@@ -252,22 +231,17 @@ def test_compiled_inference_temporaries_by_hand(precision):
 
 def test_compiled_worked_example_1b():
     """1B, bf16 autocast, 4 x 2048 tokens: 16 layers of 16 n h + 4 n k + 4 n H + 6 n f + 8 n bytes,
-    less 2 n h in the first, and built fused (one GPU) the rest of each layer's q, k, v output,
-    2 n (h + k); eager saves the 16 layers, and none of that output."""
+    less 2 n h in the first; eager saves the 16 layers whole."""
     n, h, k, f, heads, layers = 4 * 2048, 2048, 512, 8192, 32, 16
     eager = layers * (16 * n * h + 4 * n * k + 4 * n * heads + 6 * n * f + 8 * n)
-    apart = eager - 2 * n * h
-    fused = apart + layers * 2 * n * (h + k)
     arch = resolve("1B")
 
     def activations(**options) -> float:
         terms = estimate_memory(arch, "train", "bf16", 4, 2048, **options).terms
         return {t.name: t.bytes for t in terms}["activations"]
 
-    assert activations(compiled=True) == fused == 11_661_213_696
-    assert activations(compiled=True, fused=False) == apart == 10_990_125_056
-    assert activations() == activations(fused=False) == eager
-    assert {t.name: t.bytes for t in estimate_memory(arch, "train", "bf16", 4, 2048).terms}["activations"] == eager
+    assert activations(compiled=True) == eager - 2 * n * h == 10_990_125_056
+    assert activations() == eager
 
 
 def test_predict_spec_predicts_the_compiled_model():
@@ -283,9 +257,7 @@ def test_predict_spec_predicts_the_compiled_model():
     assert fused["tensor_peak_bytes"] == estimate_memory(resolve("1B"), "train", "bf16", 4, 2048,
                                                          compiled=True).peak_bytes
     assert eager["tensor_peak_bytes"] == estimate_memory(resolve("1B"), "train", "bf16", 4, 2048).peak_bytes
-    # the first layer's fp32 residual, less each layer's fused q, k, v output
-    rest = compiled.fused_projection_rest(resolve("1B"), 4 * 2048, 2)
-    assert eager["tensor_peak_bytes"] - fused["tensor_peak_bytes"] == 2 * 4 * 2048 * 2048 - 16 * rest
+    assert eager["tensor_peak_bytes"] - fused["tensor_peak_bytes"] == 2 * 4 * 2048 * 2048  # the first layer's
     assert Candidate("bf16", "single", 1, False, 4, compiled=True).label == "bf16, 1 GPU, compiled, batch 4"
 
 
@@ -296,8 +268,8 @@ def test_other_families_keep_the_eager_model_when_compiled(mode):
     gpt2 = resolve("gpt2")
     eager = estimate_memory(gpt2, mode, "bf16", 2, 256)
     assert estimate_memory(gpt2, mode, "bf16", 2, 256, compiled=True).as_dict() == eager.as_dict()
-    llama = resolve("tiny")  # compiled with its projections apart, it holds less than eager
-    assert estimate_memory(llama, mode, "bf16", 2, 256, compiled=True, fused=False).peak_bytes \
+    llama = resolve("tiny")
+    assert estimate_memory(llama, mode, "bf16", 2, 256, compiled=True).peak_bytes \
         < estimate_memory(llama, mode, "bf16", 2, 256).peak_bytes
 
 
@@ -314,7 +286,7 @@ def test_compiled_next_layer_recomputed_ahead_by_hand():
     terms = {t.name: t for t in estimate_memory(ARCH, "train", "bf16-pure", B, T, activation_checkpointing=True,
                                                 compiled=True).terms}
     ahead = terms["next layer recomputed ahead"]
-    assert ahead.bytes == compiled.saved_per_layer(ARCH, N, 2, 2, fused=True) - 2 * p  # one GPU: fused
+    assert ahead.bytes == compiled.saved_per_layer(ARCH, N, 2, 2) - 2 * p
     assert ahead.moments == frozenset({FIRST})
 
 

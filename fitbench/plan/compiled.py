@@ -26,11 +26,9 @@ One layer, without checkpointing:
   is recomputed in the backward.
 
     saved per layer = 2 r n h + 2 c n h + (2 c n h + 2 c n k + 4 n H + 3 c n f) / tp + 8 n
-                      (+ c n (h + k) / tp with the fused q, k, v projection, below)
 
 Under bf16 autocast that is 16 n h + 4 n k + 4 n H + 6 n f + 8 n bytes, what the eager model's own
 training operators save too (``fitbench.models.layer_ops``, ``fitbench.plan.memory.saved_per_layer``).
-
 The first layer, whose input is the embedding's output, keeps the attention output projection's
 result (c n h) in place of the fp32 residual after attention and recomputes their sum: (r - c) n h
 less. After the last layer: its output (r n h), the final norm's 1/rms (4 n) and the output
@@ -39,24 +37,13 @@ projection's input (c n h).
 With activation checkpointing each layer keeps its input (r n h), as in eager; the last layer's
 output is recomputed with that layer, so the final norm keeps only 1/rms and the projection's input.
 
-The fused q, k, v projection. Where the run builds the model whole on each GPU (one GPU, DDP, FSDP:
-``fitbench.models.backends.load_model``'s default) q, k and v are one matmul (``qkv_proj``) whose
-(B, T, h + 2 k) output ``Attention.project`` splits into three views. Rotary q and k are new tensors,
-but v reaches attention as a view of that output, and attention saves it as it is: the whole output
-stays alive, c n (h + k) beyond v itself (``fused_projection_rest``), in every layer that keeps its
-activations (a checkpointed one keeps its input only). Eager training keeps no such view
-(``layer_ops.rotary`` writes rotated q and k and a copy of v into a buffer of their own). In fp32 with
-grouped heads v is expanded into a copy first, and nothing more is kept; gate and up, one matmul too,
-are both saved, so their fused output costs no more than the two apart. Tensor-parallel, pipeline,
-float8 and quantized builds keep the projections apart (``fitbench.plan.memory.fused_projections``).
-Read from the storages of the forward graph's saved outputs at run time on the CPU, compiled whole
-and per layer (``tests/test_compiled.py``; inductor's own kernels on the CPU, torch 2.11, hold the same),
-and measured on 4 x H200 (torch 2.11, ``benchmarks/results/2026-11-27-h200x4-largest``): the 30B preset
-under FSDP x 4 in bf16-pure at 4 x 2048 tokens, its first 25 of 60 layers checkpointed, peaked at
-7.63 GB more allocated compiled per layer than eager, 35 kept layers x c n (h + k) = 35 x 4 n h
-(h = k = 6656) to the byte. On one H200 the compiled 1B preset (8 x 2048, bf16) and CS336 xl
-(4 x 1024) had peaked 1.72 and 1.38 GB above the model's tensors without this term, which adds 1.34
-and 1.26 GB (``benchmarks/results/2026-11-24-h200-engine/compile-training/after``).
+Built with fused projections (one GPU, DDP, FSDP: ``fitbench.models.backends.load_model``'s default) a
+layer saves the same: ``Attention.project`` copies v out of the fused q, k, v output, as eager's rotary
+does, so nothing keeps that output alive once q and k are rotated (read from the storages the forward
+graph saves, built fused and apart, whole and per layer: ``tests/test_compiled.py``). Before the copy,
+attention saved v as a view and kept the whole output, c n (h + k) more per kept layer: 7.63 GB in the
+30B preset's compiled FSDP row of ``benchmarks/results/2026-11-27-h200x4-largest`` (35 kept layers x
+4 n h, to the byte); ``benchmarks/repredict.py`` lists such rows apart.
 
 The 16-bit weight copies autocast makes are saved as in eager (the transposed casts are forward
 outputs). The backward adds one thing eager has not: inductor's decomposition of the embedding's
@@ -102,24 +89,12 @@ def attention_kv_width(arch: Architecture, compute: int) -> int:
     return arch.hidden_size if compute == 4 and k != arch.hidden_size else k
 
 
-def saved_per_layer(arch: Architecture, tokens: int, compute: int, residual: int, tp: int = 1,
-                    fused: bool = False) -> float:
+def saved_per_layer(arch: Architecture, tokens: int, compute: int, residual: int, tp: int = 1) -> float:
     """2 r n h + 2 c n h + (2 c n h + 2 c n k + 4 n H + 3 c n f) / tp + 8 n: one compiled layer's
-    saved tensors, and with the ``fused`` q, k, v projection the rest of its output that attention's
-    saved v keeps (``fused_projection_rest``; module docstring)."""
+    saved tensors (module docstring)."""
     n, h, f, heads, c, r = tokens, arch.hidden_size, arch.ffn_size, arch.num_heads, compute, residual
     attention = 2 * c * n * h + 2 * c * n * attention_kv_width(arch, c) + 4 * n * heads
-    rest = fused_projection_rest(arch, n, c) if fused else 0.0
-    return 2 * r * n * h + 2 * c * n * h + (attention + 3 * c * n * f + rest) / tp + 8 * n
-
-
-def fused_projection_rest(arch: Architecture, tokens: int, compute: int) -> float:
-    """c n (h + k): the fused q, k, v projection's output beyond v, kept whole by attention's saved v,
-    a view of it; nothing where fp32 expands grouped heads (v is then a copy)."""
-    k = arch.num_kv_heads * arch.head_dim
-    if attention_kv_width(arch, compute) != k:
-        return 0.0
-    return compute * tokens * (arch.hidden_size + k)
+    return 2 * r * n * h + 2 * c * n * h + (attention + 3 * c * n * f) / tp + 8 * n
 
 
 def first_layer_saving(arch: Architecture, tokens: int, compute: int, residual: int) -> float:
@@ -135,12 +110,12 @@ def final_saved_bytes(arch: Architecture, tokens: int, compute: int, residual: i
 
 
 def recompute_ahead_bytes(arch: Architecture, tokens: int, compute: int, residual: int, layer_gradients: float,
-                          tp: int = 1, fused: bool = False) -> float:
+                          tp: int = 1) -> float:
     """saved_per_layer - w p: the next checkpointed layer's recomputed activations, which inductor's
     schedule of one backward graph runs before the layer at work has formed its gradients
     (``layer_gradients``, w p: one layer's on this rank, which the memory model counts as formed
     already; module docstring)."""
-    return max(0.0, saved_per_layer(arch, tokens, compute, residual, tp, fused) - layer_gradients)
+    return max(0.0, saved_per_layer(arch, tokens, compute, residual, tp) - layer_gradients)
 
 
 def embedding_gradient_accumulator(arch: Architecture, weights: float) -> float:

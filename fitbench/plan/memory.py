@@ -103,9 +103,8 @@ output projection):
 Constants outside the formulas (CUDA context, allocator slack, NCCL's buffers per communicator)
 come from ``fitbench.plan.calibration``.
 
-``compiled``: the native model under ``torch.compile`` saves and holds less, except the fused q, k, v
-projection's output that its attention keeps (``fused_projections``); its per-layer terms come from
-``fitbench.plan.compiled``.
+``compiled``: the native model under ``torch.compile`` saves and holds less; its per-layer terms come
+from ``fitbench.plan.compiled``.
 """
 
 from __future__ import annotations
@@ -226,17 +225,6 @@ class Parallelism:
 def pipeline_stage_list(arch: Architecture, stages: int) -> tuple[Stage, ...]:
     """Every stage of ``stages`` over ``arch``'s layers (``fitbench.spec.pipeline_stages``)."""
     return Stage.every(arch.num_layers, stages)
-
-
-def fused_projections(precision: str, parallelism: Parallelism) -> bool:
-    """Whether the run builds the native model with its fused projections (q, k, v as one matmul, gate
-    and up as another; ``fitbench.models.native``): where it builds the model whole on each GPU (one GPU,
-    DDP, FSDP; ``fitbench.run.worker.build``, ``load_model``'s default). Tensor-parallel ranks and
-    pipeline stages build their shares apart, float8 training converts each projection, and a quantized
-    model names each one."""
-    facts = entry(precision)
-    return (not facts.quantized and facts.training != FLOAT8 and parallelism.tensor == 1
-            and parallelism.stages == 1)
 
 
 def kv_heads_split(arch: Architecture, tp: int) -> int:
@@ -570,8 +558,7 @@ def estimate_memory(arch: Architecture, mode: str, precision: str, batch: int, s
                     new_tokens: int = 0, activation_checkpointing: bool = False,
                     checkpointed_layers: int | None = None,
                     parallelism: Parallelism = Parallelism(), resident_layers: int | None = None,
-                    backend: str | None = None, compiled: bool = False, stage: int | None = None,
-                    fused: bool | None = None) -> MemoryEstimate:
+                    backend: str | None = None, compiled: bool = False, stage: int | None = None) -> MemoryEstimate:
     """Peak bytes on one GPU for this configuration, as terms (``at_peak`` marks those that
     coexist at the peak moment). ``resident_layers`` (infer and forward, floating-point weights,
     one GPU) keeps that many decoder layers on the GPU and offloads the rest (``offloaded_weights``).
@@ -581,9 +568,7 @@ def estimate_memory(arch: Architecture, mode: str, precision: str, batch: int, s
     ``fitbench.spec.checkpointed_count``; ``_training`` gives the terms). ``compiled``: the native model
     under ``torch.compile`` (``fitbench.plan.compiled``); quantized weights (adapters, inference) keep the eager
     model's terms,
-    an upper bound: their kernels break the graph. ``fused``: the native model built with its fused
-    projections, by default as the run builds it (``fused_projections``); compiled, attention then keeps
-    the fused q, k, v output whole (``fitbench.plan.compiled.fused_projection_rest``).
+    an upper bound: their kernels break the graph.
 
     Under pipeline parallelism the stages differ (uneven layer counts; the embedding on the first,
     the final norm, output projection and logits on the last): ``stage`` (an index) estimates that
@@ -598,12 +583,10 @@ def estimate_memory(arch: Architecture, mode: str, precision: str, batch: int, s
         return max(stage_estimates(arch, mode, precision, batch, seq_len, new_tokens=new_tokens,
                                    activation_checkpointing=activation_checkpointing,
                                    checkpointed_layers=checkpointed_layers, parallelism=parallelism,
-                                   backend=backend, compiled=compiled, fused=fused),
-                   key=lambda estimate: estimate.peak_bytes)
+                                   backend=backend, compiled=compiled), key=lambda estimate: estimate.peak_bytes)
     where = pipeline_stage_list(arch, parallelism.stages)[stage or 0]
     # Only the native decoder's compiled graph has been read; the hf backend keeps the eager terms.
     compiled = compiled and backend == "native"
-    fused = fused_projections(precision, parallelism) if fused is None else fused
     widths = Widths.of(precision)
     tp, shards = parallelism.tensor, parallelism.shards
     layers = len(where.layers)
@@ -658,7 +641,7 @@ def estimate_memory(arch: Architecture, mode: str, precision: str, batch: int, s
         widths = Widths.of(precision, parallelism)
         return _with_stage(_training(arch, mode, widths, batch, seq_len, checkpointed, terms,
                                      local_params / shards, layers, tp, backend=backend, compiled=compiled,
-                                     layout=parallelism, stage=where, in_flight=in_flight, fused=fused), where)
+                                     layout=parallelism, stage=where, in_flight=in_flight), where)
     return _with_stage(_inference(arch, mode, widths, batch, seq_len, new_tokens, terms, tp, where,
                                   precision=precision, backend=backend, compiled=compiled), where)
 
@@ -765,7 +748,7 @@ def _float8_training(arch, mode, batch, seq_len, recompute, checkpointed_layers,
     estimate = estimate_memory(arch, mode, UNQUANTIZED_BASE, batch, seq_len, activation_checkpointing=recompute,
                                checkpointed_layers=checkpointed_layers,
                                parallelism=parallelism, backend=backend, compiled=compiled,
-                               stage=stage.index if stage else None, fused=False)
+                               stage=stage.index if stage else None)
     if parallelism.stages > 1:  # one microbatch in a matmul at a time
         batch = -(-batch // parallelism.microbatches_of(batch))
     n, h, f, tp = batch * seq_len, arch.hidden_size, arch.ffn_size, parallelism.tensor
@@ -810,8 +793,7 @@ def _adapter_training(arch, mode, precision, widths, batch, seq_len, checkpointe
 
 def _training(arch, mode, widths, batch, seq_len, checkpointed, terms, local_params, layers, tp,
               trainable: float | None = None, backend: str = "native", compiled: bool = False,
-              layout: Parallelism = Parallelism(), stage: Stage | None = None, in_flight: int = 1,
-              fused: bool = False):
+              layout: Parallelism = Parallelism(), stage: Stage | None = None, in_flight: int = 1):
     """A training step's terms. ``trainable``: adapter parameters (fp32) when the weights are a frozen
     base; then gradients and optimizer state are the adapters', and no weight gradient forms.
 
@@ -829,8 +811,7 @@ def _training(arch, mode, widths, batch, seq_len, checkpointed, terms, local_par
       holds the last kept layer's reduce-scatter input, rd p); so C r n h, one layer recomputed, the
       gradient flowing in, and those gradients. Recomputing the first C rather than the last keeps the
       recomputed layer from standing beside the kept activations.
-    ``compiled``: layers, the final norm and the embedding's gradient as ``fitbench.plan.compiled`` has them,
-    with the ``fused`` projections' output that attention keeps.
+    ``compiled``: layers, the final norm and the embedding's gradient as ``fitbench.plan.compiled`` has them.
     ``layout``: DDP's buckets and FSDP's units in flight (the module docstring); adapters on a frozen
     base keep one GPU's terms, their few gradients in a bucket or a shard changing little.
 
@@ -862,7 +843,7 @@ def _training(arch, mode, widths, batch, seq_len, checkpointed, terms, local_par
     def at(*names: str) -> frozenset[str]:
         return frozenset(names)
 
-    one_layer = (inductor.saved_per_layer(arch, n, c, r, tp, fused) if compiled
+    one_layer = (inductor.saved_per_layer(arch, n, c, r, tp) if compiled
                  else saved_per_layer(arch, n, widths, tp, frozen_norms=frozen, backend=backend, context=seq_len))
     one_layer_casts = c * layer_matmul_params(arch) / tp if widths.autocast and not sharded else 0.0
     # a layer's backward pass at its widest, beyond what the layer saved (native eager only)
@@ -970,7 +951,7 @@ def _training(arch, mode, widths, batch, seq_len, checkpointed, terms, local_par
         if checkpointed >= 2 and not layout.shards > 1 and not frozen:
             # one graph for every layer (FSDP compiles each layer alone): the next layer's recompute runs early
             p = rank_layer_params(arch, tp)
-            ahead = inductor.recompute_ahead_bytes(arch, n, c, r, w * p, tp, fused)
+            ahead = inductor.recompute_ahead_bytes(arch, n, c, r, w * p, tp)
             terms.append(Term("next layer recomputed ahead", ahead, f"saved per layer - w p = {one_layer:,.0f} - "
                               f"{w:g} x {p:,} B: inductor's schedule recomputes the next "
                               f"checkpointed layer before this one's gradients are formed", at(FIRST)))

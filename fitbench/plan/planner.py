@@ -37,8 +37,7 @@ from fitbench.plan.collectives import bus_bandwidth
 from fitbench.plan.forecast import (Ceilings, StepRun, ceilings, decode_kind, forecast_spec, forecast_step_time,
                                    step_run)
 from fitbench.plan.memory import (TRAINING_MODES, MemoryEstimate, Parallelism, Term, Widths, estimate_memory,
-                                  fused_projections, offloaded_weights, rank_edge_params, saved_per_layer,
-                                  stage_estimates)
+                                  offloaded_weights, rank_edge_params, saved_per_layer, stage_estimates)
 from fitbench.plan.nodes import Nodes, inter_node_link, job_nodes, placement_problem
 from fitbench.plan.search import largest
 from fitbench.plan.speed import StepTime, estimate_step_time
@@ -245,8 +244,7 @@ def overhead_terms(arch: Architecture, mode: str, candidate: Candidate, memory: 
         microbatches = parallelism.microbatches_of(candidate.batch_size) if parallelism.stages > 1 else 1
         tokens, tp = -(-candidate.batch_size // microbatches) * seq_len, parallelism.tensor
         widths = Widths.of(candidate.precision, candidate.parallelism)
-        layer = (inductor.saved_per_layer(arch, tokens, widths.compute, widths.residual, tp,
-                                          fused_projections(candidate.precision, parallelism))
+        layer = (inductor.saved_per_layer(arch, tokens, widths.compute, widths.residual, tp)
                  if candidate.compiled and backend == "native"
                  else saved_per_layer(arch, tokens, widths, tp, backend=backend, context=seq_len))
         fragmentation = Term("allocator fragmentation", layer, "one layer's saved activations: gradients "
