@@ -26,6 +26,8 @@ built, so one variant at a time holds memory.
   the other holds (the last with 400 MiB buckets); PyTorch passes the carve-out to cuBLASLt only;
 - ``cublaslt``, ``sm-carveout-8-cublaslt``, ``sm-carveout-16-cublaslt`` (NCCL only): the matmuls through
   cuBLASLt (``torch.backends.cuda.preferred_blas_library``), alone and with the carve-outs above;
+  ``one-gpu-cublaslt`` (GPU only): the one-GPU baseline through cuBLASLt, to tell the library's own
+  speed from the carve-out's;
 - ``fsdp``: FSDP2 as fitbench builds it, for its step against one GPU's and its kernels beside its
   collectives (``--variants fsdp`` alone for a model one GPU cannot train).
 
@@ -178,6 +180,10 @@ def nccl_only(rank: Rank) -> str | None:
     return None if rank.device.type == "cuda" else "an NCCL communicator's option; these ranks use gloo"
 
 
+def gpu_only(rank: Rank) -> str | None:
+    return None if rank.device.type == "cuda" else "a CUDA library's choice; these ranks run on the CPU"
+
+
 def needs_batched_grad_copy(rank: Rank) -> str | None:
     from torch.nn.parallel import DistributedDataParallel
 
@@ -200,6 +206,7 @@ VARIANTS = (
     Variant("sm-carveout-8", sm_carveout(8), nccl_only, profiled=True),
     Variant("sm-carveout-16", sm_carveout(16), nccl_only),
     Variant("sm-carveout-8-bucket-400", sm_carveout(8, bucket_cap_mb=400), nccl_only),
+    Variant("one-gpu-cublaslt", lambda lm, rank, rules: preferred_cublaslt(), gpu_only),
     Variant("cublaslt", ddp_on_cublaslt, nccl_only),
     Variant("sm-carveout-8-cublaslt", sm_carveout(8, cublaslt=True), nccl_only, profiled=True),
     Variant("sm-carveout-16-cublaslt", sm_carveout(16, cublaslt=True), nccl_only),

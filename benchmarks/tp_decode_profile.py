@@ -12,14 +12,18 @@ time the GPU waited: for the host to launch, or in a collective for a peer.
 
 ``--one-shot``: the small all-reduces through symmetric memory
 (``fitbench.run.tensor_parallel.one_shot_small_all_reduces``), for the side-by-side comparison.
+``--eager-embedding``: the decode step's embedding (and its all-reduce, NCCL's) outside the compiled
+regions, as before they held it.
 
-Usage: torchrun --standalone --nproc-per-node N benchmarks/tp_decode_profile.py --model 13B [--one-shot] OUT.json
+Usage: torchrun --standalone --nproc-per-node N benchmarks/tp_decode_profile.py --model 13B [--one-shot]
+           [--eager-embedding] OUT.json
        python benchmarks/tp_decode_profile.py --model 13B OUT.json     (one GPU)
 """
 
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import os
 from collections import defaultdict
@@ -31,6 +35,8 @@ import torch.distributed as dist
 from torch.profiler import ProfilerActivity, profile
 
 from decode_profile import build
+from fitbench.models.backends import compile_regions
+from fitbench.models.native import EAGER
 from fitbench.models.registry import resolve
 from fitbench.precisions import policy
 from fitbench.run.loops import random_tokens
@@ -89,6 +95,7 @@ def main() -> None:
     parser.add_argument("--seq-len", type=int, default=512)
     parser.add_argument("--new-tokens", type=int, default=64)
     parser.add_argument("--one-shot", action="store_true")
+    parser.add_argument("--eager-embedding", action="store_true")
     parser.add_argument("out", type=Path)
     args = parser.parse_args()
     rank = Rank.from_environment("cuda")
@@ -102,6 +109,8 @@ def main() -> None:
             lm.compile_decode = True
             if args.one_shot:
                 one_shot_small_all_reduces(tensor_mesh(mesh).get_group())
+        if args.eager_embedding:
+            lm.regions = dataclasses.replace(compile_regions(), embed=EAGER.embed)
         prompt = random_tokens(arch.vocab_size, args.batch_size, args.seq_len, rank.device, 0)
         max_len = args.seq_len + args.new_tokens
         token = None
@@ -135,6 +144,7 @@ def main() -> None:
                 torch.cuda.synchronize()
         if rank.main:
             result = {"model": args.model, "tp": rank.world_size, "one_shot": args.one_shot,
+                      "eager_embedding": args.eager_embedding,
                       "batch": args.batch_size, "seq_len": args.seq_len, "new_tokens": args.new_tokens,
                       "device": torch.cuda.get_device_name(), "torch": torch.__version__,
                       "nccl": ".".join(map(str, torch.cuda.nccl.version())), "decoding": lm.decoding,

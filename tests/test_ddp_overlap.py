@@ -49,9 +49,11 @@ def test_every_variant_is_timed_against_one_gpu_on_cpu_ranks(tmp_path):
     rows = {row["variant"]: row for row in result["variants"]}
     assert list(rows) == [variant.name for variant in script().VARIANTS]
     assert result["environment"]["world_size"] == WORLD and result["environment"]["backend"] == "gloo"
-    # NCCL's options and bf16 compression (its hook refuses gloo), and the copy option torch 2.13 added
+    # NCCL's options and bf16 compression (its hook refuses gloo), cuBLASLt, and the copy option torch
+    # 2.13 added
     not_here = {"high-priority-stream", "nccl-8-ctas", "bf16-compress", "sm-carveout-8", "sm-carveout-16",
-                "sm-carveout-8-bucket-400", "cublaslt", "sm-carveout-8-cublaslt", "sm-carveout-16-cublaslt"}
+                "sm-carveout-8-bucket-400", "one-gpu-cublaslt", "cublaslt", "sm-carveout-8-cublaslt",
+                "sm-carveout-16-cublaslt"}
     if "batched_grad_copy" not in inspect.signature(DistributedDataParallel).parameters:
         not_here.add("batched-grad-copy")
     assert {name for name, row in rows.items() if "step_s" not in row} == not_here

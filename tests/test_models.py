@@ -566,8 +566,8 @@ def test_compiled_decode_step_and_prefill_match_eager_decoding(fresh_dynamo):
     assert decoding["compiled"] is True, decoding
     assert decoding["compile_s"] > 0 and len(decoding["prefill_first_call_s"]) == 1
     # inductor compiled each region once for both layers, the head once for the prefill and the step
-    assert graph_counts(compiled) == {"layer": 1, "layer_decode": 1, "head": 1}
-    assert decoding["compiled_graphs"] == 3
+    assert graph_counts(compiled) == {"layer": 1, "layer_decode": 1, "head": 1, "embed": 1}
+    assert decoding["compiled_graphs"] == 4
     assert all(region["compile_s"] > 0 for region in decoding["regions"].values())
     assert len(calls) == 1
 
@@ -594,14 +594,14 @@ def test_one_compiled_layer_serves_every_layer_and_each_shape_compiles_once(fres
                                 generation_logits(eager, tokens, prompt_len, 12))
         if prompt_len == 6:
             # four layers, one trace each; the second generation of the same shapes traces nothing
-            assert graph_counts(lm) == {"layer": 1, "layer_decode": 1, "head": 1} and len(graphs) == 3
+            assert graph_counts(lm) == {"layer": 1, "layer_decode": 1, "head": 1, "embed": 1} and len(graphs) == 4
     # a new prompt length: the prefill's layer once more; the step (the same cache) and the head (the
     # last position) run what they have
-    assert graph_counts(lm) == {"layer": 2, "layer_decode": 1, "head": 1}
-    assert lm.decoding["compiled_graphs"] == len(graphs) == 4
+    assert graph_counts(lm) == {"layer": 2, "layer_decode": 1, "head": 1, "embed": 1}
+    assert lm.decoding["compiled_graphs"] == len(graphs) == 5
     assert len(lm.decoding["prefill_first_call_s"]) == 2
     # the layer is an argument: its weights and its cache are the graphs' inputs, not constants
-    layer_decode = graphs[2]
+    layer_decode = graphs[3]  # after the prefill's layer and head, and the step's embedding
     weights = {p.shape for p in native.model.layers[0].parameters()}
     inputs = [node.meta["example_value"] for node in layer_decode.graph.find_nodes(op="placeholder")]
     assert weights <= {tuple(value.shape) for value in inputs if isinstance(value, torch.Tensor)}

@@ -198,15 +198,16 @@ def test_tensor_parallel_prefill_and_decode_logits_equal_one_process(ranks, vari
 @slow
 def test_tensor_parallel_decode_compiles_with_its_collectives_in_the_graph(ranks):
     """Compiled under TP as on one GPU: one graph for the prefill's layer, one for the decode step's, one
-    for the head, no fallback; each layer graph holds its two all-reduces (attention, MLP), the head's
-    its logits' all-gather, so nothing breaks the graph at a collective."""
+    for the head, one for the step's embedding, no fallback; each layer graph holds its two all-reduces
+    (attention, MLP), the head's its logits' all-gather, the embedding's its all-reduce, so nothing
+    breaks the graph at a collective."""
     for row in ranks:
         measured = row["tiny"]["infer_compiled"]
         regions = measured["decoding"]["regions"]
         assert {name: region["graphs"] for name, region in regions.items()} == {"layer": 1, "layer_decode": 1,
-                                                                                 "head": 1}
+                                                                                 "head": 1, "embed": 1}
         assert "compile_fallback" not in measured["decoding"]
-        assert sorted(measured["traced_collectives"]) == [1, 2, 2]
+        assert sorted(measured["traced_collectives"]) == [1, 1, 2, 2]
 
 
 ALL_REDUCE, ALL_GATHER = "c10d.allreduce_.default", "c10d._allgather_base_.default"

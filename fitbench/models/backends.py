@@ -351,17 +351,19 @@ def compile_regions(compiler: Compiler | None = None, decode_options: dict[str, 
     layer, instead of the whole model at once, in which Dynamo unrolls the layers and inductor
     compiles each copy: a decoder layer over the prompt and its decode step, and the head (final norm
     and output projection), which the prefill and the decode step share, both giving it the last
-    position (B, 1, C). The embedding and the few operators that gather the step's rotary rows and
-    build its mask run eagerly, inside the captured graph all the same: a row lookup and a handful
-    of elementwise kernels on (1, max_len) or fewer elements, which compiling would save microseconds
-    of. ``compiler``: inductor by default; ``decode_options``: inductor's options for the decode
+    position (B, 1, C), and the decode step's embedding: under tensor parallelism its all-reduce is then
+    a compiled collective, which a one-shot kernel can sum (``fitbench.run.tensor_parallel``), as the
+    layers' are. The few operators that gather the step's rotary rows and build its mask run eagerly,
+    inside the captured graph all the same: a handful of elementwise kernels on (1, max_len) or fewer
+    elements. ``compiler``: inductor by default; ``decode_options``: inductor's options for the decode
     step's layer alone. Raises, for tests, under ``FITBENCH_INJECT=compile-error:decode``, as a
     machine without a compiler would."""
     if injected("compile-error", "decode"):
         raise RuntimeError("FITBENCH_INJECT: compiling fails")
     return Regions(layer=CompiledRegion(EAGER.layer, compiler or inductor()),
                    layer_decode=CompiledRegion(EAGER.layer_decode, compiler or inductor(decode_options)),
-                   head=CompiledRegion(EAGER.head, compiler or inductor()))
+                   head=CompiledRegion(EAGER.head, compiler or inductor()),
+                   embed=CompiledRegion(EAGER.embed, compiler or inductor()))
 
 
 def error_summary(error: BaseException) -> str:

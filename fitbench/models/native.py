@@ -420,10 +420,15 @@ class NativeCausalLM(nn.Module):
         slots = torch.arange(cache.max_len, device=position.device)
         visible = (slots <= position).view(1, 1, 1, -1)  # (1, 1, 1, S)
         cos, sin = self.rope_cos.index_select(0, position), self.rope_sin.index_select(0, position)  # (1, D)
-        x = self.model.embed_tokens(tokens)  # (B, 1, C)
+        x = regions.embed(self, tokens)  # (B, 1, C)
         for layer, layer_cache in zip(self.model.layers, cache.layers()):
             x = regions.layer_decode(layer, x, cos, sin, layer_cache, position, visible)
         return regions.head(self, x)[:, -1]  # (B, V)
+
+    def embed(self, tokens: torch.Tensor) -> torch.Tensor:
+        """Token ids (B, T) -> their embeddings (B, T, C); a function of its own, so that compiling it
+        (``Regions.embed``) counts against no other region's limit of compiled versions."""
+        return self.model.embed_tokens(tokens)
 
     def head(self, x: torch.Tensor) -> torch.Tensor:
         """Hidden states (B, T, C) -> logits (B, T, V): the final norm and the output projection."""
@@ -460,16 +465,18 @@ class Regions:
     """What ``forward`` and ``decode_step`` run the model's parts through, each function taking the
     part first: ``layer``, a decoder layer's forward (``call_module``); ``layer_decode``, its step for
     one token (``DecoderLayer.decode``); ``head``, the final norm and output projection
-    (``NativeCausalLM.head``). ``EAGER`` holds the plain calls; ``fitbench.models.backends.compile_regions``
-    compiles each once, and one compiled function then runs every layer, whose weights and cache
-    come in as arguments."""
+    (``NativeCausalLM.head``); ``embed``, a decode step's token embedding (``NativeCausalLM.embed``,
+    whose tensor-parallel all-reduce then compiles with it). ``EAGER`` holds the plain
+    calls; ``fitbench.models.backends.compile_regions`` compiles each once, and one compiled function
+    then runs every layer, whose weights and cache come in as arguments."""
 
     layer: Callable[..., torch.Tensor]
     layer_decode: Callable[..., torch.Tensor]
     head: Callable[..., torch.Tensor]
+    embed: Callable[..., torch.Tensor]
 
 
-EAGER = Regions(layer=call_module, layer_decode=DecoderLayer.decode, head=NativeCausalLM.head)
+EAGER = Regions(layer=call_module, layer_decode=DecoderLayer.decode, head=NativeCausalLM.head, embed=NativeCausalLM.embed)
 
 
 def checkpoint_tensors(module: nn.Module) -> dict[str, torch.Tensor]:
