@@ -39,6 +39,9 @@ Definitions:
 - tokens/s per GPU = batch x seq_len / step time;
 - weak-scaling efficiency = tokens/s per GPU under a variant / tokens/s of ``one-gpu`` (rank 0) with
   the same per-GPU batch, i.e. one-gpu's step time / the variant's;
+- ``one-gpu-again`` (``--baseline-again``): ``one-gpu`` timed once more after every other variant, its
+  efficiency against the first; a GPU's clock falls as it warms, so the first baseline, on GPUs that
+  were idle before it, may run faster than the variants after it would on the same GPUs;
 - peak memory: the allocator's largest allocated and reserved bytes per rank over the variant's build
   and steps;
 - power and SM clock (on a GPU): NVML's time-weighted means per rank over the warm-up and timed steps
@@ -54,7 +57,7 @@ OUT.json is written after every variant, so a job cut short keeps what it measur
 
 Usage (one node, N GPUs):
     torchrun --standalone --nproc-per-node N benchmarks/ddp_overlap.py OUT.json [--model 1B --batch-size 8
-        --seq-len 2048 --precision bf16 --steps 10 --warmup 3] [--variants NAME ...]
+        --seq-len 2048 --precision bf16 --steps 10 --warmup 3] [--variants NAME ...] [--baseline-again]
 FSDP alone on a model one GPU cannot train: ``... OUT.json --model 30B --batch-size 4 --seq-len 512
 --precision bf16-pure --variants fsdp``.
 NCCL reads its NCCL_* variables when a communicator is created, so a setting of them is a second job,
@@ -67,6 +70,7 @@ tiny --batch-size 2 --seq-len 32 --steps 2 --warmup 1``.
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import gc
 import inspect
 import json
@@ -193,6 +197,7 @@ def needs_batched_grad_copy(rank: Rank) -> str | None:
 
 
 BASELINE = "one-gpu"
+BASELINE_AGAIN = "one-gpu-again"  # the baseline once more after the others (``--baseline-again``)
 VARIANTS = (
     Variant(BASELINE, lambda lm, rank, rules: None, profiled=True),
     Variant("current", ddp(), profiled=True),
@@ -319,8 +324,9 @@ def summarize(variant: str, ranks: list[dict], args: argparse.Namespace, baselin
     if any("skipped" in rank or "error" in rank for rank in ranks):
         return {**row, **{key: rank[key] for rank in ranks for key in ("skipped", "error") if key in rank}}
     samples = [rank["seconds"] for rank in ranks]
-    if variant == BASELINE:
-        step = baseline = statistics.median(samples[0])
+    if variant in (BASELINE, BASELINE_AGAIN):
+        step = statistics.median(samples[0])
+        baseline = baseline if variant == BASELINE_AGAIN else step
         row["slowest_rank_step_s"] = max(statistics.median(seconds) for seconds in samples)
     else:
         step = statistics.median(max(seconds) for seconds in zip(*samples))
@@ -375,7 +381,10 @@ def run(args: argparse.Namespace, rank: Rank) -> None:
     baseline = None
     if rank.main:
         print(TABLE_HEADER, flush=True)
-    for variant in [v for v in VARIANTS if not args.variants or v.name in args.variants]:
+    chosen = [v for v in VARIANTS if not args.variants or v.name in args.variants]
+    if args.baseline_again:
+        chosen.append(dataclasses.replace(VARIANTS[0], name=BASELINE_AGAIN, profiled=False))
+    for variant in chosen:
         reason = variant.unsupported(rank)
         if reason:
             row = {"skipped": reason}
@@ -404,6 +413,8 @@ def main() -> None:
     parser.add_argument("--model", default="1B")
     parser.add_argument("--variants", nargs="+", choices=[variant.name for variant in VARIANTS],
                         help="only these (the baseline first); default every one")
+    parser.add_argument("--baseline-again", action="store_true",
+                        help="time one-gpu once more after every other variant, on GPUs as warm as theirs")
     parser.add_argument("--batch-size", type=int, default=8)
     parser.add_argument("--seq-len", type=int, default=2048)
     parser.add_argument("--precision", default="bf16")

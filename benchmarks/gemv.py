@@ -1,8 +1,7 @@
 """One row of activations times a weight (a decode step's matmul at batch 1), per shape of a
 tensor-parallel shard, three ways: cuBLAS (``F.linear``, what inductor calls for a matmul), and the
-product written as an elementwise multiply and a sum over the input dimension
-(``fitbench.models.row_linear.row_product``), which inductor turns into one reduction kernel of its
-own (with and without its coordinate-descent tuning).
+product written as an elementwise multiply and a sum over the input dimension, which inductor turns
+into one reduction kernel of its own (with and without its coordinate-descent tuning).
 
 A shape is (name, K, N) of ``F.linear(x (B, K), W (N, K))``: the 13B preset's and Llama-2-70B's
 q/k/v (stacked), output, gate/up (stacked) and down projections at TP 1, 2 and 4 (``--tp``), each
@@ -24,7 +23,6 @@ from typing import Callable
 import torch
 import torch.nn.functional as F
 
-from fitbench.models.row_linear import row_product
 from fitbench.run.timing import DeviceClock, time_steps
 
 LAYERS = 8
@@ -46,7 +44,7 @@ def linear(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
 
 
 def reduction(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
-    return row_product(x, weight)
+    return (x.unsqueeze(-2) * weight).sum(-1, dtype=torch.float32).to(x.dtype)
 
 
 def replay_seconds(step: Callable[[], torch.Tensor], device: torch.device, repeats: int) -> float:

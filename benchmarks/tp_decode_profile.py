@@ -13,11 +13,10 @@ time the GPU waited: for the host to launch, or in a collective for a peer.
 ``--one-shot``: the small all-reduces through symmetric memory
 (``fitbench.run.tensor_parallel.one_shot_small_all_reduces``), for the side-by-side comparison.
 ``--eager-embedding``: the decode step's embedding (and its all-reduce, NCCL's) outside the compiled
-regions, as before they held it. ``--cublas``: every projection through cuBLAS, none as the one-row
-reduction (``fitbench.models.row_linear``).
+regions, as before they held it.
 
 Usage: torchrun --standalone --nproc-per-node N benchmarks/tp_decode_profile.py --model 13B [--one-shot]
-           [--eager-embedding] [--cublas] OUT.json
+           [--eager-embedding] OUT.json
        python benchmarks/tp_decode_profile.py --model 13B OUT.json     (one GPU)
 """
 
@@ -36,7 +35,6 @@ import torch.distributed as dist
 from torch.profiler import ProfilerActivity, profile
 
 from decode_profile import build
-from fitbench.models import row_linear
 from fitbench.models.backends import compile_regions
 from fitbench.models.native import EAGER
 from fitbench.models.registry import resolve
@@ -98,11 +96,8 @@ def main() -> None:
     parser.add_argument("--new-tokens", type=int, default=64)
     parser.add_argument("--one-shot", action="store_true")
     parser.add_argument("--eager-embedding", action="store_true")
-    parser.add_argument("--cublas", action="store_true")
     parser.add_argument("out", type=Path)
     args = parser.parse_args()
-    if args.cublas:
-        row_linear.ROW_REDUCTION_DEVICES = ()
     rank = Rank.from_environment("cuda")
     arch = resolve(args.model)
     with process_group(rank, timedelta(minutes=10)):
@@ -149,7 +144,7 @@ def main() -> None:
                 torch.cuda.synchronize()
         if rank.main:
             result = {"model": args.model, "tp": rank.world_size, "one_shot": args.one_shot,
-                      "eager_embedding": args.eager_embedding, "cublas": args.cublas,
+                      "eager_embedding": args.eager_embedding,
                       "batch": args.batch_size, "seq_len": args.seq_len, "new_tokens": args.new_tokens,
                       "device": torch.cuda.get_device_name(), "torch": torch.__version__,
                       "nccl": ".".join(map(str, torch.cuda.nccl.version())), "decoding": lm.decoding,
@@ -160,8 +155,7 @@ def main() -> None:
             for part in ("prefill", "decode_step"):
                 figures = result[part]
                 kinds = ", ".join(f"{kind} {us:.0f}" for kind, us in figures["kinds_us"].items())
-                print(f"{args.model} TP {rank.world_size}{' one-shot' if args.one_shot else ''}"
-                      f"{' cublas' if args.cublas else ''} {part}: "
+                print(f"{args.model} TP {rank.world_size}{' one-shot' if args.one_shot else ''} {part}: "
                       f"wall {figures['wall_us']:.0f} us, kernels {figures['kernels_us']:.0f} us "
                       f"({figures['kernels_per_call']:.0f}): {kinds}")
             for op in result["prefill"]["host_top"][:10]:

@@ -43,11 +43,11 @@ def test_every_variant_is_timed_against_one_gpu_on_cpu_ranks(tmp_path):
     tokens/s per GPU over one-gpu's, each recomputed from the samples of every rank that the row keeps."""
     out = tmp_path / "out.json"
     done, _ = torchrun(tmp_path, str(out), "--model", "tiny", "--batch-size", str(BATCH), "--seq-len", str(SEQ_LEN),
-                       "--steps", "2", "--warmup", "1", script=SCRIPT, timeout=120)
+                       "--steps", "2", "--warmup", "1", "--baseline-again", script=SCRIPT, timeout=120)
     assert done.returncode == 0 and out.exists(), done.stdout[-3000:]
     result = json.loads(out.read_text())
     rows = {row["variant"]: row for row in result["variants"]}
-    assert list(rows) == [variant.name for variant in script().VARIANTS]
+    assert list(rows) == [variant.name for variant in script().VARIANTS] + ["one-gpu-again"]
     assert result["environment"]["world_size"] == WORLD and result["environment"]["backend"] == "gloo"
     # NCCL's options and bf16 compression (its hook refuses gloo), cuBLASLt, and the copy option torch
     # 2.13 added
@@ -65,7 +65,9 @@ def test_every_variant_is_timed_against_one_gpu_on_cpu_ranks(tmp_path):
             continue
         samples = row["rank_step_s"]
         assert len(samples) == WORLD and all(len(seconds) == 2 and min(seconds) > 0 for seconds in samples)
-        if name != "one-gpu":
+        if name == "one-gpu-again":  # rank 0's, as the first baseline's
+            assert row["step_s"] == statistics.median(samples[0]) and row["buckets_bytes"] is None
+        elif name != "one-gpu":
             assert row["step_s"] == statistics.median(max(step) for step in zip(*samples))
             if name != "fsdp":  # FSDP has no buckets
                 assert sum(row["buckets_bytes"]) == sum(rows["current"]["buckets_bytes"]) > 0

@@ -46,7 +46,6 @@ from torch.utils.checkpoint import checkpoint
 
 from fitbench.models.architecture import Architecture
 from fitbench.models.layer_ops import eager_training, output_dtype, rms_norm, rotary, stacked_linear, swiglu
-from fitbench.models.row_linear import Linear
 
 
 @dataclass(frozen=True)
@@ -198,7 +197,7 @@ class RMSNorm(nn.Module):
         return self.weight * normed.type_as(x)
 
 
-class FusedLinear(Linear):
+class FusedLinear(nn.Linear):
     """Several projections of one input as one matmul: the weight is theirs stacked by rows, in the
     order of ``parts`` (transformers' names of the projections), ``sizes`` rows each."""
 
@@ -219,10 +218,10 @@ class Attention(nn.Module):
         if fused:
             self.qkv_proj = FusedLinear(config.dim, ("q_proj", "k_proj", "v_proj"), (q, kv, kv), config.qkv_bias)
         else:
-            self.q_proj = Linear(config.dim, q, bias=config.qkv_bias)
-            self.k_proj = Linear(config.dim, kv, bias=config.qkv_bias)
-            self.v_proj = Linear(config.dim, kv, bias=config.qkv_bias)
-        self.o_proj = Linear(q, config.dim, bias=False)
+            self.q_proj = nn.Linear(config.dim, q, bias=config.qkv_bias)
+            self.k_proj = nn.Linear(config.dim, kv, bias=config.qkv_bias)
+            self.v_proj = nn.Linear(config.dim, kv, bias=config.qkv_bias)
+        self.o_proj = nn.Linear(q, config.dim, bias=False)
 
     def project(self, x: torch.Tensor, cos: torch.Tensor,
                 sin: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
@@ -303,9 +302,9 @@ class SwiGLU(nn.Module):
         if fused:
             self.gate_up_proj = FusedLinear(config.dim, ("gate_proj", "up_proj"), (f, f), bias=False)
         else:
-            self.gate_proj = Linear(config.dim, f, bias=False)
-            self.up_proj = Linear(config.dim, f, bias=False)
-        self.down_proj = Linear(f, config.dim, bias=False)
+            self.gate_proj = nn.Linear(config.dim, f, bias=False)
+            self.up_proj = nn.Linear(config.dim, f, bias=False)
+        self.down_proj = nn.Linear(f, config.dim, bias=False)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         fused = hasattr(self, "gate_up_proj")
@@ -361,7 +360,7 @@ class NativeCausalLM(nn.Module):
         self.config = config
         self.fused = fused
         self.model = DecoderStack(config, fused)
-        self.lm_head = Linear(config.dim, config.vocab_size, bias=False)
+        self.lm_head = nn.Linear(config.dim, config.vocab_size, bias=False)
         if config.tie_embeddings:
             self.lm_head.weight = self.model.embed_tokens.weight
         # Activation checkpointing (Chen et al. 2016): a checkpointed layer keeps only its input and
@@ -477,7 +476,8 @@ class Regions:
     embed: Callable[..., torch.Tensor]
 
 
-EAGER = Regions(layer=call_module, layer_decode=DecoderLayer.decode, head=NativeCausalLM.head, embed=NativeCausalLM.embed)
+EAGER = Regions(layer=call_module, layer_decode=DecoderLayer.decode, head=NativeCausalLM.head,
+                embed=NativeCausalLM.embed)
 
 
 def checkpoint_tensors(module: nn.Module) -> dict[str, torch.Tensor]:
