@@ -3,7 +3,10 @@ peak less the reserved peak and its reading as the step ended, since a sampled p
 
 import pytest
 
-from fitbench.launch.calibrate import overheads
+from fitbench.launch.calibrate import overheads, traced_tensor_peaks
+from fitbench.models.registry import resolve
+from fitbench.run.trace import trace_peak
+from fitbench.spec import RunSpec
 
 MB = 1e6
 
@@ -28,3 +31,13 @@ def test_the_larger_reading_wins_either_way():
 def test_rows_without_the_end_reading_use_the_sampled_peak():
     context, _ = overheads(gpu(2972 * MB, 2240 * MB, 2181 * MB), tensors=0.0)
     assert context == pytest.approx(732 * MB)
+
+
+def test_calibration_traces_its_tensor_peaks_in_a_child_process_with_the_same_figures():
+    """The traces a calibration subtracts (``traced_tensor_peaks``) run in a process of their own, which
+    ends with them (on a GPU its CUDA context goes with it), and find what tracing here finds."""
+    specs = [RunSpec(model="tiny", backend="native", mode=mode, precision="fp32", batch_size=2, seq_len=16,
+                     new_tokens=4, device="cpu", warmup_steps=1, measure_steps=1) for mode in ("train", "infer")]
+    here = {spec.mode: trace_peak(resolve("tiny"), spec.mode, spec.precision, spec.batch_size, spec.seq_len,
+                                  new_tokens=spec.new_tokens, device="cpu").peak_bytes for spec in specs}
+    assert traced_tensor_peaks(specs, "cpu") == here and all(peak > 0 for peak in here.values())

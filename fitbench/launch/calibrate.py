@@ -6,12 +6,13 @@ and between nodes."""
 from __future__ import annotations
 
 import json
+import multiprocessing
 import os
 import secrets
 import subprocess
 import sys
 import time
-from concurrent.futures import ThreadPoolExecutor
+from concurrent.futures import ProcessPoolExecutor, ThreadPoolExecutor
 from dataclasses import replace
 from pathlib import Path
 from typing import Callable
@@ -60,16 +61,13 @@ def measure_calibration(device: str, scratch: Path, gpus: int = 1) -> Calibratio
 
     with ThreadPoolExecutor(max_workers=len(set(devices))) as pool:
         runs = list(pool.map(run_mode, CALIBRATED_MODES, devices))
-    found = {}
     for spec, row in runs:
         if row.status != "ok":
             raise RuntimeError(f"calibration run {spec.label} ended {row.status}: {row.error}")
-        gpu = row.memory["gpus"][0]
-        if not gpu.get("nvml_peak_used"):
+        if not row.memory["gpus"][0].get("nvml_peak_used"):
             raise RuntimeError("NVML is unavailable, so the CUDA context cannot be measured")
-        tensors = trace_peak(resolve("tiny"), spec.mode, spec.precision, spec.batch_size, spec.seq_len,
-                             new_tokens=spec.new_tokens, device="cuda").peak_bytes
-        found[spec.mode] = overheads(gpu, tensors)
+    tensors = traced_tensor_peaks([spec for spec, _ in runs], device)
+    found = {spec.mode: overheads(row.memory["gpus"][0], tensors[spec.mode]) for spec, row in runs}
     measured_at = time.strftime('%Y-%m-%dT%H:%M:%SZ', time.gmtime())
     return Calibration(
         cuda_context_training=float(found["train"][0]), cuda_context_inference=float(found["infer"][0]),
@@ -80,6 +78,20 @@ def measure_calibration(device: str, scratch: Path, gpus: int = 1) -> Calibratio
                f"at {measured_at}",
         measured_at=measured_at,
     )
+
+
+def traced_tensor_peaks(specs: list[RunSpec], device: str) -> dict[str, int]:
+    """Each spec's tensor peak traced with fake tensors on ``device`` (``trace_peak``), by mode, traced in a
+    child process that ends with it: tracing on a GPU's fake tensors initializes CUDA there, and the
+    context it makes (about half a GB) would otherwise stay in this process, on that GPU, beside every
+    run of the job that follows."""
+    with ProcessPoolExecutor(max_workers=1, mp_context=multiprocessing.get_context("spawn")) as child:
+        return child.submit(_trace_each, specs, device).result()
+
+
+def _trace_each(specs: list[RunSpec], device: str) -> dict[str, int]:
+    return {spec.mode: trace_peak(resolve(spec.model), spec.mode, spec.precision, spec.batch_size, spec.seq_len,
+                                  new_tokens=spec.new_tokens, device=device).peak_bytes for spec in specs}
 
 
 def calibration_devices(device: str, gpus: int) -> list[str]:
