@@ -1911,6 +1911,25 @@ def test_plan_checkpoints_the_fewest_layers_that_fit_clear_of_the_margin():
     assert chosen.as_dict()["candidate"]["checkpointed_layers"] == count
 
 
+def test_where_every_layer_recomputed_is_not_clear_of_the_margin_every_layer_is_kept():
+    """30B training, bf16-pure under FSDP x 4 at 4 x 2048 on described H100s: with every layer recomputed
+    it fits but not clear of the retry margin, and fewer layers that still fit would stand nearer the
+    edge, where the allocator's retries cost more than the recomputation saves: every layer is kept."""
+    from fitbench.plan.planner import fewest_checkpointed
+
+    arch, target = resolve("30B"), gpu_target(gpu="H100-80GB", gpus=4)
+    result = plan(arch, "train", target, seq_len=2048, new_tokens=1, batch_sizes=[4], precisions=["bf16-pure"],
+                  strategies=["fsdp"])
+    chosen = result.chosen
+    assert chosen.candidate.layout == Layout(dp_shard=4) and chosen.candidate.activation_checkpointing
+    assert chosen.candidate.checkpointed_layers is None and chosen.fits and not chosen.clear
+    fewer = assess(arch, "train", replace(chosen.candidate, checkpointed_layers=arch.num_layers - 10), target,
+                   seq_len=2048, new_tokens=1)
+    assert fewer.fits and fewer.predicted_peak > chosen.predicted_peak
+    assert fewest_checkpointed(arch, "train", chosen, target, seq_len=2048, new_tokens=1,
+                               calibration=DEFAULT) is chosen
+
+
 def test_run_planning_checkpoints_the_fewest_layers_unless_told():
     """`fitbench run` leaving checkpointing open gets the fewest layers that fit; --activation-checkpointing
     keeps every layer, --checkpointed-layers N its N."""

@@ -479,9 +479,13 @@ def fewest_checkpointed(arch: Architecture, mode: str, every: Assessment, target
                         without: Assessment | None = None) -> Assessment:
     """``every``, a training candidate with every decoder layer checkpointed, assessed, with as few
     checkpointed layers per stage (``Candidate.checkpointed_layers``, the first C of each) as keep it
-    as good: clear of ``RETRY_MARGIN`` where ``every`` is, else fitting. ``every`` itself where it does
-    not fit, where no fewer layers do, or where ``without`` (the same candidate without checkpointing)
-    is already as good, so that checkpointing buys nothing.
+    clear of ``RETRY_MARGIN``. ``every`` itself where it is not clear (fewer layers recomputed would
+    only stand nearer the edge, where the caching allocator's retries cost more than the recomputation
+    saves: 30B under FSDP x 4 at 4 x 2048 on H100s, every layer predicted 82.9 GB of 85.0, ran at 3.87 s
+    a step without retries; 46 of 60 layers, predicted at 85.0, at 6.60 s with retries in every
+    measured step, ``benchmarks/results/2026-11-27-h100x4-calibration-context``), where no fewer layers
+    are clear, or where ``without`` (the same candidate without checkpointing) is already clear, so
+    that checkpointing buys nothing.
 
     C runs from 1 to the busiest stage's layers (``fitbench.spec.pipeline_stages``; that many is every
     layer), and the predicted tensor peak falls as C grows (each layer more recomputed trades its saved
@@ -492,10 +496,9 @@ def fewest_checkpointed(arch: Architecture, mode: str, every: Assessment, target
     Fewer recomputed layers cost less time (``fitbench.plan.forecast``: the recomputation scales with
     C / layers): the fewest is the fastest."""
     candidate = every.candidate
-    if mode not in TRAINING_MODES or not candidate.activation_checkpointing or not every.fits:
+    if mode not in TRAINING_MODES or not candidate.activation_checkpointing or not every.clear:
         return every
-    good = (lambda a: a.clear) if every.clear else (lambda a: a.fits)
-    if without is not None and good(without):
+    if without is not None and without.clear:
         return every
     layers = max(len(stage) for stage in pipeline_stages(arch.num_layers, candidate.layout.pp))
     assessed: dict[int, Assessment] = {}
@@ -503,9 +506,9 @@ def fewest_checkpointed(arch: Architecture, mode: str, every: Assessment, target
     def enough(count: int) -> bool:
         assessed[count] = assess(arch, mode, replace(candidate, checkpointed_layers=count), target, seq_len=seq_len,
                                  new_tokens=new_tokens, calibration=calibration, backend=backend)
-        return good(assessed[count])
+        return assessed[count].clear
 
-    low, high = 1, layers  # every layer (high) is good
+    low, high = 1, layers  # every layer (high) is clear
     while low < high:
         middle = (low + high) // 2
         if enough(middle):
