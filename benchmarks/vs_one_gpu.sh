@@ -6,9 +6,10 @@
 # 2. sharded training over GPUS: 13B and 30B as the planner picks them, eager and with --compile, 30B under
 #    FSDP in bf16-pure, and 13B as FSDP x TP 2, eager and compiled (their MFU is the figure: none fits one GPU);
 # 3. weak scaling of training, the 1B preset at 8 x 2048 tokens per GPU (3 warm-up, 10 measured steps):
-#    one GPU, then DDP and FSDP over 2 and GPUS;
+#    one GPU, then DDP and FSDP over 2 and GPUS, then one GPU again (as warm as the others);
 # then summary.md: each row's tokens/s against its one-GPU baseline (decode: the ratio of tokens/s;
-# training: tokens/s per GPU over the one GPU's tokens/s, the weak-scaling efficiency).
+# training: tokens/s per GPU over the one GPU's tokens/s, the weak-scaling efficiency, and in brackets
+# over the one GPU's run last).
 # Usage: benchmarks/vs_one_gpu.sh OUT_DIR GPUS [decode|sharded|weak|all]   (GPUS 2 or 4; all by default)
 set -euo pipefail
 out=${1:?usage: benchmarks/vs_one_gpu.sh OUT_DIR GPUS}
@@ -67,6 +68,9 @@ if [ "$part" = all ] || [ "$part" = weak ]; then
       run "weak/$strategy-$n" "${weak[@]}" --gpus "$n" --strategy "$strategy"
     done
   done
+  # one GPU again, after the others: the first ran on GPUs idle before it, whose clock runs higher
+  # than that of GPUs warmed by the runs after it (benchmarks/results/2026-11-27-h100x4-ddp-clock)
+  run weak/1-after "${weak[@]}"
 fi
 
 python - "$out" > "$out/summary.md" <<'PYTHON'
@@ -96,6 +100,9 @@ for part, key, per_gpu in (("decode", "decode_tokens_per_s", False), ("decode-70
             ratio = f"{roofline:.1f}% of roofline" if roofline is not None else ""
         else:
             ratio = f"{tokens / gpus / base['throughput'][key] if per_gpu else tokens / base['throughput'][key]:.3f}"
+            after = row(f"{part}/1-after")
+            if after is not None:
+                ratio += f" ({tokens / gpus / after['throughput'][key]:.3f} against `1-after`)"
         mfu = r["throughput"].get("mfu")
         layout = r["parallel"]["strategy"] + f" x {gpus}" if r.get("parallel") else "one GPU"
         print(f"| {directory} | {layout} | {tokens:,.0f} | {tokens / gpus:,.0f} | {ratio} | "
