@@ -11,13 +11,15 @@ Llama-2-7B decode shapes: what each reaches of the device's copy bandwidth.
   stack's output, from the format's rounding).
 - ``attention``: one query per sequence against a 640-slot cache (a 512-token prompt and 128 new
   tokens, the decode step's masked attention of ``fitbench.models.native.Attention.decode``), 32
-  heads of 128, for each of ``LAYERS`` layers' caches, through each SDPA backend that takes a mask,
-  eager and captured in a graph; GB/s = the keys and values read (2 B S KV D 2 bytes a layer) over
-  the replay's time.
+  heads of 128 (``--heads``), for each of ``LAYERS`` layers' caches, through each SDPA backend that
+  takes a mask, eager and compiled, and FlexAttention compiled (the mask as a score modification
+  reading the position from the device; a query this short runs its split-KV decoding kernel), each
+  captured in a graph; GB/s = the keys and values read (2 B S KV D 2 bytes a layer) over the replay's
+  time.
 
 A layer's weights and cache are its own, ``LAYERS`` of them, so that no kernel reads from L2.
 
-Usage: python benchmarks/decode_kernels.py [--repeats 20] [--only linears|attention]
+Usage: python benchmarks/decode_kernels.py [--repeats 20] [--only linears|attention] [--heads 32]
 """
 
 from __future__ import annotations
@@ -120,27 +122,38 @@ def linears(device: torch.device, repeats: int, names: list[str] | None) -> None
 
 
 @torch.inference_mode()
-def attention(device: torch.device, repeats: int) -> None:
-    print(f"attention: {LAYERS} layers' caches of {SLOTS} slots, {HEADS} heads of {HEAD_DIM}, one query each")
+def attention(device: torch.device, repeats: int, heads: int = HEADS) -> None:
+    from torch.nn.attention.flex_attention import flex_attention
+
+    print(f"attention: {LAYERS} layers' caches of {SLOTS} slots, {heads} heads of {HEAD_DIM}, one query each")
     backends = {"default": None, "cudnn": SDPBackend.CUDNN_ATTENTION, "efficient": SDPBackend.EFFICIENT_ATTENTION,
-                "math": SDPBackend.MATH}
+                "math": SDPBackend.MATH, "flex": "flex"}
+    position = torch.tensor([600], device=device)
+
+    def hide_later(score, b, h, q_idx, kv_idx):  # the decode step's mask as a score modification
+        return torch.where(kv_idx <= position[0], score, -float("inf"))
+
     for batch in (1, 8, 32):
-        caches = [(torch.randn(batch, HEADS, SLOTS, HEAD_DIM, device=device, dtype=torch.bfloat16),
-                   torch.randn(batch, HEADS, SLOTS, HEAD_DIM, device=device, dtype=torch.bfloat16))
+        caches = [(torch.randn(batch, heads, SLOTS, HEAD_DIM, device=device, dtype=torch.bfloat16),
+                   torch.randn(batch, heads, SLOTS, HEAD_DIM, device=device, dtype=torch.bfloat16))
                   for _ in range(LAYERS)]
-        q = torch.randn(batch, HEADS, 1, HEAD_DIM, device=device, dtype=torch.bfloat16)
-        visible = torch.arange(SLOTS, device=device).view(1, 1, 1, SLOTS) <= 600
+        q = torch.randn(batch, heads, 1, HEAD_DIM, device=device, dtype=torch.bfloat16)
+        visible = torch.arange(SLOTS, device=device).view(1, 1, 1, SLOTS) <= position
         kv_bytes = sum(k.nbytes + v.nbytes for k, v in caches)
         reference = None
         cells = []
         for name, backend in backends.items():
             def step() -> torch.Tensor:
                 outs = []
+                if backend == "flex":  # FlexAttention: compiled, a query this short takes its decoding kernel
+                    return torch.stack([flex_attention(q, k, v, score_mod=hide_later) for k, v in caches])
                 with sdpa_kernel([backend]) if backend else contextlib.nullcontext():
                     for k, v in caches:
                         outs.append(F.scaled_dot_product_attention(q, k, v, attn_mask=visible))
                 return torch.stack(outs)
-            for label, call in ((name, step), (f"{name}+compile", torch.compile(step, dynamic=False))):
+            calls = ((f"{name}+compile", torch.compile(step, dynamic=False)),) if backend == "flex" else (
+                (name, step), (f"{name}+compile", torch.compile(step, dynamic=False)))
+            for label, call in calls:
                 try:
                     out = call()
                     reference = reference if reference is not None else out
@@ -159,13 +172,15 @@ def main() -> None:
     parser.add_argument("--repeats", type=int, default=20)
     parser.add_argument("--only", choices=("linears", "attention"))
     parser.add_argument("--formats", nargs="+", help="the linears' formats whose names start so (default: all)")
+    parser.add_argument("--heads", type=int, default=HEADS,
+                        help="attention's heads (default 32, Llama-2-7B's; 10 is 13B's under TP 4)")
     args = parser.parse_args()
     device = torch.device("cuda")
     print(torch.cuda.get_device_name(), "torch", torch.__version__)
     if args.only != "attention":
         linears(device, args.repeats, args.formats)
     if args.only != "linears":
-        attention(device, args.repeats)
+        attention(device, args.repeats, args.heads)
 
 
 if __name__ == "__main__":
