@@ -9,6 +9,10 @@ run over ``LAYERS`` weights of its own, so that no weight is read from L2, compi
 graph, median of ``--repeats`` replays. GB/s = the weights' bytes (2 N K a layer) over a replay's
 time; each variant is checked against cuBLAS (rel. diff of the outputs).
 
+The kernels alone: in a decoder layer inductor fuses each matmul's producer (the RMSNorm, SwiGLU) into
+the reduction and recomputes it for every output column, and the step is slower than through cuBLAS
+(``benchmarks/results/2026-11-27-h100x4-tp-decode-kernels``).
+
 Usage: python benchmarks/gemv.py [--tp 1 2 4] [--batch 1] [--repeats 20] [--json OUT]
 """
 

@@ -481,11 +481,9 @@ def fewest_checkpointed(arch: Architecture, mode: str, every: Assessment, target
     checkpointed layers per stage (``Candidate.checkpointed_layers``, the first C of each) as keep it
     clear of ``RETRY_MARGIN``. ``every`` itself where it is not clear (fewer layers recomputed would
     only stand nearer the edge, where the caching allocator's retries cost more than the recomputation
-    saves: 30B under FSDP x 4 at 4 x 2048 on H100s, every layer predicted 82.9 GB of 85.0, ran at 3.87 s
-    a step without retries; 46 of 60 layers, predicted at 85.0, at 6.60 s with retries in every
-    measured step, ``benchmarks/results/2026-11-27-h100x4-calibration-context``), where no fewer layers
-    are clear, or where ``without`` (the same candidate without checkpointing) is already clear, so
-    that checkpointing buys nothing.
+    saves: ``benchmarks/results/2026-11-27-h100x4-calibration-context``), where no fewer layers are
+    clear, or where ``without`` (the same candidate without checkpointing) is already clear, so that
+    checkpointing buys nothing.
 
     C runs from 1 to the busiest stage's layers (``fitbench.spec.pipeline_stages``; that many is every
     layer), and the predicted tensor peak falls as C grows (each layer more recomputed trades its saved
