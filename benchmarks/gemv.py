@@ -20,14 +20,12 @@ from __future__ import annotations
 
 import argparse
 import json
-import statistics
 from pathlib import Path
-from typing import Callable
 
 import torch
 import torch.nn.functional as F
 
-from fitbench.run.timing import DeviceClock, time_steps
+from decode_kernels import replay_seconds
 
 LAYERS = 8
 # (model, dim, heads, kv heads, head dim, ffn)
@@ -49,21 +47,6 @@ def linear(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
 
 def reduction(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
     return (x.unsqueeze(-2) * weight).sum(-1, dtype=torch.float32).to(x.dtype)
-
-
-def replay_seconds(step: Callable[[], torch.Tensor], device: torch.device, repeats: int) -> float:
-    """Median seconds of a replay of ``step`` captured in a CUDA graph (after three warm-up calls)."""
-    stream = torch.cuda.Stream(device)
-    stream.wait_stream(torch.cuda.current_stream(device))
-    with torch.cuda.stream(stream):
-        for _ in range(3):
-            step()
-    torch.cuda.current_stream(device).wait_stream(stream)
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        step()
-    seconds, _ = time_steps(graph.replay, DeviceClock(device), warmup=3, repeats=repeats)
-    return statistics.median(seconds)
 
 
 @torch.inference_mode()

@@ -566,9 +566,8 @@ def estimate_memory(arch: Architecture, mode: str, precision: str, batch: int, s
     is the model the run builds. ``checkpointed_layers``: with ``activation_checkpointing``, the first N
     decoder layers of each stage recompute, the others keep their activations (every layer when None;
     ``fitbench.spec.checkpointed_count``; ``_training`` gives the terms). ``compiled``: the native model
-    under ``torch.compile`` (``fitbench.plan.compiled``); quantized weights (adapters, inference) keep the eager
-    model's terms,
-    an upper bound: their kernels break the graph.
+    under ``torch.compile`` (``fitbench.plan.compiled``); quantized weights (adapters, inference) keep
+    the eager model's terms, an upper bound: their kernels break the graph.
 
     Under pipeline parallelism the stages differ (uneven layer counts; the embedding on the first,
     the final norm, output projection and logits on the last): ``stage`` (an index) estimates that

@@ -128,9 +128,8 @@ def estimate_step_time(arch: Architecture, mode: str, precision: str, batch: int
     """The roofline time of one step (one decode step in infer); ``offloaded_bytes`` of weights
     cross the host link each forward pass; with ``activation_checkpointing``, ``checkpointed_layers``
     of each stage recompute (every layer when None: ``recomputed_share``). ``whole_cache``: decoding
-    attends over every slot of the preallocated KV cache, as a GPU run's CUDA graph does; offloaded layers decode
-    eagerly, over the
-    positions so far. ``links``: the collectives' bandwidths and latencies inside a node
+    attends over every slot of the preallocated KV cache, as a GPU run's CUDA graph does; offloaded
+    layers decode eagerly, over the positions so far. ``links``: the collectives' bandwidths and latencies inside a node
     (``bus_bandwidth``; by default the interconnect's); ``nodes``: the job's nodes and the link between
     them, where it spans several (``fitbench.plan.nodes``)."""
     peak = peak_flops(gpu_name, entry(precision).peak_kind(mode)) or peak_flops(gpu_name, "bf16")
