@@ -2,7 +2,8 @@
 Llama-2-7B decode shapes: what each reaches of the device's copy bandwidth.
 
 - ``linears``: the MLP's three matmuls of one layer (4096 -> 11008 twice, 11008 -> 4096) for each of
-  ``LAYERS`` layers, batch 1, 8 and 32, in each weight format: bf16 and torchao's int4 (tinygemm),
+  ``LAYERS`` layers, batch 1, 8 and 32, in each weight format: bf16 and torchao's int4 (tinygemm, and
+  its prototype of gemlite's bit-packed uint4),
   int8 weight-only (also without the inductor settings torchao makes, process-wide: run it alone
   with ``--formats``), fp8 with row-wise dynamic activations (its AUTO kernel choice and its Triton
   one) and fp8 weight-only. The stack is compiled by inductor (as fitbench compiles a decode step)
@@ -52,6 +53,7 @@ def formats() -> dict[str, Callable[[], object] | None]:
     return {
         "bf16": None,
         "int4 (tinygemm)": lambda: Int4WeightOnlyConfig(group_size=128, int4_packing_format="tile_packed_to_4d"),
+        "int4 (gemlite)": gemlite_int4,
         "int8 weight-only": Int8WeightOnlyConfig,
         "int8 weight-only, inductor as is": lambda: Int8WeightOnlyConfig(set_inductor_config=False),
         "fp8 row-wise, auto": lambda: Float8DynamicActivationFloat8WeightConfig(granularity=PerRow()),
@@ -59,6 +61,14 @@ def formats() -> dict[str, Callable[[], object] | None]:
             granularity=PerRow(), kernel_preference=KernelPreference.TRITON),
         "fp8 weight-only": lambda: Float8WeightOnlyConfig(granularity=PerRow()),
     }
+
+
+def gemlite_int4() -> object:
+    """torchao's prototype of uint4 weights, groups of 128, bit-packed for gemlite's Triton kernels
+    (the ``gemlite`` package: its GEMV at one row, split-K GEMM past it)."""
+    from torchao.prototype.quantization.quant_api import UIntxWeightOnlyConfig
+
+    return UIntxWeightOnlyConfig(group_size=128, bit_width=4)
 
 
 class MLPStack(nn.Module):

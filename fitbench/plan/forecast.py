@@ -460,7 +460,8 @@ def _decode_time(arch: Architecture, precision: str, batch: int, seq_len: int, n
     plain = plain_width * (arch.total_params - layer_weights - unread)
     if widths.autocast:
         plain += 2 * widths.compute * (arch.matmul_params - arch.num_layers * arch.norm_params_per_layer)
-    weights_s = ((quantized + fmt.dequantized * layer_weights) / fmt.efficiency + plain) / ceiling.bandwidth
+    weights_s = ((quantized + fmt.dequantized * layer_weights) / fmt.read_rate(ceiling.bandwidth, ceiling.matmul)
+                 + plain / ceiling.bandwidth)
     positions = seq_len + new_tokens if decode != "eager" else seq_len + new_tokens / 2
     cache = kv_bytes_read_per_position(arch, widths, run.backend) * batch * positions / kv_heads_split(arch, tp)
     memory_s = weights_s / tp + cache / ceiling.bandwidth

@@ -191,12 +191,17 @@ _ENTRIES = (
         storage=StorageFormat(4, 4, 128, "torchao int4 tinygemm: bf16 scale and zero point per group of 128"),
         build_temporary_bytes=5.7,
         decode=DecodeFormats(
-            # tinygemm reads the packed int4 weights and their group scales at 60% of the copy bandwidth
-            eager=DecodeFormat(0.6, 0, 0, "Llama-2-7B int4, batch 1 (2026-11-24-h200-decode-formats): 5.53 ms"),
-            compiled=DecodeFormat(0.48, 0, 0, "Llama-2-7B int4, batch 1 (2026-11-24-h200-regional-compile/int4): "
-                                              "3.17 ms"),
-            compiled_more_tokens=DecodeFormat(0.16, 0, 0, "1B int4, batch 8 (2026-11-24-h200-engine-profiles/"
-                                                          "decode-formats-1B): 1.50 ms")),
+            # tinygemm unpacks its int4 weights with the SMs' arithmetic, which sets its pace: an H100 and an
+            # H200 (one processor, 1.4x the bandwidth) run the same step in the same time, eagerly (5.51 ms,
+            # 2026-11-22-h100-quantized-decode, against 5.53) and compiled (3.09 ms, 2026-11-27-h100-int4-decode,
+            # against 3.17), and its kernel reads 1.53 and 1.50 TB/s at the 7B MLP's shapes (decode_kernels.py).
+            # Each term is the read rate per FLOP/s of the bf16 matmul ceiling, solved from the H200's row.
+            eager=DecodeFormat(1.0, 0, 0, "Llama-2-7B int4, batch 1 (2026-11-24-h200-decode-formats): 5.53 ms",
+                               bytes_per_matmul_flop=3.18e-3),
+            compiled=DecodeFormat(1.0, 0, 0, "Llama-2-7B int4, batch 1 (2026-11-24-h200-regional-compile/int4): "
+                                             "3.17 ms", bytes_per_matmul_flop=2.57e-3),
+            compiled_more_tokens=DecodeFormat(1.0, 0, 0, "1B int4, batch 8 (2026-11-24-h200-engine-profiles/"
+                                                         "decode-formats-1B): 1.50 ms", bytes_per_matmul_flop=8.77e-4)),
         device=DeviceNeed("int4 uses torchao's tinygemm kernel, which runs on CUDA GPUs only")),
     _quantized(
         "fp8", "torchao float8 e4m3, per-row scales, dynamic activations; fp8 matmuls (compute capability >= 8.9)",

@@ -105,12 +105,24 @@ class DecodeFormat:
     """How a decode step's matmuls read one weight format: ``efficiency``, the share of the copy
     bandwidth its kernels reach reading the weights; ``extra_kernels``, kernels each matmul launches
     beyond one (activation quantization, a dequantized copy, scaling); ``dequantized``, bytes per weight
-    of a 16-bit copy written and read again at every matmul; ``source``, the row it comes from."""
+    of a 16-bit copy written and read again at every matmul; ``source``, the row it comes from;
+    ``bytes_per_matmul_flop``, for kernels whose unpacking arithmetic rather than the memory sets their
+    pace, the weight bytes they read per second for each bf16 FLOP/s the GPU's tensor cores reach (0:
+    no such bound)."""
 
     efficiency: float = 1.0
     extra_kernels: float = 0.0
     dequantized: float = 0.0
     source: str = "dense: the weights read once at the copy bandwidth"
+    bytes_per_matmul_flop: float = 0.0
+
+    def read_rate(self, bandwidth: float, matmul_flops: float) -> float:
+        """Bytes per second the kernels read the weights at, on a GPU whose copy moves ``bandwidth`` and
+        whose bf16 matmul reaches ``matmul_flops``: min(efficiency x bandwidth, bytes_per_matmul_flop x
+        matmul_flops), the second where given. An arithmetic-bound kernel reads as fast on a GPU of more
+        bandwidth and the same processor."""
+        rate = self.efficiency * bandwidth
+        return min(rate, self.bytes_per_matmul_flop * matmul_flops) if self.bytes_per_matmul_flop else rate
 
 
 DENSE = DecodeFormat()
