@@ -10,14 +10,12 @@ symmetric-memory kernels), and the kernels' count; for the prefill also the host
 their own time (the profile's CPU side). A step's wall time above its kernels' sum is
 time the GPU waited: for the host to launch, or in a collective for a peer.
 
-``--sums``: how the small all-reduces sum: ``nccl``; ``one-shot``, every one by inductor's lowering to
-symmetric memory's one-shot kernel (``fitbench.run.tensor_parallel.one_shot_small_all_reduces``);
-``two-shot``, as ``fitbench run`` sums them (``small_all_reduces``): the layers' row-wise products
-through ``fitbench.run.row_sum``'s two-shot, the embedding's one-shot. For the side-by-side comparison.
+``--one-shot``: the small all-reduces through symmetric memory
+(``fitbench.run.tensor_parallel.one_shot_small_all_reduces``), for the side-by-side comparison.
 ``--eager-embedding``: the decode step's embedding (and its all-reduce, NCCL's) outside the compiled
 regions, as before they held it.
 
-Usage: torchrun --standalone --nproc-per-node N benchmarks/tp_decode_profile.py --model 13B [--sums two-shot]
+Usage: torchrun --standalone --nproc-per-node N benchmarks/tp_decode_profile.py --model 13B [--one-shot]
            [--eager-embedding] OUT.json
        python benchmarks/tp_decode_profile.py --model 13B OUT.json     (one GPU)
 """
@@ -43,9 +41,8 @@ from fitbench.models.registry import resolve
 from fitbench.precisions import policy
 from fitbench.run.loops import random_tokens
 from fitbench.run.ranks import Rank, process_group
-from fitbench.run.row_sum import allocate
 from fitbench.run.tensor_parallel import build_layout, one_shot_small_all_reduces, tensor_mesh
-from fitbench.spec import ONE_SHOT_BYTES, Layout
+from fitbench.spec import Layout
 from train_profile import KINDS
 
 COLLECTIVE = ("collective", r"nccl|all_reduce|allreduce|one_shot|two_shot|multimem|symm")
@@ -97,7 +94,7 @@ def main() -> None:
     parser.add_argument("--batch-size", type=int, default=1)
     parser.add_argument("--seq-len", type=int, default=512)
     parser.add_argument("--new-tokens", type=int, default=64)
-    parser.add_argument("--sums", choices=("nccl", "one-shot", "two-shot"), default="nccl")
+    parser.add_argument("--one-shot", action="store_true")
     parser.add_argument("--eager-embedding", action="store_true")
     parser.add_argument("out", type=Path)
     args = parser.parse_args()
@@ -110,11 +107,8 @@ def main() -> None:
             lm, mesh, _ = build_layout(arch, Layout(tp=rank.world_size), policy("bf16-pure"), "infer", args.seq_len,
                                        rank, cuda_graphs=True)
             lm.compile_decode = True
-            group = tensor_mesh(mesh).get_group()
-            if args.sums != "nccl":
-                one_shot_small_all_reduces(group)
-            if args.sums == "two-shot":
-                allocate(group, rank.device, ONE_SHOT_BYTES)
+            if args.one_shot:
+                one_shot_small_all_reduces(tensor_mesh(mesh).get_group())
         if args.eager_embedding:
             lm.regions = dataclasses.replace(compile_regions(), embed=EAGER.embed)
         prompt = random_tokens(arch.vocab_size, args.batch_size, args.seq_len, rank.device, 0)
@@ -149,7 +143,7 @@ def main() -> None:
                     decode()
                 torch.cuda.synchronize()
         if rank.main:
-            result = {"model": args.model, "tp": rank.world_size, "sums": args.sums,
+            result = {"model": args.model, "tp": rank.world_size, "one_shot": args.one_shot,
                       "eager_embedding": args.eager_embedding,
                       "batch": args.batch_size, "seq_len": args.seq_len, "new_tokens": args.new_tokens,
                       "device": torch.cuda.get_device_name(), "torch": torch.__version__,

@@ -19,7 +19,7 @@ OPTION = re.compile(r"(?<![\w-])--[a-z][a-z0-9-]*")
 # Options the docs name that are not fitbench's: the program each belongs to.
 OTHER_PROGRAMS = {"--qos": "sbatch", "--array": "sbatch", "--standalone": "torchrun",
                   "--min-gpus": "benchmarks/memory_error.py and the other error scripts",
-                  "--sums": "benchmarks/tp_decode_profile.py", "--baseline-again": "benchmarks/ddp_overlap.py"}
+                  "--one-shot": "benchmarks/tp_decode_profile.py", "--baseline-again": "benchmarks/ddp_overlap.py"}
 # The pages' tables of options: (command, its argument group's title or None for all its options, page, heading).
 TABLES = [("plan", None, "docs/planning.md", "## The options of `fitbench plan`"),
           ("run", "SLURM clusters (docs/clusters.md)", "docs/clusters.md", "## Options")]

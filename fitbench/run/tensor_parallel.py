@@ -42,11 +42,11 @@ fake tensors, fails, is not cached (the cache keeps no exception), and the call 
 of each layer's matmuls so on every call (profiled on CPU ranks: a prefill of ``tiny`` at TP 2 took
 several times one process's host time, the same ops and collectives aside). So inference keeps the
 shards as plain local tensors (``localize`` after the build) and runs one process's operators on
-them: each row-wise matmul's partial products summed over the ranks (``RowShardLinear``), the embedding's
+them: an all-reduce in place after each row-wise matmul (``_sum_partial_output``), the embedding's
 lookup of its own rows (``VocabShardEmbedding``) and the logits' all-gather (``_gather_vocabulary``),
 nothing else per layer; each layer's column-wise shards stacked into one matmul as the one-GPU model
-fuses them (``fuse_local_projections``), and on GPUs the decode step's small sums through symmetric
-memory (``small_all_reduces``).
+fuses them (``fuse_local_projections``), and on GPUs the decode step's small all-reduces summed through
+symmetric memory (``small_all_reduces``).
 
 The decode step stays one static-shaped function of device tensors (``NativeCausalLM.decode_step``):
 its collectives are NCCL calls on the current stream, which a CUDA graph captures with the kernels,
@@ -70,7 +70,6 @@ from fitbench.precisions import TRAINING_MODES, PrecisionPolicy
 from fitbench.run.collectives import all_gather
 from fitbench.run.parallel import parallelize
 from fitbench.run.ranks import Rank
-from fitbench.run.row_sum import RowShardLinear, allocate
 from fitbench.spec import ONE_SHOT_BYTES, Layout, LayoutError, RunSpec, Stage
 
 
@@ -171,7 +170,7 @@ def parallelize_tensor(model: NativeCausalLM, mesh, device: torch.device | str, 
                 _cut(layer.get_submodule(name), mesh, 0)
             for name in ROW_WISE:
                 _cut(layer.get_submodule(name), mesh, 1)
-                RowShardLinear.convert(layer.get_submodule(name), mesh.get_group())
+                layer.get_submodule(name).register_forward_hook(_sum_partial_output(mesh.get_group()))
         else:
             plan = {name: ColwiseParallel() for name in columns}
             plan |= {name: RowwiseParallel(**row_output) for name in ROW_WISE}
@@ -269,11 +268,9 @@ def localize(model: nn.Module) -> None:
 
 def small_all_reduces(spec: RunSpec, group, device: torch.device) -> dict[str, str]:
     """How a tensor-parallel generation of ``spec`` sums its small all-reduces over ``group``: through
-    symmetric memory where the spec asks for it and it applies (``RunSpec.one_shot_applies``) on GPUs
-    that map each other's memory, else NCCL's; for the row's parallel record. Symmetric memory: the
-    layers' row-wise products of at most ``ONE_SHOT_BYTES`` go into a buffer allocated here and sum by
-    the two-shot all-reduce (``fitbench.run.row_sum``), the embedding's lookup by inductor's one-shot
-    lowering (``one_shot_small_all_reduces``)."""
+    symmetric memory (``one_shot_small_all_reduces``, set up here) where the spec asks for it and it
+    applies (``RunSpec.one_shot_applies``) on GPUs that map each other's memory, else NCCL's; for the
+    row's parallel record."""
     if device.type != "cuda":
         return {}
     if not (spec.symmetric_memory and spec.one_shot_applies):
@@ -282,9 +279,7 @@ def small_all_reduces(spec: RunSpec, group, device: torch.device) -> dict[str, s
         return {"small_all_reduces": "NCCL: symmetric memory needs the group's GPUs on one node, each with "
                                      "peer access to the others"}
     one_shot_small_all_reduces(group)
-    allocate(group, device, ONE_SHOT_BYTES)
-    return {"small_all_reduces": f"symmetric memory up to {ONE_SHOT_BYTES // 1024} KiB: the layers' two-shot, "
-                                 f"the embedding's one-shot"}
+    return {"small_all_reduces": f"symmetric memory, one-shot (up to {ONE_SHOT_BYTES // 1024} KiB)"}
 
 
 def _peers_mapped(device: torch.device, ranks: int) -> bool:
@@ -361,6 +356,17 @@ def _cut(module: nn.Module, mesh, dim: int) -> None:
             raise ValueError(f"a row-wise matmul's bias would be added on every rank before the sum: "
                              f"{type(module).__name__} has one")
         module.bias = nn.Parameter(distribute_tensor(module.bias, mesh, [Shard(0)], src_data_rank=None))
+
+
+def _sum_partial_output(group):
+    """A forward hook for a row-wise matmul of local shards: its output, this rank's partial sum, is
+    all-reduced in place into the whole output, the one collective of the attention or the MLP."""
+
+    def hook(module: nn.Module, args, output: torch.Tensor) -> torch.Tensor:
+        dist.all_reduce(output, group=group)
+        return output
+
+    return hook
 
 
 def _gather_vocabulary(group, tp: int, vocab_size: int):
