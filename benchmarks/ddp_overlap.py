@@ -10,7 +10,7 @@ built, so one variant at a time holds memory.
 
 - ``one-gpu``: no DDP; every rank trains its own model at once, the one-GPU baseline on the same GPUs;
 - ``current``: ``fitbench.run.parallel.wrap_ddp``, as ``fitbench run --strategy ddp`` builds it;
-- ``bucket-100``, ``bucket-400``: buckets of 100 or 400 MiB instead of 25 (the first one too, where
+- ``bucket-100``, ``bucket-400``, ``bucket-1000``: buckets of 100, 400 or 1000 MiB instead of 25 (the first one too, where
   25 MiB's default makes it 1 MiB): fewer all-reduces, and a larger last one after the backward pass;
 - ``no-static-graph``: ``static_graph=False``;
 - ``bf16-compress``: ``default_hooks.bf16_compress_hook``: each bucket is cast to bf16, all-reduced
@@ -203,6 +203,7 @@ VARIANTS = (
     Variant("current", ddp(), profiled=True),
     Variant("bucket-100", ddp(bucket_cap_mb=100)),
     Variant("bucket-400", ddp(bucket_cap_mb=400)),
+    Variant("bucket-1000", ddp(bucket_cap_mb=1000)),
     Variant("no-static-graph", ddp(static_graph=False)),
     Variant("bf16-compress", bf16_compressed),
     Variant("batched-grad-copy", ddp(batched_grad_copy=True), needs_batched_grad_copy),
