@@ -321,6 +321,13 @@ def test_a_compiled_decode_step_replays_fewer_kernels():
         (43 - forecast.COMPILED_LAYER_KERNELS) * 32 * forecast.KERNEL_S)
 
 
+def rate_by_hand(fmt) -> float:
+    """The weights' read rate on ``ROUND``'s ceilings (2 TB/s, 500 TFLOP/s): the bandwidth's share, or
+    the arithmetic's rate where the format has one and it is lower."""
+    share = fmt.efficiency * 2e12
+    return min(share, fmt.bytes_per_matmul_flop * 500e12) if fmt.bytes_per_matmul_flop else share
+
+
 @pytest.mark.parametrize("precision", ["int8-weight-only", "nf4", "fp8", "int4"])
 def test_a_quantized_decode_step_reads_its_format_and_launches_its_kernels(precision):
     """Each format's terms by hand, 7B at batch 4 through a graph (nf4 dequantizes above one token)."""
@@ -335,8 +342,7 @@ def test_a_quantized_decode_step_reads_its_format_and_launches_its_kernels(preci
     stored = sum(entry(precision).storage.matrix_bytes(m.rows, m.columns) for m in arch.layer_matrices) * L
     plain = 2 * (arch.total_params - weights - (V - batch) * h)  # norms, the output projection, 4 embedding rows
     cache = arch.kv_cache_bytes_per_token(2) * batch * (prompt + new)
-    rate = fmt.efficiency * 2e12 if not fmt.bytes_per_matmul_flop else min(fmt.efficiency * 2e12,
-                                                                            fmt.bytes_per_matmul_flop * 500e12)
+    rate = rate_by_hand(fmt)
     memory = (stored + fmt.dequantized * weights) / rate + (plain + cache) / 2e12
     kernels = ((46 + 7 * fmt.extra_kernels) * L + 12) * forecast.KERNEL_S
     assert got.seconds == pytest.approx(memory + kernels)
@@ -346,8 +352,7 @@ def test_a_quantized_decode_step_reads_its_format_and_launches_its_kernels(preci
                                   gpu_name=H200, ceiling=ROUND, run=StepRun(decode="compiled"))
     fmt = decode_format(precision, "compiled", batch)
     assert fmt == (entry(precision).decode.compiled_more_tokens or entry(precision).decode.compiled)
-    rate = fmt.efficiency * 2e12 if not fmt.bytes_per_matmul_flop else min(fmt.efficiency * 2e12,
-                                                                            fmt.bytes_per_matmul_flop * 500e12)
+    rate = rate_by_hand(fmt)
     assert compiled.seconds == pytest.approx(
         stored / rate + (plain + cache) / 2e12
         + ((forecast.COMPILED_LAYER_KERNELS + 7 * fmt.extra_kernels) * L + 12) * forecast.KERNEL_S)

@@ -994,6 +994,6 @@ def test_copy_in_pool_by_hand():
     on 4 x H200 and 4 x H100); the 20B over 2: layer 0.727, root 0.732 -> 1.463 (1.46 mapped)."""
     from fitbench.plan.memory import copy_in_pool
 
-    assert copy_in_pool(0.997, 0.793, 4) == 2 * 0.997 + 0.793
-    assert copy_in_pool(0.727, 0.732, 2) == max(2 * 0.727, 1.5 * 0.732) == 2 * 0.727
-    assert copy_in_pool(0.406, 1.957, 2) == 1.5 * 1.957
+    assert copy_in_pool(0.997, 0.793, 4)[0] == 2 * 0.997 + 0.793
+    assert copy_in_pool(0.727, 0.732, 2)[0] == max(2 * 0.727, 1.5 * 0.732) == 2 * 0.727
+    assert copy_in_pool(0.406, 1.957, 2)[0] == 1.5 * 1.957

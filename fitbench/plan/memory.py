@@ -1046,13 +1046,14 @@ def gpipe_terms(arch: Architecture, tokens: int, widths: Widths, tp: int, stage:
     return terms
 
 
-def copy_in_pool(layer: float, root: float, g: int) -> float:
-    """Bytes FSDP's copy-in stream keeps mapped, from ``layer`` = c p and ``root`` = c E, the gathered
-    bytes of a decoder layer and of the root, over g shards (``fsdp_in_flight``): 2 c p + c E where the
-    root's all-gather output is smaller than a layer's, else max(2 c p, (1 + 1/g) c E)."""
+def copy_in_pool(layer: float, root: float, g: int) -> tuple[float, str]:
+    """Bytes FSDP's copy-in stream keeps mapped, and the formula that gives them, from ``layer`` = c p and
+    ``root`` = c E, the gathered bytes of a decoder layer and of the root, over g shards
+    (``fsdp_in_flight``): 2 c p + c E where the root's all-gather output is smaller than a layer's,
+    else max(2 c p, (1 + 1/g) c E)."""
     if root < layer:
-        return 2 * layer + root
-    return max(2 * layer, (1 + 1 / g) * root)
+        return 2 * layer + root, "2 c p + c E"
+    return max(2 * layer, (1 + 1 / g) * root), "max(2 c p, (1 + 1/g) c E)"
 
 
 def fsdp_in_flight(arch: Architecture, c: float, rd: float, g: int, tp: int = 1) -> list[Term]:
@@ -1076,18 +1077,16 @@ def fsdp_in_flight(arch: Architecture, c: float, rd: float, g: int, tp: int = 1)
     E = rank_edge_params(arch, tp, whole)
     head = V * h + arch.final_norm_params
     G = E + (V * h if arch.tie_embeddings else 0)
-    pool = copy_in_pool(c * p, c * E, g)
+    pool, pool_formula = copy_in_pool(c * p, c * E, g)
     return [
         Term("FSDP root gathered", c * E, f"c E = {c:g} B x {E:,} parameters of the root (embeddings, final norm, "
              f"output projection), not resharded after forward"),
         Term("FSDP layers gathered", 2 * c * p, f"2 c p = 2 x {c:g} B x {p:,}: the layer at work, copied out of "
              f"its all-gather, and an all-gather output", frozenset({START, RECOMPUTE, FIRST})),
         Term("FSDP all-gather pool", pool - c * p,
-             (f"2 c p + c E - c p = {c * p:,.0f} + {c * E:,.0f} B: the copy-in stream's pool (two layers' all-gather "
-              f"outputs beside the root's, too small to hold one) beyond the output in use") if E < p else
-             (f"max(2 c p, (1 + 1/g) c E) - c p = max(2 x {c * p:,.0f}, {1 + 1 / g:g} x {c * E:,.0f}) - "
-              f"{c * p:,.0f} B: the copy-in stream's pool (two layers' all-gather outputs, or the root's output "
-              f"and input) beyond the output in use"), cached=True),
+             f"{pool_formula} - c p, c p = {c * p:,.0f} B, c E = {c * E:,.0f} B, g = {g}: the copy-in stream's pool "
+             f"(two layers' all-gather outputs, beside the root's where it is the smaller, or the root's "
+             f"output and input) beyond the output in use", cached=True),
         Term("FSDP layer gradients", (c + rd) * p, f"(c + rd) p = ({c:g} + {rd:g}) B x {p:,}: a layer's unsharded "
              f"gradients beside the previous layer's reduce-scatter input", frozenset({FIRST})),
         Term("FSDP root gradients", c * head, f"c (V h + norm) = {c:g} B x {head:,}: the output projection's and "
