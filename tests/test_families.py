@@ -319,27 +319,31 @@ def test_injected_memory_limit_applies_to_hf_rows(monkeypatch):
 @pytest.mark.parametrize("precision", ["bf16-pure", "bf16"])
 @pytest.mark.parametrize("family", ["llama", "falcon", "gpt2", "qwen2", "mistral"])
 def test_hf_kv_cache_term_is_the_cache_transformers_keeps(family, precision):
-    """bf16-pure keeps a StaticCache of prompt + new tokens; under autocast a DynamicCache that holds every
-    position but the last token's. Falcon caches all 8 query heads (kv heads 2). Under autocast the
-    rotary families' keys are fp32 and their values what the installed ``DynamicCache`` keeps of bf16
-    values beside fp32 keys; GPT-2's both bf16."""
+    """The cache a generation through the hf backend keeps (2 layers, batch 2, a 12-token prompt, 5 new
+    tokens) against the probe's layout (``cache_layout``: one layer, batch 1, 3 tokens) and against the
+    planner's term. bf16-pure keeps a ``StaticCache`` of prompt + new tokens; under autocast a
+    ``DynamicCache`` of every position but the last token's. What the installed transformers caches per
+    position (which heads, each tensor's width) is the probe's to read, so nothing here is one version's."""
     from fitbench.models.backends import load_model
+    from fitbench.models.hf_cache import cache_layout
     from fitbench.precisions import policy
     from fitbench.run.loops import generate
     from fitbench.run.timing import DeviceClock
-    from test_metrics import dynamic_cache_value_bytes
 
     arch = tiny_family(family)
     chosen = policy(precision)
     lm = load_model(arch, "hf", CPU, chosen.weight_dtype, compute_dtype=chosen.compute_dtype)
     batch, prompt, new = 2, 12, 5
     generate(lm, torch.zeros((batch, prompt), dtype=torch.long), new, chosen, DeviceClock(CPU), CPU)()
-    kept = sum(t.numel() * t.element_size() for layer in lm.cache.layers for t in (layer.keys, layer.values))
-    heads = 8 if family in ("falcon", "gpt2") else 2
-    rotary_autocast = precision == "bf16" and family != "gpt2"
-    keys, values = (4, dynamic_cache_value_bytes()) if rotary_autocast else (2, 2)
-    cached = prompt + new if precision == "bf16-pure" else prompt + new - 1
-    assert kept == 2 * heads * 16 * (keys + values) * batch * cached  # 2 layers, head dim 16
+    layers = lm.cache.layers
+    kept = sum(t.numel() * t.element_size() for layer in layers for t in (layer.keys, layer.values))
+    layout = cache_layout(arch, str(chosen.weight_dtype).removeprefix("torch."),
+                          str(chosen.compute_dtype).removeprefix("torch."))
+    cached = prompt + new if layout.static else prompt + new - 1
+    assert layout.static == (precision == "bf16-pure")
+    assert layers[0].keys.shape[1] == (arch.num_heads if layout.query_heads else arch.num_kv_heads)
+    assert (layers[0].keys.element_size(), layers[0].values.element_size()) == (layout.key_bytes, layout.value_bytes)
+    assert kept == layout.bytes_per_token(arch) * batch * cached
     terms = {t.name: t.bytes for t in estimate_memory(arch, "infer", precision, batch, prompt, new_tokens=new,
                                                       backend="hf").terms}
     assert terms["KV cache"] * cached / (prompt + new) == kept
@@ -359,7 +363,7 @@ def test_the_cache_layout_is_read_once_per_transformers_version(tmp_path, monkey
     try:
         arch = tiny_family("falcon")
         measured = hf_cache.cache_layout(arch, "bfloat16", "bfloat16")
-        assert (measured.key_bytes, measured.value_bytes, measured.query_heads, measured.static) == (2, 2, True, True)
+        assert measured == hf_cache.measure_layout("falcon", hf_cache.probe_kv_heads(arch), "bfloat16", "bfloat16")
         path = tmp_path / "hf-cache-layouts.json"
         (versions, kept), = json.loads(path.read_text()).items()
         assert f"transformers {transformers.__version__}" in versions

@@ -212,24 +212,66 @@ def test_the_fused_loss_moves_what_loss_traffic_says(dtype):
     assert per_token == pytest.approx(forecast.loss_traffic(vocab, compute, True), rel=0.06)
 
 
-@pytest.mark.parametrize("model", ["gpt2", "falcon-40b", "7B"])
-def test_a_transformers_layer_launches_layer_ops_operators(model):
+@pytest.mark.parametrize("model", ["gpt2", "falcon-40b", "falcon-180b", "7B", "llama-3.1-8b"])
+def test_a_transformers_layer_launches_what_the_probe_counted(model):
+    """The forecast's operators per transformers layer (the installed version's, counted once on the
+    probe model) against a layer of a model of other sizes, batch and prompt, built and run as the hf
+    backend runs it: the count is the layer's, not the probe's sizes'."""
     base = resolve(model)
 
     def decode(layers: int) -> Counted:
-        kv = {"gpt2": 8, "falcon": 2, "llama": 8}[base.family]
+        kv = 8 if base.num_kv_heads == base.num_heads else 1 if base.num_kv_heads == 1 else 2
         arch = dataclasses.replace(base, num_layers=layers, hidden_size=256, num_heads=8, num_kv_heads=kv,
                                    ffn_size=1024, vocab_size=512, max_seq_len=128)
         lm = load_model(arch, "hf", "cpu", torch.bfloat16)
         with torch.inference_mode():
-            lm.prefill(torch.zeros(2, 8, dtype=torch.long), 32)
-            lm.decode(torch.zeros(2, 1, dtype=torch.long))
+            lm.prefill(torch.zeros(3, 8, dtype=torch.long), 32)
+            lm.decode(torch.zeros(3, 1, dtype=torch.long))
             with Counted() as counted:
-                lm.decode(torch.zeros(2, 1, dtype=torch.long))
+                lm.decode(torch.zeros(3, 1, dtype=torch.long))
         return counted
 
-    operators, _ = per_layer(decode)
-    assert operators == forecast.LAYER_OPS[base.family]
+    operators, _ = per_layer(lambda layers: decode(layers + 1))
+    assert operators == forecast.layer_ops(base, "hf")
+
+
+def test_the_layer_operators_are_counted_once_per_transformers_version(tmp_path, monkeypatch):
+    """``layer_operators`` counts once and keeps the count under the installed versions; the next
+    planner reads the kept count (changed here, so that reading it back shows)."""
+    import transformers
+
+    from fitbench.models import hf_operators
+
+    monkeypatch.setenv("FITBENCH_CACHE_DIR", str(tmp_path))
+    hf_operators._operators.cache_clear()
+    try:
+        arch = resolve("falcon-40b")
+        counted = hf_operators.layer_operators(arch)
+        path = tmp_path / "hf-layer-operators.json"
+        (versions, kept), = json.loads(path.read_text()).items()
+        assert f"transformers {transformers.__version__}" in versions
+        (key, entry), = kept.items()
+        assert entry == {"operators": counted}
+        path.write_text(json.dumps({versions: {key: {"operators": counted + 5}}}))
+        hf_operators._operators.cache_clear()
+        assert forecast.layer_ops(arch, "hf") == counted + 5
+    finally:
+        hf_operators._operators.cache_clear()
+
+
+def test_the_counts_kept_for_older_versions_are_what_those_versions_launch():
+    """``COUNTED_UNDER`` holds the counts of the versions committed rows ran; where the installed
+    transformers is one of them (CI's oldest environment), counting again gives the table's."""
+    import transformers
+
+    from fitbench.models import hf_operators
+
+    counted = hf_operators.COUNTED_UNDER.get(transformers.__version__)
+    if counted is None:
+        pytest.skip(f"transformers {transformers.__version__} is not among COUNTED_UNDER's versions")
+    for key, operators in counted.items():
+        model_type, kv_heads = key.split("|")
+        assert hf_operators.count_layer_operators(model_type, int(kv_heads)) == operators, key
 
 
 # ---- each term by hand on a small case ----------------------------------------------------------

@@ -13,8 +13,9 @@ from rich.markup import escape
 from fitbench import __version__
 from fitbench.cli import calibrate, compare, env, models, plan, report, run
 from fitbench.cli.command import Command
-from fitbench.cli.console import errors
+from fitbench.cli.console import errors, warn
 from fitbench.cli.parser import Parser, one_spelling
+from fitbench.hardware.dependencies import untested_warnings
 from fitbench.results.store import DISK_ERRORS
 from fitbench.util.errors import UserError
 
@@ -22,6 +23,9 @@ from fitbench.util.errors import UserError
 COMMANDS: dict[str, Command] = {command.name: command for command in (
     run.COMMAND, models.COMMAND, plan.COMMAND, calibrate.COMMAND, report.COMMAND, compare.COMMAND,
     env.COMMAND)}
+# The commands whose answers rest on the pinned libraries' behaviour: each warns of a version outside
+# fitbench's tested range before it plans (``fitbench env`` lists every range).
+WARNS_OF_UNTESTED_VERSIONS = ("run", "plan")
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -47,6 +51,9 @@ def main(argv: list[str] | None = None) -> int:
         args = parser.parse_args(["run", *argv])
     args.argv = argv
     one_spelling(parser, argv)
+    if args.command in WARNS_OF_UNTESTED_VERSIONS:
+        for warning in untested_warnings():
+            warn(warning)
     try:
         return args.function(args)
     except UserError as error:

@@ -6,14 +6,16 @@ import argparse
 import json
 
 from fitbench.cli.command import Command
-from fitbench.cli.console import console
+from fitbench.cli.console import console, warn
 from fitbench.cli.options import device_option, json_output, measure_ceilings
 
 
 def env(args: argparse.Namespace) -> int:
-    """Show versions, GPUs with their datasheet peaks, and the stored measured ceilings."""
+    """Show versions (each pinned dependency against the range fitbench was tested with), GPUs with their
+    datasheet peaks, and the stored measured ceilings."""
     from fitbench.hardware import ceilings
     from fitbench.hardware.datasheet import gpu_spec
+    from fitbench.hardware.dependencies import dependencies
     from fitbench.hardware.devices import cpu_device_name
     from fitbench.hardware.environment import environment
 
@@ -31,12 +33,26 @@ def env(args: argparse.Namespace) -> int:
                                for name in device_names}
     info["measured_ceilings"] = {name: (c.__dict__ if (c := ceilings.load_ceilings(name)) else None)
                                  for name in device_names}
+    pinned = dependencies()
+    info["dependencies"] = [{"name": d.name, "installed": d.installed, "tested": d.tested, "status": d.status}
+                            for d in pinned]
     if args.json:
         print(json.dumps(info, indent=2, default=str))
         return 0
-    for key in ("fitbench_version", "git_commit", "python", "torch", "transformers", "accelerate", "torch_cuda",
-                "driver", "cpu_model", "cpu_count", "hostname"):
+    for key in ("fitbench_version", "git_commit", "python", "torch_cuda", "driver", "cpu_model", "cpu_count",
+                "hostname"):
         console.print(f"{key:18s} {info[key]}")
+    if pinned:
+        console.print(f"{'dependency':18s} {'installed':14s} {'tested range':16s} status")
+    for dependency in pinned:
+        colour = {"tested": "green", "untested": "yellow", "missing": "red"}[dependency.status]
+        console.print(f"{dependency.name:18s} {dependency.installed or '-':14s} {dependency.tested:16s} "
+                      f"[{colour}]{dependency.status}[/{colour}]")
+    if not pinned:
+        console.print("dependencies       fitbench's metadata is not installed (pip install -e .): no tested ranges")
+    for warning in (d.warning() for d in pinned):
+        if warning:
+            warn(warning)
     for gpu in info["gpus"]:
         console.print(f"gpu {gpu['index']:<14d} {gpu['name']}, {gpu['total_memory'] / 1e9:.1f} GB, "
                       f"compute capability {gpu['compute_capability'][0]}.{gpu['compute_capability'][1]}")
@@ -59,6 +75,7 @@ def env(args: argparse.Namespace) -> int:
     return 0
 
 
-COMMAND = Command("env", "versions, GPUs, peak FLOP/s; --measure stores this machine's ceilings", env,
+COMMAND = Command("env", "versions against the tested ranges, GPUs, peak FLOP/s; --measure stores this machine's "
+                  "ceilings", env,
                   (json_output("machine-readable output"), measure_ceilings,
                    device_option("device to measure (default: first GPU, else cpu)")))

@@ -5,27 +5,26 @@ holds it (a ``StaticCache`` of prompt + new tokens when weights and activations 
 ``DynamicCache`` under autocast), the width of the keys and of the values (under autocast a rotary
 family's keys leave the rotary embedding in fp32 while its values are 16-bit; transformers 5.17's
 cache promoted the values to the keys' dtype, 5.24's keeps each in its own), how many heads a
-layer caches (Falcon broadcasts its kv heads to every query head first) and how a ``DynamicCache``
+layer caches (Falcon cached every query head's keys and values up to 5.24, its kv heads' from 5.25 on)
+and how a ``DynamicCache``
 grows (by concatenation: each step writes a new tensor holding every earlier position again).
 
 None of that is a constant of one version, so ``cache_layout`` reads it from the installed one: it
 builds a one-layer model of the family with small sizes on the CPU, prefills 3 tokens under the
 precision's dtypes (autocast where they differ), decodes one, and looks at the cache. The answer is
-kept per transformers and torch version in fitbench's cache directory, so a planner pays for it once
-(transformers takes seconds to import).
+kept per transformers and torch version in fitbench's cache directory (``fitbench.util.cache.remembered``),
+so a planner pays for it once (transformers takes seconds to import). ``fitbench.models.hf_operators``
+reads the operators a layer launches the same way, from the same small model (``probe_model``).
 """
 
 from __future__ import annotations
 
 import dataclasses
-import json
-import os
 from dataclasses import dataclass
 from functools import lru_cache
-from importlib.metadata import version
 
 from fitbench.models.architecture import Architecture
-from fitbench.util.cache import cache_directory
+from fitbench.util.cache import installed_versions, remembered
 
 PROMPT, HEADS = 3, 4
 
@@ -64,56 +63,59 @@ def cache_layout(arch: Architecture, weight_dtype: str, compute_dtype: str) -> C
     """The installed transformers' cache for ``arch``'s model type with weights in ``weight_dtype`` and
     activations in ``compute_dtype`` (names of torch dtypes: "float32", "bfloat16"), read from a run
     or from fitbench's cache of earlier runs with the same transformers and torch."""
-    kv_heads = HEADS if arch.num_kv_heads == arch.num_heads else (1 if arch.num_kv_heads == 1 else HEADS // 2)
-    return _layout(arch.hf_model_type, kv_heads, weight_dtype, compute_dtype)
+    return _layout(arch.hf_model_type, probe_kv_heads(arch), weight_dtype, compute_dtype)
 
 
 @lru_cache(maxsize=None)
 def _layout(model_type: str, kv_heads: int, weight_dtype: str, compute_dtype: str) -> CacheLayout:
-    versions = f"transformers {version('transformers')}, torch {version('torch')}"
-    key = f"{model_type}|{kv_heads}|{weight_dtype}|{compute_dtype}"
-    path = cache_directory() / "hf-cache-layouts.json"
+    def measure() -> dict:
+        return dataclasses.asdict(measure_layout(model_type, kv_heads, weight_dtype, compute_dtype))
+
+    kept = remembered("hf-cache-layouts.json", installed_versions("transformers", "torch"),
+                      f"{model_type}|{kv_heads}|{weight_dtype}|{compute_dtype}", measure)
     try:
-        known = json.loads(path.read_text()).get(versions, {})
-    except (OSError, ValueError, AttributeError):
-        known = {}
-    if isinstance(known, dict) and isinstance(known.get(key), dict):
-        try:
-            return CacheLayout(**known[key])
-        except TypeError:
-            pass
-    layout = measure_layout(model_type, kv_heads, weight_dtype, compute_dtype)
+        return CacheLayout(**kept)
+    except TypeError:  # kept by a fitbench whose layout had other fields
+        return CacheLayout(**measure())
+
+
+def probe_kv_heads(arch: Architecture) -> int:
+    """The probe's kv heads for ``arch``'s kind of attention among ``HEADS`` query heads: every head its
+    own (multi-head), one for all (multi-query), or groups of two (grouped-query)."""
+    return HEADS if arch.num_kv_heads == arch.num_heads else (1 if arch.num_kv_heads == 1 else HEADS // 2)
+
+
+def probe_model(model_type: str, kv_heads: int, layers: int, dtype):
+    """transformers' model of ``model_type`` with small sizes (``HEADS`` heads of 8, ``kv_heads`` kv heads,
+    ``layers`` layers, vocabulary 64), built on the CPU with weights in ``dtype`` as the hf backend builds it."""
+    from fitbench.models.hf import build_hf
+    from fitbench.models.presets import PRESETS
+
+    from transformers.utils import logging
+
+    template = next(arch for arch in PRESETS if arch.hf_model_type == model_type)
+    arch = dataclasses.replace(template, name=f"probe-{model_type}", hidden_size=8 * HEADS,
+                               num_layers=layers, num_heads=HEADS, num_kv_heads=kv_heads, ffn_size=64, vocab_size=64,
+                               max_seq_len=16)
+    verbosity = logging.get_verbosity()
+    logging.set_verbosity_error()  # the small vocabulary leaves the family's special token ids outside it
     try:
-        stored = json.loads(path.read_text()) if path.exists() else {}
-        stored = stored if isinstance(stored, dict) else {}
-        stored.setdefault(versions, {})[key] = dataclasses.asdict(layout)
-        path.parent.mkdir(parents=True, exist_ok=True)
-        # written beside and renamed over: planners in parallel never read half a file
-        scratch = path.with_name(f"{path.name}.{os.getpid()}")
-        scratch.write_text(json.dumps(stored, indent=1))
-        os.replace(scratch, path)
-    except (OSError, ValueError, AttributeError):
-        pass  # an unwritable cache directory costs the next planner a run, nothing else
-    return layout
+        return build_hf(arch, "cpu", dtype)
+    finally:
+        logging.set_verbosity(verbosity)
 
 
 def measure_layout(model_type: str, kv_heads: int, weight_dtype: str, compute_dtype: str) -> CacheLayout:
-    """Run a one-layer model of ``model_type`` (2 heads of 8 per kv head, vocabulary 64) on the CPU
+    """Run a one-layer model of ``model_type`` (``probe_model``) on the CPU
     as the hf backend runs it (``fitbench.models.backends.HuggingFaceLM``): a prompt of 3 tokens, then
     one decode step; read the first layer's cache."""
     import torch
     import transformers
 
     from fitbench.models.backends import HuggingFaceLM
-    from fitbench.models.hf import build_hf
-    from fitbench.models.presets import PRESETS
 
-    template = next(arch for arch in PRESETS if arch.hf_model_type == model_type)
-    arch = dataclasses.replace(template, name=f"probe-{model_type}", hidden_size=8 * HEADS,
-                               num_layers=1, num_heads=HEADS, num_kv_heads=kv_heads, ffn_size=64, vocab_size=64,
-                               max_seq_len=16)
     weights, compute = getattr(torch, weight_dtype), getattr(torch, compute_dtype)
-    lm = HuggingFaceLM(build_hf(arch, "cpu", weights), static_cache=weights == compute)
+    lm = HuggingFaceLM(probe_model(model_type, kv_heads, 1, weights), static_cache=weights == compute)
     tokens = torch.zeros((1, PROMPT), dtype=torch.long)
     with torch.inference_mode(), torch.autocast("cpu", dtype=compute, enabled=weights != compute):
         lm.prefill(tokens, PROMPT + 2)

@@ -75,6 +75,7 @@ from fitbench.hardware.ceilings import Ceilings as MeasuredCeilings
 from fitbench.hardware.datasheet import peak_bandwidth, peak_flops
 from fitbench.hardware.environment import package_version
 from fitbench.models.architecture import Architecture
+from fitbench.models.hf_operators import layer_operators
 from fitbench.models.loss import loss_chunk_rows
 from fitbench.plan.collectives import PCIE_BANDWIDTH, BusBandwidth, bus_bandwidth
 from fitbench.plan.memory import Parallelism, Widths, adapter_params, kv_bytes_read_per_position, kv_heads_split
@@ -161,7 +162,7 @@ FUNCTIONS_RECOMPUTED_TRAFFIC = 0.85
 
 # Operators launched per layer in a forward pass: fitbench's native decoder, its q/k/v and gate/up fused
 # (43), or unfused as quantized, tensor-parallel and pipelined builds keep them (46); transformers'
-# layers (GPT-2 24, Falcon 37, Llama 43). Where autograd records each operator, autocast adds a cast of
+# layers as the installed version launches them (``fitbench.models.hf_operators``). Where autograd records each operator, autocast adds a cast of
 # each matmul's input and a training step launches BACKWARD_OPS operators per forward operator more (the
 # native decoder before its Functions, bf16-pure: 103 per layer against 41 forward with grad mode's own;
 # bf16 autocast 105 against 47). Through the Functions the norm writes the matmuls' dtype (no casts) and
@@ -173,7 +174,7 @@ FUNCTIONS_RECOMPUTED_TRAFFIC = 0.85
 # logits and its scaling in backward (LOSS_CHUNK_OPS); the out-of-place loss of DTensor logits and of
 # steps measured before the fused loss: upcast, cross-entropy, sum and their backward
 # (CHUNKED_LOSS_CHUNK_OPS, with CHUNKED_LOSS_EDGE_OPS at the edges). All counted by tests/test_forecast.py.
-LAYER_OPS = {"native": 43, "native unfused": 46, "llama": 43, "falcon": 37, "gpt2": 24}
+LAYER_OPS = {"native": 43, "native unfused": 46}
 BACKWARD_OPS = 1.45
 FUNCTIONS_BACKWARD_OPS = 1.03
 FUNCTIONS_RECOMPUTED_OPS = 29 / 43
@@ -392,12 +393,13 @@ def loss_traffic(vocab: int, compute: int, training: bool, fused: bool = True) -
     return (6 * compute + 20) * vocab if fused else (32 + 3 * compute) * vocab
 
 
-def layer_ops(arch: Architecture, backend: str, fused: bool = True) -> int:
-    """Operators one layer launches in a forward pass (``LAYER_OPS``); ``fused``: the native decoder's
-    fused projections."""
+def layer_ops(arch: Architecture, backend: str, fused: bool = True, transformers: str | None = None) -> int:
+    """Operators one layer launches in a forward pass: the native decoder's (``LAYER_OPS``; ``fused``: its
+    fused projections), or transformers' layer as ``transformers`` (a version; None: the installed one)
+    runs it (``layer_operators``)."""
     if backend == "native":
         return LAYER_OPS["native" if fused else "native unfused"]
-    return LAYER_OPS.get(arch.family, LAYER_OPS["llama"])
+    return layer_operators(arch, transformers)
 
 
 def fused_build(precision: str, parallelism: Parallelism, run: StepRun, mode: str) -> bool:
@@ -468,7 +470,7 @@ def _decode_time(arch: Architecture, precision: str, batch: int, seq_len: int, n
     matmul_s = 2 * batch * arch.matmul_params / (tp * ceiling.peak(gpu_name, entry(precision).peak_kind("infer"))
                                                  * MATMUL_EFFICIENCY)
     per_layer = COMPILED_LAYER_KERNELS if decode == "compiled" else \
-        layer_ops(arch, run.backend, fused_build(precision, parallelism, run, "infer"))
+        layer_ops(arch, run.backend, fused_build(precision, parallelism, run, "infer"), run.transformers)
     per_layer += matmuls * fmt.extra_kernels
     kernels = per_layer * arch.num_layers + EDGE_OPS["forward"]
     kernels_s = kernels * KERNEL_S
@@ -557,7 +559,7 @@ def _pass_time(arch: Architecture, mode: str, precision: str, batch: int, seq_le
 
     fused = run.backend == "native" and fused_build(precision, parallelism, run, mode)
     matmuls = 4 if fused and arch.family == "llama" else len(arch.layer_matrices)
-    forward_ops = layer_ops(arch, run.backend, fused)
+    forward_ops = layer_ops(arch, run.backend, fused, run.transformers)
     if widths.autocast and not functions:  # each matmul's input cast to 16 bits
         forward_ops += matmuls
     if run.compiled:
