@@ -39,6 +39,17 @@ def rate(text: str) -> float:
     return value
 
 
+def share(text: str) -> float:
+    """A share above 0 and at most 1."""
+    try:
+        value = float(text)
+    except ValueError:
+        value = math.nan
+    if not 0 < value <= 1:
+        raise argparse.ArgumentTypeError(f"expected a share above 0 and at most 1, got {excerpt(text)}")
+    return value
+
+
 def positive(text: str) -> int:
     try:
         value = int(text)
@@ -60,6 +71,11 @@ def serve_options(parser: argparse.ArgumentParser) -> None:
              "it; its Python is $FITBENCH_VLLM_PYTHON, else this one")
     add("--tp", type=positive, default=1, help="with --start-vllm: vLLM's tensor_parallel_size (default 1)")
     add("--pp", type=positive, default=1, help="with --start-vllm: vLLM's pipeline_parallel_size (default 1)")
+    add("--gpu-memory-utilization", dest="memory_utilization", type=share, default=0.9, metavar="SHARE",
+        help="with --start-vllm: the share of each GPU's memory vLLM takes, of the host's on its CPU build "
+             "(default 0.9, vLLM's)")
+    add("--enforce-eager", dest="eager", action="store_true",
+        help="with --start-vllm: no CUDA graphs and no compilation (starts in seconds on a CPU)")
     add("--server-timeout", type=seconds, default=600.0, metavar="SECONDS",
         help="with --start-vllm: how long the server may take to become healthy (default 600)")
     add("--rates", nargs="+", type=rate, default=None, metavar="RATE",
@@ -166,6 +182,7 @@ def serve_bench(args: argparse.Namespace) -> int:
             log = store.directory / "logs" / "vllm-server.log"
             console.print(f"starting vLLM's server on {escape(args.start_vllm)} (log: {log})")
             with vllm_server(args.start_vllm, log, longest, tp=args.tp, pp=args.pp,
+                             memory_utilization=args.memory_utilization, eager=args.eager,
                              ready_timeout=args.server_timeout) as server:
                 rows = _run(args, store, server["base_url"], "bf16", server)
         else:

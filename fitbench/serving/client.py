@@ -4,7 +4,9 @@ The request is ``POST {base_url}/completions`` (``prompt``: ids or text) or ``/c
 (``messages``: the text as one user message), with ``stream: true``, ``max_tokens`` and
 ``stream_options.include_usage`` (OpenAI's API reference, "Create completion"); ``ignore_eos`` asks
 servers that know it (vLLM, SGLang, llama.cpp's) to generate the whole ``max_tokens``, others ignore
-it. The answer is Server-Sent Events (the WHATWG HTML standard, 9.2): ``data: {json}`` lines, ended by
+it. With token-id prompts, ``return_token_ids`` asks vLLM for each event's token ids, the only output
+of a server without a tokenizer (vLLM's ``--skip-tokenizer-init``, which streams empty text). The
+answer is Server-Sent Events (the WHATWG HTML standard, 9.2): ``data: {json}`` lines, ended by
 ``data: [DONE]``.
 
 Times are ``time.perf_counter`` readings in seconds:
@@ -86,6 +88,8 @@ def request_body(request: Request, model: str, endpoint: str, ignore_eos: bool) 
         body["messages"] = [{"role": "user", "content": text}]
     else:
         body["prompt"] = request.prompt
+        if not isinstance(request.prompt, str):
+            body["return_token_ids"] = True
     return body
 
 
