@@ -21,7 +21,7 @@ OTHER_PROGRAMS = {"--qos": "sbatch", "--array": "sbatch", "--standalone": "torch
                   "--min-gpus": "benchmarks/memory_error.py and the other error scripts",
                   "--one-shot": "benchmarks/tp_decode_profile.py", "--baseline-again": "benchmarks/ddp_overlap.py",
                   "--load-format": "vllm serve", "--tensor-parallel-size": "vllm serve",
-                  "--pipeline-parallel-size": "vllm serve"}
+                  "--pipeline-parallel-size": "vllm serve", "--dtype": "vllm serve", "--quantization": "vllm serve"}
 # The pages' tables of options: (command, its argument group's title or None for all its options, page, heading).
 TABLES = [("plan", None, "docs/planning.md", "## The options of `fitbench plan`"),
           ("run", "SLURM clusters (docs/clusters.md)", "docs/clusters.md", "## Options")]

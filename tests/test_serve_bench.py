@@ -14,6 +14,8 @@ import numpy as np
 import pytest
 
 from fitbench.cli import main
+from fitbench.models.vllm_options import layout_options, precision_options
+from fitbench.precisions import PRECISIONS
 from fitbench.results.store import ResultStore
 from fitbench.serving.bench import Point, ServeBench, run_bench
 from fitbench.serving.client import Outcome
@@ -149,6 +151,24 @@ def test_bad_options_are_one_paragraph(tmp_path, capsys):
                  "--out", str(tmp_path / "z")]) == 2
     assert "slo" in capsys.readouterr().err
     assert main(["serve-bench", "--resume", str(tmp_path / "none")]) == 2
+    assert main(["serve-bench", "--start-vllm", "tiny", "--precision", "int4", "--out", str(tmp_path / "w")]) == 2
+    assert "precision: vLLM has no int4" in capsys.readouterr().err
+    assert main(["serve-bench", "--start-vllm", "no-such-model", "--out", str(tmp_path / "v")]) == 2
+
+
+def test_every_precision_is_vllms_or_refused_saying_why():
+    for name in PRECISIONS:
+        options = precision_options(name)
+        if isinstance(options, str):
+            assert options.startswith(f"vLLM has no {name}: ")
+        else:
+            assert options["dtype"] in ("bfloat16", "float16", "float32")
+    # the weights vLLM holds are those of the precision's compute dtype
+    assert precision_options("bf16") == precision_options("bf16-pure") == {"dtype": "bfloat16"}
+    assert precision_options("nf4") == {"dtype": "bfloat16", "quantization": "bitsandbytes"}
+    assert layout_options(tp=2, pp=2, replicas=3) == {"tensor_parallel_size": 2, "pipeline_parallel_size": 2,
+                                                      "data_parallel_size": 3}
+    assert "DDP and FSDP" in layout_options(dp_shard=2)
 
 
 @pytest.mark.slow

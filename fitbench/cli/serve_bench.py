@@ -69,6 +69,9 @@ def serve_options(parser: argparse.ArgumentParser) -> None:
     add("--start-vllm", metavar="PRESET", dest="start_vllm",
         help="start vLLM's server on a preset itself (random weights, no download, token-id prompts), run, stop "
              "it; its Python is $FITBENCH_VLLM_PYTHON, else this one")
+    add("--precision", default=None,
+        help="with --start-vllm: fitbench's precision as vLLM's dtype and quantization: bf16, bf16-pure, fp16, fp32, "
+             "fp8 (vLLM's dynamic FP8), nf4 (bitsandbytes in flight); default bf16")
     add("--tp", type=positive, default=1, help="with --start-vllm: vLLM's tensor_parallel_size (default 1)")
     add("--pp", type=positive, default=1, help="with --start-vllm: vLLM's pipeline_parallel_size (default 1)")
     add("--gpu-memory-utilization", dest="memory_utilization", type=share, default=0.9, metavar="SHARE",
@@ -141,12 +144,18 @@ def _checked(args: argparse.Namespace) -> argparse.Namespace:
     if bool(args.base_url) == bool(args.start_vllm):
         raise UserError("base-url: give the server's address (--base-url http://127.0.0.1:8000/v1), or --start-vllm "
                         "PRESET for fitbench to start vLLM's server itself; one of the two.")
+    if args.base_url and args.precision:
+        raise UserError("precision: --precision sets how --start-vllm starts vLLM; a server at --base-url runs "
+                        "what it was started with. Leave --precision out, or give --start-vllm.")
     if args.base_url and (problem := http_url_problem(args.base_url)):
         raise UserError(f"base-url: {problem}; give the server's OpenAI API, e.g. http://127.0.0.1:8000/v1.")
     if args.start_vllm:
         from fitbench.models.registry import resolve
+        from fitbench.models.vllm_options import precision_options
 
         resolve(args.start_vllm)  # an unknown preset is refused before anything starts
+        if isinstance(refusal := precision_options(args.precision or "bf16"), str):
+            raise UserError(f"precision: {refusal}")
         if args.prompt_format == "text":
             raise UserError("prompt-format: vLLM started by --start-vllm has no tokenizer (random weights, no "
                             "download), so its prompts are token ids; leave --prompt-format out, or give ids.")
@@ -175,16 +184,19 @@ def serve_bench(args: argparse.Namespace) -> int:
         parse_lengths(args.prompt_tokens, "prompt-tokens"), parse_lengths(args.output_tokens, "output-tokens")
     try:
         if args.start_vllm:
+            from fitbench.models.vllm_options import precision_options
             from fitbench.serving.vllm_server import vllm_server
 
             longest = parse_lengths(args.prompt_tokens, "prompt-tokens").high + \
                 parse_lengths(args.output_tokens, "output-tokens").high
             log = store.directory / "logs" / "vllm-server.log"
             console.print(f"starting vLLM's server on {escape(args.start_vllm)} (log: {log})")
-            with vllm_server(args.start_vllm, log, longest, tp=args.tp, pp=args.pp,
+            precision = args.precision or "bf16"
+            options = precision_options(precision)
+            with vllm_server(args.start_vllm, log, longest, dtype=options["dtype"], tp=args.tp, pp=args.pp,
                              memory_utilization=args.memory_utilization, eager=args.eager,
-                             ready_timeout=args.server_timeout) as server:
-                rows = _run(args, store, server["base_url"], "bf16", server)
+                             quantization=options.get("quantization"), ready_timeout=args.server_timeout) as server:
+                rows = _run(args, store, server["base_url"], precision, server)
         else:
             rows = _run(args, store, args.base_url, "served", None)
     except KeyboardInterrupt:

@@ -52,10 +52,11 @@ def free_port() -> int:
 
 
 def server_command(python: str, directory: Path, name: str, port: int, max_model_len: int, dtype: str,
-                   tp: int, pp: int, memory_utilization: float, eager: bool) -> list[str]:
+                   tp: int, pp: int, memory_utilization: float, eager: bool, quantization: str | None = None) -> list[str]:
     """The command line of vLLM's OpenAI server on ``directory`` (the module's docstring)."""
     return [python, "-m", "vllm.entrypoints.openai.api_server", "--model", str(directory),
             "--served-model-name", name, "--load-format", "dummy", "--skip-tokenizer-init", "--dtype", dtype,
+            *(["--quantization", quantization] if quantization else []),
             "--max-model-len", str(max_model_len), "--tensor-parallel-size", str(tp),
             "--pipeline-parallel-size", str(pp), "--gpu-memory-utilization", str(memory_utilization),
             *(["--enforce-eager"] if eager else []), "--host", "127.0.0.1", "--port", str(port)]
@@ -63,7 +64,7 @@ def server_command(python: str, directory: Path, name: str, port: int, max_model
 
 @contextmanager
 def vllm_server(preset: str, log: Path, max_model_len: int, dtype: str = "bfloat16", tp: int = 1, pp: int = 1,
-                memory_utilization: float = 0.9, eager: bool = False,
+                memory_utilization: float = 0.9, eager: bool = False, quantization: str | None = None,
                 ready_timeout: float = 600.0) -> Iterator[dict]:
     """vLLM's server on ``preset``, healthy, for the ``with`` block; yields what the rows record of it
     (``base_url``, ``command``, ``ready_s``, the options); its output goes to ``log``. A UserError when
@@ -71,7 +72,8 @@ def vllm_server(preset: str, log: Path, max_model_len: int, dtype: str = "bfloat
 
     ``memory_utilization`` is vLLM's ``gpu_memory_utilization``: the share of each GPU's memory it
     takes, and on its CPU build the share of the host's memory (vLLM's CPU platform says so where it
-    refuses one larger than what is free). ``eager``: ``--enforce-eager``, no CUDA graphs and no
+    refuses one larger than what is free). ``dtype`` and ``quantization`` are a precision's
+    (``fitbench.models.vllm_options``). ``eager``: ``--enforce-eager``, no CUDA graphs and no
     compilation, which makes the server start in seconds rather than minutes on a CPU."""
     arch = resolve(preset)
     python = vllm_python()
@@ -79,7 +81,7 @@ def vllm_server(preset: str, log: Path, max_model_len: int, dtype: str = "bfloat
         directory = write_config_directory(arch, Path(scratch) / preset, dtype)
         port = free_port()
         command = server_command(python, directory, preset, port, max_model_len, dtype, tp, pp, memory_utilization,
-                                 eager)
+                                 eager, quantization)
         log.parent.mkdir(parents=True, exist_ok=True)
         began = time.perf_counter()
         with log.open("ab") as output:
@@ -89,7 +91,7 @@ def vllm_server(preset: str, log: Path, max_model_len: int, dtype: str = "bfloat
             base = f"http://127.0.0.1:{port}"
             _wait_healthy(process, base, log, ready_timeout, python)
             yield {"base_url": f"{base}/v1", "command": " ".join(command), "ready_s": time.perf_counter() - began,
-                   "preset": preset, "dtype": dtype, "tensor_parallel_size": tp, "pipeline_parallel_size": pp,
+                   "preset": preset, "dtype": dtype, "quantization": quantization, "tensor_parallel_size": tp, "pipeline_parallel_size": pp,
                    "max_model_len": max_model_len, "gpu_memory_utilization": memory_utilization,
                    "enforce_eager": eager}
         finally:
