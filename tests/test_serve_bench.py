@@ -16,6 +16,8 @@ import pytest
 from fitbench.cli import main
 from fitbench.models.vllm_options import layout_options, precision_options
 from fitbench.precisions import PRECISIONS
+from fitbench.report.serving_figure import latency_figure
+from fitbench.results.directories import read_sweeps
 from fitbench.results.store import ResultStore
 from fitbench.serving.bench import Point, ServeBench, run_bench
 from fitbench.serving.client import Outcome
@@ -139,7 +141,12 @@ def test_the_command_writes_rows_report_and_compare_read_and_resume_skips(tmp_pa
     rows = list(ResultStore(out).typed_rows())
     assert [row.serving["point"] for row in rows] == ["rate 40/s", "rate inf", "concurrency 2"]
     assert all(row.spec["mode"] == "serve" and row.status == "ok" for row in rows)
-    assert main(["report", str(out)]) == 0
+    assert main(["report", str(out), "--html", str(tmp_path / "report.html")]) == 0
+    figure = latency_figure(read_sweeps(out))
+    ttft_p50 = next(trace for trace in figure.data if trace.name.endswith("ttft p50"))
+    ordered = sorted(rows, key=lambda row: row.throughput["decode_tokens_per_s"])
+    assert list(ttft_p50.y) == pytest.approx([row.timing["ttft"]["p50"] * 1e3 for row in ordered])
+    assert "Serving latency against load" in (tmp_path / "report.html").read_text()
     assert main(["compare", str(out), str(out), "--fail-on", "mean:5%"]) == 0
 
 
