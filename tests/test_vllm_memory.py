@@ -60,3 +60,6 @@ def test_the_kv_blocks_vllm_reports_are_the_planners(tmp_path):
     assert engine["kv_cache_size_tokens"] == predicted.kv_tokens
     assert engine["kv_cache_max_concurrency"] == pytest.approx(predicted.concurrency(max_model_len))
     assert [len(tokens) for tokens in engine["tokens"]] == [new_tokens] * 3  # ignore_eos: every token asked
+    assert len(engine["token_latency_s"]) == 3
+    for whole, one, step in zip(engine["generate_s"], engine["first_token_s"], engine["token_latency_s"]):
+        assert step == pytest.approx((whole - one) / (new_tokens - 1))
