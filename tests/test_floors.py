@@ -45,6 +45,7 @@ def imports() -> dict[str, set[str]]:
 @pytest.mark.parametrize("floor, above", [("plan", {"run", "launch", "config", "sweep", "cli"}),
                                           ("run", {"plan", "launch", "config", "sweep", "cli"}),
                                           ("spec", {"plan", "run", "launch", "config", "sweep", "cli"}),
+                                          ("serving", {"plan", "run", "launch", "config", "sweep", "cli"}),
                                           ("monitor", {"plan", "run", "launch", "config", "sweep", "cli",
                                                        "report"}),
                                           ("results", {"plan", "run", "launch", "config", "sweep", "cli",

@@ -19,7 +19,9 @@ OPTION = re.compile(r"(?<![\w-])--[a-z][a-z0-9-]*")
 # Options the docs name that are not fitbench's: the program each belongs to.
 OTHER_PROGRAMS = {"--qos": "sbatch", "--array": "sbatch", "--standalone": "torchrun",
                   "--min-gpus": "benchmarks/memory_error.py and the other error scripts",
-                  "--one-shot": "benchmarks/tp_decode_profile.py", "--baseline-again": "benchmarks/ddp_overlap.py"}
+                  "--one-shot": "benchmarks/tp_decode_profile.py", "--baseline-again": "benchmarks/ddp_overlap.py",
+                  "--load-format": "vllm serve", "--tensor-parallel-size": "vllm serve",
+                  "--pipeline-parallel-size": "vllm serve", "--dtype": "vllm serve", "--quantization": "vllm serve"}
 # The pages' tables of options: (command, its argument group's title or None for all its options, page, heading).
 TABLES = [("plan", None, "docs/planning.md", "## The options of `fitbench plan`"),
           ("run", "SLURM clusters (docs/clusters.md)", "docs/clusters.md", "## Options")]
@@ -48,7 +50,7 @@ DOCUMENTED = set().union(*(options_in(page.read_text()) for page in PAGES))
 def test_the_readme_names_every_command_in_the_order_of_help():
     said = re.search(r"`fitbench --help` lists the (\w+) commands \(([^)]*)\)", (ROOT / "README.md").read_text())
     assert said, "README.md no longer says which commands `fitbench --help` lists"
-    names = re.findall(r"`(\w+)`", said.group(2))
+    names = re.findall(r"`([\w-]+)`", said.group(2))
     assert names == list(COMMANDS) and said.group(1) == NUMBERS[len(COMMANDS)], said.group(0)
 
 

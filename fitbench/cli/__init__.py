@@ -11,7 +11,7 @@ import sys
 from rich.markup import escape
 
 from fitbench import __version__
-from fitbench.cli import calibrate, compare, env, models, plan, report, run
+from fitbench.cli import calibrate, compare, env, models, plan, report, run, serve_bench
 from fitbench.cli.command import Command
 from fitbench.cli.console import errors, warn
 from fitbench.cli.parser import Parser, one_spelling
@@ -22,7 +22,7 @@ from fitbench.util.errors import UserError
 # In the order ``fitbench --help`` lists them; ``fitbench`` alone is ``fitbench run``.
 COMMANDS: dict[str, Command] = {command.name: command for command in (
     run.COMMAND, models.COMMAND, plan.COMMAND, calibrate.COMMAND, report.COMMAND, compare.COMMAND,
-    env.COMMAND)}
+    env.COMMAND, serve_bench.COMMAND)}
 # The commands whose answers rest on the pinned libraries' behaviour: each warns of a version outside
 # fitbench's tested range before it plans (``fitbench env`` lists every range).
 WARNS_OF_UNTESTED_VERSIONS = ("run", "plan")

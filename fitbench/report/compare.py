@@ -38,7 +38,7 @@ import numpy as np
 
 from fitbench.report.columns import largest_peak
 from fitbench.results.directories import SweepRows, read_sweep
-from fitbench.results.report import headline
+from fitbench.results.report import PER_TOKEN_MODES, headline
 from fitbench.results.row import Row
 from fitbench.results.terminal import NO_STEPS, Steps
 from fitbench.util.errors import UserError, excerpt
@@ -152,7 +152,7 @@ def _figure(value: float | None) -> str:
 def time_samples(row: Row) -> list[float]:
     """The raw samples of the row's headline time: step times, or per-token latencies in infer."""
     samples = (row.timing or {}).get("samples") or {}
-    values = samples.get("token_latency" if row.spec["mode"] == "infer" else "step") or []
+    values = samples.get("token_latency" if row.spec["mode"] in PER_TOKEN_MODES else "step") or []
     return [float(value) for value in values if isinstance(value, (int, float)) and not isinstance(value, bool)]
 
 
@@ -188,7 +188,7 @@ def _time_change(row_a: Row, row_b: Row, gate: Gate | None) -> Change:
         verdict = "slower" if low > 0 else "faster" if high < 0 else "within noise"
         crosses = threshold is not None and verdict == "slower" and percent > threshold
         return Change("time (s)", before, after, percent, low, high, verdict, crosses)
-    name = "token_latency" if row_a.spec["mode"] == "infer" else "step"
+    name = "token_latency" if row_a.spec["mode"] in PER_TOKEN_MODES else "step"
     before, after = (((row.timing or {}).get(name) or {}).get("mean") for row in (row_a, row_b))
     percent = _percent(before, after)
     crosses = threshold is not None and percent is not None and percent > threshold

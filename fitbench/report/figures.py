@@ -23,6 +23,7 @@ the rows alone; what a figure shows is said in ``FIGURES``, beside it on the pag
   rows where there are some, on a log axis so configurations of any speed share it. Flat is perfect
   weak scaling where each rank keeps its batch (ddp, fsdp, replicas); under tp and pipeline the
   batch is the job's, so the line shows strong scaling;
+- serving: a serving benchmark's latency against load (``fitbench.report.serving_figure``);
 - layouts: for each configuration run in more than one layout on one kind of device, one bar per
   row: the job's tokens/s (all its GPUs) as a percentage of the configuration's fastest row, so
   configurations of any speed share the axis; the figures themselves are on the bar.
@@ -43,6 +44,7 @@ import plotly.graph_objects as go
 from plotly.subplots import make_subplots
 
 from fitbench.monitor.nvml import read_timeline
+from fitbench.report.serving_figure import latency_figure
 from fitbench.results.directories import Sweeps
 from fitbench.results.report import headline
 from fitbench.results.row import Row
@@ -393,4 +395,7 @@ FIGURES = (
     Plot("layouts", "The layouts compared", "each configuration run in more than one layout on one kind of device: "
          "the job's tokens/s per layout as a percentage of the fastest; its tokens/s and tokens/s per GPU on the "
          "bar.", layouts_figure),
+    Plot("serving", "Serving latency against load", "the points of each serving benchmark (fitbench serve-bench) "
+         "by the output tokens/s they reached: time to first token and inter-token latency, p50 solid and p99 "
+         "dotted; x marks a point with failed requests. Log axis.", latency_figure),
 )

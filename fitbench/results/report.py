@@ -29,12 +29,15 @@ from fitbench.results.row import Row
 from fitbench.util.units import format_bytes, format_count, format_seconds
 
 CSV_FILE = "results.csv"
+# The modes whose headline time is a per-token latency: a decode step's, or a served request's
+# inter-token latency (fitbench.serving.bench).
+PER_TOKEN_MODES = frozenset({"infer", "serve"})
 
 
 def headline(row: Row) -> dict[str, Any]:
     """The few numbers a person compares first, whatever the mode."""
     spec, timing, throughput = row.spec, row.timing or {}, row.throughput or {}
-    infer = spec["mode"] == "infer"
+    infer = spec["mode"] in PER_TOKEN_MODES
     time_stats = (timing.get("token_latency") if infer else timing.get("step")) or {}
     memory = ", ".join(_memory_parts(row))
     measured_peak = measured_gpu_peak(row)
@@ -177,7 +180,7 @@ def _forecast_cell(row: Row, head: dict[str, Any]) -> tuple[str, ...]:
 
 
 def _shape(spec: dict[str, Any]) -> str:
-    shape = f"{spec['batch_size']}×{spec['seq_len']}" + (_new_tokens(spec) if spec["mode"] == "infer" else "")
+    shape = f"{spec['batch_size']}×{spec['seq_len']}" + (_new_tokens(spec) if spec["mode"] in PER_TOKEN_MODES else "")
     return shape + _recompute(spec, " rc") + (" off" if spec.get("offload") else "")
 
 
@@ -267,7 +270,7 @@ class ResultsTable:
             yield self._table(mode, rows, names, options.max_width)
 
     def _table(self, mode: str, rows: list[Row], names: dict[str, str], width: int) -> Table:
-        columns = list(_INFER_COLUMNS if mode == "infer" else _TRAINING_COLUMNS)
+        columns = list(_INFER_COLUMNS if mode in PER_TOKEN_MODES else _TRAINING_COLUMNS)
         cells = [table_cells(row, names[row.spec["model"]]) for row in rows]
         words_cap = max(10, min(MODEL_NAME_CAP, width // 4))
         shown, stacked, widths = _layout(columns, cells, width, words_cap)
@@ -295,7 +298,7 @@ class ResultsTable:
 def table_cells(row: Row, model: str) -> list[tuple[str, ...]]:
     """The cells of ``row`` in its mode's table, each a few parts, with ``model`` for its name."""
     head = {**headline(row), "model": model}
-    return [column.cell(row, head) for column in (_INFER_COLUMNS if row.spec["mode"] == "infer"
+    return [column.cell(row, head) for column in (_INFER_COLUMNS if row.spec["mode"] in PER_TOKEN_MODES
                                                   else _TRAINING_COLUMNS)]
 
 
@@ -400,7 +403,7 @@ def markdown_report(rows: list[Row]) -> str:
     lines.append("|" + "---|" * len(columns))
     for row in rows:
         spec, head, throughput = row.spec, headline(row), row.throughput or {}
-        infer = spec["mode"] == "infer"
+        infer = spec["mode"] in PER_TOKEN_MODES
         shape = f"{spec['batch_size']}×{spec['seq_len']}" + (_new_tokens(spec) if infer else "")
         shape += _recompute(spec, " recompute")
         timing = "-" if head["time"] is None else (

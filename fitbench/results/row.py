@@ -121,6 +121,8 @@ class Row(Measurement):
     prediction: Fields | None = None
     # a SLURM job's: its id, its state and SLURM's reason (fitbench.launch.slurm.states)
     slurm: Fields | None = None
+    # a serving benchmark's point: counts, failures, goodput, each request (fitbench.serving.bench)
+    serving: Fields | None = None
 
     def model_post_init(self, context: Any) -> None:
         self.model_fields_set.add("schema_version")  # written in every row, given or not

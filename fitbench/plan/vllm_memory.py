@@ -1,0 +1,104 @@
+"""What vLLM does with each GPU's memory, predicted: its share, the weights, the profiled activations,
+the KV cache that is left, and so the KV tokens and the requests a configuration holds at once.
+
+vLLM 0.32's V1 engine (``vllm/v1/worker/gpu_worker.py``, ``determine_available_memory``;
+``vllm/v1/core/kv_cache_utils.py``):
+
+- **requested** = ceil(total memory x ``gpu_memory_utilization``) per GPU (``vllm/v1/worker/utils.py``,
+  ``request_memory``); on its CPU build, of the host's memory (``vllm/v1/worker/cpu_worker.py``).
+- **weights** per GPU = the parameters held by one rank x the bytes of the dtype: the decoder layers
+  split over ``pp`` stages, each layer's matrices over ``tp`` ranks (norms replicated), the embedding
+  and the output projection split over ``tp`` (vocabulary-parallel) on the first and last stage.
+- **activations**: the peak of vLLM's profile run, one forward of ``max_num_batched_tokens`` tokens
+  and the sampler over ``max_num_seqs`` rows. fitbench's estimate (not vLLM's, and not yet checked
+  against a GPU): the widest temporary of a layer on one rank, the fused gate and up projection and
+  its product, 3 x ffn / tp values per token, plus the residual stream and its norm, 2 x hidden,
+  in the dtype; and the sampler's float32 logits, max_num_seqs x vocab. The larger of the two.
+- **non-torch**: memory outside PyTorch's allocator (the CUDA context, NCCL's buffers); a given figure
+  (``NON_TORCH_BYTES``, the CUDA context the planner assumes elsewhere; 0 on a CPU).
+- **KV cache** = requested - weights - activations - non-torch, or ``kv_cache_memory_bytes`` where given
+  (vLLM then skips the rest).
+- **blocks** = floor(KV cache / bytes per block), a block being ``block_size`` tokens of every layer of
+  the rank: block_size x layers/pp x 2 (k and v) x kv_heads/tp x head_dim x dtype bytes
+  (``get_num_blocks``; ``AttentionSpec.page_size_bytes``). vLLM's block size is 16 on a GPU and 128 on
+  its CPU build (``vllm/platforms/cpu.py``).
+- **KV tokens** = blocks x block_size; **concurrency** at a length L: blocks / ceil(L / block_size), the
+  requests of L tokens whose caches fit at once (``get_max_concurrency_for_kv_cache_config``; vLLM logs
+  it at ``max_model_len`` as "Maximum concurrency for L tokens per request").
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import asdict, dataclass
+
+from fitbench.models.architecture import Architecture
+
+NON_TORCH_BYTES = 500 * 2**20  # the CUDA context and NCCL: the planner's CUDA context term
+GPU_BLOCK_SIZE = 16
+CPU_BLOCK_SIZE = 128
+DTYPE_BYTES = {"bfloat16": 2, "float16": 2, "float32": 4}
+
+
+@dataclass(frozen=True)
+class VllmMemory:
+    """Each term in bytes per GPU (the module's docstring defines them), and their sources."""
+
+    requested: int
+    weights: int
+    activations: int
+    non_torch: int
+    kv_cache: int
+    block_bytes: int
+    blocks: int
+    block_size: int
+    kv_tokens: int
+
+    def concurrency(self, length: int) -> float:
+        """The requests of ``length`` tokens whose KV caches fit at once: blocks / ceil(length / block_size)."""
+        return self.blocks / math.ceil(length / self.block_size)
+
+    def as_dict(self) -> dict[str, int]:
+        return asdict(self)
+
+
+def rank_weights(arch: Architecture, tp: int, pp: int, dtype_bytes: int) -> int:
+    """The bytes of the weights of the rank that holds most: layers / pp (rounded up), the matrices over
+    tp and the norms whole, plus the embedding and output projection over tp."""
+    layers = math.ceil(arch.num_layers / pp)
+    layer = (arch.attention_params_per_layer + arch.mlp_params_per_layer) / tp + arch.norm_params_per_layer
+    ends = (arch.embedding_params + arch.output_params) / tp + arch.final_norm_params
+    return int((layers * layer + ends) * dtype_bytes)
+
+
+def profile_activations(arch: Architecture, tp: int, dtype_bytes: int, max_num_batched_tokens: int,
+                        max_num_seqs: int) -> int:
+    """fitbench's estimate of the profile run's peak (the module's docstring)."""
+    layer = max_num_batched_tokens * (3 * arch.ffn_size / tp + 2 * arch.hidden_size) * dtype_bytes
+    logits = min(max_num_seqs, max_num_batched_tokens) * arch.vocab_size * 4
+    return int(max(layer, logits))
+
+
+def block_bytes(arch: Architecture, tp: int, pp: int, dtype_bytes: int, block_size: int) -> int:
+    """block_size x layers/pp x 2 x kv_heads/tp x head_dim x dtype bytes (at least one kv head per rank,
+    as vLLM replicates kv heads when tp exceeds them)."""
+    kv_heads = max(1, arch.num_kv_heads // tp)
+    return block_size * math.ceil(arch.num_layers / pp) * 2 * kv_heads * arch.head_dim * dtype_bytes
+
+
+def vllm_memory(arch: Architecture, total_bytes: int, gpu_memory_utilization: float = 0.9, tp: int = 1,
+                pp: int = 1, dtype: str = "bfloat16", block_size: int = GPU_BLOCK_SIZE,
+                max_num_batched_tokens: int = 8192, max_num_seqs: int = 256, non_torch: int = NON_TORCH_BYTES,
+                kv_cache_memory_bytes: int | None = None) -> VllmMemory:
+    """vLLM's memory per GPU of ``total_bytes`` for ``arch`` (the module's docstring)."""
+    size = DTYPE_BYTES[dtype]
+    requested = math.ceil(total_bytes * gpu_memory_utilization)
+    weights = rank_weights(arch, tp, pp, size)
+    activations = profile_activations(arch, tp, size, max_num_batched_tokens, max_num_seqs)
+    kv = (kv_cache_memory_bytes if kv_cache_memory_bytes is not None
+          else max(0, requested - weights - activations - non_torch))
+    per_block = block_bytes(arch, tp, pp, size, block_size)
+    blocks = kv // per_block
+    return VllmMemory(requested=requested, weights=weights, activations=activations, non_torch=non_torch,
+                      kv_cache=kv, block_bytes=per_block, blocks=blocks, block_size=block_size,
+                      kv_tokens=blocks * block_size)
