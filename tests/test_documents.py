@@ -176,9 +176,10 @@ def test_an_injected_ten_percent_slowdown_fails_the_gate(tmp_path, capsys):
     b = _slowed(a, tmp_path / "slower", 1.10)
     code, out, err = cli(["compare", str(a), str(b), "--fail-on", "mean:5%"], capsys)
     assert code == 1, err
-    assert "+10.0%" in out and "slower" in out and "beyond the gate" in out and "failed by" in out
+    assert "+10.0%" in out and "slower" in out and "beyond mean:5%" in out and "failed by" in out
     comparison = compare_sweeps(a, b, fail_on="mean:5%")
     time, rate, memory = comparison.rows[0].changes
+    assert time.ratio().startswith("1.100 [")
     row = read_sweep(a).rows[0]
     samples = row.timing["samples"]["step"]
     assert time.before == pytest.approx(sum(samples) / len(samples)) and time.percent == pytest.approx(10.0)
@@ -225,7 +226,7 @@ def _one_paragraph(code: int, err: str) -> None:
 def test_bad_input_is_one_paragraph_and_exit_2(tmp_path, capsys):
     (tmp_path / "empty").mkdir()
     _one_paragraph(*cli(["report", str(tmp_path / "empty"), "--html", str(tmp_path / "x.html")], capsys)[::2])
-    _one_paragraph(*cli(["compare", str(RESULTS), str(GPU_SWEEP)], capsys)[::2])
+    _one_paragraph(*cli(["compare", str(tmp_path / "empty"), str(GPU_SWEEP)], capsys)[::2])
     _one_paragraph(*cli(["compare", str(GPU_SWEEP), str(GPU_SWEEP), "--fail-on", "fast"], capsys)[::2])
     blocked = tmp_path / "file"
     blocked.write_text("")

@@ -294,11 +294,16 @@ def report_documents(parser: argparse.ArgumentParser) -> None:
 def two_sweeps(parser: argparse.ArgumentParser) -> None:
     """The two results directories ``fitbench compare`` compares, and its gate."""
     add = parser.add_argument
-    add("a", metavar="A", help="the --out directory of the run compared against (before)")
-    add("b", metavar="B", help="the --out directory of the run compared (after)")
-    add("--fail-on", dest="fail_on", metavar="FIGURE:PERCENT",
+    add("a", metavar="A", help="the --out directory of the run compared against (before), or a folder of several "
+                               "(paired with B's folder by folder)")
+    add("b", metavar="B", help="the --out directory of the run compared (after), or a folder of several")
+    add("--fail-on", dest="fail_on", action="append", metavar="FIGURE:PERCENT",
         help="exit 1 when a configuration got worse by more than PERCENT: mean:5%% (the mean time, "
-             "slower beyond its noise), memory:5%% (peak memory); or is no longer ok")
+             "slower beyond its noise), memory:5%% (peak memory); or is no longer ok, or is missing from B. "
+             "Repeatable: each gate is checked and reported. A comparison of nothing always exits 1")
+    add("--match-across", dest="match_across", nargs="+", metavar="OPTION",
+        help="pair rows that differ only in these options of a configuration, e.g. precision (A's bf16 "
+             "against B's int8) or layout")
     add("--html", metavar="FILE", help="write the comparison as a self-contained HTML page")
 
 

@@ -160,19 +160,22 @@ def write_html(sweeps: Sweeps, path: str | Path, analysis: str | None = None, st
 
 
 def write_comparison_html(comparison: Comparison, path: str | Path) -> Path:
-    """``comparison`` as a page: both sweeps' provenance, the verdict and the table of changes."""
-    changed = [(row, change) for row in comparison.rows for change in row.changes]
-    rows = [[row.label, change.figure, change.before, change.after, change.percent, change.low_percent,
-             change.high_percent, change.verdict] for row, change in changed]
+    """``comparison`` as a page: the verdict (one line per gate), the table of changes (one row per
+    configuration) and each sweep's provenance."""
+    header, rows = comparison.table()
     only = "".join(f"<li>only in {html.escape(side)}: {html.escape(label)}</li>"
                    for side, labels in (("A", comparison.only_a), ("B", comparison.only_b)) for label in labels)
-    sections = [f'<section id="verdict"><h2>Verdict</h2><p class="{"slower" if comparison.failed else "faster"}">'
-                f"{html.escape(comparison.summary())}</p>{f'<ul>{only}</ul>' if only else ''}</section>",
+    only += "".join(f"<li>not ok on a side: {html.escape(text)}</li>" for text in comparison.not_comparable)
+    verdict = "".join(f"<p>{html.escape(line)}</p>" for line in comparison.verdict())
+    sections = [f'<section id="verdict"><h2>Verdict</h2><div class="{"slower" if comparison.failed else "faster"}">'
+                f"{verdict}</div>{f'<ul>{only}</ul>' if only else ''}</section>",
                 f'<section id="changes"><h2>Changes, B against A</h2><p class="caption">{html.escape(comparison.method)}'
-                f"</p>{table(['configuration', 'figure', 'A', 'B', 'change (%)', 'CI low (%)', 'CI high (%)', 'verdict'], rows, text_columns=2)}"
-                f"</section>"]
-    for side, sweep in (("A", comparison.a), ("B", comparison.b)):
-        sections.append(f"<section><h2>Provenance of {side}</h2>{_facts(provenance(sweep))}</section>"
-                        + _warnings(sweep.warnings))
-    return write_output(path, page(f"fitbench compare: {comparison.a.directory} -> {comparison.b.directory}",
-                                   sections), "--html")
+                f"</p>{table(header, rows, text_columns=1)}</section>"]
+    for side, sweeps in (("A", comparison.a), ("B", comparison.b)):
+        for sweep in sweeps:
+            where = "" if sweep.place == "." else f", {sweep.place}"
+            sections.append(f"<section><h2>Provenance of {side}{html.escape(where)}</h2>{_facts(provenance(sweep))}"
+                            f"</section>" + _warnings(sweep.warnings))
+    title = f"fitbench compare: {comparison.a[0].tree or comparison.a[0].directory} -> " \
+            f"{comparison.b[0].tree or comparison.b[0].directory}"
+    return write_output(path, page(title, sections), "--html")
