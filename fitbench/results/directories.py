@@ -153,6 +153,16 @@ class Sweeps:
     def rows(self) -> list[Row]:
         return [row for sweep in self.sweeps for row in sweep.rows]
 
+    def given(self) -> list[list[SweepRows]]:
+        """The sweeps as they were given: each sweep given itself alone, those found in one tree together."""
+        groups: list[list[SweepRows]] = []
+        for sweep in self.sweeps:
+            if groups and sweep.tree is not None and groups[-1][0].tree == sweep.tree:
+                groups[-1].append(sweep)
+            else:
+                groups.append([sweep])
+        return groups
+
     @property
     def several(self) -> bool:
         return len(self.sweeps) > 1
