@@ -267,7 +267,7 @@ def test_a_good_model_directory_still_plans(tmp_path, capsys):
     code, stdout, stderr = cli(["plan", "--models", str(model), "--seq-len", "64", "--gpu-memory", "80GB",
                                 "--json"], capsys)
     assert code == 0, stderr
-    assert json.loads(stdout)["chosen"]["speed"]["tokens_per_s"] > 0
+    assert json.loads(stdout)[0]["chosen"]["speed"]["tokens_per_s"] > 0
 
 
 # ---- output directories --------------------------------------------------------------------------
