@@ -101,7 +101,8 @@ def test_the_report_of_gpu_sweeps_in_several_folders_loads_in_chromium_with_ever
     assert "4 x NVIDIA H100 80GB HBM3" in text and "fitbench run --gpus 4" in text  # provenance
     assert text.count("<details>") == len(SEVERAL)  # one provenance per directory
     plots = check_page(SEVERAL, tmp_path / "gpu.html", tmp_path)
-    assert plots == {f"plot-{plot.name}" for plot in FIGURES}  # each plot of the issue, with data
+    # each plot with data; the decode rows all ran at batch 1, and a plot of one x value is left out
+    assert plots == {f"plot-{plot.name}" for plot in FIGURES} - {"plot-decode"}
 
 
 @pytest.mark.slow
@@ -120,7 +121,7 @@ def test_the_workbook_holds_every_row_and_every_sample(tmp_path):
         sheet = book[mode]
         header = [cell.value for cell in sheet[1]]
         assert sheet.freeze_panes == "A2"
-        assert {"tokens/s", "MFU (%)", "quantization method", "quantization library", "weights vs bf16 (ratio)",
+        assert {"tokens/s", "MFU (%; prefill in infer)", "quantization method", "quantization library", "weights vs bf16 (ratio)",
                 "top-1 agreement with bf16 (%)"} <= set(header)
         for line in sheet.iter_rows(min_row=2, values_only=True):
             values = dict(zip(header, line))
@@ -128,8 +129,8 @@ def test_the_workbook_holds_every_row_and_every_sample(tmp_path):
             keys.append(values["key"])
             assert values["mode"] == mode and values["tokens/s"] == pytest.approx(
                 row.throughput["tokens_per_s" if mode == "train" else "decode_tokens_per_s"])
-            assert isinstance(values["parameters"], int) and isinstance(values["median time (s, per step or decoded "
-                                                                               "token)"], float)
+            assert isinstance(values["parameters"], int) and isinstance(values["median time (ms, per step or "
+                                                                               "decoded token)"], float)
     assert sorted(keys) == sorted(row.key for row in sweep.rows)
     samples = [list(line) for line in book["samples"].iter_rows(min_row=2, values_only=True)]
     expected = sample_rows(sweep)

@@ -34,7 +34,8 @@ def report_module(name: str, option: str):
 
 def write_documents(sweeps: Sweeps, html: str | None = None, xlsx: str | None = None,
                     ollama_url: str | None = None, ollama_model: str | None = None,
-                    ollama_timeout: float | None = None, steps: Steps = NO_STEPS) -> None:
+                    ollama_timeout: float | None = None, steps: Steps = NO_STEPS,
+                    gpu_hour_price: float | None = None) -> None:
     """The analysis, HTML report and workbook that the options ask for, of ``sweeps`` (the rows of each
     directory, as ``fitbench.results.directories`` read them), telling their stages to ``steps``;
     nothing, and no import of ``fitbench.report`` (the ``report`` extra's libraries), where none is. A
@@ -60,6 +61,6 @@ def write_documents(sweeps: Sweeps, html: str | None = None, xlsx: str | None = 
         for sweep in sweeps.sweeps:
             sweep.require_rows("report")
     if html:
-        console.print(f"html: {report_module('html', 'html').write_html(sweeps, html, text, steps)}")
+        console.print(f"html: {report_module('html', 'html').write_html(sweeps, html, text, steps, gpu_hour_price)}")
     if xlsx:
-        console.print(f"xlsx: {report_module('excel', 'xlsx').write_xlsx(sweeps, xlsx, steps)}")
+        console.print(f"xlsx: {report_module('excel', 'xlsx').write_xlsx(sweeps, xlsx, steps, gpu_hour_price)}")

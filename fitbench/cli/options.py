@@ -288,6 +288,9 @@ def report_documents(parser: argparse.ArgumentParser) -> None:
     """The files ``fitbench report`` writes beside showing the rows."""
     parser.add_argument("--html", metavar="FILE", help="write a self-contained HTML report with plots")
     parser.add_argument("--xlsx", metavar="FILE", help="write an Excel workbook: a sheet per mode, provenance, samples")
+    parser.add_argument("--gpu-hour-price", dest="gpu_hour_price", type=price, metavar="DOLLARS",
+                        help="what one GPU costs an hour: adds the cost of a million tokens to every table, page and "
+                             "workbook (price x GPUs / 3600 / tokens/s x 1e6)")
     analysis_options()(parser)
 
 
@@ -321,6 +324,17 @@ def seconds(text: str) -> float:
         raise argparse.ArgumentTypeError(f"expected a number of seconds, got {excerpt(text)}") from None
     if not 0 < value < float("inf"):
         raise argparse.ArgumentTypeError(f"expected a positive, finite number of seconds, got {excerpt(text)}")
+    return value
+
+
+def price(text: str) -> float:
+    """A non-negative, finite price: ``2.49`` or ``$2.49``."""
+    try:
+        value = float(text.strip().lstrip("$"))
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a price such as 2.49 (dollars an hour), got {excerpt(text)}") from None
+    if not 0 <= value < float("inf"):
+        raise argparse.ArgumentTypeError(f"expected a non-negative, finite price, got {excerpt(text)}")
     return value
 
 

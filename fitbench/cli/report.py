@@ -31,18 +31,20 @@ def report(args: argparse.Namespace) -> int:
         folder = (lambda row: places[id(row)]) if tree is not None else None
         name = tree if tree is not None else group[0].directory
         if args.markdown:
-            print((f"## {name}\n\n" if len(groups) > 1 else "") + markdown_report(rows, folder), end="")
+            print((f"## {name}\n\n" if len(groups) > 1 else "") + markdown_report(rows, folder, args.gpu_hour_price),
+                  end="")
             if len(groups) > 1:
                 print()
         elif not args.quiet:
-            console.print(results_table(rows, title=f"fitbench results: {name}", folder=folder))
+            console.print(results_table(rows, title=f"fitbench results: {name}", folder=folder,
+                                        gpu_hour_price=args.gpu_hour_price))
         if args.csv:
             for sweep in group:
                 print(f"table: {write_csv(sweep.rows, sweep.directory)}",
                       file=sys.stderr if args.markdown else sys.stdout)
     with StepsDisplay(args.quiet) as steps:
         write_documents(sweeps, args.html, args.xlsx, args.ollama_url, args.ollama_model, args.ollama_timeout,
-                        steps)
+                        steps, args.gpu_hour_price)
     return 0
 
 

@@ -64,7 +64,7 @@ def _provenance(sweeps: Sweeps) -> tuple[list[str], list[list[str]]]:
                                             for line in provenance(sweep)]
 
 
-def write_xlsx(sweeps: Sweeps, path: str | Path, steps: Steps = NO_STEPS) -> Path:
+def write_xlsx(sweeps: Sweeps, path: str | Path, steps: Steps = NO_STEPS, gpu_hour_price: float | None = None) -> Path:
     """The workbook of ``sweeps`` (one directory's rows, or several read together:
     ``fitbench.results.directories.read_sweeps``) written to ``path``, each sheet of rows a step of
     ``steps``; bad input is a ``UserError``."""
@@ -74,7 +74,8 @@ def write_xlsx(sweeps: Sweeps, path: str | Path, steps: Steps = NO_STEPS) -> Pat
     modes = list(dict.fromkeys(row.spec["mode"] for row in sweeps.rows))
     steps.begin("workbook sheets", len(modes) + 1)
     for mode in modes:
-        _sheet(book.create_sheet(mode), *rows_table(sweeps, [row for row in sweeps.rows if row.spec["mode"] == mode]))
+        _sheet(book.create_sheet(mode), *rows_table(sweeps, [row for row in sweeps.rows if row.spec["mode"] == mode],
+                                                    gpu_hour_price=gpu_hour_price))
         steps.advance()
     _sheet(book.create_sheet("samples"), (["directory"] if sweeps.several else []) + SAMPLE_HEADERS,
            sample_rows(sweeps))

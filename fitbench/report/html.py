@@ -13,7 +13,7 @@ import html
 from pathlib import Path
 from typing import Any
 
-from fitbench.report.columns import rows_table
+from fitbench.report.columns import formats, rows_table
 from fitbench.report.compare import Comparison
 from fitbench.report.figures import FIGURES
 from fitbench.report.output import write_output
@@ -26,6 +26,8 @@ body { font-family: system-ui, sans-serif; margin: 1.5em auto; max-width: 1400px
 h1 { font-size: 1.5em; } h2 { font-size: 1.2em; margin-top: 1.6em; border-bottom: 1px solid #ddd; }
 table { border-collapse: collapse; font-size: 0.85em; }
 th, td { padding: 3px 8px; border-bottom: 1px solid #eee; text-align: right; white-space: nowrap; }
+th { white-space: normal; min-width: 4em; max-width: 9em; vertical-align: bottom; }
+#rows td.text:first-child, #rows td.text:nth-child(2) { white-space: normal; min-width: 14em; max-width: 24em; }
 td.text, th.text { text-align: left; }
 table.sortable th { cursor: pointer; background: #f4f4f4; position: sticky; top: 0; }
 table.sortable th[aria-sort=ascending]::after { content: " \\25B2"; }
@@ -34,6 +36,7 @@ table.sortable th[aria-sort=descending]::after { content: " \\25BC"; }
 .warning { color: #8a4b00; } .slower { color: #b00020; } .faster { color: #1b7d2e; }
 .analysis { white-space: pre-wrap; background: #f8f8f8; padding: 0.8em; border-left: 3px solid #888; }
 .caption { color: #555; font-size: 0.9em; }
+table.facts td.text { white-space: normal; overflow-wrap: anywhere; max-width: 1100px; }
 """
 
 # Sorts a table by the clicked column: numbers (a cell's data-sort) as numbers, blanks last.
@@ -65,27 +68,31 @@ document.querySelectorAll("table.sortable").forEach(function (table) {
 """
 
 
-def _cell(value: Any) -> str:
-    """A table cell: numbers shown to four significant figures and sorted by their full value."""
+def _cell(value: Any, digits: str | None = None) -> str:
+    """A table cell: numbers shown as ``digits`` says (a format spec), else to four significant figures,
+    and sorted by their full value."""
     if value is None:
         return '<td data-sort=""></td>'
     if isinstance(value, (int, float)) and not isinstance(value, bool):
-        shown = f"{value:,}" if isinstance(value, int) else f"{value:,.4g}"
+        shown = format(value, digits) if digits else f"{value:,}" if isinstance(value, int) else f"{value:,.4g}"
         return f'<td data-sort="{value!r}">{shown}</td>'
     return f'<td class="text">{html.escape(str(value))}</td>'
 
 
-def table(header: list[str], rows: list[list[Any]], text_columns: int = 0) -> str:
-    """A sortable table; ``rows`` of plain values (``_cell``)."""
+def table(header: list[str], rows: list[list[Any]], text_columns: int = 0,
+          digits: list[str | None] | None = None) -> str:
+    """A sortable table; ``rows`` of plain values (``_cell``), column ``c`` shown as ``digits[c]`` says."""
     head = "".join(f'<th class="text">{html.escape(name)}</th>' if index < text_columns
                    else f"<th>{html.escape(name)}</th>" for index, name in enumerate(header))
-    body = "\n".join("<tr>" + "".join(_cell(value) for value in row) + "</tr>" for row in rows)
+    digits = digits or [None] * len(header)
+    body = "\n".join("<tr>" + "".join(_cell(value, digits[c]) for c, value in enumerate(row)) + "</tr>"
+                     for row in rows)
     return (f'<div class="scroll"><table class="sortable"><thead><tr>{head}</tr></thead>'
             f"<tbody>\n{body}\n</tbody></table></div>")
 
 
 def _facts(lines: list[tuple[str, str]]) -> str:
-    return "<table>" + "".join(f'<tr><th class="text">{html.escape(name)}</th><td class="text">'
+    return '<table class="facts">' + "".join(f'<tr><th class="text">{html.escape(name)}</th><td class="text">'
                                f"{html.escape(value)}</td></tr>" for name, value in lines) + "</table>"
 
 
@@ -142,18 +149,20 @@ def plots(sweeps: Sweeps, steps: Steps = NO_STEPS) -> list[str]:
     return sections
 
 
-def write_html(sweeps: Sweeps, path: str | Path, analysis: str | None = None, steps: Steps = NO_STEPS) -> Path:
+def write_html(sweeps: Sweeps, path: str | Path, analysis: str | None = None, steps: Steps = NO_STEPS,
+               gpu_hour_price: float | None = None) -> Path:
     """The report of ``sweeps`` (one directory's rows, or several read together:
-    ``fitbench.results.directories.read_sweeps``) written to ``path``; ``analysis`` (text) is shown under
-    the provenance. Returns the path written; bad input is a ``UserError``."""
-    sections = [_provenance(sweeps), _warnings(sweeps.warnings, sweeps.several)]
+    ``fitbench.results.directories.read_sweeps``) written to ``path``: the rows first, ``analysis``
+    (text) under them, then the provenance, the warnings and the plots. Returns the path written; bad input is a ``UserError``."""
+    header, values = rows_table(sweeps, sweeps.rows, html=True, gpu_hour_price=gpu_hour_price)
+    # The measured rows first, so that the page's first screen holds figures; then where they came from.
+    sections = [f'<section id="rows"><h2>Rows</h2><p class="caption">Measurements first, each with its unit; '
+                f"click a header to sort. Every field and raw sample is in each directory's results.jsonl.</p>"
+                f"{table(header, values, 2 + int(sweeps.several), formats(True, sweeps.several))}</section>"]
     if analysis:
         sections.append(f'<section id="analysis"><h2>Analysis</h2><div class="analysis">{html.escape(analysis)}'
                         f"</div></section>")
-    header, values = rows_table(sweeps, sweeps.rows, html=True)
-    sections.append(f'<section id="rows"><h2>Rows</h2><p class="caption">Click a header to sort. Every field and '
-                    f"raw sample is in each directory's results.jsonl.</p>"
-                    f"{table(header, values, text_columns=5 + int(sweeps.several))}</section>")
+    sections += [_provenance(sweeps), _warnings(sweeps.warnings, sweeps.several)]
     sections += plots(sweeps, steps)
     title = ", ".join(sweeps.names) if sweeps.several else str(sweeps.sweeps[0].directory)
     return write_output(path, page(f"fitbench report: {title}", sections), "--html")

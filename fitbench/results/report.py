@@ -31,6 +31,7 @@ from rich.text import Text
 
 from fitbench.results.row import Row
 from fitbench.spec import Layout
+from fitbench.util.stats import quantile
 from fitbench.util.units import format_bytes, format_count, format_seconds
 
 CSV_FILE = "results.csv"
@@ -64,6 +65,44 @@ def headline(row: Row) -> dict[str, Any]:
         "forecast_time": forecast,
         "forecast_error": 100 * (forecast - measured_time) / measured_time if forecast and measured_time else None,
     }
+
+
+PERCENTILES = (50, 90, 99)
+
+
+def latency_percentiles(row: Row) -> dict[str, dict[int, float]]:
+    """The p50, p90 and p99 of a row's raw latency samples (``timing.samples``), the percentiles vLLM's
+    and MLPerf's inference reports give: in ``infer``, of the time to first token (``ttft``: one per
+    generation) and of the per-token decode latency (``token``: one per decoded token after the first);
+    in the other modes, of the step time (``step``). Quantiles interpolate linearly between order
+    statistics (``fitbench.util.stats.quantile``, numpy's default); a kind without samples is left out."""
+    samples = (row.timing or {}).get("samples") or {}
+    names = ({"ttft": "time_to_first_token", "token": "token_latency"} if row.spec["mode"] == "infer"
+             else {"step": "step"})
+    found = {}
+    for kind, name in names.items():
+        values = tuple(sorted(float(v) for v in samples.get(name) or [] if isinstance(v, (int, float))
+                              and not isinstance(v, bool)))
+        if values:
+            found[kind] = {p: quantile(values, p / 100) for p in PERCENTILES}
+    return found
+
+
+def energy_per_token(row: Row) -> float | None:
+    """Joules per token: the job's GPU energy over its measured window divided by the tokens of that
+    window, summed over its GPUs (``gpu_monitor.energy_per_token_j``, ``fitbench.monitor.nvml``)."""
+    value = (row.gpu_monitor or {}).get("energy_per_token_j")
+    return float(value) if isinstance(value, (int, float)) and not isinstance(value, bool) else None
+
+
+def cost_per_million_tokens(row: Row, gpu_hour_price: float | None) -> float | None:
+    """What a million tokens cost at ``gpu_hour_price`` per GPU-hour: price x GPUs / 3600 s / tokens/s
+    x 1e6, with the row's headline tokens/s (decode tokens/s in infer, summed over data-parallel ranks)
+    and its GPUs (the layout's world size). None without a price or a rate."""
+    rate = headline(row)["tokens_per_s"]
+    if gpu_hour_price is None or not rate:
+        return None
+    return gpu_hour_price * _degrees(row).world_size / 3600 / rate * 1e6
 
 
 def measured_gpu_peak(row: Row) -> float | None:
@@ -312,6 +351,11 @@ _INFER_COLUMNS = (
 
 
 _FOLDER = _Column(("folder",), lambda row, head: (head["folder"],), 0, "left", words=True)
+_COST = _Column(("$ per M", "tokens"), lambda row, head: ("-",), 6)
+
+
+def _dollars(value: float | None) -> str:
+    return "-" if value is None else f"${value:,.2f}" if value >= 0.1 else f"${value:.3g}"
 
 
 class ResultsTable:
@@ -323,10 +367,11 @@ class ResultsTable:
     several sweeps share the tables, the folder of each (``folder(row)``) first."""
 
     def __init__(self, rows: Iterable[Row], title: str = "fitbench results",
-                 folder: Callable[[Row], str] | None = None):
+                 folder: Callable[[Row], str] | None = None, gpu_hour_price: float | None = None):
         self.rows = list(rows)
         self.title = title
         self.folder = folder
+        self.gpu_hour_price = gpu_hour_price
 
     def __rich_console__(self, console: Console, options: ConsoleOptions) -> RenderResult:
         names = short_names(row.spec["model"] for row in self.rows)
@@ -352,6 +397,10 @@ class ResultsTable:
         if self.folder:
             columns.insert(0, _FOLDER)
             cells = [[(self.folder(row),)] + row_cells for row, row_cells in zip(rows, cells)]
+        if self.gpu_hour_price is not None:  # before the status, which stays last
+            columns.insert(len(columns) - 1, _COST)
+            cells = [row_cells[:-1] + [(_dollars(cost_per_million_tokens(row, self.gpu_hour_price)),)] + row_cells[-1:]
+                     for row, row_cells in zip(rows, cells)]
         words_cap = max(10, min(MODEL_NAME_CAP, width // 4))
         shown, stacked, widths = _layout(columns, cells, width, words_cap)
         table = Table(title=f"{self.title} · {mode}", title_justify="left", box=box.SIMPLE_HEAD,
@@ -430,8 +479,8 @@ def _width(column: _Column, cells: list[tuple[str, ...]], stacked: bool, words_c
 
 
 def results_table(rows: Iterable[Row], title: str = "fitbench results",
-                  folder: Callable[[Row], str] | None = None) -> ResultsTable:
-    return ResultsTable(rows, title, folder)
+                  folder: Callable[[Row], str] | None = None, gpu_hour_price: float | None = None) -> ResultsTable:
+    return ResultsTable(rows, title, folder, gpu_hour_price)
 
 
 def flat_frame(rows: Iterable[Row]) -> pd.DataFrame:
@@ -464,9 +513,16 @@ def _percent(value: float | None, scale: float = 100.0) -> str:
     return f"{scale * value:.1f}%" if value is not None else "-"
 
 
-def markdown_report(rows: list[Row], folder: Callable[[Row], str] | None = None) -> str:
+def _percentiles(values: dict[int, float] | None) -> str:
+    return "-" if not values else " / ".join(format_seconds(values[p]) for p in PERCENTILES)
+
+
+def markdown_report(rows: list[Row], folder: Callable[[Row], str] | None = None,
+                    gpu_hour_price: float | None = None) -> str:
     """A Markdown table of the rows (after the folder of each, ``folder(row)``, where given), with the
-    command and environment they came from, and under it why each row that is not ok is not."""
+    command and environment they came from, and under it why each row that is not ok is not. The
+    latency percentiles (``latency_percentiles``), energy per token and, given ``gpu_hour_price``, the
+    cost of a million tokens (``cost_per_million_tokens``) have their columns."""
     if not rows:
         return "(no results)\n"
     lines = []
@@ -481,8 +537,10 @@ def markdown_report(rows: list[Row], folder: Callable[[Row], str] | None = None)
     lines.append("")
     columns = (("folder",) if folder else ()) + (
         "model", "params", "mode", "precision", "batch×seq", "layout", "GPUs", "median ± CV", "roofline", "tokens/s",
+        "p50 / p90 / p99 (step or token)", "TTFT p50 / p90 / p99", "energy per token",
         "MFU (datasheet)", "MFU (measured peak)", "decode % of BW roofline", "weights vs bf16", "quality vs bf16",
-        "peak per GPU (NVML)", "predicted peak", "error", "forecast", "forecast error", "status")
+        "peak per GPU (NVML)", "predicted peak", "error", "forecast", "forecast error") + (
+        (f"$ per M tokens at ${gpu_hour_price:g}/GPU-hour",) if gpu_hour_price is not None else ()) + ("status",)
     lines.append("| " + " | ".join(columns) + " |")
     lines.append("|" + "---|" * len(columns))
     for row in rows:
@@ -494,11 +552,15 @@ def markdown_report(rows: list[Row], folder: Callable[[Row], str] | None = None)
             format_seconds(head["time"]) + ("/token" if infer else "")
             + (f" ± {head['cv']:.1f}%" if head["cv"] is not None else ""))
         mfu = throughput.get("prefill_mfu" if infer else "mfu")
+        spread = latency_percentiles(row)
+        energy = energy_per_token(row)
         cells = ((folder(row),) if folder else ()) + (
             spec["model"], format_count(row.params), spec["mode"], spec["precision"], shape, layout_name(row),
             device_count(row), timing,
             format_seconds(head["roofline_time"]),
             f"{head['tokens_per_s']:,.0f}" if head["tokens_per_s"] else "-",
+            _percentiles(spread.get("token" if infer else "step")), _percentiles(spread.get("ttft")),
+            "-" if energy is None else f"{energy:.3g} J",
             _percent(mfu) + (" (prefill)" if infer and mfu else ""),
             _percent(throughput.get("prefill_mfu_measured_peak" if infer else "mfu_measured_peak")),
             _percent(throughput.get("decode_roofline_percent"), 1.0),
@@ -508,8 +570,8 @@ def markdown_report(rows: list[Row], folder: Callable[[Row], str] | None = None)
             f"{head['prediction_error']:+.1f}%" if head["prediction_error"] is not None else "-",
             format_seconds(head["forecast_time"]),
             f"{head['forecast_error']:+.1f}%" if head["forecast_error"] is not None else "-",
-            row.status,
-        )
+        ) + ((_dollars(cost_per_million_tokens(row, gpu_hour_price)),) if gpu_hour_price is not None else ()) + (
+            row.status,)
         lines.append("| " + " | ".join(cell.replace("|", "\\|") for cell in cells) + " |")
     failed = reasons(rows, (lambda row: f"{folder(row)}: {row.label}") if folder else None)
     if failed:
