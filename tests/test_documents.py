@@ -120,7 +120,11 @@ def test_the_workbook_holds_every_row_and_every_sample(tmp_path):
     for mode in ("train", "infer"):
         sheet = book[mode]
         header = [cell.value for cell in sheet[1]]
-        assert sheet.freeze_panes == "A2"
+        # the header and the configuration column stay in view; a filter on every column; formats and colours
+        assert sheet.freeze_panes == "B2" and sheet.auto_filter.ref == sheet.dimensions
+        first = {header_cell.value: cell for header_cell, cell in zip(sheet[1], sheet[2])}
+        assert first["tokens/s"].number_format == "#,##0" and first["CV (%)"].number_format == "0.0"
+        assert first["status"].fill.fgColor.rgb.endswith("C6EFCE" if first["status"].value == "ok" else "FFC7CE")
         assert {"tokens/s", "MFU (%; prefill in infer)", "quantization method", "quantization library", "weights vs bf16 (ratio)",
                 "top-1 agreement with bf16 (%)"} <= set(header)
         for line in sheet.iter_rows(min_row=2, values_only=True):
