@@ -10,6 +10,7 @@ opens offline. A comparison of two sweeps (``fitbench.report.compare``) renders 
 from __future__ import annotations
 
 import html
+import re
 from pathlib import Path
 from typing import Any
 
@@ -34,7 +35,7 @@ table.sortable th[aria-sort=ascending]::after { content: " \\25B2"; }
 table.sortable th[aria-sort=descending]::after { content: " \\25BC"; }
 .scroll { overflow-x: auto; max-height: 80vh; }
 .warning { color: #8a4b00; } .slower { color: #b00020; } .faster { color: #1b7d2e; }
-.analysis { white-space: pre-wrap; background: #f8f8f8; padding: 0.8em; border-left: 3px solid #888; }
+.analysis { background: #f8f8f8; padding: 0.8em; border-left: 3px solid #888; }
 .caption { color: #555; font-size: 0.9em; }
 table.facts td.text { white-space: normal; overflow-wrap: anywhere; max-width: 1100px; }
 """
@@ -149,19 +150,65 @@ def plots(sweeps: Sweeps, steps: Steps = NO_STEPS) -> list[str]:
     return sections
 
 
+def markdown_html(text: str) -> str:
+    """The few Markdown forms a model's short analysis uses, as HTML: ``#`` headings, ``-``, ``*`` and
+    ``1.`` lists, paragraphs, ``**bold**``, ``*emphasis*`` and ``code``; everything else is text,
+    escaped."""
+    def inline(line: str) -> str:
+        line = html.escape(line)
+        line = re.sub(r"`([^`]+)`", r"<code>\1</code>", line)
+        line = re.sub(r"\*\*(.+?)\*\*", r"<strong>\1</strong>", line)
+        return re.sub(r"(?<![*\w])\*(?!\s)(.+?)(?<!\s)\*(?![*\w])", r"<em>\1</em>", line)
+
+    parts, paragraph, items, ordered = [], [], [], False
+
+    def flush() -> None:
+        nonlocal paragraph, items
+        if paragraph:
+            parts.append(f"<p>{' '.join(inline(line) for line in paragraph)}</p>")
+        if items:
+            tag = "ol" if ordered else "ul"
+            parts.append(f"<{tag}>" + "".join(f"<li>{inline(item)}</li>" for item in items) + f"</{tag}>")
+        paragraph, items = [], []
+
+    for line in text.splitlines():
+        stripped = line.strip()
+        heading = re.match(r"(#{1,6})\s+(.*)", stripped)
+        item = re.match(r"(?:[-*]|(\d+)[.)])\s+(.*)", stripped)
+        if not stripped or heading:
+            flush()
+            if heading:
+                level = min(6, len(heading.group(1)) + 2)  # under the page's own h1 and h2
+                parts.append(f"<h{level}>{inline(heading.group(2))}</h{level}>")
+        elif item:
+            if paragraph or (items and ordered != bool(item.group(1))):
+                flush()
+            ordered = bool(item.group(1))
+            items.append(item.group(2))
+        elif items:
+            items[-1] += " " + stripped  # a list item's continued line
+        else:
+            paragraph.append(stripped)
+    flush()
+    return "\n".join(parts)
+
+
 def write_html(sweeps: Sweeps, path: str | Path, analysis: str | None = None, steps: Steps = NO_STEPS,
-               gpu_hour_price: float | None = None) -> Path:
+               gpu_hour_price: float | None = None, analysis_model: str | None = None) -> Path:
     """The report of ``sweeps`` (one directory's rows, or several read together:
     ``fitbench.results.directories.read_sweeps``) written to ``path``: the rows first, ``analysis``
-    (text) under them, then the provenance, the warnings and the plots. Returns the path written; bad input is a ``UserError``."""
+    (text, Markdown; ``analysis_model`` wrote it) under them, then the provenance, the warnings and the
+    plots. Returns the path written; bad input is a ``UserError``."""
     header, values = rows_table(sweeps, sweeps.rows, html=True, gpu_hour_price=gpu_hour_price)
     # The measured rows first, so that the page's first screen holds figures; then where they came from.
     sections = [f'<section id="rows"><h2>Rows</h2><p class="caption">Measurements first, each with its unit; '
                 f"click a header to sort. Every field and raw sample is in each directory's results.jsonl.</p>"
                 f"{table(header, values, 2 + int(sweeps.several), formats(True, sweeps.several))}</section>"]
     if analysis:
-        sections.append(f'<section id="analysis"><h2>Analysis</h2><div class="analysis">{html.escape(analysis)}'
-                        f"</div></section>")
+        by = f" by {html.escape(analysis_model)}" if analysis_model else ""
+        sections.append(f'<section id="analysis"><h2>Analysis{by}</h2><p class="caption">Written by a language model '
+                        f"from the rows above; check its figures against them.</p><div class=\"analysis\">"
+                        f"{markdown_html(analysis)}</div></section>")
     sections += [_provenance(sweeps), _warnings(sweeps.warnings, sweeps.several)]
     sections += plots(sweeps, steps)
     title = ", ".join(sweeps.names) if sweeps.several else str(sweeps.sweeps[0].directory)
