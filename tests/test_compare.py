@@ -129,3 +129,14 @@ def test_two_trees_of_sweeps_are_paired_folder_by_folder(tmp_path, capsys):
     # a tree against one sweep shares no folder: nothing compared, and said why
     code, out, err = cli(["compare", str(tmp_path / "before"), str(TP4)], capsys)
     assert code == 1 and "share none" in out
+
+
+def test_the_comparison_page_holds_every_gate_and_one_row_per_configuration(tmp_path, capsys):
+    b = changed(TP4, tmp_path / "b", time=1.25)
+    code, out, err = cli(["compare", str(TP4), str(b), "--fail-on", "mean:5%", "--fail-on", "memory:1%",
+                          "--html", str(tmp_path / "c.html")], capsys)
+    assert code == 1, err
+    page = (tmp_path / "c.html").read_text()
+    assert "Gate mean:5%: failed by" in page and "Gate memory:1%: passed" in page
+    table = page.split('id="changes"')[1].split("</section>")[0]
+    assert table.count("<tr>") == 1 + 2 and "time B/A [95% CI]" in table  # the header and a row per configuration
