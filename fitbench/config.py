@@ -238,6 +238,15 @@ class SweepConfig(BaseModel):
                 data.pop(alias)
         return data
 
+    @model_validator(mode="before")
+    @classmethod
+    def _derived_gpus(cls, data: Any) -> Any:
+        """``--nodes N --gpus-per-node G`` without ``--gpus``: the N x G ranks those options ask for."""
+        if isinstance(data, dict) and data.get("gpus") is None and all(
+                type(data.get(name)) is int for name in ("nodes", "gpus_per_node")):
+            return {**data, "gpus": data["nodes"] * data["gpus_per_node"]}
+        return data
+
 
 # Other names of fields: (alias, field), the alias as the seeds' configs spell it.
 FIELD_ALIASES = (("context_length", "seq_len"), ("samples", "measure_steps"), ("tensor_parallel_size", "tp"))
@@ -280,6 +289,7 @@ def expand(config: SweepConfig, *, device: str, default_models: list[str]) -> li
     if config.microbatches is not None and (config.strategy != "pipeline" or config.gpus == 1):
         raise UserError("microbatches: they split the batch of a pipelined training step; give them with "
                         "--strategy pipeline and --gpus 2 or more, or leave --microbatches out.")
+    _refuse_inert_options(config, modes)
     if config.checkpointed_layers is not None and config.activation_checkpointing is False:
         raise UserError(f"checkpointed_layers: --checkpointed-layers {config.checkpointed_layers} recomputes that many "
                         f"layers, and activation_checkpointing is false; leave out one of the two (without "
@@ -331,6 +341,22 @@ def expand(config: SweepConfig, *, device: str, default_models: list[str]) -> li
                             layout=layout, microbatches=config.microbatches if layout.pp > 1 else None,
                         ))
     return specs
+
+
+def _refuse_inert_options(config: SweepConfig, modes: list[str]) -> None:
+    """Options that would change nothing in the modes and layout asked for, refused rather than ignored:
+    activation checkpointing where no mode has a backward pass, and a strategy for a job of one rank."""
+    if not set(modes) & set(TRAINING_MODES):
+        option = ("--checkpointed-layers" if config.checkpointed_layers is not None
+                  else "--activation-checkpointing" if config.activation_checkpointing else None)
+        if option:
+            raise UserError(f"{option.lstrip('-').replace('-', '_')}: {option} recomputes activations in the backward "
+                            f"pass, and --mode {' '.join(modes)} has none; add --mode train or forward-backward, or "
+                            f"leave {option} out.")
+    if config.strategy != "auto" and config.gpus == 1 and config.tp is None:
+        raise UserError(f"strategy: --strategy {config.strategy} spreads each configuration over --gpus N ranks, and "
+                        f"--gpus is 1, so it would run as one process; give --gpus 2 or more (or --nodes with "
+                        f"--gpus-per-node), or leave --strategy out.")
 
 
 def _checkpointed_layers(config: SweepConfig, arch: Architecture, layout: Layout) -> int | None:

@@ -148,7 +148,8 @@ def test_the_analysis_of_several_directories_goes_beside_the_page(rows, tmp_path
     assert code == 0, err
     assert (tmp_path / "analysis.md").read_text() == f"# Analysis by m\n\n{''.join(ANSWER).strip()}\n"
     question = received[0][1]["messages"][-1]["content"]
-    assert "8x2048 [native] [1] | ok" in question and "8x2048 [native] [weak-1] | ok" in question
+    assert "8x2048 [native] [1] | single (1) | ok" in question
+    assert "8x2048 [native] [weak-1] | single (1) | ok" in question
     assert 'id="analysis"' in (tmp_path / "r.html").read_text()
 
 
@@ -193,3 +194,44 @@ def test_a_run_whose_analysis_times_out_still_writes_its_rows(rows, tmp_path, ca
     assert code == 0, err
     assert "did not answer within 1 s" in err
     assert (tmp_path / "out" / "results.csv").exists() and not (tmp_path / "out" / "analysis.md").exists()
+
+
+def test_the_prompt_names_the_gpus_their_memory_and_each_row_s_spread(rows):
+    question = prompt(rows)
+    gpus = rows[0].environment["gpus"]
+    assert question.startswith(f"GPUs of the machine: {len(gpus)} x {gpus[0]['name']} ({gpus[0]['total_memory'] / 1e9:.1f} GB "
+                               f"each)")
+    assert "| CV | p90 / p99 |" in question
+    row = next(row for row in rows if row.spec["mode"] == "infer" and row.status == "ok")
+    line = next(text for text in question.splitlines() if text.startswith(row.label + " |"))
+    assert f"{row.timing['token_latency']['cv_percent']:.1f}%" in line and "replicas x 4 (4)" in line
+
+
+def test_ollama_host_is_honoured_and_the_analysis_is_html_named_by_its_model(rows, tmp_path, capsys, monkeypatch):
+    """No --ollama-url: the server OLLAMA_HOST names (host:port, as Ollama's own client reads it) is asked;
+    the answer goes beside the page, never into the results folder the report reads."""
+    directory = tmp_path / "sweep"
+    shutil.copytree(COMMITTED, directory)
+    server, received = serve("answering")
+    monkeypatch.setenv("OLLAMA_HOST", f"127.0.0.1:{server.server_port}")
+    try:
+        code, out, err = cli(["report", str(directory), "--html", str(tmp_path / "page" / "r.html"),
+                              "--ollama-model", "m", "--ollama-timeout", "30"], capsys)
+    finally:
+        server.shutdown()
+    assert code == 0, err
+    assert len(received) == 1 and f"127.0.0.1:{server.server_port}" in out
+    assert not (directory / "analysis.md").exists() and (tmp_path / "page" / "analysis.md").exists()
+    page = (tmp_path / "page" / "r.html").read_text()
+    assert "<h2>Analysis by m</h2>" in page and "<p>The 1B and 3B models fit" in page
+
+
+@pytest.mark.parametrize("host, url", [("127.0.0.1:9", "http://127.0.0.1:9"), ("gpu-box", "http://gpu-box:11434"),
+                                       ("https://ollama.example:443", "https://ollama.example:443"),
+                                       ("", None)])
+def test_ollama_host_is_read_as_ollama_reads_it(host, url, monkeypatch):
+    from fitbench.cli.documents import DEFAULT_OLLAMA_URL, ollama_server
+
+    monkeypatch.setenv("OLLAMA_HOST", host)
+    assert ollama_server(None) == (url or DEFAULT_OLLAMA_URL)
+    assert ollama_server("http://given:1") == "http://given:1"  # the option wins

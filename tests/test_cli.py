@@ -594,7 +594,6 @@ def test_plan_for_nodes_answers_in_nodes_and_prints_its_sbatch_lines(capsys):
     ({"checkpointed_layers": 4}, "train", (True, None), " recompute [native]"),  # tiny's 4 layers: every one
     ({"checkpointed_layers": 40}, "forward-backward", (True, None), " recompute [native]"),
     ({"activation_checkpointing": True}, "train", (True, None), " recompute [native]"),
-    ({"checkpointed_layers": 2}, "infer", (False, None), "+32 [native]"),
     ({"checkpointed_layers": 1, "gpus": 2, "strategy": "pipeline", "batch_size": [2]}, "train", (True, 1),
      " recompute 1 layer per stage pipeline x 2"),
     ({"checkpointed_layers": 2, "gpus": 2, "strategy": "pipeline", "batch_size": [2]}, "train", (True, None),

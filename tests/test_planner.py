@@ -921,7 +921,7 @@ def test_20b_training_on_two_h200s_chooses_fsdp_and_says_why_ddp_does_not_fit(ca
     assert chosen.group(1, 2, 3) == ("bf16-pure", "fsdp", "2")
     assert 8 * p20 / 2 / GB < float(chosen.group(4)) <= H200_TOTAL_MEMORY / GB
     # DDP keeps all 8 B per parameter on each GPU: weights 2, gradients (its buckets) 2, AdamW's moments 4
-    ddp = re.search(r"rejected: bf16-pure, ddp x 2, batch 1 needs ([\d.]+) GB per GPU; ([\d.]+) GB available "
+    ddp = re.search(r"rejected: bf16-pure, ddp x 2, batch 1: needs ([\d.]+) GB per GPU; ([\d.]+) GB available "
                     r"\(weights, gradients and optimizer state replicated on each GPU: ([\d.]+) GB\)", text)
     assert ddp, text
     need, available, replicated = map(float, ddp.groups())
@@ -991,7 +991,7 @@ def test_training_chooses_among_one_gpu_ddp_and_fsdp_by_throughput():
 def test_plan_command_json_has_sizes_in_bytes(capsys):
     code, out, err = cli([*PLAN_70B, "--json"], capsys)
     assert code == 0, err
-    result = json.loads(out)
+    (result,) = json.loads(out)
     assert {"chosen", "rejected", "feasible", "hardware", "calibration"} <= set(result)
     assert result["hardware"] == {"name": None, "count": 4, "memory": 80e9, "described": True,
                                   "memory_source": "--gpu-memory", "node_gpus": 8, "inter_node_bandwidth": None}
@@ -1024,7 +1024,7 @@ def test_plan_uses_a_stored_calibration(capsys):
     save_calibration(H100, Calibration(2.5e9, 1.5e9, 100e6, 50e6, 300e6, "measured on a test bench"))
     code, out, err = cli(["plan", "--models", "7B", "--mode", "infer", "--gpu", "H100-80GB", "--json"], capsys)
     assert code == 0, err
-    result = json.loads(out)
+    (result,) = json.loads(out)
     assert result["calibration"] == "measured on a test bench"
     assert result["hardware"]["name"] == H100 and result["hardware"]["memory"] == H100_TOTAL_MEMORY
     overheads = {t["name"]: t["bytes"] for t in result["chosen"]["overheads"]}
@@ -1074,7 +1074,7 @@ def test_plan_on_detected_gpus(capsys, monkeypatch):
     monkeypatch.setattr(devices, "detect_gpus", lambda: detected)
     code, out, err = cli(["plan", "--models", "7B", "--mode", "infer", "--json"], capsys)
     assert code == 0, err
-    assert json.loads(out)["hardware"] == {"name": H100, "count": 2, "memory": 85_520_809_984.0, "described": False,
+    assert json.loads(out)[0]["hardware"] == {"name": H100, "count": 2, "memory": 85_520_809_984.0, "described": False,
                                            "memory_source": "torch.cuda.get_device_properties().total_memory",
                                            "node_gpus": 8, "inter_node_bandwidth": None}
 
@@ -1449,7 +1449,7 @@ def test_plan_on_a_described_gpu_uses_a_calibration_of_another_torch(capsys):
                                                          measured_at="2026-11-01T00:00:00Z"))})
     code, out, err = cli(["plan", "--models", "7B", "--mode", "infer", "--gpu", "H100-80GB", "--json"], capsys)
     assert code == 0, err
-    result = json.loads(out)
+    (result,) = json.loads(out)
     assert result["calibration"].startswith("measured on a bench (stored for torch 2.9.0")
     assert {t["name"]: t["bytes"] for t in result["chosen"]["overheads"]}["CUDA context"] == 1.5e9
     code, out, err = cli(["plan", "--models", "7B", "--mode", "infer", "--gpu", "H100-80GB"], capsys)
@@ -1579,9 +1579,13 @@ def test_a_plan_of_layouts_the_run_refuses_says_why(precision, strategies, capsy
     code, out, err = cli(["plan", "--models", "falcon-180b", "--mode", "infer", "--gpu", "H200", "--gpus", "8",
                           "--seq-len", "512", "--new-tokens", "32", "--precision", precision,
                           *(["--strategy", *strategies] if strategies else [])], capsys)
-    assert code == 0, err
+    assert code == 1, err  # nothing fits: a script sees it
     text = " ".join(out.split())  # the terminal wraps long lines
-    assert "nothing fits" in text and f"rejected: {unlaunched[0].reason}" in text
+    first = unlaunched[0]
+    problem = first.candidate.layout.problem(arch, "infer", precision, "hf")
+    grouped = problem.replace(first.candidate.layout.label, "this layout")  # one line for every layout it refuses
+    assert "nothing fits" in text and f"rejected: {first.candidate.label}" in text
+    assert text.count(f"the run cannot launch {grouped}") == 1
 
 
 def test_the_run_plans_the_precision_it_left_open_from_its_fallback_ladder():
@@ -1603,10 +1607,10 @@ def test_a_plan_with_no_layout_of_the_strategies_says_so_not_that_nothing_fits(c
     with candidates that all fail says nothing fits."""
     code, out, err = cli(["plan", "--models", "tiny", "--gpus", "1", "--gpu", "H200", "--strategy", "fsdp"], capsys)
     text = " ".join(out.split())
-    assert code == 0, err
+    assert code == 1, err
     assert "nothing to plan" in text and "ddp and fsdp need two or more" in text and "nothing fits" not in text
     code, out, err = cli(["plan", "--models", "llama-2-70b", "--gpus", "1", "--gpu-memory", "20GB"], capsys)
-    assert "nothing fits" in " ".join(out.split()) and "nothing to plan" not in out
+    assert "nothing fits" in " ".join(out.split()) and "nothing to plan" not in out and code == 1
 
 
 def test_70b_bf16_inference_on_two_h200_fits_with_tp2():

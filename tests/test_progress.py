@@ -48,8 +48,8 @@ def test_quiet_prints_only_the_essentials(tiny_sweep, tmp_path, capsys):
     code, out, err = cli(["report", str(ONE_ROW), "--quiet", "--xlsx", str(tmp_path / "r.xlsx")], capsys)
     assert (code, out, err) == (0, f"xlsx: {tmp_path / 'r.xlsx'}\n", "")
     code, out, err = cli(["compare", str(ONE_ROW), str(ONE_ROW), "-q", "--fail-on", "mean:5%"], capsys)
-    assert (code, err) == (0, "") and out.splitlines() == ["1 configuration(s) in both: 1 within noise. Gate "
-                                                           "mean:5%: passed"]
+    assert (code, err) == (0, "") and out.splitlines() == ["1 configuration(s) compared, 1 within noise",
+                                                           "Gate mean:5%: passed"]
     finished = tmp_path / "finished"
     shutil.copytree(tiny_sweep.out, finished)
     code, out, err = cli(["run", "--resume", str(finished), "--quiet"], capsys)

@@ -79,7 +79,7 @@ def test_1b_decoding_at_batch_1_on_four_h100s_runs_replicas_not_tensor_parallel(
     code, out, err = cli(["plan", "--models", "1B", "--mode", "infer", "--gpu", "H100-80GB", "--gpus", "4",
                           "--batch-size", "1", "--json"], capsys)
     assert code == 0, err
-    result = json.loads(out)
+    (result,) = json.loads(out)
     chosen = result["chosen"]
     assert Layout.model_validate(chosen["candidate"]["layout"]) == Layout(replicas=4)
     rates = {f["label"]: f["forecast_tokens_per_s"] for f in result["feasible"]}

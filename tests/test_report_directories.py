@@ -45,8 +45,10 @@ def test_a_configuration_in_two_directories_is_kept_in_both_and_labelled(tmp_pat
                                f"directory"]
     book = openpyxl.load_workbook(write_xlsx(read_sweeps([H100_ONE, H200_ONE]), tmp_path / "two.xlsx"))
     lines = list(book["train"].iter_rows(values_only=True))
-    assert lines[0][:2] == ("directory", "key") and [line[:2] for line in lines[1:]] == [("1", h100.key),
-                                                                                      ("weak-1", h200.key)]
+    assert lines[0][:2] == ("directory", "configuration") and [line[:2] for line in lines[1:]] == [
+        ("1", h100.label), ("weak-1", h200.label)]
+    key = lines[0].index("key")
+    assert [line[key] for line in lines[1:]] == [h100.key, h200.key]
     samples = list(book["samples"].iter_rows(min_row=2, values_only=True))
     assert {line[0] for line in samples} == {"1", "weak-1"}
     assert len(samples) == sum(len(values) for row in sweeps.rows for values in row.timing["samples"].values())

@@ -93,8 +93,8 @@ def test_noisy_threshold_is_five_percent():
 def test_as_dict_holds_every_field():
     stats = SampleStats.of([1.0, 2.0, 4.0])
     d = stats.as_dict()
-    assert set(d) == {"count", "mean", "std", "cv_percent", "median", "q1", "q3", "iqr", "min", "max", "p95",
-                      "outliers"}
+    assert set(d) == {"count", "mean", "std", "cv_percent", "median", "q1", "q3", "iqr", "min", "max", "p90", "p95",
+                      "p99", "outliers"}
     assert d["mean"] == pytest.approx(7 / 3)
     assert SampleStats(**d) == stats
 

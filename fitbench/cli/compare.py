@@ -15,15 +15,16 @@ from fitbench.cli.options import quiet_option, two_sweeps
 
 def compare(args: argparse.Namespace) -> int:
     """Compare sweep B with sweep A configuration by configuration: the change of the mean time with a
-    bootstrap confidence interval, tokens/s and peak memory; with --fail-on, exit 1 when a change
-    crosses the gate, for CI."""
+    bootstrap confidence interval, tokens/s and peak memory; exit 1 when a --fail-on gate fails, or
+    when nothing was compared, for CI."""
     with StepsDisplay(args.quiet) as steps:
-        comparison = report_module("compare", "compare").compare_sweeps(args.a, args.b, fail_on=args.fail_on,
-                                                                        steps=steps)
-    for side, sweep in (("A", comparison.a), ("B", comparison.b)):
-        for warning in sweep.warnings:
-            warn(f"{side}: {warning}")
-    for line in comparison.lines()[-1:] if args.quiet else comparison.lines():
+        comparison = report_module("compare", "compare").compare_sweeps(
+            args.a, args.b, fail_on=args.fail_on, steps=steps, match_across=args.match_across)
+    for side, sweeps in (("A", comparison.a), ("B", comparison.b)):
+        for sweep in sweeps:
+            for warning in sweep.warnings:
+                warn(f"{side}: {warning}")
+    for line in comparison.verdict() if args.quiet else comparison.lines():
         console.print(escape(line), soft_wrap=True)
     if args.html:
         console.print(f"html: {report_module('html', 'html').write_comparison_html(comparison, args.html)}")

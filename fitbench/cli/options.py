@@ -288,17 +288,25 @@ def report_documents(parser: argparse.ArgumentParser) -> None:
     """The files ``fitbench report`` writes beside showing the rows."""
     parser.add_argument("--html", metavar="FILE", help="write a self-contained HTML report with plots")
     parser.add_argument("--xlsx", metavar="FILE", help="write an Excel workbook: a sheet per mode, provenance, samples")
+    parser.add_argument("--gpu-hour-price", dest="gpu_hour_price", type=price, metavar="DOLLARS",
+                        help="what one GPU costs an hour: adds the cost of a million tokens to every table, page and "
+                             "workbook (price x GPUs / 3600 / tokens/s x 1e6)")
     analysis_options()(parser)
 
 
 def two_sweeps(parser: argparse.ArgumentParser) -> None:
     """The two results directories ``fitbench compare`` compares, and its gate."""
     add = parser.add_argument
-    add("a", metavar="A", help="the --out directory of the run compared against (before)")
-    add("b", metavar="B", help="the --out directory of the run compared (after)")
-    add("--fail-on", dest="fail_on", metavar="FIGURE:PERCENT",
+    add("a", metavar="A", help="the --out directory of the run compared against (before), or a folder of several "
+                               "(paired with B's folder by folder)")
+    add("b", metavar="B", help="the --out directory of the run compared (after), or a folder of several")
+    add("--fail-on", dest="fail_on", action="append", metavar="FIGURE:PERCENT",
         help="exit 1 when a configuration got worse by more than PERCENT: mean:5%% (the mean time, "
-             "slower beyond its noise), memory:5%% (peak memory); or is no longer ok")
+             "slower beyond its noise), memory:5%% (peak memory); or is no longer ok, or is missing from B. "
+             "Repeatable: each gate is checked and reported. A comparison of nothing always exits 1")
+    add("--match-across", dest="match_across", nargs="+", metavar="OPTION",
+        help="pair rows that differ only in these options of a configuration, e.g. precision (A's bf16 "
+             "against B's int8) or layout")
     add("--html", metavar="FILE", help="write the comparison as a self-contained HTML page")
 
 
@@ -316,6 +324,17 @@ def seconds(text: str) -> float:
         raise argparse.ArgumentTypeError(f"expected a number of seconds, got {excerpt(text)}") from None
     if not 0 < value < float("inf"):
         raise argparse.ArgumentTypeError(f"expected a positive, finite number of seconds, got {excerpt(text)}")
+    return value
+
+
+def price(text: str) -> float:
+    """A non-negative, finite price: ``2.49`` or ``$2.49``."""
+    try:
+        value = float(text.strip().lstrip("$"))
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a price such as 2.49 (dollars an hour), got {excerpt(text)}") from None
+    if not 0 <= value < float("inf"):
+        raise argparse.ArgumentTypeError(f"expected a non-negative, finite price, got {excerpt(text)}")
     return value
 
 

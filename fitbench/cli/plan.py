@@ -23,7 +23,8 @@ Without --gpus/--gpu-memory/--gpu the GPUs of this machine are used.
 """
 
 
-def _plan_text(result, trace) -> None:
+def _plan_text(result, trace, ladder, margin, gpu_memory) -> None:
+    from fitbench.plan.explain import grouped_rejections, marketed_memory_note, why_chosen
     from fitbench.util.units import format_bytes
 
     target = result.target
@@ -32,6 +33,9 @@ def _plan_text(result, trace) -> None:
                   f" ({'described' if target.described else 'detected'}); overheads: {escape(result.calibration)}")
     if target.memory_source:
         console.print(f"memory per GPU: {escape(target.memory_source)}")
+    marketed = marketed_memory_note(gpu_memory, target.memory)
+    if marketed:
+        console.print(f"note: {escape(marketed)}")
     if result.inter_node_link:
         console.print(f"nodes of {target.node_gpus} GPUs; between nodes: {escape(result.inter_node_link)}")
     chosen = result.chosen
@@ -47,6 +51,7 @@ def _plan_text(result, trace) -> None:
                       f" per GPU, forecast {chosen.forecast_tokens_per_s:,.0f} tokens/s over its GPUs; roofline "
                       f"{speed.tokens_per_s:,.0f} tokens/s ({speed.bound}-bound, {speed.seconds * 1e3:.1f} ms per "
                       f"{'decode step' if result.mode == 'infer' else 'step'})")
+        console.print(escape(why_chosen(result, ladder, margin)))
         stage = f" on {chosen.memory.stage.label}, the largest" if chosen.memory.stage else ""
         table = Table(title_justify="left", title=f"per-GPU memory, peak at the {chosen.peak_moment}{stage}")
         for column in ("term", "bytes", "at peak", "formula / source"):
@@ -67,11 +72,11 @@ def _plan_text(result, trace) -> None:
         edge = "" if other.clear else " (within the allocator-retry margin)"
         console.print(f"  also fits: {escape(other.candidate.label)}: {format_bytes(other.predicted_peak)}{edge}, "
                       f"forecast {other.forecast_tokens_per_s:,.0f} tokens/s")
-    shown = result.rejected[:8]
-    for rejected in shown:
-        console.print(f"  rejected: {escape(rejected.reason)}")
-    if len(result.rejected) > len(shown):
-        console.print(f"  ... {len(result.rejected) - len(shown)} more rejected (--json lists all)")
+    reasons = grouped_rejections(result.rejected)
+    for reason in reasons[:8]:
+        console.print(f"  rejected: {escape(reason)}")
+    if len(reasons) > 8:
+        console.print(f"  ... {len(reasons) - 8} more reasons (--json lists every candidate)")
     for note in result.notes:
         console.print(f"  note: {note}")
     console.print()
@@ -123,14 +128,18 @@ def plan(args: argparse.Namespace) -> int:
             results.append((result, trace))
             outputs.append({**result.as_dict(), "trace": trace.__dict__ if trace else None})
     if args.json:
-        print(json.dumps(outputs if len(outputs) > 1 else outputs[0], indent=2, default=str))
+        print(json.dumps(outputs, indent=2, default=str))
     else:
+        from fitbench.plan.planner import retry_margin
+        from fitbench.precisions import DEFAULT_LADDER
+
         for result, trace in results:
-            _plan_text(result, trace)
+            _plan_text(result, trace, args.precision or DEFAULT_LADDER[result.mode], retry_margin(calibration),
+                       args.gpu_memory)
             if args.gpus_per_node and result.chosen is not None:
                 console.print("\n".join(sbatch_lines_for(result.model, result.chosen.candidate.gpus,
                                                           args.gpus_per_node)) + "\n", markup=False, highlight=False)
-    return 0
+    return 1 if any(result.chosen is None for result, _ in results) else 0
 
 
 def _cluster_target(args, gpu_target):
@@ -179,7 +188,8 @@ def sbatch_lines_for(model: str, gpus: int, gpus_per_node: int) -> list[str]:
 
 def _requirements(args, target, calibration, seq_len, new_tokens, batch, fewest_gpus) -> int:
     from fitbench.models.registry import resolve
-    from fitbench.plan.planner import MOST_GPUS, unsplittable
+    from fitbench.plan.explain import requirements_note
+    from fitbench.plan.planner import MOST_GPUS, retry_margin, unsplittable
     from fitbench.precisions import DEFAULT_LADDER
     from fitbench.util.units import format_bytes
 
@@ -199,6 +209,7 @@ def _requirements(args, target, calibration, seq_len, new_tokens, batch, fewest_
                               f"more than {MOST_GPUS}"),
                              "layout": need.candidate.layout.model_dump() if need else None,
                              "peak_per_gpu_bytes": need.predicted_peak if need else None,
+                             "clear_of_retry_margin": need.clear if need else None,
                              "peak_stage": stage.label if stage else None})
                 if args.gpus_per_node and need:
                     nodes = nodes_for(need.candidate.gpus, args.gpus_per_node)
@@ -216,11 +227,16 @@ def _requirements(args, target, calibration, seq_len, new_tokens, batch, fewest_
         peak = format_bytes(row["peak_per_gpu_bytes"]) if row["peak_per_gpu_bytes"] else "-"
         if row["peak_stage"]:
             peak += f" ({row['peak_stage'].split(' (')[0]})"
+        if row["clear_of_retry_margin"] is False:
+            peak += " *"
         counted = ([str(row["min_nodes"]), f"{row['gpus_per_node_used']} of {args.gpus_per_node}"]
                    if row.get("min_nodes") else ["-", "-"]) if nodes else []
         table.add_row(row["model"], row["mode"], row["precision"], *counted, str(row["min_gpus"] or "-"),
                       escape(row["how"]), peak)
     console.print(table)
+    note = requirements_note(rows, retry_margin(calibration), target.memory, args.gpu_memory)
+    if note:
+        console.print(escape(note))
     for row in rows:
         if row.get("sbatch"):
             console.print("\n".join([f"# {row['model']} {row['mode']} {row['precision']}: {row['min_gpus']} GPU(s)",

@@ -15,25 +15,36 @@ from fitbench.cli.options import quiet_option, report_documents, results_directo
 
 def report(args: argparse.Namespace) -> int:
     """Show the results of finished (or interrupted) sweeps again, one table (or Markdown section)
-    per directory; with ``--csv``, also write each one's results.csv again from results.jsonl
-    (committed results keep only the rows). Each directory is read once; ``--html``, ``--xlsx`` and
-    ``--ollama-*`` take every directory given together."""
+    per directory, and one for all the sweeps under a folder of several (a folder column first); with
+    ``--csv``, also write each sweep's results.csv again from results.jsonl (committed results keep
+    only the rows). Each directory is read once; ``--html``, ``--xlsx`` and ``--ollama-*`` take every
+    directory given together."""
     from fitbench.results.directories import read_sweeps
     from fitbench.results.report import markdown_report, results_table, write_csv
 
     sweeps = read_sweeps(args.directories, "report", on_warning=warn)
-    for directory, sweep in zip(args.directories, sweeps.sweeps):
+    groups = sweeps.given()
+    for group in groups:
+        rows = [row for sweep in group for row in sweep.rows]
+        tree = group[0].tree
+        places = {id(row): sweep.place for sweep in group for row in sweep.rows}
+        folder = (lambda row: places[id(row)]) if tree is not None else None
+        name = tree if tree is not None else group[0].directory
         if args.markdown:
-            print((f"## {directory}\n\n" if sweeps.several else "") + markdown_report(sweep.rows), end="")
-            if sweeps.several:
+            print((f"## {name}\n\n" if len(groups) > 1 else "") + markdown_report(rows, folder, args.gpu_hour_price),
+                  end="")
+            if len(groups) > 1:
                 print()
         elif not args.quiet:
-            console.print(results_table(sweep.rows, title=f"fitbench results: {directory}"))
+            console.print(results_table(rows, title=f"fitbench results: {name}", folder=folder,
+                                        gpu_hour_price=args.gpu_hour_price))
         if args.csv:
-            print(f"table: {write_csv(sweep.rows, directory)}", file=sys.stderr if args.markdown else sys.stdout)
+            for sweep in group:
+                print(f"table: {write_csv(sweep.rows, sweep.directory)}",
+                      file=sys.stderr if args.markdown else sys.stdout)
     with StepsDisplay(args.quiet) as steps:
         write_documents(sweeps, args.html, args.xlsx, args.ollama_url, args.ollama_model, args.ollama_timeout,
-                        steps)
+                        steps, args.gpu_hour_price)
     return 0
 
 

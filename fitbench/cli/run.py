@@ -179,7 +179,7 @@ def _summary(store, out: str, keys: set[str], config, quiet: bool = False) -> in
     console.print(f"rows: {store.path}  table: {csv_path}")
     store.unlock()
     write_documents(Sweeps([SweepRows(Path(out), rows)]), ollama_url=config.ollama_url,
-                    ollama_model=config.ollama_model, ollama_timeout=config.ollama_timeout)
+                    ollama_model=config.ollama_model, ollama_timeout=config.ollama_timeout, analysis_directory=out)
     failed = [row for row in rows if row.status != "ok"]
     if failed:
         listed = "; ".join(f"{escape(row.label)}: {escape(row.status)}" for row in failed)

@@ -1,19 +1,23 @@
 """A short written analysis of a sweep by a language model served through Ollama.
 
-The model gets the rows as a compact table (one line per configuration: its label, status,
-headline figures, measured and predicted peak, and the last line of its error) and the planner's
-notes (why each other layout or precision was rejected, what it chose itself), and is asked what
-fits, each row's bottleneck and what to try next. It goes through the official ``ollama`` client's
-``chat``, streamed or not (``stream``). The analysis is an extra: a server that cannot be reached,
-a model it does not have, an answer later than ``timeout`` seconds (for the whole answer: each read
-waits at most that long, and a streamed answer is cut when the total passes it) or any other failure
-of the exchange leaves ``Analysis.text`` None and says why in ``Analysis.warning``; the report is
-written without it. Only a URL that is no URL (``fitbench.util.endpoints``) is bad input.
+The model gets the machine's GPUs (each device's name, count and memory, from the rows'
+environment), the rows as a compact table (one line per configuration: its label, layout and GPUs,
+status, headline figures with their spread: the CV and the p90 and p99 latencies, measured and
+predicted peak, and the last line of its error) and the planner's notes (why each other layout or
+precision was rejected, what it chose itself), and is asked what fits, each row's bottleneck and what
+to try next. It goes through the official ``ollama`` client's ``chat``, streamed or not
+(``stream``). The analysis is an extra: a server that cannot be reached, a model it does not have,
+an answer later than ``timeout`` seconds (for the whole answer: each read waits at most that long,
+and a streamed answer is cut when the total passes it) or any other failure of the exchange leaves
+``Analysis.text`` None and says why in ``Analysis.warning``; the report is written without it. Only a
+URL that is no URL (``fitbench.util.endpoints``) is bad input. The page renders its Markdown
+(``fitbench.report.html.markdown_html``) under the name of the model that wrote it.
 """
 
 from __future__ import annotations
 
 import time
+from collections import Counter
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Callable
@@ -23,7 +27,7 @@ import ollama
 import pydantic
 
 from fitbench.report.output import write_output
-from fitbench.results.report import headline
+from fitbench.results.report import device_count, headline, latency_percentiles, layout_name
 from fitbench.results.row import Row
 from fitbench.util.endpoints import http_url_problem
 from fitbench.util.errors import UserError
@@ -59,17 +63,39 @@ def _percent(value: float | None) -> str:
     return "-" if value is None else f"{100 * value:.1f}%"
 
 
+def hardware(rows: list[Row]) -> str:
+    """The devices the rows ran on, each with its count and memory: ``4 x NVIDIA H100 80GB HBM3 (85.0 GB
+    each)``; the CPU where no GPU is named."""
+    seen = Counter()
+    for row in rows:
+        gpus = (row.environment or {}).get("gpus") or []
+        for name, memory in {(gpu.get("name"), gpu.get("total_memory")) for gpu in gpus if gpu.get("name")}:
+            seen[(name, memory)] = max(seen[(name, memory)], sum(gpu.get("name") == name for gpu in gpus))
+    if not seen:
+        cpus = {(row.environment or {}).get("cpu_model") for row in rows} - {None}
+        return "CPU: " + (", ".join(sorted(cpus)) or "unknown")
+    return "; ".join(f"{count} x {name} ({format_bytes(memory)} each)" for (name, memory), count in seen.items())
+
+
+def _spread(row: Row) -> str:
+    kind = "token" if row.spec["mode"] == "infer" else "step"
+    values = latency_percentiles(row).get(kind)
+    return "-" if not values else f"{format_seconds(values[90])} / {format_seconds(values[99])}"
+
+
 def prompt(rows: list[Row], label: Callable[[Row], str] = lambda row: row.label) -> str:
-    """The rows as compact lines, each named by ``label`` (a report of several directories adds a
-    repeated configuration's directory), then the planner's notes."""
-    lines = ["configuration | status | time (median) | tokens/s | MFU | decode % of bandwidth roofline | "
-             "measured peak per GPU | predicted peak | error"]
+    """The hardware, then the rows as compact lines, each named by ``label`` (a report of several
+    directories adds a repeated configuration's directory), then the planner's notes."""
+    lines = [f"GPUs of the machine: {hardware(rows)} (each row's layout says how many it used)", "",
+             "configuration | layout (GPUs) | status | time (median) | CV | p90 / p99 | tokens/s | MFU | "
+             "decode % of bandwidth roofline | measured peak per GPU | predicted peak | error"]
     notes = []
     for row in rows:
         head = headline(row)
         error = (row.error or "").strip().splitlines()
         lines.append(" | ".join([
-            label(row), row.status, format_seconds(head["time"]),
+            label(row), f"{layout_name(row)} ({device_count(row)})", row.status, format_seconds(head["time"]),
+            "-" if head["cv"] is None else f"{head['cv']:.1f}%", _spread(row),
             "-" if head["tokens_per_s"] is None else f"{head['tokens_per_s']:,.0f}", _percent(head["mfu"]),
             "-" if head["roofline"] is None else f"{head['roofline']:.0f}%", format_bytes(head["measured_peak"]),
             format_bytes(head["predicted_peak"]), error[-1][:200] if error else "-"]))

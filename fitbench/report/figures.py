@@ -4,15 +4,17 @@ Each function returns a figure, or None when the rows hold nothing it could plot
 several GPUs, no fallback, no decode), so the page has no empty plot. Every figure is a function of
 the rows alone; what a figure shows is said in ``FIGURES``, beside it on the page:
 
-- size: tokens/s and MFU (``headline``) against the parameter count, one line per mode, precision
-  and layout;
+- size: tokens/s and MFU (``headline``; the prefill's in ``infer``) against the parameter count, a
+  line only between rows that differ in the model alone (``varying``), else points; no plot
+  without two sizes;
 - memory: the measured peak of every GPU of every row (NVML's per-process figure, else the
   allocator's reserved peak: ``gpu_peak``) against the planner's prediction per GPU, with the line
   where they are equal; and the planner's terms of one row, chosen in the figure;
 - timeline: the parent's NVML samples (``fitbench.monitor.nvml``) of one row's GPUs: memory used,
   utilization and power against seconds since the first sample, the measured window shaded where
   the row records it (``gpu_monitor.window``), else the process's start and end marked;
-- decode: decode tokens/s against the batch, with the bandwidth roofline the row computed
+- decode: decode tokens/s against the batch (a line only between rows that differ in the batch
+  alone; no plot without two batches), with the bandwidth roofline the row computed
   (``decode_roofline_tokens_per_s``: the tokens/s at which a step reads its bytes at the datasheet's
   bandwidth);
 - ladder: each attempt of each row that fell back, coloured by how it ended, its change and error
@@ -28,6 +30,9 @@ the rows alone; what a figure shows is said in ``FIGURES``, beside it on the pag
   row: the job's tokens/s (all its GPUs) as a percentage of the configuration's fastest row, so
   configurations of any speed share the axis; the figures themselves are on the bar.
 
+Log axes are ticked at 1, 2 and 5 x 10^k, each tick labelled whole (``20B``), and every axis says
+what it shows and its unit.
+
 The rows of a report may come from several sweep directories and devices (``fitbench.results.directories``):
 no line or bar group joins rows of two kinds of device (``device``), and where the rows plotted ran on
 more than one, each name starts with its device.
@@ -35,6 +40,9 @@ more than one, each name starts with its device.
 
 from __future__ import annotations
 
+import json
+import math
+import re
 from collections import defaultdict
 from dataclasses import dataclass
 from datetime import datetime
@@ -114,26 +122,73 @@ def _figure(fig: go.Figure, height: int = 420) -> go.Figure:
     return fig
 
 
+# Spec fields that do not make a configuration: how long it was measured, its seed, the device's index.
+NOT_CONFIGURATION = ("device", "warmup_steps", "measure_steps", "seed")
+
+
+def varying(sweeps: Sweeps, row: Row, plotted: str) -> tuple[str, str]:
+    """The group of ``row`` in a plot whose x is its ``plotted`` spec field, and the group's name: the
+    rows of one group differ in ``plotted`` alone (same device, directory and every other field of the
+    configuration), so a line between them reads as what ``plotted`` does. The name is the row's label
+    less its ``plotted`` part, with its directory where there are several."""
+    fields = {name: value for name, value in row.spec.items() if name not in (plotted, *NOT_CONFIGURATION)}
+    directory = sweeps.name(row) if sweeps.several else ""
+    key = f"{device(row)}|{directory}|{json.dumps(fields, sort_keys=True, default=str)}"
+    shown = str(row.spec.get(plotted))
+    label = row.label.replace(f"{shown} ", "", 1) if plotted == "model" else re.sub(
+        rf"(?<![\w.]){re.escape(shown)}(?=x\d)", "N", row.label, count=1)
+    return key, label + (f" ({directory})" if directory else "")
+
+
+def _lines(xs: list[float]) -> str:
+    """A trace's mode: a line only where it joins two x values or more, else its points alone."""
+    return "lines+markers" if len(set(xs)) > 1 else "markers"
+
+
+def _log_ticks(values: list[float], text: Callable[[float], str]) -> dict:
+    """Ticks of a log axis at 1, 2 and 5 x 10^k over the values' range, each labelled whole by ``text``
+    (``20B``, not plotly's bare ``2`` of a minor tick), or at the values themselves where fewer than two
+    such ticks fall in the range."""
+    low, high = min(values) / 1.2, max(values) * 1.2
+    ticks = [m * 10 ** e for e in range(math.floor(math.log10(low)), math.ceil(math.log10(high)) + 1)
+             for m in (1, 2, 5) if low <= m * 10 ** e <= high]
+    ticks = ticks if len(ticks) >= 2 else sorted(set(values))
+    return dict(tickvals=ticks, ticktext=[text(tick) for tick in ticks])
+
+
+def _si(value: float) -> str:
+    """A count as a reader says it: 20B, 1.5M, 300."""
+    for scale, suffix in ((1e12, "T"), (1e9, "B"), (1e6, "M"), (1e3, "k")):
+        if value >= scale:
+            return f"{value / scale:.3g}{suffix}"
+    return f"{value:.3g}"
+
+
 def size_figure(sweeps: Sweeps) -> go.Figure | None:
     rows = [row for row in _ok(sweeps) if row.params and headline(row)["tokens_per_s"]]
-    if not rows:
+    if len({row.params for row in rows}) < 2:
         return None
-    fig = make_subplots(rows=1, cols=2, subplot_titles=("tokens/s", "MFU (%)"))
-    on = _on_device(rows)
-    groups = _grouped(rows, lambda row: f"{on(row)}{row.spec['mode']} {row.spec['precision']}, {layout_label(row)}")
-    for index, (name, group) in enumerate(groups.items()):
+    fig = make_subplots(rows=1, cols=2, subplot_titles=("tokens/s", "MFU (%; of the prefill in infer)"))
+    groups: dict[str, tuple[str, list[Row]]] = {}
+    for row in rows:
+        key, name = varying(sweeps, row, "model")
+        groups.setdefault(key, (name, []))[1].append(row)
+    for index, (name, group) in enumerate(sorted(groups.values(), key=lambda item: item[0])):
         group = sorted(group, key=lambda row: row.params)
         heads = [headline(row) for row in group]
         params = [row.params for row in group]
         labels = [sweeps.label(row) for row in group]
         colour = _COLOURS[index % len(_COLOURS)]
         fig.add_trace(go.Scatter(x=params, y=[h["tokens_per_s"] for h in heads], name=name, text=labels,
-                                 mode="lines+markers", legendgroup=name, line=dict(color=colour)), 1, 1)
+                                 mode=_lines(params), legendgroup=name, line=dict(color=colour)), 1, 1)
         fig.add_trace(go.Scatter(x=params, y=[100 * h["mfu"] if h["mfu"] is not None else None for h in heads],
-                                 name=name, text=labels, mode="lines+markers", legendgroup=name, showlegend=False,
+                                 name=name, text=labels, mode=_lines(params), legendgroup=name, showlegend=False,
                                  line=dict(color=colour)), 1, 2)
-    fig.update_xaxes(type="log", title_text="parameters")
-    fig.update_yaxes(type="log", row=1, col=1)
+    fig.update_xaxes(type="log", title_text="parameters (log scale)",
+                     **_log_ticks([row.params for row in rows], _si))
+    fig.update_yaxes(type="log", title_text="tokens/s (log scale)",
+                     **_log_ticks([headline(row)["tokens_per_s"] for row in rows], _si), row=1, col=1)
+    fig.update_yaxes(title_text="MFU (%)", row=1, col=2)
     return _figure(fig)
 
 
@@ -188,7 +243,7 @@ def terms_figure(sweeps: Sweeps) -> go.Figure | None:
                                                 for term in terms])))
     _chooser(fig, [sweeps.label(row) for row in rows], [1] * len(rows))
     fig.update_xaxes(title_text="GB per GPU (grey: not alive at the peak)")
-    fig.update_yaxes(autorange="reversed")
+    fig.update_yaxes(autorange="reversed", title_text="memory term")
     return _figure(fig, height=max(420, 22 * max(len(row.prediction["terms"]) for row in rows)))
 
 
@@ -222,6 +277,8 @@ def timeline_figure(sweeps: Sweeps) -> go.Figure | None:
         shapes.append(_marks(row, timeline, start))
     _chooser(fig, [sweeps.label(row) for row, _ in timelines], counts, shapes)
     fig.update_xaxes(title_text="seconds since the first sample", row=3, col=1)
+    for panel, title in enumerate(("GB", "%", "W"), start=1):
+        fig.update_yaxes(title_text=title, row=panel, col=1)
     return _figure(fig, height=640)
 
 
@@ -251,24 +308,29 @@ def _marks(row: Row, timeline, start: float) -> list[dict]:
 def decode_figure(sweeps: Sweeps) -> go.Figure | None:
     rows = [row for row in _ok(sweeps) if row.spec["mode"] == "infer"
             and (row.throughput or {}).get("decode_tokens_per_s")]
-    if not rows:
+    if len({row.spec["batch_size"] for row in rows}) < 2:
         return None
     fig = go.Figure()
-    on = _on_device(rows)
-    groups = _grouped(rows, lambda row: f"{on(row)}{row.spec['model']} {row.spec['precision']}, {layout_label(row)}")
-    for index, (name, group) in enumerate(groups.items()):
+    groups: dict[str, tuple[str, list[Row]]] = {}
+    for row in rows:
+        key, name = varying(sweeps, row, "batch_size")
+        groups.setdefault(key, (name, []))[1].append(row)
+    for index, (name, group) in enumerate(sorted(groups.values(), key=lambda item: item[0])):
         group = sorted(group, key=lambda row: row.spec["batch_size"])
         batches = [row.spec["batch_size"] for row in group]
         colour = _COLOURS[index % len(_COLOURS)]
         fig.add_trace(go.Scatter(x=batches, y=[row.throughput["decode_tokens_per_s"] for row in group],
-                                 mode="lines+markers", name=name, text=[sweeps.label(row) for row in group],
+                                 mode=_lines(batches), name=name, text=[sweeps.label(row) for row in group],
                                  line=dict(color=colour)))
         roofline = [row.throughput.get("decode_roofline_tokens_per_s") for row in group]
         if any(roofline):
-            fig.add_trace(go.Scatter(x=batches, y=roofline, mode="lines+markers", name=f"{name}: bandwidth roofline",
+            fig.add_trace(go.Scatter(x=batches, y=roofline, mode=_lines(batches), name=f"{name}: bandwidth roofline",
                                      line=dict(color=colour, dash="dash"), marker=dict(symbol="line-ew-open", size=14)))
-    fig.update_xaxes(type="log", title_text="batch (sequences)")
-    fig.update_yaxes(type="log", title_text="decode tokens/s")
+    rates = [value for row in rows for value in (row.throughput["decode_tokens_per_s"],
+                                                 row.throughput.get("decode_roofline_tokens_per_s")) if value]
+    fig.update_xaxes(type="log", title_text="batch (sequences, log scale)",
+                     **_log_ticks([row.spec["batch_size"] for row in rows], _si))
+    fig.update_yaxes(type="log", title_text="decode tokens/s (log scale)", **_log_ticks(rates, _si))
     return _figure(fig)
 
 
@@ -284,7 +346,8 @@ def ladder_figure(sweeps: Sweeps) -> go.Figure | None:
         fig.add_trace(go.Scatter(x=[p[0] for p in points], y=[p[1] for p in points], text=[p[2] for p in points],
                                  mode="markers", name=status, hovertemplate="%{y}<br>attempt %{x}: %{text}",
                                  marker=dict(size=14, symbol="square", color=STATUS_COLOURS.get(status, "#ff7f0e"))))
-    fig.update_xaxes(title_text="attempt", dtick=1)
+    fig.update_xaxes(title_text="attempt (1: the first try)", dtick=1)
+    fig.update_yaxes(title_text="configuration")
     return _figure(fig, height=max(300, 40 * len(rows) + 120))
 
 
@@ -322,7 +385,8 @@ def scaling_figure(sweeps: Sweeps) -> go.Figure | None:
                 marker=dict(size=11, symbol=_SYMBOLS[style % len(_SYMBOLS)]),
                 line=dict(color=_COLOURS[index % len(_COLOURS)], dash=_DASHES[style % len(_DASHES)])))
     fig.update_xaxes(title_text="GPUs", dtick=1)
-    fig.update_yaxes(title_text="tokens/s per GPU", type="log")
+    fig.update_yaxes(title_text="tokens/s per GPU (log scale)", type="log",
+                     **_log_ticks([_per_gpu(row) for row in rows], _si))
     return _figure(fig)
 
 
@@ -344,7 +408,7 @@ def layouts_figure(sweeps: Sweeps) -> go.Figure | None:
             text=[f"{headline(row)['tokens_per_s']:,.0f} tokens/s, {_per_gpu(row):,.0f} per GPU" for row in group],
             marker=dict(color=_COLOURS[index % len(_COLOURS)])))
     fig.update_xaxes(title_text="tokens/s of the job, % of the configuration's fastest layout", range=[0, 100])
-    fig.update_yaxes(autorange="reversed")
+    fig.update_yaxes(autorange="reversed", title_text="configuration and layout")
     return _figure(fig, height=max(300, 30 * sum(len(group) for group in groups.values()) + 120))
 
 
@@ -375,8 +439,9 @@ class Plot:
 
 
 FIGURES = (
-    Plot("size", "Throughput against model size", "tokens/s and MFU per row, one line per mode, precision and "
-         "layout; MFU against the datasheet's dense peak.", size_figure),
+    Plot("size", "Throughput against model size", "tokens/s and MFU per row; a line joins only rows that differ in "
+         "the model alone (same device, directory, mode, precision, layout, batch, sequence and backend), else each "
+         "row is a point. MFU against the datasheet's dense peak; in infer, the prefill's.", size_figure),
     Plot("memory", "Predicted against measured peak memory", "every GPU of every row: the measured peak (NVML per "
          "process, else the allocator's reserved peak) against the planner's prediction per GPU.", memory_figure),
     Plot("terms", "The planner's memory terms", "one row's predicted peak per GPU term by term; choose the row "
@@ -384,8 +449,9 @@ FIGURES = (
     Plot("timeline", "GPU timelines", "the parent's NVML samples of one row's GPUs (choose the row above the plot); "
          "the measured window is shaded where the row records it, else dotted lines mark the process's start "
          "and end.", timeline_figure),
-    Plot("decode", "Decode throughput against batch", "decode tokens/s per batch, dashed: the bandwidth roofline "
-         "(the tokens/s at which each step reads its bytes at the datasheet's memory bandwidth).", decode_figure),
+    Plot("decode", "Decode throughput against batch", "decode tokens/s per batch, a line joining only rows that "
+         "differ in the batch alone; dashed: the bandwidth roofline (the tokens/s at which each step reads its bytes "
+         "at the datasheet's memory bandwidth).", decode_figure),
     Plot("ladder", "The fallback ladder", "each attempt of the rows that fell back, coloured by how it ended; the "
          "change and the error are in its hover text.", ladder_figure),
     Plot("scaling", "Scaling over GPUs", "tokens/s per GPU against the GPU count, one line per device, "

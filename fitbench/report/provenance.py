@@ -1,8 +1,11 @@
-"""Where a sweep's rows came from, as (what, value) lines every report shows first: the devices,
-the versions, the commands, when it ran, the calibration the planner used, the directory."""
+"""Where a sweep's rows came from, as (what, value) lines every report shows: the devices, the
+versions, the commands, when it ran, the calibration the planner used, the directory. A command's
+``--out`` and ``--resume`` directories are the machine's own paths, which say nothing to a reader of a
+shared page: they read ``DIR`` (``shareable``)."""
 
 from __future__ import annotations
 
+import re
 from collections import Counter
 from typing import Any
 
@@ -12,6 +15,11 @@ from fitbench.results.row import Row
 
 def _joined(values: list[Any]) -> str:
     return "; ".join(dict.fromkeys(str(value) for value in values if value)) or "-"
+
+
+def shareable(command: str | None) -> str | None:
+    """``command`` with the directory of its ``--out`` or ``--resume`` written ``DIR``."""
+    return None if command is None else re.sub(r"(--out|--resume)(=|\s+)\S+", r"\1\2DIR", command)
 
 
 def provenance(sweep: SweepRows) -> list[tuple[str, str]]:
@@ -34,7 +42,7 @@ def provenance(sweep: SweepRows) -> list[tuple[str, str]]:
         ("versions", _joined([versions(env) for env in environments])),
         ("fitbench", _joined([f"{env.get('fitbench_version')} (commit {env.get('git_commit') or 'none'}"
                               f"{', with changes' if env.get('git_dirty') else ''})" for env in environments])),
-        ("commands", _joined([sweep.command] + [row.command for row in rows])),
+        ("commands", _joined([shareable(sweep.command)] + [shareable(row.command) for row in rows])),
         ("ran", f"{started[0]} to {finished[-1]}" if started and finished else "-"),
         ("host", _joined([env.get("hostname") for env in environments])),
         ("calibration", _joined([row.calibration for row in rows])),

@@ -12,6 +12,11 @@ is always looked up in the directory it was read from. A configuration (its ``ke
 than one directory is kept in each, and its rows are labelled by their directory's name (the
 shortest trailing part of its path that no other directory of the report ends with), never merged
 and never dropped.
+
+A directory given may also be a tree of sweeps (a benchmark's folder of runs): every directory under
+it that holds a ``results.jsonl`` is read, in path order, each remembering the tree it was found in
+(``SweepRows.tree``) and its place there (``SweepRows.place``), so a table can show them as one with
+a folder column and a comparison can pair two trees folder by folder.
 """
 
 from __future__ import annotations
@@ -36,6 +41,12 @@ class SweepRows:
     rows: list[Row]
     warnings: list[str] = field(default_factory=list)
     command: str | None = None
+    tree: Path | None = None  # the folder given, where this sweep was found under it
+
+    @property
+    def place(self) -> str:
+        """Where this sweep is in the tree it was found in (``weak/ddp-2``); ``.`` for a sweep given itself."""
+        return self.directory.relative_to(self.tree).as_posix() if self.tree is not None else "."
 
     def timeline(self, row: Row) -> Path | None:
         """The NVML timeline the row names (``gpu_monitor.timeline``), found in this directory by its
@@ -65,6 +76,18 @@ def read_sweep(directory: str | Path, option: str = "report",
     return _read(_sweep_directory(directory, option), on_warning)
 
 
+def sweep_directories(directory: str | Path, option: str = "report") -> tuple[list[Path], Path | None]:
+    """The sweeps ``directory`` names: itself where it holds a ``results.jsonl``, else every directory
+    under it that does, in path order, with the tree they were found in; a UserError naming ``option``
+    when it is empty, a file, or holds no sweep at any depth."""
+    path = Path(directory)
+    if str(directory).strip() and path.is_dir() and not (path / RESULTS_FILE).exists():
+        found = sorted({result.parent for result in path.rglob(RESULTS_FILE)})
+        if found:
+            return found, path
+    return [_sweep_directory(directory, option)], None
+
+
 def _sweep_directory(directory: str | Path, option: str) -> Path:
     """``directory`` as a path, where it holds a sweep's ``results.jsonl``; a UserError naming ``option``
     when it is empty, a file, or holds none."""
@@ -76,11 +99,12 @@ def _sweep_directory(directory: str | Path, option: str) -> Path:
         raise UserError(f"{option}: {excerpt(str(directory), 200)} is a file; pass the --out directory of a "
                         f"`fitbench run` (it holds {RESULTS_FILE}).")
     if not (path / RESULTS_FILE).exists():  # one that cannot be read is the store's to say why
-        raise UserError(f"{option}: {directory} has no {RESULTS_FILE}. Pass the --out directory of a `fitbench run`.")
+        raise UserError(f"{option}: {directory} has no {RESULTS_FILE}, nor a folder under it that has one. Pass "
+                        f"the --out directory of a `fitbench run`, or a folder of several.")
     return path
 
 
-def _read(path: Path, on_warning: Callable[[str], None] | None) -> SweepRows:
+def _read(path: Path, on_warning: Callable[[str], None] | None, tree: Path | None = None) -> SweepRows:
     warnings: list[str] = []
 
     def warned(warning: str) -> None:
@@ -89,7 +113,7 @@ def _read(path: Path, on_warning: Callable[[str], None] | None) -> SweepRows:
             on_warning(warning)
 
     rows = list(ResultStore(path, on_bad_line=warned).typed_rows())
-    return SweepRows(path, rows, warnings, _saved_command(path / SWEEP_FILE))
+    return SweepRows(path, rows, warnings, _saved_command(path / SWEEP_FILE), tree)
 
 
 def _saved_command(path: Path) -> str | None:
@@ -129,6 +153,16 @@ class Sweeps:
     def rows(self) -> list[Row]:
         return [row for sweep in self.sweeps for row in sweep.rows]
 
+    def given(self) -> list[list[SweepRows]]:
+        """The sweeps as they were given: each sweep given itself alone, those found in one tree together."""
+        groups: list[list[SweepRows]] = []
+        for sweep in self.sweeps:
+            if groups and sweep.tree is not None and groups[-1][0].tree == sweep.tree:
+                groups[-1].append(sweep)
+            else:
+                groups.append([sweep])
+        return groups
+
     @property
     def several(self) -> bool:
         return len(self.sweeps) > 1
@@ -157,19 +191,21 @@ class Sweeps:
 
 def read_sweeps(directories: str | Path | Iterable[str | Path], option: str = "report",
                 on_warning: Callable[[str], None] | None = None) -> Sweeps:
-    """The rows of each of ``directories`` (one or several, in the order given), each read by
-    ``read_sweep``; a UserError naming ``option`` when none is given or one is given twice."""
+    """The rows of each of ``directories`` (one or several, in the order given; a tree of sweeps is each
+    sweep under it, ``sweep_directories``), each read by ``read_sweep``; a UserError naming ``option``
+    when none is given or one is given twice."""
     given = [directories] if isinstance(directories, (str, Path)) else list(directories)
     if not given:
         raise UserError(f"{option}: was given no directory; pass the --out directory of a `fitbench run`.")
     sweeps: list[SweepRows] = []
     seen: dict[Path, str | Path] = {}
     for directory in given:
-        path = _sweep_directory(directory, option)
-        place = path.resolve()
-        if place in seen:
-            raise UserError(f"{option}: {excerpt(str(directory), 200)} is given twice (as "
-                            f"{excerpt(str(seen[place]), 200)} too); give each sweep's directory once.")
-        seen[place] = directory
-        sweeps.append(_read(path, on_warning))
+        paths, tree = sweep_directories(directory, option)
+        for path in paths:
+            place = path.resolve()
+            if place in seen:
+                raise UserError(f"{option}: {excerpt(str(path), 200)} is given twice (as "
+                                f"{excerpt(str(seen[place]), 200)} too); give each sweep's directory once.")
+            seen[place] = path if tree is not None else directory
+            sweeps.append(_read(path, on_warning, tree))
     return Sweeps(sweeps)

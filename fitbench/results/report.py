@@ -1,7 +1,11 @@
 """Result rows (``fitbench.results.row.Row``, read through ``fitbench.results.store``) as a terminal
 table, CSV and Markdown.
 
-Rows keep raw samples; this module only chooses what to show. Per metric:
+Rows keep raw samples; this module only chooses what to show. Every table names each row's layout
+(``fitbench.spec.Layout.label``: ``tp x 4``, ``tp 2 x pipeline 2``, ``single``) and its GPU count
+(the layout's world size; on a CPU, its processes), labels each GPU's peak with the GPU's index
+(``0: 37.8 GB``), and lists under it why each row that is not ``ok`` is not (``reason``). Rows of
+several sweeps of one tree may share a table, with a folder column first. Per metric:
 training-style modes show the median step time and tokens/s of the step; ``infer`` shows the
 median per-token decode latency and decode tokens/s, with the prefill MFU. Beside the measured
 time is the planner's roofline time (``fitbench.plan.speed``), a lower bound whose gap shows. Memory is the peak per
@@ -26,6 +30,8 @@ from rich.table import Table
 from rich.text import Text
 
 from fitbench.results.row import Row
+from fitbench.spec import Layout
+from fitbench.util.stats import quantile
 from fitbench.util.units import format_bytes, format_count, format_seconds
 
 CSV_FILE = "results.csv"
@@ -64,6 +70,44 @@ def headline(row: Row) -> dict[str, Any]:
     }
 
 
+PERCENTILES = (50, 90, 99)
+
+
+def latency_percentiles(row: Row) -> dict[str, dict[int, float]]:
+    """The p50, p90 and p99 of a row's raw latency samples (``timing.samples``), the percentiles vLLM's
+    and MLPerf's inference reports give: in ``infer``, of the time to first token (``ttft``: one per
+    generation) and of the per-token decode latency (``token``: one per decoded token after the first);
+    in the other modes, of the step time (``step``). Quantiles interpolate linearly between order
+    statistics (``fitbench.util.stats.quantile``, numpy's default); a kind without samples is left out."""
+    samples = (row.timing or {}).get("samples") or {}
+    names = ({"ttft": "time_to_first_token", "token": "token_latency"} if row.spec["mode"] == "infer"
+             else {"step": "step"})
+    found = {}
+    for kind, name in names.items():
+        values = tuple(sorted(float(v) for v in samples.get(name) or [] if isinstance(v, (int, float))
+                              and not isinstance(v, bool)))
+        if values:
+            found[kind] = {p: quantile(values, p / 100) for p in PERCENTILES}
+    return found
+
+
+def energy_per_token(row: Row) -> float | None:
+    """Joules per token: the job's GPU energy over its measured window divided by the tokens of that
+    window, summed over its GPUs (``gpu_monitor.energy_per_token_j``, ``fitbench.monitor.nvml``)."""
+    value = (row.gpu_monitor or {}).get("energy_per_token_j")
+    return float(value) if isinstance(value, (int, float)) and not isinstance(value, bool) else None
+
+
+def cost_per_million_tokens(row: Row, gpu_hour_price: float | None) -> float | None:
+    """What a million tokens cost at ``gpu_hour_price`` per GPU-hour: price x GPUs / 3600 s / tokens/s
+    x 1e6, with the row's headline tokens/s (decode tokens/s in infer, summed over data-parallel ranks)
+    and its GPUs (the layout's world size). None without a price or a rate."""
+    rate = headline(row)["tokens_per_s"]
+    if gpu_hour_price is None or not rate:
+        return None
+    return gpu_hour_price * _degrees(row).world_size / 3600 / rate * 1e6
+
+
 def measured_gpu_peak(row: Row) -> float | None:
     """What the GPU that needed most gave its process at the peak, max over the row's GPUs of NVML's
     per-process figure (allocator reserved plus CUDA context), or, without NVML, of the reserved
@@ -77,6 +121,51 @@ def measured_gpu_peak(row: Row) -> float | None:
              for gpu in (row.memory or {}).get("gpus") or []]
     known = [peak for peak in peaks if peak is not None]
     return max(known) if known else None
+
+
+def layout_name(row: Row) -> str:
+    """The row's layout as ``fitbench.spec.Layout`` names it (``tp 2 x pipeline 2``), ``single`` for one process
+    (``Layout.strategy``'s word)."""
+    return _degrees(row).label or "single"
+
+
+def device_count(row: Row) -> str:
+    """The GPUs the row ran on, the layout's world size; on a CPU, its processes (``2 cpu``)."""
+    size = _degrees(row).world_size
+    return f"{size} cpu" if str(row.spec.get("device", "")).startswith("cpu") else str(size)
+
+
+def _degrees(row: Row) -> Layout:
+    try:
+        return Layout.model_validate(row.spec.get("layout") or {})
+    except ValueError:  # a damaged layout reads as one device, as the store reads a damaged field blank
+        return Layout()
+
+
+REASON_CHARS = 300  # past this, a reason keeps its whole sentences only
+
+
+def reason(row: Row) -> str:
+    """Why a row is not ``ok``: the first line of its error (the worker's exception, the refusal's
+    paragraph, the timeout), kept to its whole sentences within ``REASON_CHARS`` where it is longer
+    (an out-of-memory's advice on fragmentation), or its status where it has no error."""
+    first = next((line.strip() for line in (row.error or "").splitlines() if line.strip()), "")
+    if len(first) > REASON_CHARS:
+        end = first.rfind(". ", 0, REASON_CHARS)
+        first = first[:end + 1] if end > 0 else first
+    return first or f"no error recorded (status {row.status})"
+
+
+def reasons(rows: Iterable[Row], label: Callable[[Row], str] | None = None) -> list[str]:
+    """One line per row that is not ``ok``: its label (or ``label(row)``), status and ``reason`` (the status
+    once where the reason starts with it: ``refused before launch: ...``)."""
+    lines = []
+    for row in rows:
+        if row.status != "ok":
+            why = reason(row)
+            lines.append(f"{label(row) if label else row.label}: "
+                         + (why if why.startswith(row.status) else f"{row.status}: {why}"))
+    return lines
 
 
 def quality_summary(quality: dict[str, Any] | None) -> str:
@@ -156,13 +245,29 @@ def _time_cell(row: Row, head: dict[str, Any]) -> tuple[str, ...]:
 
 
 def _memory_parts(row: Row) -> tuple[str, ...]:
+    """Each GPU's peak labelled with its index where there are several (``0: 37.8 GB``), or the host's
+    peak RSS on a CPU."""
     memory = row.memory or {}
     gpus = memory.get("gpus") or []
+    if len(gpus) == 1:
+        return (format_bytes(gpus[0].get("nvml_peak_used") or gpus[0].get("peak_reserved")),)
     if gpus:
-        return tuple(format_bytes(g.get("nvml_peak_used") or g.get("peak_reserved")) for g in gpus)
+        return tuple(f"{position if g.get('index') is None else g['index']}: "
+                     f"{format_bytes(g.get('nvml_peak_used') or g.get('peak_reserved'))}" for position, g in enumerate(gpus))
     if memory.get("host_peak_rss") is not None:
         return (format_bytes(memory["host_peak_rss"]) + " host",)
     return ()
+
+
+def _layout_parts(row: Row) -> tuple[str, ...]:
+    """The ranks and the layout, in parts a narrow table stacks: ``1 GPU``; ``4 GPUs:``, ``tp x 4``;
+    ``4 GPUs:``, ``tp 2 x``, ``pipeline 2`` (processes on a CPU)."""
+    count = device_count(row)
+    ranks = count.split()[0]
+    unit = ("process" if ranks == "1" else "processes") if count.endswith("cpu") else ("GPU" if ranks == "1" else "GPUs")
+    if ranks == "1":
+        return (f"1 {unit}",)
+    return (f"{ranks} {unit}:",) + tuple(re.split(r"(?<= x) (?=\w+ \d)", layout_name(row)))
 
 
 def _prediction_cell(row: Row, head: dict[str, Any]) -> tuple[str, ...]:
@@ -223,6 +328,7 @@ _COMMON = {
     "precision": _Column(("precision",), lambda row, head: _hyphenated(row.spec["precision"]), 2, "left",
                          separator=""),
     "shape": _Column(("batch×seq",), lambda row, head: (_shape(row.spec),), 4),
+    "layout": _Column(("layout",), lambda row, head: _layout_parts(row), 3, "left"),
     "tokens/s": _Column(("tokens/s",), lambda row, head: (_rate(head["tokens_per_s"]),), 2),
     "memory": _Column(("peak", "memory"), lambda row, head: _memory_parts(row) or ("-",), 3, separator=", "),
     "predicted": _Column(("predicted", "(error)"), _prediction_cell, 6),
@@ -233,13 +339,13 @@ _COMMON = {
 # What a person compares first differs per mode: a training step's time, tokens/s and MFU; a decode
 # step's latency, decode tokens/s and how close it comes to the bandwidth roofline.
 _TRAINING_COLUMNS = (
-    _COMMON["model"], _COMMON["params"], _COMMON["precision"], _COMMON["shape"],
+    _COMMON["model"], _COMMON["params"], _COMMON["precision"], _COMMON["shape"], _COMMON["layout"],
     _Column(("median", "± CV"), _time_cell, 1), _COMMON["roofline"], _COMMON["tokens/s"],
     _Column(("MFU",), lambda row, head: _share(head["mfu"]), 5), _COMMON["memory"], _COMMON["predicted"],
     _COMMON["forecast"], _COMMON["status"],
 )
 _INFER_COLUMNS = (
-    _COMMON["model"], _COMMON["params"], _COMMON["precision"], _COMMON["shape"],
+    _COMMON["model"], _COMMON["params"], _COMMON["precision"], _COMMON["shape"], _COMMON["layout"],
     _Column(("per token", "± CV"), _time_cell, 1), _COMMON["roofline"], _COMMON["tokens/s"],
     _Column(("% of BW", "roofline"), lambda row, head: _share(head["roofline"], 1.0, 0), 5),
     _Column(("prefill", "MFU"), lambda row, head: _share(head["mfu"]), 7), _COMMON["memory"],
@@ -247,15 +353,28 @@ _INFER_COLUMNS = (
 )
 
 
+_FOLDER = _Column(("folder",), lambda row, head: (head["folder"],), 0, "left", words=True)
+_COST = _Column(("$ per M", "tokens"), lambda row, head: ("-",), 6)
+
+
+def _dollars(value: float | None) -> str:
+    return "-" if value is None else f"${value:,.2f}" if value >= 0.1 else f"${value:.3g}"
+
+
 class ResultsTable:
     """The rows as terminal tables, one per mode (its name in the title, not a column), laid out for the
     width they are printed at (``_layout``): cells on one line where that fits, a figure's spread
     stacked under it where not, and columns left out, named under the table, when even that is too
-    wide. A figure is shown whole or not at all; rich would otherwise cut it ("64… ms ± 93…")."""
+    wide. A figure is shown whole or not at all; rich would otherwise cut it ("64… ms ± 93…"). Under
+    each table, why each of its rows that is not ok is not (``reasons``). With ``folder``, the rows of
+    several sweeps share the tables, the folder of each (``folder(row)``) first."""
 
-    def __init__(self, rows: Iterable[Row], title: str = "fitbench results"):
+    def __init__(self, rows: Iterable[Row], title: str = "fitbench results",
+                 folder: Callable[[Row], str] | None = None, gpu_hour_price: float | None = None):
         self.rows = list(rows)
         self.title = title
+        self.folder = folder
+        self.gpu_hour_price = gpu_hour_price
 
     def __rich_console__(self, console: Console, options: ConsoleOptions) -> RenderResult:
         names = short_names(row.spec["model"] for row in self.rows)
@@ -268,10 +387,23 @@ class ResultsTable:
             if index:
                 yield Text()
             yield self._table(mode, rows, names, options.max_width)
+            label = (lambda row: f"{self.folder(row)}: {row.label}") if self.folder else None
+            failed = reasons(rows, label)
+            if failed:
+                yield Text("not ok:", style="red")
+                for line in failed:
+                    yield Text(f"  {line}")
 
     def _table(self, mode: str, rows: list[Row], names: dict[str, str], width: int) -> Table:
         columns = list(_INFER_COLUMNS if mode in PER_TOKEN_MODES else _TRAINING_COLUMNS)
         cells = [table_cells(row, names[row.spec["model"]]) for row in rows]
+        if self.folder:
+            columns.insert(0, _FOLDER)
+            cells = [[(self.folder(row),)] + row_cells for row, row_cells in zip(rows, cells)]
+        if self.gpu_hour_price is not None:  # before the status, which stays last
+            columns.insert(len(columns) - 1, _COST)
+            cells = [row_cells[:-1] + [(_dollars(cost_per_million_tokens(row, self.gpu_hour_price)),)] + row_cells[-1:]
+                     for row, row_cells in zip(rows, cells)]
         words_cap = max(10, min(MODEL_NAME_CAP, width // 4))
         shown, stacked, widths = _layout(columns, cells, width, words_cap)
         table = Table(title=f"{self.title} · {mode}", title_justify="left", box=box.SIMPLE_HEAD,
@@ -349,20 +481,23 @@ def _width(column: _Column, cells: list[tuple[str, ...]], stacked: bool, words_c
     return natural
 
 
-def results_table(rows: Iterable[Row], title: str = "fitbench results") -> ResultsTable:
-    return ResultsTable(rows, title)
+def results_table(rows: Iterable[Row], title: str = "fitbench results",
+                  folder: Callable[[Row], str] | None = None, gpu_hour_price: float | None = None) -> ResultsTable:
+    return ResultsTable(rows, title, folder, gpu_hour_price)
 
 
 def flat_frame(rows: Iterable[Row]) -> pd.DataFrame:
-    """One column per field (``spec.model``, ``throughput.mfu``...); what stays nested (the list
-    ``memory.gpus``, an empty dict) is a JSON cell, which any CSV reader's user can parse back, as a
-    Python repr is not. Raw samples stay in the JSONL only."""
+    """One column per field (``spec.model``, ``throughput.mfu``...), after the row's ``layout``, its
+    ``GPUs`` and, for a row that is not ok, its ``reason`` (``layout_name``, ``device_count``,
+    ``reason``); what stays nested (the list ``memory.gpus``, an empty dict) is a JSON cell, which any
+    CSV reader's user can parse back, as a Python repr is not. Raw samples stay in the JSONL only."""
     trimmed = []
     for row in rows:
         fields = row.as_dict()
         if isinstance(fields.get("timing"), dict):
             fields["timing"] = {k: v for k, v in fields["timing"].items() if k != "samples"}
-        trimmed.append(fields)
+        trimmed.append({"layout": layout_name(row), "GPUs": device_count(row),
+                        "reason": None if row.status == "ok" else reason(row), **fields})
     frame = pd.json_normalize(trimmed, sep=".")
     return frame.map(_json_cell)
 
@@ -381,8 +516,16 @@ def _percent(value: float | None, scale: float = 100.0) -> str:
     return f"{scale * value:.1f}%" if value is not None else "-"
 
 
-def markdown_report(rows: list[Row]) -> str:
-    """A Markdown table of the rows, with the command and environment they came from."""
+def _percentiles(values: dict[int, float] | None) -> str:
+    return "-" if not values else " / ".join(format_seconds(values[p]) for p in PERCENTILES)
+
+
+def markdown_report(rows: list[Row], folder: Callable[[Row], str] | None = None,
+                    gpu_hour_price: float | None = None) -> str:
+    """A Markdown table of the rows (after the folder of each, ``folder(row)``, where given), with the
+    command and environment they came from, and under it why each row that is not ok is not. The
+    latency percentiles (``latency_percentiles``), energy per token and, given ``gpu_hour_price``, the
+    cost of a million tokens (``cost_per_million_tokens``) have their columns."""
     if not rows:
         return "(no results)\n"
     lines = []
@@ -395,10 +538,12 @@ def markdown_report(rows: list[Row]) -> str:
                      f"{env.get('transformers')}, driver {env.get('driver')}; fitbench {env.get('fitbench_version')} "
                      f"({env.get('git_commit') or 'no commit'}); {env.get('time_utc')}")
     lines.append("")
-    columns = ("model", "params", "mode", "precision", "batch×seq", "median ± CV", "roofline", "tokens/s",
-               "MFU (datasheet)",
-               "MFU (measured peak)", "decode % of BW roofline", "weights vs bf16", "quality vs bf16",
-               "measured peak (NVML)", "predicted peak", "error", "forecast", "forecast error", "status")
+    columns = (("folder",) if folder else ()) + (
+        "model", "params", "mode", "precision", "batch×seq", "layout", "GPUs", "median ± CV", "roofline", "tokens/s",
+        "p50 / p90 / p99 (step or token)", "TTFT p50 / p90 / p99", "energy per token",
+        "MFU (datasheet)", "MFU (measured peak)", "decode % of BW roofline", "weights vs bf16", "quality vs bf16",
+        "peak per GPU (NVML)", "predicted peak", "error", "forecast", "forecast error") + (
+        (f"$ per M tokens at ${gpu_hour_price:g}/GPU-hour",) if gpu_hour_price is not None else ()) + ("status",)
     lines.append("| " + " | ".join(columns) + " |")
     lines.append("|" + "---|" * len(columns))
     for row in rows:
@@ -410,20 +555,28 @@ def markdown_report(rows: list[Row]) -> str:
             format_seconds(head["time"]) + ("/token" if infer else "")
             + (f" ± {head['cv']:.1f}%" if head["cv"] is not None else ""))
         mfu = throughput.get("prefill_mfu" if infer else "mfu")
-        cells = (
-            spec["model"], format_count(row.params), spec["mode"], spec["precision"], shape, timing,
+        spread = latency_percentiles(row)
+        energy = energy_per_token(row)
+        cells = ((folder(row),) if folder else ()) + (
+            spec["model"], format_count(row.params), spec["mode"], spec["precision"], shape, layout_name(row),
+            device_count(row), timing,
             format_seconds(head["roofline_time"]),
             f"{head['tokens_per_s']:,.0f}" if head["tokens_per_s"] else "-",
+            _percentiles(spread.get("token" if infer else "step")), _percentiles(spread.get("ttft")),
+            "-" if energy is None else f"{energy:.3g} J",
             _percent(mfu) + (" (prefill)" if infer and mfu else ""),
             _percent(throughput.get("prefill_mfu_measured_peak" if infer else "mfu_measured_peak")),
             _percent(throughput.get("decode_roofline_percent"), 1.0),
             _percent((row.weights or {}).get("relative_to_bf16")),
             quality_summary(row.quality),
-            format_bytes(head["measured_peak"]), format_bytes(head["predicted_peak"]),
+            ", ".join(_memory_parts(row)) or "-", format_bytes(head["predicted_peak"]),
             f"{head['prediction_error']:+.1f}%" if head["prediction_error"] is not None else "-",
             format_seconds(head["forecast_time"]),
             f"{head['forecast_error']:+.1f}%" if head["forecast_error"] is not None else "-",
-            row.status,
-        )
-        lines.append("| " + " | ".join(cells) + " |")
+        ) + ((_dollars(cost_per_million_tokens(row, gpu_hour_price)),) if gpu_hour_price is not None else ()) + (
+            row.status,)
+        lines.append("| " + " | ".join(cell.replace("|", "\\|") for cell in cells) + " |")
+    failed = reasons(rows, (lambda row: f"{folder(row)}: {row.label}") if folder else None)
+    if failed:
+        lines += ["", "Not ok:", ""] + [f"- {line}" for line in failed]
     return "\n".join(lines) + "\n"

@@ -35,7 +35,9 @@ class SampleStats:
     iqr: float
     min: float
     max: float
+    p90: float
     p95: float
+    p99: float
     outliers: int
 
     @classmethod
@@ -52,7 +54,7 @@ class SampleStats:
         return cls(
             count=n, mean=mean, std=std, cv_percent=100.0 * std / mean if mean else 0.0,
             median=quantile(sample, 0.5), q1=q1, q3=q3, iqr=iqr, min=sample[0], max=sample[-1],
-            p95=quantile(sample, 0.95), outliers=sum(1 for v in sample if v < low_fence or v > high_fence),
+            p90=quantile(sample, 0.90), p95=quantile(sample, 0.95), p99=quantile(sample, 0.99), outliers=sum(1 for v in sample if v < low_fence or v > high_fence),
         )
 
     @property
