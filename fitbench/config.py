@@ -126,6 +126,8 @@ class SweepConfig(BaseModel):
     nodes: int | None = Field(None, description=f"nodes of each configuration's job, 1 to {RANKS_MAX} (slurm "
                                                 f"launcher); its ranks (--gpus) spread evenly over them")
     gpus_per_node: int | None = Field(None, description=f"GPUs asked of each node, 1 to {RANKS_MAX} (slurm launcher)")
+    gpu: str | None = Field(None, min_length=1, description="the GPU of the nodes the jobs are planned for: H100-80GB, "
+                                                            "A100-40GB (slurm launcher; default: the partition's GRES)")
     cpus_per_task: int | None = Field(None, description=f"CPUs asked for each node's task, 1 to {RANKS_MAX} (slurm "
                                                         f"launcher)")
     mem: str | None = Field(None, min_length=1, description="memory per node as sbatch takes it: 256G (slurm "

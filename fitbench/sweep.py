@@ -269,8 +269,8 @@ def plan_sweep(config, out: str, out_option: str = "--out", say: Callable[[str],
     (``check_output_directory``; ``out_option`` names it in an error), the target and its calibration
     (``run_target``, telling ``say`` if it calibrates), and the planned jobs, those this device cannot
     run refused. Under the slurm launcher the devices are the cluster's nodes', not this machine's:
-    the jobs are left unplanned here, and each is planned on its node
-    (``fitbench.cli.allocation``)."""
+    the jobs are planned here for the GPU they will get (``fitbench.launch.slurm.planned``), and each
+    runs on its node as planned (``fitbench.cli.allocation``)."""
     from fitbench.config import expand
     from fitbench.plan.calibration import TENSORS_ONLY
 
@@ -281,7 +281,13 @@ def plan_sweep(config, out: str, out_option: str = "--out", say: Callable[[str],
                             "see the nodes' GPUs from here; name them with --models.")
         specs = expand(config, device=device, default_models=default_models("cpu"))
         check_output_directory(out, out_option)
-        return PlannedSweep(device, plan_jobs(specs, config, None, None), TENSORS_ONLY)
+        from fitbench.launch.slurm.planned import login_target
+
+        target, calibration = login_target(device, config.gpus, config.gpu, config.partition)
+        if target is not None:
+            target = cluster_target(target, config)
+        return PlannedSweep(device, plan_jobs(specs, config, target, calibration),
+                            calibration.source if calibration else TENSORS_ONLY)
     device = resolve_device(config.device)
     check_ranks(device, config.gpus // (config.nodes or 1))
     specs = expand(config, device=device, default_models=default_models(device, config.gpus, config.strategy))
@@ -314,7 +320,7 @@ def cluster_device(config) -> str:
     return "cuda:0" if config.gpus_per_node else "cpu"
 
 
-SLURM_FIELDS = ("partition", "account", "time", "nodes", "gpus_per_node", "cpus_per_task", "mem", "sbatch_args",
+SLURM_FIELDS = ("partition", "account", "time", "nodes", "gpus_per_node", "gpu", "cpus_per_task", "mem", "sbatch_args",
                 "max_concurrent")
 
 

@@ -177,3 +177,40 @@ def test_a_nodes_sampler_passes_its_agents_status_and_leaves_a_summary_with_or_w
     assert [node["node"] for node in merged["nodes"]] == ["n2", "n1", "n3"]
     assert not merged["available"] and merged["gpus"] == [] and merged["energy_j"] is None
     assert "n3: no summary" in merged["reason"]
+
+
+SINFO_GRES = """\
+gpu*|gpu:h100:8(S:0-1)
+gpu*|gpu:h100:8(S:0-1),nvme:1
+mixed|gpu:a100_80gb:4
+mixed|gpu:4
+cpu|(null)
+"""
+
+
+def test_a_partitions_gpus_are_read_from_its_gres():
+    from fitbench.launch.slurm.jobs import parse_gres
+
+    assert parse_gres(SINFO_GRES, None) == [("h100", 8)]
+    assert parse_gres(SINFO_GRES, "mixed") == [("a100_80gb", 4), (None, 4)]
+    assert parse_gres(SINFO_GRES, "cpu") == []
+
+
+@pytest.mark.parametrize("gres, name", [("h100", "NVIDIA H100 80GB HBM3"), ("a100_80g", "NVIDIA A100-SXM4-80GB"),
+                                        ("A100-40GB", "NVIDIA A100-SXM4-40GB"), ("tesla_k80", None)])
+def test_a_gres_type_names_the_gpu_it_is(gres, name):
+    from fitbench.launch.slurm.planned import gres_gpu
+
+    assert gres_gpu(gres) == name
+
+
+def test_the_login_node_plans_for_the_gpu_named_with_its_datasheet_memory(monkeypatch):
+    from fitbench.hardware.datasheet import gpu_spec
+    from fitbench.launch.slurm.planned import login_target
+
+    monkeypatch.delenv("FITBENCH_INJECT", raising=False)
+    target, calibration = login_target("cuda:0", 16, "H100-80GB", None)
+    assert (target.name, target.count) == ("NVIDIA H100 80GB HBM3", 16)
+    assert target.memory == gpu_spec("NVIDIA H100 80GB HBM3").total_memory and calibration is not None
+    with pytest.raises(UserError, match="^gpu: 'B200X' is not a known GPU"):
+        login_target("cuda:0", 16, "B200X", None)

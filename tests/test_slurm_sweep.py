@@ -92,3 +92,22 @@ def test_a_partition_the_cluster_lacks_is_one_paragraph_before_anything_is_writt
     assert code == 2 and len(stderr.strip().splitlines()) == 1, stderr
     assert "partition: the cluster has no partition 'nosuch'; it has debug" in stderr
     assert not (tmp_path / "out").exists()
+
+
+def test_a_node_that_plans_otherwise_runs_what_the_login_node_planned_and_says_so(tmp_path, capsys, monkeypatch):
+    # a memory limit makes a CPU plan as a GPU of that size: the planner picks the precision left open; the
+    # job's node gets another limit, on which it would plan otherwise
+    monkeypatch.setenv("FITBENCH_INJECT", "mem-limit:1e9")
+    out = tmp_path / "planned"
+    code, printed, errors = cli(["run", *TINY, "--batch-size", "2", "--out", str(out),
+                                 "--sbatch-arg=--export=ALL,FITBENCH_INJECT=mem-limit:2e9"], capsys)
+    rows = list(ResultStore(out).rows())
+    assert code == 0, printed + errors + json.dumps(rows)[:3000]
+    [row] = rows
+    [key] = json.loads((out / "slurm.json").read_text())["jobs"]
+    assert row["status"] == "ok" and row["key"] == key and row["spec"]["precision"] != "fp32"
+    [script] = (out / "slurm").glob("*.sh")
+    assert f"{row['label']} ({key})" in script.read_text()
+    assert "of 1.0 GB (FITBENCH_INJECT mem-limit)" in row["slurm"]["planned_for"]
+    assert "of 2.0 GB (FITBENCH_INJECT mem-limit)" in row["slurm"]["node_gpu"]
+    assert any(warning.startswith("planned on the login node for") for warning in row["warnings"])

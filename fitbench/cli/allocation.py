@@ -1,10 +1,12 @@
 """What a SLURM job of a sweep runs in its allocation: ``python -m fitbench.cli.allocation DIR KEY``.
 
-It reads the sweep saved in ``DIR`` (``sweep.json``), plans it on this node as ``fitbench run`` plans
-on a workstation (the GPU found here, its calibration), and runs the configuration ``KEY``'s whole
-life (``fitbench.launch.job.Job.run``: batch search, fallback ladder, within ``--timeout``): on one
-node with ``fitbench.launch.local.LocalLauncher``, over several with
-``fitbench.launch.slurm.nodes.NodesLauncher``. Its latest progress event is kept in
+It reads the sweep saved in ``DIR`` (``sweep.json``) and the configuration ``KEY`` as the login node
+planned it (``DIR/planned/KEY.json``: ``fitbench.launch.slurm.planned``), without planning it again,
+and runs its whole life (``fitbench.launch.job.Job.run``: batch search, fallback ladder, within
+``--timeout``): on one node with ``fitbench.launch.local.LocalLauncher``, over several with
+``fitbench.launch.slurm.nodes.NodesLauncher``. The GPU found here (and its calibration, measured on
+the first run as on a workstation) is compared with the one planned for: where they differ, the row
+keeps the planned configuration and its key, and says so (a warning, and ``slurm.planned_for``). Its latest progress event is kept in
 ``DIR/progress/KEY.json`` for the sweep's process to show, and its row, as the sweep keeps it
 (``fitbench.launch.local.sweep_row``) with the SLURM job it ran in, goes to ``DIR/rows/KEY.json``:
 the job writes no other file of the sweep.
@@ -19,10 +21,13 @@ import sys
 from fitbench.config import SweepConfig, saved_options
 from fitbench.launch.launcher import Event
 from fitbench.launch.local import LocalLauncher, sweep_row
+from fitbench.launch.slurm import planned
 from fitbench.launch.slurm.nodes import NodesLauncher
 from fitbench.launch.slurm.sweep import progress_file
 from fitbench.results.store import SWEEP_FILE, ResultStore
-from fitbench.sweep import plan_sweep
+from fitbench.plan.calibration import load_calibration
+from fitbench.spec import RunSpec
+from fitbench.sweep import check_ranks, plan_jobs, refuse_unrunnable, resolve_device, run_target
 from fitbench.util.errors import UserError
 
 
@@ -34,11 +39,12 @@ def run_configuration(directory: str, key: str) -> int:
         raise UserError(f"resume: {directory} holds no fitbench sweep (no {SWEEP_FILE}).")
     saved = SweepConfig.model_validate(dict(saved_options(sweep, str(store.directory / SWEEP_FILE))))
     config = saved.model_copy(update={"launcher": "local", "device": sweep["device"]})
-    planned = plan_sweep(config, directory, "--resume", say=lambda text: print(text, flush=True))
-    job = next((job for job in planned.jobs if job.spec.key == key), None)
-    if job is None:
-        raise UserError(f"resume: the sweep in {directory} has no configuration {key}.")
+    device = resolve_device(config.device)
     nodes = config.nodes or 1
+    check_ranks(device, config.gpus // nodes)
+    here, calibration = run_target(device, say=lambda text: print(text, flush=True), ranks=config.gpus)
+    job, planned_for = _planned_job(store, key, config, device, here, calibration)
+    differs = planned.difference(planned_for, here)
     launcher = (NodesLauncher(nodes, config.gpus // nodes, config.cpus_per_task) if nodes > 1 else LocalLauncher())
     progress = progress_file(store.directory, key)
     progress.parent.mkdir(parents=True, exist_ok=True)
@@ -51,11 +57,28 @@ def run_configuration(directory: str, key: str) -> int:
     row = job.run(launcher, store.directory / "logs", keep)
     job_id = (f"{os.environ['SLURM_ARRAY_JOB_ID']}_{os.environ['SLURM_ARRAY_TASK_ID']}"
               if "SLURM_ARRAY_JOB_ID" in os.environ else os.environ.get("SLURM_JOB_ID"))
-    row = sweep_row(job, {**row, "slurm": {"job_id": job_id, "nodes": os.environ.get("SLURM_JOB_NODELIST")}},
-                    sweep.get("command"), planned.calibration)
+    slurm = {"job_id": job_id, "nodes": os.environ.get("SLURM_JOB_NODELIST")}
+    if differs:
+        row = {**row, "warnings": [*(row.get("warnings") or []), differs]}
+        slurm.update(planned_for=planned.describe(planned_for), node_gpu=planned.describe(here))
+    row = sweep_row(job, {**row, "slurm": slurm}, sweep.get("command"),
+                    job.calibration.source if job.calibration else None)
     path = store.write_job_row(row)
     print(f"{row['status']} {row['label']}: row written to {path}", flush=True)
     return 0
+
+
+def _planned_job(store: ResultStore, key: str, config: SweepConfig, device: str, here, calibration):
+    """The job of ``key`` as planned, with this node's calibration where its GPU is the one planned for
+    (else the one stored here for the planned GPU), those this device cannot run refused; and the GPU
+    it was planned for."""
+    kept = planned.load_spec(store.directory, key)
+    [unplanned] = plan_jobs([RunSpec.model_validate(kept["spec"])], config, None, None)
+    target = planned.target_of(kept)
+    if planned.difference(target, here) is not None and target is not None:
+        calibration = load_calibration(target.name) if target.name else None
+    job = planned.planned_job(kept, unplanned, calibration)
+    return refuse_unrunnable([job], device)[0], target
 
 
 def main(argv: list[str]) -> int:

@@ -169,6 +169,9 @@ def cluster_options(parser: argparse.ArgumentParser) -> None:
         help="nodes of each configuration's job: one torchrun agent per node started by srun; --gpus N ranks "
              "spread evenly over them (default 1)")
     add("--gpus-per-node", dest="gpus_per_node", type=int, default=S, metavar="N", help="GPUs asked of each node")
+    add("--gpu", default=S, metavar="NAME",
+        help="the nodes' GPU the jobs are planned for here: H100-80GB, A100-40GB (default: the one the partition's "
+             "GRES names, as sinfo lists it)")
     add("--cpus-per-task", dest="cpus_per_task", type=int, default=S, metavar="N",
         help="CPUs asked for each node's task")
     add("--mem", default=S, metavar="SIZE", help="memory per node as sbatch takes it: 256G; 0 is all of it")

@@ -82,6 +82,33 @@ def check_partition(name: str) -> None:
                         f"cluster's default.")
 
 
+def partition_gpus(partition: str | None) -> list[tuple[str | None, int]]:
+    """The GPUs of the nodes of ``partition`` (None: the cluster's default), as ``sinfo`` lists their
+    GRES (``parse_gres``)."""
+    done = _run(["sinfo", "--noheader", "--format=%P|%G"])
+    if done.returncode != 0:
+        raise SlurmCommandError(f"sinfo exited {done.returncode}: {' '.join(done.stderr.split())}")
+    return parse_gres(done.stdout, partition)
+
+
+def parse_gres(text: str, partition: str | None) -> list[tuple[str | None, int]]:
+    """Lines of ``PARTITION|GRES`` (``sinfo``'s ``%P|%G``: ``gpu*|gpu:h100:8(S:0-1),nvme:1``) -> the GPUs
+    of ``partition``'s nodes (None: the default partition, the one ``sinfo`` marks ``*``): one (type,
+    count per node) for each kind of node, the type None where the GRES names none; empty where the
+    nodes have no GPU."""
+    found: dict[tuple[str | None, int], None] = {}
+    for line in text.splitlines():
+        name, _, gres = line.strip().partition("|")
+        ours = name.rstrip("*") == partition if partition is not None else name.endswith("*")
+        if not ours:
+            continue
+        for entry in gres.split(","):
+            fields = entry.split("(")[0].split(":")
+            if fields[0] == "gpu" and len(fields) in (2, 3) and fields[-1].isdigit():
+                found[(fields[1] if len(fields) == 3 else None, int(fields[-1]))] = None
+    return list(found)
+
+
 def _run(argv: list[str], *, cwd: Path | None = None) -> subprocess.CompletedProcess:
     require_command(argv[0])
     try:

@@ -2,8 +2,10 @@
 following the jobs until each configuration has a row.
 
 Each configuration is one job that runs its whole life (batch search, fallback ladder) inside its
-allocation: the job's program is ``python -m fitbench.cli.allocation DIR KEY``, which plans the
-configuration on the node and writes its row to ``DIR/rows/<key>.json`` (``fitbench.results.store``).
+allocation: the job's program is ``python -m fitbench.cli.allocation DIR KEY``, which runs the
+configuration as this process planned it (kept in ``DIR/planned/<key>.json``:
+``fitbench.launch.slurm.planned``) and writes its row to ``DIR/rows/<key>.json``
+(``fitbench.results.store``). A configuration the plan refuses gets its row here, and no job.
 A sweep of one configuration is one job; of several, one job array (``--max-concurrent`` at once).
 
 What was submitted is kept in ``DIR/slurm.json`` (``SUBMITTED_FILE``: the job id of each
@@ -25,7 +27,9 @@ from typing import Any
 
 from fitbench.launch.job import Job
 from fitbench.launch.launcher import SweepDisplay
+from fitbench.launch.local import LocalLauncher, sweep_row
 from fitbench.launch.slurm.jobs import JobStatus, statuses, submit
+from fitbench.launch.slurm import planned
 from fitbench.launch.slurm.options import SlurmOptions
 from fitbench.launch.slurm.script import ScriptJob, array_script, batch_script
 from fitbench.launch.slurm.states import gone, stopped_row
@@ -41,12 +45,16 @@ POLL_S = 1.0
 
 @dataclass(frozen=True)
 class Script:
-    """A batch script of the sweep: its text, where it is written, and the configurations it runs,
-    in the order of its array's tasks."""
+    """A batch script of the sweep: its text, where it is written, and the configurations it runs
+    (``jobs``, as planned), in the order of its array's tasks."""
 
     path: Path
     text: str
-    keys: tuple[str, ...]
+    jobs: tuple[Job, ...]
+
+    @property
+    def keys(self) -> tuple[str, ...]:
+        return tuple(job.spec.key for job in self.jobs)
 
 
 def scripts(jobs: list[Job], options: SlurmOptions, store: ResultStore, max_concurrent: int | None) -> Script:
@@ -56,7 +64,6 @@ def scripts(jobs: list[Job], options: SlurmOptions, store: ResultStore, max_conc
     name = f"fitbench-{directory.name}"
     tasks = [[*ALLOCATION_PROGRAM, str(directory), job.spec.key] for job in jobs]
     stamp = datetime.now(timezone.utc).strftime("%Y%m%d-%H%M%S")
-    keys = tuple(job.spec.key for job in jobs)
     if len(jobs) == 1:
         text = batch_script(options, ScriptJob(name, str(logs / "slurm-%j.out"), driver=True), tasks[0])
     else:
@@ -65,10 +72,13 @@ def scripts(jobs: list[Job], options: SlurmOptions, store: ResultStore, max_conc
     # which configuration each task runs, for the person who reads the script
     named = "".join(f"# {index}: {' '.join(job.spec.label.split())} ({job.spec.key})\n" for index, job in enumerate(jobs))
     text = text.replace("set -euo pipefail\n", "set -euo pipefail\n" + named, 1)
-    return Script(directory / SCRIPTS / f"{stamp}-{len(jobs)}.sh", text, keys)
+    return Script(directory / SCRIPTS / f"{stamp}-{len(jobs)}.sh", text, tuple(jobs))
 
 
 def write_script(script: Script) -> None:
+    """Write the script, and each of its configurations as planned, which its job reads."""
+    for job in script.jobs:
+        planned.save(script.path.parent.parent, job)
     script.path.parent.mkdir(parents=True, exist_ok=True)
     (script.path.parent.parent / "logs").mkdir(parents=True, exist_ok=True)
     script.path.write_text(script.text)
@@ -107,6 +117,9 @@ def run_on_slurm(jobs: list[Job], store: ResultStore, options: SlurmOptions, *, 
     for job in jobs:
         if job.spec.key in finished:
             display.skipped(job)
+        elif job.refusal is not None:
+            _record_refused(store, job, command, display)
+    wanted = [job for job in wanted if job.refusal is None]
     found = statuses([known[job.spec.key] for job in wanted if job.spec.key in known])
     recorded = {(row.get("slurm") or {}).get("job_id") for row in store.rows()}
     to_submit = []
@@ -133,6 +146,12 @@ def run_on_slurm(jobs: list[Job], store: ResultStore, options: SlurmOptions, *, 
 
 def _job_row(store: ResultStore, job: Job) -> Path:
     return store.directory / JOB_ROWS / f"{job.spec.key}.json"
+
+
+def _record_refused(store: ResultStore, job: Job, command: str, display: SweepDisplay) -> None:
+    row = sweep_row(job, job.run(LocalLauncher(), store.directory / "logs", lambda event: None), command, None)
+    store.append(row)
+    display.finished(row)
 
 
 def _record_stopped(store: ResultStore, job: Job, status: JobStatus, command: str, display: SweepDisplay) -> None:
