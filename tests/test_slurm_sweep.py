@@ -111,3 +111,12 @@ def test_a_node_that_plans_otherwise_runs_what_the_login_node_planned_and_says_s
     assert "of 1.0 GB (FITBENCH_INJECT mem-limit)" in row["slurm"]["planned_for"]
     assert "of 2.0 GB (FITBENCH_INJECT mem-limit)" in row["slurm"]["node_gpu"]
     assert any(warning.startswith("planned on the login node for") for warning in row["warnings"])
+    # the job's row is read like any other: report, compare, the API
+    assert not (out / "results.jsonl").exists() and f"rows: {out / 'rows'}" in " ".join(printed.split())
+    code, shown, errors = cli(["report", str(out)], capsys)
+    assert code == 0 and row["label"].split()[0] in shown, shown + errors
+    code, shown, errors = cli(["compare", str(out), str(out)], capsys)
+    assert code == 0 and row["label"].split()[0] in shown, shown + errors
+    from fitbench.api import load
+
+    assert [loaded.key for loaded in load(out)] == [key]

@@ -176,7 +176,7 @@ def _summary(store, out: str, keys: set[str], config, quiet: bool = False) -> in
     if not quiet:
         console.print(results_table(rows))
     csv_path = write_csv(list(store.typed_rows()), out)
-    console.print(f"rows: {store.path}  table: {csv_path}")
+    console.print(f"rows: {' and '.join(map(str, store.row_files())) or 'none'}  table: {csv_path}")
     store.unlock()
     write_documents(Sweeps([SweepRows(Path(out), rows)]), ollama_url=config.ollama_url,
                     ollama_model=config.ollama_model, ollama_timeout=config.ollama_timeout)
