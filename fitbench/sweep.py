@@ -314,10 +314,31 @@ def cluster_target(target: GpuTarget, config) -> GpuTarget:
 
 def cluster_device(config) -> str:
     """The device of a sweep's SLURM jobs: the one named, else a GPU where GPUs are asked of each node
-    (``--gpus-per-node``), else cpu. Nothing is asked of this machine's devices."""
+    (``--gpus-per-node``) or named (``--gpu``), else cpu. Nothing is asked of this machine's devices."""
     if config.device != "auto":
         return "cuda:0" if config.device == "cuda" else config.device
-    return "cuda:0" if config.gpus_per_node else "cpu"
+    return "cuda:0" if config.gpus_per_node or config.gpu else "cpu"
+
+
+def sized_config(config):
+    """``config`` with its SLURM jobs sized (``fitbench.launch.slurm.sizing.size_job``: ranks, nodes and
+    GPUs per node made to agree, those left out derived, CPUs and memory per node defaulted), and the
+    warnings of what was not; ``config`` itself under the local launcher. Raises UserError."""
+    from fitbench.launch.slurm.jobs import partition_node
+    from fitbench.launch.slurm.sizing import size_job
+
+    if config.launcher != "slurm":
+        return config, []
+    on_gpus = cluster_device(config) != "cpu"
+    size = size_job(on_gpus=on_gpus, gpus=config.gpus if "gpus" in config.model_fields_set else None,
+                    nodes=config.nodes, gpus_per_node=config.gpus_per_node, cpus_per_task=config.cpus_per_task,
+                    mem=config.mem, node=lambda: partition_node(config.partition))
+    warnings = list(size.warnings)
+    if not on_gpus and size.gpus > 1 and config.device == "auto":
+        warnings.append(f"each job runs {size.gpus} CPU processes: no GPU was asked (--gpus-per-node or --gpu); "
+                        f"give one of them for a job of GPUs, or --device cpu to say so.")
+    return config.model_copy(update={"gpus": size.gpus, "nodes": size.nodes, "gpus_per_node": size.gpus_per_node,
+                                     "cpus_per_task": size.cpus_per_task, "mem": size.mem}), warnings
 
 
 SLURM_FIELDS = ("partition", "account", "time", "nodes", "gpus_per_node", "gpu", "cpus_per_task", "mem", "sbatch_args",
@@ -326,8 +347,8 @@ SLURM_FIELDS = ("partition", "account", "time", "nodes", "gpus_per_node", "gpu",
 
 def slurm_options(config):
     """The sweep's SLURM options (``fitbench.launch.slurm.options.SlurmOptions``, checked), None under the
-    local launcher; a UserError for one given without ``--launcher slurm``, or ranks that do not
-    spread evenly over the nodes."""
+    local launcher; a UserError for one given without ``--launcher slurm`` (the job's size is
+    ``sized_config``'s)."""
     from fitbench.launch.slurm.options import SlurmOptions
 
     if config.launcher != "slurm":
@@ -338,11 +359,7 @@ def slurm_options(config):
                             f"machine (--launcher local, the default). Add --launcher slurm to run it as SLURM "
                             f"jobs, or leave {option} out.")
         return None
-    nodes = config.nodes or 1
-    if config.gpus % nodes:
-        raise UserError(f"nodes: --gpus {config.gpus} ranks do not spread evenly over --nodes {nodes}; give --gpus a "
-                        f"multiple of {nodes} (ranks per node x nodes), or fewer --nodes.")
-    return SlurmOptions(partition=config.partition, account=config.account, time=config.time, nodes=nodes,
+    return SlurmOptions(partition=config.partition, account=config.account, time=config.time, nodes=config.nodes or 1,
                         gpus_per_node=config.gpus_per_node, cpus_per_task=config.cpus_per_task, mem=config.mem,
                         sbatch_args=tuple(config.sbatch_args or ()))
 

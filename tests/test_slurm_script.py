@@ -214,3 +214,67 @@ def test_the_login_node_plans_for_the_gpu_named_with_its_datasheet_memory(monkey
     assert target.memory == gpu_spec("NVIDIA H100 80GB HBM3").total_memory and calibration is not None
     with pytest.raises(UserError, match="^gpu: 'B200X' is not a known GPU"):
         login_target("cuda:0", 16, "B200X", None)
+
+
+def sized(shape=None, **given):
+    from fitbench.launch.slurm.sizing import size_job
+
+    options = {"on_gpus": True, "gpus": None, "nodes": None, "gpus_per_node": None, "cpus_per_task": None,
+               "mem": None, **given}
+    return size_job(**options, node=lambda: shape)
+
+
+@pytest.mark.parametrize("given, start", [
+    ({"gpus": 16, "nodes": 2, "gpus_per_node": 4}, "gpus: --gpus 16 ranks are not --nodes 2 x --gpus-per-node 4 = 8"),
+    ({"gpus": 12, "gpus_per_node": 8}, "gpus: --gpus 12 ranks do not fill whole nodes of --gpus-per-node 8"),
+    ({"gpus": 1, "gpus_per_node": 8}, "gpus: --gpus 1 ranks do not fill whole nodes"),
+    ({"gpus": 3, "nodes": 2}, "nodes: --gpus 3 ranks do not spread evenly over --nodes 2"),
+    ({"on_gpus": False, "gpus": 2, "gpus_per_node": 2}, "gpus-per-node: --gpus-per-node 2 asks GPUs"),
+])
+def test_a_job_whose_ranks_nodes_and_gpus_disagree_is_refused(given, start):
+    with pytest.raises(UserError) as error:
+        sized(**given)
+    assert str(error.value).startswith(start) and "\n" not in str(error.value)
+
+
+def test_options_that_follow_from_others_are_derived_and_cpus_and_memory_are_the_nodes_share():
+    from fitbench.launch.slurm.sizing import NodeShape
+
+    node = NodeShape(cpus=96, memory_mb=1_000_000, gpus=8)
+    size = sized(node, gpus=16, gpus_per_node=8)
+    assert (size.gpus, size.nodes, size.gpus_per_node) == (16, 2, 8)
+    assert (size.cpus_per_task, size.mem, size.warnings) == (96, "1000000M", ())
+    size = sized(node, gpus=8, nodes=2)  # 4 of a node's 8 GPUs: half its CPUs and memory
+    assert (size.nodes, size.gpus_per_node, size.cpus_per_task, size.mem) == (2, 4, 48, "500000M")
+    size = sized(node, nodes=2, gpus_per_node=1, cpus_per_task=4)
+    assert (size.gpus, size.cpus_per_task, size.mem) == (2, 4, "125000M")
+    with pytest.raises(UserError, match="^gpus-per-node: 16 GPUs asked of each node; the partition's nodes have 8"):
+        sized(node, gpus=16, gpus_per_node=16)
+    unknown = sized(None, gpus=8)
+    assert (unknown.nodes, unknown.gpus_per_node, unknown.cpus_per_task) == (1, 8, None)
+    assert unknown.warnings and "sinfo could not be asked" in unknown.warnings[0]
+
+
+GPU_JOB = ["run", "--models", "tiny", "--mode", "forward", "--launcher", "slurm", "--gpu", "H100-80GB", "--dry-run"]
+
+
+def test_a_mis_sized_job_is_one_paragraph_before_anything_is_written(tmp_path, capsys):
+    from conftest import cli
+
+    code, _, stderr = cli([*GPU_JOB, "--gpus", "16", "--nodes", "2", "--gpus-per-node", "4", "--out",
+                           str(tmp_path / "out")], capsys)
+    assert code == 2 and len(stderr.strip().splitlines()) == 1, stderr
+    assert "--gpus 16 ranks are not --nodes 2 x --gpus-per-node 4" in stderr and not (tmp_path / "out").exists()
+
+
+def test_the_dry_run_script_asks_for_the_nodes_that_follow_from_the_ranks(tmp_path, capsys):
+    from conftest import cli
+
+    out = tmp_path / "out"
+    code, printed, stderr = cli([*GPU_JOB, "--gpus", "16", "--gpus-per-node", "8", "--cpus-per-task", "32",
+                                 "--mem", "512G", "--out", str(out)], capsys)
+    assert code == 0, stderr
+    assert "#SBATCH --nodes=2" in printed and "#SBATCH --gpus-per-node=8" in printed
+    [planned] = (out / "planned").glob("*.json")
+    kept = json.loads(planned.read_text())
+    assert kept["target"]["name"] == "NVIDIA H100 80GB HBM3" and kept["spec"]["layout"] and kept["prediction"]

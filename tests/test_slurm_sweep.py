@@ -94,6 +94,33 @@ def test_a_partition_the_cluster_lacks_is_one_paragraph_before_anything_is_writt
     assert not (tmp_path / "out").exists()
 
 
+def test_a_sweep_outlasts_a_paused_then_restarted_controller(tmp_path, slurm_cluster):
+    out = tmp_path / "busy"
+    parent = subprocess.Popen([sys.executable, "-m", "fitbench", "run", *TINY, "--batch-size", "1", "--out", str(out)],
+                              cwd=tmp_path, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    try:
+        wait_for(lambda: (out / "slurm.json").exists(), "the submission")
+        # squeue waits on a paused controller, then fails: asked again
+        slurm_cluster.pause_controller()
+        time.sleep(25)
+        slurm_cluster.resume_controller()
+        # a controller that is down refuses the connection: asked again until it is back
+        slurm_cluster.stop_controller()
+        time.sleep(15)
+        slurm_cluster.start_controller()
+        try:
+            printed, _ = parent.communicate(timeout=180)
+        except subprocess.TimeoutExpired:
+            parent.kill()
+            printed = parent.communicate()[0] + "\n(still following after 180 s)\n" + slurm_cluster.logs()
+    finally:
+        slurm_cluster.resume_controller()
+        parent.kill()
+    assert parent.returncode == 0 and "Traceback" not in printed, printed
+    [row] = ResultStore(out).rows()
+    assert row["status"] == "ok"
+
+
 def test_a_node_that_plans_otherwise_runs_what_the_login_node_planned_and_says_so(tmp_path, capsys, monkeypatch):
     # a memory limit makes a CPU plan as a GPU of that size: the planner picks the precision left open; the
     # job's node gets another limit, on which it would plan otherwise

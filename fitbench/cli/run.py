@@ -53,9 +53,12 @@ def run(args: argparse.Namespace) -> int:
 
     from fitbench.cli.display import ProgressDisplay
 
-    from fitbench.sweep import slurm_options
+    from fitbench.sweep import sized_config, slurm_options
 
     config, out = sweep_config(args)
+    config, warnings = sized_config(config)
+    for warning in warnings:
+        warn(warning)
     options = slurm_options(config)
     if args.dry_run and options is None:
         raise UserError("dry-run: --dry-run prints the batch scripts of SLURM jobs; give it with --launcher slurm.")
@@ -87,8 +90,15 @@ def run(args: argparse.Namespace) -> int:
         from fitbench.cli.display import ClusterDisplay
         from fitbench.launch.slurm.sweep import run_on_slurm
 
-        run_on_slurm(jobs, store, options, max_concurrent=config.max_concurrent, command=command,
-                     display=ClusterDisplay(store))
+        from fitbench.launch.slurm.jobs import SlurmCommandError
+
+        try:
+            run_on_slurm(jobs, store, options, max_concurrent=config.max_concurrent, command=command,
+                         display=ClusterDisplay(store))
+        except SlurmCommandError as error:  # the cluster's, not the input's: one paragraph, exit 1
+            console.print(f"fitbench: {escape(str(error))}", soft_wrap=True)
+            store.unlock()
+            return 1
     else:
         with ProgressDisplay(len(jobs), store, quiet=args.quiet) as display:
             run_sweep(jobs, store, launcher=LocalLauncher(), display=display, command=command,

@@ -40,7 +40,11 @@ SUBMITTED_FILE = "slurm.json"
 SCRIPTS = "slurm"
 PROGRESS = "progress"
 ALLOCATION_PROGRAM = ("-m", "fitbench.cli.allocation")
+# Following jobs asks squeue every POLL_S at first, then every tenth of the time followed so far, at
+# most every MAX_POLL_S: a sweep followed for a day asks about 1,500 times, not 86,400.
 POLL_S = 1.0
+POLL_SLOWDOWN = 10.0
+MAX_POLL_S = 60.0
 
 
 @dataclass(frozen=True)
@@ -162,12 +166,13 @@ def _record_stopped(store: ResultStore, job: Job, status: JobStatus, command: st
 
 
 def _follow(jobs: list[Job], store: ResultStore, known: dict[str, str], command: str, display: SweepDisplay) -> None:
-    """Poll the jobs of ``jobs`` every ``POLL_S`` until each has a row: tell ``display`` each change of
+    """Poll the jobs of ``jobs`` (``poll_interval`` apart) until each has a row: tell ``display`` each change of
     state (with the configuration's progress while it runs), and write the row of one that ended
     without its own."""
     waiting = {job.spec.key: job for job in jobs}
     shown: dict[str, tuple[str, str | None, Any]] = {}
     unknown: set[str] = set()
+    started = time.monotonic()
     while waiting:
         found = statuses([known[key] for key in waiting])
         for key, job in list(waiting.items()):
@@ -195,7 +200,13 @@ def _follow(jobs: list[Job], store: ResultStore, known: dict[str, str], command:
                 shown[key] = now
                 display.job_state(job, status.job_id, status.state, status.reason, progress)
         if waiting:
-            time.sleep(POLL_S)
+            time.sleep(poll_interval(time.monotonic() - started))
+
+
+def poll_interval(followed_s: float) -> float:
+    """Seconds until the next ``squeue`` of a sweep followed for ``followed_s``: ``POLL_S``, then a
+    ``POLL_SLOWDOWN``-th of the time followed, at most ``MAX_POLL_S``."""
+    return min(MAX_POLL_S, max(POLL_S, followed_s / POLL_SLOWDOWN))
 
 
 def progress_file(directory: Path, key: str) -> Path:
