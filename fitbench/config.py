@@ -134,6 +134,9 @@ class SweepConfig(BaseModel):
                                                             "launcher)")
     sbatch_args: list[str] | None = Field(None, min_length=1, description="further sbatch options, each one word: "
                                                                           "--qos=high (slurm launcher)")
+    setup: list[str] | None = Field(
+        None, min_length=1, description="shell lines the batch script runs before fitbench, each one line: module "
+                                        "load cuda, source venv/bin/activate (slurm launcher)")
     max_concurrent: int | None = Field(None, description=f"jobs of the sweep's array running at once, 1 to "
                                                          f"{COUNT_MAX:,} (slurm launcher; default: all)")
     inter_node_bandwidth: str | None = Field(
@@ -198,7 +201,7 @@ class SweepConfig(BaseModel):
             parse_inter_node_bandwidth(value)
         return value
 
-    @field_validator("sbatch_args", mode="before")
+    @field_validator("sbatch_args", "setup", mode="before")
     @classmethod
     def _sbatch_args(cls, value: Any) -> Any:
         return _as_list(value)

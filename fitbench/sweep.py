@@ -325,6 +325,7 @@ def sized_config(config):
     GPUs per node made to agree, those left out derived, CPUs and memory per node defaulted), and the
     warnings of what was not; ``config`` itself under the local launcher. Raises UserError."""
     from fitbench.launch.slurm.jobs import partition_node
+    from fitbench.launch.slurm.options import time_problem, time_seconds
     from fitbench.launch.slurm.sizing import size_job
 
     if config.launcher != "slurm":
@@ -334,6 +335,12 @@ def sized_config(config):
                     nodes=config.nodes, gpus_per_node=config.gpus_per_node, cpus_per_task=config.cpus_per_task,
                     mem=config.mem, node=lambda: partition_node(config.partition))
     warnings = list(size.warnings)
+    if config.time is not None:
+        time_problem(config.time)
+        if time_seconds(config.time) < config.timeout:
+            warnings.append(f"--time {config.time} ends a job before --timeout {config.timeout:g} s ends its "
+                            f"configuration: SLURM may stop it first, and its row then reads timeout. Give --time at "
+                            f"least --timeout (and a margin for the job's start), or a shorter --timeout.")
     if not on_gpus and size.gpus > 1 and config.device == "auto":
         warnings.append(f"each job runs {size.gpus} CPU processes: no GPU was asked (--gpus-per-node or --gpu); "
                         f"give one of them for a job of GPUs, or --device cpu to say so.")
@@ -342,7 +349,7 @@ def sized_config(config):
 
 
 SLURM_FIELDS = ("partition", "account", "time", "nodes", "gpus_per_node", "gpu", "cpus_per_task", "mem", "sbatch_args",
-                "max_concurrent")
+                "setup", "max_concurrent")
 
 
 def slurm_options(config):
@@ -361,7 +368,7 @@ def slurm_options(config):
         return None
     return SlurmOptions(partition=config.partition, account=config.account, time=config.time, nodes=config.nodes or 1,
                         gpus_per_node=config.gpus_per_node, cpus_per_task=config.cpus_per_task, mem=config.mem,
-                        sbatch_args=tuple(config.sbatch_args or ()))
+                        sbatch_args=tuple(config.sbatch_args or ()), setup=tuple(config.setup or ()))
 
 
 # Bounds of what a plan can describe: beyond them a number is a typo, and sizes stop being finite floats.

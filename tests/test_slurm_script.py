@@ -278,3 +278,31 @@ def test_the_dry_run_script_asks_for_the_nodes_that_follow_from_the_ranks(tmp_pa
     [planned] = (out / "planned").glob("*.json")
     kept = json.loads(planned.read_text())
     assert kept["target"]["name"] == "NVIDIA H100 80GB HBM3" and kept["spec"]["layout"] and kept["prediction"]
+
+
+@pytest.mark.parametrize("time, seconds", [("90", 5400), ("1:30", 90), ("24:00:00", 86400), ("1-12", 129600),
+                                           ("2-00:30", 174600), ("1-00:00:01", 86401), ("UNLIMITED", float("inf"))])
+def test_a_time_limit_in_seconds(time, seconds):
+    from fitbench.launch.slurm.options import time_seconds
+
+    assert time_seconds(time) == seconds
+
+
+def test_setup_lines_run_before_the_program_as_written_and_a_failing_one_ends_the_job(tmp_path):
+    options = SlurmOptions(setup=("export GREETING='hello there'", 'echo "$GREETING" > setup.txt'))
+    script = batch_script(options, ScriptJob("job", "%j.out"), [*ECHO_ARGV, "ran"])
+    assert run_script(script, tmp_path) == ["ran"] and (tmp_path / "setup.txt").read_text() == "hello there\n"
+    failing = batch_script(SlurmOptions(setup=("false",)), ScriptJob("job", "%j.out"), [*ECHO_ARGV, "ran"])
+    path = tmp_path / "failing.sh"
+    path.write_text(failing)
+    assert subprocess.run(["bash", str(path)], cwd=tmp_path, capture_output=True, timeout=60).returncode != 0
+    with pytest.raises(UserError, match="^setup: "):
+        SlurmOptions(setup=("a\nb",))
+
+
+def test_a_time_limit_shorter_than_the_timeout_is_a_warning(tmp_path, capsys):
+    from conftest import cli
+
+    code, printed, stderr = cli([*GPU_JOB, "--time", "30", "--timeout", "3600", "--cpus-per-task", "8", "--mem",
+                                 "64G", "--out", str(tmp_path / "out")], capsys)
+    assert code == 0 and "--time 30 ends a job before --timeout 3600 s" in " ".join(stderr.split()), stderr

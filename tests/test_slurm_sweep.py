@@ -20,7 +20,7 @@ from slurm_cluster import NODES
 pytestmark = pytest.mark.slow
 ROOT = Path(__file__).resolve().parents[1]
 TINY = ["--models", "tiny", "--mode", "forward", "--seq-len", "8", "--warmup-steps", "0", "--measure-steps", "1",
-        "--device", "cpu", "--launcher", "slurm", "--time", "10"]
+        "--device", "cpu", "--launcher", "slurm", "--time", "10", "--timeout", "300"]
 
 
 @pytest.fixture(autouse=True)
@@ -147,3 +147,34 @@ def test_a_node_that_plans_otherwise_runs_what_the_login_node_planned_and_says_s
     from fitbench.api import load
 
     assert [loaded.key for loaded in load(out)] == [key]
+
+
+def test_a_sweep_sbatch_refused_is_fixed_in_place_by_resume_with_the_corrected_option(tmp_path, capsys):
+    out = tmp_path / "refused"
+    code, _, stderr = cli(["run", *TINY, "--batch-size", "1", "--mem", "999999M", "--out", str(out)], capsys)
+    assert code == 2 and "sbatch refused the job" in stderr, stderr
+    code, printed, stderr = cli(["run", "--resume", str(out), "--mem", "500M"], capsys)
+    assert code == 0, printed + stderr
+    [row] = ResultStore(out).rows()
+    assert row["status"] == "ok" and json.loads((out / "sweep.json").read_text())["config"]["mem"] == "500M"
+
+
+def test_slurms_signal_before_the_time_limit_writes_a_timeout_row_with_the_attempts_done(tmp_path, slurm_cluster,
+                                                                                           monkeypatch):
+    monkeypatch.setenv("FITBENCH_INJECT", "hang:tiny")  # the worker sleeps, as a run past its time would
+    out = tmp_path / "signalled"
+    parent = subprocess.Popen([sys.executable, "-m", "fitbench", "run", *TINY, "--batch-size", "1", "--out", str(out),
+                               "--sbatch-arg=--signal=B:USR1@90"], cwd=tmp_path, stdout=subprocess.PIPE,
+                              stderr=subprocess.STDOUT, text=True)
+    try:
+        wait_for(lambda: list((out / "logs").glob("*-1.log")), "the first attempt's log")
+        [job_id] = json.loads((out / "slurm.json").read_text())["jobs"].values()
+        # what --signal=B:USR1@90 has SLURM do 90 s before the limit: USR1 to the batch shell
+        slurm_cluster.command("scancel", "--signal=USR1", "--batch", job_id)
+        printed, _ = parent.communicate(timeout=120)
+    finally:
+        parent.kill()
+    [row] = ResultStore(out).rows()
+    assert row["status"] == "timeout" and "SLURM sent SIGUSR1" in row["error"], printed
+    assert [attempt["status"] for attempt in row["attempts"]] == ["interrupted"]
+    assert "#SBATCH --signal=B:USR1@90" in next((out / "slurm").glob("*.sh")).read_text()

@@ -177,6 +177,9 @@ def cluster_options(parser: argparse.ArgumentParser) -> None:
     add("--mem", default=S, metavar="SIZE", help="memory per node as sbatch takes it: 256G; 0 is all of it")
     add("--sbatch-arg", dest="sbatch_args", action="append", default=S, metavar="OPTION",
         help="a further sbatch option, one word, repeatable: --sbatch-arg=--qos=high")
+    add("--setup", action="append", default=S, metavar="LINE",
+        help="a shell line the batch script runs before fitbench, repeatable: --setup 'module load cuda/12.4' "
+             "--setup 'source ~/venv/bin/activate'")
     add("--max-concurrent", dest="max_concurrent", type=int, default=S, metavar="N",
         help="jobs of the sweep's array running at once (default: all)")
     add("--inter-node-bandwidth", dest="inter_node_bandwidth", default=S, metavar="RATE",

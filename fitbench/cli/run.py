@@ -149,6 +149,7 @@ def sweep_config(args: argparse.Namespace):
             raise UserError(f"resume: {args.resume} holds no fitbench sweep (no sweep.json). Pass the --out directory "
                             f"of an earlier run.")
         saved = saved_options(sweep, str(store.directory / SWEEP_FILE))
+        saved = _fixable_in_place(saved, store, cli_options)
     elif args.extend:
         raise UserError("--extend adds to a saved sweep; give it with --resume DIR.")
     file_options = load_yaml(args.config) if args.config else {}
@@ -159,6 +160,19 @@ def sweep_config(args: argparse.Namespace):
         raise UserError("ollama-model: --ollama-url needs --ollama-model, the model that writes the analysis.")
     out = args.resume or config.out or str(Path("fitbench-results") / datetime.now(timezone.utc).strftime("%Y%m%d-%H%M%S"))
     return config, out
+
+
+def _fixable_in_place(saved, store, cli_options: dict[str, Any]):
+    """``saved`` with the cluster options given now in place of its own, where the sweep never got a job
+    submitted nor a row (sbatch refused it, or it was a --dry-run): the same folder is fixed and run."""
+    from fitbench.config import Source
+    from fitbench.launch.slurm.sweep import SUBMITTED_FILE
+    from fitbench.sweep import SLURM_FIELDS
+
+    if (store.directory / SUBMITTED_FILE).exists() or store.row_files():
+        return saved
+    given = {field: value for field, value in cli_options.items() if field in SLURM_FIELDS}
+    return Source({**saved, **given}, kind=saved.kind, name=saved.name, keys=saved.keys) if given else saved
 
 
 def _start_sweep(store, out: str, config, device: str, args: argparse.Namespace) -> str:

@@ -1,7 +1,7 @@
 """Batch scripts: one configuration as one job, a sweep as one job array.
 
-A script is what a person reads and edits: ``#SBATCH`` lines from ``SlurmOptions``, then the
-command that starts the job's ranks. Every word that comes from input reaches the shell through
+A script is what a person reads and edits: ``#SBATCH`` lines from ``SlurmOptions``, the user's
+``--setup`` lines as written (``setup_lines``), then the command that starts the job's ranks. Every other word that comes from input reaches the shell through
 ``shlex.quote`` (sbatch reads the ``#SBATCH`` lines with the same quoting); the only words left to
 the shell are its own variables (``$SLURM_JOB_NODELIST``, ``$SLURM_ARRAY_TASK_ID``).
 
@@ -102,8 +102,16 @@ def agent_options(nodes: int, ranks: int) -> list[str]:
     return [f"--nnodes={nodes}", f"--nproc-per-node={ranks}", "--rdzv-backend=c10d", "--max-restarts=0"]
 
 
+def setup_lines(options: SlurmOptions) -> list[str]:
+    """The user's ``--setup`` lines as written, under ``set -eo pipefail`` (a line that fails ends the
+    job) but before ``set -u``, which module and venv scripts that read unset variables do not survive."""
+    if not options.setup:
+        return []
+    return ["set -eo pipefail", "# --setup", *options.setup]
+
+
 def _script(options: SlurmOptions, job: ScriptJob, array: list[str], body: list[str]) -> str:
-    lines = ["#!/bin/bash", *sbatch_lines(options, job), *array, "set -euo pipefail",
+    lines = ["#!/bin/bash", *sbatch_lines(options, job), *array, *setup_lines(options), "set -euo pipefail",
              *rendezvous_lines(options, job), *body]
     return "\n".join(lines) + "\n"
 
