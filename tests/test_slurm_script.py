@@ -306,3 +306,14 @@ def test_a_time_limit_shorter_than_the_timeout_is_a_warning(tmp_path, capsys):
     code, printed, stderr = cli([*GPU_JOB, "--time", "30", "--timeout", "3600", "--cpus-per-task", "8", "--mem",
                                  "64G", "--out", str(tmp_path / "out")], capsys)
     assert code == 0 and "--time 30 ends a job before --timeout 3600 s" in " ".join(stderr.split()), stderr
+
+
+def test_a_scripts_tasks_name_their_configurations_for_its_own_directory_only(tmp_path):
+    from fitbench.launch.slurm.sweep import script_keys
+
+    tasks = [["-m", "fitbench.cli.allocation", str(tmp_path), key] for key in ("k0", "k1")]
+    script = array_script(SlurmOptions(), ScriptJob("sweep", "%A_%a.out"), tasks, limit=1)
+    assert script_keys(script, tmp_path) == {"0": "k0", "1": "k1"}
+    assert script_keys(script, tmp_path / "other") == {}
+    one = batch_script(SlurmOptions(), ScriptJob("job", "%j.out"), tasks[1])
+    assert script_keys(one + "# exec python -m fitbench.cli.allocation x y\n", tmp_path) == {None: "k1"}

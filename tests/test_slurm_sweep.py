@@ -178,3 +178,21 @@ def test_slurms_signal_before_the_time_limit_writes_a_timeout_row_with_the_attem
     assert row["status"] == "timeout" and "SLURM sent SIGUSR1" in row["error"], printed
     assert [attempt["status"] for attempt in row["attempts"]] == ["interrupted"]
     assert "#SBATCH --signal=B:USR1@90" in next((out / "slurm").glob("*.sh")).read_text()
+
+
+def test_the_dry_run_script_edited_and_submitted_by_hand_is_followed_not_submitted_again(tmp_path, capsys,
+                                                                                        slurm_cluster):
+    out = tmp_path / "by-hand"
+    code, printed, errors = cli(["run", *TINY, "--batch-size", "1", "2", "--out", str(out), "--dry-run"], capsys)
+    assert code == 0, printed + errors
+    [script] = (out / "slurm").glob("*.sh")
+    edited = script.read_text().replace("set -euo pipefail\n", "set -euo pipefail\necho edited by hand\n", 1)
+    script.write_text(edited)
+    job_id = slurm_cluster.command("sbatch", "--parsable", str(script)).strip()
+    code, printed, errors = cli(["run", "--resume", str(out)], capsys)
+    assert code == 0, printed + errors
+    rows = list(ResultStore(out).rows())
+    assert [row["status"] for row in rows] == ["ok", "ok"]
+    assert sorted(json.loads((out / "slurm.json").read_text())["jobs"].values()) == [f"{job_id}_0", f"{job_id}_1"]
+    assert sorted(row["slurm"]["job_id"] for row in rows) == [f"{job_id}_0", f"{job_id}_1"]
+    assert all("edited by hand" in (out / "logs" / f"slurm-{job_id}_{task}.out").read_text() for task in (0, 1))

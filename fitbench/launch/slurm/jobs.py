@@ -238,6 +238,23 @@ def _sacct(job_ids: list[str]) -> dict[str, JobStatus]:
     return parse_states(done.stdout)
 
 
+def queued_scripts(name: str) -> list[tuple[str, str | None, Path]]:
+    """This user's pending and running jobs named ``name``: (id, array task or None, the batch script's
+    path), each task of an array apart (``squeue --me --array``: ``%i``, ``%K``, ``%o`` the command, in
+    ``%Z`` the directory it was submitted from)."""
+    done = _run(["squeue", "--me", "--noheader", "--array", f"--name={name}", "--states=PENDING,RUNNING",
+                 "--format=%i|%K|%Z|%o"])
+    if done.returncode != 0:
+        raise SlurmCommandError(f"squeue exited {done.returncode}: {' '.join(done.stderr.split())}")
+    found = []
+    for line in done.stdout.splitlines():
+        fields = line.strip().split("|", 3)
+        if len(fields) == 4 and fields[0]:
+            task = fields[1] if fields[1].isdigit() else None
+            found.append((fields[0], task, Path(fields[2]) / fields[3]))
+    return found
+
+
 def cancel(job_ids: Iterable[str]) -> None:
     """Cancel the jobs (an array's id cancels every task of it); a job already finished is left as it is."""
     wanted = sorted(set(job_ids))

@@ -19,6 +19,8 @@ from __future__ import annotations
 
 import json
 import os
+import re
+import shlex
 import time
 from dataclasses import dataclass
 from datetime import datetime, timezone
@@ -28,7 +30,7 @@ from typing import Any
 from fitbench.launch.job import Job
 from fitbench.launch.launcher import SweepDisplay
 from fitbench.launch.local import LocalLauncher, sweep_row
-from fitbench.launch.slurm.jobs import JobStatus, statuses, submit
+from fitbench.launch.slurm.jobs import JobStatus, queued_scripts, statuses, submit
 from fitbench.launch.slurm import planned
 from fitbench.launch.slurm.options import SlurmOptions
 from fitbench.launch.slurm.script import ScriptJob, array_script, batch_script
@@ -40,6 +42,8 @@ SUBMITTED_FILE = "slurm.json"
 SCRIPTS = "slurm"
 PROGRESS = "progress"
 ALLOCATION_PROGRAM = ("-m", "fitbench.cli.allocation")
+# a task's line: "  3) exec ... -m fitbench.cli.allocation DIR KEY ;;" in an array, "exec ..." alone
+ALLOCATION_LINE = re.compile(r"^\s*(?:(\d+)\)\s)?.*fitbench\.cli\.allocation\s+(.*?)(?:;;)?\s*$")
 # Following jobs asks squeue every POLL_S at first, then every tenth of the time followed so far, at
 # most every MAX_POLL_S: a sweep followed for a day asks about 1,500 times, not 86,400.
 POLL_S = 1.0
@@ -65,7 +69,7 @@ def scripts(jobs: list[Job], options: SlurmOptions, store: ResultStore, max_conc
     """The batch script that runs ``jobs`` (one job, or one array for several) in ``store``'s directory."""
     directory = store.directory.resolve()
     logs = directory / "logs"
-    name = f"fitbench-{directory.name}"
+    name = job_name(store)
     tasks = [[*ALLOCATION_PROGRAM, str(directory), job.spec.key] for job in jobs]
     stamp = datetime.now(timezone.utc).strftime("%Y%m%d-%H%M%S")
     if len(jobs) == 1:
@@ -77,6 +81,47 @@ def scripts(jobs: list[Job], options: SlurmOptions, store: ResultStore, max_conc
     named = "".join(f"# {index}: {' '.join(job.spec.label.split())} ({job.spec.key})\n" for index, job in enumerate(jobs))
     text = text.replace("set -euo pipefail\n", "set -euo pipefail\n" + named, 1)
     return Script(directory / SCRIPTS / f"{stamp}-{len(jobs)}.sh", text, tuple(jobs))
+
+
+def job_name(store: ResultStore) -> str:
+    """The name of the sweep's jobs (sbatch's ``--job-name``), by which ``adopted`` finds a script of
+    the sweep that a person submitted."""
+    return f"fitbench-{store.directory.resolve().name}"
+
+
+def script_keys(text: str, directory: Path) -> dict[str | None, str]:
+    """The configuration each task of a batch script runs in ``directory`` (the key after
+    ``fitbench.cli.allocation DIR``), by array task (``i) ...`` of its ``case``; None for a script of
+    one job); a line for another directory is not this sweep's."""
+    keys: dict[str | None, str] = {}
+    for line in text.splitlines():
+        found = ALLOCATION_LINE.search(line)
+        if found is None or line.lstrip().startswith("#"):
+            continue
+        try:
+            words = shlex.split(found.group(2))
+        except ValueError:
+            continue
+        if len(words) >= 2 and Path(words[0]).resolve() == directory.resolve():
+            keys[found.group(1)] = words[1]
+    return keys
+
+
+def adopted(store: ResultStore, keys: set[str]) -> dict[str, str]:
+    """Pending and running jobs of this sweep that a person submitted (its script, edited or not, through
+    ``sbatch``), by the configuration of ``keys`` each runs: their ids."""
+    found: dict[str, str] = {}
+    texts: dict[Path, str] = {}
+    for job_id, task, script in queued_scripts(job_name(store)):
+        if script not in texts:
+            try:
+                texts[script] = script.read_text(errors="replace")
+            except OSError:
+                texts[script] = ""
+        key = script_keys(texts[script], store.directory).get(task)
+        if key in keys:
+            found[key] = job_id
+    return found
 
 
 def write_script(script: Script) -> None:
@@ -118,6 +163,11 @@ def run_on_slurm(jobs: list[Job], store: ResultStore, options: SlurmOptions, *, 
     known = submitted(store)
     finished = store.finished_keys()
     wanted = [job for job in jobs if job.spec.key not in finished]
+    # a script of the sweep submitted by hand runs its configurations: followed, not submitted again
+    by_hand = adopted(store, {job.spec.key for job in wanted})
+    if by_hand:
+        known.update(by_hand)
+        _save_submitted(store, known)
     for job in jobs:
         if job.spec.key in finished:
             display.skipped(job)
