@@ -171,8 +171,29 @@ class SlurmCluster:
         self.daemons.remove(controller)
 
     def start_controller(self) -> None:
-        """Start slurmctld again from its saved state; the nodes and their jobs find it again."""
-        self._start("slurmctld", "-D", "-f", str(self.directory / "slurm.conf"))
+        """Start slurmctld again from its saved state, until it answers; the nodes and their jobs find it
+        again. One started while the old one's port is still held exits at once: it is started again."""
+        deadline = time.monotonic() + START_S
+        while time.monotonic() < deadline:
+            self._start("slurmctld", "-D", "-f", str(self.directory / "slurm.conf"))
+            controller = self.controller
+            while controller.poll() is None and time.monotonic() < deadline:
+                if self._answers():
+                    return
+                time.sleep(POLL_S)
+            if controller.poll() is None:
+                controller.kill()
+                controller.wait()
+            self.daemons.remove(controller)
+            time.sleep(1)
+        raise RuntimeError(f"slurmctld did not start again within {START_S:.0f} s\n{self.logs()}")
+
+    def _answers(self) -> bool:
+        try:
+            self.command("squeue", "--noheader")
+        except (RuntimeError, subprocess.TimeoutExpired):
+            return False
+        return True
 
     def _start(self, *argv: str) -> None:
         # what a daemon prints before its log file is open (a configuration it cannot read) joins the logs

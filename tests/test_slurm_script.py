@@ -153,7 +153,7 @@ def test_without_sbatch_on_path_submitting_is_one_paragraph_saying_where_to_run(
     assert str(error.value).startswith("launcher: sbatch is not on PATH") and "\n" not in str(error.value)
 
 
-def test_each_node_runs_its_agent_inside_its_gpu_sampler(tmp_path):
+def test_each_node_runs_its_agent_inside_its_gpu_sampler(tmp_path, monkeypatch):
     from pathlib import Path
 
     from fitbench.launch.slurm.nodes import AgentsOnNodes
@@ -163,6 +163,15 @@ def test_each_node_runs_its_agent_inside_its_gpu_sampler(tmp_path):
     assert command[0] == "srun" and command[sampler + 1:sampler + 4] == [str(tmp_path), "4", "--"]
     assert command.index("torch.distributed.run") > sampler and command[-3:] == ["fitbench.run.worker", "a.json",
                                                                                   "r.json"]
+    # the lines the batch script exports, as a person edited them, replace fitbench's own
+    monkeypatch.setenv("FITBENCH_SRUN", "srun --nodes=2 --ntasks=2 --kill-on-bad-exit=1")
+    monkeypatch.setenv("FITBENCH_TORCHRUN", "python3 -m torch.distributed.run --nnodes=2 --nproc-per-node=4 --x='a b'")
+    command = AgentsOnNodes(2, 4, "node1:29500", "job-1", tmp_path, 4).command(Path("a.json"), Path("r.json"))
+    assert command[:5] == ["srun", "--nodes=2", "--ntasks=2", "--kill-on-bad-exit=1", "env"]
+    torchrun = command.index("python3")
+    assert command[torchrun:torchrun + 6] == ["python3", "-m", "torch.distributed.run", "--nnodes=2",
+                                              "--nproc-per-node=4", "--x=a b"]
+    assert command[torchrun + 6:torchrun + 8] == ["--rdzv-endpoint=node1:29500", "--rdzv-id=job-1"]
 
 
 def test_a_nodes_sampler_passes_its_agents_status_and_leaves_a_summary_with_or_without_nvml(tmp_path, monkeypatch):

@@ -75,6 +75,10 @@ def test_a_configuration_over_two_nodes_is_one_row_with_every_ranks_node(tmp_pat
     assert code == 0, printed + errors + json.dumps(rows)[:3000]
     [row] = rows
     assert row["status"] == "ok" and row["ranks"] == 2
+    # the job's ranks started from the srun and torchrun lines its script shows
+    [script] = (out / "slurm").glob("*.sh")
+    assert "export FITBENCH_SRUN='srun --nodes=2 --ntasks=2 --ntasks-per-node=1'" in script.read_text()
+    assert "--nnodes=2 --nproc-per-node=1 --rdzv-backend=c10d --max-restarts=0'" in script.read_text()
     assert sorted(rank["node"] for rank in row["placement"]) == sorted(NODES)
     assert all(rank["device"] and rank["host_peak_rss"] for rank in row["placement"])
     # every node sampled its GPUs beside its agent, and the row merges the nodes' summaries in SLURM's order; a
