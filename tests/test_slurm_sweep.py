@@ -67,14 +67,20 @@ def test_an_interrupted_array_ends_after_resume_with_every_configuration_once(tm
     assert sorted(path.stem for path in (out / "rows").glob("*.json")) == sorted(submitted)
 
 
-def test_a_configuration_over_two_nodes_is_one_row_with_every_ranks_node(tmp_path, capsys):
+def test_a_configuration_over_two_nodes_is_one_row_with_every_ranks_node(tmp_path, capsys, monkeypatch):
+    # planned here for 1 GB "GPUs", run on nodes of 2 GB ones (the memory limit), as the README's flow
+    monkeypatch.setenv("FITBENCH_INJECT", "mem-limit:1e9")
     out = tmp_path / "nodes"
     code, printed, errors = cli(["run", *TINY, "--batch-size", "2", "--gpus", "2", "--strategy", "ddp",
-                                 "--mode", "train", "--nodes", "2", "--out", str(out)], capsys)
+                                 "--mode", "train", "--nodes", "2", "--out", str(out),
+                                 "--sbatch-arg=--export=ALL,FITBENCH_INJECT=mem-limit:2e9"], capsys)
     rows = list(ResultStore(out).rows())
     assert code == 0, printed + errors + json.dumps(rows)[:3000]
     [row] = rows
-    assert row["status"] == "ok" and row["ranks"] == 2
+    assert row["status"] == "ok" and row["ranks"] == 2 and row["spec"]["precision"] != "fp32"
+    assert row["slurm"]["planned_for"] != row["slurm"]["node_gpu"]
+    code, shown, errors = cli(["report", str(out)], capsys)
+    assert code == 0 and "tiny" in shown, shown + errors
     # the job's ranks started from the srun and torchrun lines its script shows
     [script] = (out / "slurm").glob("*.sh")
     assert "export FITBENCH_SRUN='srun --nodes=2 --ntasks=2 --ntasks-per-node=1'" in script.read_text()
