@@ -65,6 +65,7 @@ def load(directory: str | Path) -> list[Row]:
     from fitbench.util.errors import UserError
 
     store = ResultStore(directory)
-    if not store.path.exists():
-        raise UserError(f"load: {directory} has no {store.path.name}. Pass the --out directory of a `fitbench run`.")
+    if not store.row_files():
+        raise UserError(f"load: {directory} has no {store.path.name} (nor a SLURM sweep's rows/). Pass the --out "
+                        f"directory of a `fitbench run`.")
     return list(store.typed_rows())

@@ -126,12 +126,17 @@ class SweepConfig(BaseModel):
     nodes: int | None = Field(None, description=f"nodes of each configuration's job, 1 to {RANKS_MAX} (slurm "
                                                 f"launcher); its ranks (--gpus) spread evenly over them")
     gpus_per_node: int | None = Field(None, description=f"GPUs asked of each node, 1 to {RANKS_MAX} (slurm launcher)")
+    gpu: str | None = Field(None, min_length=1, description="the GPU of the nodes the jobs are planned for: H100-80GB, "
+                                                            "A100-40GB (slurm launcher; default: the partition's GRES)")
     cpus_per_task: int | None = Field(None, description=f"CPUs asked for each node's task, 1 to {RANKS_MAX} (slurm "
                                                         f"launcher)")
     mem: str | None = Field(None, min_length=1, description="memory per node as sbatch takes it: 256G (slurm "
                                                             "launcher)")
     sbatch_args: list[str] | None = Field(None, min_length=1, description="further sbatch options, each one word: "
                                                                           "--qos=high (slurm launcher)")
+    setup: list[str] | None = Field(
+        None, min_length=1, description="shell lines the batch script runs before fitbench, each one line: module "
+                                        "load cuda, source venv/bin/activate (slurm launcher)")
     max_concurrent: int | None = Field(None, description=f"jobs of the sweep's array running at once, 1 to "
                                                          f"{COUNT_MAX:,} (slurm launcher; default: all)")
     inter_node_bandwidth: str | None = Field(
@@ -196,7 +201,7 @@ class SweepConfig(BaseModel):
             parse_inter_node_bandwidth(value)
         return value
 
-    @field_validator("sbatch_args", mode="before")
+    @field_validator("sbatch_args", "setup", mode="before")
     @classmethod
     def _sbatch_args(cls, value: Any) -> Any:
         return _as_list(value)

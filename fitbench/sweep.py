@@ -269,8 +269,8 @@ def plan_sweep(config, out: str, out_option: str = "--out", say: Callable[[str],
     (``check_output_directory``; ``out_option`` names it in an error), the target and its calibration
     (``run_target``, telling ``say`` if it calibrates), and the planned jobs, those this device cannot
     run refused. Under the slurm launcher the devices are the cluster's nodes', not this machine's:
-    the jobs are left unplanned here, and each is planned on its node
-    (``fitbench.cli.allocation``)."""
+    the jobs are planned here for the GPU they will get (``fitbench.launch.slurm.planned``), and each
+    runs on its node as planned (``fitbench.cli.allocation``)."""
     from fitbench.config import expand
     from fitbench.plan.calibration import TENSORS_ONLY
 
@@ -281,7 +281,13 @@ def plan_sweep(config, out: str, out_option: str = "--out", say: Callable[[str],
                             "see the nodes' GPUs from here; name them with --models.")
         specs = expand(config, device=device, default_models=default_models("cpu"))
         check_output_directory(out, out_option)
-        return PlannedSweep(device, plan_jobs(specs, config, None, None), TENSORS_ONLY)
+        from fitbench.launch.slurm.planned import login_target
+
+        target, calibration = login_target(device, config.gpus, config.gpu, config.partition)
+        if target is not None:
+            target = cluster_target(target, config)
+        return PlannedSweep(device, plan_jobs(specs, config, target, calibration),
+                            calibration.source if calibration else TENSORS_ONLY)
     device = resolve_device(config.device)
     check_ranks(device, config.gpus // (config.nodes or 1))
     specs = expand(config, device=device, default_models=default_models(device, config.gpus, config.strategy))
@@ -308,20 +314,48 @@ def cluster_target(target: GpuTarget, config) -> GpuTarget:
 
 def cluster_device(config) -> str:
     """The device of a sweep's SLURM jobs: the one named, else a GPU where GPUs are asked of each node
-    (``--gpus-per-node``), else cpu. Nothing is asked of this machine's devices."""
+    (``--gpus-per-node``) or named (``--gpu``), else cpu. Nothing is asked of this machine's devices."""
     if config.device != "auto":
         return "cuda:0" if config.device == "cuda" else config.device
-    return "cuda:0" if config.gpus_per_node else "cpu"
+    return "cuda:0" if config.gpus_per_node or config.gpu else "cpu"
 
 
-SLURM_FIELDS = ("partition", "account", "time", "nodes", "gpus_per_node", "cpus_per_task", "mem", "sbatch_args",
-                "max_concurrent")
+def sized_config(config):
+    """``config`` with its SLURM jobs sized (``fitbench.launch.slurm.sizing.size_job``: ranks, nodes and
+    GPUs per node made to agree, those left out derived, CPUs and memory per node defaulted), and the
+    warnings of what was not; ``config`` itself under the local launcher. Raises UserError."""
+    from fitbench.launch.slurm.jobs import partition_node
+    from fitbench.launch.slurm.options import time_problem, time_seconds
+    from fitbench.launch.slurm.sizing import size_job
+
+    if config.launcher != "slurm":
+        return config, []
+    on_gpus = cluster_device(config) != "cpu"
+    size = size_job(on_gpus=on_gpus, gpus=config.gpus if "gpus" in config.model_fields_set else None,
+                    nodes=config.nodes, gpus_per_node=config.gpus_per_node, cpus_per_task=config.cpus_per_task,
+                    mem=config.mem, node=lambda: partition_node(config.partition))
+    warnings = list(size.warnings)
+    if config.time is not None:
+        time_problem(config.time)
+        if time_seconds(config.time) < config.timeout:
+            warnings.append(f"--time {config.time} ends a job before --timeout {config.timeout:g} s ends its "
+                            f"configuration: SLURM may stop it first, and its row then reads timeout. Give --time at "
+                            f"least --timeout (and a margin for the job's start), or a shorter --timeout.")
+    if not on_gpus and size.gpus > 1 and config.device == "auto":
+        warnings.append(f"each job runs {size.gpus} CPU processes: no GPU was asked (--gpus-per-node or --gpu); "
+                        f"give one of them for a job of GPUs, or --device cpu to say so.")
+    return config.model_copy(update={"gpus": size.gpus, "nodes": size.nodes, "gpus_per_node": size.gpus_per_node,
+                                     "cpus_per_task": size.cpus_per_task, "mem": size.mem}), warnings
+
+
+SLURM_FIELDS = ("partition", "account", "time", "nodes", "gpus_per_node", "gpu", "cpus_per_task", "mem", "sbatch_args",
+                "setup", "max_concurrent")
 
 
 def slurm_options(config):
     """The sweep's SLURM options (``fitbench.launch.slurm.options.SlurmOptions``, checked), None under the
-    local launcher; a UserError for one given without ``--launcher slurm``, or ranks that do not
-    spread evenly over the nodes."""
+    local launcher; a UserError for one given without ``--launcher slurm`` (the job's size is
+    ``sized_config``'s)."""
     from fitbench.launch.slurm.options import SlurmOptions
 
     if config.launcher != "slurm":
@@ -332,13 +366,9 @@ def slurm_options(config):
                             f"machine (--launcher local, the default). Add --launcher slurm to run it as SLURM "
                             f"jobs, or leave {option} out.")
         return None
-    nodes = config.nodes or 1
-    if config.gpus % nodes:
-        raise UserError(f"nodes: --gpus {config.gpus} ranks do not spread evenly over --nodes {nodes}; give --gpus a "
-                        f"multiple of {nodes} (ranks per node x nodes), or fewer --nodes.")
-    return SlurmOptions(partition=config.partition, account=config.account, time=config.time, nodes=nodes,
+    return SlurmOptions(partition=config.partition, account=config.account, time=config.time, nodes=config.nodes or 1,
                         gpus_per_node=config.gpus_per_node, cpus_per_task=config.cpus_per_task, mem=config.mem,
-                        sbatch_args=tuple(config.sbatch_args or ()))
+                        sbatch_args=tuple(config.sbatch_args or ()), setup=tuple(config.setup or ()))
 
 
 # Bounds of what a plan can describe: beyond them a number is a typo, and sizes stop being finite floats.

@@ -152,6 +152,49 @@ class SlurmCluster:
             self._start("slurmd", "-D", "-N", name, "-f", str(conf))
         self._wait(self._idle, "every node to be idle")
 
+    @property
+    def controller(self) -> subprocess.Popen:
+        return next(daemon for daemon in reversed(self.daemons) if daemon.args[0] == "slurmctld")
+
+    def pause_controller(self) -> None:
+        """Stop slurmctld (SIGSTOP) where it stands: the commands wait for it, then time out."""
+        self.controller.send_signal(signal.SIGSTOP)
+
+    def resume_controller(self) -> None:
+        self.controller.send_signal(signal.SIGCONT)
+
+    def stop_controller(self) -> None:
+        """End slurmctld (SIGTERM: it saves its state, as a restart by an administrator does)."""
+        controller = self.controller
+        controller.send_signal(signal.SIGTERM)
+        controller.wait(timeout=STOP_S)
+        self.daemons.remove(controller)
+
+    def start_controller(self) -> None:
+        """Start slurmctld again from its saved state, until it answers; the nodes and their jobs find it
+        again. One started while the old one's port is still held exits at once: it is started again."""
+        deadline = time.monotonic() + START_S
+        while time.monotonic() < deadline:
+            self._start("slurmctld", "-D", "-f", str(self.directory / "slurm.conf"))
+            controller = self.controller
+            while controller.poll() is None and time.monotonic() < deadline:
+                if self._answers():
+                    return
+                time.sleep(POLL_S)
+            if controller.poll() is None:
+                controller.kill()
+                controller.wait()
+            self.daemons.remove(controller)
+            time.sleep(1)
+        raise RuntimeError(f"slurmctld did not start again within {START_S:.0f} s\n{self.logs()}")
+
+    def _answers(self) -> bool:
+        try:
+            self.command("squeue", "--noheader")
+        except (RuntimeError, subprocess.TimeoutExpired):
+            return False
+        return True
+
     def _start(self, *argv: str) -> None:
         # what a daemon prints before its log file is open (a configuration it cannot read) joins the logs
         with (self.directory / "log" / f"{argv[0]}-{len(self.daemons)}-output.log").open("w") as output:
@@ -187,6 +230,7 @@ class SlurmCluster:
                 pass
         for daemon in reversed(self.daemons):
             if daemon.poll() is None:
+                daemon.send_signal(signal.SIGCONT)  # a test may have left it paused
                 daemon.send_signal(signal.SIGTERM)
         for daemon in reversed(self.daemons):
             try:

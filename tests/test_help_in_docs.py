@@ -17,7 +17,10 @@ ROOT = Path(__file__).resolve().parents[1]
 PAGES = [*sorted((ROOT / "docs").glob("*.md")), ROOT / "README.md"]
 OPTION = re.compile(r"(?<![\w-])--[a-z][a-z0-9-]*")
 # Options the docs name that are not fitbench's: the program each belongs to.
-OTHER_PROGRAMS = {"--qos": "sbatch", "--array": "sbatch", "--standalone": "torchrun",
+OTHER_PROGRAMS = {"--qos": "sbatch", "--array": "sbatch", "--job-name": "sbatch", "--output": "sbatch",
+                  "--ntasks-per-node": "sbatch", "--signal": "sbatch", "--ntasks": "srun", "--mpi": "srun",
+                  "--nnodes": "torchrun", "--nproc-per-node": "torchrun", "--rdzv-backend": "torchrun",
+                  "--max-restarts": "torchrun", "--standalone": "torchrun",
                   "--min-gpus": "benchmarks/memory_error.py and the other error scripts",
                   "--one-shot": "benchmarks/tp_decode_profile.py", "--baseline-again": "benchmarks/ddp_overlap.py",
                   "--load-format": "vllm serve", "--tensor-parallel-size": "vllm serve",

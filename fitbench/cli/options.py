@@ -169,11 +169,17 @@ def cluster_options(parser: argparse.ArgumentParser) -> None:
         help="nodes of each configuration's job: one torchrun agent per node started by srun; --gpus N ranks "
              "spread evenly over them (default 1)")
     add("--gpus-per-node", dest="gpus_per_node", type=int, default=S, metavar="N", help="GPUs asked of each node")
+    add("--gpu", default=S, metavar="NAME",
+        help="the nodes' GPU the jobs are planned for here: H100-80GB, A100-40GB (default: the one the partition's "
+             "GRES names, as sinfo lists it)")
     add("--cpus-per-task", dest="cpus_per_task", type=int, default=S, metavar="N",
         help="CPUs asked for each node's task")
     add("--mem", default=S, metavar="SIZE", help="memory per node as sbatch takes it: 256G; 0 is all of it")
     add("--sbatch-arg", dest="sbatch_args", action="append", default=S, metavar="OPTION",
         help="a further sbatch option, one word, repeatable: --sbatch-arg=--qos=high")
+    add("--setup", action="append", default=S, metavar="LINE",
+        help="a shell line the batch script runs before fitbench, repeatable: --setup 'module load cuda/12.4' "
+             "--setup 'source ~/venv/bin/activate'")
     add("--max-concurrent", dest="max_concurrent", type=int, default=S, metavar="N",
         help="jobs of the sweep's array running at once (default: all)")
     add("--inter-node-bandwidth", dest="inter_node_bandwidth", default=S, metavar="RATE",

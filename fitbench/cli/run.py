@@ -53,9 +53,12 @@ def run(args: argparse.Namespace) -> int:
 
     from fitbench.cli.display import ProgressDisplay
 
-    from fitbench.sweep import slurm_options
+    from fitbench.sweep import sized_config, slurm_options
 
     config, out = sweep_config(args)
+    config, warnings = sized_config(config)
+    for warning in warnings:
+        warn(warning)
     options = slurm_options(config)
     if args.dry_run and options is None:
         raise UserError("dry-run: --dry-run prints the batch scripts of SLURM jobs; give it with --launcher slurm.")
@@ -87,8 +90,15 @@ def run(args: argparse.Namespace) -> int:
         from fitbench.cli.display import ClusterDisplay
         from fitbench.launch.slurm.sweep import run_on_slurm
 
-        run_on_slurm(jobs, store, options, max_concurrent=config.max_concurrent, command=command,
-                     display=ClusterDisplay(store))
+        from fitbench.launch.slurm.jobs import SlurmCommandError
+
+        try:
+            run_on_slurm(jobs, store, options, max_concurrent=config.max_concurrent, command=command,
+                         display=ClusterDisplay(store))
+        except SlurmCommandError as error:  # the cluster's, not the input's: one paragraph, exit 1
+            console.print(f"fitbench: {escape(str(error))}", soft_wrap=True)
+            store.unlock()
+            return 1
     else:
         with ProgressDisplay(len(jobs), store, quiet=args.quiet) as display:
             run_sweep(jobs, store, launcher=LocalLauncher(), display=display, command=command,
@@ -139,6 +149,7 @@ def sweep_config(args: argparse.Namespace):
             raise UserError(f"resume: {args.resume} holds no fitbench sweep (no sweep.json). Pass the --out directory "
                             f"of an earlier run.")
         saved = saved_options(sweep, str(store.directory / SWEEP_FILE))
+        saved = _fixable_in_place(saved, store, cli_options)
     elif args.extend:
         raise UserError("--extend adds to a saved sweep; give it with --resume DIR.")
     file_options = load_yaml(args.config) if args.config else {}
@@ -149,6 +160,19 @@ def sweep_config(args: argparse.Namespace):
         raise UserError("ollama-model: --ollama-url needs --ollama-model, the model that writes the analysis.")
     out = args.resume or config.out or str(Path("fitbench-results") / datetime.now(timezone.utc).strftime("%Y%m%d-%H%M%S"))
     return config, out
+
+
+def _fixable_in_place(saved, store, cli_options: dict[str, Any]):
+    """``saved`` with the cluster options given now in place of its own, where the sweep never got a job
+    submitted nor a row (sbatch refused it, or it was a --dry-run): the same folder is fixed and run."""
+    from fitbench.config import Source
+    from fitbench.launch.slurm.sweep import SUBMITTED_FILE
+    from fitbench.sweep import SLURM_FIELDS
+
+    if (store.directory / SUBMITTED_FILE).exists() or store.row_files():
+        return saved
+    given = {field: value for field, value in cli_options.items() if field in SLURM_FIELDS}
+    return Source({**saved, **given}, kind=saved.kind, name=saved.name, keys=saved.keys) if given else saved
 
 
 def _start_sweep(store, out: str, config, device: str, args: argparse.Namespace) -> str:
@@ -176,7 +200,7 @@ def _summary(store, out: str, keys: set[str], config, quiet: bool = False) -> in
     if not quiet:
         console.print(results_table(rows))
     csv_path = write_csv(list(store.typed_rows()), out)
-    console.print(f"rows: {store.path}  table: {csv_path}")
+    console.print(f"rows: {' and '.join(map(str, store.row_files())) or 'none'}  table: {csv_path}")
     store.unlock()
     write_documents(Sweeps([SweepRows(Path(out), rows)]), ollama_url=config.ollama_url,
                     ollama_model=config.ollama_model, ollama_timeout=config.ollama_timeout, analysis_directory=out)

@@ -134,7 +134,13 @@ def run_with_fallback(spec: RunSpec, policy: FallbackPolicy,
     attempts = []
     current, change = spec, "as planned"
     while True:
-        row = run(current)
+        try:
+            row = run(current)
+        except KeyboardInterrupt as interruption:
+            # the attempts so far, and the one stopped, for whoever writes the row of a stopped job
+            interruption.attempts = [*attempts, {"spec": current.model_dump(), "change": change,
+                                                 "status": "interrupted", "error": str(interruption)}]
+            raise
         attempts.append({"spec": current.model_dump(), "change": change, "status": row["status"],
                          "error": row.get("error")})
         layout = current.layout

@@ -28,7 +28,7 @@ from typing import Callable, Iterable
 
 from fitbench.results.report import short_names
 from fitbench.results.row import Row
-from fitbench.results.store import RESULTS_FILE, SWEEP_FILE, SWEEP_MAX_BYTES, ResultStore
+from fitbench.results.store import JOB_ROWS, RESULTS_FILE, SWEEP_FILE, SWEEP_MAX_BYTES, ResultStore
 from fitbench.util.errors import UserError, excerpt
 from fitbench.util.jsonfile import parse_json
 
@@ -63,7 +63,7 @@ class SweepRows:
         """This sweep, where it holds a row; a UserError naming ``option`` where it holds none (what
         a comparison or a document cannot be made of)."""
         if not self.rows:
-            raise UserError(f"{option}: {excerpt(str(self.directory), 200)}/{RESULTS_FILE} holds no readable row"
+            raise UserError(f"{option}: {excerpt(str(self.directory), 200)} holds no readable row"
                             + (f" ({self.warnings[0]})" if self.warnings else "") + "; pass the directory of a "
                             "sweep that finished at least one configuration.")
         return self
@@ -77,20 +77,21 @@ def read_sweep(directory: str | Path, option: str = "report",
 
 
 def sweep_directories(directory: str | Path, option: str = "report") -> tuple[list[Path], Path | None]:
-    """The sweeps ``directory`` names: itself where it holds a ``results.jsonl``, else every directory
-    under it that does, in path order, with the tree they were found in; a UserError naming ``option``
+    """The sweeps ``directory`` names: itself where it holds a sweep's rows (``results.jsonl``, or a SLURM
+    sweep's ``rows/``), else every directory under it that does, in path order, with the tree they were found in; a UserError naming ``option``
     when it is empty, a file, or holds no sweep at any depth."""
     path = Path(directory)
-    if str(directory).strip() and path.is_dir() and not (path / RESULTS_FILE).exists():
-        found = sorted({result.parent for result in path.rglob(RESULTS_FILE)})
+    if str(directory).strip() and path.is_dir() and not ResultStore(path).row_files():
+        found = sorted({result.parent for result in path.rglob(RESULTS_FILE)}
+                       | {rows.parent for rows in path.rglob(JOB_ROWS) if rows.is_dir()})
         if found:
             return found, path
     return [_sweep_directory(directory, option)], None
 
 
 def _sweep_directory(directory: str | Path, option: str) -> Path:
-    """``directory`` as a path, where it holds a sweep's ``results.jsonl``; a UserError naming ``option``
-    when it is empty, a file, or holds none."""
+    """``directory`` as a path, where it holds a sweep's rows (``results.jsonl``, or a SLURM sweep's
+    ``rows/``); a UserError naming ``option`` when it is empty, a file, or holds neither."""
     if not str(directory).strip():
         raise UserError(f"{option}: a directory was given as an empty path; pass the --out directory of a "
                         f"`fitbench run`.")
@@ -98,9 +99,9 @@ def _sweep_directory(directory: str | Path, option: str) -> Path:
     if path.is_file():
         raise UserError(f"{option}: {excerpt(str(directory), 200)} is a file; pass the --out directory of a "
                         f"`fitbench run` (it holds {RESULTS_FILE}).")
-    if not (path / RESULTS_FILE).exists():  # one that cannot be read is the store's to say why
-        raise UserError(f"{option}: {directory} has no {RESULTS_FILE}, nor a folder under it that has one. Pass "
-                        f"the --out directory of a `fitbench run`, or a folder of several.")
+    if not ResultStore(path).row_files():  # one that cannot be read is the store's to say why
+        raise UserError(f"{option}: {directory} has no {RESULTS_FILE} (nor a SLURM sweep's {JOB_ROWS}/), nor a folder "
+                        f"under it that has one. Pass the --out directory of a `fitbench run`, or a folder of several.")
     return path
 
 

@@ -204,6 +204,10 @@ class ResultStore:
             self.on_bad_line(f"{self.path}: {len(unreported)} more damaged line(s), lines {unreported[0]} to "
                              f"{unreported[-1]}; skipped or shown with fields blank")
 
+    def row_files(self) -> list[Path]:
+        """Where this directory's rows are: ``results.jsonl`` and the jobs' ``rows/``, those that exist."""
+        return [path for path in (self.path, self.directory / JOB_ROWS) if path.exists()]
+
     def finished_keys(self) -> set[str]:
         return {row.key for row in self.typed_rows() if row.status not in RERUN_STATUSES}
 

@@ -17,11 +17,13 @@ from __future__ import annotations
 
 import shutil
 import subprocess
+import time
 from collections.abc import Iterable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Literal
 
+from fitbench.launch.slurm.sizing import NodeShape
 from fitbench.util.errors import UserError, excerpt_words
 
 State = Literal["PENDING", "RUNNING", "COMPLETED", "TIMEOUT", "NODE_FAIL", "OUT_OF_MEMORY", "CANCELLED",
@@ -37,13 +39,23 @@ STATE_OF: dict[str, State] = {
 }
 FINISHED: frozenset[State] = frozenset(STATES) - {"PENDING", "RUNNING"}
 COMMAND_TIMEOUT_S = 60.0
+# A controller too busy to answer (slurmctld paused, restarting, or past its MessageTimeout, 10 s by
+# default: slurm.conf's manual) makes the commands print one of these; they are asked again, with
+# backoff, for GIVE_UP_S. sbatch only on the first two: after a timeout a job may have been taken.
+UNREACHABLE = ("Unable to contact slurm controller", "Connection refused", "Socket timed out",
+               "Zero Bytes were transmitted", "Transport endpoint is not connected", "Connection timed out")
+SUBMIT_UNREACHABLE = UNREACHABLE[:2]
+GIVE_UP_S = 300.0
+RETRY_FIRST_WAIT_S = 1.0
+RETRY_MAX_WAIT_S = 30.0
 # sacct's answer where the cluster keeps no accounting
 NO_ACCOUNTING = "accounting storage is disabled"
 
 
-class SlurmCommandError(RuntimeError):
-    """A SLURM command failed for a reason of the cluster's (not of the user's input): its message
-    is the command and what it printed."""
+class SlurmCommandError(UserError):
+    """A SLURM command failed for a reason of the cluster's, not of the user's input: its message is
+    one paragraph, the command and what it printed. Before anything is submitted it ends the run as
+    bad input does (exit 2); while jobs are followed, ``fitbench run`` exits 1 and the jobs go on."""
 
 
 @dataclass(frozen=True)
@@ -82,20 +94,90 @@ def check_partition(name: str) -> None:
                         f"cluster's default.")
 
 
-def _run(argv: list[str], *, cwd: Path | None = None) -> subprocess.CompletedProcess:
-    require_command(argv[0])
+def partition_gpus(partition: str | None) -> list[tuple[str | None, int]]:
+    """The GPUs of the nodes of ``partition`` (None: the cluster's default), as ``sinfo`` lists their
+    GRES (``parse_gres``)."""
+    done = _run(["sinfo", "--noheader", "--format=%P|%G"])
+    if done.returncode != 0:
+        raise SlurmCommandError(f"sinfo exited {done.returncode}: {' '.join(done.stderr.split())}")
+    return parse_gres(done.stdout, partition)
+
+
+def partition_node(partition: str | None) -> NodeShape | None:
+    """The smallest node of ``partition`` (None: the default one) as ``sinfo`` lists it: its CPUs, memory
+    and GPUs (``NodeShape``); None where ``sinfo`` is not here or cannot answer."""
     try:
-        return subprocess.run(argv, capture_output=True, text=True, cwd=cwd, stdin=subprocess.DEVNULL,
-                              timeout=COMMAND_TIMEOUT_S)
-    except subprocess.TimeoutExpired as expired:
-        raise SlurmCommandError(f"{' '.join(argv)} did not answer within {COMMAND_TIMEOUT_S:.0f} s") from expired
+        done = _run(["sinfo", "--noheader", "--format=%P|%c|%m|%G"], patient=False)
+    except (UserError, SlurmCommandError):
+        return None
+    shapes = []
+    for line in done.stdout.splitlines() if done.returncode == 0 else []:
+        fields = line.strip().split("|")
+        if len(fields) != 4 or not fields[1].rstrip("+").isdigit() or not fields[2].rstrip("+").isdigit():
+            continue
+        counts = [count for _, count in parse_gres(f"{fields[0]}|{fields[3]}", partition)]
+        if fields[0].rstrip("*") == partition if partition is not None else fields[0].endswith("*"):
+            shapes.append(NodeShape(int(fields[1].rstrip("+")), int(fields[2].rstrip("+")), min(counts, default=None)))
+    if not shapes:
+        return None
+    gpus = [shape.gpus for shape in shapes if shape.gpus]
+    return NodeShape(min(shape.cpus for shape in shapes), min(shape.memory_mb for shape in shapes),
+                     min(gpus) if len(gpus) == len(shapes) else None)
+
+
+def parse_gres(text: str, partition: str | None) -> list[tuple[str | None, int]]:
+    """Lines of ``PARTITION|GRES`` (``sinfo``'s ``%P|%G``: ``gpu*|gpu:h100:8(S:0-1),nvme:1``) -> the GPUs
+    of ``partition``'s nodes (None: the default partition, the one ``sinfo`` marks ``*``): one (type,
+    count per node) for each kind of node, the type None where the GRES names none; empty where the
+    nodes have no GPU."""
+    found: dict[tuple[str | None, int], None] = {}
+    for line in text.splitlines():
+        name, _, gres = line.strip().partition("|")
+        ours = name.rstrip("*") == partition if partition is not None else name.endswith("*")
+        if not ours:
+            continue
+        for entry in gres.split(","):
+            fields = entry.split("(")[0].split(":")
+            if fields[0] == "gpu" and len(fields) in (2, 3) and fields[-1].isdigit():
+                found[(fields[1] if len(fields) == 3 else None, int(fields[-1]))] = None
+    return list(found)
+
+
+def _run(argv: list[str], *, cwd: Path | None = None, busy: tuple[str, ...] = UNREACHABLE,
+         patient: bool = True) -> subprocess.CompletedProcess:
+    """``argv`` run once, and again while SLURM's controller does not answer (an error of ``busy``, or,
+    but for sbatch, whose job may have been taken, no answer within ``COMMAND_TIMEOUT_S``), after 1, 2,
+    4 ... s, at most ``RETRY_MAX_WAIT_S`` apart, for ``GIVE_UP_S`` in all (once where not ``patient``);
+    then a ``SlurmCommandError`` of one paragraph. Any other answer, failed or not, is returned."""
+    require_command(argv[0])
+    deadline, wait = time.monotonic() + GIVE_UP_S, RETRY_FIRST_WAIT_S
+    while True:
+        try:
+            done = subprocess.run(argv, capture_output=True, text=True, cwd=cwd, stdin=subprocess.DEVNULL,
+                                  timeout=COMMAND_TIMEOUT_S)
+            if done.returncode == 0 or not any(sign in done.stderr for sign in busy):
+                return done
+            said = " ".join(done.stderr.split())
+        except subprocess.TimeoutExpired:
+            said = f"no answer within {COMMAND_TIMEOUT_S:.0f} s"
+            if argv[0] == "sbatch":
+                raise SlurmCommandError(f"sbatch: SLURM's controller did not answer within {COMMAND_TIMEOUT_S:.0f} s, "
+                                        f"and the job may have been taken: `squeue --me` shows it. Where it is not "
+                                        f"there, `fitbench run --resume` with the sweep's directory submits it again.")
+        if not patient or time.monotonic() + wait > deadline:
+            raise SlurmCommandError(
+                f"{argv[0]}: SLURM's controller did not answer{f' for {GIVE_UP_S / 60:.0f} minutes' if patient else ''}"
+                f" ({excerpt_words(said)}). Jobs already submitted go on without this process: once `sinfo` answers, "
+                f"`fitbench run --resume` with the sweep's directory follows them again and collects their rows.")
+        time.sleep(wait)
+        wait = min(2 * wait, RETRY_MAX_WAIT_S)
 
 
 def submit(script: Path, *, cwd: Path | None = None) -> str:
     """Submit the batch script at ``script`` from ``cwd``; its job id (an array's id for an array).
     A script that sbatch refuses (an unknown partition or account, a limit the partition does not
     allow) is the user's input: ``UserError`` with sbatch's own words."""
-    done = _run(["sbatch", "--parsable", str(script)], cwd=cwd)
+    done = _run(["sbatch", "--parsable", str(script)], cwd=cwd, busy=SUBMIT_UNREACHABLE)
     if done.returncode != 0:
         said = excerpt_words(" ".join(done.stderr.split()) or f"exit status {done.returncode}")
         raise UserError(f"sbatch refused the job of {script}: {said}. Check its "
@@ -154,6 +236,23 @@ def _sacct(job_ids: list[str]) -> dict[str, JobStatus]:
     if done.returncode != 0:
         raise SlurmCommandError(f"sacct exited {done.returncode}: {' '.join(done.stderr.split())}")
     return parse_states(done.stdout)
+
+
+def queued_scripts(name: str) -> list[tuple[str, str | None, Path]]:
+    """This user's pending and running jobs named ``name``: (id, array task or None, the batch script's
+    path), each task of an array apart (``squeue --me --array``: ``%i``, ``%K``, ``%o`` the command, in
+    ``%Z`` the directory it was submitted from)."""
+    done = _run(["squeue", "--me", "--noheader", "--array", f"--name={name}", "--states=PENDING,RUNNING",
+                 "--format=%i|%K|%Z|%o"])
+    if done.returncode != 0:
+        raise SlurmCommandError(f"squeue exited {done.returncode}: {' '.join(done.stderr.split())}")
+    found = []
+    for line in done.stdout.splitlines():
+        fields = line.strip().split("|", 3)
+        if len(fields) == 4 and fields[0]:
+            task = fields[1] if fields[1].isdigit() else None
+            found.append((fields[0], task, Path(fields[2]) / fields[3]))
+    return found
 
 
 def cancel(job_ids: Iterable[str]) -> None:

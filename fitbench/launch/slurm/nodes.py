@@ -9,6 +9,11 @@ $SLURM_JOB_NODELIST``, where the job's own process runs) on a port free there wh
 starts; ``--rdzv-id`` is new per attempt, so two attempts never meet. Source: PyTorch's torchrun
 documentation, "Multi-node multi-worker" and "Rendezvous".
 
+The batch script exports the ``srun`` and torchrun parts of that command line
+(``FITBENCH_SRUN``, ``FITBENCH_TORCHRUN``: ``fitbench.launch.slurm.script.launcher_lines``), where a
+person reads and may edit them (another ``--cpus-per-task``, ``--mpi``, a torchrun option); each attempt
+starts its ranks with them, adding the rendezvous endpoint and id and the worker.
+
 The ranks of other nodes cannot see this node's processes: they run without
 ``FITBENCH_PARENT_PID`` (``fitbench.util.processes.tie_to_parent``) and end with their agent, which
 ``srun`` ends when the attempt's step ends. The attempt's scratch directory (the assignment, the
@@ -19,6 +24,7 @@ from __future__ import annotations
 
 import os
 import secrets
+import shlex
 import socket
 import subprocess
 import sys
@@ -29,7 +35,7 @@ from typing import Callable
 from fitbench.launch.launcher import Attempt, Event
 from fitbench.launch.local import run_one
 from fitbench.launch.slurm.sampler import merge_nodes
-from fitbench.launch.slurm.script import agent_options
+from fitbench.launch.slurm.script import SRUN_VARIABLE, TORCHRUN_VARIABLE, srun_line, torchrun_line
 from fitbench.results.row import Row
 from fitbench.util.processes import PARENT_VARIABLE
 
@@ -49,19 +55,22 @@ class AgentsOnNodes:
     cpus_per_task: int | None = None
 
     def command(self, assignment: Path, result: Path) -> list[str]:
-        return [*srun_tasks(self.nodes, self.cpus_per_task), sys.executable, "-m", "fitbench.launch.slurm.sampler",
-                str(self.samples), str(self.sampled_gpus), "--", sys.executable, "-m", "torch.distributed.run",
-                *agent_options(self.nodes, self.ranks_per_node), f"--rdzv-endpoint={self.endpoint}",
+        srun = _given(SRUN_VARIABLE) or srun_line(self.nodes, self.cpus_per_task)
+        torchrun = _given(TORCHRUN_VARIABLE) or torchrun_line(self.nodes, self.ranks_per_node)
+        return [*srun, "env", "-u", PARENT_VARIABLE, sys.executable, "-m", "fitbench.launch.slurm.sampler",
+                str(self.samples), str(self.sampled_gpus), "--", *torchrun, f"--rdzv-endpoint={self.endpoint}",
                 f"--rdzv-id={self.rendezvous_id}", "-m", "fitbench.run.worker", str(assignment), str(result)]
 
 
 def srun_tasks(nodes: int, cpus_per_task: int | None = None) -> list[str]:
     """The start of a command that ``srun`` runs as one task on each of ``nodes`` nodes, without
     ``FITBENCH_PARENT_PID``, whose process other nodes cannot see."""
-    srun = ["srun", f"--nodes={nodes}", f"--ntasks={nodes}", "--ntasks-per-node=1"]
-    if cpus_per_task is not None:
-        srun.append(f"--cpus-per-task={cpus_per_task}")
-    return [*srun, "env", "-u", PARENT_VARIABLE]
+    return [*srun_line(nodes, cpus_per_task), "env", "-u", PARENT_VARIABLE]
+
+
+def _given(variable: str) -> list[str]:
+    """The command line the batch script exports in ``variable`` (as a person may have edited it), as words."""
+    return shlex.split(os.environ.get(variable, ""))
 
 
 @dataclass(frozen=True)

@@ -42,7 +42,9 @@ class SlurmOptions:
 
     ``nodes``: nodes per job, each running one torchrun agent when above 1; ``gpus_per_node``: GPUs
     of each node (``--gpus-per-node``); ``mem``: memory per node; ``sbatch_args``: further options,
-    each one command-line word as sbatch takes it (``--qos=high``, ``--constraint=a100``)."""
+    each one command-line word as sbatch takes it (``--qos=high``, ``--constraint=a100``); ``setup``:
+    shell lines the script runs before its program, as written (the user's own shell: ``module load``,
+    a venv's ``activate``), one line each."""
 
     partition: str | None = None
     account: str | None = None
@@ -52,6 +54,7 @@ class SlurmOptions:
     cpus_per_task: int | None = None
     mem: str | None = None
     sbatch_args: tuple[str, ...] = ()
+    setup: tuple[str, ...] = ()
 
     def __post_init__(self) -> None:
         for field, value in (("partition", self.partition), ("account", self.account)):
@@ -73,6 +76,10 @@ class SlurmOptions:
                             f"--mem 0 asks for all of each node's memory.")
         for argument in self.sbatch_args:
             sbatch_argument_problem(argument)
+        for line in self.setup:
+            if any(character in line for character in "\n\r\0"):
+                raise UserError(f"setup: {excerpt(line)} is more than one line. Give each shell line its own "
+                                f"--setup.")
 
 
 def time_problem(value: str) -> None:
@@ -83,6 +90,20 @@ def time_problem(value: str) -> None:
                     f"{', '.join(TIME_FORMATS)} (hours below 24 after days, minutes and seconds below 60 after "
                     f"the first field): --time 24:00:00 is a day, --time 1-12 a day and a half, --time 90 ninety "
                     f"minutes.")
+
+
+def time_seconds(value: str) -> float:
+    """A time limit in one of sbatch's formats (``time_problem``) in seconds; UNLIMITED is infinite.
+    ``M``, ``M:S``, ``H:M:S``, ``D-H``, ``D-H:M``, ``D-H:M:S``: sbatch's manual, ``--time``."""
+    if value.upper() in UNLIMITED_TIMES:
+        return float("inf")
+    days, _, clock = value.rpartition("-")
+    fields = [int(field) for field in clock.split(":")]
+    if days:
+        fields += [0] * (3 - len(fields))
+        return float(int(days) * 86400 + fields[0] * 3600 + fields[1] * 60 + fields[2])
+    scale = {1: [60], 2: [60, 1], 3: [3600, 60, 1]}[len(fields)]
+    return float(sum(field * unit for field, unit in zip(fields, scale)))
 
 
 def sbatch_argument_problem(argument: str) -> None:

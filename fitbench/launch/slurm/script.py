@@ -1,7 +1,7 @@
 """Batch scripts: one configuration as one job, a sweep as one job array.
 
-A script is what a person reads and edits: ``#SBATCH`` lines from ``SlurmOptions``, then the
-command that starts the job's ranks. Every word that comes from input reaches the shell through
+A script is what a person reads and edits: ``#SBATCH`` lines from ``SlurmOptions``, the user's
+``--setup`` lines as written (``setup_lines``), then the command that starts the job's ranks. Every other word that comes from input reaches the shell through
 ``shlex.quote`` (sbatch reads the ``#SBATCH`` lines with the same quoting); the only words left to
 the shell are its own variables (``$SLURM_JOB_NODELIST``, ``$SLURM_ARRAY_TASK_ID``).
 
@@ -34,6 +34,9 @@ from fitbench.launch.slurm.options import SlurmOptions
 from fitbench.util.errors import UserError
 
 TORCHRUN = ("-m", "torch.distributed.run")
+# where a driver's script exports the srun and torchrun lines of its attempts over several nodes
+SRUN_VARIABLE = "FITBENCH_SRUN"
+TORCHRUN_VARIABLE = "FITBENCH_TORCHRUN"
 # a long command goes on over lines, one part of it per line
 CONTINUED = " \\\n      "
 # a port the kernel hands out as free on the first node, printed by the job's own Python
@@ -86,14 +89,25 @@ def launch_command(options: SlurmOptions, job: ScriptJob, arguments: Sequence[st
     if nodes == 1:
         return shlex.join([job.python, *TORCHRUN, "--standalone", f"--nproc-per-node={ranks}", "--max-restarts=0",
                            *arguments])
-    srun = ["srun", f"--nodes={nodes}", f"--ntasks={nodes}", "--ntasks-per-node=1"]
-    # "The number of cpus per task specified for salloc or sbatch is not automatically inherited by
-    # srun" (srun's manual page, --cpus-per-task, SLURM 22.05)
-    if options.cpus_per_task is not None:
-        srun.append(f"--cpus-per-task={options.cpus_per_task}")
+    srun = srun_line(nodes, options.cpus_per_task)
     return CONTINUED.join([shlex.join(srun), shlex.join([job.python, *TORCHRUN, *agent_options(nodes, ranks)]),
                            '--rdzv-endpoint="$rendezvous_host:$rendezvous_port" --rdzv-id="$SLURM_JOB_ID"',
                            shlex.join(arguments)])
+
+
+def srun_line(nodes: int, cpus_per_task: int | None = None) -> list[str]:
+    """``srun`` running one task on each of ``nodes`` nodes."""
+    srun = ["srun", f"--nodes={nodes}", f"--ntasks={nodes}", "--ntasks-per-node=1"]
+    # "The number of cpus per task specified for salloc or sbatch is not automatically inherited by
+    # srun" (srun's manual page, --cpus-per-task, SLURM 22.05)
+    if cpus_per_task is not None:
+        srun.append(f"--cpus-per-task={cpus_per_task}")
+    return srun
+
+
+def torchrun_line(nodes: int, ranks_per_node: int, python: str = sys.executable) -> list[str]:
+    """One node's torchrun agent of ``ranks_per_node`` ranks, but for its rendezvous endpoint and id."""
+    return [python, "-m", "torch.distributed.run", *agent_options(nodes, ranks_per_node)]
 
 
 def agent_options(nodes: int, ranks: int) -> list[str]:
@@ -102,9 +116,29 @@ def agent_options(nodes: int, ranks: int) -> list[str]:
     return [f"--nnodes={nodes}", f"--nproc-per-node={ranks}", "--rdzv-backend=c10d", "--max-restarts=0"]
 
 
+def setup_lines(options: SlurmOptions) -> list[str]:
+    """The user's ``--setup`` lines as written, under ``set -eo pipefail`` (a line that fails ends the
+    job) but before ``set -u``, which module and venv scripts that read unset variables do not survive."""
+    if not options.setup:
+        return []
+    return ["set -eo pipefail", "# --setup", *options.setup]
+
+
+def launcher_lines(options: SlurmOptions, job: ScriptJob) -> list[str]:
+    """For a driver over several nodes, the ``srun`` and torchrun lines each attempt starts its ranks
+    with (``fitbench.launch.slurm.nodes``), exported for it to read, where a person may edit them."""
+    if not job.driver or options.nodes == 1:
+        return []
+    ranks = ranks_per_node(options, job)
+    return ["# each attempt's ranks: srun starts one torchrun agent per node; fitbench adds the rendezvous "
+            "endpoint, its id and the worker",
+            f"export {SRUN_VARIABLE}={shlex.quote(shlex.join(srun_line(options.nodes, options.cpus_per_task)))}",
+            f"export {TORCHRUN_VARIABLE}={shlex.quote(shlex.join(torchrun_line(options.nodes, ranks, job.python)))}"]
+
+
 def _script(options: SlurmOptions, job: ScriptJob, array: list[str], body: list[str]) -> str:
-    lines = ["#!/bin/bash", *sbatch_lines(options, job), *array, "set -euo pipefail",
-             *rendezvous_lines(options, job), *body]
+    lines = ["#!/bin/bash", *sbatch_lines(options, job), *array, *setup_lines(options), "set -euo pipefail",
+             *rendezvous_lines(options, job), *launcher_lines(options, job), *body]
     return "\n".join(lines) + "\n"
 
 

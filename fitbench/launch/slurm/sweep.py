@@ -2,8 +2,10 @@
 following the jobs until each configuration has a row.
 
 Each configuration is one job that runs its whole life (batch search, fallback ladder) inside its
-allocation: the job's program is ``python -m fitbench.cli.allocation DIR KEY``, which plans the
-configuration on the node and writes its row to ``DIR/rows/<key>.json`` (``fitbench.results.store``).
+allocation: the job's program is ``python -m fitbench.cli.allocation DIR KEY``, which runs the
+configuration as this process planned it (kept in ``DIR/planned/<key>.json``:
+``fitbench.launch.slurm.planned``) and writes its row to ``DIR/rows/<key>.json``
+(``fitbench.results.store``). A configuration the plan refuses gets its row here, and no job.
 A sweep of one configuration is one job; of several, one job array (``--max-concurrent`` at once).
 
 What was submitted is kept in ``DIR/slurm.json`` (``SUBMITTED_FILE``: the job id of each
@@ -17,6 +19,8 @@ from __future__ import annotations
 
 import json
 import os
+import re
+import shlex
 import time
 from dataclasses import dataclass
 from datetime import datetime, timezone
@@ -25,7 +29,9 @@ from typing import Any
 
 from fitbench.launch.job import Job
 from fitbench.launch.launcher import SweepDisplay
-from fitbench.launch.slurm.jobs import JobStatus, statuses, submit
+from fitbench.launch.local import LocalLauncher, sweep_row
+from fitbench.launch.slurm.jobs import JobStatus, queued_scripts, statuses, submit
+from fitbench.launch.slurm import planned
 from fitbench.launch.slurm.options import SlurmOptions
 from fitbench.launch.slurm.script import ScriptJob, array_script, batch_script
 from fitbench.launch.slurm.states import gone, stopped_row
@@ -36,27 +42,36 @@ SUBMITTED_FILE = "slurm.json"
 SCRIPTS = "slurm"
 PROGRESS = "progress"
 ALLOCATION_PROGRAM = ("-m", "fitbench.cli.allocation")
+# a task's line: "  3) exec ... -m fitbench.cli.allocation DIR KEY ;;" in an array, "exec ..." alone
+ALLOCATION_LINE = re.compile(r"^\s*(?:(\d+)\)\s)?.*fitbench\.cli\.allocation\s+(.*?)(?:;;)?\s*$")
+# Following jobs asks squeue every POLL_S at first, then every tenth of the time followed so far, at
+# most every MAX_POLL_S: a sweep followed for a day asks about 1,500 times, not 86,400.
 POLL_S = 1.0
+POLL_SLOWDOWN = 10.0
+MAX_POLL_S = 60.0
 
 
 @dataclass(frozen=True)
 class Script:
-    """A batch script of the sweep: its text, where it is written, and the configurations it runs,
-    in the order of its array's tasks."""
+    """A batch script of the sweep: its text, where it is written, and the configurations it runs
+    (``jobs``, as planned), in the order of its array's tasks."""
 
     path: Path
     text: str
-    keys: tuple[str, ...]
+    jobs: tuple[Job, ...]
+
+    @property
+    def keys(self) -> tuple[str, ...]:
+        return tuple(job.spec.key for job in self.jobs)
 
 
 def scripts(jobs: list[Job], options: SlurmOptions, store: ResultStore, max_concurrent: int | None) -> Script:
     """The batch script that runs ``jobs`` (one job, or one array for several) in ``store``'s directory."""
     directory = store.directory.resolve()
     logs = directory / "logs"
-    name = f"fitbench-{directory.name}"
+    name = job_name(store)
     tasks = [[*ALLOCATION_PROGRAM, str(directory), job.spec.key] for job in jobs]
     stamp = datetime.now(timezone.utc).strftime("%Y%m%d-%H%M%S")
-    keys = tuple(job.spec.key for job in jobs)
     if len(jobs) == 1:
         text = batch_script(options, ScriptJob(name, str(logs / "slurm-%j.out"), driver=True), tasks[0])
     else:
@@ -65,10 +80,54 @@ def scripts(jobs: list[Job], options: SlurmOptions, store: ResultStore, max_conc
     # which configuration each task runs, for the person who reads the script
     named = "".join(f"# {index}: {' '.join(job.spec.label.split())} ({job.spec.key})\n" for index, job in enumerate(jobs))
     text = text.replace("set -euo pipefail\n", "set -euo pipefail\n" + named, 1)
-    return Script(directory / SCRIPTS / f"{stamp}-{len(jobs)}.sh", text, keys)
+    return Script(directory / SCRIPTS / f"{stamp}-{len(jobs)}.sh", text, tuple(jobs))
+
+
+def job_name(store: ResultStore) -> str:
+    """The name of the sweep's jobs (sbatch's ``--job-name``), by which ``adopted`` finds a script of
+    the sweep that a person submitted."""
+    return f"fitbench-{store.directory.resolve().name}"
+
+
+def script_keys(text: str, directory: Path) -> dict[str | None, str]:
+    """The configuration each task of a batch script runs in ``directory`` (the key after
+    ``fitbench.cli.allocation DIR``), by array task (``i) ...`` of its ``case``; None for a script of
+    one job); a line for another directory is not this sweep's."""
+    keys: dict[str | None, str] = {}
+    for line in text.splitlines():
+        found = ALLOCATION_LINE.search(line)
+        if found is None or line.lstrip().startswith("#"):
+            continue
+        try:
+            words = shlex.split(found.group(2))
+        except ValueError:
+            continue
+        if len(words) >= 2 and Path(words[0]).resolve() == directory.resolve():
+            keys[found.group(1)] = words[1]
+    return keys
+
+
+def adopted(store: ResultStore, keys: set[str]) -> dict[str, str]:
+    """Pending and running jobs of this sweep that a person submitted (its script, edited or not, through
+    ``sbatch``), by the configuration of ``keys`` each runs: their ids."""
+    found: dict[str, str] = {}
+    texts: dict[Path, str] = {}
+    for job_id, task, script in queued_scripts(job_name(store)):
+        if script not in texts:
+            try:
+                texts[script] = script.read_text(errors="replace")
+            except OSError:
+                texts[script] = ""
+        key = script_keys(texts[script], store.directory).get(task)
+        if key in keys:
+            found[key] = job_id
+    return found
 
 
 def write_script(script: Script) -> None:
+    """Write the script, and each of its configurations as planned, which its job reads."""
+    for job in script.jobs:
+        planned.save(script.path.parent.parent, job)
     script.path.parent.mkdir(parents=True, exist_ok=True)
     (script.path.parent.parent / "logs").mkdir(parents=True, exist_ok=True)
     script.path.write_text(script.text)
@@ -104,9 +163,17 @@ def run_on_slurm(jobs: list[Job], store: ResultStore, options: SlurmOptions, *, 
     known = submitted(store)
     finished = store.finished_keys()
     wanted = [job for job in jobs if job.spec.key not in finished]
+    # a script of the sweep submitted by hand runs its configurations: followed, not submitted again
+    by_hand = adopted(store, {job.spec.key for job in wanted})
+    if by_hand:
+        known.update(by_hand)
+        _save_submitted(store, known)
     for job in jobs:
         if job.spec.key in finished:
             display.skipped(job)
+        elif job.refusal is not None:
+            _record_refused(store, job, command, display)
+    wanted = [job for job in wanted if job.refusal is None]
     found = statuses([known[job.spec.key] for job in wanted if job.spec.key in known])
     recorded = {(row.get("slurm") or {}).get("job_id") for row in store.rows()}
     to_submit = []
@@ -135,6 +202,12 @@ def _job_row(store: ResultStore, job: Job) -> Path:
     return store.directory / JOB_ROWS / f"{job.spec.key}.json"
 
 
+def _record_refused(store: ResultStore, job: Job, command: str, display: SweepDisplay) -> None:
+    row = sweep_row(job, job.run(LocalLauncher(), store.directory / "logs", lambda event: None), command, None)
+    store.append(row)
+    display.finished(row)
+
+
 def _record_stopped(store: ResultStore, job: Job, status: JobStatus, command: str, display: SweepDisplay) -> None:
     row = stopped_row(job, status, output_file(store, status.job_id), command=command,
                       finished_at=datetime.now(timezone.utc).isoformat(timespec="seconds"))
@@ -143,12 +216,13 @@ def _record_stopped(store: ResultStore, job: Job, status: JobStatus, command: st
 
 
 def _follow(jobs: list[Job], store: ResultStore, known: dict[str, str], command: str, display: SweepDisplay) -> None:
-    """Poll the jobs of ``jobs`` every ``POLL_S`` until each has a row: tell ``display`` each change of
+    """Poll the jobs of ``jobs`` (``poll_interval`` apart) until each has a row: tell ``display`` each change of
     state (with the configuration's progress while it runs), and write the row of one that ended
     without its own."""
     waiting = {job.spec.key: job for job in jobs}
     shown: dict[str, tuple[str, str | None, Any]] = {}
     unknown: set[str] = set()
+    started = time.monotonic()
     while waiting:
         found = statuses([known[key] for key in waiting])
         for key, job in list(waiting.items()):
@@ -176,7 +250,13 @@ def _follow(jobs: list[Job], store: ResultStore, known: dict[str, str], command:
                 shown[key] = now
                 display.job_state(job, status.job_id, status.state, status.reason, progress)
         if waiting:
-            time.sleep(POLL_S)
+            time.sleep(poll_interval(time.monotonic() - started))
+
+
+def poll_interval(followed_s: float) -> float:
+    """Seconds until the next ``squeue`` of a sweep followed for ``followed_s``: ``POLL_S``, then a
+    ``POLL_SLOWDOWN``-th of the time followed, at most ``MAX_POLL_S``."""
+    return min(MAX_POLL_S, max(POLL_S, followed_s / POLL_SLOWDOWN))
 
 
 def progress_file(directory: Path, key: str) -> Path:
