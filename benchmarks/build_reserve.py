@@ -29,7 +29,7 @@ def build(model: str, precision: str) -> dict:
     from fitbench.models.registry import resolve
     from fitbench.run.loops import random_tokens
     from fitbench.run.quantize import build_quantized_native
-    from fitbench.run.worker import weight_storage_bytes
+    from fitbench.run.weight_bytes import weight_storage_bytes
 
     arch, device = resolve(model), torch.device("cuda")
     probe = random_tokens(arch.vocab_size, 1, 64, device, seed=0)

@@ -93,9 +93,11 @@ from fitbench.models.registry import resolve
 from fitbench.monitor.nvml import GpuMonitor, job_gpus
 from fitbench.precisions import PrecisionPolicy, policy
 from fitbench.run.loops import make_step, random_tokens
-from fitbench.run.parallel import data_seed, parallelize, wrap_ddp
+from fitbench.run.parallel import data_seed, wrap_ddp
+from fitbench.run.parallelize import parallelize
 from fitbench.run.ranks import Rank, gather_json, process_group
 from fitbench.run.timing import DeviceClock, time_steps
+from fitbench.spec import Layout
 
 SEED = 0
 # a collective that waits this long has lost a rank: the job ends instead of hanging
@@ -175,9 +177,9 @@ def ddp_on_cublaslt(lm: CausalLM, rank: Rank, rules: PrecisionPolicy) -> Callabl
 
 
 def fsdp(lm: CausalLM, rank: Rank, rules: PrecisionPolicy) -> None:
-    """FSDP2 as ``fitbench run --strategy fsdp`` builds it (``fitbench.run.parallel.parallelize``): each
+    """FSDP2 as ``fitbench run --strategy fsdp`` builds it (``fitbench.run.parallelize.parallelize``): each
     decoder layer and the root sharded over every rank, gathered in the compute dtype."""
-    parallelize(lm, "fsdp", rules, rank)
+    parallelize(lm, Layout(dp_shard=rank.world_size), rules, rank)
 
 
 def nccl_only(rank: Rank) -> str | None:

@@ -39,9 +39,10 @@ from fitbench.models.backends import compile_regions
 from fitbench.models.native import EAGER
 from fitbench.models.registry import resolve
 from fitbench.precisions import policy
+from fitbench.run.build import build_layout
 from fitbench.run.loops import random_tokens
 from fitbench.run.ranks import Rank, process_group
-from fitbench.run.tensor_parallel import build_layout, one_shot_small_all_reduces, tensor_mesh
+from fitbench.run.tensor_parallel import one_shot_small_all_reduces, tensor_mesh
 from fitbench.spec import Layout
 from train_profile import KINDS
 

@@ -31,8 +31,10 @@ from fitbench.models.registry import resolve
 from fitbench.precisions import policy
 from fitbench.run.loops import random_tokens
 from fitbench.run.loops import read_generation
-from fitbench.run.pipeline import PipelineLM, build_pipelined, build_stage
+from fitbench.run.build import build_pipelined
+from fitbench.run.pipeline import PipelineLM
 from fitbench.run.ranks import Rank, gather_json, process_group
+from fitbench.run.stages import build_stage
 from fitbench.run.timing import DeviceClock
 from fitbench.spec import Layout, RunSpec, Stage
 

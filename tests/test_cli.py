@@ -215,7 +215,7 @@ def test_decode_tuning_option_file_key_label_and_worker(tmp_path):
     from fitbench.cli import build_parser
     from fitbench.models.backends import DECODE_TUNING
     from fitbench.precisions import policy
-    from fitbench.run import worker
+    from fitbench.run.build import build
 
     assert build_parser().parse_args(["run", "--decode-tuning"]).decode_tuning is True
     assert "decode_tuning" not in vars(build_parser().parse_args(["run"]))
@@ -238,7 +238,7 @@ def test_decode_tuning_option_file_key_label_and_worker(tmp_path):
         assert same.model_copy(update={"decode_tuning": True}).key == same.key
     # the worker hands inductor's options to the decode step's compile alone
     tiny = specs[0].model_copy(update={"batch_size": 1, "seq_len": 8, "new_tokens": 2})
-    built = worker.build(Assignment(spec=tiny), resolve("tiny"), policy(tiny.precision), torch.device("cpu"), tmp_path)
+    built = build(Assignment(spec=tiny), resolve("tiny"), policy(tiny.precision), torch.device("cpu"), tmp_path)
     assert built.lm.decode_options == DECODE_TUNING
 
 

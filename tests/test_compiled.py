@@ -151,7 +151,7 @@ def test_compiled_saved_per_layer_by_hand():
 
 @pytest.mark.parametrize("fused", [False, True])
 def test_compiled_per_layer_saved_bytes_match_the_partition(fused):
-    """Compiled per decoder layer, as ``fitbench.run.parallel`` compiles under DDP and FSDP (after
+    """Compiled per decoder layer, as ``fitbench.run.parallelize`` compiles under DDP and FSDP (after
     checkpointing, here of the first layer), bf16-pure as FSDP computes: the layer that keeps its
     activations saves a compiled layer's tensors, its input among them, a graph input of its own
     graph; the checkpointed layer's graph saves the same, which the checkpoint drops."""

@@ -18,7 +18,7 @@ from fitbench.plan.planner import Candidate, GpuTarget, assess
 from fitbench.precisions import DEFAULT_LADDER, QUANTIZED_PRECISIONS, entry
 from fitbench.run.quantize import quantize_linears
 from fitbench.run.trace import trace_peak
-from fitbench.run.worker import weight_storage_bytes
+from fitbench.run.weight_bytes import weight_storage_bytes
 from fitbench.spec import Layout
 
 FLOAT_WIDTHS = {"fp32": 4, "bf16": 4, "bf16-pure": 2}  # bytes per stored weight

@@ -16,7 +16,9 @@ from fitbench.models.registry import resolve
 from fitbench.precisions import entry, policy
 from fitbench.run import worker
 from fitbench.run.loops import make_step, random_tokens
-from fitbench.spec import Assignment, RunSpec
+from fitbench.run.parallelize import parallelize
+from fitbench.run.ranks import Rank
+from fitbench.spec import Assignment, Layout, RunSpec
 
 MODES = ("train", "forward", "forward-backward", "infer")
 BATCH, SEQ, NEW = 2, 16, 4
@@ -529,7 +531,9 @@ def test_compile_decodes_eagerly():
     native = random_native(arch)
     calls = []
     compiled = NativeLM(random_native(arch), torch.float32, cuda_graphs=True, capture=eager_capture(calls))
-    compiled.compile()  # compiles lazily, at the first call, which never comes here
+    single = Rank(rank=0, local_rank=0, world_size=1, local_world_size=1, device=torch.device("cpu"), launched=False)
+    # compiles lazily, at the first call, which never comes here
+    parallelize(compiled, Layout(), policy("fp32"), single, compile=True)
     assert not compiled.capture_pending
     assert compiled.decoding == {"cuda_graphs": False,
                                  "reason": "--compile: decoding runs through the compiled module, eagerly"}

@@ -11,7 +11,7 @@ from torch import nn
 
 from fitbench.models.native import build_native
 from fitbench.models.registry import resolve
-from fitbench.run import worker
+from fitbench.run.weight_bytes import weight_storage_bytes
 from fitbench.run.loops import random_tokens
 from fitbench.run.packing import Packer, aligned, packed_bytes, state_tensors
 from fitbench.run.quantize import build_quantized_native, quantize_linears
@@ -34,7 +34,7 @@ def test_packing_moves_every_storage_and_changes_nothing_computed(precision):
     tokens = random_tokens(arch.vocab_size, 1, 8, CPU, seed=0)
     with torch.no_grad():
         before = model(tokens)  # bitsandbytes' int8 layers move their scales on the first forward
-    weights = worker.weight_storage_bytes(model)
+    weights = weight_storage_bytes(model)
     layers = model.model.layers
     old = [weakref.ref(tensor.untyped_storage()) for tensor in state_tensors(layers)]
     packer = Packer(CPU)
@@ -47,7 +47,7 @@ def test_packing_moves_every_storage_and_changes_nothing_computed(precision):
     assert len(blocks) == len(layers)  # the reserved block, then one per further layer
     with torch.no_grad():
         assert torch.equal(model(tokens), before)
-    assert worker.weight_storage_bytes(model) == weights
+    assert weight_storage_bytes(model) == weights
 
 
 def test_the_block_size_by_hand():

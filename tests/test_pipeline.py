@@ -26,7 +26,7 @@ from fitbench.models.registry import resolve
 from fitbench.precisions import policy
 from fitbench.run.aggregate import combine
 from fitbench.run.loops import make_step, random_tokens
-from fitbench.run.pipeline import build_stage
+from fitbench.run.stages import build_stage
 from fitbench.run.quantize import build_quantized_native
 from fitbench.spec import Layout, Stage, microbatch_problem
 from test_parallel import marked

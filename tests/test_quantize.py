@@ -30,6 +30,8 @@ from fitbench.plan.memory import estimate_memory
 from fitbench.precisions import DEFAULT_LADDER, entry
 from fitbench.results.store import ResultStore
 from fitbench.run import worker
+from fitbench.run.build import PROBE_TOKENS, RefusedError
+from fitbench.run.weight_bytes import weight_storage_bytes
 from fitbench.run.loops import random_tokens
 from fitbench.run.quality import (MatmulError, kl_divergence, matmul_errors, recorded_matmuls, reference_text,
                                   summarise, top1_agreement)
@@ -161,7 +163,7 @@ def test_worker_reports_quality_and_weight_storage(precision, mode, tmp_path):
     assert 0 < matmul["mean"] <= matmul["worst"] < MAX_MATMUL_ERROR[precision]
     assert matmul["worst_matmul"] in decoder_linear_names(build_native(arch, "meta", torch.bfloat16))
     assert 0 <= quality["top1_agreement"] <= 1 and 0 <= quality["kl_divergence"] < 1
-    assert quality["probe_tokens"] == min(SEQ, worker.PROBE_TOKENS)
+    assert quality["probe_tokens"] == min(SEQ, PROBE_TOKENS)
     assert quality["perplexity"] is None  # random weights
     assert result["weights"]["source"] == "random"
 
@@ -191,7 +193,7 @@ def test_worker_refuses_fp8_on_a_cpu(tmp_path):
 
 
 def test_classify():
-    assert worker.classify(worker.RefusedError("fp8 needs compute capability 8.9")) == "refused"
+    assert worker.classify(RefusedError("fp8 needs compute capability 8.9")) == "refused"
     assert worker.classify(RuntimeError("CUDA out of memory. Tried to allocate 2 GiB")) == "oom"
     assert worker.classify(ValueError("refused")) == "error"
 
@@ -203,8 +205,8 @@ def test_weight_storage_of_plain_modules():
     arch = resolve("tiny")
     model = build_native(arch, CPU, torch.bfloat16)
     assert model.lm_head.weight is model.model.embed_tokens.weight
-    assert worker.weight_storage_bytes(model) == 2 * arch.total_params
-    assert worker.weight_storage_bytes(build_native(arch, CPU, torch.float32)) == 4 * arch.total_params
+    assert weight_storage_bytes(model) == 2 * arch.total_params
+    assert weight_storage_bytes(build_native(arch, CPU, torch.float32)) == 4 * arch.total_params
 
     embedding = nn.Embedding(10, 6, dtype=torch.bfloat16)
     head = nn.Linear(6, 10, bias=True, dtype=torch.bfloat16)
@@ -212,13 +214,13 @@ def test_weight_storage_of_plain_modules():
     tied = nn.Sequential(embedding, nn.LayerNorm(6, dtype=torch.bfloat16), head)
     # 60 shared, 10 bias, 6 + 6 norm; buffers are not weights
     tied.register_buffer("table", torch.zeros(100))
-    assert worker.weight_storage_bytes(tied) == 2 * (60 + 10 + 12)
+    assert weight_storage_bytes(tied) == 2 * (60 + 10 + 12)
     untied = nn.Sequential(nn.Embedding(10, 6, dtype=torch.bfloat16), nn.Linear(6, 10, bias=False,
                                                                                  dtype=torch.bfloat16))
-    assert worker.weight_storage_bytes(untied) == 2 * 120
+    assert weight_storage_bytes(untied) == 2 * 120
     # two parameter objects over one storage (ties made on the data, not the module) also count once
     untied[1].weight = nn.Parameter(untied[0].weight.data)
-    assert worker.weight_storage_bytes(untied) == 2 * 60
+    assert weight_storage_bytes(untied) == 2 * 60
 
 
 @pytest.mark.parametrize("after_forward", [False, True])
@@ -231,7 +233,7 @@ def test_int8_storage_counts_row_scales(after_forward):
             model(torch.zeros(1, 4, dtype=torch.long))
     # one int8 per element and one fp32 absmax per output row
     expected = arch.num_layers * sum(rows * cols + 4 * rows for rows, cols in matrices(arch)) + bf16_rest_bytes(arch)
-    assert worker.weight_storage_bytes(model) == expected
+    assert weight_storage_bytes(model) == expected
 
 
 # bytes per output row beside one byte per element: int8 weight-only's fp32 scale and int8 zero point,
@@ -243,7 +245,7 @@ def test_weight_only_storage_counts_its_row_scales(precision, row_bytes):
     quantize_linears(model, precision, CPU)
     expected = arch.num_layers * sum(rows * cols + row_bytes * rows for rows, cols in matrices(arch)) + \
         bf16_rest_bytes(arch)
-    assert worker.weight_storage_bytes(model) == expected
+    assert weight_storage_bytes(model) == expected
     terms = {term.name: term.bytes for term in estimate_memory(arch, "infer", precision, BATCH, SEQ,
                                                                new_tokens=NEW).terms}
     assert terms["weights"] == expected
@@ -340,7 +342,7 @@ def test_nf4_storage_counts_block_states():
         return rows * cols // 2 + blocks + 4 * math.ceil(blocks / 256) + 4 * 16 + 4 * 256
 
     expected = arch.num_layers * sum(matrix(rows, cols) for rows, cols in matrices(arch)) + bf16_rest_bytes(arch)
-    assert worker.weight_storage_bytes(model) == expected
+    assert weight_storage_bytes(model) == expected
 
 
 # ---- which matmuls are quantized -----------------------------------------------------------------

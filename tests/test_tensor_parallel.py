@@ -287,7 +287,7 @@ def test_tensor_parallel_pipeline_stages_give_one_process_forward_prefill_and_de
 
 
 def test_tensor_parallel_pipeline_training_and_quantized_stages_are_refused():
-    from fitbench.run.pipeline import build_pipelined
+    from fitbench.run.build import build_pipelined
     from fitbench.run.ranks import Rank
     from fitbench.spec import RunSpec
 

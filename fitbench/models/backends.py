@@ -70,10 +70,6 @@ class CausalLM:
         layer's when None, in the backward pass instead of keeping them."""
         raise NotImplementedError
 
-    def compile(self) -> None:
-        """``torch.compile`` the module."""
-        self.module.compile()
-
 
 class NativeLM(CausalLM):
     """The native decoder. With ``cuda_graphs`` on a GPU, the first decode of a cache captures
@@ -283,11 +279,6 @@ class NativeLM(CausalLM):
     def decode_eagerly(self, reason: str) -> None:
         """Never capture: something about this model keeps its step out of a graph."""
         self.eager_reason = self.eager_reason or reason
-
-    def compile(self) -> None:
-        super().compile()
-        if self.eager_reason is None:
-            self.eager_reason = "--compile: decoding runs through the compiled module, eagerly"
 
     def enable_activation_checkpointing(self, layers: int | None = None) -> None:
         self.module.activation_checkpointing = True

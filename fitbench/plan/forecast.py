@@ -373,7 +373,7 @@ def residual_stream_traffic(arch: Architecture, widths: Widths) -> float:
 
 def sequence_parallel(backend: str, training: bool, seq_len: int, tp: int) -> bool:
     """Whether a tensor-parallel step splits the residual stream along the sequence: the native decoder's
-    training where the sequence divides by the degree (``fitbench.run.tensor_parallel.build_layout``);
+    training where the sequence divides by the degree (``fitbench.run.build.build_layout``);
     its forward passes and generation, and transformers' tensor parallelism, keep it whole on every rank."""
     return tp > 1 and backend == "native" and training and seq_len % tp == 0
 

@@ -272,7 +272,7 @@ def _data_parallel_step(arch: Architecture, mode: str, parallelism: Parallelism,
 
 
 def _decode_weight_bytes(arch: Architecture, precision: str, batch: int) -> float:
-    """The weights one decode step of ``batch`` sequences reads (``fitbench.run.worker.decode_weight_bytes``
+    """The weights one decode step of ``batch`` sequences reads (``fitbench.run.weight_bytes.decode_weight_bytes``
     measures the same on the built model): all of them, but of each lookup table that the output
     projection does not share one row per sequence (tokens) or one row (GPT-2's positions, shared by
     the batch); under autocast, each matmul's weights and biases (all parameters but the tables and

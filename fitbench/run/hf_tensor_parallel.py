@@ -29,10 +29,8 @@ from typing import Any
 
 from torch import nn
 
-from fitbench.models.backends import CausalLM
 from fitbench.run.parallel import broadcast_weights
-from fitbench.run.ranks import Rank
-from fitbench.spec import Layout, LayoutError
+from fitbench.spec import LayoutError
 
 
 def plan_mesh(tp: int, device_type: str):
@@ -76,21 +74,3 @@ def parallelize_hf_tensor(model: nn.Module, tp: int, device_type: str) -> dict[s
             "kv_heads_per_rank": config.num_key_value_heads // tp,
             "query_heads_per_rank": config.num_attention_heads // tp,
             "plan": "transformers' base_model_tp_plan"}
-
-
-def parallelize_hf_layout(lm: CausalLM, layout: Layout, rank: Rank, *, activation_checkpointing: bool = False,
-                          compile: bool = False) -> dict[str, Any]:
-    """Apply ``layout``, tensor parallelism over every rank of the job, to the transformers model of
-    ``lm`` (of a family with a plan: ``fitbench.spec.Layout.problem``), then activation checkpointing and
-    compile; return what was applied."""
-    if layout.tp != layout.world_size:
-        raise LayoutError(f"the hf backend's tensor parallelism runs alone over every rank; {layout.label} also "
-                          f"asks for data parallelism or pipeline stages")
-    applied = parallelize_hf_tensor(lm.module, layout.tp, rank.device.type)
-    if activation_checkpointing:
-        lm.enable_activation_checkpointing()
-    if compile:
-        lm.compile()
-    return {"strategy": layout.strategy, "world_size": rank.world_size, **applied,
-            "initial_weights": "rank 0's, broadcast", "activation_checkpointing": activation_checkpointing,
-            "compile": compile}

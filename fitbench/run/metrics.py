@@ -13,7 +13,7 @@
   TFLOP/s and MFU divide it by the time to first token, which starts from an idle device and so
   includes the host's launch work (``fitbench.run.loops.generate``).
 - **Decode bandwidth**: the bytes one decode step reads, over the median step latency.
-  ``weight bytes per step``: the weights the step touches (``fitbench.run.worker.decode_weight_bytes``:
+  ``weight bytes per step``: the weights the step touches (``fitbench.run.weight_bytes.decode_weight_bytes``:
   every parameter's storage but the lookup tables, of which a row per sequence; under autocast the
   16-bit copies the step writes and reads again); ``KV bytes per step``: the KV cache the step
   attends over, as the backend reads it (``CausalLM.kv_bytes_read``), averaged over the generation's

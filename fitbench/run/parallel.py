@@ -1,5 +1,5 @@
-"""Data parallelism applied to a built native model, in torchtitan's order (``parallelize_llama``):
-activation checkpointing, then ``torch.compile`` per decoder layer, then DDP or FSDP2.
+"""Data parallelism of a built native model, as ``fitbench.run.parallelize`` applies it (after tensor
+parallelism, activation checkpointing and compile):
 
 - ``ddp``: ``torch.nn.parallel.DistributedDataParallel``: a whole replica per rank; after each
   backward pass every gradient is averaged over the ranks (all-reduce) in buckets, overlapping the
@@ -9,12 +9,8 @@ activation checkpointing, then ``torch.compile`` per decoder layer, then DDP or 
   gradient and of its optimizer state; a layer's weights are gathered for its forward and backward
   and freed after, and its gradients are reduce-scattered.
 
-What must already have happened to the model (``fitbench.run.worker``'s build): float8 or
-quantization converters, since both replace modules, and adapters, since DDP and FSDP take the
-parameters that train as they find them.
-
 Every rank starts from rank 0's weights, broadcast: DDP does it when it wraps the model, and
-``parallelize`` does it before FSDP shards. Building from one seed on every rank gives the same
+``fitbench.run.parallelize`` does it before FSDP shards. Building from one seed on every rank gives the same
 weights only where every rank runs the same random kernels with the same launch geometry (the same
 GPU model, the same torch); the broadcast costs one pass over the weights at start-up and makes
 identity hold everywhere, with checkpoints and mixed GPUs too. Each rank then trains on a batch of
@@ -30,7 +26,6 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from fitbench.models.backends import CausalLM
 from fitbench.models.native import NativeCausalLM
 from fitbench.precisions import PrecisionPolicy
 from fitbench.run.ranks import Rank
@@ -59,51 +54,6 @@ def mixed_precision(policy: PrecisionPolicy):
     if policy.autocast_dtype is None:
         return MixedPrecisionPolicy()
     return MixedPrecisionPolicy(param_dtype=policy.autocast_dtype, reduce_dtype=torch.float32)
-
-
-def parallelize(lm: CausalLM, strategy: str, policy: PrecisionPolicy, rank: Rank, *,
-                activation_checkpointing: bool = False, checkpointed_layers: int | None = None,
-                compile: bool = False, offload: bool = False, mesh=None) -> dict[str, Any]:
-    """Apply activation checkpointing (of the first ``checkpointed_layers`` decoder layers, every one when
-    None), per-layer compile and ``strategy`` to ``lm`` in place (DDP
-    replaces ``lm.module`` by its wrapper); return what was applied, for the result row. Call it
-    inside ``fitbench.run.ranks.process_group``, after the build and before the optimizer exists
-    (``fitbench.run.loops.make_step``), on every rank.
-
-    ``offload`` (FSDP): the shards, their gradients and the optimizer state live in CPU memory
-    (``CPUOffloadPolicy``, pinned on a GPU machine); each layer is copied to the GPU to be gathered,
-    and the optimizer steps on the CPU.
-
-    FSDP shards a model built whole: until ``fully_shard`` has run, every rank holds all the weights
-    in their build dtype (weights x bytes per element), freed as each unit is sharded. That is the
-    rank's peak when the sharded training state (weights, gradients, optimizer state / world_size,
-    plus activations) is smaller.
-
-    ``mesh`` (FSDP): the 1-D mesh to shard over, a dimension of a larger one whose other dimensions
-    already laid the weights out (``fitbench.run.tensor_parallel``, which broadcast them first);
-    by default every rank of the job, after rank 0's weights are broadcast."""
-    model: NativeCausalLM = lm.module
-    if activation_checkpointing:
-        lm.enable_activation_checkpointing(checkpointed_layers)
-    if compile:
-        # per layer, not the whole model: the graph of a layer is the same for every layer, and DDP's
-        # and FSDP's communication stays between compiled regions
-        for layer in model.model.layers:
-            layer.compile()
-    applied: dict[str, Any] = {"strategy": strategy, "world_size": rank.world_size,
-                               "activation_checkpointing": activation_checkpointing,
-                               "checkpointed_layers": checkpointed_layers if activation_checkpointing else None,
-                               "compile_per_layer": compile,
-                               "initial_weights": "rank 0's, broadcast"}
-    if strategy == "ddp":
-        lm.module = wrap_ddp(model, rank)
-        return applied
-    if mesh is None:
-        broadcast_weights(model)
-    units = shard_fsdp(model, policy, rank, offload, mesh)
-    mp = mixed_precision(policy)
-    return {**applied, "fsdp_units": units, "offload": offload,
-            "param_dtype": _dtype_name(mp.param_dtype), "reduce_dtype": _dtype_name(mp.reduce_dtype)}
 
 
 def wrap_ddp(model: nn.Module, rank: Rank, **options: Any) -> nn.Module:
@@ -147,7 +97,16 @@ def shard_fsdp(model: NativeCausalLM, policy: PrecisionPolicy, rank: Rank, offlo
     units. Over ``mesh``, by default a 1-D mesh of every rank: FSDP, not HSDP. The layers reshard after their forward
     (gathered again for the backward); the root keeps its weights gathered from its forward to its
     backward, since the output projection is the first thing the backward pass needs (FSDP2's
-    defaults)."""
+    defaults).
+
+    ``offload``: the shards, their gradients and the optimizer state live in CPU memory
+    (``CPUOffloadPolicy``, pinned on a GPU machine); each layer is copied to the GPU to be gathered,
+    and the optimizer steps on the CPU.
+
+    FSDP shards a model built whole: until ``fully_shard`` has run, every rank holds all the weights
+    in their build dtype (weights x bytes per element), freed as each unit is sharded. That is the
+    rank's peak when the sharded training state (weights, gradients, optimizer state / world_size,
+    plus activations) is smaller."""
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.fsdp import CPUOffloadPolicy, OffloadPolicy, fully_shard
 
@@ -160,7 +119,3 @@ def shard_fsdp(model: NativeCausalLM, policy: PrecisionPolicy, rank: Rank, offlo
         fully_shard(layer, **options)
     fully_shard(model, **options)
     return len(model.model.layers) + 1
-
-
-def _dtype_name(dtype: torch.dtype | None) -> str | None:
-    return str(dtype).removeprefix("torch.") if dtype is not None else None

@@ -19,7 +19,7 @@ draws (``build_stage``), so that a pipelined run and a single-process run measur
 
 With tensor parallelism inside the stages (``Layout(pp=S, tp=T)``, inference and ``forward``),
 the mesh is ("pp", "tp"), tp innermost: global rank r holds stage r // T, as tensor-parallel rank
-r % T of it, its shards built as ``fitbench.run.tensor_parallel.build_tensor_parallel`` builds them
+r % T of it, its shards built as ``fitbench.run.build.build_tensor_parallel`` builds them
 (only the stage's modules). The hidden states are whole on every tensor-parallel rank after a
 layer's row-wise all-reduce, so rank (s, t) sends them to (s + 1, t), and the last stage's rank
 (S - 1, t) sends the token back to (0, t); each rank caches its own kv heads of its stage's layers.
@@ -45,80 +45,16 @@ import torch.distributed as dist
 from torch import nn
 from torch.utils.checkpoint import checkpoint
 
-from fitbench.models.architecture import Architecture
 from fitbench.models.backends import CausalLM, compile_regions, error_summary
 from fitbench.models.graphs import Capture, capture_cuda_graph
-from fitbench.models.hf import has_weights
-from fitbench.models.native import (KVCache, NativeCausalLM, ShardWriter, empty_on, materialize, meta_model,
-                                    replay_random_weights)
-from fitbench.models.registry import is_local_model
-from fitbench.precisions import TRAINING_MODES, PrecisionPolicy, entry
+from fitbench.models.native import KVCache, NativeCausalLM
+from fitbench.precisions import PrecisionPolicy
 from fitbench.run.cross_entropy import cross_entropy
 from fitbench.run.loops import LEARNING_RATE
-from fitbench.run.quality import Quality
-from fitbench.run.quantize import Carried, build_quantized_native
 from fitbench.run.ranks import Rank
 from fitbench.run.stage_graph import GraphedStage, stage_decode_step
-from fitbench.run.tensor_parallel import build_tensor_parallel, device_mesh, small_all_reduces, tensor_mesh
 from fitbench.run.timing import DeviceClock
-from fitbench.spec import RunSpec, Stage, microbatch_problem
-
-
-# ---- the stage's model -------------------------------------------------------------------------------
-
-def _prune(model: NativeCausalLM, stage: Stage) -> None:
-    """Drop every module of another stage (placeholders keep the layers' indices, so each module keeps
-    its name in the whole model: ``model.layers.5`` is layer 5 on any stage)."""
-    for i in range(len(model.model.layers)):
-        if i not in stage.layers:
-            model.model.layers[i] = nn.Identity()
-    if not stage.first:
-        model.model.embed_tokens = nn.Identity()
-    if not stage.last:
-        model.model.norm = nn.Identity()
-        model.lm_head = nn.Identity()
-
-
-def stage_modules(model: NativeCausalLM, stage: Stage) -> list[nn.Module]:
-    """The modules of ``stage`` in the whole model ``model``."""
-    parts = [model.model.layers[i] for i in stage.layers]
-    if stage.first:
-        parts.insert(0, model.model.embed_tokens)
-    if stage.last:
-        parts += [model.model.norm, model.lm_head]
-    return parts
-
-
-def build_stage(arch: Architecture, stage: Stage, device: torch.device | str, dtype: torch.dtype,
-                shard: Callable[[NativeCausalLM], ShardWriter] | None = None) -> NativeCausalLM:
-    """The native model with only ``stage``'s modules, on ``device`` in ``dtype``, with the weights that
-    ``fitbench.models.native.build_native`` draws for them from the same generator state: materialize
-    the stage's modules, replay the whole model's random initialization over them
-    (``fitbench.models.native.replay_random_weights``), then drop what belongs to other stages. A
-    tied embedding and output projection on two stages are two copies, drawn alike. ``shard``: tensor
-    parallelism, applied to the model while it is on the meta device, so that only this rank's
-    shards get storage; it returns how each weight's shard is written from the whole weight
-    (``fitbench.run.tensor_parallel.build_tensor_parallel``)."""
-    model = meta_model(arch, dtype)
-    writer = shard(model) if shard is not None else None
-    tied = arch.tie_embeddings
-    embedding = model.model.embed_tokens
-    if tied and stage.first:
-        # materialize gives the embedding new storage and leaves the head holding the meta weight: untie
-        # for the allocation (one, as in build_native), tie again after
-        model.lm_head.weight = nn.Parameter(torch.empty(0, device="meta", dtype=dtype))
-    elif tied and stage.last:
-        # the head's copy is this stage's; the embedding's stays on the meta device, drawing into scratch
-        embedding.weight = nn.Parameter(torch.empty(embedding.weight.shape, device="meta", dtype=dtype))
-    for part in stage_modules(model, stage):
-        materialize(part, device)
-    if tied and stage.first:
-        model.lm_head.weight = embedding.weight
-    model.rope_cos, model.rope_sin = empty_on(model.rope_cos, device), empty_on(model.rope_sin, device)
-    replay_random_weights([model], device, shard_writer=writer)
-    model.reset_rope()
-    _prune(model, stage)
-    return model
+from fitbench.spec import Stage, microbatch_problem
 
 
 def stage_forward(model: NativeCausalLM, stage: Stage, x: torch.Tensor, cache: KVCache | None = None,
@@ -246,11 +182,6 @@ class PipelineLM(CausalLM):
     def enable_activation_checkpointing(self, layers: int | None = None) -> None:
         self.module.activation_checkpointing = True
         self.module.checkpointed_layers = layers
-
-    def compile(self) -> None:
-        for i in self.stage.layers:
-            self.module.model.layers[i].compile()
-        self.decode_eagerly("--compile: decoding runs through the compiled layers, eagerly")
 
     def decode_eagerly(self, reason: str) -> None:
         """Never capture: something about this run keeps its step out of a graph."""
@@ -460,55 +391,3 @@ class PipelineLM(CausalLM):
             return torch.stack(losses).mean().detach() if self.stage.last else None
 
         return step
-
-
-def build_pipelined(spec: RunSpec, arch: Architecture, policy: PrecisionPolicy, rank: Rank,
-                    probe: torch.Tensor | None = None) -> tuple[PipelineLM, Quality | None]:
-    """This rank's stage of ``spec``'s model, ready to run. Quantized weights are built, quantized and
-    packed layer by layer on the stage's device (``fitbench.run.quantize.build_quantized_native`` over
-    the stage's layers), the ``probe``'s hidden states passing from stage to stage, and their quality
-    against bf16 comes back on the last stage (None on the others, and for float weights)."""
-    problem = spec.layout.problem(arch, spec.mode, spec.precision, spec.backend)
-    if spec.mode in TRAINING_MODES:
-        problem = problem or microbatch_problem(spec.batch_size, spec.pipeline_microbatches)
-    if is_local_model(spec.model) and has_weights(spec.model):
-        problem = problem or (f"pipeline stages draw random weights stage by stage; {spec.model} holds a "
-                              f"checkpoint, which they do not load: run it without --strategy pipeline")
-    if problem:
-        raise ValueError(problem)
-    tp = spec.layout.tp
-    stages = spec.layout.pp
-    graphs = {"cuda_graphs": spec.cuda_graphs, "graph_problem": entry(spec.precision).graph_problem}
-    stage = Stage.of(arch.num_layers, rank.rank // tp, stages)
-    if tp > 1:
-        mesh = device_mesh(spec.layout, rank.device.type)
-        module, applied = build_tensor_parallel(arch, stage, tensor_mesh(mesh), rank.device, policy.weight_dtype,
-                                                inference=True)
-        applied |= small_all_reduces(spec, tensor_mesh(mesh).get_group(), rank.device)
-        return PipelineLM(module, stage, rank, cache_dtype=policy.compute_dtype, hidden_dtype=policy.weight_dtype,
-                          tp=tp, stage_group=mesh["pp"].get_group(), tensor_parallel=applied, **graphs), None
-    if not policy.quantized:
-        module = build_stage(arch, stage, rank.device, policy.weight_dtype)
-        return PipelineLM(module, stage, rank, cache_dtype=policy.compute_dtype, hidden_dtype=policy.weight_dtype,
-                          **graphs), None
-    shape = (probe.shape[0], probe.shape[1], arch.hidden_size)
-
-    def receive() -> Carried:
-        reference, quantized = (torch.empty(shape, dtype=policy.compute_dtype, device=rank.device)
-                                for _ in range(2))
-        dist.recv(reference, src=rank.rank - 1)
-        dist.recv(quantized, src=rank.rank - 1)
-        errors: list = [None]
-        dist.recv_object_list(errors, src=rank.rank - 1)
-        return reference, quantized, errors[0]
-
-    def send(carried: Carried) -> None:
-        reference, quantized, errors = carried
-        dist.send(reference.to(policy.compute_dtype).contiguous(), dst=rank.rank + 1)
-        dist.send(quantized.to(policy.compute_dtype).contiguous(), dst=rank.rank + 1)
-        dist.send_object_list([errors], dst=rank.rank + 1)
-
-    module, quality = build_quantized_native(arch, rank.device, spec.precision, probe, stage.layers, receive, send)
-    _prune(module, stage)
-    return PipelineLM(module, stage, rank, cache_dtype=policy.compute_dtype, hidden_dtype=policy.weight_dtype,
-                      **graphs), quality

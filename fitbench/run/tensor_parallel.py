@@ -23,7 +23,7 @@ replicated and every rank computes all kv heads, keeps those its own query heads
 those (``kv_heads_of_rank``). In training each rank's gradients then reach only the heads it kept, so
 their sum over the ranks is the gradient, summed in the backward pass (``_sum_gradients``).
 
-No rank ever holds the whole model (``build_tensor_parallel``): the model is made on the meta
+No rank ever holds the whole model (``fitbench.run.build.build_tensor_parallel``): the model is made on the meta
 device, sharded there (``parallelize_tensor``, as torchtitan does), and only the local shards get
 storage; then every rank draws the whole model's random weights from the same seed in the order a
 single process draws them, each weight into one scratch buffer, and keeps its own part of each
@@ -64,13 +64,9 @@ import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
 
-from fitbench.models.backends import CausalLM, NativeLM
 from fitbench.models.native import DecoderLayer, FusedLinear, NativeCausalLM
-from fitbench.precisions import TRAINING_MODES, PrecisionPolicy
 from fitbench.run.collectives import all_gather
-from fitbench.run.parallel import parallelize
-from fitbench.run.ranks import Rank
-from fitbench.spec import ONE_SHOT_BYTES, Layout, LayoutError, RunSpec, Stage
+from fitbench.spec import ONE_SHOT_BYTES, Layout, LayoutError, RunSpec
 
 
 def device_mesh(layout: Layout, device_type: str):
@@ -222,30 +218,6 @@ def write_shard(weight: torch.Tensor) -> Callable[[torch.Tensor], None] | None:
         weight.to_local().copy_(part.to_local())
 
     return write
-
-
-def build_tensor_parallel(arch, stage: Stage, mesh, device: torch.device | str, dtype: torch.dtype, *,
-                          sequence_parallel: bool = False,
-                          inference: bool = False) -> tuple[NativeCausalLM, dict[str, Any]]:
-    """This rank's shards of ``stage``'s modules (the whole model when ``stage`` is the only one),
-    sharded over ``mesh`` (the "tp" ranks) with the weights of the single-process build of the same
-    seed, and what was applied (module docstring: no rank holds more than its shards and one whole
-    weight of scratch). ``inference``: local shards with explicit collectives, for a model that
-    computes no gradients (``parallelize_tensor``)."""
-    from fitbench.run.pipeline import build_stage
-
-    applied: dict[str, Any] = {}
-
-    def shard(model: NativeCausalLM):
-        applied.update(parallelize_tensor(model, mesh, device, sequence_parallel=sequence_parallel,
-                                          inference=inference))
-        return write_shard
-
-    model = build_stage(arch, stage, device, dtype, shard=shard)
-    if inference:
-        localize(model)
-        fuse_local_projections(model, kv_sharded=applied["kv_heads"] == "sharded")
-    return model, {**applied, "initial_weights": "drawn on every rank from the seed, each keeping its shards"}
 
 
 @torch.no_grad()
@@ -430,42 +402,3 @@ def _sum_gradients(tensor: torch.Tensor, mesh) -> torch.Tensor:
     from torch.distributed.tensor import DTensor, Partial, Replicate
 
     return DTensor.from_local(tensor, mesh, [Replicate()], run_check=False).to_local(grad_placements=[Partial()])
-
-
-def parallelize_layout(lm: CausalLM, layout: Layout, policy: PrecisionPolicy, rank: Rank, mesh,
-                       applied: dict[str, Any], *, activation_checkpointing: bool = False,
-                       checkpointed_layers: int | None = None, compile: bool = False,
-                       offload: bool = False) -> dict[str, Any]:
-    """The rest of ``layout`` on ``lm``, whose tensor parallelism ``build_tensor_parallel`` applied
-    (``applied``) over ``mesh`` (``device_mesh``), in torchtitan's order: activation checkpointing,
-    per-layer compile and FSDP over the "dp_shard" dimension (``fitbench.run.parallel.parallelize``);
-    return what was applied, for the result row."""
-    applied = {"strategy": layout.strategy, "world_size": rank.world_size, **applied}
-    if layout.dp_shard > 1:
-        return {**parallelize(lm, "fsdp", policy, rank, activation_checkpointing=activation_checkpointing,
-                              checkpointed_layers=checkpointed_layers,
-                              compile=compile, offload=offload, mesh=mesh["dp_shard"]), **applied}
-    if activation_checkpointing:
-        lm.enable_activation_checkpointing(checkpointed_layers)
-    if compile:
-        lm.compile()
-    return {**applied, "activation_checkpointing": activation_checkpointing,
-            "checkpointed_layers": checkpointed_layers if activation_checkpointing else None, "compile": compile}
-
-
-def build_layout(arch, layout: Layout, policy: PrecisionPolicy, mode: str, seq_len: int, rank: Rank, *,
-                 cuda_graphs: bool = False) -> tuple[NativeLM, Any, dict[str, Any]]:
-    """This rank's tensor-parallel model of ``layout`` (TP alone or under FSDP), its mesh and what was
-    applied. Sequence parallelism is on in training (train, forward-backward) where ``seq_len``
-    divides by the degree: it is there that the norms' and residuals' activations are kept for a
-    backward pass. Inference and ``forward`` without FSDP run on local shards (module docstring)."""
-    problem = layout.problem(arch, mode, policy.name, "native")
-    if problem:
-        raise ValueError(problem)
-    mesh = device_mesh(layout, rank.device.type)
-    training = mode in TRAINING_MODES
-    sequence_parallel = training and seq_len % layout.tp == 0
-    module, applied = build_tensor_parallel(arch, Stage.of(arch.num_layers, 0, 1), tensor_mesh(mesh), rank.device,
-                                            policy.weight_dtype, sequence_parallel=sequence_parallel,
-                                            inference=not training and layout.dp_shard == 1)
-    return NativeLM(module, cache_dtype=policy.compute_dtype, cuda_graphs=cuda_graphs), mesh, applied

@@ -35,7 +35,10 @@ from fitbench.models.native import meta_model
 from fitbench.precisions import policy as precision_policy
 from fitbench.run.allocator import Allocator
 from fitbench.run.loops import generate, make_step
+from fitbench.run.parallelize import parallelize
+from fitbench.run.ranks import Rank
 from fitbench.run.timing import DeviceClock
+from fitbench.spec import Layout
 
 TRAINING_STEPS = 2
 DECODE_STEPS = 2
@@ -154,6 +157,7 @@ def _fake_model(arch: Architecture, module: nn.Module, backend: str, policy, tar
                 setattr(part, name, torch.empty_like(buffer, device=target))
         module.tie_weights()
         lm = HuggingFaceLM(module, static_cache=policy.compute_dtype == policy.weight_dtype)
-    if activation_checkpointing:
-        lm.enable_activation_checkpointing(checkpointed_layers)
+    single = Rank(rank=0, local_rank=0, world_size=1, local_world_size=1, device=target, launched=False)
+    parallelize(lm, Layout(), policy, single, activation_checkpointing=activation_checkpointing,
+                checkpointed_layers=checkpointed_layers)
     return lm
