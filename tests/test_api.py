@@ -1,9 +1,12 @@
 """The Python front door: ``fitbench.plan``, ``fitbench.run`` and ``fitbench.load`` do what the commands
 do and return typed results, and the planner's and the worker's packages stay importable as modules."""
 
+import json
+
 import pytest
 
 import fitbench
+from fitbench.cli import main
 from fitbench.results.row import Row
 from fitbench.util.errors import UserError
 
@@ -12,6 +15,31 @@ def test_plan_chooses_as_the_command_does():
     plan = fitbench.plan("7B", "infer", gpu="H100-80GB")
     assert plan.model == "7B" and plan.mode == "infer" and plan.chosen is not None and plan.chosen.fits
     assert plan.target.count == 1 and plan.target.described
+
+
+def test_plan_considers_batch_1_unless_asked_for_the_largest():
+    """``fitbench plan``'s default, the batch ``fitbench run`` runs in infer; ``["auto"]`` the largest that fits."""
+    assert fitbench.plan("7B", "infer", gpu="H100-80GB").chosen.candidate.batch_size == 1
+    assert fitbench.plan("7B", "infer", gpu="H100-80GB", batch_sizes=["auto"]).chosen.candidate.batch_size > 1
+
+
+@pytest.mark.parametrize("model, mode, where", [
+    ("7B", "infer", ["--gpu", "H100-80GB"]),
+    ("7B", "train", ["--gpu", "H100-80GB", "--gpus", "4"]),
+    ("13B", "forward", ["--gpu-memory", "40GB", "--gpus", "2"]),
+    ("small", "forward-backward", ["--gpu", "A100-40GB", "--batch-size", "auto"]),
+    ("llama-2-70b", "infer", ["--gpu", "H100-80GB", "--gpus-per-node", "4", "--nodes", "2"]),
+])
+def test_the_command_and_the_function_give_the_same_plan(model, mode, where, capsys):
+    options = {"--gpu": "gpu", "--gpus": "gpus", "--gpu-memory": "gpu_memory", "--gpus-per-node": "gpus_per_node",
+               "--nodes": "nodes", "--batch-size": "batch_sizes"}
+    given = dict(zip(where[::2], where[1::2]))
+    kwargs = {options[k]: (int(v) if v.isdigit() else [v] if k == "--batch-size" else v) for k, v in given.items()}
+    planned = fitbench.plan(model, mode, **kwargs)
+    assert main(["plan", "--models", model, "--mode", mode, *where, "--json"]) == 0
+    printed = json.loads(capsys.readouterr().out)
+    assert printed == json.loads(json.dumps({**planned.as_dict(), "trace": None}, default=str))
+    assert printed["chosen"] is not None
 
 
 def test_plan_refuses_bad_input_with_the_commands_paragraph():
