@@ -2,7 +2,7 @@
 by kind (matmuls, attention, normalization, the loss, the optimizer, other elementwise work, copies), with
 the step's wall time beside the kernels' sum; the gap is time the device waited for the host.
 
-The step is fitbench's own (``fitbench.run.loops.make_step``) on either backend, so the profile is of what
+The step is fitbench's own (``fitbench.worker.loops.make_step``) on either backend, so the profile is of what
 ``fitbench run --mode train`` times. A kernel's kind is read from its name (``KINDS``, first match wins;
 ATen's ``gpu_kernel_impl_nocast`` wraps every elementwise functor, so ``nocast`` is no cast).
 
@@ -24,9 +24,9 @@ from torch.profiler import ProfilerActivity, profile
 from fitbench.models.backends import load_model
 from fitbench.models.registry import resolve
 from fitbench.precisions import policy
-from fitbench.run.loops import make_step, random_tokens
-from fitbench.run.parallelize import parallelize
-from fitbench.run.ranks import Rank
+from fitbench.worker.loops import make_step, random_tokens
+from fitbench.worker.parallelize import parallelize
+from fitbench.worker.ranks import Rank
 from fitbench.spec import Layout
 
 KINDS: tuple[tuple[str, str], ...] = (

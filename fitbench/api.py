@@ -22,12 +22,12 @@ def plan(model: str, mode: str = "train", *, gpu: str | None = None, gpu_memory:
     """The plan of ``model`` in ``mode``, as ``fitbench plan`` makes it, with its options and defaults, on
     the GPUs described (``gpu``, e.g. H100-80GB, or ``gpu_memory``, e.g. 80GB, with ``gpus``; or
     ``nodes`` of ``gpus_per_node``; none of them: the GPUs detected here): a
-    ``fitbench.plan.planner.Plan``, whose ``chosen`` is the fastest candidate predicted to fit (None when
+    ``fitbench.planning.planner.Plan``, whose ``chosen`` is the fastest candidate predicted to fit (None when
     none does). ``batch_sizes``: the batches to consider, by default batch 1 (what ``fitbench run``
     runs in ``infer``); ``["auto"]``: the largest batch predicted to fit."""
     from fitbench.config import merge_sources
-    from fitbench.plan.calibration import load_calibration
-    from fitbench.plan.planner import plan as make_plan
+    from fitbench.planning.calibration import load_calibration
+    from fitbench.planning.planner import plan as make_plan
 
     shapes = merge_sources({}, {}, {"batch_size": batch_sizes or [1], "seq_len": [seq_len], "new_tokens": new_tokens,
                                     "models": [model], "mode": [mode],
@@ -82,7 +82,7 @@ def plan_target(*, gpu: str | None = None, gpu_memory: str | None = None, gpus: 
             raise UserError(f"{option[2:]}: {option} must be 1 or more, got {value}.")
     bandwidth = None
     if inter_node_bandwidth is not None:
-        from fitbench.plan.nodes import parse_inter_node_bandwidth
+        from fitbench.planning.nodes import parse_inter_node_bandwidth
 
         try:
             bandwidth = parse_inter_node_bandwidth(inter_node_bandwidth)
@@ -98,7 +98,7 @@ def run(models: list[str], *, out: str | Path | None = None, **options: Any) -> 
     ``mode``, ``precision``, ``batch_size``, ``seq_len``, ``device``, ``gpus``, ...), each in a fresh
     process, and return their rows. The rows are also written to ``out`` (default: a new temporary
     directory), which ``load`` and ``fitbench report`` read again."""
-    from fitbench import __version__
+    from fitbench.util.version import __version__
     from fitbench.config import merge_sources
     from fitbench.launch.local import LocalLauncher, run_sweep
     from fitbench.results.store import ResultStore

@@ -20,10 +20,10 @@ from torch.distributed.elastic.multiprocessing.errors import record
 from fitbench.models.backends import load_model
 from fitbench.models.registry import resolve
 from fitbench.precisions import policy
-from fitbench.run.loops import make_step, random_tokens
-from fitbench.run.parallel import data_seed
-from fitbench.run.parallelize import parallelize
-from fitbench.run.ranks import Rank, gather_json, process_group
+from fitbench.worker.loops import make_step, random_tokens
+from fitbench.worker.parallel import data_seed
+from fitbench.worker.parallelize import parallelize
+from fitbench.worker.ranks import Rank, gather_json, process_group
 from fitbench.spec import Layout
 
 SEED, BATCH, SEQ_LEN, STEPS, PRECISION = 0, 2, 32, 3, "fp32"

@@ -1,7 +1,9 @@
 """The Python front door: ``fitbench.plan``, ``fitbench.run`` and ``fitbench.load`` do what the commands
-do and return typed results, and the planner's and the worker's packages stay importable as modules."""
+do and return typed results, and stay functions beside the package's modules."""
 
+import inspect
 import json
+import pydoc
 
 import pytest
 
@@ -56,9 +58,12 @@ def test_run_returns_typed_rows_that_load_reads_again(tmp_path):
         fitbench.load(tmp_path / "elsewhere")
 
 
-def test_the_packages_of_the_same_names_stay_modules():
-    import fitbench.plan.memory as memory
-    import fitbench.run.worker  # noqa: F401
+def test_the_front_door_names_are_functions_that_help_describes():
+    """No package shares a name with the API's functions, so importing the planner's and the worker's packages
+    leaves them functions, whose parameters ``help`` lists."""
+    import fitbench.planning.memory  # noqa: F401
+    import fitbench.worker.worker  # noqa: F401
 
-    assert memory.__name__ == "fitbench.plan.memory" and fitbench.plan.memory is memory
-    assert callable(fitbench.plan) and callable(fitbench.run) and fitbench.run.worker.__name__ == "fitbench.run.worker"
+    assert all(inspect.isfunction(function) for function in (fitbench.plan, fitbench.run, fitbench.load))
+    described = pydoc.render_doc(fitbench.plan, renderer=pydoc.plaintext)
+    assert all(f"{name}:" in described for name in inspect.signature(fitbench.api.plan).parameters)

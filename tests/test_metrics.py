@@ -1,5 +1,5 @@
-"""What a row says about a generation: the time to first token (``fitbench.run.loops.generate``), the
-prefill FLOPs and the bytes a decode step reads (``fitbench.run.metrics``, ``fitbench.run.worker``,
+"""What a row says about a generation: the time to first token (``fitbench.worker.loops.generate``), the
+prefill FLOPs and the bytes a decode step reads (``fitbench.worker.metrics``, ``fitbench.worker.worker``,
 ``CausalLM.kv_bytes_read``), and the peak MFU divides by (the precision entry's ``peak_kind``).
 
 Expected values are worked out here from the models' published shapes, never read back from the
@@ -20,18 +20,18 @@ from fitbench.models.graphs import Replay
 from fitbench.models.hf import build_hf
 from fitbench.models.native import build_native, meta_model
 from fitbench.models.registry import resolve
-from fitbench.plan import speed
-from fitbench.plan.memory import Parallelism
+from fitbench.planning import speed
+from fitbench.planning.memory import Parallelism
 from fitbench.precisions import PRECISIONS, entry, policy
-from fitbench.run import worker
-from fitbench.run.build import Built
-from fitbench.run.modes import Peaks
-from fitbench.run.modes.generation import measure_generation
-from fitbench.run.weight_bytes import decode_weight_bytes, weight_storage_bytes
-from fitbench.run.loops import generate, random_tokens, read_generation
-from fitbench.run.metrics import inference_metrics
-from fitbench.run.quantize import quantize_linears
-from fitbench.run.timing import DeviceClock, run_stages
+from fitbench.worker import worker
+from fitbench.worker.build import Built
+from fitbench.worker.modes import Peaks
+from fitbench.worker.modes.generation import measure_generation
+from fitbench.worker.weight_bytes import decode_weight_bytes, weight_storage_bytes
+from fitbench.worker.loops import generate, random_tokens, read_generation
+from fitbench.worker.metrics import inference_metrics
+from fitbench.worker.quantize import quantize_linears
+from fitbench.worker.timing import DeviceClock, run_stages
 from fitbench.spec import Assignment, RunSpec
 from fitbench.util.stats import SampleStats
 

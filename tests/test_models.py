@@ -14,10 +14,10 @@ from fitbench.models.native import (DecoderConfig, FusedLinear, build_native, ch
                                     rope_inverse_frequencies)
 from fitbench.models.registry import resolve
 from fitbench.precisions import entry, policy
-from fitbench.run import worker
-from fitbench.run.loops import make_step, random_tokens
-from fitbench.run.parallelize import parallelize
-from fitbench.run.ranks import Rank
+from fitbench.worker import worker
+from fitbench.worker.loops import make_step, random_tokens
+from fitbench.worker.parallelize import parallelize
+from fitbench.worker.ranks import Rank
 from fitbench.spec import Assignment, Layout, RunSpec
 
 MODES = ("train", "forward", "forward-backward", "infer")
@@ -45,7 +45,7 @@ def check_stats(stats: dict, count: int) -> None:
 
 
 def measure(run: RunSpec, tmp_path) -> dict:
-    """The worker's whole job (``python -m fitbench.run.worker SPEC RESULT``), run in this process."""
+    """The worker's whole job (``python -m fitbench.worker.worker SPEC RESULT``), run in this process."""
     spec_path, result_path = tmp_path / "spec.json", tmp_path / "result.json"
     spec_path.write_text(Assignment(spec=run).model_dump_json())
     code = worker.main([str(spec_path), str(result_path)])
@@ -713,7 +713,7 @@ def test_cuda_graph_replays_match_eager_decoding():
 def test_cuda_graph_decoding_in_every_inference_precision(precision):
     """Replays give what the same static step gives launched eagerly; a precision whose kernels cannot
     be captured decodes eagerly and says why."""
-    from fitbench.run.quantize import build_quantized_native
+    from fitbench.worker.quantize import build_quantized_native
 
     device = torch.device("cuda")
     problem = entry(precision).hardware_problem(device.type, torch.cuda.get_device_capability(device))

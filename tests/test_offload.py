@@ -17,11 +17,11 @@ from fitbench.models.backends import NativeLM
 from fitbench.models.native import build_native, meta_model
 from fitbench.models.offload import OffloadCapacityError, build_offloaded, capacity_problem, place_layers
 from fitbench.models.registry import resolve
-from fitbench.plan.calibration import DEFAULT
-from fitbench.plan.memory import estimate_memory
-from fitbench.plan.planner import offload_split
-from fitbench.run import worker
-from fitbench.run.weight_bytes import decode_weight_bytes, weight_storage_bytes
+from fitbench.planning.calibration import DEFAULT
+from fitbench.planning.memory import estimate_memory
+from fitbench.planning.planner import offload_split
+from fitbench.worker import worker
+from fitbench.worker.weight_bytes import decode_weight_bytes, weight_storage_bytes
 from fitbench.spec import RunSpec
 from fitbench.util.errors import UserError
 

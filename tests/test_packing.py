@@ -1,4 +1,4 @@
-"""Packing a module's state into one allocation (``fitbench.run.packing``): every storage moves, the
+"""Packing a module's state into one allocation (``fitbench.worker.packing``): every storage moves, the
 modules compute the same, the old storages are freed, the block's size by hand, and the quantized
 build packs each layer but the first into one block, its matmuls the largest first."""
 
@@ -11,10 +11,10 @@ from torch import nn
 
 from fitbench.models.native import build_native
 from fitbench.models.registry import resolve
-from fitbench.run.weight_bytes import weight_storage_bytes
-from fitbench.run.loops import random_tokens
-from fitbench.run.packing import Packer, aligned, packed_bytes, state_tensors
-from fitbench.run.quantize import build_quantized_native, quantize_linears
+from fitbench.worker.weight_bytes import weight_storage_bytes
+from fitbench.worker.loops import random_tokens
+from fitbench.worker.packing import Packer, aligned, packed_bytes, state_tensors
+from fitbench.worker.quantize import build_quantized_native, quantize_linears
 
 CPU = torch.device("cpu")
 PRECISIONS = ("bf16", "int8", "nf4", "fp4", "int8-dynamic")

@@ -98,7 +98,7 @@ def plan(args: argparse.Namespace) -> int:
             if args.trace and result.chosen and result.chosen.candidate.gpus == 1:
                 from fitbench.models.architecture import default_backend
                 from fitbench.models.registry import resolve
-                from fitbench.run.trace import trace_peak
+                from fitbench.worker.trace import trace_peak
 
                 arch, chosen = resolve(name), result.chosen.candidate
                 trace = trace_peak(arch, mode, chosen.precision, chosen.batch_size, args.seq_len,
@@ -124,7 +124,7 @@ def nodes_for(gpus: int, gpus_per_node: int) -> int:
 
 def sbatch_lines_for(model: str, gpus: int, gpus_per_node: int) -> list[str]:
     """The ``#SBATCH`` lines of a job of ``gpus`` GPUs on nodes of ``gpus_per_node``, the same count
-    used on each (the planner plans only such counts: ``fitbench.plan.nodes.placement_problem``), as the
+    used on each (the planner plans only such counts: ``fitbench.planning.nodes.placement_problem``), as the
     slurm launcher writes them (``fitbench.launch.slurm.script.sbatch_lines``)."""
     from fitbench.launch.slurm.options import SlurmOptions
     from fitbench.launch.slurm.script import ScriptJob, sbatch_lines
@@ -137,8 +137,8 @@ def sbatch_lines_for(model: str, gpus: int, gpus_per_node: int) -> list[str]:
 
 def _requirements(args, target, batch) -> int:
     from fitbench.api import plannable
-    from fitbench.plan.calibration import load_calibration
-    from fitbench.plan.planner import MOST_GPUS, fewest_gpus, unsplittable
+    from fitbench.planning.calibration import load_calibration
+    from fitbench.planning.planner import MOST_GPUS, fewest_gpus, unsplittable
     from fitbench.precisions import DEFAULT_LADDER
     from fitbench.util.units import format_bytes
 

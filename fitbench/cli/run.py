@@ -10,12 +10,12 @@ from typing import Any
 
 from rich.markup import escape
 
-from fitbench import __version__
 from fitbench.cli.command import Command
 from fitbench.cli.console import console, warn
 from fitbench.cli.documents import write_documents
 from fitbench.cli.options import quiet_option, sweep_options
 from fitbench.util.errors import UserError, excerpt
+from fitbench.util.version import __version__
 
 RUN_EXAMPLES = """\
 examples:

@@ -16,8 +16,8 @@ from datetime import datetime, timezone
 
 import psutil
 
-import fitbench
 from fitbench.hardware.devices import cpu_model, detect_gpus, driver_version
+from fitbench.util.version import __version__
 
 
 @functools.cache
@@ -44,7 +44,7 @@ def torch_version() -> str:
 
 def _git(*args: str) -> str | None:
     """Output of a git command run in the directory holding the package."""
-    source_root = pathlib.Path(fitbench.__file__).resolve().parent.parent
+    source_root = pathlib.Path(__file__).resolve().parents[2]  # fitbench/hardware/environment.py -> the checkout
     try:
         completed = subprocess.run(
             ["git", *args],
@@ -94,7 +94,7 @@ def environment() -> dict:
     git_commit, git_dirty = _git_provenance()
     affinity = os.sched_getaffinity(0) if hasattr(os, "sched_getaffinity") else None
     return {
-        "fitbench_version": fitbench.__version__,
+        "fitbench_version": __version__,
         "git_commit": git_commit,
         "git_dirty": git_dirty,
         "python": platform.python_version(),

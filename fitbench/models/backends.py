@@ -343,7 +343,7 @@ def compile_regions(compiler: Compiler | None = None, decode_options: dict[str, 
     compiles each copy: a decoder layer over the prompt and its decode step, and the head (final norm
     and output projection), which the prefill and the decode step share, both giving it the last
     position (B, 1, C), and the decode step's embedding: under tensor parallelism its all-reduce is then
-    a compiled collective, which a one-shot kernel can sum (``fitbench.run.tensor_parallel``), as the
+    a compiled collective, which a one-shot kernel can sum (``fitbench.worker.tensor_parallel``), as the
     layers' are. The few operators that gather the step's rotary rows and build its mask run eagerly,
     inside the captured graph all the same: a handful of elementwise kernels on (1, max_len) or fewer
     elements. ``compiler``: inductor by default; ``decode_options``: inductor's options for the decode

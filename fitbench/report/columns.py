@@ -8,7 +8,7 @@ unit in the header: GB are 1e9 bytes, % are 100 x a fraction. The measured peak 
 columns: the method is the precision of a quantized row, the library holds its tensors
 (``fitbench.precisions``, the entry's ``library``), weights vs bf16 is the bytes the built weights took
 over those of the same model in bf16 (``weights.relative_to_bf16``), and the quality figures are
-``fitbench.run.quality``'s against the bf16 model.
+``fitbench.worker.quality``'s against the bf16 model.
 """
 
 from __future__ import annotations

@@ -52,7 +52,7 @@ class AgentsOnNodes:
         return [*srun_tasks(self.nodes, self.cpus_per_task), sys.executable, "-m", "fitbench.launch.slurm.sampler",
                 str(self.samples), str(self.sampled_gpus), "--", sys.executable, "-m", "torch.distributed.run",
                 *agent_options(self.nodes, self.ranks_per_node), f"--rdzv-endpoint={self.endpoint}",
-                f"--rdzv-id={self.rendezvous_id}", "-m", "fitbench.run.worker", str(assignment), str(result)]
+                f"--rdzv-id={self.rendezvous_id}", "-m", "fitbench.worker.worker", str(assignment), str(result)]
 
 
 def srun_tasks(nodes: int, cpus_per_task: int | None = None) -> list[str]:
