@@ -54,6 +54,10 @@ def test_run_returns_typed_rows_that_load_reads_again(tmp_path):
                         measure_steps=1, out=tmp_path)
     assert [type(row) for row in rows] == [Row] and rows[0].status == "ok" and rows[0].spec["model"] == "tiny"
     assert fitbench.load(tmp_path) == rows
+    # as `fitbench run`: a directory holding a sweep is resumed, not replaced; resuming a finished one runs nothing
+    with pytest.raises(UserError, match="already holds a sweep"):
+        fitbench.run(["tiny"], device="cpu", out=tmp_path)
+    assert fitbench.run(resume=tmp_path) == rows
     with pytest.raises(UserError, match="no results.jsonl"):
         fitbench.load(tmp_path / "elsewhere")
 
