@@ -208,11 +208,6 @@ class Parallelism:
         return self.layout.dp_shard
 
     @property
-    def replicas(self) -> int:
-        """DDP's replicas of the (tensor-parallel share of the) model."""
-        return self.layout.dp_replicate
-
-    @property
     def schedule_microbatches(self) -> int:
         """The microbatches of a pipeline's training step: ``microbatches``, by default one per stage."""
         return self.microbatches or self.stages
@@ -826,7 +821,7 @@ def _training(arch, mode, widths, batch, seq_len, checkpointed, terms, local_par
     has_embedding, has_head = stage.first, stage.last
     frozen = trainable is not None  # adapters on a frozen base: embeddings and norms are frozen too
     sharded = layout.shards > 1 and not frozen
-    ddp = layout.replicas > 1 and layout.shards == 1 and not frozen
+    ddp = layout.layout.dp_replicate > 1 and layout.shards == 1 and not frozen
     # The output projection's share on this rank, where this stage holds it.
     output = V * h / tp if has_head else 0.0
     recompute = checkpointed > 0
