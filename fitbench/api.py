@@ -182,7 +182,23 @@ def start_sweep(given: dict[str, Any], *, resume: str | None, extend: bool, conf
     config = config.model_copy(update={"out": out})
     store.save_sweep({"config": config.model_dump(), "device": device, "command": command,
                       "fitbench_version": __version__})
+    save_code_diff(store.directory)
     return StartedSweep(config, out, store, device, jobs, calibration, command, slurm)
+
+
+def save_code_diff(directory: Path) -> str | None:
+    """The code's changes against its commit (``fitbench.hardware.environment.code_diff``) saved in a
+    sweep's ``directory`` as ``diffs/<SHA-256>.diff``, the file a row's ``environment.git_diff_sha256``
+    names; that hash, None for unchanged code (or no checkout), which saves nothing."""
+    from fitbench.hardware.environment import code_diff, diff_sha256
+
+    diff = code_diff()
+    sha256 = diff_sha256(diff)
+    if sha256 is not None:
+        path = Path(directory) / "diffs" / f"{sha256}.diff"
+        path.parent.mkdir(exist_ok=True)
+        path.write_bytes(diff)
+    return sha256
 
 
 def run_started(sweep: StartedSweep, display=None, cluster_display=None) -> None:

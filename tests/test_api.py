@@ -1,6 +1,7 @@
 """The Python front door: ``fitbench.plan``, ``fitbench.run`` and ``fitbench.load`` do what the commands
 do and return typed results, and stay functions beside the package's modules."""
 
+import hashlib
 import inspect
 import json
 import pydoc
@@ -54,6 +55,10 @@ def test_run_returns_typed_rows_that_load_reads_again(tmp_path):
                         measure_steps=1, out=tmp_path)
     assert [type(row) for row in rows] == [Row] and rows[0].status == "ok" and rows[0].spec["model"] == "tiny"
     assert fitbench.load(tmp_path) == rows
+    # the code's changes, if any, saved beside the rows under the hash the row records
+    sha256 = rows[0].environment["git_diff_sha256"]
+    assert [path.name for path in tmp_path.glob("diffs/*.diff")] == ([f"{sha256}.diff"] if sha256 else [])
+    assert sha256 is None or hashlib.sha256((tmp_path / "diffs" / f"{sha256}.diff").read_bytes()).hexdigest() == sha256
     # as `fitbench run`: a directory holding a sweep is resumed, not replaced; resuming a finished one runs nothing
     with pytest.raises(UserError, match="already holds a sweep"):
         fitbench.run(["tiny"], device="cpu", out=tmp_path)
