@@ -1,4 +1,6 @@
-"""One configuration in one process: build the model, warm up, measure, write the result.
+"""One configuration in one process: build (``fitbench.worker.build``) -> parallelize
+(``fitbench.worker.parallelize``) -> the mode's measuring loop (``fitbench.worker.modes``) -> a
+measurement, written as the result.
 
 Run as ``python -m fitbench.worker.worker ASSIGNMENT.json RESULT.json``: the configuration
 (``fitbench.spec.Assignment``) with the planner's figures it acts on, which the launcher computed;
