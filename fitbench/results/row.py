@@ -80,7 +80,7 @@ class Measurement(_Written):
     loss: list[float] | None = None
     weights: Fields | None = None
     offload: Fields | None = None  # the decoder layers offloaded on one device (fitbench.models.offload)
-    parallel: Fields | None = None  # what fitbench.worker.parallel applied
+    parallel: Fields | None = None  # what fitbench.worker.parallelize applied
     memory: Fields | None = None
     # the CUDA caching allocator's retries over the measured steps (fitbench.worker.retries); absent on a CPU
     allocator_retries: Fields | None = None
