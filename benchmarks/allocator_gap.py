@@ -28,8 +28,8 @@ import torch  # noqa: E402  (after the allocator's settings)
 from fitbench.models.backends import load_model  # noqa: E402
 from fitbench.models.registry import resolve  # noqa: E402
 from fitbench.precisions import policy as precision_policy  # noqa: E402
-from fitbench.run.loops import make_step, random_tokens  # noqa: E402
-from fitbench.run.trackers import allocator_settings  # noqa: E402
+from fitbench.worker.loops import make_step, random_tokens  # noqa: E402
+from fitbench.worker.trackers import allocator_settings  # noqa: E402
 
 TRACE_ENTRIES = 2_000_000
 SEGMENT_GROWS, SEGMENT_SHRINKS = ("segment_alloc", "segment_map"), ("segment_free", "segment_unmap")

@@ -1,5 +1,5 @@
 """What the CUDA caching allocator held per stream during a run's steps, from the snapshots that
-``FITBENCH_MEMORY_SNAPSHOT=DIR fitbench run ...`` writes (``fitbench.run.snapshot``, whose
+``FITBENCH_MEMORY_SNAPSHOT=DIR fitbench run ...`` writes (``fitbench.worker.snapshot``, whose
 ``stream_figures`` defines the figures).
 
 Usage: python benchmarks/allocator_streams.py SNAPSHOT.pickle [...] [--json FILE] [--top N]
@@ -18,7 +18,7 @@ import pickle
 from collections import Counter
 from pathlib import Path
 
-from fitbench.run.snapshot import stream_figures
+from fitbench.worker.snapshot import stream_figures
 
 GIB = 1 << 30
 

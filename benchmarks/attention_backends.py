@@ -24,7 +24,7 @@ import torch
 import torch.nn.functional as F
 from torch.nn.attention import SDPBackend, sdpa_kernel
 
-from fitbench.run.timing import DeviceClock, time_steps
+from fitbench.worker.timing import DeviceClock, time_steps
 
 
 @dataclass(frozen=True)

@@ -1,7 +1,7 @@
 """How far the caching allocator reserves beyond its allocations while a quantized model is built
 layer by layer, with and without returning the free pages after each layer.
 
-Each variant builds in a fresh process (``fitbench.run.quantize.build_quantized_native``, as the
+Each variant builds in a fresh process (``fitbench.worker.quantize.build_quantized_native``, as the
 worker does) and prints the peaks of allocated and reserved memory, and the allocations once the model is built (the
 peak beyond them is what the build's temporaries add).
 
@@ -23,8 +23,8 @@ def build(model: str, precision: str, release: bool) -> dict:
     import torch
 
     from fitbench.models.registry import resolve
-    from fitbench.run import quantize
-    from fitbench.run.loops import random_tokens
+    from fitbench.worker import quantize
+    from fitbench.worker.loops import random_tokens
 
     if release:
         plain = quantize.quantize_linears

@@ -1,7 +1,7 @@
 """The caching allocator's reserve beyond its allocations while a model is quantized layer by layer,
 across model shapes and precisions.
 
-Each build runs in a fresh process (``fitbench.run.quantize.build_quantized_native``, as the worker
+Each build runs in a fresh process (``fitbench.worker.quantize.build_quantized_native``, as the worker
 does) and prints its peaks of allocated and reserved memory and what stays allocated once the model
 is built. ``gap_GB`` = peak reserved - peak allocated: memory the allocator holds that no tensor
 uses at the build's worst moment.
@@ -27,9 +27,9 @@ def build(model: str, precision: str) -> dict:
     import torch
 
     from fitbench.models.registry import resolve
-    from fitbench.run.loops import random_tokens
-    from fitbench.run.quantize import build_quantized_native
-    from fitbench.run.worker import weight_storage_bytes
+    from fitbench.worker.loops import random_tokens
+    from fitbench.worker.quantize import build_quantized_native
+    from fitbench.worker.weight_bytes import weight_storage_bytes
 
     arch, device = resolve(model), torch.device("cuda")
     probe = random_tokens(arch.vocab_size, 1, 64, device, seed=0)

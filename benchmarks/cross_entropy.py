@@ -31,11 +31,11 @@ import torch.nn.functional as F  # noqa: E402
 from fitbench.models.backends import load_model  # noqa: E402
 from fitbench.models.loss import loss_chain_bytes, loss_chunk_rows  # noqa: E402
 from fitbench.models.registry import resolve  # noqa: E402
-from fitbench.plan.memory import estimate_memory  # noqa: E402
+from fitbench.planning.memory import estimate_memory  # noqa: E402
 from fitbench.precisions import policy  # noqa: E402
-from fitbench.run import loops  # noqa: E402
-from fitbench.run.cross_entropy import chunked_cross_entropy, cross_entropy  # noqa: E402
-from fitbench.run.timing import DeviceClock, time_steps  # noqa: E402
+from fitbench.worker import loops  # noqa: E402
+from fitbench.worker.cross_entropy import chunked_cross_entropy, cross_entropy  # noqa: E402
+from fitbench.worker.timing import DeviceClock, time_steps  # noqa: E402
 
 LOSSES = {"fused": cross_entropy, "chunked": chunked_cross_entropy,
           "whole": lambda logits, targets: F.cross_entropy(logits.float(), targets)}

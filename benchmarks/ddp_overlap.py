@@ -2,14 +2,14 @@
 torchrun job.
 
 Each variant (``VARIANTS``) builds the model afresh from one seed on every rank, wraps it (or not), and
-times fitbench's own training step (``fitbench.run.loops.make_step``: gradients set to None, forward,
+times fitbench's own training step (``fitbench.worker.loops.make_step``: gradients set to None, forward,
 fp32 loss, backward, fused AdamW) on a batch of each rank's own (``data_seed``): ``--warmup`` untimed
-steps, then ``--steps`` timed ones between two barriers (``fitbench.run.timing.time_steps``: CUDA events
+steps, then ``--steps`` timed ones between two barriers (``fitbench.worker.timing.time_steps``: CUDA events
 on a GPU, wall time on CPU). The variant, its optimizer and its gradients are freed before the next is
 built, so one variant at a time holds memory.
 
 - ``one-gpu``: no DDP; every rank trains its own model at once, the one-GPU baseline on the same GPUs;
-- ``current``: ``fitbench.run.parallel.wrap_ddp``, as ``fitbench run --strategy ddp`` builds it;
+- ``current``: ``fitbench.worker.parallel.wrap_ddp``, as ``fitbench run --strategy ddp`` builds it;
 - ``bucket-100``, ``bucket-400``, ``bucket-1000``: buckets of 100, 400 or 1000 MiB instead of 25 (the first one too, where
   25 MiB's default makes it 1 MiB): fewer all-reduces, and a larger last one after the backward pass;
 - ``no-static-graph``: ``static_graph=False``;
@@ -92,10 +92,12 @@ from fitbench.models.backends import CausalLM, load_model
 from fitbench.models.registry import resolve
 from fitbench.monitor.nvml import GpuMonitor, job_gpus
 from fitbench.precisions import PrecisionPolicy, policy
-from fitbench.run.loops import make_step, random_tokens
-from fitbench.run.parallel import data_seed, parallelize, wrap_ddp
-from fitbench.run.ranks import Rank, gather_json, process_group
-from fitbench.run.timing import DeviceClock, time_steps
+from fitbench.worker.loops import make_step, random_tokens
+from fitbench.worker.parallel import data_seed, wrap_ddp
+from fitbench.worker.parallelize import parallelize
+from fitbench.worker.ranks import Rank, gather_json, process_group
+from fitbench.worker.timing import DeviceClock, time_steps
+from fitbench.spec import Layout
 
 SEED = 0
 # a collective that waits this long has lost a rank: the job ends instead of hanging
@@ -175,9 +177,9 @@ def ddp_on_cublaslt(lm: CausalLM, rank: Rank, rules: PrecisionPolicy) -> Callabl
 
 
 def fsdp(lm: CausalLM, rank: Rank, rules: PrecisionPolicy) -> None:
-    """FSDP2 as ``fitbench run --strategy fsdp`` builds it (``fitbench.run.parallel.parallelize``): each
+    """FSDP2 as ``fitbench run --strategy fsdp`` builds it (``fitbench.worker.parallelize.parallelize``): each
     decoder layer and the root sharded over every rank, gathered in the compute dtype."""
-    parallelize(lm, "fsdp", rules, rank)
+    parallelize(lm, Layout(dp_shard=rank.world_size), rules, rank)
 
 
 def nccl_only(rank: Rank) -> str | None:

@@ -35,8 +35,8 @@ import torch.nn as nn
 import torch.nn.functional as F
 from torch.nn.attention import SDPBackend, sdpa_kernel
 
-from fitbench.run.timing import DeviceClock, time_steps
-from fitbench.run.worker import weight_storage_bytes
+from fitbench.worker.timing import DeviceClock, time_steps
+from fitbench.worker.weight_bytes import weight_storage_bytes
 
 LAYERS = 8
 DIM, FFN = 4096, 11008

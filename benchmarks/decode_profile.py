@@ -9,7 +9,7 @@ The kernels of a graph's replays are the step's, so their sum over the steps is 
 time; prefill kernels are left out (the profile starts after the prefill).
 
 Matmul bandwidth = the weight bytes of the decoder layers and the output projection (what a step
-must read, ``fitbench.run.worker.weight_storage_bytes`` less the embedding table, which a step reads
+must read, ``fitbench.worker.weight_bytes.weight_storage_bytes`` less the embedding table, which a step reads
 one row of) / the matmul kernels' time per step: the share of the copy bandwidth the format's
 kernels reach.
 
@@ -30,9 +30,9 @@ from torch.profiler import ProfilerActivity, profile
 from fitbench.models.backends import NativeLM, load_model
 from fitbench.models.registry import resolve
 from fitbench.precisions import entry, policy
-from fitbench.run.loops import random_tokens
-from fitbench.run.quantize import build_quantized_native
-from fitbench.run.worker import weight_storage_bytes
+from fitbench.worker.loops import random_tokens
+from fitbench.worker.quantize import build_quantized_native
+from fitbench.worker.weight_bytes import weight_storage_bytes
 from train_profile import kind_of
 
 

@@ -36,7 +36,7 @@ import torch.nn.functional as F
 
 from fitbench.models.layer_ops import rms_norm, rotary, stacked_linear, swiglu
 from fitbench.models.native import apply_rope
-from fitbench.run.timing import DeviceClock, time_steps
+from fitbench.worker.timing import DeviceClock, time_steps
 
 
 @dataclass(frozen=True)

@@ -1,7 +1,7 @@
 """What is alive on the GPU at a configuration's peaks: the whole worker measurement of one spec
 (build, quality probe, warm-up, capture, measured steps), traced by the caching allocator.
 
-Runs ``fitbench.run.worker.measure`` in this process under ``torch.cuda.memory._record_memory_history``
+Runs ``fitbench.worker.worker.measure`` in this process under ``torch.cuda.memory._record_memory_history``
 (the allocator settings of fitbench's workers), then replays the event trace (allocated bytes follow
 ``alloc``/``free_completed``, reserved bytes ``segment_alloc``/``segment_map`` and their opposites) and
 reports, at the peak of allocated and at the peak of reserved memory, the totals and the live blocks
@@ -27,7 +27,7 @@ os.environ.setdefault("PYTORCH_CUDA_ALLOC_CONF", "expandable_segments:True")
 
 import torch  # noqa: E402  (after the allocator's settings)
 
-from fitbench.run import worker  # noqa: E402
+from fitbench.worker import worker  # noqa: E402
 from fitbench.spec import Assignment, RunSpec  # noqa: E402
 
 TRACE_ENTRIES = 4_000_000

@@ -32,8 +32,8 @@ from dataclasses import replace
 from pathlib import Path
 
 from fitbench.models.registry import resolve
-from fitbench.plan.calibration import DEFAULT, Calibration, calibration_key
-from fitbench.plan.planner import GpuTarget, predict_spec
+from fitbench.planning.calibration import DEFAULT, Calibration, calibration_key
+from fitbench.planning.planner import GpuTarget, predict_spec
 from fitbench.precisions import FLOAT8, TRAINING_MODES, entry
 from fitbench.results.store import ResultStore
 from fitbench.spec import RunSpec
@@ -65,7 +65,7 @@ FUSED_TRAINING_SINCE = "2026-11-24T09:31:43+00:00"
 
 # From this commit on, compiled attention copies v out of the fused q, k, v projection (one GPU, DDP, FSDP);
 # before, it saved v as a view, which kept the whole output alive: c n (h + k) more per layer that kept its
-# activations (fitbench.plan.compiled). The 30B preset's compiled FSDP row of
+# activations (fitbench.planning.compiled). The 30B preset's compiled FSDP row of
 # benchmarks/results/2026-11-27-h200x4-largest held 7.63 GB more than its eager one, that to the byte.
 COMPILED_V_COPY_SINCE = "2026-11-27T18:55:00+00:00"
 

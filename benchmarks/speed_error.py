@@ -1,5 +1,5 @@
 """The speed model's forecast against the measured step, for rows already measured: each row's
-configuration forecast again with today's model (``fitbench.plan.forecast``), as the run decoded (the
+configuration forecast again with today's model (``fitbench.planning.forecast``), as the run decoded (the
 row's ``decode`` field) and on the row's GPU, beside its median step (training, forward) or decode-step
 latency (infer). Nothing runs on a GPU: this tells how a change to the model moves its error on
 measurements it did not take.
@@ -11,13 +11,13 @@ model's table of measured ceilings (``MEASURED_CEILINGS``).
 
 Rows that measure no configuration's speed are listed apart, not counted: pipelined generations
 decoded eagerly before stages captured their steps (``PIPELINE_GRAPHS_SINCE``), those measured while the
-allocator's history was recorded (``fitbench.run.snapshot``: the row's warning, or the sweep directory
+allocator's history was recorded (``fitbench.worker.snapshot``: the row's warning, or the sweep directory
 holding the snapshot's ``allocator-streams-rank*.json``), and steps at the GPU's capacity (the caching
 allocator retried inside them, or, in rows older than its counter, the NVML peak within
 ``AT_CAPACITY`` of the GPU's memory), which the planner keeps configurations off
-(``fitbench.plan.planner.RETRY_MARGIN``).
+(``fitbench.planning.planner.RETRY_MARGIN``).
 
-Collectives: the interconnect's defaults (``fitbench.plan.collectives``); with --calibration FILE (a
+Collectives: the interconnect's defaults (``fitbench.planning.collectives``); with --calibration FILE (a
 calibration.json of ``fitbench calibrate --gpus N``), the bus bandwidths it measured for the rows of its
 GPU name and torch version on a machine of as many GPUs (``calibration_for``), the in-step latencies
 staying the defaults: calibrate times its small messages from back-to-back eager calls, whose host
@@ -39,11 +39,11 @@ from dataclasses import replace
 from pathlib import Path
 
 from fitbench.models.registry import resolve
-from fitbench.plan.calibration import Calibration, calibration_key
-from fitbench.plan.collectives import bus_bandwidth
-from fitbench.plan.forecast import ceilings, forecast_spec, step_run
+from fitbench.planning.calibration import Calibration, calibration_key
+from fitbench.planning.collectives import bus_bandwidth
+from fitbench.planning.forecast import ceilings, forecast_spec, step_run
 from fitbench.results.store import ResultStore
-from fitbench.run.snapshot import RECORDING_WARNING
+from fitbench.worker.snapshot import RECORDING_WARNING
 from fitbench.spec import RunSpec
 
 # The share of a GPU's memory past which a row's steps ran at its capacity.

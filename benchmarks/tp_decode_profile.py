@@ -11,7 +11,7 @@ their own time (the profile's CPU side). A step's wall time above its kernels' s
 time the GPU waited: for the host to launch, or in a collective for a peer.
 
 ``--one-shot``: the small all-reduces through symmetric memory
-(``fitbench.run.tensor_parallel.one_shot_small_all_reduces``), for the side-by-side comparison.
+(``fitbench.worker.tensor_parallel.one_shot_small_all_reduces``), for the side-by-side comparison.
 ``--eager-embedding``: the decode step's embedding (and its all-reduce, NCCL's) outside the compiled
 regions, as before they held it.
 
@@ -39,9 +39,10 @@ from fitbench.models.backends import compile_regions
 from fitbench.models.native import EAGER
 from fitbench.models.registry import resolve
 from fitbench.precisions import policy
-from fitbench.run.loops import random_tokens
-from fitbench.run.ranks import Rank, process_group
-from fitbench.run.tensor_parallel import build_layout, one_shot_small_all_reduces, tensor_mesh
+from fitbench.worker.build import build_layout
+from fitbench.worker.loops import random_tokens
+from fitbench.worker.ranks import Rank, process_group
+from fitbench.worker.tensor_parallel import one_shot_small_all_reduces, tensor_mesh
 from fitbench.spec import Layout
 from train_profile import KINDS
 

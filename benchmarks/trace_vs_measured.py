@@ -12,9 +12,9 @@ from __future__ import annotations
 import sys
 
 from fitbench.models.registry import resolve
-from fitbench.plan.memory import estimate_memory
+from fitbench.planning.memory import estimate_memory
 from fitbench.results.store import ResultStore
-from fitbench.run.trace import trace_peak
+from fitbench.worker.trace import trace_peak
 
 
 def main(directory: str) -> None:

@@ -2,7 +2,7 @@
 by kind (matmuls, attention, normalization, the loss, the optimizer, other elementwise work, copies), with
 the step's wall time beside the kernels' sum; the gap is time the device waited for the host.
 
-The step is fitbench's own (``fitbench.run.loops.make_step``) on either backend, so the profile is of what
+The step is fitbench's own (``fitbench.worker.loops.make_step``) on either backend, so the profile is of what
 ``fitbench run --mode train`` times. A kernel's kind is read from its name (``KINDS``, first match wins;
 ATen's ``gpu_kernel_impl_nocast`` wraps every elementwise functor, so ``nocast`` is no cast).
 
@@ -24,7 +24,10 @@ from torch.profiler import ProfilerActivity, profile
 from fitbench.models.backends import load_model
 from fitbench.models.registry import resolve
 from fitbench.precisions import policy
-from fitbench.run.loops import make_step, random_tokens
+from fitbench.worker.loops import make_step, random_tokens
+from fitbench.worker.parallelize import parallelize
+from fitbench.worker.ranks import Rank
+from fitbench.spec import Layout
 
 KINDS: tuple[tuple[str, str], ...] = (
     ("optimizer", r"adam|multi_tensor|foreach"),
@@ -49,7 +52,8 @@ def profile_step(model: str, backend: str, batch: int, seq_len: int, precision: 
     rules = policy(precision)
     lm = load_model(arch, backend, device, rules.weight_dtype, compute_dtype=rules.compute_dtype)
     if compile:
-        lm.compile()
+        single = Rank(rank=0, local_rank=0, world_size=1, local_world_size=1, device=device, launched=False)
+        parallelize(lm, Layout(), rules, single, compile=True)
     step = make_step("train", lm, rules, random_tokens(arch.vocab_size, batch, seq_len + 1, device, 0), device)
     for _ in range(3):
         step()

@@ -15,7 +15,7 @@ from pydantic import BaseModel, ConfigDict, Field, StrictBool, ValidationError, 
 
 from fitbench.models.architecture import Architecture, backend_error, default_backend
 from fitbench.models.registry import resolve
-from fitbench.plan.nodes import parse_inter_node_bandwidth
+from fitbench.planning.nodes import parse_inter_node_bandwidth
 from fitbench.precisions import ALIASES, DEFAULT_LADDER, PRECISIONS, TRAINING_MODES, default_precision, entry
 from fitbench.spec import STRATEGY_DEGREES, Layout, Mode, Precision, RunSpec, microbatch_problem, pipeline_stages
 from fitbench.util.endpoints import http_url_problem
@@ -376,7 +376,7 @@ def _checkpointed_layers(config: SweepConfig, arch: Architecture, layout: Layout
 def _layout(config: SweepConfig, mode: str, precision: str, backend: str, arch: Architecture) -> Layout:
     """The layout of a job of ``config.gpus`` ranks: the strategy asked for, or under ``auto`` the first of
     DDP and FSDP that composes with the configuration (the planner may choose another by forecast
-    throughput where it plans: ``fitbench.plan.planner``). Generation under ``auto``, ``ddp`` or
+    throughput where it plans: ``fitbench.planning.planner``). Generation under ``auto``, ``ddp`` or
     ``fsdp`` runs in one process: data parallelism has nothing to average or shard in it; tensor
     parallelism (``tp``) runs every mode, ``replicas`` inference and forward. With ``offload``, FSDP,
     whose CPU offload it is (DDP has none). What composes is ``Layout.problem``'s to say; raises

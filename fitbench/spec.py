@@ -181,7 +181,7 @@ class Layout(BaseModel):
     def composes(self, mode: str) -> bool:
         """Whether the degrees go together in ``mode`` for some model, precision and backend: the rules of
         ``problem`` that read the degrees and the mode alone (``_degrees_reason``); what the planner's
-        enumeration of layouts keeps (``fitbench.plan.planner.layouts_for``)."""
+        enumeration of layouts keeps (``fitbench.planning.planner.layouts_for``)."""
         return self._degrees_reason(mode) is None
 
     def _degrees_reason(self, mode: str) -> str | None:
@@ -246,9 +246,9 @@ _DDP_OFFLOAD = ("--offload and --strategy ddp do not combine: DDP keeps a whole 
 
 def _pipeline_problem(precision: str, mode: str, backend: str) -> str | None:
     """Why pipeline stages cannot run this configuration, in one sentence with the way out; None
-    when they can. The native decoder's stages are ranks of a torchrun job (``fitbench.run.pipeline``)
+    when they can. The native decoder's stages are ranks of a torchrun job (``fitbench.worker.pipeline``)
     and train too; the hf backend's are one process's devices under accelerate's device map
-    (``fitbench.run.hf_pipeline``), for inference and forward in the floating-point precisions."""
+    (``fitbench.worker.hf_pipeline``), for inference and forward in the floating-point precisions."""
     if backend != "native":
         if mode in TRAINING_MODES:
             return (f"the {backend} backend's pipeline stages run one after another in one process, for inference: "
@@ -312,8 +312,8 @@ _HF_TENSOR_PARALLEL_FAMILIES = ("llama",)
 def _tensor_parallel_problem(precision: str, mode: str, backend: str, family: str | None) -> str | None:
     """Why tensor parallelism cannot run ``precision`` in ``mode`` with ``backend`` on a model of
     ``family``, in one sentence with the way out; None when it can: the floating-point precisions, in
-    every mode, on the native decoder (``fitbench.run.tensor_parallel``) and on transformers' models
-    of the families with a tensor-parallel plan (``fitbench.run.hf_tensor_parallel``).
+    every mode, on the native decoder (``fitbench.worker.tensor_parallel``) and on transformers' models
+    of the families with a tensor-parallel plan (``fitbench.worker.hf_tensor_parallel``).
 
     Quantized weights are refused: DTensor shards a weight by viewing and splitting it, which
     torchao's inference tensors do not implement (the same stops DDP's broadcast and FSDP's sharding of
@@ -549,7 +549,7 @@ class RunSpec(BaseModel):
     @property
     def one_shot_applies(self) -> bool:
         """Where ``symmetric_memory`` changes what runs: a compiled native generation under tensor
-        parallelism (``fitbench.run.tensor_parallel.one_shot_small_all_reduces``), on GPUs."""
+        parallelism (``fitbench.worker.tensor_parallel.one_shot_small_all_reduces``), on GPUs."""
         return (self.compile_decode and self.mode == "infer" and self.backend == "native" and self.layout.tp > 1
                 and self.device != "cpu")
 

@@ -16,8 +16,8 @@ from typing import Any, Callable, NamedTuple
 
 from fitbench.launch.fallback import FallbackPolicy
 from fitbench.launch.job import Job
-from fitbench.plan.calibration import Calibration
-from fitbench.plan.planner import GpuTarget
+from fitbench.planning.calibration import Calibration
+from fitbench.planning.planner import GpuTarget
 from fitbench.precisions import DEFAULT_LADDER, PRECISIONS
 from fitbench.spec import RunSpec
 from fitbench.util.errors import UserError, excerpt
@@ -120,8 +120,8 @@ def ram_refusals(specs: list) -> dict[str, str]:
     (``fitbench.util.host``), by spec key, with the reason; a job of several ranks needs each rank's peak
     once per rank. FSDP's CPU offload moves nothing off a CPU: its state is counted where it is."""
     from fitbench.models.registry import resolve
-    from fitbench.plan.memory import Parallelism, estimate_memory
-    from fitbench.plan.planner import offload_split
+    from fitbench.planning.memory import Parallelism, estimate_memory
+    from fitbench.planning.planner import offload_split
     from fitbench.util.host import host_memory
     from fitbench.util.units import format_bytes
 
@@ -160,7 +160,7 @@ def run_target(device: str, measure: Callable[[], Any] | None = None, say: Calla
     ``measure_calibration`` on the GPU: seconds, one line told to ``say``). On a CPU, a target only under a
     mem-limit, which makes the CPU a GPU of that size, tensors only (calibration None); else
     (None, None): nothing is planned. A job of ``ranks`` ranks plans for that many GPUs of this kind."""
-    from fitbench.plan.planner import GpuTarget
+    from fitbench.planning.planner import GpuTarget
     from fitbench.util.inject import injected_memory_limit
 
     limit = injected_memory_limit()
@@ -171,7 +171,7 @@ def run_target(device: str, measure: Callable[[], Any] | None = None, say: Calla
     import torch
 
     from fitbench.launch.calibrate import measure_calibration
-    from fitbench.plan.calibration import ensure_calibration, load_calibration
+    from fitbench.planning.calibration import ensure_calibration, load_calibration
 
     properties = torch.cuda.get_device_properties(torch.device(device))
 
@@ -204,11 +204,11 @@ def plan_jobs(specs: list[RunSpec], config, target: GpuTarget | None, calibratio
     checkpointing and layout the user left open, and predicts the per-GPU peak stored with the result.
     A configuration that no choice left open makes fit is refused: it is not launched, and its reason
     names the predicted need and the alternatives predicted to fit
-    (``fitbench.plan.planner.alternatives``, also in the prediction). Each job walks the fallback
+    (``fitbench.planning.planner.alternatives``, also in the prediction). Each job walks the fallback
     ladder of ``config`` for its mode and lives at most ``config.timeout`` seconds."""
     from fitbench.config import fallback_ladder
     from fitbench.models.registry import resolve
-    from fitbench.plan.planner import alternatives, planner_choices, predict_spec, refusal
+    from fitbench.planning.planner import alternatives, planner_choices, predict_spec, refusal
 
     jobs = []
     for spec in specs:
@@ -272,7 +272,7 @@ def plan_sweep(config, out: str, out_option: str = "--out", say: Callable[[str],
     the jobs are planned here for the GPU they will get (``fitbench.launch.slurm.planned``), and each
     runs on its node as planned (``fitbench.cli.allocation``)."""
     from fitbench.config import expand
-    from fitbench.plan.calibration import TENSORS_ONLY
+    from fitbench.planning.calibration import TENSORS_ONLY
 
     if config.launcher == "slurm":
         device = cluster_device(config)
@@ -305,7 +305,7 @@ def cluster_target(target: GpuTarget, config) -> GpuTarget:
     ``--inter-node-bandwidth`` where given."""
     from dataclasses import replace
 
-    from fitbench.plan.nodes import parse_inter_node_bandwidth
+    from fitbench.planning.nodes import parse_inter_node_bandwidth
 
     bandwidth = config.inter_node_bandwidth
     return replace(target, node_gpus=config.gpus // config.nodes if (config.nodes or 1) > 1 else target.node_gpus,
@@ -382,7 +382,7 @@ def gpu_target(*, gpu: str | None = None, gpu_memory: str | None = None, gpus: i
     ``gpus``: how many), else those detected here. Bad values are a UserError naming the option."""
     from fitbench.hardware import devices
     from fitbench.hardware.datasheet import gpu_spec
-    from fitbench.plan.planner import GPU_ALIASES
+    from fitbench.planning.planner import GPU_ALIASES
     from fitbench.util.units import parse_bytes
 
     for option, value in (("--gpu", gpu), ("--gpu-memory", gpu_memory)):
@@ -449,7 +449,7 @@ def bus_figures(bus) -> str:
 
 
 def _collectives_figures(c) -> str:
-    from fitbench.plan.collectives import BusBandwidth
+    from fitbench.planning.collectives import BusBandwidth
 
     figures = ""
     if c.all_reduce_bus_bandwidth is not None:

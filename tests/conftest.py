@@ -70,7 +70,7 @@ def write_tiny_checkpoint(directory, fill: float | None = None, tokenizer: bool 
 
     from fitbench.models.native import build_native
     from fitbench.models.registry import resolve
-    from fitbench.run.quality import reference_text
+    from fitbench.worker.quality import reference_text
 
     directory = Path(directory)
     directory.mkdir(parents=True, exist_ok=True)

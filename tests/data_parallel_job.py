@@ -20,9 +20,11 @@ from torch.distributed.elastic.multiprocessing.errors import record
 from fitbench.models.backends import load_model
 from fitbench.models.registry import resolve
 from fitbench.precisions import policy
-from fitbench.run.loops import make_step, random_tokens
-from fitbench.run.parallel import data_seed, parallelize
-from fitbench.run.ranks import Rank, gather_json, process_group
+from fitbench.worker.loops import make_step, random_tokens
+from fitbench.worker.parallel import data_seed
+from fitbench.worker.parallelize import parallelize
+from fitbench.worker.ranks import Rank, gather_json, process_group
+from fitbench.spec import Layout
 
 SEED, BATCH, SEQ_LEN, STEPS, PRECISION = 0, 2, 32, 3, "fp32"
 # (name, strategy, options of parallelize)
@@ -40,7 +42,7 @@ def train(rank: Rank, strategy: str, options: dict, fail: bool) -> tuple[list[fl
     arch, precision = resolve("tiny"), policy(PRECISION)
     torch.manual_seed(SEED + rank.rank)  # a different seed per rank: the weights must come from rank 0
     lm = load_model(arch, "native", rank.device, precision.weight_dtype)
-    applied = parallelize(lm, strategy, precision, rank, **options)
+    applied = parallelize(lm, Layout.of_strategy(strategy, rank.world_size), precision, rank, **options)
     tokens = random_tokens(arch.vocab_size, BATCH, SEQ_LEN + 1, rank.device, data_seed(SEED, rank.rank))
     step = make_step("train", lm, precision, tokens, rank.device)
     losses = []

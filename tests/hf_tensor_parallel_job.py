@@ -4,9 +4,9 @@ torchrun:
     python -m torch.distributed.run --standalone --nproc-per-node 2 tests/hf_tensor_parallel_job.py OUT.json
 
 Two CPU ranks (gloo). ``tiny`` built by transformers (``LlamaForCausalLM``, GQA, tied embeddings) is
-sharded with transformers' own plan (``fitbench.run.hf_tensor_parallel``): one forward and backward
-pass (the loss and a sample of a few gradients), a generation (the prefill's logits and ``DECODE``
-decode steps through the ``StaticCache``), then ``STEPS`` training steps. Every rank builds from its
+sharded with transformers' own plan (``fitbench.worker.hf_tensor_parallel``, applied by
+``fitbench.worker.parallelize``): one forward and backward pass (the loss and a sample of a few
+gradients), a generation (the prefill's logits and ``DECODE`` decode steps through the ``StaticCache``), then ``STEPS`` training steps. Every rank builds from its
 own seed: the weights must come from rank 0. Rank 0 writes every rank's figures to OUT.json.
 """
 
@@ -22,10 +22,10 @@ from torch.distributed.elastic.multiprocessing.errors import record
 from fitbench.models.backends import HuggingFaceLM, load_model
 from fitbench.models.registry import resolve
 from fitbench.precisions import policy
-from fitbench.run.cross_entropy import cross_entropy
-from fitbench.run.hf_tensor_parallel import parallelize_hf_layout
-from fitbench.run.loops import make_step, random_tokens
-from fitbench.run.ranks import Rank, gather_json, process_group
+from fitbench.worker.cross_entropy import cross_entropy
+from fitbench.worker.loops import make_step, random_tokens
+from fitbench.worker.parallelize import parallelize
+from fitbench.worker.ranks import Rank, gather_json, process_group
 from fitbench.spec import Layout
 
 SEED, BATCH, SEQ_LEN, STEPS, PRECISION = 0, 2, 16, 2, "fp32"
@@ -49,7 +49,7 @@ def built(rank: Rank, mode: str) -> HuggingFaceLM:
     own weights would show."""
     torch.manual_seed(SEED if rank.main else SEED + 1 + rank.rank)
     lm = load_model(ARCH, "hf", rank.device, policy(PRECISION).weight_dtype)
-    parallelize_hf_layout(lm, LAYOUT, rank)
+    parallelize(lm, LAYOUT, policy(PRECISION), rank)
     return lm
 
 

@@ -8,7 +8,7 @@ CPU, gloo).
 The job trains it for ``STEPS`` steps of ``BATCH`` x ``SEQ_LEN`` tokens in ``MICROBATCHES``
 microbatches, starts over from the same seed for one forward step, then greedily generates
 ``NEW_TOKENS`` tokens after a prompt of ``PROMPT`` tokens, twice (the second generation reuses the
-cache), the same twice through each stage's static decode step (``fitbench.run.stage_graph``, replayed
+cache), the same twice through each stage's static decode step (``fitbench.worker.stage_graph``, replayed
 by a stand-in for a CUDA graph), and once more as the worker times it (``PipelineLM.generator``). OUT_DIR/ranks.json gets
 every rank's stage and parameter count, the losses, the forward step's logits sum, the tokens and
 the timed generation's sums and seconds; OUT_DIR/logits.pt the last stage's logits of every
@@ -29,11 +29,13 @@ from torch.distributed.elastic.multiprocessing.errors import record
 from fitbench.models.graphs import Replay
 from fitbench.models.registry import resolve
 from fitbench.precisions import policy
-from fitbench.run.loops import random_tokens
-from fitbench.run.loops import read_generation
-from fitbench.run.pipeline import PipelineLM, build_pipelined, build_stage
-from fitbench.run.ranks import Rank, gather_json, process_group
-from fitbench.run.timing import DeviceClock
+from fitbench.worker.loops import random_tokens
+from fitbench.worker.loops import read_generation
+from fitbench.worker.build import build_pipelined
+from fitbench.worker.pipeline import PipelineLM
+from fitbench.worker.ranks import Rank, gather_json, process_group
+from fitbench.worker.stages import build_stage
+from fitbench.worker.timing import DeviceClock
 from fitbench.spec import Layout, RunSpec, Stage
 
 ARCH = dataclasses.replace(resolve("tiny"), num_layers=5)

@@ -9,7 +9,7 @@ shards (the prefill's logits and ``DECODE`` steps, the eager forward and the ``d
 CUDA graph captures on a GPU); the operators of a prefill and a decode step of ``tiny`` are counted
 by name (``dispatched``), for comparison with one process's. Then ``tiny`` trains ``STEPS`` steps under FSDP x TP (``Layout(dp_shard=2,
 tp=2)``), each data-parallel pair on its own batch. Every rank builds its shards from seed ``SEED``
-on the meta device (``build_tensor_parallel``), drawing the whole weights as one process does and
+on the meta device (``fitbench.worker.build.build_tensor_parallel``), drawing the whole weights as one process does and
 keeping its part; the build of ``tiny`` records the largest tensor it allocated and the rank's
 parameter storage. Last, ``tiny`` runs on ``PIPELINE`` (two stages of two tensor-parallel ranks
 each, ``build_pipelined``): a forward pass and the generation above, the last stage's ranks keeping
@@ -31,13 +31,13 @@ from fitbench.models.backends import NativeLM
 from fitbench.models.graphs import Replay
 from fitbench.models.registry import resolve
 from fitbench.precisions import policy
-from fitbench.run.cross_entropy import cross_entropy
-from fitbench.run.loops import make_step, random_tokens
-from fitbench.run.parallel import data_seed
-from fitbench.run.pipeline import build_pipelined
-from fitbench.run.ranks import Rank, gather_json, process_group
-from fitbench.run.tensor_parallel import (build_layout, build_tensor_parallel, data_parallel_rank, device_mesh,
-                                          parallelize_layout)
+from fitbench.worker.build import build_layout, build_pipelined, build_tensor_parallel
+from fitbench.worker.cross_entropy import cross_entropy
+from fitbench.worker.loops import make_step, random_tokens
+from fitbench.worker.parallel import data_seed
+from fitbench.worker.parallelize import parallelize
+from fitbench.worker.ranks import Rank, gather_json, process_group
+from fitbench.worker.tensor_parallel import data_parallel_rank, device_mesh
 from fitbench.spec import Layout, RunSpec, Stage
 from test_models import counting_compiler
 
@@ -164,7 +164,7 @@ def fsdp_tp_losses(rank: Rank) -> tuple[list[float], dict]:
     arch, precision = resolve("tiny"), policy(PRECISION)
     torch.manual_seed(SEED)
     lm, mesh, applied = build_layout(arch, LAYOUT, precision, "train", SEQ_LEN, rank)
-    applied = parallelize_layout(lm, LAYOUT, precision, rank, mesh, applied)
+    applied = parallelize(lm, LAYOUT, precision, rank, tensor_parallel=applied, mesh=mesh)
     tokens = random_tokens(arch.vocab_size, BATCH, SEQ_LEN + 1, rank.device,
                            data_seed(SEED, data_parallel_rank(LAYOUT, rank.rank)))
     step = make_step("train", lm, precision, tokens, rank.device)

@@ -1,4 +1,4 @@
-"""Training with quantized weights: adapters on a frozen int8 / 4-bit base (``fitbench.run.adapters``),
+"""Training with quantized weights: adapters on a frozen int8 / 4-bit base (``fitbench.worker.adapters``),
 float8 training's refusal off a GPU, what the memory model and the planner say of both, and the
 refusal of torchao inference tensors in training."""
 
@@ -12,13 +12,13 @@ import torch.nn.functional as F
 from fitbench.config import SweepConfig, expand, fallback_ladder
 from fitbench.launch.fallback import FallbackPolicy, next_attempt
 from fitbench.models.registry import resolve
-from fitbench.plan.memory import INT8_OUTLIER_COLUMNS, adapter_params, estimate_memory
-from fitbench.plan.planner import Candidate, GpuTarget, assess
+from fitbench.planning.memory import INT8_OUTLIER_COLUMNS, adapter_params, estimate_memory
+from fitbench.planning.planner import Candidate, GpuTarget, assess
 from fitbench.precisions import ADAPTER_RANK
-from fitbench.run import worker
-from fitbench.run.adapters import LowRankAdapted, add_adapters
-from fitbench.run.loops import random_tokens
-from fitbench.run.quantize import build_quantized_native
+from fitbench.worker import worker
+from fitbench.worker.adapters import LowRankAdapted, add_adapters
+from fitbench.worker.loops import random_tokens
+from fitbench.worker.quantize import build_quantized_native
 from fitbench.spec import RunSpec
 from fitbench.util.errors import UserError
 from test_quantize import run_worker
@@ -192,8 +192,8 @@ def test_float8_training_is_refused_on_a_cpu(tmp_path):
 
 
 def test_adapter_training_roofline_counts_no_weight_gradients():
-    from fitbench.plan.memory import Parallelism
-    from fitbench.plan.speed import estimate_step_time
+    from fitbench.planning.memory import Parallelism
+    from fitbench.planning.speed import estimate_step_time
 
     arch = resolve("7B")
 

@@ -1,4 +1,4 @@
-"""The caching allocator's replay (``fitbench.run.allocator``) on hand-made sequences, and on traced
+"""The caching allocator's replay (``fitbench.worker.allocator``) on hand-made sequences, and on traced
 training steps: a whole-logits loss makes the reserve outgrow the allocations."""
 
 import dataclasses
@@ -6,10 +6,10 @@ import dataclasses
 import torch.nn.functional as F
 
 from fitbench.models.registry import resolve
-from fitbench.run import trace
-from fitbench.run import loops
-from fitbench.run.allocator import LARGE_PAGE, SMALL_PAGE, Allocator, rounded
-from fitbench.run.cross_entropy import chunked_cross_entropy
+from fitbench.worker import trace
+from fitbench.worker import loops
+from fitbench.worker.allocator import LARGE_PAGE, SMALL_PAGE, Allocator, rounded
+from fitbench.worker.cross_entropy import chunked_cross_entropy
 
 MiB = 2**20
 

@@ -5,7 +5,7 @@ import pytest
 
 from fitbench.launch.calibrate import overheads, traced_tensor_peaks
 from fitbench.models.registry import resolve
-from fitbench.run.trace import trace_peak
+from fitbench.worker.trace import trace_peak
 from fitbench.spec import RunSpec
 
 MB = 1e6

@@ -18,7 +18,7 @@ from transformers import LlamaConfig
 from fitbench.config import SweepConfig, expand, load_yaml, merge_sources
 from fitbench.models.presets import PRESETS
 from fitbench.models.registry import resolve
-from fitbench.plan.calibration import TENSORS_ONLY
+from fitbench.planning.calibration import TENSORS_ONLY
 from fitbench.results.store import ResultStore
 from fitbench.spec import Assignment, Layout, RunSpec
 from fitbench.util.errors import UserError
@@ -215,7 +215,7 @@ def test_decode_tuning_option_file_key_label_and_worker(tmp_path):
     from fitbench.cli import build_parser
     from fitbench.models.backends import DECODE_TUNING
     from fitbench.precisions import policy
-    from fitbench.run import worker
+    from fitbench.worker.build import build
 
     assert build_parser().parse_args(["run", "--decode-tuning"]).decode_tuning is True
     assert "decode_tuning" not in vars(build_parser().parse_args(["run"]))
@@ -238,7 +238,7 @@ def test_decode_tuning_option_file_key_label_and_worker(tmp_path):
         assert same.model_copy(update={"decode_tuning": True}).key == same.key
     # the worker hands inductor's options to the decode step's compile alone
     tiny = specs[0].model_copy(update={"batch_size": 1, "seq_len": 8, "new_tokens": 2})
-    built = worker.build(Assignment(spec=tiny), resolve("tiny"), policy(tiny.precision), torch.device("cpu"), tmp_path)
+    built = build(Assignment(spec=tiny), resolve("tiny"), policy(tiny.precision), torch.device("cpu"), tmp_path)
     assert built.lm.decode_options == DECODE_TUNING
 
 
@@ -291,7 +291,7 @@ def test_injected_crash_is_recorded_and_the_sweep_goes_on(tmp_path, capsys, monk
 def test_what_is_predicted_not_to_fit_is_refused_before_launch(tmp_path, capsys, monkeypatch):
     # The injected memory limit makes this CPU a device of that size, for the planner and the worker
     # alike: tiny infer bf16-pure fits at batch 1, to the byte, and not at batch 2.
-    from fitbench.plan.memory import estimate_memory
+    from fitbench.planning.memory import estimate_memory
 
     def peak(precision: str, batch: int, resident: int | None = None) -> float:
         return estimate_memory(resolve("tiny"), "infer", precision, batch, 16, new_tokens=4,

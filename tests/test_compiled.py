@@ -1,4 +1,4 @@
-"""The compiled memory model (``fitbench.plan.compiled``) against AOTAutograd's real partition of the
+"""The compiled memory model (``fitbench.planning.compiled``) against AOTAutograd's real partition of the
 native model, and by hand.
 
 The partition is the one inductor makes: ``torch.compile`` with a backend built on AOTAutograd,
@@ -15,10 +15,10 @@ import torch
 
 from fitbench.models.native import build_native
 from fitbench.models.registry import resolve
-from fitbench.plan import compiled
-from fitbench.plan.calibration import DEFAULT
-from fitbench.plan.memory import END, FIRST, MLP, OUTPUT, START, Parallelism, estimate_memory
-from fitbench.plan.planner import Candidate, GpuTarget, predict_spec
+from fitbench.planning import compiled
+from fitbench.planning.calibration import DEFAULT
+from fitbench.planning.memory import END, FIRST, MLP, OUTPUT, START, Parallelism, estimate_memory
+from fitbench.planning.planner import Candidate, GpuTarget, predict_spec
 from fitbench.precisions import PRECISIONS as RUNNABLE, policy
 from fitbench.spec import RunSpec
 
@@ -151,7 +151,7 @@ def test_compiled_saved_per_layer_by_hand():
 
 @pytest.mark.parametrize("fused", [False, True])
 def test_compiled_per_layer_saved_bytes_match_the_partition(fused):
-    """Compiled per decoder layer, as ``fitbench.run.parallel`` compiles under DDP and FSDP (after
+    """Compiled per decoder layer, as ``fitbench.worker.parallelize`` compiles under DDP and FSDP (after
     checkpointing, here of the first layer), bf16-pure as FSDP computes: the layer that keeps its
     activations saves a compiled layer's tensors, its input among them, a graph input of its own
     graph; the checkpointed layer's graph saves the same, which the checkpoint drops."""

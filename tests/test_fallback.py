@@ -23,7 +23,7 @@ from fitbench.launch.fallback import FallbackPolicy, Rung, largest_batch, next_a
 from fitbench.launch.job import predicted_max_batch
 from fitbench.launch.orders import assign
 from fitbench.models.registry import resolve
-from fitbench.plan.memory import estimate_memory
+from fitbench.planning.memory import estimate_memory
 from fitbench.results.store import ResultStore
 from fitbench.spec import RunSpec
 from conftest import cli
@@ -490,7 +490,7 @@ def test_worker_mem_limit_injection(tmp_path):
     for name, s in specs.items():
         (tmp_path / f"{name}.json").write_text(assign(s, None, None).model_dump_json())
         workers[name] = subprocess.Popen(
-            [sys.executable, "-m", "fitbench.run.worker", str(tmp_path / f"{name}.json"), str(tmp_path / f"{name}.out")],
+            [sys.executable, "-m", "fitbench.worker.worker", str(tmp_path / f"{name}.json"), str(tmp_path / f"{name}.out")],
             stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True, cwd=tmp_path,
             env=environment(f"mem-limit:{limit}"))
     results = {}

@@ -13,12 +13,12 @@ from fitbench.models.hf import build_hf, hf_config
 from fitbench.models.native import meta_model
 from fitbench.models.presets import PRESETS
 from fitbench.models.registry import resolve
-from fitbench.plan.memory import TRAINING_MODES, Parallelism, Widths, estimate_memory, gpt2_gelu_upcast_bytes
-from fitbench.plan.planner import Candidate, GpuTarget, assess
+from fitbench.planning.memory import TRAINING_MODES, Parallelism, Widths, estimate_memory, gpt2_gelu_upcast_bytes
+from fitbench.planning.planner import Candidate, GpuTarget, assess
 from fitbench.precisions import DEFAULT_LADDER, QUANTIZED_PRECISIONS, entry
-from fitbench.run.quantize import quantize_linears
-from fitbench.run.trace import trace_peak
-from fitbench.run.worker import weight_storage_bytes
+from fitbench.worker.quantize import quantize_linears
+from fitbench.worker.trace import trace_peak
+from fitbench.worker.weight_bytes import weight_storage_bytes
 from fitbench.spec import Layout
 
 FLOAT_WIDTHS = {"fp32": 4, "bf16": 4, "bf16-pure": 2}  # bytes per stored weight
@@ -146,9 +146,9 @@ def test_storage_rules_hold_on_a_real_model(family, precision):
 
 @pytest.mark.parametrize("family", ["llama", "falcon", "gpt2"])
 def test_adapters_go_on_every_layer_matrix(family):
-    from fitbench.plan.memory import adapter_params
+    from fitbench.planning.memory import adapter_params
     from fitbench.precisions import ADAPTER_RANK
-    from fitbench.run.adapters import add_adapters
+    from fitbench.worker.adapters import add_adapters
 
     arch = tiny_family(family)
     model = build_hf(arch, CPU, torch.bfloat16)
@@ -276,8 +276,8 @@ def hf_spec(**fields):
 
 
 def test_hf_backend_rows_get_a_prediction():
-    from fitbench.plan.calibration import DEFAULT
-    from fitbench.plan.planner import predict_spec
+    from fitbench.planning.calibration import DEFAULT
+    from fitbench.planning.planner import predict_spec
 
     spec = hf_spec(model="falcon-40b", mode="infer", precision="nf4", seq_len=512, device="cuda")
     target = GpuTarget("NVIDIA H200", 1, 140e9, described=False)
@@ -304,7 +304,7 @@ def test_hf_backend_auto_batch_follows_the_memory_model(monkeypatch):
 def test_injected_memory_limit_applies_to_hf_rows(monkeypatch):
     """The launcher's assignment carries the hf row's predicted peak, which the worker compares."""
     from fitbench.launch.orders import assign
-    from fitbench.run.worker import raise_injected_out_of_memory
+    from fitbench.worker.worker import raise_injected_out_of_memory
 
     assignment = assign(hf_spec(batch_size=8), None, None)
     peak = estimate_memory(resolve("gpt2"), "train", "bf16", 8, 256, backend="hf").peak_bytes
@@ -327,8 +327,8 @@ def test_hf_kv_cache_term_is_the_cache_transformers_keeps(family, precision):
     from fitbench.models.backends import load_model
     from fitbench.models.hf_cache import cache_layout
     from fitbench.precisions import policy
-    from fitbench.run.loops import generate
-    from fitbench.run.timing import DeviceClock
+    from fitbench.worker.loops import generate
+    from fitbench.worker.timing import DeviceClock
 
     arch = tiny_family(family)
     chosen = policy(precision)

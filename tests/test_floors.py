@@ -1,7 +1,8 @@
-"""The rule of floors (docs/architecture.md, "The floors"): ``plan/`` is pure prediction and imports nothing from
-``run/``, ``launch/`` or ``config.py``; ``run/`` is what happens inside one rank and imports nothing
-from ``plan/`` or ``launch/``; no two parts of the package import each other, however indirectly.
-Read from the source, lazy imports inside functions included."""
+"""The rule of floors (docs/architecture.md, "The floors"): ``planning/`` is pure prediction and imports
+nothing from ``worker/``, ``launch/`` or ``config.py``; ``worker/`` is what happens inside one rank and
+imports nothing from ``planning/`` or ``launch/``; nothing imports the root package or the API above it;
+no two parts of the package import each other, however indirectly. Read from the source, lazy imports
+inside functions included, the root package's ``__init__.py`` too."""
 
 import ast
 from pathlib import Path
@@ -9,23 +10,29 @@ from pathlib import Path
 import pytest
 
 PACKAGE = Path(__file__).resolve().parents[1] / "fitbench"
+ROOT = "fitbench"  # the root package's part: fitbench/__init__.py
+ENTRY = {ROOT, "api", "cli", "__main__"}
 
 
 def part(module: str) -> str:
-    """``fitbench.plan.memory`` -> ``plan``; ``fitbench.config`` -> ``config``."""
-    return module.split(".")[1]
+    """``fitbench.planning.memory`` -> ``planning``; ``fitbench.config`` -> ``config``; ``fitbench``, and
+    a name ``from fitbench import`` takes that is no module of it (``__version__``), -> the root."""
+    names = module.split(".")
+    if len(names) == 1:
+        return ROOT
+    if len(names) == 2 and not ((PACKAGE / names[1]).is_dir() or (PACKAGE / f"{names[1]}.py").exists()):
+        return ROOT
+    return names[1]
 
 
 def imports() -> dict[str, set[str]]:
-    """Each part of the package (a folder or a root module) -> the other parts it imports."""
+    """Each part of the package (a folder, a root module, or the root package) -> the other parts it imports."""
     edges: dict[str, set[str]] = {}
     for path in PACKAGE.rglob("*.py"):
         relative = path.relative_to(PACKAGE.parent).with_suffix("")
         module = ".".join(relative.parts)
         if module.endswith(".__init__"):
             module = module.removesuffix(".__init__")
-        if module == "fitbench":
-            continue
         package = module.split(".") if path.name == "__init__.py" else module.split(".")[:-1]
         for node in ast.walk(ast.parse(path.read_text())):
             if isinstance(node, ast.Import):
@@ -37,34 +44,40 @@ def imports() -> dict[str, set[str]]:
             else:
                 continue
             for target in targets:
-                if target.startswith("fitbench.") and part(target) != part(module):
+                if (target == ROOT or target.startswith("fitbench.")) and part(target) != part(module):
                     edges.setdefault(part(module), set()).add(part(target))
     return edges
 
 
-@pytest.mark.parametrize("floor, above", [("plan", {"run", "launch", "config", "sweep", "cli"}),
-                                          ("run", {"plan", "launch", "config", "sweep", "cli"}),
-                                          ("spec", {"plan", "run", "launch", "config", "sweep", "cli"}),
-                                          ("serving", {"plan", "run", "launch", "config", "sweep", "cli"}),
-                                          ("monitor", {"plan", "run", "launch", "config", "sweep", "cli",
+@pytest.mark.parametrize("floor, above", [("planning", {"worker", "launch", "config", "sweep", *ENTRY}),
+                                          ("worker", {"planning", "launch", "config", "sweep", *ENTRY}),
+                                          ("spec", {"planning", "worker", "launch", "config", "sweep", *ENTRY}),
+                                          ("serving", {"planning", "worker", "launch", "config", "sweep", *ENTRY}),
+                                          ("monitor", {"planning", "worker", "launch", "config", "sweep", *ENTRY,
                                                        "report"}),
-                                          ("results", {"plan", "run", "launch", "config", "sweep", "cli",
+                                          ("results", {"planning", "worker", "launch", "config", "sweep", *ENTRY,
                                                        "monitor", "models", "report"}),
-                                          ("report", {"plan", "run", "launch", "config", "sweep", "cli",
+                                          ("report", {"planning", "worker", "launch", "config", "sweep", *ENTRY,
                                                       "models"}),
-                                          ("hardware", {"plan", "run", "launch", "config", "sweep", "cli",
+                                          ("hardware", {"planning", "worker", "launch", "config", "sweep", *ENTRY,
                                                         "monitor", "models", "report", "results", "spec",
                                                         "precisions"}),
-                                          ("util", {"plan", "run", "launch", "config", "sweep", "cli",
+                                          ("util", {"planning", "worker", "launch", "config", "sweep", *ENTRY,
                                                     "monitor", "models", "report", "results", "spec",
                                                     "precisions", "hardware"})])
 def test_a_floor_imports_nothing_above_it(floor, above):
     assert not imports().get(floor, set()) & above
 
 
+def test_nothing_but_the_entry_imports_the_root_package_or_the_api():
+    edges = imports()
+    assert edges[ROOT] >= {"api", "util"}  # the reading found the root package's imports
+    assert not [name for name, targets in edges.items() if targets & {ROOT, "api"} and name not in ENTRY]
+
+
 def test_no_two_parts_import_each_other():
     edges = imports()
-    assert "plan" in edges and "launch" in edges  # the reading found the package's imports
+    assert "planning" in edges and "launch" in edges  # the reading found the package's imports
 
     def reaches(start: str, goal: str, seen: frozenset = frozenset()) -> bool:
         return any(step == goal or (step not in seen and reaches(step, goal, seen | {step}))

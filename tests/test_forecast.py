@@ -1,4 +1,4 @@
-"""The step-time forecast (fitbench.plan.forecast): each term recomputed by hand on a small case, the
+"""The step-time forecast (fitbench.planning.forecast): each term recomputed by hand on a small case, the
 counts it takes from fitbench's own step counted again in the real step on the CPU, and each constant
 solved again from the measured row it names (benchmarks/results)."""
 
@@ -15,24 +15,24 @@ import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_flatten
 
-import fitbench.plan.collectives as collectives
-import fitbench.plan.forecast as forecast
+import fitbench.planning.collectives as collectives
+import fitbench.planning.forecast as forecast
 from fitbench import precisions
 from fitbench.hardware import ceilings as hardware_ceilings, datasheet
 from fitbench.hardware.environment import torch_version
 from fitbench.models.backends import NativeLM, load_model
 from fitbench.models.native import DecoderConfig, NativeCausalLM
 from fitbench.models.registry import resolve
-from fitbench.plan.calibration import DEFAULT
-from fitbench.plan.collectives import BusBandwidth
-from fitbench.plan.forecast import (Ceilings, StepRun, ceilings, decode_format, forecast_spec, forecast_step_time,
+from fitbench.planning.calibration import DEFAULT
+from fitbench.planning.collectives import BusBandwidth
+from fitbench.planning.forecast import (Ceilings, StepRun, ceilings, decode_format, forecast_spec, forecast_step_time,
                                     layer_traffic, side_by_side, step_run)
-from fitbench.plan.memory import Parallelism, Widths
-from fitbench.plan.planner import GpuTarget, predict_spec
+from fitbench.planning.memory import Parallelism, Widths
+from fitbench.planning.planner import GpuTarget, predict_spec
 from fitbench.precisions import DENSE, entry, policy
 from fitbench.precisions.entry import DecodeFormat
-from fitbench.run.cross_entropy import cross_entropy
-from fitbench.run.loops import make_step, random_tokens
+from fitbench.worker.cross_entropy import cross_entropy
+from fitbench.worker.loops import make_step, random_tokens
 from fitbench.spec import Layout, RunSpec
 
 ROOT = Path(__file__).parent.parent
@@ -891,7 +891,7 @@ def test_rows_that_measure_no_speed_are_left_out_of_the_forecast_error(tmp_path)
     """speed_error.py leaves out a row recorded under the allocator's history (its warning, or a snapshot
     summary in its sweep directory) and a step at the GPU's capacity (retries counted, or, before the
     counter, an NVML peak at the GPU's memory); a counted zero keeps a row in however full the GPU."""
-    from fitbench.run.snapshot import RECORDING_WARNING
+    from fitbench.worker.snapshot import RECORDING_WARNING
 
     not_a_speed = error_script().not_a_speed
     full = {"memory": {"gpus": [{"nvml_peak_used": 84.9e9}]}, "environment": {"gpus": [{"total_memory": 85.0e9}]}}
@@ -910,7 +910,7 @@ def test_a_one_shot_decode_step_pays_the_one_shot_latency_per_layer_sum_and_nccl
     2 L sums of B h c bytes at ONE_SHOT_LATENCY_S plus (g - 1) of them read over the link each, the
     embedding's sum and the logits' gather as NCCL's; at batch 64 (1.3 MB a sum, past ONE_SHOT_BYTES),
     all NCCL's, as without it."""
-    from fitbench.plan.speed import tensor_parallel_decode_s
+    from fitbench.planning.speed import tensor_parallel_decode_s
     from fitbench.spec import ONE_SHOT_BYTES
 
     arch, g = resolve("13B"), 4
@@ -936,8 +936,8 @@ def test_recomputing_some_layers_costs_their_share_of_every_layers_recomputation
     elementwise traffic, autocast copies, operators, the host's checkpoint time) is C / L of what
     checkpointing every layer adds; the matmul term by hand: 2 n N (3 + C / L) FLOPs at the measured
     peak times MATMUL_EFFICIENCY."""
-    from fitbench.plan.memory import Parallelism
-    from fitbench.plan.speed import recomputed_share
+    from fitbench.planning.memory import Parallelism
+    from fitbench.planning.speed import recomputed_share
 
     arch = resolve("7B")
     ceiling = forecast.ceilings(H100)
@@ -966,7 +966,7 @@ def test_recomputing_some_layers_costs_their_share_of_every_layers_recomputation
 def test_the_busiest_pipeline_stage_sets_the_recomputed_share():
     """Per stage: 40 layers over 3 stages are 13, 14 and 13 (``pipeline_stages``); 5 per stage is 5 / 14 of
     the busiest stage's layers, 20 per stage all of them."""
-    from fitbench.plan.speed import recomputed_share
+    from fitbench.planning.speed import recomputed_share
 
     assert recomputed_share(40, 3, 5) == 5 / 14
     assert recomputed_share(40, 3, 20) == 1.0

@@ -1,5 +1,7 @@
+import hashlib
 import json
 import math
+import subprocess
 
 import pytest
 import torch
@@ -7,7 +9,7 @@ import torch
 from fitbench.hardware.ceilings import Ceilings, ceilings_path, load_ceilings, measure_ceilings, save_ceilings
 from fitbench.hardware.datasheet import GPU_SPECS, gpu_spec, peak_bandwidth, peak_flops
 from fitbench.hardware.devices import cpu_device_name, detect_gpus, driver_version
-from fitbench.hardware.environment import environment
+from fitbench.hardware.environment import code_diff, diff_sha256, environment
 from fitbench.precisions.entry import PEAK_KINDS
 
 REQUIRED_NAMES = [
@@ -108,6 +110,7 @@ def test_environment_is_json_serialisable_and_complete():
         "fitbench_version",
         "git_commit",
         "git_dirty",
+        "git_diff_sha256",
         "python",
         "torch",
         "transformers",
@@ -129,6 +132,7 @@ def test_environment_is_json_serialisable_and_complete():
     assert env["host_memory_bytes"] > 0
     assert env["git_dirty"] is None or isinstance(env["git_dirty"], bool)
     assert (env["git_commit"] is None) == (env["git_dirty"] is None)
+    assert env["git_diff_sha256"] is None or (env["git_dirty"] and len(env["git_diff_sha256"]) == 64)
     assert env["time_utc"].endswith("+00:00")
 
 
@@ -242,3 +246,28 @@ def test_no_gpu_device_file_means_torch_sees_no_gpu():
         assert resolve_device("auto") == "cpu"
     else:
         assert resolve_device("auto") == ("cuda:0" if torch.cuda.is_available() else "cpu")
+
+
+def test_the_code_diff_is_the_packages_changes_and_its_hash_their_sha256(tmp_path):
+    """Tracked changes, then untracked files, of the package and its pins; nothing else of the checkout."""
+    root = tmp_path / "checkout"
+    (root / "fitbench").mkdir(parents=True)
+    (root / "fitbench" / "__init__.py").write_text("A = 1\n")
+
+    def git(*args):
+        subprocess.run(["git", "-c", "user.name=t", "-c", "user.email=t@example.com", *args], cwd=root, check=True,
+                       capture_output=True)
+
+    git("init", "-q")
+    git("add", "fitbench/__init__.py")
+    git("commit", "-q", "-m", "first")
+    assert code_diff(root) == b"" and diff_sha256(code_diff(root)) is None
+    (root / "fitbench" / "__init__.py").write_text("A = 2\n")
+    (root / "fitbench" / "added.py").write_text("B = 3\n")
+    (root / "results.jsonl").write_text("{}\n")
+    diff = code_diff(root)
+    text = diff.decode()
+    assert "-A = 1\n+A = 2\n" in text and "+B = 3\n" in text and "results.jsonl" not in text
+    assert text.index("fitbench/__init__.py") < text.index("fitbench/added.py")
+    assert diff_sha256(diff) == hashlib.sha256(diff).hexdigest()
+    assert code_diff(tmp_path) is None  # no checkout of fitbench

@@ -14,8 +14,8 @@ import hf_tensor_parallel_job as job
 from conftest import Shape
 from fitbench.models.backends import load_model
 from fitbench.precisions import policy
-from fitbench.run.cross_entropy import chunked_cross_entropy
-from fitbench.run.loops import make_step, random_tokens
+from fitbench.worker.cross_entropy import chunked_cross_entropy
+from fitbench.worker.loops import make_step, random_tokens
 from fitbench.spec import Layout
 from test_parallel import torchrun
 from test_tensor_parallel import RELATIVE, close  # the same sums in another order (measured: under 1e-6)
@@ -159,7 +159,7 @@ def meta_model(arch):
 @pytest.mark.parametrize("name, stages", [("tiny", 3), ("gpt2", 5), ("falcon-40b", 4)])
 def test_the_device_map_puts_the_planners_stages_on_consecutive_devices(name, stages):
     from fitbench.models.registry import resolve
-    from fitbench.run.hf_pipeline import decoder_layers, stage_device_map
+    from fitbench.worker.hf_pipeline import decoder_layers, stage_device_map
     from fitbench.spec import pipeline_stages
 
     arch = resolve(name)
@@ -185,7 +185,7 @@ def test_a_model_over_stages_in_one_process_generates_the_plain_models_tokens(na
     from fitbench.models.backends import HuggingFaceLM
     from fitbench.models.hf import build_hf
     from fitbench.models.registry import resolve
-    from fitbench.run.hf_pipeline import StagedHuggingFaceLM, build_staged
+    from fitbench.worker.hf_pipeline import StagedHuggingFaceLM, build_staged
 
     arch = resolve(name)
     if name == "gpt2":  # GPT-2's shape, small

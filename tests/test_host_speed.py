@@ -1,4 +1,4 @@
-"""The host's launch time per operator (fitbench.run.host_speed), by hand on a clock the test drives,
+"""The host's launch time per operator (fitbench.worker.host_speed), by hand on a clock the test drives,
 and as a worker's row records it."""
 
 import math
@@ -7,7 +7,7 @@ import torch
 
 from conftest import cli
 from fitbench.results.store import ResultStore
-from fitbench.run import host_speed
+from fitbench.worker import host_speed
 
 
 def test_the_figure_is_the_median_repeat_over_its_operators(monkeypatch):

@@ -7,7 +7,7 @@ import pytest
 
 from fitbench.launch.local import ALLOCATOR_VARIABLES, worker_environment
 
-SETTINGS = "from fitbench.run.trackers import allocator_settings; print(allocator_settings())"
+SETTINGS = "from fitbench.worker.trackers import allocator_settings; print(allocator_settings())"
 UNCONFIGURED = {"unset": {}, "empty": {"PYTORCH_CUDA_ALLOC_CONF": ""}, "blank": {"PYTORCH_ALLOC_CONF": " "}}
 CONFIGURED = {name: {name: "max_split_size_mb:128"} for name in ALLOCATOR_VARIABLES}
 

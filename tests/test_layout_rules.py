@@ -8,8 +8,8 @@ import pytest
 
 from conftest import cli
 from fitbench.models.registry import resolve
-from fitbench.plan.calibration import DEFAULT
-from fitbench.plan.planner import Candidate, GpuTarget, assess
+from fitbench.planning.calibration import DEFAULT
+from fitbench.planning.planner import Candidate, GpuTarget, assess
 from fitbench.spec import Layout
 
 MESSAGE_MAX = 700  # characters, as tests/test_bad_input.py holds every refusal to

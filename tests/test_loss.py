@@ -1,4 +1,4 @@
-"""The training loss (``fitbench.run.cross_entropy``): the fused loss's value and gradients against
+"""The training loss (``fitbench.worker.cross_entropy``): the fused loss's value and gradients against
 the whole fp32 cross-entropy, where it writes over the logits and where it must not, a model's
 gradients through it against the out-of-place loss's, and what it holds (``fitbench.models.loss``), traced
 and recomputed by hand."""
@@ -15,9 +15,9 @@ from fitbench.models.backends import load_model
 from fitbench.models.loss import loss_chain_bytes, loss_chunk_rows
 from fitbench.models.registry import resolve
 from fitbench.precisions import policy
-from fitbench.run.cross_entropy import chunked_cross_entropy, cross_entropy
-from fitbench.run.loops import make_step, random_tokens
-from fitbench.run.trace import LiveStorage
+from fitbench.worker.cross_entropy import chunked_cross_entropy, cross_entropy
+from fitbench.worker.loops import make_step, random_tokens
+from fitbench.worker.trace import LiveStorage
 
 
 def random_logits(dtype: torch.dtype, n: int = 60, vocab: int = 50, spread: float = 3.0):

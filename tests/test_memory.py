@@ -1,5 +1,5 @@
-"""The analytic memory model (``fitbench.plan.memory``) against hand arithmetic and against the
-fake-tensor trace of the real loops (``fitbench.run.trace``)."""
+"""The analytic memory model (``fitbench.planning.memory``) against hand arithmetic and against the
+fake-tensor trace of the real loops (``fitbench.worker.trace``)."""
 
 import dataclasses
 import json
@@ -9,12 +9,12 @@ import torch
 
 from fitbench.models.native import DecoderConfig, NativeCausalLM
 from fitbench.models.registry import resolve
-from fitbench.plan.memory import (
+from fitbench.planning.memory import (
     BUILD, END, FIRST, MLP, OUTLIERS, OUTPUT, RECOMPUTE, START, MemoryEstimate, Parallelism, Term, estimate_memory,
     stage_estimates,
 )
-from fitbench.plan.outliers import outlier_probability
-from fitbench.run.trace import trace_peak
+from fitbench.planning.outliers import outlier_probability
+from fitbench.worker.trace import trace_peak
 
 # The analytic peak must land within 3% of the traced one. The model claims to follow the loops
 # tensor by tensor, so what it leaves out (token ids, scalars, small temporaries) is far below this;
@@ -992,7 +992,7 @@ def test_copy_in_pool_by_hand():
     smaller (its block never holds a layer's), else the larger of two layers' and the root's output and
     input. The 30B preset over 4 GPUs in bf16-pure, GiB: layer 0.997, root 0.793 -> 2.787 (2.79 mapped
     on 4 x H200 and 4 x H100); the 20B over 2: layer 0.727, root 0.732 -> 1.463 (1.46 mapped)."""
-    from fitbench.plan.memory import copy_in_pool
+    from fitbench.planning.memory import copy_in_pool
 
     assert copy_in_pool(0.997, 0.793, 4)[0] == 2 * 0.997 + 0.793
     assert copy_in_pool(0.727, 0.732, 2)[0] == max(2 * 0.727, 1.5 * 0.732) == 2 * 0.727

@@ -1,5 +1,5 @@
-"""What a row says about a generation: the time to first token (``fitbench.run.loops.generate``), the
-prefill FLOPs and the bytes a decode step reads (``fitbench.run.metrics``, ``fitbench.run.worker``,
+"""What a row says about a generation: the time to first token (``fitbench.worker.loops.generate``), the
+prefill FLOPs and the bytes a decode step reads (``fitbench.worker.metrics``, ``fitbench.worker.worker``,
 ``CausalLM.kv_bytes_read``), and the peak MFU divides by (the precision entry's ``peak_kind``).
 
 Expected values are worked out here from the models' published shapes, never read back from the
@@ -20,14 +20,18 @@ from fitbench.models.graphs import Replay
 from fitbench.models.hf import build_hf
 from fitbench.models.native import build_native, meta_model
 from fitbench.models.registry import resolve
-from fitbench.plan import speed
-from fitbench.plan.memory import Parallelism
+from fitbench.planning import speed
+from fitbench.planning.memory import Parallelism
 from fitbench.precisions import PRECISIONS, entry, policy
-from fitbench.run import worker
-from fitbench.run.loops import generate, random_tokens, read_generation
-from fitbench.run.metrics import inference_metrics
-from fitbench.run.quantize import quantize_linears
-from fitbench.run.timing import DeviceClock, run_stages
+from fitbench.worker import worker
+from fitbench.worker.build import Built
+from fitbench.worker.modes import Peaks
+from fitbench.worker.modes.generation import measure_generation
+from fitbench.worker.weight_bytes import decode_weight_bytes, weight_storage_bytes
+from fitbench.worker.loops import generate, random_tokens, read_generation
+from fitbench.worker.metrics import inference_metrics
+from fitbench.worker.quantize import quantize_linears
+from fitbench.worker.timing import DeviceClock, run_stages
 from fitbench.spec import Assignment, RunSpec
 from fitbench.util.stats import SampleStats
 
@@ -146,10 +150,10 @@ def test_a_noisy_time_to_first_token_warns():
     arch = resolve("tiny")
     run_spec = RunSpec(model="tiny", backend="native", mode="infer", precision="fp32", batch_size=1, seq_len=8,
                        new_tokens=3, device="cpu", warmup_steps=1, measure_steps=4)
-    built = worker.Built(SlowPrefill(build_native(arch, CPU, torch.float32), [0.0, 0.05]))
+    built = Built(SlowPrefill(build_native(arch, CPU, torch.float32), [0.0, 0.05]))
     prompt = random_tokens(arch.vocab_size, 1, 8, CPU, seed=0)
-    timing, _, noisy, _, _ = worker._measure_generation(run_spec, arch, built, policy("fp32"), DeviceClock(CPU), CPU,
-                                                     worker.Peaks(None, None, None), 4 * TINY_PARAMS, prompt, {})
+    timing, _, noisy, _, _ = measure_generation(run_spec, arch, built, policy("fp32"), DeviceClock(CPU), CPU,
+                                             Peaks(None, None, None), 4 * TINY_PARAMS, prompt, {})
     assert timing["time_to_first_token"]["cv_percent"] > 5
     assert "time to first token" in noisy
 
@@ -218,26 +222,26 @@ def test_autocast_recasts_every_weight_on_every_call_inside_inference_mode():
 def test_decode_weight_bytes_of_tiny_tied_and_untied(batch):
     arch = resolve("tiny")
     tied = build_native(arch, CPU, torch.float32)
-    stored = worker.weight_storage_bytes(tied)
+    stored = weight_storage_bytes(tied)
     assert stored == 4 * TINY_PARAMS
     # tied: the output projection reads the whole table; the rotary tables one row each
-    assert worker.decode_weight_bytes(tied, stored, batch, V, None) == 4 * TINY_PARAMS + ROPE_ROWS
+    assert decode_weight_bytes(tied, stored, batch, V, None) == 4 * TINY_PARAMS + ROPE_ROWS
     # autocast: every matmul weight (all but the norms, the tied table included) 4 + 2 + 2 bytes
-    assert worker.decode_weight_bytes(tied, stored, batch, V, torch.bfloat16) == \
+    assert decode_weight_bytes(tied, stored, batch, V, torch.bfloat16) == \
         8 * (TINY_PARAMS - TINY_NORMS) + 4 * TINY_NORMS + ROPE_ROWS
 
     untied_arch = replace(arch, tie_embeddings=False)
     params = TINY_PARAMS + V * H  # a second table of V x h, the output projection
     for dtype, width in ((torch.float32, 4), (torch.bfloat16, 2)):
         untied = build_native(untied_arch, CPU, dtype)
-        stored = worker.weight_storage_bytes(untied)
+        stored = weight_storage_bytes(untied)
         assert stored == width * params
         # the input table: one row per sequence
-        assert worker.decode_weight_bytes(untied, stored, batch, V, None) == \
+        assert decode_weight_bytes(untied, stored, batch, V, None) == \
             width * (params - V * H + batch * H) + ROPE_ROWS
     untied = build_native(untied_arch, CPU, torch.float32)
     matmuls = params - V * H - TINY_NORMS
-    assert worker.decode_weight_bytes(untied, 4 * params, batch, V, torch.float16) == \
+    assert decode_weight_bytes(untied, 4 * params, batch, V, torch.float16) == \
         8 * matmuls + 4 * TINY_NORMS + 4 * batch * H + ROPE_ROWS
 
 
@@ -249,14 +253,14 @@ def test_decode_weight_bytes_of_an_int8_model_count_its_storage():
     layer = [(HEADS * Q, H), (KV * Q, H), (KV * Q, H), (H, HEADS * Q), (F, H), (F, H), (H, F)]
     int8 = L * sum(rows * cols + 4 * rows for rows, cols in layer)
     rest = 2 * (TINY_NORMS + V * H)  # bf16 norms and the tied table, read whole by the output projection
-    assert worker.decode_weight_bytes(model, worker.weight_storage_bytes(model), 2, V, None) == int8 + rest + ROPE_ROWS
+    assert decode_weight_bytes(model, weight_storage_bytes(model), 2, V, None) == int8 + rest + ROPE_ROWS
 
 
 def test_decode_weight_bytes_of_transformers_models():
     # transformers' Llama: its rotary step reads the 16 fp32 inverse frequencies, not a table
     arch = resolve("tiny")
     llama = build_hf(arch, CPU, torch.float32)
-    assert worker.decode_weight_bytes(llama, 4 * TINY_PARAMS, 2, V, None) == 4 * TINY_PARAMS + 4 * Q // 2
+    assert decode_weight_bytes(llama, 4 * TINY_PARAMS, 2, V, None) == 4 * TINY_PARAMS + 4 * Q // 2
 
     # GPT-2 of a small shape: the position table read one row (every sequence at one position),
     # Conv1D weights and biases re-cast under autocast
@@ -268,10 +272,10 @@ def test_decode_weight_bytes_of_transformers_models():
     params = 2 * layer_matmuls + norms + 128 * h + positions * h
     gpt2 = build_hf(small, CPU, torch.float32)
     assert gpt2.lm_head.weight is gpt2.transformer.wte.weight
-    assert worker.weight_storage_bytes(gpt2) == 4 * params
-    assert worker.decode_weight_bytes(gpt2, 4 * params, 3, 128, None) == 4 * (params - positions * h + h)
+    assert weight_storage_bytes(gpt2) == 4 * params
+    assert decode_weight_bytes(gpt2, 4 * params, 3, 128, None) == 4 * (params - positions * h + h)
     matmuls = 2 * layer_matmuls + 128 * h  # the tied table is the output projection's weight
-    assert worker.decode_weight_bytes(gpt2, 4 * params, 3, 128, torch.bfloat16) == \
+    assert decode_weight_bytes(gpt2, 4 * params, 3, 128, torch.bfloat16) == \
         8 * matmuls + 4 * norms + 4 * h
 
 
@@ -283,7 +287,7 @@ def test_decode_weight_bytes_of_large_presets_on_the_meta_device(model, precisio
     module = meta_model(arch, policy(precision).weight_dtype)
     width = 4 if precision == "bf16" else 2
     stored = width * sum(p.numel() for p in module.parameters())  # parameters() gives a tied one once
-    touched = worker.decode_weight_bytes(module, stored, batch, arch.vocab_size, policy(precision).autocast_dtype)
+    touched = decode_weight_bytes(module, stored, batch, arch.vocab_size, policy(precision).autocast_dtype)
     rope_rows = 2 * arch.head_dim * 4
     assert touched - rope_rows == pytest.approx(speed._decode_weight_bytes(arch, precision, batch), rel=1e-12)
     if model == "7B" and precision == "bf16-pure":

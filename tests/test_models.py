@@ -14,9 +14,11 @@ from fitbench.models.native import (DecoderConfig, FusedLinear, build_native, ch
                                     rope_inverse_frequencies)
 from fitbench.models.registry import resolve
 from fitbench.precisions import entry, policy
-from fitbench.run import worker
-from fitbench.run.loops import make_step, random_tokens
-from fitbench.spec import Assignment, RunSpec
+from fitbench.worker import worker
+from fitbench.worker.loops import make_step, random_tokens
+from fitbench.worker.parallelize import parallelize
+from fitbench.worker.ranks import Rank
+from fitbench.spec import Assignment, Layout, RunSpec
 
 MODES = ("train", "forward", "forward-backward", "infer")
 BATCH, SEQ, NEW = 2, 16, 4
@@ -43,7 +45,7 @@ def check_stats(stats: dict, count: int) -> None:
 
 
 def measure(run: RunSpec, tmp_path) -> dict:
-    """The worker's whole job (``python -m fitbench.run.worker SPEC RESULT``), run in this process."""
+    """The worker's whole job (``python -m fitbench.worker.worker SPEC RESULT``), run in this process."""
     spec_path, result_path = tmp_path / "spec.json", tmp_path / "result.json"
     spec_path.write_text(Assignment(spec=run).model_dump_json())
     code = worker.main([str(spec_path), str(result_path)])
@@ -529,7 +531,9 @@ def test_compile_decodes_eagerly():
     native = random_native(arch)
     calls = []
     compiled = NativeLM(random_native(arch), torch.float32, cuda_graphs=True, capture=eager_capture(calls))
-    compiled.compile()  # compiles lazily, at the first call, which never comes here
+    single = Rank(rank=0, local_rank=0, world_size=1, local_world_size=1, device=torch.device("cpu"), launched=False)
+    # compiles lazily, at the first call, which never comes here
+    parallelize(compiled, Layout(), policy("fp32"), single, compile=True)
     assert not compiled.capture_pending
     assert compiled.decoding == {"cuda_graphs": False,
                                  "reason": "--compile: decoding runs through the compiled module, eagerly"}
@@ -709,7 +713,7 @@ def test_cuda_graph_replays_match_eager_decoding():
 def test_cuda_graph_decoding_in_every_inference_precision(precision):
     """Replays give what the same static step gives launched eagerly; a precision whose kernels cannot
     be captured decodes eagerly and says why."""
-    from fitbench.run.quantize import build_quantized_native
+    from fitbench.worker.quantize import build_quantized_native
 
     device = torch.device("cuda")
     problem = entry(precision).hardware_problem(device.type, torch.cuda.get_device_capability(device))

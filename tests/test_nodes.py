@@ -1,5 +1,5 @@
 """Plans over several nodes: the link between nodes (its defaults, --inter-node-bandwidth, a calibration
-measured over nodes), which collectives cross it and in what form (fitbench.plan.nodes), layouts that
+measured over nodes), which collectives cross it and in what form (fitbench.planning.nodes), layouts that
 fill whole nodes, and the ranking that keeps the heavy traffic inside nodes."""
 
 import json
@@ -11,13 +11,13 @@ import pytest
 from conftest import cli
 from fitbench.launch.calibrate import COLLECTIVE_RUNS, measure_across_nodes, with_inter_node
 from fitbench.models.registry import resolve
-from fitbench.plan.calibration import DEFAULT, load_calibration, save_calibration
-from fitbench.plan.collectives import BusBandwidth, bus_bandwidth
-from fitbench.plan.forecast import ceilings, forecast_step_time
-from fitbench.plan.memory import Parallelism
-from fitbench.plan.nodes import (FABRICS, INTER_NODE_LATENCY_S, AcrossNodes, Nodes, inter_node_link, job_nodes,
+from fitbench.planning.calibration import DEFAULT, load_calibration, save_calibration
+from fitbench.planning.collectives import BusBandwidth, bus_bandwidth
+from fitbench.planning.forecast import ceilings, forecast_step_time
+from fitbench.planning.memory import Parallelism
+from fitbench.planning.nodes import (FABRICS, INTER_NODE_LATENCY_S, AcrossNodes, Nodes, inter_node_link, job_nodes,
                                  layout_links, parse_inter_node_bandwidth, placement_problem)
-from fitbench.plan.planner import GpuTarget, node_counts, plan
+from fitbench.planning.planner import GpuTarget, node_counts, plan
 from fitbench.spec import Layout
 
 H100 = "NVIDIA H100 80GB HBM3"

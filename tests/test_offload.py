@@ -17,10 +17,11 @@ from fitbench.models.backends import NativeLM
 from fitbench.models.native import build_native, meta_model
 from fitbench.models.offload import OffloadCapacityError, build_offloaded, capacity_problem, place_layers
 from fitbench.models.registry import resolve
-from fitbench.plan.calibration import DEFAULT
-from fitbench.plan.memory import estimate_memory
-from fitbench.plan.planner import offload_split
-from fitbench.run import worker
+from fitbench.planning.calibration import DEFAULT
+from fitbench.planning.memory import estimate_memory
+from fitbench.planning.planner import offload_split
+from fitbench.worker import worker
+from fitbench.worker.weight_bytes import decode_weight_bytes, weight_storage_bytes
 from fitbench.spec import RunSpec
 from fitbench.util.errors import UserError
 
@@ -139,9 +140,9 @@ def test_offloaded_layers_stay_on_disk_and_stream_in_for_their_forward(tmp_path)
     # A decode step reads the offloaded layers' weights as it reads the resident ones'.
     plain = build_native(TINY, CPU, torch.float32)
     for autocast in (None, torch.bfloat16):
-        assert worker.decode_weight_bytes(model, offload.resident_bytes + offload.offloaded_bytes, 2, TINY.vocab_size,
+        assert decode_weight_bytes(model, offload.resident_bytes + offload.offloaded_bytes, 2, TINY.vocab_size,
                                           autocast) == \
-            worker.decode_weight_bytes(plain, worker.weight_storage_bytes(plain), 2, TINY.vocab_size, autocast)
+            decode_weight_bytes(plain, weight_storage_bytes(plain), 2, TINY.vocab_size, autocast)
 
 
 def test_without_offloaded_layers_no_hooks_and_no_files(tmp_path):

@@ -1,4 +1,4 @@
-"""LLM.int8's outlier columns on random weights (``fitbench.plan.outliers``) against sampling."""
+"""LLM.int8's outlier columns on random weights (``fitbench.planning.outliers``) against sampling."""
 
 import math
 
@@ -7,7 +7,7 @@ import torch
 import torch.nn.functional as F
 
 from fitbench.models.registry import resolve
-from fitbench.plan.outliers import INIT_STD, THRESHOLD, outlier_columns, outlier_probability
+from fitbench.planning.outliers import INIT_STD, THRESHOLD, outlier_columns, outlier_probability
 
 SAMPLES = 4_000_000
 

@@ -1,4 +1,4 @@
-"""Packing a module's state into one allocation (``fitbench.run.packing``): every storage moves, the
+"""Packing a module's state into one allocation (``fitbench.worker.packing``): every storage moves, the
 modules compute the same, the old storages are freed, the block's size by hand, and the quantized
 build packs each layer but the first into one block, its matmuls the largest first."""
 
@@ -11,10 +11,10 @@ from torch import nn
 
 from fitbench.models.native import build_native
 from fitbench.models.registry import resolve
-from fitbench.run import worker
-from fitbench.run.loops import random_tokens
-from fitbench.run.packing import Packer, aligned, packed_bytes, state_tensors
-from fitbench.run.quantize import build_quantized_native, quantize_linears
+from fitbench.worker.weight_bytes import weight_storage_bytes
+from fitbench.worker.loops import random_tokens
+from fitbench.worker.packing import Packer, aligned, packed_bytes, state_tensors
+from fitbench.worker.quantize import build_quantized_native, quantize_linears
 
 CPU = torch.device("cpu")
 PRECISIONS = ("bf16", "int8", "nf4", "fp4", "int8-dynamic")
@@ -34,7 +34,7 @@ def test_packing_moves_every_storage_and_changes_nothing_computed(precision):
     tokens = random_tokens(arch.vocab_size, 1, 8, CPU, seed=0)
     with torch.no_grad():
         before = model(tokens)  # bitsandbytes' int8 layers move their scales on the first forward
-    weights = worker.weight_storage_bytes(model)
+    weights = weight_storage_bytes(model)
     layers = model.model.layers
     old = [weakref.ref(tensor.untyped_storage()) for tensor in state_tensors(layers)]
     packer = Packer(CPU)
@@ -47,7 +47,7 @@ def test_packing_moves_every_storage_and_changes_nothing_computed(precision):
     assert len(blocks) == len(layers)  # the reserved block, then one per further layer
     with torch.no_grad():
         assert torch.equal(model(tokens), before)
-    assert worker.weight_storage_bytes(model) == weights
+    assert weight_storage_bytes(model) == weights
 
 
 def test_the_block_size_by_hand():

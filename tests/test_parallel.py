@@ -24,10 +24,10 @@ from fitbench.models.backends import load_model
 from fitbench.models.registry import resolve
 from conftest import Shape
 from fitbench.precisions import PRECISIONS, policy
-from fitbench.run.loops import make_step, random_tokens
-from fitbench.run.parallel import data_seed, mixed_precision
-from fitbench.run.ranks import Rank, RankEnvironmentError, gather_json, process_group
-from fitbench.run.worker import RefusedError, build
+from fitbench.worker.loops import make_step, random_tokens
+from fitbench.worker.parallel import data_seed, mixed_precision
+from fitbench.worker.ranks import Rank, RankEnvironmentError, gather_json, process_group
+from fitbench.worker.build import RefusedError, build
 from fitbench.spec import Assignment, Layout, RunSpec
 
 REPO = Path(__file__).resolve().parents[1]

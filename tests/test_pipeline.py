@@ -1,4 +1,4 @@
-"""Pipeline parallelism of the native model (fitbench.run.pipeline).
+"""Pipeline parallelism of the native model (fitbench.worker.pipeline).
 
 The fast tests build stages in this process; the slow ones start one real torchrun job of three CPU
 ranks over gloo (tests/pipeline_job.py) and compare what its stages computed with one process
@@ -24,10 +24,10 @@ from fitbench.models.backends import NativeLM, load_model
 from fitbench.models.native import build_native
 from fitbench.models.registry import resolve
 from fitbench.precisions import policy
-from fitbench.run.aggregate import combine
-from fitbench.run.loops import make_step, random_tokens
-from fitbench.run.pipeline import build_stage
-from fitbench.run.quantize import build_quantized_native
+from fitbench.worker.aggregate import combine
+from fitbench.worker.loops import make_step, random_tokens
+from fitbench.worker.stages import build_stage
+from fitbench.worker.quantize import build_quantized_native
 from fitbench.spec import Layout, Stage, microbatch_problem
 from test_parallel import marked
 
@@ -284,7 +284,7 @@ def test_quantized_stages_generate_as_the_single_process_quantized_model(pipelin
 def test_a_stage_checkpoints_its_own_first_layers(checkpointed, recomputed, monkeypatch):
     """--checkpointed-layers counts per stage: the second of two stages of 6 layers (3-5) recomputes its
     first N, every one of them when N is None or at least its 3, and its gradients are those without."""
-    import fitbench.run.pipeline as pipeline
+    import fitbench.worker.pipeline as pipeline
 
     arch = dataclasses.replace(resolve("tiny"), num_layers=6)
     stage = Stage.of(6, 1, 2)

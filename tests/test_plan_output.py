@@ -1,4 +1,4 @@
-"""What ``fitbench plan`` says beside its numbers (``fitbench.plan.explain``): why it chose what it chose
+"""What ``fitbench plan`` says beside its numbers (``fitbench.planning.explain``): why it chose what it chose
 in one sentence, the requirements table marking what fits only inside the margin the plan keeps free
 (where the two used to disagree in silence), a marketed size named beside the card's real one, each
 rejection reason once, one JSON shape, and a non-zero exit when nothing fits."""
@@ -8,7 +8,7 @@ import re
 
 from conftest import cli
 from fitbench.hardware.datasheet import gpu_spec
-from fitbench.plan.planner import RETRY_MARGIN
+from fitbench.planning.planner import RETRY_MARGIN
 from fitbench.util.units import format_bytes
 
 H100 = "NVIDIA H100 80GB HBM3"

@@ -1,5 +1,5 @@
-"""The planner (``fitbench.plan.planner``), its roofline (``fitbench.plan.speed``), its overheads
-(``fitbench.plan.calibration``) and the ``fitbench plan`` / ``fitbench calibrate`` commands.
+"""The planner (``fitbench.planning.planner``), its roofline (``fitbench.planning.speed``), its overheads
+(``fitbench.planning.calibration``) and the ``fitbench plan`` / ``fitbench calibrate`` commands.
 
 Expected values are worked out here from the models' published shapes and the GPUs' datasheet
 figures, with the formulas the modules document, never read back from the code under test.
@@ -24,11 +24,11 @@ from fitbench.launch.calibrate import fit_collective, measure_bus_bandwidth, wit
 from fitbench.models.architecture import default_backend
 from fitbench.models.presets import PRESETS
 from fitbench.models.registry import resolve
-from fitbench.plan.calibration import (DEFAULT, NCCL_TENSOR_PARALLEL_GENERATION, TENSORS_ONLY, Calibration,
+from fitbench.planning.calibration import (DEFAULT, NCCL_TENSOR_PARALLEL_GENERATION, TENSORS_ONLY, Calibration,
                                       calibration_path, ensure_calibration, load_calibration, save_calibration)
-from fitbench.plan.collectives import NVLINK_LATENCY_S, BusBandwidth, bus_bandwidth
-from fitbench.plan.memory import Parallelism, estimate_memory, stage_estimates
-from fitbench.plan.planner import (
+from fitbench.planning.collectives import NVLINK_LATENCY_S, BusBandwidth, bus_bandwidth
+from fitbench.planning.memory import Parallelism, estimate_memory, stage_estimates
+from fitbench.planning.planner import (
     GPU_ALIASES,
     MAX_AUTO_BATCH,
     MOST_GPUS,
@@ -47,7 +47,7 @@ from fitbench.plan.planner import (
     refusal,
     unsplittable,
 )
-from fitbench.plan.speed import bubble_fraction, estimate_step_time
+from fitbench.planning.speed import bubble_fraction, estimate_step_time
 from fitbench.precisions import ADAPTERS, PRECISIONS, entry
 from fitbench.spec import Layout, RunSpec
 from fitbench.sweep import gpu_target
@@ -941,7 +941,7 @@ def test_fsdp_cpu_offload_fits_what_sharding_alone_does_not_and_pays_the_host_li
     """20B in bf16 keeps 16 B per parameter: 159 GB per H200 when sharded over two, more than one holds.
     With FSDP's CPU offload (``--offload``) the shards, gradients and AdamW's moments go to host memory;
     what stays is in flight, and the step pays for the shards crossing the host link."""
-    from fitbench.plan.speed import HOST_LINK_BANDWIDTH, PCIE_BANDWIDTH
+    from fitbench.planning.speed import HOST_LINK_BANDWIDTH, PCIE_BANDWIDTH
     from fitbench.spec import Layout
 
     target = GpuTarget("NVIDIA H200", 2, H200_TOTAL_MEMORY, described=False)
@@ -1844,8 +1844,8 @@ def test_a_weight_only_format_slower_than_bf16_at_the_batch_asked_warns_in_the_r
     """torchao's int8 weight-only and tinygemm int4 kernels decode Llama-2-7B faster than bf16 at batch 1
     (1.37x and 1.42x) and slower at batch 8 (int8 weight-only 19x slower, int4 6.29 against 5.59 ms per
     token; benchmarks/results/2026-11-24-h200-engine-profiles): the prediction warns at 8, not at 1."""
-    from fitbench.plan.calibration import DEFAULT
-    from fitbench.plan.planner import GpuTarget, predict_spec
+    from fitbench.planning.calibration import DEFAULT
+    from fitbench.planning.planner import GpuTarget, predict_spec
     from fitbench.precisions import PRECISIONS
 
     target = GpuTarget("NVIDIA H200", 1, 140e9, described=False)
@@ -1882,7 +1882,7 @@ def test_plan_checkpoints_the_fewest_layers_that_fit_clear_of_the_margin():
     """13B training, bf16-pure, 8 x 2048 on 4 described H100s: without checkpointing FSDP x 4 does not fit,
     with every layer it is clear of the retry margin with room to spare, so the plan checkpoints the
     fewest layers clear of it: one fewer is not, and the forecast is faster than every layer's."""
-    from fitbench.plan.planner import Assessment, fastest_first, fewest_checkpointed
+    from fitbench.planning.planner import Assessment, fastest_first, fewest_checkpointed
 
     arch, target = resolve("13B"), gpu_target(gpu="H100-80GB", gpus=4)
     result = plan(arch, "train", target, seq_len=2048, new_tokens=1, batch_sizes=[8], precisions=["bf16-pure"])
@@ -1919,7 +1919,7 @@ def test_where_every_layer_recomputed_is_not_clear_of_the_margin_every_layer_is_
     """30B training, bf16-pure under FSDP x 4 at 4 x 2048 on described H100s: with every layer recomputed
     it fits but not clear of the retry margin, and fewer layers that still fit would stand nearer the
     edge, where the allocator's retries cost more than the recomputation saves: every layer is kept."""
-    from fitbench.plan.planner import fewest_checkpointed
+    from fitbench.planning.planner import fewest_checkpointed
 
     arch, target = resolve("30B"), gpu_target(gpu="H100-80GB", gpus=4)
     result = plan(arch, "train", target, seq_len=2048, new_tokens=1, batch_sizes=[4], precisions=["bf16-pure"],
@@ -2005,8 +2005,8 @@ def test_a_later_precision_forecast_twice_as_fast_is_named_in_the_row():
     TP x 4, host-bound eagerly; bf16-pure fits FSDP x 4, forecast several times faster. The planner keeps
     the user's first precision and the row names the faster one with the ratio of the two forecasts;
     with the precision given, or where the later one is not twice as fast (13B on 4 H100s), nothing."""
-    from fitbench.plan.calibration import DEFAULT
-    from fitbench.plan.planner import FASTER_PRECISION_RATIO, GpuTarget, predict_spec
+    from fitbench.planning.calibration import DEFAULT
+    from fitbench.planning.planner import FASTER_PRECISION_RATIO, GpuTarget, predict_spec
     from fitbench.precisions import PRECISIONS
 
     def plan(model: str, memory: float, gpu: str, choose_precision: bool = True):

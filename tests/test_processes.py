@@ -20,7 +20,7 @@ import pytest
 from fitbench.cli import main
 from fitbench.launch.local import MAX_LINE_BYTES
 from fitbench.results.store import ResultStore
-from fitbench.run import worker
+from fitbench.worker import worker
 from fitbench.spec import Assignment, RunSpec
 from fitbench.util.host import host_memory, memory_cgroups, oom_kills
 from conftest import cli

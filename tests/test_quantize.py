@@ -1,4 +1,4 @@
-"""Quantized weights (``fitbench.run.quantize``) and their quality against bf16 (``fitbench.run.quality``):
+"""Quantized weights (``fitbench.worker.quantize``) and their quality against bf16 (``fitbench.worker.quality``):
 the worker's quality and weight-size report, which matmuls are replaced, each quality figure
 recomputed by hand (per-matmul error on the bf16 model's own activations, top-1 agreement, KL
 divergence, a checkpoint's perplexity on the shipped text), and the refusals of what this hardware
@@ -26,14 +26,16 @@ from fitbench.config import SweepConfig, expand
 from fitbench.models.hf import build_hf
 from fitbench.models.native import build_native, init_random_weights, meta_model
 from fitbench.models.registry import resolve
-from fitbench.plan.memory import estimate_memory
+from fitbench.planning.memory import estimate_memory
 from fitbench.precisions import DEFAULT_LADDER, entry
 from fitbench.results.store import ResultStore
-from fitbench.run import worker
-from fitbench.run.loops import random_tokens
-from fitbench.run.quality import (MatmulError, kl_divergence, matmul_errors, recorded_matmuls, reference_text,
+from fitbench.worker import worker
+from fitbench.worker.build import PROBE_TOKENS, RefusedError
+from fitbench.worker.weight_bytes import weight_storage_bytes
+from fitbench.worker.loops import random_tokens
+from fitbench.worker.quality import (MatmulError, kl_divergence, matmul_errors, recorded_matmuls, reference_text,
                                   summarise, top1_agreement)
-from fitbench.run.quantize import build_quantized_native, quantize_built, quantize_linears
+from fitbench.worker.quantize import build_quantized_native, quantize_built, quantize_linears
 from fitbench.spec import Assignment, Layout, RunSpec
 from fitbench.sweep import hardware_refusals
 from fitbench.util.errors import UserError
@@ -62,7 +64,7 @@ def spec(**fields) -> RunSpec:
 
 
 def run_worker(run: RunSpec, tmp_path: Path) -> tuple[int, dict]:
-    """``python -m fitbench.run.worker SPEC RESULT``, in this process: exit code and result."""
+    """``python -m fitbench.worker.worker SPEC RESULT``, in this process: exit code and result."""
     spec_path, result_path = tmp_path / "spec.json", tmp_path / "result.json"
     spec_path.write_text(Assignment(spec=run).model_dump_json())
     code = worker.main([str(spec_path), str(result_path)])
@@ -161,7 +163,7 @@ def test_worker_reports_quality_and_weight_storage(precision, mode, tmp_path):
     assert 0 < matmul["mean"] <= matmul["worst"] < MAX_MATMUL_ERROR[precision]
     assert matmul["worst_matmul"] in decoder_linear_names(build_native(arch, "meta", torch.bfloat16))
     assert 0 <= quality["top1_agreement"] <= 1 and 0 <= quality["kl_divergence"] < 1
-    assert quality["probe_tokens"] == min(SEQ, worker.PROBE_TOKENS)
+    assert quality["probe_tokens"] == min(SEQ, PROBE_TOKENS)
     assert quality["perplexity"] is None  # random weights
     assert result["weights"]["source"] == "random"
 
@@ -191,7 +193,7 @@ def test_worker_refuses_fp8_on_a_cpu(tmp_path):
 
 
 def test_classify():
-    assert worker.classify(worker.RefusedError("fp8 needs compute capability 8.9")) == "refused"
+    assert worker.classify(RefusedError("fp8 needs compute capability 8.9")) == "refused"
     assert worker.classify(RuntimeError("CUDA out of memory. Tried to allocate 2 GiB")) == "oom"
     assert worker.classify(ValueError("refused")) == "error"
 
@@ -203,8 +205,8 @@ def test_weight_storage_of_plain_modules():
     arch = resolve("tiny")
     model = build_native(arch, CPU, torch.bfloat16)
     assert model.lm_head.weight is model.model.embed_tokens.weight
-    assert worker.weight_storage_bytes(model) == 2 * arch.total_params
-    assert worker.weight_storage_bytes(build_native(arch, CPU, torch.float32)) == 4 * arch.total_params
+    assert weight_storage_bytes(model) == 2 * arch.total_params
+    assert weight_storage_bytes(build_native(arch, CPU, torch.float32)) == 4 * arch.total_params
 
     embedding = nn.Embedding(10, 6, dtype=torch.bfloat16)
     head = nn.Linear(6, 10, bias=True, dtype=torch.bfloat16)
@@ -212,13 +214,13 @@ def test_weight_storage_of_plain_modules():
     tied = nn.Sequential(embedding, nn.LayerNorm(6, dtype=torch.bfloat16), head)
     # 60 shared, 10 bias, 6 + 6 norm; buffers are not weights
     tied.register_buffer("table", torch.zeros(100))
-    assert worker.weight_storage_bytes(tied) == 2 * (60 + 10 + 12)
+    assert weight_storage_bytes(tied) == 2 * (60 + 10 + 12)
     untied = nn.Sequential(nn.Embedding(10, 6, dtype=torch.bfloat16), nn.Linear(6, 10, bias=False,
                                                                                  dtype=torch.bfloat16))
-    assert worker.weight_storage_bytes(untied) == 2 * 120
+    assert weight_storage_bytes(untied) == 2 * 120
     # two parameter objects over one storage (ties made on the data, not the module) also count once
     untied[1].weight = nn.Parameter(untied[0].weight.data)
-    assert worker.weight_storage_bytes(untied) == 2 * 60
+    assert weight_storage_bytes(untied) == 2 * 60
 
 
 @pytest.mark.parametrize("after_forward", [False, True])
@@ -231,7 +233,7 @@ def test_int8_storage_counts_row_scales(after_forward):
             model(torch.zeros(1, 4, dtype=torch.long))
     # one int8 per element and one fp32 absmax per output row
     expected = arch.num_layers * sum(rows * cols + 4 * rows for rows, cols in matrices(arch)) + bf16_rest_bytes(arch)
-    assert worker.weight_storage_bytes(model) == expected
+    assert weight_storage_bytes(model) == expected
 
 
 # bytes per output row beside one byte per element: int8 weight-only's fp32 scale and int8 zero point,
@@ -243,7 +245,7 @@ def test_weight_only_storage_counts_its_row_scales(precision, row_bytes):
     quantize_linears(model, precision, CPU)
     expected = arch.num_layers * sum(rows * cols + row_bytes * rows for rows, cols in matrices(arch)) + \
         bf16_rest_bytes(arch)
-    assert worker.weight_storage_bytes(model) == expected
+    assert weight_storage_bytes(model) == expected
     terms = {term.name: term.bytes for term in estimate_memory(arch, "infer", precision, BATCH, SEQ,
                                                                new_tokens=NEW).terms}
     assert terms["weights"] == expected
@@ -310,7 +312,7 @@ class CopiesMade(TorchDispatchMode):
 def test_an_eager_weight_only_matmul_copies_its_weight_as_the_planner_counts(precision):
     """One token through the largest matrix of tiny: the dequantized copies' traffic is the speed forecast's
     eager format's (``DecodeFormat.dequantized``), and float8's copies alive at once the memory planner's term."""
-    from fitbench.plan.forecast import decode_format
+    from fitbench.planning.forecast import decode_format
 
     arch = resolve("tiny")
     rows, columns = arch.ffn_size, arch.hidden_size  # the MLP's gate and up projections
@@ -340,7 +342,7 @@ def test_nf4_storage_counts_block_states():
         return rows * cols // 2 + blocks + 4 * math.ceil(blocks / 256) + 4 * 16 + 4 * 256
 
     expected = arch.num_layers * sum(matrix(rows, cols) for rows, cols in matrices(arch)) + bf16_rest_bytes(arch)
-    assert worker.weight_storage_bytes(model) == expected
+    assert weight_storage_bytes(model) == expected
 
 
 # ---- which matmuls are quantized -----------------------------------------------------------------
@@ -627,8 +629,8 @@ def test_cli_refuses_training_int4(tmp_path, capsys, monkeypatch):
 
 
 def test_int8_weight_only_is_an_inference_precision_beside_llm_int8():
-    from fitbench.plan.memory import Parallelism
-    from fitbench.plan.speed import estimate_step_time
+    from fitbench.planning.memory import Parallelism
+    from fitbench.planning.speed import estimate_step_time
     assert entry("int8-weight-only").training_problem and "fp8" in entry("int8-weight-only").training_problem
     assert "torchao" in Layout(tp=2).problem(Shape(), "infer", "int8-weight-only", "native")
     assert "torchao" in Layout(dp_shard=2).problem(Shape(), "forward", "int8-weight-only", "native")
@@ -649,8 +651,8 @@ def test_int8_weight_only_is_an_inference_precision_beside_llm_int8():
 
 
 def test_fp8_weight_only_is_an_inference_precision_that_needs_no_float8_tensor_cores():
-    from fitbench.plan.memory import Parallelism
-    from fitbench.plan.speed import estimate_step_time
+    from fitbench.planning.memory import Parallelism
+    from fitbench.planning.speed import estimate_step_time
     assert entry("fp8-weight-only").training_problem and "fp8" in entry("fp8-weight-only").training_problem
     assert "torchao" in Layout(tp=2).problem(Shape(), "infer", "fp8-weight-only", "native")
     assert "torchao" in Layout(dp_shard=2).problem(Shape(), "forward", "fp8-weight-only", "native")
@@ -674,10 +676,10 @@ def test_fp8_weight_only_is_an_inference_precision_that_needs_no_float8_tensor_c
 
 
 def test_every_quantized_entry_is_served_by_its_librarys_converter():
-    """A quantized entry names its library; that library's converter (``fitbench.run.quantize``) has its
+    """A quantized entry names its library; that library's converter (``fitbench.worker.quantize``) has its
     layer or config, and serves no name the registry lacks."""
     from fitbench.precisions import ENTRIES
-    from fitbench.run.quantize import CONVERTERS, bitsandbytes, torchao
+    from fitbench.worker.quantize import CONVERTERS, bitsandbytes, torchao
 
     served = {"bitsandbytes": set(bitsandbytes.LAYERS), "torchao": set(torchao.CONFIGS)}
     assert set(served) == set(CONVERTERS)
@@ -692,7 +694,7 @@ def test_int4_weights_with_int8_dynamic_activations_convert_on_a_cpu_as_their_en
     its storage is the entry's, its matmul near bf16's; one token through the largest matrix of tiny writes
     the three dequantized bf16 copies the eager decode format reads back (each written once and read once)
     and holds two at once, the memory planner's term."""
-    from fitbench.plan.forecast import decode_format
+    from fitbench.planning.forecast import decode_format
 
     arch = resolve("tiny")
     rows, columns = arch.ffn_size, arch.hidden_size
@@ -720,8 +722,8 @@ def test_int4_weights_with_int8_dynamic_activations_convert_on_a_cpu_as_their_en
 def test_int4_weights_with_int8_dynamic_activations_plan_and_refuse_as_torchao_inference_tensors():
     """Planned on an H100 for inference, its 7B weights above int8-dynamic's (int4 held in int8); refused for training and every
     sharding layout (a torchao inference tensor), runnable on any device, decoded in a CUDA graph."""
-    from fitbench.plan.memory import Parallelism
-    from fitbench.plan.speed import estimate_step_time
+    from fitbench.planning.memory import Parallelism
+    from fitbench.planning.speed import estimate_step_time
     facts = entry("int8-dynamic-int4")
     assert facts.library == "torchao" and facts.weight_only and facts.peak_kind("infer") == "bf16"
     assert facts.training_problem and "no backward pass" in facts.training_problem

@@ -1,6 +1,6 @@
 """``fitbench run --gpus N``: each configuration as one torchrun job of N gloo ranks on the CPU.
 
-One row per job from every rank (``fitbench.run.aggregate``); a rank that fails alone names itself in
+One row per job from every rank (``fitbench.worker.aggregate``); a rank that fails alone names itself in
 the row; a rank that hangs is named in the row of the timeout it causes; nothing the job started
 outlives it.
 """
@@ -18,7 +18,7 @@ import pytest
 
 from conftest import cli
 from fitbench.config import SweepConfig, expand
-from fitbench.run.aggregate import combine
+from fitbench.worker.aggregate import combine
 from fitbench.spec import Layout, LayoutError, RunSpec, pipeline_stages
 from fitbench.util.errors import UserError
 

@@ -8,8 +8,8 @@ import pytest
 
 from conftest import cli
 from fitbench.models.registry import resolve
-from fitbench.plan.calibration import DEFAULT
-from fitbench.plan.planner import Candidate, GpuTarget, assess, forecast_tokens_per_s, plan, predict_spec
+from fitbench.planning.calibration import DEFAULT
+from fitbench.planning.planner import Candidate, GpuTarget, assess, forecast_tokens_per_s, plan, predict_spec
 from fitbench.precisions import PRECISIONS
 from fitbench.spec import Layout, RunSpec
 

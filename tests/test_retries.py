@@ -12,8 +12,8 @@ from conftest import cli
 from fitbench.config import SweepConfig, expand
 from fitbench.launch.job import _ran_clear
 from fitbench.models.registry import resolve
-from fitbench.plan.calibration import DEFAULT
-from fitbench.plan.planner import RETRY_MARGIN, Candidate, GpuTarget, assess
+from fitbench.planning.calibration import DEFAULT
+from fitbench.planning.planner import RETRY_MARGIN, Candidate, GpuTarget, assess
 from fitbench.results.store import ResultStore
 from fitbench.spec import Layout
 from fitbench.sweep import plan_jobs

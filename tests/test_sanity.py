@@ -1,4 +1,4 @@
-"""Rows whose numbers cannot be kept (``fitbench.run.sanity``): real checkpoints full of NaN or of
+"""Rows whose numbers cannot be kept (``fitbench.worker.sanity``): real checkpoints full of NaN or of
 zeros run through the worker, the loss of every measured training step, and the warning of a run
 without warm-up."""
 
@@ -9,8 +9,8 @@ from pathlib import Path
 import pytest
 
 from fitbench.models.registry import resolve
-from fitbench.run import worker
-from fitbench.run.sanity import non_finite_figures, non_finite_steps
+from fitbench.worker import worker
+from fitbench.worker.sanity import non_finite_figures, non_finite_steps
 from fitbench.spec import Assignment, RunSpec
 
 SHAPES = dict(batch_size=1, seq_len=16, new_tokens=4, device="cpu", warmup_steps=1, measure_steps=2)
@@ -22,7 +22,7 @@ def no_injection(monkeypatch):
 
 
 def run_worker(tmp_path: Path, **fields) -> tuple[int, dict]:
-    """``python -m fitbench.run.worker SPEC RESULT`` in this process: exit code and result."""
+    """``python -m fitbench.worker.worker SPEC RESULT`` in this process: exit code and result."""
     spec = RunSpec(**{"model": "tiny", "backend": "native", "precision": "fp32", **SHAPES, **fields})
     spec_path, result_path = tmp_path / "spec.json", tmp_path / "result.json"
     spec_path.write_text(Assignment(spec=spec).model_dump_json())

@@ -161,7 +161,7 @@ def test_each_node_runs_its_agent_inside_its_gpu_sampler(tmp_path, monkeypatch):
     command = AgentsOnNodes(2, 4, "node1:29500", "job-1", tmp_path, 4).command(Path("a.json"), Path("r.json"))
     sampler = command.index("fitbench.launch.slurm.sampler")
     assert command[0] == "srun" and command[sampler + 1:sampler + 4] == [str(tmp_path), "4", "--"]
-    assert command.index("torch.distributed.run") > sampler and command[-3:] == ["fitbench.run.worker", "a.json",
+    assert command.index("torch.distributed.run") > sampler and command[-3:] == ["fitbench.worker.worker", "a.json",
                                                                                   "r.json"]
     # the lines the batch script exports, as a person edited them, replace fitbench's own
     monkeypatch.setenv("FITBENCH_SRUN", "srun --nodes=2 --ntasks=2 --kill-on-bad-exit=1")

@@ -1,4 +1,4 @@
-"""The allocator's record of a run's steps (``fitbench.run.snapshot``): what it sums per CUDA stream, by hand
+"""The allocator's record of a run's steps (``fitbench.worker.snapshot``): what it sums per CUDA stream, by hand
 on a small record, and that only a GPU worker records."""
 
 from __future__ import annotations
@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from fitbench.run.snapshot import SNAPSHOT_VARIABLE, maker, recorded, snapshot_path, stream_figures
+from fitbench.worker.snapshot import SNAPSHOT_VARIABLE, maker, recorded, snapshot_path, stream_figures
 
 COMPUTE, SIDE = 0, 7  # two streams, as FSDP's compute stream and its reduce-scatter stream
 MIB = 1 << 20
@@ -46,7 +46,7 @@ def test_stream_figures_by_hand():
 def test_maker_names_the_innermost_frame_of_interest():
     frames = [{"filename": "/lib/torch/nn/modules/linear.py", "line": 3, "name": "forward"},
               {"filename": "/lib/site-packages/torch/optim/adam.py", "line": 182, "name": "_init_group"},
-              {"filename": "/lib/site-packages/fitbench/run/loops.py", "line": 9, "name": "train"}]
+              {"filename": "/lib/site-packages/fitbench/worker/loops.py", "line": 9, "name": "train"}]
     assert maker(frames) == "torch/optim/adam.py:182 _init_group"
     assert maker(frames[:1]) == "forward" and maker([]) == "?"
 

@@ -15,10 +15,10 @@ from conftest import Shape
 from fitbench.models.backends import NativeLM, load_model
 from fitbench.models.graphs import Replay
 from fitbench.precisions import PRECISIONS, QUANTIZED_PRECISIONS, policy
-from fitbench.run.cross_entropy import chunked_cross_entropy
-from fitbench.run.loops import make_step, random_tokens
-from fitbench.run.parallel import data_seed
-from fitbench.run.tensor_parallel import data_parallel_rank, kv_heads_of_rank, split_heads
+from fitbench.worker.cross_entropy import chunked_cross_entropy
+from fitbench.worker.loops import make_step, random_tokens
+from fitbench.worker.parallel import data_seed
+from fitbench.worker.tensor_parallel import data_parallel_rank, kv_heads_of_rank, split_heads
 from fitbench.spec import Layout, LayoutError, RunSpec
 from test_parallel import torchrun
 
@@ -74,7 +74,7 @@ def test_the_tensor_parallel_ranks_of_a_data_parallel_group_draw_one_batch():
 
 
 def test_a_tensor_parallel_generation_row_is_rank_0s_timing_with_mfu_over_every_gpu():
-    from fitbench.run.aggregate import combine
+    from fitbench.worker.aggregate import combine
 
     def payload(ttft, mfu, gpu_peak):
         return {"status": "ok", "timing": {"time_to_first_token": {"median": ttft}, "samples": {}},
@@ -287,8 +287,8 @@ def test_tensor_parallel_pipeline_stages_give_one_process_forward_prefill_and_de
 
 
 def test_tensor_parallel_pipeline_training_and_quantized_stages_are_refused():
-    from fitbench.run.pipeline import build_pipelined
-    from fitbench.run.ranks import Rank
+    from fitbench.worker.build import build_pipelined
+    from fitbench.worker.ranks import Rank
     from fitbench.spec import RunSpec
 
     rank = Rank(rank=0, local_rank=0, world_size=4, local_world_size=4, device=torch.device("cpu"), launched=True)
@@ -443,7 +443,7 @@ def test_tensor_parallel_decoding_is_captured_in_a_cuda_graph_on_two_gpus(tmp_pa
 def test_small_all_reduces_stay_nccls_where_the_group_spans_nodes_or_runs_on_cpus(monkeypatch):
     """Symmetric memory maps the group's GPUs into each other: a group larger than a node's ranks keeps
     NCCL's sums (checked before any GPU is asked about peer access), and CPU ranks record nothing."""
-    from fitbench.run.tensor_parallel import _peers_mapped, small_all_reduces
+    from fitbench.worker.tensor_parallel import _peers_mapped, small_all_reduces
 
     monkeypatch.setenv("LOCAL_WORLD_SIZE", "2")
     assert not _peers_mapped(torch.device("cuda", 0), 4)

@@ -1,4 +1,4 @@
-"""The planner's vLLM memory (``fitbench.plan.vllm_memory``): each term recomputed by hand for a
+"""The planner's vLLM memory (``fitbench.planning.vllm_memory``): each term recomputed by hand for a
 preset, and the KV blocks, tokens and concurrency checked against what vLLM's engine reports (its CPU
 build, in the environment ``FITBENCH_VLLM_PYTHON`` names; skipped without it)."""
 
@@ -12,10 +12,10 @@ import pytest
 
 from fitbench.models.config_directory import write_config_directory
 from fitbench.models.registry import resolve
-from fitbench.plan.vllm_memory import CPU_BLOCK_SIZE, NON_TORCH_BYTES, vllm_memory
+from fitbench.planning.vllm_memory import CPU_BLOCK_SIZE, NON_TORCH_BYTES, vllm_memory
 from fitbench.serving.vllm_server import PYTHON_VARIABLE
 
-ENGINE = Path(__file__).resolve().parents[1] / "fitbench" / "run" / "vllm_engine.py"
+ENGINE = Path(__file__).resolve().parents[1] / "fitbench" / "worker" / "vllm_engine.py"
 
 
 def test_each_term_by_hand_for_llama_3_1_8b_on_an_80_gb_gpu():

@@ -10,7 +10,7 @@ import sys
 
 from rich.markup import escape
 
-from fitbench import __version__
+from fitbench.util.version import __version__
 from fitbench.cli import calibrate, compare, env, models, plan, report, run, serve_bench
 from fitbench.cli.command import Command
 from fitbench.cli.console import errors, warn

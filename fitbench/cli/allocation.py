@@ -30,7 +30,7 @@ from fitbench.launch.slurm import planned
 from fitbench.launch.slurm.nodes import NodesLauncher
 from fitbench.launch.slurm.sweep import progress_file
 from fitbench.models.registry import resolve
-from fitbench.plan.calibration import load_calibration
+from fitbench.planning.calibration import load_calibration
 from fitbench.results.row import Row
 from fitbench.results.store import SWEEP_FILE, ResultStore
 from fitbench.spec import RunSpec

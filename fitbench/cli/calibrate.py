@@ -19,7 +19,7 @@ def calibrate(args: argparse.Namespace) -> int:
     allocation), and store them for the planner."""
     from fitbench.launch.calibrate import (measure_across_nodes, measure_bus_bandwidth, measure_calibration,
                                            with_bus_bandwidth, with_inter_node)
-    from fitbench.plan.calibration import save_calibration
+    from fitbench.planning.calibration import save_calibration
     import os
 
     import torch

@@ -11,7 +11,6 @@ from rich.table import Table
 from fitbench.cli.command import Command
 from fitbench.cli.console import console
 from fitbench.cli.options import plan_options
-from fitbench.util.errors import UserError
 
 PLAN_EXAMPLES = """\
 examples:
@@ -24,7 +23,7 @@ Without --gpus/--gpu-memory/--gpu the GPUs of this machine are used.
 
 
 def _plan_text(result, trace, ladder, margin, gpu_memory) -> None:
-    from fitbench.plan.explain import grouped_rejections, marketed_memory_note, why_chosen
+    from fitbench.planning.explain import grouped_rejections, marketed_memory_note, why_chosen
     from fitbench.util.units import format_bytes
 
     target = result.target
@@ -84,88 +83,48 @@ def _plan_text(result, trace, ladder, margin, gpu_memory) -> None:
 
 def plan(args: argparse.Namespace) -> int:
     """Predict per-GPU memory term by term and choose how to run each model; no GPU needed."""
-    from fitbench.config import check_context, merge_sources
-    from fitbench.models.registry import resolve
-    from fitbench.plan.calibration import load_calibration
-    from fitbench.plan.planner import fewest_gpus
-    from fitbench.plan.planner import plan as make_plan
-    from fitbench.precisions import TRAINING_MODES, entry
-    from fitbench.sweep import gpu_target
+    from fitbench.api import plan as plan_model
+    from fitbench.api import plan_batches, plan_target
 
-    shapes = merge_sources({}, {}, {"batch_size": args.batch_size, "seq_len": [args.seq_len],
-                                    "new_tokens": args.new_tokens, "models": args.models})
-    if "auto" in shapes.batch_size and len(shapes.batch_size) > 1:
-        raise UserError("batch_size: auto finds the largest batch that fits; give it alone, or list batch sizes.")
-    batch = None if shapes.batch_size == ["auto"] else shapes.batch_size
-    seq_len, new_tokens = args.seq_len, args.new_tokens
-    for mode in args.mode:  # as `run` refuses them: no precision of the ladder can train
-        if mode in TRAINING_MODES and args.precision and all(entry(p).training_problem for p in args.precision):
-            raise UserError(f"precision: {entry(args.precision[0]).training_problem}; or use --mode infer or forward with "
-                            f"{args.precision[0]}.")
-    target = _cluster_target(args, gpu_target)
-    calibration = load_calibration(target.name)
-    architectures = {name: resolve(name) for name in args.models}
-    for name, arch in architectures.items():
-        for mode in args.mode:
-            check_context(arch, mode, seq_len, new_tokens)
+    where = {"gpu": args.gpu, "gpu_memory": args.gpu_memory, "gpus": args.gpus, "gpus_per_node": args.gpus_per_node,
+             "nodes": args.nodes, "inter_node_bandwidth": args.inter_node_bandwidth}
     if args.requirements:
-        return _requirements(args, target, calibration, seq_len, new_tokens, batch, fewest_gpus)
+        from fitbench.config import merge_sources
+
+        shapes = merge_sources({}, {}, {"batch_size": args.batch_size, "seq_len": [args.seq_len],
+                                        "new_tokens": args.new_tokens, "models": args.models})
+        return _requirements(args, plan_target(**where), plan_batches(shapes.batch_size))
     results, outputs = [], []
-    for name, arch in architectures.items():
+    for name in args.models:
         for mode in args.mode:
-            result = make_plan(arch, mode, target, seq_len=seq_len, new_tokens=new_tokens, batch_sizes=batch,
-                               precisions=args.precision, strategies=args.strategy, calibration=calibration)
+            result = plan_model(name, mode, **where, precisions=args.precision, batch_sizes=args.batch_size,
+                                seq_len=args.seq_len, new_tokens=args.new_tokens, strategies=args.strategy)
             trace = None
             if args.trace and result.chosen and result.chosen.candidate.gpus == 1:
                 from fitbench.models.architecture import default_backend
-                from fitbench.run.trace import trace_peak
+                from fitbench.models.registry import resolve
+                from fitbench.worker.trace import trace_peak
 
-                chosen = result.chosen.candidate
-                trace = trace_peak(arch, mode, chosen.precision, chosen.batch_size, seq_len, new_tokens=new_tokens,
-                                   activation_checkpointing=chosen.activation_checkpointing,
-                                   checkpointed_layers=chosen.checkpointed_layers,
-                                   backend=default_backend(arch))
+                arch, chosen = resolve(name), result.chosen.candidate
+                trace = trace_peak(arch, mode, chosen.precision, chosen.batch_size, args.seq_len,
+                                   new_tokens=args.new_tokens, activation_checkpointing=chosen.activation_checkpointing,
+                                   checkpointed_layers=chosen.checkpointed_layers, backend=default_backend(arch))
             results.append((result, trace))
             outputs.append({**result.as_dict(), "trace": trace.__dict__ if trace else None})
     if args.json:
         print(json.dumps(outputs, indent=2, default=str))
     else:
-        from fitbench.plan.planner import retry_margin
+        from fitbench.planning.calibration import load_calibration
+        from fitbench.planning.planner import retry_margin
         from fitbench.precisions import DEFAULT_LADDER
 
         for result, trace in results:
-            _plan_text(result, trace, args.precision or DEFAULT_LADDER[result.mode], retry_margin(calibration),
-                       args.gpu_memory)
+            margin = retry_margin(load_calibration(result.target.name))
+            _plan_text(result, trace, args.precision or DEFAULT_LADDER[result.mode], margin, args.gpu_memory)
             if args.gpus_per_node and result.chosen is not None:
                 console.print("\n".join(sbatch_lines_for(result.model, result.chosen.candidate.gpus,
                                                           args.gpus_per_node)) + "\n", markup=False, highlight=False)
     return 1 if any(result.chosen is None for result, _ in results) else 0
-
-
-def _cluster_target(args, gpu_target):
-    """The GPUs to plan for, with ``--gpus-per-node`` the size of a node and ``--nodes`` their count."""
-    from dataclasses import replace
-
-    if args.nodes is not None and args.gpus_per_node is None:
-        raise UserError("nodes: --nodes counts nodes of --gpus-per-node GPUs; give --gpus-per-node too, or plan for "
-                        "--gpus N.")
-    if args.nodes is not None and args.gpus is not None:
-        raise UserError(f"--nodes and --gpus contradict: --nodes {args.nodes} plans for {args.nodes} x "
-                        f"--gpus-per-node GPUs; give one of them.")
-    for option, value in (("--gpus-per-node", args.gpus_per_node), ("--nodes", args.nodes)):
-        if value is not None and value < 1:
-            raise UserError(f"{option[2:]}: {option} must be 1 or more, got {value}.")
-    bandwidth = None
-    if args.inter_node_bandwidth is not None:
-        from fitbench.plan.nodes import parse_inter_node_bandwidth
-
-        try:
-            bandwidth = parse_inter_node_bandwidth(args.inter_node_bandwidth)
-        except ValueError as error:
-            raise UserError(f"inter-node-bandwidth: {error}.") from None
-    gpus = args.nodes * args.gpus_per_node if args.nodes else args.gpus
-    target = replace(gpu_target(gpu=args.gpu, gpu_memory=args.gpu_memory, gpus=gpus), inter_node_bandwidth=bandwidth)
-    return replace(target, node_gpus=args.gpus_per_node) if args.gpus_per_node else target
 
 
 def nodes_for(gpus: int, gpus_per_node: int) -> int:
@@ -175,7 +134,7 @@ def nodes_for(gpus: int, gpus_per_node: int) -> int:
 
 def sbatch_lines_for(model: str, gpus: int, gpus_per_node: int) -> list[str]:
     """The ``#SBATCH`` lines of a job of ``gpus`` GPUs on nodes of ``gpus_per_node``, the same count
-    used on each (the planner plans only such counts: ``fitbench.plan.nodes.placement_problem``), as the
+    used on each (the planner plans only such counts: ``fitbench.planning.nodes.placement_problem``), as the
     slurm launcher writes them (``fitbench.launch.slurm.script.sbatch_lines``)."""
     from fitbench.launch.slurm.options import SlurmOptions
     from fitbench.launch.slurm.script import ScriptJob, sbatch_lines
@@ -186,17 +145,21 @@ def sbatch_lines_for(model: str, gpus: int, gpus_per_node: int) -> list[str]:
             *sbatch_lines(options, ScriptJob(f"fitbench-{model}", "fitbench-%j.out"))]
 
 
-def _requirements(args, target, calibration, seq_len, new_tokens, batch, fewest_gpus) -> int:
-    from fitbench.models.registry import resolve
-    from fitbench.plan.explain import requirements_note
-    from fitbench.plan.planner import MOST_GPUS, retry_margin, unsplittable
+def _requirements(args, target, batch) -> int:
+    from fitbench.api import plannable
+    from fitbench.planning.calibration import load_calibration
+    from fitbench.planning.explain import requirements_note
+    from fitbench.planning.planner import MOST_GPUS, fewest_gpus, retry_margin, unsplittable
     from fitbench.precisions import DEFAULT_LADDER
     from fitbench.util.units import format_bytes
 
+    seq_len, new_tokens, calibration = args.seq_len, args.new_tokens, load_calibration(target.name)
+    architectures = {(name, mode): plannable(name, mode, args.precision, seq_len, new_tokens)
+                     for name in args.models for mode in args.mode}
     rows = []
     for name in args.models:
-        arch = resolve(name)
         for mode in args.mode:
+            arch = architectures[name, mode]
             for precision in args.precision or DEFAULT_LADDER[mode]:
                 need = fewest_gpus(arch, mode, precision, target.memory, seq_len=seq_len, new_tokens=new_tokens,
                                    batch_size=(batch or [1])[0], calibration=calibration, gpu_name=target.name,

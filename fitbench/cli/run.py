@@ -4,18 +4,15 @@ from __future__ import annotations
 
 import argparse
 import shlex
-from datetime import datetime, timezone
 from pathlib import Path
-from typing import Any
 
 from rich.markup import escape
 
-from fitbench import __version__
 from fitbench.cli.command import Command
 from fitbench.cli.console import console, warn
 from fitbench.cli.documents import write_documents
 from fitbench.cli.options import quiet_option, sweep_options
-from fitbench.util.errors import UserError, excerpt
+from fitbench.util.version import __version__
 
 RUN_EXAMPLES = """\
 examples:
@@ -40,70 +37,43 @@ flight says interrupted, --resume runs it again).
 """
 
 
-
 # What the parsed arguments hold beside the sweep's options (``sweep_options``, each a key of SweepConfig).
 NOT_SWEEP_OPTIONS = ("command", "function", "argv", "resume", "extend", "config", "dry_run", "quiet")
 
 
 def run(args: argparse.Namespace) -> int:
     """Benchmark every configuration of the sweep, each in a fresh process."""
-    from fitbench.launch.local import LocalLauncher, run_sweep
-    from fitbench.results.store import ResultStore
-    from fitbench.sweep import plan_sweep
-
-    from fitbench.cli.display import ProgressDisplay
-
-    from fitbench.sweep import sized_config, slurm_options
-
-    config, out = sweep_config(args)
-    config, warnings = sized_config(config)
-    for warning in warnings:
-        warn(warning)
-    options = slurm_options(config)
-    if args.dry_run and options is None:
-        raise UserError("dry-run: --dry-run prints the batch scripts of SLURM jobs; give it with --launcher slurm.")
-    if options is not None and not args.dry_run:
-        from fitbench.launch.slurm.jobs import check_partition, require_command
-
-        for name in ("sbatch", "squeue", "sinfo"):
-            require_command(name)
-        if options.partition is not None:
-            check_partition(options.partition)
+    from fitbench.api import run_started, start_sweep
+    from fitbench.cli.display import ClusterDisplay, ProgressDisplay
 
     def say(text: str) -> None:
         if not args.quiet:
             console.print(escape(text))
 
-    device, jobs, calibration = plan_sweep(config, out, "--resume" if args.resume else "--out", say=say)
-
-    store = ResultStore(out, on_bad_line=warn)
-    store.lock()  # until this run returns; a failed run's lock goes with its store, or with the process
-    command = _start_sweep(store, out, config.model_copy(update={"out": out}), device, args)
+    given = {key: value for key, value in vars(args).items() if key not in NOT_SWEEP_OPTIONS}
+    sweep = start_sweep(given, resume=args.resume, extend=args.extend, config_file=args.config,
+                        command=shlex.join(["fitbench", *args.argv]), dry_run=args.dry_run, say=say, on_bad_line=warn,
+                        on_warning=warn)
     if args.dry_run:
-        return _dry_run(jobs, store, options, config, out)
-    done = store.finished_keys()
+        return _dry_run(sweep.jobs, sweep.store, sweep.slurm, sweep.config, sweep.out)
+    done = sweep.store.finished_keys()
     if not args.quiet:
-        console.print(f"fitbench {__version__}: {len(jobs)} configuration(s) on {device}"
-                      + (f", {sum(job.spec.key in done for job in jobs)} already finished" if done else "")
-                      + (" as SLURM jobs" if options else "") + f"; results in {out}/")
-    if options is not None:
-        from fitbench.cli.display import ClusterDisplay
-        from fitbench.launch.slurm.sweep import run_on_slurm
-
+        console.print(f"fitbench {__version__}: {len(sweep.jobs)} configuration(s) on {sweep.device}"
+                      + (f", {sum(job.spec.key in done for job in sweep.jobs)} already finished" if done else "")
+                      + (" as SLURM jobs" if sweep.slurm else "") + f"; results in {sweep.out}/")
+    if sweep.slurm is not None:
         from fitbench.launch.slurm.jobs import SlurmCommandError
 
         try:
-            run_on_slurm(jobs, store, options, max_concurrent=config.max_concurrent, command=command,
-                         display=ClusterDisplay(store))
+            run_started(sweep, cluster_display=ClusterDisplay(sweep.store))
         except SlurmCommandError as error:  # the cluster's, not the input's: one paragraph, exit 1
             console.print(f"fitbench: {escape(str(error))}", soft_wrap=True)
-            store.unlock()
+            sweep.store.unlock()
             return 1
     else:
-        with ProgressDisplay(len(jobs), store, quiet=args.quiet) as display:
-            run_sweep(jobs, store, launcher=LocalLauncher(), display=display, command=command,
-                      calibration=calibration)
-    return _summary(store, out, {job.spec.key for job in jobs}, config, args.quiet)
+        with ProgressDisplay(len(sweep.jobs), sweep.store, quiet=args.quiet) as display:
+            run_started(sweep, display=display)
+    return _summary(sweep.store, sweep.out, sweep.keys, sweep.config, args.quiet)
 
 
 def _dry_run(jobs, store, options, config, out: str) -> int:
@@ -125,69 +95,6 @@ def _dry_run(jobs, store, options, config, out: str) -> int:
                   soft_wrap=True)
     store.unlock()
     return 0
-
-
-def sweep_config(args: argparse.Namespace):
-    """The sweep's options (``fitbench.config.SweepConfig``), the command line's over the ``--config``
-    file's over a resumed sweep's, and its results directory."""
-    from fitbench.config import load_yaml, merge_sources, resumed_config, saved_options
-    from fitbench.results.store import SWEEP_FILE, ResultStore
-
-    for option, value in (("--resume", args.resume), ("--config", args.config)):
-        if value is not None and not value.strip():
-            what = "directory of a sweep" if option == "--resume" else "YAML file"
-            raise UserError(f"{option[2:]}: {option} was given an empty path; give the {what}, or leave {option} out.")
-    cli_options = {key: value for key, value in vars(args).items() if key not in NOT_SWEEP_OPTIONS}
-    saved: dict[str, Any] = {}
-    if args.resume:
-        if "out" in cli_options:
-            raise UserError(f"--resume and --out contradict: --resume {args.resume} writes to the directory it "
-                            f"resumes. Give --resume alone, or --out alone for a new sweep.")
-        store = ResultStore(args.resume)
-        sweep = store.load_sweep()
-        if sweep is None:
-            raise UserError(f"resume: {args.resume} holds no fitbench sweep (no sweep.json). Pass the --out directory "
-                            f"of an earlier run.")
-        saved = saved_options(sweep, str(store.directory / SWEEP_FILE))
-        saved = _fixable_in_place(saved, store, cli_options)
-    elif args.extend:
-        raise UserError("--extend adds to a saved sweep; give it with --resume DIR.")
-    file_options = load_yaml(args.config) if args.config else {}
-    config = merge_sources(saved, file_options, cli_options)
-    if args.resume:
-        config = resumed_config(saved, config, extend=args.extend)
-    if config.ollama_url and not config.ollama_model:
-        raise UserError("ollama-model: --ollama-url needs --ollama-model, the model that writes the analysis.")
-    out = args.resume or config.out or str(Path("fitbench-results") / datetime.now(timezone.utc).strftime("%Y%m%d-%H%M%S"))
-    return config, out
-
-
-def _fixable_in_place(saved, store, cli_options: dict[str, Any]):
-    """``saved`` with the cluster options given now in place of its own, where the sweep never got a job
-    submitted nor a row (sbatch refused it, or it was a --dry-run): the same folder is fixed and run."""
-    from fitbench.config import Source
-    from fitbench.launch.slurm.sweep import SUBMITTED_FILE
-    from fitbench.sweep import SLURM_FIELDS
-
-    if (store.directory / SUBMITTED_FILE).exists() or store.row_files():
-        return saved
-    given = {field: value for field, value in cli_options.items() if field in SLURM_FIELDS}
-    return Source({**saved, **given}, kind=saved.kind, name=saved.name, keys=saved.keys) if given else saved
-
-
-def _start_sweep(store, out: str, config, device: str, args: argparse.Namespace) -> str:
-    """Save the sweep's options in ``store``, the directory ``out`` (for ``--resume``), and return its
-    command line; a new sweep never replaces one already there."""
-    from fitbench.results.store import SWEEP_FILE
-
-    if not args.resume and (store.directory / SWEEP_FILE).exists():
-        raise UserError(f"out: {excerpt(out, 200)} already holds a sweep ({SWEEP_FILE}); a new one would replace it. "
-                        f"`fitbench run --resume {excerpt(out, 200)}` finishes it (--extend adds to it), or give "
-                        f"another --out.")
-    command = shlex.join(["fitbench", *args.argv])
-    store.save_sweep({"config": config.model_dump(), "device": device, "command": command,
-                      "fitbench_version": __version__})
-    return command
 
 
 def _summary(store, out: str, keys: set[str], config, quiet: bool = False) -> int:

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import hashlib
 import importlib.metadata
 import os
 import pathlib
@@ -16,8 +17,8 @@ from datetime import datetime, timezone
 
 import psutil
 
-import fitbench
 from fitbench.hardware.devices import cpu_model, detect_gpus, driver_version
+from fitbench.util.version import __version__
 
 
 @functools.cache
@@ -42,35 +43,60 @@ def torch_version() -> str:
     return version
 
 
-def _git(*args: str) -> str | None:
-    """Output of a git command run in the directory holding the package."""
-    source_root = pathlib.Path(fitbench.__file__).resolve().parent.parent
+def _git_bytes(*args: str, root: pathlib.Path | None = None, allowed: tuple[int, ...] = (0,)) -> bytes | None:
+    """Output of a git command run in ``root``, by default the directory holding the package; None when
+    git is missing or exits with a status not ``allowed``."""
+    root = root or pathlib.Path(__file__).resolve().parents[2]  # fitbench/hardware/environment.py -> the checkout
     try:
-        completed = subprocess.run(
-            ["git", *args],
-            cwd=source_root,
-            capture_output=True,
-            text=True,
-            timeout=5,
-            check=True,
-        )
+        completed = subprocess.run(["git", *args], cwd=root, capture_output=True, timeout=5)
     except (OSError, subprocess.SubprocessError):
         return None
-    return completed.stdout.strip()
+    return completed.stdout if completed.returncode in allowed else None
 
 
-def _git_provenance() -> tuple[str | None, bool | None]:
-    """(commit, dirty) of the checkout fitbench runs from, (None, None) if none.
+def _git(*args: str, root: pathlib.Path | None = None) -> str | None:
+    """``_git_bytes`` as text, stripped."""
+    output = _git_bytes(*args, root=root)
+    return None if output is None else output.decode(errors="replace").strip()
+
+
+def _git_provenance(root: pathlib.Path | None = None) -> tuple[str | None, bool | None]:
+    """(commit, dirty) of the checkout fitbench runs from (``root``), (None, None) if none.
 
     An installed copy in site-packages may sit inside some unrelated repository
     (a virtualenv in a project, say), so the commit only counts if git tracks
     this very package in it.
     """
-    commit = _git("rev-parse", "HEAD")
-    if not commit or _git("ls-files", "--error-unmatch", "fitbench/__init__.py") is None:
+    commit = _git("rev-parse", "HEAD", root=root)
+    if not commit or _git("ls-files", "--error-unmatch", "fitbench/__init__.py", root=root) is None:
         return None, None
-    status = _git("status", "--porcelain")
+    status = _git("status", "--porcelain", root=root)
     return commit, (None if status is None else status != "")
+
+
+# What a row's diff covers: the package's code and its pins, the code that produces the row. Results a
+# sweep writes inside the checkout change while it runs and are not code.
+CODE_PATHS = ("fitbench", "pyproject.toml")
+
+
+def code_diff(root: pathlib.Path | None = None) -> bytes | None:
+    """The checkout's changes to ``CODE_PATHS`` against its commit: ``git diff HEAD --binary``, then each
+    file there that git neither tracks nor ignores as an addition (``git diff --no-index --binary
+    /dev/null FILE``), in path order. Empty for unchanged code; None outside a checkout of fitbench
+    (``_git_provenance``)."""
+    commit, _ = _git_provenance(root)
+    tracked = _git_bytes("diff", "HEAD", "--binary", "--", *CODE_PATHS, root=root) if commit else None
+    if tracked is None:
+        return None
+    listed = _git("ls-files", "--others", "--exclude-standard", "--", *CODE_PATHS, root=root) or ""
+    added = [_git_bytes("diff", "--no-index", "--binary", "/dev/null", path, root=root, allowed=(0, 1)) or b""
+             for path in sorted(filter(None, listed.splitlines()))]
+    return tracked + b"".join(added)
+
+
+def diff_sha256(diff: bytes | None) -> str | None:
+    """The SHA-256 of a ``code_diff``, as hex; None for unchanged code or no checkout."""
+    return hashlib.sha256(diff).hexdigest() if diff else None
 
 
 def _cudnn_version() -> int | None:
@@ -92,11 +118,14 @@ def environment() -> dict:
     import torch
 
     git_commit, git_dirty = _git_provenance()
+    diff = code_diff() if git_dirty else None
     affinity = os.sched_getaffinity(0) if hasattr(os, "sched_getaffinity") else None
     return {
-        "fitbench_version": fitbench.__version__,
+        "fitbench_version": __version__,
         "git_commit": git_commit,
         "git_dirty": git_dirty,
+        # the code's changes, which a sweep saves as diffs/<this>.diff in its directory (fitbench.api)
+        "git_diff_sha256": diff_sha256(diff),
         "python": platform.python_version(),
         "torch": torch.__version__,
         "transformers": package_version("transformers"),

@@ -1,4 +1,4 @@
-"""Measuring a calibration (``fitbench.plan.calibration``) on the GPU at hand: ``tiny`` through the
+"""Measuring a calibration (``fitbench.planning.calibration``) on the GPU at hand: ``tiny`` through the
 real worker in each kind of step, and its tensors traced on fake ones; on several GPUs, the bus
 bandwidth and the latency of all-reduce and all-gather; over several nodes, the same inside a node
 and between nodes."""
@@ -22,11 +22,11 @@ import torch
 from fitbench.launch.local import run_one
 from fitbench.launch.slurm.script import TORCHRUN, agent_options
 from fitbench.models.registry import resolve
-from fitbench.plan.calibration import DEFAULT, Calibration
-from fitbench.plan.collectives import BusBandwidth
+from fitbench.planning.calibration import DEFAULT, Calibration
+from fitbench.planning.collectives import BusBandwidth
 from fitbench.precisions import DEFAULT_LADDER
-from fitbench.run.collectives import RESULT_PREFIX
-from fitbench.run.trace import trace_peak
+from fitbench.worker.collectives import RESULT_PREFIX
+from fitbench.worker.trace import trace_peak
 from fitbench.spec import Assignment, RunSpec
 from fitbench.util.processes import PARENT_VARIABLE, TOKEN_VARIABLE, kill_tree
 
@@ -110,7 +110,7 @@ def overheads(gpu: dict, tensors: float) -> tuple[float, float]:
     """The CUDA context and the workspaces of one kind of step from its row's memory report
     (``memory.gpus[0]``) and its traced tensor peak: the context the larger of
     ``nvml_peak_used`` - ``peak_reserved`` and ``nvml_context_end`` (the process's NVML figure less
-    what the allocator reserved, read together as the step ended: ``fitbench.run.trackers``), the
+    what the allocator reserved, read together as the step ended: ``fitbench.worker.trackers``), the
     workspaces ``peak_allocated`` - ``tensors``.
 
     Both readings of the context are needed: NVML's peak is sampled (every 50 ms), so the first reads
@@ -129,12 +129,12 @@ def overheads(gpu: dict, tensors: float) -> tuple[float, float]:
 def measure_bus_bandwidth(ranks: int, device: str, scratch: Path, timeout_s: float = 300.0) -> BusBandwidth:
     """All-reduce and all-gather bus bandwidth and latency over ``ranks`` processes, one per GPU with NCCL
     (``device`` cuda), or CPU processes over gloo (``device`` cpu, to exercise the path). The ranks run
-    ``fitbench.run.collectives`` at a small and a large message (``COLLECTIVE_RUNS``); ``fit_collective``
+    ``fitbench.worker.collectives`` at a small and a large message (``COLLECTIVE_RUNS``); ``fit_collective``
     turns the two times into a latency and a bus bandwidth. Every rank has ended when this returns, by
     itself or killed at ``timeout_s`` or on the first that fails."""
     backend = "nccl" if device.startswith("cuda") else "gloo"
     sizes, warmups, iterations = zip(*COLLECTIVE_RUNS[backend])
-    commands = [[sys.executable, "-m", "fitbench.run.collectives", "--rank", str(rank), "--world", str(ranks),
+    commands = [[sys.executable, "-m", "fitbench.worker.collectives", "--rank", str(rank), "--world", str(ranks),
                  "--backend", backend, "--scratch", str(scratch), "--timeout", str(timeout_s),
                  "--message-bytes", *map(str, sizes), "--warmup", *map(str, warmups),
                  "--iterations", *map(str, iterations)] for rank in range(ranks)]
@@ -197,14 +197,14 @@ def measure_across_nodes(nodes: int, ranks_per_node: int, device: str, scratch: 
     CPU processes over gloo, ``device`` cpu) meeting at a c10d rendezvous at ``endpoint`` (host:port).
     ``agents`` turns one agent's command into the commands that start them all: under SLURM one
     ``srun`` of a task per node (``fitbench.launch.slurm.nodes.srun_agents``); on one host, the command
-    once per agent. Each level is timed on its own (``fitbench.run.collectives``) and fitted as on one
+    once per agent. Each level is timed on its own (``fitbench.worker.collectives``) and fitted as on one
     node (``fit_level``): the level inside a node over its ``ranks_per_node`` ranks (None for one rank a
     node), the level between nodes over ``nodes`` ranks, one per node. Every agent has ended when this
     returns, by itself or killed at ``timeout_s`` or on the first that fails."""
     backend = "nccl" if device.startswith("cuda") else "gloo"
     sizes, warmups, iterations = zip(*COLLECTIVE_RUNS[backend])
     agent = [sys.executable, *TORCHRUN, *agent_options(nodes, ranks_per_node), f"--rdzv-endpoint={endpoint}",
-             f"--rdzv-id=calibrate-{secrets.token_hex(4)}", "-m", "fitbench.run.collectives", "--backend", backend,
+             f"--rdzv-id=calibrate-{secrets.token_hex(4)}", "-m", "fitbench.worker.collectives", "--backend", backend,
              "--scratch", str(scratch), "--timeout", str(timeout_s), "--message-bytes", *map(str, sizes),
              "--warmup", *map(str, warmups), "--iterations", *map(str, iterations)]
     commands = agents(agent)

@@ -3,8 +3,8 @@ ranks.
 
 A worker command turns the worker's two files (its assignment and where its result goes) into the
 command line that starts the job; ``fitbench.launch.local.run_one`` runs that command, follows it, and
-ends everything it started. Every rank of a torchrun job runs ``fitbench.run.worker``; rank 0 writes the
-job's one result (``fitbench.run.ranks.gather_json``).
+ends everything it started. Every rank of a torchrun job runs ``fitbench.worker.worker``; rank 0 writes the
+job's one result (``fitbench.worker.ranks.gather_json``).
 
 torchrun (``torch.distributed.run``) on one node: ``--standalone`` makes a rendezvous on a free port of
 localhost, ``--nproc-per-node N`` starts N ranks, each told RANK, LOCAL_RANK, WORLD_SIZE and
@@ -33,7 +33,7 @@ class LocalProcess:
     """The worker as one plain process."""
 
     def command(self, assignment: Path, result: Path) -> list[str]:
-        return [sys.executable, "-m", "fitbench.run.worker", str(assignment), str(result)]
+        return [sys.executable, "-m", "fitbench.worker.worker", str(assignment), str(result)]
 
 
 @dataclass(frozen=True)
@@ -44,12 +44,12 @@ class Torchrun:
 
     def command(self, assignment: Path, result: Path) -> list[str]:
         return [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={self.ranks}",
-                "--max-restarts=0", "-m", "fitbench.run.worker", str(assignment), str(result)]
+                "--max-restarts=0", "-m", "fitbench.worker.worker", str(assignment), str(result)]
 
 
 def worker_command(layout: Layout, backend: str = "native") -> WorkerCommand:
     """torchrun for a layout of several ranks, a plain process for one, and for the hf backend's
-    pipeline stages, which one process drives over every GPU of the job (``fitbench.run.hf_pipeline``)."""
+    pipeline stages, which one process drives over every GPU of the job (``fitbench.worker.hf_pipeline``)."""
     if layout.world_size == 1 or (backend == "hf" and layout.pp == layout.world_size):
         return LocalProcess()
     return Torchrun(layout.world_size)

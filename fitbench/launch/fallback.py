@@ -19,11 +19,11 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any, Callable
 
-from fitbench.plan.search import largest
+from fitbench.planning.search import largest
 from fitbench.precisions import QUANTIZED_PRECISIONS, TRAINING_MODES, UNQUANTIZED_BASE, entry
 from fitbench.spec import Layout, RunSpec
 
-# Statuses of a run whose memory held to its end: ``invalid`` (non-finite numbers, fitbench.run.sanity)
+# Statuses of a run whose memory held to its end: ``invalid`` (non-finite numbers, fitbench.worker.sanity)
 # is a failed row, but no out-of-memory: no rung of the ladder would change it, and its batch fits.
 RAN_TO_THE_END = ("ok", "invalid")
 

@@ -23,9 +23,9 @@ from fitbench.launch.fallback import (RAN_TO_THE_END, FallbackPolicy, largest_ba
 from fitbench.launch.launcher import Attempt, Event, Launcher
 from fitbench.launch.orders import assign
 from fitbench.models.registry import resolve
-from fitbench.plan.calibration import Calibration, load_calibration
-from fitbench.plan.memory import Parallelism, estimate_memory
-from fitbench.plan.planner import RETRY_MARGIN, Candidate, GpuTarget, assess, predict_spec
+from fitbench.planning.calibration import Calibration, load_calibration
+from fitbench.planning.memory import Parallelism, estimate_memory
+from fitbench.planning.planner import RETRY_MARGIN, Candidate, GpuTarget, assess, predict_spec
 from fitbench.precisions import PRECISIONS
 from fitbench.results.row import Row
 from fitbench.spec import Assignment, RunSpec
@@ -125,7 +125,7 @@ class _OutOfTime(Exception):
 
 
 def _ran_clear(row: dict[str, Any]) -> bool:
-    """A batch probe ran to the end without the caching allocator retrying (``fitbench.run.retries``)."""
+    """A batch probe ran to the end without the caching allocator retrying (``fitbench.worker.retries``)."""
     return row["status"] in RAN_TO_THE_END and not (row.get("allocator_retries") or {}).get("num_alloc_retries")
 
 

@@ -24,7 +24,7 @@ from fitbench.spec import Assignment
 if TYPE_CHECKING:
     from fitbench.launch.job import Job
 
-# A progress event of the worker: one JSON object of its stdout (``fitbench.run.worker``).
+# A progress event of the worker: one JSON object of its stdout (``fitbench.worker.worker``).
 Event = dict[str, Any]
 
 

@@ -5,7 +5,7 @@ into a result row:
 
 - ``ok``: the worker measured and wrote its result;
 - ``invalid``: the worker measured to the end, but a loss, logits or quality figure is not finite
-  (``fitbench.run.sanity``): a finished, failed row, whose memory held, so no fallback follows;
+  (``fitbench.worker.sanity``): a finished, failed row, whose memory held, so no fallback follows;
 - ``oom``: the worker caught an out-of-memory (a GPU's, or a CPU allocator's), or the kernel killed
   it for lack of host memory: SIGKILL, not sent by fitbench, with the kernel's OOM-kill count
   risen meanwhile (``fitbench.util.host``) or the worker's peak resident memory at ``OOM_RSS_SHARE``
@@ -16,12 +16,12 @@ into a result row:
 - ``crashed``: the worker died without a result (a signal, an abort, a non-zero exit);
 - ``timeout``: the configuration outlived ``--timeout`` (which bounds its batch probes and
   fallback attempts too) and was killed, or a rank of its job waited in a collective past the
-  process group's timeout (``fitbench.run.worker``); a worker that exited by itself with its result
+  process group's timeout (``fitbench.worker.worker``); a worker that exited by itself with its result
   written is never killed;
 - ``interrupted``: SIGINT, SIGTERM or SIGHUP ended the sweep while it ran; ``--resume`` runs it again.
 
 A torchrun job that ends without its result (a rank failed or hung, or the job was killed) keeps in
-the row's ``rank_phases`` the phase each rank was last in (``fitbench.run.ranks.PhaseLog``) and
+the row's ``rank_phases`` the phase each rank was last in (``fitbench.worker.ranks.PhaseLog``) and
 whether it wrote a result of its own, and its error names the ranks that did not finish: a rank
 stopped outside any collective while the others waited in one until a timeout is the rank that
 hung, and is named first.
@@ -58,7 +58,7 @@ from fitbench.models.registry import resolve
 from fitbench.monitor.nvml import GpuMonitor, job_gpus
 from fitbench.results.row import WORKER_STATUSES, Measurement, Row
 from fitbench.results.store import ResultStore
-from fitbench.run.phases import rank_phase_path, rank_result_path, read_phase
+from fitbench.worker.phases import rank_phase_path, rank_result_path, read_phase
 from fitbench.spec import Assignment, RunSpec
 from fitbench.util.cache import cache_directory
 from fitbench.util.host import HostMemory, host_memory, oom_kills
@@ -96,7 +96,7 @@ def worker_environment() -> dict[str, str]:
     pages instead of caching whole blocks, so reserved memory tracks the allocated peak (the
     planner's page-rounding term) instead of fragmenting (measured: 42.6 GB reserved for 32.0 GB
     allocated without it on 2.7B). An empty variable counts as unset. Each row records the settings
-    its worker ran with (``fitbench.run.trackers``).
+    its worker ran with (``fitbench.worker.trackers``).
 
     Triton's compiled kernels and autotuning results are kept in fitbench's cache
     (``cache_directory()/triton``) unless the user chose a Triton cache: torchao's
@@ -279,7 +279,7 @@ def _monitor(spec: RunSpec, directory: Path) -> GpuMonitor | None:
 
 def _first_failed_rank(result_path: Path, ranks: int) -> tuple[dict[str, Any] | None, str | None]:
     """The result of the rank that failed first, by when it wrote it: a rank that fails alone writes
-    its own (``fitbench.run.ranks.rank_result_path``), and the others' failures that follow (a peer
+    its own (``fitbench.worker.ranks.rank_result_path``), and the others' failures that follow (a peer
     gone from a collective) are consequences."""
     written = [(path.stat().st_mtime_ns, rank, path) for rank in range(ranks)
                if (path := rank_result_path(result_path, rank)).exists()]

@@ -16,9 +16,9 @@ from __future__ import annotations
 import psutil
 
 from fitbench.models.registry import resolve
-from fitbench.plan.calibration import Calibration
-from fitbench.plan.memory import Parallelism, estimate_memory
-from fitbench.plan.planner import GpuTarget, offload_split
+from fitbench.planning.calibration import Calibration
+from fitbench.planning.memory import Parallelism, estimate_memory
+from fitbench.planning.planner import GpuTarget, offload_split
 from fitbench.spec import Assignment, RunSpec
 
 

@@ -70,10 +70,6 @@ class CausalLM:
         layer's when None, in the backward pass instead of keeping them."""
         raise NotImplementedError
 
-    def compile(self) -> None:
-        """``torch.compile`` the module."""
-        self.module.compile()
-
 
 class NativeLM(CausalLM):
     """The native decoder. With ``cuda_graphs`` on a GPU, the first decode of a cache captures
@@ -284,11 +280,6 @@ class NativeLM(CausalLM):
         """Never capture: something about this model keeps its step out of a graph."""
         self.eager_reason = self.eager_reason or reason
 
-    def compile(self) -> None:
-        super().compile()
-        if self.eager_reason is None:
-            self.eager_reason = "--compile: decoding runs through the compiled module, eagerly"
-
     def enable_activation_checkpointing(self, layers: int | None = None) -> None:
         self.module.activation_checkpointing = True
         self.module.checkpointed_layers = layers
@@ -352,7 +343,7 @@ def compile_regions(compiler: Compiler | None = None, decode_options: dict[str, 
     compiles each copy: a decoder layer over the prompt and its decode step, and the head (final norm
     and output projection), which the prefill and the decode step share, both giving it the last
     position (B, 1, C), and the decode step's embedding: under tensor parallelism its all-reduce is then
-    a compiled collective, which a one-shot kernel can sum (``fitbench.run.tensor_parallel``), as the
+    a compiled collective, which a one-shot kernel can sum (``fitbench.worker.tensor_parallel``), as the
     layers' are. The few operators that gather the step's rotary rows and build its mask run eagerly,
     inside the captured graph all the same: a handful of elementwise kernels on (1, max_len) or fewer
     elements. ``compiler``: inductor by default; ``decode_options``: inductor's options for the decode

@@ -1,6 +1,6 @@
 """The operators one transformers decoder layer launches in a decode step, counted in the installed version.
 
-The forecast's host and kernel-launch terms take a layer's operator count (``fitbench.plan.forecast``,
+The forecast's host and kernel-launch terms take a layer's operator count (``fitbench.planning.forecast``,
 ``layer_ops``). The native decoder's is fitbench's own code, a constant the tests count again; a
 transformers model's is whatever the installed release's modeling code dispatches (Falcon's layer
 launched 37 under transformers 5.24 and 31 under 5.25). ``layer_operators`` counts it: the probe model of

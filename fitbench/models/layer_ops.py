@@ -41,7 +41,7 @@ import torch.nn.functional as F
 def eager_training(x: torch.Tensor) -> bool:
     """Whether a module runs its Function for ``x``: autograd records, the module is not being
     traced by ``torch.compile`` (inductor fuses the plain expressions, and what its graph saves is
-    what ``fitbench.plan.compiled`` models), and ``x`` is a plain tensor, not a DTensor of tensor
+    what ``fitbench.planning.compiled`` models), and ``x`` is a plain tensor, not a DTensor of tensor
     parallelism, whose sharding rules are written for the operations themselves."""
     return torch.is_grad_enabled() and not torch.compiler.is_compiling() and not hasattr(x, "to_local")
 

@@ -1,5 +1,5 @@
 """How fitbench's training loop forms its loss, as plain data every floor may read: the loss
-(``fitbench.run.cross_entropy``) and the memory model (``fitbench.plan.memory``) both follow it.
+(``fitbench.worker.cross_entropy``) and the memory model (``fitbench.planning.memory``) both follow it.
 
 The loss works on the logits ``LOSS_CHUNK_BYTES`` of fp32 at a time: ``loss_chunk_rows(V)`` rows,
 upcast, as torchtune's ``CEWithChunkedOutputLoss`` chunks them. The whole loss over (n, V) logits

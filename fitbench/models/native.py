@@ -21,7 +21,7 @@ fused weights are the unfused ones stacked by rows, drawn part by part in the un
 fused model holds the weights of the unfused one of the same seed, and a transformers checkpoint loads
 into each part (``checkpoint_tensors``). Tensor-parallel training, pipeline stages and quantized builds
 keep the unfused layout: their plans and quantizers name q, k, v, gate and up (a tensor-parallel
-generation stacks its local shards after the build: ``fitbench.run.tensor_parallel``).
+generation stacks its local shards after the build: ``fitbench.worker.tensor_parallel``).
 
 In eager training (autograd recording, no ``torch.compile``) RMSNorm, the rotary positions and
 SwiGLU run as the autograd Functions of ``fitbench.models.layer_ops``, which save less and launch
@@ -118,7 +118,7 @@ LayerCache = tuple[torch.Tensor, torch.Tensor]
 class KVCache(nn.Module):
     """Keys and values of every layer, preallocated for (batch, max_len): one write per step, no growth.
     ``kv_heads``: the heads this process's attention keeps, all of them unless tensor parallelism
-    gave it a share (``fitbench.run.tensor_parallel``).
+    gave it a share (``fitbench.worker.tensor_parallel``).
 
     Each layer's keys and values are a tensor of their own, (B, kv_heads, max_len, head_dim), not views
     of one: a compiled decode step (``fitbench.models.backends.compile_regions``) takes the cache as an
@@ -526,7 +526,7 @@ def replay_random_weights(modules: list[nn.Module], device: torch.device | str, 
     """``init_random_weights`` over ``modules`` in order, of which only some have storage, or only a
     shard of it: a weight still on the meta device draws its N(0, std) into scratch of its shape and
     dtype on ``device`` and drops it, and a weight that ``shard_writer`` says is held as a shard
-    (tensor parallelism: ``fitbench.run.tensor_parallel``) draws the whole weight into that scratch
+    (tensor parallelism: ``fitbench.worker.tensor_parallel``) draws the whole weight into that scratch
     and keeps its own part of it, so that the device's generator advances as when every weight is
     drawn and the weights with storage get what a build of the whole model gives them. The scratch is
     one buffer as large as the largest such weight, reused. Part of a model is built so (a pipeline

@@ -7,7 +7,7 @@ host memory is the device itself, so they stay on disk, in accelerate's memory-m
 whole path.
 
 **Placement.** accelerate's ``infer_auto_device_map`` places the decoder layers in order on the
-device within ``layer_memory`` bytes (``fitbench.plan.planner.offload_split``: what the GPU has
+device within ``layer_memory`` bytes (``fitbench.planning.planner.offload_split``: what the GPU has
 left after the embeddings, final norm, output projection, KV cache, temporaries and CUDA context),
 keeping one layer's room free for the layer in flight; the rest go to the tier. The embeddings,
 final norm, output projection and rotary tables stay on the device, so the KV cache, which the

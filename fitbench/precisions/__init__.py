@@ -5,7 +5,7 @@
 - ``bf16`` / ``fp16``: mixed precision: fp32 weights, gradients and optimizer state; matmuls under
   autocast in 16 bits. fp16 training scales the loss (``torch.amp.GradScaler``).
 - ``bf16-pure``: weights, gradients and AdamW state all bf16; no autocast.
-- quantized (``fitbench.run.quantize`` converts a plain model with the entry's library): bf16 weights
+- quantized (``fitbench.worker.quantize`` converts a plain model with the entry's library): bf16 weights
   and activations, whose decoder-layer matmuls are then quantized.
 
 Each entry holds, with the source of every number: its policy (dtypes, autocast), its library and
@@ -25,7 +25,7 @@ from fitbench.precisions.entry import (ADAPTERS, DENSE, EVERY_WEIGHT, FLOAT8, TR
                                        DecodeFormats, DequantizedCopy, DeviceNeed, Precision, PrecisionPolicy,
                                        PrefillReserve, StorageFormat)
 
-# Adapters on a quantized base (``fitbench.run.adapters``): rank 16 on every matmul of every layer (seven in
+# Adapters on a quantized base (``fitbench.worker.adapters``): rank 16 on every matmul of every layer (seven in
 # Llama, four in Falcon and GPT-2), alpha 32, between PEFT's default rank 8 and QLoRA's 64 (Dettmers et al.
 # 2023, every linear layer adapted).
 ADAPTER_RANK, ADAPTER_ALPHA = 16, 32
@@ -72,7 +72,7 @@ def _quantized(name: str, summary: str, **facts) -> Precision:
 # fp32, multiplies it by the row scales, casts it to bf16 and calls ``torch.matmul``. bitsandbytes' 4-bit
 # decode kernels are launches on fixed shapes too.
 #
-# Every matrix of ``Architecture.layer_matrices`` is quantized (``fitbench.run.quantize``: each nn.Linear
+# Every matrix of ``Architecture.layer_matrices`` is quantized (``fitbench.worker.quantize``: each nn.Linear
 # of the layers, GPT-2's Conv1D turned into one first); biases, embeddings, position tables, the output
 # projection and norms stay bf16 (``storage``).
 #
@@ -109,7 +109,7 @@ def _quantized(name: str, summary: str, **facts) -> Precision:
 # output: 7.3 kernels more per matmul
 _FP8_EAGER = DecodeFormat(1.0, 7.3, 0, "Llama-2-7B fp8, batch 1 (2026-11-24-h200-decode-formats): 10.09 ms")
 # torchao's int8 and float8 with dynamic activation scaling: the largest temporary of a prefill MLP is the
-# fp32 copy of the down projection's input (``fitbench.plan.memory.prefill_reserve_term``)
+# fp32 copy of the down projection's input (``fitbench.planning.memory.prefill_reserve_term``)
 _SCALED_INPUT_RESERVE = PrefillReserve(4, "the fp32 copy of the down projection's input")
 # bitsandbytes' 4-bit: one token per step reads the packed weights in its gemv kernel, at 45% of the copy
 # bandwidth; more tokens dequantize each weight to a bf16 copy and multiply by it. At prefill that copy is

@@ -159,7 +159,7 @@ class DequantizedCopy:
 
 @dataclass(frozen=True)
 class PrefillReserve:
-    """The caching allocator's reserve at a quantized model's prefill MLP (``fitbench.plan.memory.
+    """The caching allocator's reserve at a quantized model's prefill MLP (``fitbench.planning.memory.
     prefill_reserve_term``): ``bytes`` per element of n x f of the MLP's largest temporary, ``what`` it is."""
 
     bytes: float
@@ -179,7 +179,7 @@ class DeviceNeed:
 @dataclass(frozen=True)
 class Precision:
     """One precision: its ``name`` and ``summary``; how it runs in a worker (``policy``); for a quantized
-    one the ``library`` whose tensors hold its weights (``fitbench.run.quantize`` converts a plain model
+    one the ``library`` whose tensors hold its weights (``fitbench.worker.quantize`` converts a plain model
     with it), their ``storage`` and the bytes per element of the largest matrix the quantizer holds beside
     a layer in bf16 while the model is built (``build_temporary_bytes``); how a decode step reads them
     (``decode``) and, at prefill, the weight copy each matmul makes (``dequantized``), the activations

@@ -11,7 +11,7 @@ screen of a page shows figures; each number is shown to the digits its column na
 columns: the method is the precision of a quantized row, the library holds its tensors
 (``fitbench.precisions``, the entry's ``library``), weights vs bf16 is the bytes the built weights took
 over those of the same model in bf16 (``weights.relative_to_bf16``), and the quality figures are
-``fitbench.run.quality``'s against the bf16 model.
+``fitbench.worker.quality``'s against the bf16 model.
 """
 
 from __future__ import annotations

@@ -8,9 +8,9 @@ Rows keep raw samples; this module only chooses what to show. Every table names 
 several sweeps of one tree may share a table, with a folder column first. Per metric:
 training-style modes show the median step time and tokens/s of the step; ``infer`` shows the
 median per-token decode latency and decode tokens/s, with the prefill MFU. Beside the measured
-time is the planner's roofline time (``fitbench.plan.speed``), a lower bound whose gap shows. Memory is the peak per
+time is the planner's roofline time (``fitbench.planning.speed``), a lower bound whose gap shows. Memory is the peak per
 GPU that the process held (NVML: allocator reserved plus CUDA context), or the host's peak RSS on a
-CPU, beside the planner's prediction and its error; the step's forecast (``fitbench.plan.forecast``) is
+CPU, beside the planner's prediction and its error; the step's forecast (``fitbench.planning.forecast``) is
 beside it with its error the same way, (forecast - measured) / measured.
 """
 
@@ -169,7 +169,7 @@ def reasons(rows: Iterable[Row], label: Callable[[Row], str] | None = None) -> l
 
 
 def quality_summary(quality: dict[str, Any] | None) -> str:
-    """A quantized row's quality against bf16 in one line (``fitbench.run.quality`` defines each figure)."""
+    """A quantized row's quality against bf16 in one line (``fitbench.worker.quality`` defines each figure)."""
     if not quality:
         return "-"
     matmul = quality.get("matmul_error") or {}

@@ -3,8 +3,8 @@
 A row is built in two steps, by two processes:
 
 - ``Measurement``: what a worker writes to its result file: its status, what it measured, or how it
-  failed (``fitbench.run.worker``); under torchrun, rank 0's combines every rank's
-  (``fitbench.run.aggregate``). The parent reads the file back through it: a result file that does
+  failed (``fitbench.worker.worker``); under torchrun, rank 0's combines every rank's
+  (``fitbench.worker.aggregate``). The parent reads the file back through it: a result file that does
   not match is a protocol error, never a row with fields of the wrong kind;
 - ``Row``: the measurement with what only the launcher knows (the spec, the outcome of the process,
   its times and log, the GPUs it sampled) and the sweep (the command, the prediction, the fallback
@@ -80,14 +80,14 @@ class Measurement(_Written):
     loss: list[float] | None = None
     weights: Fields | None = None
     offload: Fields | None = None  # the decoder layers offloaded on one device (fitbench.models.offload)
-    parallel: Fields | None = None  # what fitbench.run.parallel applied
+    parallel: Fields | None = None  # what fitbench.worker.parallelize applied
     memory: Fields | None = None
-    # the CUDA caching allocator's retries over the measured steps (fitbench.run.retries); absent on a CPU
+    # the CUDA caching allocator's retries over the measured steps (fitbench.worker.retries); absent on a CPU
     allocator_retries: Fields | None = None
-    # a torchrun job's (fitbench.run.aggregate)
+    # a torchrun job's (fitbench.worker.aggregate)
     ranks: int | None = None
     layout: Fields | None = None
-    # where each rank of a torchrun job ran: its node, device and memory (fitbench.run.aggregate)
+    # where each rank of a torchrun job ran: its node, device and memory (fitbench.worker.aggregate)
     placement: list[Fields] | None = None
 
 

@@ -22,7 +22,7 @@
   ``COLLECTIVE_TIMEOUT``, so that a hang ends in seconds;
 - ``compile-error:decode``: compiling the native decode step or prefill raises, as on a machine
   without a C++ compiler or Triton: generation falls back to the eager step and says why;
-- ``alloc-retries:<n>``: the allocator-retry counter of a worker (``fitbench.run.retries``) reads n
+- ``alloc-retries:<n>``: the allocator-retry counter of a worker (``fitbench.worker.retries``) reads n
   retries more in each measured step or generation, on any device (a CPU has no such counter), as a
   step at the GPU's capacity would;
 - ``mem-limit:<bytes>``: a worker raises it, before it builds its model, when the planner's

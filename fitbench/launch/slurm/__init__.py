@@ -7,7 +7,7 @@ SLURM's own commands (``sbatch``, ``squeue``, ``sacct``, ``scancel``), not submi
   prints it, and a user may edit and submit it by hand; submitit writes its own script around a
   pickled Python callable, which a person can neither read nor submit without it;
 - a job's ranks are torchrun agents started by ``srun``, one per node, each running
-  ``fitbench.run.worker`` as a command line; submitit starts one pickled function per task with
+  ``fitbench.worker.worker`` as a command line; submitit starts one pickled function per task with
   its own environment for ``torch.distributed``, which torchrun's rendezvous and fitbench's worker
   would have to work around;
 - submitit follows its jobs through ``sacct`` alone, which answers only where the cluster keeps

@@ -59,7 +59,7 @@ class AgentsOnNodes:
         torchrun = _given(TORCHRUN_VARIABLE) or torchrun_line(self.nodes, self.ranks_per_node)
         return [*srun, "env", "-u", PARENT_VARIABLE, sys.executable, "-m", "fitbench.launch.slurm.sampler",
                 str(self.samples), str(self.sampled_gpus), "--", *torchrun, f"--rdzv-endpoint={self.endpoint}",
-                f"--rdzv-id={self.rendezvous_id}", "-m", "fitbench.run.worker", str(assignment), str(result)]
+                f"--rdzv-id={self.rendezvous_id}", "-m", "fitbench.worker.worker", str(assignment), str(result)]
 
 
 def srun_tasks(nodes: int, cpus_per_task: int | None = None) -> list[str]:

@@ -23,8 +23,8 @@ from typing import Any
 from fitbench.hardware.datasheet import gpu_spec
 from fitbench.launch.job import Job
 from fitbench.launch.slurm.jobs import partition_gpus
-from fitbench.plan.calibration import Calibration, load_calibration
-from fitbench.plan.planner import GPU_ALIASES, GpuTarget
+from fitbench.planning.calibration import Calibration, load_calibration
+from fitbench.planning.planner import GPU_ALIASES, GpuTarget
 from fitbench.spec import RunSpec
 from fitbench.util.errors import UserError, excerpt
 from fitbench.util.inject import injected_memory_limit

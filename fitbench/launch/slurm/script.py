@@ -46,7 +46,7 @@ FREE_PORT = 'import socket; s = socket.socket(); s.bind(("", 0)); print(s.getsoc
 @dataclass(frozen=True)
 class ScriptJob:
     """What the script runs and where it writes: ``arguments`` follow the Python interpreter in each
-    rank (``-m fitbench.run.worker ASSIGNMENT RESULT``, or a script and its arguments); ``output``
+    rank (``-m fitbench.worker.worker ASSIGNMENT RESULT``, or a script and its arguments); ``output``
     is sbatch's ``--output`` pattern (``%j`` the job id; in an array ``%A`` its id, ``%a`` the task's);
     ``driver``: the program runs once, on the job's first node, and starts the ranks itself."""
 

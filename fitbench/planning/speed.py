@@ -1,0 +1,292 @@
+"""Roofline step time, to rank candidate plans and to show next to the measured time.
+
+Each step is bounded below by its arithmetic and its memory traffic on one GPU, plus the
+communication that cannot overlap, over the GPU-to-GPU link (Williams et al. 2009 for the
+roofline):
+
+    t = max(FLOPs per GPU / peak FLOP/s, bytes per GPU / bandwidth) + exposed communication
+
+Each collective message costs a latency plus its ring traffic over the bus bandwidth
+(``fitbench.planning.collectives``: nccl-tests' definitions; measured by ``fitbench calibrate`` on several
+GPUs, else the interconnect's defaults), so counting messages matters where they are small. A job
+over several nodes keeps tensor parallelism inside each; data-parallel groups and pipeline
+boundaries that cross nodes take the link between them (``fitbench.planning.nodes``).
+
+- training step: ``6 N + 12 L H Q T`` FLOPs per token (PaLM), ``8 N + 16 L H Q T`` with activation
+  checkpointing, which runs the forward pass twice; memory traffic of reading the weights
+  three times (forward, two backward matmuls) and the optimizer's read-modify-write of weights,
+  gradients and both moments;
+- forward: ``2 N + 4 L H Q T`` FLOPs per token; decode: per step, for the whole batch, one read of
+  the weights the step touches (``_decode_weight_bytes``) and of the KV cache it attends over:
+  every slot of the preallocated cache (``T + new_tokens``), as the native backend's CUDA graph
+  reads it, or the positions so far (``T + new_tokens / 2`` on average) in eager decoding, as
+  ``fitbench.worker.metrics`` counts them; so batch 1 decoding sits on the bandwidth roof;
+- data parallel: the collectives run on their own streams beside the compute, so only what has
+  nothing to hide behind adds to the step; the rest adds only where it outlasts the compute it
+  overlaps. DDP all-reduces the gradients bucket by bucket during the backward pass (the gradients'
+  width, fp32 under autocast); the last bucket, which holds the input embedding's gradient
+  (formed last, alone in its bucket when larger than ``bucket_cap_mb``), is reduced after the
+  backward pass. FSDP2 all-gathers the units in the compute dtype for the forward pass (the root's
+  and the first layer's before any compute) and again, less the root, which stays gathered, for
+  the backward pass, and reduce-scatters the gradients in the reduce dtype during the backward
+  pass, one message per unit (the root, each layer) and pass; the root's reduce-scatter comes after
+  it. DDP sends one message per bucket. Per pass, with t its compute-or-memory time:
+
+      t_pass = max(t, the pass's collectives - its exposed ones) + its exposed ones
+
+  (DDP's forward pass has none), the backward pass 2/3 of the step's busy time, 3/4 under
+  activation checkpointing (the forward's recomputation runs in it; FSDP gathers nothing again
+  for it);
+- tensor parallel (degree t): two all-reduces of the activations per layer in the forward pass
+  (after attention's output projection and after the MLP's down projection) and two more in the
+  backward, each of B x T x h x c bytes, with nothing to overlap with; a decode step also
+  all-reduces the embedding's output and all-gathers the logits (``tensor_parallel_decode_s``);
+- pipeline (p stages, m microbatches, GPipe or 1F1B alike): a training step lasts the largest
+  stage's busy time stretched by the bubble, ``(m + p - 1) / m`` of it, the bubble being
+  ``(p - 1) / (m + p - 1)`` of the step (Huang et al. 2019, GPipe; Narayanan et al. 2021 for
+  1F1B); each stage boundary sends one microbatch's activations forward and their gradient back
+  (``B / m x T x h x c`` bytes each way), and the sends of one microbatch through all the
+  boundaries are on the critical path (the pipeline's fill and drain), a send each, the rest
+  overlapping with compute. A forward step passes its whole batch from stage to stage and has no
+  backward pass to drain: back to back, stage s runs step k while stage s + 1 runs step k - 1, so a
+  step lasts the largest stage's time, without a bubble. Decoding crosses the stages one after another, each step sending ``B x h x c`` bytes
+  over every boundary, so stages add no speed to one sequence: the whole model's weights are read
+  per step, at the tensor-parallel degree's rate;
+- offload: the offloaded layers' weights cross the host link (PCIe) once per forward pass (each
+  decode step, the prefill, a forward step), copied synchronously before each layer runs, so the
+  time ``offloaded bytes / host-link bandwidth`` adds to the step like communication; under FSDP's
+  CPU offload, each rank's shards cross it before every all-gather (forward and backward) and its
+  gradients' shards after every reduce-scatter, 3 w P / g per training step (w P / g per forward
+  step), counted the same way; the optimizer's step on the CPU is not counted.
+
+It is an optimistic bound, never a forecast of the achieved time: fitbench prints it beside the
+measured time so its error is visible; ``fitbench.planning.forecast`` forecasts the achieved time.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+from fitbench.hardware.datasheet import peak_bandwidth, peak_flops
+from fitbench.models.architecture import Architecture
+from fitbench.planning.collectives import ONE_SHOT_LATENCY_S, PCIE_BANDWIDTH, BusBandwidth, bus_bandwidth
+from fitbench.planning.memory import Parallelism, Widths, adapter_params, layer_matmul_params, quantized_layer_bytes
+from fitbench.planning.nodes import AcrossNodes, LayoutLinks, Nodes, layout_links
+from fitbench.precisions import ADAPTERS, entry
+from fitbench.spec import ONE_SHOT_BYTES, checkpointed_count, pipeline_stages
+
+# Host-to-GPU bandwidth per direction, bytes/s: PCIe Gen5 x16 on Hopper ("PCIe Gen5: 128 GB/s", both
+# directions, NVIDIA H100 and H200 datasheets); other GPUs PCIe Gen4 x16 (A100 datasheet: 64 GB/s).
+HOST_LINK_BANDWIDTH = {
+    "NVIDIA H100 80GB HBM3": 64e9,
+    "NVIDIA H100 PCIe": 64e9,
+    "NVIDIA H100 NVL": 64e9,
+    "NVIDIA H200": 64e9,
+    "NVIDIA H200 NVL": 64e9,
+}
+
+
+# DDP's default bucket size, bytes: bucket_cap_mb = 25 (torch ``DistributedDataParallel``).
+DDP_BUCKET_BYTES = 25 * 1024**2
+
+
+@dataclass(frozen=True)
+class StepTime:
+    seconds: float
+    compute_s: float
+    memory_s: float
+    communication_s: float
+    bound: str  # "compute", "memory" or "communication"
+    tokens_per_s: float  # all GPUs together; for infer, decode tokens/s
+
+    def as_dict(self) -> dict:
+        return dict(self.__dict__)
+
+
+def _weight_bytes(arch: Architecture, precision: str) -> float:
+    if entry(precision).quantized:
+        layers = quantized_layer_bytes(arch, entry(precision).storage) * arch.num_layers
+        return layers + 2 * (arch.total_params - layer_matmul_params(arch) * arch.num_layers)
+    return Widths.of(precision).weights * arch.total_params
+
+
+def recomputed_share(n_layers: int, stages: int, checkpointed_layers: int | None) -> float:
+    """The share of the busiest pipeline stage's layers (the whole model's without stages) that
+    recompute their forward under activation checkpointing of ``checkpointed_layers`` per stage
+    (``fitbench.spec.checkpointed_count``; every layer when None): C / layers, 1 for every layer. The
+    recomputation costs that share of one forward pass of the layers."""
+    busiest = max(len(layers) for layers in pipeline_stages(n_layers, stages))
+    return checkpointed_count(busiest, checkpointed_layers) / busiest
+
+
+def estimate_step_time(arch: Architecture, mode: str, precision: str, batch: int, seq_len: int, *,
+                       new_tokens: int, parallelism: Parallelism, gpu_name: str,
+                       activation_checkpointing: bool = False, checkpointed_layers: int | None = None,
+                       offloaded_bytes: float = 0.0, whole_cache: bool = True, links: BusBandwidth | None = None,
+                       nodes: Nodes | None = None) -> StepTime:
+    """The roofline time of one step (one decode step in infer); ``offloaded_bytes`` of weights
+    cross the host link each forward pass; with ``activation_checkpointing``, ``checkpointed_layers``
+    of each stage recompute (every layer when None: ``recomputed_share``). ``whole_cache``: decoding
+    attends over every slot of the preallocated KV cache, as a GPU run's CUDA graph does; offloaded
+    layers decode eagerly, over the positions so far. ``links``: the collectives' bandwidths and latencies inside a node
+    (``bus_bandwidth``; by default the interconnect's); ``nodes``: the job's nodes and the link between
+    them, where it spans several (``fitbench.planning.nodes``)."""
+    peak = peak_flops(gpu_name, entry(precision).peak_kind(mode)) or peak_flops(gpu_name, "bf16")
+    bandwidth = peak_bandwidth(gpu_name)
+    if not peak or not bandwidth:
+        raise ValueError(f"no datasheet figures for {gpu_name!r}")
+    paths = layout_links(parallelism.layout, links or bus_bandwidth(gpu_name), nodes)
+    tp, stages = parallelism.tensor, parallelism.stages
+    data_parallel = parallelism.layout.data_parallel
+    g = data_parallel  # the ranks the data-parallel collectives span
+    widths = Widths.of(precision)
+    weight_bytes = _weight_bytes(arch, precision)
+    n = batch * seq_len  # tokens per data-parallel rank
+    # The largest stage's share of the layers sets a pipeline's pace.
+    share = max(len(layers) for layers in pipeline_stages(arch.num_layers, stages)) / arch.num_layers
+
+    if mode == "infer":
+        positions = seq_len + new_tokens if whole_cache and not offloaded_bytes else seq_len + new_tokens / 2
+        cache = arch.kv_cache_bytes_per_token(widths.compute) * batch * positions
+        memory_s = (_decode_weight_bytes(arch, precision, batch) + cache) / (tp * bandwidth)  # stages in turn
+        compute_s = 2 * batch * arch.matmul_params / (peak * tp)
+        communication_s = tensor_parallel_decode_s(arch, batch, widths.compute, tp, paths.tensor)
+        communication_s += paths.sends_s(batch * arch.hidden_size * widths.compute, stages, 1)
+        communication_s += offloaded_bytes / HOST_LINK_BANDWIDTH.get(gpu_name, PCIE_BANDWIDTH)
+        seconds = max(compute_s, memory_s) + communication_s
+        tokens_per_s = batch * data_parallel / seconds
+    else:
+        # Recomputing activations repeats the forward pass: 4 forward-passes' worth instead of 3 where every
+        # layer recomputes, 3 + C / layers where the first C of each stage do.
+        recomputed = recomputed_share(arch.num_layers, stages, checkpointed_layers) if activation_checkpointing \
+            else 0.0
+        passes = 1 if mode == "forward" else 3 + recomputed
+        per_token = arch.forward_flops_per_token(seq_len) * passes
+        adapters = mode != "forward" and entry(precision).training == ADAPTERS
+        if adapters:  # no weight gradients for the frozen base: 2 N fewer per token
+            per_token += arch.adapter_train_flops_per_token(seq_len, adapter_params(arch)) - \
+                arch.train_flops_per_token(seq_len)
+        compute_s = n * per_token * share / (peak * tp)
+        reads = 1 if mode == "forward" else 3
+        optimizer_bytes = 4 * widths.weights * arch.total_params if mode == "train" and not adapters else 0
+        # Every FSDP rank reads the whole gathered model (16-bit under its mixed precision); its
+        # optimizer touches only its shard.
+        fsdp = parallelism.shards > 1
+        gathered = weight_bytes if entry(precision).quantized or not fsdp else widths.compute * arch.total_params
+        shards = parallelism.shards
+        memory_s = (reads * gathered + optimizer_bytes / shards) * share / (bandwidth * tp)
+        directions = 1 if mode == "forward" else 2
+        activation = n * arch.hidden_size * widths.compute
+        layers = round(share * arch.num_layers)
+        communication_s = tensor_parallel_pass_s(activation, layers, directions, tp, paths.tensor)
+        training = mode != "forward"
+        microbatches = parallelism.microbatches_of(batch) if training else 1
+        communication_s += paths.sends_s(activation / microbatches, stages, directions)
+        if parallelism.offload:
+            offloaded_bytes += (1 if mode == "forward" else 3) * widths.weights * arch.total_params / g
+        communication_s += offloaded_bytes / HOST_LINK_BANDWIDTH.get(gpu_name, PCIE_BANDWIDTH)
+        step_s = max(compute_s, memory_s) / (1 - (bubble_fraction(stages, microbatches) if training else 0.0))
+        exposed_s = communication_s  # tensor parallel's, the stages' and the host link's: nothing to hide behind
+        if g > 1:
+            gradient_bytes = 4 * adapter_params(arch) if adapters else widths.weights * arch.total_params
+            # under FSDP x TP each rank gathers, and reduces, its tensor-parallel share
+            collectives_s, step_s = _data_parallel_step(arch, mode, parallelism, paths.data, step_s, passes,
+                                                        gathered / tp, gradient_bytes / tp, widths, adapters)
+            communication_s += collectives_s
+        seconds = step_s + exposed_s
+        tokens_per_s = n * data_parallel / seconds
+    bound = max((("compute", compute_s), ("memory", memory_s), ("communication", communication_s)),
+                key=lambda item: item[1])[0]
+    return StepTime(seconds, compute_s, memory_s, communication_s, bound, tokens_per_s)
+
+
+def tensor_parallel_decode_s(arch: Architecture, batch: int, compute_width: int, tp: int,
+                             links: BusBandwidth, one_shot: bool = False) -> float:
+    """One decode step's tensor-parallel collectives over ``tp`` ranks (``fitbench.worker.tensor_parallel``):
+    2 L + 1 all-reduces of the batch's activations, B x h x c bytes each (two per layer, after the
+    row-wise attention output and MLP down projections, and the embedding's, each rank holding a slice of
+    the vocabulary's rows), and the all-gather of the logits, B x V x c bytes, each rank computing its
+    columns of them. At batch 1 each message is a few kB: their latency, not their bytes, sets the
+    time (``fitbench.planning.collectives``). ``one_shot``: the layers' 2 L, where each is at most
+    ``ONE_SHOT_BYTES``, go through symmetric memory, each ``ONE_SHOT_LATENCY_S`` plus its peers' g - 1
+    partial sums read over the link; the embedding's stays NCCL's."""
+    if tp <= 1:
+        return 0.0
+    all_reduces = 2 * arch.num_layers + 1
+    activation = batch * arch.hidden_size * compute_width
+    gather_s = links.all_gather_s(batch * arch.vocab_size * compute_width, tp)
+    if one_shot and activation <= ONE_SHOT_BYTES:
+        layers = 2 * arch.num_layers
+        return layers * (ONE_SHOT_LATENCY_S + (tp - 1) * activation / links.all_reduce) + \
+            links.all_reduce_s(activation, tp) + gather_s
+    return links.all_reduce_s(all_reduces * activation, tp, messages=all_reduces) + gather_s
+
+
+def tensor_parallel_pass_s(activation: float, layers: int, directions: int, tp: int, links: BusBandwidth) -> float:
+    """A training or forward step's tensor-parallel all-reduces over ``tp`` ranks: two per layer and
+    direction (forward; backward, the gradients of the column-wise inputs), ``activation`` bytes each
+    (B x T x h x c); nothing on one rank."""
+    messages = directions * 2 * layers
+    return links.all_reduce_s(messages * activation, tp, messages=messages)
+
+
+def bubble_fraction(stages: int, microbatches: int) -> float:
+    """The share of a pipeline's training step that a stage idles, ``(p - 1) / (m + p - 1)`` for p
+    stages and m microbatches under GPipe or 1F1B: the fill and the drain."""
+    return (stages - 1) / (microbatches + stages - 1)
+
+
+def _data_parallel_step(arch: Architecture, mode: str, parallelism: Parallelism, links: BusBandwidth | AcrossNodes,
+                        busy: float, passes: int, gathered: float, gradient_bytes: float, widths: Widths,
+                        adapters: bool) -> tuple[float, float]:
+    """The collectives' time and the step's under DDP or FSDP (the module docstring): ``busy`` the
+    step's compute-or-memory time, a ``1 / passes`` share of it the forward pass; ``gathered`` the
+    bytes of the whole model as the ranks compute with it, ``gradient_bytes`` of its gradients."""
+    g, V, h, L = parallelism.layout.data_parallel, arch.vocab_size, arch.hidden_size, arch.num_layers
+    forward_s = busy / passes
+    backward_s = busy - forward_s
+    training = mode != "forward"
+    if parallelism.shards == 1:
+        if not training:
+            return 0.0, busy
+        buckets = max(1, math.ceil(gradient_bytes / DDP_BUCKET_BYTES))
+        total = links.all_reduce_s(gradient_bytes, g, messages=buckets)
+        last_bucket = min(gradient_bytes, max(0 if adapters else widths.weights * V * h, DDP_BUCKET_BYTES))
+        exposed = links.all_reduce_s(last_bucket, g)
+        return total, forward_s + max(backward_s, total - exposed) + exposed
+    # one message per unit and pass: the root's and each layer's
+    share = gathered / arch.total_params  # bytes per parameter, as gathered
+    root = arch.total_params - arch.params_per_layer * L
+    gather_forward = links.all_gather_s(gathered, g, messages=L + 1)
+    first_units = links.all_gather_s(share * (root + arch.params_per_layer), g, messages=2)
+    seconds = max(forward_s, gather_forward - first_units) + first_units
+    total = gather_forward
+    if training:
+        gather_backward = links.all_gather_s(gathered - share * root, g, messages=L)
+        reduce = links.reduce_scatter_s(gradient_bytes, g, messages=L + 1)
+        root_reduce = links.reduce_scatter_s(0 if adapters else widths.weights * root, g)
+        seconds += max(backward_s, gather_backward + reduce - root_reduce) + root_reduce
+        total += gather_backward + reduce
+    return total, seconds
+
+
+def _decode_weight_bytes(arch: Architecture, precision: str, batch: int) -> float:
+    """The weights one decode step of ``batch`` sequences reads (``fitbench.worker.weight_bytes.decode_weight_bytes``
+    measures the same on the built model): all of them, but of each lookup table that the output
+    projection does not share one row per sequence (tokens) or one row (GPT-2's positions, shared by
+    the batch); under autocast, each matmul's weights and biases (all parameters but the tables and
+    norms) are re-cast every step, a 16-bit copy written and read beside the fp32 read. Quantized
+    matrices are read once as stored: the least a step moves, what a compiled step (the default) reads,
+    inductor fusing the dequantization into the matmul; an eager step's dequantized copies are the
+    speed forecast's (``fitbench.precisions.DecodeFormat.dequantized``)."""
+    widths = Widths.of(precision)
+    table_width = 2 if entry(precision).quantized else widths.weights  # quantization leaves the tables bf16
+    token_table = 0 if arch.tie_embeddings else arch.vocab_size * arch.hidden_size
+    position_table = arch.embedding_params - arch.vocab_size * arch.hidden_size
+    rows = (0 if arch.tie_embeddings else batch) + (1 if position_table else 0)
+    touched = _weight_bytes(arch, precision) - table_width * (token_table + position_table - rows * arch.hidden_size)
+    if widths.autocast:
+        norms = arch.num_layers * arch.norm_params_per_layer + arch.final_norm_params
+        touched += 2 * widths.compute * (arch.matmul_params - norms)
+    return touched
