@@ -47,7 +47,7 @@ while read -r name model task batch seq new; do
   python - "$out/$name/plan.json" "$gpus" "${ALTERNATIVES:-}" > "$out/$name/layouts.txt" <<'PYTHON'
 import json, sys
 
-plan, gpus = json.load(open(sys.argv[1])), sys.argv[2]
+(plan,), gpus = json.load(open(sys.argv[1])), sys.argv[2]  # one model and mode: a list of one plan
 limit = int(sys.argv[3]) if sys.argv[3] else None
 
 def name_and_options(candidate):

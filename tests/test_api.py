@@ -41,8 +41,8 @@ def test_the_command_and_the_function_give_the_same_plan(model, mode, where, cap
     planned = fitbench.plan(model, mode, **kwargs)
     assert main(["plan", "--models", model, "--mode", mode, *where, "--json"]) == 0
     printed = json.loads(capsys.readouterr().out)
-    assert printed == json.loads(json.dumps({**planned.as_dict(), "trace": None}, default=str))
-    assert printed["chosen"] is not None
+    assert printed == json.loads(json.dumps([{**planned.as_dict(), "trace": None}], default=str))
+    assert printed[0]["chosen"] is not None
 
 
 def test_plan_refuses_bad_input_with_the_commands_paragraph():

@@ -24,7 +24,7 @@ def test_the_dry_run_prints_the_choice_and_every_fitting_layout(tmp_path):
     assert not list(tmp_path.rglob("results.jsonl"))  # nothing ran
     assert {p.parent.name for p in tmp_path.glob("*/plan.json")} == CASES
     for case in CASES:
-        plan = json.loads((tmp_path / case / "plan.json").read_text())
+        (plan,) = json.loads((tmp_path / case / "plan.json").read_text())  # a list of one plan
         runs = [c.split() for c in commands if c.split("--out ")[1].startswith(f"{tmp_path / case}/")]
         # the choice and each other fitting layout, once each
         assert len(runs) == len(plan["feasible"]), case
@@ -65,7 +65,7 @@ def test_alternatives_and_cases_narrow_the_runs_and_the_summary_counts_them(tmp_
     assert {p.parent.name for p in tmp_path.glob("*/plan.json")} == {"70b-infer-b1", "13b-forward"}
     assert len(commands) == 4
     assert [c.rsplit("/", 1)[1] for c in commands if "/70b-infer-b1/" in c][0] == "choice"
-    plan = json.loads((tmp_path / "70b-infer-b1" / "plan.json").read_text())
+    (plan,) = json.loads((tmp_path / "70b-infer-b1" / "plan.json").read_text())
     (tmp_path / "70b-infer-b1" / "choice").mkdir()
     summary = subprocess.run(["bash", str(ROOT / "benchmarks/auto_vs_best.sh"), str(tmp_path), "4", "summary"],
                              capture_output=True, text=True, env=environment, timeout=60)

@@ -151,8 +151,8 @@ def test_the_sweep_gives_each_configuration_its_layout():
     assert [spec.layout for spec in specs] == [Layout(dp_shard=4)] * 2
     auto = expand(config.model_copy(update={"strategy": "auto"}), device="cpu", default_models=["tiny"])
     assert {spec.layout.strategy for spec in auto} == {"ddp"}  # DDP composes with fp32 and is tried first
-    single = expand(config.model_copy(update={"gpus": 1}), device="cpu", default_models=["tiny"])
-    assert all(spec.layout.world_size == 1 for spec in single)
+    with pytest.raises(UserError, match="strategy: --strategy fsdp spreads each configuration over --gpus N ranks"):
+        expand(config.model_copy(update={"gpus": 1}), device="cpu", default_models=["tiny"])  # it would change nothing
     infer = expand(SweepConfig(models=["tiny"], mode=["infer"], gpus=2, strategy="ddp"), device="cpu",
                    default_models=["tiny"])
     assert [spec.layout for spec in infer] == [Layout()]  # generation runs in one process
