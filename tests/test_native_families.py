@@ -17,6 +17,7 @@ import pytest
 import torch
 
 from fitbench.models.backends import NativeLM, load_checkpoint
+from fitbench.models.checkpoint_names import native_state
 from fitbench.models.native import DecoderConfig, build_decoder
 
 VOCAB, HIDDEN, HEADS, LAYERS, FFN = 256, 64, 8, 2, 160
@@ -82,3 +83,23 @@ def test_falcon_block_variants_are_read_from_the_config():
     assert (multi_query.n_kv_heads, multi_query.shared_norm, multi_query.linear_bias) == (1, True, False)
     with pytest.raises(ValueError, match="ALiBi"):
         DecoderConfig.from_hf_config({**CONFIGS["falcon-grouped"], "alibi": True})
+
+
+@pytest.mark.parametrize("variant", list(CONFIGS))
+def test_native_gradients_match_transformers(variant, tmp_path):
+    """Training runs other code than inference (``layer_ops``' rotary Function under autograd): the
+    logits of a training forward and every weight's gradient of a loss on them, mapped to the native
+    names as a checkpoint is (``native_state``), are transformers'."""
+    reference, config = hf_checkpoint(variant, tmp_path)
+    native = build_decoder(DecoderConfig.from_hf_config(config), "cpu", torch.float32)
+    load_checkpoint(native, tmp_path, "cpu")
+    tokens = torch.randint(0, VOCAB, (BATCH, PROMPT + STEPS), generator=torch.Generator().manual_seed(2))
+    logits = {"hf": reference(tokens).logits, "native": native(tokens)}
+    torch.testing.assert_close(logits["native"], logits["hf"], atol=1e-4, rtol=1e-4)
+    for model, out in ((reference, logits["hf"]), (native, logits["native"])):
+        out.square().mean().backward()
+    expected = native_state(config, {name: p.grad for name, p in reference.named_parameters()})
+    got = {name: p.grad for name, p in native.named_parameters()}
+    assert set(got) == set(expected)
+    for name, grad in got.items():
+        torch.testing.assert_close(grad, expected[name], atol=1e-5, rtol=1e-4, msg=name)

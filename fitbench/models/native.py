@@ -673,6 +673,9 @@ def replay_random_weights(modules: list[nn.Module], device: torch.device | str, 
                 nn.init.zeros_(bias)
         elif isinstance(part, RMSNorm) and not part.weight.is_meta:
             nn.init.ones_(part.weight)
+        elif isinstance(part, nn.LayerNorm) and not part.weight.is_meta:
+            nn.init.ones_(part.weight)
+            nn.init.zeros_(part.bias)
 
 
 def meta_model(arch: Architecture, dtype: torch.dtype, fused: bool = False) -> NativeCausalLM:
