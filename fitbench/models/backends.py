@@ -16,6 +16,7 @@ from __future__ import annotations
 import dataclasses
 import functools
 import inspect
+import json
 import time
 from pathlib import Path
 from typing import Any, Callable
@@ -24,6 +25,7 @@ import torch
 from torch import nn
 
 from fitbench.models.architecture import BACKENDS, Architecture, Backend, backend_error, default_backend
+from fitbench.models.checkpoint_names import native_state
 from fitbench.models.graphs import Capture, GraphedDecode, Replay, capture_cuda_graph
 from fitbench.models.hf import build_hf, has_weights, hf_config
 from fitbench.models.native import EAGER, KVCache, NativeCausalLM, Regions, build_native, checkpoint_tensors
@@ -445,9 +447,13 @@ def load_model(arch: Architecture, backend: Backend, device: torch.device | str,
 def load_checkpoint(module: nn.Module, directory: Path, device: torch.device | str) -> None:
     """Copy a transformers-layout checkpoint (safetensors or .bin shards) into the native model, shard by
     shard, each loaded straight to ``device``, a fused model's projections into their parts
-    (``checkpoint_tensors``); every parameter must be found."""
+    (``checkpoint_tensors``), a Falcon or GPT-2 checkpoint's tensors under the native names
+    (``fitbench.models.checkpoint_names``, told which by the directory's ``config.json``); every
+    parameter must be found."""
     from safetensors.torch import load_file
 
+    config_file = directory / "config.json"
+    hf_config = json.loads(config_file.read_text()) if config_file.is_file() else {}
     targets = checkpoint_tensors(module)
     expected = set(targets)
     found: set[str] = set()
@@ -456,6 +462,7 @@ def load_checkpoint(module: nn.Module, directory: Path, device: torch.device | s
             state = load_file(str(shard), device=str(device))
         else:
             state = torch.load(shard, map_location=device, weights_only=True)
+        state = native_state(hf_config, state)
         for key, value in state.items():
             if key in expected:
                 targets[key].copy_(value)

@@ -2,7 +2,11 @@
 
 RMSNorm, rotary positions (Llama 3.1 frequency scaling included), SwiGLU MLP, grouped-query
 attention through ``F.scaled_dot_product_attention``, tied or untied embeddings, optional q/k/v
-biases (Qwen2), and a preallocated KV cache for decoding.
+biases (Qwen2), and a preallocated KV cache for decoding. The same blocks take Falcon's and GPT-2's
+variants as data (``DecoderConfig``: LayerNorm, parallel attention and MLP, learned positions, GELU
+MLP, biases; ``DecoderConfig.from_hf_config``), each one ``if`` where its concern is, so that a
+Llama builds and runs what it did; their checkpoints load under the native names
+(``fitbench.models.checkpoint_names``).
 
 Two ways to decode one token: ``forward`` with ``start``, a Python int, attends over the cache's
 first ``start + 1`` positions; ``decode_step`` takes the position as a device tensor and attends
@@ -62,6 +66,19 @@ class DecoderConfig:
     rope_theta: float
     rope_scaling: dict[str, Any] | None
     norm_eps: float
+    # The variants beyond Llama's block, each one concern (defaults: Llama's). ``norm``: "rms", or
+    # "layer" (LayerNorm, weight and bias). ``parallel_attention``: attention and MLP read the same
+    # input and add to the residual together (Falcon); ``shared_norm``: that input through one norm,
+    # ``input_layernorm`` (Falcon-7B), else through two. ``positions``: "rotary", or "learned" (a
+    # table added to the token embeddings, GPT-2). ``mlp``: "swiglu", or "gelu" / "gelu_tanh" (one
+    # up projection, the exact or tanh-approximated GELU, one down). ``linear_bias``: biases on the
+    # attention's output projection and the MLP's matrices.
+    norm: str = "rms"
+    parallel_attention: bool = False
+    shared_norm: bool = False
+    positions: str = "rotary"
+    mlp: str = "swiglu"
+    linear_bias: bool = False
 
     @property
     def head_dim(self) -> int:
@@ -77,6 +94,54 @@ class DecoderConfig:
             tie_embeddings=arch.tie_embeddings, qkv_bias=arch.qkv_bias, rope_theta=arch.rope_theta,
             rope_scaling=arch.rope_scaling, norm_eps=arch.norm_eps,
         )
+
+    @classmethod
+    def from_hf_config(cls, config: dict[str, Any]) -> DecoderConfig:
+        """The decoder of a transformers ``config.json`` (a dict) of the falcon or gpt2 type, as
+        ``FalconForCausalLM`` and ``GPT2LMHeadModel`` build it: Falcon's parallel block with two
+        LayerNorms (new decoder architecture, 40B and 180B) or one (Falcon-7B, multi-query: one key/value
+        head), rotary positions, GELU MLP, ``bias`` on every matrix; GPT-2's learned positions, LayerNorms,
+        tanh-GELU MLP and biases everywhere. Falcon's ALiBi and sequential variants are refused."""
+        model_type = config.get("model_type")
+        if model_type == "falcon":
+            if config.get("activation", "gelu") != "gelu":
+                raise ValueError(f"the native decoder's Falcon MLP is GELU's; this config asks for {config['activation']}")
+            if config.get("alibi", False) or not config.get("parallel_attn", True):
+                raise ValueError("the native decoder covers Falcon's rotary, parallel-attention blocks; this config "
+                                 "asks for ALiBi or sequential attention")
+            new_architecture = config.get("new_decoder_architecture", False)
+            heads = config["num_attention_heads"]
+            # transformers' FalconAttention: multi-query (Falcon-7B) keeps one key/value head
+            kv_heads = config.get("num_kv_heads") or heads
+            if not new_architecture:
+                kv_heads = 1 if config.get("multi_query", True) else heads
+            rope = config.get("rope_parameters") or {}
+            return cls(
+                vocab_size=config["vocab_size"], dim=config["hidden_size"], n_layers=config["num_hidden_layers"],
+                n_heads=heads, n_kv_heads=kv_heads,
+                ffn_dim=config.get("ffn_hidden_size") or 4 * config["hidden_size"],
+                max_seq_len=config.get("max_position_embeddings", 2048),
+                tie_embeddings=config.get("tie_word_embeddings", True), qkv_bias=config.get("bias", False),
+                rope_theta=rope.get("rope_theta", config.get("rope_theta", 10000.0)), rope_scaling=None,
+                norm_eps=config.get("layer_norm_epsilon", 1e-5), norm="layer", parallel_attention=True,
+                shared_norm=not new_architecture or config.get("num_ln_in_parallel_attn") == 1,
+                mlp="gelu", linear_bias=config.get("bias", False),
+            )
+        if model_type == "gpt2":
+            if config.get("activation_function", "gelu_new") not in ("gelu_new", "gelu_pytorch_tanh") \
+                    or config.get("scale_attn_by_inverse_layer_idx") or config.get("reorder_and_upcast_attn"):
+                raise ValueError("the native decoder's GPT-2 block is tanh-GELU with attention scaled by "
+                                 "1/sqrt(head_dim); this config asks for another activation or scaling")
+            dim = config["n_embd"]
+            return cls(
+                vocab_size=config["vocab_size"], dim=dim, n_layers=config["n_layer"], n_heads=config["n_head"],
+                n_kv_heads=config["n_head"], ffn_dim=config.get("n_inner") or 4 * dim,
+                max_seq_len=config.get("n_positions", 1024), tie_embeddings=config.get("tie_word_embeddings", True),
+                qkv_bias=True, rope_theta=10000.0, rope_scaling=None,
+                norm_eps=config.get("layer_norm_epsilon", 1e-5), norm="layer", positions="learned",
+                mlp="gelu_tanh", linear_bias=True,
+            )
+        raise ValueError(f"DecoderConfig.from_hf_config reads falcon and gpt2 configs; this one is {model_type}")
 
 
 def rope_inverse_frequencies(config: DecoderConfig, device: torch.device | str) -> torch.Tensor:
@@ -197,6 +262,13 @@ class RMSNorm(nn.Module):
         return self.weight * normed.type_as(x)
 
 
+def norm(config: DecoderConfig) -> nn.Module:
+    """The config's norm of ``dim`` features: RMSNorm, or LayerNorm (Ba et al. 2016) with weight and bias."""
+    if config.norm == "layer":
+        return nn.LayerNorm(config.dim, config.norm_eps)
+    return RMSNorm(config.dim, config.norm_eps)
+
+
 class FusedLinear(nn.Linear):
     """Several projections of one input as one matmul: the weight is theirs stacked by rows, in the
     order of ``parts`` (transformers' names of the projections), ``sizes`` rows each."""
@@ -214,6 +286,7 @@ class Attention(nn.Module):
     def __init__(self, config: DecoderConfig, fused: bool = False):
         super().__init__()
         self.n_heads, self.n_kv_heads, self.head_dim = config.n_heads, config.n_kv_heads, config.head_dim
+        self.rotary = config.positions == "rotary"
         q, kv = config.n_heads * config.head_dim, config.n_kv_heads * config.head_dim
         if fused:
             self.qkv_proj = FusedLinear(config.dim, ("q_proj", "k_proj", "v_proj"), (q, kv, kv), config.qkv_bias)
@@ -221,14 +294,14 @@ class Attention(nn.Module):
             self.q_proj = nn.Linear(config.dim, q, bias=config.qkv_bias)
             self.k_proj = nn.Linear(config.dim, kv, bias=config.qkv_bias)
             self.v_proj = nn.Linear(config.dim, kv, bias=config.qkv_bias)
-        self.o_proj = nn.Linear(q, config.dim, bias=False)
+        self.o_proj = nn.Linear(q, config.dim, bias=config.linear_bias)
 
     def project(self, x: torch.Tensor, cos: torch.Tensor,
                 sin: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """x (B, T, C) -> q (B, H, T, D) and k (B, KV, T, D) with rotary positions, and v (B, KV, T, D)."""
         B, T, _ = x.shape
         fused = hasattr(self, "qkv_proj")
-        if eager_training(x):
+        if eager_training(x) and self.rotary:
             # q and k rotated into a new buffer (v copied beside them when fused); their gradients are
             # written straight into the gradient of the projections' output
             heads = (self.n_heads, self.n_kv_heads, self.n_kv_heads)
@@ -249,6 +322,8 @@ class Attention(nn.Module):
         q = q.view(B, T, self.n_heads, self.head_dim).transpose(1, 2)  # (B, H, T, D)
         k = k.view(B, T, self.n_kv_heads, self.head_dim).transpose(1, 2)  # (B, KV, T, D)
         v = v.view(B, T, self.n_kv_heads, self.head_dim).transpose(1, 2)  # (B, KV, T, D)
+        if not self.rotary:  # learned positions entered with the embeddings
+            return q, k, v
         return apply_rope(q, cos, sin), apply_rope(k, cos, sin), v
 
     def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
@@ -322,23 +397,53 @@ class SwiGLU(nn.Module):
         return self.down_proj(F.silu(gate).mul_(up))
 
 
+class GeluMLP(nn.Module):
+    """down(gelu(up(x))) (Hendrycks and Gimpel 2016): the exact GELU (Falcon), or its tanh
+    approximation (GPT-2, ``gelu_tanh``), with biases when the config has them."""
+
+    def __init__(self, config: DecoderConfig):
+        super().__init__()
+        self.approximate = "tanh" if config.mlp == "gelu_tanh" else "none"
+        self.up_proj = nn.Linear(config.dim, config.ffn_dim, bias=config.linear_bias)
+        self.down_proj = nn.Linear(config.ffn_dim, config.dim, bias=config.linear_bias)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.down_proj(F.gelu(self.up_proj(x), approximate=self.approximate))
+
+
 class DecoderLayer(nn.Module):
+    """Pre-norm attention then MLP, each added to the residual (Llama, GPT-2); or, ``parallel``
+    (Falcon), both from the same input, x + attention(norm(x)) + mlp(norm'(x)), where norm' is the
+    MLP's own LayerNorm or, ``shared_norm``, the attention's."""
+
     def __init__(self, config: DecoderConfig, fused: bool = False):
         super().__init__()
-        self.input_layernorm = RMSNorm(config.dim, config.norm_eps)
+        self.parallel = config.parallel_attention
+        self.input_layernorm = norm(config)
         self.self_attn = Attention(config, fused)
-        self.post_attention_layernorm = RMSNorm(config.dim, config.norm_eps)
-        self.mlp = SwiGLU(config, fused)
+        if not config.shared_norm:
+            self.post_attention_layernorm = norm(config)
+        self.mlp = SwiGLU(config, fused) if config.mlp == "swiglu" else GeluMLP(config)
 
     def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
                 cache: LayerCache | None, start: int) -> torch.Tensor:
+        if self.parallel:
+            return x + self.self_attn(self.input_layernorm(x), cos, sin, cache, start) + self.mlp(self.mlp_norm(x))
         x = x + self.self_attn(self.input_layernorm(x), cos, sin, cache, start)
         return x + self.mlp(self.post_attention_layernorm(x))
 
     def decode(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, cache: LayerCache,
                position: torch.Tensor, visible: torch.Tensor) -> torch.Tensor:
+        if self.parallel:
+            attention = self.self_attn.decode(self.input_layernorm(x), cos, sin, cache, position, visible)
+            return x + attention + self.mlp(self.mlp_norm(x))
         x = x + self.self_attn.decode(self.input_layernorm(x), cos, sin, cache, position, visible)
         return x + self.mlp(self.post_attention_layernorm(x))
+
+    def mlp_norm(self, x: torch.Tensor) -> torch.Tensor:
+        """A parallel block's MLP input: its own norm of x, or the attention's (``shared_norm``)."""
+        norm_of_mlp = getattr(self, "post_attention_layernorm", self.input_layernorm)
+        return norm_of_mlp(x)
 
 
 class DecoderStack(nn.Module):
@@ -348,8 +453,11 @@ class DecoderStack(nn.Module):
         # call imports torch._dynamo (seconds in every worker), and init_weights draws them later anyway.
         self.embed_tokens = nn.Embedding(config.vocab_size, config.dim,
                                          _weight=torch.empty(config.vocab_size, config.dim))
+        if config.positions == "learned":
+            self.embed_positions = nn.Embedding(config.max_seq_len, config.dim,
+                                                _weight=torch.empty(config.max_seq_len, config.dim))
         self.layers = nn.ModuleList(DecoderLayer(config, fused) for _ in range(config.n_layers))
-        self.norm = RMSNorm(config.dim, config.norm_eps)
+        self.norm = norm(config)
 
 
 class NativeCausalLM(nn.Module):
@@ -379,6 +487,8 @@ class NativeCausalLM(nn.Module):
         regions = regions or EAGER
         T = tokens.shape[1]
         x = self.model.embed_tokens(tokens)  # (B, T, C)
+        if self.config.positions == "learned":
+            x = x + self.model.embed_positions.weight[start:start + T]
         # cast once here rather than in every layer: the rotation is applied in q's dtype
         dtype = output_dtype(x)
         cos, sin = self.rope_cos[start:start + T].to(dtype), self.rope_sin[start:start + T].to(dtype)
@@ -421,6 +531,8 @@ class NativeCausalLM(nn.Module):
         visible = (slots <= position).view(1, 1, 1, -1)  # (1, 1, 1, S)
         cos, sin = self.rope_cos.index_select(0, position), self.rope_sin.index_select(0, position)  # (1, D)
         x = regions.embed(self, tokens)  # (B, 1, C)
+        if self.config.positions == "learned":
+            x = x + self.model.embed_positions(position)  # (1, C) for every sequence
         for layer, layer_cache in zip(self.model.layers, cache.layers()):
             x = regions.layer_decode(layer, x, cos, sin, layer_cache, position, visible)
         return regions.head(self, x)[:, -1]  # (B, V)
@@ -513,6 +625,9 @@ def init_random_weights(module: nn.Module, std: float = 0.02) -> None:
                 nn.init.zeros_(part.bias)
         elif isinstance(part, RMSNorm):
             nn.init.ones_(part.weight)
+        elif isinstance(part, nn.LayerNorm):
+            nn.init.ones_(part.weight)
+            nn.init.zeros_(part.bias)
 
 
 # Given a weight, the function that writes this process's part of the whole weight (its argument) into
@@ -558,12 +673,20 @@ def replay_random_weights(modules: list[nn.Module], device: torch.device | str, 
                 nn.init.zeros_(bias)
         elif isinstance(part, RMSNorm) and not part.weight.is_meta:
             nn.init.ones_(part.weight)
+        elif isinstance(part, nn.LayerNorm) and not part.weight.is_meta:
+            nn.init.ones_(part.weight)
+            nn.init.zeros_(part.bias)
 
 
 def meta_model(arch: Architecture, dtype: torch.dtype, fused: bool = False) -> NativeCausalLM:
     """The model on the meta device with weights in ``dtype`` and fp32 rotary tables: shapes, no storage."""
+    return meta_decoder(DecoderConfig.from_architecture(arch), dtype, fused)
+
+
+def meta_decoder(config: DecoderConfig, dtype: torch.dtype, fused: bool = False) -> NativeCausalLM:
+    """``meta_model`` of a decoder config."""
     with torch.device("meta"):
-        model = NativeCausalLM(DecoderConfig.from_architecture(arch), fused)
+        model = NativeCausalLM(config, fused)
         model.to(dtype=dtype)
         model.rope_cos, model.rope_sin = model.rope_cos.float(), model.rope_sin.float()
     return model
@@ -590,14 +713,20 @@ def build_native(arch: Architecture, device: torch.device | str, dtype: torch.dt
     ``fused``: the fused projections (module docstring), allocated fused and drawn part by part, so
     the build's peak is the unfused build's, every weight and nothing more.
     """
-    model = meta_model(arch, dtype, fused)
-    if arch.tie_embeddings:
+    return build_decoder(DecoderConfig.from_architecture(arch), device, dtype, fused)
+
+
+def build_decoder(config: DecoderConfig, device: torch.device | str, dtype: torch.dtype,
+                  fused: bool = False) -> NativeCausalLM:
+    """``build_native`` of a decoder config."""
+    model = meta_decoder(config, dtype, fused)
+    if config.tie_embeddings:
         # materialize visits a shared parameter once per module that holds it, allocating it twice;
         # the second allocation would exist beside the first at the end of the build, when every
         # other weight is already there. Untie for the allocation, tie again after.
         model.lm_head.weight = nn.Parameter(torch.empty(0, device="meta", dtype=dtype))
     materialize(model, device)
-    if arch.tie_embeddings:
+    if config.tie_embeddings:
         model.lm_head.weight = model.model.embed_tokens.weight
     model.init_weights()
     return model
