@@ -15,6 +15,7 @@ from pydantic import BaseModel, ConfigDict, Field, StrictBool, ValidationError, 
 
 from fitbench.models.architecture import Architecture, backend_error, default_backend
 from fitbench.models.registry import resolve
+from fitbench.models.vllm_options import precision_options
 from fitbench.planning.nodes import parse_inter_node_bandwidth
 from fitbench.precisions import ALIASES, DEFAULT_LADDER, PRECISIONS, TRAINING_MODES, default_precision, entry
 from fitbench.spec import STRATEGY_DEGREES, Layout, Mode, Precision, RunSpec, microbatch_problem, pipeline_stages
@@ -22,7 +23,7 @@ from fitbench.util.endpoints import http_url_problem
 from fitbench.util.errors import UserError, excerpt
 from fitbench.util.jsonfile import read_bounded
 
-BackendChoice = Literal["auto", "native", "hf"]
+BackendChoice = Literal["auto", "native", "hf", "vllm"]
 
 # The seeds' CS336 script says --pass-type forward|backward; backward there means forward + backward.
 PASS_TYPES = {"forward": "forward", "backward": "forward-backward"}
@@ -80,6 +81,10 @@ class SweepConfig(BaseModel):
                                                    "memory (infer, forward on one GPU); under FSDP, the shards, "
                                                    "gradients and optimizer state")
     backend: BackendChoice = "auto"
+    gpu_memory_utilization: float = Field(0.9, gt=0, le=1, description="a share above 0, at most 1: of each GPU's "
+                                          "memory, vLLM's engine's (backend vllm; on a CPU, of the host's)")
+    kv_cache_bytes: int | None = Field(None, gt=0, description="a positive whole number of bytes: vLLM's KV cache "
+                                       "per GPU, in place of what gpu_memory_utilization leaves (backend vllm)")
     compile: StrictBool = Field(False, description="true or false")
     cuda_graphs: StrictBool = Field(True, description="true or false: native infer on a GPU decodes through a CUDA "
                                                       "graph")
@@ -295,6 +300,7 @@ def expand(config: SweepConfig, *, device: str, default_models: list[str]) -> li
         raise UserError("microbatches: they split the batch of a pipelined training step; give them with "
                         "--strategy pipeline and --gpus 2 or more, or leave --microbatches out.")
     _refuse_inert_options(config, modes)
+    _refuse_vllm_misfits(config, modes, device_type)
     if config.checkpointed_layers is not None and config.activation_checkpointing is False:
         raise UserError(f"checkpointed_layers: --checkpointed-layers {config.checkpointed_layers} recomputes that many "
                         f"layers, and activation_checkpointing is false; leave out one of the two (without "
@@ -344,6 +350,7 @@ def expand(config: SweepConfig, *, device: str, default_models: list[str]) -> li
                             offload=config.offload, device=device,
                             warmup_steps=config.warmup_steps, measure_steps=config.measure_steps, seed=config.seed,
                             layout=layout, microbatches=config.microbatches if layout.pp > 1 else None,
+                            gpu_memory_utilization=config.gpu_memory_utilization, kv_cache_bytes=config.kv_cache_bytes,
                         ))
     return specs
 
@@ -362,6 +369,38 @@ def _refuse_inert_options(config: SweepConfig, modes: list[str]) -> None:
         raise UserError(f"strategy: --strategy {config.strategy} spreads each configuration over --gpus N ranks, and "
                         f"--gpus is 1, so it would run as one process; give --gpus 2 or more (or --nodes with "
                         f"--gpus-per-node), or leave --strategy out.")
+
+
+def _refuse_vllm_misfits(config: SweepConfig, modes: list[str], device_type: str) -> None:
+    """What vLLM's engine does not run, refused in one paragraph before anything starts: a mode but
+    generation, a precision it has no dtype or quantization for (``fitbench.models.vllm_options``), the
+    batch search, fitbench's compile and offload; and vLLM's memory options given to another backend."""
+    if config.backend != "vllm":
+        given = ("kv_cache_bytes" if config.kv_cache_bytes is not None else
+                 "gpu_memory_utilization" if config.gpu_memory_utilization != 0.9 else None)
+        if given:
+            option = "--" + given.replace("_", "-")
+            raise UserError(f"{given}: {option} sizes vLLM's engine, and the backend is {config.backend}; add "
+                            f"--backend vllm, or leave {option} out.")
+        return
+    others = [mode for mode in modes if mode != "infer"]
+    if others:
+        raise UserError(f"mode: the vllm backend measures generation (--mode infer); vLLM's engine runs no training "
+                        f"step, and its forward pass over a prompt is the prefill, which infer times as the time to "
+                        f"first token. Give --mode infer, or --backend native or hf for {' '.join(others)}.")
+    for precision in config.precision or [default_precision("infer", device_type)]:
+        options = precision_options(precision)
+        if isinstance(options, str):
+            raise UserError(f"precision: {options} (--precision, with --backend vllm)")
+    if "auto" in (config.batch_size or []):
+        raise UserError("batch-size: the vllm backend does not search for the largest batch; vLLM's engine reports "
+                        "how many sequences its KV cache holds (the row's vllm.max_concurrency). Give --batch-size N.")
+    for given, option, instead in ((config.compile, "--compile", "vLLM compiles its own model and captures CUDA "
+                                    "graphs on a GPU unless --no-cuda-graphs"),
+                                   (config.offload, "--offload", "vLLM keeps every layer on its GPUs")):
+        if given:
+            raise UserError(f"{option.lstrip('-')}: {option} is applied to fitbench's own builds; {instead}. Leave "
+                            f"{option} out with --backend vllm.")
 
 
 def _checkpointed_layers(config: SweepConfig, arch: Architecture, layout: Layout) -> int | None:

@@ -208,6 +208,8 @@ class Layout(BaseModel):
         reason = self._degrees_reason(mode)
         if reason:
             return reason
+        if backend == "vllm":
+            return _vllm_problem(model, self)
         if offload and self.strategy not in ("single", "fsdp"):
             if self.dp_replicate > 1:
                 return _DDP_OFFLOAD
@@ -235,6 +237,27 @@ class Layout(BaseModel):
                         f"without one: use at most {model.num_layers} stages")
             return _pipeline_problem(precision, mode, backend)
         return None
+
+
+def _vllm_problem(model: ModelShape, layout: Layout) -> str | None:
+    """Why vLLM's engine cannot run ``model`` under ``layout``, in one sentence with the way out; None when
+    it can. vLLM (0.32, ``vllm/config/parallel.py``, ``vllm/model_executor/models/llama.py``) splits a
+    layer's heads over ``tensor_parallel_size`` ranks, which must divide the query heads, and the kv
+    heads or be divided by them (it replicates kv heads over the ranks past their count); its
+    ``pipeline_parallel_size`` stages take whole layers; replicas are engines of their own. It shards no
+    training state: DDP and FSDP have no meaning for it."""
+    if layout.dp_replicate > 1 or layout.dp_shard > 1:
+        return ("vLLM serves with tensor parallelism, pipeline stages and replicas; DDP and FSDP shard training "
+                "state, which serving has none of: give --strategy tp, pipeline or replicas")
+    if layout.tp > 1 and (model.num_heads % layout.tp or (model.num_kv_heads % layout.tp
+                                                           and layout.tp % model.num_kv_heads)):
+        return (f"vLLM splits whole heads over its tensor-parallel ranks, and {layout.tp} ranks neither divide the "
+                f"model's {model.num_heads} query heads and {model.num_kv_heads} kv heads nor are divided by the kv "
+                f"heads: give a tensor-parallel degree that divides {model.num_heads}, or --strategy pipeline")
+    if layout.pp > model.num_layers:
+        return (f"{layout.pp} pipeline stages for the model's {model.num_layers} decoder layers leave a stage "
+                f"without one: use at most {model.num_layers} stages")
+    return None
 
 
 # ---- what a precision can do in a layout: the rules ``Layout`` asks, read from the precision's entry ----
@@ -446,7 +469,7 @@ class RunSpec(BaseModel):
     model_config = ConfigDict(frozen=True, extra="forbid")
 
     model: str
-    backend: Literal["native", "hf"]
+    backend: Literal["native", "hf", "vllm"]
     mode: Mode
     precision: Precision
     batch_size: int = Field(gt=0)
@@ -475,6 +498,11 @@ class RunSpec(BaseModel):
     layout: Layout = Layout()
     # Microbatches of a pipelined training step; None: one per pipeline stage.
     microbatches: int | None = Field(None, gt=0)
+    # The vllm backend's memory (vLLM's own options): the share of each GPU's memory its engine takes
+    # (gpu_memory_utilization; on its CPU build, of the host's), and the KV cache's bytes per GPU
+    # (kv_cache_memory_bytes), which, given, replaces what that share leaves (fitbench.planning.vllm_memory).
+    gpu_memory_utilization: float = Field(0.9, gt=0, le=1)
+    kv_cache_bytes: int | None = Field(None, gt=0)
 
     @model_validator(mode="after")
     def _checkpointed_layers_need_checkpointing(self) -> RunSpec:
@@ -504,8 +532,8 @@ class RunSpec(BaseModel):
     @property
     def key(self) -> str:
         """Identity of the configuration: the same key means the same measurement. ``cuda_graphs``,
-        ``offload``, ``layout`` (its ``replicas`` degree), ``microbatches`` and ``checkpointed_layers``, added
-        later, count only
+        ``offload``, ``layout`` (its ``replicas`` degree), ``microbatches``, ``checkpointed_layers`` and the vllm
+        backend's memory, added later, count only
         when they change what runs, so earlier results keep their keys."""
         fields = self.model_dump()
         if self.mode != "infer":
@@ -528,6 +556,9 @@ class RunSpec(BaseModel):
             fields.pop("microbatches")
         if self.checkpointed_layers is None:
             fields.pop("checkpointed_layers")
+        if self.backend != "vllm":
+            fields.pop("gpu_memory_utilization")
+            fields.pop("kv_cache_bytes")
         digest = hashlib.sha1(json.dumps(fields, sort_keys=True).encode()).hexdigest()
         return digest[:12]
 
@@ -538,8 +569,9 @@ class RunSpec(BaseModel):
 
     @property
     def graphs_off(self) -> bool:
-        """CUDA graphs turned off where they apply: generation with the native backend."""
-        return not self.cuda_graphs and self.mode == "infer" and self.backend == "native"
+        """CUDA graphs turned off where they apply: generation with the native backend, or vLLM's engine
+        (whose ``enforce_eager`` turns off its graphs and its compilation)."""
+        return not self.cuda_graphs and self.mode == "infer" and self.backend in ("native", "vllm")
 
     @property
     def tuned_decode(self) -> bool:

@@ -128,6 +128,8 @@ def ram_refusals(specs: list) -> dict[str, str]:
     memory = host_memory()
     refusals = {}
     for spec in specs:
+        if spec.backend == "vllm":  # vLLM's engine takes its own share of the host (vllm_job's prediction)
+            continue
         arch = resolve(spec.model)
         resident = offload_split(arch, spec.mode, spec.precision, spec.batch_size, spec.seq_len,
                                  new_tokens=spec.new_tokens, budget=memory.available, calibration=None,
@@ -212,6 +214,9 @@ def plan_jobs(specs: list[RunSpec], config, target: GpuTarget | None, calibratio
 
     jobs = []
     for spec in specs:
+        if spec.backend == "vllm":
+            jobs.append(vllm_job(spec, config, target))
+            continue
         ladder = fallback_ladder(config, spec.mode)
         policy = FallbackPolicy(tuple(ladder), enabled=not config.no_fallback, gpus_at_hand=config.gpus)
         if target is None:
@@ -230,6 +235,27 @@ def plan_jobs(specs: list[RunSpec], config, target: GpuTarget | None, calibratio
         chosen = planner_choices(spec.mode, config.precision is None, choose_recompute(config))
         jobs.append(Job(spec, config.timeout, policy, target, calibration, prediction, reason, tuple(chosen)))
     return jobs
+
+
+def vllm_job(spec: RunSpec, config, target: GpuTarget | None) -> Job:
+    """A ``--backend vllm`` configuration's job, planned with vLLM's memory model
+    (``fitbench.planning.vllm_memory``) on each GPU of ``target``, or on a CPU (no target) on the host's
+    memory, which vLLM's CPU build takes its share of; refused when its batch is predicted not to fit
+    the KV cache. It runs once, as asked: vLLM has no fallback ladder's precisions and layouts to walk
+    (the precisions it has are ``fitbench.models.vllm_options``'), and its own answer to "how many fit"
+    is the row's ``vllm.max_concurrency``."""
+    from fitbench.models.registry import resolve
+    import psutil
+
+    from fitbench.planning.vllm_memory import vllm_prediction, vllm_refusal
+
+    if target is not None:
+        total, source = target.memory, target.memory_source
+    else:  # vLLM's CPU worker: its share of the memory node's total (vllm/v1/worker/cpu_worker.py)
+        total, source = float(psutil.virtual_memory().total), "psutil.virtual_memory().total, the host's"
+    prediction = vllm_prediction(resolve(spec.model), spec, total, source)
+    reason = None if prediction["fits"] else vllm_refusal(spec, prediction)
+    return Job(spec, config.timeout, target=target, prediction=prediction, refusal=reason)
 
 
 def refuse_unrunnable(jobs: list[Job], device: str) -> list[Job]:

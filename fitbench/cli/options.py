@@ -86,8 +86,15 @@ def sweep_options(parser: argparse.ArgumentParser) -> None:
         help="tokens per sequence; the prompt length in infer")
     add("--new-tokens", dest="new_tokens", type=int, default=S, metavar="N",
         help="tokens generated per sequence in infer (default 128 on a GPU, 32 on a CPU)")
-    add("--backend", choices=("auto", "native", "hf"), default=S,
-        help="native: fitbench's decoder (Llama-style models); hf: transformers (every family). Default auto")
+    add("--backend", choices=("auto", "native", "hf", "vllm"), default=S,
+        help="native: fitbench's decoder (Llama-style models); hf: transformers (every family); vllm: vLLM's "
+             "engine on the preset with random weights, infer only (docs/running.md). Default auto")
+    add("--gpu-memory-utilization", dest="gpu_memory_utilization", type=float, default=S, metavar="SHARE",
+        help="with --backend vllm: the share of each GPU's memory vLLM's engine takes (on a CPU, of the host's); "
+             "default 0.9")
+    add("--kv-cache-bytes", dest="kv_cache_bytes", type=int, default=S, metavar="BYTES",
+        help="with --backend vllm: vLLM's KV cache per GPU in bytes, in place of what --gpu-memory-utilization "
+             "leaves")
     add("--compile", action="store_true", default=S, help="torch.compile the model; compile time is reported apart")
     add("--cuda-graphs", dest="cuda_graphs", action=argparse.BooleanOptionalAction, default=S,
         help="infer with the native backend on a GPU: replay each decode step from a CUDA graph captured in the "

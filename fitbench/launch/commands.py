@@ -48,8 +48,9 @@ class Torchrun:
 
 
 def worker_command(layout: Layout, backend: str = "native") -> WorkerCommand:
-    """torchrun for a layout of several ranks, a plain process for one, and for the hf backend's
-    pipeline stages, which one process drives over every GPU of the job (``fitbench.worker.hf_pipeline``)."""
-    if layout.world_size == 1 or (backend == "hf" and layout.pp == layout.world_size):
+    """torchrun for a layout of several ranks, a plain process for one, for the hf backend's pipeline
+    stages, which one process drives over every GPU of the job (``fitbench.worker.hf_pipeline``), and
+    for the vllm backend, whose engines start their own processes (``fitbench.worker.vllm_backend``)."""
+    if layout.world_size == 1 or backend == "vllm" or (backend == "hf" and layout.pp == layout.world_size):
         return LocalProcess()
     return Torchrun(layout.world_size)

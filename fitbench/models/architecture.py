@@ -312,8 +312,8 @@ class Architecture:
         }
 
 
-Backend = Literal["native", "hf"]
-BACKENDS: tuple[str, ...] = ("native", "hf")
+Backend = Literal["native", "hf", "vllm"]
+BACKENDS: tuple[str, ...] = ("native", "hf", "vllm")
 
 
 def default_backend(arch: Architecture) -> Backend:

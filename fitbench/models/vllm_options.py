@@ -16,9 +16,26 @@ that keeps float32 weights under autocast serves as its autocast dtype's weights
 Layouts (``vllm/config/parallel.py``): ``tp`` is ``tensor_parallel_size``, ``pp``
 ``pipeline_parallel_size``, ``replicas`` ``data_parallel_size`` (independent engines, one per
 replica); DDP and FSDP shard training state, which serving has none of.
+
+Scheduling (``vllm/config/scheduler.py``): fitbench gives the engine its limits rather than leaving
+vLLM's defaults, which differ by platform and by GPU, so that the planner predicts the profile run of
+the same limits (``engine_limits``).
+
+The Python that runs vLLM is ``FITBENCH_VLLM_PYTHON`` where set (vLLM's own environment: its CPU build
+pins a torch and a transformers of its own), else this one (``vllm_python``).
 """
 
 from __future__ import annotations
+
+import os
+import sys
+
+PYTHON_VARIABLE = "FITBENCH_VLLM_PYTHON"
+# vLLM's defaults for its offline engine (the LLM class's usage context, ``vllm/engine/arg_utils.py``,
+# ``get_batch_defaults``) on GPUs below 70 GiB and the A100: at most 8192
+# tokens per scheduler step, 256 sequences at once (an H100 or H200 gets 16384 and 1024 by default).
+MAX_NUM_BATCHED_TOKENS = 8192
+MAX_NUM_SEQS = 256
 
 PRECISION_OPTIONS: dict[str, dict[str, str]] = {
     "bf16": {"dtype": "bfloat16"},
@@ -51,3 +68,14 @@ def layout_options(tp: int = 1, pp: int = 1, replicas: int = 1, dp_replicate: in
         return ("vLLM serves with tensor parallelism, pipeline parallelism and replicas; DDP and FSDP shard "
                 "training state, which serving has none of: use --strategy tp, pipeline or replicas.")
     return {"tensor_parallel_size": tp, "pipeline_parallel_size": pp, "data_parallel_size": replicas}
+
+
+def vllm_python() -> str:
+    """The Python that runs vLLM: ``FITBENCH_VLLM_PYTHON``, else this process's."""
+    return os.environ.get(PYTHON_VARIABLE) or sys.executable
+
+
+def engine_limits(batch: int, length: int) -> dict[str, int]:
+    """The scheduler's limits for a batch of ``batch`` sequences of ``length`` tokens: ``max_num_seqs``
+    at least the batch, so that it runs as one; ``max_num_batched_tokens`` at least one whole sequence."""
+    return {"max_num_seqs": max(MAX_NUM_SEQS, batch), "max_num_batched_tokens": max(MAX_NUM_BATCHED_TOKENS, length)}

@@ -22,9 +22,16 @@ vLLM 0.32's V1 engine (``vllm/v1/worker/gpu_worker.py``, ``determine_available_m
   the rank: block_size x layers/pp x 2 (k and v) x kv_heads/tp x head_dim x dtype bytes
   (``get_num_blocks``; ``AttentionSpec.page_size_bytes``). vLLM's block size is 16 on a GPU and 128 on
   its CPU build (``vllm/platforms/cpu.py``).
-- **KV tokens** = blocks x block_size; **concurrency** at a length L: blocks / ceil(L / block_size), the
+- **KV tokens** = blocks x block_size, the cache's token slots (vLLM's own "KV cache size" in tokens is
+  int(concurrency at ``max_model_len`` x ``max_model_len``), ``get_kv_cache_capacity``, which is
+  the same where ``max_model_len`` is a whole number of blocks); **concurrency** at a length L: blocks / ceil(L / block_size), the
   requests of L tokens whose caches fit at once (``get_max_concurrency_for_kv_cache_config``; vLLM logs
   it at ``max_model_len`` as "Maximum concurrency for L tokens per request").
+
+A ``fitbench run --backend vllm`` configuration (``vllm_prediction``) fits when its batch's sequences,
+each of its prompt and its new tokens, fit the KV cache at once: batch x ceil(L / block_size) blocks at
+most, L = seq_len + new_tokens (vLLM would otherwise queue some of them behind the others, and the row
+would not time one batch).
 """
 
 from __future__ import annotations
@@ -33,6 +40,7 @@ import math
 from dataclasses import asdict, dataclass
 
 from fitbench.models.architecture import Architecture
+from fitbench.models.vllm_options import engine_limits, precision_options
 
 NON_TORCH_BYTES = 500 * 2**20  # the CUDA context and NCCL: the planner's CUDA context term
 GPU_BLOCK_SIZE = 16
@@ -102,3 +110,48 @@ def vllm_memory(arch: Architecture, total_bytes: int, gpu_memory_utilization: fl
     return VllmMemory(requested=requested, weights=weights, activations=activations, non_torch=non_torch,
                       kv_cache=kv, block_bytes=per_block, blocks=blocks, block_size=block_size,
                       kv_tokens=blocks * block_size)
+
+
+def vllm_prediction(arch: Architecture, spec, total_bytes: float, memory_source: str) -> dict:
+    """The prediction a ``--backend vllm`` row keeps (the module's docstring): vLLM's terms per GPU of
+    ``total_bytes`` (``memory_source`` says whence: a GPU's memory, or the host's on a CPU, whose engine
+    has no CUDA context and 128-token blocks), its KV blocks and tokens, the most sequences of the row's
+    length that fit, and whether the row's batch does. ``predicted_peak_bytes`` is what vLLM takes of
+    each GPU: its share, or with ``kv_cache_bytes`` given, the weights, activations, non-torch memory
+    and that cache."""
+    on_cpu = spec.device == "cpu"
+    length = spec.seq_len + spec.new_tokens
+    limits = engine_limits(spec.batch_size, length)
+    memory = vllm_memory(arch, int(total_bytes), spec.gpu_memory_utilization, tp=spec.layout.tp, pp=spec.layout.pp,
+                         dtype=precision_options(spec.precision)["dtype"],
+                         block_size=CPU_BLOCK_SIZE if on_cpu else GPU_BLOCK_SIZE,
+                         max_num_batched_tokens=limits["max_num_batched_tokens"], max_num_seqs=limits["max_num_seqs"],
+                         non_torch=0 if on_cpu else NON_TORCH_BYTES, kv_cache_memory_bytes=spec.kv_cache_bytes)
+    needed = spec.batch_size * math.ceil(length / memory.block_size)
+    taken = (memory.requested if spec.kv_cache_bytes is None
+             else memory.weights + memory.activations + memory.non_torch + memory.kv_cache)
+    terms = [("weights", memory.weights), ("profiled activations", memory.activations),
+             ("non-torch (CUDA context, NCCL)", memory.non_torch), ("KV cache", memory.kv_cache)]
+    return {"predicted_peak_bytes": taken, "fits": memory.blocks >= needed, "gpu_memory_bytes": total_bytes,
+            "memory_source": memory_source,
+            "terms": [{"name": name, "bytes": size, "at_peak": True} for name, size in terms],
+            "calibration": "vLLM's memory model (fitbench.planning.vllm_memory)",
+            "vllm": {**memory.as_dict(), "max_model_len": length, "needed_blocks": needed,
+                     "max_concurrency": memory.concurrency(length)}}
+
+
+def vllm_refusal(spec, prediction: dict) -> str:
+    """One paragraph: the row's batch does not fit vLLM's KV cache as predicted, and what would."""
+    figures = prediction["vllm"]
+    most = math.floor(figures["max_concurrency"])
+    share = (f"--kv-cache-bytes {spec.kv_cache_bytes}" if spec.kv_cache_bytes is not None
+             else f"--gpu-memory-utilization {spec.gpu_memory_utilization:g}")
+    return (f"refused before launch: {spec.label} needs {figures['needed_blocks']} KV blocks of {figures['block_size']} "
+            f"tokens per GPU for its {spec.batch_size} sequences of {figures['max_model_len']} tokens, and vLLM's "
+            f"cache under {share} is predicted to hold {figures['blocks']} (fitbench.planning.vllm_memory): "
+            f"{most} such sequences at once. Give --batch-size {most} or less" if most else
+            f"refused before launch: {spec.label} needs {figures['needed_blocks']} KV blocks of "
+            f"{figures['block_size']} tokens per GPU, and vLLM's cache under {share} is predicted to hold "
+            f"{figures['blocks']} (fitbench.planning.vllm_memory): not one sequence of {figures['max_model_len']} "
+            f"tokens. Give") + (f" a larger {share.split()[0]}, more GPUs (--strategy tp or pipeline), or a "
+                                f"shorter --seq-len or --new-tokens.")

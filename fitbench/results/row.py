@@ -89,6 +89,8 @@ class Measurement(_Written):
     layout: Fields | None = None
     # where each rank of a torchrun job ran: its node, device and memory (fitbench.worker.aggregate)
     placement: list[Fields] | None = None
+    # the vllm backend's engine: its KV blocks and tokens, the sequences they hold (fitbench.worker.vllm_backend)
+    vllm: Fields | None = None
 
 
 class Row(Measurement):

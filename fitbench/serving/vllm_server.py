@@ -10,8 +10,7 @@ it is stopped by SIGTERM to its process group, then, past ``STOP_GRACE_S``, by k
 (``fitbench.util.processes.kill_tree``): vLLM's engine core runs in processes of its own, and none is
 left running.
 
-The Python that runs it is ``FITBENCH_VLLM_PYTHON`` where set (vLLM's own environment: its CPU build
-pins a torch and a transformers of its own), else this one.
+The Python that runs it is ``fitbench.models.vllm_options.vllm_python``'s.
 """
 
 from __future__ import annotations
@@ -20,7 +19,6 @@ import os
 import signal
 import socket
 import subprocess
-import sys
 import tempfile
 import time
 from contextlib import contextmanager
@@ -31,17 +29,12 @@ import httpx
 
 from fitbench.models.config_directory import write_config_directory
 from fitbench.models.registry import resolve
+from fitbench.models.vllm_options import PYTHON_VARIABLE, vllm_python
 from fitbench.util.errors import UserError
 from fitbench.util.processes import kill_tree
 
-PYTHON_VARIABLE = "FITBENCH_VLLM_PYTHON"
 HEALTH_POLL_S = 0.5
 STOP_GRACE_S = 15.0
-
-
-def vllm_python() -> str:
-    """The Python that runs vLLM: ``FITBENCH_VLLM_PYTHON``, else this process's."""
-    return os.environ.get(PYTHON_VARIABLE) or sys.executable
 
 
 def free_port() -> int:

@@ -10,6 +10,9 @@ keeps them in the run's log). The result file is written only at the end; a work
 leaves none, and the parent records the death. Disk offload writes its layers into RESULT.json's
 directory, which the parent makes for the run and removes after it, however the run ends.
 
+The vllm backend measures vLLM's engine instead, started from this process
+(``fitbench.worker.vllm_backend``).
+
 Fault injection for tests: ``fitbench.util.inject``.
 """
 
@@ -54,6 +57,7 @@ from fitbench.worker.snapshot import RECORDING_WARNING, recorded, recording
 from fitbench.worker.tensor_parallel import data_parallel_rank
 from fitbench.worker.timing import DeviceClock
 from fitbench.worker.trackers import NvmlSampler, memory_report
+from fitbench.worker.vllm_backend import measure_vllm
 from fitbench.worker.weight_bytes import weight_storage_bytes
 from fitbench.spec import Assignment, RunSpec
 from fitbench.util.inject import injected, injected_memory_limit, injected_value
@@ -330,12 +334,26 @@ def _memory(device: torch.device, sampler: NvmlSampler | None, payload: dict,
                 f"which the planner assumes: reserved memory may exceed the prediction")
 
 
+def measure_on_vllm(assignment: Assignment, result_path: Path) -> int:
+    """The vllm backend's run (``fitbench.worker.vllm_backend``), its failure a result row as every
+    backend's."""
+    try:
+        payload = measure_vllm(assignment, result_path.parent)
+    except Exception as error:
+        traceback.print_exc()
+        payload = Measurement(status=classify(error), error=describe(error)).as_dict()
+    _write(result_path, payload)
+    return EXIT_OK if payload["status"] == "ok" else EXIT_FAILED
+
+
 def main(argv: list[str]) -> int:
     """Measure the assignment in ``argv[0]`` and write the result to ``argv[1]``. Under torchrun every
     rank measures and rank 0 writes the job's one result from all of theirs (``fitbench.worker.aggregate``);
     only rank 0 reports progress."""
     spec_path, result_path = Path(argv[0]), Path(argv[1])
     assignment = Assignment.model_validate_json(spec_path.read_text())
+    if assignment.spec.backend == "vllm":  # vLLM's engines hold the GPUs: this process touches none
+        return measure_on_vllm(assignment, result_path)
     rank = Rank.from_environment(assignment.spec.device)
     REPORTS_PROGRESS["on"] = rank.main
     device = rank.device
