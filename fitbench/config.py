@@ -294,7 +294,7 @@ def check_context(arch, mode: str, seq_len: int, new_tokens: int) -> None:
 def expand(config: SweepConfig, *, device: str, default_models: list[str]) -> list[RunSpec]:
     """Every RunSpec of the sweep, in order: model, mode, precision, batch, seq_len. Raises UserError."""
     device_type = device.split(":")[0]
-    modes = config.mode or ["train", "infer"]
+    modes = config.mode or (["infer"] if config.backend == "vllm" else ["train", "infer"])
     new_tokens = config.new_tokens or (32 if device_type == "cpu" else 128)
     if config.microbatches is not None and (config.strategy != "pipeline" or config.gpus == 1):
         raise UserError("microbatches: they split the batch of a pipelined training step; give them with "

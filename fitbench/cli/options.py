@@ -63,7 +63,7 @@ def sweep_options(parser: argparse.ArgumentParser) -> None:
              "that trains on all N (one GPU's under --strategy ddp or replicas)")
     add("--mode", "--modes", dest="mode", nargs="+", choices=MODES, default=S, metavar="MODE",
         help="what a step does: train (forward, backward, AdamW), forward, forward-backward, infer "
-             "(prefill + decode with a KV cache). Default: train infer")
+             "(prefill + decode with a KV cache). Default: train infer (infer with --backend vllm)")
     add("--pass-type", dest="pass_type", choices=("forward", "backward"), default=S,
         help="CS336 spelling: forward = --mode forward, backward = --mode forward-backward")
     add("--precision", nargs="+", choices=PRECISIONS, default=S, metavar="PRECISION",

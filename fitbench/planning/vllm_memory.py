@@ -146,12 +146,11 @@ def vllm_refusal(spec, prediction: dict) -> str:
     most = math.floor(figures["max_concurrency"])
     share = (f"--kv-cache-bytes {spec.kv_cache_bytes}" if spec.kv_cache_bytes is not None
              else f"--gpu-memory-utilization {spec.gpu_memory_utilization:g}")
-    return (f"refused before launch: {spec.label} needs {figures['needed_blocks']} KV blocks of {figures['block_size']} "
-            f"tokens per GPU for its {spec.batch_size} sequences of {figures['max_model_len']} tokens, and vLLM's "
-            f"cache under {share} is predicted to hold {figures['blocks']} (fitbench.planning.vllm_memory): "
-            f"{most} such sequences at once. Give --batch-size {most} or less" if most else
-            f"refused before launch: {spec.label} needs {figures['needed_blocks']} KV blocks of "
-            f"{figures['block_size']} tokens per GPU, and vLLM's cache under {share} is predicted to hold "
-            f"{figures['blocks']} (fitbench.planning.vllm_memory): not one sequence of {figures['max_model_len']} "
-            f"tokens. Give") + (f" a larger {share.split()[0]}, more GPUs (--strategy tp or pipeline), or a "
-                                f"shorter --seq-len or --new-tokens.")
+    holds = (f"{most} such sequences at once" if most else
+             f"not one sequence of {figures['max_model_len']} tokens")
+    smaller = f"--batch-size {most} or less, " if most else ""
+    return (f"refused before launch: {spec.label} needs {figures['needed_blocks']} KV blocks of "
+            f"{figures['block_size']} tokens per GPU for its {spec.batch_size} sequences of "
+            f"{figures['max_model_len']} tokens, and vLLM's cache under {share} is predicted to hold "
+            f"{figures['blocks']} (fitbench.planning.vllm_memory): {holds}. Give {smaller}a larger "
+            f"{share.split()[0]}, more GPUs (--strategy tp or pipeline), or a shorter --seq-len or --new-tokens.")
