@@ -12,7 +12,8 @@ import pytest
 
 from fitbench.models.config_directory import write_config_directory
 from fitbench.models.registry import resolve
-from fitbench.planning.vllm_memory import CPU_BLOCK_SIZE, NON_TORCH_BYTES, vllm_memory
+from fitbench.planning.vllm_memory import (CPU_BLOCK_SIZE, NON_TORCH_BYTES, profile_activations, rank_weights,
+                                           server_layout, vllm_memory)
 from fitbench.serving.vllm_server import PYTHON_VARIABLE
 
 ENGINE = Path(__file__).resolve().parents[1] / "fitbench" / "worker" / "vllm_engine.py"
@@ -33,6 +34,23 @@ def test_each_term_by_hand_for_llama_3_1_8b_on_an_80_gb_gpu():
     assert memory.block_bytes == 16 * 32 * 2 * (8 // 2) * 128 * 2  # 16-token blocks of k and v, 4 kv heads a rank
     assert memory.blocks == memory.kv_cache // memory.block_bytes and memory.kv_tokens == memory.blocks * 16
     assert memory.concurrency(8192) == memory.blocks / 512
+
+
+def test_a_servers_layout_is_the_fewest_gpus_whose_cache_holds_one_request():
+    """By hand, bf16 at 0.9 of 80 GB: 8B's 16 GB of weights fit one GPU; 70B's 141 GB need more than two
+    GPUs' 72 GB shares (70.6 GB of weights each, and the profile and CUDA context beside them), so four;
+    405B's 810 GB is 101 GB per GPU over eight: none."""
+    total, length = 80 * 10**9, 4096
+    share = math.ceil(0.9 * total)
+    assert server_layout(resolve("llama-3.1-8b"), total, 8, length)[0] == 1
+    seventy = resolve("llama-3.1-70b")
+    left_at_2 = share - rank_weights(seventy, 2, 1, 2) - profile_activations(seventy, 2, 2, 8192, 256) - NON_TORCH_BYTES
+    assert left_at_2 < 0
+    degree, memory = server_layout(seventy, total, 8, length)
+    assert degree == 4 and memory.blocks >= length // 16
+    assert server_layout(seventy, total, 2, length) is None
+    assert server_layout(resolve("llama-3.1-405b"), total, 8, length) is None
+    assert 2 * resolve("llama-3.1-405b").total_params / 8 > share
 
 
 @pytest.mark.slow

@@ -72,8 +72,10 @@ def serve_options(parser: argparse.ArgumentParser) -> None:
     add("--precision", default=None,
         help="with --start-vllm: fitbench's precision as vLLM's dtype and quantization: bf16, bf16-pure, fp16, fp32, "
              "fp8 (vLLM's dynamic FP8), nf4 (bitsandbytes in flight); default bf16")
-    add("--tp", type=positive, default=1, help="with --start-vllm: vLLM's tensor_parallel_size (default 1)")
-    add("--pp", type=positive, default=1, help="with --start-vllm: vLLM's pipeline_parallel_size (default 1)")
+    add("--tp", type=positive, default=None,
+        help="with --start-vllm: vLLM's tensor_parallel_size (default: the planner's, the fewest GPUs present whose "
+             "KV cache holds the longest request; 1 on a CPU)")
+    add("--pp", type=positive, default=None, help="with --start-vllm: vLLM's pipeline_parallel_size (default 1)")
     add("--gpu-memory-utilization", dest="memory_utilization", type=share, default=0.9, metavar="SHARE",
         help="with --start-vllm: the share of each GPU's memory vLLM takes, of the host's on its CPU build "
              "(default 0.9, vLLM's)")
@@ -193,7 +195,9 @@ def serve_bench(args: argparse.Namespace) -> int:
             console.print(f"starting vLLM's server on {escape(args.start_vllm)} (log: {log})")
             precision = args.precision or "bf16"
             options = precision_options(precision)
-            with vllm_server(args.start_vllm, log, longest, dtype=options["dtype"], tp=args.tp, pp=args.pp,
+            tp, pp = (args.tp or 1, args.pp or 1) if args.tp or args.pp else \
+                _planned_layout(args.start_vllm, precision, longest, args.memory_utilization)
+            with vllm_server(args.start_vllm, log, longest, dtype=options["dtype"], tp=tp, pp=pp,
                              memory_utilization=args.memory_utilization, eager=args.eager,
                              quantization=options.get("quantization"), ready_timeout=args.server_timeout) as server:
                 rows = _run(args, store, server["base_url"], precision, server)
@@ -206,6 +210,32 @@ def serve_bench(args: argparse.Namespace) -> int:
     finally:
         store.unlock()
     return _summary(store, rows)
+
+
+def _planned_layout(preset: str, precision: str, longest: int, utilization: float) -> tuple[int, int]:
+    """vLLM's tensor- and pipeline-parallel sizes for ``preset`` on this machine's GPUs, as the planner
+    chooses them (``fitbench.planning.vllm_memory.server_layout``), said on the console; one rank on a
+    machine without a GPU (vLLM's CPU build). A UserError when no degree among the GPUs present holds
+    the model and one request of ``longest`` tokens."""
+    from fitbench.hardware.devices import detect_gpus
+    from fitbench.models.registry import resolve
+    from fitbench.planning.vllm_memory import server_layout
+    from fitbench.util.units import format_bytes
+
+    gpus = detect_gpus()
+    if not gpus:
+        return 1, 1
+    found = server_layout(resolve(preset), gpus[0].total_memory, len(gpus), longest, precision, utilization)
+    if found is None:
+        raise UserError(f"tp: {preset} in {precision} does not fit vLLM's share ({utilization:g}) of {len(gpus)} GPUs "
+                        f"of {format_bytes(gpus[0].total_memory)} with room for one request of {longest} tokens, by "
+                        f"the planner's model of vLLM's memory; give --tp and --pp yourself, a lower --precision, or "
+                        f"shorter --prompt-tokens and --output-tokens.")
+    degree, memory = found
+    console.print(f"layout: tensor_parallel_size {degree}, the planner's (fitbench.planning.vllm_memory): "
+                  f"{memory.blocks:,} KV blocks per GPU, {memory.concurrency(longest):.1f} requests of {longest} "
+                  f"tokens at once")
+    return degree, 1
 
 
 def _run(args: argparse.Namespace, store, base_url: str, precision: str, server: dict | None) -> list[dict]:

@@ -32,6 +32,12 @@ A ``fitbench run --backend vllm`` configuration (``vllm_prediction``) fits when 
 each of its prompt and its new tokens, fit the KV cache at once: batch x ceil(L / block_size) blocks at
 most, L = seq_len + new_tokens (vLLM would otherwise queue some of them behind the others, and the row
 would not time one batch).
+
+A server started for a preset (``fitbench serve-bench --start-vllm``) takes the planner's layout where
+none is given (``server_layout``): the fewest GPUs of tensor parallelism, among those present, whose
+KV cache holds at least one request of the longest length the benchmark sends; with vLLM's offline
+scheduler limits (8192 tokens, 256 sequences) standing for the server's, which are smaller on most
+GPUs, so that the activations are not underestimated.
 """
 
 from __future__ import annotations
@@ -41,6 +47,7 @@ from dataclasses import asdict, dataclass
 
 from fitbench.models.architecture import Architecture
 from fitbench.models.vllm_options import engine_limits, precision_options
+from fitbench.spec import Layout
 
 NON_TORCH_BYTES = 500 * 2**20  # the CUDA context and NCCL: the planner's CUDA context term
 GPU_BLOCK_SIZE = 16
@@ -154,3 +161,23 @@ def vllm_refusal(spec, prediction: dict) -> str:
             f"{figures['max_model_len']} tokens, and vLLM's cache under {share} is predicted to hold "
             f"{figures['blocks']} (fitbench.planning.vllm_memory): {holds}. Give {smaller}a larger "
             f"{share.split()[0]}, more GPUs (--strategy tp or pipeline), or a shorter --seq-len or --new-tokens.")
+
+
+def server_layout(arch: Architecture, gpu_memory: float, gpus: int, length: int, precision: str = "bf16",
+                  gpu_memory_utilization: float = 0.9) -> tuple[int, VllmMemory] | None:
+    """The tensor-parallel degree of vLLM's server for ``arch`` on ``gpus`` GPUs of ``gpu_memory`` bytes
+    (the module's docstring) and its memory per GPU: the smallest of 1, 2, 4, ... up to ``gpus`` that
+    vLLM can split the heads by (``Layout.problem``) whose KV cache holds ``length`` tokens; None when
+    none does."""
+    dtype = precision_options(precision)["dtype"]
+    limits = engine_limits(1, length)
+    degree = 1
+    while degree <= gpus:
+        if Layout(tp=degree).problem(arch, "infer", precision, "vllm") is None:
+            memory = vllm_memory(arch, int(gpu_memory), gpu_memory_utilization, tp=degree, dtype=dtype,
+                                 max_num_batched_tokens=limits["max_num_batched_tokens"],
+                                 max_num_seqs=limits["max_num_seqs"])
+            if memory.blocks >= math.ceil(length / memory.block_size):
+                return degree, memory
+        degree *= 2
+    return None
