@@ -22,7 +22,7 @@ from fitbench.models.vllm_options import PYTHON_VARIABLE
 from fitbench.planning.vllm_memory import profile_activations, rank_weights, vllm_prediction
 from fitbench.results.store import ResultStore
 from fitbench.spec import Layout, RunSpec
-from fitbench.worker.vllm_backend import engine_gpus, engine_options
+from fitbench.worker.vllm_backend import cpu_binding, engine_gpus, engine_options
 
 needs_vllm = pytest.mark.skipif(not os.environ.get(PYTHON_VARIABLE),
                                 reason=f"no vLLM environment: {PYTHON_VARIABLE} names none (.ci/run makes one)")
@@ -104,6 +104,12 @@ def test_the_engines_options_and_gpus_follow_the_precision_and_layout(tmp_path, 
     monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "4,5,6,7")
     assert engine_gpus(_spec(device="cuda:0", layout=Layout(tp=2, pp=2)), 0) == "4,5,6,7"
     assert engine_gpus(_spec(device="cpu"), 0) is None
+    # on a CPU, an engine's ranks share the CPUs; one rank, or a GPU, binds nothing of fitbench's
+    monkeypatch.delenv("VLLM_CPU_OMP_THREADS_BIND", raising=False)
+    assert cpu_binding(_spec(layout=Layout(tp=2, pp=2)), [0, 1, 2, 3, 4, 5, 6, 7, 8]) == {
+        "VLLM_CPU_OMP_THREADS_BIND": "0,1|2,3|4,5|6,7"}
+    assert cpu_binding(_spec(), [0, 1]) == {} and cpu_binding(_spec(layout=Layout(tp=2)), [0]) == {}
+    assert cpu_binding(_spec(device="cuda:0", layout=Layout(tp=2)), [0, 1]) == {}
     # one process starts vLLM's engines, whatever the layout: they start their own ranks
     assert isinstance(worker_command(Layout(tp=2, pp=2), "vllm"), LocalProcess)
 
@@ -177,3 +183,21 @@ def test_replicas_are_engines_of_their_own_measured_side_by_side(tmp_path, capsy
     per_rank = row.throughput["decode_tokens_per_s_per_rank"]
     assert row.throughput["decode_tokens_per_s"] == pytest.approx(sum(per_rank))
     assert len(row.timing["samples"]["token_latency"]) == 2 * 2  # each engine's two rounds, concatenated
+
+
+@pytest.mark.slow
+@needs_vllm
+def test_tensor_parallel_ranks_hold_the_kv_heads_the_planner_splits(tmp_path, capsys):
+    """Two tensor-parallel ranks of vLLM's CPU engine: each holds half of tiny's kv heads, so the same
+    bytes of KV cache per rank hold twice the blocks of one rank's, as the planner predicts
+    (tolerance 0 blocks)."""
+    arch = resolve("tiny")
+    out, kv = tmp_path / "tp", 40 * 2**20
+    code, _, error = cli([*TINY_RUN, "--backend", "vllm", "--batch-size", "2", "--kv-cache-bytes", str(kv),
+                          "--gpus", "2", "--strategy", "tp", "--out", str(out), "--quiet"], capsys)
+    assert code == 0, error + "".join(path.read_text()[-3000:] for path in (out / "logs").glob("*.log"))
+    [row] = list(ResultStore(out).typed_rows())
+    assert row.status == "ok", row.error
+    block = 128 * arch.num_layers * 2 * (arch.num_kv_heads // 2) * arch.head_dim * 4
+    assert row.vllm["num_gpu_blocks"] == row.prediction["vllm"]["blocks"] == kv // block
+    assert row.vllm["tokens_per_sequence"] == [8, 8]

@@ -9,7 +9,8 @@ precision and the layout become vLLM's options (``fitbench.models.vllm_options``
 ``tensor_parallel_size`` and ``pipeline_parallel_size`` for one engine over tp x pp GPUs, and
 ``replicas`` as that many engines, each on GPUs of its own (``CUDA_VISIBLE_DEVICES``), started side by
 side and timed between one barrier (``vllm_engine.wait_for_replicas``). On a CPU the engine runs
-eagerly (no CUDA graphs, and no compilation, which takes minutes there); on a GPU as vLLM's default
+eagerly (no CUDA graphs, and no compilation, which takes minutes there), its ranks' threads on shares
+of the CPUs (``cpu_binding``); on a GPU as vLLM's default
 (compiled, CUDA graphs) unless ``--no-cuda-graphs`` (``enforce_eager``).
 
 The row's figures (``Measurement``), each engine's, then the replicas' by ``fitbench.worker.aggregate``:
@@ -100,6 +101,21 @@ def engine_gpus(spec: RunSpec, replica: int) -> str | None:
     return ",".join(seen[start:start + per_engine])
 
 
+def cpu_binding(spec: RunSpec, cpus: list[int] | None = None) -> dict[str, str]:
+    """On a CPU, an engine of several ranks (tp x pp) has its ranks' threads bound to equal shares of the
+    CPUs this process may use (``cpus``, default its affinity), as ``VLLM_CPU_OMP_THREADS_BIND`` lists them
+    (``0,1|2,3``): vLLM's CPU build binds each rank to a NUMA node of its own otherwise, and refuses
+    more ranks than nodes (``vllm/utils/ompmultiprocessing.py``). Nothing where the variable is set
+    already, on a GPU, for one rank, or with fewer CPUs than ranks."""
+    ranks = spec.layout.tp * spec.layout.pp
+    cpus = sorted(cpus if cpus is not None else os.sched_getaffinity(0))
+    if spec.device != "cpu" or ranks == 1 or len(cpus) < ranks or "VLLM_CPU_OMP_THREADS_BIND" in os.environ:
+        return {}
+    share = len(cpus) // ranks
+    return {"VLLM_CPU_OMP_THREADS_BIND": "|".join(",".join(str(cpu) for cpu in cpus[rank * share:(rank + 1) * share])
+                                                  for rank in range(ranks))}
+
+
 def run_engines(spec: RunSpec, scratch: Path) -> list[dict]:
     """Every replica's engine started at once and waited for; each one's result (``vllm_engine.py``'s
     RESULT). Their output goes to this process's stderr, the run's log, once each has ended."""
@@ -115,7 +131,7 @@ def run_engines(spec: RunSpec, scratch: Path) -> list[dict]:
         if replicas > 1:
             options["barrier"] = {"directory": str(barrier), "parties": replicas, "index": replica}
         (scratch / f"vllm-options-{replica}.json").write_text(json.dumps(options))
-        environ = dict(os.environ)
+        environ = {**os.environ, **cpu_binding(spec)}
         gpus = engine_gpus(spec, replica)
         if gpus is not None:
             environ["CUDA_VISIBLE_DEVICES"] = gpus
