@@ -40,9 +40,11 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import resource
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 from fitbench.hardware.datasheet import peak_bandwidth, peak_flops
@@ -54,6 +56,7 @@ from fitbench.models.vllm_options import engine_limits, layout_options, precisio
 from fitbench.precisions import entry
 from fitbench.results.row import Measurement
 from fitbench.spec import Assignment, RunSpec
+from fitbench.util.processes import kill_tree
 from fitbench.util.stats import SampleStats
 from fitbench.worker.aggregate import combine
 from fitbench.worker.build import RefusedError
@@ -62,6 +65,9 @@ from fitbench.worker.parallel import data_seed
 from fitbench.worker.progress import emit
 
 ENGINE_SCRIPT = Path(__file__).with_name("vllm_engine.py")
+POLL_S = 0.2
+# a line of the engine's output that names an exception (its own warnings, which name some it survived, aside)
+FIRST_ERROR = re.compile(r"\b\w*(Error|Exception)\b")
 DTYPE_BYTES = {"bfloat16": 2, "float16": 2, "float32": 4}
 # How vLLM says a configuration's KV cache does not fit (vllm/v1/core/kv_cache_utils.py), beside the
 # allocators' out-of-memory messages: either is the row's ``oom``.
@@ -139,6 +145,13 @@ def run_engines(spec: RunSpec, scratch: Path) -> list[dict]:
         processes.append((subprocess.Popen([python, str(ENGINE_SCRIPT), str(scratch / f"vllm-options-{replica}.json"),
                                             str(scratch / f"vllm-result-{replica}.json")], stdout=output,
                                            stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, env=environ), output))
+    while any(process.poll() is None for process, _ in processes):
+        if any(process.returncode not in (None, 0) for process, _ in processes):
+            # a replica that failed leaves the others waiting at the barrier for it: they end too
+            for process, _ in processes:
+                if process.poll() is None:
+                    kill_tree(process.pid)
+        time.sleep(POLL_S)
     failures = []
     for replica, (process, output) in enumerate(processes):
         process.wait()
@@ -149,9 +162,11 @@ def run_engines(spec: RunSpec, scratch: Path) -> list[dict]:
             failures.append((replica, process.returncode, text))
     if failures:
         replica, code, text = failures[0]
-        tail = "\n".join(text.strip().splitlines()[-8:])
+        lines = text.strip().splitlines()
+        first = next((line.strip() for line in lines if "WARNING" not in line and FIRST_ERROR.search(line)), None)
         message = (f"vLLM's engine{f' of replica {replica}' if replicas > 1 else ''} exited with status {code} "
-                   f"(run by {python}); its last lines:\n{tail}")
+                   f"(run by {python}); the first error it printed: {first}; its last lines:\n"
+                   + "\n".join(lines[-8:]))
         if any(words in text.lower() for words in OUT_OF_MEMORY_TEXTS):
             raise MemoryError(message)
         raise RuntimeError(message)
