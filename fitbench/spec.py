@@ -16,7 +16,7 @@ import json
 from dataclasses import dataclass
 from typing import Any, Literal, Protocol, get_args
 
-from pydantic import BaseModel, ConfigDict, Field, model_validator
+from pydantic import BaseModel, ConfigDict, Field, model_serializer, model_validator
 
 from fitbench.precisions import EVERY_WEIGHT, FLOAT8, PRECISIONS, TRAINING_MODES, UNQUANTIZED_BASE, entry
 
@@ -173,7 +173,8 @@ class Layout(BaseModel):
           pipeline stages for inference and forward only;
         - pipeline stages: at least one layer each, beside no data parallelism, as ``_pipeline_problem``
           allows;
-        - offload: one device's layers, or FSDP's shards alone, in host memory.
+        - offload: one device's layers, or FSDP's shards alone, in host memory;
+        - the vllm backend: vLLM's own rules instead of those past the degrees' (``_vllm_problem``).
         One process on one device has no rule here (offload's are ``offload_problem``'s)."""
         reason = self._reason(model, mode, precision, backend, offload)
         return None if reason is None else f"{self.label}: {reason}"
@@ -519,6 +520,16 @@ class RunSpec(BaseModel):
             raise ValueError(problem)
         return self
 
+    @model_serializer(mode="wrap")
+    def _vllm_fields_with_vllm(self, handler):
+        """The vllm backend's memory options are written for its configurations alone, so that the rows of
+        every other backend, and their keys, stay as they were."""
+        fields = handler(self)
+        if self.backend != "vllm":
+            fields.pop("gpu_memory_utilization", None)
+            fields.pop("kv_cache_bytes", None)
+        return fields
+
     @property
     def layer_offload(self) -> bool:
         """Decoder layers offloaded around one device (``fitbench.models.offload``)."""
@@ -556,9 +567,6 @@ class RunSpec(BaseModel):
             fields.pop("microbatches")
         if self.checkpointed_layers is None:
             fields.pop("checkpointed_layers")
-        if self.backend != "vllm":
-            fields.pop("gpu_memory_utilization")
-            fields.pop("kv_cache_bytes")
         digest = hashlib.sha1(json.dumps(fields, sort_keys=True).encode()).hexdigest()
         return digest[:12]
 
