@@ -373,8 +373,8 @@ def _refuse_inert_options(config: SweepConfig, modes: list[str]) -> None:
 
 def _refuse_vllm_misfits(config: SweepConfig, modes: list[str], device_type: str) -> None:
     """What vLLM's engine does not run, refused in one paragraph before anything starts: a mode but
-    generation, a precision it has no dtype or quantization for (``fitbench.models.vllm_options``), the
-    batch search, fitbench's compile and offload; and vLLM's memory options given to another backend."""
+    generation, a precision it has no dtype or quantization for (``fitbench.models.vllm_options``), a job
+    over several nodes, the batch search, fitbench's compile and offload; and vLLM's memory options given to another backend."""
     if config.backend != "vllm":
         given = ("kv_cache_bytes" if config.kv_cache_bytes is not None else
                  "gpu_memory_utilization" if config.gpu_memory_utilization != 0.9 else None)
@@ -392,6 +392,9 @@ def _refuse_vllm_misfits(config: SweepConfig, modes: list[str], device_type: str
         options = precision_options(precision)
         if isinstance(options, str):
             raise UserError(f"precision: {options} (--precision, with --backend vllm)")
+    if (config.nodes or 1) > 1:
+        raise UserError(f"nodes: vLLM spreads an engine over several nodes through Ray, which fitbench does not "
+                        f"start; with --backend vllm give one node (leave --nodes out, or --nodes 1).")
     if "auto" in (config.batch_size or []):
         raise UserError("batch-size: the vllm backend does not search for the largest batch; vLLM's engine reports "
                         "how many sequences its KV cache holds (the row's vllm.max_concurrency). Give --batch-size N.")

@@ -44,6 +44,7 @@ def _spec(**fields) -> RunSpec:
     (["--backend", "vllm", "--batch-size", "auto"], "batch-size:", "--batch-size N"),
     (["--backend", "vllm", "--offload"], "offload:", "Leave --offload out"),
     (["--backend", "vllm", "--gpus", "3", "--strategy", "tp"], "strategy:", "divides 8"),
+    (["--backend", "vllm", "--gpus", "2", "--nodes", "2", "--launcher", "slurm"], "nodes:", "Ray"),
     (["--backend", "native", "--kv-cache-bytes", "1000"], "kv_cache_bytes:", "--backend vllm"),
 ])
 def test_what_vllm_cannot_run_is_one_paragraph_naming_the_field_and_the_fix(tmp_path, capsys, options, field, fix):
