@@ -47,12 +47,12 @@ from dataclasses import asdict, dataclass
 
 from fitbench.models.architecture import Architecture
 from fitbench.models.vllm_options import engine_limits, precision_options
+from fitbench.precisions.entry import DTYPE_BYTES
 from fitbench.spec import Layout
 
 NON_TORCH_BYTES = 500 * 2**20  # the CUDA context and NCCL: the planner's CUDA context term
 GPU_BLOCK_SIZE = 16
 CPU_BLOCK_SIZE = 128
-DTYPE_BYTES = {"bfloat16": 2, "float16": 2, "float32": 4}
 
 
 @dataclass(frozen=True)

@@ -52,8 +52,10 @@ from fitbench.hardware.devices import cpu_device_name
 from fitbench.hardware.environment import environment
 from fitbench.models.config_directory import write_config_directory
 from fitbench.models.registry import resolve
-from fitbench.models.vllm_options import engine_limits, layout_options, precision_options, vllm_python
+from fitbench.models.vllm_options import (PRECISION_OPTIONS, engine_limits, layout_options, precision_options,
+                                          vllm_python)
 from fitbench.precisions import entry
+from fitbench.precisions.entry import DTYPE_BYTES
 from fitbench.results.row import Measurement
 from fitbench.spec import Assignment, RunSpec
 from fitbench.util.processes import kill_tree
@@ -68,7 +70,6 @@ ENGINE_SCRIPT = Path(__file__).with_name("vllm_engine.py")
 POLL_S = 0.2
 # a line of the engine's output that names an exception (its own warnings, which name some it survived, aside)
 FIRST_ERROR = re.compile(r"\b\w*(Error|Exception)\b")
-DTYPE_BYTES = {"bfloat16": 2, "float16": 2, "float32": 4}
 # How vLLM says a configuration's KV cache does not fit (vllm/v1/core/kv_cache_utils.py), beside the
 # allocators' out-of-memory messages: either is the row's ``oom``.
 OUT_OF_MEMORY_TEXTS = ("out of memory", "cannot allocate memory", "larger than the available kv cache memory",
@@ -125,15 +126,16 @@ def cpu_binding(spec: RunSpec, cpus: list[int] | None = None) -> dict[str, str]:
 def run_engines(spec: RunSpec, scratch: Path) -> list[dict]:
     """Every replica's engine started at once and waited for; each one's result (``vllm_engine.py``'s
     RESULT). Their output goes to this process's stderr, the run's log, once each has ended."""
-    arch = resolve(spec.model)
-    directory = write_config_directory(arch, scratch / "vllm-model", precision_dtype(spec))
+    directory = scratch / "vllm-model"
+    engine = engine_options(spec, directory)
+    write_config_directory(resolve(spec.model), directory, engine["dtype"])
     replicas = spec.layout.replicas
     barrier = scratch / "vllm-barrier"
     barrier.mkdir(exist_ok=True)
     python = vllm_python()
     processes = []
     for replica in range(replicas):
-        options = {**engine_options(spec, directory), "seed": data_seed(spec.seed, replica)}
+        options = {**engine, "seed": data_seed(spec.seed, replica)}
         if replicas > 1:
             options["barrier"] = {"directory": str(barrier), "parties": replicas, "index": replica}
         (scratch / f"vllm-options-{replica}.json").write_text(json.dumps(options))
@@ -173,19 +175,11 @@ def run_engines(spec: RunSpec, scratch: Path) -> list[dict]:
     return [json.loads((scratch / f"vllm-result-{replica}.json").read_text()) for replica in range(replicas)]
 
 
-def precision_dtype(spec: RunSpec) -> str:
-    """vLLM's dtype of the spec's precision; a RefusedError where it has none."""
-    options = precision_options(spec.precision)
-    if isinstance(options, str):
-        raise RefusedError(options)
-    return options["dtype"]
-
-
 def engine_payload(spec: RunSpec, result: dict, replica: int, host_peak_rss: int) -> dict:
     """One engine's measurement (the module's docstring)."""
     arch = resolve(spec.model)
     gpus = spec.layout.tp * spec.layout.pp
-    dtype_bytes = DTYPE_BYTES[precision_dtype(spec)]
+    dtype_bytes = DTYPE_BYTES[PRECISION_OPTIONS[spec.precision]["dtype"]]
     ttft = SampleStats.of(result["first_token_s"])
     token_latency = SampleStats.of(result["token_latency_s"])
     end_to_end = SampleStats.of(result["generate_s"])
