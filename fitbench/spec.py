@@ -248,15 +248,12 @@ def _pipeline_problem(precision: str, mode: str, backend: str) -> str | None:
     """Why pipeline stages cannot run this configuration, in one sentence with the way out; None
     when they can. The native decoder's stages are ranks of a torchrun job (``fitbench.worker.pipeline``)
     and train too; the hf backend's are one process's devices under accelerate's device map
-    (``fitbench.worker.hf_pipeline``), for inference and forward in the floating-point precisions."""
+    (``fitbench.worker.hf_pipeline``), for inference and forward, quantized layers made and quantized on
+    their stage's device (``fitbench.worker.quantize.hf_layers``)."""
     if backend != "native":
         if mode in TRAINING_MODES:
             return (f"the {backend} backend's pipeline stages run one after another in one process, for inference: "
                     f"train Llama-style models as stages with --backend native, or run {mode} on one GPU")
-        if entry(precision).quantized:
-            return (f"the {backend} backend's pipeline stages hold floating-point weights; {precision} layers are "
-                    f"quantized on one device: use {UNQUANTIZED_BASE} over stages, or --backend native for quantized "
-                    f"stages")
         return None
     if mode not in TRAINING_MODES:
         return None

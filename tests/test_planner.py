@@ -1560,12 +1560,11 @@ def test_falcon_180b_bf16_inference_fewest_h100s_and_the_layout():
         (count, found.candidate.label)
 
 
-@pytest.mark.parametrize("precision, strategies", [("fp8", None), ("bf16-pure", ["tp"])])
+@pytest.mark.parametrize("precision, strategies", [("fp8", ["tp"]), ("bf16-pure", ["tp"])])
 def test_a_plan_of_layouts_the_run_refuses_says_why(precision, strategies, capsys):
-    """Falcon-180B on H200s: fp8 would fit only in layouts the run does not launch (no tensor-parallel plan
-    in transformers for Falcon, no quantized stages on the hf backend), and under tensor parallelism bf16
-    cannot launch either. Either way the plan rejects those layouts with the run's reason
-    (``Layout.problem``), not with their memory, and says so."""
+    """Falcon-180B on H200s under tensor parallelism: transformers has no tensor-parallel plan for Falcon,
+    so in fp8 and in bf16 the plan rejects those layouts with the run's reason (``Layout.problem``), not
+    with their memory, and says so."""
     arch = resolve("falcon-180b")
     target = GpuTarget("NVIDIA H200", 8, H200_TOTAL_MEMORY, described=True)
     result = plan(arch, "infer", target, seq_len=512, new_tokens=32, batch_sizes=[1], precisions=[precision],
@@ -1862,18 +1861,24 @@ def test_a_weight_only_format_slower_than_bf16_at_the_batch_asked_warns_in_the_r
 
 
 def test_a_model_no_layout_splits_says_why_instead_of_a_gpu_count(capsys):
-    """Falcon has no tensor-parallel plan in transformers, and transformers' pipeline stages hold no
-    quantized weights: quantized, no layout divides its weights, which --requirements says with the
-    pipeline's reason; in bf16 the stages do, and a Llama splits in any precision."""
+    """Training Falcon: transformers has no tensor-parallel plan for it and its pipeline stages run
+    inference only, so no layout divides its weights, which --requirements says with the pipeline's
+    reason; for inference its stages split it in any precision (quantized layers are made on their
+    stage's device), and a Llama splits in any mode."""
     falcon = resolve("falcon-180b")
-    reason = unsplittable(falcon, "infer", "nf4", 8)
-    assert reason is not None and "floating-point weights" in reason
-    assert unsplittable(falcon, "infer", "bf16-pure", 8) is None
+    reason = unsplittable(falcon, "train", "bf16", 8)
+    assert reason is not None and "for inference" in reason
+    for precision in ("bf16-pure", "nf4", "int8"):
+        assert unsplittable(falcon, "infer", precision, 8) is None
     assert unsplittable(resolve("7B"), "infer", "nf4", 8) is None
+    code, out, _ = cli(["plan", "--requirements", "--gpu", "H100-80GB", "--models", "falcon-180b", "--mode", "train",
+                        "--precision", "bf16", "--json"], capsys)
+    (row,) = json.loads(out)
+    assert code == 0 and row["min_gpus"] is None and row["how"] == unsplittable(falcon, "train", "bf16", MOST_GPUS)
     code, out, _ = cli(["plan", "--requirements", "--gpu", "H100-80GB", "--models", "falcon-180b", "--mode", "infer",
                         "--precision", "nf4", "--json"], capsys)
     (row,) = json.loads(out)
-    assert code == 0 and row["min_gpus"] is None and row["how"] == unsplittable(falcon, "infer", "nf4", MOST_GPUS)
+    assert code == 0 and row["min_gpus"] is not None and "pipeline" in row["how"]
 
 
 # ---- activation checkpointing of the fewest layers that fit ----------------------------------------

@@ -607,19 +607,12 @@ def estimate_memory(arch: Architecture, mode: str, precision: str, batch: int, s
         terms = [Term("weights", weights, f"{fmt.source}: {quantized:,.0f} B in the layers' "
                                           f"matrices, {plain:,.0f} B in bf16 elsewhere"), rotary_term(arch, backend)]
         per_element = facts.build_temporary_bytes
-        if backend == "hf":
-            # transformers' model is built whole in bf16, runs the quality reference, then is quantized in place
-            terms.append(Term("bf16 model before quantizing", 2 * local_params - weights,
-                              f"2 B x {local_params:,} parameters less the quantized weights: the hf backend builds "
-                              f"the model whole in bf16 and quantizes it in place (fitbench.worker.quantize."
-                              f"quantize_built)", frozenset({BUILD})))
-            terms.append(Term("quantizer temporaries", per_element * largest_layer_matrix(arch) / tp,
-                              f"{per_element:g} B x the largest matrix (measured)", frozenset({BUILD})))
-        else:
-            terms.append(Term("quantizer temporaries",
-                              (2 * arch.params_per_layer + per_element * largest_layer_matrix(arch)) / tp,
-                              f"one layer in bf16 while it is quantized, and {per_element:g} B x its largest matrix "
-                              f"(measured)", frozenset({BUILD})))
+        # both backends make and quantize one layer at a time (fitbench.worker.quantize, and its hf_layers
+        # for transformers' model, as from_pretrained loads a quantized model)
+        terms.append(Term("quantizer temporaries",
+                          (2 * arch.params_per_layer + per_element * largest_layer_matrix(arch)) / tp,
+                          f"one layer in bf16 while it is quantized, and {per_element:g} B x its largest matrix "
+                          f"(measured)", frozenset({BUILD})))
         if training:
             return _adapter_training(arch, mode, precision, widths, batch, seq_len, checkpointed, terms,
                                      layers, tp, backend, where, in_flight)

@@ -22,7 +22,7 @@ import torch
 import torch.distributed as dist
 
 from fitbench.models.architecture import Architecture
-from fitbench.models.backends import DECODE_TUNING, CausalLM, NativeLM, load_model
+from fitbench.models.backends import DECODE_TUNING, CausalLM, HuggingFaceLM, NativeLM, load_model
 from fitbench.models.hf import has_weights
 from fitbench.models.native import NativeCausalLM
 from fitbench.models.offload import Offload, build_offloaded
@@ -35,6 +35,7 @@ from fitbench.worker.parallelize import DRAWN_PER_RANK, local_shards, tensor_par
 from fitbench.worker.pipeline import PipelineLM
 from fitbench.worker.quality import Quality
 from fitbench.worker.quantize import Carried, build_quantized_native, quantize_built
+from fitbench.worker.quantize.hf_layers import build_quantized_hf
 from fitbench.worker.quantize.torchao import float8_training
 from fitbench.worker.ranks import Rank
 from fitbench.worker.stages import build_stage, prune
@@ -106,15 +107,18 @@ def build_stage_of_rank(spec: RunSpec, arch, policy, device: torch.device, rank:
                         model_path: str | None) -> Built:
     """This rank's pipeline stage: transformers' stages all in this one process, over a GPU each
     (``fitbench.worker.hf_pipeline``), or the native model's stage of this rank (``build_pipelined``)."""
-    if spec.backend == "hf":
-        devices = stage_devices(device, spec.layout.pp)
-        module, _ = build_staged(arch, devices, policy.weight_dtype, weights_dir=model_path)
-        return Built(StagedHuggingFaceLM(module, policy.compute_dtype == policy.weight_dtype, devices))
     problem = entry(spec.precision).hardware_problem(device.type, torch.cuda.get_device_capability(device)
                                                      if device.type == "cuda" else None)
     if problem:
         raise RefusedError(problem)
     probe = random_tokens(arch.vocab_size, 1, min(spec.seq_len, PROBE_TOKENS), device, spec.seed + 1)
+    if spec.backend == "hf":
+        devices = stage_devices(device, spec.layout.pp)
+        if policy.quantized:
+            module, _, quality = build_quantized_hf(arch, devices, spec.precision, probe)
+            return Built(StagedHuggingFaceLM(module, True, devices), quality)
+        module, _ = build_staged(arch, devices, policy.weight_dtype, weights_dir=model_path)
+        return Built(StagedHuggingFaceLM(module, policy.compute_dtype == policy.weight_dtype, devices))
     lm, quality = build_pipelined(spec, arch, policy, rank, probe if policy.quantized else None)
     return Built(decoding_as_asked(lm, spec), quality)
 
@@ -158,6 +162,9 @@ def build_converted(spec: RunSpec, arch, policy, device: torch.device, model_pat
         module, quality = build_quantized_native(arch, device, spec.precision, probe)
         lm = NativeLM(module, cache_dtype=policy.compute_dtype, cuda_graphs=spec.cuda_graphs,
                       graph_problem=precision.graph_problem)
+    elif model_path is None:
+        module, _, quality = build_quantized_hf(arch, [str(device)], spec.precision, probe)
+        lm = HuggingFaceLM(module, static_cache=True)
     else:
         lm = load_model(arch, spec.backend, device, policy.weight_dtype, model_path=model_path,
                         cuda_graphs=spec.cuda_graphs, graph_problem=precision.graph_problem, fused=False)
