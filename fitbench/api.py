@@ -196,7 +196,8 @@ def start_sweep(given: dict[str, Any], *, resume: str | None, extend: bool, conf
 def save_code_diff(directory: Path) -> str | None:
     """The code's changes against its commit (``fitbench.hardware.environment.code_diff``) saved in a
     sweep's ``directory`` as ``diffs/<SHA-256>.diff``, the file a row's ``environment.git_diff_sha256``
-    names; that hash, None for unchanged code (or no checkout), which saves nothing."""
+    names; that hash, None for unchanged code (or no checkout), which saves nothing. A file of that name
+    holds that diff already (a resumed sweep on the same code): it is left as it is."""
     from fitbench.hardware.environment import code_diff, diff_sha256
 
     diff = code_diff()
@@ -204,7 +205,8 @@ def save_code_diff(directory: Path) -> str | None:
     if sha256 is not None:
         path = Path(directory) / "diffs" / f"{sha256}.diff"
         path.parent.mkdir(exist_ok=True)
-        path.write_bytes(diff)
+        if not path.exists():
+            path.write_bytes(diff)
     return sha256
 
 

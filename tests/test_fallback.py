@@ -19,7 +19,8 @@ import pytest
 import yaml
 
 from fitbench.config import SweepConfig, fallback_ladder, load_yaml, merge_sources
-from fitbench.launch.fallback import FallbackPolicy, Rung, largest_batch, next_attempt, next_rung, search_max_batch
+from fitbench.launch.fallback import FallbackPolicy, Rung, next_attempt, next_rung, search_max_batch
+from fitbench.planning.search import largest
 from fitbench.launch.job import predicted_max_batch
 from fitbench.launch.orders import assign
 from fitbench.models.registry import resolve
@@ -306,7 +307,7 @@ def test_a_disabled_policy_has_no_rung():
     assert next_rung(spec(mode="train", precision="bf16"), disabled, strategy="single", gpus=1, gpus_at_hand=8) is None
 
 
-# ---- largest_batch and search_max_batch -----------------------------------------------------------
+# ---- the largest batch within a budget, and search_max_batch -----------------------------------------------------------
 
 
 def largest_by_scan(peak_of, budget: float) -> int:
@@ -314,6 +315,11 @@ def largest_by_scan(peak_of, budget: float) -> int:
     while peak_of(batch + 1) <= budget:
         batch += 1
     return batch
+
+
+def largest_batch(peak, budget: float) -> int:
+    """The largest batch whose ``peak`` is within ``budget``, as the planner bisects for it."""
+    return largest(lambda batch: peak(batch) <= budget, limit=1 << 16)
 
 
 @pytest.mark.parametrize("peak_of", [

@@ -999,7 +999,8 @@ def test_plan_command_json_has_sizes_in_bytes(capsys):
     assert chosen["candidate"] == {"precision": "bf16-pure", "strategy": "tp", "gpus": 4,
                                    "activation_checkpointing": False, "batch_size": 1, "resident_layers": None,
                                    "compiled": False, "cpu_offload": False, "checkpointed_layers": None,
-                                   "layout": {"dp_replicate": 1, "dp_shard": 1, "tp": 4, "pp": 1, "replicas": 1}}
+                                   "layout": {"dp_replicate": 1, "dp_shard": 1, "tp": 4, "pp": 1, "replicas": 1},
+                                   "microbatches": None}
     # every layer matrix in quarters (8 kv heads split 4 ways), the embedding and the output projection
     # over the vocabulary; the norms whole on each rank
     s, norms = LLAMA2_70B, 2 * LLAMA2_70B["h"]

@@ -126,6 +126,8 @@ class Candidate:
     # The run's layout (``fitbench.spec.Layout``): the object the worker is given. Built from
     # ``strategy`` and ``gpus`` unless given (``of_layout``) and they agree with it.
     layout: Layout | None = None
+    # A pipeline's training microbatches (``fitbench.spec.RunSpec.pipeline_microbatches``); None: its default
+    microbatches: int | None = None
 
     def __post_init__(self) -> None:
         layout = self.layout
@@ -140,7 +142,7 @@ class Candidate:
 
     @property
     def parallelism(self) -> Parallelism:
-        return Parallelism(layout=self.layout, offload=self.cpu_offload)
+        return Parallelism(layout=self.layout, offload=self.cpu_offload, microbatches=self.microbatches)
 
     def as_dict(self) -> dict:
         return {**self.__dict__, "layout": self.layout.model_dump()}
