@@ -12,7 +12,9 @@ import torch.nn.functional as F
 from fitbench.config import SweepConfig, expand, fallback_ladder
 from fitbench.launch.fallback import FallbackPolicy, next_attempt
 from fitbench.models.registry import resolve
-from fitbench.planning.memory import INT8_OUTLIER_COLUMNS, adapter_params, estimate_memory
+from fitbench.planning.memory import estimate_memory
+from fitbench.planning.memory_constants import INT8_OUTLIER_COLUMNS
+from fitbench.planning.weights import adapter_params
 from fitbench.planning.planner import Candidate, GpuTarget, assess
 from fitbench.precisions import ADAPTER_RANK
 from fitbench.worker import worker
@@ -192,7 +194,7 @@ def test_float8_training_is_refused_on_a_cpu(tmp_path):
 
 
 def test_adapter_training_roofline_counts_no_weight_gradients():
-    from fitbench.planning.memory import Parallelism
+    from fitbench.planning.sharding import Parallelism
     from fitbench.planning.speed import estimate_step_time
 
     arch = resolve("7B")

@@ -17,7 +17,9 @@ from fitbench.models.native import build_native
 from fitbench.models.registry import resolve
 from fitbench.planning import compiled
 from fitbench.planning.calibration import DEFAULT
-from fitbench.planning.memory import END, FIRST, MLP, OUTPUT, START, Parallelism, estimate_memory
+from fitbench.planning.memory import estimate_memory
+from fitbench.planning.sharding import Parallelism
+from fitbench.planning.terms import END, FIRST, MLP, OUTPUT, START
 from fitbench.planning.planner import Candidate, GpuTarget, predict_spec
 from fitbench.precisions import PRECISIONS as RUNNABLE, policy
 from fitbench.spec import RunSpec

@@ -13,7 +13,11 @@ from fitbench.models.hf import build_hf, hf_config
 from fitbench.models.native import meta_model
 from fitbench.models.presets import PRESETS
 from fitbench.models.registry import resolve
-from fitbench.planning.memory import TRAINING_MODES, Parallelism, Widths, estimate_memory, gpt2_gelu_upcast_bytes
+from fitbench.planning.activations import gpt2_gelu_upcast_bytes
+from fitbench.planning.memory import estimate_memory
+from fitbench.planning.sharding import Parallelism
+from fitbench.planning.terms import Widths
+from fitbench.precisions import TRAINING_MODES
 from fitbench.planning.planner import Candidate, GpuTarget, assess
 from fitbench.precisions import DEFAULT_LADDER, QUANTIZED_PRECISIONS, entry
 from fitbench.worker.quantize import quantize_linears
@@ -146,7 +150,7 @@ def test_storage_rules_hold_on_a_real_model(family, precision):
 
 @pytest.mark.parametrize("family", ["llama", "falcon", "gpt2"])
 def test_adapters_go_on_every_layer_matrix(family):
-    from fitbench.planning.memory import adapter_params
+    from fitbench.planning.weights import adapter_params
     from fitbench.precisions import ADAPTER_RANK
     from fitbench.worker.adapters import add_adapters
 

@@ -27,7 +27,8 @@ from fitbench.planning.calibration import DEFAULT
 from fitbench.planning.collectives import BusBandwidth
 from fitbench.planning.forecast import (Ceilings, StepRun, ceilings, decode_format, forecast_spec, forecast_step_time,
                                     layer_traffic, side_by_side, step_run)
-from fitbench.planning.memory import Parallelism, Widths
+from fitbench.planning.sharding import Parallelism
+from fitbench.planning.terms import Widths
 from fitbench.planning.planner import GpuTarget, predict_spec
 from fitbench.precisions import DENSE, entry, policy
 from fitbench.precisions.entry import DecodeFormat
@@ -936,7 +937,7 @@ def test_recomputing_some_layers_costs_their_share_of_every_layers_recomputation
     elementwise traffic, autocast copies, operators, the host's checkpoint time) is C / L of what
     checkpointing every layer adds; the matmul term by hand: 2 n N (3 + C / L) FLOPs at the measured
     peak times MATMUL_EFFICIENCY."""
-    from fitbench.planning.memory import Parallelism
+    from fitbench.planning.sharding import Parallelism
     from fitbench.planning.speed import recomputed_share
 
     arch = resolve("7B")

@@ -21,7 +21,7 @@ from fitbench.models.hf import build_hf
 from fitbench.models.native import build_native, meta_model
 from fitbench.models.registry import resolve
 from fitbench.planning import speed
-from fitbench.planning.memory import Parallelism
+from fitbench.planning.sharding import Parallelism
 from fitbench.precisions import PRECISIONS, entry, policy
 from fitbench.worker import worker
 from fitbench.worker.build import Built

@@ -27,7 +27,8 @@ from fitbench.models.registry import resolve
 from fitbench.planning.calibration import (DEFAULT, NCCL_TENSOR_PARALLEL_GENERATION, TENSORS_ONLY, Calibration,
                                       calibration_path, ensure_calibration, load_calibration, save_calibration)
 from fitbench.planning.collectives import NVLINK_LATENCY_S, BusBandwidth, bus_bandwidth
-from fitbench.planning.memory import Parallelism, estimate_memory, stage_estimates
+from fitbench.planning.memory import estimate_memory, stage_estimates
+from fitbench.planning.sharding import Parallelism
 from fitbench.planning.planner import (
     GPU_ALIASES,
     MAX_AUTO_BATCH,

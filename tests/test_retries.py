@@ -3,7 +3,6 @@ warning in the row and on the terminal when there are any (here through FITBENCH
 since a CPU has no caching allocator); and the planner keeps its automatic choices clear of the margin
 below a GPU's capacity where they start."""
 
-import json
 from pathlib import Path
 
 import pytest

@@ -34,7 +34,8 @@ def test_a_guess_that_is_the_answer_takes_two_tests():
 def test_the_largest_batch_of_a_job_of_ranks_is_planned_per_rank_under_its_strategy(strategy, monkeypatch):
     from fitbench.launch.job import predicted_max_batch
     from fitbench.models.registry import resolve
-    from fitbench.planning.memory import Parallelism, estimate_memory
+    from fitbench.planning.memory import estimate_memory
+    from fitbench.planning.sharding import Parallelism
     from fitbench.spec import Layout, RunSpec
 
     fields = dict(model="small", backend="native", mode="train", precision="fp32", batch_size=1, seq_len=128,

@@ -28,7 +28,7 @@ One layer, without checkpointing:
     saved per layer = 2 r n h + 2 c n h + (2 c n h + 2 c n k + 4 n H + 3 c n f) / tp + 8 n
 
 Under bf16 autocast that is 16 n h + 4 n k + 4 n H + 6 n f + 8 n bytes, what the eager model's own
-training operators save too (``fitbench.models.layer_ops``, ``fitbench.planning.memory.saved_per_layer``).
+training operators save too (``fitbench.models.layer_ops``, ``fitbench.planning.activations.saved_per_layer``).
 The first layer, whose input is the embedding's output, keeps the attention output projection's
 result (c n h) in place of the fp32 residual after attention and recomputes their sum: (r - c) n h
 less. After the last layer: its output (r n h), the final norm's 1/rms (4 n) and the output

@@ -78,7 +78,10 @@ from fitbench.models.architecture import Architecture
 from fitbench.models.hf_operators import layer_operators
 from fitbench.models.loss import loss_chunk_rows
 from fitbench.planning.collectives import PCIE_BANDWIDTH, BusBandwidth, bus_bandwidth
-from fitbench.planning.memory import Parallelism, Widths, adapter_params, kv_bytes_read_per_position, kv_heads_split
+from fitbench.planning.kv_cache import kv_bytes_read_per_position
+from fitbench.planning.sharding import Parallelism, kv_heads_split
+from fitbench.planning.terms import Widths
+from fitbench.planning.weights import adapter_params
 from fitbench.planning.nodes import LayoutLinks, Nodes, layout_links
 from fitbench.planning.speed import (HOST_LINK_BANDWIDTH, _data_parallel_step, bubble_fraction, recomputed_share,
                                  tensor_parallel_decode_s, tensor_parallel_pass_s)
@@ -610,9 +613,6 @@ def _pass_time(arch: Architecture, mode: str, precision: str, batch: int, seq_le
              "kernels": kernels_s}
     return Forecast(seconds, device_s, host_s, communication_s, _bound(device_s, host_s, communication_s), terms,
                     ops)
-
-
-
 
 
 def side_by_side(device_s: float, host_s: float) -> float:

@@ -36,8 +36,12 @@ from fitbench.planning.calibration import DEFAULT, NCCL_TENSOR_PARALLEL_GENERATI
 from fitbench.planning.collectives import bus_bandwidth
 from fitbench.planning.forecast import (Ceilings, StepRun, ceilings, decode_kind, forecast_spec, forecast_step_time,
                                    step_run)
-from fitbench.planning.memory import (TRAINING_MODES, MemoryEstimate, Parallelism, Term, Widths, estimate_memory,
-                                  offloaded_weights, rank_edge_params, saved_per_layer, stage_estimates)
+from fitbench.planning.activations import saved_per_layer
+from fitbench.planning.memory import estimate_memory, stage_estimates
+from fitbench.planning.sharding import Parallelism, rank_edge_params
+from fitbench.planning.terms import MemoryEstimate, Term, Widths
+from fitbench.planning.weights import offloaded_weights
+from fitbench.precisions import TRAINING_MODES
 from fitbench.planning.nodes import Nodes, inter_node_link, job_nodes, placement_problem
 from fitbench.planning.search import largest
 from fitbench.planning.speed import StepTime, estimate_step_time
@@ -489,7 +493,7 @@ def fewest_checkpointed(arch: Architecture, mode: str, every: Assessment, target
 
     C runs from 1 to the busiest stage's layers (``fitbench.spec.pipeline_stages``; that many is every
     layer), and the predicted tensor peak falls as C grows (each layer more recomputed trades its saved
-    activations for its input: ``fitbench.planning.memory._training``), so the fewest is found by
+    activations for its input: ``fitbench.planning.training_memory.training_estimate``), so the fewest is found by
     bisection, about log2(layers) assessments. Near every layer the overheads can break the order (the
     fragmentation counted late in the backward pass stands beside every layer's recompute, not beside
     the start of it), so the count found is one whose own assessment is good, the fewest up to that.

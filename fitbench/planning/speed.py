@@ -71,8 +71,10 @@ from dataclasses import dataclass
 from fitbench.hardware.datasheet import peak_bandwidth, peak_flops
 from fitbench.models.architecture import Architecture
 from fitbench.planning.collectives import ONE_SHOT_LATENCY_S, PCIE_BANDWIDTH, BusBandwidth, bus_bandwidth
-from fitbench.planning.memory import Parallelism, Widths, adapter_params, layer_matmul_params, quantized_layer_bytes
-from fitbench.planning.nodes import AcrossNodes, LayoutLinks, Nodes, layout_links
+from fitbench.planning.sharding import Parallelism
+from fitbench.planning.terms import Widths
+from fitbench.planning.weights import adapter_params, layer_matmul_params, quantized_layer_bytes
+from fitbench.planning.nodes import AcrossNodes, Nodes, layout_links
 from fitbench.precisions import ADAPTERS, entry
 from fitbench.spec import ONE_SHOT_BYTES, checkpointed_count, pipeline_stages
 

@@ -180,8 +180,6 @@ def build_converted(spec: RunSpec, arch, policy, device: torch.device, model_pat
                            "trainable_params": adapters})
 
 
-
-
 def build_offload(assignment: Assignment, arch, policy, device: torch.device, scratch: Path,
                   model_path: str | None) -> Built:
     """The native model with the decoder layers the device has no room for offloaded
