@@ -179,7 +179,7 @@ def test_no_term_is_negative(name):
     for mode, precision in planner_cases():
         for gpus, strategy in ((1, "single"), (2, "fsdp" if mode in TRAINING_MODES else "tp"), (4, "pipeline")):
             for recompute in ((False, True) if mode in TRAINING_MODES else (False,)):
-                result = assess(arch, mode, Candidate(precision, strategy, gpus, recompute, 2), target,
+                result = assess(arch, mode, Candidate.of_strategy(precision, strategy, gpus, recompute, 2), target,
                                 seq_len=seq_len, new_tokens=128)
                 if result.memory is None:
                     continue
@@ -212,10 +212,10 @@ def test_falcon_180b_int8_fits_three_80_gb_gpus_by_layers_and_not_two():
                                parallelism=Parallelism(layout=layout)).peak_bytes
 
     assert need(Layout(pp=2)) > 80e9 > need(Layout(pp=3))
-    rejected = assess(arch, "infer", Candidate("int8", "tp", 4, False, 1), GpuTarget(None, 4, 80e9, True),
+    rejected = assess(arch, "infer", Candidate("int8", Layout(tp=4), False, 1), GpuTarget(None, 4, 80e9, True),
                       seq_len=512, new_tokens=128)
     assert not rejected.fits and "the run cannot launch tp x 4" in rejected.reason
-    staged = assess(arch, "infer", Candidate("int8", "pipeline", 3, False, 1), GpuTarget(None, 3, 80e9, True),
+    staged = assess(arch, "infer", Candidate("int8", Layout(pp=3), False, 1), GpuTarget(None, 3, 80e9, True),
                     seq_len=512, new_tokens=128)
     assert staged.fits
 

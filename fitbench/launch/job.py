@@ -151,7 +151,7 @@ def predicted_max_batch(spec: RunSpec, device: str) -> int:
         target = GpuTarget(properties.name, ranks, injected_memory_limit() or float(properties.total_memory),
                            described=False)
         calibration = load_calibration(properties.name)
-    candidate = Candidate.of_layout(spec.precision, spec.layout, spec.activation_checkpointing, 1,
+    candidate = Candidate(spec.precision, spec.layout, spec.activation_checkpointing, 1,
                                     resident_layers=0 if spec.layer_offload else None, compiled=spec.compile,
                                     cpu_offload=spec.fsdp_offload, checkpointed_layers=spec.checkpointed_layers,
                                     microbatches=spec.microbatches)

@@ -116,9 +116,12 @@ class GpuTarget:
 
 @dataclass(frozen=True)
 class Candidate:
+    """One configuration the planner weighs: a precision, the run's layout (``fitbench.spec.Layout``, the
+    object the worker is given; its strategy and GPU count are the layout's), activation checkpointing
+    and the batch per rank."""
+
     precision: str
-    strategy: str
-    gpus: int
+    layout: Layout
     activation_checkpointing: bool
     batch_size: int
     resident_layers: int | None = None  # offload: decoder layers kept on the GPU, the rest in host memory
@@ -127,29 +130,31 @@ class Candidate:
     # With activation checkpointing: the first N decoder layers of each stage recompute, None every layer
     # (``fitbench.spec.RunSpec.checkpointed_layers``; ``fewest_checkpointed`` finds the fewest that fit)
     checkpointed_layers: int | None = None
-    # The run's layout (``fitbench.spec.Layout``): the object the worker is given. Built from
-    # ``strategy`` and ``gpus`` unless given (``of_layout``) and they agree with it.
-    layout: Layout | None = None
     # A pipeline's training microbatches (``fitbench.spec.RunSpec.pipeline_microbatches``); None: its default
     microbatches: int | None = None
 
-    def __post_init__(self) -> None:
-        layout = self.layout
-        if layout is None or (layout.strategy, layout.world_size) != (self.strategy, self.gpus):
-            object.__setattr__(self, "layout", Layout.of_strategy(self.strategy, self.gpus))
-
     @classmethod
-    def of_layout(cls, precision: str, layout: Layout, activation_checkpointing: bool, batch_size: int,
-                  **options) -> Candidate:
-        return cls(precision, layout.strategy, layout.world_size, activation_checkpointing, batch_size,
-                   layout=layout, **options)
+    def of_strategy(cls, precision: str, strategy: str, gpus: int, activation_checkpointing: bool, batch_size: int,
+                    *args, **options) -> Candidate:
+        """The candidate of ``strategy`` over ``gpus`` (``Layout.of_strategy``)."""
+        return cls(precision, Layout.of_strategy(strategy, gpus), activation_checkpointing, batch_size, *args,
+                   **options)
+
+    @property
+    def strategy(self) -> str:
+        return self.layout.strategy
+
+    @property
+    def gpus(self) -> int:
+        return self.layout.world_size
 
     @property
     def parallelism(self) -> Parallelism:
         return Parallelism(layout=self.layout, offload=self.cpu_offload, microbatches=self.microbatches)
 
     def as_dict(self) -> dict:
-        return {**self.__dict__, "layout": self.layout.model_dump()}
+        return {"precision": self.precision, "strategy": self.strategy, "gpus": self.gpus,
+                **{k: v for k, v in self.__dict__.items() if k != "precision"}, "layout": self.layout.model_dump()}
 
     @property
     def label(self) -> str:
@@ -588,7 +593,7 @@ def plan(arch: Architecture, mode: str, target: GpuTarget, *, seq_len: int, new_
                     continue
                 without: dict[int, Assessment] = {}  # by batch: this layout without checkpointing
                 for recompute in recompute_options:
-                    base = Candidate.of_layout(precision, layout, recompute, 1)
+                    base = Candidate(precision, layout, recompute, 1)
                     if batch_sizes is None:
                         batch = largest_fitting_batch(arch, mode, base, target, seq_len=seq_len,
                                                       new_tokens=new_tokens, calibration=calibration,
@@ -657,7 +662,7 @@ def fewest_gpus(arch: Architecture, mode: str, precision: str, gpu_memory: float
             fitting = [fewest_checkpointed(arch, mode, assessed, target, seq_len=seq_len, new_tokens=new_tokens,
                                            calibration=calibration, backend=backend)
                        for assessed in (
-                assess(arch, mode, Candidate.of_layout(precision, layout, recompute, batch_size), target,
+                assess(arch, mode, Candidate(precision, layout, recompute, batch_size), target,
                        seq_len=seq_len, new_tokens=new_tokens, calibration=calibration, backend=backend)
                 for layout in layouts) if assessed.fits]
             if fitting:
@@ -735,7 +740,7 @@ def predict_spec(arch: Architecture, spec, target: GpuTarget, calibration: Calib
         that leave it as clear of the margin (``fewest_checkpointed``)."""
         found: list[Assessment] = []
         for ac in recompute:
-            candidate = Candidate.of_layout(precision, layout, ac, spec.batch_size, resident_layers=resident(precision),
+            candidate = Candidate(precision, layout, ac, spec.batch_size, resident_layers=resident(precision),
                                             compiled=spec.compile, cpu_offload=spec.offload and layout.world_size > 1,
                                             checkpointed_layers=spec.checkpointed_layers if ac else None)
             assessed = assess(arch, spec.mode, candidate, target, seq_len=spec.seq_len, new_tokens=spec.new_tokens,
@@ -924,7 +929,7 @@ def alternatives(arch: Architecture, spec, target: GpuTarget, calibration: Calib
     def single(precision: str, ac: bool, batch_size: int = batch) -> Candidate:
         """The spec with these changes, on its own layout (checkpointing the spec's layers where it has
         checkpointing, every layer where it is turned on here)."""
-        return Candidate.of_layout(precision, layout, ac, batch_size, compiled=spec.compile,
+        return Candidate(precision, layout, ac, batch_size, compiled=spec.compile,
                                    cpu_offload=spec.fsdp_offload,
                                    checkpointed_layers=spec.checkpointed_layers if ac and spec.activation_checkpointing
                                    else None)
@@ -970,13 +975,13 @@ def alternatives(arch: Architecture, spec, target: GpuTarget, calibration: Calib
                                                                               spec.compile) is None:
         split = offload_split(arch, mode, precision, batch, seq_len, new_tokens=new_tokens, budget=target.memory,
                               calibration=calibration, backend=spec.backend)
-        fits = first_fitting([Candidate(precision, "single", 1, False, batch, split.resident_layers)])
+        fits = first_fitting([Candidate.of_strategy(precision, "single", 1, False, batch, split.resident_layers)])
         if fits:
             found.append(Alternative(f"with --offload in {precision} ({split.resident_layers} of {arch.num_layers} "
                                      f"layers on the GPU)", fits))
     many = replace(target, count=max_gpus)
     for gpus in node_counts(target.node_gpus, max_gpus)[1:]:
-        layouts = [Candidate.of_layout(spec.precision, other, ac, batch, compiled=spec.compile)
+        layouts = [Candidate(spec.precision, other, ac, batch, compiled=spec.compile)
                    for other in layouts_for(arch, mode, gpus, target.node_gpus)
                    if other.dp_replicate == 1 and other.replicas == 1 for ac in recompute]
         fitting = [a for a in (assess(arch, mode, c, many, seq_len=seq_len, new_tokens=new_tokens,
