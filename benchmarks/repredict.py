@@ -31,6 +31,7 @@ import statistics
 from dataclasses import replace
 from pathlib import Path
 
+from fitbench.models.hf_cache import kept_under
 from fitbench.models.registry import resolve
 from fitbench.planning.calibration import DEFAULT, Calibration, calibration_key
 from fitbench.planning.planner import GpuTarget, predict_spec
@@ -114,8 +115,9 @@ def main() -> None:
             entry = (stored or {}).get(calibration_key(gpu["name"], environment["torch"]))
             calibration = Calibration(**entry) if entry else calibration_of(row["prediction"])
             target = GpuTarget(gpu["name"], spec.layout.world_size, gpu["total_memory"], described=False)
-            _, prediction = predict_spec(resolve(spec.model), spec, target, calibration, choose_precision=False,
-                                         choose_recompute=False, runnable=(spec.precision,))
+            with kept_under(environment.get("transformers")):  # the cache the row's transformers kept
+                _, prediction = predict_spec(resolve(spec.model), spec, target, calibration, choose_precision=False,
+                                             choose_recompute=False, runnable=(spec.precision,))
             measured = max(gpu["nvml_peak_used"] for gpu in gpus)
             then, now = row["prediction"]["predicted_peak_bytes"], prediction["predicted_peak_bytes"]
             errors.append((now - measured) / measured)

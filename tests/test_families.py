@@ -384,3 +384,44 @@ def test_the_cache_layout_is_read_once_per_transformers_version(tmp_path, monkey
         assert hf_cache.cache_layout(arch, "bfloat16", "bfloat16") == measured
     finally:
         hf_cache._layout.cache_clear()
+
+
+def test_the_caches_kept_for_older_versions_are_what_those_versions_keep():
+    """``KEPT_UNDER`` holds the caches of the versions committed rows ran; where the installed transformers
+    is one of them (CI's oldest environment), reading them again gives the table's."""
+    import transformers
+
+    from fitbench.models import hf_cache
+
+    kept = hf_cache.KEPT_UNDER.get(transformers.__version__)
+    if kept is None:
+        pytest.skip(f"transformers {transformers.__version__} is not among KEPT_UNDER's versions")
+    for key, layout in kept.items():
+        model_type, kv_heads, weights, compute = key.split("|")
+        measured = hf_cache.measure_layout(model_type, int(kv_heads), weights, compute)
+        assert dataclasses.astuple(measured)[:5] == layout, key
+
+
+def test_a_row_is_repredicted_with_the_cache_its_transformers_kept():
+    """Within ``kept_under`` a version of ``KEPT_UNDER`` answers with that version's cache (Falcon-40B's
+    every query head, 16 times its kv heads, up to 5.24) and the planner's KV term follows; outside it,
+    and for a version not in the table, the installed one's."""
+    from fitbench.models.hf_cache import KEPT_UNDER, cache_layout, kept_under
+
+    arch = resolve("falcon-40b")
+
+    def kv_term() -> float:
+        terms = estimate_memory(arch, "infer", "bf16-pure", 8, 512, new_tokens=32, backend="hf").terms
+        return {t.name: t.bytes for t in terms}["KV cache"]
+
+    installed = cache_layout(arch, "bfloat16", "bfloat16")
+    for version, layouts in KEPT_UNDER.items():
+        key_bytes, value_bytes, query_heads, _, _ = layouts["falcon|2|bfloat16|bfloat16"]
+        with kept_under(version):
+            layout = cache_layout(arch, "bfloat16", "bfloat16")
+            heads = arch.num_heads if query_heads else arch.num_kv_heads
+            assert layout.source == f"transformers {version}" and layout.query_heads == query_heads
+            assert kv_term() == (key_bytes + value_bytes) * heads * arch.head_dim * arch.num_layers * 8 * (512 + 32)
+    with kept_under("0.0.1"):
+        assert cache_layout(arch, "bfloat16", "bfloat16") == installed
+    assert cache_layout(arch, "bfloat16", "bfloat16") == installed
