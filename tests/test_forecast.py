@@ -955,3 +955,16 @@ def test_a_constant_refit_without_its_gpu_is_the_median_of_the_other_gpus_rows_t
     assert count == len(by_hand) > 0
     assert value == pytest.approx(statistics.median(by_hand))
     assert forecast.KERNEL_S == before  # the refit leaves the forecast's constant as it was
+
+
+def test_a_gpus_rows_out_of_sample_take_the_median_calibration_of_the_other_gpus_rows_of_their_kind():
+    """``repredict.py --out-of-sample``: for an H200 training row, the CUDA context and workspaces read back
+    from the H100's training rows, their medians by hand; none where the other GPUs have no row of the kind."""
+    script = benchmark_module("repredict")
+    read_back = [("H100", "training", 500e6, 10e6), ("H100", "training", 700e6, 30e6),
+                 ("H100", "training", 600e6, 20e6), ("H100", "eager", 100e6, 1e6), ("H200", "training", 9e9, 9e9)]
+    calibration = script.out_of_sample_calibration(read_back, "H200", "training")
+    assert (calibration.context("train"), calibration.workspace("train")) == (600e6, 20e6)
+    assert calibration.context("infer", decode_graph=False) == 600e6  # the row's own kind stands for all
+    assert script.out_of_sample_calibration(read_back, "H100", "eager") is None
+    assert script.out_of_sample_calibration(read_back, "H200", "inference") is None
