@@ -220,6 +220,9 @@ def plan_options(parser: argparse.ArgumentParser) -> None:
     add("--trace", action="store_true", help="also trace the chosen plan on fake tensors (exact tensor peak)")
     add("--requirements", action="store_true", help="table of the fewest GPUs each model x precision needs")
     add("--json", action="store_true", help="machine-readable output, sizes in bytes")
+    add("--preregister", metavar="FILE", default=None,
+        help="also write each chosen configuration's predicted peak and forecast tokens/s to FILE (a new file), "
+             "before anything runs; `fitbench report DIR --preregistered FILE` sets them beside what ran")
 
 
 def json_output(help: str) -> OptionGroup:
@@ -288,6 +291,13 @@ def analysis_options(default=None) -> OptionGroup:
                                  "is written without it (default 120)")
 
     return group
+
+
+def preregistered_option(parser: argparse.ArgumentParser) -> None:
+    """``--preregistered FILE``: the forecasts ``fitbench plan --preregister`` wrote, beside what ran."""
+    parser.add_argument("--preregistered", metavar="FILE", default=None,
+                        help="the file of `fitbench plan --preregister FILE`: each registered configuration's "
+                             "forecast beside the row that ran it, with their errors")
 
 
 def report_documents(parser: argparse.ArgumentParser) -> None:

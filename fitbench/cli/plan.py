@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import sys
 
 from rich.markup import escape
 from rich.table import Table
@@ -11,6 +12,7 @@ from rich.table import Table
 from fitbench.cli.command import Command
 from fitbench.cli.console import console
 from fitbench.cli.options import plan_options
+from fitbench.util.errors import UserError
 
 PLAN_EXAMPLES = """\
 examples:
@@ -18,6 +20,7 @@ examples:
   fitbench plan --models 7B 13B --mode train --gpu H100-80GB --batch-size auto
   fitbench plan --models small --mode train --batch-size 4 --seq-len 512 --gpu H100-80GB --trace
   fitbench plan --models 7B 13B 70B --gpu-memory 80GB --requirements
+  fitbench plan --models 7B --mode infer --gpu H100-80GB --preregister forecasts.json
 Without --gpus/--gpu-memory/--gpu the GPUs of this machine are used.
 """
 
@@ -88,6 +91,9 @@ def plan(args: argparse.Namespace) -> int:
 
     where = {"gpu": args.gpu, "gpu_memory": args.gpu_memory, "gpus": args.gpus, "gpus_per_node": args.gpus_per_node,
              "nodes": args.nodes, "inter_node_bandwidth": args.inter_node_bandwidth}
+    if args.requirements and args.preregister:
+        raise UserError("preregister: --requirements plans no configuration to run, so there is nothing to register. "
+                        "Drop --requirements, or --preregister.")
     if args.requirements:
         from fitbench.config import merge_sources
 
@@ -111,6 +117,9 @@ def plan(args: argparse.Namespace) -> int:
                                    checkpointed_layers=chosen.checkpointed_layers, backend=default_backend(arch))
             results.append((result, trace))
             outputs.append({**result.as_dict(), "trace": trace.__dict__ if trace else None})
+    if args.preregister:
+        registered = _preregister(args, [result for result, _ in results])
+        print(f"registered {registered} forecast(s) in {args.preregister}", file=sys.stderr)
     if args.json:
         print(json.dumps(outputs, indent=2, default=str))
     else:
@@ -125,6 +134,28 @@ def plan(args: argparse.Namespace) -> int:
                 console.print("\n".join(sbatch_lines_for(result.model, result.chosen.candidate.gpus,
                                                           args.gpus_per_node)) + "\n", markup=False, highlight=False)
     return 1 if any(result.chosen is None for result, _ in results) else 0
+
+
+def _preregister(args: argparse.Namespace, results: list) -> int:
+    """Write the chosen configuration of each plan with its forecasts to ``--preregister``'s file
+    (``fitbench.results.preregistration``); how many were written (a plan that chose nothing has none)."""
+    from fitbench.results.preregistration import registration, write_registrations
+
+    registrations = []
+    for result in results:
+        if result.chosen is None:
+            continue
+        candidate = result.chosen.candidate
+        configuration = {"model": result.model, "mode": result.mode, "precision": candidate.precision,
+                         "batch_size": candidate.batch_size, "seq_len": args.seq_len, "new_tokens": args.new_tokens,
+                         "activation_checkpointing": candidate.activation_checkpointing,
+                         "checkpointed_layers": candidate.checkpointed_layers, "compile": candidate.compiled,
+                         "layout": candidate.layout.model_dump()}
+        registrations.append(registration(configuration, result.target.name, candidate.gpus,
+                                          result.chosen.predicted_peak, result.chosen.forecast_tokens_per_s,
+                                          "fitbench " + " ".join(getattr(args, "argv", []) or [])))
+    write_registrations(args.preregister, registrations)
+    return len(registrations)
 
 
 def nodes_for(gpus: int, gpus_per_node: int) -> int:
