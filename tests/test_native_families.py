@@ -206,3 +206,35 @@ def test_fitbench_run_measures_a_gpt2_config_on_the_native_engine(tmp_path, caps
     assert sorted(row["spec"]["mode"] for row in rows) == ["forward", "infer", "train"]
     for row in rows:
         assert row["status"] == "ok" and row["spec"]["backend"] == "native", row.get("error")
+
+
+# Training follows the native blocks tensor by tensor (3%); inference as transformers' models are held (6%).
+TRAIN_TOLERANCE, INFERENCE_TOLERANCE = 0.03, 0.06
+
+
+def trace_cases():
+    for family in ("falcon", "gpt2"):
+        for mode in ("train", "forward", "infer"):
+            for precision in ("fp32", "bf16", "bf16-pure"):
+                for batch, seq_len in ((1, 64), (4, 256)):
+                    yield pytest.param(family, mode, precision, batch, seq_len,
+                                       id=f"{family}-{mode}-{precision}-{batch}x{seq_len}")
+
+
+@pytest.mark.parametrize("family, mode, precision, batch, seq_len", list(trace_cases()))
+def test_the_planners_native_terms_match_the_trace(family, mode, precision, batch, seq_len):
+    """The planner's peak for the native Falcon and GPT-2 blocks against the fake-tensor trace of the model
+    a run builds (its fused projections) through fitbench's loops (``fitbench.worker.trace``)."""
+    import dataclasses
+
+    from fitbench.planning.memory import TRAINING_MODES, estimate_memory
+    from fitbench.worker.trace import trace_peak
+
+    arch = dataclasses.replace(tiny_arch(family), hidden_size=128, num_layers=2, num_heads=8,
+                               num_kv_heads=2 if family == "falcon" else 8, ffn_size=512, vocab_size=1000,
+                               max_seq_len=512)
+    actual = trace_peak(arch, mode, precision, batch, seq_len, new_tokens=3, backend="native", fused=True).peak_bytes
+    estimate = estimate_memory(arch, mode, precision, batch, seq_len, new_tokens=3, backend="native")
+    error = (estimate.peak_bytes - actual) / actual
+    tolerance = TRAIN_TOLERANCE if mode in TRAINING_MODES else INFERENCE_TOLERANCE
+    assert abs(error) <= tolerance, f"analytic {estimate.peak_bytes:,.0f} B vs traced {actual:,} B ({error:+.2%})"

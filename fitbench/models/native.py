@@ -315,10 +315,11 @@ class Attention(nn.Module):
             return q, k, self.v_proj(x).view(B, T, heads[2], self.head_dim).transpose(1, 2)
         if fused:
             q, k, v = self.qkv_proj(x).split(self.qkv_proj.sizes, dim=-1)  # (B, T, (H + 2 KV) D) in three views
-            if torch.is_grad_enabled():
+            if torch.is_grad_enabled() and self.rotary:
                 # attention saves v for its backward: a view would keep the whole projection's output
                 # alive, c (h + k) more per token and layer, so v gets storage of its own, as eager's
-                # rotary gives it (q and k are new tensors once rotated)
+                # rotary gives it (q and k are new tensors once rotated); unrotated (learned positions)
+                # q, k and v are all views of the one output, which is what attention saves
                 v = v.contiguous()
         else:
             q, k, v = self.q_proj(x), self.k_proj(x), self.v_proj(x)
