@@ -309,7 +309,7 @@ def expand(config: SweepConfig, *, device: str, default_models: list[str]) -> li
         if config.checkpointed_layers is not None and backend != "native" and set(modes) & set(TRAINING_MODES):
             raise UserError(f"checkpointed_layers: the {backend} backend checkpoints every layer of "
                             f"{excerpt(model)} (transformers' gradient checkpointing) or none; give --backend "
-                            f"native (Llama-style models) for some of them, or --activation-checkpointing alone.")
+                            f"native for some of them, or --activation-checkpointing alone.")
         for mode in modes:
             default_batch, default_seq = _default_shapes(mode, device_type)
             first_rung = fallback_ladder(config, mode)[0] if config.fallback else default_precision(mode, device_type)

@@ -150,8 +150,7 @@ class Layout(BaseModel):
             return (f"layers stream in as floating-point weights; {precision} layers keep quantization state that "
                     f"accelerate's hooks do not move: use {UNQUANTIZED_BASE}")
         if backend != "native":
-            return ("fitbench builds its own decoder layer by layer to offload it: use --backend native (Llama-style "
-                    "models)")
+            return ("fitbench builds its own decoder layer by layer to offload it: use --backend native")
         if compile:
             return ("torch.compile stops at accelerate's hooks around every offloaded layer, breaking the graph at "
                     "each: drop --compile")
@@ -253,7 +252,7 @@ def _pipeline_problem(precision: str, mode: str, backend: str) -> str | None:
     if backend != "native":
         if mode in TRAINING_MODES:
             return (f"the {backend} backend's pipeline stages run one after another in one process, for inference: "
-                    f"train Llama-style models as stages with --backend native, or run {mode} on one GPU")
+                    f"train as stages with --backend native, or run {mode} on one GPU")
         return None
     if mode not in TRAINING_MODES:
         return None
@@ -277,7 +276,7 @@ def _data_parallel_problem(strategy: str, precision: str, mode: str, backend: st
     name = strategy.upper()
     if backend != "native":
         return (f"{name} is applied to fitbench's native decoder, layer by layer, and the {backend} backend's "
-                f"models are not: use --backend native (Llama-style models) or run on one GPU")
+                f"models are not: use --backend native or run on one GPU")
     if mode == "infer" and strategy == "ddp":
         return ("generation has no gradients for DDP to average, so N GPUs would run N independent copies that "
                 "one GPU's figures already describe: run infer on one GPU")

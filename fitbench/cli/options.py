@@ -87,7 +87,7 @@ def sweep_options(parser: argparse.ArgumentParser) -> None:
     add("--new-tokens", dest="new_tokens", type=int, default=S, metavar="N",
         help="tokens generated per sequence in infer (default 128 on a GPU, 32 on a CPU)")
     add("--backend", choices=("auto", "native", "hf"), default=S,
-        help="native: fitbench's decoder (Llama-style models); hf: transformers (every family). Default auto")
+        help="native: fitbench's decoder; hf: transformers; both run every family. Default auto")
     add("--compile", action="store_true", default=S, help="torch.compile the model; compile time is reported apart")
     add("--cuda-graphs", dest="cuda_graphs", action=argparse.BooleanOptionalAction, default=S,
         help="infer with the native backend on a GPU: replay each decode step from a CUDA graph captured in the "

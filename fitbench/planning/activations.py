@@ -85,6 +85,17 @@ def saved_per_layer(arch: Architecture, tokens: int, widths: Widths, tp: int = 1
     n, h, f = tokens, arch.hidden_size, arch.ffn_size
     k, heads = arch.num_kv_heads * arch.head_dim, arch.num_heads
     c, r = widths.compute, widths.residual
+    if backend == "native" and arch.family != "llama":
+        # The native decoder's Falcon and GPT-2 blocks, with the fused projections one GPU trains:
+        # the layer's input (and GPT-2's residual after attention) and each LayerNorm's mean and
+        # 1/std; the two norms' outputs, each read by one matmul (c n h each; under autocast the
+        # fp32 output's one cast); attention's q, its k and v (expanded to every head in fp32, as
+        # for Llama), its output and log-sum-exp; the GELU's input and output (2 c n f, one
+        # ``F.gelu``). No mask: attention is causal by flag.
+        residuals = 1 if arch.parallel_attention else 2
+        kv_saved = 2 * c * n * (h if c == 4 and k != h else k)
+        attention = (2 * c * n * h + kv_saved + 4 * n * heads) / tp
+        return residuals * r * n * h + 4 * r * n + 2 * c * n * h + attention + 2 * c * n * f / tp
     if arch.family == "falcon":
         attention = (4 * c * n * h + 4 * n * heads + c * n * context) / tp
         return r * n * h + 4 * r * n + 2 * c * n * h + attention + 2 * c * n * f / tp
@@ -177,12 +188,13 @@ def prefill_transient_bytes(arch: Architecture, tokens: int, widths: Widths, tp:
 
     Inside the MLP: SwiGLU's silu(gate), up and their product (3 c n f; gate itself is freed once
     silu has read it); Falcon's GELU input and output (2 c n f); GPT-2's tanh GELU, written out in
-    tensor operations, its input and three intermediates (4 c n f). Beside them, residual-sized
+    tensor operations in transformers, its input and three intermediates (4 c n f), one ``F.gelu`` in
+    the native decoder (2 c n f). Beside them, residual-sized
     tensors: in the native decoder three (3 r n h: the layer's input, which the caller still holds,
     the residual after attention and its normalized copy); in transformers' models ``HF_WIDE_AT_MLP``;
     and Falcon's boolean causal mask (B T^2 = n T bytes)."""
     n, h, f, c, r = tokens, arch.hidden_size, arch.ffn_size, widths.compute, widths.residual
-    intermediates = {"llama": 3, "falcon": 2, "gpt2": 4}[arch.family] * c * n * f / tp
+    intermediates = {"llama": 3, "falcon": 2, "gpt2": 2 if backend == "native" else 4}[arch.family] * c * n * f / tp
     residuals, casts = (3, 0) if backend == "native" else HF_WIDE_AT_MLP[arch.family]
     mask = n * context if backend == "hf" and arch.family == "falcon" else 0
     return (residuals * r + casts * c) * n * h + intermediates + mask + 8 * n

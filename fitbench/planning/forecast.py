@@ -312,11 +312,12 @@ def residual_stream_traffic(arch: Architecture, widths: Widths) -> float:
     return 2 * norm + 2 * (2 * r + c) * h
 
 
-def sequence_parallel(backend: str, training: bool, seq_len: int, tp: int) -> bool:
+def sequence_parallel(backend: str, training: bool, seq_len: int, tp: int, learned_positions: bool = False) -> bool:
     """Whether a tensor-parallel step splits the residual stream along the sequence: the native decoder's
-    training where the sequence divides by the degree (``fitbench.worker.build.build_layout``);
-    its forward passes and generation, and transformers' tensor parallelism, keep it whole on every rank."""
-    return tp > 1 and backend == "native" and training and seq_len % tp == 0
+    training where the sequence divides by the degree and positions are rotary
+    (``fitbench.worker.build.build_layout``); its forward passes and generation, a model with learned
+    positions, and transformers' tensor parallelism, keep it whole on every rank."""
+    return tp > 1 and backend == "native" and training and seq_len % tp == 0 and not learned_positions
 
 
 def loss_traffic(vocab: int, compute: int, training: bool, fused: bool = True) -> float:
@@ -473,7 +474,7 @@ def _pass_time(arch: Architecture, mode: str, precision: str, batch: int, seq_le
     # a stage's layers alone; each tensor-parallel rank runs 1 / tp of the heads and the MLP, and the
     # residual stream whole unless sequence parallelism splits it
     residual = residual_stream_traffic(arch, widths)
-    split = tp if sequence_parallel(run.backend, training, seq_len, tp) else 1
+    split = tp if sequence_parallel(run.backend, training, seq_len, tp, arch.position_embeddings == "learned") else 1
     per_rank = (layer_traffic(arch, widths) - residual) / tp + residual / split
     layers = n * share * L * per_rank * traffic_passes
     if run.compiled:

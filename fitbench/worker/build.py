@@ -224,15 +224,15 @@ def build_layout(arch, layout: Layout, policy: PrecisionPolicy, mode: str, seq_l
                  cuda_graphs: bool = False) -> tuple[NativeLM, Any, dict[str, Any]]:
     """This rank's tensor-parallel model of ``layout`` (TP alone or under FSDP), its mesh and what was
     applied. Sequence parallelism is on in training (train, forward-backward) where ``seq_len``
-    divides by the degree: it is there that the norms' and residuals' activations are kept for a
-    backward pass. Inference and ``forward`` without FSDP run on local shards
+    divides by the degree and positions are rotary: it is there that the norms' and residuals'
+    activations are kept for a backward pass (learned positions are added to the whole sequence). Inference and ``forward`` without FSDP run on local shards
     (``fitbench.worker.tensor_parallel``)."""
     problem = layout.problem(arch, mode, policy.name, "native")
     if problem:
         raise ValueError(problem)
     mesh = device_mesh(layout, rank.device.type)
     training = mode in TRAINING_MODES
-    sequence_parallel = training and seq_len % layout.tp == 0
+    sequence_parallel = training and seq_len % layout.tp == 0 and arch.position_embeddings == "rotary"
     module, applied = build_tensor_parallel(arch, Stage.of(arch.num_layers, 0, 1), tensor_mesh(mesh), rank.device,
                                             policy.weight_dtype, sequence_parallel=sequence_parallel,
                                             inference=not training and layout.dp_shard == 1)

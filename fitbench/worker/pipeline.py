@@ -65,7 +65,7 @@ def stage_forward(model: NativeCausalLM, stage: Stage, x: torch.Tensor, cache: K
     T = x.shape[1]
     cos, sin = model.rope_cos[start:start + T], model.rope_sin[start:start + T]
     if stage.first:
-        x = model.model.embed_tokens(x)  # (B, T, C)
+        x = model.add_positions(model.model.embed_tokens(x), slice(start, start + T))  # (B, T, C)
     recompute = torch.is_grad_enabled()
     layer_caches = cache.layers() if cache is not None else [None] * len(stage.layers)
     for position, (i, layer_cache) in enumerate(zip(stage.layers, layer_caches)):
