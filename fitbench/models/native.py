@@ -494,19 +494,24 @@ class NativeCausalLM(nn.Module):
         # cast once here rather than in every layer: the rotation is applied in q's dtype
         dtype = output_dtype(x)
         cos, sin = self.rope_cos[start:start + T].to(dtype), self.rope_sin[start:start + T].to(dtype)
-        recompute = torch.is_grad_enabled()
         layer_caches = cache.layers() if cache is not None else [None] * len(self.model.layers)
         for position, (layer, layer_cache) in enumerate(zip(self.model.layers, layer_caches)):
-            if recompute and self.checkpoints(position):
-                x = checkpoint(layer, x, cos, sin, layer_cache, start, use_reentrant=False)
-            else:
-                x = regions.layer(layer, x, cos, sin, layer_cache, start)
+            x = self.run_layer(position, layer, x, cos, sin, layer_cache, start, regions)
         if not last_only:
             x = self.model.norm(x)  # the states before the norm are freed before the logits exist
             return self.lm_head(x)  # (B, T, V)
         # In the decode step's strides, size-1 dimensions included, which compiled code is guarded on
         # (``contiguous`` keeps a view's): one compiled head serves the prefill and the step.
         return regions.head(self, x[:, -1:, :].clone(memory_format=torch.contiguous_format))  # (B, 1, V)
+
+    def run_layer(self, position: int, layer: nn.Module, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
+                  layer_cache: LayerCache | None, start: int, regions: Regions | None = None) -> torch.Tensor:
+        """The decoder ``layer`` at ``position`` among those this model (or its pipeline stage) runs, on ``x``:
+        recomputed in the backward pass where it ``checkpoints`` and autograd records, else through
+        ``regions`` (the plain call by default). The one place a layer's activation checkpointing applies."""
+        if torch.is_grad_enabled() and self.checkpoints(position):
+            return checkpoint(layer, x, cos, sin, layer_cache, start, use_reentrant=False)
+        return (regions or EAGER).layer(layer, x, cos, sin, layer_cache, start)
 
     def checkpoints(self, position: int) -> bool:
         """Whether the layer at ``position`` among those this model (or its pipeline stage) runs, counted
