@@ -458,7 +458,6 @@ def check_user_error(code: int, stderr: str, *fields: str) -> None:
     (["--models", "tiny", "--measure-steps", "0"], ["measure_steps"]),
     (["--models", "tiny", "--new-tokens", "1"], ["new_tokens"]),
     (["--models", "tiny", "--device", "tpu"], ["device", "tpu"]),
-    (["--models", "gpt2", "--backend", "native"], ["backend", "gpt2"]),
     # offload: inference only (the default modes include train), floating-point weights, native, no compile
     (["--models", "tiny", "--offload"], ["offload:", "--mode infer or forward", "train"]),
     (["--models", "tiny", "--mode", "infer", "--precision", "int8", "--offload"], ["offload:", "int8", "bf16-pure"]),
