@@ -14,6 +14,7 @@ import yaml
 from pydantic import BaseModel, ConfigDict, Field, StrictBool, ValidationError, field_validator, model_validator
 
 from fitbench.models.architecture import Architecture, backend_error, default_backend
+from fitbench.inert_options import Asked, refuse_inert
 from fitbench.models.registry import resolve
 from fitbench.planning.nodes import parse_inter_node_bandwidth
 from fitbench.precisions import ALIASES, DEFAULT_LADDER, PRECISIONS, TRAINING_MODES, default_precision, entry
@@ -291,21 +292,15 @@ def expand(config: SweepConfig, *, device: str, default_models: list[str]) -> li
     device_type = device.split(":")[0]
     modes = config.mode or ["train", "infer"]
     new_tokens = config.new_tokens or (32 if device_type == "cpu" else 128)
-    if config.microbatches is not None and (config.strategy != "pipeline" or config.gpus == 1):
-        raise UserError("microbatches: they split the batch of a pipelined training step; give them with "
-                        "--strategy pipeline and --gpus 2 or more, or leave --microbatches out.")
-    _refuse_inert_options(config, modes)
+    backends = [(model, _backend(config, model)) for model in config.models or default_models]
+    refuse_inert(asked_of(config, backends=frozenset(backend for _, backend in backends)))
     if config.checkpointed_layers is not None and config.activation_checkpointing is False:
         raise UserError(f"checkpointed_layers: --checkpointed-layers {config.checkpointed_layers} recomputes that many "
                         f"layers, and activation_checkpointing is false; leave out one of the two (without "
                         f"checkpointing, leave out --checkpointed-layers).")
     specs = []
-    for model in config.models or default_models:
+    for model, backend in backends:
         arch = resolve(model)
-        backend = default_backend(arch) if config.backend == "auto" else config.backend
-        problem = backend_error(arch, backend)
-        if problem:
-            raise UserError(f"backend: {problem}.")
         if config.checkpointed_layers is not None and backend != "native" and set(modes) & set(TRAINING_MODES):
             raise UserError(f"checkpointed_layers: the {backend} backend checkpoints every layer of "
                             f"{excerpt(model)} (transformers' gradient checkpointing) or none; give --backend "
@@ -348,20 +343,21 @@ def expand(config: SweepConfig, *, device: str, default_models: list[str]) -> li
     return specs
 
 
-def _refuse_inert_options(config: SweepConfig, modes: list[str]) -> None:
-    """Options that would change nothing in the modes and layout asked for, refused rather than ignored:
-    activation checkpointing where no mode has a backward pass, and a strategy for a job of one rank."""
-    if not set(modes) & set(TRAINING_MODES):
-        option = ("--checkpointed-layers" if config.checkpointed_layers is not None
-                  else "--activation-checkpointing" if config.activation_checkpointing else None)
-        if option:
-            raise UserError(f"{option.lstrip('-').replace('-', '_')}: {option} recomputes activations in the backward "
-                            f"pass, and --mode {' '.join(modes)} has none; add --mode train or forward-backward, or "
-                            f"leave {option} out.")
-    if config.strategy != "auto" and config.gpus == 1 and config.tp is None:
-        raise UserError(f"strategy: --strategy {config.strategy} spreads each configuration over --gpus N ranks, and "
-                        f"--gpus is 1, so it would run as one process; give --gpus 2 or more (or --nodes with "
-                        f"--gpus-per-node), or leave --strategy out.")
+def _backend(config: SweepConfig, model: str) -> str:
+    """The backend ``model`` runs on: the one asked for, else its default; a UserError where it cannot."""
+    arch = resolve(model)
+    backend = default_backend(arch) if config.backend == "auto" else config.backend
+    problem = backend_error(arch, backend)
+    if problem:
+        raise UserError(f"backend: {problem}.")
+    return backend
+
+
+def asked_of(config: SweepConfig, *, backends: frozenset[str] | None = None,
+             device_type: str | None = None) -> Asked:
+    """``config`` as the inert-option rules read it (``fitbench.inert_options``): every option, those the
+    user set (a resumed sweep's saved defaults are not among them: ``saved_options``)."""
+    return Asked(config.model_dump(), frozenset(config.model_fields_set), "run", backends, device_type)
 
 
 def _checkpointed_layers(config: SweepConfig, arch: Architecture, layout: Layout) -> int | None:
@@ -690,7 +686,13 @@ def saved_options(sweep: Any, name: str) -> Source:
     if not isinstance(config, dict):
         raise UserError(f"resume: {name} is damaged: it holds no `config` object. It is not a sweep fitbench "
                         f"saved, or it was edited; start a new sweep with --out.")
-    source = Source({key: value for key, value in config.items() if value is not None}, kind="saved", name=name)
+    # A value saved as its default was not set by the user: it stays out of the options given
+    # (``SweepConfig.model_fields_set``), which the inert-option rules read. The ranks stay: left out,
+    # they would be derived again from the nodes.
+    fields = SweepConfig.model_fields
+    source = Source({key: value for key, value in config.items()
+                     if value is not None and not (key in fields and key != "gpus" and value == fields[key].default)},
+                    kind="saved", name=name)
     try:
         SweepConfig.model_validate(dict(source))
     except ValidationError as error:
@@ -720,4 +722,4 @@ def resumed_config(saved: Source, requested: SweepConfig, *, extend: bool) -> Sw
                         f"change {', '.join(fixed)} ({shown}). Give only values to add, or start a new sweep "
                         f"with --out.")
     grown = {field: list(dict.fromkeys([*before[field], *after[field]])) for field in changed}
-    return SweepConfig.model_validate({**before, **grown})
+    return SweepConfig.model_validate({**saved, **grown})

@@ -30,6 +30,15 @@ from conftest import cli
 
 TINY = ["--models", "tiny", "--device", "cpu", "--seq-len", "16", "--new-tokens", "4", "--warmup-steps", "1",
         "--measure-steps", "1"]
+def shapes_for(args: list[str]) -> list[str]:
+    """TINY's shapes for a sweep of ``args``: --new-tokens only where a mode generates (elsewhere it is refused)."""
+    shapes = TINY[2:]
+    if "--mode" in args and "infer" not in args[args.index("--mode"):]:
+        at = shapes.index("--new-tokens")
+        shapes = shapes[:at] + shapes[at + 2:]
+    return shapes
+
+
 # The seeds' config layout, read as fp32, bf16-pure, int8, nf4.
 SEEDS_YAML = {"models": {"sizes": ["tiny"], "quantization": {"enabled": True, "fallback_strategy": True,
                                                              "priority_order": ["none", "fp16", "8bit", "4bit"]}},
@@ -591,8 +600,8 @@ def sweeps(tmp_path_factory, tiny_checkpoint) -> dict[str, Sweep]:
                            f"mem-limit:{offload_budget('forward', RESIDENT)}"),
         "invalid": (["--models", nan, "--mode", "infer", "--precision", "bf16-pure", "--batch-size", "1"], None),
     }
-    started = {name: start_sweep(root / name, [*([] if "--models" in args else TINY[:2]), *TINY[2:], *args], inject)
-               for name, (args, inject) in planned.items()}
+    started = {name: start_sweep(root / name, [*([] if "--models" in args else TINY[:2]), *shapes_for(args), *args],
+                                 inject) for name, (args, inject) in planned.items()}
     return {name: finish_sweep(*pair) for name, pair in started.items()}
 
 

@@ -200,7 +200,7 @@ def plan_options(parser: argparse.ArgumentParser) -> None:
     add("--batch-size", dest="batch_size", nargs="+", type=batch_size, default=[1], metavar="N",
         help="batch sizes, or auto for the largest predicted to fit (default 1)")
     add("--seq-len", "--context-length", dest="seq_len", type=int, default=512, metavar="T", help="default 512")
-    add("--new-tokens", dest="new_tokens", type=int, default=128, metavar="N",
+    add("--new-tokens", dest="new_tokens", type=int, default=None, metavar="N",
         help="generated tokens in infer (default 128)")
     add("--strategy", nargs="+", choices=("single", "ddp", "fsdp", "tp", "pipeline", "replicas"), default=None,
         help="limit the layouts considered (default: all that apply to the mode)")
