@@ -145,6 +145,10 @@ class SweepConfig(BaseModel):
                           "a fabric (ndr, hdr, 100gbe) or a figure with its unit, 400Gb/s or 50GB/s (default: "
                           "fitbench calibrate's over nodes, else the GPU's fabric)")
 
+    gpu_hour_price: float | None = Field(
+        None, ge=0, allow_inf_nan=False, description="what one GPU costs an hour, in dollars, a number such as 2.49: "
+                                                     "the tables show the cost of a million tokens")
+
     ollama_url: str | None = Field(None, description="an http(s) URL of an Ollama server, e.g. http://localhost:11434")
     ollama_model: str | None = Field(None, min_length=1, description="the model it runs for the analysis, e.g. "
                                                                      "gpt-oss-20b")
@@ -212,13 +216,14 @@ class SweepConfig(BaseModel):
     def _seed(cls, value: Any) -> Any:
         return _whole_number(value, 0, SEED_MAX)
 
-    @field_validator("timeout", "ollama_timeout", mode="before")
+    @field_validator("timeout", "ollama_timeout", "gpu_hour_price", mode="before")
     @classmethod
-    def _seconds(cls, value: Any) -> Any:
-        # YAML's true and "10" are not durations; pydantic would read them as 1.0 and 10.0.
+    def _seconds(cls, value: Any, info) -> Any:
+        # YAML's true and "10" are not durations nor prices; pydantic would read them as 1.0 and 10.0.
         if isinstance(value, (bool, str)):
             kind = "text" if isinstance(value, str) else "bool"
-            raise ValueError(f"expected a number of seconds, got {excerpt(value)} ({kind})")
+            what = "price in dollars" if info.field_name == "gpu_hour_price" else "number of seconds"
+            raise ValueError(f"expected a {what}, got {excerpt(value)} ({kind})")
         return value
 
     @field_validator("device")
@@ -678,6 +683,8 @@ def describe_validation_error(error: ValidationError, origin: dict[str, Source] 
 # What --extend may add to: the lists whose product is the sweep. Everything else is one setting of
 # the whole sweep.
 EXTENDABLE = ("models", "mode", "precision", "batch_size", "seq_len")
+# What only shows the rows: given again on a resume, the new value holds and nothing is refused.
+PRESENTATION = ("gpu_hour_price",)
 
 
 def saved_options(sweep: Any, name: str) -> Source:
@@ -706,7 +713,7 @@ def resumed_config(saved: Source, requested: SweepConfig, *, extend: bool) -> Sw
     ``extend``, the saved one with the new values added to its lists, so every configuration it had
     stays in it. Any other difference is a UserError that lists it: a saved sweep is never replaced."""
     before, after = SweepConfig.model_validate(dict(saved)).model_dump(), requested.model_dump()
-    changed = [field for field in before if before[field] != after[field]]
+    changed = [field for field in before if before[field] != after[field] and field not in PRESENTATION]
     if not changed:
         return requested
     shown = "; ".join(f"{field}: saved {excerpt(before[field])}, given {excerpt(after[field])}" for field in changed)
@@ -722,4 +729,5 @@ def resumed_config(saved: Source, requested: SweepConfig, *, extend: bool) -> Sw
                         f"change {', '.join(fixed)} ({shown}). Give only values to add, or start a new sweep "
                         f"with --out.")
     grown = {field: list(dict.fromkeys([*before[field], *after[field]])) for field in changed}
-    return SweepConfig.model_validate({**saved, **grown})
+    shown = {field: after[field] for field in PRESENTATION if after[field] is not None}
+    return SweepConfig.model_validate({**saved, **grown, **shown})

@@ -148,6 +148,7 @@ def sweep_options(parser: argparse.ArgumentParser) -> None:
         help="with --resume: add the models, modes, precisions, batch sizes and sequence lengths given to the "
              "saved sweep (it becomes their product; what it had stays in it)")
     add("--config", metavar="FILE", default=None, help="YAML file with any of these options as keys")
+    gpu_hour_price(parser, S, "; saved with the sweep, so that `fitbench report` shows it too")
     analysis_options(S)(parser)
     cluster_options(parser)
 
@@ -294,10 +295,16 @@ def report_documents(parser: argparse.ArgumentParser) -> None:
     """The files ``fitbench report`` writes beside showing the rows."""
     parser.add_argument("--html", metavar="FILE", help="write a self-contained HTML report with plots")
     parser.add_argument("--xlsx", metavar="FILE", help="write an Excel workbook: a sheet per mode, provenance, samples")
-    parser.add_argument("--gpu-hour-price", dest="gpu_hour_price", type=price, metavar="DOLLARS",
-                        help="what one GPU costs an hour: adds the cost of a million tokens to every table, page and "
-                             "workbook (price x GPUs / 3600 / tokens/s x 1e6)")
+    gpu_hour_price(parser, None, "; default: the price the sweep was run with, where it was given one")
     analysis_options()(parser)
+
+
+def gpu_hour_price(parser: argparse.ArgumentParser, default=None, more: str = "") -> None:
+    """``--gpu-hour-price``: the cost of a million tokens in the tables (``default`` is ``SUPPRESS`` where
+    a YAML file may give it)."""
+    parser.add_argument("--gpu-hour-price", dest="gpu_hour_price", type=price, default=default, metavar="DOLLARS",
+                        help="what one GPU costs an hour: adds the cost of a million tokens to every table, page and "
+                             f"workbook (price x GPUs / 3600 / tokens/s x 1e6){more}")
 
 
 def two_sweeps(parser: argparse.ArgumentParser) -> None:

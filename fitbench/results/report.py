@@ -486,17 +486,21 @@ def results_table(rows: Iterable[Row], title: str = "fitbench results",
     return ResultsTable(rows, title, folder, gpu_hour_price)
 
 
-def flat_frame(rows: Iterable[Row]) -> pd.DataFrame:
+def flat_frame(rows: Iterable[Row], gpu_hour_price: float | None = None) -> pd.DataFrame:
     """One column per field (``spec.model``, ``throughput.mfu``...), after the row's ``layout``, its
-    ``GPUs`` and, for a row that is not ok, its ``reason`` (``layout_name``, ``device_count``,
-    ``reason``); what stays nested (the list ``memory.gpus``, an empty dict) is a JSON cell, which any
-    CSV reader's user can parse back, as a Python repr is not. Raw samples stay in the JSONL only."""
+    ``GPUs``, given ``gpu_hour_price`` the cost of a million tokens (``cost_per_million_tokens``, in
+    dollars, under a name that gives the price) and, for a row that is not ok, its ``reason``
+    (``layout_name``, ``device_count``, ``reason``); what stays nested (the list ``memory.gpus``, an empty
+    dict) is a JSON cell, which any CSV reader's user can parse back, as a Python repr is not. Raw samples
+    stay in the JSONL only."""
     trimmed = []
     for row in rows:
         fields = row.as_dict()
         if isinstance(fields.get("timing"), dict):
             fields["timing"] = {k: v for k, v in fields["timing"].items() if k != "samples"}
-        trimmed.append({"layout": layout_name(row), "GPUs": device_count(row),
+        cost = ({cost_column(gpu_hour_price): cost_per_million_tokens(row, gpu_hour_price)}
+                if gpu_hour_price is not None else {})
+        trimmed.append({"layout": layout_name(row), "GPUs": device_count(row), **cost,
                         "reason": None if row.status == "ok" else reason(row), **fields})
     frame = pd.json_normalize(trimmed, sep=".")
     return frame.map(_json_cell)
@@ -506,9 +510,14 @@ def _json_cell(value: Any) -> Any:
     return json.dumps(value, default=str) if isinstance(value, (dict, list, tuple)) else value
 
 
-def write_csv(rows: Iterable[Row], directory: str | Path) -> Path:
+def cost_column(gpu_hour_price: float) -> str:
+    """The name of the cost column of the CSV, with the price it was computed at."""
+    return f"cost_per_million_tokens_usd_at_{gpu_hour_price:g}_per_gpu_hour"
+
+
+def write_csv(rows: Iterable[Row], directory: str | Path, gpu_hour_price: float | None = None) -> Path:
     path = Path(directory) / CSV_FILE
-    flat_frame(rows).to_csv(path, index=False)
+    flat_frame(rows, gpu_hour_price).to_csv(path, index=False)
     return path
 
 
