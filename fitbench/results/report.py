@@ -322,6 +322,23 @@ def _hyphenated(name: str) -> tuple[str, ...]:
     return tuple(re.split(r"(?<=-)(?=.)", name))
 
 
+def _breaks(name: str) -> tuple[str, ...]:
+    """``name`` in parts that end where a line may end inside it: after a hyphen, slash or underscore
+    ("meta-", "llama/", "Llama-"), so that a name wider than its column wraps there, never mid-word."""
+    return tuple(re.split(r"(?<=[-/_])(?=.)", name))
+
+
+def _packed(parts: tuple[str, ...], width: int) -> str:
+    """``parts`` joined, a line ending between two parts wherever the next would pass ``width`` cells
+    (a part wider than that alone on its line, which the table then folds)."""
+    lines = [""]
+    for part in parts:
+        if lines[-1] and cell_len(lines[-1] + part) > width:
+            lines.append("")
+        lines[-1] += part
+    return "\n".join(lines)
+
+
 _COMMON = {
     "model": _Column(("model",), lambda row, head: _hyphenated(head["model"]), 0, "left", words=True, separator=""),
     "params": _Column(("params",), lambda row, head: (format_count(row.params),), 8),
@@ -417,7 +434,7 @@ class ResultsTable:
         table.leading = int(any(len(row_cells[c]) > 2 for row_cells in cells for c in stacked))
         for row, row_cells in zip(rows, cells):
             status_style = "" if row.status == "ok" else "red"
-            table.add_row(*(Text(("\n" if c in stacked else columns[c].separator).join(row_cells[c]),
+            table.add_row(*(Text(_cell_text(columns[c], row_cells[c], c in stacked, widths[c]),
                                  style=status_style if columns[c].name == "status" else "") for c in shown))
         left_out = [columns[c].name for c in range(len(columns)) if c not in shown]
         if left_out:
@@ -425,6 +442,15 @@ class ResultsTable:
                              f"results.csv and `fitbench report --markdown DIR`")
             table.caption_justify = "left"
         return table
+
+
+def _cell_text(column: _Column, parts: tuple[str, ...], stacked: bool, width: int) -> str:
+    """A cell's text in a column ``width`` wide: stacked, its parts a line each, those of a name
+    (``separator`` "") packed; inline, on one line, a name (``words``) wrapping where ``_breaks`` allows."""
+    if stacked:
+        return _packed(parts, width) if column.separator == "" else "\n".join(parts)
+    text = column.separator.join(parts)
+    return _packed(_breaks(text), width) if column.words else text
 
 
 def table_cells(row: Row, model: str) -> list[tuple[str, ...]]:
@@ -468,7 +494,15 @@ def _layout(columns: list[_Column], cells: list[list[tuple[str, ...]]], width: i
     for c in sorted(stacked, key=lambda c: (inline[c] - stack[c], c)):
         if total(shown, stacked - {c}) <= width:
             stacked = stacked - {c}
-    return shown, stacked, [stack[c] if c in stacked else inline[c] for c in range(len(columns))]
+    widths = [stack[c] if c in stacked else inline[c] for c in range(len(columns))]
+    # The width left over goes to the stacked names (model, folder), in order, so they take fewer lines.
+    spare = width - total(shown, stacked)
+    for c in shown:
+        if c in stacked and columns[c].words and spare > 0:
+            grown = min(inline[c], widths[c] + spare)
+            spare -= grown - widths[c]
+            widths[c] = grown
+    return shown, stacked, widths
 
 
 def _width(column: _Column, cells: list[tuple[str, ...]], stacked: bool, words_cap: int) -> int:
