@@ -49,20 +49,20 @@ def imports() -> dict[str, set[str]]:
     return edges
 
 
-@pytest.mark.parametrize("floor, above", [("planning", {"worker", "launch", "config", "sweep", *ENTRY}),
-                                          ("worker", {"planning", "launch", "config", "sweep", *ENTRY}),
-                                          ("spec", {"planning", "worker", "launch", "config", "sweep", *ENTRY}),
-                                          ("serving", {"planning", "worker", "launch", "config", "sweep", *ENTRY}),
-                                          ("monitor", {"planning", "worker", "launch", "config", "sweep", *ENTRY,
+@pytest.mark.parametrize("floor, above", [("planning", {"worker", "launch", "config", "inert_options", "sweep", *ENTRY}),
+                                          ("worker", {"planning", "launch", "config", "inert_options", "sweep", *ENTRY}),
+                                          ("spec", {"planning", "worker", "launch", "config", "inert_options", "sweep", *ENTRY}),
+                                          ("serving", {"planning", "worker", "launch", "config", "inert_options", "sweep", *ENTRY}),
+                                          ("monitor", {"planning", "worker", "launch", "config", "inert_options", "sweep", *ENTRY,
                                                        "report"}),
-                                          ("results", {"planning", "worker", "launch", "config", "sweep", *ENTRY,
+                                          ("results", {"planning", "worker", "launch", "config", "inert_options", "sweep", *ENTRY,
                                                        "monitor", "models", "report"}),
-                                          ("report", {"planning", "worker", "launch", "config", "sweep", *ENTRY,
+                                          ("report", {"planning", "worker", "launch", "config", "inert_options", "sweep", *ENTRY,
                                                       "models"}),
-                                          ("hardware", {"planning", "worker", "launch", "config", "sweep", *ENTRY,
+                                          ("hardware", {"planning", "worker", "launch", "config", "inert_options", "sweep", *ENTRY,
                                                         "monitor", "models", "report", "results", "spec",
                                                         "precisions"}),
-                                          ("util", {"planning", "worker", "launch", "config", "sweep", *ENTRY,
+                                          ("util", {"planning", "worker", "launch", "config", "inert_options", "sweep", *ENTRY,
                                                     "monitor", "models", "report", "results", "spec",
                                                     "precisions", "hardware"})])
 def test_a_floor_imports_nothing_above_it(floor, above):

@@ -203,7 +203,7 @@ def _requirements(args, target, batch) -> int:
     nodes = ["min nodes", "GPUs used per node"] if args.gpus_per_node else []
     edge = any(row["clear_of_retry_margin"] is False for row in rows)
     for column in ("model", "mode", "precision", *nodes, "min GPUs", "how", "peak per GPU",
-                   *(["min GPUs clear of the margin"] if edge else [])):
+                   *(["min GPUs clear of margin"] if edge else [])):
         table.add_column(column)
     for row in rows:
         peak = format_bytes(row["peak_per_gpu_bytes"]) if row["peak_per_gpu_bytes"] else "-"
