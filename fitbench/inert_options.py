@@ -192,7 +192,7 @@ def _sentence(rule: InertRule, asked: Asked) -> str:
         "strategy": asked.options.get("strategy"),
         "mode_flags": f"--mode {modes}" + ("" if "mode" in asked.given or asked.command != "run" else " (the default)"),
         "decoder": ("no mode generates (--mode " + modes + ")" if not asked.generates else
-                    f"every model runs on the {' and '.join(backends)} backend, which decodes without them"),
+                    f"every model runs on the {' and '.join(backends)} backend, not the native one"),
         "setting": ("--strategy is " + str(asked.options.get("strategy")) if asked.options.get("strategy") != "pipeline"
                     else "--gpus is 1" if (asked.options.get("gpus") or 1) == 1 else f"--mode {modes} does not train"),
     }

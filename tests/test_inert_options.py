@@ -153,3 +153,12 @@ def test_nodes_and_gpus_per_node_give_the_gpus(tmp_path, capsys):
     code, stdout, err = cli([*PLAN[:3], "--gpu", "H100-80GB", "--nodes", "2", "--gpus-per-node", "1", "--json"],
                             capsys)
     assert code == 0 and json.loads(stdout)[0]["hardware"]["count"] == 2, (stdout, err)
+
+
+def test_a_trace_the_chosen_plan_cannot_take_is_a_warning(capsys):
+    """--trace traces one GPU's plan; where the planner chose several GPUs, the plan says it was not traced."""
+    code, stdout, err = cli(["plan", "--models", "llama-2-70b", "--mode", "infer", "--gpu", "H100-80GB", "--gpus", "4",
+                             "--trace", "--json"], capsys)
+    [plan] = json.loads(stdout)
+    assert code == 0 and plan["trace"] is None and plan["chosen"]["candidate"]["gpus"] > 1
+    assert f"uses {plan['chosen']['candidate']['gpus']}; it is not traced" in err and "--trace" in err

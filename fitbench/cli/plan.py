@@ -9,9 +9,9 @@ from rich.markup import escape
 from rich.table import Table
 
 from fitbench.cli.command import Command
-from fitbench.cli.console import console
-from fitbench.cli.options import plan_options
 from fitbench.api import DEFAULT_NEW_TOKENS
+from fitbench.cli.console import console, warn
+from fitbench.cli.options import plan_options
 
 PLAN_EXAMPLES = """\
 examples:
@@ -108,6 +108,9 @@ def plan(args: argparse.Namespace) -> int:
                                 seq_len=args.seq_len, new_tokens=args.new_tokens if mode == "infer" else None,
                                 strategies=args.strategy)
             trace = None
+            if args.trace and result.chosen and result.chosen.candidate.gpus > 1:
+                warn(f"trace: --trace traces a plan of one GPU on fake tensors, and the plan chosen for "
+                     f"{result.model} {mode} uses {result.chosen.candidate.gpus}; it is not traced.")
             if args.trace and result.chosen and result.chosen.candidate.gpus == 1:
                 from fitbench.models.architecture import default_backend
                 from fitbench.models.registry import resolve
