@@ -13,8 +13,8 @@ from typing import Annotated, Any, Callable, Literal
 import yaml
 from pydantic import BaseModel, ConfigDict, Field, StrictBool, ValidationError, field_validator, model_validator
 
-from fitbench.models.architecture import Architecture, backend_error, default_backend
 from fitbench.inert_options import Asked, refuse_inert
+from fitbench.models.architecture import Architecture, backend_error, default_backend
 from fitbench.models.registry import resolve
 from fitbench.planning.nodes import parse_inter_node_bandwidth
 from fitbench.precisions import ALIASES, DEFAULT_LADDER, PRECISIONS, TRAINING_MODES, default_precision, entry

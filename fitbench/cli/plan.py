@@ -86,10 +86,8 @@ def plan(args: argparse.Namespace) -> int:
     """Predict per-GPU memory term by term and choose how to run each model; no GPU needed."""
     from fitbench.api import plan as plan_model
     from fitbench.api import plan_batches, plan_target
-
-    from fitbench.inert_options import Asked, refuse_inert
-
     from fitbench.config import merge_sources
+    from fitbench.inert_options import Asked, refuse_inert
 
     # The values first, as `run` checks them, then what they change.
     shapes = merge_sources({}, {}, {"batch_size": args.batch_size, "seq_len": [args.seq_len],
