@@ -54,6 +54,11 @@ def in_tmp(tmp_path, monkeypatch):
     monkeypatch.delenv("FITBENCH_INJECT", raising=False)
 
 
+# The tokens a sweep without --new-tokens keeps in its specs on a CPU (fitbench.config.expand): those of
+# sweeps that generate nothing, which are not given --new-tokens (shapes_for).
+CPU_NEW_TOKENS = 32
+
+
 def spec(**fields) -> RunSpec:
     """A tiny CPU configuration as the command line above expands it, with ``fields`` changed."""
     base = dict(model="tiny", backend="native", mode="infer", precision="bf16-pure", batch_size=1, seq_len=16,
@@ -713,8 +718,8 @@ def auto_row(sweeps) -> dict:
 def test_auto_batch_finds_the_largest_batch_under_the_limit(sweeps):
     row = auto_row(sweeps)
     budget = auto_budget()
-    original = spec(mode="train", precision="fp32", batch_size=1, auto_batch=True)
-    final = spec(mode="train", precision="fp32", batch_size=AUTO_BATCH)
+    original = spec(mode="train", precision="fp32", batch_size=1, auto_batch=True, new_tokens=CPU_NEW_TOKENS)
+    final = spec(mode="train", precision="fp32", batch_size=AUTO_BATCH, new_tokens=CPU_NEW_TOKENS)
     assert row["status"] == "ok", row.get("error")
     assert row["key"] == original.key
     assert "autox16" in original.label  # what the sweep calls this configuration before it runs
@@ -777,7 +782,7 @@ def test_out_of_memory_on_every_rung_ends_in_offload(sweeps):
 def test_offload_option_keeps_on_the_device_the_layers_the_budget_holds(sweeps):
     sweep = sweeps["offload_option"]
     row = ran(sweep)
-    planned = spec(mode="forward", precision="bf16-pure", offload=True)
+    planned = spec(mode="forward", precision="bf16-pure", offload=True, new_tokens=CPU_NEW_TOKENS)
     assert row["status"] == "ok", row.get("error")
     assert row["key"] == planned.key and row["spec"] == planned.model_dump()
     assert " offload " in row["label"]
