@@ -15,8 +15,12 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any, Callable
 
+from fitbench.planning.planner import GpuTarget
 from fitbench.precisions import TRAINING_MODES
 from fitbench.util.errors import UserError
+
+# GPUs of one node where none are given (--gpus-per-node): the planner's.
+NODE_GPUS = GpuTarget.__dataclass_fields__["node_gpus"].default
 
 # The strategies under which generation spreads no layer over ranks: data parallelism has nothing to
 # average or shard in it (``fitbench.config._layout`` runs it in one process), a pipeline keeps whole layers.
@@ -165,6 +169,10 @@ RULES: tuple[InertRule, ...] = (
     InertRule("nodes", ("plan",), lambda a: a.requirements,
               "sets how many nodes to plan for, and --requirements finds the fewest itself (in nodes of "
               "--gpus-per-node)", "leave out --nodes"),
+    InertRule("inter_node_bandwidth", ("plan",), lambda a: not a.requirements and a.nodes is None and (
+        a.gpus is not None and a.gpus <= (a.gpus_per_node or NODE_GPUS)),
+              "gives collectives that cross nodes their bandwidth, and the {gpus} GPU(s) planned for fit in one node "
+              "of {node_gpus}", "plan for more GPUs than a node holds (--gpus, --nodes), or leave {flag} out"),
     InertRule("trace", ("plan",), lambda a: a.requirements,
               "traces the chosen plan, and --requirements chooses none", "leave out one of the two"),
     InertRule("batch_size", ("plan",), lambda a: a.requirements and list(a.batch_size) != [1] and (
@@ -190,7 +198,7 @@ def _sentence(rule: InertRule, asked: Asked) -> str:
     backends = sorted(asked.backends or ())
     words = {
         "flag": flag(rule.option, value), "modes": modes, "gpus": asked.options.get("gpus") or 1,
-        "strategy": asked.options.get("strategy"),
+        "strategy": asked.options.get("strategy"), "node_gpus": asked.options.get("gpus_per_node") or NODE_GPUS,
         "mode_flags": f"--mode {modes}" + ("" if "mode" in asked.given or asked.command != "run" else " (the default)"),
         "decoder": ("no mode generates (--mode " + modes + ")" if not asked.generates else
                     f"every model runs on the {' and '.join(backends)} backend, not the native one"),

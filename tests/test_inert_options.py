@@ -58,6 +58,8 @@ REFUSED = [
     ("gpus", "finds the fewest", [*PLAN, "--requirements", "--gpus", "4"], ["--gpus 4", "--requirements"]),
     ("nodes", "finds the fewest", [*PLAN[:3], "--gpu", "H100-80GB", "--gpus-per-node", "8", "--nodes", "2",
                                    "--requirements"], ["--nodes 2", "leave out --nodes"]),
+    ("inter_node_bandwidth", "one node", [*PLAN, "--gpus", "4", "--inter-node-bandwidth", "100gbe"],
+     ["--inter-node-bandwidth 100gbe", "4 GPU(s)", "one node of 8"]),
     ("trace", "chooses none", [*PLAN, "--requirements", "--trace"], ["--trace", "--requirements"]),
     ("batch_size", "one batch", [*PLAN, "--requirements", "--batch-size", "1", "4"],
      ["--batch-size 1 4", "give one --batch-size N"]),
