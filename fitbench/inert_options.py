@@ -193,6 +193,8 @@ RULES: tuple[InertRule, ...] = (
 
 
 def _sentence(rule: InertRule, asked: Asked) -> str:
+    """The paragraph of ``rule`` for ``asked``: the field, the option as written, why it changes nothing
+    there, and the fix, its words filled in from what was asked."""
     value = asked.options.get(rule.option)
     modes = " ".join(asked.modes)
     backends = sorted(asked.backends or ())
