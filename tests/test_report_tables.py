@@ -105,6 +105,7 @@ def test_long_names_wrap_at_their_hyphens_inside_160_columns(tmp_path):
     lines = [json.loads(line) for line in (MODEL_PARALLEL / "1" / "results.jsonl").read_text().splitlines()]
     for line in lines:
         line["spec"]["model"] = model
+    lines[-1].update(status="oom", error="out of memory: " + "needs 130.8 GB on one GPU of 85.0 GB; " * 6)
     (tmp_path / folder / "results.jsonl").write_text("".join(json.dumps(line) + "\n" for line in lines))
     [group] = read_sweeps([str(tmp_path)], "report").given()
     console = Console(width=160, file=io.StringIO(), color_system=None)
@@ -122,3 +123,5 @@ def test_long_names_wrap_at_their_hyphens_inside_160_columns(tmp_path):
     assert "".join(folder_parts) == folder and "".join(model_parts) == model, text
     assert len(folder_parts) > 1 and all(part.endswith(("-", "_", "/")) for part in folder_parts[:-1])
     assert len(model_parts) > 1 and all(part.endswith(("-", "_", "/")) for part in model_parts[:-1])
+    reason = lines[lines.index("not ok:") + 1:]
+    assert len(reason) > 2 and all(line.startswith("  ") for line in reason)  # its wrapped lines indented too

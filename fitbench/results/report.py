@@ -26,6 +26,7 @@ import pandas as pd
 from rich import box
 from rich.cells import cell_len
 from rich.console import Console, ConsoleOptions, RenderResult
+from rich.padding import Padding
 from rich.table import Table
 from rich.text import Text
 
@@ -409,7 +410,7 @@ class ResultsTable:
             if failed:
                 yield Text("not ok:", style="red")
                 for line in failed:
-                    yield Text(f"  {line}")
+                    yield Padding(Text(line), (0, 0, 0, 2), expand=False)  # wrapped lines indented as the first
 
     def _table(self, mode: str, rows: list[Row], names: dict[str, str], width: int) -> Table:
         columns = list(_INFER_COLUMNS if mode in PER_TOKEN_MODES else _TRAINING_COLUMNS)
