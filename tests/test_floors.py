@@ -49,20 +49,24 @@ def imports() -> dict[str, set[str]]:
     return edges
 
 
-@pytest.mark.parametrize("floor, above", [("planning", {"worker", "launch", "config", "sweep", *ENTRY}),
-                                          ("worker", {"planning", "launch", "config", "sweep", *ENTRY}),
-                                          ("spec", {"planning", "worker", "launch", "config", "sweep", *ENTRY}),
-                                          ("serving", {"planning", "worker", "launch", "config", "sweep", *ENTRY}),
-                                          ("monitor", {"planning", "worker", "launch", "config", "sweep", *ENTRY,
+# The input floor: the options read, and which of them change nothing.
+INPUT = ("config", "inert_options")
+
+
+@pytest.mark.parametrize("floor, above", [("planning", {"worker", "launch", *INPUT, "sweep", *ENTRY}),
+                                          ("worker", {"planning", "launch", *INPUT, "sweep", *ENTRY}),
+                                          ("spec", {"planning", "worker", "launch", *INPUT, "sweep", *ENTRY}),
+                                          ("serving", {"planning", "worker", "launch", *INPUT, "sweep", *ENTRY}),
+                                          ("monitor", {"planning", "worker", "launch", *INPUT, "sweep", *ENTRY,
                                                        "report"}),
-                                          ("results", {"planning", "worker", "launch", "config", "sweep", *ENTRY,
+                                          ("results", {"planning", "worker", "launch", *INPUT, "sweep", *ENTRY,
                                                        "monitor", "models", "report"}),
-                                          ("report", {"planning", "worker", "launch", "config", "sweep", *ENTRY,
+                                          ("report", {"planning", "worker", "launch", *INPUT, "sweep", *ENTRY,
                                                       "models"}),
-                                          ("hardware", {"planning", "worker", "launch", "config", "sweep", *ENTRY,
+                                          ("hardware", {"planning", "worker", "launch", *INPUT, "sweep", *ENTRY,
                                                         "monitor", "models", "report", "results", "spec",
                                                         "precisions"}),
-                                          ("util", {"planning", "worker", "launch", "config", "sweep", *ENTRY,
+                                          ("util", {"planning", "worker", "launch", *INPUT, "sweep", *ENTRY,
                                                     "monitor", "models", "report", "results", "spec",
                                                     "precisions", "hardware"})])
 def test_a_floor_imports_nothing_above_it(floor, above):

@@ -148,6 +148,7 @@ def sweep_options(parser: argparse.ArgumentParser) -> None:
         help="with --resume: add the models, modes, precisions, batch sizes and sequence lengths given to the "
              "saved sweep (it becomes their product; what it had stays in it)")
     add("--config", metavar="FILE", default=None, help="YAML file with any of these options as keys")
+    gpu_hour_price(parser, S, "; saved with the sweep, so that `fitbench report` shows it too")
     analysis_options(S)(parser)
     cluster_options(parser)
 
@@ -200,7 +201,7 @@ def plan_options(parser: argparse.ArgumentParser) -> None:
     add("--batch-size", dest="batch_size", nargs="+", type=batch_size, default=[1], metavar="N",
         help="batch sizes, or auto for the largest predicted to fit (default 1)")
     add("--seq-len", "--context-length", dest="seq_len", type=int, default=512, metavar="T", help="default 512")
-    add("--new-tokens", dest="new_tokens", type=int, default=128, metavar="N",
+    add("--new-tokens", dest="new_tokens", type=int, default=None, metavar="N",
         help="generated tokens in infer (default 128)")
     add("--strategy", nargs="+", choices=("single", "ddp", "fsdp", "tp", "pipeline", "replicas"), default=None,
         help="limit the layouts considered (default: all that apply to the mode)")
@@ -304,10 +305,16 @@ def report_documents(parser: argparse.ArgumentParser) -> None:
     """The files ``fitbench report`` writes beside showing the rows."""
     parser.add_argument("--html", metavar="FILE", help="write a self-contained HTML report with plots")
     parser.add_argument("--xlsx", metavar="FILE", help="write an Excel workbook: a sheet per mode, provenance, samples")
-    parser.add_argument("--gpu-hour-price", dest="gpu_hour_price", type=price, metavar="DOLLARS",
-                        help="what one GPU costs an hour: adds the cost of a million tokens to every table, page and "
-                             "workbook (price x GPUs / 3600 / tokens/s x 1e6)")
+    gpu_hour_price(parser, None, "; default: the price the sweep was run with, where it was given one")
     analysis_options()(parser)
+
+
+def gpu_hour_price(parser: argparse.ArgumentParser, default=None, more: str = "") -> None:
+    """``--gpu-hour-price``: the cost of a million tokens in the tables (``default`` is ``SUPPRESS`` where
+    a YAML file may give it)."""
+    parser.add_argument("--gpu-hour-price", dest="gpu_hour_price", type=price, default=default, metavar="DOLLARS",
+                        help="what one GPU costs an hour: adds the cost of a million tokens to every table, page and "
+                             f"workbook (price x GPUs / 3600 / tokens/s x 1e6){more}")
 
 
 def two_sweeps(parser: argparse.ArgumentParser) -> None:

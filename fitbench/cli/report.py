@@ -23,6 +23,7 @@ def report(args: argparse.Namespace) -> int:
     from fitbench.results.report import markdown_report, results_table, write_csv
 
     sweeps = read_sweeps(args.directories, "report", on_warning=warn)
+    price = args.gpu_hour_price if args.gpu_hour_price is not None else sweeps.saved_price
     groups = sweeps.given()
     for group in groups:
         rows = [row for sweep in group for row in sweep.rows]
@@ -31,22 +32,22 @@ def report(args: argparse.Namespace) -> int:
         folder = (lambda row: places[id(row)]) if tree is not None else None
         name = tree if tree is not None else group[0].directory
         if args.markdown:
-            print((f"## {name}\n\n" if len(groups) > 1 else "") + markdown_report(rows, folder, args.gpu_hour_price),
+            print((f"## {name}\n\n" if len(groups) > 1 else "") + markdown_report(rows, folder, price),
                   end="")
             if len(groups) > 1:
                 print()
         elif not args.quiet:
             console.print(results_table(rows, title=f"fitbench results: {name}", folder=folder,
-                                        gpu_hour_price=args.gpu_hour_price))
+                                        gpu_hour_price=price))
         if args.csv:
             for sweep in group:
-                print(f"table: {write_csv(sweep.rows, sweep.directory)}",
+                print(f"table: {write_csv(sweep.rows, sweep.directory, price)}",
                       file=sys.stderr if args.markdown else sys.stdout)
     if args.preregistered:
         _show_preregistered(args, [row.model_dump() for sweep in sweeps.sweeps for row in sweep.rows])
     with StepsDisplay(args.quiet) as steps:
         write_documents(sweeps, args.html, args.xlsx, args.ollama_url, args.ollama_model, args.ollama_timeout,
-                        steps, args.gpu_hour_price)
+                        steps, price)
     return 0
 
 

@@ -645,7 +645,7 @@ def node_counts(node_gpus: int, max_gpus: int) -> list[int]:
 def fewest_gpus(arch: Architecture, mode: str, precision: str, gpu_memory: float, *, seq_len: int,
                 new_tokens: int, batch_size: int = 1, max_gpus: int = MOST_GPUS, calibration: Calibration = DEFAULT,
                 backend: str | None = None, gpu_name: str | None = None, node_gpus: int = 8,
-                inter_node_bandwidth: float | None = None) -> Assessment | None:
+                inter_node_bandwidth: float | None = None, clear_only: bool = False) -> Assessment | None:
     """The fewest nodes of ``node_gpus`` GPUs of ``gpu_memory`` bytes, and on them the fewest GPUs (the
     same count on every node: ``node_counts``), that run this at ``batch_size``, and the layout that
     does it: of the layouts of that count (``layouts_for``) that the run can launch (``Layout.problem``,
@@ -653,7 +653,8 @@ def fewest_gpus(arch: Architecture, mode: str, precision: str, gpu_memory: float
     clear of ``RETRY_MARGIN`` where any is; in training with activation checkpointing only where
     nothing fits without it, and then of the fewest layers that do (``fewest_checkpointed``). None if
     more than ``max_gpus`` would be needed. ``gpu_name``: whose speed figures rank the layouts (by default
-    ``DEFAULT_SPEED_GPU``'s)."""
+    ``DEFAULT_SPEED_GPU``'s). ``clear_only``: the fewest on which a layout fits clear of the margin, the
+    count on which ``plan`` keeps this precision rather than taking the ladder's next."""
     target = GpuTarget(gpu_name, max_gpus, gpu_memory, described=True, node_gpus=node_gpus,
                        inter_node_bandwidth=inter_node_bandwidth)
     for gpus in node_counts(node_gpus, max_gpus):
@@ -665,6 +666,8 @@ def fewest_gpus(arch: Architecture, mode: str, precision: str, gpu_memory: float
                 assess(arch, mode, Candidate(precision, layout, recompute, batch_size), target,
                        seq_len=seq_len, new_tokens=new_tokens, calibration=calibration, backend=backend)
                 for layout in layouts) if assessed.fits]
+            if clear_only:
+                fitting = [assessed for assessed in fitting if assessed.clear]
             if fitting:
                 return fastest_first(arch, mode, [a for a in fitting if a.clear] or fitting, target,
                                      seq_len=seq_len, new_tokens=new_tokens, calibration=calibration,
