@@ -8,10 +8,11 @@
 # directory; then summary.md: per case the chosen layout and its tokens/s, the best measured layout and
 # its tokens/s, their ratio and whether the choice is within 10% of the best.
 # Usage: benchmarks/auto_vs_best.sh OUT_DIR [GPUS] [run|dry-run|summary]   (GPUS 4 by default)
-# ALTERNATIVES=N runs only the first N alternatives the plan lists (fastest forecast first, those clear of
-# the allocator's retry margin before the rest) where a device's time is short; every one by default. A
-# directory already holding a row is not run again, so a later call with a larger N (or one after a
-# command cut short) adds the rest; CASES="13b-train 30b-train" runs only the cases named; summary only
+# ALTERNATIVES=N runs N of the fitting layouts the plan lists where a device's time is short, every one by
+# default: a sample, not the plan's own ranking (that would measure the choice against the layouts the
+# planner already likes best). The order is a shuffle seeded by SAMPLE_SEED (0 by default), the same on
+# every call, so a directory already holding a row is not run again and a later call with a larger N (or
+# one after a command cut short) adds the next of the same order; CASES="13b-train 30b-train" runs only the cases named; summary only
 # writes summary.md from the rows there.
 # dry-run plans and prints the run commands without running them (no GPU needed: set FITBENCH_GPU to a
 # described GPU, e.g. H100-80GB; otherwise the plan uses this machine's GPUs).
@@ -44,11 +45,12 @@ while read -r name model task batch seq new; do
   mkdir -p "$out/$name"
   $fitbench plan "${shape[@]}" --gpus "$gpus" "${described[@]}" --json > "$out/$name/plan.json"
   # one line per layout: directory, then its run options (the choice first, its strategy left to the planner)
-  python - "$out/$name/plan.json" "$gpus" "${ALTERNATIVES:-}" > "$out/$name/layouts.txt" <<'PYTHON'
-import json, sys
+  python - "$out/$name/plan.json" "$gpus" "${ALTERNATIVES:-}" "${SAMPLE_SEED:-0}" > "$out/$name/layouts.txt" <<'PYTHON'
+import json, random, sys
 
 (plan,), gpus = json.load(open(sys.argv[1])), sys.argv[2]  # one model and mode: a list of one plan
 limit = int(sys.argv[3]) if sys.argv[3] else None
+seed = int(sys.argv[4])
 
 def name_and_options(candidate):
     strategy, *inner = candidate["strategy"].split("+")
@@ -82,6 +84,7 @@ chosen = plan["chosen"]["candidate"]
 choice_options = ["--gpus", gpus] + checkpointing(chosen)
 print("choice", *choice_options)
 alternatives = [a["candidate"] for a in plan["feasible"] if a["candidate"] != chosen]
+random.Random(seed).shuffle(alternatives)  # a sample when limited, the same for every call of one seed
 print("#", len(alternatives), "alternatives listed")
 for candidate in alternatives[:limit]:
     name, options = name_and_options(candidate)

@@ -20,7 +20,15 @@ configurations again); training rows from before the fused cross-entropy and the
 autograd Functions (``FUSED_TRAINING_SINCE``); compiled training rows of a fused build from before
 attention copied v out of the fused projection (``COMPILED_V_COPY_SINCE``).
 
+Out of sample (``--out-of-sample``): the calibration's measured constants, the CUDA context and the
+workspaces, are each row's own (read back as above), measured on the row's GPU. Here each row is predicted
+again with the medians of those read back from the rows of the other GPU models, of the same kind of step
+(training; generation decoded through a CUDA graph; a forward pass or eager decoding), beside its own:
+the planner's error where the GPU was never calibrated. The memory model's traced constants
+(``fitbench.planning.memory_constants``) stay as they are.
+
 Usage: python benchmarks/repredict.py RESULTS_DIR [--calibration FILE] [--markdown FILE] [--min-gpus N]
+                                      [--out-of-sample]
 """
 
 from __future__ import annotations
@@ -31,6 +39,7 @@ import statistics
 from dataclasses import replace
 from pathlib import Path
 
+from fitbench.models.hf_cache import kept_under
 from fitbench.models.registry import resolve
 from fitbench.planning.calibration import DEFAULT, Calibration, calibration_key
 from fitbench.planning.planner import GpuTarget, predict_spec
@@ -70,6 +79,28 @@ FUSED_TRAINING_SINCE = "2026-11-24T09:31:43+00:00"
 COMPILED_V_COPY_SINCE = "2026-11-27T18:55:00+00:00"
 
 
+def step_kind(row: dict, spec: RunSpec) -> str:
+    """Which of the calibration's figures a row's step uses (``Calibration.context``): training, a generation
+    decoded through a CUDA graph, or a forward pass and eager decoding."""
+    if spec.mode in TRAINING_MODES:
+        return "training"
+    return "inference" if spec.mode == "infer" and (row.get("decode") or {}).get("cuda_graphs") else "eager"
+
+
+def out_of_sample_calibration(read_back: list[tuple[str, str, float, float]], gpu: str, kind: str) -> Calibration | None:
+    """The medians of the CUDA contexts and workspaces read back from rows of ``kind`` on GPUs other than
+    ``gpu`` (``read_back``: (GPU, kind, context, workspace) per row), as a calibration; None where no
+    other GPU's row is of that kind."""
+    others = [(context, workspace) for name, of, context, workspace in read_back if name != gpu and of == kind]
+    if not others:
+        return None
+    context = statistics.median(c for c, _ in others)
+    workspace = statistics.median(w for _, w in others)
+    return replace(DEFAULT, cuda_context_training=context, cuda_context_inference=context, cuda_context_eager=context,
+                   workspace_training=workspace, workspace_inference=workspace, workspace_eager=workspace,
+                   source=f"the medians of {len(others)} rows of other GPUs")
+
+
 def superseded(row: dict, spec: RunSpec) -> str | None:
     """Why ``row`` measured a worker that no longer runs, or None."""
     if spec.layout.dp_shard > 1 and row.get("started_at", "") < EMPTY_CACHE_SINCE:
@@ -85,6 +116,38 @@ def superseded(row: dict, spec: RunSpec) -> str | None:
     return None
 
 
+def out_of_sample(counted: list[tuple[dict, RunSpec, GpuTarget, str, float]], errors: list[float]) -> list[str]:
+    """Each counted row predicted with the calibration of the other GPUs' rows (``out_of_sample_calibration``),
+    its error beside the in-sample one (``errors``, in the same order): the lines of a table per GPU."""
+    read_back = []
+    for row, spec, _, gpu, _ in counted:
+        own = calibration_of(row["prediction"])
+        read_back.append((gpu, step_kind(row, spec), own.cuda_context_training, own.workspace_training))
+    inside: dict[str, list[float]] = {}
+    outside: dict[str, list[float]] = {}
+    for (row, spec, target, gpu, measured), error in zip(counted, errors):
+        calibration = out_of_sample_calibration(read_back, gpu, step_kind(row, spec))
+        if calibration is None:
+            continue
+        with kept_under(row["environment"].get("transformers")):
+            _, prediction = predict_spec(resolve(spec.model), spec, target, calibration, choose_precision=False,
+                                         choose_recompute=False, runnable=(spec.precision,))
+        inside.setdefault(gpu, []).append(error)
+        outside.setdefault(gpu, []).append((prediction["predicted_peak_bytes"] - measured) / measured)
+
+    def summary(values: list[float]) -> str:
+        return f"{statistics.median(abs(e) for e in values):.2%} median |error|, worst {max(values, key=abs):+.2%}"
+
+    lines = ["Out of sample: each GPU's rows with the CUDA context and workspaces of the other GPUs' rows", "",
+             "| GPU | rows | own calibration | other GPUs' calibration |", "|---|---|---|---|"]
+    lines += [f"| {gpu} | {len(inside[gpu])} | {summary(inside[gpu])} | {summary(outside[gpu])} |" for gpu in inside]
+    every_in = [e for values in inside.values() for e in values]
+    every_out = [e for values in outside.values() for e in values]
+    if every_in:
+        lines.append(f"| all | {len(every_in)} | {summary(every_in)} | {summary(every_out)} |")
+    return lines
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("directory", type=Path)
@@ -92,11 +155,14 @@ def main() -> None:
     parser.add_argument("--markdown", type=Path)
     parser.add_argument("--min-gpus", type=int, default=1, metavar="N",
                         help="only rows whose layout spans at least N GPUs (2: the several-GPU rows)")
+    parser.add_argument("--out-of-sample", action="store_true",
+                        help="also predict each row with the calibration read back from the other GPUs' rows")
     args = parser.parse_args()
     stored = json.loads(args.calibration.read_text()) if args.calibration else None
     lines = ["| configuration | measured | predicted then | predicted now | error then | error now | peak moment now |",
              "|---|---|---|---|---|---|---|"]
     errors, apart = [], []
+    counted: list[tuple[dict, RunSpec, GpuTarget, str, float]] = []  # for --out-of-sample
     for sweep in sorted({path.parent for path in args.directory.rglob("results.jsonl")}, key=str):
         for row in ResultStore(sweep).rows():
             gpus = (row.get("memory") or {}).get("gpus") or []
@@ -114,9 +180,11 @@ def main() -> None:
             entry = (stored or {}).get(calibration_key(gpu["name"], environment["torch"]))
             calibration = Calibration(**entry) if entry else calibration_of(row["prediction"])
             target = GpuTarget(gpu["name"], spec.layout.world_size, gpu["total_memory"], described=False)
-            _, prediction = predict_spec(resolve(spec.model), spec, target, calibration, choose_precision=False,
-                                         choose_recompute=False, runnable=(spec.precision,))
+            with kept_under(environment.get("transformers")):  # the cache the row's transformers kept
+                _, prediction = predict_spec(resolve(spec.model), spec, target, calibration, choose_precision=False,
+                                             choose_recompute=False, runnable=(spec.precision,))
             measured = max(gpu["nvml_peak_used"] for gpu in gpus)
+            counted.append((row, spec, target, gpu["name"], measured))
             then, now = row["prediction"]["predicted_peak_bytes"], prediction["predicted_peak_bytes"]
             errors.append((now - measured) / measured)
             lines.append(f"| {row['label']} | {measured / 1e9:.2f} GB | {then / 1e9:.2f} GB | {now / 1e9:.2f} GB | "
@@ -125,6 +193,8 @@ def main() -> None:
               f"- median |error| now: {statistics.median(abs(e) for e in errors):.2%}",
               f"- worst |error| now: {max(abs(e) for e in errors):.2%}",
               f"- largest under-prediction now: {min(errors):+.2%}"]
+    if args.out_of_sample:
+        lines += ["", *out_of_sample(counted, errors)]
     if apart:
         lines += ["", "Listed apart, not counted:", "", "| configuration | directory | why |", "|---|---|---|", *apart]
     text = "\n".join(lines)

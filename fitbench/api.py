@@ -17,21 +17,31 @@ from fitbench.results.row import Row
 from fitbench.util.errors import UserError, excerpt
 
 
+# Tokens an infer plan generates when none are given: as many as a sweep's on a GPU (fitbench.config.expand).
+DEFAULT_NEW_TOKENS = 128
+
+
 def plan(model: str, mode: str = "train", *, gpu: str | None = None, gpu_memory: str | None = None,
          gpus: int | None = None, gpus_per_node: int | None = None, nodes: int | None = None,
          inter_node_bandwidth: str | None = None, precisions: list[str] | None = None,
-         batch_sizes: list[int | str] | None = None, seq_len: int = 512, new_tokens: int = 128,
+         batch_sizes: list[int | str] | None = None, seq_len: int = 512, new_tokens: int | None = None,
          strategies: list[str] | None = None):
     """The plan of ``model`` in ``mode``, as ``fitbench plan`` makes it, with its options and defaults, on
     the GPUs described (``gpu``, e.g. H100-80GB, or ``gpu_memory``, e.g. 80GB, with ``gpus``; or
     ``nodes`` of ``gpus_per_node``; none of them: the GPUs detected here): a
     ``fitbench.planning.planner.Plan``, whose ``chosen`` is the fastest candidate predicted to fit (None when
     none does). ``batch_sizes``: the batches to consider, by default batch 1 (what ``fitbench run``
-    runs in ``infer``); ``["auto"]``: the largest batch predicted to fit."""
+    runs in ``infer``); ``["auto"]``: the largest batch predicted to fit. ``new_tokens``: the tokens an
+    ``infer`` plan generates (default ``DEFAULT_NEW_TOKENS``); given for another mode, a UserError
+    (``fitbench.inert_options``)."""
     from fitbench.config import merge_sources
+    from fitbench.inert_options import Asked, refuse_inert
     from fitbench.planning.calibration import load_calibration
     from fitbench.planning.planner import plan as make_plan
 
+    refuse_inert(Asked({"mode": [mode], "new_tokens": new_tokens}, frozenset(
+        {"mode", *(["new_tokens"] if new_tokens is not None else [])}), "plan"))
+    new_tokens = DEFAULT_NEW_TOKENS if new_tokens is None else new_tokens
     shapes = merge_sources({}, {}, {"batch_size": batch_sizes or [1], "seq_len": [seq_len], "new_tokens": new_tokens,
                                     "models": [model], "mode": [mode],
                                     **({"precision": precisions} if precisions else {})})
@@ -159,6 +169,8 @@ def start_sweep(given: dict[str, Any], *, resume: str | None, extend: bool, conf
     ``option_names``: errors name the command line's options (``--out``) rather than ``out``; a SLURM
     job's sizes derived or doubtful (``fitbench.sweep.sized_config``) are told to ``on_warning`` (by default
     as Python warnings)."""
+    from fitbench.config import asked_of
+    from fitbench.inert_options import inert_warnings
     from fitbench.results.store import SWEEP_FILE, ResultStore
     from fitbench.sweep import plan_sweep, sized_config, slurm_options
     from fitbench.util.version import __version__
@@ -179,6 +191,9 @@ def start_sweep(given: dict[str, Any], *, resume: str | None, extend: bool, conf
             check_partition(slurm.partition)
     out_option = ("--resume" if resume else "--out") if option_names else ("resume" if resume else "out")
     device, jobs, calibration = plan_sweep(config, out, out_option, say=say or (lambda text: None))
+    asked = asked_of(config, backends=frozenset(job.spec.backend for job in jobs), device_type=device.split(":")[0])
+    for warning in inert_warnings(asked):
+        (on_warning or (lambda text: warnings.warn(text, stacklevel=3)))(warning)
     store = ResultStore(out, on_bad_line=on_bad_line)
     store.lock()  # until the sweep's caller unlocks it; a failed run's lock goes with its store, or with the process
     if not resume and (store.directory / SWEEP_FILE).exists():
@@ -196,7 +211,8 @@ def start_sweep(given: dict[str, Any], *, resume: str | None, extend: bool, conf
 def save_code_diff(directory: Path) -> str | None:
     """The code's changes against its commit (``fitbench.hardware.environment.code_diff``) saved in a
     sweep's ``directory`` as ``diffs/<SHA-256>.diff``, the file a row's ``environment.git_diff_sha256``
-    names; that hash, None for unchanged code (or no checkout), which saves nothing."""
+    names; that hash, None for unchanged code (or no checkout), which saves nothing. A file of that name
+    holds that diff already (a resumed sweep on the same code): it is left as it is."""
     from fitbench.hardware.environment import code_diff, diff_sha256
 
     diff = code_diff()
@@ -204,7 +220,8 @@ def save_code_diff(directory: Path) -> str | None:
     if sha256 is not None:
         path = Path(directory) / "diffs" / f"{sha256}.diff"
         path.parent.mkdir(exist_ok=True)
-        path.write_bytes(diff)
+        if not path.exists():
+            path.write_bytes(diff)
     return sha256
 
 

@@ -13,6 +13,7 @@ from typing import Annotated, Any, Callable, Literal
 import yaml
 from pydantic import BaseModel, ConfigDict, Field, StrictBool, ValidationError, field_validator, model_validator
 
+from fitbench.inert_options import Asked, refuse_inert
 from fitbench.models.architecture import Architecture, backend_error, default_backend
 from fitbench.models.registry import resolve
 from fitbench.models.vllm_options import precision_options
@@ -149,6 +150,10 @@ class SweepConfig(BaseModel):
                           "a fabric (ndr, hdr, 100gbe) or a figure with its unit, 400Gb/s or 50GB/s (default: "
                           "fitbench calibrate's over nodes, else the GPU's fabric)")
 
+    gpu_hour_price: float | None = Field(
+        None, ge=0, allow_inf_nan=False, description="what one GPU costs an hour, in dollars, a number such as 2.49: "
+                                                     "the tables show the cost of a million tokens")
+
     ollama_url: str | None = Field(None, description="an http(s) URL of an Ollama server, e.g. http://localhost:11434")
     ollama_model: str | None = Field(None, min_length=1, description="the model it runs for the analysis, e.g. "
                                                                      "gpt-oss-20b")
@@ -216,13 +221,14 @@ class SweepConfig(BaseModel):
     def _seed(cls, value: Any) -> Any:
         return _whole_number(value, 0, SEED_MAX)
 
-    @field_validator("timeout", "ollama_timeout", mode="before")
+    @field_validator("timeout", "ollama_timeout", "gpu_hour_price", mode="before")
     @classmethod
-    def _seconds(cls, value: Any) -> Any:
-        # YAML's true and "10" are not durations; pydantic would read them as 1.0 and 10.0.
+    def _seconds(cls, value: Any, info) -> Any:
+        # YAML's true and "10" are not durations nor prices; pydantic would read them as 1.0 and 10.0.
         if isinstance(value, (bool, str)):
             kind = "text" if isinstance(value, str) else "bool"
-            raise ValueError(f"expected a number of seconds, got {excerpt(value)} ({kind})")
+            what = "price in dollars" if info.field_name == "gpu_hour_price" else "number of seconds"
+            raise ValueError(f"expected a {what}, got {excerpt(value)} ({kind})")
         return value
 
     @field_validator("device")
@@ -296,26 +302,20 @@ def expand(config: SweepConfig, *, device: str, default_models: list[str]) -> li
     device_type = device.split(":")[0]
     modes = config.mode or (["infer"] if config.backend == "vllm" else ["train", "infer"])
     new_tokens = config.new_tokens or (32 if device_type == "cpu" else 128)
-    if config.microbatches is not None and (config.strategy != "pipeline" or config.gpus == 1):
-        raise UserError("microbatches: they split the batch of a pipelined training step; give them with "
-                        "--strategy pipeline and --gpus 2 or more, or leave --microbatches out.")
-    _refuse_inert_options(config, modes)
+    backends = [(model, _backend(config, model)) for model in config.models or default_models]
+    refuse_inert(asked_of(config, backends=frozenset(backend for _, backend in backends)))
     _refuse_vllm_misfits(config, modes, device_type)
     if config.checkpointed_layers is not None and config.activation_checkpointing is False:
         raise UserError(f"checkpointed_layers: --checkpointed-layers {config.checkpointed_layers} recomputes that many "
                         f"layers, and activation_checkpointing is false; leave out one of the two (without "
                         f"checkpointing, leave out --checkpointed-layers).")
     specs = []
-    for model in config.models or default_models:
+    for model, backend in backends:
         arch = resolve(model)
-        backend = default_backend(arch) if config.backend == "auto" else config.backend
-        problem = backend_error(arch, backend)
-        if problem:
-            raise UserError(f"backend: {problem}.")
         if config.checkpointed_layers is not None and backend != "native" and set(modes) & set(TRAINING_MODES):
             raise UserError(f"checkpointed_layers: the {backend} backend checkpoints every layer of "
                             f"{excerpt(model)} (transformers' gradient checkpointing) or none; give --backend "
-                            f"native (Llama-style models) for some of them, or --activation-checkpointing alone.")
+                            f"native for some of them, or --activation-checkpointing alone.")
         for mode in modes:
             default_batch, default_seq = _default_shapes(mode, device_type)
             first_rung = fallback_ladder(config, mode)[0] if config.fallback else default_precision(mode, device_type)
@@ -355,33 +355,29 @@ def expand(config: SweepConfig, *, device: str, default_models: list[str]) -> li
     return specs
 
 
-def _refuse_inert_options(config: SweepConfig, modes: list[str]) -> None:
-    """Options that would change nothing in the modes and layout asked for, refused rather than ignored:
-    activation checkpointing where no mode has a backward pass, and a strategy for a job of one rank."""
-    if not set(modes) & set(TRAINING_MODES):
-        option = ("--checkpointed-layers" if config.checkpointed_layers is not None
-                  else "--activation-checkpointing" if config.activation_checkpointing else None)
-        if option:
-            raise UserError(f"{option.lstrip('-').replace('-', '_')}: {option} recomputes activations in the backward "
-                            f"pass, and --mode {' '.join(modes)} has none; add --mode train or forward-backward, or "
-                            f"leave {option} out.")
-    if config.strategy != "auto" and config.gpus == 1 and config.tp is None:
-        raise UserError(f"strategy: --strategy {config.strategy} spreads each configuration over --gpus N ranks, and "
-                        f"--gpus is 1, so it would run as one process; give --gpus 2 or more (or --nodes with "
-                        f"--gpus-per-node), or leave --strategy out.")
+def _backend(config: SweepConfig, model: str) -> str:
+    """The backend ``model`` runs on: the one asked for, else its default; a UserError where it cannot."""
+    arch = resolve(model)
+    backend = default_backend(arch) if config.backend == "auto" else config.backend
+    problem = backend_error(arch, backend)
+    if problem:
+        raise UserError(f"backend: {problem}.")
+    return backend
+
+
+def asked_of(config: SweepConfig, *, backends: frozenset[str] | None = None,
+             device_type: str | None = None) -> Asked:
+    """``config`` as the inert-option rules read it (``fitbench.inert_options``): every option, those the
+    user set (a resumed sweep's saved defaults are not among them: ``saved_options``)."""
+    return Asked(config.model_dump(), frozenset(config.model_fields_set), "run", backends, device_type)
 
 
 def _refuse_vllm_misfits(config: SweepConfig, modes: list[str], device_type: str) -> None:
     """What vLLM's engine does not run, refused in one paragraph before anything starts: a mode but
     generation, a precision it has no dtype or quantization for (``fitbench.models.vllm_options``), a job
-    over several nodes, the batch search, fitbench's compile and offload; and vLLM's memory options given to another backend."""
+    over several nodes, the batch search, fitbench's compile and offload. (vLLM's own options given to
+    another backend are ``fitbench.inert_options``'.)"""
     if config.backend != "vllm":
-        given = ("kv_cache_bytes" if config.kv_cache_bytes is not None else
-                 "gpu_memory_utilization" if config.gpu_memory_utilization != 0.9 else None)
-        if given:
-            option = "--" + given.replace("_", "-")
-            raise UserError(f"{given}: {option} sizes vLLM's engine, and the backend is {config.backend}; add "
-                            f"--backend vllm, or leave {option} out.")
         return
     others = [mode for mode in modes if mode != "infer"]
     if others:
@@ -724,6 +720,8 @@ def describe_validation_error(error: ValidationError, origin: dict[str, Source] 
 # What --extend may add to: the lists whose product is the sweep. Everything else is one setting of
 # the whole sweep.
 EXTENDABLE = ("models", "mode", "precision", "batch_size", "seq_len")
+# What only shows the rows: given again on a resume, the new value holds and nothing is refused.
+PRESENTATION = ("gpu_hour_price",)
 
 
 def saved_options(sweep: Any, name: str) -> Source:
@@ -732,7 +730,13 @@ def saved_options(sweep: Any, name: str) -> Source:
     if not isinstance(config, dict):
         raise UserError(f"resume: {name} is damaged: it holds no `config` object. It is not a sweep fitbench "
                         f"saved, or it was edited; start a new sweep with --out.")
-    source = Source({key: value for key, value in config.items() if value is not None}, kind="saved", name=name)
+    # A value saved as its default was not set by the user: it stays out of the options given
+    # (``SweepConfig.model_fields_set``), which the inert-option rules read. The ranks stay: left out,
+    # they would be derived again from the nodes.
+    fields = SweepConfig.model_fields
+    source = Source({key: value for key, value in config.items()
+                     if value is not None and not (key in fields and key != "gpus" and value == fields[key].default)},
+                    kind="saved", name=name)
     try:
         SweepConfig.model_validate(dict(source))
     except ValidationError as error:
@@ -746,7 +750,7 @@ def resumed_config(saved: Source, requested: SweepConfig, *, extend: bool) -> Sw
     ``extend``, the saved one with the new values added to its lists, so every configuration it had
     stays in it. Any other difference is a UserError that lists it: a saved sweep is never replaced."""
     before, after = SweepConfig.model_validate(dict(saved)).model_dump(), requested.model_dump()
-    changed = [field for field in before if before[field] != after[field]]
+    changed = [field for field in before if before[field] != after[field] and field not in PRESENTATION]
     if not changed:
         return requested
     shown = "; ".join(f"{field}: saved {excerpt(before[field])}, given {excerpt(after[field])}" for field in changed)
@@ -762,4 +766,5 @@ def resumed_config(saved: Source, requested: SweepConfig, *, extend: bool) -> Sw
                         f"change {', '.join(fixed)} ({shown}). Give only values to add, or start a new sweep "
                         f"with --out.")
     grown = {field: list(dict.fromkeys([*before[field], *after[field]])) for field in changed}
-    return SweepConfig.model_validate({**before, **grown})
+    shown = {field: after[field] for field in PRESENTATION if after[field] is not None}
+    return SweepConfig.model_validate({**saved, **grown, **shown})

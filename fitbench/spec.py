@@ -150,8 +150,7 @@ class Layout(BaseModel):
             return (f"layers stream in as floating-point weights; {precision} layers keep quantization state that "
                     f"accelerate's hooks do not move: use {UNQUANTIZED_BASE}")
         if backend != "native":
-            return ("fitbench builds its own decoder layer by layer to offload it: use --backend native (Llama-style "
-                    "models)")
+            return ("fitbench builds its own decoder layer by layer to offload it: use --backend native")
         if compile:
             return ("torch.compile stops at accelerate's hooks around every offloaded layer, breaking the graph at "
                     "each: drop --compile")
@@ -272,15 +271,12 @@ def _pipeline_problem(precision: str, mode: str, backend: str) -> str | None:
     """Why pipeline stages cannot run this configuration, in one sentence with the way out; None
     when they can. The native decoder's stages are ranks of a torchrun job (``fitbench.worker.pipeline``)
     and train too; the hf backend's are one process's devices under accelerate's device map
-    (``fitbench.worker.hf_pipeline``), for inference and forward in the floating-point precisions."""
+    (``fitbench.worker.hf_pipeline``), for inference and forward, quantized layers made and quantized on
+    their stage's device (``fitbench.worker.quantize.hf_layers``)."""
     if backend != "native":
         if mode in TRAINING_MODES:
             return (f"the {backend} backend's pipeline stages run one after another in one process, for inference: "
-                    f"train Llama-style models as stages with --backend native, or run {mode} on one GPU")
-        if entry(precision).quantized:
-            return (f"the {backend} backend's pipeline stages hold floating-point weights; {precision} layers are "
-                    f"quantized on one device: use {UNQUANTIZED_BASE} over stages, or --backend native for quantized "
-                    f"stages")
+                    f"train as stages with --backend native, or run {mode} on one GPU")
         return None
     if mode not in TRAINING_MODES:
         return None
@@ -304,7 +300,7 @@ def _data_parallel_problem(strategy: str, precision: str, mode: str, backend: st
     name = strategy.upper()
     if backend != "native":
         return (f"{name} is applied to fitbench's native decoder, layer by layer, and the {backend} backend's "
-                f"models are not: use --backend native (Llama-style models) or run on one GPU")
+                f"models are not: use --backend native or run on one GPU")
     if mode == "infer" and strategy == "ddp":
         return ("generation has no gradients for DDP to average, so N GPUs would run N independent copies that "
                 "one GPU's figures already describe: run infer on one GPU")

@@ -120,7 +120,8 @@ def ram_refusals(specs: list) -> dict[str, str]:
     (``fitbench.util.host``), by spec key, with the reason; a job of several ranks needs each rank's peak
     once per rank. FSDP's CPU offload moves nothing off a CPU: its state is counted where it is."""
     from fitbench.models.registry import resolve
-    from fitbench.planning.memory import Parallelism, estimate_memory
+    from fitbench.planning.memory import estimate_memory
+    from fitbench.planning.sharding import Parallelism
     from fitbench.planning.planner import offload_split
     from fitbench.util.host import host_memory
     from fitbench.util.units import format_bytes

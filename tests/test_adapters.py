@@ -12,14 +12,16 @@ import torch.nn.functional as F
 from fitbench.config import SweepConfig, expand, fallback_ladder
 from fitbench.launch.fallback import FallbackPolicy, next_attempt
 from fitbench.models.registry import resolve
-from fitbench.planning.memory import INT8_OUTLIER_COLUMNS, adapter_params, estimate_memory
+from fitbench.planning.memory import estimate_memory
+from fitbench.planning.memory_constants import INT8_OUTLIER_COLUMNS
+from fitbench.planning.weights import adapter_params
 from fitbench.planning.planner import Candidate, GpuTarget, assess
 from fitbench.precisions import ADAPTER_RANK
 from fitbench.worker import worker
 from fitbench.worker.adapters import LowRankAdapted, add_adapters
 from fitbench.worker.loops import random_tokens
 from fitbench.worker.quantize import build_quantized_native
-from fitbench.spec import RunSpec
+from fitbench.spec import Layout, RunSpec
 from fitbench.util.errors import UserError
 from test_quantize import run_worker
 
@@ -156,7 +158,7 @@ def test_torchao_inference_tensors_are_refused_for_training(precision):
         expand(SweepConfig(models=["tiny"], mode=["train"], precision=[precision]), device="cpu",
                default_models=["tiny"])
     assert str(error.value).startswith("precision:") and "nf4" in str(error.value)
-    candidate = Candidate(precision, "single", 1, False, 1)
+    candidate = Candidate(precision, Layout(), False, 1)
     assessed = assess(resolve("7B"), "train", candidate, GpuTarget(H100, 1, 80e9, described=True), seq_len=512,
                       new_tokens=1)
     assert not assessed.fits and "no backward pass" in assessed.reason
@@ -168,10 +170,10 @@ def test_quantized_training_is_planned(precision):
     # or 4-bit base do (QLoRA's claim, Dettmers et al. 2023: 65B on one 48 GB GPU in 4 bits).
     target = GpuTarget(H100, 1, 80e9, described=True)
     arch = resolve("llama-2-70b")
-    assessed = assess(arch, "train", Candidate(precision, "single", 1, True, 1), target, seq_len=512, new_tokens=1)
+    assessed = assess(arch, "train", Candidate(precision, Layout(), True, 1), target, seq_len=512, new_tokens=1)
     assert assessed.reason is None or "needs" in assessed.reason
     assert assessed.fits == (precision != "fp8")
-    assert not assess(arch, "train", Candidate("bf16", "single", 1, True, 1), target, seq_len=512, new_tokens=1).fits
+    assert not assess(arch, "train", Candidate("bf16", Layout(), True, 1), target, seq_len=512, new_tokens=1).fits
 
 
 def test_training_fallback_never_lands_on_adapters():
@@ -192,7 +194,7 @@ def test_float8_training_is_refused_on_a_cpu(tmp_path):
 
 
 def test_adapter_training_roofline_counts_no_weight_gradients():
-    from fitbench.planning.memory import Parallelism
+    from fitbench.planning.sharding import Parallelism
     from fitbench.planning.speed import estimate_step_time
 
     arch = resolve("7B")

@@ -73,3 +73,34 @@ def test_alternatives_and_cases_narrow_the_runs_and_the_summary_counts_them(tmp_
     lines = {line.split(" | ")[0].strip("| "): line for line in summary.stdout.splitlines() if line.startswith("| ")}
     assert lines["70b-infer-b1"].endswith(f"| no | 0 / {len(plan['feasible']) - 1} |")
     assert "within 10% of the best measured layout in 0 of 2 cases" in summary.stdout
+
+
+def test_a_limited_run_samples_the_fitting_layouts_rather_than_taking_the_plans_favourites(tmp_path):
+    """ALTERNATIVES=3 runs 3 of 13B training's fitting layouts, the first of a shuffle seeded by SAMPLE_SEED
+    (recomputed here from the plan), not the plan's first three; the same seed draws the same, another
+    seed others."""
+    import random
+
+    def alternatives_run(seed: int, out: Path) -> list[tuple[str, str | None, bool]]:
+        environment = {**os.environ, "FITBENCH": f"{sys.executable} -m fitbench", "FITBENCH_GPU": "H100-80GB",
+                       "ALTERNATIVES": "3", "CASES": "13b-train", "SAMPLE_SEED": str(seed)}
+        done = subprocess.run(["bash", str(ROOT / "benchmarks/auto_vs_best.sh"), str(out), "4", "dry-run"],
+                              capture_output=True, text=True, env=environment, timeout=300)
+        assert done.returncode == 0, done.stderr
+        runs = [c.split() for c in done.stdout.splitlines() if not c.endswith("/choice")]
+        return [(r[r.index("--gpus") + 1] if "--gpus" in r else "1", r[r.index("--tp") + 1] if "--tp" in r else None,
+                 "--activation-checkpointing" in r or "--checkpointed-layers" in r) for r in runs]
+
+    first = alternatives_run(0, tmp_path / "a")
+    (plan,) = json.loads((tmp_path / "a" / "13b-train" / "plan.json").read_text())
+    alternatives = [a["candidate"] for a in plan["feasible"] if a["candidate"] != plan["chosen"]["candidate"]]
+    random.Random(0).shuffle(alternatives)
+
+    def described(candidate) -> tuple[str, str | None, bool]:
+        tp = candidate["layout"]["tp"]
+        return (str(candidate["gpus"]), str(tp) if tp > 1 and candidate["strategy"] != "tp" else None,
+                candidate["activation_checkpointing"])
+
+    assert len(alternatives) > 3 and first == [described(c) for c in alternatives[:3]]
+    assert alternatives_run(0, tmp_path / "b") == first
+    assert any(alternatives_run(seed, tmp_path / f"s{seed}") != first for seed in (1, 2, 3))

@@ -17,10 +17,12 @@ from fitbench.models.native import build_native
 from fitbench.models.registry import resolve
 from fitbench.planning import compiled
 from fitbench.planning.calibration import DEFAULT
-from fitbench.planning.memory import END, FIRST, MLP, OUTPUT, START, Parallelism, estimate_memory
+from fitbench.planning.memory import estimate_memory
+from fitbench.planning.sharding import Parallelism
+from fitbench.planning.terms import END, FIRST, MLP, OUTPUT, START
 from fitbench.planning.planner import Candidate, GpuTarget, predict_spec
 from fitbench.precisions import PRECISIONS as RUNNABLE, policy
-from fitbench.spec import RunSpec
+from fitbench.spec import Layout, RunSpec
 
 # Two layers: the first (which saves a 16-bit tensor in place of an fp32 one) and one like every
 # later layer. Widths all differ, and none equals the batch or the token count, so a saved tensor's
@@ -258,7 +260,7 @@ def test_predict_spec_predicts_the_compiled_model():
                                                          compiled=True).peak_bytes
     assert eager["tensor_peak_bytes"] == estimate_memory(resolve("1B"), "train", "bf16", 4, 2048).peak_bytes
     assert eager["tensor_peak_bytes"] - fused["tensor_peak_bytes"] == 2 * 4 * 2048 * 2048  # the first layer's
-    assert Candidate("bf16", "single", 1, False, 4, compiled=True).label == "bf16, 1 GPU, compiled, batch 4"
+    assert Candidate("bf16", Layout(), False, 4, compiled=True).label == "bf16, 1 GPU, compiled, batch 4"
 
 
 @pytest.mark.parametrize("mode", ["train", "forward"])

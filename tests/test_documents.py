@@ -17,7 +17,6 @@ from conftest import cli
 from fitbench.report.compare import bootstrap_interval, compare_sweeps, parse_fail_on
 from fitbench.report.excel import sample_rows, write_xlsx
 from fitbench.report.figures import FIGURES
-from fitbench.report.html import write_html
 from fitbench.results.directories import read_sweep, read_sweeps
 from fitbench.util.stats import quantile
 

@@ -19,7 +19,8 @@ import pytest
 import yaml
 
 from fitbench.config import SweepConfig, fallback_ladder, load_yaml, merge_sources
-from fitbench.launch.fallback import FallbackPolicy, Rung, largest_batch, next_attempt, next_rung, search_max_batch
+from fitbench.launch.fallback import FallbackPolicy, Rung, next_attempt, next_rung, search_max_batch
+from fitbench.planning.search import largest
 from fitbench.launch.job import predicted_max_batch
 from fitbench.launch.orders import assign
 from fitbench.models.registry import resolve
@@ -30,6 +31,15 @@ from conftest import cli
 
 TINY = ["--models", "tiny", "--device", "cpu", "--seq-len", "16", "--new-tokens", "4", "--warmup-steps", "1",
         "--measure-steps", "1"]
+def shapes_for(args: list[str]) -> list[str]:
+    """TINY's shapes for a sweep of ``args``: --new-tokens only where a mode generates (elsewhere it is refused)."""
+    shapes = TINY[2:]
+    if "--mode" in args and "infer" not in args[args.index("--mode"):]:
+        at = shapes.index("--new-tokens")
+        shapes = shapes[:at] + shapes[at + 2:]
+    return shapes
+
+
 # The seeds' config layout, read as fp32, bf16-pure, int8, nf4.
 SEEDS_YAML = {"models": {"sizes": ["tiny"], "quantization": {"enabled": True, "fallback_strategy": True,
                                                              "priority_order": ["none", "fp16", "8bit", "4bit"]}},
@@ -43,6 +53,11 @@ RESIDENT = 2  # the decoder layers (of tiny's 4) the injected memory limit leave
 def in_tmp(tmp_path, monkeypatch):
     monkeypatch.chdir(tmp_path)
     monkeypatch.delenv("FITBENCH_INJECT", raising=False)
+
+
+# The tokens a sweep without --new-tokens keeps in its specs on a CPU (fitbench.config.expand): those of
+# sweeps that generate nothing, which are not given --new-tokens (shapes_for).
+CPU_NEW_TOKENS = 32
 
 
 def spec(**fields) -> RunSpec:
@@ -306,7 +321,7 @@ def test_a_disabled_policy_has_no_rung():
     assert next_rung(spec(mode="train", precision="bf16"), disabled, strategy="single", gpus=1, gpus_at_hand=8) is None
 
 
-# ---- largest_batch and search_max_batch -----------------------------------------------------------
+# ---- the largest batch within a budget, and search_max_batch -----------------------------------------------------------
 
 
 def largest_by_scan(peak_of, budget: float) -> int:
@@ -314,6 +329,11 @@ def largest_by_scan(peak_of, budget: float) -> int:
     while peak_of(batch + 1) <= budget:
         batch += 1
     return batch
+
+
+def largest_batch(peak, budget: float) -> int:
+    """The largest batch whose ``peak`` is within ``budget``, as the planner bisects for it."""
+    return largest(lambda batch: peak(batch) <= budget, limit=1 << 16)
 
 
 @pytest.mark.parametrize("peak_of", [
@@ -591,8 +611,8 @@ def sweeps(tmp_path_factory, tiny_checkpoint) -> dict[str, Sweep]:
                            f"mem-limit:{offload_budget('forward', RESIDENT)}"),
         "invalid": (["--models", nan, "--mode", "infer", "--precision", "bf16-pure", "--batch-size", "1"], None),
     }
-    started = {name: start_sweep(root / name, [*([] if "--models" in args else TINY[:2]), *TINY[2:], *args], inject)
-               for name, (args, inject) in planned.items()}
+    started = {name: start_sweep(root / name, [*([] if "--models" in args else TINY[:2]), *shapes_for(args), *args],
+                                 inject) for name, (args, inject) in planned.items()}
     return {name: finish_sweep(*pair) for name, pair in started.items()}
 
 
@@ -704,8 +724,8 @@ def auto_row(sweeps) -> dict:
 def test_auto_batch_finds_the_largest_batch_under_the_limit(sweeps):
     row = auto_row(sweeps)
     budget = auto_budget()
-    original = spec(mode="train", precision="fp32", batch_size=1, auto_batch=True)
-    final = spec(mode="train", precision="fp32", batch_size=AUTO_BATCH)
+    original = spec(mode="train", precision="fp32", batch_size=1, auto_batch=True, new_tokens=CPU_NEW_TOKENS)
+    final = spec(mode="train", precision="fp32", batch_size=AUTO_BATCH, new_tokens=CPU_NEW_TOKENS)
     assert row["status"] == "ok", row.get("error")
     assert row["key"] == original.key
     assert "autox16" in original.label  # what the sweep calls this configuration before it runs
@@ -768,7 +788,7 @@ def test_out_of_memory_on_every_rung_ends_in_offload(sweeps):
 def test_offload_option_keeps_on_the_device_the_layers_the_budget_holds(sweeps):
     sweep = sweeps["offload_option"]
     row = ran(sweep)
-    planned = spec(mode="forward", precision="bf16-pure", offload=True)
+    planned = spec(mode="forward", precision="bf16-pure", offload=True, new_tokens=CPU_NEW_TOKENS)
     assert row["status"] == "ok", row.get("error")
     assert row["key"] == planned.key and row["spec"] == planned.model_dump()
     assert " offload " in row["label"]

@@ -13,7 +13,11 @@ from fitbench.models.hf import build_hf, hf_config
 from fitbench.models.native import meta_model
 from fitbench.models.presets import PRESETS
 from fitbench.models.registry import resolve
-from fitbench.planning.memory import TRAINING_MODES, Parallelism, Widths, estimate_memory, gpt2_gelu_upcast_bytes
+from fitbench.planning.activations import gpt2_gelu_upcast_bytes
+from fitbench.planning.memory import estimate_memory
+from fitbench.planning.sharding import Parallelism
+from fitbench.planning.terms import Widths
+from fitbench.precisions import TRAINING_MODES
 from fitbench.planning.planner import Candidate, GpuTarget, assess
 from fitbench.precisions import DEFAULT_LADDER, QUANTIZED_PRECISIONS, entry
 from fitbench.worker.quantize import quantize_linears
@@ -146,7 +150,7 @@ def test_storage_rules_hold_on_a_real_model(family, precision):
 
 @pytest.mark.parametrize("family", ["llama", "falcon", "gpt2"])
 def test_adapters_go_on_every_layer_matrix(family):
-    from fitbench.planning.memory import adapter_params
+    from fitbench.planning.weights import adapter_params
     from fitbench.precisions import ADAPTER_RANK
     from fitbench.worker.adapters import add_adapters
 
@@ -175,7 +179,7 @@ def test_no_term_is_negative(name):
     for mode, precision in planner_cases():
         for gpus, strategy in ((1, "single"), (2, "fsdp" if mode in TRAINING_MODES else "tp"), (4, "pipeline")):
             for recompute in ((False, True) if mode in TRAINING_MODES else (False,)):
-                result = assess(arch, mode, Candidate(precision, strategy, gpus, recompute, 2), target,
+                result = assess(arch, mode, Candidate.of_strategy(precision, strategy, gpus, recompute, 2), target,
                                 seq_len=seq_len, new_tokens=128)
                 if result.memory is None:
                     continue
@@ -197,24 +201,23 @@ def test_falcon_180b_nf4_by_hand():
     assert 90e9 < weights < 110e9  # about 4.5 bits for each of 178.6e9 parameters
 
 
-def test_falcon_180b_int8_does_not_fit_two_80_gb_gpus():
-    """The memory of LLM.int8 weights split two and four ways. No such layout launches (transformers has
-    no tensor-parallel plan for Falcon, and its stages hold floating-point weights), so the planner rejects
-    them for that (``Layout.problem``); the memory model still says what each would need."""
+def test_falcon_180b_int8_fits_three_80_gb_gpus_by_layers_and_not_two():
+    """The memory of LLM.int8 weights split by layers over two and three GPUs, as transformers' stages
+    hold them (made and quantized layer by layer on their devices); tensor parallelism has no
+    transformers plan for Falcon, so the planner rejects it for that (``Layout.problem``), not for memory."""
     arch = resolve("falcon-180b")
 
     def need(layout: Layout) -> float:
         return estimate_memory(arch, "infer", "int8", 1, 512, new_tokens=128,
                                parallelism=Parallelism(layout=layout)).peak_bytes
 
-    assert need(Layout(tp=2)) > 80e9 and need(Layout(pp=2)) > 80e9
-    # over 4 ranks the int8 weights would fit, but transformers' model is built whole in bf16 first
-    weights = {t.name: t.bytes for t in estimate_memory(arch, "infer", "int8", 1, 512, new_tokens=128,
-                                                        parallelism=Parallelism(layout=Layout(tp=4))).terms}
-    assert weights["weights"] < 80e9 < need(Layout(tp=4))
-    rejected = assess(arch, "infer", Candidate("int8", "tp", 4, False, 1), GpuTarget(None, 4, 80e9, True),
+    assert need(Layout(pp=2)) > 80e9 > need(Layout(pp=3))
+    rejected = assess(arch, "infer", Candidate("int8", Layout(tp=4), False, 1), GpuTarget(None, 4, 80e9, True),
                       seq_len=512, new_tokens=128)
     assert not rejected.fits and "the run cannot launch tp x 4" in rejected.reason
+    staged = assess(arch, "infer", Candidate("int8", Layout(pp=3), False, 1), GpuTarget(None, 3, 80e9, True),
+                    seq_len=512, new_tokens=128)
+    assert staged.fits
 
 
 def test_gpt2_weights_and_training_by_hand():
@@ -281,14 +284,19 @@ def test_hf_backend_rows_get_a_prediction():
 
     spec = hf_spec(model="falcon-40b", mode="infer", precision="nf4", seq_len=512, device="cuda")
     target = GpuTarget("NVIDIA H200", 1, 140e9, described=False)
-    _, prediction = predict_spec(resolve("falcon-40b"), spec, target, DEFAULT, choose_precision=False,
+    arch = resolve("falcon-40b")
+    _, prediction = predict_spec(arch, spec, target, DEFAULT, choose_precision=False,
                                  choose_recompute=False, runnable=tuple(DEFAULT_LADDER["infer"]))
-    weights = {t["name"]: t["bytes"] for t in prediction["terms"]}["weights"]
-    assert prediction["fits"] and weights == pytest.approx(storage_bytes("falcon-40b", "nf4"), rel=0.01)
-    # the hf backend builds the model whole in bf16 and quantizes it in place: the build is the peak
-    bf16 = 2 * resolve("falcon-40b").total_params
-    assert prediction["peak_moment"] == "quantizing a layer"
-    assert bf16 < prediction["predicted_peak_bytes"] < bf16 + 5e9
+    terms = {t["name"]: t["bytes"] for t in prediction["terms"]}
+    assert prediction["fits"] and terms["weights"] == pytest.approx(storage_bytes("falcon-40b", "nf4"), rel=0.01)
+    # transformers' model is made and quantized layer by layer (fitbench.worker.quantize.hf_layers): the
+    # build's peak is the 4-bit weights and one layer in bf16 with the quantizer's temporaries, far below
+    # the bf16 model
+    largest = max(m.rows * m.columns for m in arch.layer_matrices)
+    one_layer = 2 * arch.params_per_layer + entry("nf4").build_temporary_bytes * largest
+    assert terms["quantizer temporaries"] == pytest.approx(one_layer)
+    # the peak is the build's or the prefill's, by how many heads the installed transformers caches
+    assert terms["weights"] + one_layer <= prediction["predicted_peak_bytes"] < 2 * arch.total_params / 3
 
 
 def test_hf_backend_auto_batch_follows_the_memory_model(monkeypatch):
@@ -376,3 +384,44 @@ def test_the_cache_layout_is_read_once_per_transformers_version(tmp_path, monkey
         assert hf_cache.cache_layout(arch, "bfloat16", "bfloat16") == measured
     finally:
         hf_cache._layout.cache_clear()
+
+
+def test_the_caches_kept_for_older_versions_are_what_those_versions_keep():
+    """``KEPT_UNDER`` holds the caches of the versions committed rows ran; where the installed transformers
+    is one of them (CI's oldest environment), reading them again gives the table's."""
+    import transformers
+
+    from fitbench.models import hf_cache
+
+    kept = hf_cache.KEPT_UNDER.get(transformers.__version__)
+    if kept is None:
+        pytest.skip(f"transformers {transformers.__version__} is not among KEPT_UNDER's versions")
+    for key, layout in kept.items():
+        model_type, kv_heads, weights, compute = key.split("|")
+        measured = hf_cache.measure_layout(model_type, int(kv_heads), weights, compute)
+        assert dataclasses.astuple(measured)[:5] == layout, key
+
+
+def test_a_row_is_repredicted_with_the_cache_its_transformers_kept():
+    """Within ``kept_under`` a version of ``KEPT_UNDER`` answers with that version's cache (Falcon-40B's
+    every query head, 16 times its kv heads, up to 5.24) and the planner's KV term follows; outside it,
+    and for a version not in the table, the installed one's."""
+    from fitbench.models.hf_cache import KEPT_UNDER, cache_layout, kept_under
+
+    arch = resolve("falcon-40b")
+
+    def kv_term() -> float:
+        terms = estimate_memory(arch, "infer", "bf16-pure", 8, 512, new_tokens=32, backend="hf").terms
+        return {t.name: t.bytes for t in terms}["KV cache"]
+
+    installed = cache_layout(arch, "bfloat16", "bfloat16")
+    for version, layouts in KEPT_UNDER.items():
+        key_bytes, value_bytes, query_heads, _, _ = layouts["falcon|2|bfloat16|bfloat16"]
+        with kept_under(version):
+            layout = cache_layout(arch, "bfloat16", "bfloat16")
+            heads = arch.num_heads if query_heads else arch.num_kv_heads
+            assert layout.source == f"transformers {version}" and layout.query_heads == query_heads
+            assert kv_term() == (key_bytes + value_bytes) * heads * arch.head_dim * arch.num_layers * 8 * (512 + 32)
+    with kept_under("0.0.1"):
+        assert cache_layout(arch, "bfloat16", "bfloat16") == installed
+    assert cache_layout(arch, "bfloat16", "bfloat16") == installed

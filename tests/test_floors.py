@@ -1,8 +1,8 @@
 """The rule of floors (docs/architecture.md, "The floors"): ``planning/`` is pure prediction and imports
 nothing from ``worker/``, ``launch/`` or ``config.py``; ``worker/`` is what happens inside one rank and
 imports nothing from ``planning/`` or ``launch/``; nothing imports the root package or the API above it;
-no two parts of the package import each other, however indirectly. Read from the source, lazy imports
-inside functions included, the root package's ``__init__.py`` too."""
+no two parts of the package import each other, however indirectly, nor two of its modules. Read from the
+source, lazy imports inside functions included, the root package's ``__init__.py`` too."""
 
 import ast
 from pathlib import Path
@@ -49,20 +49,24 @@ def imports() -> dict[str, set[str]]:
     return edges
 
 
-@pytest.mark.parametrize("floor, above", [("planning", {"worker", "launch", "config", "sweep", *ENTRY}),
-                                          ("worker", {"planning", "launch", "config", "sweep", *ENTRY}),
-                                          ("spec", {"planning", "worker", "launch", "config", "sweep", *ENTRY}),
-                                          ("serving", {"planning", "worker", "launch", "config", "sweep", *ENTRY}),
-                                          ("monitor", {"planning", "worker", "launch", "config", "sweep", *ENTRY,
+# The input floor: the options read, and which of them change nothing.
+INPUT = ("config", "inert_options")
+
+
+@pytest.mark.parametrize("floor, above", [("planning", {"worker", "launch", *INPUT, "sweep", *ENTRY}),
+                                          ("worker", {"planning", "launch", *INPUT, "sweep", *ENTRY}),
+                                          ("spec", {"planning", "worker", "launch", *INPUT, "sweep", *ENTRY}),
+                                          ("serving", {"planning", "worker", "launch", *INPUT, "sweep", *ENTRY}),
+                                          ("monitor", {"planning", "worker", "launch", *INPUT, "sweep", *ENTRY,
                                                        "report"}),
-                                          ("results", {"planning", "worker", "launch", "config", "sweep", *ENTRY,
+                                          ("results", {"planning", "worker", "launch", *INPUT, "sweep", *ENTRY,
                                                        "monitor", "models", "report"}),
-                                          ("report", {"planning", "worker", "launch", "config", "sweep", *ENTRY,
+                                          ("report", {"planning", "worker", "launch", *INPUT, "sweep", *ENTRY,
                                                       "models"}),
-                                          ("hardware", {"planning", "worker", "launch", "config", "sweep", *ENTRY,
+                                          ("hardware", {"planning", "worker", "launch", *INPUT, "sweep", *ENTRY,
                                                         "monitor", "models", "report", "results", "spec",
                                                         "precisions"}),
-                                          ("util", {"planning", "worker", "launch", "config", "sweep", *ENTRY,
+                                          ("util", {"planning", "worker", "launch", *INPUT, "sweep", *ENTRY,
                                                     "monitor", "models", "report", "results", "spec",
                                                     "precisions", "hardware"})])
 def test_a_floor_imports_nothing_above_it(floor, above):
@@ -85,6 +89,51 @@ def test_no_two_parts_import_each_other():
 
     loops = sorted(name for name in edges if reaches(name, name))
     assert not loops, f"parts in an import loop: {loops}"
+
+
+def module_imports() -> dict[str, set[str]]:
+    """Each module of the package -> the package's modules it imports (a name ``from X import`` takes is
+    the module of that name where there is one, else X), lazy imports inside functions included."""
+    modules = {}
+    for path in PACKAGE.rglob("*.py"):
+        name = ".".join(path.relative_to(PACKAGE.parent).with_suffix("").parts).removesuffix(".__init__")
+        modules[name] = path
+
+    def module_of(target: str) -> str:
+        while target and target not in modules:
+            target = target.rpartition(".")[0]
+        return target
+
+    edges = {}
+    for name, path in modules.items():
+        package = name.split(".") if path.name == "__init__.py" else name.split(".")[:-1]
+        edges[name] = set()
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, ast.Import):
+                targets = [alias.name for alias in node.names]
+            elif isinstance(node, ast.ImportFrom):
+                base = ".".join(package[: len(package) - node.level + 1]) if node.level else ""
+                source = ".".join(filter(None, [base, node.module]))
+                targets = [f"{source}.{alias.name}" for alias in node.names]
+            else:
+                continue
+            edges[name] |= {module_of(t) for t in targets if t == ROOT or t.startswith("fitbench.")} - {name, ""}
+    return edges
+
+
+def test_no_two_modules_import_each_other():
+    """However indirectly: a module that reaches itself along the imports is in a circle."""
+    edges = module_imports()
+    assert "fitbench.planning.memory" in edges["fitbench.planning.planner"]  # the reading found the imports
+    circles = set()
+    for start in edges:
+        seen, frontier = set(), set(edges[start])
+        while frontier:
+            seen |= frontier
+            frontier = {after for module in frontier for after in edges.get(module, ())} - seen
+        if start in seen:
+            circles.add(start)
+    assert not circles, f"modules in an import circle: {sorted(circles)}"
 
 
 PARENT_WITHOUT_TORCH = """

@@ -27,7 +27,8 @@ from fitbench.planning.calibration import DEFAULT
 from fitbench.planning.collectives import BusBandwidth
 from fitbench.planning.forecast import (Ceilings, StepRun, ceilings, decode_format, forecast_spec, forecast_step_time,
                                     layer_traffic, side_by_side, step_run)
-from fitbench.planning.memory import Parallelism, Widths
+from fitbench.planning.sharding import Parallelism
+from fitbench.planning.terms import Widths
 from fitbench.planning.planner import GpuTarget, predict_spec
 from fitbench.precisions import DENSE, entry, policy
 from fitbench.precisions.entry import DecodeFormat
@@ -636,106 +637,25 @@ def test_the_planner_forecasts_at_the_ceilings_measured_here(tmp_path, monkeypat
 
 # ---- each constant, solved again from its row ----------------------------------------------------
 
-def measured_row(directory: str, **fields) -> dict:
-    for path in sorted((RESULTS / directory).rglob("results.jsonl")):
-        for line in path.read_text().splitlines():
-            row = json.loads(line)
-            if row["status"] == "ok" and all(row["spec"].get(key) == value for key, value in fields.items()):
-                return row
-    raise LookupError(f"no row {fields} in {directory}")
-
-
-def error_script():
-    spec = importlib.util.spec_from_file_location("speed_error", ROOT / "benchmarks/speed_error.py")
+def benchmark_module(name: str):
+    """A script of benchmarks/ as a module."""
+    spec = importlib.util.spec_from_file_location(name, ROOT / f"benchmarks/{name}.py")
     module = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(module)
     return module
 
 
+def error_script():
+    return benchmark_module("speed_error")
+
+
+CONSTANTS = benchmark_module("forecast_constants")
+SOURCES, measured_row, constant = CONSTANTS.SOURCES, CONSTANTS.measured_row, CONSTANTS.setter
+
+
 def solve(set_value, row: dict, low: float, high: float) -> float:
     """The value at which the row's forecast equals its measured step (the forecast is monotonic in it)."""
-    row_error = error_script().row_error
-
-    def gap(value: float) -> float:
-        set_value(value)
-        measured, forecast_s = row_error(row)
-        return forecast_s - measured
-
-    rising = gap(high) > gap(low)
-    for _ in range(50):
-        middle = (low + high) / 2
-        if (gap(middle) > 0) == rising:
-            high = middle
-        else:
-            low = middle
-    return (low + high) / 2
-
-
-def constant(name: str, key=None, field: str | None = None):
-    """A setter of ``forecast.NAME`` (``[key]``, ``.field``) for ``solve``; ``decode``: the ``field`` of a
-    precision entry's decode format, ``key`` = (precision, which of its ``DecodeFormats``)."""
-    def set_value(value: float) -> None:
-        if name == "decode":
-            precision, step = key
-            facts = precisions.ENTRIES[precision]
-            fmt = dataclasses.replace(getattr(facts.decode, step), **{field: value})
-            precisions.ENTRIES[precision] = dataclasses.replace(
-                facts, decode=dataclasses.replace(facts.decode, **{step: fmt}))
-        elif key is None and field is None:
-            setattr(forecast, name, value)
-        elif field is None:
-            getattr(forecast, name)[key] = value
-        elif key is None:
-            setattr(forecast, name, dataclasses.replace(getattr(forecast, name), **{field: value}))
-        else:
-            getattr(forecast, name)[key] = dataclasses.replace(getattr(forecast, name)[key], **{field: value})
-    return set_value
-
-
-SOURCES = [  # constant, (key), (field), its row, a range holding it
-    ("KERNEL_S", None, None, ("2026-11-24-h200-validation/matrix1-inference/3", {"model": "7B", "batch_size": 1}),
-     1e-7, 1e-5),
-    ("HOST_OP_S", "inference", None, ("2026-11-22-h100-quantized-decode/decode-eager", {"precision": "bf16-pure"}),
-     1e-6, 1e-4),
-    ("HF_HOST_OP_S", None, None, ("2026-11-24-h200-validation/matrix2-inference/2", {"model": "gpt2-xl"}), 1e-6, 1e-4),
-    ("HOST_OP_S", "training", None, ("2026-11-24-h200-validation/matrix1-training/2", {"model": "small"}), 1e-6, 1e-4),
-    ("CHECKPOINT_HOST_S", None, None, ("2026-11-24-h200-validation/matrix1-training/1",
-                                       {"model": "small", "precision": "bf16"}), 0.0, 1e-2),
-    ("MATMUL_EFFICIENCY", None, None, ("2026-11-24-h200-validation/matrix1-forward/3", {"model": "7B"}), 0.3, 1.2),
-    ("COMPILED_TRAFFIC", None, None, ("2026-11-24-h200-validation/matrix2-training/3", {"batch_size": 8}), 0.0, 1.0),
-    ("COMPILED_LAYER_KERNELS", None, None, ("2026-11-24-h200-compiled-decode/after/compiled", {"batch_size": 1}),
-     0, 60),
-    ("OFFLOAD_STREAM_BANDWIDTH", None, None, ("2026-11-22-h100-offload", {}), 1e9, 1e11),
-    ("decode", ("int4", "eager"), "bytes_per_matmul_flop", ("2026-11-24-h200-decode-formats", {"precision": "int4"}),
-     1e-5, 0.1),
-    ("decode", ("fp8", "eager"), "extra_kernels", ("2026-11-24-h200-decode-formats", {"precision": "fp8"}),
-     0, 30),
-    ("decode", ("int8-weight-only", "eager"), "efficiency",
-     ("2026-11-24-h200-decode-formats", {"precision": "int8-weight-only"}), 0.1, 2.0),
-    ("decode", ("int8", "eager"), "extra_kernels",
-     ("2026-11-24-h200-validation/matrix2-inference/4", {"precision": "int8"}), 0, 100),
-    ("decode", ("int8-dynamic", "eager"), "extra_kernels", ("2026-11-23-h200-packed-build/heldout/5", {}),
-     0, 300),
-    ("decode", ("int4", "compiled"), "bytes_per_matmul_flop",
-     ("2026-11-24-h200-regional-compile/int4", {"precision": "int4"}), 1e-5, 0.1),
-    ("decode", ("int4", "compiled_more_tokens"), "bytes_per_matmul_flop",
-     ("2026-11-24-h200-engine-profiles/decode-formats-1B", {"precision": "int4", "batch_size": 8}), 1e-6, 0.1),
-    ("decode", ("int8-weight-only", "compiled"), "efficiency",
-     ("2026-11-24-h200-regional-compile/int8wo", {"precision": "int8-weight-only"}), 0.1, 3.0),
-    ("decode", ("int8-weight-only", "compiled_more_tokens"), "efficiency",
-     ("2026-11-24-h200-engine-profiles/decode-formats-1B", {"precision": "int8-weight-only", "batch_size": 8}),
-     0.001, 3.0),
-    ("decode", ("fp8", "compiled"), "efficiency",
-     ("2026-11-24-h200-regional-compile/fp8", {"precision": "fp8"}), 0.1, 3.0),
-    ("decode", ("fp8", "compiled"), "extra_kernels",
-     ("2026-11-24-h200-engine-profiles/decode-formats-1B", {"precision": "fp8", "batch_size": 1}), 0, 30),
-    ("decode", ("fp8-weight-only", "compiled"), "efficiency",
-     ("2026-11-24-h200-engine-profiles/fp8-weight-only", {"precision": "fp8-weight-only"}), 0.1, 3.0),
-    ("decode", ("nf4", "eager"), "efficiency", ("2026-11-22-h100-quantized-decode/decode", {"precision": "nf4"}), 0.1, 2.0),
-    ("decode", ("nf4", "eager_more_tokens"), "extra_kernels",
-     ("2026-11-24-h200-validation/matrix2-inference/4", {"precision": "nf4"}), 0, 30),
-    ("FP8_TRAINING_OPS", None, None, ("2026-11-22-h100-quantized-training/7b-train", {"precision": "fp8"}), 0, 300),
-]
+    return CONSTANTS.solve(set_value, row, low, high, error_script().row_error)
 
 
 @pytest.mark.parametrize("name, key, field, source, low, high", SOURCES,
@@ -936,7 +856,7 @@ def test_recomputing_some_layers_costs_their_share_of_every_layers_recomputation
     elementwise traffic, autocast copies, operators, the host's checkpoint time) is C / L of what
     checkpointing every layer adds; the matmul term by hand: 2 n N (3 + C / L) FLOPs at the measured
     peak times MATMUL_EFFICIENCY."""
-    from fitbench.planning.memory import Parallelism
+    from fitbench.planning.sharding import Parallelism
     from fitbench.planning.speed import recomputed_share
 
     arch = resolve("7B")
@@ -992,3 +912,59 @@ def test_speed_error_takes_a_calibrations_bandwidths_for_the_rows_of_its_machine
     activation, logits = 8 * 1024 * 5120 * 2, 8 * 1024 * 32000 * 2
     longer = 80 * 1.5 * activation * (1 / 305.4238e9 - 1 / 450e9) + 0.75 * logits * (1 / 249.924e9 - 1 / 450e9)
     assert calibrated - default == pytest.approx(longer, rel=1e-3)
+
+
+def test_a_constant_refit_without_its_gpu_is_the_median_of_the_other_gpus_rows_that_ran_alike():
+    """``out_of_sample.py`` holding out the H200 rows: KERNEL_S (solved from a 7B decode row on an H200) is
+    solved again from each counted H100 row that decoded as that row did (native, bf16-pure, one GPU,
+    graphed, eager layers) and that the constant can bring to its measured step; it takes their median."""
+    import sys
+
+    sys.path.insert(0, str(ROOT / "benchmarks"))
+    try:
+        script = benchmark_module("out_of_sample")
+    finally:
+        sys.path.remove(str(ROOT / "benchmarks"))
+    entry = next(e for e in SOURCES if e[0] == "KERNEL_S")
+    source, before = measured_row(entry[3][0], **entry[3][1]), forecast.KERNEL_S
+    value, count = script.refit(entry, source, "NVIDIA H200", RESULTS, "gpu")
+    speed = error_script()
+    of = RunSpec.model_validate(source["spec"])
+    by_hand = []
+    for path in sorted(RESULTS.rglob("results.jsonl")):
+        for row in (json.loads(line) for line in path.read_text().splitlines()):
+            spec = RunSpec.model_validate(row["spec"])
+            if (row["status"] != "ok" or "H100" not in row["environment"]["gpus"][0]["name"]
+                    or (spec.mode, spec.precision, spec.backend, spec.layout, spec.compile, spec.cuda_graphs,
+                        spec.compile_decode, spec.offload, spec.activation_checkpointing)
+                    != (of.mode, of.precision, of.backend, of.layout, of.compile, of.cuda_graphs, of.compile_decode,
+                        of.offload, of.activation_checkpointing)
+                    or speed.row_error(row) is None or speed.not_a_speed(row, path.parent)):
+                continue
+            state = CONSTANTS.saved()
+            try:
+                ends = []
+                for bound in (entry[4], entry[5]):
+                    constant("KERNEL_S")(bound)
+                    measured, forecast_s = speed.row_error(row)
+                    ends.append(forecast_s - measured)
+                if ends[0] * ends[1] < 0:
+                    by_hand.append(solve(constant("KERNEL_S"), row, entry[4], entry[5]))
+            finally:
+                CONSTANTS.restore(state)
+    assert count == len(by_hand) > 0
+    assert value == pytest.approx(statistics.median(by_hand))
+    assert forecast.KERNEL_S == before  # the refit leaves the forecast's constant as it was
+
+
+def test_a_gpus_rows_out_of_sample_take_the_median_calibration_of_the_other_gpus_rows_of_their_kind():
+    """``repredict.py --out-of-sample``: for an H200 training row, the CUDA context and workspaces read back
+    from the H100's training rows, their medians by hand; none where the other GPUs have no row of the kind."""
+    script = benchmark_module("repredict")
+    read_back = [("H100", "training", 500e6, 10e6), ("H100", "training", 700e6, 30e6),
+                 ("H100", "training", 600e6, 20e6), ("H100", "eager", 100e6, 1e6), ("H200", "training", 9e9, 9e9)]
+    calibration = script.out_of_sample_calibration(read_back, "H200", "training")
+    assert (calibration.context("train"), calibration.workspace("train")) == (600e6, 20e6)
+    assert calibration.context("infer", decode_graph=False) == 600e6  # the row's own kind stands for all
+    assert script.out_of_sample_calibration(read_back, "H100", "eager") is None
+    assert script.out_of_sample_calibration(read_back, "H200", "inference") is None

@@ -233,7 +233,6 @@ def test_cpu_device_name_is_stable():
     assert cpu_device_name().startswith("cpu: ")
 
 
-
 def test_no_gpu_device_file_means_torch_sees_no_gpu():
     """Where no GPU device file exists, the answer given without torch is torch's own."""
     import torch

@@ -22,7 +22,8 @@ OTHER_PROGRAMS = {"--qos": "sbatch", "--array": "sbatch", "--job-name": "sbatch"
                   "--nnodes": "torchrun", "--nproc-per-node": "torchrun", "--rdzv-backend": "torchrun",
                   "--max-restarts": "torchrun", "--standalone": "torchrun",
                   "--min-gpus": "benchmarks/memory_error.py and the other error scripts",
-                  "--one-shot": "benchmarks/tp_decode_profile.py", "--baseline-again": "benchmarks/ddp_overlap.py",
+                  "--one-shot": "benchmarks/tp_decode_profile.py", "--by": "benchmarks/out_of_sample.py",
+                  "--out-of-sample": "benchmarks/repredict.py", "--baseline-again": "benchmarks/ddp_overlap.py",
                   "--load-format": "vllm serve", "--tensor-parallel-size": "vllm serve",
                   "--pipeline-parallel-size": "vllm serve", "--dtype": "vllm serve", "--quantization": "vllm serve"}
 # The pages' tables of options: (command, its argument group's title or None for all its options, page, heading).

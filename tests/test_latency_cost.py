@@ -63,3 +63,45 @@ def test_every_table_and_document_shows_them(tmp_path, capsys):
     assert values["time to first token p90 (ms)"] == pytest.approx(
         1e3 * np.percentile(rows[0].timing["samples"]["time_to_first_token"], 90))
     assert cli(["report", str(TP_PP), "--gpu-hour-price", "cheap"], capsys)[0] == 2
+
+
+def test_run_and_its_yaml_file_price_the_rows_and_report_keeps_the_price(tmp_path, capsys):
+    """`fitbench run --gpu-hour-price` (or the file's gpu_hour_price) prices its table and results.csv, and
+    saves the price with the sweep, so that `fitbench report`'s page and workbook show the same cost; each
+    cost recomputed by hand from the row's decode tokens/s and its one CPU process."""
+    import csv
+
+    out = tmp_path / "priced"
+    config = tmp_path / "sweep.yaml"
+    config.write_text(f"models: [tiny]\nmode: infer\ngpu_hour_price: {PRICE}\n")
+    code, stdout, err = cli(["run", "--config", str(config), "--device", "cpu", "--batch-size", "1", "--seq-len", "8",
+                             "--new-tokens", "4", "--warmup-steps", "0", "--measure-steps", "2", "--out", str(out)],
+                            capsys)
+    assert code == 0, err
+    [row] = read_sweep(out).rows
+    by_hand = PRICE * 1 / 3600 / row.throughput["decode_tokens_per_s"] * 1e6
+    assert cost_per_million_tokens(row, PRICE) == pytest.approx(by_hand)
+    assert f"${by_hand:,.2f}" in stdout and "$ per M" in stdout
+    [line] = csv.DictReader((out / "results.csv").open())
+    assert float(line[f"cost_per_million_tokens_usd_at_{PRICE:g}_per_gpu_hour"]) == pytest.approx(by_hand)
+    code, out_text, err = cli(["report", str(out), "--xlsx", str(tmp_path / "r.xlsx"), "--html",
+                               str(tmp_path / "r.html")], capsys)
+    assert code == 0 and f"${by_hand:,.2f}" in out_text, err
+    assert "cost per million tokens ($)" in (tmp_path / "r.html").read_text()
+    sheet = openpyxl.load_workbook(tmp_path / "r.xlsx")["infer"]
+    header = [cell.value for cell in sheet[1]]
+    column = next(i for i, name in enumerate(header) if name and "cost" in name)
+    assert sheet.cell(2, column + 1).value == pytest.approx(by_hand)
+    code, again, err = cli(["report", str(out), "--gpu-hour-price", "5"], capsys)
+    assert f"${2 * by_hand:,.2f}" in again  # given, the price of the report wins
+    code, _, err = cli(["run", "--resume", str(out), "--gpu-hour-price", "5"], capsys)
+    assert code == 0, err  # a price changes no measurement: a resume may give another
+
+
+def test_a_price_that_is_not_a_number_is_refused(tmp_path, capsys):
+    config = tmp_path / "sweep.yaml"
+    config.write_text("models: [tiny]\ngpu_hour_price: '2.49 dollars'\n")
+    code, _, err = cli(["run", "--config", str(config), "--device", "cpu", "--out", str(tmp_path / "r")], capsys)
+    assert code == 2 and "gpu_hour_price" in err and "price in dollars" in err, err
+    code, _, err = cli(["run", "--models", "tiny", "--gpu-hour-price", "-1", "--out", str(tmp_path / "r")], capsys)
+    assert code == 2 and "--gpu-hour-price" in err and "non-negative" in err, err

@@ -13,7 +13,8 @@ import fitbench.models.native as native
 from fitbench.models.layer_ops import eager_training, rms_norm, rotary, stacked_linear, swiglu
 from fitbench.models.native import apply_rope, build_native
 from fitbench.models.registry import resolve
-from fitbench.planning.memory import START, estimate_memory
+from fitbench.planning.memory import estimate_memory
+from fitbench.planning.terms import START
 from fitbench.worker.trace import trace_peak
 
 B, T, C, HEADS, KV_HEADS, D, FFN = 3, 7, 40, 5, 1, 6, 13
@@ -239,7 +240,7 @@ def test_a_model_trains_as_with_the_plain_expressions(fused, precision, monkeypa
 
 @pytest.mark.parametrize("precision", ["bf16", "fp32"])
 def test_fused_projections_save_what_separate_ones_save(precision):
-    """The memory model has one per-layer figure for both builds (``fitbench.planning.memory.saved_per_layer``):
+    """The memory model has one per-layer figure for both builds (``fitbench.planning.activations.saved_per_layer``):
     traced, their forward-backward peaks, where every layer's saved tensors are alive, are the same
     (bf16: no cast per projection; fp32, whose grouped k and v are expanded: q apart from the buffer
     the fused rotation shares with k and v)."""

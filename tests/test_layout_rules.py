@@ -49,8 +49,6 @@ REFUSED = [
      "train with bf16"),
     (["--models", "gpt2", "--gpus", "2", "--strategy", "pipeline", "--mode", "train"], ["pipeline x 2:"],
      "--backend native"),
-    (["--models", "gpt2", "--gpus", "2", "--strategy", "pipeline", "--mode", "infer", "--precision", "nf4"],
-     ["pipeline x 2:"], "bf16-pure over stages"),
     (["--gpus", "4", "--strategy", "pipeline", "--tp", "2", "--mode", "train"], ["tp 2 x pipeline 2:"],
      "--strategy fsdp --tp 2"),
     (["--gpus", "2", "--strategy", "replicas", "--mode", "train"], ["replicas x 2:"], "--strategy ddp or fsdp"),
@@ -89,7 +87,7 @@ def test_the_planner_rejects_a_layout_with_the_rule_that_refuses_it():
     arch, target = resolve("tiny"), GpuTarget("NVIDIA H100 80GB HBM3", 2, 80e9, described=True)
     for precision, layout in (("nf4", Layout(tp=2)), ("fp16", Layout(pp=2)), ("bf16", Layout(pp=2, tp=1))):
         problem = layout.problem(arch, "train", precision, "native")
-        assessed = assess(arch, "train", Candidate.of_layout(precision, layout, False, 1), target, seq_len=64,
+        assessed = assess(arch, "train", Candidate(precision, layout, False, 1), target, seq_len=64,
                           new_tokens=1, calibration=DEFAULT)
         if problem is None:
             assert assessed.fits

@@ -9,10 +9,9 @@ import torch
 
 from fitbench.models.native import DecoderConfig, NativeCausalLM
 from fitbench.models.registry import resolve
-from fitbench.planning.memory import (
-    BUILD, END, FIRST, MLP, OUTLIERS, OUTPUT, RECOMPUTE, START, MemoryEstimate, Parallelism, Term, estimate_memory,
-    stage_estimates,
-)
+from fitbench.planning.memory import estimate_memory, stage_estimates
+from fitbench.planning.sharding import Parallelism
+from fitbench.planning.terms import BUILD, END, FIRST, MLP, OUTLIERS, OUTPUT, RECOMPUTE, START, MemoryEstimate, Term
 from fitbench.planning.outliers import outlier_probability
 from fitbench.worker.trace import trace_peak
 
@@ -992,7 +991,7 @@ def test_copy_in_pool_by_hand():
     smaller (its block never holds a layer's), else the larger of two layers' and the root's output and
     input. The 30B preset over 4 GPUs in bf16-pure, GiB: layer 0.997, root 0.793 -> 2.787 (2.79 mapped
     on 4 x H200 and 4 x H100); the 20B over 2: layer 0.727, root 0.732 -> 1.463 (1.46 mapped)."""
-    from fitbench.planning.memory import copy_in_pool
+    from fitbench.planning.parallel_terms import copy_in_pool
 
     assert copy_in_pool(0.997, 0.793, 4)[0] == 2 * 0.997 + 0.793
     assert copy_in_pool(0.727, 0.732, 2)[0] == max(2 * 0.727, 1.5 * 0.732) == 2 * 0.727

@@ -21,11 +21,11 @@ from fitbench.models.hf import build_hf
 from fitbench.models.native import build_native, meta_model
 from fitbench.models.registry import resolve
 from fitbench.planning import speed
-from fitbench.planning.memory import Parallelism
+from fitbench.planning.sharding import Parallelism
 from fitbench.precisions import PRECISIONS, entry, policy
 from fitbench.worker import worker
 from fitbench.worker.build import Built
-from fitbench.worker.modes import Peaks
+from fitbench.worker.modes.peaks import Peaks
 from fitbench.worker.modes.generation import measure_generation
 from fitbench.worker.weight_bytes import decode_weight_bytes, weight_storage_bytes
 from fitbench.worker.loops import generate, random_tokens, read_generation

@@ -55,7 +55,6 @@ def measure(run: RunSpec, tmp_path) -> dict:
     return result
 
 
-
 @pytest.mark.parametrize("backend", ["native", "hf"])
 @pytest.mark.parametrize("mode", MODES)
 def test_every_mode_measures_on_tiny(mode, backend, tmp_path):

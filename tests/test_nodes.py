@@ -14,7 +14,7 @@ from fitbench.models.registry import resolve
 from fitbench.planning.calibration import DEFAULT, load_calibration, save_calibration
 from fitbench.planning.collectives import BusBandwidth, bus_bandwidth
 from fitbench.planning.forecast import ceilings, forecast_step_time
-from fitbench.planning.memory import Parallelism
+from fitbench.planning.sharding import Parallelism
 from fitbench.planning.nodes import (FABRICS, INTER_NODE_LATENCY_S, AcrossNodes, Nodes, inter_node_link, job_nodes,
                                  layout_links, parse_inter_node_bandwidth, placement_problem)
 from fitbench.planning.planner import GpuTarget, node_counts, plan

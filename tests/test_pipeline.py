@@ -21,6 +21,7 @@ import torch
 import pipeline_job as job
 from conftest import Shape
 from fitbench.models.backends import NativeLM, load_model
+from fitbench.models import native
 from fitbench.models.native import build_native
 from fitbench.models.registry import resolve
 from fitbench.precisions import policy
@@ -297,7 +298,7 @@ def test_a_stage_checkpoints_its_own_first_layers(checkpointed, recomputed, monk
         ran.append(list(model.model.layers).index(layer))
         return torch.utils.checkpoint.checkpoint(layer, *args, **kwargs)
 
-    monkeypatch.setattr(pipeline, "checkpoint", counted)
+    monkeypatch.setattr(native, "checkpoint", counted)  # NativeCausalLM.run_layer, which a stage calls
 
     def gradients() -> dict[str, torch.Tensor]:
         model.zero_grad(set_to_none=True)

@@ -26,10 +26,31 @@ def test_the_requirements_table_marks_the_rows_the_plan_passes_over(capsys):
     assert bf16["peak_per_gpu_bytes"] > (1 - RETRY_MARGIN) * memory  # inside the margin, by hand
     code, out, err = cli([*EDGE, "--requirements"], capsys)
     text = " ".join(out.split())
-    row = next(line for line in out.splitlines() if "bf16-pure" in line)
-    assert row.rstrip(" │").endswith("*")
+    row = [cell.strip() for cell in next(line for line in out.splitlines() if "bf16-pure" in line).split("│")]
+    assert row[-3].endswith("*") and row[-2] == str(bf16["min_gpus_clear_of_retry_margin"])
     assert f"*: fits only inside the {RETRY_MARGIN:.1%} of each GPU's memory ({format_bytes(RETRY_MARGIN * memory)})" \
            in text
+
+
+def test_the_requirements_and_the_plan_agree_on_every_count(capsys):
+    """The count clear of the margin is the fewest on which `plan` keeps the precision: on it the plan
+    chooses bf16-pure, on every count below it (10, where bf16-pure fits only inside the margin) a later
+    rung; the same for int8 against nf4."""
+    import fitbench
+
+    code, out, err = cli([*EDGE, "--requirements", "--json"], capsys)
+    rows = {row["precision"]: row for row in json.loads(out)}
+    bf16 = rows["bf16-pure"]
+    assert bf16["min_gpus"] == 10 < bf16["min_gpus_clear_of_retry_margin"]
+    assert bf16["how_clear_of_retry_margin"].startswith("bf16-pure, ")
+    for precision, ladder in (("bf16-pure", ["bf16-pure", "int8", "nf4"]), ("int8", ["int8", "nf4"])):
+        clear = rows[precision]["min_gpus_clear_of_retry_margin"]
+        for gpus in range(rows[precision]["min_gpus"], clear + 1):
+            plan = fitbench.plan("llama-3.1-405b", "infer", gpu="H100-80GB", gpus=gpus, precisions=ladder)
+            if plan.chosen is not None and plan.chosen.candidate.gpus == gpus:
+                assert (plan.chosen.candidate.precision == precision) == (gpus == clear), (gpus, plan.chosen.candidate)
+        kept = fitbench.plan("llama-3.1-405b", "infer", gpu="H100-80GB", gpus=clear, precisions=ladder).chosen
+        assert kept.candidate.precision == precision and kept.clear
 
 
 def test_the_plan_on_those_gpus_says_why_it_took_the_next_rung(capsys):

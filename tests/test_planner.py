@@ -27,7 +27,8 @@ from fitbench.models.registry import resolve
 from fitbench.planning.calibration import (DEFAULT, NCCL_TENSOR_PARALLEL_GENERATION, TENSORS_ONLY, Calibration,
                                       calibration_path, ensure_calibration, load_calibration, save_calibration)
 from fitbench.planning.collectives import NVLINK_LATENCY_S, BusBandwidth, bus_bandwidth
-from fitbench.planning.memory import Parallelism, estimate_memory, stage_estimates
+from fitbench.planning.memory import estimate_memory, stage_estimates
+from fitbench.planning.sharding import Parallelism
 from fitbench.planning.planner import (
     GPU_ALIASES,
     MAX_AUTO_BATCH,
@@ -311,12 +312,12 @@ def test_tp_stays_in_one_node_and_replicates_kv_heads_it_cannot_split():
     result = plan(arch, "infer", GpuTarget(H100, 16, 80e9, described=True), seq_len=128,
                   new_tokens=128, batch_sizes=[1], precisions=["bf16-pure"], strategies=["tp"])
     assert result.feasible and all(a.candidate.layout.tp <= 8 for a in (*result.feasible, *result.rejected))
-    tp16 = Candidate("bf16-pure", "tp", 16, False, 1)
+    tp16 = Candidate.of_strategy("bf16-pure", "tp", 16, False, 1)
     beyond = assess(arch, "infer", tp16, GpuTarget(H100, 16, 80e9, described=True), seq_len=128, new_tokens=128)
     assert not beyond.fits and "more than the 8 GPUs of one node" in beyond.reason
     # on a node of 16, 64 heads split 16 ways; the 8 kv heads do not: each rank caches all of them
     wide = GpuTarget(H100, 16, 80e9, described=True, node_gpus=16)
-    caches = [{t.name: t.bytes for t in assess(arch, "infer", Candidate("bf16-pure", "tp", tp, False, 1), wide,
+    caches = [{t.name: t.bytes for t in assess(arch, "infer", Candidate("bf16-pure", Layout(tp=tp), False, 1), wide,
                                                seq_len=128, new_tokens=128).memory.terms}["KV cache"]
               for tp in (8, 16)]
     assert caches[1] == 8 * caches[0] == kv_bytes_per_token(LLAMA2_70B) * (128 + 128)
@@ -330,7 +331,7 @@ def test_candidates_never_need_more_gpus_than_exist(count):
     assert max(proposed) == count
     assert all("GPUs;" not in (a.reason or "") for a in result.rejected)
     # assess itself refuses a layout wider than the target.
-    wide = assess(resolve("7B"), "train", Candidate("bf16", "fsdp", count + 1, False, 1),
+    wide = assess(resolve("7B"), "train", Candidate.of_strategy("bf16", "fsdp", count + 1, False, 1),
                   GpuTarget(H100, count, 80e9, described=True), seq_len=256, new_tokens=1)
     assert not wide.fits and f"needs {count + 1} GPUs; {count} available" in wide.reason
 
@@ -378,7 +379,7 @@ def test_auto_batch_grows_with_gpu_memory(model, mode, precision, seq_len):
 def layouts(arch, mode: str, gpus: int, precision: str, batch: int):
     for layout in layouts_for(arch, mode, gpus):
         for recompute in ([False, True] if mode == "train" else [False]):
-            yield Candidate.of_layout(precision, layout, recompute, batch)
+            yield Candidate(precision, layout, recompute, batch)
 
 
 @pytest.mark.parametrize("model, mode, precision, seq_len, expected", [
@@ -432,7 +433,7 @@ def test_decode_at_batch_1_is_memory_bound_at_hbm_bandwidth():
                               gpu_name="NVIDIA H200")
     assert h200.seconds == pytest.approx((weight_bytes + kv_bytes) / H200_BANDWIDTH, rel=1e-9)
     # The planner reports the same figure for the one-GPU candidate.
-    chosen = assess(arch, "infer", Candidate("bf16-pure", "single", 1, False, 1), GpuTarget(H100, 1, 80e9, True),
+    chosen = assess(arch, "infer", Candidate("bf16-pure", Layout(), False, 1), GpuTarget(H100, 1, 80e9, True),
                     seq_len=128, new_tokens=128)
     assert chosen.speed.seconds == pytest.approx((weight_bytes + kv_bytes) / H100_BANDWIDTH, rel=1e-9)
 
@@ -552,7 +553,7 @@ def test_a_measured_bus_bandwidth_replaces_the_datasheet():
         assert speed.communication_s == pytest.approx(expected, rel=1e-9), strategy
     # the planner takes it from the calibration
     target = GpuTarget("NVIDIA H200", 2, H200_TOTAL_MEMORY, described=True)
-    slow, fast = (assess(resolve("7B"), "train", Candidate("bf16-pure", "fsdp", 2, False, 1), target, seq_len=512,
+    slow, fast = (assess(resolve("7B"), "train", Candidate("bf16-pure", Layout(dp_shard=2), False, 1), target, seq_len=512,
                          new_tokens=1, calibration=c).speed for c in (measured, DEFAULT))
     assert slow.communication_s > fast.communication_s
 
@@ -662,7 +663,7 @@ def names(terms) -> list[str]:
 
 def test_fragmentation_overhead_late_in_the_backward_pass():
     arch = resolve("small")  # CS336 small: h 768, f 3072, 12 heads, vocab 10000
-    candidate = Candidate("bf16", "single", 1, False, 2)
+    candidate = Candidate("bf16", Layout(), False, 2)
     memory = estimate_memory(arch, "train", "bf16", 2, 128)
     assert memory.peak_moment == "end of the backward pass"
     terms = overhead_terms(arch, "train", candidate, memory, memory.peak_moment, 128, DEFAULT)
@@ -679,7 +680,7 @@ def test_fragmentation_overhead_late_in_the_backward_pass():
 def test_page_rounding_overhead_when_the_peak_is_early_or_in_inference():
     arch = resolve("small")
     for mode, precision, batch, seq_len in (("train", "bf16", 32, 512), ("infer", "bf16-pure", 1, 128)):
-        candidate = Candidate(precision, "single", 1, False, batch)
+        candidate = Candidate(precision, Layout(), False, batch)
         memory = estimate_memory(arch, mode, precision, batch, seq_len, new_tokens=16)
         assert memory.peak_moment in ("start of the backward pass", "prefill MLP", "output projection")
         terms = overhead_terms(arch, mode, candidate, memory, memory.peak_moment, seq_len, DEFAULT)
@@ -698,7 +699,7 @@ def test_page_rounding_overhead_when_the_peak_is_early_or_in_inference():
 def test_nccl_buffers_only_with_several_gpus():
     arch = resolve("small")
     for strategy, gpus in (("single", 1), ("tp", 2), ("ddp", 2), ("fsdp", 4), ("pipeline", 2)):
-        candidate = Candidate("bf16", strategy, gpus, False, 2)
+        candidate = Candidate.of_strategy("bf16", strategy, gpus, False, 2)
         memory = estimate_memory(arch, "train", "bf16", 2, 128, parallelism=candidate.parallelism)
         terms = overhead_terms(arch, "train", candidate, memory, memory.peak_moment, 128, DEFAULT)
         nccl = [t.bytes for t in terms if t.name == "NCCL buffers"]
@@ -706,10 +707,10 @@ def test_nccl_buffers_only_with_several_gpus():
     # a generation's tensor-parallel communicator holds the figure measured for it; FSDP x TP's two hold
     # one figure each, and a generation over stages of TP 2 the stages' and the tensor-parallel one
     for mode, candidate, expected in (
-            ("infer", Candidate("bf16", "tp", 2, False, 2), NCCL_TENSOR_PARALLEL_GENERATION),
-            ("train", Candidate("bf16", "fsdp+tp", 4, False, 2, layout=Layout(dp_shard=2, tp=2)),
+            ("infer", Candidate.of_strategy("bf16", "tp", 2, False, 2), NCCL_TENSOR_PARALLEL_GENERATION),
+            ("train", Candidate("bf16", Layout(dp_shard=2, tp=2), False, 2),
              2 * DEFAULT.nccl_per_communicator),
-            ("infer", Candidate("bf16", "tp+pipeline", 4, False, 2, layout=Layout(tp=2, pp=2)),
+            ("infer", Candidate("bf16", Layout(tp=2, pp=2), False, 2),
              DEFAULT.nccl_per_communicator + NCCL_TENSOR_PARALLEL_GENERATION)):
         memory = estimate_memory(arch, mode, "bf16", 2, 128, parallelism=candidate.parallelism)
         terms = overhead_terms(arch, mode, candidate, memory, memory.peak_moment, 128, DEFAULT)
@@ -793,7 +794,7 @@ OFFLOAD_SHAPE = dict(seq_len=512, new_tokens=128)
 
 
 def offload_fits(arch, resident: int, memory: float) -> bool:
-    candidate = Candidate("bf16-pure", "single", 1, False, 1, resident)
+    candidate = Candidate("bf16-pure", Layout(), False, 1, resident)
     return assess(arch, "infer", candidate, GpuTarget(H100, 1, memory, True), **OFFLOAD_SHAPE).fits
 
 
@@ -851,7 +852,7 @@ def test_offload_adds_the_host_link_to_the_roofline():
         assert speed.communication_s == pytest.approx(offloaded / link, rel=1e-12)
         assert speed.bound == "communication"
     assert speed.memory_s > plain.memory_s  # the A100's HBM is slower too
-    h100 = assess(arch, "infer", Candidate("bf16-pure", "single", 1, False, 1, 44), GpuTarget(H100, 1, 80e9, True),
+    h100 = assess(arch, "infer", Candidate("bf16-pure", Layout(), False, 1, 44), GpuTarget(H100, 1, 80e9, True),
                   **OFFLOAD_SHAPE).speed
     assert h100.seconds == pytest.approx(plain.seconds + offloaded / PCIE5_PER_DIRECTION, rel=1e-9)
     assert h100.tokens_per_s == pytest.approx(1 / h100.seconds, rel=1e-12)  # about 1 token/s
@@ -859,7 +860,7 @@ def test_offload_adds_the_host_link_to_the_roofline():
 
 def test_offloaded_candidates_are_one_gpu_inference():
     arch = resolve("llama-2-70b")
-    candidate = Candidate("bf16-pure", "tp", 2, False, 1, 40)
+    candidate = Candidate.of_strategy("bf16-pure", "tp", 2, False, 1, 40)
     rejected = assess(arch, "infer", candidate, GpuTarget(H100, 2, 80e9, True), **OFFLOAD_SHAPE)
     assert not rejected.fits and "one GPU" in rejected.reason
     assert "offload (40 layers on the GPU)" in candidate.label
@@ -964,7 +965,7 @@ def test_fsdp_cpu_offload_fits_what_sharding_alone_does_not_and_pays_the_host_li
     shards_in_and_out = 3 * 4 * arch.total_params / 2  # fp32 shards in twice, their gradients out once
     link = HOST_LINK_BANDWIDTH.get("NVIDIA H200", PCIE_BANDWIDTH)
     assert off.seconds - on_gpu.seconds == pytest.approx(shards_in_and_out / link, rel=1e-9)
-    assert Candidate("bf16", "fsdp", 2, False, 1, cpu_offload=True).label == "bf16, fsdp x 2, CPU offload, batch 1"
+    assert Candidate("bf16", Layout(dp_shard=2), False, 1, cpu_offload=True).label == "bf16, fsdp x 2, CPU offload, batch 1"
 
 
 def test_training_chooses_among_one_gpu_ddp_and_fsdp_by_throughput():
@@ -999,7 +1000,8 @@ def test_plan_command_json_has_sizes_in_bytes(capsys):
     assert chosen["candidate"] == {"precision": "bf16-pure", "strategy": "tp", "gpus": 4,
                                    "activation_checkpointing": False, "batch_size": 1, "resident_layers": None,
                                    "compiled": False, "cpu_offload": False, "checkpointed_layers": None,
-                                   "layout": {"dp_replicate": 1, "dp_shard": 1, "tp": 4, "pp": 1, "replicas": 1}}
+                                   "layout": {"dp_replicate": 1, "dp_shard": 1, "tp": 4, "pp": 1, "replicas": 1},
+                                   "microbatches": None}
     # every layer matrix in quarters (8 kv heads split 4 ways), the embedding and the output projection
     # over the vocabulary; the norms whole on each rank
     s, norms = LLAMA2_70B, 2 * LLAMA2_70B["h"]
@@ -1214,7 +1216,7 @@ def test_zero_gpus_is_rejected(capsys):
 
 def test_predicted_peak_grows_with_the_batch():
     arch, target = resolve("small"), GpuTarget(None, 1, 1e12, described=True)
-    peaks = [assess(arch, "train", Candidate("bf16", "single", 1, True, b), target, seq_len=128,
+    peaks = [assess(arch, "train", Candidate("bf16", Layout(), True, b), target, seq_len=128,
                     new_tokens=1).predicted_peak for b in range(28, 40)]
     assert peaks == sorted(peaks)
 
@@ -1253,7 +1255,7 @@ def test_fsdp_ranks_read_all_gathered_weights():
 ])
 def test_overheads_follow_how_the_step_runs(mode, precision, expected):
     arch = resolve("small")
-    candidate = Candidate(precision, "single", 1, False, 1)
+    candidate = Candidate(precision, Layout(), False, 1)
     memory = estimate_memory(arch, mode, precision, 1, 128, new_tokens=16)
     terms = overhead_terms(arch, mode, candidate, memory, memory.peak_moment, 128, DEFAULT)
     assert (terms[0].bytes, terms[1].bytes) == expected
@@ -1263,12 +1265,12 @@ def test_overheads_follow_how_the_step_runs(mode, precision, expected):
 def test_a_decode_graph_captured_under_autocast_keeps_its_casts_pool(precision, batch):
     # small: V 10000, h 768, f 3072; the output projection (V h) is the largest matrix cast to 16 bits.
     arch = resolve("small")
-    candidate = Candidate(precision, "single", 1, False, batch)
+    candidate = Candidate(precision, Layout(), False, batch)
     memory = estimate_memory(arch, "infer", precision, batch, 128, new_tokens=16)
     terms = {t.name: t.bytes for t in overhead_terms(arch, "infer", candidate, memory, memory.peak_moment, 128,
                                                       DEFAULT)}
     assert terms["decode graph pool"] == 2 * (10000 * 768 + batch * 10000)
-    pure = overhead_terms(arch, "infer", Candidate("bf16-pure", "single", 1, False, batch), memory,
+    pure = overhead_terms(arch, "infer", Candidate("bf16-pure", Layout(), False, batch), memory,
                           memory.peak_moment, 128, DEFAULT)
     assert "decode graph pool" not in {t.name for t in pure}
 
@@ -1356,7 +1358,7 @@ def test_inference_alternatives_precisions_smaller_batch_offload_and_more_gpus()
     assert share <= changes[sharded].predicted_peak <= 80e9
     fewer = GpuTarget(H100, layout.gpus - 1, 80e9, described=False)
     assert layout.gpus >= 2 and not any(
-        assess(arch, "infer", Candidate.of_layout(layout.precision, fewer_layout, False, layout.batch_size), fewer,
+        assess(arch, "infer", Candidate(layout.precision, fewer_layout, False, layout.batch_size), fewer,
                seq_len=4096, new_tokens=128).fits for fewer_layout in layouts_for(arch, "infer", fewer.count))
 
 
@@ -1401,7 +1403,7 @@ def test_when_nothing_fits_the_reason_says_so():
 
 
 def test_on_a_cpu_the_prediction_is_the_tensors_alone():
-    arch, candidate = resolve("tiny"), Candidate("fp32", "single", 1, False, 2)
+    arch, candidate = resolve("tiny"), Candidate("fp32", Layout(), False, 2)
     target = GpuTarget(None, 1, 1e12, described=False)
     assessed = assess(arch, "train", candidate, target, seq_len=64, new_tokens=1, calibration=None)
     assert assessed.overheads == ()
@@ -1554,18 +1556,17 @@ def test_falcon_180b_bf16_inference_fewest_h100s_and_the_layout():
     assert layout == Layout(pp=count)
     assert count >= math.ceil(2 * arch.total_params / H100_TOTAL_MEMORY)
     fewer = GpuTarget(H100, count - 1, H100_TOTAL_MEMORY, described=True)
-    assert not any(assess(arch, "infer", Candidate.of_layout("bf16-pure", other, False, 1), fewer, seq_len=128,
+    assert not any(assess(arch, "infer", Candidate("bf16-pure", other, False, 1), fewer, seq_len=128,
                           new_tokens=128).fits for other in launchable(arch, "infer", count - 1, "bf16-pure"))
     assert minimum_gpus(arch, "infer", "bf16-pure", H100_TOTAL_MEMORY, seq_len=128, new_tokens=128) == \
         (count, found.candidate.label)
 
 
-@pytest.mark.parametrize("precision, strategies", [("fp8", None), ("bf16-pure", ["tp"])])
+@pytest.mark.parametrize("precision, strategies", [("fp8", ["tp"]), ("bf16-pure", ["tp"])])
 def test_a_plan_of_layouts_the_run_refuses_says_why(precision, strategies, capsys):
-    """Falcon-180B on H200s: fp8 would fit only in layouts the run does not launch (no tensor-parallel plan
-    in transformers for Falcon, no quantized stages on the hf backend), and under tensor parallelism bf16
-    cannot launch either. Either way the plan rejects those layouts with the run's reason
-    (``Layout.problem``), not with their memory, and says so."""
+    """Falcon-180B on H200s under tensor parallelism: transformers has no tensor-parallel plan for Falcon,
+    so in fp8 and in bf16 the plan rejects those layouts with the run's reason (``Layout.problem``), not
+    with their memory, and says so."""
     arch = resolve("falcon-180b")
     target = GpuTarget("NVIDIA H200", 8, H200_TOTAL_MEMORY, described=True)
     result = plan(arch, "infer", target, seq_len=512, new_tokens=32, batch_sizes=[1], precisions=[precision],
@@ -1798,7 +1799,7 @@ def test_cached_pools_count_in_the_peak_but_not_in_what_must_fit():
     """FSDP's copy-in and reduce-scatter streams keep their pools mapped (``Term.cached``): the peak NVML
     reads counts them, up to the GPU's capacity, where the allocator releases them and retries; a
     configuration fits when its tensors do."""
-    arch, candidate = resolve("1B"), Candidate("bf16", "fsdp", 2, False, 8)
+    arch, candidate = resolve("1B"), Candidate.of_strategy("bf16", "fsdp", 2, False, 8)
     memory = estimate_memory(arch, "train", "bf16", 8, 2048, parallelism=candidate.parallelism)
     cached = sum(t.bytes for t in memory.terms if t.cached and memory.at_peak(t))
     roomy = assess(arch, "train", candidate, GpuTarget(H100, 2, 1e12, True), seq_len=2048, new_tokens=0)
@@ -1818,21 +1819,21 @@ def test_fsdp_root_reduce_scatter_input_sets_the_late_fragmentation():
     """Late in an FSDP backward pass the root's reduce-scatter input, rd E in one block, maps pages of its own
     where it is larger than one layer's saved activations (the holes the freed activations leave)."""
     arch = resolve("llama-3.1-8b")
-    candidate = Candidate("bf16", "fsdp", 2, True, 1)
+    candidate = Candidate.of_strategy("bf16", "fsdp", 2, True, 1)
     chosen = assess(arch, "train", candidate, GpuTarget(H100, 2, 1e12, True), seq_len=4096, new_tokens=0)
     memory = chosen.memory
     terms = {t.name: t.bytes for t in overhead_terms(arch, "train", candidate, memory, "end of the backward pass",
                                                      4096, DEFAULT)}
     root = arch.vocab_size * arch.hidden_size * 2 + arch.hidden_size  # embedding, output projection, final norm
     assert terms["allocator fragmentation"] == 4 * root  # fp32 shards under mixed precision: rd = 4 B
-    single = {t.name: t.bytes for t in overhead_terms(arch, "train", Candidate("bf16", "single", 1, True, 1), memory,
+    single = {t.name: t.bytes for t in overhead_terms(arch, "train", Candidate("bf16", Layout(), True, 1), memory,
                                                       "end of the backward pass", 4096, DEFAULT)}
     assert single["allocator fragmentation"] < terms["allocator fragmentation"]
 
 
 def test_the_hf_backends_pipeline_stages_hold_no_nccl_buffers():
     """The transformers backend's stages are one process driving a GPU each (accelerate's device map)."""
-    arch, candidate = resolve("falcon-40b"), Candidate("bf16-pure", "pipeline", 2, False, 1)
+    arch, candidate = resolve("falcon-40b"), Candidate.of_strategy("bf16-pure", "pipeline", 2, False, 1)
     target = GpuTarget(H100, 2, 1e12, True)
     names = {backend: {t.name for t in assess(arch, "infer", candidate, target, seq_len=512, new_tokens=32,
                                               backend=backend).overheads} for backend in ("hf", "native")}
@@ -1862,18 +1863,24 @@ def test_a_weight_only_format_slower_than_bf16_at_the_batch_asked_warns_in_the_r
 
 
 def test_a_model_no_layout_splits_says_why_instead_of_a_gpu_count(capsys):
-    """Falcon has no tensor-parallel plan in transformers, and transformers' pipeline stages hold no
-    quantized weights: quantized, no layout divides its weights, which --requirements says with the
-    pipeline's reason; in bf16 the stages do, and a Llama splits in any precision."""
+    """Training Falcon: transformers has no tensor-parallel plan for it and its pipeline stages run
+    inference only, so no layout divides its weights, which --requirements says with the pipeline's
+    reason; for inference its stages split it in any precision (quantized layers are made on their
+    stage's device), and a Llama splits in any mode."""
     falcon = resolve("falcon-180b")
-    reason = unsplittable(falcon, "infer", "nf4", 8)
-    assert reason is not None and "floating-point weights" in reason
-    assert unsplittable(falcon, "infer", "bf16-pure", 8) is None
+    reason = unsplittable(falcon, "train", "bf16", 8)
+    assert reason is not None and "for inference" in reason
+    for precision in ("bf16-pure", "nf4", "int8"):
+        assert unsplittable(falcon, "infer", precision, 8) is None
     assert unsplittable(resolve("7B"), "infer", "nf4", 8) is None
+    code, out, _ = cli(["plan", "--requirements", "--gpu", "H100-80GB", "--models", "falcon-180b", "--mode", "train",
+                        "--precision", "bf16", "--json"], capsys)
+    (row,) = json.loads(out)
+    assert code == 0 and row["min_gpus"] is None and row["how"] == unsplittable(falcon, "train", "bf16", MOST_GPUS)
     code, out, _ = cli(["plan", "--requirements", "--gpu", "H100-80GB", "--models", "falcon-180b", "--mode", "infer",
                         "--precision", "nf4", "--json"], capsys)
     (row,) = json.loads(out)
-    assert code == 0 and row["min_gpus"] is None and row["how"] == unsplittable(falcon, "infer", "nf4", MOST_GPUS)
+    assert code == 0 and row["min_gpus"] is not None and "pipeline" in row["how"]
 
 
 # ---- activation checkpointing of the fewest layers that fit ----------------------------------------

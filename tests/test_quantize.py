@@ -629,7 +629,7 @@ def test_cli_refuses_training_int4(tmp_path, capsys, monkeypatch):
 
 
 def test_int8_weight_only_is_an_inference_precision_beside_llm_int8():
-    from fitbench.planning.memory import Parallelism
+    from fitbench.planning.sharding import Parallelism
     from fitbench.planning.speed import estimate_step_time
     assert entry("int8-weight-only").training_problem and "fp8" in entry("int8-weight-only").training_problem
     assert "torchao" in Layout(tp=2).problem(Shape(), "infer", "int8-weight-only", "native")
@@ -651,7 +651,7 @@ def test_int8_weight_only_is_an_inference_precision_beside_llm_int8():
 
 
 def test_fp8_weight_only_is_an_inference_precision_that_needs_no_float8_tensor_cores():
-    from fitbench.planning.memory import Parallelism
+    from fitbench.planning.sharding import Parallelism
     from fitbench.planning.speed import estimate_step_time
     assert entry("fp8-weight-only").training_problem and "fp8" in entry("fp8-weight-only").training_problem
     assert "torchao" in Layout(tp=2).problem(Shape(), "infer", "fp8-weight-only", "native")
@@ -722,7 +722,7 @@ def test_int4_weights_with_int8_dynamic_activations_convert_on_a_cpu_as_their_en
 def test_int4_weights_with_int8_dynamic_activations_plan_and_refuse_as_torchao_inference_tensors():
     """Planned on an H100 for inference, its 7B weights above int8-dynamic's (int4 held in int8); refused for training and every
     sharding layout (a torchao inference tensor), runnable on any device, decoded in a CUDA graph."""
-    from fitbench.planning.memory import Parallelism
+    from fitbench.planning.sharding import Parallelism
     from fitbench.planning.speed import estimate_step_time
     facts = entry("int8-dynamic-int4")
     assert facts.library == "torchao" and facts.weight_only and facts.peak_kind("infer") == "bf16"

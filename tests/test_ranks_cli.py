@@ -153,9 +153,13 @@ def test_the_sweep_gives_each_configuration_its_layout():
     assert {spec.layout.strategy for spec in auto} == {"ddp"}  # DDP composes with fp32 and is tried first
     with pytest.raises(UserError, match="strategy: --strategy fsdp spreads each configuration over --gpus N ranks"):
         expand(config.model_copy(update={"gpus": 1}), device="cpu", default_models=["tiny"])  # it would change nothing
-    infer = expand(SweepConfig(models=["tiny"], mode=["infer"], gpus=2, strategy="ddp"), device="cpu",
-                   default_models=["tiny"])
-    assert [spec.layout for spec in infer] == [Layout()]  # generation runs in one process
+    # generation has no gradients: beside a training mode it runs in one process, alone it is refused
+    infer = expand(SweepConfig(models=["tiny"], mode=["train", "infer"], precision=["fp32"], gpus=2, strategy="ddp"),
+                   device="cpu", default_models=["tiny"])
+    assert [spec.layout for spec in infer] == [Layout(dp_replicate=2), Layout()]
+    with pytest.raises(UserError, match="strategy: --strategy ddp shares gradients .* generation would run in one"):
+        expand(SweepConfig(models=["tiny"], mode=["infer"], gpus=2, strategy="ddp"), device="cpu",
+               default_models=["tiny"])
     with pytest.raises(UserError, match="ddp x 2: int4 weights are torchao tensor subclasses"):
         expand(SweepConfig(models=["tiny"], mode=["forward"], precision=["int4"], gpus=2, strategy="ddp"),
                device="cpu", default_models=["tiny"])

@@ -7,6 +7,7 @@ import pytest
 import torch
 from transformers import AutoConfig, AutoModelForCausalLM, GPT2Config, LlamaConfig, Qwen2Config
 
+from fitbench.models.checkpoint_names import native_state
 from fitbench.models.hf import hf_config
 from fitbench.models.native import DecoderConfig, NativeCausalLM
 from fitbench.models.presets import CS336_SIZES, PRESETS, SIZE_LADDER
@@ -30,16 +31,14 @@ def test_exact_parameter_count_matches_the_instantiated_models(arch):
     assert hf.config.model_type == arch.hf_model_type
     assert count(hf) == arch.total_params
     assert (hf.get_output_embeddings().weight is hf.get_input_embeddings().weight) == arch.tie_embeddings
-    if arch.family == "llama":
-        with torch.device("meta"):
-            native = NativeCausalLM(DecoderConfig.from_architecture(arch))
-        assert count(native) == arch.total_params
-        # the native decoder carries transformers' parameter names
-        assert dict((n, p.shape) for n, p in native.named_parameters()) == \
-            dict((n, p.shape) for n, p in hf.named_parameters())
-    else:
-        with pytest.raises(ValueError):
-            DecoderConfig.from_architecture(arch)
+    with torch.device("meta"):
+        native = NativeCausalLM(DecoderConfig.from_architecture(arch))
+    assert count(native) == arch.total_params
+    # the native decoder carries transformers' Llama names; a Falcon or GPT-2 checkpoint's tensors map onto
+    # them one for one (fitbench.models.checkpoint_names), with their shapes
+    hf_tensors = native_state({"model_type": arch.hf_model_type, **arch.hf_config_dict()},
+                              dict(hf.named_parameters()))
+    assert dict((n, p.shape) for n, p in native.named_parameters()) == dict((n, p.shape) for n, p in hf_tensors.items())
 
 
 @pytest.mark.parametrize("arch", PRESETS, ids=lambda arch: arch.name)

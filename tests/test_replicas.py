@@ -62,7 +62,7 @@ def test_replicas_plan_one_gpus_memory_and_n_times_its_forecast():
     """A replica holds what one GPU's run holds (no NCCL communicator: its ranks talk over gloo), and N
     of them forecast N times one GPU's tokens/s."""
     arch, target = resolve("1B"), GpuTarget(H100, 4, H100_MEMORY, described=True)
-    one, four = (assess(arch, "infer", Candidate.of_layout("bf16-pure", layout, False, 1), target, seq_len=128,
+    one, four = (assess(arch, "infer", Candidate("bf16-pure", layout, False, 1), target, seq_len=128,
                         new_tokens=128) for layout in (Layout(), Layout(replicas=4)))
     assert one.fits and four.fits and four.predicted_peak == one.predicted_peak
     assert "NCCL buffers" not in {term.name for term in four.overheads}

@@ -84,3 +84,44 @@ def test_a_folder_of_sweeps_is_one_table_with_a_folder_column(capsys):
     code, markdown, err = cli(["report", str(TREE), "--markdown"], capsys)
     lines = [line for line in markdown.splitlines() if line.startswith("| ")]
     assert lines[0].startswith("| folder | model |") and len(lines) == 1 + 8
+
+
+def test_long_names_wrap_at_their_hyphens_inside_160_columns(tmp_path):
+    """A hub id and a folder far wider than their share of a 160-column terminal are broken between
+    their parts (after a hyphen, slash or underscore), every line of the table within the width, and
+    each name read back whole from its lines."""
+    import io
+    import json
+
+    from rich.console import Console
+    from rich.cells import cell_len
+
+    from fitbench.results.directories import read_sweeps
+    from fitbench.results.report import results_table
+
+    model = "some-organization/Meta-Llama-3.1-405B-Instruct-FP8-dynamic-quantized-long-variant-name"
+    folder = "a-very-long-folder-name-for-a-sweep-of-pipelines-and-tensor_parallel-layouts"
+    (tmp_path / folder).mkdir()
+    lines = [json.loads(line) for line in (MODEL_PARALLEL / "1" / "results.jsonl").read_text().splitlines()]
+    for line in lines:
+        line["spec"]["model"] = model
+    lines[-1].update(status="oom", error="out of memory: " + "needs 130.8 GB on one GPU of 85.0 GB; " * 6)
+    (tmp_path / folder / "results.jsonl").write_text("".join(json.dumps(line) + "\n" for line in lines))
+    [group] = read_sweeps([str(tmp_path)], "report").given()
+    console = Console(width=160, file=io.StringIO(), color_system=None)
+    console.print(results_table(group[0].rows, folder=lambda row: group[0].place, gpu_hour_price=2.5))
+    text = console.file.getvalue()
+    assert max(cell_len(line) for line in text.splitlines()) <= 160, text
+    lines = text.splitlines()
+    header = next(line for line in lines if line.startswith("folder"))
+    starts = [word.start() for word in re.finditer(r"\S+", header)]
+    columns = [header.index("model"), starts[starts.index(header.index("model")) + 1]]
+    first_row = lines[lines.index(header) + 2:]
+    first_row = first_row[:first_row.index(next(line for line in first_row if not line.strip()))]
+    folder_parts = [line[:columns[0]].strip() for line in first_row if line[:columns[0]].strip()]
+    model_parts = [line[columns[0]:columns[1]].strip() for line in first_row if line[columns[0]:columns[1]].strip()]
+    assert "".join(folder_parts) == folder and "".join(model_parts) == model, text
+    assert len(folder_parts) > 1 and all(part.endswith(("-", "_", "/")) for part in folder_parts[:-1])
+    assert len(model_parts) > 1 and all(part.endswith(("-", "_", "/")) for part in model_parts[:-1])
+    reason = lines[lines.index("not ok:") + 1:]
+    assert len(reason) > 2 and all(line.startswith("  ") for line in reason)  # its wrapped lines indented too

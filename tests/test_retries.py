@@ -3,7 +3,6 @@ warning in the row and on the terminal when there are any (here through FITBENCH
 since a CPU has no caching allocator); and the planner keeps its automatic choices clear of the margin
 below a GPU's capacity where they start."""
 
-import json
 from pathlib import Path
 
 import pytest
@@ -80,7 +79,7 @@ def test_the_30b_fsdp_run_takes_checkpointing_or_another_layout_over_a_step_at_t
     layout clear of the margin rather than the step that thrashes."""
     target = GpuTarget(H100, 4, H100_MEMORY, described=False)
     arch = resolve("30B")
-    at_edge = assess(arch, "train", Candidate.of_layout("bf16-pure", Layout(dp_shard=4), False, 4), target,
+    at_edge = assess(arch, "train", Candidate("bf16-pure", Layout(dp_shard=4), False, 4), target,
                      seq_len=512, new_tokens=1, calibration=DEFAULT)
     assert at_edge.fits and not at_edge.clear
     for checkpointing, expected in ((None, True), (False, False)):
@@ -97,7 +96,7 @@ def test_a_cpu_keeps_no_margin_and_a_fixed_configuration_at_the_edge_still_runs(
     """Without calibration (a CPU) a prediction may reach the budget: no caching allocator retries there.
     On a GPU, a configuration with nothing left to choose runs at the edge, its prediction saying so."""
     arch = resolve("tiny")
-    candidate = Candidate("fp32", "single", 1, False, 1)
+    candidate = Candidate("fp32", Layout(), False, 1)
     tensors = assess(arch, "train", candidate, GpuTarget(None, 1, 1e12, described=True), seq_len=64, new_tokens=1,
                      calibration=None).predicted_peak
     assert assess(arch, "train", candidate, GpuTarget(None, 1, 1.001 * tensors, described=True), seq_len=64,
@@ -134,7 +133,7 @@ def test_the_retry_margin_recomputed_from_the_measured_edge():
     for name in ("30b-30", "30b-20"):
         row = edge_row(name)
         assert row["allocator_retries"]["steps_with_retries"] == len(row["allocator_retries"]["per_step"])
-        candidate = Candidate.of_layout("bf16-pure", Layout(dp_shard=4), True, 4,
+        candidate = Candidate("bf16-pure", Layout(dp_shard=4), True, 4,
                                         checkpointed_layers=row["spec"]["checkpointed_layers"])
         assessed = assess(resolve("30B"), "train", candidate, target, seq_len=512, new_tokens=1, calibration=DEFAULT)
         assert not assessed.clear

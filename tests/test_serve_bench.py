@@ -4,7 +4,6 @@ latency figure of a row is recomputed by hand from the row's own raw records."""
 
 import json
 import math
-import os
 import signal
 import subprocess
 import sys

@@ -5,7 +5,6 @@ vLLM pins its own torch and transformers, so it lives in an environment of its o
 ``FITBENCH_VLLM_PYTHON`` names (``.ci/run`` makes one); without it these tests are skipped, saying so."""
 
 import os
-import subprocess
 from pathlib import Path
 
 import pytest

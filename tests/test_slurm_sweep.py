@@ -110,6 +110,9 @@ def test_a_sweep_outlasts_a_paused_then_restarted_controller(tmp_path, slurm_clu
                               cwd=tmp_path, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
     try:
         wait_for(lambda: (out / "slurm.json").exists(), "the submission")
+        # the node has started the job (its log exists): no launch is in flight when the controller stops, as
+        # one cut by a stop is lost with the state the controller could not save (a test cluster's race)
+        wait_for(lambda: any((out / "logs").glob("slurm-*.out")), "the job's start on its node")
         # squeue waits on a paused controller, then fails: asked again
         slurm_cluster.pause_controller()
         time.sleep(25)

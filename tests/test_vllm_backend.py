@@ -59,6 +59,17 @@ def test_what_vllm_cannot_run_is_one_paragraph_naming_the_field_and_the_fix(tmp_
     assert not (tmp_path / "x" / "results.jsonl").exists()
 
 
+def test_no_cuda_graphs_is_vllms_enforce_eager_not_an_inert_option(tmp_path, capsys):
+    """On this CPU it is a warning (vLLM runs eagerly here anyway), and the configuration is planned: a batch
+    its KV cache cannot hold is refused before launch, so nothing starts."""
+    out = tmp_path / "eager"
+    code, _, error = cli([*TINY_RUN, "--backend", "vllm", "--no-cuda-graphs", "--batch-size", "2", "--kv-cache-bytes",
+                          "1000", "--out", str(out), "--quiet"], capsys)
+    assert "--no-cuda-graphs" in error and "applies where the sweep runs on GPUs" in error
+    [row] = list(ResultStore(out).typed_rows())
+    assert row.status == "refused" and row.spec["cuda_graphs"] is False
+
+
 def test_the_plan_is_vllms_memory_model_recomputed_by_hand():
     arch = resolve("tiny")
     kv = 3 * 2**20

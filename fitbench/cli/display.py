@@ -16,7 +16,8 @@ from rich.table import Column
 
 from fitbench.cli.console import console, errors
 from fitbench.launch.job import Job
-from fitbench.launch.launcher import Event, SweepDisplay
+from fitbench.launch.launcher import Event
+from fitbench.launch.sweep_display import SweepDisplay
 from fitbench.results.report import write_csv
 from fitbench.results.row import Row
 from fitbench.results.store import ResultStore

@@ -87,8 +87,8 @@ def sweep_options(parser: argparse.ArgumentParser) -> None:
     add("--new-tokens", dest="new_tokens", type=int, default=S, metavar="N",
         help="tokens generated per sequence in infer (default 128 on a GPU, 32 on a CPU)")
     add("--backend", choices=("auto", "native", "hf", "vllm"), default=S,
-        help="native: fitbench's decoder (Llama-style models); hf: transformers (every family); vllm: vLLM's "
-             "engine on the preset with random weights, infer only (docs/running.md). Default auto")
+        help="native: fitbench's decoder; hf: transformers; both run every family; vllm: vLLM's engine on the "
+             "preset with random weights, infer only (docs/serving.md). Default auto")
     add("--gpu-memory-utilization", dest="gpu_memory_utilization", type=float, default=S, metavar="SHARE",
         help="with --backend vllm: the share of each GPU's memory vLLM's engine takes (on a CPU, of the host's); "
              "default 0.9")
@@ -155,6 +155,7 @@ def sweep_options(parser: argparse.ArgumentParser) -> None:
         help="with --resume: add the models, modes, precisions, batch sizes and sequence lengths given to the "
              "saved sweep (it becomes their product; what it had stays in it)")
     add("--config", metavar="FILE", default=None, help="YAML file with any of these options as keys")
+    gpu_hour_price(parser, S, "; saved with the sweep, so that `fitbench report` shows it too")
     analysis_options(S)(parser)
     cluster_options(parser)
 
@@ -207,7 +208,7 @@ def plan_options(parser: argparse.ArgumentParser) -> None:
     add("--batch-size", dest="batch_size", nargs="+", type=batch_size, default=[1], metavar="N",
         help="batch sizes, or auto for the largest predicted to fit (default 1)")
     add("--seq-len", "--context-length", dest="seq_len", type=int, default=512, metavar="T", help="default 512")
-    add("--new-tokens", dest="new_tokens", type=int, default=128, metavar="N",
+    add("--new-tokens", dest="new_tokens", type=int, default=None, metavar="N",
         help="generated tokens in infer (default 128)")
     add("--strategy", nargs="+", choices=("single", "ddp", "fsdp", "tp", "pipeline", "replicas"), default=None,
         help="limit the layouts considered (default: all that apply to the mode)")
@@ -227,6 +228,9 @@ def plan_options(parser: argparse.ArgumentParser) -> None:
     add("--trace", action="store_true", help="also trace the chosen plan on fake tensors (exact tensor peak)")
     add("--requirements", action="store_true", help="table of the fewest GPUs each model x precision needs")
     add("--json", action="store_true", help="machine-readable output, sizes in bytes")
+    add("--preregister", metavar="FILE", default=None,
+        help="also write each chosen configuration's predicted peak and forecast tokens/s to FILE (a new file), "
+             "before anything runs; `fitbench report DIR --preregistered FILE` sets them beside what ran")
 
 
 def json_output(help: str) -> OptionGroup:
@@ -297,14 +301,27 @@ def analysis_options(default=None) -> OptionGroup:
     return group
 
 
+def preregistered_option(parser: argparse.ArgumentParser) -> None:
+    """``--preregistered FILE``: the forecasts ``fitbench plan --preregister`` wrote, beside what ran."""
+    parser.add_argument("--preregistered", metavar="FILE", default=None,
+                        help="the file of `fitbench plan --preregister FILE`: each registered configuration's "
+                             "forecast beside the row that ran it, with their errors")
+
+
 def report_documents(parser: argparse.ArgumentParser) -> None:
     """The files ``fitbench report`` writes beside showing the rows."""
     parser.add_argument("--html", metavar="FILE", help="write a self-contained HTML report with plots")
     parser.add_argument("--xlsx", metavar="FILE", help="write an Excel workbook: a sheet per mode, provenance, samples")
-    parser.add_argument("--gpu-hour-price", dest="gpu_hour_price", type=price, metavar="DOLLARS",
-                        help="what one GPU costs an hour: adds the cost of a million tokens to every table, page and "
-                             "workbook (price x GPUs / 3600 / tokens/s x 1e6)")
+    gpu_hour_price(parser, None, "; default: the price the sweep was run with, where it was given one")
     analysis_options()(parser)
+
+
+def gpu_hour_price(parser: argparse.ArgumentParser, default=None, more: str = "") -> None:
+    """``--gpu-hour-price``: the cost of a million tokens in the tables (``default`` is ``SUPPRESS`` where
+    a YAML file may give it)."""
+    parser.add_argument("--gpu-hour-price", dest="gpu_hour_price", type=price, default=default, metavar="DOLLARS",
+                        help="what one GPU costs an hour: adds the cost of a million tokens to every table, page and "
+                             f"workbook (price x GPUs / 3600 / tokens/s x 1e6){more}")
 
 
 def two_sweeps(parser: argparse.ArgumentParser) -> None:

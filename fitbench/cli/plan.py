@@ -4,12 +4,14 @@ from __future__ import annotations
 
 import argparse
 import json
+import sys
 
 from rich.markup import escape
 from rich.table import Table
 
 from fitbench.cli.command import Command
-from fitbench.cli.console import console
+from fitbench.api import DEFAULT_NEW_TOKENS
+from fitbench.cli.console import console, warn
 from fitbench.cli.options import plan_options
 
 PLAN_EXAMPLES = """\
@@ -18,6 +20,7 @@ examples:
   fitbench plan --models 7B 13B --mode train --gpu H100-80GB --batch-size auto
   fitbench plan --models small --mode train --batch-size 4 --seq-len 512 --gpu H100-80GB --trace
   fitbench plan --models 7B 13B 70B --gpu-memory 80GB --requirements
+  fitbench plan --models 7B --mode infer --gpu H100-80GB --preregister forecasts.json
 Without --gpus/--gpu-memory/--gpu the GPUs of this machine are used.
 """
 
@@ -85,21 +88,29 @@ def plan(args: argparse.Namespace) -> int:
     """Predict per-GPU memory term by term and choose how to run each model; no GPU needed."""
     from fitbench.api import plan as plan_model
     from fitbench.api import plan_batches, plan_target
+    from fitbench.config import merge_sources
+    from fitbench.inert_options import Asked, refuse_inert
 
+    # The values first, as `run` checks them, then what they change.
+    shapes = merge_sources({}, {}, {"batch_size": args.batch_size, "seq_len": [args.seq_len],
+                                    "new_tokens": args.new_tokens or DEFAULT_NEW_TOKENS, "models": args.models})
+    options = vars(args)
+    refuse_inert(Asked(options, frozenset(name for name, value in options.items() if value not in (None, False)),
+                       "plan"))
     where = {"gpu": args.gpu, "gpu_memory": args.gpu_memory, "gpus": args.gpus, "gpus_per_node": args.gpus_per_node,
              "nodes": args.nodes, "inter_node_bandwidth": args.inter_node_bandwidth}
     if args.requirements:
-        from fitbench.config import merge_sources
-
-        shapes = merge_sources({}, {}, {"batch_size": args.batch_size, "seq_len": [args.seq_len],
-                                        "new_tokens": args.new_tokens, "models": args.models})
         return _requirements(args, plan_target(**where), plan_batches(shapes.batch_size))
     results, outputs = [], []
     for name in args.models:
         for mode in args.mode:
             result = plan_model(name, mode, **where, precisions=args.precision, batch_sizes=args.batch_size,
-                                seq_len=args.seq_len, new_tokens=args.new_tokens, strategies=args.strategy)
+                                seq_len=args.seq_len, new_tokens=args.new_tokens if mode == "infer" else None,
+                                strategies=args.strategy)
             trace = None
+            if args.trace and result.chosen and result.chosen.candidate.gpus > 1:
+                warn(f"trace: --trace traces a plan of one GPU on fake tensors, and the plan chosen for "
+                     f"{result.model} {mode} uses {result.chosen.candidate.gpus}; it is not traced.")
             if args.trace and result.chosen and result.chosen.candidate.gpus == 1:
                 from fitbench.models.architecture import default_backend
                 from fitbench.models.registry import resolve
@@ -107,10 +118,14 @@ def plan(args: argparse.Namespace) -> int:
 
                 arch, chosen = resolve(name), result.chosen.candidate
                 trace = trace_peak(arch, mode, chosen.precision, chosen.batch_size, args.seq_len,
-                                   new_tokens=args.new_tokens, activation_checkpointing=chosen.activation_checkpointing,
+                                   new_tokens=args.new_tokens or DEFAULT_NEW_TOKENS,
+                                   activation_checkpointing=chosen.activation_checkpointing,
                                    checkpointed_layers=chosen.checkpointed_layers, backend=default_backend(arch))
             results.append((result, trace))
             outputs.append({**result.as_dict(), "trace": trace.__dict__ if trace else None})
+    if args.preregister:
+        registered = _preregister(args, [result for result, _ in results])
+        print(f"registered {registered} forecast(s) in {args.preregister}", file=sys.stderr)
     if args.json:
         print(json.dumps(outputs, indent=2, default=str))
     else:
@@ -125,6 +140,28 @@ def plan(args: argparse.Namespace) -> int:
                 console.print("\n".join(sbatch_lines_for(result.model, result.chosen.candidate.gpus,
                                                           args.gpus_per_node)) + "\n", markup=False, highlight=False)
     return 1 if any(result.chosen is None for result, _ in results) else 0
+
+
+def _preregister(args: argparse.Namespace, results: list) -> int:
+    """Write the chosen configuration of each plan with its forecasts to ``--preregister``'s file
+    (``fitbench.results.preregistration``); how many were written (a plan that chose nothing has none)."""
+    from fitbench.results.preregistration import registration, write_registrations
+
+    registrations = []
+    for result in results:
+        if result.chosen is None:
+            continue
+        candidate = result.chosen.candidate
+        configuration = {"model": result.model, "mode": result.mode, "precision": candidate.precision,
+                         "batch_size": candidate.batch_size, "seq_len": args.seq_len, "new_tokens": args.new_tokens,
+                         "activation_checkpointing": candidate.activation_checkpointing,
+                         "checkpointed_layers": candidate.checkpointed_layers, "compile": candidate.compiled,
+                         "layout": candidate.layout.model_dump()}
+        registrations.append(registration(configuration, result.target.name, candidate.gpus,
+                                          result.chosen.predicted_peak, result.chosen.forecast_tokens_per_s,
+                                          "fitbench " + " ".join(getattr(args, "argv", []) or [])))
+    write_registrations(args.preregister, registrations)
+    return len(registrations)
 
 
 def nodes_for(gpus: int, gpus_per_node: int) -> int:
@@ -153,7 +190,8 @@ def _requirements(args, target, batch) -> int:
     from fitbench.precisions import DEFAULT_LADDER
     from fitbench.util.units import format_bytes
 
-    seq_len, new_tokens, calibration = args.seq_len, args.new_tokens, load_calibration(target.name)
+    seq_len, new_tokens = args.seq_len, args.new_tokens or DEFAULT_NEW_TOKENS
+    calibration = load_calibration(target.name)
     architectures = {(name, mode): plannable(name, mode, args.precision, seq_len, new_tokens)
                      for name in args.models for mode in args.mode}
     rows = []
@@ -164,6 +202,10 @@ def _requirements(args, target, batch) -> int:
                 need = fewest_gpus(arch, mode, precision, target.memory, seq_len=seq_len, new_tokens=new_tokens,
                                    batch_size=(batch or [1])[0], calibration=calibration, gpu_name=target.name,
                                    node_gpus=target.node_gpus, inter_node_bandwidth=target.inter_node_bandwidth)
+                clear = need if need is None or need.clear else fewest_gpus(
+                    arch, mode, precision, target.memory, seq_len=seq_len, new_tokens=new_tokens,
+                    batch_size=(batch or [1])[0], calibration=calibration, gpu_name=target.name,
+                    node_gpus=target.node_gpus, inter_node_bandwidth=target.inter_node_bandwidth, clear_only=True)
                 stage = need.memory.stage if need else None
                 rows.append({"model": name, "mode": mode, "precision": precision,
                              "min_gpus": need.candidate.gpus if need else None,
@@ -173,6 +215,9 @@ def _requirements(args, target, batch) -> int:
                              "layout": need.candidate.layout.model_dump() if need else None,
                              "peak_per_gpu_bytes": need.predicted_peak if need else None,
                              "clear_of_retry_margin": need.clear if need else None,
+                             # where it fits only inside the margin: the fewest on which `plan` keeps it
+                             "min_gpus_clear_of_retry_margin": clear.candidate.gpus if clear else None,
+                             "how_clear_of_retry_margin": clear.candidate.label if clear else None,
                              "peak_stage": stage.label if stage else None})
                 if args.gpus_per_node and need:
                     nodes = nodes_for(need.candidate.gpus, args.gpus_per_node)
@@ -184,7 +229,9 @@ def _requirements(args, target, batch) -> int:
     table = Table(title=f"GPUs of {format_bytes(target.memory)} needed (batch {(batch or [1])[0]}, seq {seq_len})",
                   title_justify="left")
     nodes = ["min nodes", "GPUs used per node"] if args.gpus_per_node else []
-    for column in ("model", "mode", "precision", *nodes, "min GPUs", "how", "peak per GPU"):
+    edge = any(row["clear_of_retry_margin"] is False for row in rows)
+    for column in ("model", "mode", "precision", *nodes, "min GPUs", "how", "peak per GPU",
+                   *(["min GPUs clear of margin"] if edge else [])):
         table.add_column(column)
     for row in rows:
         peak = format_bytes(row["peak_per_gpu_bytes"]) if row["peak_per_gpu_bytes"] else "-"
@@ -194,8 +241,10 @@ def _requirements(args, target, batch) -> int:
             peak += " *"
         counted = ([str(row["min_nodes"]), f"{row['gpus_per_node_used']} of {args.gpus_per_node}"]
                    if row.get("min_nodes") else ["-", "-"]) if nodes else []
+        clear = ([str(row["min_gpus_clear_of_retry_margin"] or f"more than {MOST_GPUS}")
+                  if row["clear_of_retry_margin"] is False else ""] if edge else [])
         table.add_row(row["model"], row["mode"], row["precision"], *counted, str(row["min_gpus"] or "-"),
-                      escape(row["how"]), peak)
+                      escape(row["how"]), peak, *clear)
     console.print(table)
     note = requirements_note(rows, retry_margin(calibration), target.memory, args.gpu_memory)
     if note:

@@ -105,12 +105,13 @@ def _summary(store, out: str, keys: set[str], config, quiet: bool = False) -> in
 
     rows = [row for row in store.typed_rows() if row.key in keys]
     if not quiet:
-        console.print(results_table(rows))
-    csv_path = write_csv(list(store.typed_rows()), out)
+        console.print(results_table(rows, gpu_hour_price=config.gpu_hour_price))
+    csv_path = write_csv(list(store.typed_rows()), out, config.gpu_hour_price)
     console.print(f"rows: {' and '.join(map(str, store.row_files())) or 'none'}  table: {csv_path}")
     store.unlock()
     write_documents(Sweeps([SweepRows(Path(out), rows)]), ollama_url=config.ollama_url,
-                    ollama_model=config.ollama_model, ollama_timeout=config.ollama_timeout, analysis_directory=out)
+                    ollama_model=config.ollama_model, ollama_timeout=config.ollama_timeout,
+                    gpu_hour_price=config.gpu_hour_price, analysis_directory=out)
     failed = [row for row in rows if row.status != "ok"]
     if failed:
         listed = "; ".join(f"{escape(row.label)}: {escape(row.status)}" for row in failed)

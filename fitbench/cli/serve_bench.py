@@ -16,6 +16,7 @@ from rich.progress import BarColumn, MofNCompleteColumn, Progress, SpinnerColumn
 from fitbench.cli.command import Command
 from fitbench.cli.console import console, warn
 from fitbench.cli.options import quiet_option, seconds
+from fitbench.cli.parser import Parser
 from fitbench.util.endpoints import http_url_problem
 from fitbench.util.errors import UserError, excerpt
 
@@ -137,9 +138,7 @@ def _checked(args: argparse.Namespace) -> argparse.Namespace:
         if not isinstance(saved, dict) or not isinstance(saved.get(SAVED_KEY), list):
             raise UserError(f"resume: {excerpt(args.resume)} holds no serving benchmark (no sweep.json of "
                             f"`fitbench serve-bench`). Pass the --out directory of an earlier one.")
-        from fitbench.cli import build_parser
-
-        resumed = build_parser().parse_args(["serve-bench", *saved[SAVED_KEY]])
+        resumed = _options_parser().parse_args(saved[SAVED_KEY])
         resumed.argv, resumed.out, resumed.resume = ["serve-bench", *saved[SAVED_KEY]], args.resume, args.resume
         resumed.quiet = args.quiet
         return resumed
@@ -277,6 +276,14 @@ def _summary(store, rows: list[dict]) -> int:
     for row in bad:
         console.print(f"{escape(row['label'])}: {escape(row.get('error') or row['status'])}", soft_wrap=True)
     return 1 if bad else 0
+
+
+def _options_parser() -> Parser:
+    """The parser of this command's options alone, to read a resumed benchmark's saved arguments."""
+    parser = Parser(prog="fitbench serve-bench")
+    for group in COMMAND.options:
+        group(parser)
+    return parser
 
 
 COMMAND = Command("serve-bench", "benchmark an OpenAI-compatible server (vLLM, SGLang, TGI, llama.cpp, Ollama) "

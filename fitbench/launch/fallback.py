@@ -154,12 +154,6 @@ def run_with_fallback(spec: RunSpec, policy: FallbackPolicy,
     return row
 
 
-def largest_batch(peak: Callable[[int], float], budget: float, limit: int = 1 << 16) -> int:
-    """The largest batch whose predicted ``peak`` is within ``budget`` (peaks grow with the batch; at
-    most ``limit``); 0 when even batch 1 does not fit."""
-    return largest(lambda batch: peak(batch) <= budget, limit=limit)
-
-
 def search_max_batch(spec: RunSpec, predicted: int, fits: Callable[[RunSpec], bool]) -> tuple[int, list[dict]]:
     """The largest batch that runs, by bisection from the planner's ``predicted`` batch; returns it
     (0 if even batch 1 fails) and the probes made."""

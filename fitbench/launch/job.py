@@ -18,14 +18,13 @@ from datetime import datetime, timezone
 from pathlib import Path
 from typing import Any, Callable
 
-from fitbench.launch.fallback import (RAN_TO_THE_END, FallbackPolicy, largest_batch, run_with_fallback,
+from fitbench.launch.fallback import (RAN_TO_THE_END, FallbackPolicy, run_with_fallback,
                                      search_max_batch)
 from fitbench.launch.launcher import Attempt, Event, Launcher
 from fitbench.launch.orders import assign
 from fitbench.models.registry import resolve
 from fitbench.planning.calibration import Calibration, load_calibration
-from fitbench.planning.memory import Parallelism, estimate_memory
-from fitbench.planning.planner import RETRY_MARGIN, Candidate, GpuTarget, assess, predict_spec
+from fitbench.planning.planner import Candidate, GpuTarget, largest_fitting_batch, predict_spec
 from fitbench.precisions import PRECISIONS
 from fitbench.results.row import Row
 from fitbench.spec import Assignment, RunSpec
@@ -134,42 +133,28 @@ def _now() -> str:
 
 
 def predicted_max_batch(spec: RunSpec, device: str) -> int:
-    """The planner's largest batch per rank for ``spec`` on its device: on a GPU the largest whose peak
-    with the calibrated overheads stays clear of ``RETRY_MARGIN`` of its memory (the allocator retries
-    within it), else the largest that fits; on a CPU within the budget of FITBENCH_INJECT's mem-limit
-    (else the available RAM, shared by the job's ranks); with offload, beside no resident decoder layer.
-    A job of several ranks is planned per rank under its layout's strategy (DDP's replicas, FSDP's
-    shards)."""
+    """The planner's largest batch per rank for ``spec`` on its device (``largest_fitting_batch``): on a
+    GPU the largest whose peak with the calibrated overheads stays clear of ``RETRY_MARGIN`` of its
+    memory (the allocator retries within it), else the largest that fits; on a CPU the largest within
+    the budget of FITBENCH_INJECT's mem-limit (else the available RAM, shared by the job's ranks); with
+    offload, beside no resident decoder layer. A job of several ranks is planned per rank under its
+    layout's strategy (DDP's replicas, FSDP's shards)."""
     arch = resolve(spec.model)
-    resident = 0 if spec.layer_offload else None
     ranks = spec.layout.world_size
     if device == "cpu":
-        budget = injected_memory_limit() or host_memory().available / ranks
-
-        def peak(batch: int) -> float:
-            return estimate_memory(arch, spec.mode, spec.precision, batch, spec.seq_len, new_tokens=spec.new_tokens,
-                                   activation_checkpointing=spec.activation_checkpointing,
-                                   checkpointed_layers=spec.checkpointed_layers,
-                                   parallelism=Parallelism(layout=spec.layout, offload=spec.fsdp_offload,
-                                                               microbatches=spec.microbatches),
-                                   resident_layers=resident, backend=spec.backend,
-                                   compiled=spec.compile).peak_bytes
+        target = GpuTarget(None, ranks, injected_memory_limit() or host_memory().available / ranks, described=False)
+        calibration = None  # a CPU: no caching allocator's overheads or retries
     else:
         import torch
 
         properties = torch.cuda.get_device_properties(torch.device(device))
-        budget = injected_memory_limit() or float(properties.total_memory)
-        target = GpuTarget(properties.name, 1, budget, described=False)
+        target = GpuTarget(properties.name, ranks, injected_memory_limit() or float(properties.total_memory),
+                           described=False)
         calibration = load_calibration(properties.name)
-
-        def peak(batch: int) -> float:
-            candidate = Candidate.of_layout(spec.precision, spec.layout, spec.activation_checkpointing, batch,
-                                            resident_layers=resident, compiled=spec.compile,
-                                            cpu_offload=spec.fsdp_offload,
-                                            checkpointed_layers=spec.checkpointed_layers)
-            return assess(arch, spec.mode, candidate, target, seq_len=spec.seq_len, new_tokens=spec.new_tokens,
-                          calibration=calibration, backend=spec.backend).predicted_peak
-    if device == "cpu":
-        return largest_batch(peak, budget)
-    return largest_batch(peak, (1 - RETRY_MARGIN) * budget) or largest_batch(peak, budget)
+    candidate = Candidate(spec.precision, spec.layout, spec.activation_checkpointing, 1,
+                                    resident_layers=0 if spec.layer_offload else None, compiled=spec.compile,
+                                    cpu_offload=spec.fsdp_offload, checkpointed_layers=spec.checkpointed_layers,
+                                    microbatches=spec.microbatches)
+    return largest_fitting_batch(arch, spec.mode, candidate, target, seq_len=spec.seq_len,
+                                 new_tokens=spec.new_tokens, calibration=calibration, backend=spec.backend, clear=True)
 

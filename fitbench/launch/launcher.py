@@ -5,9 +5,9 @@
   go, and how long it may take;
 - ``Launcher``: runs an attempt to its end and returns its row: on this machine,
   ``fitbench.launch.local.LocalLauncher``; a launcher for a cluster's scheduler implements the same
-  method;
-- ``SweepDisplay``: what ``fitbench.launch.local.run_sweep`` tells as the sweep goes (each method does
-  nothing here; a display overrides those it shows).
+  method.
+
+What a sweep tells as it goes is ``fitbench.launch.sweep_display``.
 
 ``docs/architecture.md`` ("A launcher") says what a launcher must do with an attempt.
 """
@@ -16,13 +16,10 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, Callable, Protocol
+from typing import Any, Callable, Protocol
 
 from fitbench.results.row import Row
 from fitbench.spec import Assignment
-
-if TYPE_CHECKING:
-    from fitbench.launch.job import Job
 
 # A progress event of the worker: one JSON object of its stdout (``fitbench.worker.worker``).
 Event = dict[str, Any]
@@ -49,26 +46,3 @@ class Launcher(Protocol):
         return its row: the worker's measurement, or the status of how it ended without one
         (``fitbench.results.row.Status``). Nothing it started outlives it; an interruption
         (``KeyboardInterrupt``) ends the attempt and goes on up."""
-
-
-class SweepDisplay:
-    """What a sweep tells as it goes."""
-
-    def started(self, job: Job, index: int, total: int) -> None:
-        """``job``, the ``index``-th of ``total``, starts."""
-
-    def event(self, event: Event) -> None:
-        """A progress event of the worker in flight."""
-
-    def finished(self, row: dict[str, Any]) -> None:
-        """A job's row was appended to the results."""
-
-    def skipped(self, job: Job) -> None:
-        """``job`` already has a row (a resumed sweep) and does not run."""
-
-    def submitted(self, job: Job, job_id: str) -> None:
-        """``job`` was submitted to a cluster's scheduler as job ``job_id``."""
-
-    def job_state(self, job: Job, job_id: str, state: str, reason: str | None, progress: Event | None) -> None:
-        """The scheduler's job ``job_id`` of ``job`` is now in ``state`` (``PENDING``, ``RUNNING``) for
-        ``reason`` (the scheduler's, None where it gives none), its latest progress event ``progress``."""

@@ -53,7 +53,8 @@ from pydantic import ValidationError
 
 from fitbench.launch.commands import WorkerCommand, worker_command
 from fitbench.launch.job import Job
-from fitbench.launch.launcher import Attempt, Event, Launcher, SweepDisplay
+from fitbench.launch.launcher import Attempt, Event, Launcher
+from fitbench.launch.sweep_display import SweepDisplay
 from fitbench.models.registry import resolve
 from fitbench.monitor.nvml import GpuMonitor, job_gpus
 from fitbench.results.row import WORKER_STATUSES, Measurement, Row

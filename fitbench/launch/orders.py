@@ -17,7 +17,8 @@ import psutil
 
 from fitbench.models.registry import resolve
 from fitbench.planning.calibration import Calibration
-from fitbench.planning.memory import Parallelism, estimate_memory
+from fitbench.planning.memory import estimate_memory
+from fitbench.planning.sharding import Parallelism
 from fitbench.planning.planner import GpuTarget, offload_split
 from fitbench.spec import Assignment, RunSpec
 

@@ -4,7 +4,7 @@ Three families cover every registered model:
 
 - ``llama``: pre-norm RMSNorm, rotary positions, SwiGLU MLP, grouped-query attention,
   optional q/k/v biases (Qwen2), tied or untied embeddings. Llama, Mistral, Qwen2 and the
-  CS336 models are all this family; fitbench's native decoder implements it.
+  CS336 models are all this family.
 - ``falcon``: Falcon's "new decoder architecture" (40B, 180B): parallel attention and MLP,
   two LayerNorms per layer, fused multi-query q/k/v, GELU MLP of 4x width, tied embeddings.
 - ``gpt2``: learned positions, LayerNorm, fused q/k/v with biases, GELU MLP of 4x width,
@@ -14,7 +14,8 @@ Each family says what one layer holds (``layer_matrices``, ``layer_norms``) and 
 enter (``position_embeddings``); every count, and fitbench's memory and speed models, derive from
 that description. Counts are computed from the shapes alone; the tests check each matrix, norm and
 count against the instantiated model (on the meta device for the big ones): the native decoder for
-``llama``, transformers' ``FalconForCausalLM`` and ``GPT2LMHeadModel`` for the others.
+``llama``, transformers' ``FalconForCausalLM`` and ``GPT2LMHeadModel`` for the others. The native
+decoder builds every family (``fitbench.models.native.DecoderConfig.from_architecture``).
 """
 
 from __future__ import annotations
@@ -317,12 +318,12 @@ BACKENDS: tuple[str, ...] = ("native", "hf", "vllm")
 
 
 def default_backend(arch: Architecture) -> Backend:
-    """fitbench's own decoder for Llama-style models, transformers for every other family."""
+    """fitbench's own decoder for Llama-style models, transformers for Falcon and GPT-2, which the
+    native decoder runs too (``--backend native``) but whose committed rows and calibration are
+    transformers' (docs/architecture.md, "The two engines")."""
     return "native" if arch.family == "llama" else "hf"
 
 
 def backend_error(arch: Architecture, backend: str) -> str | None:
-    """Why ``backend`` cannot run ``arch``, or None when it can."""
-    if backend == "native" and arch.family != "llama":
-        return f"the native backend covers Llama-style models; {arch.name} is {arch.family}: use --backend hf"
+    """Why ``backend`` cannot run ``arch``, or None when it can: both run every family."""
     return None

@@ -1,7 +1,7 @@
 """One interface over both backends: full logits for training, prefill and decode for generation.
 
-``native`` is fitbench's own decoder (Llama-style models); ``hf`` is transformers'
-``AutoModelForCausalLM`` (every family). Both keep a preallocated KV cache during generation
+``native`` is fitbench's own decoder; ``hf`` is transformers' ``AutoModelForCausalLM``; both run
+every family. Both keep a preallocated KV cache during generation
 (the native ``KVCache``, transformers' ``StaticCache``), so the two measure the same algorithm.
 The exception is transformers under autocast: its rotary step returns keys in fp32 during the
 prefill and in the autocast dtype afterwards, which a preallocated cache of one dtype cannot

@@ -20,6 +20,9 @@ reads the operators a layer launches the same way, from the same small model (``
 from __future__ import annotations
 
 import dataclasses
+from collections.abc import Iterator
+from contextlib import contextmanager
+from contextvars import ContextVar
 from dataclasses import dataclass
 from functools import lru_cache
 
@@ -27,6 +30,110 @@ from fitbench.models.architecture import Architecture
 from fitbench.util.cache import installed_versions, remembered
 
 PROMPT, HEADS = 3, 4
+
+# The caches of the transformers versions that committed rows ran under (benchmarks/results/), each read
+# by ``measure_layout`` with that version installed: "model type|probe kv heads|weights|activations" ->
+# (key bytes, value bytes, query heads, static, copies on growth). A row is re-predicted with the cache
+# its own run kept (``kept_under``, benchmarks/repredict.py), as its speed is forecast with the
+# operators its version launched (``fitbench.models.hf_operators.COUNTED_UNDER``).
+KEPT_UNDER: dict[str, dict[str, tuple[int, int, bool, bool, bool]]] = {
+    "5.17.0": {
+        "llama|1|float32|float32": (4, 4, False, True, False),
+        "llama|1|bfloat16|bfloat16": (2, 2, False, True, False),
+        "llama|1|float32|bfloat16": (4, 4, False, False, True),
+        "llama|2|float32|float32": (4, 4, False, True, False),
+        "llama|2|bfloat16|bfloat16": (2, 2, False, True, False),
+        "llama|2|float32|bfloat16": (4, 4, False, False, True),
+        "llama|4|float32|float32": (4, 4, False, True, False),
+        "llama|4|bfloat16|bfloat16": (2, 2, False, True, False),
+        "llama|4|float32|bfloat16": (4, 4, False, False, True),
+        "mistral|1|float32|float32": (4, 4, False, True, False),
+        "mistral|1|bfloat16|bfloat16": (2, 2, False, True, False),
+        "mistral|1|float32|bfloat16": (4, 4, False, False, True),
+        "mistral|2|float32|float32": (4, 4, False, True, False),
+        "mistral|2|bfloat16|bfloat16": (2, 2, False, True, False),
+        "mistral|2|float32|bfloat16": (4, 4, False, False, True),
+        "mistral|4|float32|float32": (4, 4, False, True, False),
+        "mistral|4|bfloat16|bfloat16": (2, 2, False, True, False),
+        "mistral|4|float32|bfloat16": (4, 4, False, False, True),
+        "qwen2|1|float32|float32": (4, 4, False, True, False),
+        "qwen2|1|bfloat16|bfloat16": (2, 2, False, True, False),
+        "qwen2|1|float32|bfloat16": (4, 4, False, False, True),
+        "qwen2|2|float32|float32": (4, 4, False, True, False),
+        "qwen2|2|bfloat16|bfloat16": (2, 2, False, True, False),
+        "qwen2|2|float32|bfloat16": (4, 4, False, False, True),
+        "qwen2|4|float32|float32": (4, 4, False, True, False),
+        "qwen2|4|bfloat16|bfloat16": (2, 2, False, True, False),
+        "qwen2|4|float32|bfloat16": (4, 4, False, False, True),
+        "falcon|1|float32|float32": (4, 4, True, True, False),
+        "falcon|1|bfloat16|bfloat16": (2, 2, True, True, False),
+        "falcon|1|float32|bfloat16": (4, 4, True, False, True),
+        "falcon|2|float32|float32": (4, 4, True, True, False),
+        "falcon|2|bfloat16|bfloat16": (2, 2, True, True, False),
+        "falcon|2|float32|bfloat16": (4, 4, True, False, True),
+        "falcon|4|float32|float32": (4, 4, False, True, False),
+        "falcon|4|bfloat16|bfloat16": (2, 2, False, True, False),
+        "falcon|4|float32|bfloat16": (4, 4, False, False, True),
+        "gpt2|4|float32|float32": (4, 4, False, True, False),
+        "gpt2|4|bfloat16|bfloat16": (2, 2, False, True, False),
+        "gpt2|4|float32|bfloat16": (2, 2, False, False, True),
+    },
+    "5.24.0": {
+        "llama|1|float32|float32": (4, 4, False, True, False),
+        "llama|1|bfloat16|bfloat16": (2, 2, False, True, False),
+        "llama|1|float32|bfloat16": (4, 2, False, False, True),
+        "llama|2|float32|float32": (4, 4, False, True, False),
+        "llama|2|bfloat16|bfloat16": (2, 2, False, True, False),
+        "llama|2|float32|bfloat16": (4, 2, False, False, True),
+        "llama|4|float32|float32": (4, 4, False, True, False),
+        "llama|4|bfloat16|bfloat16": (2, 2, False, True, False),
+        "llama|4|float32|bfloat16": (4, 2, False, False, True),
+        "mistral|1|float32|float32": (4, 4, False, True, False),
+        "mistral|1|bfloat16|bfloat16": (2, 2, False, True, False),
+        "mistral|1|float32|bfloat16": (4, 2, False, False, True),
+        "mistral|2|float32|float32": (4, 4, False, True, False),
+        "mistral|2|bfloat16|bfloat16": (2, 2, False, True, False),
+        "mistral|2|float32|bfloat16": (4, 2, False, False, True),
+        "mistral|4|float32|float32": (4, 4, False, True, False),
+        "mistral|4|bfloat16|bfloat16": (2, 2, False, True, False),
+        "mistral|4|float32|bfloat16": (4, 2, False, False, True),
+        "qwen2|1|float32|float32": (4, 4, False, True, False),
+        "qwen2|1|bfloat16|bfloat16": (2, 2, False, True, False),
+        "qwen2|1|float32|bfloat16": (4, 2, False, False, True),
+        "qwen2|2|float32|float32": (4, 4, False, True, False),
+        "qwen2|2|bfloat16|bfloat16": (2, 2, False, True, False),
+        "qwen2|2|float32|bfloat16": (4, 2, False, False, True),
+        "qwen2|4|float32|float32": (4, 4, False, True, False),
+        "qwen2|4|bfloat16|bfloat16": (2, 2, False, True, False),
+        "qwen2|4|float32|bfloat16": (4, 2, False, False, True),
+        "falcon|1|float32|float32": (4, 4, True, True, False),
+        "falcon|1|bfloat16|bfloat16": (2, 2, True, True, False),
+        "falcon|1|float32|bfloat16": (4, 2, True, False, True),
+        "falcon|2|float32|float32": (4, 4, True, True, False),
+        "falcon|2|bfloat16|bfloat16": (2, 2, True, True, False),
+        "falcon|2|float32|bfloat16": (4, 2, True, False, True),
+        "falcon|4|float32|float32": (4, 4, False, True, False),
+        "falcon|4|bfloat16|bfloat16": (2, 2, False, True, False),
+        "falcon|4|float32|bfloat16": (4, 2, False, False, True),
+        "gpt2|4|float32|float32": (4, 4, False, True, False),
+        "gpt2|4|bfloat16|bfloat16": (2, 2, False, True, False),
+        "gpt2|4|float32|bfloat16": (2, 2, False, False, True),
+    },
+}
+# The version whose cache ``cache_layout`` answers with, where ``KEPT_UNDER`` has it (``kept_under``)
+_UNDER: ContextVar[str | None] = ContextVar("transformers_version", default=None)
+
+
+@contextmanager
+def kept_under(version: str | None) -> Iterator[None]:
+    """Within the block, ``cache_layout`` gives the cache transformers ``version`` kept, where
+    ``KEPT_UNDER`` has it, else the installed version's: re-predicting a row measured under another
+    version than the installed one."""
+    token = _UNDER.set(version)
+    try:
+        yield
+    finally:
+        _UNDER.reset(token)
 
 
 @dataclass(frozen=True)
@@ -62,7 +169,13 @@ class CacheLayout:
 def cache_layout(arch: Architecture, weight_dtype: str, compute_dtype: str) -> CacheLayout:
     """The installed transformers' cache for ``arch``'s model type with weights in ``weight_dtype`` and
     activations in ``compute_dtype`` (names of torch dtypes: "float32", "bfloat16"), read from a run
-    or from fitbench's cache of earlier runs with the same transformers and torch."""
+    or from fitbench's cache of earlier runs with the same transformers and torch; within ``kept_under``
+    a version of ``KEPT_UNDER``, that version's."""
+    key = f"{arch.hf_model_type}|{probe_kv_heads(arch)}|{weight_dtype}|{compute_dtype}"
+    version = _UNDER.get()
+    kept = KEPT_UNDER.get(version or "", {}).get(key)
+    if kept is not None:
+        return CacheLayout(*kept, source=f"transformers {version}")
     return _layout(arch.hf_model_type, probe_kv_heads(arch), weight_dtype, compute_dtype)
 
 

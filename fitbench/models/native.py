@@ -1,4 +1,4 @@
-"""fitbench's own Llama-style decoder, readable top to bottom.
+"""fitbench's own decoder (Llama, and Falcon's and GPT-2's blocks as variants), readable top to bottom.
 
 RMSNorm, rotary positions (Llama 3.1 frequency scaling included), SwiGLU MLP, grouped-query
 attention through ``F.scaled_dot_product_attention``, tied or untied embeddings, optional q/k/v
@@ -86,8 +86,11 @@ class DecoderConfig:
 
     @classmethod
     def from_architecture(cls, arch: Architecture) -> DecoderConfig:
+        """The decoder of ``arch``. A Falcon or GPT-2 architecture is read through its transformers config
+        (``Architecture.hf_config_dict``) by ``from_hf_config``: one mapping from a family's fields to
+        the block's variants, so that a preset and the config.json it follows cannot build apart."""
         if arch.family != "llama":
-            raise ValueError(f"the native decoder covers Llama-style models; {arch.name} is {arch.family}")
+            return cls.from_hf_config({"model_type": arch.hf_model_type, **arch.hf_config_dict()})
         return cls(
             vocab_size=arch.vocab_size, dim=arch.hidden_size, n_layers=arch.num_layers, n_heads=arch.num_heads,
             n_kv_heads=arch.num_kv_heads, ffn_dim=arch.ffn_size, max_seq_len=arch.max_seq_len,
@@ -312,10 +315,11 @@ class Attention(nn.Module):
             return q, k, self.v_proj(x).view(B, T, heads[2], self.head_dim).transpose(1, 2)
         if fused:
             q, k, v = self.qkv_proj(x).split(self.qkv_proj.sizes, dim=-1)  # (B, T, (H + 2 KV) D) in three views
-            if torch.is_grad_enabled():
+            if torch.is_grad_enabled() and self.rotary:
                 # attention saves v for its backward: a view would keep the whole projection's output
                 # alive, c (h + k) more per token and layer, so v gets storage of its own, as eager's
-                # rotary gives it (q and k are new tensors once rotated)
+                # rotary gives it (q and k are new tensors once rotated); unrotated (learned positions)
+                # q, k and v are all views of the one output, which is what attention saves
                 v = v.contiguous()
         else:
             q, k, v = self.q_proj(x), self.k_proj(x), self.v_proj(x)
@@ -486,25 +490,28 @@ class NativeCausalLM(nn.Module):
         the plain calls by default."""
         regions = regions or EAGER
         T = tokens.shape[1]
-        x = self.model.embed_tokens(tokens)  # (B, T, C)
-        if self.config.positions == "learned":
-            x = x + self.model.embed_positions.weight[start:start + T]
+        x = self.add_positions(self.model.embed_tokens(tokens), slice(start, start + T))  # (B, T, C)
         # cast once here rather than in every layer: the rotation is applied in q's dtype
         dtype = output_dtype(x)
         cos, sin = self.rope_cos[start:start + T].to(dtype), self.rope_sin[start:start + T].to(dtype)
-        recompute = torch.is_grad_enabled()
         layer_caches = cache.layers() if cache is not None else [None] * len(self.model.layers)
         for position, (layer, layer_cache) in enumerate(zip(self.model.layers, layer_caches)):
-            if recompute and self.checkpoints(position):
-                x = checkpoint(layer, x, cos, sin, layer_cache, start, use_reentrant=False)
-            else:
-                x = regions.layer(layer, x, cos, sin, layer_cache, start)
+            x = self.run_layer(position, layer, x, cos, sin, layer_cache, start, regions)
         if not last_only:
             x = self.model.norm(x)  # the states before the norm are freed before the logits exist
             return self.lm_head(x)  # (B, T, V)
         # In the decode step's strides, size-1 dimensions included, which compiled code is guarded on
         # (``contiguous`` keeps a view's): one compiled head serves the prefill and the step.
         return regions.head(self, x[:, -1:, :].clone(memory_format=torch.contiguous_format))  # (B, 1, V)
+
+    def run_layer(self, position: int, layer: nn.Module, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
+                  layer_cache: LayerCache | None, start: int, regions: Regions | None = None) -> torch.Tensor:
+        """The decoder ``layer`` at ``position`` among those this model (or its pipeline stage) runs, on ``x``:
+        recomputed in the backward pass where it ``checkpoints`` and autograd records, else through
+        ``regions`` (the plain call by default). The one place a layer's activation checkpointing applies."""
+        if torch.is_grad_enabled() and self.checkpoints(position):
+            return checkpoint(layer, x, cos, sin, layer_cache, start, use_reentrant=False)
+        return (regions or EAGER).layer(layer, x, cos, sin, layer_cache, start)
 
     def checkpoints(self, position: int) -> bool:
         """Whether the layer at ``position`` among those this model (or its pipeline stage) runs, counted
@@ -530,12 +537,18 @@ class NativeCausalLM(nn.Module):
         slots = torch.arange(cache.max_len, device=position.device)
         visible = (slots <= position).view(1, 1, 1, -1)  # (1, 1, 1, S)
         cos, sin = self.rope_cos.index_select(0, position), self.rope_sin.index_select(0, position)  # (1, D)
-        x = regions.embed(self, tokens)  # (B, 1, C)
-        if self.config.positions == "learned":
-            x = x + self.model.embed_positions(position)  # (1, C) for every sequence
+        x = self.add_positions(regions.embed(self, tokens), position)  # (B, 1, C)
         for layer, layer_cache in zip(self.model.layers, cache.layers()):
             x = regions.layer_decode(layer, x, cos, sin, layer_cache, position, visible)
         return regions.head(self, x)[:, -1]  # (B, V)
+
+    def add_positions(self, x: torch.Tensor, positions: slice | torch.Tensor) -> torch.Tensor:
+        """Token embeddings x (B, T, C) with the learned position table's rows at ``positions`` added (GPT-2),
+        the same rows for every sequence; ``positions`` a slice, or an index tensor on the device (a
+        decode step's). x itself where positions are rotary, applied inside attention."""
+        if self.config.positions != "learned":
+            return x
+        return x + self.model.embed_positions.weight[positions]  # (T, C) broadcast over B
 
     def embed(self, tokens: torch.Tensor) -> torch.Tensor:
         """Token ids (B, T) -> their embeddings (B, T, C); a function of its own, so that compiling it

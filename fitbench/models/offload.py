@@ -131,7 +131,9 @@ def build_offloaded(arch: Architecture, device: torch.device, dtype: torch.dtype
         model.lm_head.weight = nn.Parameter(torch.empty(0, device="meta", dtype=dtype), requires_grad=False)
     host: dict[str, torch.Tensor] = {}
     index: dict[str, dict] = {}
-    for name in ["model.embed_tokens", *layers, "model.norm", "lm_head"]:
+    edges = ["model.embed_tokens", *(["model.embed_positions"] if hasattr(model.model, "embed_positions") else []),
+             "model.norm", "lm_head"]
+    for name in [*edges[:-2], *layers, *edges[-2:]]:
         part = model.get_submodule(name)
         if name == "lm_head" and arch.tie_embeddings:
             model.lm_head.weight = model.model.embed_tokens.weight
@@ -152,7 +154,7 @@ def build_offloaded(arch: Architecture, device: torch.device, dtype: torch.dtype
 
     if offloaded:
         save_offload_index(index, str(offload_dir))
-        device_map = {name: execution for name in ("model.embed_tokens", "model.norm", "lm_head")}
+        device_map = {name: execution for name in edges}
         device_map.update({name: tier if name in offloaded else execution for name in layers})
         dispatch_model(model, device_map, main_device=execution, state_dict=host or None,
                        offload_dir=str(offload_dir) if index else None, offload_index=index or None,

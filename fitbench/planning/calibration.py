@@ -56,7 +56,7 @@ from pathlib import Path
 from typing import Callable
 
 from fitbench.hardware.environment import torch_version
-from fitbench.planning.memory import TRAINING_MODES
+from fitbench.precisions import TRAINING_MODES
 from fitbench.util.cache import cache_directory
 
 MIB = 1024**2

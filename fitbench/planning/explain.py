@@ -93,7 +93,8 @@ def requirements_note(rows: list[dict], margin: float, memory: float, gpu_memory
     if any(row.get("clear_of_retry_margin") is False for row in rows):
         parts.append(f"*: fits only inside the {margin:.1%} of each GPU's memory ({format_bytes(margin * memory)}) "
                      f"that `fitbench plan` keeps free against the caching allocator's retries; on that many GPUs "
-                     f"`fitbench plan` takes the next precision of the ladder that fits clear of it, where one does.")
+                     f"`fitbench plan` takes the next precision of the ladder that fits clear of it, where one does, "
+                     f"and keeps this one from the count in the last column.")
     marketed = marketed_memory_note(gpu_memory, memory)
     if marketed:
         parts.append(marketed)

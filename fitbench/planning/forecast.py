@@ -1,69 +1,6 @@
 """Forecast of one step's time: what a step is expected to last, beside the roofline bound.
 
-``fitbench.planning.speed`` bounds a step from below with datasheet peaks. This module forecasts it from
-the ceilings a GPU measurably reaches (``Ceilings``: a large bf16 matmul and a device-to-device copy)
-and from what an eager PyTorch step does besides its matmuls. Each step is two clocks that run side
-by side: the device's, the sum of its kernels' times, and the host's, which launches them one by one.
-The step lasts the longer of the two where one dominates, more where they are close
-(``side_by_side``, ``OVERLAP_EXPONENT``):
-
-    step = (device^3 + host^3)^(1/3)    device = matmuls + attention + bytes moved / copy bandwidth
-                                                 + kernels x KERNEL_S
-                                        host = launched operators x HOST_OP_S (+ the optimizer's
-                                               device time, + CHECKPOINT_HOST_S per recomputed layer)
-
-Training and forward passes (``_pass_time``), per data-parallel rank, n = B x T tokens:
-
-- matmuls: the FLOPs of ``Architecture.forward_flops_per_token`` without its attention part, three
-  passes for a training step (forward, and the backward's two matmuls), one more forward under
-  activation checkpointing of every layer, the share R of one where only the first C layers of each
-  stage recompute (``recomputed_share``: R = C / layers of the busiest stage, as Megatron-LM's
-  block-wise recomputation costs), the adapters' training in place of the frozen base's weight
-  gradients;
-  at the measured matmul peak of the precision's tensor-core kind times ``MATMUL_EFFICIENCY``;
-  fp32 without TF32 runs on CUDA cores, at its own ceiling;
-- attention: causal flash attention, ``2 L H D T`` FLOPs per token forward (half of PaLM's 4 L H Q T,
-  which counts the masked half), its backward 2.5 times that (five matmuls of the forward's two);
-  at the matmul peak times ``ATTENTION_EFFICIENCY``;
-- bytes over the copy bandwidth: the elementwise operators of the eager layers (``layer_traffic``,
-  per token: norms, rotary, attention's inputs and output, residual adds, SwiGLU; the backward of
-  each about twice its forward where autograd records each operator, ``BACKWARD_TRAFFIC``, a training
-  step about 2.4 forward passes through the native decoder's Functions,
-  ``FUNCTIONS_BACKWARD_TRAFFIC``), the loss over the logits (``loss_traffic``, the fused loss's or the
-  out-of-place one's),
-  per parameter AdamW's read-modify-write and autocast's 16-bit copies of the weights, a quantized
-  base's weights (and their dequantized copies), float8 training's dynamic casts; over tensor
-  parallelism each rank moves 1 / tp of the heads' and the MLP's bytes and the residual stream's
-  (norms, residual adds: ``residual_stream_traffic``) whole, 1 / tp of it only where sequence
-  parallelism splits it (``sequence_parallel``), and the loss (or a forward's sum) over the whole logits,
-  which are all-gathered onto every rank;
-- the host: ``layer_ops`` operators per layer (counted in fitbench's own step), the loss' chunks, the
-  edges. The fused AdamW update is a handful of launches whose device time the host waits out at the
-  end of the step, so it adds to the host's clock. A checkpointed layer costs ``CHECKPOINT_HOST_S``
-  of host time beyond its operators (the recomputation's Python frames and saved-tensor hooks).
-  Everything the recomputation adds (its matmuls, attention's forward, its elementwise traffic, its
-  autocast copies, its operators and that host time) scales with R: a training step's recomputation
-  costs R of what checkpointing every layer costs;
-- ``torch.compile`` (``compiled``): inductor fuses the elementwise operators into a few kernels
-  (``COMPILED_TRAFFIC`` of the eager traffic stays) and launches ``COMPILED_LAYER_KERNELS`` per layer
-  and pass.
-
-A decode step (``_decode_time``), for the whole batch: the weights it reads, each quantized format at
-its own width and read efficiency (its entry's ``decode``, ``fitbench.precisions``), the KV cache it attends over, over the copy
-bandwidth, plus its kernels: ``KERNEL_S`` each where a CUDA graph replays them (the eager step, or the
-step ``torch.compile``d, ``COMPILED_LAYER_KERNELS`` per layer), or launched one by one by the host
-without a graph, ``HOST_OP_S`` each, its two clocks side by side (one after the other under the
-transformers versions that serialize them, ``HF_SERIAL_DECODE_SINCE``); transformers' layers over
-pipeline stages add accelerate's hooks, ``HF_STAGED_LAYER_HOST_S`` of host time per layer.
-
-Communication is the roofline's (``fitbench.planning.speed``): data-parallel collectives overlapped with
-the step's busy time, tensor parallelism's all-reduces and the pipeline's sends exposed, each message
-its latency plus its bytes over the bus bandwidth (``fitbench.planning.collectives``; over several nodes,
-the groups that cross them in two levels, ``fitbench.planning.nodes``), the pipeline's bubble; the host
-link for offloaded layers.
-
-Every constant below names the measured row it comes from; ``benchmarks/speed_error.py`` recomputes
-the forecast of every committed row and its error against the measured step.
+The model, its terms and their sources: docs/planning.md, "The speed forecast, term by term".
 """
 
 from __future__ import annotations
@@ -78,7 +15,10 @@ from fitbench.models.architecture import Architecture
 from fitbench.models.hf_operators import layer_operators
 from fitbench.models.loss import loss_chunk_rows
 from fitbench.planning.collectives import PCIE_BANDWIDTH, BusBandwidth, bus_bandwidth
-from fitbench.planning.memory import Parallelism, Widths, adapter_params, kv_bytes_read_per_position, kv_heads_split
+from fitbench.planning.kv_cache import kv_bytes_read_per_position
+from fitbench.planning.sharding import Parallelism, kv_heads_split
+from fitbench.planning.terms import Widths
+from fitbench.planning.weights import adapter_params
 from fitbench.planning.nodes import LayoutLinks, Nodes, layout_links
 from fitbench.planning.speed import (HOST_LINK_BANDWIDTH, _data_parallel_step, bubble_fraction, recomputed_share,
                                  tensor_parallel_decode_s, tensor_parallel_pass_s)
@@ -372,11 +312,12 @@ def residual_stream_traffic(arch: Architecture, widths: Widths) -> float:
     return 2 * norm + 2 * (2 * r + c) * h
 
 
-def sequence_parallel(backend: str, training: bool, seq_len: int, tp: int) -> bool:
+def sequence_parallel(backend: str, training: bool, seq_len: int, tp: int, learned_positions: bool = False) -> bool:
     """Whether a tensor-parallel step splits the residual stream along the sequence: the native decoder's
-    training where the sequence divides by the degree (``fitbench.worker.build.build_layout``);
-    its forward passes and generation, and transformers' tensor parallelism, keep it whole on every rank."""
-    return tp > 1 and backend == "native" and training and seq_len % tp == 0
+    training where the sequence divides by the degree and positions are rotary
+    (``fitbench.worker.build.build_layout``); its forward passes and generation, a model with learned
+    positions, and transformers' tensor parallelism, keep it whole on every rank."""
+    return tp > 1 and backend == "native" and training and seq_len % tp == 0 and not learned_positions
 
 
 def loss_traffic(vocab: int, compute: int, training: bool, fused: bool = True) -> float:
@@ -533,7 +474,7 @@ def _pass_time(arch: Architecture, mode: str, precision: str, batch: int, seq_le
     # a stage's layers alone; each tensor-parallel rank runs 1 / tp of the heads and the MLP, and the
     # residual stream whole unless sequence parallelism splits it
     residual = residual_stream_traffic(arch, widths)
-    split = tp if sequence_parallel(run.backend, training, seq_len, tp) else 1
+    split = tp if sequence_parallel(run.backend, training, seq_len, tp, arch.position_embeddings == "learned") else 1
     per_rank = (layer_traffic(arch, widths) - residual) / tp + residual / split
     layers = n * share * L * per_rank * traffic_passes
     if run.compiled:
@@ -610,9 +551,6 @@ def _pass_time(arch: Architecture, mode: str, precision: str, batch: int, seq_le
              "kernels": kernels_s}
     return Forecast(seconds, device_s, host_s, communication_s, _bound(device_s, host_s, communication_s), terms,
                     ops)
-
-
-
 
 
 def side_by_side(device_s: float, host_s: float) -> float:

@@ -36,8 +36,12 @@ from fitbench.planning.calibration import DEFAULT, NCCL_TENSOR_PARALLEL_GENERATI
 from fitbench.planning.collectives import bus_bandwidth
 from fitbench.planning.forecast import (Ceilings, StepRun, ceilings, decode_kind, forecast_spec, forecast_step_time,
                                    step_run)
-from fitbench.planning.memory import (TRAINING_MODES, MemoryEstimate, Parallelism, Term, Widths, estimate_memory,
-                                  offloaded_weights, rank_edge_params, saved_per_layer, stage_estimates)
+from fitbench.planning.activations import saved_per_layer
+from fitbench.planning.memory import estimate_memory, stage_estimates
+from fitbench.planning.sharding import Parallelism, rank_edge_params
+from fitbench.planning.terms import MemoryEstimate, Term, Widths
+from fitbench.planning.weights import offloaded_weights
+from fitbench.precisions import TRAINING_MODES
 from fitbench.planning.nodes import Nodes, inter_node_link, job_nodes, placement_problem
 from fitbench.planning.search import largest
 from fitbench.planning.speed import StepTime, estimate_step_time
@@ -112,9 +116,12 @@ class GpuTarget:
 
 @dataclass(frozen=True)
 class Candidate:
+    """One configuration the planner weighs: a precision, the run's layout (``fitbench.spec.Layout``, the
+    object the worker is given; its strategy and GPU count are the layout's), activation checkpointing
+    and the batch per rank."""
+
     precision: str
-    strategy: str
-    gpus: int
+    layout: Layout
     activation_checkpointing: bool
     batch_size: int
     resident_layers: int | None = None  # offload: decoder layers kept on the GPU, the rest in host memory
@@ -123,27 +130,31 @@ class Candidate:
     # With activation checkpointing: the first N decoder layers of each stage recompute, None every layer
     # (``fitbench.spec.RunSpec.checkpointed_layers``; ``fewest_checkpointed`` finds the fewest that fit)
     checkpointed_layers: int | None = None
-    # The run's layout (``fitbench.spec.Layout``): the object the worker is given. Built from
-    # ``strategy`` and ``gpus`` unless given (``of_layout``) and they agree with it.
-    layout: Layout | None = None
-
-    def __post_init__(self) -> None:
-        layout = self.layout
-        if layout is None or (layout.strategy, layout.world_size) != (self.strategy, self.gpus):
-            object.__setattr__(self, "layout", Layout.of_strategy(self.strategy, self.gpus))
+    # A pipeline's training microbatches (``fitbench.spec.RunSpec.pipeline_microbatches``); None: its default
+    microbatches: int | None = None
 
     @classmethod
-    def of_layout(cls, precision: str, layout: Layout, activation_checkpointing: bool, batch_size: int,
-                  **options) -> Candidate:
-        return cls(precision, layout.strategy, layout.world_size, activation_checkpointing, batch_size,
-                   layout=layout, **options)
+    def of_strategy(cls, precision: str, strategy: str, gpus: int, activation_checkpointing: bool, batch_size: int,
+                    *args, **options) -> Candidate:
+        """The candidate of ``strategy`` over ``gpus`` (``Layout.of_strategy``)."""
+        return cls(precision, Layout.of_strategy(strategy, gpus), activation_checkpointing, batch_size, *args,
+                   **options)
+
+    @property
+    def strategy(self) -> str:
+        return self.layout.strategy
+
+    @property
+    def gpus(self) -> int:
+        return self.layout.world_size
 
     @property
     def parallelism(self) -> Parallelism:
-        return Parallelism(layout=self.layout, offload=self.cpu_offload)
+        return Parallelism(layout=self.layout, offload=self.cpu_offload, microbatches=self.microbatches)
 
     def as_dict(self) -> dict:
-        return {**self.__dict__, "layout": self.layout.model_dump()}
+        return {"precision": self.precision, "strategy": self.strategy, "gpus": self.gpus,
+                **{k: v for k, v in self.__dict__.items() if k != "precision"}, "layout": self.layout.model_dump()}
 
     @property
     def label(self) -> str:
@@ -487,7 +498,7 @@ def fewest_checkpointed(arch: Architecture, mode: str, every: Assessment, target
 
     C runs from 1 to the busiest stage's layers (``fitbench.spec.pipeline_stages``; that many is every
     layer), and the predicted tensor peak falls as C grows (each layer more recomputed trades its saved
-    activations for its input: ``fitbench.planning.memory._training``), so the fewest is found by
+    activations for its input: ``fitbench.planning.training_memory.training_estimate``), so the fewest is found by
     bisection, about log2(layers) assessments. Near every layer the overheads can break the order (the
     fragmentation counted late in the backward pass stands beside every layer's recompute, not beside
     the start of it), so the count found is one whose own assessment is good, the fewest up to that.
@@ -582,7 +593,7 @@ def plan(arch: Architecture, mode: str, target: GpuTarget, *, seq_len: int, new_
                     continue
                 without: dict[int, Assessment] = {}  # by batch: this layout without checkpointing
                 for recompute in recompute_options:
-                    base = Candidate.of_layout(precision, layout, recompute, 1)
+                    base = Candidate(precision, layout, recompute, 1)
                     if batch_sizes is None:
                         batch = largest_fitting_batch(arch, mode, base, target, seq_len=seq_len,
                                                       new_tokens=new_tokens, calibration=calibration,
@@ -634,7 +645,7 @@ def node_counts(node_gpus: int, max_gpus: int) -> list[int]:
 def fewest_gpus(arch: Architecture, mode: str, precision: str, gpu_memory: float, *, seq_len: int,
                 new_tokens: int, batch_size: int = 1, max_gpus: int = MOST_GPUS, calibration: Calibration = DEFAULT,
                 backend: str | None = None, gpu_name: str | None = None, node_gpus: int = 8,
-                inter_node_bandwidth: float | None = None) -> Assessment | None:
+                inter_node_bandwidth: float | None = None, clear_only: bool = False) -> Assessment | None:
     """The fewest nodes of ``node_gpus`` GPUs of ``gpu_memory`` bytes, and on them the fewest GPUs (the
     same count on every node: ``node_counts``), that run this at ``batch_size``, and the layout that
     does it: of the layouts of that count (``layouts_for``) that the run can launch (``Layout.problem``,
@@ -642,7 +653,8 @@ def fewest_gpus(arch: Architecture, mode: str, precision: str, gpu_memory: float
     clear of ``RETRY_MARGIN`` where any is; in training with activation checkpointing only where
     nothing fits without it, and then of the fewest layers that do (``fewest_checkpointed``). None if
     more than ``max_gpus`` would be needed. ``gpu_name``: whose speed figures rank the layouts (by default
-    ``DEFAULT_SPEED_GPU``'s)."""
+    ``DEFAULT_SPEED_GPU``'s). ``clear_only``: the fewest on which a layout fits clear of the margin, the
+    count on which ``plan`` keeps this precision rather than taking the ladder's next."""
     target = GpuTarget(gpu_name, max_gpus, gpu_memory, described=True, node_gpus=node_gpus,
                        inter_node_bandwidth=inter_node_bandwidth)
     for gpus in node_counts(node_gpus, max_gpus):
@@ -651,9 +663,11 @@ def fewest_gpus(arch: Architecture, mode: str, precision: str, gpu_memory: float
             fitting = [fewest_checkpointed(arch, mode, assessed, target, seq_len=seq_len, new_tokens=new_tokens,
                                            calibration=calibration, backend=backend)
                        for assessed in (
-                assess(arch, mode, Candidate.of_layout(precision, layout, recompute, batch_size), target,
+                assess(arch, mode, Candidate(precision, layout, recompute, batch_size), target,
                        seq_len=seq_len, new_tokens=new_tokens, calibration=calibration, backend=backend)
                 for layout in layouts) if assessed.fits]
+            if clear_only:
+                fitting = [assessed for assessed in fitting if assessed.clear]
             if fitting:
                 return fastest_first(arch, mode, [a for a in fitting if a.clear] or fitting, target,
                                      seq_len=seq_len, new_tokens=new_tokens, calibration=calibration,
@@ -729,7 +743,7 @@ def predict_spec(arch: Architecture, spec, target: GpuTarget, calibration: Calib
         that leave it as clear of the margin (``fewest_checkpointed``)."""
         found: list[Assessment] = []
         for ac in recompute:
-            candidate = Candidate.of_layout(precision, layout, ac, spec.batch_size, resident_layers=resident(precision),
+            candidate = Candidate(precision, layout, ac, spec.batch_size, resident_layers=resident(precision),
                                             compiled=spec.compile, cpu_offload=spec.offload and layout.world_size > 1,
                                             checkpointed_layers=spec.checkpointed_layers if ac else None)
             assessed = assess(arch, spec.mode, candidate, target, seq_len=spec.seq_len, new_tokens=spec.new_tokens,
@@ -918,7 +932,7 @@ def alternatives(arch: Architecture, spec, target: GpuTarget, calibration: Calib
     def single(precision: str, ac: bool, batch_size: int = batch) -> Candidate:
         """The spec with these changes, on its own layout (checkpointing the spec's layers where it has
         checkpointing, every layer where it is turned on here)."""
-        return Candidate.of_layout(precision, layout, ac, batch_size, compiled=spec.compile,
+        return Candidate(precision, layout, ac, batch_size, compiled=spec.compile,
                                    cpu_offload=spec.fsdp_offload,
                                    checkpointed_layers=spec.checkpointed_layers if ac and spec.activation_checkpointing
                                    else None)
@@ -964,13 +978,13 @@ def alternatives(arch: Architecture, spec, target: GpuTarget, calibration: Calib
                                                                               spec.compile) is None:
         split = offload_split(arch, mode, precision, batch, seq_len, new_tokens=new_tokens, budget=target.memory,
                               calibration=calibration, backend=spec.backend)
-        fits = first_fitting([Candidate(precision, "single", 1, False, batch, split.resident_layers)])
+        fits = first_fitting([Candidate.of_strategy(precision, "single", 1, False, batch, split.resident_layers)])
         if fits:
             found.append(Alternative(f"with --offload in {precision} ({split.resident_layers} of {arch.num_layers} "
                                      f"layers on the GPU)", fits))
     many = replace(target, count=max_gpus)
     for gpus in node_counts(target.node_gpus, max_gpus)[1:]:
-        layouts = [Candidate.of_layout(spec.precision, other, ac, batch, compiled=spec.compile)
+        layouts = [Candidate(spec.precision, other, ac, batch, compiled=spec.compile)
                    for other in layouts_for(arch, mode, gpus, target.node_gpus)
                    if other.dp_replicate == 1 and other.replicas == 1 for ac in recompute]
         fitting = [a for a in (assess(arch, mode, c, many, seq_len=seq_len, new_tokens=new_tokens,

@@ -1,66 +1,6 @@
 """Roofline step time, to rank candidate plans and to show next to the measured time.
 
-Each step is bounded below by its arithmetic and its memory traffic on one GPU, plus the
-communication that cannot overlap, over the GPU-to-GPU link (Williams et al. 2009 for the
-roofline):
-
-    t = max(FLOPs per GPU / peak FLOP/s, bytes per GPU / bandwidth) + exposed communication
-
-Each collective message costs a latency plus its ring traffic over the bus bandwidth
-(``fitbench.planning.collectives``: nccl-tests' definitions; measured by ``fitbench calibrate`` on several
-GPUs, else the interconnect's defaults), so counting messages matters where they are small. A job
-over several nodes keeps tensor parallelism inside each; data-parallel groups and pipeline
-boundaries that cross nodes take the link between them (``fitbench.planning.nodes``).
-
-- training step: ``6 N + 12 L H Q T`` FLOPs per token (PaLM), ``8 N + 16 L H Q T`` with activation
-  checkpointing, which runs the forward pass twice; memory traffic of reading the weights
-  three times (forward, two backward matmuls) and the optimizer's read-modify-write of weights,
-  gradients and both moments;
-- forward: ``2 N + 4 L H Q T`` FLOPs per token; decode: per step, for the whole batch, one read of
-  the weights the step touches (``_decode_weight_bytes``) and of the KV cache it attends over:
-  every slot of the preallocated cache (``T + new_tokens``), as the native backend's CUDA graph
-  reads it, or the positions so far (``T + new_tokens / 2`` on average) in eager decoding, as
-  ``fitbench.worker.metrics`` counts them; so batch 1 decoding sits on the bandwidth roof;
-- data parallel: the collectives run on their own streams beside the compute, so only what has
-  nothing to hide behind adds to the step; the rest adds only where it outlasts the compute it
-  overlaps. DDP all-reduces the gradients bucket by bucket during the backward pass (the gradients'
-  width, fp32 under autocast); the last bucket, which holds the input embedding's gradient
-  (formed last, alone in its bucket when larger than ``bucket_cap_mb``), is reduced after the
-  backward pass. FSDP2 all-gathers the units in the compute dtype for the forward pass (the root's
-  and the first layer's before any compute) and again, less the root, which stays gathered, for
-  the backward pass, and reduce-scatters the gradients in the reduce dtype during the backward
-  pass, one message per unit (the root, each layer) and pass; the root's reduce-scatter comes after
-  it. DDP sends one message per bucket. Per pass, with t its compute-or-memory time:
-
-      t_pass = max(t, the pass's collectives - its exposed ones) + its exposed ones
-
-  (DDP's forward pass has none), the backward pass 2/3 of the step's busy time, 3/4 under
-  activation checkpointing (the forward's recomputation runs in it; FSDP gathers nothing again
-  for it);
-- tensor parallel (degree t): two all-reduces of the activations per layer in the forward pass
-  (after attention's output projection and after the MLP's down projection) and two more in the
-  backward, each of B x T x h x c bytes, with nothing to overlap with; a decode step also
-  all-reduces the embedding's output and all-gathers the logits (``tensor_parallel_decode_s``);
-- pipeline (p stages, m microbatches, GPipe or 1F1B alike): a training step lasts the largest
-  stage's busy time stretched by the bubble, ``(m + p - 1) / m`` of it, the bubble being
-  ``(p - 1) / (m + p - 1)`` of the step (Huang et al. 2019, GPipe; Narayanan et al. 2021 for
-  1F1B); each stage boundary sends one microbatch's activations forward and their gradient back
-  (``B / m x T x h x c`` bytes each way), and the sends of one microbatch through all the
-  boundaries are on the critical path (the pipeline's fill and drain), a send each, the rest
-  overlapping with compute. A forward step passes its whole batch from stage to stage and has no
-  backward pass to drain: back to back, stage s runs step k while stage s + 1 runs step k - 1, so a
-  step lasts the largest stage's time, without a bubble. Decoding crosses the stages one after another, each step sending ``B x h x c`` bytes
-  over every boundary, so stages add no speed to one sequence: the whole model's weights are read
-  per step, at the tensor-parallel degree's rate;
-- offload: the offloaded layers' weights cross the host link (PCIe) once per forward pass (each
-  decode step, the prefill, a forward step), copied synchronously before each layer runs, so the
-  time ``offloaded bytes / host-link bandwidth`` adds to the step like communication; under FSDP's
-  CPU offload, each rank's shards cross it before every all-gather (forward and backward) and its
-  gradients' shards after every reduce-scatter, 3 w P / g per training step (w P / g per forward
-  step), counted the same way; the optimizer's step on the CPU is not counted.
-
-It is an optimistic bound, never a forecast of the achieved time: fitbench prints it beside the
-measured time so its error is visible; ``fitbench.planning.forecast`` forecasts the achieved time.
+The model, its terms and their sources: docs/planning.md, "The roofline bound".
 """
 
 from __future__ import annotations
@@ -71,8 +11,10 @@ from dataclasses import dataclass
 from fitbench.hardware.datasheet import peak_bandwidth, peak_flops
 from fitbench.models.architecture import Architecture
 from fitbench.planning.collectives import ONE_SHOT_LATENCY_S, PCIE_BANDWIDTH, BusBandwidth, bus_bandwidth
-from fitbench.planning.memory import Parallelism, Widths, adapter_params, layer_matmul_params, quantized_layer_bytes
-from fitbench.planning.nodes import AcrossNodes, LayoutLinks, Nodes, layout_links
+from fitbench.planning.sharding import Parallelism
+from fitbench.planning.terms import Widths
+from fitbench.planning.weights import adapter_params, layer_matmul_params, quantized_layer_bytes
+from fitbench.planning.nodes import AcrossNodes, Nodes, layout_links
 from fitbench.precisions import ADAPTERS, entry
 from fitbench.spec import ONE_SHOT_BYTES, checkpointed_count, pipeline_stages
 

@@ -109,7 +109,7 @@ def _quantized(name: str, summary: str, **facts) -> Precision:
 # output: 7.3 kernels more per matmul
 _FP8_EAGER = DecodeFormat(1.0, 7.3, 0, "Llama-2-7B fp8, batch 1 (2026-11-24-h200-decode-formats): 10.09 ms")
 # torchao's int8 and float8 with dynamic activation scaling: the largest temporary of a prefill MLP is the
-# fp32 copy of the down projection's input (``fitbench.planning.memory.prefill_reserve_term``)
+# fp32 copy of the down projection's input (``fitbench.planning.activations.prefill_reserve_term``)
 _SCALED_INPUT_RESERVE = PrefillReserve(4, "the fp32 copy of the down projection's input")
 # bitsandbytes' 4-bit: one token per step reads the packed weights in its gemv kernel, at 45% of the copy
 # bandwidth; more tokens dequantize each weight to a bf16 copy and multiply by it. At prefill that copy is

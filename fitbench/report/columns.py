@@ -22,7 +22,8 @@ from typing import Any, Callable
 from fitbench.precisions import entry
 from fitbench.report.figures import GB, gpu_peak, layout_label, world_size
 from fitbench.results.directories import Sweeps
-from fitbench.results.report import PERCENTILES, cost_per_million_tokens, energy_per_token, headline, latency_percentiles
+from fitbench.results.report import (PERCENTILES, cost_per_million_tokens, energy_per_token, headline,
+                                     latency_percentiles)
 from fitbench.results.row import Row
 
 Value = float | int | str | None

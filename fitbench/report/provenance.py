@@ -10,7 +10,6 @@ from collections import Counter
 from typing import Any
 
 from fitbench.results.directories import SweepRows
-from fitbench.results.row import Row
 
 
 def _joined(values: list[Any]) -> str:

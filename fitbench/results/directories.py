@@ -42,6 +42,7 @@ class SweepRows:
     warnings: list[str] = field(default_factory=list)
     command: str | None = None
     tree: Path | None = None  # the folder given, where this sweep was found under it
+    gpu_hour_price: float | None = None  # the price it was run with (--gpu-hour-price), where given
 
     @property
     def place(self) -> str:
@@ -114,19 +115,23 @@ def _read(path: Path, on_warning: Callable[[str], None] | None, tree: Path | Non
             on_warning(warning)
 
     rows = list(ResultStore(path, on_bad_line=warned).typed_rows())
-    return SweepRows(path, rows, warnings, _saved_command(path / SWEEP_FILE), tree)
+    saved = _saved_sweep(path / SWEEP_FILE)
+    command, config = saved.get("command"), saved.get("config")
+    price = config.get("gpu_hour_price") if isinstance(config, dict) else None
+    return SweepRows(path, rows, warnings, command if isinstance(command, str) else None, tree,
+                     float(price) if isinstance(price, (int, float)) and not isinstance(price, bool)
+                     and 0 <= price < float("inf") else None)
 
 
-def _saved_command(path: Path) -> str | None:
-    """The command line saved in ``sweep.json``, None when the file is missing or not fitbench's."""
+def _saved_sweep(path: Path) -> dict:
+    """What ``sweep.json`` holds (its command, its options), empty when the file is missing or not fitbench's."""
     try:
         if not path.is_file() or path.stat().st_size > SWEEP_MAX_BYTES:
-            return None
+            return {}
         value, problem = parse_json(path.read_bytes())
     except OSError:
-        return None
-    command = value.get("command") if isinstance(value, dict) and not problem else None
-    return command if isinstance(command, str) else None
+        return {}
+    return value if isinstance(value, dict) and not problem else {}
 
 
 @dataclass
@@ -163,6 +168,12 @@ class Sweeps:
             else:
                 groups.append([sweep])
         return groups
+
+    @property
+    def saved_price(self) -> float | None:
+        """The GPU-hour price the sweeps were run with, where those that saved one agree; None otherwise."""
+        prices = {sweep.gpu_hour_price for sweep in self.sweeps if sweep.gpu_hour_price is not None}
+        return prices.pop() if len(prices) == 1 else None
 
     @property
     def several(self) -> bool:

@@ -26,6 +26,7 @@ import pandas as pd
 from rich import box
 from rich.cells import cell_len
 from rich.console import Console, ConsoleOptions, RenderResult
+from rich.padding import Padding
 from rich.table import Table
 from rich.text import Text
 
@@ -322,6 +323,23 @@ def _hyphenated(name: str) -> tuple[str, ...]:
     return tuple(re.split(r"(?<=-)(?=.)", name))
 
 
+def _breaks(name: str) -> tuple[str, ...]:
+    """``name`` in parts that end where a line may end inside it: after a hyphen, slash or underscore
+    ("meta-", "llama/", "Llama-"), so that a name wider than its column wraps there, never mid-word."""
+    return tuple(re.split(r"(?<=[-/_])(?=.)", name))
+
+
+def _packed(parts: tuple[str, ...], width: int) -> str:
+    """``parts`` joined, a line ending between two parts wherever the next would pass ``width`` cells
+    (a part wider than that alone on its line, which the table then folds)."""
+    lines = [""]
+    for part in parts:
+        if lines[-1] and cell_len(lines[-1] + part) > width:
+            lines.append("")
+        lines[-1] += part
+    return "\n".join(lines)
+
+
 _COMMON = {
     "model": _Column(("model",), lambda row, head: _hyphenated(head["model"]), 0, "left", words=True, separator=""),
     "params": _Column(("params",), lambda row, head: (format_count(row.params),), 8),
@@ -392,7 +410,7 @@ class ResultsTable:
             if failed:
                 yield Text("not ok:", style="red")
                 for line in failed:
-                    yield Text(f"  {line}")
+                    yield Padding(Text(line), (0, 0, 0, 2), expand=False)  # wrapped lines indented as the first
 
     def _table(self, mode: str, rows: list[Row], names: dict[str, str], width: int) -> Table:
         columns = list(_INFER_COLUMNS if mode in PER_TOKEN_MODES else _TRAINING_COLUMNS)
@@ -417,7 +435,7 @@ class ResultsTable:
         table.leading = int(any(len(row_cells[c]) > 2 for row_cells in cells for c in stacked))
         for row, row_cells in zip(rows, cells):
             status_style = "" if row.status == "ok" else "red"
-            table.add_row(*(Text(("\n" if c in stacked else columns[c].separator).join(row_cells[c]),
+            table.add_row(*(Text(_cell_text(columns[c], row_cells[c], c in stacked, widths[c]),
                                  style=status_style if columns[c].name == "status" else "") for c in shown))
         left_out = [columns[c].name for c in range(len(columns)) if c not in shown]
         if left_out:
@@ -425,6 +443,15 @@ class ResultsTable:
                              f"results.csv and `fitbench report --markdown DIR`")
             table.caption_justify = "left"
         return table
+
+
+def _cell_text(column: _Column, parts: tuple[str, ...], stacked: bool, width: int) -> str:
+    """A cell's text in a column ``width`` wide: stacked, its parts a line each, those of a name
+    (``separator`` "") packed; inline, on one line, a name (``words``) wrapping where ``_breaks`` allows."""
+    if stacked:
+        return _packed(parts, width) if column.separator == "" else "\n".join(parts)
+    text = column.separator.join(parts)
+    return _packed(_breaks(text), width) if column.words else text
 
 
 def table_cells(row: Row, model: str) -> list[tuple[str, ...]]:
@@ -468,7 +495,15 @@ def _layout(columns: list[_Column], cells: list[list[tuple[str, ...]]], width: i
     for c in sorted(stacked, key=lambda c: (inline[c] - stack[c], c)):
         if total(shown, stacked - {c}) <= width:
             stacked = stacked - {c}
-    return shown, stacked, [stack[c] if c in stacked else inline[c] for c in range(len(columns))]
+    widths = [stack[c] if c in stacked else inline[c] for c in range(len(columns))]
+    # The width left over goes to the stacked names (model, folder), in order, so they take fewer lines.
+    spare = width - total(shown, stacked)
+    for c in shown:
+        if c in stacked and columns[c].words and spare > 0:
+            grown = min(inline[c], widths[c] + spare)
+            spare -= grown - widths[c]
+            widths[c] = grown
+    return shown, stacked, widths
 
 
 def _width(column: _Column, cells: list[tuple[str, ...]], stacked: bool, words_cap: int) -> int:
@@ -486,17 +521,21 @@ def results_table(rows: Iterable[Row], title: str = "fitbench results",
     return ResultsTable(rows, title, folder, gpu_hour_price)
 
 
-def flat_frame(rows: Iterable[Row]) -> pd.DataFrame:
+def flat_frame(rows: Iterable[Row], gpu_hour_price: float | None = None) -> pd.DataFrame:
     """One column per field (``spec.model``, ``throughput.mfu``...), after the row's ``layout``, its
-    ``GPUs`` and, for a row that is not ok, its ``reason`` (``layout_name``, ``device_count``,
-    ``reason``); what stays nested (the list ``memory.gpus``, an empty dict) is a JSON cell, which any
-    CSV reader's user can parse back, as a Python repr is not. Raw samples stay in the JSONL only."""
+    ``GPUs``, given ``gpu_hour_price`` the cost of a million tokens (``cost_per_million_tokens``, in
+    dollars, under a name that gives the price) and, for a row that is not ok, its ``reason``
+    (``layout_name``, ``device_count``, ``reason``); what stays nested (the list ``memory.gpus``, an empty
+    dict) is a JSON cell, which any CSV reader's user can parse back, as a Python repr is not. Raw samples
+    stay in the JSONL only."""
     trimmed = []
     for row in rows:
         fields = row.as_dict()
         if isinstance(fields.get("timing"), dict):
             fields["timing"] = {k: v for k, v in fields["timing"].items() if k != "samples"}
-        trimmed.append({"layout": layout_name(row), "GPUs": device_count(row),
+        cost = ({cost_column(gpu_hour_price): cost_per_million_tokens(row, gpu_hour_price)}
+                if gpu_hour_price is not None else {})
+        trimmed.append({"layout": layout_name(row), "GPUs": device_count(row), **cost,
                         "reason": None if row.status == "ok" else reason(row), **fields})
     frame = pd.json_normalize(trimmed, sep=".")
     return frame.map(_json_cell)
@@ -506,9 +545,14 @@ def _json_cell(value: Any) -> Any:
     return json.dumps(value, default=str) if isinstance(value, (dict, list, tuple)) else value
 
 
-def write_csv(rows: Iterable[Row], directory: str | Path) -> Path:
+def cost_column(gpu_hour_price: float) -> str:
+    """The name of the cost column of the CSV, with the price it was computed at."""
+    return f"cost_per_million_tokens_usd_at_{gpu_hour_price:g}_per_gpu_hour"
+
+
+def write_csv(rows: Iterable[Row], directory: str | Path, gpu_hour_price: float | None = None) -> Path:
     path = Path(directory) / CSV_FILE
-    flat_frame(rows).to_csv(path, index=False)
+    flat_frame(rows, gpu_hour_price).to_csv(path, index=False)
     return path
 
 

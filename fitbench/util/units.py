@@ -34,7 +34,6 @@ def format_count(value: float | None) -> str:
     return str(int(value))
 
 
-
 def parse_bytes(text: str) -> float:
     """'80GB' -> 80e9, '80GiB' -> 80 x 2^30, '512MB' -> 512e6; a bare number is bytes."""
     units = {"TIB": 1024**4, "GIB": 1024**3, "MIB": 1024**2, "TB": 1e12, "GB": 1e9, "MB": 1e6, "B": 1}

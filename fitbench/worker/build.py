@@ -22,7 +22,7 @@ import torch
 import torch.distributed as dist
 
 from fitbench.models.architecture import Architecture
-from fitbench.models.backends import DECODE_TUNING, CausalLM, NativeLM, load_model
+from fitbench.models.backends import DECODE_TUNING, CausalLM, HuggingFaceLM, NativeLM, load_model
 from fitbench.models.hf import has_weights
 from fitbench.models.native import NativeCausalLM
 from fitbench.models.offload import Offload, build_offloaded
@@ -35,6 +35,7 @@ from fitbench.worker.parallelize import DRAWN_PER_RANK, local_shards, tensor_par
 from fitbench.worker.pipeline import PipelineLM
 from fitbench.worker.quality import Quality
 from fitbench.worker.quantize import Carried, build_quantized_native, quantize_built
+from fitbench.worker.quantize.hf_layers import build_quantized_hf
 from fitbench.worker.quantize.torchao import float8_training
 from fitbench.worker.ranks import Rank
 from fitbench.worker.stages import build_stage, prune
@@ -106,15 +107,18 @@ def build_stage_of_rank(spec: RunSpec, arch, policy, device: torch.device, rank:
                         model_path: str | None) -> Built:
     """This rank's pipeline stage: transformers' stages all in this one process, over a GPU each
     (``fitbench.worker.hf_pipeline``), or the native model's stage of this rank (``build_pipelined``)."""
-    if spec.backend == "hf":
-        devices = stage_devices(device, spec.layout.pp)
-        module, _ = build_staged(arch, devices, policy.weight_dtype, weights_dir=model_path)
-        return Built(StagedHuggingFaceLM(module, policy.compute_dtype == policy.weight_dtype, devices))
     problem = entry(spec.precision).hardware_problem(device.type, torch.cuda.get_device_capability(device)
                                                      if device.type == "cuda" else None)
     if problem:
         raise RefusedError(problem)
     probe = random_tokens(arch.vocab_size, 1, min(spec.seq_len, PROBE_TOKENS), device, spec.seed + 1)
+    if spec.backend == "hf":
+        devices = stage_devices(device, spec.layout.pp)
+        if policy.quantized:
+            module, _, quality = build_quantized_hf(arch, devices, spec.precision, probe)
+            return Built(StagedHuggingFaceLM(module, True, devices), quality)
+        module, _ = build_staged(arch, devices, policy.weight_dtype, weights_dir=model_path)
+        return Built(StagedHuggingFaceLM(module, policy.compute_dtype == policy.weight_dtype, devices))
     lm, quality = build_pipelined(spec, arch, policy, rank, probe if policy.quantized else None)
     return Built(decoding_as_asked(lm, spec), quality)
 
@@ -158,6 +162,9 @@ def build_converted(spec: RunSpec, arch, policy, device: torch.device, model_pat
         module, quality = build_quantized_native(arch, device, spec.precision, probe)
         lm = NativeLM(module, cache_dtype=policy.compute_dtype, cuda_graphs=spec.cuda_graphs,
                       graph_problem=precision.graph_problem)
+    elif model_path is None:
+        module, _, quality = build_quantized_hf(arch, [str(device)], spec.precision, probe)
+        lm = HuggingFaceLM(module, static_cache=True)
     else:
         lm = load_model(arch, spec.backend, device, policy.weight_dtype, model_path=model_path,
                         cuda_graphs=spec.cuda_graphs, graph_problem=precision.graph_problem, fused=False)
@@ -171,8 +178,6 @@ def build_converted(spec: RunSpec, arch, policy, device: torch.device, model_pat
                                      f"every matmul of every layer); the {spec.precision} base, embeddings and "
                                      f"output projection are frozen",
                            "trainable_params": adapters})
-
-
 
 
 def build_offload(assignment: Assignment, arch, policy, device: torch.device, scratch: Path,
@@ -219,15 +224,15 @@ def build_layout(arch, layout: Layout, policy: PrecisionPolicy, mode: str, seq_l
                  cuda_graphs: bool = False) -> tuple[NativeLM, Any, dict[str, Any]]:
     """This rank's tensor-parallel model of ``layout`` (TP alone or under FSDP), its mesh and what was
     applied. Sequence parallelism is on in training (train, forward-backward) where ``seq_len``
-    divides by the degree: it is there that the norms' and residuals' activations are kept for a
-    backward pass. Inference and ``forward`` without FSDP run on local shards
+    divides by the degree and positions are rotary: it is there that the norms' and residuals'
+    activations are kept for a backward pass (learned positions are added to the whole sequence). Inference and ``forward`` without FSDP run on local shards
     (``fitbench.worker.tensor_parallel``)."""
     problem = layout.problem(arch, mode, policy.name, "native")
     if problem:
         raise ValueError(problem)
     mesh = device_mesh(layout, rank.device.type)
     training = mode in TRAINING_MODES
-    sequence_parallel = training and seq_len % layout.tp == 0
+    sequence_parallel = training and seq_len % layout.tp == 0 and arch.position_embeddings == "rotary"
     module, applied = build_tensor_parallel(arch, Stage.of(arch.num_layers, 0, 1), tensor_mesh(mesh), rank.device,
                                             policy.weight_dtype, sequence_parallel=sequence_parallel,
                                             inference=not training and layout.dp_shard == 1)

@@ -43,7 +43,6 @@ from typing import Any, Callable
 import torch
 import torch.distributed as dist
 from torch import nn
-from torch.utils.checkpoint import checkpoint
 
 from fitbench.models.backends import CausalLM, compile_regions, error_summary
 from fitbench.models.graphs import Capture, capture_cuda_graph
@@ -65,14 +64,11 @@ def stage_forward(model: NativeCausalLM, stage: Stage, x: torch.Tensor, cache: K
     T = x.shape[1]
     cos, sin = model.rope_cos[start:start + T], model.rope_sin[start:start + T]
     if stage.first:
-        x = model.model.embed_tokens(x)  # (B, T, C)
-    recompute = torch.is_grad_enabled()
+        x = model.add_positions(model.model.embed_tokens(x), slice(start, start + T))  # (B, T, C)
     layer_caches = cache.layers() if cache is not None else [None] * len(stage.layers)
     for position, (i, layer_cache) in enumerate(zip(stage.layers, layer_caches)):
-        layer = model.model.layers[i]
         # the stage's first checkpointed_layers recompute: counted within the stage (NativeCausalLM.checkpoints)
-        x = checkpoint(layer, x, cos, sin, layer_cache, start, use_reentrant=False) \
-            if recompute and model.checkpoints(position) else layer(x, cos, sin, layer_cache, start)
+        x = model.run_layer(position, model.model.layers[i], x, cos, sin, layer_cache, start)
     if not stage.last:
         return x
     x = model.model.norm(x)

@@ -36,7 +36,7 @@ def stage_decode_step(model: NativeCausalLM, stage: Stage, x: torch.Tensor, cach
     visible = (slots <= position).view(1, 1, 1, -1)  # (1, 1, 1, S)
     cos, sin = model.rope_cos.index_select(0, position), model.rope_sin.index_select(0, position)  # (1, D)
     if stage.first:
-        x = regions.embed(model, x)  # (B, 1, C)
+        x = model.add_positions(regions.embed(model, x), position)  # (B, 1, C)
     for i, layer_cache in zip(stage.layers, cache.layers()):
         x = regions.layer_decode(model.model.layers[i], x, cos, sin, layer_cache, position, visible)
     if stage.last:

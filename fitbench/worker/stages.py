@@ -24,16 +24,20 @@ def prune(model: NativeCausalLM, stage: Stage) -> None:
             model.model.layers[i] = nn.Identity()
     if not stage.first:
         model.model.embed_tokens = nn.Identity()
+        if hasattr(model.model, "embed_positions"):
+            del model.model.embed_positions
     if not stage.last:
         model.model.norm = nn.Identity()
         model.lm_head = nn.Identity()
 
 
 def stage_modules(model: NativeCausalLM, stage: Stage) -> list[nn.Module]:
-    """The modules of ``stage`` in the whole model ``model``."""
+    """The modules of ``stage`` in the whole model ``model``: the first stage's embeddings (tokens, and
+    learned positions where the model has them), its layers, the last stage's final norm and head."""
     parts = [model.model.layers[i] for i in stage.layers]
     if stage.first:
-        parts.insert(0, model.model.embed_tokens)
+        parts[:0] = [model.model.embed_tokens, *([model.model.embed_positions]
+                                                 if hasattr(model.model, "embed_positions") else [])]
     if stage.last:
         parts += [model.model.norm, model.lm_head]
     return parts

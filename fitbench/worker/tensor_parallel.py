@@ -5,7 +5,13 @@ split (Shoeybi et al. 2019) as torchtitan's ``apply_tp`` lays it out with DTenso
 - attention: q (and k / v where the kv heads divide by the degree) column-wise, so each rank holds
   ``n_heads / tp`` whole query heads (and ``n_kv_heads / tp`` kv heads) and attends over them alone;
   o row-wise, its partial sums all-reduced: one all-reduce per attention block;
-- MLP: gate and up column-wise, down row-wise: one all-reduce per MLP block;
+- MLP: gate and up (a GELU MLP's up alone) column-wise, down row-wise: one all-reduce per MLP block;
+- biases (Qwen2's q, k, v; Falcon's and GPT-2's every matrix): a column-wise matmul's cut with its
+  rows, a row-wise matmul's held whole and added once, after the sum (on every rank before it, it
+  would be counted ``tp`` times). Falcon's parallel block sums its attention and its MLP each with
+  its own all-reduce, two per layer as Llama's sequential block: one all-reduce of the two partial
+  sums together would halve them, at the cost of a layer that knows it is cut;
+- GPT-2's learned position table replicated, added to the embedding's gathered rows on every rank;
 - the embedding sharded over the vocabulary (``RowwiseParallel`` with a replicated input: each rank
   looks up the tokens of its rows, the others' lookups are zeros, and an all-reduce sums them) and
   the output projection column-wise over the vocabulary, its logits gathered on every rank
@@ -17,6 +23,8 @@ split (Shoeybi et al. 2019) as torchtitan's ``apply_tp`` lays it out with DTenso
   all-reduced and the column-wise inputs all-gathered, so the norms' inputs and outputs and the
   residual stream kept for the backward pass are 1 / tp per rank, for the same bytes on the wire.
   Generation keeps the plain layout: a decode step has one position per sequence, nothing to split.
+  A model with learned positions (GPT-2) trains without it: its position rows are added to the
+  whole sequence's embeddings, which sequence parallelism would hold cut.
 
 Fewer kv heads than ranks, or a count the degree does not divide: the k and v projections are
 replicated and every rank computes all kv heads, keeps those its own query heads read and caches only
@@ -42,7 +50,7 @@ fake tensors, fails, is not cached (the cache keeps no exception), and the call 
 of each layer's matmuls so on every call (profiled on CPU ranks: a prefill of ``tiny`` at TP 2 took
 several times one process's host time, the same ops and collectives aside). So inference keeps the
 shards as plain local tensors (``localize`` after the build) and runs one process's operators on
-them: an all-reduce in place after each row-wise matmul (``_sum_partial_output``), the embedding's
+them: an all-reduce in place after each row-wise matmul (``RowShardLinear``), the embedding's
 lookup of its own rows (``VocabShardEmbedding``) and the logits' all-gather (``_gather_vocabulary``),
 nothing else per layer; each layer's column-wise shards stacked into one matmul as the one-GPU model
 fuses them (``fuse_local_projections``), and on GPUs the decode step's small all-reduces summed through
@@ -126,7 +134,7 @@ def split_heads(n_heads: int, n_kv_heads: int, tp: int, tp_rank: int) -> list[in
 
 # The Megatron split of a decoder layer: these column-wise (output features, so whole heads and whole
 # MLP columns), the k and v projections too where the kv heads divide by the degree ...
-COLUMN_WISE = ("self_attn.q_proj", "mlp.gate_proj", "mlp.up_proj")
+COLUMN_WISE = ("self_attn.q_proj", "mlp.gate_proj", "mlp.up_proj")  # those a layer has: a GELU MLP has no gate
 KV_PROJECTIONS = ("self_attn.k_proj", "self_attn.v_proj")
 # ... and these row-wise (input features), each rank's output a partial sum of the whole one
 ROW_WISE = ("self_attn.o_proj", "mlp.down_proj")
@@ -149,14 +157,18 @@ def parallelize_tensor(model: NativeCausalLM, mesh, device: torch.device | str, 
 
     if inference and sequence_parallel:
         raise ValueError("sequence parallelism splits the activations a backward pass keeps; inference keeps none")
+    if sequence_parallel and model.config.positions != "rotary":
+        raise ValueError("learned positions are added to the whole sequence's embeddings, which sequence "
+                         "parallelism would hold cut")
     config, tp = model.config, mesh.size()
     kv_heads = split_heads(config.n_heads, config.n_kv_heads, tp, mesh.get_local_rank())
     kv_sharded = kv_heads is None
-    columns = COLUMN_WISE + KV_PROJECTIONS if kv_sharded else COLUMN_WISE
     sequence = Shard(1)
     row_output = {"output_layouts": sequence} if sequence_parallel else {}
     for layer in model.model.layers:
         attention = layer.self_attn
+        columns = [name for name in COLUMN_WISE + (KV_PROJECTIONS if kv_sharded else ())
+                   if _has(layer, name)]
         if not kv_sharded:
             keep = torch.tensor(kv_heads, device=device)
             for projection in (attention.k_proj, attention.v_proj):
@@ -166,15 +178,16 @@ def parallelize_tensor(model: NativeCausalLM, mesh, device: torch.device | str, 
                 _cut(layer.get_submodule(name), mesh, 0)
             for name in ROW_WISE:
                 _cut(layer.get_submodule(name), mesh, 1)
-                layer.get_submodule(name).register_forward_hook(_sum_partial_output(mesh.get_group()))
+                RowShardLinear.convert(layer.get_submodule(name), mesh.get_group())
         else:
             plan = {name: ColwiseParallel() for name in columns}
             plan |= {name: RowwiseParallel(**row_output) for name in ROW_WISE}
             if sequence_parallel:
                 # the attention and the MLP take the whole sequence, gathered from the norms' shards
                 args = (None,) * 4  # cos, sin, cache, start: not activations
-                plan |= {"input_layernorm": SequenceParallel(), "post_attention_layernorm": SequenceParallel(),
-                         "self_attn": PrepareModuleInput(input_layouts=(sequence, *args),
+                plan |= {name: SequenceParallel() for name in ("input_layernorm", "post_attention_layernorm")
+                         if _has(layer, name)}
+                plan |= {"self_attn": PrepareModuleInput(input_layouts=(sequence, *args),
                                                          desired_input_layouts=(Replicate(), *args),
                                                          use_local_output=True),
                          "mlp": PrepareModuleInput(input_layouts=(sequence,), desired_input_layouts=(Replicate(),),
@@ -291,7 +304,7 @@ def fuse_local_projections(model: NativeCausalLM, kv_sharded: bool) -> None:
     them (``fitbench.models.native.FusedLinear``): q, k and v into ``qkv_proj`` where the kv heads are
     sharded (replicated ones keep their own projections, whose outputs are cut to the rank's heads),
     gate and up into ``gate_up_proj``. A decode step at batch 1 then reads its input once and launches
-    one matrix-vector kernel where three or two did, each on a wider matrix (at TP 4 the 13B preset's
+    one matrix-vector kernel where three or two did (a GELU MLP's up projection is one already), each on a wider matrix (at TP 4 the 13B preset's
     q, k and v shards are 1,280 rows each; stacked, 3,840), which runs nearer the copy bandwidth. The
     stacked weight is made before its parts are dropped: one layer's projections more, for a moment,
     than the shards (less than the whole weight of scratch the build held before)."""
@@ -299,7 +312,7 @@ def fuse_local_projections(model: NativeCausalLM, kv_sharded: bool) -> None:
         if not isinstance(layer, DecoderLayer):  # another pipeline stage's layer
             continue
         attention, mlp = layer.self_attn, layer.mlp
-        groups = [(mlp, "gate_up_proj", ("gate_proj", "up_proj"))]
+        groups = [(mlp, "gate_up_proj", ("gate_proj", "up_proj"))] if hasattr(mlp, "gate_proj") else []
         if kv_sharded:
             groups.append((attention, "qkv_proj", ("q_proj", "k_proj", "v_proj")))
         for owner, fused_name, parts in groups:
@@ -316,29 +329,44 @@ def fuse_local_projections(model: NativeCausalLM, kv_sharded: bool) -> None:
             setattr(owner, fused_name, fused)
 
 
+def _has(module: nn.Module, name: str) -> bool:
+    """Whether ``module`` holds a submodule at the dotted path ``name``."""
+    try:
+        module.get_submodule(name)
+    except AttributeError:
+        return False
+    return True
+
+
 def _cut(module: nn.Module, mesh, dim: int) -> None:
     """Replace ``module``'s weight (on the meta device) by a DTensor sharded along ``dim`` over
-    ``mesh``, and its bias, where it has one, along its only dimension with a column-wise cut; what
-    ``parallelize_module``'s styles do to a weight, without their input and output handling."""
+    ``mesh``, and with a column-wise cut (``dim`` 0) its bias, where it has one, along its only
+    dimension; what ``parallelize_module``'s styles do to a weight, without their input and output
+    handling. A row-wise matmul's bias stays whole (``RowShardLinear`` adds it after the sum)."""
     from torch.distributed.tensor import Shard, distribute_tensor
 
     module.weight = nn.Parameter(distribute_tensor(module.weight, mesh, [Shard(dim)], src_data_rank=None))
-    if getattr(module, "bias", None) is not None:
-        if dim != 0:
-            raise ValueError(f"a row-wise matmul's bias would be added on every rank before the sum: "
-                             f"{type(module).__name__} has one")
+    if getattr(module, "bias", None) is not None and dim == 0:
         module.bias = nn.Parameter(distribute_tensor(module.bias, mesh, [Shard(0)], src_data_rank=None))
 
 
-def _sum_partial_output(group):
-    """A forward hook for a row-wise matmul of local shards: its output, this rank's partial sum, is
-    all-reduced in place into the whole output, the one collective of the attention or the MLP."""
+class RowShardLinear(nn.Linear):
+    """A row-wise matmul of local shards (columns of the weight): its output, this rank's partial sum,
+    all-reduced in place into the whole output, the one collective of the attention or the MLP; then
+    its bias, held whole on every rank, added once."""
 
-    def hook(module: nn.Module, args, output: torch.Tensor) -> torch.Tensor:
-        dist.all_reduce(output, group=group)
-        return output
+    group: Any
 
-    return hook
+    @classmethod
+    def convert(cls, linear: nn.Linear, group) -> None:
+        """Turn ``linear``, whose weight ``_cut`` sharded along its columns, into one."""
+        linear.__class__ = cls
+        linear.group = group
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        output = F.linear(x, self.weight)
+        dist.all_reduce(output, group=self.group)
+        return output if self.bias is None else output.add_(self.bias)
 
 
 def _gather_vocabulary(group, tp: int, vocab_size: int):

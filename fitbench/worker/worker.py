@@ -45,7 +45,8 @@ from fitbench.worker.aggregate import combine
 from fitbench.worker.build import Built, RefusedError, build, checkpoint_directory
 from fitbench.worker.host_speed import host_launch_seconds
 from fitbench.worker.loops import random_tokens
-from fitbench.worker.modes import Peaks, measure_mode
+from fitbench.worker.modes import measure_mode
+from fitbench.worker.modes.peaks import Peaks
 from fitbench.worker.parallel import data_seed
 from fitbench.worker.parallelize import parallelize
 from fitbench.worker.phases import PhaseLog, rank_result_path

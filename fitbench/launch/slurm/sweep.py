@@ -28,7 +28,7 @@ from pathlib import Path
 from typing import Any
 
 from fitbench.launch.job import Job
-from fitbench.launch.launcher import SweepDisplay
+from fitbench.launch.sweep_display import SweepDisplay
 from fitbench.launch.local import LocalLauncher, sweep_row
 from fitbench.launch.slurm.jobs import JobStatus, queued_scripts, statuses, submit
 from fitbench.launch.slurm import planned

@@ -12,7 +12,7 @@ import torch
 from fitbench.worker.build import Built
 from fitbench.worker.loops import generate, read_generation
 from fitbench.worker.metrics import inference_metrics
-from fitbench.worker.modes import Peaks
+from fitbench.worker.modes.peaks import Peaks
 from fitbench.worker.pipeline import PipelineLM
 from fitbench.worker.progress import emit, step_done
 from fitbench.worker.sanity import Verdict, non_finite_steps, read

@@ -11,7 +11,7 @@ import torch
 from fitbench.worker.build import Built
 from fitbench.worker.loops import make_step
 from fitbench.worker.metrics import step_metrics
-from fitbench.worker.modes import Peaks
+from fitbench.worker.modes.peaks import Peaks
 from fitbench.worker.pipeline import PipelineLM
 from fitbench.worker.progress import emit, step_done
 from fitbench.worker.sanity import Verdict, non_finite_steps, read

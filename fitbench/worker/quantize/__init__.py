@@ -71,11 +71,12 @@ def build_quantized_native(arch: Architecture, device: torch.device, precision: 
     of 20 MiB for each of its allocations (on an H200, a block per layer of 52 MB took 63 MB).
 
     ``layers``: a pipeline stage's (``fitbench.worker.pipeline``), the only decoder layers given storage;
-    the first stage also materializes the embedding and the last the final norm and the output
-    projection (a tied one: its own copy of the table), every other module staying on the meta
-    device, and every weight drawn as in the whole model's build (``replay_random_weights``). The
-    probe's two hidden states and the matmul errors so far come from the stage before (``receive``)
-    and go to the next (``send``); the quality exists on the last stage, None on the others."""
+    the first stage also materializes the embedding (and a learned position table) and the last the
+    final norm and the output projection (a tied one: its own copy of the table), every other module
+    staying on the meta device, and every weight drawn as in the whole model's build
+    (``replay_random_weights``). The probe's two hidden states and the matmul errors so far come from
+    the stage before (``receive``) and go to the next (``send``); the quality exists on the last
+    stage, None on the others."""
     layers = range(arch.num_layers) if layers is None else layers
     first, last = layers.start == 0, layers.stop == arch.num_layers
     model = meta_model(arch, torch.bfloat16)
@@ -84,8 +85,11 @@ def build_quantized_native(arch: Architecture, device: torch.device, precision: 
     # hole the size of the vocabulary at the bottom of the allocator's segment for the whole run
     tied = arch.tie_embeddings
     embedding, norm, head = model.model.embed_tokens, model.model.norm, model.lm_head
-    ends = (embedding, norm, *(() if tied else (head,)))
-    for part, owned in ((embedding, first or (tied and last)), (norm, last), (head, last and not tied)):
+    positions = (model.model.embed_positions,) if hasattr(model.model, "embed_positions") else ()
+    ends = (embedding, *positions, norm, *(() if tied else (head,)))
+    owners = ((embedding, first or (tied and last)), *((table, first) for table in positions), (norm, last),
+              (head, last and not tied))
+    for part, owned in owners:
         if owned:
             materialize(part, device)
     replay_random_weights(list(ends), device)
@@ -98,7 +102,7 @@ def build_quantized_native(arch: Architecture, device: torch.device, precision: 
     cos, sin = model.rope_cos[:T], model.rope_sin[:T]
     errors: dict[str, float] = {}
     if first:
-        reference = quantized = embedding(probe)
+        reference = quantized = model.add_positions(embedding(probe), slice(0, T))
     else:
         reference, quantized, errors = receive()
     # the layers of earlier stages draw their weights into scratch; those of later stages draw nothing here
