@@ -245,9 +245,9 @@ def vllm_job(spec: RunSpec, config, target: GpuTarget | None) -> Job:
     the KV cache. It runs once, as asked: vLLM has no fallback ladder's precisions and layouts to walk
     (the precisions it has are ``fitbench.models.vllm_options``'), and its own answer to "how many fit"
     is the row's ``vllm.max_concurrency``."""
-    from fitbench.models.registry import resolve
     import psutil
 
+    from fitbench.models.registry import resolve
     from fitbench.planning.vllm_memory import vllm_prediction, vllm_refusal
 
     if target is not None:
