@@ -30,7 +30,8 @@ def requirements(gpu: str, batch: int) -> list[dict]:
 
 
 def table(rows: list[dict]) -> str:
-    """One row per model, one column per precision: the fewest GPUs and how, the peak per GPU."""
+    """One row per model, one column per precision: the fewest GPUs and how, the peak per GPU; where that
+    peak is inside the retry margin (``*``), the fewest GPUs clear of it too."""
     cells = {(row["model"], row["precision"]): row for row in rows}
     lines = ["| model | " + " | ".join(PRECISIONS) + " |", "|---|" + "---|" * len(PRECISIONS)]
     for model in MODELS:
@@ -41,7 +42,10 @@ def table(rows: list[dict]) -> str:
                 out.append("no layout")
                 continue
             layout = row["how"].split(", ")[1]
-            margin = "" if row.get("clear_of_retry_margin", True) else " *"
+            margin = ""
+            if not row.get("clear_of_retry_margin", True):
+                clear, how = row.get("min_gpus_clear_of_retry_margin"), row.get("how_clear_of_retry_margin")
+                margin = " *" + (f" (clear of it: {clear}, {how.split(', ')[1]})" if clear and how else "")
             out.append(f"{row['min_gpus']}: {layout}, {row['peak_per_gpu_bytes'] / 1e9:.1f} GB{margin}")
         lines.append(f"| {model} | " + " | ".join(out) + " |")
     return "\n".join(lines)
