@@ -12,7 +12,9 @@ planner knows before it runs; it is not checked here."""
 import json
 import math
 import os
+import subprocess
 import sys
+import time
 
 import pytest
 
@@ -23,7 +25,7 @@ from fitbench.models.vllm_options import PYTHON_VARIABLE
 from fitbench.planning.vllm_memory import profile_activations, rank_weights, vllm_prediction
 from fitbench.results.store import ResultStore
 from fitbench.spec import Layout, RunSpec
-from fitbench.worker.vllm_backend import cpu_binding, engine_gpus, engine_options
+from fitbench.worker.vllm_backend import cpu_binding, engine_gpus, engine_options, tree_memory
 
 needs_vllm = pytest.mark.skipif(not os.environ.get(PYTHON_VARIABLE),
                                 reason=f"no vLLM environment: {PYTHON_VARIABLE} names none (.ci/run makes one)")
@@ -140,6 +142,24 @@ def test_the_engines_options_and_gpus_follow_the_precision_and_layout(tmp_path, 
     assert cpu_binding(_spec(device="cuda:0", layout=Layout(tp=2)), [0, 1]) == {}
     # one process starts vLLM's engines, whatever the layout: they start their own ranks
     assert isinstance(worker_command(Layout(tp=2, pp=2), "vllm"), LocalProcess)
+
+
+def test_an_engines_memory_is_its_process_trees(tmp_path):
+    """A process holding 200 MiB that starts a child holding 200 MiB more: their memory together is at
+    least the 400 MiB they wrote (each page touched), and nothing once they are gone."""
+    hold = "import sys, time; block = bytearray(200 * 2**20); block[::4096] = b'x' * len(block[::4096]); "
+    child = hold + "sys.stdout.write('ready\\n'); sys.stdout.flush(); time.sleep(60)"
+    parent = hold + (f"import subprocess; c = subprocess.Popen([sys.executable, '-c', {child!r}], stdout=subprocess.PIPE); "
+                     f"c.stdout.readline(); sys.stdout.write('ready\\n'); sys.stdout.flush(); time.sleep(60)")
+    process = subprocess.Popen([sys.executable, "-c", parent], stdout=subprocess.PIPE, start_new_session=True)
+    try:
+        assert process.stdout.readline() == b"ready\n"
+        assert tree_memory(process.pid) >= 400 * 2**20
+    finally:
+        os.killpg(process.pid, 9)
+        process.wait()
+    time.sleep(0.2)
+    assert tree_memory(process.pid) == 0
 
 
 def test_vllms_options_count_in_the_key_of_its_configurations_alone():

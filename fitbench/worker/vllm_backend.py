@@ -24,8 +24,8 @@ The row's figures (``Measurement``), each engine's, then the replicas' by ``fitb
   parameters x the dtype's bytes (vLLM's dummy weights before any quantization) and a decode step's KV
   bytes read as batch x (the average position) x ``kv_cache_bytes_per_token``; on a GPU the datasheet's
   peaks times the engine's GPUs;
-- ``memory``: the largest peak resident memory of the engine's processes (the waited-for children's
-  ``ru_maxrss``); each GPU's memory is the parent's NVML timeline (the row's ``gpu_monitor``), since
+- ``memory``: the peak of the engine's processes' memory together (``tree_memory``, sampled every
+  ``POLL_S`` seconds while they run); each GPU's memory is the parent's NVML timeline (the row's ``gpu_monitor``), since
   vLLM's processes hold it, not this one;
 - ``vllm``: what the engine reports (``vllm/config/cache.py``): ``num_gpu_blocks``, ``block_size``,
   ``kv_cache_tokens`` (blocks x block_size, the cache's token slots), ``max_concurrency`` (the sequences
@@ -41,11 +41,12 @@ from __future__ import annotations
 import json
 import os
 import re
-import resource
 import subprocess
 import sys
 import time
 from pathlib import Path
+
+import psutil
 
 from fitbench.hardware.datasheet import peak_bandwidth, peak_flops
 from fitbench.hardware.devices import cpu_device_name
@@ -147,7 +148,10 @@ def run_engines(spec: RunSpec, scratch: Path) -> list[dict]:
         processes.append((subprocess.Popen([python, str(ENGINE_SCRIPT), str(scratch / f"vllm-options-{replica}.json"),
                                             str(scratch / f"vllm-result-{replica}.json")], stdout=output,
                                            stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, env=environ), output))
+    peaks = [0] * replicas
     while any(process.poll() is None for process, _ in processes):
+        for replica, (process, _) in enumerate(processes):
+            peaks[replica] = max(peaks[replica], tree_memory(process.pid))
         if any(process.returncode not in (None, 0) for process, _ in processes):
             # a replica that failed leaves the others waiting at the barrier for it: they end too
             for process, _ in processes:
@@ -175,10 +179,30 @@ def run_engines(spec: RunSpec, scratch: Path) -> list[dict]:
         if any(words in text.lower() for words in OUT_OF_MEMORY_TEXTS):
             raise MemoryError(message)
         raise RuntimeError(message)
-    return [json.loads((scratch / f"vllm-result-{replica}.json").read_text()) for replica in range(replicas)]
+    return [{**json.loads((scratch / f"vllm-result-{replica}.json").read_text()), "host_peak_rss": peaks[replica]}
+            for replica in range(replicas)]
 
 
-def engine_payload(spec: RunSpec, result: dict, replica: int, host_peak_rss: int) -> dict:
+def tree_memory(pid: int) -> int:
+    """The memory of process ``pid`` and its descendants now: their proportional set sizes summed (PSS,
+    Linux's ``/proc/PID/smaps``: a page shared by n processes counts 1/n in each, so the sum counts it
+    once), or resident set sizes where PSS is not available; 0 once it is gone."""
+    try:
+        root = psutil.Process(pid)
+        tree = [root, *root.children(recursive=True)]
+    except psutil.Error:
+        return 0
+    total = 0
+    for process in tree:
+        try:
+            memory = process.memory_full_info()
+        except psutil.Error:
+            continue
+        total += getattr(memory, "pss", memory.rss)
+    return total
+
+
+def engine_payload(spec: RunSpec, result: dict, replica: int) -> dict:
     """One engine's measurement (the module's docstring)."""
     arch = resolve(spec.model)
     gpus = spec.layout.tp * spec.layout.pp
@@ -214,7 +238,9 @@ def engine_payload(spec: RunSpec, result: dict, replica: int, host_peak_rss: int
                  "relative_to_bf16": weight_bytes / (2 * arch.total_params),
                  "method": "parameters x the dtype's bytes (vLLM's dummy weights, before any quantization)",
                  "source": "random"},
-        memory={"gpus": [], "nvml_method": None, "host_peak_rss": host_peak_rss},
+        memory={"gpus": [], "nvml_method": None, "host_peak_rss": result["host_peak_rss"],
+                "host_peak_rss_method": f"the engine's processes' proportional set sizes summed, sampled every "
+                                        f"{POLL_S:g} s"},
         parallel={"strategy": spec.layout.strategy, "engine": "vLLM", "replica": replica,
                   "tensor_parallel_size": spec.layout.tp, "pipeline_parallel_size": spec.layout.pp,
                   "data_seed": data_seed(spec.seed, replica)},
@@ -232,8 +258,7 @@ def measure_vllm(assignment: Assignment, scratch: Path) -> dict:
     spec = assignment.spec
     emit(phase="build")
     results = run_engines(spec, scratch)
-    host_peak_rss = resource.getrusage(resource.RUSAGE_CHILDREN).ru_maxrss * (1 if sys.platform == "darwin" else 1024)
-    payloads = [engine_payload(spec, result, replica, host_peak_rss) for replica, result in enumerate(results)]
+    payloads = [engine_payload(spec, result, replica) for replica, result in enumerate(results)]
     if len(payloads) == 1:
         return payloads[0]
     row = combine(payloads, spec.layout)
