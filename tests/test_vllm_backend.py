@@ -228,6 +228,7 @@ def test_replicas_are_engines_of_their_own_measured_side_by_side(tmp_path, capsy
     engines = row.vllm["engines"]
     assert len(engines) == 2 and row.vllm["generated_tokens"] == 2 * 2 * 8
     assert [replica["data_seed"] for replica in row.parallel["replicas"]] == [0, 1]
+    assert all(replica["peak_memory_bytes"] > 0 for replica in row.parallel["replicas"])
     per_rank = row.throughput["decode_tokens_per_s_per_rank"]
     assert row.throughput["decode_tokens_per_s"] == pytest.approx(sum(per_rank))
     assert len(row.timing["samples"]["token_latency"]) == 2 * 2  # each engine's two rounds, concatenated
