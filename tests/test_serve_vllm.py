@@ -40,9 +40,10 @@ def test_it_starts_vllm_for_a_preset_measures_and_stops_it(tmp_path):
     assert [row.serving["point"] for row in rows] == ["rate inf", "concurrency 2"]
     for row in rows:
         assert row.status == "ok" and row.serving["completed"] == 4 and row.serving["failed"] == 0
-        # ignore_eos: every request generates the 8 tokens asked, and vLLM counts the 16 prompt ids sent
-        assert {(o["prompt_tokens"], o["output_tokens"], len(o["chunk_times"])) for o in row.serving["outcomes"]} == {
-            (16, 8, 8)}
+        # ignore_eos: every request generates the 8 tokens asked, and vLLM counts the 16 prompt ids sent; a
+        # server behind its engine may send several tokens in one chunk of the stream, never a chunk without one
+        assert {(o["prompt_tokens"], o["output_tokens"]) for o in row.serving["outcomes"]} == {(16, 8)}
+        assert all(1 <= len(o["chunk_times"]) <= 8 for o in row.serving["outcomes"])
         assert row.serving["good"] == 4
     server = rows[0].serving["server"]
     assert server["preset"] == "tiny" and server["base_url"].startswith("http://127.0.0.1:")
