@@ -18,7 +18,8 @@ FSDP rows from before the worker returned the cached blocks of the model built w
 applied (``EMPTY_CACHE_SINCE``; benchmarks/results/2026-11-27-h100x4-fsdp-memory measured the same
 configurations again); training rows from before the fused cross-entropy and the native decoder's own
 autograd Functions (``FUSED_TRAINING_SINCE``); compiled training rows of a fused build from before
-attention copied v out of the fused projection (``COMPILED_V_COPY_SINCE``).
+attention copied v out of the fused projection (``COMPILED_V_COPY_SINCE``); quantized native builds from
+before their layers were packed as they were quantized (``PACKED_BUILD_SINCE``).
 
 Out of sample (``--out-of-sample``): the calibration's measured constants, the CUDA context and the
 workspaces, are each row's own (read back as above), measured on the row's GPU. Here each row is predicted
@@ -79,6 +80,13 @@ FUSED_TRAINING_SINCE = "2026-11-24T09:31:43+00:00"
 COMPILED_V_COPY_SINCE = "2026-11-27T18:55:00+00:00"
 
 
+# From this commit on (7d33362), a quantized build packs each layer's quantized matmuls into one block of a
+# private pool as it goes; before, what the build left free sat between the quantized layers, and the
+# rows of that build (benchmarks/results/2026-11-22-h100-quantized-decode) peaked higher at "quantizing a
+# layer" than the packed build the planner counts now.
+PACKED_BUILD_SINCE = "2026-11-23T22:37:33+00:00"
+
+
 def step_kind(row: dict, spec: RunSpec) -> str:
     """Which of the calibration's figures a row's step uses (``Calibration.context``): training, a generation
     decoded through a CUDA graph, or a forward pass and eager decoding."""
@@ -113,6 +121,8 @@ def superseded(row: dict, spec: RunSpec) -> str | None:
     if spec.compile and spec.mode in TRAINING_MODES and fused and kept and \
             row.get("started_at", "") < COMPILED_V_COPY_SINCE:
         return "compiled training before attention copied v out of the fused q, k, v projection"
+    if spec.backend == "native" and entry(spec.precision).quantized and row.get("started_at", "") < PACKED_BUILD_SINCE:
+        return "a quantized build before its layers were packed into one block as they were quantized"
     return None
 
 
