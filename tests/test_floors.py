@@ -25,27 +25,35 @@ def part(module: str) -> str:
     return names[1]
 
 
-def imports() -> dict[str, set[str]]:
-    """Each part of the package (a folder, a root module, or the root package) -> the other parts it imports."""
-    edges: dict[str, set[str]] = {}
+def package_imports() -> dict[str, set[str]]:
+    """Each module of the package (``fitbench.planning.memory``; a package by its ``__init__``) -> the names of
+    the package it imports (``fitbench.planning.memory.estimate_memory``), lazy imports inside functions
+    included."""
+    found: dict[str, set[str]] = {}
     for path in PACKAGE.rglob("*.py"):
-        relative = path.relative_to(PACKAGE.parent).with_suffix("")
-        module = ".".join(relative.parts)
-        if module.endswith(".__init__"):
-            module = module.removesuffix(".__init__")
+        module = ".".join(path.relative_to(PACKAGE.parent).with_suffix("").parts).removesuffix(".__init__")
         package = module.split(".") if path.name == "__init__.py" else module.split(".")[:-1]
+        targets = found.setdefault(module, set())
         for node in ast.walk(ast.parse(path.read_text())):
             if isinstance(node, ast.Import):
-                targets = [alias.name for alias in node.names]
+                names = [alias.name for alias in node.names]
             elif isinstance(node, ast.ImportFrom):
                 base = ".".join(package[: len(package) - node.level + 1]) if node.level else ""
                 source = ".".join(filter(None, [base, node.module]))
-                targets = [f"{source}.{alias.name}" for alias in node.names]
+                names = [f"{source}.{alias.name}" for alias in node.names]
             else:
                 continue
-            for target in targets:
-                if (target == ROOT or target.startswith("fitbench.")) and part(target) != part(module):
-                    edges.setdefault(part(module), set()).add(part(target))
+            targets |= {name for name in names if name == ROOT or name.startswith("fitbench.")}
+    return found
+
+
+def imports() -> dict[str, set[str]]:
+    """Each part of the package (a folder, a root module, or the root package) -> the other parts it imports."""
+    edges: dict[str, set[str]] = {}
+    for module, targets in package_imports().items():
+        for target in targets:
+            if part(target) != part(module):
+                edges.setdefault(part(module), set()).add(part(target))
     return edges
 
 
@@ -94,31 +102,14 @@ def test_no_two_parts_import_each_other():
 def module_imports() -> dict[str, set[str]]:
     """Each module of the package -> the package's modules it imports (a name ``from X import`` takes is
     the module of that name where there is one, else X), lazy imports inside functions included."""
-    modules = {}
-    for path in PACKAGE.rglob("*.py"):
-        name = ".".join(path.relative_to(PACKAGE.parent).with_suffix("").parts).removesuffix(".__init__")
-        modules[name] = path
+    found = package_imports()
 
     def module_of(target: str) -> str:
-        while target and target not in modules:
+        while target and target not in found:
             target = target.rpartition(".")[0]
         return target
 
-    edges = {}
-    for name, path in modules.items():
-        package = name.split(".") if path.name == "__init__.py" else name.split(".")[:-1]
-        edges[name] = set()
-        for node in ast.walk(ast.parse(path.read_text())):
-            if isinstance(node, ast.Import):
-                targets = [alias.name for alias in node.names]
-            elif isinstance(node, ast.ImportFrom):
-                base = ".".join(package[: len(package) - node.level + 1]) if node.level else ""
-                source = ".".join(filter(None, [base, node.module]))
-                targets = [f"{source}.{alias.name}" for alias in node.names]
-            else:
-                continue
-            edges[name] |= {module_of(t) for t in targets if t == ROOT or t.startswith("fitbench.")} - {name, ""}
-    return edges
+    return {module: {module_of(target) for target in targets} - {module, ""} for module, targets in found.items()}
 
 
 def test_no_two_modules_import_each_other():
