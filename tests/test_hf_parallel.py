@@ -5,7 +5,6 @@ tests/test_tensor_parallel.py with the native decoder's)."""
 
 import json
 import math
-from pathlib import Path
 
 import pytest
 import torch
@@ -17,7 +16,7 @@ from fitbench.precisions import policy
 from fitbench.worker.cross_entropy import chunked_cross_entropy
 from fitbench.worker.loops import make_step, random_tokens
 from fitbench.spec import Layout
-from test_parallel import torchrun
+from test_parallel import rows_of_job
 from test_tensor_parallel import RELATIVE, close  # the same sums in another order (measured: under 1e-6)
 
 slow = pytest.mark.slow
@@ -62,13 +61,7 @@ def test_the_plan_needs_kv_heads_that_divide_by_the_degree_where_the_native_deco
 
 @pytest.fixture(scope="module")
 def ranks(tmp_path_factory) -> list[dict]:
-    tmp_path = tmp_path_factory.mktemp("hf-tensor-parallel")
-    done, _ = torchrun(tmp_path, str(tmp_path / "out.json"), script=Path(job.__file__),
-                       world=job.LAYOUT.world_size, timeout=300)
-    assert done.returncode == 0 and (tmp_path / "out.json").exists(), done.stdout[-3000:]
-    rows = json.loads((tmp_path / "out.json").read_text())
-    assert [row["rank"] for row in rows] == list(range(job.LAYOUT.world_size))
-    return rows
+    return rows_of_job(job, tmp_path_factory.mktemp("hf-tensor-parallel"))
 
 
 def reference():

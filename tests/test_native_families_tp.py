@@ -7,9 +7,7 @@ through the static-shaped step a CUDA graph captures, with every bias and norm m
 value, so that a row-wise bias added on both ranks, a column-wise bias not cut with its rows, or a
 position table missing on a rank shows; and a training forward pass's loss through DTensor."""
 
-import json
 import math
-from pathlib import Path
 
 import pytest
 import torch
@@ -20,7 +18,7 @@ from fitbench.models.graphs import Replay
 from fitbench.models.native import build_native
 from fitbench.worker.cross_entropy import cross_entropy
 from fitbench.worker.loops import random_tokens
-from test_parallel import torchrun
+from test_parallel import rows_of_job
 
 slow = pytest.mark.slow
 CPU = torch.device("cpu")
@@ -32,13 +30,7 @@ RELATIVE = 1e-5
 
 @pytest.fixture(scope="module")
 def ranks(tmp_path_factory) -> list[dict]:
-    tmp_path = tmp_path_factory.mktemp("native-families-tp")
-    done, _ = torchrun(tmp_path, str(tmp_path / "out.json"), script=Path(job.__file__),
-                       world=job.LAYOUT.world_size, timeout=300)
-    assert done.returncode == 0 and (tmp_path / "out.json").exists(), done.stdout[-3000:]
-    rows = json.loads((tmp_path / "out.json").read_text())
-    assert [row["rank"] for row in rows] == list(range(job.LAYOUT.world_size))
-    return rows
+    return rows_of_job(job, tmp_path_factory.mktemp("native-families-tp"))
 
 
 def one_process(arch, graphed: bool) -> NativeLM:

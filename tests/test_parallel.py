@@ -184,6 +184,17 @@ def torchrun(tmp_path: Path, *args: str, timeout: float = 300, script: Path = Pa
     return subprocess.CompletedProcess(command, process.returncode, output), logs
 
 
+
+def rows_of_job(module, tmp_path: Path) -> list[dict]:
+    """The rows a job ``module`` (a tests/*_job.py script with its ``LAYOUT``) writes to out.json, one per
+    rank in rank order, from one torchrun job of its world size; that the job ended well is asserted."""
+    done, _ = torchrun(tmp_path, str(tmp_path / "out.json"), script=Path(module.__file__),
+                       world=module.LAYOUT.world_size, timeout=300)
+    assert done.returncode == 0 and (tmp_path / "out.json").exists(), done.stdout[-3000:]
+    rows = json.loads((tmp_path / "out.json").read_text())
+    assert [row["rank"] for row in rows] == list(range(module.LAYOUT.world_size))
+    return rows
+
 def marked(mark: str) -> list[int]:
     needle = f"{MARK}={mark}".encode()
     found = []

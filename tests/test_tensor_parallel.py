@@ -5,7 +5,6 @@ holding the same weights, and whose FSDP x TP losses with one process training o
 import json
 import math
 from collections import Counter
-from pathlib import Path
 
 import pytest
 import torch
@@ -20,7 +19,7 @@ from fitbench.worker.loops import make_step, random_tokens
 from fitbench.worker.parallel import data_seed
 from fitbench.worker.tensor_parallel import data_parallel_rank, kv_heads_of_rank, split_heads
 from fitbench.spec import Layout, LayoutError, RunSpec
-from test_parallel import torchrun
+from test_parallel import rows_of_job
 
 slow = pytest.mark.slow
 
@@ -94,13 +93,7 @@ def test_a_tensor_parallel_generation_row_is_rank_0s_timing_with_mfu_over_every_
 
 @pytest.fixture(scope="module")
 def ranks(tmp_path_factory) -> list[dict]:
-    tmp_path = tmp_path_factory.mktemp("tensor-parallel")
-    done, _ = torchrun(tmp_path, str(tmp_path / "out.json"), script=Path(job.__file__),
-                       world=job.LAYOUT.world_size, timeout=300)
-    assert done.returncode == 0 and (tmp_path / "out.json").exists(), done.stdout[-3000:]
-    rows = json.loads((tmp_path / "out.json").read_text())
-    assert [row["rank"] for row in rows] == list(range(job.LAYOUT.world_size))
-    return rows
+    return rows_of_job(job, tmp_path_factory.mktemp("tensor-parallel"))
 
 
 def reference(arch, fused: bool = False) -> NativeLM:
