@@ -75,6 +75,7 @@ def build_quantized_hf(arch: Architecture, devices: list[str], precision: str,
         output.weight = embedding.weight  # materialized apart, the two are tied again
 
     errors: dict[str, float] = {}
+    recordings: dict[int, tuple] = {}  # a layer's recording of its matmuls, from its forward's start to its end
     handles = [model.get_submodule(name).register_forward_pre_hook(_moving_inputs_to(device), with_kwargs=True)
                for name, device in mapping.items()]
 
@@ -86,10 +87,10 @@ def build_quantized_hf(arch: Architecture, devices: list[str], precision: str,
             linears = quantizable_linears(module, f"{prefix}.{index}.")
             # copies: transformers' layers may add into a matmul's output in place (Falcon's parallel block)
             recording = recorded_matmuls(linears, keep=torch.clone)
-            module._fitbench_record = (recording, recording.__enter__())
+            recordings[index] = (recording, recording.__enter__())
 
         def after(module, args, result):
-            recording, record = module.__dict__.pop("_fitbench_record")
+            recording, record = recordings.pop(index)
             recording.__exit__(None, None, None)
             quantize_linears(module, precision, torch.device(device))
             named = {f"{prefix}.{index}.{name}": child for name, child in module.named_modules()}
