@@ -25,7 +25,7 @@ def plan(model: str, mode: str = "train", *, gpu: str | None = None, gpu_memory:
          gpus: int | None = None, gpus_per_node: int | None = None, nodes: int | None = None,
          inter_node_bandwidth: str | None = None, precisions: list[str] | None = None,
          batch_sizes: list[int | str] | None = None, seq_len: int = 512, new_tokens: int | None = None,
-         strategies: list[str] | None = None):
+         strategies: list[str] | None = None, backend: str | None = None):
     """The plan of ``model`` in ``mode``, as ``fitbench plan`` makes it, with its options and defaults, on
     the GPUs described (``gpu``, e.g. H100-80GB, or ``gpu_memory``, e.g. 80GB, with ``gpus``; or
     ``nodes`` of ``gpus_per_node``; none of them: the GPUs detected here): a
@@ -33,7 +33,8 @@ def plan(model: str, mode: str = "train", *, gpu: str | None = None, gpu_memory:
     none does). ``batch_sizes``: the batches to consider, by default batch 1 (what ``fitbench run``
     runs in ``infer``); ``["auto"]``: the largest batch predicted to fit. ``new_tokens``: the tokens an
     ``infer`` plan generates (default ``DEFAULT_NEW_TOKENS``); given for another mode, a UserError
-    (``fitbench.inert_options``)."""
+    (``fitbench.inert_options``). ``backend``: whose build is predicted, ``native`` (fitbench's decoder) or
+    ``hf`` (transformers'); None or ``auto``: the family's own (``default_backend``)."""
     from fitbench.config import merge_sources
     from fitbench.inert_options import Asked, refuse_inert
     from fitbench.planning.calibration import load_calibration
@@ -49,8 +50,12 @@ def plan(model: str, mode: str = "train", *, gpu: str | None = None, gpu_memory:
     target = plan_target(gpu=gpu, gpu_memory=gpu_memory, gpus=gpus, gpus_per_node=gpus_per_node, nodes=nodes,
                          inter_node_bandwidth=inter_node_bandwidth)
     arch = plannable(model, mode, precisions, seq_len, new_tokens)
+    if backend not in (None, "auto", "native", "hf"):
+        raise UserError(f"backend: the planner predicts the native and hf builds, not {excerpt(str(backend))}; give "
+                        f"native, hf or auto (the family's own).")
     return make_plan(arch, mode, target, seq_len=seq_len, new_tokens=new_tokens, batch_sizes=batch,
-                     precisions=precisions, strategies=strategies, calibration=load_calibration(target.name))
+                     precisions=precisions, strategies=strategies, calibration=load_calibration(target.name),
+                     backend=None if backend == "auto" else backend)
 
 
 def plannable(model: str, mode: str, precisions: list[str] | None, seq_len: int, new_tokens: int):

@@ -2032,3 +2032,35 @@ def test_a_later_precision_forecast_twice_as_fast_is_named_in_the_row():
     assert not [w for w in plan("30B", 150.1e9, "NVIDIA H200", choose_precision=False)[1]["warnings"]
                 if "is forecast" in w]
     assert not [w for w in plan("13B", 85.0e9, "NVIDIA H100 80GB HBM3")[1]["warnings"] if "is forecast" in w]
+
+
+def test_plan_predicts_the_backend_asked_for(capsys):
+    """``--backend`` reaches the planner: each build's chosen peak is what ``assess`` predicts of that build,
+    the plan says whose it is, and the two builds of Falcon differ (the hf one quantizes a layer at a time
+    through transformers' modules: its own temporaries)."""
+    from fitbench.api import plan_target
+    from fitbench.planning.planner import Candidate
+
+    argv = ["plan", "--models", "falcon-40b", "--mode", "infer", "--precision", "nf4", "--gpu", "H200", "--gpus", "1",
+            "--strategy", "single", "--json"]
+    target, arch = plan_target(gpu="H200", gpus=1), resolve("falcon-40b")
+    peaks = {}
+    for backend in ("native", "hf"):
+        code, out, err = cli([*argv, "--backend", backend], capsys)
+        assert code == 0, err
+        (shown,) = json.loads(out)
+        assert shown["backend"] == backend
+        by_hand = assess(arch, "infer", Candidate("nf4", Layout(), False, 1), target, seq_len=512, new_tokens=128,
+                         calibration=load_calibration(target.name), backend=backend)
+        assert shown["chosen"]["predicted_peak_bytes"] == pytest.approx(by_hand.predicted_peak)
+        peaks[backend] = by_hand.predicted_peak
+    assert peaks["native"] != peaks["hf"]
+    code, out, _ = cli([*argv[:-1], "--json"], capsys)
+    assert json.loads(out)[0]["backend"] == default_backend(arch) == "hf"
+    code, out, err = cli(["plan", "--requirements", "--models", "falcon-180b", "--mode", "infer", "--precision",
+                          "int8", "--gpu", "H100-80GB", "--backend", "native", "--json"], capsys)
+    assert code == 0, err
+    need = fewest_gpus(resolve("falcon-180b"), "infer", "int8", plan_target(gpu="H100-80GB").memory, seq_len=512,
+                       new_tokens=128, calibration=load_calibration(plan_target(gpu="H100-80GB").name),
+                       gpu_name=plan_target(gpu="H100-80GB").name, backend="native")
+    assert json.loads(out)[0]["how"] == need.candidate.label

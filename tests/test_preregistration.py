@@ -11,7 +11,7 @@ from fitbench.util.errors import UserError
 
 CONFIG = {"model": "7B", "mode": "infer", "precision": "bf16-pure", "batch_size": 8, "seq_len": 512, "new_tokens": 32,
           "activation_checkpointing": False, "checkpointed_layers": None, "compile": False,
-          "layout": {"dp_replicate": 1, "dp_shard": 1, "tp": 2, "pp": 1, "replicas": 1}}
+          "layout": {"dp_replicate": 1, "dp_shard": 1, "tp": 2, "pp": 1, "replicas": 1}, "backend": "native"}
 
 
 def row(status="ok", peaks=(40e9, 42e9), tokens_per_s=1000.0, **spec) -> dict:
@@ -40,6 +40,13 @@ def test_a_mode_that_generates_nothing_pairs_whatever_its_new_tokens():
         registration({key: CONFIG[key] for key in CONFIGURATION if key != "layout"}, None, 1, 1.0, 1.0, "")
 
 
+def test_a_registration_pairs_only_a_row_of_its_backend_and_an_older_one_without_it_either():
+    entry = registration(CONFIG, None, 2, 1e9, 1.0, "")
+    assert paired([entry], [row(backend="hf")])[0].row is None
+    older = {**entry, "configuration": {key: value for key, value in entry["configuration"].items() if key != "backend"}}
+    assert paired([older], [row(backend="hf")])[0].row is not None
+
+
 def test_plan_registers_its_choice_and_report_sets_it_beside_the_run(tmp_path, capsys):
     registered = tmp_path / "forecasts.json"
     shape = ["--mode", "forward", "--seq-len", "16"]
@@ -49,6 +56,7 @@ def test_plan_registers_its_choice_and_report_sets_it_beside_the_run(tmp_path, c
     (entry,) = read_registrations(registered)
     configuration = entry["configuration"]
     assert (configuration["model"], configuration["precision"], configuration["mode"]) == ("tiny", "fp32", "forward")
+    assert configuration["backend"] == "native"  # the family's own, auto
     assert entry["gpu"] == "NVIDIA H100 80GB HBM3" and entry["predicted_peak_bytes"] > 0
     # a registration is never rewritten
     code, _, err = cli(["plan", "--models", "tiny", *shape, "--gpu", "H100-80GB", "--preregister", str(registered)],

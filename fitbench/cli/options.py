@@ -225,6 +225,9 @@ def plan_options(parser: argparse.ArgumentParser) -> None:
         help="bandwidth between nodes per GPU, for collectives that cross nodes: a fabric (ndr, hdr, 100gbe) or "
              "a figure with its unit, 400Gb/s or 50GB/s (default: what fitbench calibrate measured over nodes, "
              "else ndr; hdr for A100)")
+    add("--backend", choices=("auto", "native", "hf"), default=None,
+        help="whose build to predict: native (fitbench's own decoder) or hf (transformers'), as `fitbench run "
+             "--backend` runs it (default auto: the family's own, native for Llama, hf for Falcon and GPT-2)")
     add("--trace", action="store_true", help="also trace the chosen plan on fake tensors (exact tensor peak)")
     add("--requirements", action="store_true", help="table of the fewest GPUs each model x precision needs")
     add("--json", action="store_true", help="machine-readable output, sizes in bytes")

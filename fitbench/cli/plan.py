@@ -31,7 +31,7 @@ def _plan_text(result, trace, ladder, margin, gpu_memory) -> None:
 
     target = result.target
     where = f"{target.count} x {format_bytes(target.memory)}" + (f" {target.name}" if target.name else "")
-    console.print(f"[bold]{escape(result.model)}[/bold] {result.mode} on {where}"
+    console.print(f"[bold]{escape(result.model)}[/bold] {result.mode} ({result.backend} build) on {where}"
                   f" ({'described' if target.described else 'detected'}); overheads: {escape(result.calibration)}")
     if target.memory_source:
         console.print(f"memory per GPU: {escape(target.memory_source)}")
@@ -106,13 +106,12 @@ def plan(args: argparse.Namespace) -> int:
         for mode in args.mode:
             result = plan_model(name, mode, **where, precisions=args.precision, batch_sizes=args.batch_size,
                                 seq_len=args.seq_len, new_tokens=args.new_tokens if mode == "infer" else None,
-                                strategies=args.strategy)
+                                strategies=args.strategy, backend=args.backend)
             trace = None
             if args.trace and result.chosen and result.chosen.candidate.gpus > 1:
                 warn(f"trace: --trace traces a plan of one GPU on fake tensors, and the plan chosen for "
                      f"{result.model} {mode} uses {result.chosen.candidate.gpus}; it is not traced.")
             if args.trace and result.chosen and result.chosen.candidate.gpus == 1:
-                from fitbench.models.architecture import default_backend
                 from fitbench.models.registry import resolve
                 from fitbench.worker.trace import trace_peak
 
@@ -120,7 +119,7 @@ def plan(args: argparse.Namespace) -> int:
                 trace = trace_peak(arch, mode, chosen.precision, chosen.batch_size, args.seq_len,
                                    new_tokens=args.new_tokens or DEFAULT_NEW_TOKENS,
                                    activation_checkpointing=chosen.activation_checkpointing,
-                                   checkpointed_layers=chosen.checkpointed_layers, backend=default_backend(arch))
+                                   checkpointed_layers=chosen.checkpointed_layers, backend=result.backend)
             results.append((result, trace))
             outputs.append({**result.as_dict(), "trace": trace.__dict__ if trace else None})
     if args.preregister:
@@ -156,7 +155,7 @@ def _preregister(args: argparse.Namespace, results: list) -> int:
                          "batch_size": candidate.batch_size, "seq_len": args.seq_len, "new_tokens": args.new_tokens,
                          "activation_checkpointing": candidate.activation_checkpointing,
                          "checkpointed_layers": candidate.checkpointed_layers, "compile": candidate.compiled,
-                         "layout": candidate.layout.model_dump()}
+                         "layout": candidate.layout.model_dump(), "backend": result.backend}
         registrations.append(registration(configuration, result.target.name, candidate.gpus,
                                           result.chosen.predicted_peak, result.chosen.forecast_tokens_per_s,
                                           "fitbench " + " ".join(getattr(args, "argv", []) or [])))
@@ -192,6 +191,7 @@ def _requirements(args, target, batch) -> int:
 
     seq_len, new_tokens = args.seq_len, args.new_tokens or DEFAULT_NEW_TOKENS
     calibration = load_calibration(target.name)
+    backend = None if args.backend in (None, "auto") else args.backend
     architectures = {(name, mode): plannable(name, mode, args.precision, seq_len, new_tokens)
                      for name in args.models for mode in args.mode}
     rows = []
@@ -201,11 +201,13 @@ def _requirements(args, target, batch) -> int:
             for precision in args.precision or DEFAULT_LADDER[mode]:
                 need = fewest_gpus(arch, mode, precision, target.memory, seq_len=seq_len, new_tokens=new_tokens,
                                    batch_size=(batch or [1])[0], calibration=calibration, gpu_name=target.name,
-                                   node_gpus=target.node_gpus, inter_node_bandwidth=target.inter_node_bandwidth)
+                                   node_gpus=target.node_gpus, inter_node_bandwidth=target.inter_node_bandwidth,
+                                   backend=backend)
                 clear = need if need is None or need.clear else fewest_gpus(
                     arch, mode, precision, target.memory, seq_len=seq_len, new_tokens=new_tokens,
                     batch_size=(batch or [1])[0], calibration=calibration, gpu_name=target.name,
-                    node_gpus=target.node_gpus, inter_node_bandwidth=target.inter_node_bandwidth, clear_only=True)
+                    node_gpus=target.node_gpus, inter_node_bandwidth=target.inter_node_bandwidth, clear_only=True,
+                    backend=backend)
                 stage = need.memory.stage if need else None
                 rows.append({"model": name, "mode": mode, "precision": precision,
                              "min_gpus": need.candidate.gpus if need else None,

@@ -210,6 +210,7 @@ class Plan:
     calibration: str
     notes: tuple[str, ...] = field(default_factory=tuple)
     inter_node_link: str | None = None  # where the plan spans nodes: the link between them, and its source
+    backend: str = "native"  # whose build the plan predicts: native or hf
 
     def as_dict(self) -> dict:
         return {
@@ -222,6 +223,7 @@ class Plan:
             "rejected": [a.as_dict() for a in self.rejected],
             "notes": list(self.notes),
             "inter_node_link": self.inter_node_link,
+            "backend": self.backend,
         }
 
 
@@ -628,7 +630,7 @@ def plan(arch: Architecture, mode: str, target: GpuTarget, *, seq_len: int, new_
         notes.append(f"speed estimates use {target.speed_name} figures; name the GPU with --gpu for others")
     nodes = target.nodes(target.count, calibration)
     return Plan(arch.name, mode, target, chosen, tuple(fitting), tuple(rejected), calibration.source, tuple(notes),
-                nodes.link.source if nodes else None)
+                nodes.link.source if nodes else None, backend or default_backend(arch))
 
 
 def node_counts(node_gpus: int, max_gpus: int) -> list[int]:

@@ -1,7 +1,7 @@
 """Forecasts registered before anything runs, and what ran against them.
 
 ``fitbench plan --preregister FILE`` writes, for each model and mode it plans, the configuration it chose
-(model, mode, precision, layout, batch, sequence, checkpointing, compile), the GPU it planned for, its
+(model, mode, precision, layout, batch, sequence, checkpointing, compile, backend), the GPU it planned for, its
 predicted peak per GPU and its forecast tokens/s, with when and by which fitbench (``registration``).
 ``fitbench report DIR --preregistered FILE`` pairs each registered configuration with the row that ran it
 (``paired``) and shows both figures beside their errors, a configuration that did not run as such. The
@@ -25,7 +25,7 @@ from fitbench.util.version import __version__
 
 # The fields of a row's spec that name the configuration a registration forecasts
 CONFIGURATION = ("model", "mode", "precision", "batch_size", "seq_len", "new_tokens", "activation_checkpointing",
-                 "checkpointed_layers", "compile", "layout")
+                 "checkpointed_layers", "compile", "layout", "backend")
 
 
 def registration(configuration: dict[str, Any], gpu: str | None, gpus: int, predicted_peak_bytes: float,
@@ -77,9 +77,12 @@ def _configuration_of(row: dict[str, Any]) -> dict[str, Any]:
 
 
 def _same(registered: dict[str, Any], ran: dict[str, Any]) -> bool:
-    """Whether a row ran the registered configuration; a layout's degrees left out count as 1, and the new
-    tokens of a mode that generates none do not count."""
+    """Whether a row ran the registered configuration; a layout's degrees left out count as 1, the new
+    tokens of a mode that generates none do not count, and a registration written before registrations
+    named their backend matches a row of either."""
     for field in CONFIGURATION:
+        if field == "backend" and field not in registered:
+            continue
         if field == "layout":
             degrees = set(registered["layout"]) | set(ran["layout"])
             if any(registered["layout"].get(key, 1) != ran["layout"].get(key, 1) for key in degrees):
