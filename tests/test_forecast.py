@@ -968,3 +968,28 @@ def test_a_gpus_rows_out_of_sample_take_the_median_calibration_of_the_other_gpus
     assert calibration.context("infer", decode_graph=False) == 600e6  # the row's own kind stands for all
     assert script.out_of_sample_calibration(read_back, "H100", "eager") is None
     assert script.out_of_sample_calibration(read_back, "H200", "inference") is None
+
+
+def test_a_training_row_whose_plan_counted_the_out_of_place_loss_is_listed_apart():
+    """``repredict.py``: a training row whose own plan's "loss chain" is the out-of-place chunked loss's,
+    4 n V + max(c n V + 4 r V, 8 r V) by hand, ran that loss whatever its date; one planned with today's
+    fused loss (``loss_chain_bytes``) did not, and neither did a row of another mode."""
+    from fitbench.models.loss import loss_chain_bytes, loss_chunk_rows
+    from fitbench.spec import RunSpec
+
+    script = benchmark_module("repredict")
+    spec = RunSpec(model="small", backend="native", mode="train", precision="bf16", batch_size=8, seq_len=1024,
+                   new_tokens=1, device="cuda", warmup_steps=1, measure_steps=1)
+    n, vocab = 8 * 1024, resolve("small").vocab_size
+    r = min(loss_chunk_rows(vocab), n)
+    old = 4 * n * vocab + max(2 * n * vocab + 4 * r * vocab, 8 * r * vocab)
+
+    def row(loss_chain: float) -> dict:
+        return {"prediction": {"terms": [{"name": "loss chain", "bytes": loss_chain}]},
+                "started_at": "2026-12-01T00:00:00+00:00"}
+
+    assert script.out_of_place_loss(row(old), spec)
+    assert "out-of-place" in script.superseded(row(old), spec)
+    assert not script.out_of_place_loss(row(loss_chain_bytes(n, vocab, 2)), spec)
+    assert script.superseded(row(loss_chain_bytes(n, vocab, 2)), spec) is None
+    assert not script.out_of_place_loss(row(old), spec.model_copy(update={"mode": "infer"}))
