@@ -15,10 +15,13 @@ CONFIG = {"model": "7B", "mode": "infer", "precision": "bf16-pure", "batch_size"
 
 
 def row(status="ok", peaks=(40e9, 42e9), tokens_per_s=1000.0, **spec) -> dict:
+    """A row of CONFIG (infer: its decode's tokens/s is ``tokens_per_s``, its prefill's ten times that)."""
     layout = {key: value for key, value in CONFIG["layout"].items() if key != "replicas"}  # an older row's
-    return {"status": status, "spec": {**CONFIG, "layout": layout, **spec},
-            "memory": {"gpus": [{"nvml_peak_used": peak} for peak in peaks]},
-            "throughput": {"tokens_per_s": tokens_per_s}}
+    spec = {**CONFIG, "layout": layout, **spec}
+    throughput = ({"decode_tokens_per_s": tokens_per_s, "prefill_tokens_per_s": 10 * tokens_per_s}
+                  if spec["mode"] == "infer" else {"tokens_per_s": tokens_per_s})
+    return {"status": status, "spec": spec, "memory": {"gpus": [{"nvml_peak_used": peak} for peak in peaks]},
+            "throughput": throughput}
 
 
 def test_a_registration_is_paired_with_the_row_that_ran_it_and_its_errors_are_by_hand():

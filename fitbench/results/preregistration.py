@@ -9,7 +9,9 @@ row's own forecast, made when it ran (``row["prediction"]``), stays in the row; 
 only in the file, made earlier, before the run could inform it.
 
 Errors are (forecast - measured) / measured: measured peak = the largest NVML peak over the row's GPUs,
-measured tokens/s = the row's ``throughput.tokens_per_s`` (every GPU's together).
+measured tokens/s = the row's ``throughput.tokens_per_s`` (every GPU's together), in ``infer`` its decode's
+``throughput.decode_tokens_per_s``: the planner's forecast of a generation is of its decode steps
+(``fitbench.planning.planner.forecast_tokens_per_s``).
 """
 
 from __future__ import annotations
@@ -109,7 +111,10 @@ class Paired:
 
     @property
     def measured_tokens_per_s(self) -> float | None:
-        return ((self.row or {}).get("throughput") or {}).get("tokens_per_s")
+        throughput = (self.row or {}).get("throughput") or {}
+        if self.registration["configuration"]["mode"] == "infer":
+            return throughput.get("decode_tokens_per_s")
+        return throughput.get("tokens_per_s")
 
     @property
     def peak_error(self) -> float | None:
