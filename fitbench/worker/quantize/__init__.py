@@ -198,27 +198,3 @@ def shipped_text(checkpoint: str | Path, arch: Architecture, device: torch.devic
     except NoTokenizer as reason:
         return None, f"not measured: {reason}"
     return torch.tensor([ids], device=device), None
-
-
-@torch.no_grad()
-def quantize_built(lm, arch: Architecture, precision: str, device: torch.device, probe: torch.Tensor,
-                   checkpoint: str | Path | None = None) -> Quality:
-    """Quantize an already built bf16 model of ``arch`` in place (transformers, or a checkpoint),
-    measuring its quality against itself before; ``lm`` is a ``fitbench.models.backends.CausalLM``.
-    The matmuls' inputs and outputs of the bf16 pass wait in host memory (a large model has hundreds
-    of matmuls) until the quantized matmuls run on them. With the ``checkpoint`` directory the weights
-    came from, the perplexity of the shipped text before and after."""
-    text, perplexities = shipped_text(checkpoint, arch, device) if checkpoint is not None else (None, None)
-    linears = quantizable_linears(lm.module)
-    with recorded_matmuls(linears, keep=lambda t: t.to("cpu")) as record:
-        reference = lm.logits(probe)
-    bf16_perplexity = perplexity(lm.logits(text), text) if text is not None else None
-    quantize_linears(lm.module, precision, device)
-    errors = matmul_errors(record, dict(lm.module.named_modules()), device)
-    del record
-    quantized = lm.logits(probe)
-    if text is not None:
-        perplexities = Perplexity(REFERENCE_TEXT_NAME, text.shape[1], bf16_perplexity,
-                                  perplexity(lm.logits(text), text))
-    return Quality(summarise(errors), top1_agreement(quantized, reference), kl_divergence(quantized, reference),
-                   probe.numel(), perplexities, reference="bf16, same weights, same input")
