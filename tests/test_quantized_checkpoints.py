@@ -1,0 +1,196 @@
+"""A checkpoint directory quantized as it loads, one layer at a time, on either backend.
+
+For tiny Llama, Falcon (new decoder architecture, grouped key/value heads) and GPT-2 (a tied output
+projection, transposed ``Conv1D`` weights) configurations, transformers' model is made in fp32 from a
+seed, every parameter moved off its initial value (norms and biases included, so that a misplaced
+one shows), and saved with ``save_pretrained`` (safetensors). The quantized build from that directory
+must give the logits of the checkpoint loaded whole in bf16 and quantized afterwards, with its
+quality against that bf16 model recomputed by hand; must hold one layer in floating point at a time,
+having read the checkpoint's tensors of that layer and the ones before it only; and, split by layers
+over two devices, must give the one-device logits. A run from the command line on such a directory
+gives an ok row.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from torch import nn
+
+from conftest import cli
+from fitbench.models.backends import load_model
+from fitbench.models.checkpoint_names import layer_of
+from fitbench.models.checkpoint_reader import CheckpointReader
+from fitbench.models.registry import resolve
+from fitbench.results.store import ResultStore
+from fitbench.worker import quantize
+from fitbench.worker.loops import random_tokens
+from fitbench.worker.quantize import build_quantized_native, quantize_linears
+from fitbench.worker.quantize import hf_layers
+from fitbench.worker.quantize.hf_layers import build_quantized_hf
+from fitbench.worker.quantize.linears import to_plain_linears
+from test_quantize import agreement_by_hand, kl_by_hand, relative_error
+
+CPU = torch.device("cpu")
+VOCAB, HIDDEN, HEADS, LAYERS, FFN, SEQ = 256, 64, 8, 4, 160, 16
+CONFIGS = {
+    "llama": dict(model_type="llama", vocab_size=VOCAB, hidden_size=HIDDEN, num_hidden_layers=LAYERS,
+                  num_attention_heads=HEADS, num_key_value_heads=2, intermediate_size=FFN, max_position_embeddings=64,
+                  tie_word_embeddings=False),
+    "falcon": dict(model_type="falcon", vocab_size=VOCAB, hidden_size=HIDDEN, num_hidden_layers=LAYERS,
+                   num_attention_heads=HEADS, num_kv_heads=2, ffn_hidden_size=FFN, new_decoder_architecture=True,
+                   parallel_attn=True, bias=True, alibi=False, max_position_embeddings=64),
+    "gpt2": dict(model_type="gpt2", vocab_size=VOCAB, n_embd=HIDDEN, n_layer=LAYERS, n_head=HEADS, n_inner=FFN,
+                 n_positions=64, resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0, bos_token_id=0, eos_token_id=0),
+}
+
+
+def write_checkpoint(family: str, directory):
+    """transformers' model of ``family``, random (seeded) and perturbed, saved into ``directory``."""
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    fields = dict(CONFIGS[family])
+    config = AutoConfig.for_model(fields.pop("model_type"), **fields)
+    torch.manual_seed(0)
+    model = AutoModelForCausalLM.from_config(config, dtype=torch.float32, attn_implementation="sdpa")
+    with torch.no_grad():
+        for parameter in model.parameters():
+            parameter.add_(0.05 * torch.randn_like(parameter))
+    model.save_pretrained(directory)
+    return directory
+
+
+def build(backend: str, directory, precision: str, probe: torch.Tensor, devices: tuple[str, ...] = ("cpu",)):
+    """The model quantized as it is built from ``directory``, and its quality."""
+    arch = resolve(str(directory))
+    if backend == "native":
+        return build_quantized_native(arch, CPU, precision, probe, checkpoint=directory)
+    model, _, quality = build_quantized_hf(arch, list(devices), precision, probe, checkpoint=directory)
+    return model, quality
+
+
+def logits_of(model: nn.Module, tokens: torch.Tensor) -> torch.Tensor:
+    with torch.no_grad():
+        out = model(tokens) if not hasattr(model, "generation_config") else model(tokens, use_cache=False)
+    return out if isinstance(out, torch.Tensor) else out.logits
+
+
+def plain_float_bytes(module: nn.Module) -> int:
+    """Bytes of ``module``'s parameters that have storage and are plain floating-point tensors (a quantized
+    weight is an integer tensor, or a torchao subclass)."""
+    return sum(p.numel() * p.element_size() for p in module.parameters()
+               if not p.is_meta and p.is_floating_point() and type(p.data) is torch.Tensor)
+
+
+BACKENDS = [("hf", "llama"), ("hf", "falcon"), ("hf", "gpt2"),
+            ("native", "llama"), ("native", "falcon"), ("native", "gpt2")]
+
+
+@pytest.mark.parametrize("precision", ["int8-weight-only", "nf4"])
+@pytest.mark.parametrize("backend,family", BACKENDS)
+def test_a_checkpoint_quantized_as_it_loads_is_the_checkpoint_loaded_whole_then_quantized(backend, family, precision,
+                                                                                          tmp_path):
+    directory = write_checkpoint(family, tmp_path)
+    probe = random_tokens(VOCAB, 1, SEQ, CPU, seed=2)
+    built, quality = build(backend, directory, precision, probe)
+    whole = load_model(resolve(str(directory)), backend, CPU, torch.bfloat16, model_path=str(directory),
+                       fused=False).module
+    to_plain_linears(whole)  # Falcon's own x @ W.T rounds otherwise than F.linear, which the build's layers run
+    bf16 = logits_of(whole, probe)
+    quantize_linears(whole, precision, CPU)
+    expected = logits_of(whole, probe)
+    got = logits_of(built, probe)
+    assert relative_error(got, expected) < 1e-6
+    assert relative_error(got, bf16) > 1e-4  # quantized: a test that would see the bf16 model instead
+    assert quality.top1_agreement == agreement_by_hand(got, bf16)
+    assert quality.kl_divergence == pytest.approx(kl_by_hand(got, bf16), rel=1e-3, abs=1e-8)
+    assert quality.reference == "bf16, the checkpoint's weights, same input"
+    if family == "gpt2":
+        head, embedding = ((built.lm_head, built.model.embed_tokens) if backend == "native"
+                           else (built.get_output_embeddings(), built.get_input_embeddings()))
+        assert head.weight is embedding.weight
+
+
+@pytest.mark.parametrize("backend,family", BACKENDS)
+def test_one_layer_at_a_time_is_read_and_held_in_floating_point(backend, family, tmp_path, monkeypatch):
+    """Whenever a layer's matmuls are about to be quantized, the decoder layers' plain floating-point
+    parameters are that layer's and the norms and biases of the layers before it (their matrices
+    quantized; the layers after it have no storage), and the tensors read from the checkpoint are
+    those of the layers so far and of the modules outside the layers, each once."""
+    directory = write_checkpoint(family, tmp_path)
+    read: list[str] = []
+    layers: list[nn.ModuleList] = []
+    seen: list[tuple[int, list[int]]] = []  # per quantization: float bytes held, layers read
+    read_tensor = CheckpointReader.tensor
+
+    def recorded_read(self, name, dtype):
+        read.append(name)
+        return read_tensor(self, name, dtype)
+
+    def check_then_quantize(module, *args, **kwargs):
+        seen.append((sum(plain_float_bytes(layer) for layer in layers[0]),
+                     sorted({layer_of(name) for name in read} - {None})))
+        return quantize_linears(module, *args, **kwargs)
+
+    monkeypatch.setattr(CheckpointReader, "tensor", recorded_read)
+    if backend == "hf":
+        layers_of = hf_layers.decoder_layers
+
+        def remember_layers(model):
+            prefix, found = layers_of(model)
+            layers.append(found)
+            return prefix, found
+        monkeypatch.setattr(hf_layers, "decoder_layers", remember_layers)
+        monkeypatch.setattr(hf_layers, "quantize_linears", check_then_quantize)
+    else:
+        meta_model = quantize.meta_model
+
+        def remember_model(*args):
+            model = meta_model(*args)
+            layers.append(model.model.layers)
+            return model
+        monkeypatch.setattr(quantize, "meta_model", remember_model)
+        monkeypatch.setattr(quantize, "quantize_linears", check_then_quantize)
+    build(backend, directory, "int8-weight-only", random_tokens(VOCAB, 1, SEQ, CPU, seed=2))
+
+    whole = load_model(resolve(str(directory)), backend, CPU, torch.bfloat16, model_path=str(directory),
+                       fused=False).module
+    _, reference_layers = (hf_layers.decoder_layers(whole) if backend == "hf" else (None, whole.model.layers))
+    one = [2 * sum(p.numel() for p in layer.parameters()) for layer in reference_layers]
+    kept = [2 * sum(p.numel() for p in layer.parameters() if p.dim() < 2) for layer in reference_layers]
+    assert seen == [(one[i] + sum(kept[:i]), list(range(i + 1))) for i in range(LAYERS)]
+    assert len(read) == len(set(read))
+    assert {layer_of(name) for name in read} == {None, *range(LAYERS)}
+
+
+@pytest.mark.parametrize("family", ["llama", "gpt2"])
+def test_a_checkpoint_split_over_two_devices_is_the_one_device_model(family, tmp_path):
+    """transformers' stages (here both the CPU, through accelerate's hooks as on GPUs) from one checkpoint:
+    the one-device logits and quality; a tied output projection gets the embedding's values on the last
+    device, as a copy of its own."""
+    directory = write_checkpoint(family, tmp_path)
+    probe = random_tokens(VOCAB, 1, SEQ, CPU, seed=2)
+    one, one_quality = build("hf", directory, "int8-weight-only", probe)
+    two, two_quality = build("hf", directory, "int8-weight-only", probe, devices=("cpu", "cpu"))
+    assert relative_error(logits_of(two, probe), logits_of(one, probe)) < 1e-6
+    assert two_quality.top1_agreement == one_quality.top1_agreement
+    assert two_quality.kl_divergence == pytest.approx(one_quality.kl_divergence, rel=1e-6)
+    head, embedding = two.get_output_embeddings().weight, two.get_input_embeddings().weight
+    if family == "gpt2":
+        assert head is not embedding and torch.equal(head, embedding)
+
+
+@pytest.mark.parametrize("backend", ["hf", "native"])
+def test_a_quantized_run_of_a_checkpoint_from_the_command_line(backend, tmp_path, capsys):
+    directory = write_checkpoint("gpt2", tmp_path / "gpt2")
+    out = tmp_path / "out"
+    code, stdout, stderr = cli(["run", "--models", str(directory), "--mode", "infer", "--precision", "int8-weight-only",
+                                "--device", "cpu", "--backend", backend, "--batch-size", "1", "--seq-len", "16",
+                                "--new-tokens", "4", "--warmup-steps", "1", "--measure-steps", "2",
+                                "--out", str(out)], capsys)
+    assert code == 0, stderr
+    [row] = list(ResultStore(out).rows())
+    assert row["status"] == "ok", row.get("error")
+    assert row["weights"]["source"] == f"checkpoint {directory.resolve()}"
+    assert row["quality"]["reference"] == "bf16, the checkpoint's weights, same input"
+    assert row["quality"]["matmul_error"]["count"] == {"hf": 4, "native": 6}[backend] * LAYERS
