@@ -29,7 +29,8 @@ from fitbench.worker.quantize import build_quantized_native, quantize_linears
 from fitbench.worker.quantize import hf_layers
 from fitbench.worker.quantize.hf_layers import build_quantized_hf
 from fitbench.worker.quantize.linears import to_plain_linears
-from test_quantize import agreement_by_hand, kl_by_hand, relative_error
+from fitbench.spec import Layout
+from test_quantize import agreement_by_hand, kl_by_hand, relative_error, run_worker, spec
 
 CPU = torch.device("cpu")
 VOCAB, HIDDEN, HEADS, LAYERS, FFN, SEQ = 256, 64, 8, 4, 160, 16
@@ -194,3 +195,23 @@ def test_a_quantized_run_of_a_checkpoint_from_the_command_line(backend, tmp_path
     assert row["weights"]["source"] == f"checkpoint {directory.resolve()}"
     assert row["quality"]["reference"] == "bf16, the checkpoint's weights, same input"
     assert row["quality"]["matmul_error"]["count"] == {"hf": 4, "native": 6}[backend] * LAYERS
+
+
+def test_the_hf_backends_quantized_stages_load_the_checkpoint(tmp_path):
+    """A worker of two hf pipeline stages (one process over two devices, here both the CPU) quantizes the
+    checkpoint, not random weights: the one-device run's quality, and its row says so."""
+    directory = write_checkpoint("gpt2", tmp_path / "gpt2")
+    results = {}
+    for layout in (Layout(), Layout(pp=2)):
+        scratch = tmp_path / f"stages-{layout.pp}"
+        scratch.mkdir()
+        code, results[layout.pp] = run_worker(spec(model=str(directory), backend="hf", precision="int8-weight-only",
+                                                   layout=layout), scratch)
+        assert code == 0 and results[layout.pp]["status"] == "ok", results[layout.pp].get("error")
+    assert results[2]["parallel"]["stages"] == 2
+    assert results[2]["parallel"]["initial_weights"] == "read from the checkpoint, each stage's on its device"
+    assert results[2]["quality"]["reference"] == "bf16, the checkpoint's weights, same input"
+    two, one = results[2]["quality"]["matmul_error"], results[1]["quality"]["matmul_error"]
+    assert (two["count"], two["worst_matmul"]) == (one["count"], one["worst_matmul"])
+    assert (two["mean"], two["worst"]) == pytest.approx((one["mean"], one["worst"]), rel=1e-6)
+    assert results[2]["quality"]["kl_divergence"] == pytest.approx(results[1]["quality"]["kl_divergence"], rel=1e-6)

@@ -122,9 +122,10 @@ def build_stage_of_rank(spec: RunSpec, arch, policy, device: torch.device, rank:
         if policy.quantized:
             module, _, quality = build_quantized_hf(arch, devices, spec.precision, probe,
                                                     checkpoint=checkpoint_of(model_path))
-            return Built(StagedHuggingFaceLM(module, True, devices), quality)
+            return Built(StagedHuggingFaceLM(module, True, devices, checkpoint_of(model_path) is not None), quality)
         module, _ = build_staged(arch, devices, policy.weight_dtype, weights_dir=model_path)
-        return Built(StagedHuggingFaceLM(module, policy.compute_dtype == policy.weight_dtype, devices))
+        return Built(StagedHuggingFaceLM(module, policy.compute_dtype == policy.weight_dtype, devices,
+                                         checkpoint_of(model_path) is not None))
     lm, quality = build_pipelined(spec, arch, policy, rank, probe if policy.quantized else None)
     return Built(decoding_as_asked(lm, spec), quality)
 
