@@ -33,7 +33,7 @@ from fitbench.worker.hf_pipeline import decoder_layers, stage_device_map
 from fitbench.worker.quality import (REFERENCE_TEXT_NAME, Perplexity, Quality, kl_divergence, matmul_errors,
                                      perplexity, recorded_matmuls, summarise, top1_agreement)
 from fitbench.worker.quantize import quantize_linears, shipped_text
-from fitbench.worker.quantize.linears import quantizable_linears, to_plain_linears
+from fitbench.worker.quantize.linears import quantizable_linears, to_plain_linears, transposed_weights
 
 
 def _moving_inputs_to(device: str) -> Callable:
@@ -71,8 +71,8 @@ def build_quantized_hf(arch: Architecture, devices: list[str], precision: str, p
     with torch.device("meta"):
         model = AutoModelForCausalLM.from_config(config, dtype=torch.bfloat16)
     model.eval()
-    if reader is None:
-        to_plain_linears(model)  # a checkpoint's are turned once filled, in the checkpoint's layout
+    transposed = transposed_weights(model)  # as a checkpoint holds them, (in, out)
+    to_plain_linears(model)
     mapping = stage_device_map(model, devices)
     prefix, layers = decoder_layers(model)
     output, embedding = model.get_output_embeddings(), model.get_input_embeddings()
@@ -88,8 +88,7 @@ def build_quantized_hf(arch: Architecture, devices: list[str], precision: str, p
         for part in module.modules():
             model._init_weights(part)  # the random weights, and the buffers a checkpoint does not hold
         if reader is not None:
-            fill_from_checkpoint(module, name, reader, model.base_model_prefix)
-            to_plain_linears(module)
+            fill_from_checkpoint(module, name, reader, model.base_model_prefix, transposed)
         return module
 
     for name, device in mapping.items():
@@ -165,17 +164,20 @@ def checkpoint_config(directory: Path):
 
 
 @torch.no_grad()
-def fill_from_checkpoint(module: nn.Module, name: str, reader: CheckpointReader, base_prefix: str) -> None:
+def fill_from_checkpoint(module: nn.Module, name: str, reader: CheckpointReader, base_prefix: str,
+                         transposed: set[str]) -> None:
     """Copy into ``module`` (called ``name`` in the model) its parameters and the persistent buffers the
-    checkpoint holds, each tensor read alone and cast to the module's dtype on the host. A name is the
-    model's, or without the base model's prefix (``base_prefix``: ``model``, ``transformer``), as a
-    checkpoint of the base model names it and ``from_pretrained`` accepts it; a parameter the
-    checkpoint lacks is an error."""
+    checkpoint holds, each tensor read alone and cast to the module's dtype on the host, those named in
+    ``transposed`` (GPT-2's ``Conv1D`` weights, now plain ``nn.Linear``) copied from their transpose. A
+    name is the model's, or without the base model's prefix (``base_prefix``: ``model``,
+    ``transformer``), as a checkpoint of the base model names it and ``from_pretrained`` accepts it; a
+    parameter the checkpoint lacks is an error."""
     buffers = {f"{name}.{key}" for key, _ in module.named_buffers()}
     for key, target in module.state_dict(prefix=f"{name}.", keep_vars=True).items():
         stored = key if key in reader else key.removeprefix(f"{base_prefix}.")
         if stored in reader:
-            target.data.copy_(reader.tensor(stored, target.dtype))
+            value = reader.tensor(stored, target.dtype)
+            target.data.copy_(value.T if key in transposed else value)
         elif key not in buffers:
             raise ValueError(f"the checkpoint in {reader.directory} has no tensor {key} (nor {stored}), which the "
                              f"model of its config.json needs: the checkpoint and config.json are of different "
