@@ -215,3 +215,31 @@ def test_the_hf_backends_quantized_stages_load_the_checkpoint(tmp_path):
     assert (two["count"], two["worst_matmul"]) == (one["count"], one["worst_matmul"])
     assert (two["mean"], two["worst"]) == pytest.approx((one["mean"], one["worst"]), rel=1e-6)
     assert results[2]["quality"]["kl_divergence"] == pytest.approx(results[1]["quality"]["kl_divergence"], rel=1e-6)
+
+
+@pytest.mark.parametrize("backend", ["hf", "native"])
+def test_pytorch_bin_shards_are_read_as_safetensors_are(backend, tmp_path):
+    """A checkpoint in ``pytorch_model.bin`` (the same tensors, ``torch.save``d) builds the model its
+    safetensors do."""
+    from safetensors.torch import load_file
+
+    directory = write_checkpoint("falcon", tmp_path / "safetensors")
+    binary = tmp_path / "bin"
+    binary.mkdir()
+    (binary / "config.json").write_text((directory / "config.json").read_text())
+    torch.save(load_file(str(directory / "model.safetensors")), binary / "pytorch_model.bin")
+    probe = random_tokens(VOCAB, 1, SEQ, CPU, seed=2)
+    expected = logits_of(build(backend, directory, "int8-weight-only", probe)[0], probe)
+    assert torch.equal(logits_of(build(backend, binary, "int8-weight-only", probe)[0], probe), expected)
+
+
+@pytest.mark.parametrize("backend", ["hf", "native"])
+def test_a_checkpoint_lacking_a_layers_tensor_is_refused(backend, tmp_path):
+    from safetensors.torch import load_file, save_file
+
+    directory = write_checkpoint("llama", tmp_path)
+    state = load_file(str(directory / "model.safetensors"))
+    del state["model.layers.2.mlp.up_proj.weight"]
+    save_file(state, str(directory / "model.safetensors"))
+    with pytest.raises(ValueError, match=r"checkpoint in .* (has no tensor|lacks 1 tensors).*up_proj.*save_pretrained"):
+        build(backend, directory, "int8-weight-only", random_tokens(VOCAB, 1, SEQ, CPU, seed=2))
