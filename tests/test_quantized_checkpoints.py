@@ -243,3 +243,20 @@ def test_a_checkpoint_lacking_a_layers_tensor_is_refused(backend, tmp_path):
     save_file(state, str(directory / "model.safetensors"))
     with pytest.raises(ValueError, match=r"checkpoint in .* (has no tensor|lacks 1 tensors).*up_proj.*save_pretrained"):
         build(backend, directory, "int8-weight-only", random_tokens(VOCAB, 1, SEQ, CPU, seed=2))
+
+
+@pytest.mark.parametrize("backend", ["hf", "native"])
+def test_a_checkpoint_of_the_base_model_names_its_tensors_without_its_prefix(backend, tmp_path):
+    """GPT-2's base model saved alone (``wte.weight``, ``h.0.attn.c_attn.weight``: no ``transformer.``, no
+    output projection, which is tied) builds the model the whole model's checkpoint does."""
+    from safetensors import safe_open
+    from transformers import AutoModelForCausalLM
+
+    directory = write_checkpoint("gpt2", tmp_path / "whole")
+    base = tmp_path / "base"
+    AutoModelForCausalLM.from_pretrained(directory).transformer.save_pretrained(base)
+    with safe_open(str(base / "model.safetensors"), framework="pt") as saved:
+        assert "wte.weight" in saved.keys() and not any(key.startswith("transformer.") for key in saved.keys())
+    probe = random_tokens(VOCAB, 1, SEQ, CPU, seed=2)
+    expected = logits_of(build(backend, directory, "int8-weight-only", probe)[0], probe)
+    assert torch.equal(logits_of(build(backend, base, "int8-weight-only", probe)[0], probe), expected)
