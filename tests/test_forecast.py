@@ -41,6 +41,18 @@ RESULTS = ROOT / "benchmarks/results"
 H100 = "NVIDIA H100 80GB HBM3"
 H200 = "NVIDIA H200"
 TINY = dataclasses.replace(resolve("tiny"), vocab_size=512)
+# A tiny configuration of each block of the native decoder, counted in its real step: Llama's (tiny);
+# Falcon's new decoder block, grouped key/value heads and two LayerNorms (falcon-40b's); Falcon-7B's
+# multi-query block with one LayerNorm (its config's new_decoder_architecture off); GPT-2's.
+BLOCK_SIZES = dict(hidden_size=256, num_heads=8, ffn_size=1024, vocab_size=512, max_seq_len=1024)
+BLOCKS = {
+    "llama": TINY,
+    "falcon-grouped": dataclasses.replace(resolve("falcon-40b"), name="tiny-falcon", num_kv_heads=2, **BLOCK_SIZES),
+    "falcon-multi-query": dataclasses.replace(resolve("falcon-40b"), name="tiny-falcon-7b", num_kv_heads=1,
+                                              extra_hf_config={"new_decoder_architecture": False,
+                                                               "multi_query": True}, **BLOCK_SIZES),
+    "gpt2": dataclasses.replace(resolve("gpt2"), name="tiny-gpt2", num_kv_heads=8, **BLOCK_SIZES),
+}
 # Round figures, so that a forecast can be worked out by hand.
 ROUND = Ceilings(matmul=500e12, bandwidth=2e12, source="test")
 
@@ -98,10 +110,10 @@ def native(arch, layers: int, precision: str, fused: bool = True) -> NativeLM:
 
 @functools.lru_cache(maxsize=None)
 def count_step(layers: int, precision: str, mode: str, tokens: int = 32, fused: bool = True,
-               recompute: bool = False) -> Counted:
-    """One step of fitbench's training loop (``make_step``) on tiny, on the CPU, counted after two to warm
-    up; remembered, as several tests count the same steps."""
-    arch = TINY
+               recompute: bool = False, block: str = "llama") -> Counted:
+    """One step of fitbench's training loop (``make_step``) on the tiny ``block`` (``BLOCKS``), on the CPU,
+    counted after two to warm up; remembered, as several tests count the same steps."""
+    arch = BLOCKS[block]
     lm = native(arch, layers, precision, fused)
     lm.module.activation_checkpointing = recompute
     step = make_step(mode, lm, policy(precision), random_tokens(arch.vocab_size, 2, tokens + 1, torch.device("cpu"), 0),
@@ -118,41 +130,69 @@ def per_layer(count, *args, **kwargs) -> tuple[float, float]:
     return two.operators - one.operators, two.elementwise_bytes - one.elementwise_bytes
 
 
-def per_token(precision: str, mode: str, recompute: bool = False) -> float:
+def per_token(precision: str, mode: str, recompute: bool = False, block: str = "llama") -> float:
     """Elementwise bytes of one layer per token: a layer's bytes at 2 x 32 tokens less at 2 x 16, over
     the 32 tokens between (what each weight costs once a step, autocast's casts, falls out)."""
     def layer(tokens: int) -> float:
-        return per_layer(lambda layers: count_step(layers, precision, mode, tokens, recompute=recompute))[1]
+        return per_layer(lambda layers: count_step(layers, precision, mode, tokens, recompute=recompute,
+                                                   block=block))[1]
 
     return (layer(32) - layer(16)) / (2 * 16)
 
 
+def test_the_blocks_counted_are_the_variants_they_name():
+    """Each tiny configuration builds the block it stands for: Falcon's two with grouped heads and two
+    LayerNorms, and with one key/value head and one LayerNorm; GPT-2's with learned positions."""
+    configs = {name: DecoderConfig.from_architecture(arch) for name, arch in BLOCKS.items()}
+    assert (configs["falcon-grouped"].n_kv_heads, configs["falcon-grouped"].shared_norm) == (2, False)
+    assert (configs["falcon-multi-query"].n_kv_heads, configs["falcon-multi-query"].shared_norm) == (1, True)
+    assert configs["falcon-grouped"].parallel_attention and configs["falcon-multi-query"].parallel_attention
+    assert (configs["gpt2"].positions, configs["gpt2"].mlp, configs["gpt2"].linear_bias) == ("learned", "gelu_tanh",
+                                                                                           True)
+    assert (configs["llama"].norm, configs["llama"].mlp) == ("rms", "swiglu")
+
+
+@pytest.mark.parametrize("block", list(BLOCKS))
 @pytest.mark.parametrize("precision", ["bf16-pure", "bf16", "fp32"])
-def test_a_layers_elementwise_traffic_is_what_the_real_forward_moves(precision):
+def test_a_layers_elementwise_traffic_is_what_the_real_forward_moves(precision, block):
     """``layer_traffic`` per token against the bytes of every elementwise operator of a layer's forward,
-    counted in the native decoder (attention's kernel on the CPU reads and writes what a GPU's does)."""
-    assert layer_traffic(TINY, Widths.of(precision)) == pytest.approx(per_token(precision, "forward"), rel=0.06)
+    counted in the native decoder's block (attention's kernel on the CPU reads and writes what a GPU's
+    does)."""
+    got = layer_traffic(BLOCKS[block], Widths.of(precision))
+    assert got == pytest.approx(per_token(precision, "forward", block=block), rel=0.06)
 
 
+@pytest.mark.parametrize("block", list(BLOCKS))
 @pytest.mark.parametrize("precision, recompute", [("bf16-pure", False), ("bf16", False), ("fp32", False),
                                                   ("bf16-pure", True)])
-def test_a_layers_backward_moves_what_backward_traffic_says(precision, recompute):
-    """A training step's elementwise bytes per layer, through the native decoder's Functions, against
-    its forward's: 1 + FUNCTIONS_BACKWARD_TRAFFIC (and FUNCTIONS_RECOMPUTED_TRAFFIC more when the layer
-    is recomputed), counted in the real step."""
-    forward, training = per_token(precision, "forward"), per_token(precision, "train", recompute)
+def test_a_layers_backward_moves_what_backward_traffic_says(precision, recompute, block):
+    """A training step's elementwise bytes per layer, through the native decoder's Functions where its
+    block has them, against its forward's: 1 + FUNCTIONS_BACKWARD_TRAFFIC (and
+    FUNCTIONS_RECOMPUTED_TRAFFIC more when the layer is recomputed) of its family, counted in the real
+    step."""
+    family = BLOCKS[block].family
+    forward = per_token(precision, "forward", block=block)
+    training = per_token(precision, "train", recompute, block=block)
     widths = Widths.of(precision)
-    passes = 1 + forecast.FUNCTIONS_BACKWARD_TRAFFIC[(widths.residual, widths.compute)]
-    passes += forecast.FUNCTIONS_RECOMPUTED_TRAFFIC if recompute else 0
+    passes = 1 + forecast.FUNCTIONS_BACKWARD_TRAFFIC[family][(widths.residual, widths.compute)]
+    passes += forecast.FUNCTIONS_RECOMPUTED_TRAFFIC[family] if recompute else 0
     assert training / forward == pytest.approx(passes, rel=0.05)
 
 
+# A decode step writes each layer's keys and values into the cache (``write_cache``): two operators
+# that a forward pass, without a cache, does not launch.
+CACHE_WRITES = 2
+
+
+@pytest.mark.parametrize("block", list(BLOCKS))
 @pytest.mark.parametrize("fused", [True, False])
-def test_a_native_layer_launches_layer_ops_operators(fused):
-    key = "native" if fused else "native unfused"
+def test_a_native_layer_launches_layer_ops_operators(fused, block):
+    """A layer's operators in a decode step are ``layer_ops``; in a forward pass, all but the cache writes;
+    the edges of the decode step about ``EDGE_OPS``' of the block's family."""
+    arch = BLOCKS[block]
 
     def decode(layers: int) -> Counted:
-        lm = native(TINY, layers, "bf16-pure", fused)
+        lm = native(arch, layers, "bf16-pure", fused)
         cache = lm.module.new_cache(2, 64, torch.bfloat16)
         tokens, position = torch.zeros(2, 1, dtype=torch.long), torch.tensor([5])
         with torch.inference_mode():
@@ -162,37 +202,68 @@ def test_a_native_layer_launches_layer_ops_operators(fused):
         return counted
 
     operators, _ = per_layer(decode)
-    assert operators == forecast.LAYER_OPS[key]
-    assert decode(1).operators - operators == pytest.approx(forecast.EDGE_OPS["forward"], abs=4)
+    assert operators == forecast.layer_ops(arch, "native", fused)
+    forward, _ = per_layer(lambda layers: count_step(layers, "bf16-pure", "forward", fused=fused, block=block))
+    assert forward == operators - CACHE_WRITES
+    assert decode(1).operators - operators == pytest.approx(forecast.EDGE_OPS[arch.family]["forward"], abs=4)
 
 
+@pytest.mark.parametrize("block", list(BLOCKS))
+@pytest.mark.parametrize("fused", [True, False])
+def test_autocast_adds_a_cast_of_each_weight_bias_and_norm_output(fused, block):
+    """The operators a layer adds in a forward pass under bf16 autocast against the same pass in bf16:
+    a cast of each matmul's weight, of each bias, and of each matmul input a norm wrote (q/k/v's, as one
+    or three; the MLP's up, and Llama's gate, as one or two). The Falcon and GPT-2 blocks'
+    ``autocast_casts``; Llama's keeps one per matmul, as its measured rows were forecast."""
+    arch = BLOCKS[block]
+    pure, autocast = (per_layer(lambda layers: count_step(layers, precision, "forward", fused=fused, block=block))[0]
+                      for precision in ("bf16-pure", "bf16"))
+    matmuls = forecast.layer_matmuls(arch, "native", fused)
+    q_k_v = 1 if fused else 3
+    biases = sum(m.bias for m in arch.layer_matrices) + (q_k_v - 1 if arch.layer_matrices[0].bias else 0)
+    norm_outputs = q_k_v + (2 if arch.family == "llama" and not fused else 1)
+    assert autocast - pure == matmuls + biases + norm_outputs
+    expected = matmuls if arch.family == "llama" else autocast - pure
+    assert forecast.autocast_casts(arch, "native", fused) == expected
+
+
+@pytest.mark.parametrize("block", list(BLOCKS))
 @pytest.mark.parametrize("precision, fused", [("bf16-pure", True), ("bf16", True), ("bf16-pure", False),
                                               ("bf16", False)])
-def test_a_training_step_launches_backward_ops_per_forward_operator(precision, fused):
+def test_a_training_step_launches_backward_ops_per_forward_operator(precision, fused, block):
     """A layer's training operators through the native decoder's Functions against the forecast's: its
-    forward operators (no casts under autocast: the norm writes the matmuls' dtype) times
-    1 + FUNCTIONS_BACKWARD_OPS; the edges and each chunk of the loss besides."""
-    operators, _ = per_layer(lambda layers: count_step(layers, precision, "train", fused=fused))
-    forward_ops = forecast.LAYER_OPS["native" if fused else "native unfused"]
-    assert operators == pytest.approx(forward_ops * (1 + forecast.FUNCTIONS_BACKWARD_OPS), rel=0.08)
+    forward operators times 1 + FUNCTIONS_BACKWARD_OPS of its family, and each of autocast's casts twice
+    (none for Llama: its norm writes the matmuls' dtype); the edges and each chunk of the loss besides."""
+    arch = BLOCKS[block]
+    operators, _ = per_layer(lambda layers: count_step(layers, precision, "train", fused=fused, block=block))
+    forward_ops = forecast.layer_ops(arch, "native", fused)
+    casts = forecast.autocast_casts(arch, "native", fused, functions=True) if Widths.of(precision).autocast else 0
+    backward_ops = forecast.FUNCTIONS_BACKWARD_OPS[arch.family]["fused" if fused else "unfused"]
+    assert operators == pytest.approx(forward_ops * (1 + backward_ops) + 2 * casts, rel=0.08)
 
 
-def test_a_recomputed_layer_launches_its_forward_again():
-    plain, recomputed = (per_layer(lambda layers: count_step(layers, "bf16-pure", "train", recompute=recompute))[0]
+@pytest.mark.parametrize("block", list(BLOCKS))
+def test_a_recomputed_layer_launches_its_forward_again(block):
+    arch = BLOCKS[block]
+    plain, recomputed = (per_layer(lambda layers: count_step(layers, "bf16-pure", "train", recompute=recompute,
+                                                             block=block))[0]
                          for recompute in (False, True))
-    assert recomputed - plain == pytest.approx(forecast.LAYER_OPS["native"] * forecast.FUNCTIONS_RECOMPUTED_OPS)
+    expected = forecast.layer_ops(arch, "native") * forecast.FUNCTIONS_RECOMPUTED_OPS[arch.family]
+    assert recomputed - plain == pytest.approx(expected)
 
 
-def test_the_edges_and_each_loss_chunk_launch_their_operators(monkeypatch):
+@pytest.mark.parametrize("block", list(BLOCKS))
+def test_the_edges_and_each_loss_chunk_launch_their_operators(block, monkeypatch):
     import fitbench.models.loss
 
-    monkeypatch.setattr(fitbench.models.loss, "LOSS_CHUNK_BYTES", 4 * TINY.vocab_size * 8)  # 8 rows a chunk
+    monkeypatch.setattr(fitbench.models.loss, "LOSS_CHUNK_BYTES", 4 * BLOCKS[block].vocab_size * 8)  # 8 rows a chunk
     uncached = count_step.__wrapped__  # chunks of 8 rows are this test's alone
-    few, many = (uncached(1, "bf16-pure", "train", tokens=tokens) for tokens in (16, 32))
-    layer, _ = per_layer(lambda layers: uncached(layers, "bf16-pure", "train", tokens=16))
+    few, many = (uncached(1, "bf16-pure", "train", tokens=tokens, block=block) for tokens in (16, 32))
+    layer, _ = per_layer(lambda layers: uncached(layers, "bf16-pure", "train", tokens=16, block=block))
     chunks = 2 * 16 // 8
     assert (many.operators - few.operators) / chunks == forecast.LOSS_CHUNK_OPS
-    assert few.operators - layer - chunks * forecast.LOSS_CHUNK_OPS == forecast.EDGE_OPS["training"]
+    edges = forecast.EDGE_OPS[BLOCKS[block].family]["training"]
+    assert few.operators - layer - chunks * forecast.LOSS_CHUNK_OPS == edges
 
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
@@ -462,9 +533,10 @@ def test_a_training_step_by_hand():
     # fused loss (6 x 2 + 20) V
     layer = 2 * 42 * h + 20 * (h + k) + 4 * (h + k) + 2 * 6 * h + 10 * f
     assert layer_traffic(arch, Widths.of("bf16-pure")) == layer
-    memory = (n * L * layer * (1 + forecast.FUNCTIONS_BACKWARD_TRAFFIC[(2, 2)]) + n * (6 * 2 + 20) * V) / 2e12
+    memory = (n * L * layer * (1 + forecast.FUNCTIONS_BACKWARD_TRAFFIC["llama"][(2, 2)]) + n * (6 * 2 + 20) * V) / 2e12
     optimizer = 7 * 2 * arch.total_params / 2e12
-    launches = L * 43 * (1 + forecast.FUNCTIONS_BACKWARD_OPS) + forecast.EDGE_OPS["training"] + forecast.LOSS_CHUNK_OPS
+    backward_ops = forecast.FUNCTIONS_BACKWARD_OPS["llama"]["fused"]
+    launches = L * 43 * (1 + backward_ops) + forecast.EDGE_OPS["llama"]["training"] + forecast.LOSS_CHUNK_OPS
     device = matmuls + attention + memory + optimizer + launches * forecast.KERNEL_S
     host = launches * forecast.HOST_OP_S["training"] + optimizer
     assert got.launches == pytest.approx(launches)
@@ -480,7 +552,7 @@ def test_checkpointing_recomputes_the_forward_on_both_clocks():
     forward_flops = 2 * 4 * 512 * arch.matmul_params
     assert recompute.terms["matmuls"] - plain.terms["matmuls"] == pytest.approx(
         forward_flops / (500e12 * forecast.MATMUL_EFFICIENCY))
-    recomputed_ops = 43 * forecast.FUNCTIONS_RECOMPUTED_OPS * arch.num_layers
+    recomputed_ops = 43 * forecast.FUNCTIONS_RECOMPUTED_OPS["llama"] * arch.num_layers
     assert recompute.launches - plain.launches == pytest.approx(recomputed_ops)
     assert recompute.host_s - plain.host_s == pytest.approx(
         recomputed_ops * forecast.HOST_OP_S["training"] + arch.num_layers * forecast.CHECKPOINT_HOST_S)
@@ -493,12 +565,12 @@ def test_a_compiled_training_step_keeps_a_share_of_the_traffic_and_launches_fuse
                                           run=StepRun(compiled=compiled)) for compiled in (False, True))
     # eagerly through the native decoder's Functions; compiled, inductor fuses the plain operators
     forward = 8 * 2048 * arch.num_layers * layer_traffic(arch, Widths.of("bf16-pure")) / 2e12
-    eager_bytes = forward * (1 + forecast.FUNCTIONS_BACKWARD_TRAFFIC[(2, 2)])
+    eager_bytes = forward * (1 + forecast.FUNCTIONS_BACKWARD_TRAFFIC["llama"][(2, 2)])
     compiled_bytes = forward * (1 + forecast.BACKWARD_TRAFFIC[(2, 2)]) * forecast.COMPILED_TRAFFIC
     assert eager.terms["memory"] - compiled.terms["memory"] == pytest.approx(eager_bytes - compiled_bytes)
-    assert eager.launches - compiled.launches == pytest.approx(
-        (43 * (1 + forecast.FUNCTIONS_BACKWARD_OPS) - forecast.COMPILED_LAYER_KERNELS * (1 + forecast.BACKWARD_OPS))
-        * arch.num_layers)
+    eager_ops = 43 * (1 + forecast.FUNCTIONS_BACKWARD_OPS["llama"]["fused"])
+    compiled_ops = forecast.COMPILED_LAYER_KERNELS * (1 + forecast.BACKWARD_OPS)
+    assert eager.launches - compiled.launches == pytest.approx((eager_ops - compiled_ops) * arch.num_layers)
 
 
 def test_fp32_matmuls_run_at_the_cuda_cores_ceiling():
@@ -551,6 +623,30 @@ def test_a_tensor_parallel_forward_runs_the_residual_stream_whole_on_every_rank(
     assert forecast.sequence_parallel("native", True, T, 2) and not forecast.sequence_parallel("native", False, T, 2)
     assert not forecast.sequence_parallel("hf", True, T, 2) and not forecast.sequence_parallel("native", True, 127, 2)
 
+
+
+@pytest.mark.parametrize("block", ["falcon-grouped", "gpt2"])
+def test_tensor_parallel_training_splits_a_rotary_blocks_residual_stream_along_the_sequence(block):
+    """The tiny Falcon and GPT-2 blocks, bf16-pure training, 4 x 128 over TP 2, by hand: each rank moves
+    half of the heads' and the MLP's elementwise bytes; the residual stream (two LayerNorms, 4 h each,
+    two residual adds, 6 h each) split along the sequence for Falcon's rotary positions, whole for
+    GPT-2's learned ones; every operator recorded under DTensor (BACKWARD_TRAFFIC); the out-of-place loss
+    over the whole logits. transformers' layers keep the Llama block's bytes."""
+    arch = BLOCKS[block]
+    n, T = 4 * 128, 128
+    got = forecast_step_time(arch, "train", "bf16-pure", 4, T, new_tokens=1, parallelism=Parallelism("tp", 2),
+                             gpu_name=H100, ceiling=ROUND)
+    L, h, f, V = arch.num_layers, arch.hidden_size, arch.ffn_size, arch.vocab_size
+    k = arch.num_kv_heads * arch.head_dim
+    residual = 2 * 4 * h + 2 * 6 * h
+    rotary = 20 * (h + k) if arch.family == "falcon" else 0
+    split = rotary + 4 * (h + k) + 4 * f  # rotary, attention's tensors, GELU
+    per_rank = split / 2 + (residual / 2 if arch.family == "falcon" else residual)
+    widths = Widths.of("bf16-pure")
+    assert forecast.residual_stream_traffic(arch, widths) == residual
+    assert forecast.residual_stream_traffic(arch, widths, "hf") == 2 * 42 * h + 2 * 6 * h
+    memory = n * L * per_rank * (1 + forecast.BACKWARD_TRAFFIC[(2, 2)]) + n * (32 + 3 * 2) * V
+    assert got.terms["memory"] == pytest.approx(memory / 2e12)
 
 def test_a_compiled_fsdp_tp_step_launches_its_kernels_at_a_plain_operators_rate():
     """13B, bf16-pure, 2 x 2048 over FSDP 2 x TP 2: eagerly every operator goes through DTensor and each

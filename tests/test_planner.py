@@ -895,7 +895,7 @@ PLAN_70B = ["plan", "--models", "llama-2-70b", "--mode", "infer", "--gpus", "4",
 def test_plan_command_prints_the_breakdown_and_the_rejections(capsys):
     code, out, err = cli(PLAN_70B, capsys)
     assert code == 0, err
-    assert "llama-2-70b infer on 4 x 80.0 GB" in out
+    assert "llama-2-70b infer (native build) on 4 x 80.0 GB" in out
     chosen = [line for line in out.splitlines() if line.startswith("chosen:")]
     assert len(chosen) == 1 and "bf16-pure, tp x 4, batch 1" in chosen[0]
     for term in ("weights", "KV cache", "CUDA context", "workspaces", "NCCL buffers", "predicted peak"):

@@ -21,6 +21,7 @@ examples:
   fitbench plan --models small --mode train --batch-size 4 --seq-len 512 --gpu H100-80GB --trace
   fitbench plan --models 7B 13B 70B --gpu-memory 80GB --requirements
   fitbench plan --models 7B --mode infer --gpu H100-80GB --preregister forecasts.json
+  fitbench plan --models falcon-40b --mode infer --precision nf4 --gpu-memory 80GB --backend native
 Without --gpus/--gpu-memory/--gpu the GPUs of this machine are used.
 """
 

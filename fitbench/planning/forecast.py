@@ -95,30 +95,54 @@ BACKWARD_TRAFFIC = {(2, 2): 2.0, (4, 2): 2.4, (4, 4): 2.24}
 # reads, gradients written into their place with ``out=``): a training step's forward and backward
 # together move about 2.4 forward passes' bytes. Bytes of the step beyond one forward pass's
 # (``layer_traffic``), per byte of that forward, and of a recomputed forward (the Functions' forward,
-# lighter than the plain operators), counted in the real step (tests/test_forecast.py): bf16 2.37
-# forward passes' worth, bf16 autocast 2.53, fp32 2.40, bf16 checkpointed 3.22.
-FUNCTIONS_BACKWARD_TRAFFIC = {(2, 2): 1.37, (4, 2): 1.53, (4, 4): 1.40}
-FUNCTIONS_RECOMPUTED_TRAFFIC = 0.85
+# lighter than the plain operators), by the block's family, counted in the real step
+# (tests/test_forecast.py). Llama: bf16 2.37 forward passes' worth, bf16 autocast 2.53, fp32 2.40, bf16
+# checkpointed 3.22. Falcon (its rotary through the Function, its LayerNorms and GELU as plain operators
+# under autograd), the grouped-heads block with two LayerNorms and the multi-query block with one alike:
+# bf16 1.93, bf16 autocast 2.16 and 2.17, fp32 2.07 and 2.09, bf16 checkpointed 2.67 and 2.67. GPT-2
+# (none of the Functions: LayerNorm, learned positions, GELU, every operator recorded): bf16 3.14, bf16
+# autocast 2.98, fp32 3.14, bf16 checkpointed 4.01; its forward moves little beside attention's backward,
+# which reads q, k, v, the output and its gradient and writes three gradients.
+FUNCTIONS_BACKWARD_TRAFFIC = {"llama": {(2, 2): 1.37, (4, 2): 1.53, (4, 4): 1.40},
+                              "falcon": {(2, 2): 0.93, (4, 2): 1.17, (4, 4): 1.08},
+                              "gpt2": {(2, 2): 2.14, (4, 2): 1.98, (4, 4): 2.14}}
+FUNCTIONS_RECOMPUTED_TRAFFIC = {"llama": 0.85, "falcon": 0.74, "gpt2": 0.87}
 
-# Operators launched per layer in a forward pass: fitbench's native decoder, its q/k/v and gate/up fused
-# (43), or unfused as quantized, tensor-parallel and pipelined builds keep them (46); transformers'
-# layers as the installed version launches them (``fitbench.models.hf_operators``). Where autograd records each operator, autocast adds a cast of
-# each matmul's input and a training step launches BACKWARD_OPS operators per forward operator more (the
-# native decoder before its Functions, bf16-pure: 103 per layer against 41 forward with grad mode's own;
-# bf16 autocast 105 against 47). Through the Functions the norm writes the matmuls' dtype (no casts) and
-# a layer's training launches FUNCTIONS_BACKWARD_OPS per forward operator more (bf16-pure 84 against 43,
-# bf16 autocast 82, unfused 96 and 100 against 46), its recomputation FUNCTIONS_RECOMPUTED_OPS (29
-# against 43). Outside the layers: embedding, final norm, output projection and the logits' reduction;
-# in training also the optimizer's and the gradients' bookkeeping (EDGE_OPS); and each chunk of the loss
-# (``fitbench.models.loss``): the fused loss's maximum, shifted exponential, sum, gradient written over the
-# logits and its scaling in backward (LOSS_CHUNK_OPS); the out-of-place loss of DTensor logits and of
-# steps measured before the fused loss: upcast, cross-entropy, sum and their backward
-# (CHUNKED_LOSS_CHUNK_OPS, with CHUNKED_LOSS_EDGE_OPS at the edges). All counted by tests/test_forecast.py.
-LAYER_OPS = {"native": 43, "native unfused": 46}
+# Operators launched per layer in a decode step, by the native decoder's block (``fitbench.models.native``):
+# with its q/k/v (and Llama's gate/up) fused, or unfused as quantized, tensor-parallel and pipelined builds
+# keep them; a forward or training pass launches the same but for the step's two cache writes, which the
+# forecast counts in passes too (its constants solved from measured rows took them). Llama 43 and 46;
+# Falcon 26 and 28, the grouped-heads and the multi-query block alike (two LayerNorms, which the one-norm
+# block runs twice on the same input; q/k/v; rotary q and k, 12 operators in plain expressions;
+# attention; output projection; GELU MLP; two residual adds, as x + attention + MLP adds in two steps);
+# GPT-2 12 and 14 (no rotary; biases inside their matmuls' operator). transformers' layers as the
+# installed version launches them (``fitbench.models.hf_operators``). Where autograd records each
+# operator, autocast adds its casts (``autocast_casts``) and a training step launches BACKWARD_OPS
+# operators per forward operator more (the native decoder before its Functions, bf16-pure: 103 per layer
+# against 41 forward with grad mode's own; bf16 autocast 105 against 47). Through the Functions a layer's
+# training launches FUNCTIONS_BACKWARD_OPS per forward operator more, with or without its fused
+# projections, and each autocast cast twice (the cast and its gradient's; Llama's norm writes the matmuls'
+# dtype, no casts): Llama bf16-pure 84 against 43, bf16 autocast 82, unfused 96 and 100 against 46;
+# Falcon bf16-pure 35 (grouped heads) and 37 (multi-query: the shared norm's two weight gradients added)
+# against 26, bf16 autocast 49 and 51, unfused 44 and 46 against 28, autocast 66 and 68 (Falcon's figure
+# is their mean); GPT-2 bf16-pure 29 against 12, autocast 51, unfused 38 against 14, autocast 72. Its
+# recomputation launches FUNCTIONS_RECOMPUTED_OPS per forward operator: Llama 29 against 43, Falcon 12
+# against 26, GPT-2 8 against 12. Outside the layers: embedding (and GPT-2's position rows and their add),
+# final norm (Llama's RMSNorm nine operators in plain expressions, LayerNorm one), output projection and
+# the logits' reduction; in training also the optimizer's and the gradients' bookkeeping (EDGE_OPS:
+# Llama's, transformers' models counted as Llama's); and each chunk of the loss (``fitbench.models.loss``):
+# the fused loss's maximum, shifted exponential, sum, gradient written over the logits and its scaling in
+# backward (LOSS_CHUNK_OPS); the out-of-place loss of DTensor logits and of steps measured before the
+# fused loss: upcast, cross-entropy, sum and their backward (CHUNKED_LOSS_CHUNK_OPS, with
+# CHUNKED_LOSS_EDGE_OPS at the edges). All counted by tests/test_forecast.py.
+LAYER_OPS = {"llama": {"fused": 43, "unfused": 46}, "falcon": {"fused": 26, "unfused": 28},
+             "gpt2": {"fused": 12, "unfused": 14}}
 BACKWARD_OPS = 1.45
-FUNCTIONS_BACKWARD_OPS = 1.03
-FUNCTIONS_RECOMPUTED_OPS = 29 / 43
-EDGE_OPS = {"forward": 12, "training": 42}
+FUNCTIONS_BACKWARD_OPS = {"llama": {"fused": 1.03, "unfused": 1.03}, "falcon": {"fused": 0.38, "unfused": 0.61},
+                          "gpt2": {"fused": 1.42, "unfused": 1.71}}
+FUNCTIONS_RECOMPUTED_OPS = {"llama": 29 / 43, "falcon": 12 / 26, "gpt2": 8 / 12}
+EDGE_OPS = {"llama": {"forward": 12, "training": 42}, "falcon": {"forward": 7, "training": 20},
+            "gpt2": {"forward": 9, "training": 23}}
 LOSS_CHUNK_OPS = 17
 CHUNKED_LOSS_CHUNK_OPS = 7
 CHUNKED_LOSS_EDGE_OPS = 43
@@ -281,34 +305,61 @@ def decode_format(precision: str, decode: str, tokens: int) -> DecodeFormat:
     return entry(precision).decode.at(decode, tokens)
 
 
-def layer_traffic(arch: Architecture, widths: Widths) -> float:
+def native_block(arch: Architecture, backend: str) -> str:
+    """Whose counts a layer takes: the native decoder's block of ``arch``'s family (llama, falcon, gpt2);
+    transformers' layers (``backend`` hf) take the Llama block's elementwise traffic and edges, as they
+    always have (their operators are their own: ``layer_operators``)."""
+    return arch.family if backend == "native" else "llama"
+
+
+def layer_traffic(arch: Architecture, widths: Widths, backend: str = "native") -> float:
     """Bytes the elementwise operators of one eager layer read and write per token in a forward pass
     (``fitbench.models.native``; h hidden, f MLP width, k key/value width, c compute and r residual
-    widths; tests/test_forecast.py counts them in the real step):
+    widths; tests/test_forecast.py counts them in the real step of each block):
 
-    - each RMSNorm: two fp32 upcasts of a 16-bit input (r + 4 each), the square (8), the mean (4), the
-      product with 1/rms (8), the cast back (4 + r), the weight's product (2 r), autocast's cast of the
-      result for the matmul (6): 28 h + 2 r h in fp32, 34 h under autocast, 42 h in bf16;
-    - rotary embedding of q and k: products with cos and sin, the negated half, the concatenation and
-      the sum, 10 c per element: 10 c (h + k);
+    - the residual stream, ``residual_stream_traffic``: the two norms and the two residual adds;
+    - rotary embedding of q and k (Llama, Falcon; GPT-2's positions enter with the embeddings): products
+      with cos and sin, the negated half, the concatenation and the sum, 10 c per element: 10 c (h + k);
     - attention's q, k, v and output, 2 c (h + k) (grouped heads expanded for fp32: k = h, and the
-      expansion's copies, 8 (h + k));
-    - two residual adds, (2 r + c) h each;
-    - SwiGLU: silu of the gate and its product with up, 5 c f."""
+      expansion's copies, 8 (h + k)); GPT-2's q, k and v views of the one projection's output alike;
+    - the MLP's activation: SwiGLU's silu of the gate and its product with up, 5 c f; GELU (Falcon's
+      exact, GPT-2's tanh, one ``F.gelu``) reads its input and writes its output, 2 c f.
+
+    Biases (GPT-2's, Falcon's where its config has them) are added inside their matmul's operator
+    (``addmm``), no elementwise operator of their own. ``backend`` hf: the Llama block's bytes
+    (``native_block``). Autocast's casts are counted as the fused projections run them: one per norm."""
+    block = native_block(arch, backend)
     h, f, c = arch.hidden_size, arch.ffn_size, widths.compute
     k = arch.num_kv_heads * arch.head_dim
     expanded = c == 4 and k != h
     attention = 2 * c * (h + (h if expanded else k)) + (8 * (h + k) if expanded else 0)
-    return residual_stream_traffic(arch, widths) + 10 * c * (h + k) + attention + 5 * c * f
+    rotary = 0 if block == "gpt2" else 10 * c * (h + k)
+    mlp = 5 * c * f if block == "llama" else 2 * c * f
+    return residual_stream_traffic(arch, widths, backend) + rotary + attention + mlp
 
 
-def residual_stream_traffic(arch: Architecture, widths: Widths) -> float:
-    """The part of ``layer_traffic`` on the residual stream, whole hidden vectors: the two RMSNorms and
-    the two residual adds. Tensor parallelism splits heads and the MLP's width, not these: every rank
-    runs them on the whole activation (``fitbench.worker.tensor_parallel``: "the norms replicated"), unless
-    sequence parallelism gives each rank 1 / tp of the sequence (``sequence_parallel``)."""
+def residual_stream_traffic(arch: Architecture, widths: Widths, backend: str = "native") -> float:
+    """The part of ``layer_traffic`` on the residual stream, whole hidden vectors: two norms and two
+    residual adds, (2 r + c) h each. Tensor parallelism splits heads and the MLP's width, not these: every
+    rank runs them on the whole activation (``fitbench.worker.tensor_parallel``: "the norms replicated"),
+    unless sequence parallelism gives each rank 1 / tp of the sequence (``sequence_parallel``).
+
+    - each RMSNorm (Llama): two fp32 upcasts of a 16-bit input (r + 4 each), the square (8), the mean
+      (4), the product with 1/rms (8), the cast back (4 + r), the weight's product (2 r), autocast's cast
+      of the result for the matmul (6): 28 h + 2 r h in fp32, 34 h under autocast, 42 h in bf16;
+    - each LayerNorm (Falcon, GPT-2): one operator reading the residual and writing its output in the
+      residual's dtype (mean and 1/std per token besides, negligible), 2 r h, and under autocast, which
+      runs it in fp32, its output's cast for the matmul (4 + c): 8 h + 6 h under autocast, 4 h in bf16,
+      8 h in fp32. Falcon-7B's block with one LayerNorm runs it twice on the same input, once for
+      attention and once for the MLP (``DecoderLayer.mlp_norm``): two norms' bytes too;
+    - Falcon's parallel block adds attention's and the MLP's outputs to its input in two adds
+      (x + attention + MLP), as the sequential blocks do: two adds all the same."""
     h, c, r = arch.hidden_size, widths.compute, widths.residual
-    norm = (0 if r == 4 else 2 * (r + 4) + 4 + r) * h + 20 * h + 2 * r * h + (6 * h if widths.autocast else 0)
+    cast = (4 + c) * h if widths.autocast else 0
+    if native_block(arch, backend) == "llama":
+        norm = (0 if r == 4 else 2 * (r + 4) + 4 + r) * h + 20 * h + 2 * r * h + cast
+    else:
+        norm = 2 * r * h + cast
     return 2 * norm + 2 * (2 * r + c) * h
 
 
@@ -335,12 +386,39 @@ def loss_traffic(vocab: int, compute: int, training: bool, fused: bool = True) -
 
 
 def layer_ops(arch: Architecture, backend: str, fused: bool = True, transformers: str | None = None) -> int:
-    """Operators one layer launches in a forward pass: the native decoder's (``LAYER_OPS``; ``fused``: its
-    fused projections), or transformers' layer as ``transformers`` (a version; None: the installed one)
-    runs it (``layer_operators``)."""
+    """Operators one layer launches in a decode step, which the forecast counts for a forward pass too: the
+    native decoder's block's (``LAYER_OPS``, by ``arch``'s family; ``fused``: its fused projections), or
+    transformers' layer as ``transformers`` (a version; None: the installed one) runs it
+    (``layer_operators``)."""
     if backend == "native":
-        return LAYER_OPS["native" if fused else "native unfused"]
+        return LAYER_OPS[arch.family]["fused" if fused else "unfused"]
     return layer_operators(arch, transformers)
+
+
+def layer_matmuls(arch: Architecture, backend: str, fused: bool = True) -> int:
+    """Matmuls one layer runs: transformers' layer one per matrix (``Architecture.layer_matrices``); the
+    native decoder's q, k and v as one (``fused``) or three, the output projection, and its MLP's: Llama's
+    gate and up as one or two and down, a GELU MLP's up and down."""
+    if backend != "native":
+        return len(arch.layer_matrices)
+    mlp = (2 if fused else 3) if arch.family == "llama" else 2
+    return (1 if fused else 3) + 1 + mlp
+
+
+def autocast_casts(arch: Architecture, backend: str, fused: bool = True, functions: bool = False) -> int:
+    """Casts autocast adds to a layer's forward. The native Llama block and transformers' layers: one per
+    matmul's input, as the forecast has counted them for the measured rows (a native Llama forward pass
+    counts 6 for its fused layer's 4 matmuls: each weight's cast and each norm output's), and none through
+    the native Llama's Functions (``functions``), whose norm writes the matmuls' dtype. The native Falcon
+    and GPT-2 blocks, whose LayerNorms autocast runs in fp32, with or without the Functions: each matmul's
+    weight, each bias, and each matmul input a LayerNorm wrote (q/k/v's, as one or three, and the MLP's
+    up projection), counted in the real step (tests/test_forecast.py)."""
+    matmuls = layer_matmuls(arch, backend, fused)
+    if backend != "native" or arch.family == "llama":
+        return 0 if functions else matmuls
+    qkv_biased = arch.layer_matrices[0].bias  # q, k and v each carry their part of it when unfused
+    biases = sum(m.bias for m in arch.layer_matrices) + (2 if qkv_biased and not fused else 0)
+    return matmuls + biases + (1 if fused else 3) + 1
 
 
 def fused_build(precision: str, parallelism: Parallelism, run: StepRun, mode: str) -> bool:
@@ -386,7 +464,7 @@ def _decode_time(arch: Architecture, precision: str, batch: int, seq_len: int, n
     widths = Widths.of(precision)
     decode = "eager" if run.backend == "hf" or offloaded_bytes else run.decode
     fmt = decode_format(precision, decode, batch)
-    matmuls = len(arch.layer_matrices)
+    fused = run.backend == "native" and fused_build(precision, parallelism, run, "infer")
     layer_weights = arch.layer_matmul_weights * arch.num_layers
     if entry(precision).quantized:
         stored = sum(entry(precision).storage.matrix_bytes(m.rows, m.columns) for m in arch.layer_matrices)
@@ -411,9 +489,9 @@ def _decode_time(arch: Architecture, precision: str, batch: int, seq_len: int, n
     matmul_s = 2 * batch * arch.matmul_params / (tp * ceiling.peak(gpu_name, entry(precision).peak_kind("infer"))
                                                  * MATMUL_EFFICIENCY)
     per_layer = COMPILED_LAYER_KERNELS if decode == "compiled" else \
-        layer_ops(arch, run.backend, fused_build(precision, parallelism, run, "infer"), run.transformers)
-    per_layer += matmuls * fmt.extra_kernels
-    kernels = per_layer * arch.num_layers + EDGE_OPS["forward"]
+        layer_ops(arch, run.backend, fused, run.transformers)
+    per_layer += layer_matmuls(arch, run.backend, fused) * fmt.extra_kernels
+    kernels = per_layer * arch.num_layers + EDGE_OPS[native_block(arch, run.backend)]["forward"]
     kernels_s = kernels * KERNEL_S
     device_s = max(matmul_s, memory_s) + kernels_s
     # Stages decode in turn, the whole model at one rank's pace; each native stage's process launches
@@ -466,16 +544,18 @@ def _pass_time(arch: Architecture, mode: str, precision: str, batch: int, seq_le
     functions = training and run.functions and run.backend == "native" and tp == 1 and not run.compiled
     fused_loss = training and run.fused_loss and tp == 1
     widths_key = (widths.residual, widths.compute)
+    block = native_block(arch, run.backend)
     if functions:
-        backward, recomputed_traffic = FUNCTIONS_BACKWARD_TRAFFIC.get(widths_key, 1.0), FUNCTIONS_RECOMPUTED_TRAFFIC
+        backward = FUNCTIONS_BACKWARD_TRAFFIC[block].get(widths_key, 1.0)
+        recomputed_traffic = FUNCTIONS_RECOMPUTED_TRAFFIC[block]
     else:
         backward, recomputed_traffic = BACKWARD_TRAFFIC.get(widths_key, 2.0), 1.0
     traffic_passes = (1 + backward + recomputed_traffic * recomputed) if training else 1
     # a stage's layers alone; each tensor-parallel rank runs 1 / tp of the heads and the MLP, and the
     # residual stream whole unless sequence parallelism splits it
-    residual = residual_stream_traffic(arch, widths)
+    residual = residual_stream_traffic(arch, widths, run.backend)
     split = tp if sequence_parallel(run.backend, training, seq_len, tp, arch.position_embeddings == "learned") else 1
-    per_rank = (layer_traffic(arch, widths) - residual) / tp + residual / split
+    per_rank = (layer_traffic(arch, widths, run.backend) - residual) / tp + residual / split
     layers = n * share * L * per_rank * traffic_passes
     if run.compiled:
         layers *= COMPILED_TRAFFIC
@@ -499,22 +579,23 @@ def _pass_time(arch: Architecture, mode: str, precision: str, batch: int, seq_le
     optimizer_s = share * optimizer / ceiling.bandwidth
 
     fused = run.backend == "native" and fused_build(precision, parallelism, run, mode)
-    matmuls = 4 if fused and arch.family == "llama" else len(arch.layer_matrices)
-    forward_ops = layer_ops(arch, run.backend, fused, run.transformers)
-    if widths.autocast and not functions:  # each matmul's input cast to 16 bits
-        forward_ops += matmuls
-    if run.compiled:
-        forward_ops = COMPILED_LAYER_KERNELS
+    matmuls = layer_matmuls(arch, run.backend, fused)
+    # the casts autocast adds, which a compiled region fuses into its kernels
+    casts = autocast_casts(arch, run.backend, fused, functions) if widths.autocast and not run.compiled else 0
+    forward_ops = COMPILED_LAYER_KERNELS if run.compiled else layer_ops(arch, run.backend, fused, run.transformers)
     if adapters:
         forward_ops += matmuls * (ADAPTER_OPS + decode_format(precision, "eager", n).extra_kernels)
     if float8 and not run.compiled:
         forward_ops += matmuls * FP8_TRAINING_OPS
-    if functions:
-        per_layer = forward_ops * (1 + FUNCTIONS_BACKWARD_OPS + FUNCTIONS_RECOMPUTED_OPS * recomputed)
+    if functions:  # each cast and its gradient's, and the cast again where the layer recomputes
+        backward_ops = FUNCTIONS_BACKWARD_OPS[block]["fused" if fused else "unfused"]
+        per_layer = forward_ops * (1 + backward_ops + FUNCTIONS_RECOMPUTED_OPS[block] * recomputed) \
+            + casts * (2 + recomputed)
     else:
-        per_layer = forward_ops * ((1 + BACKWARD_OPS + recomputed) if training else 1)
+        per_layer = (forward_ops + casts) * ((1 + BACKWARD_OPS + recomputed) if training else 1)
     chunks = math.ceil(n / loss_chunk_rows(V)) if training else 0
-    edges = EDGE_OPS["forward"] if not training else EDGE_OPS["training"] if fused_loss else CHUNKED_LOSS_EDGE_OPS
+    edge = EDGE_OPS[block]
+    edges = edge["forward"] if not training else edge["training"] if fused_loss else CHUNKED_LOSS_EDGE_OPS
     ops = share * L * per_layer + edges + chunks * (LOSS_CHUNK_OPS if fused_loss else CHUNKED_LOSS_CHUNK_OPS)
     kernels_s = ops * KERNEL_S
     device_s = matmul_s + attention_s + memory_s + optimizer_s + kernels_s
