@@ -5,8 +5,9 @@
 Embeddings, norms and the output projection stay bf16, as transformers' integrations keep them
 (``fitbench.worker.quantize.linears``).
 
-A large model is quantized as it is built, one layer at a time (``build_quantized_native``), so the
-full bf16 model never exists: the peak is the quantized layers so far plus one layer in bf16. Each
+A large model is quantized as it is built, one layer at a time (``build_quantized_native``), its
+weights random or each layer's read from a checkpoint as the layer is made, so the full bf16 model
+never exists: the peak is the quantized layers so far plus one layer in bf16. Each
 layer's weights, once quantized, move into one block of a pool of their own (``fitbench.worker.packing``),
 so that the next layer's bf16 weights and temporaries find the range this one's left free. The
 same pass measures quality against the bf16 model (``fitbench.worker.quality``): a probe sequence runs

@@ -2,9 +2,9 @@
 layers over several, as ``from_pretrained`` with a quantization config and a ``device_map`` loads it:
 every module is created on the meta device, and each decoder layer gets storage on its device, its
 weights (random, or read from a checkpoint directory tensor by tensor,
-``fitbench.models.checkpoint_reader``), and its quantized matmuls before the next layer gets storage. The peak on a device is
-its quantized layers so far, the bf16 modules it holds whole (embeddings, norms, the output
-projection), and one layer in bf16 with the quantizer's temporaries.
+``fitbench.models.checkpoint_reader``), and its quantized matmuls before the next layer gets
+storage. The peak on a device is its quantized layers so far, the bf16 modules it holds whole
+(embeddings, norms, the output projection), and one layer in bf16 with the quantizer's temporaries.
 
 The layers are split over the devices as ``fitbench.worker.hf_pipeline`` splits floating-point stages
 (``stage_device_map``), and the model is dispatched the same way (accelerate's hooks move each
@@ -67,6 +67,8 @@ def build_quantized_hf(arch: Architecture, devices: list[str], precision: str, p
     reader = CheckpointReader(checkpoint) if checkpoint is not None else None
     text, perplexities = shipped_text(checkpoint, arch, probe.device) if checkpoint is not None else (None, None)
     T = probe.shape[1]
+    # the probe's rows alone: the text's are no part of the matmuls' errors
+    keep = torch.clone if text is None else lambda t: t[:1, :T].clone()
     config = hf_config(arch) if reader is None else checkpoint_config(reader.directory)
     with torch.device("meta"):
         model = AutoModelForCausalLM.from_config(config, dtype=torch.bfloat16)
@@ -108,9 +110,8 @@ def build_quantized_hf(arch: Architecture, devices: list[str], precision: str, p
         def before(module, args):
             make(f"{prefix}.{index}", device)
             linears = quantizable_linears(module, f"{prefix}.{index}.")
-            # copies: transformers' layers may add into a matmul's output in place (Falcon's parallel block);
-            # the probe's rows alone, the text's being no part of the matmuls' errors
-            recording = recorded_matmuls(linears, keep=lambda t: t[:1, :T].clone())
+            # copies: transformers' layers may add into a matmul's output in place (Falcon's parallel block)
+            recording = recorded_matmuls(linears, keep=keep)
             recordings[index] = (recording, recording.__enter__())
 
         def after(module, args, result):
