@@ -25,11 +25,12 @@ from fitbench.models.registry import resolve
 from fitbench.results.store import ResultStore
 from fitbench.worker import quantize
 from fitbench.worker.loops import random_tokens
-from fitbench.worker.quantize import build_quantized_native, quantize_linears
+from fitbench.worker.pipeline import stage_forward
+from fitbench.worker.quantize import STAGE_PERPLEXITY, build_quantized_native, quantize_linears
 from fitbench.worker.quantize import hf_layers
 from fitbench.worker.quantize.hf_layers import build_quantized_hf
 from fitbench.worker.quantize.linears import to_plain_linears
-from fitbench.spec import Layout
+from fitbench.spec import Layout, Stage
 from test_quantize import agreement_by_hand, kl_by_hand, relative_error, run_worker, spec
 
 CPU = torch.device("cpu")
@@ -181,12 +182,14 @@ def test_a_checkpoint_split_over_two_devices_is_the_one_device_model(family, tmp
         assert head is not embedding and torch.equal(head, embedding)
 
 
-@pytest.mark.parametrize("backend", ["hf", "native"])
-def test_a_quantized_run_of_a_checkpoint_from_the_command_line(backend, tmp_path, capsys):
+@pytest.mark.parametrize("backend, layout", [
+    ("hf", []), ("native", []),
+    pytest.param("native", ["--strategy", "pipeline", "--gpus", "2"], marks=pytest.mark.slow, id="native-stages")])
+def test_a_quantized_run_of_a_checkpoint_from_the_command_line(backend, layout, tmp_path, capsys):
     directory = write_checkpoint("gpt2", tmp_path / "gpt2")
     out = tmp_path / "out"
     code, stdout, stderr = cli(["run", "--models", str(directory), "--mode", "infer", "--precision", "int8-weight-only",
-                                "--device", "cpu", "--backend", backend, "--batch-size", "1", "--seq-len", "16",
+                                "--device", "cpu", "--backend", backend, *layout, "--batch-size", "1", "--seq-len", "16",
                                 "--new-tokens", "4", "--warmup-steps", "1", "--measure-steps", "2",
                                 "--out", str(out)], capsys)
     assert code == 0, stderr
@@ -195,6 +198,8 @@ def test_a_quantized_run_of_a_checkpoint_from_the_command_line(backend, tmp_path
     assert row["weights"]["source"] == f"checkpoint {directory.resolve()}"
     assert row["quality"]["reference"] == "bf16, the checkpoint's weights, same input"
     assert row["quality"]["matmul_error"]["count"] == {"hf": 4, "native": 6}[backend] * LAYERS
+    if layout:
+        assert row["parallel"]["initial_weights"] == "read per stage from the checkpoint"
 
 
 def test_the_hf_backends_quantized_stages_load_the_checkpoint(tmp_path):
@@ -260,3 +265,30 @@ def test_a_checkpoint_of_the_base_model_names_its_tensors_without_its_prefix(bac
     probe = random_tokens(VOCAB, 1, SEQ, CPU, seed=2)
     expected = logits_of(build(backend, directory, "int8-weight-only", probe)[0], probe)
     assert torch.equal(logits_of(build(backend, base, "int8-weight-only", probe)[0], probe), expected)
+
+
+@pytest.mark.parametrize("family", ["falcon", "gpt2"])
+def test_native_quantized_stages_of_a_checkpoint_are_the_one_process_model(family, tmp_path):
+    """Two native pipeline stages, built in turn here with what one hands the next passed by hand (the
+    ranks send it over torch.distributed), each read its own modules from the checkpoint: together the
+    one-process model's logits and quality; the first stage's later layers have no storage."""
+    directory = write_checkpoint(family, tmp_path)
+    arch = resolve(str(directory))
+    probe = random_tokens(VOCAB, 1, SEQ, CPU, seed=2)
+    whole, quality = build("native", directory, "int8-weight-only", probe)
+    carried = []
+    first, last = Stage.every(LAYERS, 2)
+    first_model, none = build_quantized_native(arch, CPU, "int8-weight-only", probe, first.layers,
+                                               send=carried.append, checkpoint=directory)
+    last_model, staged = build_quantized_native(arch, CPU, "int8-weight-only", probe, last.layers,
+                                                receive=carried.pop, checkpoint=directory)
+    assert none is None and not carried
+    assert all(p.is_meta for i in last.layers for p in first_model.model.layers[i].parameters())
+    assert all(p.is_meta for i in first.layers for p in last_model.model.layers[i].parameters())
+    with torch.no_grad():
+        expected = stage_forward(whole, Stage.of(LAYERS, 0, 1), probe)
+        got = stage_forward(last_model, last, stage_forward(first_model, first, probe))
+    assert torch.equal(got, expected)
+    assert staged.matmul_error == quality.matmul_error
+    assert (staged.top1_agreement, staged.kl_divergence) == (quality.top1_agreement, quality.kl_divergence)
+    assert staged.perplexity == STAGE_PERPLEXITY

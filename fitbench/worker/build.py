@@ -248,14 +248,18 @@ def build_pipelined(spec: RunSpec, arch: Architecture, policy: PrecisionPolicy, 
                     probe: torch.Tensor | None = None) -> tuple[PipelineLM, Quality | None]:
     """This rank's stage of ``spec``'s model, ready to run. Quantized weights are built, quantized and
     packed layer by layer on the stage's device (``fitbench.worker.quantize.build_quantized_native`` over
-    the stage's layers), the ``probe``'s hidden states passing from stage to stage, and their quality
-    against bf16 comes back on the last stage (None on the others, and for float weights)."""
+    the stage's layers), random or read from the model's checkpoint directory, the ``probe``'s hidden
+    states passing from stage to stage, and their quality against bf16 comes back on the last stage
+    (None on the others, and for float weights). Floating-point stages draw random weights: a
+    checkpoint is refused there."""
     problem = spec.layout.problem(arch, spec.mode, spec.precision, spec.backend)
     if spec.mode in TRAINING_MODES:
         problem = problem or microbatch_problem(spec.batch_size, spec.pipeline_microbatches)
-    if is_local_model(spec.model) and has_weights(spec.model):
-        problem = problem or (f"pipeline stages draw random weights stage by stage; {spec.model} holds a "
-                              f"checkpoint, which they do not load: run it without --strategy pipeline")
+    checkpoint = checkpoint_of(spec.model if is_local_model(spec.model) else None)
+    if checkpoint is not None and not (policy.quantized and spec.layout.tp == 1):
+        problem = problem or (f"pipeline stages in floating point, or with --tp, draw random weights stage by "
+                              f"stage; {spec.model} holds a checkpoint, which they do not load: run it without "
+                              f"--strategy pipeline, or its stages in a quantized precision without --tp")
     if problem:
         raise ValueError(problem)
     tp = spec.layout.tp
@@ -290,7 +294,8 @@ def build_pipelined(spec: RunSpec, arch: Architecture, policy: PrecisionPolicy, 
         dist.send(quantized.to(policy.compute_dtype).contiguous(), dst=rank.rank + 1)
         dist.send_object_list([errors], dst=rank.rank + 1)
 
-    module, quality = build_quantized_native(arch, rank.device, spec.precision, probe, stage.layers, receive, send)
+    module, quality = build_quantized_native(arch, rank.device, spec.precision, probe, stage.layers, receive, send,
+                                             checkpoint=checkpoint)
     prune(module, stage)
     return PipelineLM(module, stage, rank, cache_dtype=policy.compute_dtype, hidden_dtype=policy.weight_dtype,
-                      **graphs), quality
+                      from_checkpoint=checkpoint is not None, **graphs), quality

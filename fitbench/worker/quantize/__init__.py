@@ -37,6 +37,10 @@ from fitbench.worker.quality import (REFERENCE_TEXT_NAME, NoTokenizer, Perplexit
 from fitbench.worker.quantize import bitsandbytes, torchao
 from fitbench.worker.quantize.linears import quantizable, quantizable_linears, to_plain_linears
 
+# Why a pipeline stage's quality has no perplexity of a checkpoint's text: the quantized one needs the whole
+# model's logits, which no stage's process holds.
+STAGE_PERPLEXITY = ("not measured: the text's perplexity needs the whole quantized model in one process, and each "
+                    "pipeline stage holds its own layers")
 # What one pipeline stage's quantized build hands the next: the probe's bf16 and quantized hidden
 # states (1, T, C) and the matmul errors so far.
 Carried = tuple[torch.Tensor, torch.Tensor, dict[str, float]]
@@ -85,9 +89,10 @@ def build_quantized_native(arch: Architecture, device: torch.device, precision: 
 
     ``checkpoint``: a directory that transformers' ``save_pretrained`` wrote, of ``arch``; each module,
     as it gets storage, takes its tensors from it, read then and only then (``fill_native``), instead
-    of random ones. Built whole, where the checkpoint's tokenizer reads the shipped text, the text's
-    bf16 hidden states pass the layers beside the probe's, and the quality holds its perplexity
-    before and after."""
+    of random ones (a stage reads its own modules' alone). Built whole, where the checkpoint's
+    tokenizer reads the shipped text, the text's bf16 hidden states pass the layers beside the
+    probe's, and the quality holds its perplexity before and after (``STAGE_PERPLEXITY`` on a
+    stage)."""
     layers = range(arch.num_layers) if layers is None else layers
     first, last = layers.start == 0, layers.stop == arch.num_layers
     model = meta_model(arch, torch.bfloat16)
@@ -122,8 +127,10 @@ def build_quantized_native(arch: Architecture, device: torch.device, precision: 
         reference = quantized = model.add_positions(embedding(probe), slice(0, T))
     else:
         reference, quantized, errors = receive()
-    text, perplexities = shipped_text(checkpoint, arch, device) if reader is not None and first and last \
-        else (None, None)
+    if reader is not None and first and last:
+        text, perplexities = shipped_text(checkpoint, arch, device)
+    else:
+        text, perplexities = None, STAGE_PERPLEXITY if reader is not None else None
     if text is not None:
         text_hidden = model.add_positions(embedding(text), slice(0, text.shape[1]))
         text_cos, text_sin = model.rope_cos[:text.shape[1]], model.rope_sin[:text.shape[1]]
