@@ -1,7 +1,7 @@
 """A checkpoint directory quantized as it loads, one layer at a time, on either backend.
 
-For tiny Llama, Falcon (new decoder architecture, grouped key/value heads) and GPT-2 (a tied output
-projection, transposed ``Conv1D`` weights) configurations, transformers' model is made in fp32 from a
+For tiny Llama, Falcon (new decoder architecture, grouped key/value heads, no biases, as Falcon-40B and
+-180B) and GPT-2 (a tied output projection, transposed ``Conv1D`` weights, biases) configurations, transformers' model is made in fp32 from a
 seed, every parameter moved off its initial value (norms and biases included, so that a misplaced
 one shows), and saved with ``save_pretrained`` (safetensors). The quantized build from that directory
 must give the logits of the checkpoint loaded whole in bf16 and quantized afterwards, with its
@@ -41,7 +41,7 @@ CONFIGS = {
                   tie_word_embeddings=False),
     "falcon": dict(model_type="falcon", vocab_size=VOCAB, hidden_size=HIDDEN, num_hidden_layers=LAYERS,
                    num_attention_heads=HEADS, num_kv_heads=2, ffn_hidden_size=FFN, new_decoder_architecture=True,
-                   parallel_attn=True, bias=True, alibi=False, max_position_embeddings=64),
+                   parallel_attn=True, bias=False, alibi=False, max_position_embeddings=64),
     "gpt2": dict(model_type="gpt2", vocab_size=VOCAB, n_embd=HIDDEN, n_layer=LAYERS, n_head=HEADS, n_inner=FFN,
                  n_positions=64, resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0, bos_token_id=0, eos_token_id=0),
 }
@@ -118,7 +118,8 @@ def test_one_layer_at_a_time_is_read_and_held_in_floating_point(backend, family,
     """Whenever a layer's matmuls are about to be quantized, the decoder layers' plain floating-point
     parameters are that layer's and the norms and biases of the layers before it (their matrices
     quantized; the layers after it have no storage), and the tensors read from the checkpoint are
-    those of the layers so far and of the modules outside the layers, each once."""
+    those of the layers so far and of the modules outside the layers, each once. The one layer is the
+    one the planner counts in bf16 at the build's moment."""
     directory = write_checkpoint(family, tmp_path)
     read: list[str] = []
     layers: list[nn.ModuleList] = []
@@ -161,6 +162,8 @@ def test_one_layer_at_a_time_is_read_and_held_in_floating_point(backend, family,
     one = [2 * sum(p.numel() for p in layer.parameters()) for layer in reference_layers]
     kept = [2 * sum(p.numel() for p in layer.parameters() if p.dim() < 2) for layer in reference_layers]
     assert seen == [(one[i] + sum(kept[:i]), list(range(i + 1))) for i in range(LAYERS)]
+    # the layer the planner's "quantizer temporaries" holds in bf16 (fitbench.planning.memory)
+    assert one == [2 * resolve(str(directory)).params_per_layer] * LAYERS
     assert len(read) == len(set(read))
     assert {layer_of(name) for name in read} == {None, *range(LAYERS)}
 
@@ -292,3 +295,20 @@ def test_native_quantized_stages_of_a_checkpoint_are_the_one_process_model(famil
     assert staged.matmul_error == quality.matmul_error
     assert (staged.top1_agreement, staged.kl_divergence) == (quality.top1_agreement, quality.kl_divergence)
     assert staged.perplexity == STAGE_PERPLEXITY
+
+
+def test_a_falcon_checkpoint_with_biases_is_refused_by_the_native_model_and_built_by_transformers(tmp_path,
+                                                                                                    monkeypatch):
+    """fitbench's Falcon has no matmul biases (Falcon-40B's and -180B's config: bias false): a checkpoint
+    holding them is refused on the native backend rather than built without them; transformers' model
+    of its config.json holds them, and gives the logits of the checkpoint loaded whole then quantized."""
+    monkeypatch.setitem(CONFIGS, "falcon", {**CONFIGS["falcon"], "bias": True})
+    directory = write_checkpoint("falcon", tmp_path)
+    probe = random_tokens(VOCAB, 1, SEQ, CPU, seed=2)
+    with pytest.raises(ValueError, match=r"layer 0 .*bias.*--backend hf"):
+        build("native", directory, "int8-weight-only", probe)
+    built, _ = build("hf", directory, "int8-weight-only", probe)
+    assert any(name.endswith("dense.bias") for name, _ in built.named_parameters())
+    whole = load_model(resolve(str(directory)), "hf", CPU, torch.bfloat16, model_path=str(directory)).module
+    quantize_linears(whole, "int8-weight-only", CPU)
+    assert relative_error(logits_of(built, probe), logits_of(whole, probe)) < 1e-6

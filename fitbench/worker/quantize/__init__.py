@@ -181,7 +181,8 @@ def fill_native(reader: CheckpointReader, targets: dict[str, torch.Tensor], laye
     decoder layer ``layer`` (None: those outside the layers), each read alone in the targets' dtype
     and renamed as the native model names them (``fitbench.models.checkpoint_names``, told the layout
     by the directory's ``config.json``). Every target must be found (a tied output projection is none:
-    the embedding's table)."""
+    the embedding's table), and every tensor of a layer must have its target: one dropped would be a
+    model other than the checkpoint's."""
     hf_config = json.loads((reader.directory / "config.json").read_text())
     dtype = next(iter(targets.values())).dtype
     state = native_state(hf_config, {key: reader.tensor(key, dtype) for key in sorted(reader.keys())
@@ -194,6 +195,12 @@ def fill_native(reader: CheckpointReader, targets: dict[str, torch.Tensor], laye
         raise ValueError(f"the checkpoint in {reader.directory} lacks {len(missing)} tensors of the model its "
                          f"config.json describes, e.g. {sorted(missing)[:3]}: save the checkpoint and its config "
                          f"with transformers' save_pretrained from one model")
+    unused = set(state) - set(targets) if layer is not None else set()
+    if unused:
+        raise ValueError(f"the checkpoint in {reader.directory} holds {len(unused)} tensors of layer {layer} that the "
+                         f"native model of its config.json has no place for, e.g. {sorted(unused)[:3]} (a Falcon "
+                         f"config with bias true: fitbench's Falcon has no biases in its matmuls); run it with "
+                         f"--backend hf, which builds the model of its config.json")
 
 
 def shipped_text(checkpoint: str | Path, arch: Architecture, device: torch.device) -> tuple[torch.Tensor | None,
