@@ -1,14 +1,16 @@
 """A checkpoint directory quantized as it loads, one layer at a time, on either backend.
 
-For tiny Llama, Falcon (new decoder architecture, grouped key/value heads, no biases, as Falcon-40B and
--180B) and GPT-2 (a tied output projection, transposed ``Conv1D`` weights, biases) configurations, transformers' model is made in fp32 from a
-seed, every parameter moved off its initial value (norms and biases included, so that a misplaced
-one shows), and saved with ``save_pretrained`` (safetensors). The quantized build from that directory
-must give the logits of the checkpoint loaded whole in bf16 and quantized afterwards, with its
-quality against that bf16 model recomputed by hand; must hold one layer in floating point at a time,
-having read the checkpoint's tensors of that layer and the ones before it only; and, split by layers
-over two devices, must give the one-device logits. A run from the command line on such a directory
-gives an ok row.
+For tiny Llama, Falcon (new decoder architecture, grouped key/value heads, no biases, as Falcon-40B
+and -180B) and GPT-2 (a tied output projection, transposed ``Conv1D`` weights, biases)
+configurations, transformers' model is made in fp32 from a seed, every parameter moved off its
+initial value (norms and biases included, so that a misplaced one shows), and saved with
+``save_pretrained`` (safetensors). The quantized build from that directory must give the logits of
+the checkpoint loaded whole in bf16 and quantized afterwards, with its quality against that bf16
+model recomputed by hand; must hold one layer in floating point at a time, having read the
+checkpoint's tensors of that layer and the ones before it only; split by layers over two devices
+(transformers' stages) or built as two native stages, must give the one-device logits; must read
+``pytorch_model.bin``, several shards and a base model's names alike; and must refuse a checkpoint
+that does not fit its model. Runs from the command line on such a directory give ok rows.
 """
 
 from __future__ import annotations
@@ -26,8 +28,7 @@ from fitbench.results.store import ResultStore
 from fitbench.worker import quantize
 from fitbench.worker.loops import random_tokens
 from fitbench.worker.pipeline import stage_forward
-from fitbench.worker.quantize import STAGE_PERPLEXITY, build_quantized_native, quantize_linears
-from fitbench.worker.quantize import hf_layers
+from fitbench.worker.quantize import STAGE_PERPLEXITY, build_quantized_native, hf_layers, quantize_linears
 from fitbench.worker.quantize.hf_layers import build_quantized_hf
 from fitbench.worker.quantize.linears import to_plain_linears
 from fitbench.spec import Layout, Stage
@@ -225,20 +226,26 @@ def test_the_hf_backends_quantized_stages_load_the_checkpoint(tmp_path):
     assert results[2]["quality"]["kl_divergence"] == pytest.approx(results[1]["quality"]["kl_divergence"], rel=1e-6)
 
 
+@pytest.mark.parametrize("layout", ["bin", "shards"])
 @pytest.mark.parametrize("backend", ["hf", "native"])
-def test_pytorch_bin_shards_are_read_as_safetensors_are(backend, tmp_path):
-    """A checkpoint in ``pytorch_model.bin`` (the same tensors, ``torch.save``d) builds the model its
-    safetensors do."""
+def test_bin_and_sharded_checkpoints_are_read_as_one_safetensors_file_is(backend, layout, tmp_path):
+    """A checkpoint in ``pytorch_model.bin`` (the same tensors, ``torch.save``d), or in several safetensors
+    shards (``save_pretrained``'s ``max_shard_size``), builds the model its one safetensors file does."""
     from safetensors.torch import load_file
+    from transformers import AutoModelForCausalLM
 
     directory = write_checkpoint("falcon", tmp_path / "safetensors")
-    binary = tmp_path / "bin"
-    binary.mkdir()
-    (binary / "config.json").write_text((directory / "config.json").read_text())
-    torch.save(load_file(str(directory / "model.safetensors")), binary / "pytorch_model.bin")
+    other = tmp_path / layout
+    if layout == "bin":
+        other.mkdir()
+        (other / "config.json").write_text((directory / "config.json").read_text())
+        torch.save(load_file(str(directory / "model.safetensors")), other / "pytorch_model.bin")
+    else:
+        AutoModelForCausalLM.from_pretrained(directory).save_pretrained(other, max_shard_size="40KB")
+        assert len(list(other.glob("*.safetensors"))) > 2
     probe = random_tokens(VOCAB, 1, SEQ, CPU, seed=2)
     expected = logits_of(build(backend, directory, "int8-weight-only", probe)[0], probe)
-    assert torch.equal(logits_of(build(backend, binary, "int8-weight-only", probe)[0], probe), expected)
+    assert torch.equal(logits_of(build(backend, other, "int8-weight-only", probe)[0], probe), expected)
 
 
 @pytest.mark.parametrize("backend", ["hf", "native"])
