@@ -19,11 +19,10 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_leaves
 
 from conftest import Shape
-from fitbench.models.backends import HuggingFaceLM, load_model
+from fitbench.models.backends import load_model
 
 from fitbench.cli import main
 from fitbench.config import SweepConfig, expand
-from fitbench.models.hf import build_hf
 from fitbench.models.native import build_native, init_random_weights, meta_model
 from fitbench.models.registry import resolve
 from fitbench.planning.memory import estimate_memory
@@ -35,7 +34,8 @@ from fitbench.worker.weight_bytes import weight_storage_bytes
 from fitbench.worker.loops import random_tokens
 from fitbench.worker.quality import (MatmulError, kl_divergence, matmul_errors, recorded_matmuls, reference_text,
                                   summarise, top1_agreement)
-from fitbench.worker.quantize import build_quantized_native, quantize_built, quantize_linears
+from fitbench.worker.quantize import build_quantized_native, quantize_linears
+from fitbench.worker.quantize.hf_layers import build_quantized_hf
 from fitbench.spec import Assignment, Layout, RunSpec
 from fitbench.sweep import hardware_refusals
 from fitbench.util.errors import UserError
@@ -428,27 +428,6 @@ def test_native_build_measures_quality_against_the_same_bf16_weights(precision):
     assert quality.perplexity is None
 
 
-@pytest.mark.parametrize("precision", CPU_PRECISIONS)
-def test_quantize_built_measures_quality_against_the_model_before(precision):
-    arch = resolve("tiny")
-    torch.manual_seed(3)
-    model = build_hf(arch, CPU, torch.bfloat16).eval()
-    probe = random_tokens(arch.vocab_size, 1, SEQ, CPU, seed=2)
-    before = copy.deepcopy(model)
-    calls = bf16_matmul_calls(before, lambda: before(probe))
-    with torch.no_grad():
-        reference = model(probe).logits.clone()
-    quality = quantize_built(HuggingFaceLM(model, static_cache=True), arch, precision, CPU, probe)
-    with torch.no_grad():
-        quantized = model(probe).logits
-    assert quality.probe_tokens == SEQ
-    check_matmul_error(quality.matmul_error, calls, model, precision)
-    assert quality.top1_agreement == agreement_by_hand(quantized, reference)
-    assert quality.kl_divergence == pytest.approx(kl_by_hand(quantized, reference), rel=1e-3, abs=1e-8)
-    assert quality.perplexity is None
-    assert type(model.lm_head) is nn.Linear and model.lm_head.weight.dtype == torch.bfloat16
-
-
 def test_matmul_error_of_one_linear_by_hand():
     torch.manual_seed(0)
     linear = nn.Linear(128, 64, bias=True, dtype=torch.bfloat16)
@@ -494,23 +473,41 @@ def test_shipped_text_is_package_data():
     assert len(text.split()) > 200
 
 
+def quantized_from_checkpoint(backend: str, arch, precision: str, probe: torch.Tensor, directory: Path):
+    """The model quantized as it is built from the checkpoint in ``directory``, a function giving its logits,
+    and its quality."""
+    if backend == "native":
+        built, quality = build_quantized_native(arch, CPU, precision, probe, checkpoint=directory)
+        return built, quality
+    built, _, quality = build_quantized_hf(arch, ["cpu"], precision, probe, checkpoint=directory)
+    return built, quality
+
+
+def logits_of(model: nn.Module, tokens: torch.Tensor) -> torch.Tensor:
+    """Either backend's logits (1, T, V) for ``tokens``."""
+    with torch.no_grad():
+        out = model(tokens)
+    return out if isinstance(out, torch.Tensor) else out.logits
+
+
+@pytest.mark.parametrize("backend", ["native", "hf"])
 @pytest.mark.parametrize("precision", ["int8", "nf4"])
-def test_perplexity_of_a_checkpoint_by_hand(precision, tmp_path, tiny_checkpoint):
+def test_perplexity_of_a_checkpoint_by_hand(precision, backend, tmp_path, tiny_checkpoint):
+    """The shipped text passes the bf16 layers while they are built from the checkpoint: its perplexity
+    before and after, recomputed on the checkpoint loaded whole in bf16, then quantized whole."""
     directory = tiny_checkpoint(tmp_path / "checkpoint", seed=5)
     arch = resolve(str(directory))
-    lm = load_model(arch, "native", CPU, torch.bfloat16, model_path=str(directory), fused=False)
-    twin = copy.deepcopy(lm.module)
+    twin = load_model(arch, backend, CPU, torch.bfloat16, model_path=str(directory), fused=False).module
     probe = random_tokens(arch.vocab_size, 1, SEQ, CPU, seed=1)
-    quality = quantize_built(lm, arch, precision, CPU, probe, checkpoint=directory)
+    _, quality = quantized_from_checkpoint(backend, arch, precision, probe, directory)
 
     ids = Tokenizer.from_file(str(directory / "tokenizer.json")).encode(reference_text()).ids
     perplexity = quality.perplexity
     assert perplexity.tokens == len(ids) > 200 and "Gettysburg" in perplexity.text
     tokens = torch.tensor([ids])
-    with torch.no_grad():
-        bf16 = perplexity_by_hand(twin(tokens), ids)
-        quantize_linears(twin, precision, CPU)
-        quantized = perplexity_by_hand(twin(tokens), ids)
+    bf16 = perplexity_by_hand(logits_of(twin, tokens), ids)
+    quantize_linears(twin, precision, CPU)
+    quantized = perplexity_by_hand(logits_of(twin, tokens), ids)
     assert perplexity.bf16 == pytest.approx(bf16, rel=1e-4)
     assert perplexity.quantized == pytest.approx(quantized, rel=1e-4)
     assert perplexity.quantized != perplexity.bf16
@@ -518,12 +515,12 @@ def test_perplexity_of_a_checkpoint_by_hand(precision, tmp_path, tiny_checkpoint
     assert 0.8 * arch.vocab_size < perplexity.bf16 < 1.25 * arch.vocab_size
 
 
-def test_a_checkpoint_without_a_tokenizer_says_so(tmp_path, tiny_checkpoint):
+@pytest.mark.parametrize("backend", ["native", "hf"])
+def test_a_checkpoint_without_a_tokenizer_says_so(backend, tmp_path, tiny_checkpoint):
     directory = tiny_checkpoint(tmp_path / "checkpoint", tokenizer=False)
     arch = resolve(str(directory))
-    lm = load_model(arch, "native", CPU, torch.bfloat16, model_path=str(directory), fused=False)
-    quality = quantize_built(lm, arch, "int8", CPU, random_tokens(arch.vocab_size, 1, SEQ, CPU, seed=1),
-                             checkpoint=directory)
+    _, quality = quantized_from_checkpoint(backend, arch, "int8", random_tokens(arch.vocab_size, 1, SEQ, CPU, seed=1),
+                                           directory)
     assert quality.perplexity.startswith(f"not measured: no tokenizer in {directory}")
     assert quality.matmul_error.count == 7 * arch.num_layers
 

@@ -36,6 +36,9 @@ _TOP = {"word_embeddings": "model.embed_tokens", "wte": "model.embed_tokens", "w
         "ln_f": "model.norm"}
 _LAYER = re.compile(r"(?:transformer\.)?h\.(\d+)\.(.+)\.(weight|bias)")
 _OUTSIDE = re.compile(r"(?:transformer\.)?(\w+)\.(weight|bias)")
+# a decoder layer's tensor in any of the three layouts: Llama's model.layers.{i}., Falcon's and GPT-2's
+# transformer.h.{i}. (h.{i}. in a checkpoint of GPT-2's base model)
+_LAYER_INDEX = re.compile(r"(?:model\.layers|(?:transformer\.)?h)\.(\d+)\..+")
 
 
 def native_state(hf_config: dict[str, Any], state: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
@@ -64,6 +67,12 @@ def native_state(hf_config: dict[str, Any], state: dict[str, torch.Tensor]) -> d
                 native |= {f"{prefix}.self_attn.{name}.{kind}": part for name, part in zip(("q_proj", "k_proj", "v_proj"),
                                                                                            parts)}
     return native
+
+
+def layer_of(key: str) -> int | None:
+    """The index of the decoder layer whose tensor a checkpoint names ``key``, or None outside the layers."""
+    found = _LAYER_INDEX.fullmatch(key)
+    return int(found[1]) if found else None
 
 
 def _falcon_qkv(hf_config: dict[str, Any], fused: torch.Tensor) -> tuple[torch.Tensor, ...]:

@@ -85,8 +85,9 @@ def estimate_memory(arch: Architecture, mode: str, precision: str, batch: int, s
         terms = [Term("weights", weights, f"{fmt.source}: {quantized:,.0f} B in the layers' "
                                           f"matrices, {plain:,.0f} B in bf16 elsewhere"), rotary_term(arch, backend)]
         per_element = facts.build_temporary_bytes
-        # both backends make and quantize one layer at a time (fitbench.worker.quantize, and its hf_layers
-        # for transformers' model, as from_pretrained loads a quantized model)
+        # both backends make and quantize one layer at a time, random or read from a checkpoint as each layer
+        # is made (fitbench.worker.quantize, and its hf_layers for transformers' model, as from_pretrained
+        # loads a quantized model): never the bf16 model whole
         terms.append(Term("quantizer temporaries",
                           (2 * arch.params_per_layer + per_element * largest_layer_matrix(arch)) / tp,
                           f"one layer in bf16 while it is quantized, and {per_element:g} B x its largest matrix "

@@ -5,8 +5,8 @@ refused before anything is built. Parallelism and the techniques that wrap the b
 ``fitbench.worker.parallelize``; nothing here applies them, but a native model's tensor-parallel cut,
 which must happen on the meta device, before its weights get storage (``tensor_parallel_cut``).
 
-- one process: ``fitbench.models.backends.load_model``, or the native model quantized layer by layer
-  (``fitbench.worker.quantize``), or offloaded (``build_offload``);
+- one process: ``fitbench.models.backends.load_model``, or either backend's model quantized layer by
+  layer, from a checkpoint too (``fitbench.worker.quantize``), or offloaded (``build_offload``);
 - pipeline stages: the native model's ranks each build their stage (``build_pipelined``), transformers'
   stages are one process over every GPU (``fitbench.worker.hf_pipeline``);
 - tensor parallelism of the native model: each rank builds only its shards (``build_layout``).
@@ -34,7 +34,7 @@ from fitbench.worker.loops import random_tokens
 from fitbench.worker.parallelize import DRAWN_PER_RANK, local_shards, tensor_parallel_cut
 from fitbench.worker.pipeline import PipelineLM
 from fitbench.worker.quality import Quality
-from fitbench.worker.quantize import Carried, build_quantized_native, quantize_built
+from fitbench.worker.quantize import Carried, build_quantized_native
 from fitbench.worker.quantize.hf_layers import build_quantized_hf
 from fitbench.worker.quantize.torchao import float8_training
 from fitbench.worker.ranks import Rank
@@ -47,6 +47,11 @@ PROBE_TOKENS = 64  # the sequence on which quantized weights are compared with b
 
 class RefusedError(Exception):
     """This hardware cannot run the configuration; nothing was attempted."""
+
+
+def checkpoint_of(model_path: str | None) -> Path | None:
+    """The directory ``model_path`` when it holds a checkpoint, else None (random weights)."""
+    return Path(model_path) if model_path is not None and has_weights(model_path) else None
 
 
 def checkpoint_directory(spec: RunSpec) -> Path | None:
@@ -115,10 +120,12 @@ def build_stage_of_rank(spec: RunSpec, arch, policy, device: torch.device, rank:
     if spec.backend == "hf":
         devices = stage_devices(device, spec.layout.pp)
         if policy.quantized:
-            module, _, quality = build_quantized_hf(arch, devices, spec.precision, probe)
-            return Built(StagedHuggingFaceLM(module, True, devices), quality)
+            module, _, quality = build_quantized_hf(arch, devices, spec.precision, probe,
+                                                    checkpoint=checkpoint_of(model_path))
+            return Built(StagedHuggingFaceLM(module, True, devices, checkpoint_of(model_path) is not None), quality)
         module, _ = build_staged(arch, devices, policy.weight_dtype, weights_dir=model_path)
-        return Built(StagedHuggingFaceLM(module, policy.compute_dtype == policy.weight_dtype, devices))
+        return Built(StagedHuggingFaceLM(module, policy.compute_dtype == policy.weight_dtype, devices,
+                                         checkpoint_of(model_path) is not None))
     lm, quality = build_pipelined(spec, arch, policy, rank, probe if policy.quantized else None)
     return Built(decoding_as_asked(lm, spec), quality)
 
@@ -140,10 +147,11 @@ def build_shards(spec: RunSpec, arch, policy, rank: Rank, model_path: str | None
 
 def build_converted(spec: RunSpec, arch, policy, device: torch.device, model_path: str | None) -> Built:
     """One process's model in a precision its build converts, as the precision's record says: float8
-    training's matmuls (``fitbench.worker.quantize.torchao.float8_training``); quantized weights, the
-    native model's made and quantized layer by layer, a loaded one's quantized in place
-    (``fitbench.worker.quantize``), with their quality against bf16; then, to train a quantized base,
-    low-rank adapters (``fitbench.worker.adapters``). Refused where the device or the mode cannot run it."""
+    training's matmuls (``fitbench.worker.quantize.torchao.float8_training``); quantized weights, made
+    and quantized layer by layer, random or read from a checkpoint directory as each layer is made
+    (the native model: ``fitbench.worker.quantize``; transformers': its ``hf_layers``), with their
+    quality against bf16; then, to train a quantized base, low-rank adapters
+    (``fitbench.worker.adapters``). Refused where the device or the mode cannot run it."""
     precision = entry(spec.precision)
     problem = precision.hardware_problem(device.type,
                                          torch.cuda.get_device_capability(device) if device.type == "cuda" else None)
@@ -158,17 +166,14 @@ def build_converted(spec: RunSpec, arch, policy, device: torch.device, model_pat
                                              f"(torchao float8 training, row-wise scales)",
                                    "trainable_params": sum(p.numel() for p in lm.module.parameters())})
     probe = random_tokens(arch.vocab_size, 1, min(spec.seq_len, PROBE_TOKENS), device, spec.seed + 1)
-    if spec.backend == "native" and model_path is None:
-        module, quality = build_quantized_native(arch, device, spec.precision, probe)
+    checkpoint = checkpoint_of(model_path)
+    if spec.backend == "native":
+        module, quality = build_quantized_native(arch, device, spec.precision, probe, checkpoint=checkpoint)
         lm = NativeLM(module, cache_dtype=policy.compute_dtype, cuda_graphs=spec.cuda_graphs,
                       graph_problem=precision.graph_problem)
-    elif model_path is None:
-        module, _, quality = build_quantized_hf(arch, [str(device)], spec.precision, probe)
-        lm = HuggingFaceLM(module, static_cache=True)
     else:
-        lm = load_model(arch, spec.backend, device, policy.weight_dtype, model_path=model_path,
-                        cuda_graphs=spec.cuda_graphs, graph_problem=precision.graph_problem, fused=False)
-        quality = quantize_built(lm, arch, spec.precision, device, probe, checkpoint=checkpoint_directory(spec))
+        module, _, quality = build_quantized_hf(arch, [str(device)], spec.precision, probe, checkpoint=checkpoint)
+        lm = HuggingFaceLM(module, static_cache=True)
     decoding_as_asked(lm, spec)  # quantized too: inductor fuses the dequantization into the matmul's loads
     if not training:
         return Built(lm, quality)
@@ -243,14 +248,18 @@ def build_pipelined(spec: RunSpec, arch: Architecture, policy: PrecisionPolicy, 
                     probe: torch.Tensor | None = None) -> tuple[PipelineLM, Quality | None]:
     """This rank's stage of ``spec``'s model, ready to run. Quantized weights are built, quantized and
     packed layer by layer on the stage's device (``fitbench.worker.quantize.build_quantized_native`` over
-    the stage's layers), the ``probe``'s hidden states passing from stage to stage, and their quality
-    against bf16 comes back on the last stage (None on the others, and for float weights)."""
+    the stage's layers), random or read from the model's checkpoint directory, the ``probe``'s hidden
+    states passing from stage to stage, and their quality against bf16 comes back on the last stage
+    (None on the others, and for float weights). Floating-point stages draw random weights: a
+    checkpoint is refused there."""
     problem = spec.layout.problem(arch, spec.mode, spec.precision, spec.backend)
     if spec.mode in TRAINING_MODES:
         problem = problem or microbatch_problem(spec.batch_size, spec.pipeline_microbatches)
-    if is_local_model(spec.model) and has_weights(spec.model):
-        problem = problem or (f"pipeline stages draw random weights stage by stage; {spec.model} holds a "
-                              f"checkpoint, which they do not load: run it without --strategy pipeline")
+    checkpoint = checkpoint_of(spec.model if is_local_model(spec.model) else None)
+    if checkpoint is not None and not (policy.quantized and spec.layout.tp == 1):
+        problem = problem or (f"pipeline stages in floating point, or with --tp, draw random weights stage by "
+                              f"stage; {spec.model} holds a checkpoint, which they do not load: run it without "
+                              f"--strategy pipeline, or its stages in a quantized precision without --tp")
     if problem:
         raise ValueError(problem)
     tp = spec.layout.tp
@@ -285,7 +294,8 @@ def build_pipelined(spec: RunSpec, arch: Architecture, policy: PrecisionPolicy, 
         dist.send(quantized.to(policy.compute_dtype).contiguous(), dst=rank.rank + 1)
         dist.send_object_list([errors], dst=rank.rank + 1)
 
-    module, quality = build_quantized_native(arch, rank.device, spec.precision, probe, stage.layers, receive, send)
+    module, quality = build_quantized_native(arch, rank.device, spec.precision, probe, stage.layers, receive, send,
+                                             checkpoint=checkpoint)
     prune(module, stage)
     return PipelineLM(module, stage, rank, cache_dtype=policy.compute_dtype, hidden_dtype=policy.weight_dtype,
-                      **graphs), quality
+                      from_checkpoint=checkpoint is not None, **graphs), quality

@@ -100,11 +100,13 @@ def build_staged(arch: Architecture, devices: list[str], dtype: torch.dtype,
 
 
 class StagedHuggingFaceLM(HuggingFaceLM):
-    """A transformers model over pipeline stages in one process (``build_staged``)."""
+    """A transformers model over pipeline stages in one process (``build_staged``); ``from_checkpoint``:
+    its weights were read from a checkpoint directory rather than drawn."""
 
-    def __init__(self, module: nn.Module, static_cache: bool, devices: list[str]):
+    def __init__(self, module: nn.Module, static_cache: bool, devices: list[str], from_checkpoint: bool = False):
         super().__init__(module, static_cache)
         self.devices = devices
+        self.from_checkpoint = from_checkpoint
 
     def applied(self, microbatches: int | None = None) -> dict[str, Any]:
         """What the row's ``parallel`` records; inference has no ``microbatches``."""
@@ -114,7 +116,8 @@ class StagedHuggingFaceLM(HuggingFaceLM):
                 "devices": self.devices,
                 "stage_layers": [[run.start, run.stop - 1]
                                  for run in pipeline_stages(len(layers), len(self.devices))],
-                "initial_weights": "drawn as one process draws them, each stage on its device"}
+                "initial_weights": "read from the checkpoint, each stage's on its device" if self.from_checkpoint
+                else "drawn as one process draws them, each stage on its device"}
 
     def enable_activation_checkpointing(self, layers: int | None = None) -> None:
         raise ValueError("pipeline stages of the hf backend run inference only")

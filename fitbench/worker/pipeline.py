@@ -101,13 +101,16 @@ class PipelineLM(CausalLM):
     (``fitbench.worker.stage_graph``), through compiled regions where ``compile_decode`` asks, and every
     later token replays it between the receive and the send; ``capture`` and ``graph_problem`` as
     ``fitbench.models.backends.NativeLM`` takes them. Where no graph can be had, the stage decodes
-    eagerly and ``decoding`` says why."""
+    eagerly and ``decoding`` says why. ``from_checkpoint``: the stage's weights were read from a
+    checkpoint directory rather than drawn."""
 
     def __init__(self, module: NativeCausalLM, stage: Stage, rank: Rank, cache_dtype: torch.dtype,
                  hidden_dtype: torch.dtype, tp: int = 1, stage_group=None, tensor_parallel: dict | None = None,
-                 cuda_graphs: bool = False, graph_problem: str | None = None, capture: Capture | None = None):
+                 cuda_graphs: bool = False, graph_problem: str | None = None, capture: Capture | None = None,
+                 from_checkpoint: bool = False):
         self.module = module
         self.stage = stage
+        self.from_checkpoint = from_checkpoint
         self.rank = rank
         self.cache_dtype = cache_dtype
         self.hidden_dtype = hidden_dtype
@@ -168,7 +171,8 @@ class PipelineLM(CausalLM):
                 "stages": self.stage.count, "schedule": "GPipe" if microbatches else None,
                 "microbatches": microbatches,
                 "stage": {**self.stage.as_dict(), "rank": self.rank.rank, "params": self.parameter_count()},
-                "initial_weights": "drawn per stage as the single-process build of the same seed draws them",
+                "initial_weights": "read per stage from the checkpoint" if self.from_checkpoint
+                else "drawn per stage as the single-process build of the same seed draws them",
                 **(self.tensor_parallel or {})}
 
     def logits(self, tokens: torch.Tensor) -> torch.Tensor:

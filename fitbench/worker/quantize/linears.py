@@ -12,13 +12,24 @@ def quantizable(module: nn.Module, name: str) -> bool:
     return isinstance(module, nn.Linear) and not name.endswith("lm_head")
 
 
+def _is_conv1d(module: nn.Module) -> bool:
+    """Whether ``module`` is GPT-2's ``Conv1D``, which stores W as (in, out) for ``x W + b``."""
+    return type(module).__name__ == "Conv1D" and type(module).__module__.startswith("transformers.")
+
+
+def transposed_weights(module: nn.Module) -> set[str]:
+    """The names, in ``module``, of the weights that ``to_plain_linears`` transposes: a checkpoint holds
+    them as (in, out), the plain ``nn.Linear`` as (out, in)."""
+    return {f"{name}.weight" for name, child in module.named_modules() if _is_conv1d(child)}
+
+
 def _plain_linear(module: nn.Module) -> nn.Linear | None:
     """The nn.Linear computing what a transformers matmul module computes, sharing its parameters,
     or None for anything else. GPT-2's ``Conv1D`` stores W as (in, out) for ``x W + b``: the Linear
     holds W^T. Falcon's ``FalconLinear`` is an nn.Linear whose forward, ``x @ W.T``, transposes the
     weight itself, which torchao's quantized weights do not implement; as a plain Linear it calls
     ``F.linear``, as the quantizers expect."""
-    is_conv1d = type(module).__name__ == "Conv1D" and type(module).__module__.startswith("transformers.")
+    is_conv1d = _is_conv1d(module)
     is_subclass = (isinstance(module, nn.Linear) and type(module) is not nn.Linear
                    and type(module).__module__.startswith("transformers."))
     if not (is_conv1d or is_subclass):
