@@ -58,6 +58,8 @@ SOURCES = [
     ("decode", ("fp8-weight-only", "compiled"), "efficiency",
      ("2026-11-24-h200-engine-profiles/fp8-weight-only", {"precision": "fp8-weight-only"}), 0.1, 3.0),
     ("decode", ("nf4", "eager"), "efficiency", ("2026-11-22-h100-quantized-decode/decode", {"precision": "nf4"}), 0.1, 2.0),
+    ("decode", ("nf4", "compiled"), "efficiency",
+     ("2026-12-05-preregistered/h200x1/70b-nf4-1", {"precision": "nf4"}), 0.01, 2.0),
     ("decode", ("nf4", "eager_more_tokens"), "extra_kernels",
      ("2026-11-24-h200-validation/matrix2-inference/4", {"precision": "nf4"}), 0, 30),
     ("FP8_TRAINING_OPS", None, None, ("2026-11-22-h100-quantized-training/7b-train", {"precision": "fp8"}), 0, 300),

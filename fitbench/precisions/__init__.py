@@ -112,7 +112,8 @@ _FP8_EAGER = DecodeFormat(1.0, 7.3, 0, "Llama-2-7B fp8, batch 1 (2026-11-24-h200
 # fp32 copy of the down projection's input (``fitbench.planning.activations.prefill_reserve_term``)
 _SCALED_INPUT_RESERVE = PrefillReserve(4, "the fp32 copy of the down projection's input")
 # bitsandbytes' 4-bit: one token per step reads the packed weights in its gemv kernel, at 45% of the copy
-# bandwidth; more tokens dequantize each weight to a bf16 copy and multiply by it. At prefill that copy is
+# bandwidth in the eager step, at 26% in the compiled one (inductor calls the same kernel, from a 70B model's
+# row); more tokens dequantize each weight to a bf16 copy and multiply by it, compiled or not. At prefill that copy is
 # alive at the MLP, and the MLP's product is the largest temporary the allocator maps again.
 _FOUR_BIT = dict(
     library="bitsandbytes", training=ADAPTERS, peak_kinds=("bf16", "bf16"), build_temporary_bytes=0.35,
@@ -123,7 +124,11 @@ _FOUR_BIT = dict(
     decode=DecodeFormats(
         eager=DecodeFormat(0.45, 0, 0, "Llama-2-7B nf4, batch 1, H100 (2026-11-22-h100-quantized-decode): 6.63 ms"),
         eager_more_tokens=DecodeFormat(1.0, 2.4, 4, "7B nf4, 4 x 512 (2026-11-24-h200-validation/matrix2-inference/"
-                                                    "4): 12.7 ms")),
+                                                    "4): 12.7 ms"),
+        compiled=DecodeFormat(0.258, 0, 0, "Llama-2-70B nf4, batch 1, H200 (2026-12-05-preregistered/h200x1/"
+                                           "70b-nf4-1): 36.1 ms"),
+        compiled_more_tokens=DecodeFormat(1.0, 2.4, 4, "the eager step's: bitsandbytes dequantizes for more than "
+                                                       "one token either way (not timed compiled)")),
     dequantized=DequantizedCopy(2, "bitsandbytes dequantizes a 4-bit weight to bf16 for a matmul of more than one "
                                    "token"),
     prefill_reserve=PrefillReserve(2, "the MLP's product"))
