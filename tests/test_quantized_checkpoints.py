@@ -319,3 +319,36 @@ def test_a_falcon_checkpoint_with_biases_is_refused_by_the_native_model_and_buil
     whole = load_model(resolve(str(directory)), "hf", CPU, torch.bfloat16, model_path=str(directory)).module
     quantize_linears(whole, "int8-weight-only", CPU)
     assert relative_error(logits_of(built, probe), logits_of(whole, probe)) < 1e-6
+
+
+def test_a_falcon_checkpoint_with_biases_is_refused_by_the_native_floating_point_load(tmp_path, monkeypatch):
+    """The native model loaded whole in floating point refuses, as its quantized build does, a layer's tensor
+    it has no place for, rather than running without it."""
+    monkeypatch.setitem(CONFIGS, "falcon", {**CONFIGS["falcon"], "bias": True})
+    directory = write_checkpoint("falcon", tmp_path)
+    with pytest.raises(ValueError, match=r"no place for.*--backend hf"):
+        load_model(resolve(str(directory)), "native", CPU, torch.float32, model_path=str(directory))
+
+
+def test_a_llama_checkpoint_carrying_rotary_frequencies_loads_as_one_without_them(tmp_path):
+    """Older Llama checkpoints save each layer's ``rotary_emb.inv_freq``, which holds no weights: both the
+    whole load and the quantized build read the checkpoint as they read it without them."""
+    from safetensors.torch import load_file, save_file
+
+    directory = write_checkpoint("llama", tmp_path / "plain")
+    (shard,) = directory.glob("*.safetensors")
+    state = load_file(str(shard))
+    head_dim = CONFIGS["llama"]["hidden_size"] // CONFIGS["llama"]["num_attention_heads"]
+    state |= {f"model.layers.{i}.self_attn.rotary_emb.inv_freq": torch.rand(head_dim // 2)
+              for i in range(CONFIGS["llama"]["num_hidden_layers"])}
+    carrying = tmp_path / "carrying"
+    carrying.mkdir()
+    save_file(state, str(carrying / shard.name), metadata={"format": "pt"})
+    (carrying / "config.json").write_text((directory / "config.json").read_text())
+    probe = random_tokens(VOCAB, 1, SEQ, CPU, seed=2)
+    plain, _ = build("native", directory, "int8-weight-only", probe)
+    carried, _ = build("native", carrying, "int8-weight-only", probe)
+    assert torch.equal(logits_of(carried, probe), logits_of(plain, probe))
+    whole = [load_model(resolve(str(d)), "native", CPU, torch.float32, model_path=str(d)).module
+             for d in (directory, carrying)]
+    assert torch.equal(logits_of(whole[1], probe), logits_of(whole[0], probe))

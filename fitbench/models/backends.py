@@ -25,7 +25,7 @@ import torch
 from torch import nn
 
 from fitbench.models.architecture import BACKENDS, Architecture, Backend, backend_error, default_backend
-from fitbench.models.checkpoint_names import native_state
+from fitbench.models.checkpoint_names import layer_of, native_state
 from fitbench.models.graphs import Capture, GraphedDecode, Replay, capture_cuda_graph
 from fitbench.models.hf import build_hf, has_weights, hf_config
 from fitbench.models.native import EAGER, KVCache, NativeCausalLM, Regions, build_native, checkpoint_tensors
@@ -449,7 +449,8 @@ def load_checkpoint(module: nn.Module, directory: Path, device: torch.device | s
     shard, each loaded straight to ``device``, a fused model's projections into their parts
     (``checkpoint_tensors``), a Falcon or GPT-2 checkpoint's tensors under the native names
     (``fitbench.models.checkpoint_names``, told which by the directory's ``config.json``); every
-    parameter must be found."""
+    parameter must be found, and every tensor of a decoder layer must have its parameter: one dropped
+    would be a model other than the checkpoint's (a Falcon config with bias true)."""
     from safetensors.torch import load_file
 
     config_file = directory / "config.json"
@@ -457,6 +458,7 @@ def load_checkpoint(module: nn.Module, directory: Path, device: torch.device | s
     targets = checkpoint_tensors(module)
     expected = set(targets)
     found: set[str] = set()
+    unplaced: set[str] = set()
     for shard in sorted(directory.glob("*.safetensors")) or sorted(directory.glob("pytorch_model*.bin")):
         if shard.suffix == ".safetensors":
             state = load_file(str(shard), device=str(device))
@@ -467,12 +469,19 @@ def load_checkpoint(module: nn.Module, directory: Path, device: torch.device | s
             if key in expected:
                 targets[key].copy_(value)
                 found.add(key)
+            elif layer_of(key) is not None:
+                unplaced.add(key)
         del state
     missing = expected - found
     if module.config.tie_embeddings:
         missing.discard("lm_head.weight")
     if missing:
         raise ValueError(f"checkpoint in {directory} lacks {len(missing)} tensors, e.g. {sorted(missing)[:3]}")
+    if unplaced:
+        raise ValueError(f"the checkpoint in {directory} holds {len(unplaced)} tensors of its decoder layers that the "
+                         f"native model of its config.json has no place for, e.g. {sorted(unplaced)[:3]} (a Falcon "
+                         f"config with bias true: fitbench's Falcon has no biases in its matmuls); run it with "
+                         f"--backend hf, which builds the model of its config.json")
 
 
 __all__ = ["BACKENDS", "Backend", "CausalLM", "backend_error", "default_backend", "hf_config", "load_model"]

@@ -15,6 +15,8 @@ The native decoder names its tensors as transformers' ``LlamaForCausalLM`` does 
   transposed; ``c_attn`` holds q, k and v side by side, h columns each; ``wte``, ``wpe``, ``ln_1``,
   ``ln_2``, ``ln_f`` are the token and position tables and the norms. The attention's causal mask buffers
   (``attn.bias``, ``attn.masked_bias``), which older checkpoints carry, hold no weights.
+- Llama: the native names; the rotary frequencies some older checkpoints carry in each layer
+  (``self_attn.rotary_emb.inv_freq``) hold no weights (the native model computes its own) and are left out.
 
 Source: transformers' models/falcon/modeling_falcon.py (``FalconAttention.forward``) and
 models/gpt2/modeling_gpt2.py (``GPT2Attention``, ``Conv1D``).
@@ -43,10 +45,10 @@ _LAYER_INDEX = re.compile(r"(?:model\.layers|(?:transformer\.)?h)\.(\d+)\..+")
 
 def native_state(hf_config: dict[str, Any], state: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
     """``state``, tensors of a checkpoint whose ``config.json`` is ``hf_config``, under the native names,
-    as views; a llama-type checkpoint's unchanged."""
+    as views; a llama-type checkpoint's unchanged but for its rotary frequencies."""
     model_type = hf_config.get("model_type")
     if model_type not in ("falcon", "gpt2"):
-        return state
+        return {key: tensor for key, tensor in state.items() if not key.endswith("rotary_emb.inv_freq")}
     renamed = _FALCON if model_type == "falcon" else _GPT2
     native: dict[str, torch.Tensor] = {}
     for key, tensor in state.items():

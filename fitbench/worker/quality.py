@@ -150,11 +150,18 @@ class NoTokenizer(Exception):
     """The checkpoint directory has no tokenizer that transformers can load."""
 
 
+# The files a tokenizer that transformers loads is saved in: a fast tokenizer's, SentencePiece's model,
+# GPT-2's byte-pair vocabulary
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer.model", "vocab.json")
+
+
 def tokenize_reference_text(directory: str | Path, vocab_size: int, max_tokens: int) -> list[int]:
     """The shipped text in the token ids of the tokenizer in ``directory`` (offline; special tokens
     such as a leading BOS as the tokenizer adds them), cut to the model's ``max_tokens`` positions."""
     from transformers import AutoTokenizer
 
+    if not any((Path(directory) / name).is_file() for name in TOKENIZER_FILES):
+        raise NoTokenizer(f"no tokenizer in {directory}: none of {', '.join(TOKENIZER_FILES)}")
     try:
         tokenizer = AutoTokenizer.from_pretrained(str(directory), local_files_only=True)
     except (OSError, ValueError) as error:
