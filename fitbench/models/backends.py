@@ -25,7 +25,7 @@ import torch
 from torch import nn
 
 from fitbench.models.architecture import BACKENDS, Architecture, Backend, backend_error, default_backend
-from fitbench.models.checkpoint_names import layer_of, native_state
+from fitbench.models.checkpoint_names import layer_of, native_state, unplaced_problem
 from fitbench.models.graphs import Capture, GraphedDecode, Replay, capture_cuda_graph
 from fitbench.models.hf import build_hf, has_weights, hf_config
 from fitbench.models.native import EAGER, KVCache, NativeCausalLM, Regions, build_native, checkpoint_tensors
@@ -478,10 +478,7 @@ def load_checkpoint(module: nn.Module, directory: Path, device: torch.device | s
     if missing:
         raise ValueError(f"checkpoint in {directory} lacks {len(missing)} tensors, e.g. {sorted(missing)[:3]}")
     if unplaced:
-        raise ValueError(f"the checkpoint in {directory} holds {len(unplaced)} tensors of its decoder layers that the "
-                         f"native model of its config.json has no place for, e.g. {sorted(unplaced)[:3]} (a Falcon "
-                         f"config with bias true: fitbench's Falcon has no biases in its matmuls); run it with "
-                         f"--backend hf, which builds the model of its config.json")
+        raise ValueError(unplaced_problem(directory, unplaced))
 
 
 __all__ = ["BACKENDS", "Backend", "CausalLM", "backend_error", "default_backend", "hf_config", "load_model"]

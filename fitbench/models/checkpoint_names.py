@@ -43,6 +43,16 @@ _OUTSIDE = re.compile(r"(?:transformer\.)?(\w+)\.(weight|bias)")
 _LAYER_INDEX = re.compile(r"(?:model\.layers|(?:transformer\.)?h)\.(\d+)\..+")
 
 
+def unplaced_problem(directory, unplaced: set[str], where: str = "its decoder layers") -> str:
+    """Why a checkpoint whose decoder layers (``where``: which) hold the tensors ``unplaced``, which the
+    native model of its config.json has no place for, is refused: built without them, it would be another
+    model."""
+    return (f"the checkpoint in {directory} holds {len(unplaced)} tensors of {where} that the native "
+            f"model of its config.json has no place for, e.g. {sorted(unplaced)[:3]} (a Falcon config with bias "
+            f"true: fitbench's Falcon has no biases in its matmuls); run it with --backend hf, which builds the "
+            f"model of its config.json")
+
+
 def native_state(hf_config: dict[str, Any], state: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
     """``state``, tensors of a checkpoint whose ``config.json`` is ``hf_config``, under the native names,
     as views; a llama-type checkpoint's unchanged but for its rotary frequencies."""

@@ -7,6 +7,8 @@ device receives only the bytes it keeps; ``read`` lists the names read, in order
 
 from __future__ import annotations
 
+import functools
+import json
 from pathlib import Path
 from typing import Any
 
@@ -33,6 +35,11 @@ class CheckpointReader:
         if not self._where:
             raise ValueError(f"{self.directory} holds no *.safetensors nor pytorch_model*.bin shard: no checkpoint "
                              f"to read; pass a directory that transformers' save_pretrained wrote")
+
+    @functools.cached_property
+    def config(self) -> dict[str, Any]:
+        """The directory's ``config.json``, read once."""
+        return json.loads((self.directory / "config.json").read_text())
 
     def __contains__(self, name: str) -> bool:
         return name in self._where

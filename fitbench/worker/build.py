@@ -57,9 +57,8 @@ def checkpoint_of(model_path: str | None) -> Path | None:
 def checkpoint_directory(spec: RunSpec) -> Path | None:
     """The directory the weights are loaded from, or None when they are random (a preset, a hub id,
     a directory with a config and no weights)."""
-    if is_local_model(spec.model) and has_weights(spec.model):
-        return Path(spec.model).resolve()
-    return None
+    checkpoint = checkpoint_of(spec.model if is_local_model(spec.model) else None)
+    return checkpoint.resolve() if checkpoint is not None else None
 
 
 @dataclass(frozen=True)
@@ -119,13 +118,13 @@ def build_stage_of_rank(spec: RunSpec, arch, policy, device: torch.device, rank:
     probe = random_tokens(arch.vocab_size, 1, min(spec.seq_len, PROBE_TOKENS), device, spec.seed + 1)
     if spec.backend == "hf":
         devices = stage_devices(device, spec.layout.pp)
+        checkpoint = checkpoint_of(model_path)
         if policy.quantized:
-            module, _, quality = build_quantized_hf(arch, devices, spec.precision, probe,
-                                                    checkpoint=checkpoint_of(model_path))
-            return Built(StagedHuggingFaceLM(module, True, devices, checkpoint_of(model_path) is not None), quality)
+            module, _, quality = build_quantized_hf(arch, devices, spec.precision, probe, checkpoint=checkpoint)
+            return Built(StagedHuggingFaceLM(module, True, devices, checkpoint is not None), quality)
         module, _ = build_staged(arch, devices, policy.weight_dtype, weights_dir=model_path)
         return Built(StagedHuggingFaceLM(module, policy.compute_dtype == policy.weight_dtype, devices,
-                                         checkpoint_of(model_path) is not None))
+                                         checkpoint is not None))
     lm, quality = build_pipelined(spec, arch, policy, rank, probe if policy.quantized else None)
     return Built(decoding_as_asked(lm, spec), quality)
 
@@ -255,7 +254,7 @@ def build_pipelined(spec: RunSpec, arch: Architecture, policy: PrecisionPolicy, 
     problem = spec.layout.problem(arch, spec.mode, spec.precision, spec.backend)
     if spec.mode in TRAINING_MODES:
         problem = problem or microbatch_problem(spec.batch_size, spec.pipeline_microbatches)
-    checkpoint = checkpoint_of(spec.model if is_local_model(spec.model) else None)
+    checkpoint = checkpoint_directory(spec)
     if checkpoint is not None and not (policy.quantized and spec.layout.tp == 1):
         problem = problem or (f"pipeline stages in floating point, or with --tp, draw random weights stage by "
                               f"stage; {spec.model} holds a checkpoint, which they do not load: run it without "

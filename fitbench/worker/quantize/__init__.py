@@ -18,7 +18,6 @@ the two copies give the next-token agreement and KL divergence.
 
 from __future__ import annotations
 
-import json
 from collections.abc import Callable
 from pathlib import Path
 
@@ -26,7 +25,7 @@ import torch
 from torch import nn
 
 from fitbench.models.architecture import Architecture
-from fitbench.models.checkpoint_names import layer_of, native_state
+from fitbench.models.checkpoint_names import layer_of, native_state, unplaced_problem
 from fitbench.models.checkpoint_reader import CheckpointReader
 from fitbench.models.native import (NativeCausalLM, empty_on, init_random_weights, materialize, meta_model,
                                    replay_random_weights)
@@ -183,9 +182,8 @@ def fill_native(reader: CheckpointReader, targets: dict[str, torch.Tensor], laye
     by the directory's ``config.json``). Every target must be found (a tied output projection is none:
     the embedding's table), and every tensor of a layer must have its target: one dropped would be a
     model other than the checkpoint's."""
-    hf_config = json.loads((reader.directory / "config.json").read_text())
     dtype = next(iter(targets.values())).dtype
-    state = native_state(hf_config, {key: reader.tensor(key, dtype) for key in sorted(reader.keys())
+    state = native_state(reader.config, {key: reader.tensor(key, dtype) for key in sorted(reader.keys())
                                      if layer_of(key) == layer})
     for key, value in state.items():
         if key in targets:
@@ -197,10 +195,7 @@ def fill_native(reader: CheckpointReader, targets: dict[str, torch.Tensor], laye
                          f"with transformers' save_pretrained from one model")
     unused = set(state) - set(targets) if layer is not None else set()
     if unused:
-        raise ValueError(f"the checkpoint in {reader.directory} holds {len(unused)} tensors of layer {layer} that the "
-                         f"native model of its config.json has no place for, e.g. {sorted(unused)[:3]} (a Falcon "
-                         f"config with bias true: fitbench's Falcon has no biases in its matmuls); run it with "
-                         f"--backend hf, which builds the model of its config.json")
+        raise ValueError(unplaced_problem(reader.directory, unused, f"layer {layer}"))
 
 
 def shipped_text(checkpoint: str | Path, arch: Architecture, device: torch.device) -> tuple[torch.Tensor | None,
